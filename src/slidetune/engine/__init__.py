@@ -1,0 +1,21 @@
+"""Training engines behind one API: build_engine(loaded, runtime, optim, ...)."""
+from __future__ import annotations
+
+from ..device import Device
+from ..models.load import LoadedModel
+from ..telemetry.events import EventTimer
+from .adamw import AdamWConfig
+from .config import RuntimeConfig
+from .result import StepResult
+
+__all__ = ["AdamWConfig", "RuntimeConfig", "StepResult", "build_engine"]
+
+
+def build_engine(loaded: LoadedModel, rt: RuntimeConfig, optim: AdamWConfig, device: Device | None = None,
+                 grad_accum: int = 1, max_grad_norm: float | None = None, timer: EventTimer | None = None):
+    device = device or Device.resolve(rt.device)
+    if rt.mode == "slide":
+        from .slide.engine import SlideEngine
+        return SlideEngine(loaded, rt, optim, device, grad_accum, max_grad_norm, timer)
+    from .plain import PlainEngine
+    return PlainEngine(loaded, rt, optim, device, grad_accum, max_grad_norm, timer)

@@ -1,0 +1,83 @@
+"""`TokenDataset`: one tokenized split (train or held-out), a list of rows."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from .packing import Rows
+
+
+@dataclass(frozen=True)
+class Row:
+    ids: torch.Tensor      # [L] int64 token ids, L <= seq_len + 1
+    targets: torch.Tensor  # [L] bool, True where the token is a training target
+
+
+@dataclass
+class TokenDataset:
+    """The rows of one split. Row r holds L_r <= seq_len+1 tokens (exactly seq_len+1 when
+    packed); `batch.collate` turns rows into a shifted, padded `Batch` of width seq_len.
+
+    Storage is ragged and flat (no padding stored; packed rows share their boundary token),
+    so a split costs ~5 bytes per token of RAM.
+    """
+
+    tokens: torch.Tensor    # [T] int32, rows back to back
+    targets: torch.Tensor   # [T] bool, True where the token is a training target
+    starts: torch.Tensor    # [N] int64, row r = tokens[starts[r] : starts[r] + lengths[r]]
+    lengths: torch.Tensor   # [N] int64, each <= seq_len + 1
+    seq_len: int            # S: model input length of every batch
+    packed: bool
+    split: str = "train"    # "train" | "heldout"
+    source: str = ""        # the data path, or "<builtin corpus>"
+    format: str = "text"    # "text" | "chat" | "prompt_completion" | "alpaca"
+    num_examples: int = 0   # documents/examples of this split before packing
+    num_truncated: int = 0  # examples cut to seq_len+1 tokens (packing=False)
+    num_dropped: int = 0    # rows dropped for having no target token
+
+    @classmethod
+    def from_rows(cls, rows: Rows, seq_len: int, packed: bool, **info: object) -> "TokenDataset":
+        return cls(rows.tokens, rows.targets, rows.starts, rows.lengths, seq_len, packed,
+                   num_truncated=rows.num_truncated, num_dropped=rows.num_dropped,
+                   **info)  # type: ignore[arg-type]
+
+    @classmethod
+    def empty(cls, seq_len: int, packed: bool, **info: object) -> "TokenDataset":
+        z = torch.zeros(0, dtype=torch.int64)
+        return cls(torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.bool), z, z,
+                   seq_len, packed, **info)  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        return int(self.starts.numel())
+
+    def __getitem__(self, index: int) -> Row:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"row {index} out of range for a {self.split} split of {len(self)} rows")
+        start, length = int(self.starts[index]), int(self.lengths[index])
+        return Row(self.tokens[start:start + length].to(torch.int64),
+                   self.targets[start:start + length].clone())
+
+    def __iter__(self) -> Iterator[Row]:
+        for i in range(len(self)):
+            yield self[i]
+
+    @property
+    def num_input_tokens(self) -> int:
+        """Model input positions holding a real token (rows of L tokens give L-1)."""
+        return int((self.lengths - 1).clamp(min=0).sum())
+
+    @property
+    def num_target_tokens(self) -> int:
+        """Labels that count in the loss, over all rows."""
+        if len(self) == 0:
+            return 0
+        csum = torch.cat([torch.zeros(1, dtype=torch.int64),
+                          self.targets.to(torch.int64).cumsum(0)])
+        return int((csum[self.starts + self.lengths] - csum[self.starts + 1]).sum())
+
+    def __repr__(self) -> str:
+        return (f"TokenDataset(split={self.split!r}, rows={len(self)}, seq_len={self.seq_len}, "
+                f"packed={self.packed}, format={self.format!r}, examples={self.num_examples}, "
+                f"target_tokens={self.num_target_tokens}, source={self.source!r})")

@@ -1,0 +1,263 @@
+"""Reading a data source into a list of `Example`s (untokenized).
+
+Accepted sources (``DataConfig.path``):
+
+* ``.txt`` / ``.text`` / ``.md``: UTF-8 plain text, split into documents at blank lines
+  (one or more lines holding only whitespace). Each document gets EOS after it, like the
+  documents of a pretraining corpus, and the held-out split picks whole documents. Use JSONL
+  ``{"text": ...}`` records for documents that contain blank lines themselves.
+* ``.jsonl`` / ``.ndjson``: one JSON object per line (blank lines skipped). The format is
+  detected per line from its keys, first match wins (extra keys are ignored):
+    1. ``messages``                      chat: a list of {"role", "content"} rendered with the
+                                         tokenizer's chat template; assistant turns supervised
+    2. ``instruction`` + ``output``      alpaca (``input`` optional), rendered with
+                                         `ALPACA_PROMPT` / `ALPACA_PROMPT_NO_INPUT`
+    3. ``prompt`` + ``completion``       prompt-completion; the completion is supervised
+    4. ``text``                          plain text, fully supervised
+  All lines must share one format.
+* a directory: a HuggingFace ``datasets`` ``save_to_disk`` directory (needs ``pip install
+  datasets``). A ``DatasetDict`` uses its ``train`` split (or its only split); each row is
+  read like a JSONL line (a ``text`` column, or the keys above).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from .errors import DataError
+
+TEXT_SUFFIXES = (".txt", ".text", ".md")
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+
+# The Stanford Alpaca prompt (github.com/tatsu-lab/stanford_alpaca), the template alpaca-format
+# datasets were written for. The response (`output`) follows the prompt directly.
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task, paired with an input that provides further "
+    "context. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately "
+    "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
+)
+
+# (format name, required keys), in detection order.
+FORMATS: tuple[tuple[str, frozenset[str]], ...] = (
+    ("chat", frozenset({"messages"})),
+    ("alpaca", frozenset({"instruction", "output"})),
+    ("prompt_completion", frozenset({"prompt", "completion"})),
+    ("text", frozenset({"text"})),
+)
+_ACCEPTED = "; ".join(
+    ["{'messages'}", "{'instruction', 'output'} (+ optional 'input')",
+     "{'prompt', 'completion'}", "{'text'}"]
+)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A piece of an example's text, tokenized on its own (see tokenization.py)."""
+
+    text: str
+    supervised: bool  # True: its tokens are training targets; False: prompt (masked if mask_prompt)
+
+
+@dataclass
+class Example:
+    """One document or training example, before tokenization.
+
+    Exactly one of ``segments`` / ``messages`` is set: chat examples need the tokenizer's
+    chat template to become segments, so that happens in tokenization.py.
+    """
+
+    format: str                                   # "text" | "chat" | "prompt_completion" | "alpaca"
+    where: str                                    # "file.jsonl:12" (1-based line) for messages
+    segments: list[Segment] | None = None
+    messages: list[dict[str, Any]] | None = field(default=None)
+
+
+@dataclass
+class Source:
+    """All examples of one data source."""
+
+    name: str            # the path, or "<builtin corpus>"
+    format: str          # the one format shared by all examples
+    examples: list[Example]
+
+
+def detect_format(keys: Iterable[str]) -> str | None:
+    """The format whose required keys are all present (first match in `FORMATS`), or None."""
+    keys = set(keys)
+    for name, required in FORMATS:
+        if required <= keys:
+            return name
+    return None
+
+
+def _str_field(record: dict, key: str, where: str, optional: bool = False) -> str:
+    value = record.get(key)
+    if value is None and optional:
+        return ""
+    if not isinstance(value, str):
+        raise DataError(f"{where}: '{key}' must be a string, got {type(value).__name__}")
+    return value
+
+
+def _parse_messages(value: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise DataError(f"{where}: 'messages' must be a list of {{role, content}} objects, "
+                        f"got {type(value).__name__}")
+    if not value:
+        raise DataError(f"{where}: 'messages' is an empty list")
+    for i, msg in enumerate(value):
+        if not isinstance(msg, dict):
+            raise DataError(f"{where}: messages[{i}] must be an object with 'role' and "
+                            f"'content', got {type(msg).__name__}")
+        for key in ("role", "content"):
+            if not isinstance(msg.get(key), str):
+                got = "missing" if key not in msg else type(msg[key]).__name__
+                raise DataError(f"{where}: messages[{i}]['{key}'] must be a string, got {got}")
+    return value
+
+
+def parse_record(record: Any, where: str) -> Example:
+    """One JSON object (or datasets row) -> Example; raises DataError naming ``where``."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    fmt = detect_format(record.keys())
+    if fmt is None:
+        raise DataError(f"{where}: keys {sorted(record.keys())} match no known format; "
+                        f"accepted key sets: {_ACCEPTED}")
+    if fmt == "chat":
+        return Example(fmt, where, messages=_parse_messages(record["messages"], where))
+    if fmt == "alpaca":
+        instruction = _str_field(record, "instruction", where)
+        inp = _str_field(record, "input", where, optional=True)
+        output = _str_field(record, "output", where)
+        prompt = (ALPACA_PROMPT.format(instruction=instruction, input=inp) if inp.strip()
+                  else ALPACA_PROMPT_NO_INPUT.format(instruction=instruction))
+        return Example(fmt, where, segments=[Segment(prompt, False), Segment(output, True)])
+    if fmt == "prompt_completion":
+        prompt = _str_field(record, "prompt", where)
+        completion = _str_field(record, "completion", where)
+        return Example(fmt, where, segments=[Segment(prompt, False), Segment(completion, True)])
+    return Example(fmt, where, segments=[Segment(_str_field(record, "text", where), True)])
+
+
+def _check_one_format(examples: list[Example], name: str) -> str:
+    if not examples:
+        raise DataError(f"{name}: no examples found (the source is empty)")
+    first = examples[0]
+    for ex in examples[1:]:
+        if ex.format != first.format:
+            raise DataError(f"{ex.where}: this record is '{ex.format}' data but {first.where} is "
+                            f"'{first.format}'; all records of a file must share one format")
+    return first.format
+
+
+def read_jsonl(path: str) -> Source:
+    with open(path, "rb") as f:
+        data = f.read()
+    examples: list[Example] = []
+    for lineno, raw in enumerate(data.split(b"\n"), start=1):
+        where = f"{path}:{lineno}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: malformed JSON: {e.msg} (column {e.colno})") from None
+        examples.append(parse_record(record, where))
+        if examples[-1].format != examples[0].format:
+            _check_one_format(examples, path)  # raises, naming both lines
+    return Source(path, _check_one_format(examples, path), examples)
+
+
+_BLANK_LINES = re.compile(r"\n(?:[ \t\r\f\v]*\n)+")
+_LEADING_BLANK_LINES = re.compile(r"^(?:[ \t\r\f\v]*\n)+")
+
+
+def read_text(path: str) -> Source:
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    text = text.replace("\r\n", "\n")
+    examples: list[Example] = []
+    pos = 0
+    for match in list(_BLANK_LINES.finditer(text)) + [None]:
+        end = match.start() if match else len(text)
+        doc = text[pos:end]
+        if doc.strip():
+            # 1-based line of the document's first non-blank line, for messages.
+            first = pos + (len(doc) - len(doc.lstrip()))
+            line = text.count("\n", 0, first) + 1
+            doc = _LEADING_BLANK_LINES.sub("", doc).rstrip()  # keeps the first line's indent
+            examples.append(Example("text", f"{path}:{line}", segments=[Segment(doc, True)]))
+        if match:
+            pos = match.end()
+    if not examples:
+        raise DataError(f"{path}: no documents found (the file is empty or only whitespace)")
+    return Source(path, "text", examples)
+
+
+def read_hf_dir(path: str) -> Source:
+    try:
+        import datasets  # optional dependency
+    except ImportError as e:
+        raise ImportError(
+            f"{path} is a directory, read as a HuggingFace `datasets` save_to_disk directory; "
+            f"that needs the `datasets` package: pip install datasets"
+        ) from e
+    try:
+        ds = datasets.load_from_disk(path)
+    except Exception as e:  # not a save_to_disk directory, corrupt arrow files, ...
+        raise DataError(f"{path}: cannot load it with datasets.load_from_disk: {e}") from e
+    if isinstance(ds, datasets.DatasetDict):
+        splits = list(ds.keys())
+        if "train" in splits:
+            ds = ds["train"]
+        elif len(splits) == 1:
+            ds = ds[splits[0]]
+        else:
+            raise DataError(f"{path}: a DatasetDict without a 'train' split (splits: {splits}); "
+                            f"save the split to train on")
+    examples: list[Example] = []
+    for i, row in enumerate(ds, start=1):
+        examples.append(parse_record(dict(row), f"{path} row {i}"))
+        if examples[-1].format != examples[0].format:
+            _check_one_format(examples, path)
+    return Source(path, _check_one_format(examples, path), examples)
+
+
+def read_source(path: str) -> Source:
+    """Read ``path`` (file or datasets directory) into a `Source`; see the module docstring."""
+    if not os.path.exists(path):
+        raise DataError(f"data path {path} does not exist")
+    if os.path.isdir(path):
+        return read_hf_dir(path)
+    lower = path.lower()
+    if lower.endswith(JSONL_SUFFIXES):
+        return read_jsonl(path)
+    if lower.endswith(TEXT_SUFFIXES):
+        return read_text(path)
+    raise DataError(f"{path}: unknown data file type; expected {', '.join(TEXT_SUFFIXES)} "
+                    f"(plain text), {', '.join(JSONL_SUFFIXES)} (JSON lines) or a datasets "
+                    f"save_to_disk directory")
+
+
+def texts_source(texts: list[str], name: str) -> Source:
+    """Plain documents (e.g. the built-in corpus) as a text `Source`; ``where`` is "name[i]"."""
+    examples = [Example("text", f"{name}[{i}]", segments=[Segment(t, True)])
+                for i, t in enumerate(texts) if t.strip()]
+    return Source(name, "text", examples)

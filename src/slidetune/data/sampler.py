@@ -1,0 +1,69 @@
+"""`BatchSampler`: batch k is a pure function of (seed, k), for exact resume."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from .batch import Batch, collate
+from .dataset import TokenDataset
+
+
+class BatchSampler:
+    """Shuffled batches of a `TokenDataset`, addressed by a global batch index.
+
+    Epoch e visits the rows in the order ``torch.randperm(N, generator=Generator().manual_seed(
+    seed + e))``; batch ``index`` is batch ``index % len(self)`` of epoch ``index // len(self)``.
+    No state is carried between calls, so the same index gives the same batch in any process:
+    step k's micro-batch j is ``batch(k * grad_accum + j)``, before and after a resume. The
+    last incomplete batch of an epoch is dropped (every batch has B rows).
+    """
+
+    def __init__(self, dataset: TokenDataset, batch_size: int, seed: int, pad_id: int):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if len(dataset) < batch_size:
+            raise ValueError(
+                f"the {dataset.split} split of {dataset.source or 'the data'} has {len(dataset)} "
+                f"rows of seq_len+1 = {dataset.seq_len + 1} tokens, fewer than batch_size="
+                f"{batch_size}; use more data, a smaller seq_len or a smaller batch"
+            )
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.seed = seed
+        self.pad_id = pad_id
+        self._perm_epoch: int | None = None
+        self._perm: torch.Tensor | None = None  # [N] int64, cached for one epoch
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        return len(self.dataset) // self.batch_size
+
+    def epoch_of(self, index: int) -> int:
+        return index // len(self)
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        """[N] int64: the row order of ``epoch``."""
+        if self._perm_epoch != epoch:
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            self._perm = torch.randperm(len(self.dataset), generator=g)
+            self._perm_epoch = epoch
+        assert self._perm is not None
+        return self._perm
+
+    def rows(self, index: int) -> list[int]:
+        """The dataset rows of batch ``index``."""
+        if index < 0:
+            raise IndexError(f"batch index must be >= 0, got {index}")
+        epoch, pos = divmod(index, len(self))
+        perm = self.permutation(epoch)
+        return perm[pos * self.batch_size:(pos + 1) * self.batch_size].tolist()
+
+    def batch(self, index: int) -> Batch:
+        return collate(self.dataset, self.rows(index), self.pad_id)
+
+
+def eval_batches(dataset: TokenDataset, batch_size: int, pad_id: int) -> Iterator[Batch]:
+    """Every row once, in order, for evaluation (the last batch may be smaller)."""
+    for start in range(0, len(dataset), batch_size):
+        yield collate(dataset, range(start, min(start + batch_size, len(dataset))), pad_id)

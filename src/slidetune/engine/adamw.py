@@ -1,0 +1,64 @@
+"""AdamW over one unit's flat FP32 master tensor, through torch's fused kernel.
+
+`torch._fused_adamw_` is the kernel behind `torch.optim.AdamW(fused=True)` (CUDA,
+and CPU since torch 2.4): 7x faster on the CPU than the for-each path. Calling it
+directly on ranges of a flat tensor lets the sliding engine update a unit chunk by
+chunk as its gradients arrive, with two parameter groups (decayed matrices first,
+then norms and biases without decay) as contiguous ranges of the same tensor.
+The arithmetic is exactly torch.optim.AdamW's (tested against it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AdamWConfig:
+    lr: float = 1e-5             # peak learning rate; a scheduler scales it per step
+    beta1: float = 0.9
+    beta2: float = 0.95          # 0.95 rather than 0.999: the usual LLM fine-tuning choice, stabler with bf16
+    eps: float = 1e-8
+    weight_decay: float = 0.0    # applied to matrices only (norms and biases never decay)
+
+
+class FlatAdamW:
+    """AdamW state (moments, step) for one flat master tensor with a decay range [0, n_decay)."""
+
+    def __init__(self, master: torch.Tensor, n_decay: int, cfg: AdamWConfig):
+        assert master.dim() == 1 and master.dtype == torch.float32
+        self.master = master                                 # [numel] fp32, updated in place
+        self.n_decay = n_decay
+        self.cfg = cfg
+        self.exp_avg = torch.zeros_like(master)              # [numel] fp32
+        self.exp_avg_sq = torch.zeros_like(master)           # [numel] fp32
+        # The kernel reads the step from a tensor on the parameters' device.
+        self.step_count = torch.zeros((), dtype=torch.float32, device=master.device)
+
+    def begin_step(self) -> None:
+        """Count one optimizer step; call once before the ranges of this step are updated."""
+        self.step_count += 1
+
+    def update(self, grad: torch.Tensor, lr: float, start: int = 0, grad_scale: float = 1.0) -> None:
+        """Apply AdamW to master[start:start+len(grad)] with fp32 `grad` (modified in place if scaled)."""
+        end = start + grad.numel()
+        if grad_scale != 1.0:
+            grad.mul_(grad_scale)
+        for lo, hi, wd in ((start, min(end, self.n_decay), self.cfg.weight_decay),
+                           (max(start, self.n_decay), end, 0.0)):
+            if hi <= lo:
+                continue
+            g = grad[lo - start:hi - start]
+            torch._fused_adamw_(
+                [self.master[lo:hi]], [g], [self.exp_avg[lo:hi]], [self.exp_avg_sq[lo:hi]], [],
+                [self.step_count], lr=lr, beta1=self.cfg.beta1, beta2=self.cfg.beta2,
+                weight_decay=wd, eps=self.cfg.eps, amsgrad=False, maximize=False)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "step": self.step_count}
+
+    def load_state_tensors(self, state: dict[str, torch.Tensor]) -> None:
+        self.exp_avg.copy_(state["exp_avg"])
+        self.exp_avg_sq.copy_(state["exp_avg_sq"])
+        self.step_count.copy_(state["step"])

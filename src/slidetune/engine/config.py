@@ -1,0 +1,73 @@
+"""Typed configuration of the training runtime (what runs where, in which precision)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+@dataclass
+class RuntimeConfig:
+    mode: str = "slide"             # gpu | ckpt | slide
+    dtype: str = "bf16"             # compute precision; fp32 for exactness checks
+    device: str = "auto"            # auto -> cuda if available else cpu
+    # ckpt mode: which decoder layers recompute their activations in backward
+    recompute: str = "all"          # all | none | comma list "0,3,7" | "every:k"
+    # slide mode
+    cache_units: int = 3            # GPU layer slots: one computing, prefetches ahead in the rest
+    grad_slots: int = 2             # GPU gradient slots: one being written while the other drains
+    offload_activations: bool = False  # layer-input checkpoints in pinned host memory
+    schedule: str = "auto"          # auto | eager | deferred (auto: eager unless accumulation/clipping)
+    chunk_mb: int = 64              # cast/copy/update granularity: tens of MB pipeline well
+    upload_ring: int = 4            # pinned staging chunks for uploads
+    download_ring: int = 8          # pinned staging chunks for gradient downloads
+    # output layer
+    head_impl: str = "chunked"      # full | chunked | fused
+    head_chunk_tokens: int = 4096   # tokens per logits chunk (4096 x 152k vocab x 2 B = 1.2 GB)
+
+    def __post_init__(self):
+        if self.mode not in ("gpu", "ckpt", "slide"):
+            raise ValueError(f"mode must be gpu, ckpt or slide, not {self.mode!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {self.dtype!r}")
+        if self.schedule not in ("auto", "eager", "deferred"):
+            raise ValueError(f"schedule must be auto, eager or deferred, not {self.schedule!r}")
+        if self.cache_units < 2:
+            raise ValueError("cache_units must be >= 2 (one computing, one loading)")
+        if self.grad_slots < 1:
+            raise ValueError("grad_slots must be >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def resolved_schedule(self, grad_accum: int, max_grad_norm: float | None) -> str:
+        needs_deferred = grad_accum > 1 or (max_grad_norm is not None and max_grad_norm > 0)
+        if self.schedule == "eager" and needs_deferred:
+            raise ValueError("the eager schedule updates each unit as soon as its gradient lands, so it "
+                             "cannot accumulate micro-batches or clip by the global norm; use "
+                             "--schedule deferred (or auto)")
+        if self.schedule == "auto":
+            return "deferred" if needs_deferred else "eager"
+        return self.schedule
+
+
+def recompute_set(spec: str, num_layers: int) -> set[int]:
+    """Parse the ckpt-mode layer selection."""
+    spec = spec.strip().lower()
+    if spec in ("all", ""):
+        return set(range(num_layers))
+    if spec == "none":
+        return set()
+    if spec.startswith("every:"):
+        k = int(spec.split(":", 1)[1])
+        if k < 1:
+            raise ValueError("every:k needs k >= 1")
+        return set(range(0, num_layers, k))
+    layers = {int(x) for x in spec.split(",") if x.strip()}
+    bad = [i for i in layers if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"recompute layers {bad} out of range 0..{num_layers - 1}")
+    return layers

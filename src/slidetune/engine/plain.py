@@ -1,0 +1,134 @@
+"""gpu and ckpt modes: the whole model on one device, the same numerical contract as slide.
+
+Per unit: FP32 master + AdamW moments + an FP32 gradient accumulator, and a copy of
+the weights in the compute dtype that forward/backward use. After the last
+micro-batch the gradients (reduced in FP32) are clipped by the global norm and the
+fused AdamW kernel updates the master, which is then cast back into the compute copy.
+ckpt mode wraps the selected decoder layers in non-reentrant activation checkpointing.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..device import Device
+from ..models.load import LoadedModel
+from ..telemetry.events import EventTimer
+from .adamw import AdamWConfig, FlatAdamW
+from .config import RuntimeConfig, recompute_set
+from .result import StepResult
+from .slide.transfer import clip_coefficient
+
+
+class _DeviceUnit:
+    def __init__(self, spec, source, optim: AdamWConfig, dtype: torch.dtype, device: torch.device):
+        self.spec = spec
+        host = torch.empty(spec.numel, dtype=torch.float32)
+        source.fill(spec, host)
+        self.master = host.to(device)                                  # [numel] fp32
+        del host
+        self.opt = FlatAdamW(self.master, spec.n_decay, optim)
+        self.grad = torch.zeros_like(self.master)                      # [numel] fp32
+        self.compute = self.master.to(dtype)                           # [numel] compute dtype
+        if self.compute.data_ptr() == self.master.data_ptr():
+            self.compute = self.master.clone()
+        self.leaves = {k: v.requires_grad_(True) for k, v in spec.views(self.compute).items()}
+
+
+class PlainEngine:
+    def __init__(self, loaded: LoadedModel, rt: RuntimeConfig, optim: AdamWConfig, device: Device,
+                 grad_accum: int = 1, max_grad_norm: float | None = None, timer: EventTimer | None = None):
+        self.split = loaded.split
+        self.rt = rt
+        self.device = device
+        self.dtype = rt.torch_dtype
+        self.max_grad_norm = max_grad_norm
+        self.timer = timer or EventTimer(device, enabled=False)
+        L = self.split.num_layers
+        self.recompute = recompute_set(rt.recompute, L) if rt.mode == "ckpt" else set()
+        self.units = [_DeviceUnit(s, loaded.source, optim, self.dtype, device.device) for s in self.split.units]
+        self.step_index = 0
+
+    def _loss(self, mb) -> torch.Tensor:
+        split, dev = self.split, self.device.device
+        ids = mb.input_ids.to(dev)
+        labels = mb.labels.to(dev)
+        mask = mb.attention_mask.to(dev) if mb.attention_mask is not None else None
+        kwargs = split.layer_kwargs(*ids.shape, self.dtype, dev, attention_mask=mask)
+        x = split.embed_forward(self.units[0].leaves, ids)               # [B, S, d]
+        for i in range(split.num_layers):
+            params = self.units[i + 1].leaves
+            if i in self.recompute:
+                x = checkpoint(split.layer_forward, i, params, x, kwargs[i], use_reentrant=False)
+            else:
+                x = split.layer_forward(i, params, x, kwargs[i])
+        tied = self.units[0].leaves["weight"] if split.tied else None
+        return split.head_loss(self.units[-1].leaves, x, labels, lm_weight=tied,
+                               impl=self.rt.head_impl, chunk_tokens=self.rt.head_chunk_tokens)
+
+    def train_step(self, micro_batches: list, lr: float) -> StepResult:
+        n_tokens = sum(mb.num_target_tokens() for mb in micro_batches)
+        if n_tokens == 0:
+            raise ValueError("the step's batches contain no target tokens (all labels are -100)")
+        total = torch.zeros((), dtype=torch.float32, device=self.device.device)
+        for m, mb in enumerate(micro_batches):
+            with self.timer.span("forward_backward", -1):
+                loss = self._loss(mb)
+                (loss / n_tokens).backward()
+            total += loss.detach().float()
+            for u in self.units:
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in u.leaves.values()]
+                views = list(u.spec.views(u.grad).values())
+                if m == 0:
+                    torch._foreach_copy_(views, grads)
+                else:
+                    torch._foreach_add_(views, grads)
+                for p in u.leaves.values():
+                    p.grad = None
+        with self.timer.span("optimizer", -1):
+            sq = torch.stack([torch.linalg.vector_norm(u.grad) for u in self.units]).square().sum()
+            norm = math.sqrt(float(sq))
+            coef = clip_coefficient(norm, self.max_grad_norm)
+            for u in self.units:
+                u.opt.begin_step()
+                u.opt.update(u.grad, lr, 0, grad_scale=coef)
+                with torch.no_grad():
+                    u.compute.copy_(u.master)
+        self.step_index += 1
+        return StepResult(loss=float(total) / n_tokens, n_tokens=n_tokens, grad_norm_value=norm)
+
+    @torch.no_grad()
+    def eval_loss(self, batch) -> tuple[float, int]:
+        return float(self._loss(batch)), batch.num_target_tokens()
+
+    def synchronize(self) -> None:
+        self.device.synchronize()
+
+    def named_master_params(self):
+        for u in self.units:
+            for p in u.spec.params:
+                yield p.full_name, u.master[p.offset:p.offset + p.numel].view(p.shape).cpu()
+
+    def optimizer_tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for u in self.units:
+            for k, t in u.opt.state_tensors().items():
+                out[f"{u.spec.name}.{k}"] = t.cpu()
+        return out
+
+    def load_state(self, masters: dict[str, torch.Tensor], optim: dict[str, torch.Tensor], step: int) -> None:
+        with torch.no_grad():
+            for u in self.units:
+                for p in u.spec.params:
+                    u.master[p.offset:p.offset + p.numel].view(p.shape).copy_(masters[p.full_name])
+                u.opt.load_state_tensors({k: optim[f"{u.spec.name}.{k}"] for k in ("exp_avg", "exp_avg_sq", "step")})
+                u.compute.copy_(u.master)
+        self.step_index = step
+
+    def memory_report(self) -> dict[str, int]:
+        return {"gpu_buffers": 0, "pinned": 0, "host_state": 0}
+
+    def close(self) -> None:
+        pass

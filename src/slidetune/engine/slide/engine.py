@@ -1,0 +1,385 @@
+"""The layer-sliding engine: FP32 master + AdamW on the host, a window of layers on the GPU.
+
+One step (per micro-batch): embed -> layers 0..L-1 forward without autograd (each
+layer's input saved as a checkpoint) -> head loss with its gradients -> layers
+L-1..0: recompute from the checkpoint and differentiate -> embedding gradient.
+
+Three threads cooperate:
+  compute (the caller): issues kernels on the compute stream, waits only on events;
+  uploader: waits for a unit's latest update, casts FP32 -> compute dtype into a
+    pinned ring and copies it H2D into a GPU cache slot (upload stream);
+  host worker: copies each unit's gradient D2H (download stream) and runs AdamW on it
+    (eager) or accumulates it in FP32 (deferred, then a clipped update sweep).
+The compute thread plans uploads `cache_units - 1` visits ahead; a slot is
+overwritten only after the event of its last reader, a gradient slot only after the
+event of the D2H copy that drained it. No device-wide synchronize on the hot path.
+"""
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from ...device import Device
+from ...models.load import LoadedModel
+from ...models.units import UnitSpec
+from ...telemetry.events import EventTimer
+from ..adamw import AdamWConfig
+from ..config import RuntimeConfig
+from ..result import StepResult
+from .activations import ActivationStore
+from .host_store import HostStore, HostUnit
+from .transfer import GradDrain, Uploader, clip_coefficient
+from .workers import Worker, done_future
+
+_WAIT_S = 1.0   # poll period while waiting on a worker future (to surface worker errors)
+
+
+@dataclass
+class _Slot:
+    """A GPU buffer holding one unit's weights (or gradients) in the compute dtype."""
+
+    flat: torch.Tensor                 # [numel] compute dtype
+    content: tuple | None = None       # (unit index, version) planned into it
+    ready: Future | None = None        # -> event after which the weights are on the GPU
+    last_use: object = None            # event after the last kernel that read it
+    free: Future | None = None         # gradient slots: -> event after its D2H drained it
+
+
+class SlideEngine:
+    def __init__(self, loaded: LoadedModel, rt: RuntimeConfig, optim: AdamWConfig, device: Device,
+                 grad_accum: int = 1, max_grad_norm: float | None = None, timer: EventTimer | None = None):
+        self.split = loaded.split
+        self.rt = rt
+        self.device = device
+        self.dtype = rt.torch_dtype
+        self.schedule = rt.resolved_schedule(grad_accum, max_grad_norm)
+        self.max_grad_norm = max_grad_norm
+        self.timer = timer or EventTimer(device, enabled=False)
+        self.store = HostStore(self.split, loaded.source, optim, keep_grads=self.schedule == "deferred")
+        self.units: list[HostUnit] = self.store.units
+        L = self.split.num_layers
+        layer_numel = max(u.numel for u in self.split.layer_units)
+        dev = device.device
+        empty = lambda n: torch.empty(n, dtype=self.dtype, device=dev)  # noqa: E731
+        # K interchangeable layer slots; the vocabulary units get dedicated slots so they
+        # never dictate the size of the layer slots.
+        self.layer_slots = [_Slot(empty(layer_numel)) for _ in range(rt.cache_units)]
+        self.vocab_slots = {0: _Slot(empty(self.units[0].spec.numel)),
+                            L + 1: _Slot(empty(self.units[-1].spec.numel))}
+        done = done_future(None)
+        self.grad_slots = [_Slot(empty(layer_numel), free=done) for _ in range(rt.grad_slots)]
+        self.vocab_grad_slots = {0: _Slot(empty(self.units[0].spec.numel), free=done),
+                                 L + 1: _Slot(empty(self.units[-1].spec.numel), free=done)}
+        self._next_grad_slot = 0
+        chunk = max(1, rt.chunk_mb * 2**20 // torch.finfo(self.dtype).bits * 8)
+        self.chunk = chunk
+        self.uploader = Uploader(device, self.dtype, chunk, rt.upload_ring)
+        self.drainer = GradDrain(device, self.dtype, chunk, rt.download_ring)
+        self.upload_worker = Worker("upload")
+        self.host_worker = Worker("host")
+        self.acts = ActivationStore(device, L, rt.offload_activations)
+        self.step_index = 0
+        self._views_cache: dict = {}
+        self._grad_norm_parts: list[Future] = []
+
+    # ------------------------------------------------------------------ utils
+    def _wait(self, fut: Future):
+        while True:
+            try:
+                return fut.result(timeout=_WAIT_S)
+            except TimeoutError:
+                self.upload_worker.check()
+                self.host_worker.check()
+
+    def _views(self, unit: UnitSpec, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        key = (unit.signature(), flat.data_ptr())
+        if key not in self._views_cache:
+            self._views_cache[key] = unit.views(flat)
+        return self._views_cache[key]
+
+    @staticmethod
+    def _leaves(views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Fresh autograd leaves over the same memory (so gradients can be asked for)."""
+        return {k: v.detach().requires_grad_(True) for k, v in views.items()}
+
+    # ------------------------------------------------------------- uploads
+    def _submit_upload(self, unit_index: int, slot: _Slot) -> None:
+        unit = self.units[unit_index]
+        after = done_future(slot.last_use)
+        slot.content = (unit_index, self.step_index)
+        slot.ready = self.upload_worker.submit(self.uploader.upload, unit, slot.flat, self.step_index, after)
+
+    def _use_vocab(self, unit_index: int) -> _Slot:
+        slot = self.vocab_slots[unit_index]
+        if slot.content != (unit_index, self.step_index):
+            self._submit_upload(unit_index, slot)
+        return slot
+
+    def _plan(self, visits: list[int], v: int, assign: dict[int, int]) -> None:
+        """Make sure uploads are submitted for visits v .. v+K-1 (layer indices)."""
+        K = len(self.layer_slots)
+        for w in range(v, min(len(visits), v + K)):
+            if w in assign:
+                continue
+            unit_index = visits[w] + 1
+            want = (unit_index, self.step_index)
+            hit = [s for s, sl in enumerate(self.layer_slots) if sl.content == want]
+            if hit:
+                assign[w] = hit[0]
+                continue
+            busy = {assign[u] for u in range(v, w)}
+
+            def next_use(s: int) -> float:
+                c = self.layer_slots[s].content
+                if c is None or c[1] != self.step_index:
+                    return math.inf
+                for u in range(w + 1, len(visits)):
+                    if visits[u] + 1 == c[0]:
+                        return u
+                return math.inf
+
+            free = [s for s in range(K) if s not in busy]
+            s = max(free, key=next_use)
+            self._submit_upload(unit_index, self.layer_slots[s])
+            assign[w] = s
+
+    def _acquire(self, slot: _Slot) -> None:
+        ev = self._wait(slot.ready)
+        if ev is not None:
+            self.device.current_stream().wait_event(ev)
+
+    def _release(self, slot: _Slot) -> None:
+        slot.last_use = self.device.record()
+
+    # ------------------------------------------------------------- gradients
+    def _grad_slot(self, unit_index: int) -> _Slot:
+        if unit_index in self.vocab_grad_slots:
+            return self.vocab_grad_slots[unit_index]
+        slot = self.grad_slots[self._next_grad_slot]
+        self._next_grad_slot = (self._next_grad_slot + 1) % len(self.grad_slots)
+        return slot
+
+    def _claim_grad_slot(self, slot: _Slot) -> None:
+        ev = self._wait(slot.free)
+        if ev is not None:
+            self.device.current_stream().wait_event(ev)
+
+    def _submit_drain(self, unit_index: int, slot: _Slot, micro: int, n_micro: int, lr: float) -> None:
+        unit = self.units[unit_index]
+        ready = self.device.record()
+        slot.free = Future()
+        if self.schedule == "eager":
+            mode = "update"
+        else:
+            mode = "copy" if micro == 0 else "add"
+        src = slot.flat[: unit.spec.numel]
+        fut = self.host_worker.submit(self.drainer.drain, unit, src, ready, slot.free, mode=mode, lr=lr,
+                                      want_norm=micro == n_micro - 1)
+        self._grad_norm_parts.append(fut)
+
+    def _write_grads(self, unit: UnitSpec, slot: _Slot, grads: list[torch.Tensor], accumulate: bool = False):
+        views = list(self._views(unit, slot.flat).values())
+        if accumulate:
+            torch._foreach_add_(views, grads)
+        else:
+            torch._foreach_copy_(views, grads)
+
+    # ------------------------------------------------------------- the step
+    def train_step(self, micro_batches: list, lr: float) -> StepResult:
+        n_tokens = sum(mb.num_target_tokens() for mb in micro_batches)
+        if n_tokens == 0:
+            raise ValueError("the step's batches contain no target tokens (all labels are -100)")
+        scale = 1.0 / n_tokens
+        self._grad_norm_parts = []
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device.device)
+        for m, mb in enumerate(micro_batches):
+            loss_sum += self._micro_step(mb, m, len(micro_batches), scale, lr)
+        if self.schedule == "deferred":
+            norm_fut = self.host_worker.submit(self._finish_deferred, list(self._grad_norm_parts), lr)
+        else:
+            parts = list(self._grad_norm_parts)
+            norm_fut = self.host_worker.submit(lambda: math.sqrt(sum(p.result() for p in parts)))
+        self.step_index += 1
+        loss = float(loss_sum) / n_tokens          # waits for this step's head only
+        return StepResult(loss=loss, n_tokens=n_tokens, grad_norm_future=norm_fut)
+
+    def _finish_deferred(self, parts: list[Future], lr: float) -> float:
+        """Host worker, after the last drain: global norm, then the clipped update sweep."""
+        total = math.sqrt(sum(p.result() for p in parts))
+        coef = clip_coefficient(total, self.max_grad_norm)
+        # Embedding first: the next forward needs it first. Each unit's upload for the next
+        # step waits only for that unit's update, so the sweep overlaps the next forward.
+        for unit in self.units:
+            GradDrain.deferred_update(unit, lr, coef, self.chunk)
+        return total
+
+    def _micro_step(self, mb, m: int, n_micro: int, scale: float, lr: float) -> torch.Tensor:
+        split, dev = self.split, self.device.device
+        L = split.num_layers
+        ids = mb.input_ids.to(dev, non_blocking=True)          # [B, S]
+        labels = mb.labels.to(dev, non_blocking=True)          # [B, S]
+        mask = mb.attention_mask.to(dev) if mb.attention_mask is not None else None
+        B, S = ids.shape
+        kwargs = split.layer_kwargs(B, S, self.dtype, dev, attention_mask=mask)
+        visits = list(range(L)) + list(reversed(range(L)))     # forward then backward
+        assign: dict[int, int] = {}
+        embed_slot = self._use_vocab(0)
+        self._plan(visits, 0, assign)
+        head_index = L + 1
+
+        # ---- forward: no autograd; keep each layer's input
+        self._acquire(embed_slot)
+        with torch.no_grad(), self.timer.span("embed", -1):
+            x = split.embed_forward(self._views(split.embed_unit, embed_slot.flat), ids)   # [B, S, d]
+        for i in range(L):
+            self._plan(visits, i, assign)
+            if i == max(0, L - len(self.layer_slots)):
+                head_slot = self._use_vocab(head_index)       # queue the head behind the last layers
+            slot = self.layer_slots[assign[i]]
+            self._acquire(slot)
+            self.acts.save(i, x)
+            with torch.no_grad(), self.timer.span("forward", i):
+                x = split.layer_forward(i, self._views(split.layer_units[i], slot.flat), x, kwargs[i])
+            self._release(slot)
+        if L < 1:
+            head_slot = self._use_vocab(head_index)
+
+        # ---- head: loss and its gradients
+        self._acquire(head_slot)
+        head_params = self._leaves(self._views(split.head_unit, head_slot.flat))
+        tied_w = None
+        if split.tied:
+            tied_w = self._leaves(self._views(split.embed_unit, embed_slot.flat))["weight"]
+        with torch.enable_grad(), self.timer.span("head", -1):
+            xh = x.detach().requires_grad_(True)
+            loss = split.head_loss(head_params, xh, labels, lm_weight=tied_w, impl=self.rt.head_impl,
+                                   chunk_tokens=self.rt.head_chunk_tokens)
+            wrt = [xh] + list(head_params.values()) + ([tied_w] if tied_w is not None else [])
+            grads = torch.autograd.grad(loss * scale, wrt, materialize_grads=True)
+        self._release(head_slot)
+        loss_value = loss.detach().float()
+        g = grads[0]                                           # [B, S, d]
+        gslot = self._grad_slot(head_index)
+        self._claim_grad_slot(gslot)
+        self._write_grads(split.head_unit, gslot, list(grads[1:1 + len(head_params)]))
+        self._submit_drain(head_index, gslot, m, n_micro, lr)
+        embed_gslot = self._grad_slot(0)
+        self._claim_grad_slot(embed_gslot)
+        if tied_w is not None:
+            self._write_grads(split.embed_unit, embed_gslot, [grads[-1]])
+        del x, xh, loss, grads
+
+        # ---- backward: recompute each layer from its checkpoint, then differentiate
+        for i in reversed(range(L)):
+            v = 2 * L - 1 - i
+            self._plan(visits, v, assign)
+            slot = self.layer_slots[assign[v]]
+            self.acts.prefetch(i - 1)
+            self._acquire(slot)
+            x_in = self.acts.load(i).detach().requires_grad_(True)
+            params = self._leaves(self._views(split.layer_units[i], slot.flat))
+            with torch.enable_grad():
+                with self.timer.span("recompute", i):
+                    out = split.layer_forward(i, params, x_in, kwargs[i])
+                with self.timer.span("backward", i):
+                    res = torch.autograd.grad(out, [x_in] + list(params.values()), g, materialize_grads=True)
+            self._release(slot)
+            gslot = self._grad_slot(i + 1)
+            self._claim_grad_slot(gslot)
+            self._write_grads(split.layer_units[i], gslot, list(res[1:]))
+            self._submit_drain(i + 1, gslot, m, n_micro, lr)
+            g = res[0]
+            del out, res, x_in, params
+
+        # ---- embedding gradient
+        self._acquire(embed_slot)
+        with torch.enable_grad(), self.timer.span("embed_backward", -1):
+            w = self._leaves(self._views(split.embed_unit, embed_slot.flat))
+            e = split.embed_forward(w, ids)
+            (gw,) = torch.autograd.grad(e, [w["weight"]], g, materialize_grads=True)
+        self._release(embed_slot)
+        self._write_grads(split.embed_unit, embed_gslot, [gw], accumulate=tied_w is not None)
+        self._submit_drain(0, embed_gslot, m, n_micro, lr)
+        self.acts.clear()
+        return loss_value
+
+    # ------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def eval_loss(self, batch) -> tuple[float, int]:
+        """Sum of token losses and token count of one batch with the current weights."""
+        split, dev = self.split, self.device.device
+        L = split.num_layers
+        ids = batch.input_ids.to(dev)
+        labels = batch.labels.to(dev)
+        mask = batch.attention_mask.to(dev) if batch.attention_mask is not None else None
+        kwargs = split.layer_kwargs(*ids.shape, self.dtype, dev, attention_mask=mask)
+        visits = list(range(L))
+        assign: dict[int, int] = {}
+        embed_slot = self._use_vocab(0)
+        self._plan(visits, 0, assign)
+        self._acquire(embed_slot)
+        x = split.embed_forward(self._views(split.embed_unit, embed_slot.flat), ids)
+        self._release(embed_slot)
+        head_slot = None
+        for i in range(L):
+            self._plan(visits, i, assign)
+            if i == max(0, L - len(self.layer_slots)):
+                head_slot = self._use_vocab(L + 1)
+            slot = self.layer_slots[assign[i]]
+            self._acquire(slot)
+            x = split.layer_forward(i, self._views(split.layer_units[i], slot.flat), x, kwargs[i])
+            self._release(slot)
+        self._acquire(head_slot)
+        tied_w = self._views(split.embed_unit, embed_slot.flat)["weight"] if split.tied else None
+        loss = split.head_loss(self._views(split.head_unit, head_slot.flat), x, labels, lm_weight=tied_w,
+                               impl=self.rt.head_impl, chunk_tokens=self.rt.head_chunk_tokens)
+        self._release(head_slot)
+        return float(loss), batch.num_target_tokens()
+
+    # ------------------------------------------------------------- state
+    def synchronize(self) -> None:
+        """Wait until every submitted update and copy has finished (not used on the hot path)."""
+        self.host_worker.drain()
+        self.upload_worker.drain()
+        self.device.synchronize()
+
+    def named_master_params(self):
+        """(HF name, FP32 host tensor) for every parameter; call after synchronize()."""
+        for unit in self.units:
+            yield from unit.params().items()
+
+    def optimizer_tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for unit in self.units:
+            for k, t in unit.opt.state_tensors().items():
+                out[f"{unit.spec.name}.{k}"] = t
+        return out
+
+    def load_state(self, masters: dict[str, torch.Tensor], optim: dict[str, torch.Tensor], step: int) -> None:
+        self.synchronize()
+        for unit in self.units:
+            for name, view in unit.params().items():
+                view.copy_(masters[name])
+            unit.opt.load_state_tensors({k: optim[f"{unit.spec.name}.{k}"] for k in ("exp_avg", "exp_avg_sq", "step")})
+            unit.set_version(step)
+        self.step_index = step
+        for slot in self.layer_slots + list(self.vocab_slots.values()):
+            slot.content = None
+
+    def memory_report(self) -> dict[str, int]:
+        gpu_buffers = sum(s.flat.numel() * s.flat.element_size() for s in
+                          self.layer_slots + self.grad_slots + list(self.vocab_slots.values())
+                          + list(self.vocab_grad_slots.values()))
+        pinned = (sum(b.numel() * b.element_size() for b in self.uploader.ring + self.drainer.ring)
+                  + self.acts.pinned_bytes())
+        return {"gpu_buffers": gpu_buffers, "pinned": pinned, "host_state": self.store.state_bytes()}
+
+    def close(self) -> None:
+        try:
+            self.synchronize()
+        finally:
+            self.upload_worker.close()
+            self.host_worker.close()

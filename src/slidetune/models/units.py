@@ -1,0 +1,243 @@
+"""Split a HF decoder-only model into sliding units: embedding, decoder layers, head.
+
+The model itself is never modified: it is built on the `meta` device as a
+skeleton, and each unit's computation runs the skeleton's own modules through
+`torch.func.functional_call` with parameter tensors supplied by the engine (views
+of a flat buffer on the compute device). What the decoder layers receive besides
+the hidden states (attention masks per layer type, rotary embeddings, position
+ids) is recorded by running the base model's own forward with the layers
+replaced by recorders, so every family's mask and rotary logic is HF's own.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from ..ops.cross_entropy import linear_cross_entropy
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass
+class ParamSlot:
+    """Where one parameter lives inside its unit's flat buffer."""
+
+    local_name: str        # name relative to the unit's module (e.g. "self_attn.q_proj.weight")
+    full_name: str         # name in the HF state dict (e.g. "model.layers.3.self_attn.q_proj.weight")
+    shape: tuple[int, ...]
+    offset: int            # element offset in the unit's flat buffer
+    decay: bool            # weight decay applies (matrices); not to norms and biases
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class UnitSpec:
+    """One sliding unit: a module of the skeleton and the layout of its parameters."""
+
+    name: str              # "embed", "layer.{i}", "head"
+    kind: str              # "embed" | "layer" | "head"
+    index: int             # position in the unit list (embed = 0, layers 1..L, head = L+1)
+    module: nn.Module      # skeleton module (meta); the head's is a container of norm and lm_head
+    params: list[ParamSlot] = field(default_factory=list)
+    numel: int = 0
+    n_decay: int = 0       # params[:k] with decay occupy flat[:n_decay]; the rest follow
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Parameter views (local names) of a flat buffer laid out like this unit."""
+        return {p.local_name: flat[p.offset:p.offset + p.numel].view(p.shape) for p in self.params}
+
+    def signature(self) -> tuple:
+        return tuple((p.local_name, p.shape) for p in self.params)
+
+
+class _HeadModule(nn.Module):
+    """Groups the final norm with an untied lm_head so the head is one unit."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module | None):
+        super().__init__()
+        self.norm = norm
+        if lm_head is not None:
+            self.lm_head = lm_head
+
+
+class _LayerRecorder(nn.Module):
+    """Replaces a decoder layer for one call of the base model: records its kwargs."""
+
+    def __init__(self, sink: list):
+        super().__init__()
+        self.sink = sink
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if args:
+            raise UnsupportedModelError("decoder layers are called with positional extras; "
+                                        "slidetune needs keyword arguments besides hidden_states")
+        self.sink.append(kwargs)
+        return hidden_states
+
+
+def _layout(unit: UnitSpec, named: list[tuple[str, str, nn.Parameter]]) -> None:
+    """Decayed matrices first, then norms/biases: each group is one contiguous range."""
+    decay = [(l, f, p) for l, f, p in named if p.dim() >= 2]
+    rest = [(l, f, p) for l, f, p in named if p.dim() < 2]
+    offset = 0
+    for group, is_decay in ((decay, True), (rest, False)):
+        for local, full, p in group:
+            unit.params.append(ParamSlot(local, full, tuple(p.shape), offset, is_decay))
+            offset += p.numel()
+        if is_decay:
+            unit.n_decay = offset
+    unit.numel = offset
+
+
+class SplitModel:
+    """A HF causal LM skeleton split into units, with the per-unit compute functions."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.config = model.config
+        if getattr(self.config, "final_logit_softcapping", None):
+            raise UnsupportedModelError("final_logit_softcapping is not supported by the sliding head")
+        base = self._find_base(model)
+        self.base = base
+        layers = getattr(base, "layers", None)
+        if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: could not find the decoder layer stack "
+                f"(expected an nn.ModuleList at {type(base).__name__}.layers)")
+        embed = model.get_input_embeddings()
+        if not isinstance(embed, nn.Embedding):
+            raise UnsupportedModelError(f"{type(model).__name__}: input embeddings are "
+                                        f"{type(embed).__name__}, expected nn.Embedding")
+        norm = getattr(base, "norm", None)
+        if norm is None:
+            raise UnsupportedModelError(f"{type(model).__name__}: could not find the final norm "
+                                        f"(expected {type(base).__name__}.norm)")
+        lm_head = model.get_output_embeddings()
+        if lm_head is None or not isinstance(lm_head, nn.Linear):
+            raise UnsupportedModelError(f"{type(model).__name__}: could not find an nn.Linear lm_head")
+        self.tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        names: dict[int, str] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), n)      # a tied weight keeps its first name (the embedding's)
+        self.embed_module = embed
+        self.norm_module = norm
+        self.lm_head_module = lm_head
+        self.layer_modules = list(layers)
+
+        def full(module: nn.Module, local: str) -> str:
+            return names[id(dict(module.named_parameters())[local])]
+
+        self.units: list[UnitSpec] = []
+        eu = UnitSpec("embed", "embed", 0, embed)
+        _layout(eu, [(n, full(embed, n), p) for n, p in embed.named_parameters()])
+        self.units.append(eu)
+        for i, layer in enumerate(self.layer_modules):
+            lu = UnitSpec(f"layer.{i}", "layer", i + 1, layer)
+            _layout(lu, [(n, full(layer, n), p) for n, p in layer.named_parameters()])
+            self.units.append(lu)
+        head = _HeadModule(norm, None if self.tied else lm_head)
+        hu = UnitSpec("head", "head", len(self.units), head)
+        named = [("norm." + n, full(norm, n), p) for n, p in norm.named_parameters()]
+        if not self.tied:
+            named += [("lm_head." + n, full(lm_head, n), p) for n, p in lm_head.named_parameters()]
+        _layout(hu, named)
+        self.units.append(hu)
+        self._rotary_cache: dict = {}
+
+    @staticmethod
+    def _find_base(model: nn.Module) -> nn.Module:
+        for attr in ("model", "transformer", "decoder"):
+            base = getattr(model, attr, None)
+            if isinstance(base, nn.Module) and hasattr(base, "layers"):
+                return base
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: could not find the base decoder model (looked for .model, "
+            f".transformer, .decoder with a .layers stack)")
+
+    # ---- shapes -------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_modules)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def layer_units(self) -> list[UnitSpec]:
+        return self.units[1:-1]
+
+    @property
+    def embed_unit(self) -> UnitSpec:
+        return self.units[0]
+
+    @property
+    def head_unit(self) -> UnitSpec:
+        return self.units[-1]
+
+    def num_params(self) -> int:
+        return sum(u.numel for u in self.units)
+
+    # ---- per micro-batch layer inputs ----------------------------------------
+    def layer_kwargs(self, batch_size: int, seq_len: int, dtype: torch.dtype, device: torch.device,
+                     attention_mask: torch.Tensor | None = None,
+                     position_ids: torch.Tensor | None = None) -> list[dict]:
+        """What each decoder layer receives besides hidden_states, from the base model's own forward."""
+        rotary = self._rotary(device)
+        # A zero-stride stand-in for the embeddings: the mask and rotary code read only
+        # its shape, dtype and device, so it costs no memory.
+        stand_in = torch.zeros((), dtype=dtype, device=device).expand(batch_size, seq_len, self.hidden_size)
+        sink: list[dict] = []
+        saved = (self.base.layers, self.base.norm, getattr(self.base, "rotary_emb", None))
+        try:
+            self.base.layers = nn.ModuleList([_LayerRecorder(sink) for _ in self.layer_modules])
+            self.base.norm = nn.Identity()
+            if rotary is not None:
+                self.base.rotary_emb = rotary
+            with torch.no_grad():
+                self.base(inputs_embeds=stand_in, attention_mask=attention_mask,
+                          position_ids=position_ids, use_cache=False)
+        finally:
+            self.base.layers, self.base.norm = saved[0], saved[1]
+            if saved[2] is not None:
+                self.base.rotary_emb = saved[2]
+        if len(sink) != self.num_layers:
+            raise UnsupportedModelError(f"base model called {len(sink)} of {self.num_layers} layers")
+        return sink
+
+    def _rotary(self, device: torch.device) -> nn.Module | None:
+        skeleton = getattr(self.base, "rotary_emb", None)
+        if skeleton is None:
+            return None
+        if device not in self._rotary_cache:
+            self._rotary_cache[device] = type(skeleton)(config=self.config).to(device)
+        return self._rotary_cache[device]
+
+    # ---- unit computations ----------------------------------------------------
+    def embed_forward(self, params: dict[str, torch.Tensor], input_ids: torch.Tensor) -> torch.Tensor:
+        return functional_call(self.embed_module, params, (input_ids,))          # [B, S, d]
+
+    def layer_forward(self, i: int, params: dict[str, torch.Tensor], hidden: torch.Tensor,
+                      kwargs: dict) -> torch.Tensor:
+        out = functional_call(self.layer_modules[i], params, (hidden,), kwargs)
+        return out[0] if isinstance(out, tuple) else out                          # [B, S, d]
+
+    def head_loss(self, params: dict[str, torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor,
+                  lm_weight: torch.Tensor | None = None, impl: str = "chunked",
+                  chunk_tokens: int = 4096) -> torch.Tensor:
+        """Sum of token losses. `lm_weight` is the tied embedding when the head has no weight of its own."""
+        norm_params = {k[len("norm."):]: v for k, v in params.items() if k.startswith("norm.")}
+        h = functional_call(self.norm_module, norm_params, (hidden,))           # [B, S, d]
+        weight = lm_weight if self.tied else params["lm_head.weight"]            # [V, d]
+        bias = None if self.tied else params.get("lm_head.bias")
+        return linear_cross_entropy(h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1),
+                                    impl=impl, chunk_tokens=chunk_tokens, bias=bias)

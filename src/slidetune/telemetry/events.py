@@ -1,0 +1,72 @@
+"""Per-phase, per-layer timing from events recorded on the stream that does the work.
+
+On CUDA each span is a pair of events recorded on the current stream; nothing is
+synchronized while the step runs, and `collect()` reads all elapsed times once,
+after the step. On the CPU (synchronous execution) spans are wall-clock intervals.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..device import Device
+
+
+@dataclass
+class Span:
+    phase: str          # forward | recompute | backward | head | embed | optimizer | ...
+    layer: int          # decoder layer index, -1 for non-layer work
+    ms: float
+
+
+class EventTimer:
+    def __init__(self, device: Device, enabled: bool = True):
+        self.device = device
+        self.enabled = enabled
+        self._open: list = []
+
+    @contextlib.contextmanager
+    def span(self, phase: str, layer: int = -1):
+        if not self.enabled:
+            yield
+            return
+        if self.device.is_cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._open.append((phase, layer, start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._open.append((phase, layer, t0, time.perf_counter()))
+
+    def mark(self, phase: str, layer: int = -1):
+        """A point event (start of a span whose end is the next mark's start)."""
+        if not self.enabled:
+            return None
+        if self.device.is_cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def add(self, phase: str, layer: int, start, end) -> None:
+        if self.enabled:
+            self._open.append((phase, layer, start, end))
+
+    def collect(self) -> list[Span]:
+        """Elapsed times of all spans since the last collect (synchronizes once on CUDA)."""
+        if not self._open:
+            return []
+        if self.device.is_cuda:
+            self._open[-1][3].synchronize()
+            out = [Span(p, l, s.elapsed_time(e)) for p, l, s, e in self._open]
+        else:
+            out = [Span(p, l, (e - s) * 1e3) for p, l, s, e in self._open]
+        self._open = []
+        return out
