@@ -50,7 +50,7 @@ class ReferenceTrainer:
             loss = F.cross_entropy(logits.float().flatten(0, 1), mb.labels.flatten(), ignore_index=-100,
                                    reduction="sum")
             (loss / n).backward()
-            total += float(loss)
+            total += float(loss.detach())
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                               self.max_grad_norm if self.max_grad_norm else float("inf"))
         for g in self.opt.param_groups:

@@ -13,10 +13,10 @@ IGNORE_INDEX = -100  # the label that cross-entropy skips (torch and HF default)
 
 @dataclass
 class Batch:
-    input_ids: torch.Tensor                # [B, S] int64
-    labels: torch.Tensor                   # [B, S] int64, ALREADY SHIFTED: labels[b, t] is the target
-                                           #   for position t (token t+1 of the row); -100 = ignored
-    attention_mask: torch.Tensor | None    # [B, S] int64, 1 = real token; None when nothing is padded
+    input_ids: torch.Tensor              # [B, S] int64
+    labels: torch.Tensor                 # [B, S] int64, ALREADY SHIFTED: labels[b, t] is the
+                                         #   target for position t (row token t+1); -100 = ignored
+    attention_mask: torch.Tensor | None  # [B, S] int64, 1 = real token; None: nothing padded
 
     def num_target_tokens(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())

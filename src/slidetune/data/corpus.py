@@ -75,13 +75,14 @@ def _module_docstrings(module: ModuleType) -> dict[str, str]:
 def _stdlib_docstrings() -> dict[str, str]:
     docs: dict[str, str] = {}
     for mod_name in STDLIB_MODULES:
+        # Importing some modules or reading some attributes (typing.io) warns of deprecation.
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # e.g. DeprecationWarnings raised on import
+            warnings.simplefilter("ignore")
             try:
                 module = importlib.import_module(mod_name)
             except ImportError:
                 continue
-        docs.update(_module_docstrings(module))
+            docs.update(_module_docstrings(module))
     return docs
 
 

@@ -54,7 +54,8 @@ class TokenDataset:
 
     def __getitem__(self, index: int) -> Row:
         if not -len(self) <= index < len(self):
-            raise IndexError(f"row {index} out of range for a {self.split} split of {len(self)} rows")
+            raise IndexError(f"row {index} out of range for the {self.split} split "
+                             f"of {len(self)} rows")
         start, length = int(self.starts[index]), int(self.lengths[index])
         return Row(self.tokens[start:start + length].to(torch.int64),
                    self.targets[start:start + length].clone())

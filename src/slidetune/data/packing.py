@@ -29,7 +29,7 @@ from .tokenization import TokenizedExample
 
 @dataclass
 class Rows:
-    tokens: torch.Tensor    # [T] int32, the rows' tokens back to back (int32: any vocab fits, half the RAM)
+    tokens: torch.Tensor    # [T] int32, rows back to back (int32: any vocab fits, half the RAM)
     targets: torch.Tensor   # [T] bool, True where the token is a training target
     starts: torch.Tensor    # [N] int64, row r = tokens[starts[r] : starts[r] + lengths[r]]
     lengths: torch.Tensor   # [N] int64, each <= seq_len + 1

@@ -6,7 +6,8 @@ import torch
 from .errors import DataError
 
 
-def heldout_split(n: int, fraction: float, seed: int, source_name: str) -> tuple[list[int], list[int]]:
+def heldout_split(n: int, fraction: float, seed: int,
+                  source_name: str) -> tuple[list[int], list[int]]:
     """(train indices, held-out indices) of ``n`` examples, each list in ascending order.
 
     The held-out set is the first ``round(n * fraction)`` entries of a permutation drawn from

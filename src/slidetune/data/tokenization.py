@@ -82,7 +82,8 @@ def _opening_prompt(tokenizer: Any, upto: str, where: str) -> str | None:
     return upto[: upto.index(header) + len(header)]
 
 
-def chat_segments(messages: list[dict], tokenizer: Any, mask_prompt: bool, where: str) -> list[Segment]:
+def chat_segments(messages: list[dict], tokenizer: Any, mask_prompt: bool,
+                  where: str) -> list[Segment]:
     """Render a conversation with the chat template and mark the assistant turns.
 
     Assistant turn i is the text that ``render(messages[:i+1])`` adds after
@@ -122,7 +123,8 @@ def chat_segments(messages: list[dict], tokenizer: Any, mask_prompt: bool, where
     return [s for s in segments if s.text]
 
 
-def _example_segments(ex: Example, tokenizer: Any, mask_prompt: bool, source_name: str) -> list[Segment]:
+def _example_segments(ex: Example, tokenizer: Any, mask_prompt: bool,
+                      source_name: str) -> list[Segment]:
     if ex.messages is None:
         assert ex.segments is not None
         return ex.segments

@@ -134,7 +134,8 @@ def embedded_tokenizer():
     if "smollm2" not in _tokenizer_cache:
         from transformers import AutoTokenizer
         d, f = embedded_gguf()
-        _tokenizer_cache["smollm2"] = AutoTokenizer.from_pretrained(str(d), gguf_file=f)
+        _tokenizer_cache["smollm2"] = _fix_gguf_special_tokens(
+            AutoTokenizer.from_pretrained(str(d), gguf_file=f), d / f)
     return _tokenizer_cache["smollm2"]
 
 
@@ -197,5 +198,19 @@ def _load_gguf(file: Path, num_layers: int | None, with_tokenizer: bool, name: s
     tok = None
     if with_tokenizer:
         from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+        tok = _fix_gguf_special_tokens(AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name), file)
     return LoadedModel(name, SplitModel(skeleton(config)), StateDictSource(state), tok)
+
+
+def _fix_gguf_special_tokens(tok, file: Path):
+    """Take EOS/PAD from the GGUF metadata: transformers 5.17 reads SmolLM2's EOS as
+    <|im_start|> (= BOS) and leaves PAD unset, so documents would end with a BOS."""
+    from gguf import GGUFReader
+    reader = GGUFReader(str(file))
+    for key, attr in (("tokenizer.ggml.eos_token_id", "eos_token"), ("tokenizer.ggml.padding_token_id", "pad_token")):
+        field = reader.fields.get(key)
+        if field is None:
+            continue
+        token_id = int(field.parts[field.data[0]][0])
+        setattr(tok, attr, tok.convert_ids_to_tokens(token_id))
+    return tok

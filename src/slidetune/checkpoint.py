@@ -1,0 +1,454 @@
+"""Checkpoints: a HF model directory plus the state needed to resume a run exactly.
+
+Layout of one checkpoint (`<run_dir>/checkpoint-<step>/`):
+
+    config.json                      HF config (dtype = the saved dtype, no quantization_config)
+    generation_config.json           when the config carries generation defaults
+    model.safetensors                weights, or shards model-0000i-of-0000N.safetensors
+    model.safetensors.index.json       + index {"metadata": {"total_size"}, "weight_map"}
+    tokenizer files                  when a tokenizer is given
+    trainer_state/optimizer.safetensors   the engine's AdamW state (FP32 moments + step per unit)
+    trainer_state/state.json         step, trainer state, slidetune and format versions
+    trainer_state/rng.pt             torch CPU (+ CUDA), python `random` and numpy RNG states
+    COMPLETE                         written last: the directory is whole
+
+so `AutoModelForCausalLM.from_pretrained(dir)` loads it as is.
+
+Atomicity: everything is written into a sibling `<name>.tmp-<pid>`, every file fsynced,
+then the COMPLETE marker, then the directory is renamed to its final name (an existing
+one is first renamed to `<name>.old-<pid>` and deleted after). A crash or an error
+(disk full) leaves the previous checkpoint as it was; the temporary directory is removed.
+
+Memory: tensors are written shard by shard straight from the engine's FP32 masters
+(views, no copy); a BF16 export converts one shard at a time. Loading reads one tensor
+at a time from the memory-mapped files, so neither side ever holds a second copy of
+the model.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import re
+import shutil
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from . import __version__
+
+FORMAT_VERSION = 1
+COMPLETE = "COMPLETE"
+STATE_DIR = "trainer_state"
+SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+_LEFTOVER_RE = re.compile(r"^(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded; the message says what and where."""
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    """Where the checkpoint of `step` lives in a run directory."""
+    return Path(run_dir) / f"checkpoint-{step}"
+
+
+# --------------------------------------------------------------------------- saving
+def save_checkpoint(engine, out_dir: Path, *, step: int, tokenizer=None, trainer_state: dict | None = None,
+                    save_dtype: str = "fp32", with_optimizer: bool = True,
+                    max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write a complete, atomic checkpoint of `engine` to `out_dir`; returns `out_dir`.
+
+    save_dtype:
+      "fp32"  the FP32 master weights as they are; with the optimizer state and the RNG
+              states the run resumes exactly (bit for bit) from `load_checkpoint`.
+      "bf16"  a half-size export for inference or a new fine-tune. The weights are rounded
+              to BF16 and the optimizer state is not written (`with_optimizer` is ignored
+              and becomes False), so exact resumption is impossible: `load_checkpoint`
+              refuses such a directory; load it as a model instead.
+    trainer_state: JSON-serializable dict (data position, scheduler, metrics ...), returned
+      by `load_checkpoint`.
+    max_shard_bytes: weights are split into shards of at most this many bytes (a single
+      larger tensor gets a shard of its own), with a HF index when there is more than one.
+    """
+    if save_dtype not in SAVE_DTYPES:
+        raise ValueError(f"save_dtype must be one of {sorted(SAVE_DTYPES)}, not {save_dtype!r}")
+    if max_shard_bytes <= 0:
+        raise ValueError("max_shard_bytes must be positive")
+    if save_dtype != "fp32":
+        with_optimizer = False
+    out_dir = Path(out_dir)
+    state = {
+        "format_version": FORMAT_VERSION,
+        "slidetune_version": __version__,
+        "step": int(step),
+        "engine_step": int(engine.step_index),
+        "save_dtype": save_dtype,
+        "with_optimizer": bool(with_optimizer),
+        "time": time.time(),
+        "trainer_state": dict(trainer_state or {}),
+    }
+    try:
+        state_text = json.dumps(state, indent=2)
+    except TypeError as e:
+        raise TypeError(f"trainer_state must be JSON-serializable: {e}") from e
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
+    aside = out_dir.with_name(f"{out_dir.name}.old-{os.getpid()}")
+    previous = out_dir if _is_complete(out_dir) else latest_checkpoint(out_dir.parent)
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        engine.synchronize()     # the deferred schedule's update sweep may still be running
+        _write_config(engine, tmp, SAVE_DTYPES[save_dtype])
+        _write_weights(engine, tmp, SAVE_DTYPES[save_dtype], max_shard_bytes)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        sdir = tmp / STATE_DIR
+        sdir.mkdir()
+        if with_optimizer:
+            _save_tensors(engine.optimizer_tensors(), sdir / "optimizer.safetensors")
+        torch.save(_rng_state(), sdir / "rng.pt")
+        (sdir / "state.json").write_text(state_text)
+        _fsync_tree(tmp)
+        _write_synced(tmp / COMPLETE, json.dumps({"step": int(step), "time": state["time"]}) + "\n")
+        _fsync_dir(tmp)
+        _swap_in(tmp, out_dir, aside)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(e, Exception):
+            raise
+        if previous is not None:
+            where = f"the previous checkpoint {previous} is intact"
+        else:
+            where = f"no previous checkpoint existed in {out_dir.parent}, and nothing was left behind"
+        raise CheckpointError(f"saving the checkpoint {out_dir} failed ({type(e).__name__}: {e}); "
+                              f"{where}") from e
+    shutil.rmtree(aside, ignore_errors=True)
+    return out_dir
+
+
+def _write_config(engine, directory: Path, dtype: torch.dtype) -> None:
+    cfg = copy.deepcopy(engine.split.config)
+    if "quantization_config" in vars(cfg):
+        # The masters are plain floating point: a saved copy is not a quantized checkpoint.
+        delattr(cfg, "quantization_config")
+    cfg.dtype = str(dtype).split(".")[-1]
+    model = getattr(engine.split, "model", None)
+    if model is not None:
+        cfg.architectures = [type(model).__name__]
+    gen_params = cfg._get_generation_parameters() if hasattr(cfg, "_get_generation_parameters") else {}
+    if gen_params:
+        # HF keeps generation defaults out of config.json (save_pretrained refuses them).
+        from transformers import GenerationConfig
+        GenerationConfig(**gen_params).save_pretrained(str(directory))
+        for k in gen_params:
+            setattr(cfg, k, None)
+    cfg.save_pretrained(str(directory))
+
+
+def _write_weights(engine, directory: Path, dtype: torch.dtype, max_shard_bytes: int) -> None:
+    """Shard by shard: accumulate views up to max_shard_bytes, cast only the shard being written."""
+    shards: list[list[str]] = []
+    total = 0
+    pending: dict[str, torch.Tensor] = {}
+    pending_bytes = 0
+    elem = torch.tensor([], dtype=dtype).element_size()
+
+    def flush():
+        nonlocal pending, pending_bytes
+        if not pending:
+            return
+        part = directory / f"model-{len(shards) + 1:05d}.partial.safetensors"
+        _save_tensors({k: v.to(dtype) for k, v in pending.items()}, part)
+        shards.append(list(pending))
+        pending, pending_bytes = {}, 0
+
+    seen = set()
+    for name, t in engine.named_master_params():
+        if name in seen:
+            continue                 # a tied weight appears once
+        seen.add(name)
+        nbytes = t.numel() * elem
+        if pending and pending_bytes + nbytes > max_shard_bytes:
+            flush()
+        pending[name] = t
+        pending_bytes += nbytes
+        total += nbytes
+    flush()
+    n = len(shards)
+    if n == 1:
+        os.replace(directory / "model-00001.partial.safetensors", directory / "model.safetensors")
+        return
+    weight_map = {}
+    for i, names in enumerate(shards, 1):
+        final = f"model-{i:05d}-of-{n:05d}.safetensors"
+        os.replace(directory / f"model-{i:05d}.partial.safetensors", directory / final)
+        weight_map.update({k: final for k in names})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    # Looked up at call time (tests replace it to simulate a full disk).
+    import safetensors.torch
+    tensors = {k: v if v.is_contiguous() else v.contiguous() for k, v in tensors.items()}
+    safetensors.torch.save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _swap_in(tmp: Path, final: Path, aside: Path) -> None:
+    """Rename tmp to final; an existing final is moved aside first (deleted by the caller)."""
+    moved = False
+    if final.exists():
+        if aside.exists():
+            shutil.rmtree(aside)
+        os.replace(final, aside)
+        moved = True
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        if moved:
+            os.replace(aside, final)     # put the old checkpoint back
+        raise
+    _fsync_dir(final.parent)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return                           # platforms without directory fds
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(dirpath))
+
+
+# --------------------------------------------------------------------------- RNG
+def _rng_state() -> dict:
+    """Every RNG a training loop may draw from, in types torch.load(weights_only=True) accepts."""
+    import numpy as np
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "torch_cpu": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["torch_cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _restore_rng(state: dict) -> None:
+    import numpy as np
+    torch.set_rng_state(state["torch_cpu"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    cuda = state.get("torch_cuda")
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+# --------------------------------------------------------------------------- loading
+class _LazyTensors(Mapping):
+    """name -> tensor read on access from memory-mapped safetensors files (one at a time)."""
+
+    def __init__(self, files: dict[str, Path]):
+        self._files = files              # tensor name -> file
+        self._handles: dict[Path, object] = {}
+
+    def _handle(self, path: Path):
+        if path not in self._handles:
+            from safetensors import safe_open
+            self._handles[path] = safe_open(str(path), "pt")
+        return self._handles[path]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self._files[name]).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        return self._handle(self._files[name]).get_slice(name).get_dtype()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._files:
+            raise KeyError(name)
+        return self._handle(self._files[name]).get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
+def _weight_files(ckpt: Path) -> dict[str, Path]:
+    index = ckpt / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {k: ckpt / v for k, v in weight_map.items()}
+        missing = sorted({str(p) for p in files.values() if not p.exists()})
+        if missing:
+            raise CheckpointError(f"checkpoint {ckpt}: shard(s) {missing} listed in {index.name} are missing")
+        return files
+    single = ckpt / "model.safetensors"
+    if not single.exists():
+        raise CheckpointError(f"checkpoint {ckpt} has neither model.safetensors nor model.safetensors.index.json")
+    return _file_keys(single)
+
+
+def _file_keys(path: Path) -> dict[str, Path]:
+    from safetensors import safe_open
+    with safe_open(str(path), "pt") as f:
+        return {k: path for k in f.keys()}
+
+
+def load_checkpoint(engine, ckpt_dir: Path) -> dict:
+    """Restore weights, optimizer state, step and RNG states from a checkpoint into `engine`.
+
+    Validates everything before touching the engine: the directory and its COMPLETE
+    marker, the format version, every engine parameter (present, right shape), the
+    optimizer state (present: a checkpoint saved without it, e.g. a BF16 export, cannot
+    be resumed exactly and is refused). Returns the `trainer_state` dict given to
+    `save_checkpoint` plus "step"; the torch/CUDA/python/numpy RNG states are already restored.
+    """
+    ckpt = Path(ckpt_dir)
+    if not ckpt.is_dir():
+        raise CheckpointError(f"checkpoint directory {ckpt} does not exist")
+    if not (ckpt / COMPLETE).exists():
+        raise CheckpointError(f"checkpoint {ckpt} has no {COMPLETE} marker: it was not finished "
+                              f"(interrupted save) or is not a slidetune checkpoint")
+    state_file = ckpt / STATE_DIR / "state.json"
+    if not state_file.exists():
+        raise CheckpointError(f"checkpoint {ckpt} has no {STATE_DIR}/state.json: it is a model export, "
+                              f"not a resumable checkpoint")
+    state = json.loads(state_file.read_text())
+    if state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {ckpt} has format version {state.get('format_version')}, "
+                              f"this slidetune reads version {FORMAT_VERSION}")
+    optim_file = ckpt / STATE_DIR / "optimizer.safetensors"
+    if not state.get("with_optimizer", False) or not optim_file.exists():
+        why = ("it was saved without optimizer state "
+               f"(save_dtype={state.get('save_dtype')!r}, with_optimizer={state.get('with_optimizer')})"
+               if not state.get("with_optimizer", False) else f"{optim_file} is missing")
+        raise CheckpointError(f"checkpoint {ckpt} cannot be resumed exactly: {why}. Load it as a model "
+                              f"directory (weights only) to start a new run from it")
+
+    engine.synchronize()
+    masters = _LazyTensors(_weight_files(ckpt))
+    want = {}
+    for name, t in engine.named_master_params():
+        want[name] = tuple(t.shape)
+    for name, shape in want.items():
+        if name not in masters:
+            raise CheckpointError(f"checkpoint {ckpt}: tensor {name!r} is missing")
+        if masters.shape(name) != shape:
+            raise CheckpointError(f"checkpoint {ckpt}: tensor {name!r} has shape {masters.shape(name)}, "
+                                  f"the model expects {shape}")
+        if masters.dtype(name) != "F32":
+            raise CheckpointError(f"checkpoint {ckpt}: tensor {name!r} is {masters.dtype(name)}, not F32: "
+                                  f"it cannot be resumed exactly")
+    extra = sorted(set(masters) - set(want))
+    if extra:
+        raise CheckpointError(f"checkpoint {ckpt} holds tensors the model does not have (another model?): "
+                              f"{extra[:5]}{' ...' if len(extra) > 5 else ''}")
+    optim = _LazyTensors(_file_keys(optim_file))
+    for key, t in engine.optimizer_tensors().items():
+        if key not in optim:
+            raise CheckpointError(f"checkpoint {ckpt}: optimizer tensor {key!r} is missing")
+        if optim.shape(key) != tuple(t.shape):
+            raise CheckpointError(f"checkpoint {ckpt}: optimizer tensor {key!r} has shape {optim.shape(key)}, "
+                                  f"the engine expects {tuple(t.shape)}")
+
+    engine.load_state(masters, optim, int(state["step"]))
+    rng_file = ckpt / STATE_DIR / "rng.pt"
+    if rng_file.exists():
+        _restore_rng(torch.load(rng_file, weights_only=True))
+    out = dict(state.get("trainer_state") or {})
+    out.setdefault("step", int(state["step"]))
+    return out
+
+
+# --------------------------------------------------------------------------- run directories
+def _is_complete(path: Path) -> bool:
+    return path.is_dir() and (path / COMPLETE).exists()
+
+
+def _complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = []
+    for p in run_dir.iterdir():
+        m = _CKPT_RE.match(p.name)
+        if m and _is_complete(p):
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The highest-step complete `checkpoint-<step>` directory of a run (None if there is none).
+
+    Temporary (`.tmp-<pid>`), set-aside (`.old-<pid>`) and unfinished (no COMPLETE) directories are ignored.
+    """
+    found = _complete_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
+    """Delete all but the `keep_last` newest complete checkpoints, and leftovers of dead savers.
+
+    Leftovers are `.tmp-<pid>` / `.old-<pid>` directories of processes that no longer run.
+    Other directories (a `final` export, unfinished checkpoints of a live run) are left alone.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 (got {keep_last}); pruning never deletes the newest checkpoint")
+    run_dir = Path(run_dir)
+    for _, p in _complete_checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(p, ignore_errors=True)
+    if not run_dir.is_dir():
+        return
+    for p in run_dir.iterdir():
+        m = _LEFTOVER_RE.match(p.name)
+        if m and p.is_dir() and not _pid_alive(int(m.group("pid"))):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return True
+    return True

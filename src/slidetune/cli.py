@@ -1,0 +1,63 @@
+"""`slidetune train | plan` command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .config import add_config_flags, config_from_args, config_to_dict
+
+
+def _train(ns) -> int:
+    from .train import train
+    cfg = config_from_args(ns)
+    print("resolved config:\n" + json.dumps(config_to_dict(cfg), indent=2))
+    summary = train(cfg)
+    print(json.dumps(summary.__dict__, indent=2))
+    return 130 if summary.interrupted else 0
+
+
+def _plan(ns) -> int:
+    """Print the memory estimate of a configuration without allocating anything."""
+    from .engine.fit import estimate_memory
+    from .models.load import load_model
+    cfg = config_from_args(ns)
+    loaded = load_model(cfg.model, num_layers=cfg.num_layers, with_tokenizer=False)
+    est = estimate_memory(loaded.split, cfg.runtime, batch_size=cfg.batch_size, seq_len=cfg.data.seq_len,
+                          grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm)
+    gib = 2**30
+    print(f"model {cfg.model}: {loaded.split.num_params() / 1e9:.3f} B parameters, mode {cfg.runtime.mode}")
+    print(f"GPU  {est.gpu_bytes / gib:8.2f} GiB")
+    for k, v in est.gpu_parts.items():
+        print(f"   {k:<28} {v / gib:8.2f}")
+    print(f"host {est.host_bytes / gib:8.2f} GiB (pinned {est.pinned_bytes / gib:.2f})")
+    for k, v in est.host_parts.items():
+        print(f"   {k:<28} {v / gib:8.2f}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="slidetune", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_train = sub.add_parser("train", help="fine-tune a model (default: SmolLM2-135M on the built-in corpus)",
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_config_flags(p_train)
+    p_train.set_defaults(func=_train)
+    p_plan = sub.add_parser("plan", help="print the memory a configuration needs, allocating nothing")
+    add_config_flags(p_plan)
+    p_plan.set_defaults(func=_plan)
+    ns = parser.parse_args(argv)
+    try:
+        return ns.func(ns)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        # Clear errors are the interface: show the message, not a traceback.
+        name = type(e).__name__
+        print(f"slidetune: error: {name}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
