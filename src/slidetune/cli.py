@@ -36,6 +36,24 @@ def _plan(ns) -> int:
     return 0
 
 
+def _bench(ns) -> int:
+    from pathlib import Path
+    if ns.scenario == "runtime":
+        from .bench.runtime_check import run
+        parts = tuple(ns.parts.split(","))
+        checks = run(Path(ns.out), smoke=ns.smoke, big_model=ns.big_model, big_batch=ns.big_batch, parts=parts)
+        print(json.dumps(checks, indent=1, default=float))
+        return 0
+    if ns.scenario == "roofline":
+        from .bench.roofline import floor
+        fl = floor(ns.big_model, ns.big_batch, ns.seq_len)
+        Path(ns.out).mkdir(parents=True, exist_ok=True)
+        (Path(ns.out) / "roofline.json").write_text(json.dumps(fl, indent=1))
+        print(json.dumps(fl, indent=1))
+        return 0
+    raise ValueError(f"unknown scenario {ns.scenario!r}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="slidetune", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -46,6 +64,15 @@ def main(argv: list[str] | None = None) -> int:
     p_plan = sub.add_parser("plan", help="print the memory a configuration needs, allocating nothing")
     add_config_flags(p_plan)
     p_plan.set_defaults(func=_plan)
+    p_bench = sub.add_parser("bench", help="run a benchmark scenario (each configuration in its own process)")
+    p_bench.add_argument("scenario", choices=["runtime", "roofline"])
+    p_bench.add_argument("--out", default="benchmarks/results/latest")
+    p_bench.add_argument("--smoke", action="store_true", help="tiny sizes that run on the CPU in seconds")
+    p_bench.add_argument("--parts", default="memory,big")
+    p_bench.add_argument("--big-model", default="qwen3-8b")
+    p_bench.add_argument("--big-batch", type=int, default=16)
+    p_bench.add_argument("--seq-len", type=int, default=1024)
+    p_bench.set_defaults(func=_bench)
     ns = parser.parse_args(argv)
     try:
         return ns.func(ns)

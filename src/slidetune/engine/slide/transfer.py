@@ -16,6 +16,7 @@ import math
 from concurrent.futures import Future
 
 import torch
+from torch.profiler import record_function
 
 from ...device import Device
 from .host_store import HostUnit
@@ -50,7 +51,8 @@ class Uploader:
                 if self.ring_free[k] is not None:
                     self.ring_free[k].synchronize()
                 buf = self.ring[k][: hi - lo]
-                buf.copy_(src[lo:hi])                          # FP32 -> compute dtype, CPU threads
+                with record_function("slidetune.cast"):
+                    buf.copy_(src[lo:hi])                      # FP32 -> compute dtype, CPU threads
                 dst[lo:hi].copy_(buf, non_blocking=True)       # H2D on the upload stream
                 self.ring_free[k] = self.device.record(self.stream)
             self.bytes += n * dst.element_size()
@@ -96,14 +98,16 @@ class GradDrain:
                 unit.opt.begin_step()
             for c, lo in enumerate(starts):
                 hi = min(n, lo + self.chunk)
-                events[c].synchronize()
+                with record_function("slidetune.d2h_wait"):
+                    events[c].synchronize()
                 buf = self.ring[c % ring][: hi - lo]
                 if mode == "update":
                     g = self.scratch[: hi - lo]
                     g.copy_(buf)                                  # compute dtype -> FP32
                     if want_norm:
                         sq += float(torch.linalg.vector_norm(g)) ** 2
-                    unit.opt.update(g, lr, lo)
+                    with record_function("slidetune.adamw"):
+                        unit.opt.update(g, lr, lo)
                 else:
                     dst = unit.grad[lo:hi]
                     if mode == "copy":
@@ -128,7 +132,8 @@ class GradDrain:
         n = unit.spec.numel
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
-            unit.opt.update(unit.grad[lo:hi], lr, lo, grad_scale=clip_coef)
+            with record_function("slidetune.adamw"):
+                unit.opt.update(unit.grad[lo:hi], lr, lo, grad_scale=clip_coef)
         unit.bump_version()
 
 

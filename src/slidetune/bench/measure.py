@@ -1,0 +1,156 @@
+"""Measure one configuration in this process and write a JSON result.
+
+Run as `python -m slidetune.bench.measure SPEC.json OUT.json`; the runner starts one
+process per configuration so each peak (GPU allocated/reserved, host VmHWM) is clean.
+Warm-up steps are excluded from every statistic. Per-layer times come from events
+recorded on the compute stream and read once per step.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..data import Batch
+from ..device import Device
+from ..engine import AdamWConfig, RuntimeConfig, build_engine
+from ..models.load import load_model
+from ..telemetry.events import EventTimer
+from ..telemetry.flops import train_flops_per_token
+from ..telemetry.machine import machine_info, peak_rss_bytes
+
+
+@dataclass
+class MeasureSpec:
+    name: str = "run"
+    model: str = "qwen3-1.7b"
+    num_layers: int | None = None
+    batch_size: int = 1
+    seq_len: int = 256
+    grad_accum: int = 1
+    max_grad_norm: float | None = None
+    steps: int = 5                   # measured steps
+    warmup: int = 2                  # excluded from statistics
+    lr: float = 1e-5
+    runtime: dict = field(default_factory=dict)   # RuntimeConfig fields
+    per_layer: bool = True
+    profile: bool = False            # one extra profiled step -> trace summary
+    gpu_memory_limit_gib: float | None = None
+    seed: int = 0
+
+
+def synthetic_batches(vocab: int, batch: int, seq: int, n: int, seed: int) -> list[Batch]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (batch, seq), generator=g)
+        labels = torch.roll(ids, -1, 1)
+        labels[:, -1] = -100
+        out.append(Batch(ids.pin_memory() if torch.cuda.is_available() else ids, labels, None))
+    return out
+
+
+def measure(spec: MeasureSpec) -> dict:
+    rt = RuntimeConfig(**spec.runtime)
+    device = Device.resolve(rt.device)
+    if spec.gpu_memory_limit_gib and device.is_cuda:
+        total = torch.cuda.get_device_properties(device.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, spec.gpu_memory_limit_gib * 2**30 / total), device.device)
+    t0 = time.perf_counter()
+    loaded = load_model(spec.model, num_layers=spec.num_layers, seed=spec.seed, with_tokenizer=False)
+    timer = EventTimer(device, enabled=spec.per_layer)
+    engine = build_engine(loaded, rt, AdamWConfig(lr=spec.lr), device, grad_accum=spec.grad_accum,
+                          max_grad_norm=spec.max_grad_norm, timer=timer)
+    init_s = time.perf_counter() - t0
+    split = loaded.split
+    vocab = split.config.vocab_size
+    result: dict = {"spec": asdict(spec), "machine": machine_info(), "init_s": init_s,
+                    "params": split.num_params(), "num_layers": split.num_layers}
+    steps = []
+    try:
+        total_steps = spec.warmup + spec.steps
+        for k in range(total_steps):
+            mbs = synthetic_batches(vocab, spec.batch_size, spec.seq_len, spec.grad_accum, spec.seed * 1000 + k)
+            if k == spec.warmup:
+                device.synchronize()
+                device.reset_peak()
+            t = time.perf_counter()
+            res = engine.train_step(mbs, spec.lr)
+            wall = time.perf_counter() - t
+            spans = timer.collect()
+            steps.append({"step": k, "warmup": k < spec.warmup, "wall_s": wall, "loss": res.loss,
+                          "grad_norm": res.grad_norm(),
+                          "spans": [(s.phase, s.layer, s.ms) for s in spans]})
+        engine.synchronize()
+        result["gpu_peak_alloc_gib"] = device.max_memory_allocated() / 2**30
+        result["gpu_peak_reserved_gib"] = device.max_memory_reserved() / 2**30
+        result["cpu_peak_rss_gib"] = peak_rss_bytes() / 2**30
+        if hasattr(engine, "memory_report"):
+            result["engine_memory"] = engine.memory_report()
+        if spec.profile and device.is_cuda:
+            result["trace_summary"] = _profile(engine, vocab, spec)
+        measured = [s["wall_s"] for s in steps if not s["warmup"]]
+        tokens = spec.batch_size * spec.seq_len * spec.grad_accum
+        result["tokens_per_step"] = tokens
+        result["flops_per_token"] = train_flops_per_token(split, spec.seq_len)
+        if measured:
+            import statistics
+            mean = statistics.mean(measured)
+            result["step_s_mean"] = mean
+            result["step_s_std"] = statistics.stdev(measured) if len(measured) > 1 else 0.0
+            result["tokens_per_s"] = tokens / mean
+            result["model_tflops"] = tokens * result["flops_per_token"] / mean / 1e12
+        result["steps"] = steps
+        result["status"] = "ok"
+    except torch.OutOfMemoryError as e:
+        result.update(status="oom", error=str(e).splitlines()[0],
+                      gpu_peak_alloc_gib=device.max_memory_allocated() / 2**30)
+    finally:
+        engine.close()
+    return result
+
+
+def _profile(engine, vocab: int, spec: MeasureSpec) -> dict:
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from ..telemetry.trace_summary import summarize_trace
+    mbs_list = [synthetic_batches(vocab, spec.batch_size, spec.seq_len, spec.grad_accum, 99_000 + k)
+                for k in range(3)]
+    timer_enabled = engine.timer.enabled
+    engine.timer.enabled = False         # profile the bare pipeline
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for mbs in mbs_list:
+            with record_function("slidetune.step"):
+                engine.train_step(mbs, spec.lr)
+        engine.synchronize()
+    engine.timer.enabled = timer_enabled
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        summary = summarize_trace(path)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = argv if argv is not None else sys.argv[1:]
+    spec = MeasureSpec(**json.loads(Path(argv[0]).read_text()))
+    out = Path(argv[1])
+    try:
+        result = measure(spec)
+    except Exception as e:  # noqa: BLE001 - reported in the result file
+        result = {"spec": asdict(spec), "status": "error", "error": f"{type(e).__name__}: {e}",
+                  "traceback": traceback.format_exc()}
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1, default=float))
+    os.replace(tmp, out)
+    return 0 if result.get("status") == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""The floor of a slide step on this machine, from short probes.
+
+floor = max(GPU compute, weight bytes H2D / H2D bandwidth, gradient bytes D2H / D2H
+bandwidth, parameters / CPU AdamW rate). Each term is measured here, not assumed:
+  compute  one decoder layer resident on the GPU: forward (no autograd) + recompute +
+           backward, times the number of layers, plus head and embedding;
+  copies   pinned <-> device bandwidth each way and both at once (1 GiB transfers);
+  AdamW    torch's fused CPU AdamW over a flat FP32 tensor, params/s at the current
+           thread count.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..engine.adamw import AdamWConfig, FlatAdamW
+from ..models.load import RandomInit, load_model
+from ..telemetry.flops import train_flops_per_token
+
+
+def _time_cuda(fn, reps: int = 5, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def probe_copy(nbytes: int = 2**30) -> dict:
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev2 = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    h2d = _time_cuda(lambda: dev.copy_(host, non_blocking=True))
+    d2h = _time_cuda(lambda: host.copy_(dev, non_blocking=True))
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def both():
+        cur = torch.cuda.current_stream()
+        s1.wait_stream(cur)
+        s2.wait_stream(cur)
+        with torch.cuda.stream(s1):
+            dev.copy_(host, non_blocking=True)
+        with torch.cuda.stream(s2):
+            host2.copy_(dev2, non_blocking=True)
+        cur.wait_stream(s1)
+        cur.wait_stream(s2)
+    bidir = _time_cuda(both)
+    pageable = torch.empty(nbytes // 4, dtype=torch.uint8)
+    pg = _time_cuda(lambda: dev[: nbytes // 4].copy_(pageable), reps=3, warmup=1)
+    gib = 2**30
+    return {"h2d_gib_s": nbytes / h2d / gib, "d2h_gib_s": nbytes / d2h / gib,
+            "bidirectional_total_gib_s": 2 * nbytes / bidir / gib, "pageable_h2d_gib_s": nbytes / 4 / pg / gib}
+
+
+def probe_adamw(n: int = 128 * 2**20, steps: int = 3) -> dict:
+    master = torch.randn(n)
+    grad = torch.randn(n)
+    opt = FlatAdamW(master, n, AdamWConfig(weight_decay=0.1))
+    opt.begin_step()
+    opt.update(grad, 1e-5)
+    t = time.perf_counter()
+    for _ in range(steps):
+        opt.begin_step()
+        opt.update(grad, 1e-5)
+    dt = (time.perf_counter() - t) / steps
+    return {"adamw_params_per_s": n / dt, "threads": torch.get_num_threads()}
+
+
+def probe_compute(model: str, batch: int, seq: int, num_layers: int | None = None,
+                  head_impl: str = "chunked", head_chunk_tokens: int = 4096) -> dict:
+    """Times of one resident layer and of head/embedding, in bf16 on the GPU."""
+    dev = torch.device("cuda")
+    dtype = torch.bfloat16
+    loaded = load_model(model, num_layers=num_layers, with_tokenizer=False)
+    split = loaded.split
+    init = RandomInit(0)
+
+    def params(unit):
+        flat = torch.empty(unit.numel)
+        init.fill(unit, flat)
+        flat = flat.to(dev, dtype)
+        return {k: v.requires_grad_(True) for k, v in unit.views(flat).items()}
+
+    layer = params(split.layer_units[0])
+    embed = params(split.embed_unit)
+    head = params(split.head_unit)
+    kwargs = split.layer_kwargs(batch, seq, dtype, dev)
+    x = torch.randn(batch, seq, split.hidden_size, device=dev, dtype=dtype)
+    g = torch.randn_like(x)
+    ids = torch.randint(0, split.config.vocab_size, (batch, seq), device=dev)
+    labels = torch.randint(0, split.config.vocab_size, (batch, seq), device=dev)
+
+    def fwd():
+        with torch.no_grad():
+            split.layer_forward(0, layer, x, kwargs[0])
+
+    def recompute_backward():
+        xi = x.detach().requires_grad_(True)
+        out = split.layer_forward(0, layer, xi, kwargs[0])
+        torch.autograd.grad(out, [xi] + list(layer.values()), g)
+
+    def head_fb():
+        xh = x.detach().requires_grad_(True)
+        tied = embed["weight"] if split.tied else None
+        loss = split.head_loss(head, xh, labels, lm_weight=tied, impl=head_impl, chunk_tokens=head_chunk_tokens)
+        wrt = [xh] + list(head.values()) + ([tied] if tied is not None else [])
+        torch.autograd.grad(loss, wrt)
+
+    def embed_fb():
+        e = split.embed_forward(embed, ids)
+        torch.autograd.grad(e, [embed["weight"]], g)
+
+    t_fwd = _time_cuda(fwd)
+    t_rb = _time_cuda(recompute_backward)
+    t_head = _time_cuda(head_fb)
+    t_embed = _time_cuda(embed_fb)
+    L = split.num_layers
+    compute = L * (t_fwd + t_rb) + t_head + t_embed
+    flops = train_flops_per_token(split, seq) * batch * seq
+    return {"layer_forward_s": t_fwd, "layer_recompute_backward_s": t_rb, "head_s": t_head, "embed_s": t_embed,
+            "compute_s": compute, "model_tflops_at_floor": flops / compute / 1e12,
+            "params": split.num_params(), "layer_params": split.layer_units[0].numel,
+            "vocab_params": split.embed_unit.numel + split.head_unit.numel, "num_layers": L}
+
+
+def floor(model: str, batch: int, seq: int, num_layers: int | None = None, cache_units: int = 3,
+          copy: dict | None = None, adamw: dict | None = None, head_impl: str = "chunked",
+          head_chunk_tokens: int = 4096) -> dict:
+    copy = copy or probe_copy()
+    adamw = adamw or probe_adamw()
+    comp = probe_compute(model, batch, seq, num_layers, head_impl, head_chunk_tokens)
+    gib = 2**30
+    L = comp["num_layers"]
+    # Each layer goes up twice per step (forward and backward) except those still
+    # resident at the turn; vocabulary units once. BF16: 2 bytes per parameter.
+    upload_bytes = 2 * (comp["layer_params"] * (2 * L - (cache_units - 1)) + comp["vocab_params"])
+    grad_bytes = 2 * comp["params"]
+    terms = {
+        "compute_s": comp["compute_s"],
+        "h2d_s": upload_bytes / (copy["h2d_gib_s"] * gib),
+        "d2h_s": grad_bytes / (copy["d2h_gib_s"] * gib),
+        "adamw_s": comp["params"] / adamw["adamw_params_per_s"],
+    }
+    bound = max(terms, key=terms.get)
+    return {"floor_s": terms[bound], "bound_by": bound, "terms": terms, "copy": copy, "adamw": adamw,
+            "compute": comp, "tokens_per_step": batch * seq}

@@ -1,0 +1,138 @@
+"""The runtime's GPU acceptance checks (memory ratios, depth scaling, 8B on one GPU).
+
+Every configuration runs in its own process. Writes results.json, results.csv and
+report.md into the output directory, with the machine's details.
+"""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from .measure import MeasureSpec
+from .runner import run_isolated
+
+SUMMARY_COLUMNS = ["name", "status", "model", "num_layers", "mode", "batch_size", "seq_len", "offload",
+                   "step_s_mean", "step_s_std", "tokens_per_s", "model_tflops", "gpu_peak_alloc_gib",
+                   "gpu_peak_reserved_gib", "cpu_peak_rss_gib", "params"]
+
+
+def memory_specs(smoke: bool) -> list[MeasureSpec]:
+    if smoke:
+        model, seq, batch, layers, dev = "tiny-qwen3", 32, 2, (2, 4), "cpu"
+    else:
+        model, seq, batch, layers, dev = "qwen3-1.7b", 1024, 8, (14, 28), "cuda"
+    common = dict(model=model, seq_len=seq, batch_size=batch, steps=3, warmup=1)
+    rt = dict(device=dev, head_chunk_tokens=2048)
+    return [
+        MeasureSpec(name="gpu", runtime=dict(rt, mode="gpu"), **common),
+        MeasureSpec(name="ckpt", runtime=dict(rt, mode="ckpt"), **common),
+        MeasureSpec(name="slide", runtime=dict(rt, mode="slide"), **common),
+        MeasureSpec(name=f"slide-offload-{layers[0]}L", num_layers=layers[0],
+                    runtime=dict(rt, mode="slide", offload_activations=True), **common),
+        MeasureSpec(name=f"slide-offload-{layers[1]}L", num_layers=layers[1],
+                    runtime=dict(rt, mode="slide", offload_activations=True), **common),
+    ]
+
+
+def big_specs(model: str, batch: int, smoke: bool) -> list[MeasureSpec]:
+    if smoke:
+        return [MeasureSpec(name="big-slide", model="tiny-llama", seq_len=32, batch_size=2, steps=2, warmup=1,
+                            runtime=dict(device="cpu", mode="slide"))]
+    return [MeasureSpec(name=f"{model}-slide-b{batch}", model=model, seq_len=1024, batch_size=batch, steps=3,
+                        warmup=2, profile=True, runtime=dict(device="cuda", mode="slide", head_chunk_tokens=4096))]
+
+
+def _flat(r: dict) -> dict:
+    spec = r.get("spec", {})
+    rt = spec.get("runtime", {})
+    return {"name": spec.get("name"), "status": r.get("status"), "model": spec.get("model"),
+            "num_layers": r.get("num_layers", spec.get("num_layers")), "mode": rt.get("mode"),
+            "batch_size": spec.get("batch_size"), "seq_len": spec.get("seq_len"),
+            "offload": rt.get("offload_activations", False),
+            **{k: r.get(k) for k in SUMMARY_COLUMNS if k not in ("name", "status", "model", "num_layers", "mode",
+                                                                 "batch_size", "seq_len", "offload")}}
+
+
+def run(out_dir: Path, smoke: bool = False, big_model: str = "qwen3-8b", big_batch: int = 16,
+        parts: tuple[str, ...] = ("memory", "big")) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    specs = []
+    if "memory" in parts:
+        specs += memory_specs(smoke)
+    if "big" in parts:
+        specs += big_specs(big_model, big_batch, smoke)
+    results = []
+    for spec in specs:
+        print(f"[runtime] {spec.name} ...", flush=True)
+        r = run_isolated(spec)
+        results.append(r)
+        f = _flat(r)
+        print(f"[runtime] {spec.name}: {f['status']} step {f['step_s_mean']} s, gpu peak "
+              f"{f['gpu_peak_alloc_gib']} GiB, rss {f['cpu_peak_rss_gib']} GiB", flush=True)
+        if r.get("status") != "ok":
+            print(r.get("error"), flush=True)
+    checks = evaluate_checks(results, smoke)
+    if "big" in parts and not smoke:
+        from .roofline import floor
+        try:
+            big = next(r for r in results if r["spec"]["name"].startswith(big_model))
+            fl = floor(big_model, big_batch, 1024)
+            checks["floor"] = fl
+            if big.get("status") == "ok":
+                checks["big_step_over_floor"] = big["step_s_mean"] / fl["floor_s"]
+        except Exception as e:  # noqa: BLE001 - reported, the other results still count
+            checks["floor_error"] = repr(e)
+    machine = next((r["machine"] for r in results if "machine" in r), {})
+    (out_dir / "results.json").write_text(json.dumps({"machine": machine, "checks": checks,
+                                                      "results": results}, indent=1, default=float))
+    with (out_dir / "results.csv").open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=SUMMARY_COLUMNS)
+        w.writeheader()
+        for r in results:
+            w.writerow(_flat(r))
+    (out_dir / "report.md").write_text(_report(machine, results, checks))
+    return checks
+
+
+def evaluate_checks(results: list[dict], smoke: bool) -> dict:
+    by = {r["spec"]["name"]: r for r in results}
+    checks: dict = {}
+    g, s = by.get("gpu"), by.get("slide")
+    if g and s and g.get("status") == "ok" and s.get("status") == "ok" and g["gpu_peak_alloc_gib"] > 0:
+        checks["slide_over_gpu_peak_alloc"] = s["gpu_peak_alloc_gib"] / g["gpu_peak_alloc_gib"]
+        checks["slide_peak_le_quarter_of_gpu"] = checks["slide_over_gpu_peak_alloc"] <= 0.25
+    off = sorted((r for r in results if r["spec"]["name"].startswith("slide-offload-") and r.get("status") == "ok"),
+                 key=lambda r: r["num_layers"])
+    if len(off) == 2 and off[0]["gpu_peak_alloc_gib"] > 0:
+        growth = off[1]["gpu_peak_alloc_gib"] / off[0]["gpu_peak_alloc_gib"] - 1
+        checks["offload_peak_growth_doubling_depth"] = growth
+        checks["offload_growth_lt_10pct"] = growth < 0.10
+    for r in results:
+        if r["spec"]["name"].startswith(("big", "qwen3-8b", "llama-3.1-8b")) and r.get("status") == "ok":
+            budget = 12.5 * r["params"] / 2**30 + 8
+            checks["big_rss_gib"] = r["cpu_peak_rss_gib"]
+            checks["big_rss_budget_gib"] = budget
+            checks["big_rss_within_budget"] = r["cpu_peak_rss_gib"] <= budget
+    return checks
+
+
+def _report(machine: dict, results: list[dict], checks: dict) -> str:
+    lines = ["# Runtime checks", "", "Machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()), "",
+             "| config | status | layers | mode | offload | step s (mean ± std) | tokens/s | model TFLOPS | "
+             "GPU peak alloc GiB | GPU peak reserved GiB | host peak RSS GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        f = _flat(r)
+        fmt = lambda v, p=2: "" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))  # noqa: E731
+        lines.append(f"| {f['name']} | {f['status']} | {fmt(f['num_layers'])} | {f['mode']} | {f['offload']} | "
+                     f"{fmt(f['step_s_mean'], 3)} ± {fmt(f['step_s_std'], 3)} | {fmt(f['tokens_per_s'], 0)} | "
+                     f"{fmt(f['model_tflops'], 1)} | {fmt(f['gpu_peak_alloc_gib'])} | "
+                     f"{fmt(f['gpu_peak_reserved_gib'])} | {fmt(f['cpu_peak_rss_gib'])} |")
+    lines += ["", "Statistics exclude warm-up steps; each configuration ran in its own process.", "",
+              "## Checks", "", "```json", json.dumps(checks, indent=1, default=float), "```", ""]
+    for r in results:
+        if "trace_summary" in r:
+            lines += [f"## Overlap ({r['spec']['name']}, torch.profiler, 3 steps)", "", "```json",
+                      json.dumps(r["trace_summary"], indent=1), "```", ""]
+    return "\n".join(lines)

@@ -1,0 +1,608 @@
+"""Will it fit? Host RAM, pinned memory and GPU memory of a configuration, before allocating.
+
+    est = estimate_memory(split, rt, batch_size=16, seq_len=1024)    # itemized bytes
+    check_fit(split, rt, batch_size=16, seq_len=1024)                 # or InsufficientMemoryError
+
+The estimate is arithmetic over the skeleton's shapes (no tensor is allocated), so
+it runs in milliseconds for any model size, including on a machine without a GPU
+(`rt.device="cuda"` plans for one). When a configuration does not fit, the error
+lists changes that DO fit, each found by re-running the same estimate (a smaller
+batch found by bisection, offloaded checkpoints, fewer slots, a smaller head chunk,
+another mode).
+
+Notation: P parameters, P_L the largest decoder layer, P_E / P_H the embedding and
+head units, b bytes per element of the compute dtype (2 for bf16), N = B*S tokens per
+micro-batch, L layers, d hidden width, V vocabulary, I the MLP width.
+
+What each engine allocates (see slide/engine.py and plain.py):
+  slide  GPU : K layer slots + G gradient slots of P_L*b each, dedicated embed/head weight
+               and gradient slots ((P_E+P_H)*b each), layer-input checkpoints (L*N*d*b on
+               the GPU, or 2 resident with --offload-activations), plus the largest of the
+               transient working sets (one layer's recompute + backward, the head, the
+               embedding backward).
+         host: 12 B/param (FP32 master + two moments), +4 B/param with the deferred schedule
+               (FP32 gradients), pinned upload/download rings of chunk_mb each, one FP32
+               scratch chunk, and with offload L*N*d*b pinned checkpoint slots.
+  gpu/ckpt   : per param FP32 master 4 + moments 8 + FP32 grad 4 + compute copy b + compute
+               grad b, all on the device; full saved activations for layers that are not
+               recomputed, an N*d*b checkpoint for those that are.
+On device "cpu" the "GPU" parts live in host RAM and are checked against it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from ..models.units import SplitModel
+from .config import RuntimeConfig, recompute_set
+
+GiB = 2**30
+MiB = 2**20
+
+# CUDA context + allocator slack. mem_get_info() is read after the context exists, but
+# cuBLAS handles and workspaces, lazily loaded kernel modules (hundreds of MB with
+# CUDA lazy loading spread over the first steps), NCCL-free streams/events, and the
+# caching allocator's rounding and fragmentation (blocks are split in 2 MiB / 20 MiB
+# pools; a freed logits chunk is rarely reused exactly) all come later. 1 GiB covers
+# what we saw on H100 (0.5-0.8 GiB reserved above allocated at steady state).
+CUDA_OVERHEAD_BYTES = 1 * GiB
+# Host memory that appears after the check: with CUDA, the driver's host-side state
+# and pinned staging of the caching host allocator (~0.3-0.6 GB RSS), plus tokenizer,
+# data pipeline and Python objects. On a CPU-only run only the latter.
+HOST_OVERHEAD_BYTES = {"cuda": 1 * GiB, "cpu": GiB // 2}
+# Multiplier on activation estimates: layer_activation_bytes counts the tensors autograd
+# saves and the main gradients alive at the peak of backward; 10% covers what it leaves
+# out (small fp32 reductions, the allocator rounding every tensor up to 512 B / 2 MiB
+# blocks, kernel workspaces). Against the allocator's peak of a real Llama / Qwen3 layer
+# on the CPU (fp32 and bf16, 16 to 4096 tokens, padded or not; tests/test_fit.py), the
+# estimate with this margin is 1.00-1.33x the measured peak, without it 0.91-1.21x.
+ACTIVATION_MARGIN = 1.10
+ENV_HOST_MEMORY = "SLIDETUNE_HOST_MEMORY_BYTES"
+
+
+# ----------------------------------------------------------------------------- results
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes a configuration needs. host_bytes includes pinned_bytes (pinned is a part of RAM)."""
+
+    gpu_bytes: int
+    host_bytes: int
+    pinned_bytes: int
+    gpu_parts: dict[str, int]            # sums to gpu_bytes: persistent buffers + the peak phase
+    host_parts: dict[str, int]           # sums to host_bytes
+    device_type: str = "cuda"            # "cpu": gpu_* is memory of the CPU device, i.e. host RAM
+    phases: dict[str, int] = field(default_factory=dict)  # transient working sets; only the largest counts
+    schedule: str | None = None          # slide mode: eager | deferred
+
+    @property
+    def host_total_bytes(self) -> int:
+        """What the host must hold: on device cpu the device parts live in RAM too."""
+        return self.host_bytes + (self.gpu_bytes if self.device_type == "cpu" else 0)
+
+    def summary(self) -> str:
+        def items(parts):
+            return ", ".join(f"{k} {_gib(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v)
+        dev = "GPU" if self.device_type == "cuda" else "device (cpu: in RAM)"
+        return (f"{dev} {_gib(self.gpu_bytes)} GiB [{items(self.gpu_parts)}]; host {_gib(self.host_bytes)} GiB "
+                f"(pinned {_gib(self.pinned_bytes)}) [{items(self.host_parts)}]")
+
+
+class InsufficientMemoryError(RuntimeError):
+    """The configuration does not fit; the message has the numbers and options that would."""
+
+    def __init__(self, message: str, estimate: MemoryEstimate | None = None, options: list[str] | None = None):
+        super().__init__(message)
+        self.estimate = estimate
+        self.options = options or []
+
+
+# ----------------------------------------------------------------------------- shapes
+
+
+@dataclass
+class _Shape:
+    d: int            # hidden width
+    inter: int        # MLP width I
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    layers: int
+    qk_norm: bool     # per-head q/k RMSNorms (Qwen3)
+    mask_types: int   # distinct attention-mask kinds (full, sliding window)
+
+    @property
+    def hq(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def hk(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+def _shape(split: SplitModel) -> _Shape:
+    c = split.config
+    d = int(c.hidden_size)
+    heads = int(c.num_attention_heads)
+    kv = int(getattr(c, "num_key_value_heads", None) or heads)
+    hd = int(getattr(c, "head_dim", None) or d // heads)
+    inter = getattr(c, "intermediate_size", None)
+    if inter is None:  # derive from the layer's size: 3 d*I MLP matrices beside attention
+        attn = d * heads * hd * 2 + d * kv * hd * 2
+        inter = max(1, (max(u.numel for u in split.layer_units) - attn) // (3 * d))
+    names = {p.local_name for p in split.layer_units[0].params} if split.layer_units else set()
+    qk_norm = any("q_norm" in n for n in names)
+    types = getattr(c, "layer_types", None)
+    return _Shape(d=d, inter=int(inter), heads=heads, kv_heads=kv, head_dim=hd, vocab=int(c.vocab_size),
+                  layers=split.num_layers, qk_norm=qk_norm, mask_types=max(1, len(set(types or []))))
+
+
+def _device_type(rt: RuntimeConfig) -> str:
+    if rt.device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(rt.device).type
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+def _math_attention(dtype: torch.dtype) -> bool:
+    """Whether SDPA falls back to its math path (B*heads*S*S scores in memory).
+
+    Not for the compute dtypes the runtime offers: on CUDA, bf16/fp16 run flash or
+    memory-efficient attention and fp32 the memory-efficient kernel (also with a padding
+    mask); on the CPU, torch's flash kernel takes fp32, bf16 and fp16. Measured on the
+    CPU (tests/test_fit.py): one layer's peak is the same at 4 x 256 and 2 x 512 tokens,
+    i.e. no S^2 term. Other dtypes (float64) take the math path.
+    """
+    return dtype not in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def layer_activation_bytes(split: SplitModel, batch_size: int, seq_len: int, dtype: torch.dtype,
+                           math_attention: bool | None = None) -> dict[str, int]:
+    """Working set of ONE decoder layer run with autograd, then differentiated (no margin).
+
+    Returns bytes for N = batch_size * seq_len tokens:
+      "saved"       tensors autograd keeps from forward to backward;
+      "peak"        the peak of forward + backward above the layer's input and weights,
+                    counting the layer's parameter gradients as fresh tensors (slide mode:
+                    autograd.grad returns them before they are copied into a grad slot);
+      "peak_no_param_grads"  the same with the parameter gradients left out (plain modes
+                    count them in their per-parameter bytes).
+
+    Saved, per token, b = compute-dtype bytes, for a Llama-style layer
+    (RMSNorm -> q,k,v -> rotary -> SDPA -> o_proj -> +res -> RMSNorm -> SwiGLU MLP -> +res),
+    read off what each op saves for backward (checked with saved_tensors_hooks):
+      each RMSNorm (x2): its input upcast to fp32 (4d; in fp32 the input itself) saved by
+          pow/mul, the normalized value (b*d) saved by `weight * h`, and the weighted output
+          (b*d) saved by the q/k/v (resp. gate/up) projections as their input:   2*(4 + 2b)*d
+      q/k RMSNorm (Qwen3): fp32 input + normalized per element:                 (4 + b)*(hq + hk)
+      rotary: q*cos + rot(q)*sin saves only cos/sin (no grad), shared by all layers:   ~0
+      SDPA (flash / memory-efficient): q, k, v, output, logsumexp (fp32 per head);
+          o_proj's input is a view of the output (the kernels write [B,S,h,hd]).
+          k and v count at q's width: with a padding mask HF repeats k/v to every head
+          (repeat_kv) instead of using enable_gqa:                             4*b*hq + 4*heads
+          a padding mask is converted to the compute dtype inside SDPA and saved per layer
+          (B*S*S*b per layer; counted always, as any batch may be padded):    b*S
+      SwiGLU: gate (SiLU input), act (mul input), up (mul input), act*up (down_proj input):
+                                                                              4*b*I
+      residual adds save nothing.
+    Backward goes from the MLP down; saved tensors are freed as it goes while the
+    parameter gradients appear, so the peak is the largest of three moments:
+      1. MLP start: everything saved + the two gradients of act*up alive at once (2*b*I)
+         + the layer output, its gradient and the input gradient (3*b*d)
+         + the first weight gradient (down_proj, b*d*I);
+      2. attention: saved minus the MLP's (4*b*I) + dq, dk, dv at q's width (3*b*hq)
+         + fp32 temporaries of the norm backward (8d) + 3*b*d + the MLP's weight
+         gradients (b*3*d*I);
+      3. end: all parameter gradients (b*P_L) + 3*b*d.
+    The math path of SDPA (see _math_attention) adds the saved probabilities b*heads*S
+    and, transiently, scores and both their gradients 3*b*heads*S.
+    """
+    sh = _shape(split)
+    if math_attention is None:
+        math_attention = _math_attention(dtype)
+    b = torch.empty((), dtype=dtype).element_size()
+    d, inter, hq, hk, heads, S = sh.d, sh.inter, sh.hq, sh.hk, sh.heads, seq_len
+    N = batch_size * seq_len
+    saved = 2 * (4 + 2 * b) * d                                  # two RMSNorms
+    if sh.qk_norm:
+        saved += (4 + b) * (hq + hk)
+    saved += b * 4 * hq + 4 * heads                              # q, k, v (repeated), out, lse
+    saved += b * S                                               # padding mask copy
+    saved_mlp = 4 * b * inter                                    # gate, act, up, act*up
+    saved += saved_mlp
+    io = 3 * b * d
+    bw_mlp = 2 * b * inter + io
+    bw_attn = 3 * b * hq + 8 * d + io
+    if math_attention:
+        saved += b * heads * S
+        bw_attn += 3 * b * heads * S
+    p_layer = max((u.numel for u in split.layer_units), default=0)
+    p_mlp = min(3 * d * inter, p_layer)
+    phases = [(N * (saved + bw_mlp), b * d * inter),
+              (N * (saved - saved_mlp + bw_attn), b * p_mlp),
+              (N * io, b * p_layer)]
+    return {"saved": N * saved,
+            "peak": max(a + g for a, g in phases),
+            "peak_no_param_grads": max(a for a, _ in phases)}
+
+
+def head_bytes(split: SplitModel, n_tokens: int, dtype: torch.dtype, impl: str, chunk_tokens: int) -> int:
+    """Peak of the output layer's loss + gradients, for n_tokens (all assumed not ignored).
+
+    full   : logits N*V*b (kept alive by the caller), their fp32 upcast (an alias in fp32) and
+             the log_softmax output (4 each); backward: the log_softmax output, its gradient
+             and the input gradient in fp32 (4 each): 12*N*V at the peak (measured on the CPU
+             for bf16 and fp32: 12.1*N*V); plus the weight gradient V*d*b and the hidden
+             gradient N*d*b.
+    chunked: one chunk c = min(chunk_tokens, N) of logits c*V*b, its fp32 upcast (4, an alias
+             in fp32) and logsumexp's fp32 temporary (4); an fp32 weight-gradient accumulator
+             4*V*d when there is more than one chunk (rounded into V*d*b after the loop); the
+             hidden gradient N*d*b. Backward scales the saved gradients into new tensors
+             (V*d*b + N*d*b more). Peak = max(loop, final rounding, backward).
+    fused  : like chunked without the fp32 copies of a chunk (Triton writes the gradient in
+             place over the logits; liger chunks internally, below chunk_tokens).
+    Plus the final RMSNorm's saved tensors (4 + 2b)*N*d and the head's input N*d*b.
+    """
+    sh = _shape(split)
+    b = torch.empty((), dtype=dtype).element_size()
+    V, d, N = sh.vocab, sh.d, n_tokens
+    norm = (4 + 3 * b) * N * d
+    if impl == "full":
+        return norm + (8 + max(b, 4)) * N * V + V * d * b + N * d * b
+    c = max(1, min(chunk_tokens, N))
+    chunks = -(-N // c)
+    per_chunk = c * V * (b if impl == "fused" else b + 4 + (0 if b >= 4 else 4))
+    acc = 4 * V * d if chunks > 1 else b * V * d
+    g_h = N * d * b
+    loop = per_chunk + acc + g_h
+    final = acc + (b * V * d if chunks > 1 else 0) + g_h
+    backward = 2 * (b * V * d + g_h)
+    return norm + max(loop, final, backward)
+
+
+# ----------------------------------------------------------------------------- the estimate
+
+
+def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int,
+                    grad_accum: int = 1, max_grad_norm: float | None = None) -> MemoryEstimate:
+    """Bytes of GPU, host and pinned memory the configuration needs (nothing is allocated)."""
+    if batch_size < 1 or seq_len < 1 or grad_accum < 1:
+        raise ValueError("batch_size, seq_len and grad_accum must be >= 1")
+    if rt.head_impl not in ("full", "chunked", "fused"):
+        raise ValueError(f"head_impl must be full, chunked or fused, not {rt.head_impl!r}")
+    dev = _device_type(rt)
+    dtype = rt.torch_dtype
+    b = torch.empty((), dtype=dtype).element_size()
+    sh = _shape(split)
+    B, S, N, L, d = batch_size, seq_len, batch_size * seq_len, sh.layers, sh.d
+    P = split.num_params()
+    P_L = max((u.numel for u in split.layer_units), default=0)
+    P_E, P_H = split.embed_unit.numel, split.head_unit.numel
+    largest_param = max(p.numel for u in split.units for p in u.params)
+
+    gpu: dict[str, int] = {}
+    host: dict[str, int] = {}
+    pinned = 0
+    schedule = None
+    # what every layer receives besides the hidden states: one [B,1,S,S] bool mask per
+    # mask kind (materialized when the batch is padded), rotary cos/sin [1,S,hd] fp32
+    layer_inputs = sh.mask_types * B * S * S + 2 * S * sh.head_dim * 4 + 2 * N * 8   # + ids, labels
+    head = head_bytes(split, N, dtype, rt.head_impl, rt.head_chunk_tokens)
+
+    if rt.mode == "slide":
+        schedule = rt.resolved_schedule(grad_accum, max_grad_norm)
+        gpu["layer weight slots"] = rt.cache_units * P_L * b
+        gpu["layer grad slots"] = rt.grad_slots * P_L * b
+        gpu["vocab weight slots"] = (P_E + P_H) * b
+        gpu["vocab grad slots"] = (P_E + P_H) * b
+        ckpt = N * d * b
+        # offload: the checkpoint being read by the layer in backward and the one prefetched
+        # (in forward, the one whose D2H copy is in flight and the one being computed)
+        gpu["activation checkpoints"] = 2 * ckpt if rt.offload_activations else L * ckpt
+        gpu["layer inputs (masks, rotary, ids)"] = layer_inputs
+        phases = {
+            # recompute + backward of one layer; autograd.grad also returns the layer's
+            # parameter gradients as fresh tensors before they are copied into a grad slot
+            "layer working set": int(ACTIVATION_MARGIN * layer_activation_bytes(split, B, S, dtype)["peak"]),
+            # the head phase (head_bytes counts the last layer's output and its gradient)
+            "head/logits": head,
+            # embedding backward: a dense [V, d] gradient, and the incoming gradient
+            "embedding backward": P_E * b + ckpt,
+        }
+        chunk_elems = max(1, rt.chunk_mb * MiB // b)
+        host["master + Adam moments (12 B/param)"] = 12 * P
+        if schedule == "deferred":
+            host["fp32 gradients (deferred schedule, 4 B/param)"] = 4 * P
+        rings = (rt.upload_ring + rt.download_ring) * chunk_elems * b
+        host["upload/download rings"] = rings
+        host["fp32 drain scratch"] = chunk_elems * 4
+        if rt.offload_activations:
+            host["offloaded checkpoints"] = L * ckpt
+        if dev == "cuda":
+            pinned = rings + (L * ckpt if rt.offload_activations else 0)
+        host["weight loading transient"] = largest_param * 4
+    else:
+        recomputed = recompute_set(rt.recompute, L) if rt.mode == "ckpt" else set()
+        gpu["fp32 master"] = 4 * P
+        gpu["Adam moments"] = 8 * P
+        gpu["fp32 grad accumulator"] = 4 * P
+        gpu["compute weights"] = b * P
+        gpu["compute grads"] = b * P
+        stored = len(recomputed) * N * d * b
+        act = layer_activation_bytes(split, B, S, dtype)
+        stored += (L - len(recomputed)) * int(ACTIVATION_MARGIN * act["saved"])
+        gpu["stored activations"] = stored
+        gpu["layer inputs (masks, rotary, ids)"] = layer_inputs
+        # backward of one layer above what is stored: its whole working set when it is
+        # recomputed, only the backward temporaries when its activations are stored
+        bwd = int(ACTIVATION_MARGIN * (act["peak_no_param_grads"] - (0 if recomputed else act["saved"])))
+        phases = {"layer working set": bwd, "head/logits": head}
+        if dev == "cuda":  # each unit is built in host RAM, then copied to the device
+            host["weight loading transient"] = max(u.numel for u in split.units) * 4
+    peak_name = max(phases, key=phases.get)
+    gpu[f"{peak_name} (peak phase)"] = phases[peak_name]
+    if dev == "cuda":
+        gpu["cuda context + allocator slack"] = CUDA_OVERHEAD_BYTES
+    host["runtime overhead"] = HOST_OVERHEAD_BYTES[dev if dev in HOST_OVERHEAD_BYTES else "cuda"]
+    return MemoryEstimate(gpu_bytes=int(sum(gpu.values())), host_bytes=int(sum(host.values())),
+                          pinned_bytes=int(pinned), gpu_parts={k: int(v) for k, v in gpu.items()},
+                          host_parts={k: int(v) for k, v in host.items()}, device_type=dev,
+                          phases={k: int(v) for k, v in phases.items()}, schedule=schedule)
+
+
+# ----------------------------------------------------------------------------- availability
+
+
+def _parse_bytes(text: str) -> int:
+    """'137438953472', '128G', '128GiB', '1.5T' -> bytes (binary units)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    if t and t[-1] in mult:
+        return int(float(t[:-1]) * mult[t[-1]])
+    return int(float(t))
+
+
+def query_host_available_bytes() -> int:
+    """psutil's available RAM, or SLIDETUNE_HOST_MEMORY_BYTES where the host grows its RAM
+    lazily (some VMs report far less than they can give)."""
+    env = os.environ.get(ENV_HOST_MEMORY)
+    if env:
+        try:
+            return _parse_bytes(env)
+        except ValueError as e:
+            raise ValueError(f"{ENV_HOST_MEMORY}={env!r} is not a byte count (e.g. 137438953472 or 128G)") from e
+    import psutil
+    return int(psutil.virtual_memory().available)
+
+
+def query_gpu_free_bytes(rt: RuntimeConfig) -> int:
+    if not torch.cuda.is_available():
+        raise RuntimeError("cannot check GPU memory: CUDA is not available (pass gpu_free_bytes to plan "
+                           "for a GPU from this machine)")
+    dev = torch.device(rt.device) if rt.device not in (None, "auto") else torch.device("cuda")
+    return int(torch.cuda.mem_get_info(dev)[0])
+
+
+# ----------------------------------------------------------------------------- check
+
+
+@dataclass
+class _Budget:
+    device_type: str
+    gpu_free: int | None
+    host_avail: int
+    safety: float
+
+    def shortfalls(self, est: MemoryEstimate) -> list[tuple[str, int, int, int, dict[str, int]]]:
+        """[(what, needed, usable, available, parts)] for each memory that does not fit."""
+        out = []
+        if est.device_type == "cuda" and self.gpu_free is not None:
+            usable = int(self.safety * self.gpu_free)
+            if est.gpu_bytes > usable:
+                out.append(("GPU memory", est.gpu_bytes, usable, self.gpu_free, est.gpu_parts))
+        usable = int(self.safety * self.host_avail)
+        need = est.host_total_bytes
+        if need > usable:
+            parts = dict(est.host_parts)
+            if est.device_type == "cpu":
+                parts.update({f"device: {k}": v for k, v in est.gpu_parts.items()})
+            out.append(("host RAM", need, usable, self.host_avail, parts))
+        return out
+
+    def fits(self, est: MemoryEstimate) -> bool:
+        return not self.shortfalls(est)
+
+
+def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int, grad_accum: int = 1,
+              max_grad_norm: float | None = None, gpu_free_bytes: int | None = None,
+              host_available_bytes: int | None = None, safety: float = 0.9) -> MemoryEstimate:
+    """The estimate if it fits in `safety` x the available memory, else InsufficientMemoryError.
+
+    gpu_free_bytes: default torch.cuda.mem_get_info()[0] (device cuda); ignored on device cpu,
+    where model state and activations count against host RAM.
+    host_available_bytes: default psutil's available RAM, or $SLIDETUNE_HOST_MEMORY_BYTES.
+    """
+    if not 0 < safety <= 1:
+        raise ValueError("safety must be in (0, 1]")
+    est = estimate_memory(split, rt, batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum,
+                          max_grad_norm=max_grad_norm)
+    if est.device_type == "cuda" and gpu_free_bytes is None:
+        gpu_free_bytes = query_gpu_free_bytes(rt)
+    if host_available_bytes is None:
+        host_available_bytes = query_host_available_bytes()
+    budget = _Budget(est.device_type, gpu_free_bytes, int(host_available_bytes), safety)
+    short = budget.shortfalls(est)
+    if not short:
+        return est
+    options = suggest(split, rt, budget, batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum,
+                      max_grad_norm=max_grad_norm)
+    raise InsufficientMemoryError(_message(rt, est, short, options, batch_size, seq_len, grad_accum, safety),
+                                  est, options)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def _message(rt, est, short, options, B, S, accum, safety) -> str:
+    lines = [f"slidetune: mode {rt.mode}, batch {B} x {S} tokens"
+             + (f" x {accum} micro-batches" if accum > 1 else "") + f", {rt.dtype} on {est.device_type}: "
+             + " and ".join(w for w, *_ in short) + " too small."]
+    for what, need, usable, avail, parts in short:
+        lines.append(f"  {what}: needs {_gib(need)} GiB, usable {_gib(usable)} GiB "
+                     f"({safety:.0%} of {_gib(avail)} GiB available).")
+        top = sorted(parts.items(), key=lambda kv: -kv[1])[:5]
+        lines.append("    largest items: " + ", ".join(f"{k} {_gib(v)} GiB" for k, v in top))
+        if what == "host RAM":
+            lines.append(f"    (if this host grows its RAM on demand, set {ENV_HOST_MEMORY} to what it can give)")
+    if options:
+        lines.append("Options that fit (per the same estimate):")
+        lines += [f"  {o}" for o in options]
+    else:
+        lines.append("No single change among batch size, activation offload, cache slots, head chunking "
+                     "and mode fits: use a smaller model or sequence length, or a machine with more memory.")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- suggestions
+
+
+def _fmt_flag(name: str, value) -> str:
+    if isinstance(value, bool):
+        value = "true" if value else "false"
+    return f"--{name.replace('_', '-')} {value}"
+
+
+def suggest(split: SplitModel, rt: RuntimeConfig, budget: _Budget, *, batch_size: int, seq_len: int,
+            grad_accum: int, max_grad_norm: float | None, limit: int = 8) -> list[str]:
+    """Changes that fit per the estimate, cheapest first; each a line of CLI flags + the result."""
+    total = batch_size * grad_accum
+
+    def attempt(changes: dict, B: int, accum: int, clip):
+        try:
+            cand = dataclasses.replace(rt, **changes) if changes else rt
+            est = estimate_memory(split, cand, batch_size=B, seq_len=seq_len, grad_accum=accum,
+                                  max_grad_norm=clip)
+        except ValueError:
+            return None
+        return est if budget.fits(est) else None
+
+    def with_batch(changes: dict, B: int):
+        """(changes, B, accum, est) keeping the sequences per step: accum = ceil(total / B)."""
+        accum = -(-total // B)
+        ch = dict(changes)
+        if accum > 1 and rt.mode == "slide" and ch.get("schedule", rt.schedule) == "eager":
+            ch["schedule"] = "deferred"
+        return ch, accum, attempt(ch, B, accum, max_grad_norm)
+
+    def largest_batch(changes: dict):
+        """Largest micro-batch below the current one that fits (estimates are monotone in B)."""
+        lo, hi, best = 1, batch_size - 1, None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            ch, accum, est = with_batch(changes, mid)
+            if est is not None:
+                best, lo = mid, mid + 1
+            else:
+                hi = mid - 1
+        if best is None:
+            return None
+        # prefer a divisor of the sequences per step, so the effective batch stays exact
+        divisors = [k for k in range(best, 0, -1) if total % k == 0]
+        pick = divisors[0] if divisors and divisors[0] * 2 > best else best
+        ch, accum, est = with_batch(changes, pick)
+        return pick, accum, ch, est, best
+
+    out: list[str] = []
+    seen: set[str] = set()
+
+    def add(flags: list[str], est: MemoryEstimate, note: str = "") -> None:
+        key = " ".join(flags)
+        if key in seen:
+            return
+        seen.add(key)
+        where = (f"GPU {_gib(est.gpu_bytes)} GiB, " if est.device_type == "cuda" else "") + \
+            f"host {_gib(est.host_total_bytes)} GiB"
+        out.append(f"{key}  -> {where}" + (f" ({note})" if note else ""))
+
+    def consider(changes: dict, flags: list[str], clip=max_grad_norm, accum=grad_accum):
+        est = attempt(changes, batch_size, accum, clip)
+        if est is not None:
+            add(flags, est)
+            return True
+        if batch_size > 1:
+            found = largest_batch(changes)
+            if found is not None:
+                pick, accum2, ch, est2, best = found
+                extra = [_fmt_flag("batch_size", pick)]
+                if accum2 != grad_accum:
+                    extra.append(_fmt_flag("grad_accum", accum2))
+                if ch.get("schedule") != changes.get("schedule") and "schedule" in ch:
+                    extra.append(_fmt_flag("schedule", ch["schedule"]))
+                note = f"{pick * accum2} sequences per step"
+                if pick != best:
+                    note += f"; largest micro-batch that fits: {best}"
+                add(flags + extra, est2, note)
+                return True
+        return False
+
+    # 1. the same configuration with a smaller micro-batch (more accumulation)
+    consider({}, [])
+    cands: list[tuple[dict, list[str]]] = []
+    if rt.mode == "slide":
+        if not rt.offload_activations:
+            cands.append(({"offload_activations": True}, [_fmt_flag("offload_activations", True)]))
+        if rt.cache_units > 2:
+            cands.append(({"cache_units": 2}, [_fmt_flag("cache_units", 2)]))
+        if rt.grad_slots > 1:
+            cands.append(({"grad_slots": 1}, [_fmt_flag("grad_slots", 1)]))
+    # the head: chunk it, then smaller chunks (largest chunk that fits)
+    head_base: dict = {}
+    if rt.head_impl == "full":
+        head_base = {"head_impl": "chunked"}
+        cands.append((head_base, [_fmt_flag("head_impl", "chunked")]))
+    chunk = min(rt.head_chunk_tokens, batch_size * seq_len) // 2
+    while chunk >= 256:
+        ch = dict(head_base, head_chunk_tokens=chunk)
+        flags = ([_fmt_flag("head_impl", "chunked")] if head_base else []) + [_fmt_flag("head_chunk_tokens", chunk)]
+        if attempt(ch, batch_size, grad_accum, max_grad_norm) is not None:
+            cands.append((ch, flags))
+            break
+        chunk //= 2
+    # other modes
+    if rt.mode == "gpu":
+        cands.append(({"mode": "ckpt", "recompute": "all"}, [_fmt_flag("mode", "ckpt"), _fmt_flag("recompute", "all")]))
+    if rt.mode == "ckpt" and recompute_set(rt.recompute, split.num_layers) != set(range(split.num_layers)):
+        cands.append(({"recompute": "all"}, [_fmt_flag("recompute", "all")]))
+    if rt.mode in ("gpu", "ckpt"):
+        cands.append(({"mode": "slide"}, [_fmt_flag("mode", "slide")]))
+        cands.append(({"mode": "slide", "offload_activations": True},
+                      [_fmt_flag("mode", "slide"), _fmt_flag("offload_activations", True)]))
+    for changes, flags in cands:
+        consider(changes, flags)
+    # everything that saves memory at once (when no single change is enough)
+    lean = {"offload_activations": True, "cache_units": 2, "grad_slots": 1}
+    if rt.head_impl == "full":
+        lean["head_impl"] = "chunked"
+    lean["head_chunk_tokens"] = min(rt.head_chunk_tokens, 1024)
+    if rt.mode in ("gpu", "ckpt"):
+        lean["mode"] = "slide"
+    lean = {k: v for k, v in lean.items() if getattr(rt, k) != v}
+    if not out and lean:
+        consider(lean, [_fmt_flag(k, v) for k, v in lean.items()])
+    # host: the deferred schedule keeps FP32 gradients (4 B/param); eager does not
+    if rt.mode == "slide" and (grad_accum > 1 or (max_grad_norm or 0) > 0) and rt.schedule != "deferred":
+        ch, flags = {}, [_fmt_flag("grad_accum", 1), _fmt_flag("max_grad_norm", 0)]
+        est = attempt(ch, batch_size, 1, None)
+        if est is not None and attempt({}, batch_size, grad_accum, max_grad_norm) is None:
+            add(flags, est, "eager schedule, no FP32 host gradients; changes the recipe: no accumulation, "
+                            "no clipping")
+    return out[:limit]

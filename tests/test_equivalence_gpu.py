@@ -1,0 +1,72 @@
+"""On CUDA in BF16: every engine stays within BF16 noise of the FP32 reference.
+
+"BF16 noise" is measured, not guessed: gpu mode (the whole model on the device, BF16
+compute, FP32 master) is run beside the engine under test, and the engine's distance
+from the FP32 reference must be of the same size as gpu mode's (at most 2x + 1e-3),
+with per-step losses within 2% of the reference.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reference import ReferenceTrainer, build_reference
+from slidetune.engine import AdamWConfig, RuntimeConfig, build_engine
+from test_equivalence import FAMILIES, LR, STEPS, make_batches, make_loaded, max_param_rel_diff
+
+pytestmark = pytest.mark.gpu
+
+GPU_RUNS = {
+    "slide-eager": ("slide", "eager", 1, None, False),
+    "slide-eager-offload": ("slide", "eager", 1, None, True),
+    "slide-deferred-accum4-clip-offload": ("slide", "deferred", 4, 0.5, True),
+    "ckpt": ("ckpt", "auto", 4, 0.5, False),
+}
+
+
+def _run(loaded, mode, schedule, accum, clip, offload, dtype):
+    rt = RuntimeConfig(mode=mode, dtype=dtype, device="cuda", schedule=schedule, offload_activations=offload,
+                       head_chunk_tokens=16, chunk_mb=1)
+    eng = build_engine(loaded, rt, AdamWConfig(lr=LR, weight_decay=0.1, eps=1e-6), grad_accum=accum,
+                       max_grad_norm=clip)
+    losses = []
+    for step in range(STEPS):
+        mbs = [b.to("cuda") for b in make_batches(step, accum)]
+        losses.append(eng.train_step(mbs, LR * (0.5 + step)).loss)
+    eng.synchronize()
+    return eng, losses
+
+
+@pytest.mark.parametrize("run", list(GPU_RUNS))
+@pytest.mark.parametrize("fam", list(FAMILIES))
+def test_bf16_within_noise(fam, run):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    mode, schedule, accum, clip, offload = GPU_RUNS[run]
+    loaded = make_loaded(**FAMILIES[fam])
+    ref = ReferenceTrainer(build_reference(loaded).cuda(), lr=LR, weight_decay=0.1, eps=1e-6, max_grad_norm=clip)
+    ref_losses = []
+    for step in range(STEPS):
+        mbs = [b.to("cuda") for b in make_batches(step, accum)]
+        ref_losses.append(ref.step(mbs, LR * (0.5 + step))[0])
+    noise_eng, _ = _run(loaded, "gpu", "auto", accum, clip, False, "bf16")
+    noise, _ = max_param_rel_diff(_cpu(noise_eng), ref.model)
+    noise_eng.close()
+    eng, losses = _run(loaded, mode, schedule, accum, clip, offload, "bf16")
+    try:
+        for a, b in zip(losses, ref_losses):
+            assert a == pytest.approx(b, rel=2e-2)
+        diff, where = max_param_rel_diff(_cpu(eng), ref.model)
+        assert diff <= 2 * noise + 1e-3, f"{where}: {diff:.2e} vs gpu-mode noise {noise:.2e}"
+    finally:
+        eng.close()
+
+
+class _cpu:
+    """Adapter: master params on the CPU for comparison with a CUDA reference."""
+
+    def __init__(self, eng):
+        self.eng = eng
+
+    def named_master_params(self):
+        for n, t in self.eng.named_master_params():
+            yield n, t.cuda()
