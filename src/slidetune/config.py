@@ -109,9 +109,10 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         default = getattr(obj, f.name)
         base, _ = _base_type(f.type)
         help_text = f"{path} (default: {default})"
+        extra = {"nargs": "?", "const": True} if base is bool else {}   # `--offload-activations` alone means true
         parser.add_argument("--" + flag.replace("_", "-"), dest=path, default=argparse.SUPPRESS,
                             type=lambda s, t=f.type: _parse_value(s, t), help=help_text,
-                            metavar=base.__name__.upper() if isinstance(base, type) else "VALUE")
+                            metavar=base.__name__.upper() if isinstance(base, type) else "VALUE", **extra)
 
 
 def _apply(cfg_dict: dict, path: str, value) -> None:

@@ -19,6 +19,20 @@ class _NullEvent:
     def record(self, stream=None) -> None:
         pass
 
+    def register_host(self, t: torch.Tensor) -> None:
+        """Page-lock an existing host tensor in place (cudaHostRegister): async copies, no extra RAM."""
+        if not self.is_cuda or t.numel() == 0:
+            return
+        err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+        if err != 0:
+            raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size() / 2**30:.2f} GiB failed "
+                               f"(cudaError {err}); the host may limit locked memory (ulimit -l). "
+                               f"Use --cast-on cpu to stream through small pinned buffers instead")
+
+    def unregister_host(self, t: torch.Tensor) -> None:
+        if self.is_cuda and t.numel():
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
     def synchronize(self) -> None:
         pass
 
@@ -35,6 +49,20 @@ class _NullStream:
 
     def wait_stream(self, stream) -> None:
         pass
+
+    def register_host(self, t: torch.Tensor) -> None:
+        """Page-lock an existing host tensor in place (cudaHostRegister): async copies, no extra RAM."""
+        if not self.is_cuda or t.numel() == 0:
+            return
+        err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+        if err != 0:
+            raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size() / 2**30:.2f} GiB failed "
+                               f"(cudaError {err}); the host may limit locked memory (ulimit -l). "
+                               f"Use --cast-on cpu to stream through small pinned buffers instead")
+
+    def unregister_host(self, t: torch.Tensor) -> None:
+        if self.is_cuda and t.numel():
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
     def synchronize(self) -> None:
         pass
@@ -88,6 +116,20 @@ class Device:
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A host buffer for async copies: pinned on CUDA machines, plain on CPU-only ones."""
         return torch.empty(numel, dtype=dtype, pin_memory=self.is_cuda)
+
+    def register_host(self, t: torch.Tensor) -> None:
+        """Page-lock an existing host tensor in place (cudaHostRegister): async copies, no extra RAM."""
+        if not self.is_cuda or t.numel() == 0:
+            return
+        err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+        if err != 0:
+            raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size() / 2**30:.2f} GiB failed "
+                               f"(cudaError {err}); the host may limit locked memory (ulimit -l). "
+                               f"Use --cast-on cpu to stream through small pinned buffers instead")
+
+    def unregister_host(self, t: torch.Tensor) -> None:
+        if self.is_cuda and t.numel():
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
     def synchronize(self) -> None:
         if self.is_cuda:

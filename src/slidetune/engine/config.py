@@ -20,9 +20,10 @@ class RuntimeConfig:
     grad_slots: int = 2             # GPU gradient slots: one being written while the other drains
     offload_activations: bool = False  # layer-input checkpoints in pinned host memory
     schedule: str = "auto"          # auto | eager | deferred (auto: eager unless accumulation/clipping)
+    cast_on: str = "auto"           # auto | cpu | gpu: where FP32 <-> compute dtype conversions run (auto: gpu on CUDA)
     chunk_mb: int = 64              # cast/copy/update granularity: tens of MB pipeline well
     upload_ring: int = 4            # pinned staging chunks for uploads
-    download_ring: int = 8          # pinned staging chunks for gradient downloads
+    download_ring: int = 0          # pinned staging chunks for gradient downloads (0: enough for 2 layers)
     # output layer
     head_impl: str = "chunked"      # full | chunked | fused
     head_chunk_tokens: int = 4096   # tokens per logits chunk (4096 x 152k vocab x 2 B = 1.2 GB)
@@ -34,6 +35,8 @@ class RuntimeConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {self.dtype!r}")
         if self.schedule not in ("auto", "eager", "deferred"):
             raise ValueError(f"schedule must be auto, eager or deferred, not {self.schedule!r}")
+        if self.cast_on not in ("auto", "cpu", "gpu"):
+            raise ValueError(f"cast_on must be auto, cpu or gpu, not {self.cast_on!r}")
         if self.cache_units < 2:
             raise ValueError("cache_units must be >= 2 (one computing, one loading)")
         if self.grad_slots < 1:

@@ -31,7 +31,6 @@ On device "cpu" the "GPU" parts live in host RAM and are checked against it.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass, field
 
@@ -44,11 +43,11 @@ GiB = 2**30
 MiB = 2**20
 
 # CUDA context + allocator slack. mem_get_info() is read after the context exists, but
-# cuBLAS handles and workspaces, lazily loaded kernel modules (hundreds of MB with
-# CUDA lazy loading spread over the first steps), NCCL-free streams/events, and the
-# caching allocator's rounding and fragmentation (blocks are split in 2 MiB / 20 MiB
-# pools; a freed logits chunk is rarely reused exactly) all come later. 1 GiB covers
-# what we saw on H100 (0.5-0.8 GiB reserved above allocated at steady state).
+# cuBLAS handles and workspaces, kernel modules loaded lazily during the first steps,
+# and the caching allocator's rounding and fragmentation (blocks come from 2 MiB /
+# 20 MiB pools; a freed logits chunk is not always reused exactly) come later. 1 GiB is
+# a round allowance for these, not a measurement: compare it with a run's
+# max_memory_reserved - max_memory_allocated on the GPU before you tighten it.
 CUDA_OVERHEAD_BYTES = 1 * GiB
 # Host memory that appears after the check: with CUDA, the driver's host-side state
 # and pinned staging of the caching host allocator (~0.3-0.6 GB RSS), plus tokenizer,
@@ -61,6 +60,10 @@ HOST_OVERHEAD_BYTES = {"cuda": 1 * GiB, "cpu": GiB // 2}
 # on the CPU (fp32 and bf16, 16 to 4096 tokens, padded or not; tests/test_fit.py), the
 # estimate with this margin is 1.00-1.33x the measured peak, without it 0.91-1.21x.
 ACTIVATION_MARGIN = 1.10
+# The head's estimate (head_bytes) matches the CPU allocator's peak within 0-3% for full
+# and chunked, fp32 and bf16 (tests/test_fit.py) and the H100 numbers of
+# ops/cross_entropy.py within 1%; 5% for cuBLAS workspaces and allocator rounding.
+HEAD_MARGIN = 1.05
 ENV_HOST_MEMORY = "SLIDETUNE_HOST_MEMORY_BYTES"
 
 
@@ -155,11 +158,13 @@ def _device_type(rt: RuntimeConfig) -> str:
 def _math_attention(dtype: torch.dtype) -> bool:
     """Whether SDPA falls back to its math path (B*heads*S*S scores in memory).
 
-    Not for the compute dtypes the runtime offers: on CUDA, bf16/fp16 run flash or
-    memory-efficient attention and fp32 the memory-efficient kernel (also with a padding
-    mask); on the CPU, torch's flash kernel takes fp32, bf16 and fp16. Measured on the
-    CPU (tests/test_fit.py): one layer's peak is the same at 4 x 256 and 2 x 512 tokens,
-    i.e. no S^2 term. Other dtypes (float64) take the math path.
+    Not for the compute dtypes the runtime offers. On the CPU, torch's flash kernel takes
+    fp32, bf16 and fp16 (measured, tests/test_fit.py: one layer's peak is the same at
+    4 x 256 and 2 x 512 tokens, i.e. no S^2 term, padded or not). On CUDA, torch's kernel
+    selection gives bf16/fp16 flash or memory-efficient attention and fp32 the
+    memory-efficient kernel, also with a padding mask (not measured here). Other dtypes
+    (float64) take the math path. Pass math_attention=True to layer_activation_bytes to
+    see the S^2 cost where a fused kernel is unavailable.
     """
     return dtype not in (torch.float32, torch.bfloat16, torch.float16)
 
@@ -247,8 +252,11 @@ def head_bytes(split: SplitModel, n_tokens: int, dtype: torch.dtype, impl: str, 
              4*V*d when there is more than one chunk (rounded into V*d*b after the loop); the
              hidden gradient N*d*b. Backward scales the saved gradients into new tensors
              (V*d*b + N*d*b more). Peak = max(loop, final rounding, backward).
-    fused  : like chunked without the fp32 copies of a chunk (Triton writes the gradient in
-             place over the logits; liger chunks internally, below chunk_tokens).
+    fused  : our Triton kernel writes the gradient in place over a chunk's logits (c*V*b,
+             no fp32 copy); liger chunks by its own rule and upcasts its chunks. Counted as
+             c*V*(b + 4) per chunk with chunked's accumulators: against the H100 numbers in
+             ops/cross_entropy.py, 5.9 GiB estimated vs 6.2 measured at 16K tokens x 152K
+             vocab (the head margin covers it), 3.9 vs 2.5 at 8K x 128K.
     Plus the final RMSNorm's saved tensors (4 + 2b)*N*d and the head's input N*d*b.
     """
     sh = _shape(split)
@@ -259,7 +267,7 @@ def head_bytes(split: SplitModel, n_tokens: int, dtype: torch.dtype, impl: str, 
         return norm + (8 + max(b, 4)) * N * V + V * d * b + N * d * b
     c = max(1, min(chunk_tokens, N))
     chunks = -(-N // c)
-    per_chunk = c * V * (b if impl == "fused" else b + 4 + (0 if b >= 4 else 4))
+    per_chunk = c * V * (b + 4 if impl == "fused" else b + 4 + (0 if b >= 4 else 4))
     acc = 4 * V * d if chunks > 1 else b * V * d
     g_h = N * d * b
     loop = per_chunk + acc + g_h
@@ -295,7 +303,7 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
     # what every layer receives besides the hidden states: one [B,1,S,S] bool mask per
     # mask kind (materialized when the batch is padded), rotary cos/sin [1,S,hd] fp32
     layer_inputs = sh.mask_types * B * S * S + 2 * S * sh.head_dim * 4 + 2 * N * 8   # + ids, labels
-    head = head_bytes(split, N, dtype, rt.head_impl, rt.head_chunk_tokens)
+    head = int(HEAD_MARGIN * head_bytes(split, N, dtype, rt.head_impl, rt.head_chunk_tokens))
 
     if rt.mode == "slide":
         schedule = rt.resolved_schedule(grad_accum, max_grad_norm)
@@ -483,126 +491,132 @@ def _fmt_flag(name: str, value) -> str:
 
 def suggest(split: SplitModel, rt: RuntimeConfig, budget: _Budget, *, batch_size: int, seq_len: int,
             grad_accum: int, max_grad_norm: float | None, limit: int = 8) -> list[str]:
-    """Changes that fit per the estimate, cheapest first; each a line of CLI flags + the result."""
+    """Changes that fit per the estimate, cheapest first; each a line of CLI flags + the result.
+
+    Each candidate change is tried at the current micro-batch; where it does not fit, the
+    largest micro-batch that does is searched (bisection: the estimate is monotone in the
+    batch), keeping the sequences per step through more accumulation. A candidate that
+    only fits at the same reduced batch as the plain batch reduction adds nothing and is
+    left out.
+    """
     total = batch_size * grad_accum
 
-    def attempt(changes: dict, B: int, accum: int, clip):
+    def attempt(changes: dict, B: int, accum: int, clip) -> MemoryEstimate | None:
+        ch = dict(changes)
+        if accum > 1 and ch.get("mode", rt.mode) == "slide" and ch.get("schedule", rt.schedule) == "eager":
+            ch["schedule"] = "deferred"          # eager cannot accumulate
         try:
-            cand = dataclasses.replace(rt, **changes) if changes else rt
-            est = estimate_memory(split, cand, batch_size=B, seq_len=seq_len, grad_accum=accum,
-                                  max_grad_norm=clip)
+            est = estimate_memory(split, dataclasses.replace(rt, **ch) if ch else rt, batch_size=B,
+                                  seq_len=seq_len, grad_accum=accum, max_grad_norm=clip)
         except ValueError:
             return None
         return est if budget.fits(est) else None
 
-    def with_batch(changes: dict, B: int):
-        """(changes, B, accum, est) keeping the sequences per step: accum = ceil(total / B)."""
-        accum = -(-total // B)
-        ch = dict(changes)
-        if accum > 1 and rt.mode == "slide" and ch.get("schedule", rt.schedule) == "eager":
-            ch["schedule"] = "deferred"
-        return ch, accum, attempt(ch, B, accum, max_grad_norm)
+    def accum_for(B: int, keep_total: bool) -> int:
+        return -(-total // B) if keep_total else grad_accum
 
-    def largest_batch(changes: dict):
-        """Largest micro-batch below the current one that fits (estimates are monotone in B)."""
+    def largest_batch(changes: dict, keep_total: bool) -> int | None:
         lo, hi, best = 1, batch_size - 1, None
         while lo <= hi:
             mid = (lo + hi) // 2
-            ch, accum, est = with_batch(changes, mid)
-            if est is not None:
+            if attempt(changes, mid, accum_for(mid, keep_total), max_grad_norm) is not None:
                 best, lo = mid, mid + 1
             else:
                 hi = mid - 1
-        if best is None:
-            return None
-        # prefer a divisor of the sequences per step, so the effective batch stays exact
-        divisors = [k for k in range(best, 0, -1) if total % k == 0]
-        pick = divisors[0] if divisors and divisors[0] * 2 > best else best
-        ch, accum, est = with_batch(changes, pick)
-        return pick, accum, ch, est, best
+        return best
 
     out: list[str] = []
     seen: set[str] = set()
 
     def add(flags: list[str], est: MemoryEstimate, note: str = "") -> None:
         key = " ".join(flags)
-        if key in seen:
+        if key in seen or len(out) >= limit:
             return
         seen.add(key)
         where = (f"GPU {_gib(est.gpu_bytes)} GiB, " if est.device_type == "cuda" else "") + \
             f"host {_gib(est.host_total_bytes)} GiB"
         out.append(f"{key}  -> {where}" + (f" ({note})" if note else ""))
 
-    def consider(changes: dict, flags: list[str], clip=max_grad_norm, accum=grad_accum):
-        est = attempt(changes, batch_size, accum, clip)
+    def flags_of(changes: dict, B: int | None = None, accum: int | None = None) -> list[str]:
+        flags = [_fmt_flag(k, v) for k, v in changes.items()]
+        if B is not None:
+            flags.append(_fmt_flag("batch_size", B))
+        if accum is not None and accum != grad_accum:
+            flags.append(_fmt_flag("grad_accum", accum))
+        if (accum or grad_accum) > 1 and changes.get("mode", rt.mode) == "slide" and rt.schedule == "eager":
+            flags.append(_fmt_flag("schedule", "deferred"))
+        return flags
+
+    plain_best = 0
+
+    def consider(changes: dict) -> bool:
+        """Add the change (with a smaller micro-batch if needed); True if it fits somehow."""
+        nonlocal plain_best
+        est = attempt(changes, batch_size, grad_accum, max_grad_norm)
         if est is not None:
-            add(flags, est)
+            add(flags_of(changes), est)
             return True
-        if batch_size > 1:
-            found = largest_batch(changes)
-            if found is not None:
-                pick, accum2, ch, est2, best = found
-                extra = [_fmt_flag("batch_size", pick)]
-                if accum2 != grad_accum:
-                    extra.append(_fmt_flag("grad_accum", accum2))
-                if ch.get("schedule") != changes.get("schedule") and "schedule" in ch:
-                    extra.append(_fmt_flag("schedule", ch["schedule"]))
-                note = f"{pick * accum2} sequences per step"
-                if pick != best:
-                    note += f"; largest micro-batch that fits: {best}"
-                add(flags + extra, est2, note)
-                return True
+        if batch_size == 1:
+            return False
+        for keep_total in (True, False):
+            best = largest_batch(changes, keep_total)
+            if best is None:
+                continue
+            if not changes:
+                plain_best = max(plain_best, best)
+            elif best <= plain_best:
+                return True       # no better than reducing the batch alone
+            pick = best
+            if keep_total:        # prefer a divisor of the sequences per step: the same effective batch
+                divisor = next(k for k in range(best, 0, -1) if total % k == 0)
+                pick = divisor if 2 * divisor > best else best
+            accum = accum_for(pick, keep_total)
+            est = attempt(changes, pick, accum, max_grad_norm)
+            note = f"{pick * accum} sequences per step" + ("" if keep_total else f" instead of {total}")
+            if pick != best:
+                note += f"; largest micro-batch that fits: {best}"
+            add(flags_of(changes, pick, accum), est, note)
+            return True
         return False
 
     # 1. the same configuration with a smaller micro-batch (more accumulation)
-    consider({}, [])
-    cands: list[tuple[dict, list[str]]] = []
+    consider({})
+    # 2. single changes, cheapest first
     if rt.mode == "slide":
         if not rt.offload_activations:
-            cands.append(({"offload_activations": True}, [_fmt_flag("offload_activations", True)]))
+            consider({"offload_activations": True})
         if rt.cache_units > 2:
-            cands.append(({"cache_units": 2}, [_fmt_flag("cache_units", 2)]))
+            consider({"cache_units": 2})
         if rt.grad_slots > 1:
-            cands.append(({"grad_slots": 1}, [_fmt_flag("grad_slots", 1)]))
-    # the head: chunk it, then smaller chunks (largest chunk that fits)
-    head_base: dict = {}
-    if rt.head_impl == "full":
-        head_base = {"head_impl": "chunked"}
-        cands.append((head_base, [_fmt_flag("head_impl", "chunked")]))
-    chunk = min(rt.head_chunk_tokens, batch_size * seq_len) // 2
-    while chunk >= 256:
-        ch = dict(head_base, head_chunk_tokens=chunk)
-        flags = ([_fmt_flag("head_impl", "chunked")] if head_base else []) + [_fmt_flag("head_chunk_tokens", chunk)]
-        if attempt(ch, batch_size, grad_accum, max_grad_norm) is not None:
-            cands.append((ch, flags))
-            break
-        chunk //= 2
-    # other modes
+            consider({"grad_slots": 1})
+    head_base = {"head_impl": "chunked"} if rt.head_impl == "full" else {}
+    if not (head_base and consider(head_base)):
+        # smaller logits chunks: the largest chunk that fits at the current batch
+        chunk = min(rt.head_chunk_tokens, batch_size * seq_len) // 2
+        while chunk >= 256:
+            if attempt(dict(head_base, head_chunk_tokens=chunk), batch_size, grad_accum, max_grad_norm):
+                consider(dict(head_base, head_chunk_tokens=chunk))
+                break
+            chunk //= 2
     if rt.mode == "gpu":
-        cands.append(({"mode": "ckpt", "recompute": "all"}, [_fmt_flag("mode", "ckpt"), _fmt_flag("recompute", "all")]))
+        consider({"mode": "ckpt", "recompute": "all"})
     if rt.mode == "ckpt" and recompute_set(rt.recompute, split.num_layers) != set(range(split.num_layers)):
-        cands.append(({"recompute": "all"}, [_fmt_flag("recompute", "all")]))
+        consider({"recompute": "all"})
     if rt.mode in ("gpu", "ckpt"):
-        cands.append(({"mode": "slide"}, [_fmt_flag("mode", "slide")]))
-        cands.append(({"mode": "slide", "offload_activations": True},
-                      [_fmt_flag("mode", "slide"), _fmt_flag("offload_activations", True)]))
-    for changes, flags in cands:
-        consider(changes, flags)
-    # everything that saves memory at once (when no single change is enough)
-    lean = {"offload_activations": True, "cache_units": 2, "grad_slots": 1}
-    if rt.head_impl == "full":
-        lean["head_impl"] = "chunked"
-    lean["head_chunk_tokens"] = min(rt.head_chunk_tokens, 1024)
-    if rt.mode in ("gpu", "ckpt"):
-        lean["mode"] = "slide"
-    lean = {k: v for k, v in lean.items() if getattr(rt, k) != v}
-    if not out and lean:
-        consider(lean, [_fmt_flag(k, v) for k, v in lean.items()])
-    # host: the deferred schedule keeps FP32 gradients (4 B/param); eager does not
-    if rt.mode == "slide" and (grad_accum > 1 or (max_grad_norm or 0) > 0) and rt.schedule != "deferred":
-        ch, flags = {}, [_fmt_flag("grad_accum", 1), _fmt_flag("max_grad_norm", 0)]
-        est = attempt(ch, batch_size, 1, None)
-        if est is not None and attempt({}, batch_size, grad_accum, max_grad_norm) is None:
-            add(flags, est, "eager schedule, no FP32 host gradients; changes the recipe: no accumulation, "
-                            "no clipping")
-    return out[:limit]
+        if not consider({"mode": "slide"}):
+            consider({"mode": "slide", "offload_activations": True})
+    # 3. everything that saves GPU memory at once, when no single change is enough
+    if not out:
+        lean = {"mode": "slide", "offload_activations": True, "cache_units": 2, "grad_slots": 1,
+                "head_impl": "chunked" if rt.head_impl == "full" else rt.head_impl,
+                "head_chunk_tokens": min(rt.head_chunk_tokens, 1024)}
+        lean = {k: v for k, v in lean.items() if getattr(rt, k) != v}
+        if lean:
+            consider(lean)
+    # 4. host: the deferred schedule keeps FP32 gradients (4 B/param), eager does not
+    if rt.mode == "slide" and rt.schedule != "deferred" and (grad_accum > 1 or (max_grad_norm or 0) > 0):
+        est = attempt({}, batch_size, 1, None)
+        if est is not None:
+            add([_fmt_flag("grad_accum", 1), _fmt_flag("max_grad_norm", 0)], est,
+                "eager schedule, no FP32 host gradients; changes the recipe: no accumulation, no clipping")
+    return out

@@ -74,10 +74,18 @@ class SlideEngine:
         self.vocab_grad_slots = {0: _Slot(empty(self.units[0].spec.numel), free=done),
                                  L + 1: _Slot(empty(self.units[-1].spec.numel), free=done)}
         self._next_grad_slot = 0
-        chunk = max(1, rt.chunk_mb * 2**20 // torch.finfo(self.dtype).bits * 8)
+        self.gpu_cast = device.is_cuda and rt.cast_on in ("auto", "gpu")
+        if rt.cast_on == "gpu" and not device.is_cuda:
+            raise ValueError("cast_on=gpu needs a CUDA device")
+        # Chunk = chunk_mb of FP32 (the host-side element size).
+        chunk = max(1, rt.chunk_mb * 2**20 // 4)
         self.chunk = chunk
-        self.uploader = Uploader(device, self.dtype, chunk, rt.upload_ring)
-        self.drainer = GradDrain(device, self.dtype, chunk, rt.download_ring)
+        ring = rt.download_ring or max(4, -(-2 * layer_numel // chunk))
+        if self.gpu_cast:
+            for unit in self.units:
+                device.register_host(unit.master)   # page-locked in place: async FP32 H2D, no copy
+        self.uploader = Uploader(device, self.dtype, chunk, rt.upload_ring, gpu_cast=self.gpu_cast)
+        self.drainer = GradDrain(device, self.dtype, chunk, ring, gpu_cast=self.gpu_cast)
         self.upload_worker = Worker("upload")
         self.host_worker = Worker("host")
         self.acts = ActivationStore(device, L, rt.offload_activations)
@@ -383,3 +391,7 @@ class SlideEngine:
         finally:
             self.upload_worker.close()
             self.host_worker.close()
+            if self.gpu_cast:
+                for unit in self.units:
+                    self.device.unregister_host(unit.master)
+                self.gpu_cast = False

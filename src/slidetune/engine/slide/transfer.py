@@ -1,14 +1,21 @@
 """Host<->device movement of one unit, chunked so casts, copies and updates pipeline.
 
-Upload (uploader thread): FP32 master chunk -> cast into a pinned compute-dtype ring
-buffer (CPU threads) -> H2D on the upload stream into the unit's GPU slot. The ring
-holds a few chunks; a ring buffer is rewritten only after the event of the H2D copy
-that last read it.
+Two ways to convert between the FP32 host state and the compute dtype:
 
-Drain (host worker thread): the unit's compute-dtype gradient slot on the GPU ->
-D2H chunk by chunk into a pinned ring -> on the CPU, either the AdamW update of that
-chunk (eager schedule) or FP32 accumulation into the unit's host gradient (deferred).
-The GPU gradient slot is handed back (an event) as soon as its last chunk is copied.
+cast on "cpu" (DESIGN.md's original plan): FP32 master chunk -> cast into a pinned
+  compute-dtype ring buffer on CPU threads -> H2D into the unit's GPU slot; gradients
+  come down in the compute dtype and CPU threads convert them to FP32.
+cast on "gpu" (default on CUDA): the FP32 master is page-locked in place
+  (cudaHostRegister, no extra RAM), chunks go H2D in FP32 into a small GPU staging
+  ring and a GPU kernel casts them into the slot; gradients are cast to FP32 on the
+  GPU and land in a pinned FP32 ring that AdamW reads directly. Twice the PCIe bytes,
+  but on a 16-core host the CPU casts cost as much CPU time as AdamW itself and
+  contend with it (benchmarks/NOTES.md), while PCIe has room to spare.
+
+Upload runs on the uploader thread, drain (D2H + AdamW or FP32 accumulation) on the
+host worker thread. Ring buffers are rewritten only after the event of the copy that
+last read them; a GPU gradient slot is handed back (an event) as soon as its last
+chunk has been copied out.
 """
 from __future__ import annotations
 
@@ -23,12 +30,18 @@ from .host_store import HostUnit
 
 
 class Uploader:
-    def __init__(self, device: Device, dtype: torch.dtype, chunk_elems: int, ring: int):
+    def __init__(self, device: Device, dtype: torch.dtype, chunk_elems: int, ring: int, gpu_cast: bool = False):
         self.device = device
         self.stream = device.new_stream()
         self.chunk = chunk_elems
-        self.ring = [device.host_empty(chunk_elems, dtype) for _ in range(ring)]
-        self.ring_free = [None] * ring       # event of the H2D copy that last read each buffer
+        self.gpu_cast = gpu_cast
+        if gpu_cast:
+            # Two FP32 staging chunks on the GPU; reuse is ordered by the upload stream.
+            self.stage = [torch.empty(chunk_elems, dtype=torch.float32, device=device.device) for _ in range(2)]
+            self.ring = []
+        else:
+            self.ring = [device.host_empty(chunk_elems, dtype) for _ in range(ring)]
+        self.ring_free = [None] * max(1, ring)   # event of the H2D copy that last read each buffer
         self.next = 0
         self.bytes = 0
 
@@ -44,6 +57,14 @@ class Uploader:
         with self.device.stream_ctx(self.stream):
             if slot_free is not None:
                 self.stream.wait_event(slot_free)
+            if self.gpu_cast:
+                for c, lo in enumerate(range(0, n, self.chunk)):
+                    hi = min(n, lo + self.chunk)
+                    stage = self.stage[c % 2][: hi - lo]
+                    stage.copy_(src[lo:hi], non_blocking=True)     # FP32 H2D from the registered master
+                    dst[lo:hi].copy_(stage)                          # cast kernel on the upload stream
+                self.bytes += n * 4
+                return self.device.record(self.stream)
             for lo in range(0, n, self.chunk):
                 hi = min(n, lo + self.chunk)
                 k = self.next
@@ -60,12 +81,18 @@ class Uploader:
 
 
 class GradDrain:
-    def __init__(self, device: Device, dtype: torch.dtype, chunk_elems: int, ring: int):
+    def __init__(self, device: Device, dtype: torch.dtype, chunk_elems: int, ring: int, gpu_cast: bool = False):
         self.device = device
         self.stream = device.new_stream()
         self.chunk = chunk_elems
-        self.ring = [device.host_empty(chunk_elems, dtype) for _ in range(ring)]
-        self.scratch = torch.empty(chunk_elems, dtype=torch.float32)   # one chunk of FP32 grads
+        self.gpu_cast = gpu_cast
+        ring_dtype = torch.float32 if gpu_cast else dtype
+        self.ring = [device.host_empty(chunk_elems, ring_dtype) for _ in range(ring)]
+        if gpu_cast:
+            self.stage = [torch.empty(chunk_elems, dtype=torch.float32, device=device.device) for _ in range(2)]
+            self.scratch = None
+        else:
+            self.scratch = torch.empty(chunk_elems, dtype=torch.float32)   # one chunk of FP32 grads
         self.bytes = 0
 
     def drain(self, unit: HostUnit, src: torch.Tensor, ready, slot_free: Future, *, mode: str,
@@ -87,7 +114,12 @@ class GradDrain:
             def issue(c: int) -> None:
                 lo = starts[c]
                 hi = min(n, lo + self.chunk)
-                self.ring[c % ring][: hi - lo].copy_(src[lo:hi], non_blocking=True)
+                if self.gpu_cast:
+                    stage = self.stage[c % 2][: hi - lo]
+                    stage.copy_(src[lo:hi])                           # cast to FP32 on the GPU
+                    self.ring[c % ring][: hi - lo].copy_(stage, non_blocking=True)
+                else:
+                    self.ring[c % ring][: hi - lo].copy_(src[lo:hi], non_blocking=True)
                 events[c] = self.device.record(self.stream)
                 if c == len(starts) - 1:
                     slot_free.set_result(events[c])
@@ -102,8 +134,11 @@ class GradDrain:
                     events[c].synchronize()
                 buf = self.ring[c % ring][: hi - lo]
                 if mode == "update":
-                    g = self.scratch[: hi - lo]
-                    g.copy_(buf)                                  # compute dtype -> FP32
+                    if self.gpu_cast:
+                        g = buf                                   # already FP32
+                    else:
+                        g = self.scratch[: hi - lo]
+                        g.copy_(buf)                              # compute dtype -> FP32
                     if want_norm:
                         sq += float(torch.linalg.vector_norm(g)) ** 2
                     with record_function("slidetune.adamw"):
@@ -120,7 +155,7 @@ class GradDrain:
                     issue(c + ring)
         if len(starts) == 0:
             slot_free.set_result(None)
-        self.bytes += n * src.element_size()
+        self.bytes += n * (4 if self.gpu_cast else src.element_size())
         if mode == "update":
             unit.bump_version()
         return sq
