@@ -33,23 +33,29 @@ H100 = dict(gpu_free_bytes=80 * GiB, host_available_bytes=128 * GiB)
 
 
 def apply_option(line: str, rt: RuntimeConfig, batch_size: int, grad_accum: int, max_grad_norm):
-    """Turn a suggested '--flag value ...  -> ...' line back into a configuration."""
-    flags = line.split("->")[0].split()
-    assert len(flags) % 2 == 0, line
+    """Turn a suggested '--flag value ...  -> ...' line back into a configuration, through the real CLI parser."""
+    import argparse
+
+    from slidetune.config import add_config_flags
+
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    ns = parser.parse_args(line.split("->")[0].split())
     changes, B, accum, clip = {}, batch_size, grad_accum, max_grad_norm
     fields = {f.name for f in dataclasses.fields(RuntimeConfig)}
-    for flag, value in zip(flags[::2], flags[1::2]):
-        name = flag.removeprefix("--").replace("-", "_")
-        if name == "batch_size":
-            B = int(value)
-        elif name == "grad_accum":
-            accum = int(value)
-        elif name == "max_grad_norm":
-            clip = float(value) or None
+    for key, value in vars(ns).items():
+        if key == "config":
+            continue
+        name = key.split(".")[-1]
+        if key == "batch_size":
+            B = value
+        elif key == "grad_accum":
+            accum = value
+        elif key == "max_grad_norm":
+            clip = value or None
         else:
-            assert name in fields, flag
-            typ = type(getattr(rt, name))
-            changes[name] = (value == "true") if typ is bool else typ(value)
+            assert key.startswith("runtime.") and name in fields, key
+            changes[name] = value
     return dataclasses.replace(rt, **changes), B, accum, clip
 
 

@@ -484,8 +484,10 @@ def _message(rt, est, short, options, B, S, accum, safety) -> str:
 
 
 def _fmt_flag(name: str, value) -> str:
-    if isinstance(value, bool):
-        value = "true" if value else "false"
+    if value is True:
+        return f"--{name.replace('_', '-')}"          # boolean flags take no value when true
+    if value is False:
+        value = "false"
     return f"--{name.replace('_', '-')} {value}"
 
 
