@@ -69,6 +69,9 @@ def measure(spec: MeasureSpec) -> dict:
     engine = build_engine(loaded, rt, AdamWConfig(lr=spec.lr), device, grad_accum=spec.grad_accum,
                           max_grad_norm=spec.max_grad_norm, timer=timer)
     init_s = time.perf_counter() - t0
+    timeline = getattr(engine, "timeline", None)
+    if timeline is not None:
+        timeline.enabled = True
     split = loaded.split
     vocab = split.config.vocab_size
     result: dict = {"spec": asdict(spec), "machine": machine_info(), "init_s": init_s,
@@ -83,10 +86,15 @@ def measure(spec: MeasureSpec) -> dict:
                 device.reset_peak()
             t = time.perf_counter()
             res = engine.train_step(mbs, spec.lr)
-            wall = time.perf_counter() - t
+            t_end = time.perf_counter()
+            wall = t_end - t
             spans = timer.collect()
+            host = {}
+            if timeline is not None:
+                from ..telemetry.host_timeline import summarize
+                host = summarize(timeline.take(), t, t_end)
             steps.append({"step": k, "warmup": k < spec.warmup, "wall_s": wall, "loss": res.loss,
-                          "grad_norm": res.grad_norm(),
+                          "grad_norm": res.grad_norm(), "host_s": host,
                           "spans": [(s.phase, s.layer, s.ms) for s in spans]})
         engine.synchronize()
         result["gpu_peak_alloc_gib"] = device.max_memory_allocated() / 2**30

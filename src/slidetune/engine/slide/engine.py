@@ -26,6 +26,7 @@ from ...device import Device
 from ...models.load import LoadedModel
 from ...models.units import UnitSpec
 from ...telemetry.events import EventTimer
+from ...telemetry.host_timeline import HostTimeline
 from ..adamw import AdamWConfig
 from ..config import RuntimeConfig
 from ..result import StepResult
@@ -58,6 +59,7 @@ class SlideEngine:
         self.schedule = rt.resolved_schedule(grad_accum, max_grad_norm)
         self.max_grad_norm = max_grad_norm
         self.timer = timer or EventTimer(device, enabled=False)
+        self.timeline = HostTimeline(enabled=False)
         self.store = HostStore(self.split, loaded.source, optim, keep_grads=self.schedule == "deferred")
         self.units: list[HostUnit] = self.store.units
         L = self.split.num_layers
@@ -86,6 +88,7 @@ class SlideEngine:
                 device.register_host(unit.master)   # page-locked in place: async FP32 H2D, no copy
         self.uploader = Uploader(device, self.dtype, chunk, rt.upload_ring, gpu_cast=self.gpu_cast)
         self.drainer = GradDrain(device, self.dtype, chunk, ring, gpu_cast=self.gpu_cast)
+        self.drainer.timeline = self.uploader.timeline = self.timeline
         self.upload_worker = Worker("upload")
         self.host_worker = Worker("host")
         self.acts = ActivationStore(device, L, rt.offload_activations)
@@ -94,7 +97,13 @@ class SlideEngine:
         self._grad_norm_parts: list[Future] = []
 
     # ------------------------------------------------------------------ utils
-    def _wait(self, fut: Future):
+    def _wait(self, fut: Future, what: str = "wait"):
+        if fut.done():
+            return fut.result()
+        with self.timeline.span("compute", what):
+            return self._wait_loop(fut)
+
+    def _wait_loop(self, fut: Future):
         while True:
             try:
                 return fut.result(timeout=_WAIT_S)
@@ -108,6 +117,10 @@ class SlideEngine:
             self._views_cache[key] = unit.views(flat)
         return self._views_cache[key]
 
+    def _timed(self, thread: str, what: str, fn, *args, **kwargs):
+        with self.timeline.span(thread, what):
+            return fn(*args, **kwargs)
+
     @staticmethod
     def _leaves(views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Fresh autograd leaves over the same memory (so gradients can be asked for)."""
@@ -118,7 +131,8 @@ class SlideEngine:
         unit = self.units[unit_index]
         after = done_future(slot.last_use)
         slot.content = (unit_index, self.step_index)
-        slot.ready = self.upload_worker.submit(self.uploader.upload, unit, slot.flat, self.step_index, after)
+        slot.ready = self.upload_worker.submit(self._timed, "upload", "upload", self.uploader.upload, unit, slot.flat,
+                                               self.step_index, after)
 
     def _use_vocab(self, unit_index: int) -> _Slot:
         slot = self.vocab_slots[unit_index]
@@ -155,7 +169,7 @@ class SlideEngine:
             assign[w] = s
 
     def _acquire(self, slot: _Slot) -> None:
-        ev = self._wait(slot.ready)
+        ev = self._wait(slot.ready, "wait_upload")
         if ev is not None:
             self.device.current_stream().wait_event(ev)
 
@@ -171,7 +185,7 @@ class SlideEngine:
         return slot
 
     def _claim_grad_slot(self, slot: _Slot) -> None:
-        ev = self._wait(slot.free)
+        ev = self._wait(slot.free, "wait_grad_slot")
         if ev is not None:
             self.device.current_stream().wait_event(ev)
 
@@ -184,8 +198,8 @@ class SlideEngine:
         else:
             mode = "copy" if micro == 0 else "add"
         src = slot.flat[: unit.spec.numel]
-        fut = self.host_worker.submit(self.drainer.drain, unit, src, ready, slot.free, mode=mode, lr=lr,
-                                      want_norm=micro == n_micro - 1)
+        fut = self.host_worker.submit(self._timed, "host", "drain", self.drainer.drain, unit, src, ready, slot.free,
+                                      mode=mode, lr=lr, want_norm=micro == n_micro - 1)
         self._grad_norm_parts.append(fut)
 
     def _write_grads(self, unit: UnitSpec, slot: _Slot, grads: list[torch.Tensor], accumulate: bool = False):
@@ -221,7 +235,8 @@ class SlideEngine:
         # Embedding first: the next forward needs it first. Each unit's upload for the next
         # step waits only for that unit's update, so the sweep overlaps the next forward.
         for unit in self.units:
-            GradDrain.deferred_update(unit, lr, coef, self.chunk)
+            with self.timeline.span("host", "deferred_update"):
+                GradDrain.deferred_update(unit, lr, coef, self.chunk)
         return total
 
     def _micro_step(self, mb, m: int, n_micro: int, scale: float, lr: float) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch
 from torch.profiler import record_function
 
 from ...device import Device
+from ...telemetry.host_timeline import HostTimeline
 from .host_store import HostUnit
 
 
@@ -42,6 +43,7 @@ class Uploader:
         else:
             self.ring = [device.host_empty(chunk_elems, dtype) for _ in range(ring)]
         self.ring_free = [None] * max(1, ring)   # event of the H2D copy that last read each buffer
+        self.timeline = HostTimeline()
         self.next = 0
         self.bytes = 0
 
@@ -50,7 +52,8 @@ class Uploader:
 
         Runs on the uploader thread; returns the event that marks `dst` ready.
         """
-        unit.wait_version(version)
+        with self.timeline.span("upload", "wait_update"):
+            unit.wait_version(version)
         src = unit.master
         n = src.numel()
         slot_free = after.result() if after is not None else None
@@ -94,6 +97,7 @@ class GradDrain:
         else:
             self.scratch = torch.empty(chunk_elems, dtype=torch.float32)   # one chunk of FP32 grads
         self.bytes = 0
+        self.timeline = HostTimeline()
 
     def drain(self, unit: HostUnit, src: torch.Tensor, ready, slot_free: Future, *, mode: str,
               lr: float = 0.0, want_norm: bool = False) -> float:
@@ -130,7 +134,7 @@ class GradDrain:
                 unit.opt.begin_step()
             for c, lo in enumerate(starts):
                 hi = min(n, lo + self.chunk)
-                with record_function("slidetune.d2h_wait"):
+                with record_function("slidetune.d2h_wait"), self.timeline.span("host", "d2h_wait"):
                     events[c].synchronize()
                 buf = self.ring[c % ring][: hi - lo]
                 if mode == "update":
@@ -141,7 +145,7 @@ class GradDrain:
                         g.copy_(buf)                              # compute dtype -> FP32
                     if want_norm:
                         sq += float(torch.linalg.vector_norm(g)) ** 2
-                    with record_function("slidetune.adamw"):
+                    with record_function("slidetune.adamw"), self.timeline.span("host", "adamw"):
                         unit.opt.update(g, lr, lo)
                 else:
                     dst = unit.grad[lo:hi]
