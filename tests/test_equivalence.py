@@ -138,3 +138,26 @@ def test_eager_refuses_accumulation():
     with pytest.raises(ValueError, match="eager schedule"):
         build_engine(loaded, RuntimeConfig(mode="slide", dtype="fp32", device="cpu", schedule="eager"),
                      AdamWConfig(), grad_accum=2)
+
+
+def test_units_larger_than_the_staging_ring_stream_through_it():
+    """A 3.1M-parameter embedding through a one-chunk (1 MiB) ring: chunks pipeline, no deadlock."""
+    cfg = tiny_config("llama", tied=False, vocab_size=49152, layers=2)
+    loaded = LoadedModel("tiny", SplitModel(skeleton(cfg)), RandomInit(1, std=0.1), None)
+    ref = ReferenceTrainer(build_reference(loaded), lr=LR, eps=1e-6)
+    rt = RuntimeConfig(mode="slide", dtype="fp32", device="cpu", chunk_mb=1, download_ring=1, upload_ring=1)
+    engine = build_engine(loaded, rt, AdamWConfig(lr=LR, eps=1e-6))
+    try:
+        g = torch.Generator().manual_seed(0)
+        for step in range(2):
+            ids = torch.randint(0, 49152, (2, 16), generator=g)
+            labels = torch.roll(ids, -1, 1)
+            labels[:, -1] = -100
+            mb = Batch(ids, labels, None)
+            assert engine.train_step([mb], LR).loss == pytest.approx(ref.step([mb], LR)[0], rel=1e-5)
+        engine.synchronize()
+        worst, where = max_param_rel_diff(engine, ref.model)
+        assert worst < 1e-5, where
+    finally:
+        engine.close()
+        engine.close()      # closing twice is harmless

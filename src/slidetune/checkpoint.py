@@ -18,6 +18,9 @@ Atomicity: everything is written into a sibling `<name>.tmp-<pid>`, every file f
 then the COMPLETE marker, then the directory is renamed to its final name (an existing
 one is first renamed to `<name>.old-<pid>` and deleted after). A crash or an error
 (disk full) leaves the previous checkpoint as it was; the temporary directory is removed.
+When an existing directory of the same name is overwritten, a crash between its two
+renames leaves the old checkpoint whole in `<name>.old-<pid>` and the new one whole in
+`<name>.tmp-<pid>` (both with COMPLETE): never a mix of the two.
 
 Memory: tensors are written shard by shard straight from the engine's FP32 masters
 (views, no copy); a BF16 export converts one shard at a time. Loading reads one tensor

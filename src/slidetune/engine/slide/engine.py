@@ -17,6 +17,7 @@ event of the D2H copy that drained it. No device-wide synchronize on the hot pat
 from __future__ import annotations
 
 import math
+import sys
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -91,6 +92,10 @@ class SlideEngine:
         self.drainer.timeline = self.uploader.timeline = self.timeline
         self.upload_worker = Worker("upload")
         self.host_worker = Worker("host")
+        # The worker threads need the GIL between their (GIL-free) kernels while the compute
+        # thread runs Python; the default 5 ms switch interval would stall each hand-off.
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(5e-4)
         self.acts = ActivationStore(device, L, rt.offload_activations)
         self.step_index = 0
         self._views_cache: dict = {}
@@ -192,15 +197,15 @@ class SlideEngine:
     def _submit_drain(self, unit_index: int, slot: _Slot, micro: int, n_micro: int, lr: float) -> None:
         unit = self.units[unit_index]
         ready = self.device.record()
-        slot.free = Future()
-        if self.schedule == "eager":
-            mode = "update"
-        else:
-            mode = "copy" if micro == 0 else "add"
-        src = slot.flat[: unit.spec.numel]
-        fut = self.host_worker.submit(self._timed, "host", "drain", self.drainer.drain, unit, src, ready, slot.free,
-                                      mode=mode, lr=lr, want_norm=micro == n_micro - 1)
+        mode = "update" if self.schedule == "eager" else ("copy" if micro == 0 else "add")
+        chunks = [Future() for _ in range(-(-unit.spec.numel // self.chunk))]
+        # The host job is queued first so it consumes chunk c while later chunks are issued.
+        fut = self.host_worker.submit(self._timed, "host", "drain", self.drainer.consume, unit, chunks, mode=mode,
+                                      lr=lr, want_norm=micro == n_micro - 1)
         self._grad_norm_parts.append(fut)
+        last = self.drainer.issue(unit, slot.flat[: unit.spec.numel], ready,
+                                  wait=lambda f: self._wait(f, "wait_grad_ring"), futs=chunks)
+        slot.free = done_future(last)          # a GPU-side dependency only: no host wait
 
     def _write_grads(self, unit: UnitSpec, slot: _Slot, grads: list[torch.Tensor], accumulate: bool = False):
         views = list(self._views(unit, slot.flat).values())
@@ -401,11 +406,15 @@ class SlideEngine:
         return {"gpu_buffers": gpu_buffers, "pinned": pinned, "host_state": self.store.state_bytes()}
 
     def close(self) -> None:
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         try:
             self.synchronize()
         finally:
             self.upload_worker.close()
             self.host_worker.close()
+            sys.setswitchinterval(self._switch_interval)
             if self.gpu_cast:
                 for unit in self.units:
                     self.device.unregister_host(unit.master)

@@ -91,6 +91,8 @@ class GradDrain:
         self.gpu_cast = gpu_cast
         ring_dtype = torch.float32 if gpu_cast else dtype
         self.ring = [device.host_empty(chunk_elems, ring_dtype) for _ in range(ring)]
+        self.ring_free: list[Future] = [_done() for _ in range(ring)]   # set once the host consumed it
+        self.next = 0
         if gpu_cast:
             self.stage = [torch.empty(chunk_elems, dtype=torch.float32, device=device.device) for _ in range(2)]
             self.scratch = None
@@ -99,67 +101,74 @@ class GradDrain:
         self.bytes = 0
         self.timeline = HostTimeline()
 
-    def drain(self, unit: HostUnit, src: torch.Tensor, ready, slot_free: Future, *, mode: str,
-              lr: float = 0.0, want_norm: bool = False) -> float:
-        """Move unit's gradient out of `src` (GPU slot) and consume it on the CPU.
+    def issue(self, unit: HostUnit, src: torch.Tensor, ready, wait, futs: list[Future]) -> object:
+        """Compute thread: queue the D2H copies of `src` (the unit's GPU gradient slot).
 
-        mode: "update" (eager AdamW per chunk), "copy" (first micro-batch), "add" (later ones).
-        Resolves `slot_free` with the event after which `src` may be overwritten.
-        Returns the squared norm of the FP32 gradient when `want_norm` (else 0).
+        Resolves `futs` (one per chunk) with (ring index, event of its copy) as soon as each
+        copy is queued, so the host worker can consume chunk c while later ones are still
+        being issued. Returns the last copy's event. A ring buffer is reused only after the host consumed it (`wait`
+        blocks the caller on that host-side future: back-pressure when AdamW falls behind).
+        The last chunk's event is also the moment the GPU slot may be overwritten.
         """
         n = unit.spec.numel
         starts = list(range(0, n, self.chunk))
-        events: list = [None] * len(starts)
-        sq = 0.0
-        ring = len(self.ring)
+        assert len(futs) == len(starts)
+        last = None
         with self.device.stream_ctx(self.stream):
             self.stream.wait_event(ready)
-
-            def issue(c: int) -> None:
-                lo = starts[c]
+            for c, lo in enumerate(starts):
                 hi = min(n, lo + self.chunk)
+                r = self.next
+                self.next = (r + 1) % len(self.ring)
+                wait(self.ring_free[r])
+                self.ring_free[r] = Future()
                 if self.gpu_cast:
                     stage = self.stage[c % 2][: hi - lo]
                     stage.copy_(src[lo:hi])                           # cast to FP32 on the GPU
-                    self.ring[c % ring][: hi - lo].copy_(stage, non_blocking=True)
+                    self.ring[r][: hi - lo].copy_(stage, non_blocking=True)
                 else:
-                    self.ring[c % ring][: hi - lo].copy_(src[lo:hi], non_blocking=True)
-                events[c] = self.device.record(self.stream)
-                if c == len(starts) - 1:
-                    slot_free.set_result(events[c])
-
-            for c in range(min(ring, len(starts))):
-                issue(c)
-            if mode == "update":
-                unit.opt.begin_step()
-            for c, lo in enumerate(starts):
-                hi = min(n, lo + self.chunk)
-                with record_function("slidetune.d2h_wait"), self.timeline.span("host", "d2h_wait"):
-                    events[c].synchronize()
-                buf = self.ring[c % ring][: hi - lo]
-                if mode == "update":
-                    if self.gpu_cast:
-                        g = buf                                   # already FP32
-                    else:
-                        g = self.scratch[: hi - lo]
-                        g.copy_(buf)                              # compute dtype -> FP32
-                    if want_norm:
-                        sq += float(torch.linalg.vector_norm(g)) ** 2
-                    with record_function("slidetune.adamw"), self.timeline.span("host", "adamw"):
-                        unit.opt.update(g, lr, lo)
-                else:
-                    dst = unit.grad[lo:hi]
-                    if mode == "copy":
-                        dst.copy_(buf)
-                    else:
-                        dst.add_(buf)                             # FP32 accumulation across micro-batches
-                    if want_norm:
-                        sq += float(torch.linalg.vector_norm(dst)) ** 2
-                if c + ring < len(starts):
-                    issue(c + ring)
-        if len(starts) == 0:
-            slot_free.set_result(None)
+                    self.ring[r][: hi - lo].copy_(src[lo:hi], non_blocking=True)
+                last = self.device.record(self.stream)
+                futs[c].set_result((r, last))
         self.bytes += n * (4 if self.gpu_cast else src.element_size())
+        return last
+
+    def consume(self, unit: HostUnit, chunks: list[Future], *, mode: str, lr: float = 0.0,
+                want_norm: bool = False) -> float:
+        """Host worker: wait for each chunk's copy, then AdamW it (eager) or accumulate it in FP32.
+
+        mode: "update" (eager AdamW per chunk), "copy" (first micro-batch), "add" (later ones).
+        Returns the squared norm of the FP32 gradient when `want_norm` (else 0).
+        """
+        n = unit.spec.numel
+        sq = 0.0
+        if mode == "update":
+            unit.opt.begin_step()
+        for c, lo in enumerate(range(0, n, self.chunk)):
+            hi = min(n, lo + self.chunk)
+            r, event = chunks[c].result()
+            with record_function("slidetune.d2h_wait"), self.timeline.span("host", "d2h_wait"):
+                event.synchronize()
+            buf = self.ring[r][: hi - lo]
+            if mode == "update":
+                if self.gpu_cast:
+                    g = buf                                       # already FP32
+                else:
+                    g = self.scratch[: hi - lo]
+                    g.copy_(buf)                                  # compute dtype -> FP32
+                if want_norm:
+                    sq += float(torch.linalg.vector_norm(g)) ** 2
+                with record_function("slidetune.adamw"), self.timeline.span("host", "adamw"):
+                    unit.opt.update(g, lr, lo)
+            else:
+                dst = unit.grad[lo:hi]
+                if mode == "copy":
+                    dst.copy_(buf)
+                else:
+                    dst.add_(buf)                                 # FP32 accumulation across micro-batches
+                if want_norm:
+                    sq += float(torch.linalg.vector_norm(dst)) ** 2
+            self.ring_free[r].set_result(None)
         if mode == "update":
             unit.bump_version()
         return sq
@@ -174,6 +183,12 @@ class GradDrain:
             with record_function("slidetune.adamw"):
                 unit.opt.update(unit.grad[lo:hi], lr, lo, grad_scale=clip_coef)
         unit.bump_version()
+
+
+def _done() -> Future:
+    f: Future = Future()
+    f.set_result(None)
+    return f
 
 
 def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
