@@ -17,13 +17,13 @@ class RuntimeConfig:
     recompute: str = "all"          # all | none | comma list "0,3,7" | "every:k"
     # slide mode
     cache_units: int = 3            # GPU layer slots: one computing, prefetches ahead in the rest
-    grad_slots: int = 2             # GPU gradient slots: one being written while the other drains
+    grad_slots: int = 3             # GPU gradient slots: one being written, one draining, one of slack
     offload_activations: bool = False  # layer-input checkpoints in pinned host memory
     schedule: str = "auto"          # auto | eager | deferred (auto: eager unless accumulation/clipping)
     cast_on: str = "auto"           # auto | cpu | gpu: where FP32 <-> compute dtype conversions run (auto: gpu on CUDA)
     chunk_mb: int = 64              # cast/copy/update granularity: tens of MB pipeline well
     upload_ring: int = 4            # pinned staging chunks for uploads
-    download_ring: int = 0          # pinned staging chunks for gradient downloads (0: enough for 2 layers)
+    download_ring: int = 0          # pinned staging chunks for gradient downloads (0: enough for 3 layers)
     # output layer
     head_impl: str = "chunked"      # full | chunked | fused
     head_chunk_tokens: int = 4096   # tokens per logits chunk (4096 x 152k vocab x 2 B = 1.2 GB)

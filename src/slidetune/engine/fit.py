@@ -325,13 +325,21 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
             # embedding backward: a dense [V, d] gradient, and the incoming gradient
             "embedding backward": P_E * b + ckpt,
         }
-        chunk_elems = max(1, rt.chunk_mb * MiB // b)
+        # Mirrors SlideEngine: chunks of chunk_mb MiB of FP32; on CUDA the casts run on the
+        # GPU (FP32 master registered in place, FP32 gradient ring, 4 GPU staging chunks).
+        chunk_elems = max(1, rt.chunk_mb * MiB // 4)
+        gpu_cast = dev == "cuda" and rt.cast_on in ("auto", "gpu")
         host["master + Adam moments (12 B/param)"] = 12 * P
         if schedule == "deferred":
             host["fp32 gradients (deferred schedule, 4 B/param)"] = 4 * P
-        rings = (rt.upload_ring + rt.download_ring) * chunk_elems * b
+        down_chunks = rt.download_ring or max(4, -(-3 * P_L // chunk_elems))
+        if gpu_cast:
+            rings = down_chunks * chunk_elems * 4
+            gpu["fp32 cast staging"] = 4 * chunk_elems * 4
+        else:
+            rings = (rt.upload_ring + down_chunks) * chunk_elems * b
+            host["fp32 drain scratch"] = chunk_elems * 4
         host["upload/download rings"] = rings
-        host["fp32 drain scratch"] = chunk_elems * 4
         if rt.offload_activations:
             host["offloaded checkpoints"] = L * ckpt
         if dev == "cuda":

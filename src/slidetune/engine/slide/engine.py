@@ -83,7 +83,8 @@ class SlideEngine:
         # Chunk = chunk_mb of FP32 (the host-side element size).
         chunk = max(1, rt.chunk_mb * 2**20 // 4)
         self.chunk = chunk
-        ring = rt.download_ring or max(4, -(-2 * layer_numel // chunk))
+        # Three layers of pinned gradient ring: one filling, one in AdamW, one of slack.
+        ring = rt.download_ring or max(4, -(-3 * layer_numel // chunk))
         if self.gpu_cast:
             for unit in self.units:
                 device.register_host(unit.master)   # page-locked in place: async FP32 H2D, no copy
@@ -92,6 +93,7 @@ class SlideEngine:
         self.drainer.timeline = self.uploader.timeline = self.timeline
         self.upload_worker = Worker("upload")
         self.host_worker = Worker("host")
+        self.d2h_worker = Worker("d2h")
         # The worker threads need the GIL between their (GIL-free) kernels while the compute
         # thread runs Python; the default 5 ms switch interval would stall each hand-off.
         self._switch_interval = sys.getswitchinterval()
@@ -115,6 +117,7 @@ class SlideEngine:
             except TimeoutError:
                 self.upload_worker.check()
                 self.host_worker.check()
+                self.d2h_worker.check()
 
     def _views(self, unit: UnitSpec, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         key = (unit.signature(), flat.data_ptr())
@@ -203,9 +206,15 @@ class SlideEngine:
         fut = self.host_worker.submit(self._timed, "host", "drain", self.drainer.consume, unit, chunks, mode=mode,
                                       lr=lr, want_norm=micro == n_micro - 1)
         self._grad_norm_parts.append(fut)
-        last = self.drainer.issue(unit, slot.flat[: unit.spec.numel], ready,
-                                  wait=lambda f: self._wait(f, "wait_grad_ring"), futs=chunks)
-        slot.free = done_future(last)          # a GPU-side dependency only: no host wait
+        # A third thread queues the copies as ring buffers free up, so neither the compute
+        # thread (which only needs its GPU gradient slot back) nor AdamW ever waits on it.
+        slot.free = Future()
+        self.d2h_worker.submit(self._issue_drain, unit, slot.flat[: unit.spec.numel], ready, chunks, slot.free)
+
+    def _issue_drain(self, unit: HostUnit, src: torch.Tensor, ready, chunks: list[Future], free: Future) -> None:
+        with self.timeline.span("d2h", "issue"):
+            last = self.drainer.issue(unit, src, ready, wait=lambda f: f.result(), futs=chunks)
+        free.set_result(last)
 
     def _write_grads(self, unit: UnitSpec, slot: _Slot, grads: list[torch.Tensor], accumulate: bool = False):
         views = list(self._views(unit, slot.flat).values())
@@ -370,6 +379,7 @@ class SlideEngine:
     # ------------------------------------------------------------- state
     def synchronize(self) -> None:
         """Wait until every submitted update and copy has finished (not used on the hot path)."""
+        self.d2h_worker.drain()
         self.host_worker.drain()
         self.upload_worker.drain()
         self.device.synchronize()
@@ -414,6 +424,7 @@ class SlideEngine:
         finally:
             self.upload_worker.close()
             self.host_worker.close()
+            self.d2h_worker.close()
             sys.setswitchinterval(self._switch_interval)
             if self.gpu_cast:
                 for unit in self.units:
