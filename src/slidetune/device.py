@@ -92,9 +92,8 @@ class Device:
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def new_stream(self, priority: int = 0):
-        """priority -1 (high): the copy streams' small kernels are scheduled ahead of queued GEMM blocks."""
-        return torch.cuda.Stream(self.device, priority=priority) if self.is_cuda else _NullStream()
+    def new_stream(self):
+        return torch.cuda.Stream(self.device) if self.is_cuda else _NullStream()
 
     def current_stream(self):
         return torch.cuda.current_stream(self.device) if self.is_cuda else _NullStream()

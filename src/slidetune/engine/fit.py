@@ -307,12 +307,10 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
 
     if rt.mode == "slide":
         schedule = rt.resolved_schedule(grad_accum, max_grad_norm)
-        # gradient slots hold FP32 when the casts run on the GPU (SlideEngine.gpu_cast)
-        gb = 4 if (dev == "cuda" and rt.cast_on in ("auto", "gpu")) else b
         gpu["layer weight slots"] = rt.cache_units * P_L * b
-        gpu["layer grad slots"] = rt.grad_slots * P_L * gb
+        gpu["layer grad slots"] = rt.grad_slots * P_L * b
         gpu["vocab weight slots"] = (P_E + P_H) * b
-        gpu["vocab grad slots"] = (P_E + P_H) * gb
+        gpu["vocab grad slots"] = (P_E + P_H) * b
         ckpt = N * d * b
         # offload: the checkpoint being read by the layer in backward and the one prefetched
         # (in forward, the one whose D2H copy is in flight and the one being computed)
@@ -337,7 +335,7 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         down_chunks = rt.download_ring or max(4, -(-3 * P_L // chunk_elems))
         if gpu_cast:
             rings = down_chunks * chunk_elems * 4
-            gpu["fp32 cast staging"] = 2 * chunk_elems * 4
+            gpu["fp32 cast staging"] = 4 * chunk_elems * 4
         else:
             rings = (rt.upload_ring + down_chunks) * chunk_elems * b
             host["fp32 drain scratch"] = chunk_elems * 4

@@ -73,15 +73,11 @@ class SlideEngine:
         self.vocab_slots = {0: _Slot(empty(self.units[0].spec.numel)),
                             L + 1: _Slot(empty(self.units[-1].spec.numel))}
         done = done_future(None)
-        # With casts on the GPU the gradient slots are FP32: writing autograd's BF16 gradients
-        # into them is the cast, and the drain is then pure copy-engine work.
-        self.gpu_cast = device.is_cuda and rt.cast_on in ("auto", "gpu")
-        gdtype = torch.float32 if self.gpu_cast else self.dtype
-        gempty = lambda n: torch.empty(n, dtype=gdtype, device=dev)  # noqa: E731
-        self.grad_slots = [_Slot(gempty(layer_numel), free=done) for _ in range(rt.grad_slots)]
-        self.vocab_grad_slots = {0: _Slot(gempty(self.units[0].spec.numel), free=done),
-                                 L + 1: _Slot(gempty(self.units[-1].spec.numel), free=done)}
+        self.grad_slots = [_Slot(empty(layer_numel), free=done) for _ in range(rt.grad_slots)]
+        self.vocab_grad_slots = {0: _Slot(empty(self.units[0].spec.numel), free=done),
+                                 L + 1: _Slot(empty(self.units[-1].spec.numel), free=done)}
         self._next_grad_slot = 0
+        self.gpu_cast = device.is_cuda and rt.cast_on in ("auto", "gpu")
         if rt.cast_on == "gpu" and not device.is_cuda:
             raise ValueError("cast_on=gpu needs a CUDA device")
         # Chunk = chunk_mb of FP32 (the host-side element size).

@@ -33,7 +33,7 @@ from .host_store import HostUnit
 class Uploader:
     def __init__(self, device: Device, dtype: torch.dtype, chunk_elems: int, ring: int, gpu_cast: bool = False):
         self.device = device
-        self.stream = device.new_stream(priority=-1)
+        self.stream = device.new_stream()
         self.chunk = chunk_elems
         self.gpu_cast = gpu_cast
         if gpu_cast:
@@ -86,14 +86,18 @@ class Uploader:
 class GradDrain:
     def __init__(self, device: Device, dtype: torch.dtype, chunk_elems: int, ring: int, gpu_cast: bool = False):
         self.device = device
-        self.stream = device.new_stream(priority=-1)
+        self.stream = device.new_stream()
         self.chunk = chunk_elems
         self.gpu_cast = gpu_cast
         ring_dtype = torch.float32 if gpu_cast else dtype
         self.ring = [device.host_empty(chunk_elems, ring_dtype) for _ in range(ring)]
         self.ring_free: list[Future] = [_done() for _ in range(ring)]   # set once the host consumed it
         self.next = 0
-        self.scratch = None if gpu_cast else torch.empty(chunk_elems, dtype=torch.float32)  # FP32 chunk
+        if gpu_cast:
+            self.stage = [torch.empty(chunk_elems, dtype=torch.float32, device=device.device) for _ in range(2)]
+            self.scratch = None
+        else:
+            self.scratch = torch.empty(chunk_elems, dtype=torch.float32)   # one chunk of FP32 grads
         self.bytes = 0
         self.timeline = HostTimeline()
 
@@ -118,10 +122,12 @@ class GradDrain:
                 self.next = (r + 1) % len(self.ring)
                 wait(self.ring_free[r])
                 self.ring_free[r] = Future()
-                # Pure copy-engine work: with casts on the GPU the slot already holds FP32
-                # (the cast happened when the gradients were written into it), so no kernel
-                # here has to wait for SMs busy with the next layer's GEMMs.
-                self.ring[r][: hi - lo].copy_(src[lo:hi], non_blocking=True)
+                if self.gpu_cast:
+                    stage = self.stage[c % 2][: hi - lo]
+                    stage.copy_(src[lo:hi])                           # cast to FP32 on the GPU
+                    self.ring[r][: hi - lo].copy_(stage, non_blocking=True)
+                else:
+                    self.ring[r][: hi - lo].copy_(src[lo:hi], non_blocking=True)
                 last = self.device.record(self.stream)
                 futs[c].set_result((r, last))
         self.bytes += n * (4 if self.gpu_cast else src.element_size())
