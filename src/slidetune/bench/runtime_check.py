@@ -60,6 +60,8 @@ def run(out_dir: Path, smoke: bool = False, big_model: str = "qwen3-8b", big_bat
     specs = []
     if "memory" in parts:
         specs += memory_specs(smoke)
+    elif "slide" in parts:
+        specs += [s for s in memory_specs(smoke) if s.name == "slide"]
     if "big" in parts:
         specs += big_specs(big_model, big_batch, smoke)
     results = []
