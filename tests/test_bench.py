@@ -1,0 +1,36 @@
+"""The runtime benchmark at --smoke size: every configuration in its own process, finite results."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+from slidetune.bench.measure import MeasureSpec, measure
+from slidetune.cli import main
+
+
+def test_runtime_smoke_writes_finite_results(tmp_path):
+    out = tmp_path / "rt"
+    assert main(["bench", "runtime", "--smoke", "--out", str(out)]) == 0
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert {r["name"] for r in rows} >= {"gpu", "ckpt", "slide", "slide-offload-2L", "slide-offload-4L"}
+    for r in rows:
+        assert r["status"] == "ok", r
+        for key in ("step_s_mean", "tokens_per_s", "cpu_peak_rss_gib"):
+            assert math.isfinite(float(r[key])) and float(r[key]) > 0, (r["name"], key)
+    data = json.loads((out / "results.json").read_text())
+    assert data["machine"]["torch"]
+    assert "Runtime checks" in (out / "report.md").read_text()
+
+
+def test_measure_records_per_layer_phases_and_host_spans():
+    spec = MeasureSpec(model="tiny-llama", seq_len=16, batch_size=2, steps=2, warmup=1,
+                       runtime=dict(device="cpu", mode="slide"))
+    r = measure(spec)
+    assert r["status"] == "ok"
+    measured = [s for s in r["steps"] if not s["warmup"]]
+    assert len(measured) == 2
+    phases = {(p, layer) for p, layer, _ in measured[0]["spans"]}
+    for i in range(r["num_layers"]):        # recompute is its own phase, apart from backward
+        assert {("forward", i), ("recompute", i), ("backward", i)} <= phases
+    assert any(k.startswith("host.") for k in measured[0]["host_s"])

@@ -1,0 +1,48 @@
+"""Telemetry: trace summary arithmetic, host timeline, FLOP formula."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from slidetune.models.load import skeleton
+from slidetune.models.presets import preset_config
+from slidetune.models.units import SplitModel
+from slidetune.telemetry.flops import matmul_params, train_flops_per_token
+from slidetune.telemetry.host_timeline import HostTimeline, summarize
+from slidetune.telemetry.trace_summary import summarize_trace
+
+
+def test_trace_summary_busy_and_overlap(tmp_path):
+    ev = lambda cat, name, ts, dur: {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    events = [
+        ev("user_annotation", "slidetune.step", 0, 100),
+        ev("kernel", "gemm", 0, 40), ev("kernel", "gemm", 30, 20),      # union 0-50
+        ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 40, 20),      # 40-60: 10 overlapped
+        ev("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 70, 10),      # 70-80: none
+        ev("kernel", "late", 150, 10),                                   # outside the step window
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    s = summarize_trace(path)
+    assert s["window_ms"] == pytest.approx(0.1)
+    assert s["gpu_compute_busy_ms"] == pytest.approx(0.05)
+    assert s["gpu_compute_fraction_of_step"] == pytest.approx(0.5)
+    assert s["h2d_overlapped_with_compute_fraction"] == pytest.approx(0.5)
+    assert s["d2h_overlapped_with_compute_fraction"] == pytest.approx(0.0)
+
+
+def test_host_timeline_clips_to_window():
+    tl = HostTimeline(enabled=True)
+    tl.spans = [("host", "adamw", 0.0, 2.0), ("compute", "wait", 1.5, 3.0), ("host", "adamw", 5.0, 6.0)]
+    s = summarize(tl.take(), 1.0, 4.0)
+    assert s == {"compute.wait": pytest.approx(1.5), "host.adamw": pytest.approx(1.0)}
+    assert tl.spans == []
+
+
+def test_flops_formula_llama8b():
+    split = SplitModel(skeleton(preset_config("llama-3.1-8b")))
+    n = matmul_params(split)      # all but the input embedding lookup
+    assert n == split.num_params() - split.embed_unit.numel - 4096   # final norm is not a matmul
+    per_tok = train_flops_per_token(split, 1024)
+    assert per_tok == pytest.approx(6 * n + 6 * 32 * 1024 * 4096)
