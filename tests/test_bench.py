@@ -34,3 +34,5 @@ def test_measure_records_per_layer_phases_and_host_spans():
     for i in range(r["num_layers"]):        # recompute is its own phase, apart from backward
         assert {("forward", i), ("recompute", i), ("backward", i)} <= phases
     assert any(k.startswith("host.") for k in measured[0]["host_s"])
+    assert 0 < measured[0]["overlap"]["gpu_compute_fraction_of_step"] <= 1.0
+    assert "host.adamw_overlapped_with_gpu_compute" in r["overlap_mean"]

@@ -46,3 +46,14 @@ def test_flops_formula_llama8b():
     assert n == split.num_params() - split.embed_unit.numel - 4096   # final norm is not a matmul
     per_tok = train_flops_per_token(split, 1024)
     assert per_tok == pytest.approx(6 * n + 6 * 32 * 1024 * 4096)
+
+
+def test_overlap_report_intersects_host_and_gpu_spans():
+    from slidetune.telemetry.host_timeline import overlap_report
+    gpu = [(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]                 # union: 0-2, 3-4 -> 3 of 5 s
+    host = [("host", "adamw", 1.0, 3.0), ("upload", "upload", 4.0, 5.0)]
+    r = overlap_report(gpu, host, 0.0, 5.0)
+    assert r["gpu_compute_fraction_of_step"] == pytest.approx(0.6)
+    assert r["host.adamw_s"] == pytest.approx(2.0)
+    assert r["host.adamw_overlapped_with_gpu_compute"] == pytest.approx(0.5)
+    assert r["upload.upload_overlapped_with_gpu_compute"] == pytest.approx(0.0)

@@ -84,17 +84,22 @@ def measure(spec: MeasureSpec) -> dict:
             if k == spec.warmup:
                 device.synchronize()
                 device.reset_peak()
+                timer.anchor()             # one synchronize, before the measured steps
             t = time.perf_counter()
             res = engine.train_step(mbs, spec.lr)
             t_end = time.perf_counter()
             wall = t_end - t
             spans = timer.collect()
-            host = {}
+            host, overlap = {}, {}
             if timeline is not None:
-                from ..telemetry.host_timeline import summarize
-                host = summarize(timeline.take(), t, t_end)
+                from ..telemetry.host_timeline import overlap_report, summarize
+                host_spans = timeline.take()
+                host = summarize(host_spans, t, t_end)
+                gpu = [(s.start_s, s.end_s) for s in spans if s.start_s is not None]
+                if gpu:
+                    overlap = overlap_report(gpu, host_spans, t, t_end)
             steps.append({"step": k, "warmup": k < spec.warmup, "wall_s": wall, "loss": res.loss,
-                          "grad_norm": res.grad_norm(), "host_s": host,
+                          "grad_norm": res.grad_norm(), "host_s": host, "overlap": overlap,
                           "spans": [(s.phase, s.layer, s.ms) for s in spans]})
         engine.synchronize()
         result["gpu_peak_alloc_gib"] = device.max_memory_allocated() / 2**30
@@ -108,6 +113,10 @@ def measure(spec: MeasureSpec) -> dict:
         tokens = spec.batch_size * spec.seq_len * spec.grad_accum
         result["tokens_per_step"] = tokens
         result["flops_per_token"] = train_flops_per_token(split, spec.seq_len)
+        ov = [s["overlap"] for s in steps if not s["warmup"] and s.get("overlap")]
+        if ov:
+            keys = sorted({k for o in ov for k in o})
+            result["overlap_mean"] = {k: sum(o.get(k, 0.0) for o in ov) / len(ov) for k in keys}
         if measured:
             import statistics
             mean = statistics.mean(measured)

@@ -133,6 +133,17 @@ def _report(machine: dict, results: list[dict], checks: dict) -> str:
                      f"{fmt(f['gpu_peak_reserved_gib'])} | {fmt(f['cpu_peak_rss_gib'])} |")
     lines += ["", "Statistics exclude warm-up steps; each configuration ran in its own process.", "",
               "## Checks", "", "```json", json.dumps(checks, indent=1, default=float), "```", ""]
+    ov_rows = [(r["spec"]["name"], r["overlap_mean"]) for r in results if r.get("overlap_mean")]
+    if ov_rows:
+        lines += ["## Overlap from the host timeline and anchored GPU events (mean over measured steps)", "",
+                  "GPU compute = union of the forward / recompute / backward / head / embedding spans (CUDA "
+                  "events on the compute stream, mapped to the host clock by one anchor before the measured "
+                  "steps); each host activity's busy time and the share of it during which the GPU computed.",
+                  "", "| config | metric | value |", "|---|---|---|"]
+        for name, o in ov_rows:
+            for k, v in o.items():
+                lines.append(f"| {name} | {k} | {v:.3f} |")
+        lines.append("")
     for r in results:
         if "trace_summary" in r:
             lines += [f"## Overlap ({r['spec']['name']}, torch.profiler, 3 steps)", "", "```json",

@@ -3,6 +3,10 @@
 On CUDA each span is a pair of events recorded on the current stream; nothing is
 synchronized while the step runs, and `collect()` reads all elapsed times once,
 after the step. On the CPU (synchronous execution) spans are wall-clock intervals.
+
+`anchor()` (one synchronize, outside the measured steps) ties the GPU clock to the
+host's perf_counter: every later span then also gets host-clock start/end times, so
+GPU compute can be intersected with the host threads' spans (AdamW, copies, waits).
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ class Span:
     phase: str          # forward | recompute | backward | head | embed | optimizer | ...
     layer: int          # decoder layer index, -1 for non-layer work
     ms: float
+    start_s: float | None = None   # host perf_counter clock, when anchored (CPU: always)
+    end_s: float | None = None
 
 
 class EventTimer:
@@ -27,6 +33,15 @@ class EventTimer:
         self.device = device
         self.enabled = enabled
         self._open: list = []
+        self._anchor: tuple | None = None     # (cuda event, perf_counter at that event)
+
+    def anchor(self) -> None:
+        """Synchronize once and remember (GPU event, host time) to map GPU spans onto the host clock."""
+        if self.device.is_cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            ev.synchronize()
+            self._anchor = (ev, time.perf_counter())
 
     @contextlib.contextmanager
     def span(self, phase: str, layer: int = -1):
@@ -65,8 +80,15 @@ class EventTimer:
             return []
         if self.device.is_cuda:
             self._open[-1][3].synchronize()
-            out = [Span(p, l, s.elapsed_time(e)) for p, l, s, e in self._open]
+            out = []
+            for p, l, s, e in self._open:
+                span = Span(p, l, s.elapsed_time(e))
+                if self._anchor is not None:
+                    ev0, t0 = self._anchor
+                    span.start_s = t0 + ev0.elapsed_time(s) / 1e3
+                    span.end_s = t0 + ev0.elapsed_time(e) / 1e3
+                out.append(span)
         else:
-            out = [Span(p, l, (e - s) * 1e3) for p, l, s, e in self._open]
+            out = [Span(p, l, (e - s) * 1e3, s, e) for p, l, s, e in self._open]
         self._open = []
         return out

@@ -41,3 +41,38 @@ def summarize(spans: list[tuple[str, str, float, float]], t0: float, t1: float) 
         if e > s:
             agg[f"{thread}.{what}"] += e - s
     return dict(sorted(agg.items()))
+
+
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def overlap_report(gpu_spans: list[tuple[float, float]], host_spans: list[tuple[str, str, float, float]],
+                   t0: float, t1: float) -> dict[str, float]:
+    """For one step [t0, t1]: the fraction of it the GPU computes, and for each host activity
+    (e.g. host.adamw, upload.upload) its busy seconds and the fraction overlapped by GPU compute."""
+    clip = lambda iv: [(max(s, t0), min(e, t1)) for s, e in iv if e > t0 and s < t1]  # noqa: E731
+    gpu = union(clip(gpu_spans))
+    span = t1 - t0
+    out = {"gpu_compute_fraction_of_step": sum(e - s for s, e in gpu) / span if span > 0 else 0.0}
+    groups: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for thread, what, s, e in host_spans:
+        groups[f"{thread}.{what}"].append((s, e))
+    for key, iv in sorted(groups.items()):
+        busy = union(clip(iv))
+        total = sum(e - s for s, e in busy)
+        if total <= 0:
+            continue
+        inter = 0.0
+        for s, e in busy:
+            for gs, ge in gpu:
+                inter += max(0.0, min(e, ge) - max(s, gs))
+        out[f"{key}_s"] = total
+        out[f"{key}_overlapped_with_gpu_compute"] = inter / total
+    return out
