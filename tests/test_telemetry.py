@@ -57,3 +57,13 @@ def test_overlap_report_intersects_host_and_gpu_spans():
     assert r["host.adamw_s"] == pytest.approx(2.0)
     assert r["host.adamw_overlapped_with_gpu_compute"] == pytest.approx(0.5)
     assert r["upload.upload_overlapped_with_gpu_compute"] == pytest.approx(0.0)
+
+
+def test_t_interval():
+    from slidetune.telemetry.stats import summarize, t_quantile_975
+    assert t_quantile_975(4) == pytest.approx(2.7764)
+    assert 2.0211 > t_quantile_975(50) > 2.0003
+    assert t_quantile_975(10_000) == pytest.approx(1.96, abs=2e-3)
+    s = summarize([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert s.mean == 3.0 and s.std == pytest.approx(1.5811, abs=1e-4)
+    assert s.ci95 == pytest.approx(2.7764 * 1.5811 / 5 ** 0.5, rel=1e-4)

@@ -1,8 +1,15 @@
-"""`slidetune train | plan` command line."""
+"""`slidetune train | plan | bench` command line.
+
+Expected failures (bad data, unknown model, a configuration that does not fit, a failed
+save, a non-finite loss, ...) print `slidetune: error: <what and where>` and exit with
+status 2; an interrupted run exits with 130. Set SLIDETUNE_TRACEBACK=1 to get the
+traceback as well.
+"""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .config import add_config_flags, config_from_args, config_to_dict
@@ -11,7 +18,7 @@ from .config import add_config_flags, config_from_args, config_to_dict
 def _train(ns) -> int:
     from .train import train
     cfg = config_from_args(ns)
-    print("resolved config:\n" + json.dumps(config_to_dict(cfg), indent=2))
+    print("resolved config:\n" + json.dumps(config_to_dict(cfg), indent=2), flush=True)
     summary = train(cfg)
     print(json.dumps(summary.__dict__, indent=2))
     return 130 if summary.interrupted else 0
@@ -54,8 +61,9 @@ def _bench(ns) -> int:
     raise ValueError(f"unknown scenario {ns.scenario!r}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="slidetune", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slidetune", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p_train = sub.add_parser("train", help="fine-tune a model (default: SmolLM2-135M on the built-in corpus)",
                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -73,16 +81,28 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--big-batch", type=int, default=16)
     p_bench.add_argument("--seq-len", type=int, default=1024)
     p_bench.set_defaults(func=_bench)
+    return parser
+
+
+# Errors whose message is the interface (bad input, a refused configuration, I/O):
+# shown without a traceback. Anything else is a bug and keeps its traceback.
+_CLEAN_ERRORS = (ValueError, OSError, RuntimeError, ImportError, KeyError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     ns = parser.parse_args(argv)
     try:
         return ns.func(ns)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print("slidetune: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        # Clear errors are the interface: show the message, not a traceback.
-        name = type(e).__name__
-        print(f"slidetune: error: {name}: {e}", file=sys.stderr)
+    except _CLEAN_ERRORS as e:
+        if os.environ.get("SLIDETUNE_TRACEBACK"):
+            import traceback
+            traceback.print_exc()
+        msg = e.args[0] if isinstance(e, KeyError) and len(e.args) == 1 else e
+        print(f"slidetune: error: {type(e).__name__}: {msg}", file=sys.stderr)
         return 2
 
 

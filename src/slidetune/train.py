@@ -1,9 +1,13 @@
 """The training loop: data -> engine steps -> metrics, evaluation, checkpoints.
 
 Interruptions are safe: SIGINT/SIGTERM set a flag that the loop checks between steps;
-it then writes a resumable checkpoint and exits. A non-finite loss stops the run
-with the step number. Everything is deterministic in (config, seed): the batch of
-step k is a pure function of k, so `--resume auto` continues the same trajectory.
+it then writes a resumable checkpoint and exits (`--stop-after N` does the same after N
+steps of one invocation, for time-limited jobs). A non-finite loss or gradient norm stops
+the run naming the step, keeping the metrics so far and the previous checkpoint. A failed
+save (disk full) leaves the previous checkpoint intact and says so. Everything is
+deterministic in (config, seed): the batch of step k is a pure function of k, and the
+checkpoint holds the optimizer and RNG states, so `--resume auto` continues the same
+trajectory (metrics.csv keeps the rows up to the checkpoint, then continues).
 """
 from __future__ import annotations
 
@@ -12,7 +16,9 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +27,7 @@ import numpy as np
 import psutil
 import torch
 
-from .checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from .config import TrainConfig, config_to_dict
 from .data import BatchSampler, build_datasets, default_pad_id, eval_batches
 from .device import Device
@@ -95,7 +101,8 @@ class TrainSummary:
     last_loss: float | None
     tokens_per_s: float | None
     wall_s: float
-    interrupted: bool = False
+    interrupted: bool = False            # stopped by SIGINT/SIGTERM (resumable checkpoint written)
+    stopped_early: bool = False          # stopped by --stop-after (resumable checkpoint written)
 
 
 def evaluate(engine, heldout, batch_size: int, pad_id: int, max_batches: int) -> tuple[float, float]:
@@ -113,9 +120,14 @@ def evaluate(engine, heldout, batch_size: int, pad_id: int, max_batches: int) ->
 
 
 def train(cfg: TrainConfig) -> TrainSummary:
+    """Run (or continue) the training job `cfg`; see the module docstring.
+
+    Everything that can be refused is checked before the output directory is touched or
+    anything large is allocated: the model, the sequence length against its context, the
+    memory estimate, the data, the checkpoint to resume from.
+    """
     t_start = time.perf_counter()
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.seed)
     device = Device.resolve(cfg.runtime.device)
     loaded = load_model(cfg.model, num_layers=cfg.num_layers, seed=cfg.seed)
@@ -124,8 +136,13 @@ def train(cfg: TrainConfig) -> TrainSummary:
                             f"use a model directory with tokenizer files or a preset with a >= 49152 vocabulary")
     max_pos = getattr(loaded.split.config, "max_position_embeddings", None)
     if max_pos is not None and cfg.data.seq_len > max_pos:
-        raise TrainingError(f"--seq-len {cfg.data.seq_len} exceeds the model's context of {max_pos} tokens "
-                            f"(max_position_embeddings); use --seq-len {max_pos} or less")
+        raise TrainingError(f"--seq-len {cfg.data.seq_len} exceeds the context of model {cfg.model!r}: "
+                            f"{max_pos} tokens (max_position_embeddings); use --seq-len {max_pos} or less")
+    if cfg.check_memory:
+        # Before the data is tokenized and before the engine allocates anything.
+        check_fit(loaded.split, cfg.runtime if cfg.runtime.device != "auto" else _with_device(cfg, device),
+                  batch_size=cfg.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
+                  max_grad_norm=cfg.max_grad_norm)
     train_ds, heldout = build_datasets(cfg.data, loaded.tokenizer)
     pad_id = default_pad_id(loaded.tokenizer)
     sampler = BatchSampler(train_ds, cfg.batch_size, cfg.seed, pad_id)
@@ -133,15 +150,24 @@ def train(cfg: TrainConfig) -> TrainSummary:
     if cfg.epochs is not None:
         total_steps = max(1, int(cfg.epochs * len(sampler) / cfg.grad_accum))
 
-    if cfg.check_memory:
-        check_fit(loaded.split, cfg.runtime if cfg.runtime.device != "auto" else _with_device(cfg, device),
-                  batch_size=cfg.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
-                  max_grad_norm=cfg.max_grad_norm)
-    (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+    ckpt_dir = out / "checkpoints"
+    resume_from = _resolve_resume(cfg, ckpt_dir, total_steps)
+    stale = []
+    if resume_from is None:
+        stale = _complete_checkpoints(ckpt_dir)
+        if stale:
+            print(f"note: {ckpt_dir} holds checkpoints of an earlier run (newest: {stale[-1].name}); this new run "
+                  f"replaces them once it saves its first checkpoint (use --resume auto to continue that run "
+                  f"instead)", file=sys.stderr)
+    out.mkdir(parents=True, exist_ok=True)
+    if resume_from is not None:
+        _warn_changed_config(out / "config.json", cfg)
+    _write_text(out / "config.json", json.dumps(config_to_dict(cfg), indent=2) + "\n")
     engine = build_engine(loaded, cfg.runtime, cfg.optim, device, grad_accum=cfg.grad_accum,
                           max_grad_norm=cfg.max_grad_norm)
     try:
-        return _loop(cfg, engine, loaded, sampler, heldout, pad_id, total_steps, device, out, t_start)
+        return _loop(cfg, engine, loaded, sampler, heldout, pad_id, total_steps, device, out, t_start,
+                     resume_from, stale)
     finally:
         engine.close()
 
@@ -151,108 +177,243 @@ def _with_device(cfg: TrainConfig, device: Device):
     return dataclasses.replace(cfg.runtime, device=device.device.type)
 
 
-def _loop(cfg, engine, loaded, sampler, heldout, pad_id, total_steps, device, out, t_start) -> TrainSummary:
+def _resolve_resume(cfg: TrainConfig, ckpt_dir: Path, total_steps: int) -> Path | None:
+    """The checkpoint to continue from (None: a fresh start), checked before anything is allocated."""
+    if not cfg.resume:
+        return None
+    if cfg.resume == "auto":
+        ckpt = latest_checkpoint(ckpt_dir)
+        if ckpt is None:
+            print(f"--resume auto: no complete checkpoint in {ckpt_dir}; starting from step 0")
+            return None
+    else:
+        ckpt = Path(cfg.resume)
+        if not ckpt.is_dir():
+            raise TrainingError(f"--resume {cfg.resume}: no such checkpoint directory (use --resume auto for the "
+                                f"newest complete checkpoint in {ckpt_dir})")
+    try:
+        step = int(json.loads((ckpt / "trainer_state" / "state.json").read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return ckpt                      # load_checkpoint says what is wrong with it
+    if step > total_steps:
+        raise TrainingError(f"checkpoint {ckpt} is at step {step}, beyond this run's {total_steps} steps "
+                            f"(--max-steps/--epochs); resume with the run's original length")
+    return ckpt
+
+
+def _warn_changed_config(path: Path, cfg: TrainConfig) -> None:
+    """On resume: say which settings differ from the interrupted run (they change the trajectory)."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    ignore = {"resume", "stop_after", "progress", "log_every", "output_dir"}
+    new = config_to_dict(cfg)
+    changed = []
+    for key, value in new.items():
+        if key in ignore:
+            continue
+        if isinstance(value, dict) and isinstance(old.get(key), dict):
+            changed += [f"{key}.{k}: {old[key].get(k)!r} -> {v!r}" for k, v in value.items()
+                        if k in old[key] and old[key][k] != v]
+        elif key in old and old[key] != value:
+            changed.append(f"{key}: {old[key]!r} -> {value!r}")
+    if changed:
+        print("note: resuming with settings that differ from the run's saved config.json, so the result will "
+              "differ from an uninterrupted run: " + "; ".join(changed), file=sys.stderr)
+
+
+def _loop(cfg, engine, loaded, sampler, heldout, pad_id, total_steps, device, out, t_start,
+          resume_from: Path | None = None, stale: list[Path] | None = None) -> TrainSummary:
     start_step = 0
     ckpt_dir = out / "checkpoints"
-    if cfg.resume:
-        ckpt = latest_checkpoint(ckpt_dir) if cfg.resume == "auto" else Path(cfg.resume)
-        if ckpt is not None:
-            state = load_checkpoint(engine, ckpt)
-            start_step = int(state.get("step", engine.step_index))
-            print(f"resumed from {ckpt} at step {start_step}")
-        elif cfg.resume != "auto":
-            raise TrainingError(f"--resume {cfg.resume}: no such checkpoint")
     metrics_path = out / "metrics.csv"
-    rows = _read_rows(metrics_path, upto=start_step) if start_step else []
+    saved_step = None                    # step of the newest checkpoint in ckpt_dir written or loaded
+    if resume_from is not None:
+        state = load_checkpoint(engine, resume_from)
+        start_step = int(state.get("step", engine.step_index))
+        if resume_from.parent.resolve() == ckpt_dir.resolve():
+            saved_step = start_step
+        print(f"resumed from {resume_from} at step {start_step} of {total_steps}")
+    # Earlier rows of this run up to the checkpoint (rows after it are recomputed); the held-out
+    # evaluation at the end of an earlier invocation is dropped: the end of this one redoes it.
+    rows = [r for r in _read_rows(metrics_path, upto=start_step) if r["loss"] or int(float(r["step"])) == 0] \
+        if start_step else []
     flops_tok = train_flops_per_token(loaded.split, cfg.data.seq_len)
     proc = psutil.Process()
+    stale = list(stale or [])
+
+    def save(step: int) -> Path:
+        nonlocal saved_step
+        try:
+            path = _checkpoint(cfg, engine, loaded, ckpt_dir, step, stale)
+        except CheckpointError as e:
+            _flush(metrics_path, rows, out)
+            raise TrainingError(f"{e}. Training stopped after step {step}; metrics up to that step are in "
+                                f"{metrics_path}. Free some space (or fix the output directory) and continue "
+                                f"from the intact checkpoint with --output-dir {out} --resume auto") from e
+        saved_step = step
+        return path
+
     before = None
     if start_step == 0 and heldout is not None and len(heldout) > 0:
         before = evaluate(engine, heldout, cfg.batch_size, pad_id, cfg.eval_batches)
         print(f"held-out before training: loss {before[0]:.4f}  perplexity {before[1]:.2f}")
         rows.append(_row(step=0, eval_loss=before[0], eval_ppl=before[1]))
-    bar = None
-    if cfg.progress:
-        from tqdm import tqdm
-        bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
     first_loss = last_loss = None
-    interrupted = False
+    interrupted = stopped_early = False
     tok_rates = []
     device.reset_peak()
+    bar = None
+    if cfg.progress and start_step < total_steps:
+        from tqdm import tqdm
+        bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+    stop_message = None
     last_t = time.perf_counter()
     with _StopFlag() as stop:
-        for step in range(start_step, total_steps):
-            mbs = [sampler.batch(step * cfg.grad_accum + j) for j in range(cfg.grad_accum)]
-            lr = lr_at(cfg, step, total_steps)
-            res = engine.train_step(mbs, lr)
-            now = time.perf_counter()
-            dt, last_t = now - last_t, now
-            if not math.isfinite(res.loss):
-                _write_rows(metrics_path, rows)
-                raise TrainingError(
-                    f"non-finite loss ({res.loss}) at step {step + 1}; the weights of that step were not "
-                    f"saved. Try a lower --lr (now {cfg.optim.lr}), --max-grad-norm 1.0, --dtype bf16 "
-                    f"instead of fp16, or resume from the last checkpoint")
-            tokens = sum(int(mb.input_ids.numel()) for mb in mbs)
-            tps = tokens / dt
-            if step > start_step:                   # the first step includes warm-up
-                tok_rates.append(tps)
-            first_loss = res.loss if first_loss is None else first_loss
-            last_loss = res.loss
-            row = _row(step=step + 1, loss=res.loss, lr=lr, grad_norm=res.grad_norm(), tokens_per_s=tps,
-                       tflops=tps * flops_tok / 1e12, step_s=dt,
-                       gpu_peak_alloc_gib=device.max_memory_allocated() / 2**30,
-                       gpu_peak_reserved_gib=device.max_memory_reserved() / 2**30,
-                       cpu_rss_gib=proc.memory_info().rss / 2**30)
-            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total_steps and len(heldout):
-                row["eval_loss"], row["eval_ppl"] = evaluate(engine, heldout, cfg.batch_size, pad_id,
-                                                             cfg.eval_batches)
-            rows.append(row)
+        try:
+            for step in range(start_step, total_steps):
+                mbs = [sampler.batch(step * cfg.grad_accum + j) for j in range(cfg.grad_accum)]
+                lr = lr_at(cfg, step, total_steps)
+                res = engine.train_step(mbs, lr)
+                now = time.perf_counter()
+                dt, last_t = now - last_t, now
+                grad_norm = res.grad_norm()
+                bad = None
+                if not math.isfinite(res.loss):
+                    bad = f"non-finite loss ({res.loss})"
+                elif grad_norm is not None and not math.isfinite(grad_norm):
+                    bad = f"non-finite gradient norm ({grad_norm}, loss {res.loss:.4f})"
+                if bad is not None:
+                    _flush(metrics_path, rows, out)
+                    last = (f"the newest checkpoint, {ckpt_dir / f'checkpoint-{saved_step}'}, is intact"
+                            if saved_step is not None else "no checkpoint was written")
+                    raise TrainingError(
+                        f"{bad} at step {step + 1}: training stopped; the weights of that step were not saved "
+                        f"and {last}; metrics up to step {step} are in {metrics_path}. Hint: lower the "
+                        f"learning rate (--lr, now {cfg.optim.lr:g}), clip gradients (--max-grad-norm 1.0, now "
+                        f"{cfg.max_grad_norm}), use more --warmup-steps (now {cfg.warmup_steps}), --dtype bf16 "
+                        f"or fp32 rather than fp16 (now {cfg.runtime.dtype}), and check the data of that step")
+                tokens = sum(int(mb.input_ids.numel()) for mb in mbs)
+                tps = tokens / dt if dt > 0 else float("nan")
+                if step > start_step:                   # the first step includes warm-up
+                    tok_rates.append(tps)
+                first_loss = res.loss if first_loss is None else first_loss
+                last_loss = res.loss
+                row = _row(step=step + 1, loss=res.loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tps,
+                           tflops=tps * flops_tok / 1e12, step_s=dt,
+                           gpu_peak_alloc_gib=device.max_memory_allocated() / 2**30,
+                           gpu_peak_reserved_gib=device.max_memory_reserved() / 2**30,
+                           cpu_rss_gib=proc.memory_info().rss / 2**30)
+                if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total_steps and len(heldout):
+                    row["eval_loss"], row["eval_ppl"] = evaluate(engine, heldout, cfg.batch_size, pad_id,
+                                                                 cfg.eval_batches)
+                rows.append(row)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{res.loss:.4f}", tok_s=f"{tps:,.0f}", tflops=f"{row['tflops']:.1f}",
+                                    gpu=f"{row['gpu_peak_alloc_gib']:.1f}G", rss=f"{row['cpu_rss_gib']:.1f}G")
+                if (step + 1) % cfg.log_every == 0:
+                    _write_rows(metrics_path, rows)
+                done = step + 1
+                if stop.signal is not None or (cfg.stop_after and done - start_step >= cfg.stop_after
+                                               and done < total_steps):
+                    _write_rows(metrics_path, rows)
+                    path = save(done) if saved_step != done else ckpt_dir / f"checkpoint-{done}"
+                    if stop.signal is not None:
+                        interrupted = True
+                        why = f"stopped by {signal.Signals(stop.signal).name}"
+                    else:
+                        stopped_early = True
+                        why = f"stopped as asked (--stop-after {cfg.stop_after})"
+                    stop_message = (f"{why} after step {done} of {total_steps}; resumable checkpoint: {path}\n"
+                                    f"continue with: slidetune train <same options> --output-dir {out} "
+                                    f"--resume auto")
+                    break
+                if cfg.save_every and done % cfg.save_every == 0 and done < total_steps:
+                    save(done)
+        except KeyboardInterrupt:
+            # A second Ctrl-C / SIGTERM while the first one was being handled: stop at once.
+            _flush(metrics_path, rows, out)
+            newest = latest_checkpoint(ckpt_dir)
+            print(f"\ninterrupted twice: stopped without saving the current step; "
+                  + (f"the newest checkpoint, {newest}, is intact" if newest else "no checkpoint was written"),
+                  file=sys.stderr)
+            raise
+        finally:
             if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{res.loss:.4f}", tok_s=f"{tps:,.0f}", tflops=f"{row['tflops']:.1f}",
-                                gpu=f"{row['gpu_peak_alloc_gib']:.1f}G", rss=f"{row['cpu_rss_gib']:.1f}G")
-            if (step + 1) % max(1, cfg.log_every) == 0:
-                _write_rows(metrics_path, rows)
-            if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < total_steps:
-                _checkpoint(cfg, engine, loaded, ckpt_dir, step + 1)
-            if stop.signal is not None:
-                _write_rows(metrics_path, rows)
-                path = _checkpoint(cfg, engine, loaded, ckpt_dir, step + 1)
-                print(f"\nstopped by signal {stop.signal} after step {step + 1}; resumable checkpoint: {path}\n"
-                      f"continue with: slidetune train ... --output-dir {out} --resume auto")
-                interrupted = True
-                break
-        if bar is not None:
-            bar.close()
+                bar.close()
+    if stop_message:
+        print(stop_message, file=sys.stderr if interrupted else sys.stdout)
     after = None
-    if not interrupted:
+    if not (interrupted or stopped_early):
         engine.synchronize()
         if heldout is not None and len(heldout) > 0:
             after = evaluate(engine, heldout, cfg.batch_size, pad_id, cfg.eval_batches)
             print(f"held-out after training: loss {after[0]:.4f}  perplexity {after[1]:.2f}")
             rows.append(_row(step=total_steps, eval_loss=after[0], eval_ppl=after[1]))
-        _checkpoint(cfg, engine, loaded, ckpt_dir, total_steps)
-        save_checkpoint(engine, out / "final", step=total_steps, tokenizer=loaded.tokenizer,
-                        save_dtype=cfg.save_dtype, with_optimizer=False)
-    _write_rows(metrics_path, rows)
-    _plot(metrics_path, out / "loss.png")
+        _write_rows(metrics_path, rows)
+        if saved_step != total_steps:
+            save(total_steps)
+        try:
+            save_checkpoint(engine, out / "final", step=total_steps, tokenizer=loaded.tokenizer,
+                            save_dtype=cfg.save_dtype, with_optimizer=False)
+        except CheckpointError as e:
+            _flush(metrics_path, rows, out)
+            raise TrainingError(f"{e}. The training itself finished: the resumable checkpoint "
+                                f"{ckpt_dir / f'checkpoint-{total_steps}'} holds the final weights; run again "
+                                f"with --output-dir {out} --resume auto to retry the export") from e
+        print(f"final model: {out / 'final'} (AutoModelForCausalLM.from_pretrained loads it)")
+    _flush(metrics_path, rows, out)
     summary = TrainSummary(
         output_dir=str(out), steps=engine.step_index,
         eval_loss_before=before[0] if before else None, eval_loss_after=after[0] if after else None,
         ppl_before=before[1] if before else None, ppl_after=after[1] if after else None,
         first_loss=first_loss, last_loss=last_loss,
         tokens_per_s=float(np.median(tok_rates)) if tok_rates else None,
-        wall_s=time.perf_counter() - t_start, interrupted=interrupted)
-    (out / "summary.json").write_text(json.dumps(summary.__dict__, indent=2))
+        wall_s=time.perf_counter() - t_start, interrupted=interrupted, stopped_early=stopped_early)
+    _write_text(out / "summary.json", json.dumps(summary.__dict__, indent=2) + "\n")
     return summary
 
 
-def _checkpoint(cfg, engine, loaded, ckpt_dir: Path, step: int) -> Path:
+def _flush(metrics: Path, rows: list[dict], out: Path) -> None:
+    """metrics.csv and loss.png as they stand (on the way out of an error: best effort for the plot)."""
+    _write_rows(metrics, rows)
+    try:
+        _plot(metrics, out / "loss.png")
+    except Exception as e:  # noqa: BLE001 - a plot must never hide the real error
+        print(f"note: could not draw {out / 'loss.png'}: {e}", file=sys.stderr)
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _checkpoint(cfg, engine, loaded, ckpt_dir: Path, step: int, stale: list[Path] | None = None) -> Path:
+    """Save `checkpoint-<step>`; then delete an earlier run's checkpoints (`stale`, emptied) and prune."""
     path = save_checkpoint(engine, ckpt_dir / f"checkpoint-{step}", step=step, tokenizer=loaded.tokenizer,
                            trainer_state={"step": step})
+    for old in stale or []:
+        if old.resolve() != path.resolve():
+            shutil.rmtree(old, ignore_errors=True)
+    if stale:
+        stale.clear()
     prune_checkpoints(ckpt_dir, cfg.keep_last)
     return path
+
+
+def _complete_checkpoints(ckpt_dir: Path) -> list[Path]:
+    """The complete `checkpoint-<step>` directories in ckpt_dir, oldest step first."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = []
+    for p in ckpt_dir.iterdir():
+        name = p.name
+        if name.startswith("checkpoint-") and name[len("checkpoint-"):].isdigit() and (p / "COMPLETE").exists():
+            found.append((int(name[len("checkpoint-"):]), p))
+    return [p for _, p in sorted(found)]
 
 
 def _row(**kw) -> dict:
@@ -262,8 +423,9 @@ def _row(**kw) -> dict:
 def _read_rows(path: Path, upto: int) -> list[dict]:
     if not path.exists():
         return []
-    with path.open() as f:
-        return [r for r in csv.DictReader(f) if r["step"] and int(float(r["step"])) <= upto]
+    with path.open(newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("step") and int(float(r["step"])) <= upto]
+    return [{c: r.get(c) or "" for c in METRIC_COLUMNS} for r in rows]
 
 
 def _write_rows(path: Path, rows: list[dict]) -> None:
@@ -272,8 +434,17 @@ def _write_rows(path: Path, rows: list[dict]) -> None:
         w = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
         w.writeheader()
         for r in rows:
-            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+            w.writerow({k: _fmt(k, v) for k, v in r.items()})
     os.replace(tmp, path)
+
+
+_PRECISE = {"loss", "lr", "grad_norm", "eval_loss"}     # enough digits to round-trip an FP32 value
+
+
+def _fmt(key: str, v):
+    if isinstance(v, float):
+        return f"{v:.9g}" if key in _PRECISE else f"{v:.6g}"
+    return "" if v is None else v
 
 
 def _plot(metrics: Path, png: Path) -> None:

@@ -72,6 +72,9 @@ def measure(spec: MeasureSpec) -> dict:
     timeline = getattr(engine, "timeline", None)
     if timeline is not None:
         timeline.enabled = True
+    memory = getattr(engine, "memory", None)
+    if memory is not None:
+        memory.enabled = True
     split = loaded.split
     vocab = split.config.vocab_size
     result: dict = {"spec": asdict(spec), "machine": machine_info(), "init_s": init_s,
@@ -98,7 +101,9 @@ def measure(spec: MeasureSpec) -> dict:
                 gpu = [(s.start_s, s.end_s) for s in spans if s.start_s is not None]
                 if gpu:
                     overlap = overlap_report(gpu, host_spans, t, t_end)
+            mem_points = memory.take() if memory is not None else []
             steps.append({"step": k, "warmup": k < spec.warmup, "wall_s": wall, "loss": res.loss,
+                          "memory": [(p.phase, p.layer, p.allocated, p.reserved, p.rss) for p in mem_points],
                           "grad_norm": res.grad_norm(), "host_s": host, "overlap": overlap,
                           "spans": [(s.phase, s.layer, s.ms) for s in spans]})
         engine.synchronize()

@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from ..device import Device
 from ..models.load import LoadedModel
 from ..telemetry.events import EventTimer
+from ..telemetry.memory_timeline import MemoryTimeline
 from .adamw import AdamWConfig, FlatAdamW
 from .config import RuntimeConfig, recompute_set
 from .result import StepResult
@@ -46,6 +47,7 @@ class PlainEngine:
         self.dtype = rt.torch_dtype
         self.max_grad_norm = max_grad_norm
         self.timer = timer or EventTimer(device, enabled=False)
+        self.memory = MemoryTimeline(device, enabled=False)
         L = self.split.num_layers
         self.recompute = recompute_set(rt.recompute, L) if rt.mode == "ckpt" else set()
         self.units = [_DeviceUnit(s, loaded.source, optim, self.dtype, device.device) for s in self.split.units]
@@ -58,12 +60,18 @@ class PlainEngine:
         mask = mb.attention_mask.to(dev) if mb.attention_mask is not None else None
         kwargs = split.layer_kwargs(*ids.shape, self.dtype, dev, attention_mask=mask)
         x = split.embed_forward(self.units[0].leaves, ids)               # [B, S, d]
+        self.memory.mark("embed")
         for i in range(split.num_layers):
             params = self.units[i + 1].leaves
-            if i in self.recompute:
-                x = checkpoint(split.layer_forward, i, params, x, kwargs[i], use_reentrant=False)
-            else:
-                x = split.layer_forward(i, params, x, kwargs[i])
+            if self.memory.enabled and torch.is_grad_enabled():
+                # fires when the gradient reaches layer i's input: the end of its backward
+                x.register_hook(lambda g, i=i: self.memory.mark("backward", i))
+            with self.timer.span("forward", i):
+                if i in self.recompute:
+                    x = checkpoint(split.layer_forward, i, params, x, kwargs[i], use_reentrant=False)
+                else:
+                    x = split.layer_forward(i, params, x, kwargs[i])
+            self.memory.mark("forward", i)
         tied = self.units[0].leaves["weight"] if split.tied else None
         return split.head_loss(self.units[-1].leaves, x, labels, lm_weight=tied,
                                impl=self.rt.head_impl, chunk_tokens=self.rt.head_chunk_tokens)
@@ -74,9 +82,11 @@ class PlainEngine:
             raise ValueError("the step's batches contain no target tokens (all labels are -100)")
         total = torch.zeros((), dtype=torch.float32, device=self.device.device)
         for m, mb in enumerate(micro_batches):
-            with self.timer.span("forward_backward", -1):
-                loss = self._loss(mb)
+            loss = self._loss(mb)
+            self.memory.mark("head")
+            with self.timer.span("backward", -1):
                 (loss / n_tokens).backward()
+            self.memory.mark("backward_end")
             total += loss.detach().float()
             for u in self.units:
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in u.leaves.values()]
@@ -96,6 +106,7 @@ class PlainEngine:
                 u.opt.update(u.grad, lr, 0, grad_scale=coef)
                 with torch.no_grad():
                     u.compute.copy_(u.master)
+        self.memory.mark("optimizer")
         self.step_index += 1
         return StepResult(loss=float(total) / n_tokens, n_tokens=n_tokens, grad_norm_value=norm)
 

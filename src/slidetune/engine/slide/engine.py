@@ -28,6 +28,7 @@ from ...models.load import LoadedModel
 from ...models.units import UnitSpec
 from ...telemetry.events import EventTimer
 from ...telemetry.host_timeline import HostTimeline
+from ...telemetry.memory_timeline import MemoryTimeline
 from ..adamw import AdamWConfig
 from ..config import RuntimeConfig
 from ..result import StepResult
@@ -61,6 +62,7 @@ class SlideEngine:
         self.max_grad_norm = max_grad_norm
         self.timer = timer or EventTimer(device, enabled=False)
         self.timeline = HostTimeline(enabled=False)
+        self.memory = MemoryTimeline(device, enabled=False)
         self.store = HostStore(self.split, loaded.source, optim, keep_grads=self.schedule == "deferred")
         self.units: list[HostUnit] = self.store.units
         L = self.split.num_layers
@@ -271,6 +273,7 @@ class SlideEngine:
         self._acquire(embed_slot)
         with torch.no_grad(), self.timer.span("embed", -1):
             x = split.embed_forward(self._views(split.embed_unit, embed_slot.flat), ids)   # [B, S, d]
+        self.memory.mark("embed")
         for i in range(L):
             self._plan(visits, i, assign)
             if i == max(0, L - len(self.layer_slots)):
@@ -281,6 +284,7 @@ class SlideEngine:
             with torch.no_grad(), self.timer.span("forward", i):
                 x = split.layer_forward(i, self._views(split.layer_units[i], slot.flat), x, kwargs[i])
             self._release(slot)
+            self.memory.mark("forward", i)
         if L < 1:
             head_slot = self._use_vocab(head_index)
 
@@ -297,6 +301,7 @@ class SlideEngine:
             wrt = [xh] + list(head_params.values()) + ([tied_w] if tied_w is not None else [])
             grads = torch.autograd.grad(loss * scale, wrt, materialize_grads=True)
         self._release(head_slot)
+        self.memory.mark("head")
         loss_value = loss.detach().float()
         g = grads[0]                                           # [B, S, d]
         gslot = self._grad_slot(head_index)
@@ -330,6 +335,7 @@ class SlideEngine:
             self._submit_drain(i + 1, gslot, m, n_micro, lr)
             g = res[0]
             del out, res, x_in, params
+            self.memory.mark("backward", i)
 
         # ---- embedding gradient
         self._acquire(embed_slot)
@@ -341,6 +347,7 @@ class SlideEngine:
         self._write_grads(split.embed_unit, embed_gslot, [gw], accumulate=tied_w is not None)
         self._submit_drain(0, embed_gslot, m, n_micro, lr)
         self.acts.clear()
+        self.memory.mark("embed_backward")
         return loss_value
 
     # ------------------------------------------------------------- evaluation
