@@ -1,0 +1,59 @@
+"""Benchmark scenarios: `slidetune bench SCENARIO [options]`.
+
+Every scenario module exposes
+    NAME: str
+    def add_arguments(parser: argparse.ArgumentParser) -> None   # scenario-specific flags
+    def run(args: argparse.Namespace) -> Path                      # writes results, returns the output dir
+and follows DESIGN.md section 3: one process per configuration (bench.runner.run_isolated),
+warm-up excluded, CSV + JSON per step and per layer with machine details in every file,
+PNG plots and a Markdown report (bench.report), and a --smoke size that runs on the CPU
+in under a minute.
+
+Common flags (added by `add_common_arguments`): --out, --smoke, --model, --num-layers,
+--seq-len, --batch-size, --steps, --warmup, --gpu-memory-limit (e.g. 24GiB).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+
+# scenario name -> module (relative to this package)
+SCENARIOS = {
+    "runtime": None,          # handled by bench.runtime_check (the runtime's acceptance checks)
+    "modes": "modes",
+    "recompute": "recompute",
+    "head": "head",
+    "techniques": "techniques",
+    "throughput": "throughput",
+    "roofline": "roofline",
+}
+
+
+def parse_gib(text: str | None) -> float | None:
+    """'24GiB' / '24G' / '24' -> 24.0 (GiB)."""
+    if text is None:
+        return None
+    t = text.strip().lower().removesuffix("ib").removesuffix("b").removesuffix("g")
+    return float(t)
+
+
+def add_common_arguments(p: argparse.ArgumentParser, *, model: str, seq_len: int, batch_size: int,
+                         steps: int = 10, warmup: int = 3) -> None:
+    p.add_argument("--out", type=Path, default=None, help="output directory (default benchmarks/results/<scenario>)")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes that run on the CPU in under a minute")
+    p.add_argument("--model", default=model)
+    p.add_argument("--num-layers", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=seq_len)
+    p.add_argument("--batch-size", type=int, default=batch_size)
+    p.add_argument("--steps", type=int, default=steps, help="measured steps (after warm-up)")
+    p.add_argument("--warmup", type=int, default=warmup, help="warm-up steps, excluded from statistics")
+    p.add_argument("--gpu-memory-limit", type=parse_gib, default=None, metavar="GiB",
+                   help="emulate a smaller GPU, e.g. 24GiB (torch.cuda.set_per_process_memory_fraction)")
+    p.add_argument("--device", default="auto")
+
+
+def scenario_module(name: str):
+    if name not in SCENARIOS or SCENARIOS[name] is None:
+        raise KeyError(name)
+    return importlib.import_module(f"{__name__}.{SCENARIOS[name]}")
