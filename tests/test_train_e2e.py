@@ -25,9 +25,20 @@ import torch
 from slidetune import train as train_mod
 from slidetune.cli import build_parser, main
 from slidetune.config import TrainConfig, _FLAG_NAMES, _leaf_fields, config_from_args
+from slidetune.data.corpus import builtin_corpus
 
-COMMON = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "2",
-          "--progress", "false", "--device", "cpu"]
+BASE = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "2",
+        "--progress", "false", "--device", "cpu"]
+COMMON = list(BASE)          # + --data <a small slice of the built-in corpus>, set by small_corpus
+
+
+@pytest.fixture(scope="module", autouse=True)
+def small_corpus(tmp_path_factory):
+    """40 documents of the built-in corpus (~10K tokens): tokenized in milliseconds, not seconds."""
+    path = tmp_path_factory.mktemp("data") / "small.jsonl"
+    path.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in builtin_corpus()[:40]))
+    COMMON[:] = BASE + ["--data", str(path)]
+    return path
 REQUIRED = ["step", "loss", "lr", "grad_norm", "tokens_per_s", "gpu_peak_alloc_gib", "cpu_rss_gib"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -77,7 +88,7 @@ def signal_after_step(sig: int, step: int):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, small_corpus):
     base = tmp_path_factory.mktemp("train_e2e")
     r: dict = {"base": base}
 
@@ -85,7 +96,7 @@ def runs(tmp_path_factory):
     yaml_file = base / "job.yaml"
     yaml_file.write_text(
         "model: tiny-llama\n"
-        "data:\n  seq_len: 32\n"
+        f"data:\n  path: {small_corpus}\n  seq_len: 32\n"
         "runtime:\n  device: cpu\n"
         "batch-size: 2\n"
         "eval_batches: 2\n"
@@ -205,6 +216,7 @@ def test_stop_after_leaves_a_resumable_checkpoint(runs):
     assert runs["B_after_first"] == {"checkpoints": ["checkpoint-2"], "final": False,
                                      "steps": ["0", "1", "2"]}
     assert "resumed from" in runs["B_second"][1] and "at step 2 of 4" in runs["B_second"][1]
+    assert "differ" not in runs["B_second"][2]           # same settings: no warning
 
 
 def test_resume_after_stop_after_matches_uninterrupted(runs):
@@ -235,6 +247,18 @@ def test_resume_of_finished_run_does_not_duplicate_rows(runs, tmp_path):
     assert [r["step"] for r in read_metrics(d)] == [r["step"] for r in read_metrics(runs["A"])]
     for name, t in weights(runs["A"] / "final").items():
         torch.testing.assert_close(weights(d / "final")[name], t, rtol=0, atol=0)
+
+
+def test_resume_with_changed_settings_says_so(runs, tmp_path):
+    import shutil
+    d = tmp_path / "changed"
+    shutil.copytree(runs["B"], d)
+    shutil.rmtree(d / "checkpoints" / "checkpoint-4")          # back to the state after the stop at step 2
+    code, out, err = run_cli(*COMMON, "--max-steps", "4", "--lr", "2e-5", "--resume", "auto",
+                             "--output-dir", str(d))
+    assert code == 0, err[-2000:]
+    assert "at step 2 of 4" in out
+    assert "differ" in err and "optim.lr: 1e-05 -> 2e-05" in err
 
 
 # ----------------------------------------------------------------------------- (e) the config

@@ -26,9 +26,20 @@ import torch
 from slidetune import train as train_mod
 from slidetune.cli import main
 from slidetune.engine.result import StepResult
+from slidetune.data.corpus import builtin_corpus
 
-COMMON = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "2",
-          "--progress", "false", "--device", "cpu"]
+BASE = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "2",
+        "--progress", "false", "--device", "cpu"]
+COMMON = list(BASE)          # + --data <a small slice of the built-in corpus>, set by small_corpus
+
+
+@pytest.fixture(scope="module", autouse=True)
+def small_corpus(tmp_path_factory):
+    """40 documents of the built-in corpus (~10K tokens): tokenized in milliseconds, not seconds."""
+    path = tmp_path_factory.mktemp("data") / "small.txt"
+    path.write_text("\n\n".join(builtin_corpus()[:40]) + "\n")
+    COMMON[:] = BASE + ["--data", str(path)]
+    return path
 
 
 def run_cli(*args: str) -> tuple[int, str, str]:
@@ -204,7 +215,7 @@ def test_non_finite_step_stops_naming_the_step(tmp_path, what):
         code, out, err = run_cli(*COMMON, "--max-steps", "4", "--save-every", "1", "--output-dir", str(d))
     assert code == 2, err[-2000:]
     assert "TrainingError" in err and "at step 3" in err and "non-finite" in err
-    assert "Hint" in err and "--lr" in err and "--max-grad-norm" in err
+    assert "Hint" in err and "--lr" in err and "--warmup-steps" in err and "--resume auto" in err
     assert "checkpoint-2" in err and "intact" in err
     # metrics up to the failure are kept (held-out eval at 0, steps 1 and 2), the plot too
     assert metric_steps(d) == [0, 1, 2]

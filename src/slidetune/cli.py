@@ -1,4 +1,4 @@
-"""`slidetune train | plan | bench` command line.
+"""`slidetune train | plan | bench | report` command line.
 
 Expected failures (bad data, unknown model, a configuration that does not fit, a failed
 save, a non-finite loss, ...) print `slidetune: error: <what and where>` and exit with
@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from .config import add_config_flags, config_from_args, config_to_dict
 
@@ -43,22 +44,47 @@ def _plan(ns) -> int:
     return 0
 
 
-def _bench(ns) -> int:
+def _bench_runtime(ns) -> int:
     from pathlib import Path
-    if ns.scenario == "runtime":
-        from .bench.runtime_check import run
-        parts = tuple(ns.parts.split(","))
-        checks = run(Path(ns.out), smoke=ns.smoke, big_model=ns.big_model, big_batch=ns.big_batch, parts=parts)
-        print(json.dumps(checks, indent=1, default=float))
-        return 0
-    if ns.scenario == "roofline":
-        from .bench.roofline import floor
-        fl = floor(ns.big_model, ns.big_batch, ns.seq_len)
-        Path(ns.out).mkdir(parents=True, exist_ok=True)
-        (Path(ns.out) / "roofline.json").write_text(json.dumps(fl, indent=1))
-        print(json.dumps(fl, indent=1))
-        return 0
-    raise ValueError(f"unknown scenario {ns.scenario!r}")
+    from .bench.runtime_check import run
+    parts = tuple(ns.parts.split(","))
+    checks = run(Path(ns.out), smoke=ns.smoke, big_model=ns.big_model, big_batch=ns.big_batch, parts=parts)
+    print(json.dumps(checks, indent=1, default=float))
+    return 0
+
+
+def _bench_scenario(ns) -> int:
+    out = ns.scenario_module.run(ns)
+    print(f"results: {out}")
+    return 0
+
+
+def _report(ns) -> int:
+    from .bench.report import main_report
+    main_report(ns.dir, ns.compare_seeds)
+    return 0
+
+
+def _add_bench(sub) -> None:
+    from .bench.scenarios import SCENARIOS, scenario_module
+    p_bench = sub.add_parser("bench", help="run a benchmark scenario (each configuration in its own process)")
+    scen = p_bench.add_subparsers(dest="scenario", required=True)
+    p_rt = scen.add_parser("runtime", help="the runtime's GPU acceptance checks (memory ratios, depth, 8B)")
+    p_rt.add_argument("--out", default="benchmarks/results/runtime")
+    p_rt.add_argument("--smoke", action="store_true", help="tiny sizes that run on the CPU in seconds")
+    p_rt.add_argument("--parts", default="memory,big", help="comma list of memory, slide, big")
+    p_rt.add_argument("--big-model", default="qwen3-8b")
+    p_rt.add_argument("--big-batch", type=int, default=16)
+    p_rt.set_defaults(func=_bench_runtime)
+    for name in SCENARIOS:
+        if name == "runtime":
+            continue
+        mod = scenario_module(name)
+        doc = (mod.__doc__ or name).strip().splitlines()[0]
+        p = scen.add_parser(name, help=doc, description=mod.__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_arguments(p)
+        p.set_defaults(func=_bench_scenario, scenario_module=mod)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,15 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_plan = sub.add_parser("plan", help="print the memory a configuration needs, allocating nothing")
     add_config_flags(p_plan)
     p_plan.set_defaults(func=_plan)
-    p_bench = sub.add_parser("bench", help="run a benchmark scenario (each configuration in its own process)")
-    p_bench.add_argument("scenario", choices=["runtime", "roofline"])
-    p_bench.add_argument("--out", default="benchmarks/results/latest")
-    p_bench.add_argument("--smoke", action="store_true", help="tiny sizes that run on the CPU in seconds")
-    p_bench.add_argument("--parts", default="memory,big")
-    p_bench.add_argument("--big-model", default="qwen3-8b")
-    p_bench.add_argument("--big-batch", type=int, default=16)
-    p_bench.add_argument("--seq-len", type=int, default=1024)
-    p_bench.set_defaults(func=_bench)
+    _add_bench(sub)
+    p_report = sub.add_parser("report", help="turn a results directory into Markdown + PNG plots")
+    p_report.add_argument("dir", type=Path)
+    p_report.add_argument("--compare-seeds", action="store_true",
+                          help="set each seed report's table beside ours, as ratios (the hardware differs)")
+    p_report.set_defaults(func=_report)
     return parser
 
 
@@ -101,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("SLIDETUNE_TRACEBACK"):
             import traceback
             traceback.print_exc()
-        msg = e.args[0] if isinstance(e, KeyError) and len(e.args) == 1 else e
+        msg = str(e.args[0] if isinstance(e, KeyError) and len(e.args) == 1 else e)
+        msg = msg.removeprefix("slidetune: ")        # some messages carry the program name already
         print(f"slidetune: error: {type(e).__name__}: {msg}", file=sys.stderr)
         return 2
 

@@ -65,7 +65,12 @@ def seed_everything(seed: int) -> None:
 
 
 class _StopFlag:
-    """SIGINT/SIGTERM -> finish the current step, checkpoint, exit."""
+    """SIGINT/SIGTERM -> finish the current step, checkpoint, exit; a second one aborts at once.
+
+    Installed for the whole run once the engine exists: a signal during the held-out
+    evaluation stops after the first step; one during the final evaluation or export lets
+    them finish (the run is complete then).
+    """
 
     def __init__(self):
         self.signal: int | None = None
@@ -83,6 +88,11 @@ class _StopFlag:
         if self.signal is not None:       # a second Ctrl-C aborts immediately
             raise KeyboardInterrupt
         self.signal = signum
+        try:                              # os.write: safe inside a signal handler, unlike print
+            os.write(2, f"\nslidetune: received {signal.Signals(signum).name}: finishing the current step, "
+                        f"then saving a resumable checkpoint (send it again to abort at once)\n".encode())
+        except OSError:
+            pass
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():
@@ -166,8 +176,9 @@ def train(cfg: TrainConfig) -> TrainSummary:
     engine = build_engine(loaded, cfg.runtime, cfg.optim, device, grad_accum=cfg.grad_accum,
                           max_grad_norm=cfg.max_grad_norm)
     try:
-        return _loop(cfg, engine, loaded, sampler, heldout, pad_id, total_steps, device, out, t_start,
-                     resume_from, stale)
+        with _StopFlag() as stop:       # from here on a signal means: finish the step, checkpoint, exit
+            return _loop(cfg, engine, loaded, sampler, heldout, pad_id, total_steps, device, out, t_start,
+                         resume_from, stale, stop)
     finally:
         engine.close()
 
@@ -224,7 +235,9 @@ def _warn_changed_config(path: Path, cfg: TrainConfig) -> None:
 
 
 def _loop(cfg, engine, loaded, sampler, heldout, pad_id, total_steps, device, out, t_start,
-          resume_from: Path | None = None, stale: list[Path] | None = None) -> TrainSummary:
+          resume_from: Path | None = None, stale: list[Path] | None = None,
+          stop: "_StopFlag | None" = None) -> TrainSummary:
+    stop = stop or _StopFlag()
     start_step = 0
     ckpt_dir = out / "checkpoints"
     metrics_path = out / "metrics.csv"
@@ -245,6 +258,7 @@ def _loop(cfg, engine, loaded, sampler, heldout, pad_id, total_steps, device, ou
 
     def save(step: int) -> Path:
         nonlocal saved_step
+        _write_rows(metrics_path, rows)          # the rows up to a checkpoint are on disk with it
         try:
             path = _checkpoint(cfg, engine, loaded, ckpt_dir, step, stale)
         except CheckpointError as e:
@@ -270,79 +284,84 @@ def _loop(cfg, engine, loaded, sampler, heldout, pad_id, total_steps, device, ou
         bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
     stop_message = None
     last_t = time.perf_counter()
-    with _StopFlag() as stop:
-        try:
-            for step in range(start_step, total_steps):
-                mbs = [sampler.batch(step * cfg.grad_accum + j) for j in range(cfg.grad_accum)]
-                lr = lr_at(cfg, step, total_steps)
-                res = engine.train_step(mbs, lr)
-                now = time.perf_counter()
-                dt, last_t = now - last_t, now
-                grad_norm = res.grad_norm()
-                bad = None
-                if not math.isfinite(res.loss):
-                    bad = f"non-finite loss ({res.loss})"
-                elif grad_norm is not None and not math.isfinite(grad_norm):
-                    bad = f"non-finite gradient norm ({grad_norm}, loss {res.loss:.4f})"
-                if bad is not None:
-                    _flush(metrics_path, rows, out)
-                    last = (f"the newest checkpoint, {ckpt_dir / f'checkpoint-{saved_step}'}, is intact"
-                            if saved_step is not None else "no checkpoint was written")
-                    raise TrainingError(
-                        f"{bad} at step {step + 1}: training stopped; the weights of that step were not saved "
-                        f"and {last}; metrics up to step {step} are in {metrics_path}. Hint: lower the "
-                        f"learning rate (--lr, now {cfg.optim.lr:g}), clip gradients (--max-grad-norm 1.0, now "
-                        f"{cfg.max_grad_norm}), use more --warmup-steps (now {cfg.warmup_steps}), --dtype bf16 "
-                        f"or fp32 rather than fp16 (now {cfg.runtime.dtype}), and check the data of that step")
-                tokens = sum(int(mb.input_ids.numel()) for mb in mbs)
-                tps = tokens / dt if dt > 0 else float("nan")
-                if step > start_step:                   # the first step includes warm-up
-                    tok_rates.append(tps)
-                first_loss = res.loss if first_loss is None else first_loss
-                last_loss = res.loss
-                row = _row(step=step + 1, loss=res.loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tps,
-                           tflops=tps * flops_tok / 1e12, step_s=dt,
-                           gpu_peak_alloc_gib=device.max_memory_allocated() / 2**30,
-                           gpu_peak_reserved_gib=device.max_memory_reserved() / 2**30,
-                           cpu_rss_gib=proc.memory_info().rss / 2**30)
-                if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total_steps and len(heldout):
-                    row["eval_loss"], row["eval_ppl"] = evaluate(engine, heldout, cfg.batch_size, pad_id,
-                                                                 cfg.eval_batches)
-                rows.append(row)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{res.loss:.4f}", tok_s=f"{tps:,.0f}", tflops=f"{row['tflops']:.1f}",
-                                    gpu=f"{row['gpu_peak_alloc_gib']:.1f}G", rss=f"{row['cpu_rss_gib']:.1f}G")
-                if (step + 1) % cfg.log_every == 0:
-                    _write_rows(metrics_path, rows)
-                done = step + 1
-                if stop.signal is not None or (cfg.stop_after and done - start_step >= cfg.stop_after
-                                               and done < total_steps):
-                    _write_rows(metrics_path, rows)
-                    path = save(done) if saved_step != done else ckpt_dir / f"checkpoint-{done}"
-                    if stop.signal is not None:
-                        interrupted = True
-                        why = f"stopped by {signal.Signals(stop.signal).name}"
-                    else:
-                        stopped_early = True
-                        why = f"stopped as asked (--stop-after {cfg.stop_after})"
-                    stop_message = (f"{why} after step {done} of {total_steps}; resumable checkpoint: {path}\n"
-                                    f"continue with: slidetune train <same options> --output-dir {out} "
-                                    f"--resume auto")
-                    break
-                if cfg.save_every and done % cfg.save_every == 0 and done < total_steps:
-                    save(done)
-        except KeyboardInterrupt:
-            # A second Ctrl-C / SIGTERM while the first one was being handled: stop at once.
-            _flush(metrics_path, rows, out)
-            newest = latest_checkpoint(ckpt_dir)
-            print(f"\ninterrupted twice: stopped without saving the current step; "
-                  + (f"the newest checkpoint, {newest}, is intact" if newest else "no checkpoint was written"),
-                  file=sys.stderr)
-            raise
-        finally:
+    try:
+        for step in range(start_step, total_steps):
+            mbs = [sampler.batch(step * cfg.grad_accum + j) for j in range(cfg.grad_accum)]
+            lr = lr_at(cfg, step, total_steps)
+            res = engine.train_step(mbs, lr)
+            now = time.perf_counter()
+            dt, last_t = now - last_t, now
+            grad_norm = res.grad_norm()
+            bad = None
+            if not math.isfinite(res.loss):
+                bad = f"non-finite loss ({res.loss})"
+            elif grad_norm is not None and not math.isfinite(grad_norm):
+                bad = f"non-finite gradient norm ({grad_norm}, loss {res.loss:.4f})"
+            if bad is not None:
+                _flush(metrics_path, rows, out)
+                newest = latest_checkpoint(ckpt_dir)
+                last = (f"the newest checkpoint, {newest}, is intact (resume from it with --resume auto "
+                        f"after changing the settings)" if newest else "no checkpoint had been written yet")
+                hints = [f"lower the learning rate (--lr, now {cfg.optim.lr:g})"]
+                if cfg.max_grad_norm is None:
+                    hints.append("clip gradients (--max-grad-norm 1.0)")
+                hints.append(f"use more --warmup-steps (now {cfg.warmup_steps})")
+                if cfg.runtime.dtype == "fp16":
+                    hints.append("use --dtype bf16 (fp16 overflows without loss scaling)")
+                hints.append(f"check the data of step {step + 1}")
+                raise TrainingError(
+                    f"{bad} at step {step + 1}: training stopped; the weights of that step were not saved "
+                    f"and {last}; metrics up to step {step} are in {metrics_path}. "
+                    f"Hint: {'; '.join(hints)}")
+            tokens = sum(int(mb.input_ids.numel()) for mb in mbs)
+            tps = tokens / dt if dt > 0 else float("nan")
+            if step > start_step:                   # the first step includes warm-up
+                tok_rates.append(tps)
+            first_loss = res.loss if first_loss is None else first_loss
+            last_loss = res.loss
+            row = _row(step=step + 1, loss=res.loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tps,
+                       tflops=tps * flops_tok / 1e12, step_s=dt,
+                       gpu_peak_alloc_gib=device.max_memory_allocated() / 2**30,
+                       gpu_peak_reserved_gib=device.max_memory_reserved() / 2**30,
+                       cpu_rss_gib=proc.memory_info().rss / 2**30)
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total_steps and len(heldout):
+                row["eval_loss"], row["eval_ppl"] = evaluate(engine, heldout, cfg.batch_size, pad_id,
+                                                             cfg.eval_batches)
+            rows.append(row)
             if bar is not None:
-                bar.close()
+                bar.update(1)
+                bar.set_postfix(loss=f"{res.loss:.4f}", tok_s=f"{tps:,.0f}", tflops=f"{row['tflops']:.1f}",
+                                gpu=f"{row['gpu_peak_alloc_gib']:.1f}G", rss=f"{row['cpu_rss_gib']:.1f}G")
+            if (step + 1) % cfg.log_every == 0:
+                _write_rows(metrics_path, rows)
+            done = step + 1
+            if stop.signal is not None or (cfg.stop_after and done - start_step >= cfg.stop_after
+                                           and done < total_steps):
+                _write_rows(metrics_path, rows)
+                path = save(done) if saved_step != done else ckpt_dir / f"checkpoint-{done}"
+                if stop.signal is not None:
+                    interrupted = True
+                    why = f"stopped by {signal.Signals(stop.signal).name}"
+                else:
+                    stopped_early = True
+                    why = f"stopped as asked (--stop-after {cfg.stop_after})"
+                stop_message = (f"{why} after step {done} of {total_steps}; resumable checkpoint: {path}\n"
+                                f"continue with: slidetune train <same options> --output-dir {out} "
+                                f"--resume auto")
+                break
+            if cfg.save_every and done % cfg.save_every == 0 and done < total_steps:
+                save(done)
+    except KeyboardInterrupt:
+        # A second Ctrl-C / SIGTERM while the first one was being handled: stop at once.
+        _flush(metrics_path, rows, out)
+        newest = latest_checkpoint(ckpt_dir)
+        print(f"\ninterrupted twice: stopped without saving the current step; "
+              + (f"the newest checkpoint, {newest}, is intact" if newest else "no checkpoint was written"),
+              file=sys.stderr)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
     if stop_message:
         print(stop_message, file=sys.stderr if interrupted else sys.stdout)
     after = None

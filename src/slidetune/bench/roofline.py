@@ -143,7 +143,7 @@ def floor(model: str, batch: int, seq: int, num_layers: int | None = None, cache
     L = comp["num_layers"]
     # Each layer goes up twice per step (forward and backward) except those still
     # resident at the turn; vocabulary units once. BF16: 2 bytes per parameter.
-    upload_bytes = 2 * (comp["layer_params"] * (2 * L - (cache_units - 1)) + comp["vocab_params"])
+    upload_bytes = 2 * (comp["layer_params"] * (2 * L - cache_units) + comp["vocab_params"])
     grad_bytes = 2 * comp["params"]
     terms = {
         "compute_s": comp["compute_s"],

@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from ..device import Device
 from ..models.load import LoadedModel
 from ..telemetry.events import EventTimer
+from ..telemetry.host_timeline import HostTimeline
 from ..telemetry.memory_timeline import MemoryTimeline
 from .adamw import AdamWConfig, FlatAdamW
 from .config import RuntimeConfig, recompute_set
@@ -48,10 +49,16 @@ class PlainEngine:
         self.max_grad_norm = max_grad_norm
         self.timer = timer or EventTimer(device, enabled=False)
         self.memory = MemoryTimeline(device, enabled=False)
+        # no host threads here; present so the bench intersects the timer's spans with the step
+        # (GPU idle = step wall time minus the union of compute spans)
+        self.timeline = HostTimeline(enabled=False)
         L = self.split.num_layers
         self.recompute = recompute_set(rt.recompute, L) if rt.mode == "ckpt" else set()
         self.units = [_DeviceUnit(s, loaded.source, optim, self.dtype, device.device) for s in self.split.units]
         self.step_index = 0
+        self._in_backward = False                  # set around backward (recompute attribution)
+        self._grad_marks: dict = {}                # layer -> timer mark when its input's gradient lands
+        self._recompute_marks: dict = {}           # layer -> (start, end) marks of its recompute
 
     def _loss(self, mb) -> torch.Tensor:
         split, dev = self.split, self.device.device
@@ -59,22 +66,69 @@ class PlainEngine:
         labels = mb.labels.to(dev)
         mask = mb.attention_mask.to(dev) if mb.attention_mask is not None else None
         kwargs = split.layer_kwargs(*ids.shape, self.dtype, dev, attention_mask=mask)
-        x = split.embed_forward(self.units[0].leaves, ids)               # [B, S, d]
+        timing = self.timer.enabled and torch.is_grad_enabled()
+        with self.timer.span("embed", -1):
+            x = split.embed_forward(self.units[0].leaves, ids)           # [B, S, d]
         self.memory.mark("embed")
         for i in range(split.num_layers):
             params = self.units[i + 1].leaves
             if self.memory.enabled and torch.is_grad_enabled():
                 # fires when the gradient reaches layer i's input: the end of its backward
                 x.register_hook(lambda g, i=i: self.memory.mark("backward", i))
+            if timing and x.requires_grad:
+                # gradient at layer i's input: end of layer i's backward (start of layer i-1's)
+                x.register_hook(lambda g, i=i: self._grad_mark(i))
             with self.timer.span("forward", i):
                 if i in self.recompute:
-                    x = checkpoint(split.layer_forward, i, params, x, kwargs[i], use_reentrant=False)
+                    x = checkpoint(self._checkpointed_layer, i, params, x, kwargs[i], use_reentrant=False)
                 else:
                     x = split.layer_forward(i, params, x, kwargs[i])
             self.memory.mark("forward", i)
+        if timing and x.requires_grad:
+            # gradient at the last layer's output: end of the head's backward
+            x.register_hook(lambda g: self._grad_mark(split.num_layers))
         tied = self.units[0].leaves["weight"] if split.tied else None
-        return split.head_loss(self.units[-1].leaves, x, labels, lm_weight=tied,
-                               impl=self.rt.head_impl, chunk_tokens=self.rt.head_chunk_tokens)
+        with self.timer.span("head", -1):
+            return split.head_loss(self.units[-1].leaves, x, labels, lm_weight=tied,
+                                   impl=self.rt.head_impl, chunk_tokens=self.rt.head_chunk_tokens)
+
+    # ------------------------------------------------------------ timing hooks
+    # Recompute attribution (DESIGN.md section 3): a checkpointed layer's function runs twice,
+    # once in forward (inside the "forward" span) and once when backward unpacks its saved
+    # tensors. The second run is timed as "recompute" for that layer, and the layer's
+    # "backward" spans are the window between the gradient arriving at its output and
+    # leaving its input, with the recompute interval cut out of it.
+    def _checkpointed_layer(self, i: int, params, x, kw):
+        if not self._in_backward or not self.timer.enabled:
+            return self.split.layer_forward(i, params, x, kw)
+        start = self.timer.mark("recompute", i)
+        try:          # non-reentrant checkpoint may stop the recompute early by raising
+            return self.split.layer_forward(i, params, x, kw)
+        finally:
+            self._recompute_marks[i] = (start, self.timer.mark("recompute", i))
+
+    def _grad_mark(self, i: int) -> None:
+        self._grad_marks[i] = self.timer.mark("backward", i)
+
+    def _backward_spans(self, start, end) -> None:
+        """Turn the marks of one backward pass into spans: head_backward, per-layer
+        backward (minus recompute), recompute, embed_backward."""
+        L = self.split.num_layers
+        g, rc = self._grad_marks, self._recompute_marks
+        if L not in g or any(i not in g for i in range(L)):
+            self.timer.add("backward", -1, start, end)      # hooks did not fire: one span
+        else:
+            self.timer.add("head_backward", -1, start, g[L])
+            for i in reversed(range(L)):
+                if i in rc:
+                    r0, r1 = rc[i]
+                    self.timer.add("backward", i, g[i + 1], r0)
+                    self.timer.add("recompute", i, r0, r1)
+                    self.timer.add("backward", i, r1, g[i])
+                else:
+                    self.timer.add("backward", i, g[i + 1], g[i])
+            self.timer.add("embed_backward", -1, g[0], end)
+        self._grad_marks, self._recompute_marks = {}, {}
 
     def train_step(self, micro_batches: list, lr: float) -> StepResult:
         n_tokens = sum(mb.num_target_tokens() for mb in micro_batches)
@@ -84,31 +138,43 @@ class PlainEngine:
         for m, mb in enumerate(micro_batches):
             loss = self._loss(mb)
             self.memory.mark("head")
-            with self.timer.span("backward", -1):
+            bw_start = self.timer.mark("backward", -1)
+            self._in_backward = True
+            try:
                 (loss / n_tokens).backward()
+            finally:
+                self._in_backward = False
+            self._backward_spans(bw_start, self.timer.mark("backward", -1))
             self.memory.mark("backward_end")
             total += loss.detach().float()
-            for u in self.units:
-                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in u.leaves.values()]
-                views = list(u.spec.views(u.grad).values())
-                if m == 0:
-                    torch._foreach_copy_(views, grads)
-                else:
-                    torch._foreach_add_(views, grads)
-                for p in u.leaves.values():
-                    p.grad = None
+            with self.timer.span("grad_copy", -1):
+                self._accumulate_grads(m)
         with self.timer.span("optimizer", -1):
             sq = torch.stack([torch.linalg.vector_norm(u.grad) for u in self.units]).square().sum()
             norm = math.sqrt(float(sq))
             coef = clip_coefficient(norm, self.max_grad_norm)
-            for u in self.units:
-                u.opt.begin_step()
-                u.opt.update(u.grad, lr, 0, grad_scale=coef)
-                with torch.no_grad():
-                    u.compute.copy_(u.master)
+            for k, u in enumerate(self.units):
+                # per-unit update spans: decoder layer k-1; embed and head as "optimizer_other"
+                layer = k - 1 if u.spec.kind == "layer" else -1
+                with self.timer.span("optimizer_unit" if layer >= 0 else "optimizer_other", layer):
+                    u.opt.begin_step()
+                    u.opt.update(u.grad, lr, 0, grad_scale=coef)
+                    with torch.no_grad():
+                        u.compute.copy_(u.master)
         self.memory.mark("optimizer")
         self.step_index += 1
         return StepResult(loss=float(total) / n_tokens, n_tokens=n_tokens, grad_norm_value=norm)
+
+    def _accumulate_grads(self, m: int) -> None:
+        for u in self.units:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in u.leaves.values()]
+            views = list(u.spec.views(u.grad).values())
+            if m == 0:
+                torch._foreach_copy_(views, grads)
+            else:
+                torch._foreach_add_(views, grads)
+            for p in u.leaves.values():
+                p.grad = None
 
     @torch.no_grad()
     def eval_loss(self, batch) -> tuple[float, int]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -35,7 +36,7 @@ from ..result import StepResult
 from .activations import ActivationStore
 from .host_store import HostStore, HostUnit
 from .transfer import GradDrain, Uploader, clip_coefficient
-from .workers import Worker, done_future
+from .workers import Worker, WorkerError, done_future, wait_or_abort
 
 _WAIT_S = 1.0   # poll period while waiting on a worker future (to surface worker errors)
 
@@ -59,6 +60,11 @@ class SlideEngine:
         self.device = device
         self.dtype = rt.torch_dtype
         self.schedule = rt.resolved_schedule(grad_accum, max_grad_norm)
+        # One failing thread must not leave the others blocked forever: every host-side
+        # wait polls this flag, set by whichever worker fails first.
+        self._abort = threading.Event()
+        self._first_error: BaseException | None = None
+        self._closed = False
         self.max_grad_norm = max_grad_norm
         self.timer = timer or EventTimer(device, enabled=False)
         self.timeline = HostTimeline(enabled=False)
@@ -93,9 +99,10 @@ class SlideEngine:
         self.uploader = Uploader(device, self.dtype, chunk, rt.upload_ring, gpu_cast=self.gpu_cast)
         self.drainer = GradDrain(device, self.dtype, chunk, ring, gpu_cast=self.gpu_cast)
         self.drainer.timeline = self.uploader.timeline = self.timeline
-        self.upload_worker = Worker("upload")
-        self.host_worker = Worker("host")
-        self.d2h_worker = Worker("d2h")
+        self.drainer.abort = self.uploader.abort = self._abort
+        self.upload_worker = Worker("upload", self._on_worker_error)
+        self.host_worker = Worker("host", self._on_worker_error)
+        self.d2h_worker = Worker("d2h", self._on_worker_error)
         # The worker threads need the GIL between their (GIL-free) kernels while the compute
         # thread runs Python; the default 5 ms switch interval would stall each hand-off.
         self._switch_interval = sys.getswitchinterval()
@@ -107,19 +114,33 @@ class SlideEngine:
 
     # ------------------------------------------------------------------ utils
     def _wait(self, fut: Future, what: str = "wait"):
-        if fut.done():
-            return fut.result()
-        with self.timeline.span("compute", what):
-            return self._wait_loop(fut)
+        try:
+            if fut.done():
+                return fut.result()
+            with self.timeline.span("compute", what):
+                return self._wait_loop(fut)
+        except WorkerError:
+            raise
+        except Exception as e:
+            first = self._first_error
+            if first is not None and e is not first:
+                # a consequence of an earlier failure: report the root cause
+                raise WorkerError(f"a pipeline thread failed: {first!r}") from first
+            raise
+
+    def _on_worker_error(self, error: BaseException) -> None:
+        if self._first_error is None:          # the root cause; later failures are consequences
+            self._first_error = error
+        self._abort.set()
 
     def _wait_loop(self, fut: Future):
         while True:
             try:
                 return fut.result(timeout=_WAIT_S)
             except TimeoutError:
-                self.upload_worker.check()
-                self.host_worker.check()
-                self.d2h_worker.check()
+                if self._abort.is_set():
+                    err = self._first_error
+                    raise WorkerError(f"a pipeline thread failed: {err!r}") from err
 
     def _views(self, unit: UnitSpec, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         key = (unit.signature(), flat.data_ptr())
@@ -215,7 +236,8 @@ class SlideEngine:
 
     def _issue_drain(self, unit: HostUnit, src: torch.Tensor, ready, chunks: list[Future], free: Future) -> None:
         with self.timeline.span("d2h", "issue"):
-            last = self.drainer.issue(unit, src, ready, wait=lambda f: f.result(), futs=chunks)
+            last = self.drainer.issue(unit, src, ready, futs=chunks,
+                                      wait=lambda f: wait_or_abort(f, self._abort, "a free gradient ring buffer"))
         free.set_result(last)
 
     def _write_grads(self, unit: UnitSpec, slot: _Slot, grads: list[torch.Tensor], accumulate: bool = False):
@@ -427,7 +449,8 @@ class SlideEngine:
             return
         self._closed = True
         try:
-            self.synchronize()
+            if not self._abort.is_set():      # after a failure, nothing is left to finish
+                self.synchronize()
         finally:
             self.upload_worker.close()
             self.host_worker.close()

@@ -42,10 +42,13 @@ class HostUnit:
             self.version = v
             self._cond.notify_all()
 
-    def wait_version(self, v: int, timeout: float = 3600.0) -> None:
+    def wait_version(self, v: int, abort: threading.Event | None = None, poll_s: float = 0.5) -> None:
+        """Block until the unit has had `v` updates (or `abort` is set by a failing thread)."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self.version >= v, timeout=timeout):
-                raise TimeoutError(f"unit {self.spec.name}: update {v} never arrived")
+            while not self._cond.wait_for(lambda: self.version >= v, timeout=poll_s):
+                if abort is not None and abort.is_set():
+                    raise RuntimeError(f"unit {self.spec.name}: update {v} will not arrive "
+                                       f"(another pipeline thread failed)")
 
 
 class HostStore:

@@ -20,6 +20,7 @@ chunk has been copied out.
 from __future__ import annotations
 
 import math
+import threading
 from concurrent.futures import Future
 
 import torch
@@ -28,6 +29,7 @@ from torch.profiler import record_function
 from ...device import Device
 from ...telemetry.host_timeline import HostTimeline
 from .host_store import HostUnit
+from .workers import wait_or_abort
 
 
 class Uploader:
@@ -44,6 +46,7 @@ class Uploader:
             self.ring = [device.host_empty(chunk_elems, dtype) for _ in range(ring)]
         self.ring_free = [None] * max(1, ring)   # event of the H2D copy that last read each buffer
         self.timeline = HostTimeline()
+        self.abort = threading.Event()          # the engine shares its own
         self.next = 0
         self.bytes = 0
 
@@ -53,7 +56,7 @@ class Uploader:
         Runs on the uploader thread; returns the event that marks `dst` ready.
         """
         with self.timeline.span("upload", "wait_update"):
-            unit.wait_version(version)
+            unit.wait_version(version, abort=self.abort)
         src = unit.master
         n = src.numel()
         slot_free = after.result() if after is not None else None
@@ -100,6 +103,7 @@ class GradDrain:
             self.scratch = torch.empty(chunk_elems, dtype=torch.float32)   # one chunk of FP32 grads
         self.bytes = 0
         self.timeline = HostTimeline()
+        self.abort = threading.Event()
 
     def issue(self, unit: HostUnit, src: torch.Tensor, ready, wait, futs: list[Future]) -> object:
         """Compute thread: queue the D2H copies of `src` (the unit's GPU gradient slot).
@@ -146,7 +150,7 @@ class GradDrain:
             unit.opt.begin_step()
         for c, lo in enumerate(range(0, n, self.chunk)):
             hi = min(n, lo + self.chunk)
-            r, event = chunks[c].result()
+            r, event = wait_or_abort(chunks[c], self.abort, f"gradient chunk {c} of {unit.spec.name}")
             with record_function("slidetune.d2h_wait"), self.timeline.span("host", "d2h_wait"):
                 event.synchronize()
             buf = self.ring[r][: hi - lo]

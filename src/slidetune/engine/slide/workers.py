@@ -18,8 +18,9 @@ class WorkerError(RuntimeError):
 
 
 class Worker:
-    def __init__(self, name: str):
+    def __init__(self, name: str, on_error: Callable[[BaseException], None] | None = None):
         self.name = name
+        self._on_error = on_error
         self._jobs: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"slidetune-{name}", daemon=True)
@@ -44,6 +45,8 @@ class Worker:
             except BaseException as e:  # noqa: BLE001 - forwarded to the compute thread
                 self._error = e
                 fut.set_exception(e)
+                if self._on_error is not None:
+                    self._on_error(e)
 
     def check(self) -> None:
         if self._error is not None:
@@ -57,6 +60,16 @@ class Worker:
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=60)
+
+
+def wait_or_abort(fut: Future, abort: threading.Event, what: str, poll_s: float = 0.5):
+    """Block on `fut` from a pipeline thread, giving up if another thread has failed."""
+    while True:
+        try:
+            return fut.result(timeout=poll_s)
+        except TimeoutError:
+            if abort.is_set():
+                raise WorkerError(f"gave up waiting for {what}: another pipeline thread failed") from None
 
 
 def done_future(value: Any = None) -> Future:

@@ -1,0 +1,256 @@
+"""A plain PyTorch training loop over an unchanged HF model with one memory technique applied.
+
+Run as a worker: `python -m slidetune.bench.baselines.hf_train SPEC.json OUT.json` (one
+configuration per process, so peaks are clean). SPEC keys (see TechniqueSpec):
+  precision  fp32 | bf16      bf16 = torch.autocast(bfloat16) over FP32 weights (the study's AMP)
+  attention  eager | sdpa | local   eager = HF's math attention (materializes S x S scores);
+                                    sdpa = torch SDPA (flash kernel on CUDA in bf16);
+                                    local = ops.attention banded kernel with `window`
+  recompute  bool              HF gradient checkpointing (non-reentrant), every decoder layer
+  head       full | chunked    full logits + CE, or ops.cross_entropy chunked (no B*S*V logits)
+  engine     hf | slide        slide = slidetune's slide engine on the same initial weights
+The recipe follows seeds/003: AdamW lr 5e-4, linear warm-up, global-norm clipping 1.0.
+Dropout: the Llama-family presets have none (the study used 0.1), stated in the report.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class TechniqueSpec:
+    name: str = "fp32"
+    model: str = "study-12x768"
+    num_layers: int | None = None
+    seq_len: int = 1024
+    batch_size: int = 8
+    steps: int = 20                 # optimizer steps (warm-up steps included: the whole run trains)
+    warmup: int = 2                 # first steps excluded from timing statistics
+    lr: float = 5e-4
+    lr_warmup_steps: int = 20       # linear LR warm-up, as in the study
+    max_grad_norm: float = 1.0
+    precision: str = "fp32"
+    attention: str = "eager"
+    window: int | None = None
+    local_backend: str = "auto"
+    recompute: bool = False
+    head: str = "full"
+    head_chunk_tokens: int = 4096
+    engine: str = "hf"
+    data: str = "corpus"            # corpus (built-in English, real text) | synthetic (random ids; probes)
+    eval: bool = True               # perplexity on the held-out split after training
+    eval_batch_size: int = 8
+    max_eval_batches: int | None = None
+    dataset_path: str | None = None   # torch.save'd (train, heldout, pad_id): tokenize once per scenario
+    threads: int | None = None
+    device: str = "auto"
+    gpu_memory_limit_gib: float | None = None
+    seed: int = 0
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _data(spec: TechniqueSpec, vocab: int):
+    """(train_batch(k) -> Batch, heldout iterator factory). Rows drawn with replacement, so
+    any batch size works on the ~1 MB built-in corpus (a 463 x 1024 batch is larger than it)."""
+    from ..measure import synthetic_batches
+    if spec.data == "synthetic":
+        return (lambda k: synthetic_batches(vocab, spec.batch_size, spec.seq_len, 1, spec.seed * 1000 + k)[0]), None
+    from ...data import collate, eval_batches
+    if spec.dataset_path:
+        train, heldout, pad = torch.load(spec.dataset_path, weights_only=False)
+    else:
+        train, heldout, pad = corpus_datasets(spec.seq_len, spec.seed)
+    if int(train.tokens.max()) >= vocab:
+        raise ValueError(f"token ids reach {int(train.tokens.max())}, model vocab {vocab}")
+
+    def batch(k: int):
+        g = torch.Generator().manual_seed(spec.seed * 1_000_003 + k)
+        rows = torch.randint(0, len(train), (spec.batch_size,), generator=g).tolist()
+        return collate(train, rows, pad)
+    return batch, (lambda: eval_batches(heldout, spec.eval_batch_size, pad))
+
+
+def corpus_datasets(seq_len: int, seed: int = 0):
+    """(train, heldout, pad_id): the built-in English corpus, embedded SmolLM2 tokenizer."""
+    from ...data import DataConfig, build_datasets, default_pad_id
+    from ...models.load import embedded_tokenizer
+    tok = embedded_tokenizer()
+    train, heldout = build_datasets(DataConfig(seq_len=seq_len, seed=seed), tok)
+    return train, heldout, default_pad_id(tok)
+
+
+def _lr(spec: TechniqueSpec, step: int) -> float:
+    if spec.lr_warmup_steps <= 0:
+        return spec.lr
+    return spec.lr * min(1.0, (step + 1) / spec.lr_warmup_steps)
+
+
+class _HFRunner:
+    def __init__(self, spec: TechniqueSpec, dev: torch.device):
+        from transformers import AutoModelForCausalLM
+        from ...models.presets import preset_config
+        self.spec, self.dev = spec, dev
+        config = preset_config(spec.model, spec.num_layers)
+        impl = {"eager": "eager", "sdpa": "sdpa", "local": "sdpa"}[spec.attention]
+        torch.manual_seed(spec.seed)
+        self.model = AutoModelForCausalLM.from_config(config, attn_implementation=impl, dtype=torch.float32)
+        if spec.attention == "local":
+            from ...ops.attention import use_local_attention
+            if not spec.window:
+                raise ValueError("attention=local needs window")
+            use_local_attention(self.model, spec.window, spec.local_backend)
+        self.model.to(dev).train()
+        if spec.recompute:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, weight_decay=0.1,
+                                     fused=dev.type == "cuda")
+        self.vocab = config.vocab_size
+        self.params = sum(p.numel() for p in self.model.parameters())
+
+    def _autocast(self):
+        if self.spec.precision == "bf16":
+            return torch.autocast(self.dev.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _loss_sum(self, b) -> torch.Tensor:
+        ids, labels = b.input_ids.to(self.dev), b.labels.to(self.dev)
+        mask = b.attention_mask.to(self.dev) if b.attention_mask is not None else None
+        with self._autocast():
+            h = self.model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        if self.spec.head == "chunked":
+            # outside autocast: the op runs its own mixed precision (compute dtype in, fp32 loss)
+            from ...ops.cross_entropy import linear_cross_entropy
+            dt = torch.bfloat16 if self.spec.precision == "bf16" else torch.float32
+            w = self.model.lm_head.weight
+            return linear_cross_entropy(h.reshape(-1, h.shape[-1]).to(dt), w.to(dt), labels.reshape(-1),
+                                        impl="chunked", chunk_tokens=self.spec.head_chunk_tokens)
+        with self._autocast():
+            logits = self.model.lm_head(h)                                    # [B, S, V]
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                               ignore_index=-100, reduction="sum")
+
+    def train_step(self, b, lr: float) -> float:
+        n = b.num_target_tokens()
+        loss = self._loss_sum(b)
+        (loss / n).backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(loss.detach()) / n
+
+    @torch.no_grad()
+    def eval_loss(self, b) -> tuple[float, int]:
+        return float(self._loss_sum(b)), b.num_target_tokens()
+
+    def close(self):
+        pass
+
+
+class _SlideRunner:
+    """slidetune's slide engine, started from the same initial weights as the HF runs."""
+
+    def __init__(self, spec: TechniqueSpec, dev: torch.device):
+        from transformers import AutoModelForCausalLM
+        from ...device import Device
+        from ...engine import AdamWConfig, RuntimeConfig, build_engine
+        from ...models.load import LoadedModel, StateDictSource, skeleton
+        from ...models.presets import preset_config
+        from ...models.units import SplitModel
+        config = preset_config(spec.model, spec.num_layers)
+        torch.manual_seed(spec.seed)
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        state = {k: v.detach() for k, v in hf.state_dict().items()}
+        loaded = LoadedModel(spec.model, SplitModel(skeleton(config)), StateDictSource(state), None)
+        dtype = "bf16" if spec.precision == "bf16" else "fp32"
+        rt = RuntimeConfig(mode="slide", dtype=dtype, device=dev.type, head_impl="chunked",
+                           head_chunk_tokens=spec.head_chunk_tokens)
+        self.engine = build_engine(loaded, rt, AdamWConfig(lr=spec.lr, weight_decay=0.1), Device.resolve(dev.type),
+                                   grad_accum=1, max_grad_norm=spec.max_grad_norm)
+        del hf, state
+        self.vocab = config.vocab_size
+        self.params = loaded.split.num_params()
+
+    def train_step(self, b, lr: float) -> float:
+        return self.engine.train_step([b], lr).loss
+
+    def eval_loss(self, b) -> tuple[float, int]:
+        return self.engine.eval_loss(b)
+
+    def close(self):
+        self.engine.close()
+
+
+def run_technique(spec_dict: dict) -> dict:
+    from ...telemetry.machine import machine_info, peak_rss_bytes
+    spec = TechniqueSpec(**spec_dict)
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    dev = _device(spec.device)
+    if dev.type == "cuda" and spec.gpu_memory_limit_gib:
+        total = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, spec.gpu_memory_limit_gib * 2**30 / total), dev)
+    result: dict = {"spec": asdict(spec), "machine": machine_info()}
+    runner = _SlideRunner(spec, dev) if spec.engine == "slide" else _HFRunner(spec, dev)
+    result["params"] = runner.params
+    batch_fn, heldout = _data(spec, runner.vocab)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    walls, losses = [], []
+    try:
+        for k in range(spec.steps):
+            b = batch_fn(k)
+            if k == spec.warmup and dev.type == "cuda":
+                sync()
+                torch.cuda.reset_peak_memory_stats(dev)
+            t = time.perf_counter()
+            loss = runner.train_step(b, _lr(spec, k))
+            sync()                                   # once per step: whole-step wall time
+            walls.append(time.perf_counter() - t)
+            losses.append(loss)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at step {k}")
+        if dev.type == "cuda":
+            result["gpu_peak_alloc_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
+            result["gpu_peak_reserved_gib"] = torch.cuda.max_memory_reserved(dev) / 2**30
+        else:
+            result["gpu_peak_alloc_gib"] = result["gpu_peak_reserved_gib"] = None
+        result["cpu_peak_rss_gib"] = peak_rss_bytes() / 2**30
+        measured = walls[spec.warmup:] or walls
+        result["step_s"] = walls
+        result["loss"] = losses
+        result["step_s_mean"] = statistics.mean(measured)
+        result["step_s_std"] = statistics.stdev(measured) if len(measured) > 1 else 0.0
+        result["tokens_per_s"] = spec.batch_size * spec.seq_len / result["step_s_mean"]
+        result["final_loss"] = losses[-1]
+        if spec.eval and heldout is not None:
+            tot, n = 0.0, 0
+            for i, eb in enumerate(heldout()):
+                if spec.max_eval_batches is not None and i >= spec.max_eval_batches:
+                    break
+                s, c = runner.eval_loss(eb)
+                tot, n = tot + s, n + c
+            result["heldout_tokens"] = n
+            result["perplexity"] = math.exp(tot / max(n, 1))
+        result["status"] = "ok"
+    finally:
+        runner.close()
+    return result
+
+
+if __name__ == "__main__":
+    import sys
+    from .proc import worker_main
+    sys.exit(worker_main(run_technique))

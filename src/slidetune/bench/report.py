@@ -1,0 +1,185 @@
+"""`slidetune report DIR [--compare-seeds]`: a results directory -> report.md + PNG plots.
+
+Works on any scenario directory written by bench.scenarios.common (results.json and the
+CSVs); missing CSVs are derived again from results.json, the plots are always redrawn.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+from . import plots
+from .scenarios import common
+from .seeds import SEEDS, compare, seed_table_markdown
+
+
+def _f(v) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _fmt(v, nd: int = 3) -> str:
+    x = _f(v)
+    if math.isnan(x):
+        return "n/a" if v is None or isinstance(v, float) or v in ("", "nan") else str(v)
+    if x != 0 and (abs(x) >= 1e5 or abs(x) < 10 ** -nd):
+        return f"{x:.3g}"
+    return f"{x:.{nd}f}"
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
+           ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+
+
+def load(out_dir: Path) -> dict:
+    out_dir = Path(out_dir)
+    doc = json.loads((out_dir / "results.json").read_text()) if (out_dir / "results.json").exists() else {}
+    names = ("steps.csv", "layers.csv", "memory_timeline.csv", "summary.csv")
+    if doc.get("results") is not None and not all((out_dir / n).exists() for n in names):
+        common.write_tables(out_dir, doc["results"], doc.get("machine") or common.machine_of(doc["results"]))
+    tables = {n[:-4]: common.read_csv(out_dir / n) if (out_dir / n).exists() else [] for n in names}
+    machine = doc.get("machine") or (common.read_csv_machine(out_dir / "summary.csv")
+                                     if (out_dir / "summary.csv").exists() else {})
+    return {"doc": doc, "machine": machine, **tables}
+
+
+def draw(out_dir: Path, data: dict) -> list[Path]:
+    out_dir = Path(out_dir)
+    summary, baseline = data["summary"], data["doc"].get("baseline")
+    ok = [r["config"] for r in summary if r.get("status") == "ok"]
+    if baseline not in ok:
+        baseline = ok[0] if ok else None
+    paths = [plots.plot_breakdown(summary, out_dir / "time_breakdown.png"),
+             plots.plot_peaks(summary, out_dir / "peak_memory.png"),
+             plots.plot_memory_timeline(data["memory_timeline"], out_dir / "memory_timeline.png"),
+             plots.plot_layers(data["layers"], out_dir / "per_layer_times.png"),
+             plots.plot_step_times(data["steps"], baseline, out_dir / "step_times.png"),
+             plots.plot_pareto(summary, out_dir / "pareto.png")]
+    if baseline and len(ok) > 1:
+        paths.append(plots.plot_layer_delta(data["layers"], baseline, out_dir / "per_layer_delta.png"))
+    if data["doc"].get("scenario") == "head":
+        paths.append(plots.plot_head(summary, out_dir / "head_time.png"))
+    return paths
+
+
+def top_layers(layers: list[dict], baseline: str, k: int) -> dict[str, list[tuple[int, float]]]:
+    """Per config: the k layers with the largest (forward + backward + recompute) delta vs baseline."""
+    tot: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    for r in layers:
+        if r["phase"] in ("forward", "backward", "recompute") and int(r["layer"]) >= 0:
+            tot[r["config"]][int(r["layer"])] += _f(r["mean_ms"])
+    base = tot.get(baseline, {})
+    out = {}
+    for name, per in tot.items():
+        if name != baseline:
+            d = sorted(((i, v - base.get(i, 0.0)) for i, v in per.items()), key=lambda t: -t[1])
+            out[name] = d[:k]
+    return out
+
+
+def write_report(out_dir: Path, compare_seeds: bool = False) -> Path:
+    out_dir = Path(out_dir)
+    data = load(out_dir)
+    doc, machine, summary = data["doc"], data["machine"], data["summary"]
+    scenario = doc.get("scenario", out_dir.name)
+    pngs = draw(out_dir, data)
+    ok = [r for r in summary if r.get("status") == "ok"]
+    baseline = doc.get("baseline")
+    if baseline not in [r["config"] for r in ok]:
+        baseline = ok[0]["config"] if ok else None
+    args = doc.get("args", {})
+    L: list[str] = [f"# Benchmark `{scenario}`", ""]
+    L += ["## Machine", ""] + _table(["key", "value"], [[k, v] for k, v in machine.items()]) + [""]
+    n_steps = sorted({r.get("n_steps") for r in ok})
+    L += ["## Method", "",
+          f"- Each configuration ran in its own process (clean peaks). Warm-up steps "
+          f"({common.SMOKE['warmup'] if args.get('smoke') else args.get('warmup', 'see results.json')}) are excluded; "
+          f"statistics use the measured steps (n = {', '.join(map(str, n_steps)) or 'n/a'}).",
+          "- Confidence intervals are 95% two-sided Student-t intervals of the mean over the steady-state "
+          "(measured) steps: mean +- t(0.975, n-1) * std / sqrt(n).",
+          "- Per-layer times come from events recorded on the compute stream and read once per step "
+          "(wall clock on the CPU); no per-layer synchronize. Profilers are off during measured steps.",
+          "- Time breakdown: forward = embed + layer forward spans; head = output layer (plain engine: "
+          "head forward + head backward; slide: the head's one fwd+bwd span); backward = per-layer backward "
+          "+ embedding backward + gradient copy; recompute = checkpointed layers re-running in backward (cut out "
+          "of backward); optimizer = the update span (slide: host AdamW thread); transfer = slide's upload + "
+          "D2H spans (host threads, overlapping GPU work); GPU idle = step wall - union of compute spans.",
+          "- Memory timeline: allocator state (GPU) and process RSS sampled at defined points of the step "
+          "(after each layer's forward/backward, head, optimizer), mean +- std over measured steps.", ""]
+    rows = []
+    for r in summary:
+        rows.append([r["config"], r["status"], r.get("mode", ""), r.get("recompute", ""), r.get("head_impl", ""),
+                     r.get("seq_len", ""), r.get("batch_size", ""),
+                     f"{_fmt(r.get('step_s_mean'), 4)} +- {_fmt(r.get('step_s_std'), 4)} (CI +-{_fmt(r.get('step_s_ci95'), 4)})"
+                     if r.get("status") == "ok" else "",
+                     _fmt(r.get("tokens_per_s"), 1), _fmt(r.get("model_tflops")), _fmt(r.get("gpu_peak_alloc_gib")),
+                     _fmt(r.get("gpu_peak_reserved_gib")), _fmt(r.get("cpu_peak_rss_gib"))])
+    L += ["## Summary", ""] + _table(["config", "status", "mode", "recompute", "head", "seq", "batch",
+                                      "step s (mean +- std, 95% CI)", "tokens/s", "TFLOPS", "peak alloc GiB",
+                                      "peak reserved GiB", "peak RSS GiB"], rows) + [""]
+    L += ["TFLOPS = tokens/step x model FLOPs per token (telemetry.flops.train_flops_per_token: 6 x params "
+          "+ attention, forward + backward, recompute not counted) / step time.", ""]
+    L += ["## Time breakdown (seconds per step, mean)", ""] + _table(
+        ["config"] + list(common.BREAKDOWN) + ["wall"],
+        [[r["config"]] + [_fmt(r.get(f"t_{k}_s"), 4) for k in common.BREAKDOWN] + [_fmt(r.get("step_s_mean"), 4)]
+         for r in ok]) + [""]
+    if baseline and len(ok) > 1:
+        base = next(r for r in ok if r["config"] == baseline)
+        rows = []
+        for r in ok:
+            d = _f(r["step_s_mean"]) - _f(base["step_s_mean"])
+            rows.append([r["config"], _fmt(d * 1e3, 2), _fmt(100 * d / _f(base["step_s_mean"]), 1),
+                         _fmt(_f(r["gpu_peak_reserved_gib"]) / _f(base["gpu_peak_reserved_gib"])
+                              if _f(base["gpu_peak_reserved_gib"]) > 0 else math.nan),
+                         _fmt(_f(r["cpu_peak_rss_gib"]) / _f(base["cpu_peak_rss_gib"])
+                              if _f(base["cpu_peak_rss_gib"]) > 0 else math.nan)])
+        L += [f"## Versus `{baseline}`", ""] + _table(
+            ["config", "step delta ms", "step delta %", "peak reserved ratio", "peak RSS ratio"], rows) + [""]
+        k = int(doc.get("top_k", 3))
+        tops = top_layers(data["layers"], baseline, k)
+        if tops and scenario in ("recompute", "modes"):
+            L += [f"### Top {k} layers by per-layer total (forward + backward + recompute) delta vs `{baseline}`", ""]
+            L += _table(["config", "layers (delta ms)"],
+                        [[n, ", ".join(f"{i} ({_fmt(v, 3)})" for i, v in t)] for n, t in tops.items()]) + [""]
+    if doc.get("selections"):
+        L += ["Recompute selections: " + "; ".join(f"`{k}` = {v}" for k, v in doc["selections"].items()), ""]
+    if scenario == "head":
+        L += ["## Output layer", "",
+              f"Engine mode: `{doc.get('head_mode', 'slide')}` "
+              "(slide: the 'head' span is the head's forward and backward together; ckpt/gpu: split).", ""]
+        L += _table(["config", "status", "head fwd ms", "head bwd ms", "peak alloc GiB", "peak reserved GiB", "step s"],
+                    [[r["config"], r["status"], _fmt(r.get("head_fwd_ms")), _fmt(r.get("head_bwd_ms")),
+                      _fmt(r.get("gpu_peak_alloc_gib")), _fmt(r.get("gpu_peak_reserved_gib")),
+                      _fmt(r.get("step_s_mean"), 4)] for r in summary]) + [""]
+    bad = [r for r in summary if r.get("status") != "ok"]
+    if bad:
+        L += ["## Configurations that did not run", ""] + _table(
+            ["config", "status", "why"], [[r["config"], r["status"], r.get("error", "")] for r in bad]) + [""]
+    if compare_seeds and scenario in SEEDS:
+        L += ["## Compared with the seed report", "",
+              "The seed ran on different hardware, so only ratios are compared.", ""]
+        L += seed_table_markdown(scenario) + [""]
+        L += _table(["ratio", "seed", "ours", "ours / seed", "our configs"],
+                    [[c["ratio"], _fmt(c["seed"]), _fmt(c["ours"]), _fmt(c["ours_over_seed"]), c["ours_configs"]]
+                     for c in compare(scenario, summary)]) + [""]
+        if not machine.get("gpu"):
+            L += ["No GPU in this run: GPU-memory ratios are n/a.", ""]
+    elif compare_seeds:
+        L += ["## Compared with the seed report", "", f"No seed table for scenario `{scenario}`.", ""]
+    L += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in pngs] + [""]
+    L += ["Files: results.json (raw, per step/span/memory point), steps.csv, layers.csv, memory_timeline.csv, "
+          "summary.csv (machine details as `# machine.*` comment lines).", ""]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(L))
+    return path
+
+
+def main_report(dir: Path, compare_seeds: bool = False) -> int:  # noqa: A002 - the CLI's name
+    path = write_report(Path(dir), compare_seeds=compare_seeds)
+    print(path)
+    return 0

@@ -1,0 +1,95 @@
+"""`slidetune bench roofline`: the floor of a slide step for a workload (model, batch, seq).
+
+floor = max(GPU compute, weight bytes H2D / H2D bandwidth, gradient bytes D2H / D2H
+bandwidth, parameters / CPU AdamW rate), each term measured by bench.roofline's probes in
+a separate process. Without CUDA only the CPU AdamW rate can be measured: the GPU probes
+are reported as unavailable and the "floor" is the AdamW term alone (marked partial).
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from ..baselines import outputs as O
+from ..baselines.proc import run_worker
+from . import add_common_arguments
+
+NAME = "roofline"
+WORKER = "slidetune.bench.scenarios.roofline"
+
+
+def floor_worker(spec: dict) -> dict:
+    """Runs in its own process. spec: model, batch_size, seq_len, num_layers, adamw_n, copy, adamw."""
+    from ...telemetry.machine import machine_info
+    from ..roofline import floor, probe_adamw
+    adamw = spec.get("adamw") or probe_adamw(n=spec.get("adamw_n", 128 * 2**20))
+    out = {"spec": spec, "machine": machine_info(), "status": "ok"}
+    if torch.cuda.is_available() and spec.get("device", "auto") != "cpu":
+        fl = floor(spec["model"], spec["batch_size"], spec["seq_len"], spec.get("num_layers"),
+                   copy=spec.get("copy"), adamw=adamw)
+        out.update(fl, partial=False)
+        return out
+    from ...models.load import load_model
+    split = load_model(spec["model"], num_layers=spec.get("num_layers"), with_tokenizer=False).split
+    adamw_s = split.num_params() / adamw["adamw_params_per_s"]
+    out.update(floor_s=adamw_s, bound_by="adamw_s", partial=True, adamw=adamw,
+               terms={"compute_s": None, "h2d_s": None, "d2h_s": None, "adamw_s": adamw_s},
+               unavailable={"compute_s": "needs CUDA", "h2d_s": "needs CUDA", "d2h_s": "needs CUDA"},
+               params=split.num_params(), tokens_per_step=spec["batch_size"] * spec["seq_len"])
+    return out
+
+
+def measure_floor(model: str, batch: int, seq: int, num_layers: int | None = None, device: str = "auto",
+                  adamw_n: int = 128 * 2**20, copy: dict | None = None, adamw: dict | None = None,
+                  timeout_s: float = 1800) -> dict:
+    return run_worker(WORKER, dict(model=model, batch_size=batch, seq_len=seq, num_layers=num_layers,
+                                   device=device, adamw_n=adamw_n, copy=copy, adamw=adamw), timeout_s=timeout_s)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_common_arguments(p, model="qwen3-8b", seq_len=1024, batch_size=16, steps=1, warmup=0)
+
+
+def run(args: argparse.Namespace) -> Path:
+    out = Path(args.out or "benchmarks/results/roofline")
+    out.mkdir(parents=True, exist_ok=True)
+    model, batch, seq, layers = args.model, args.batch_size, args.seq_len, args.num_layers
+    device, adamw_n = args.device, 128 * 2**20
+    if args.smoke:
+        model = "tiny-qwen3" if args.model == "qwen3-8b" else args.model
+        batch, seq, device, adamw_n = 2, 32, "cpu", 4 * 2**20
+    r = measure_floor(model, batch, seq, layers, device, adamw_n)
+    terms = r.get("terms", {}) or {}
+    unavailable = r.get("unavailable", {}) or {}
+    rows = [dict(term=k, seconds=v, note=unavailable.get(k, "bound" if k == r.get("bound_by") else ""))
+            for k, v in terms.items()]
+    rows.append(dict(term="floor_s", seconds=r.get("floor_s"),
+                     note=("partial: AdamW term only (no CUDA)" if r.get("partial") else f"bound by {r.get('bound_by')}")))
+    O.write_json(out / "roofline.json", r)
+    O.write_csv(out / "roofline.csv", [dict(model=model, batch_size=batch, seq_len=seq, **row) for row in rows])
+    O.bar_plot(out / "roofline.png", [x["term"] for x in rows], {"seconds": [x["seconds"] for x in rows]},
+               "seconds per step", f"Floor terms: {model}, batch {batch}, seq {seq}")
+    lines = [f"# Roofline: {model}, batch {batch}, seq {seq}", "", *O.machine_lines(r.get("machine", {})), "",
+             "floor = max(GPU compute [L x (fwd + recompute + bwd) of one resident layer + head + embedding], "
+             "weight bytes H2D / pinned H2D bandwidth, gradient bytes D2H / D2H bandwidth, "
+             "parameters / fused CPU AdamW rate); each term measured by a probe (bench/roofline.py).", "",
+             f"status: {r.get('status')} {r.get('error') or ''}", ""]
+    lines += O.md_table(rows, ["term", "seconds", "note"], {"seconds": 4})
+    for key in ("copy", "adamw"):
+        if r.get(key):
+            lines += ["", f"{key}: " + ", ".join(f"{k}={O.fmt(v, 3)}" for k, v in r[key].items())]
+    comp = r.get("compute")
+    if comp:
+        lines += ["", "compute: " + ", ".join(f"{k}={O.fmt(v, 4)}" for k, v in comp.items())]
+    lines.append("")
+    (out / "report.md").write_text("\n".join(lines))
+    print("\n".join(lines[-len(rows) - 4:]), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+    from ..baselines.proc import worker_main
+    sys.exit(worker_main(floor_worker))

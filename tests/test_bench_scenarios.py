@@ -1,0 +1,200 @@
+"""The bench scenarios (modes, recompute, head) at --smoke size, the report, the seed
+comparison, and the recompute-time attribution of the ckpt engine (CPU)."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections import defaultdict
+
+import pytest
+import torch
+
+from slidetune.bench.report import main_report, write_report
+from slidetune.bench.scenarios import add_common_arguments, scenario_module
+from slidetune.bench.scenarios.common import read_csv, read_csv_machine
+
+CSVS = ("summary.csv", "steps.csv", "layers.csv", "memory_timeline.csv")
+PLOTS = ("time_breakdown.png", "peak_memory.png", "memory_timeline.png", "per_layer_times.png",
+         "step_times.png", "pareto.png")
+
+
+def _args(name: str, out) -> argparse.Namespace:
+    mod = scenario_module(name)
+    p = argparse.ArgumentParser()
+    add_common_arguments(p, **mod.DEFAULTS)
+    mod.add_arguments(p)
+    return p.parse_args(["--smoke", "--out", str(out)])
+
+
+def _check_dir(out, configs: set[str]) -> list[dict]:
+    data = json.loads((out / "results.json").read_text())
+    assert data["machine"]["torch"] and "cpu" in data["machine"]
+    for name in CSVS:
+        assert read_csv_machine(out / name)["torch"] == data["machine"]["torch"], name
+        rows = read_csv(out / name)
+        assert rows, name
+        for row in rows:
+            if row.get("status", "ok") != "ok":
+                continue
+            for k, v in row.items():
+                if v in ("", None) or k in ("config", "phase", "status", "error", "model", "mode", "recompute",
+                                            "head_impl"):
+                    continue
+                assert math.isfinite(float(v)), (name, row["config"], k, v)
+    summary = read_csv(out / "summary.csv")
+    assert {r["config"] for r in summary} == configs
+    for r in summary:
+        if r["status"] == "ok":
+            assert float(r["step_s_mean"]) > 0 and float(r["tokens_per_s"]) > 0 and float(r["cpu_peak_rss_gib"]) > 0
+    for png in PLOTS:
+        assert (out / png).stat().st_size > 1000, png
+    report = (out / "report.md").read_text()
+    assert "Student-t" in report and "## Machine" in report
+    return summary
+
+
+@pytest.fixture(scope="module")
+def modes_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("modes")
+    assert scenario_module("modes").run(_args("modes", out)) == out
+    return out
+
+
+def test_modes_smoke(modes_dir):
+    summary = _check_dir(modes_dir, {"gpu", "ckpt", "slide"})
+    assert all(r["status"] == "ok" for r in summary), summary
+    by = {r["config"]: r for r in summary}
+    assert float(by["ckpt"]["t_recompute_s"]) > 0 and float(by["gpu"]["t_recompute_s"]) == 0
+    assert float(by["slide"]["t_transfer_s"]) > 0
+    layers = read_csv(modes_dir / "layers.csv")
+    phases = {(r["config"], r["phase"]) for r in layers if int(r["layer"]) >= 0}
+    assert {("gpu", "forward"), ("gpu", "backward"), ("gpu", "optimizer"), ("ckpt", "recompute")} <= phases
+
+
+def test_recompute_smoke(tmp_path):
+    out = tmp_path / "recompute"
+    scenario_module("recompute").run(_args("recompute", out))
+    summary = _check_dir(out, {"none", "all", "list", "every:2"})
+    assert all(r["status"] == "ok" for r in summary), summary
+    layers = read_csv(out / "layers.csv")
+    rec = defaultdict(set)
+    for r in layers:
+        if r["phase"] == "recompute":
+            rec[r["config"]].add(int(r["layer"]))
+    assert rec["all"] == {0, 1, 2} and rec["every:2"] == {0, 2} and rec["list"] == {1} and not rec["none"]
+    report = (out / "report.md").read_text()
+    assert "Top 5 layers" in report and "per_layer_delta.png" in report
+
+
+def test_head_smoke(tmp_path):
+    from slidetune.ops.cross_entropy import available_impls
+    out = tmp_path / "head"
+    scenario_module("head").run(_args("head", out))
+    summary = _check_dir(out, {"full-s32", "chunked-s32", "fused-s32"})
+    by = {r["config"]: r for r in summary}
+    assert by["full-s32"]["status"] == "ok" and by["chunked-s32"]["status"] == "ok"
+    assert float(by["chunked-s32"]["head_fwd_ms"]) > 0
+    if "fused" not in available_impls():
+        assert by["fused-s32"]["status"] == "unavailable"
+    assert (out / "head_time.png").exists()
+    assert "## Output layer" in (out / "report.md").read_text()
+
+
+def test_report_regenerates_from_results_dir(modes_dir, tmp_path):
+    import shutil
+    d = tmp_path / "copy"
+    shutil.copytree(modes_dir, d)
+    for f in [*PLOTS, "report.md", *CSVS]:
+        (d / f).unlink()
+    path = write_report(d)
+    assert path.exists()
+    for f in [*PLOTS, *CSVS]:
+        assert (d / f).exists(), f
+    assert read_csv(d / "summary.csv") == read_csv(modes_dir / "summary.csv")
+
+
+def test_compare_seeds_ratio_tables(modes_dir):
+    assert main_report(modes_dir, compare_seeds=True) == 0
+    text = (modes_dir / "report.md").read_text()
+    assert "Compared with the seed report" in text and "000_4930a75b133e2896" in text and "RTX 3080" in text
+    line = next(ln for ln in text.splitlines() if ln.startswith("| slide/gpu step time"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert math.isclose(float(cells[1]), 1.571 / 0.375, rel_tol=1e-3)     # the seed's ratio
+    assert math.isfinite(float(cells[2])) and math.isfinite(float(cells[3]))  # ours, ours/seed
+
+
+def test_seed_ratios_for_recompute_and_head():
+    from slidetune.bench.seeds import compare
+    rows = compare("recompute", [{"config": "none", "status": "ok", "step_s_mean": "1.0"},
+                                 {"config": "all", "status": "ok", "step_s_mean": "1.5"}])
+    r = next(r for r in rows if r["ratio"].endswith("step time"))
+    assert math.isclose(r["seed"], 475.8 / 336.7, rel_tol=1e-3) and r["ours"] == 1.5
+    rows = compare("head", [{"config": f"{i}-s{s}", "status": "ok", "seq_len": str(s), "gpu_peak_reserved_gib": v}
+                            for i, s, v in (("full", 1024, 10), ("chunked", 1024, 5), ("full", 4096, 40),
+                                            ("chunked", 4096, 6))])
+    r = next(r for r in rows if r["ratio"] == "chunked/full peak GPU reserved")
+    assert r["ours"] == 0.5 and r["ours_configs"] == "chunked-s1024/full-s1024"
+    assert math.isclose(r["seed"], 10.70 / 13.83, rel_tol=1e-3)
+
+
+# ---------------------------------------------------------------- recompute attribution
+SLEEP_S = 0.15          # far above a tiny layer's compute, so misattribution cannot hide in noise
+
+
+def _ckpt_step_spans(recompute: str):
+    """One ckpt-mode step of tiny-llama whose decoder layers each sleep SLEEP_S per call.
+    Returns summed span seconds per (phase, layer) and the layer calls made during backward."""
+    from slidetune.bench.measure import synthetic_batches
+    from slidetune.device import Device
+    from slidetune.engine import AdamWConfig, RuntimeConfig, build_engine
+    from slidetune.models.load import load_model
+    from slidetune.telemetry.events import EventTimer
+
+    loaded = load_model("tiny-llama", seed=0, with_tokenizer=False)
+    dev = Device.resolve("cpu")
+    timer = EventTimer(dev)
+    engine = build_engine(loaded, RuntimeConfig(mode="ckpt", recompute=recompute, device="cpu", dtype="fp32"),
+                          AdamWConfig(lr=1e-3), dev, timer=timer)
+    split = engine.split
+    orig = split.layer_forward
+    calls = []
+
+    def slow_layer(i, params, x, kw):
+        calls.append((i, engine._in_backward))
+        time.sleep(SLEEP_S)
+        return orig(i, params, x, kw)
+
+    split.layer_forward = slow_layer
+    try:
+        mbs = synthetic_batches(split.config.vocab_size, 2, 16, 1, 0)
+        engine.train_step(mbs, 1e-3)
+        spans = timer.collect()
+    finally:
+        del split.layer_forward
+        engine.close()
+    agg = defaultdict(float)
+    for s in spans:
+        agg[(s.phase, s.layer)] += s.ms / 1e3
+    return agg, [i for i, in_bw in calls if in_bw], split.num_layers
+
+
+def test_recompute_time_is_attributed_to_recompute_not_backward():
+    agg, bw_calls, L = _ckpt_step_spans("all")
+    assert sorted(bw_calls) == list(range(L))          # every checkpointed layer re-ran once in backward
+    for i in range(L):
+        assert agg[("forward", i)] >= SLEEP_S * 0.95
+        assert agg[("recompute", i)] >= SLEEP_S * 0.95       # the re-run is timed as recompute ...
+        assert agg[("recompute", i)] < 1.9 * SLEEP_S        # ... once ...
+        assert agg[("backward", i)] < SLEEP_S / 2, (i, agg[("backward", i)])   # ... and not as backward
+    assert agg[("head_backward", -1)] < SLEEP_S / 2 and agg[("embed_backward", -1)] < SLEEP_S / 2
+
+    agg_none, bw_calls_none, _ = _ckpt_step_spans("none")
+    assert bw_calls_none == [] and not any(p == "recompute" for p, _ in agg_none)
+    for i in range(L):
+        assert agg_none[("backward", i)] < SLEEP_S / 2
+
+    agg_sel, bw_sel, _ = _ckpt_step_spans("1")
+    assert bw_sel == [1] and {layer for p, layer in agg_sel if p == "recompute"} == {1}
+    assert agg_sel[("recompute", 1)] >= SLEEP_S * 0.95 and agg_sel[("backward", 1)] < SLEEP_S / 2
