@@ -10,15 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for s, e in sorted(intervals):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return [(s, e) for s, e in out]
+from .host_timeline import union as _union
 
 
 def _length(iv: list[tuple[float, float]]) -> float:
