@@ -476,7 +476,14 @@ def _plot(metrics: Path, png: Path) -> None:
     eval_pts = [(int(r["step"]), float(r["eval_loss"])) for r in rows if r["eval_loss"]]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     if train_pts:
-        ax.plot(*zip(*train_pts), label="train loss")
+        ax.plot(*zip(*train_pts), label="train loss (per step)", alpha=0.45)
+        # Per-step losses are noisy (each batch is different text): an exponential moving
+        # average (weight 0.8 on the past) shows the trend.
+        ema, smooth = None, []
+        for step, loss in train_pts:
+            ema = loss if ema is None else 0.8 * ema + 0.2 * loss
+            smooth.append((step, ema))
+        ax.plot(*zip(*smooth), label="train loss (EMA 0.8)")
     if eval_pts:
         ax.plot(*zip(*eval_pts), "o--", label="held-out loss")
     ax.set_xlabel("step")
