@@ -36,3 +36,14 @@ def test_measure_records_per_layer_phases_and_host_spans():
     assert any(k.startswith("host.") for k in measured[0]["host_s"])
     assert 0 < measured[0]["overlap"]["gpu_compute_fraction_of_step"] <= 1.0
     assert "host.adamw_overlapped_with_gpu_compute" in r["overlap_mean"]
+
+
+def test_profile_summary_sees_the_worker_threads():
+    """The profiler records the host worker's AdamW ranges (profile_all_threads), not only the caller's."""
+    spec = MeasureSpec(model="tiny-llama", seq_len=16, batch_size=2, steps=1, warmup=0, per_layer=False,
+                       profile=True, runtime=dict(device="cpu", mode="slide"))
+    r = measure(spec)
+    assert r["status"] == "ok", r.get("error")
+    ts = r["trace_summary"]
+    assert ts["n_steps"] == 3
+    assert ts["cpu_adamw_busy_ms"] > 0

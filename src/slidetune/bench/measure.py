@@ -112,7 +112,7 @@ def measure(spec: MeasureSpec) -> dict:
         result["cpu_peak_rss_gib"] = peak_rss_bytes() / 2**30
         if hasattr(engine, "memory_report"):
             result["engine_memory"] = engine.memory_report()
-        if spec.profile and device.is_cuda:
+        if spec.profile:
             result["trace_summary"] = _profile(engine, vocab, spec)
         measured = [s["wall_s"] for s in steps if not s["warmup"]]
         tokens = spec.batch_size * spec.seq_len * spec.grad_accum
@@ -146,7 +146,14 @@ def _profile(engine, vocab: int, spec: MeasureSpec) -> dict:
                 for k in range(3)]
     timer_enabled = engine.timer.enabled
     engine.timer.enabled = False         # profile the bare pipeline
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    kwargs = {}
+    try:   # record the worker threads' ranges too (slidetune.adamw, slidetune.cast); torch >= 2.7
+        from torch._C._profiler import _ExperimentalConfig
+        kwargs["experimental_config"] = _ExperimentalConfig(profile_all_threads=True)
+    except (ImportError, TypeError):
+        pass
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, **kwargs) as prof:
         for mbs in mbs_list:
             with record_function("slidetune.step"):
                 engine.train_step(mbs, spec.lr)
