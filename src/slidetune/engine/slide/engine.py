@@ -4,15 +4,21 @@ One step (per micro-batch): embed -> layers 0..L-1 forward without autograd (eac
 layer's input saved as a checkpoint) -> head loss with its gradients -> layers
 L-1..0: recompute from the checkpoint and differentiate -> embedding gradient.
 
-Three threads cooperate:
-  compute (the caller): issues kernels on the compute stream, waits only on events;
-  uploader: waits for a unit's latest update, casts FP32 -> compute dtype into a
-    pinned ring and copies it H2D into a GPU cache slot (upload stream);
-  host worker: copies each unit's gradient D2H (download stream) and runs AdamW on it
-    (eager) or accumulates it in FP32 (deferred, then a clipped update sweep).
+Four threads cooperate:
+  compute (the caller): issues kernels on the compute stream, waits only on events
+    and, when it runs ahead, on a GPU slot coming back;
+  uploader: waits for a unit's latest update, then copies it H2D into a GPU cache slot
+    (FP32 from the page-locked master and a cast kernel, or a CPU cast into a pinned
+    ring; transfer.py);
+  d2h issuer: queues each unit's gradient D2H copies into a pinned ring as ring
+    buffers free up, and hands the GPU gradient slot back (an event);
+  host worker: waits for each chunk's copy and runs AdamW on it (eager) or accumulates
+    it in FP32 (deferred, then a clipped update sweep).
 The compute thread plans uploads `cache_units - 1` visits ahead; a slot is
 overwritten only after the event of its last reader, a gradient slot only after the
-event of the D2H copy that drained it. No device-wide synchronize on the hot path.
+event of the D2H copy that drained it. A failing thread sets an abort flag that every
+host-side wait polls, and the compute thread re-raises the first error.
+No device-wide synchronize on the hot path.
 """
 from __future__ import annotations
 

@@ -12,8 +12,9 @@ cast on "gpu" (default on CUDA): the FP32 master is page-locked in place
   but on a 16-core host the CPU casts cost as much CPU time as AdamW itself and
   contend with it (benchmarks/NOTES.md), while PCIe has room to spare.
 
-Upload runs on the uploader thread, drain (D2H + AdamW or FP32 accumulation) on the
-host worker thread. Ring buffers are rewritten only after the event of the copy that
+Upload runs on the uploader thread; gradient D2H copies are queued by the D2H issuer
+thread (GradDrain.issue) and consumed, AdamW or FP32 accumulation, by the host worker
+thread (GradDrain.consume). Ring buffers are rewritten only after the event of the copy that
 last read them; a GPU gradient slot is handed back (an event) as soon as its last
 chunk has been copied out.
 """
