@@ -7,12 +7,9 @@ recorded on the compute stream and read once per step.
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -167,18 +164,8 @@ def _profile(engine, vocab: int, spec: MeasureSpec) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = argv if argv is not None else sys.argv[1:]
-    spec = MeasureSpec(**json.loads(Path(argv[0]).read_text()))
-    out = Path(argv[1])
-    try:
-        result = measure(spec)
-    except Exception as e:  # noqa: BLE001 - reported in the result file
-        result = {"spec": asdict(spec), "status": "error", "error": f"{type(e).__name__}: {e}",
-                  "traceback": traceback.format_exc()}
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1, default=float))
-    os.replace(tmp, out)
-    return 0 if result.get("status") == "ok" else 1
+    from .baselines.proc import worker_main
+    return worker_main(lambda spec: measure(MeasureSpec(**spec)), argv)
 
 
 if __name__ == "__main__":

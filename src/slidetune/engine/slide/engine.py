@@ -283,7 +283,12 @@ class SlideEngine:
                 GradDrain.deferred_update(unit, lr, coef, self.chunk)
         return total
 
-    def _micro_step(self, mb, m: int, n_micro: int, scale: float, lr: float) -> torch.Tensor:
+    def _forward(self, mb, visits: list[int], assign: dict[int, int], save_inputs: bool):
+        """Embedding and layers 0..L-1 without autograd, uploads planned along `visits`.
+
+        With `save_inputs` each layer's input is kept as its checkpoint (training).
+        Returns (x [B, S, d], ids, labels, layer kwargs, embed slot, head slot).
+        """
         split, dev = self.split, self.device.device
         L = split.num_layers
         ids = mb.input_ids.to(dev, non_blocking=True)          # [B, S]
@@ -291,30 +296,36 @@ class SlideEngine:
         mask = mb.attention_mask.to(dev) if mb.attention_mask is not None else None
         B, S = ids.shape
         kwargs = split.layer_kwargs(B, S, self.dtype, dev, attention_mask=mask)
-        visits = list(range(L)) + list(reversed(range(L)))     # forward then backward
-        assign: dict[int, int] = {}
         embed_slot = self._use_vocab(0)
         self._plan(visits, 0, assign)
-        head_index = L + 1
-
-        # ---- forward: no autograd; keep each layer's input
         self._acquire(embed_slot)
         with torch.no_grad(), self.timer.span("embed", -1):
             x = split.embed_forward(self._views(split.embed_unit, embed_slot.flat), ids)   # [B, S, d]
         self.memory.mark("embed")
+        head_slot = None
         for i in range(L):
             self._plan(visits, i, assign)
             if i == max(0, L - len(self.layer_slots)):
-                head_slot = self._use_vocab(head_index)       # queue the head behind the last layers
+                head_slot = self._use_vocab(L + 1)            # queue the head behind the last layers
             slot = self.layer_slots[assign[i]]
             self._acquire(slot)
-            self.acts.save(i, x)
+            if save_inputs:
+                self.acts.save(i, x)
             with torch.no_grad(), self.timer.span("forward", i):
                 x = split.layer_forward(i, self._views(split.layer_units[i], slot.flat), x, kwargs[i])
             self._release(slot)
             self.memory.mark("forward", i)
-        if L < 1:
-            head_slot = self._use_vocab(head_index)
+        if head_slot is None:
+            head_slot = self._use_vocab(L + 1)
+        return x, ids, labels, kwargs, embed_slot, head_slot
+
+    def _micro_step(self, mb, m: int, n_micro: int, scale: float, lr: float) -> torch.Tensor:
+        split = self.split
+        L = split.num_layers
+        visits = list(range(L)) + list(reversed(range(L)))     # forward then backward
+        assign: dict[int, int] = {}
+        head_index = L + 1
+        x, ids, labels, kwargs, embed_slot, head_slot = self._forward(mb, visits, assign, save_inputs=True)
 
         # ---- head: loss and its gradients
         self._acquire(head_slot)
@@ -382,32 +393,14 @@ class SlideEngine:
     @torch.no_grad()
     def eval_loss(self, batch) -> tuple[float, int]:
         """Sum of token losses and token count of one batch with the current weights."""
-        split, dev = self.split, self.device.device
-        L = split.num_layers
-        ids = batch.input_ids.to(dev)
-        labels = batch.labels.to(dev)
-        mask = batch.attention_mask.to(dev) if batch.attention_mask is not None else None
-        kwargs = split.layer_kwargs(*ids.shape, self.dtype, dev, attention_mask=mask)
-        visits = list(range(L))
-        assign: dict[int, int] = {}
-        embed_slot = self._use_vocab(0)
-        self._plan(visits, 0, assign)
-        self._acquire(embed_slot)
-        x = split.embed_forward(self._views(split.embed_unit, embed_slot.flat), ids)
-        self._release(embed_slot)
-        head_slot = None
-        for i in range(L):
-            self._plan(visits, i, assign)
-            if i == max(0, L - len(self.layer_slots)):
-                head_slot = self._use_vocab(L + 1)
-            slot = self.layer_slots[assign[i]]
-            self._acquire(slot)
-            x = split.layer_forward(i, self._views(split.layer_units[i], slot.flat), x, kwargs[i])
-            self._release(slot)
+        split = self.split
+        x, _, labels, _, embed_slot, head_slot = self._forward(batch, list(range(split.num_layers)), {},
+                                                               save_inputs=False)
         self._acquire(head_slot)
         tied_w = self._views(split.embed_unit, embed_slot.flat)["weight"] if split.tied else None
         loss = split.head_loss(self._views(split.head_unit, head_slot.flat), x, labels, lm_weight=tied_w,
                                impl=self.rt.head_impl, chunk_tokens=self.rt.head_chunk_tokens)
+        self._release(embed_slot)
         self._release(head_slot)
         return float(loss), batch.num_target_tokens()
 
