@@ -46,6 +46,19 @@ class RuntimeConfig:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    # Buffer sizing shared by the slide engine and the fit estimate (engine/fit.py).
+    @property
+    def chunk_elems(self) -> int:
+        """Elements per transfer chunk: chunk_mb MiB of FP32 (the host-side element size)."""
+        return max(1, self.chunk_mb * 2**20 // 4)
+
+    def download_chunks(self, layer_numel: int) -> int:
+        """Pinned gradient ring, in chunks: three layers (one filling, one in AdamW, one of slack)."""
+        return self.download_ring or max(4, -(-3 * layer_numel // self.chunk_elems))
+
+    def casts_on_gpu(self, is_cuda: bool) -> bool:
+        return is_cuda and self.cast_on in ("auto", "gpu")
+
     def resolved_schedule(self, grad_accum: int, max_grad_norm: float | None) -> str:
         needs_deferred = grad_accum > 1 or (max_grad_norm is not None and max_grad_norm > 0)
         if self.schedule == "eager" and needs_deferred:

@@ -327,12 +327,12 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         }
         # Mirrors SlideEngine: chunks of chunk_mb MiB of FP32; on CUDA the casts run on the
         # GPU (FP32 master registered in place, FP32 gradient ring, 4 GPU staging chunks).
-        chunk_elems = max(1, rt.chunk_mb * MiB // 4)
-        gpu_cast = dev == "cuda" and rt.cast_on in ("auto", "gpu")
+        chunk_elems = rt.chunk_elems
+        gpu_cast = rt.casts_on_gpu(dev == "cuda")
         host["master + Adam moments (12 B/param)"] = 12 * P
         if schedule == "deferred":
             host["fp32 gradients (deferred schedule, 4 B/param)"] = 4 * P
-        down_chunks = rt.download_ring or max(4, -(-3 * P_L // chunk_elems))
+        down_chunks = rt.download_chunks(P_L)
         if gpu_cast:
             rings = down_chunks * chunk_elems * 4
             gpu["fp32 cast staging"] = 4 * chunk_elems * 4

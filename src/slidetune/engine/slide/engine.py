@@ -91,14 +91,12 @@ class SlideEngine:
         self.vocab_grad_slots = {0: _Slot(empty(self.units[0].spec.numel), free=done),
                                  L + 1: _Slot(empty(self.units[-1].spec.numel), free=done)}
         self._next_grad_slot = 0
-        self.gpu_cast = device.is_cuda and rt.cast_on in ("auto", "gpu")
+        self.gpu_cast = rt.casts_on_gpu(device.is_cuda)
         if rt.cast_on == "gpu" and not device.is_cuda:
             raise ValueError("cast_on=gpu needs a CUDA device")
-        # Chunk = chunk_mb of FP32 (the host-side element size).
-        chunk = max(1, rt.chunk_mb * 2**20 // 4)
+        chunk = rt.chunk_elems
         self.chunk = chunk
-        # Three layers of pinned gradient ring: one filling, one in AdamW, one of slack.
-        ring = rt.download_ring or max(4, -(-3 * layer_numel // chunk))
+        ring = rt.download_chunks(layer_numel)
         if self.gpu_cast:
             for unit in self.units:
                 device.register_host(unit.master)   # page-locked in place: async FP32 H2D, no copy
