@@ -198,3 +198,29 @@ def test_recompute_time_is_attributed_to_recompute_not_backward():
     agg_sel, bw_sel, _ = _ckpt_step_spans("1")
     assert bw_sel == [1] and {layer for p, layer in agg_sel if p == "recompute"} == {1}
     assert agg_sel[("recompute", 1)] >= SLEEP_S * 0.95 and agg_sel[("backward", 1)] < SLEEP_S / 2
+
+
+def test_pipeline_smoke(tmp_path):
+    """Two slide variants, each profiled: the pipeline table and one Gantt chart per variant."""
+    out = tmp_path / "pipeline"
+    scenario_module("pipeline").run(_args("pipeline", out))
+    summary = _check_dir(out, {"base", "chunk256"})
+    assert all(r["status"] == "ok" for r in summary), summary
+    report = (out / "report.md").read_text()
+    assert "## Pipeline" in report
+    for name in ("base", "chunk256"):
+        assert (out / f"pipeline_{name}.png").stat().st_size > 1000
+        assert f"| {name} |" in report.split("## Pipeline")[1]
+    raw = json.loads((out / "results.json").read_text())["results"]
+    assert raw[1]["spec"]["runtime"]["chunk_mb"] == 256
+    assert "cpu: AdamW" in raw[0]["trace_summary"]["lanes"]["lanes"]
+
+
+def test_pipeline_variants_parse_and_reject_bad_fields():
+    from slidetune.bench.scenarios.pipeline import parse_variants
+    assert parse_variants("base:;big:chunk_mb=256,offload_activations=true,cast_on=cpu") == [
+        ("base", {}), ("big", {"chunk_mb": 256, "offload_activations": True, "cast_on": "cpu"})]
+    with pytest.raises(ValueError, match="not key=value with a RuntimeConfig field"):
+        parse_variants("x:chunk=3")
+    with pytest.raises(ValueError, match="grad_slot_dtype"):
+        parse_variants("x:grad_slot_dtype=fp16")

@@ -32,6 +32,9 @@ RUNS = {
     "slide-eager-offload": ("slide", "eager", 1, None, True, {"cache_units": 2}),
     "slide-deferred-accum4-clip-offload": ("slide", "deferred", 4, 0.5, True, {}),
     "slide-deferred-clip": ("slide", "deferred", 1, 0.5, False, {"grad_slots": 1}),
+    # uploads land in FP32 buffers and are cast on the compute stream; FP32 gradient slots
+    "slide-deferred-accum2-cast-in-compute": ("slide", "deferred", 2, None, False,
+                                              {"upload_cast_stream": "compute", "grad_slot_dtype": "fp32"}),
     "gpu-accum2-clip": ("gpu", "auto", 2, 0.5, False, {}),
     "ckpt-every2": ("ckpt", "auto", 1, None, False, {"recompute": "every:2"}),
 }

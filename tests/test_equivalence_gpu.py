@@ -16,17 +16,20 @@ from test_equivalence import FAMILIES, LR, STEPS, make_batches, make_loaded, max
 
 pytestmark = pytest.mark.gpu
 
+# (mode, schedule, grad_accum, max_grad_norm, offload, extra runtime options)
 GPU_RUNS = {
-    "slide-eager": ("slide", "eager", 1, None, False),
-    "slide-eager-offload": ("slide", "eager", 1, None, True),
-    "slide-deferred-accum4-clip-offload": ("slide", "deferred", 4, 0.5, True),
-    "ckpt": ("ckpt", "auto", 4, 0.5, False),
+    "slide-eager": ("slide", "eager", 1, None, False, {}),
+    "slide-eager-offload": ("slide", "eager", 1, None, True, {}),
+    "slide-deferred-accum4-clip-offload": ("slide", "deferred", 4, 0.5, True, {}),
+    "slide-eager-cast-in-compute": ("slide", "eager", 1, None, False,
+                                    {"upload_cast_stream": "compute", "grad_slot_dtype": "fp32"}),
+    "ckpt": ("ckpt", "auto", 4, 0.5, False, {}),
 }
 
 
-def _run(loaded, mode, schedule, accum, clip, offload, dtype):
+def _run(loaded, mode, schedule, accum, clip, offload, dtype, extra=None):
     rt = RuntimeConfig(mode=mode, dtype=dtype, device="cuda", schedule=schedule, offload_activations=offload,
-                       head_chunk_tokens=16, chunk_mb=1)
+                       head_chunk_tokens=16, chunk_mb=1, **(extra or {}))
     eng = build_engine(loaded, rt, AdamWConfig(lr=LR, weight_decay=0.1, eps=1e-6), grad_accum=accum,
                        max_grad_norm=clip)
     losses = []
@@ -41,7 +44,7 @@ def _run(loaded, mode, schedule, accum, clip, offload, dtype):
 @pytest.mark.parametrize("fam", list(FAMILIES))
 def test_bf16_within_noise(fam, run):
     torch.backends.cuda.matmul.allow_tf32 = False
-    mode, schedule, accum, clip, offload = GPU_RUNS[run]
+    mode, schedule, accum, clip, offload, extra = GPU_RUNS[run]
     loaded = make_loaded(**FAMILIES[fam])
     ref = ReferenceTrainer(build_reference(loaded).cuda(), lr=LR, weight_decay=0.1, eps=1e-6, max_grad_norm=clip)
     ref_losses = []
@@ -51,7 +54,7 @@ def test_bf16_within_noise(fam, run):
     noise_eng, _ = _run(loaded, "gpu", "auto", accum, clip, False, "bf16")
     noise, _ = max_param_rel_diff(_cpu(noise_eng), ref.model)
     noise_eng.close()
-    eng, losses = _run(loaded, mode, schedule, accum, clip, offload, "bf16")
+    eng, losses = _run(loaded, mode, schedule, accum, clip, offload, "bf16", extra)
     try:
         for a, b in zip(losses, ref_losses):
             assert a == pytest.approx(b, rel=2e-2)

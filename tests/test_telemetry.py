@@ -67,3 +67,38 @@ def test_t_interval():
     s = summarize([1.0, 2.0, 3.0, 4.0, 5.0])
     assert s.mean == 3.0 and s.std == pytest.approx(1.5811, abs=1e-4)
     assert s.ci95 == pytest.approx(2.7764 * 1.5811 / 5 ** 0.5, rel=1e-4)
+
+
+def test_stream_stats_and_lanes_from_a_trace(tmp_path):
+    """A hand-made trace: compute stream 7 (GEMMs), upload stream 20 (H2D + a slow cast), D2H stream 21."""
+    import json as _json
+
+    from slidetune.telemetry.trace_summary import lanes, stream_stats
+
+    def x(name, cat, ts, dur, stream=None):
+        ev = {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur}
+        if stream is not None:
+            ev["args"] = {"stream": stream}
+        return ev
+
+    events = [x("slidetune.step", "user_annotation", 0, 1000), x("slidetune.step", "user_annotation", 1000, 1000),
+              x("gemm", "kernel", 1000, 300, 7), x("gemm", "kernel", 1350, 300, 7),
+              x("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy", 1000, 100, 20),
+              x("cast", "kernel", 1100, 400, 20),                       # starved: 400 us
+              x("Memcpy DtoH (Device -> Pinned)", "gpu_memcpy", 1700, 200, 21),
+              x("slidetune.adamw", "user_annotation", 1750, 150),
+              x("slidetune.wait_grad_slot", "user_annotation", 1900, 50)]
+    path = tmp_path / "trace.json"
+    path.write_text(_json.dumps({"traceEvents": events}))
+    st = stream_stats(path)
+    assert st["compute_stream"] == 7
+    assert st["streams"]["7"]["kernel_busy_ms"] == pytest.approx(0.6)
+    assert st["streams"]["20"]["h2d_busy_ms"] == pytest.approx(0.1)
+    assert st["side_kernels"]["count"] == 1 and st["side_kernels"]["mean_us"] == pytest.approx(400)
+    ln = lanes(path, step_index=1, merge_gap_us=60)
+    assert ln["step_ms"] == pytest.approx(1.0)
+    L = ln["lanes"]
+    assert L["compute stream 7: kernel"] == [(0.0, 0.65)]              # 50 us gap merged
+    assert L["upload stream 20: h2d"] == [(0.0, 0.1)]
+    assert L["download stream 21: d2h"] == [(0.7, 0.9)]
+    assert L["cpu: AdamW"] == [(0.75, 0.9)] and L["cpu: compute wait_grad_slot"] == [(0.9, 0.95)]

@@ -336,7 +336,8 @@ def test_no_arguments_is_the_readme_default_job():
     assert cfg.data.path is None                         # the built-in corpus
     assert cfg.runtime.mode == "slide" and cfg.runtime.device == "auto"
     assert cfg.output_dir == "runs/default"
-    assert 1 <= cfg.max_steps <= 50 and cfg.epochs is None and cfg.stop_after is None
+    assert cfg.max_steps is None and cfg.epochs is None and cfg.stop_after is None
+    assert 1 <= cfg.resolved_max_steps(on_gpu=False) <= 50 and cfg.resolved_max_steps(on_gpu=True) >= 100
     assert cfg.data.heldout_fraction > 0 and cfg.resume is None and cfg.check_memory
     ns = build_parser().parse_args(["train"])
     assert ns.func.__name__ == "_train"

@@ -28,6 +28,10 @@ from .engine.adamw import AdamWConfig
 from .engine.config import RuntimeConfig
 
 
+DEFAULT_CPU_STEPS = 20     # the default job on 2 CPU cores: about two and a half minutes
+DEFAULT_GPU_STEPS = 300    # on a GPU the same job is seconds per 20 steps: fine-tune for real
+
+
 @dataclass
 class TrainConfig:
     model: str = "smollm2-135m"          # preset name, the embedded default, a .gguf file or a HF directory
@@ -37,7 +41,7 @@ class TrainConfig:
     optim: AdamWConfig = field(default_factory=AdamWConfig)
     batch_size: int = 4                  # sequences per micro-batch
     grad_accum: int = 1                  # micro-batches per optimizer step
-    max_steps: int = 20                  # optimizer steps (the CPU default run takes a few minutes)
+    max_steps: int | None = None         # optimizer steps; None: 20 on the CPU (a few minutes on 2 cores), 300 on a GPU
     epochs: float | None = None          # if set, overrides max_steps: epochs over the training split
     lr_schedule: str = "cosine"          # cosine | linear | constant (after warmup)
     warmup_steps: int = 2                # linear warmup from lr/warmup_steps to lr over these steps
@@ -56,10 +60,16 @@ class TrainConfig:
     check_memory: bool = True            # refuse before allocating when the estimate does not fit
     progress: bool = True                # tqdm progress bar
 
+    def resolved_max_steps(self, on_gpu: bool) -> int:
+        """The step budget when neither max_steps nor epochs is given: short on the CPU."""
+        if self.max_steps is not None:
+            return self.max_steps
+        return DEFAULT_GPU_STEPS if on_gpu else DEFAULT_CPU_STEPS
+
     def __post_init__(self):
         if self.batch_size < 1 or self.grad_accum < 1:
             raise ValueError("batch_size and grad_accum must be >= 1")
-        if self.max_steps < 1:
+        if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, not {self.max_steps}")
         if self.epochs is not None and self.epochs <= 0:
             raise ValueError(f"epochs must be > 0, not {self.epochs}")

@@ -156,7 +156,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
     train_ds, heldout = build_datasets(cfg.data, loaded.tokenizer)
     pad_id = default_pad_id(loaded.tokenizer)
     sampler = BatchSampler(train_ds, cfg.batch_size, cfg.seed, pad_id)
-    total_steps = cfg.max_steps
+    total_steps = cfg.resolved_max_steps(device.is_cuda)
     if cfg.epochs is not None:
         total_steps = max(1, int(cfg.epochs * len(sampler) / cfg.grad_accum))
 

@@ -138,7 +138,7 @@ def measure(spec: MeasureSpec) -> dict:
 
 def _profile(engine, vocab: int, spec: MeasureSpec) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
-    from ..telemetry.trace_summary import summarize_trace
+    from ..telemetry.trace_summary import lanes, stream_stats, summarize_trace
     mbs_list = [synthetic_batches(vocab, spec.batch_size, spec.seq_len, spec.grad_accum, 99_000 + k)
                 for k in range(3)]
     timer_enabled = engine.timer.enabled
@@ -160,6 +160,8 @@ def _profile(engine, vocab: int, spec: MeasureSpec) -> dict:
         path = Path(d) / "trace.json"
         prof.export_chrome_trace(str(path))
         summary = summarize_trace(path)
+        summary["streams"] = stream_stats(path)
+        summary["lanes"] = lanes(path, step_index=1)     # the middle of the three profiled steps
     return summary
 
 

@@ -245,3 +245,23 @@ def plot_head(summary: list[dict], path: Path) -> Path:
     ax.set_title("Output layer time")
     ax.legend(fontsize=7)
     return _save(fig, path)
+
+
+def plot_pipeline_lanes(lanes: dict, path: Path, title: str = "One step, per stream and thread") -> Path:
+    """Gantt chart of one profiled step: GPU streams (kernels, copies) and labelled CPU ranges."""
+    rows = sorted(lanes.get("lanes", {}).items(), key=lambda kv: (not kv[0].startswith("compute"),
+                                                                  kv[0].startswith("cpu"), kv[0]))
+    fig, ax = plt.subplots(figsize=(12, 0.45 * max(4, len(rows)) + 1.2))
+    colors = {"kernel": "tab:blue", "h2d": "tab:green", "d2h": "tab:orange", "d2d": "tab:gray"}
+    for y, (name, iv) in enumerate(rows):
+        kind = name.rsplit(": ", 1)[-1]
+        c = colors.get(kind, "tab:red" if "wait" in name else "tab:purple")
+        ax.broken_barh([(s, e - s) for s, e in iv], (y - 0.35, 0.7), color=c)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([n for n, _ in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, lanes.get("step_ms", 1.0))
+    ax.set_xlabel("ms from the step's start (torch.profiler; intervals closer than "
+                  f"{lanes.get('merge_gap_us', 0):.0f} us merged)")
+    ax.set_title(title)
+    return _save(fig, path)

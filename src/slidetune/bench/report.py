@@ -64,7 +64,41 @@ def draw(out_dir: Path, data: dict) -> list[Path]:
         paths.append(plots.plot_layer_delta(data["layers"], baseline, out_dir / "per_layer_delta.png"))
     if data["doc"].get("scenario") == "head":
         paths.append(plots.plot_head(summary, out_dir / "head_time.png"))
+    for r in data["doc"].get("results") or []:
+        lanes = (r.get("trace_summary") or {}).get("lanes")
+        if lanes:
+            name = common.config_name(r)
+            paths.append(plots.plot_pipeline_lanes(lanes, out_dir / f"pipeline_{name}.png",
+                                                   f"{name}: one profiled step per stream and thread"))
     return paths
+
+
+# host-timeline keys (thread.activity, seconds per step) shown in the pipeline table
+PIPELINE_HOST_KEYS = ("compute.wait_upload", "compute.wait_grad_slot", "upload.upload", "upload.wait_update",
+                      "d2h.issue", "host.drain", "host.adamw", "host.d2h_wait")
+
+
+def pipeline_rows(results: list[dict]) -> list[dict]:
+    """Per profiled configuration: where the step's time goes between the GPU streams and the threads."""
+    rows = []
+    for r in results:
+        t = r.get("trace_summary")
+        if not t:
+            continue
+        ov = r.get("overlap_mean") or {}
+        side = (t.get("streams") or {}).get("side_kernels") or {}
+        row = {"config": common.config_name(r), "step_s": r.get("step_s_mean"),
+               "gpu_compute_fraction": t.get("gpu_compute_fraction_of_step"),
+               "h2d_fraction": t.get("h2d_fraction_of_step"),
+               "h2d_overlap": t.get("h2d_overlapped_with_compute_fraction"),
+               "d2h_fraction": t.get("d2h_fraction_of_step"),
+               "d2h_overlap": t.get("d2h_overlapped_with_compute_fraction"),
+               "cpu_adamw_overlap": t.get("cpu_adamw_overlapped_with_compute_fraction"),
+               "side_kernel_mean_us": side.get("mean_us"), "side_kernel_max_us": side.get("max_us")}
+        for k in PIPELINE_HOST_KEYS:
+            row[f"{k}_s"] = ov.get(f"{k}_s")
+        rows.append(row)
+    return rows
 
 
 def top_layers(layers: list[dict], baseline: str, k: int) -> dict[str, list[tuple[int, float]]]:
@@ -156,6 +190,16 @@ def write_report(out_dir: Path, compare_seeds: bool = False) -> Path:
                     [[r["config"], r["status"], _fmt(r.get("head_fwd_ms")), _fmt(r.get("head_bwd_ms")),
                       _fmt(r.get("gpu_peak_alloc_gib")), _fmt(r.get("gpu_peak_reserved_gib")),
                       _fmt(r.get("step_s_mean"), 4)] for r in summary]) + [""]
+    prow = pipeline_rows(doc.get("results") or [])
+    if prow:
+        L += ["## Pipeline (torch.profiler over 3 extra steps, after the measured ones)", "",
+              "Fractions are of the profiled steps' wall time; *overlap* = share of that activity's busy time "
+              "during which a kernel ran on the GPU. Side kernels = kernels off the compute stream (the GPU casts "
+              "on the copy streams); they compete with the compute stream's GEMMs for SMs, so their duration "
+              "shows how long the copies queued behind them wait. Host columns: seconds per measured step that "
+              "each pipeline thread spent in that activity (host timeline, mean over measured steps).", ""]
+        cols = list(prow[0])
+        L += _table(cols, [[_fmt(r.get(c), 3) if c != "config" else r[c] for c in cols] for r in prow]) + [""]
     bad = [r for r in summary if r.get("status") != "ok"]
     if bad:
         L += ["## Configurations that did not run", ""] + _table(

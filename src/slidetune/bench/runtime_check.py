@@ -37,7 +37,7 @@ def memory_specs(smoke: bool) -> list[MeasureSpec]:
 
 def big_specs(model: str, batch: int, smoke: bool) -> list[MeasureSpec]:
     if smoke:
-        return [MeasureSpec(name="big-slide", model="tiny-llama", seq_len=32, batch_size=2, steps=2, warmup=1,
+        return [MeasureSpec(name="big-slide", model="tiny-llama", seq_len=32, batch_size=2, steps=2, warmup=1, profile=True,
                             runtime=dict(device="cpu", mode="slide"))]
     return [MeasureSpec(name=f"{model}-slide-b{batch}", model=model, seq_len=1024, batch_size=batch, steps=3,
                         warmup=2, profile=True, runtime=dict(device="cuda", mode="slide", head_chunk_tokens=4096))]
@@ -93,6 +93,12 @@ def run(out_dir: Path, smoke: bool = False, big_model: str = "qwen3-8b", big_bat
         w.writeheader()
         for r in results:
             w.writerow(_flat(r))
+    from .plots import plot_pipeline_lanes
+    for r in results:
+        lanes = r.get("trace_summary", {}).get("lanes")
+        if lanes:
+            plot_pipeline_lanes(lanes, out_dir / f"pipeline_{r['spec']['name']}.png",
+                                f"{r['spec']['name']}: one step per stream and thread")
     (out_dir / "report.md").write_text(_report(machine, results, checks))
     return checks
 
@@ -146,6 +152,8 @@ def _report(machine: dict, results: list[dict], checks: dict) -> str:
         lines.append("")
     for r in results:
         if "trace_summary" in r:
+            summary = {k: v for k, v in r["trace_summary"].items() if k != "lanes"}
             lines += [f"## Overlap ({r['spec']['name']}, torch.profiler, 3 steps)", "", "```json",
-                      json.dumps(r["trace_summary"], indent=1), "```", ""]
+                      json.dumps(summary, indent=1), "```", "",
+                      f"Gantt chart of the middle profiled step: `pipeline_{r['spec']['name']}.png`.", ""]
     return "\n".join(lines)

@@ -24,6 +24,15 @@ class RuntimeConfig:
     chunk_mb: int = 64              # cast/copy/update granularity: tens of MB pipeline well
     upload_ring: int = 4            # pinned staging chunks for uploads
     download_ring: int = 0          # pinned staging chunks for gradient downloads (0: enough for 3 layers)
+    upload_stages: int = 2          # GPU FP32 staging chunks per upload when the cast runs on the copy stream
+    # Where the GPU casts run (cast_on=gpu). "copy": a cast kernel on the copy stream per
+    # chunk; it needs SMs while the compute stream's GEMMs hold them, which can stall the
+    # copies behind it. "compute": the copy streams only move bytes (DMA engines): uploads
+    # land in an FP32 buffer per slot and the compute stream casts a whole unit right
+    # before it computes (0.5 ms per 8B layer); gradient slots are FP32 and the gradient
+    # copy that fills them is the cast. Costs FP32-sized slot buffers on the GPU.
+    upload_cast_stream: str = "copy"    # copy | compute
+    grad_slot_dtype: str = "compute"    # compute | fp32
     # output layer
     head_impl: str = "chunked"      # full | chunked | fused
     head_chunk_tokens: int = 4096   # tokens per logits chunk (4096 x 152k vocab x 2 B = 1.2 GB)
@@ -37,6 +46,12 @@ class RuntimeConfig:
             raise ValueError(f"schedule must be auto, eager or deferred, not {self.schedule!r}")
         if self.cast_on not in ("auto", "cpu", "gpu"):
             raise ValueError(f"cast_on must be auto, cpu or gpu, not {self.cast_on!r}")
+        if self.upload_cast_stream not in ("copy", "compute"):
+            raise ValueError(f"upload_cast_stream must be copy or compute, not {self.upload_cast_stream!r}")
+        if self.grad_slot_dtype not in ("compute", "fp32"):
+            raise ValueError(f"grad_slot_dtype must be compute or fp32, not {self.grad_slot_dtype!r}")
+        if self.upload_stages < 1:
+            raise ValueError("upload_stages must be >= 1")
         if self.cache_units < 2:
             raise ValueError("cache_units must be >= 2 (one computing, one loading)")
         if self.grad_slots < 1:

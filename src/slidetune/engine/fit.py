@@ -308,9 +308,12 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
     if rt.mode == "slide":
         schedule = rt.resolved_schedule(grad_accum, max_grad_norm)
         gpu["layer weight slots"] = rt.cache_units * P_L * b
-        gpu["layer grad slots"] = rt.grad_slots * P_L * b
+        gb = 4 if rt.grad_slot_dtype == "fp32" else b
+        gpu["layer grad slots"] = rt.grad_slots * P_L * gb
         gpu["vocab weight slots"] = (P_E + P_H) * b
-        gpu["vocab grad slots"] = (P_E + P_H) * b
+        gpu["vocab grad slots"] = (P_E + P_H) * gb
+        if rt.upload_cast_stream == "compute" and (rt.casts_on_gpu(dev == "cuda") or dev != "cuda"):
+            gpu["fp32 landing buffers (cast on the compute stream)"] = (rt.cache_units * P_L + P_E + P_H) * 4
         ckpt = N * d * b
         # offload: the checkpoint being read by the layer in backward and the one prefetched
         # (in forward, the one whose D2H copy is in flight and the one being computed)
@@ -335,7 +338,7 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         down_chunks = rt.download_chunks(P_L)
         if gpu_cast:
             rings = down_chunks * chunk_elems * 4
-            gpu["fp32 cast staging"] = 4 * chunk_elems * 4
+            gpu["fp32 cast staging"] = (rt.upload_stages + 2) * chunk_elems * 4
         else:
             rings = (rt.upload_ring + down_chunks) * chunk_elems * b
             host["fp32 drain scratch"] = chunk_elems * 4

@@ -27,6 +27,7 @@ SCENARIOS = {
     "techniques": "techniques",
     "throughput": "throughput",
     "roofline": "roofline",
+    "pipeline": "pipeline",
 }
 
 

@@ -29,6 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from ...device import Device
 from ...models.load import LoadedModel
@@ -51,9 +52,11 @@ _WAIT_S = 1.0   # poll period while waiting on a worker future (to surface worke
 class _Slot:
     """A GPU buffer holding one unit's weights (or gradients) in the compute dtype."""
 
-    flat: torch.Tensor                 # [numel] compute dtype
+    flat: torch.Tensor                 # [numel] compute dtype (FP32 for FP32 gradient slots)
     content: tuple | None = None       # (unit index, version) planned into it
     ready: Future | None = None        # -> event after which the weights are on the GPU
+    landing: torch.Tensor | None = None   # [numel] FP32, upload_cast_stream=compute: uploads land here
+    cast_pending: bool = False         # landing holds an upload not yet cast into `flat`
     last_use: object = None            # event after the last kernel that read it
     free: Future | None = None         # gradient slots: -> event after its D2H drained it
 
@@ -80,28 +83,36 @@ class SlideEngine:
         L = self.split.num_layers
         layer_numel = max(u.numel for u in self.split.layer_units)
         dev = device.device
-        empty = lambda n: torch.empty(n, dtype=self.dtype, device=dev)  # noqa: E731
-        # K interchangeable layer slots; the vocabulary units get dedicated slots so they
-        # never dictate the size of the layer slots.
-        self.layer_slots = [_Slot(empty(layer_numel)) for _ in range(rt.cache_units)]
-        self.vocab_slots = {0: _Slot(empty(self.units[0].spec.numel)),
-                            L + 1: _Slot(empty(self.units[-1].spec.numel))}
-        done = done_future(None)
-        self.grad_slots = [_Slot(empty(layer_numel), free=done) for _ in range(rt.grad_slots)]
-        self.vocab_grad_slots = {0: _Slot(empty(self.units[0].spec.numel), free=done),
-                                 L + 1: _Slot(empty(self.units[-1].spec.numel), free=done)}
-        self._next_grad_slot = 0
         self.gpu_cast = rt.casts_on_gpu(device.is_cuda)
         if rt.cast_on == "gpu" and not device.is_cuda:
             raise ValueError("cast_on=gpu needs a CUDA device")
+        # Casting on the compute stream needs FP32 on the device side: the CPU cast path
+        # (cast_on=cpu) moves compute-dtype bytes and has nothing to cast there.
+        self.cast_in_compute = rt.upload_cast_stream == "compute" and (self.gpu_cast or not device.is_cuda)
+        grad_dtype = torch.float32 if rt.grad_slot_dtype == "fp32" else self.dtype
+        empty = lambda n, dt=self.dtype: torch.empty(n, dtype=dt, device=dev)  # noqa: E731
+
+        def weight_slot(n: int) -> _Slot:
+            return _Slot(empty(n), landing=empty(n, torch.float32) if self.cast_in_compute else None)
+
+        # K interchangeable layer slots; the vocabulary units get dedicated slots so they
+        # never dictate the size of the layer slots.
+        self.layer_slots = [weight_slot(layer_numel) for _ in range(rt.cache_units)]
+        self.vocab_slots = {0: weight_slot(self.units[0].spec.numel), L + 1: weight_slot(self.units[-1].spec.numel)}
+        done = done_future(None)
+        self.grad_slots = [_Slot(empty(layer_numel, grad_dtype), free=done) for _ in range(rt.grad_slots)]
+        self.vocab_grad_slots = {0: _Slot(empty(self.units[0].spec.numel, grad_dtype), free=done),
+                                 L + 1: _Slot(empty(self.units[-1].spec.numel, grad_dtype), free=done)}
+        self._next_grad_slot = 0
         chunk = rt.chunk_elems
         self.chunk = chunk
         ring = rt.download_chunks(layer_numel)
         if self.gpu_cast:
             for unit in self.units:
                 device.register_host(unit.master)   # page-locked in place: async FP32 H2D, no copy
-        self.uploader = Uploader(device, self.dtype, chunk, rt.upload_ring, gpu_cast=self.gpu_cast)
-        self.drainer = GradDrain(device, self.dtype, chunk, ring, gpu_cast=self.gpu_cast)
+        self.uploader = Uploader(device, self.dtype, chunk, rt.upload_ring, gpu_cast=self.gpu_cast,
+                                 stages=rt.upload_stages)
+        self.drainer = GradDrain(device, grad_dtype, chunk, ring, gpu_cast=self.gpu_cast)
         self.drainer.timeline = self.uploader.timeline = self.timeline
         self.drainer.abort = self.uploader.abort = self._abort
         self.upload_worker = Worker("upload", self._on_worker_error)
@@ -121,7 +132,7 @@ class SlideEngine:
         try:
             if fut.done():
                 return fut.result()
-            with self.timeline.span("compute", what):
+            with self.timeline.span("compute", what), record_function(f"slidetune.{what}"):
                 return self._wait_loop(fut)
         except WorkerError:
             raise
@@ -166,7 +177,10 @@ class SlideEngine:
         unit = self.units[unit_index]
         after = done_future(slot.last_use)
         slot.content = (unit_index, self.step_index)
-        slot.ready = self.upload_worker.submit(self._timed, "upload", "upload", self.uploader.upload, unit, slot.flat,
+        # With a landing buffer the upload only moves FP32 bytes; _acquire casts them.
+        dst = slot.landing if slot.landing is not None else slot.flat
+        slot.cast_pending = slot.landing is not None
+        slot.ready = self.upload_worker.submit(self._timed, "upload", "upload", self.uploader.upload, unit, dst,
                                                self.step_index, after)
 
     def _use_vocab(self, unit_index: int) -> _Slot:
@@ -207,6 +221,10 @@ class SlideEngine:
         ev = self._wait(slot.ready, "wait_upload")
         if ev is not None:
             self.device.current_stream().wait_event(ev)
+        if slot.cast_pending:
+            n = self.units[slot.content[0]].spec.numel
+            slot.flat[:n].copy_(slot.landing[:n])     # FP32 -> compute dtype on the compute stream
+            slot.cast_pending = False
 
     def _release(self, slot: _Slot) -> None:
         slot.last_use = self.device.record()
@@ -434,9 +452,8 @@ class SlideEngine:
             slot.content = None
 
     def memory_report(self) -> dict[str, int]:
-        gpu_buffers = sum(s.flat.numel() * s.flat.element_size() for s in
-                          self.layer_slots + self.grad_slots + list(self.vocab_slots.values())
-                          + list(self.vocab_grad_slots.values()))
+        slots = self.layer_slots + self.grad_slots + list(self.vocab_slots.values()) + list(self.vocab_grad_slots.values())
+        gpu_buffers = sum(t.numel() * t.element_size() for s in slots for t in (s.flat, s.landing) if t is not None)
         pinned = (sum(b.numel() * b.element_size() for b in self.uploader.ring + self.drainer.ring)
                   + self.acts.pinned_bytes())
         return {"gpu_buffers": gpu_buffers, "pinned": pinned, "host_state": self.store.state_bytes()}

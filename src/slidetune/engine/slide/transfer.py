@@ -34,14 +34,15 @@ from .workers import wait_or_abort
 
 
 class Uploader:
-    def __init__(self, device: Device, dtype: torch.dtype, chunk_elems: int, ring: int, gpu_cast: bool = False):
+    def __init__(self, device: Device, dtype: torch.dtype, chunk_elems: int, ring: int, gpu_cast: bool = False,
+                 stages: int = 2):
         self.device = device
         self.stream = device.new_stream()
         self.chunk = chunk_elems
         self.gpu_cast = gpu_cast
         if gpu_cast:
-            # Two FP32 staging chunks on the GPU; reuse is ordered by the upload stream.
-            self.stage = [torch.empty(chunk_elems, dtype=torch.float32, device=device.device) for _ in range(2)]
+            # FP32 staging chunks on the GPU; reuse is ordered by the upload stream.
+            self.stage = [torch.empty(chunk_elems, dtype=torch.float32, device=device.device) for _ in range(stages)]
             self.ring = []
         else:
             self.ring = [device.host_empty(chunk_elems, dtype) for _ in range(ring)]
@@ -64,10 +65,18 @@ class Uploader:
         with self.device.stream_ctx(self.stream):
             if slot_free is not None:
                 self.stream.wait_event(slot_free)
+            if dst.dtype == src.dtype:
+                # An FP32 landing buffer (upload_cast_stream=compute): DMA only, the compute
+                # stream casts it. On the CPU this is a plain copy.
+                for lo in range(0, n, self.chunk):
+                    hi = min(n, lo + self.chunk)
+                    dst[lo:hi].copy_(src[lo:hi], non_blocking=True)
+                self.bytes += n * 4
+                return self.device.record(self.stream)
             if self.gpu_cast:
                 for c, lo in enumerate(range(0, n, self.chunk)):
                     hi = min(n, lo + self.chunk)
-                    stage = self.stage[c % 2][: hi - lo]
+                    stage = self.stage[c % len(self.stage)][: hi - lo]
                     stage.copy_(src[lo:hi], non_blocking=True)     # FP32 H2D from the registered master
                     dst[lo:hi].copy_(stage)                          # cast kernel on the upload stream
                 self.bytes += n * 4
@@ -89,16 +98,19 @@ class Uploader:
 
 class GradDrain:
     def __init__(self, device: Device, dtype: torch.dtype, chunk_elems: int, ring: int, gpu_cast: bool = False):
+        """dtype: the gradient slots' dtype (FP32 slots need no cast on either side)."""
         self.device = device
         self.stream = device.new_stream()
         self.chunk = chunk_elems
-        self.gpu_cast = gpu_cast
-        ring_dtype = torch.float32 if gpu_cast else dtype
+        self.gpu_cast = gpu_cast and dtype != torch.float32     # a cast kernel on the D2H stream
+        self.fp32_ring = gpu_cast or dtype == torch.float32     # AdamW reads the ring directly
+        ring_dtype = torch.float32 if self.fp32_ring else dtype
         self.ring = [device.host_empty(chunk_elems, ring_dtype) for _ in range(ring)]
         self.ring_free: list[Future] = [_done() for _ in range(ring)]   # set once the host consumed it
         self.next = 0
-        if gpu_cast:
+        if self.gpu_cast:
             self.stage = [torch.empty(chunk_elems, dtype=torch.float32, device=device.device) for _ in range(2)]
+        if self.fp32_ring:
             self.scratch = None
         else:
             self.scratch = torch.empty(chunk_elems, dtype=torch.float32)   # one chunk of FP32 grads
@@ -135,7 +147,7 @@ class GradDrain:
                     self.ring[r][: hi - lo].copy_(src[lo:hi], non_blocking=True)
                 last = self.device.record(self.stream)
                 futs[c].set_result((r, last))
-        self.bytes += n * (4 if self.gpu_cast else src.element_size())
+        self.bytes += n * (4 if self.gpu_cast else src.element_size())   # FP32 slots: element_size 4
         return last
 
     def consume(self, unit: HostUnit, chunks: list[Future], *, mode: str, lr: float = 0.0,
@@ -156,7 +168,7 @@ class GradDrain:
                 event.synchronize()
             buf = self.ring[r][: hi - lo]
             if mode == "update":
-                if self.gpu_cast:
+                if self.fp32_ring:
                     g = buf                                       # already FP32
                 else:
                     g = self.scratch[: hi - lo]
