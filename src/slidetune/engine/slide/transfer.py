@@ -174,7 +174,7 @@ class GradDrain:
                     g = self.scratch[: hi - lo]
                     g.copy_(buf)                                  # compute dtype -> FP32
                 if want_norm:
-                    sq += float(torch.linalg.vector_norm(g)) ** 2
+                    sq += float(torch.dot(g, g))                  # 2x vector_norm's speed on the CPU
                 with record_function("slidetune.adamw"), self.timeline.span("host", "adamw"):
                     unit.opt.update(g, lr, lo)
             else:
@@ -184,7 +184,7 @@ class GradDrain:
                 else:
                     dst.add_(buf)                                 # FP32 accumulation across micro-batches
                 if want_norm:
-                    sq += float(torch.linalg.vector_norm(dst)) ** 2
+                    sq += float(torch.dot(dst, dst))
             self.ring_free[r].set_result(None)
         if mode == "update":
             unit.bump_version()
