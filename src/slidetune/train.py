@@ -15,6 +15,7 @@ import csv
 import json
 import math
 import os
+import platform
 import random
 import shutil
 import signal
@@ -113,6 +114,12 @@ class TrainSummary:
     wall_s: float
     interrupted: bool = False            # stopped by SIGINT/SIGTERM (resumable checkpoint written)
     stopped_early: bool = False          # stopped by --stop-after (resumable checkpoint written)
+    # what the perplexities were measured on: the built-in corpus is the running Python's
+    # own documentation, so it (and the absolute perplexity) differs between Python versions
+    data_source: str = ""
+    train_sequences: int = 0
+    heldout_sequences: int = 0
+    device: str = ""
 
 
 def evaluate(engine, heldout, batch_size: int, pad_id: int, max_batches: int) -> tuple[float, float]:
@@ -390,7 +397,10 @@ def _loop(cfg, engine, loaded, sampler, heldout, pad_id, total_steps, device, ou
         ppl_before=before[1] if before else None, ppl_after=after[1] if after else None,
         first_loss=first_loss, last_loss=last_loss,
         tokens_per_s=float(np.median(tok_rates)) if tok_rates else None,
-        wall_s=time.perf_counter() - t_start, interrupted=interrupted, stopped_early=stopped_early)
+        wall_s=time.perf_counter() - t_start, interrupted=interrupted, stopped_early=stopped_early,
+        data_source=cfg.data.path or f"built-in corpus (Python {platform.python_version()} docs)",
+        train_sequences=len(train_ds), heldout_sequences=len(heldout),
+        device=torch.cuda.get_device_name() if device.is_cuda else "cpu")
     _write_text(out / "summary.json", json.dumps(summary.__dict__, indent=2) + "\n")
     return summary
 
