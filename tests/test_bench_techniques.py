@@ -1,6 +1,5 @@
 """techniques / throughput / roofline scenarios at --smoke size, the largest-batch search, OOM parsing."""
 import argparse
-import csv
 import json
 import math
 
@@ -8,6 +7,7 @@ import pytest
 import torch
 
 from slidetune.bench.baselines.proc import parse_oom
+from slidetune.bench.scenarios.common import read_csv, read_csv_machine
 from slidetune.bench.scenarios.techniques import find_max_batch
 from slidetune.ops.attention import band_mask
 
@@ -69,7 +69,8 @@ def _args(module, argv):
 
 
 def _finite_csv(path, numeric):
-    rows = list(csv.DictReader(path.open()))
+    assert read_csv_machine(path)["torch"]                # machine details in every CSV
+    rows = read_csv(path)
     assert rows
     for r in rows:
         for k in numeric:
@@ -91,7 +92,7 @@ def test_techniques_smoke(tmp_path):
     assert {(r["technique"], r["regime"]) for r in rows} >= {("fp32", "same"), ("slide", "max")}
     assert all(r["status"] == "ok" for r in rows)
     assert all(float(r["perplexity"]) > 1 for r in rows)
-    probes = list(csv.DictReader((out / "probes.csv").open()))
+    probes = read_csv(out / "probes.csv")
     assert probes and all(int(p["batch_size"]) <= 2 for p in probes)      # smoke cap
     data = json.loads((out / "techniques.json").read_text())
     assert data["machine"]["torch"] and data["rows"]

@@ -32,6 +32,9 @@ RUNS = {
     "slide-eager-offload": ("slide", "eager", 1, None, True, {"cache_units": 2}),
     "slide-deferred-accum4-clip-offload": ("slide", "deferred", 4, 0.5, True, {}),
     "slide-deferred-clip": ("slide", "deferred", 1, 0.5, False, {"grad_slots": 1}),
+    # one GPU slot per layer: next-step weights uploaded as each update lands
+    "slide-eager-resident": ("slide", "eager", 1, None, False, {"cache_units": 0}),
+    "slide-deferred-accum2-clip-resident": ("slide", "deferred", 2, 0.5, True, {"cache_units": 0}),
     # uploads land in FP32 buffers and are cast on the compute stream; FP32 gradient slots
     "slide-deferred-accum2-cast-in-compute": ("slide", "deferred", 2, None, False,
                                               {"upload_cast_stream": "compute", "grad_slot_dtype": "fp32"}),
@@ -164,3 +167,25 @@ def test_units_larger_than_the_staging_ring_stream_through_it():
     finally:
         engine.close()
         engine.close()      # closing twice is harmless
+
+
+@pytest.mark.parametrize("cache_units", [0, 3])
+def test_eval_between_steps_sees_the_updated_weights(cache_units):
+    """Evaluation between training steps uses the weights after the last update, also when the
+    next step's weights were already prefetched into resident slots (cache_units=0)."""
+    loaded = make_loaded("qwen3", tied=False)
+    rt = RuntimeConfig(mode="slide", dtype="fp32", device="cpu", cache_units=cache_units, chunk_mb=1)
+    engine = build_engine(loaded, rt, AdamWConfig(lr=LR, eps=1e-6))
+    ref = ReferenceTrainer(build_reference(loaded), lr=LR, eps=1e-6)
+    (held,) = make_batches(99, 1)
+    try:
+        for step in range(2):
+            mbs = make_batches(step, 1)
+            assert engine.train_step(mbs, LR).loss == pytest.approx(ref.step(mbs, LR)[0], rel=1e-5)
+            loss_sum, n = engine.eval_loss(held)
+            with torch.no_grad():
+                logits = ref.model(input_ids=held.input_ids).logits
+            want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), held.labels.flatten(), reduction="sum")
+            assert loss_sum == pytest.approx(float(want), rel=1e-5), f"after step {step}"
+    finally:
+        engine.close()

@@ -23,6 +23,7 @@ GPU_RUNS = {
     "slide-deferred-accum4-clip-offload": ("slide", "deferred", 4, 0.5, True, {}),
     "slide-eager-cast-in-compute": ("slide", "eager", 1, None, False,
                                     {"upload_cast_stream": "compute", "grad_slot_dtype": "fp32"}),
+    "slide-eager-resident": ("slide", "eager", 1, None, False, {"cache_units": 0}),
     "ckpt": ("ckpt", "auto", 4, 0.5, False, {}),
 }
 

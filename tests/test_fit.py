@@ -389,3 +389,23 @@ def test_head_estimate_matches_allocator_peak(dtype, impl, N, chunk):
     peak = _allocator_peak(step)
     est = head_bytes(split, N, dtype, impl, chunk)
     assert 0.97 * peak <= est <= 1.25 * peak, (peak, est, est / peak)
+
+
+def test_auto_cache_units_keeps_every_layer_resident_only_when_it_fits():
+    """cache_units=-1: one slot per layer (0) where the whole configuration then fits in the
+    GPU's free memory, else the 3-slot window; CPU and non-slide modes are left alone."""
+    from slidetune.engine.fit import choose_cache_units, estimate_memory
+    split = split_of("qwen3-8b")
+    kw = dict(batch_size=16, seq_len=1024)
+    rt = cuda_rt(mode="slide")
+    assert rt.cache_units == -1
+    resident = estimate_memory(split, dataclasses.replace(rt, cache_units=0), **kw).gpu_bytes
+    window = estimate_memory(split, dataclasses.replace(rt, cache_units=3), **kw).gpu_bytes
+    assert resident - window == (split.num_layers - 3) * max(u.numel for u in split.layer_units) * 2
+    assert choose_cache_units(split, rt, gpu_free_bytes=80 * GiB, **kw).cache_units == 0      # H100
+    assert choose_cache_units(split, rt, gpu_free_bytes=24 * GiB, **kw).cache_units == 3      # a 24 GB card
+    assert choose_cache_units(split, RuntimeConfig(device="cpu", mode="slide"), **kw).cache_units == 3
+    ckpt = cuda_rt(mode="ckpt")
+    assert choose_cache_units(split, ckpt, gpu_free_bytes=80 * GiB, **kw) is ckpt
+    pinned = cuda_rt(mode="slide", cache_units=4)
+    assert choose_cache_units(split, pinned, gpu_free_bytes=80 * GiB, **kw) is pinned

@@ -30,30 +30,60 @@ def test_no_device_synchronize_on_the_hot_path(monkeypatch):
         assert "torch.cuda.synchronize" not in inspect.getsource(module)
 
 
+def _spy_uploads(eng) -> list[tuple[str, int]]:
+    uploads: list[tuple[str, int]] = []
+    orig = eng.uploader.upload
+
+    def spy(unit, dst, version, after):
+        uploads.append((unit.spec.name, version))
+        return orig(unit, dst, version, after)
+
+    eng.uploader.upload = spy
+    return uploads
+
+
 @pytest.mark.parametrize("K", [2, 3, 4])
 def test_layers_resident_at_the_turn_are_not_uploaded_again(K):
     """Per step: each layer up once for forward and once for backward, except the K
     still resident when the backward starts (all K slots: the planner evicts by next use);
-    embedding and head once each."""
+    embedding once; the head once for this step and, mid-backward, once more with the next
+    step's weights (it is updated first), so step 1 does not upload it again."""
     eng = _engine(cache_units=K)
     try:
         L = eng.split.num_layers
-        uploads = []
-        orig = eng.uploader.upload
-
-        def spy(unit, dst, version, after):
-            uploads.append(unit.spec.name)
-            return orig(unit, dst, version, after)
-
-        eng.uploader.upload = spy
+        uploads = _spy_uploads(eng)
         eng.train_step(make_batches(0, 1), 1e-3)
         eng.synchronize()
-        layer_loads = [u for u in uploads if u.startswith("layer.")]
+        layer_loads = [u for u, _ in uploads if u.startswith("layer.")]
         assert len(layer_loads) == 2 * L - K
-        assert uploads.count("embed") == 1 and uploads.count("head") == 1
+        assert [u for u in uploads if u[0] == "embed"] == [("embed", 0)]
+        assert [u for u in uploads if u[0] == "head"] == [("head", 0), ("head", 1)]
         # the backward re-uploads the layers in reverse order, after the forward's
         assert layer_loads[:L] == [f"layer.{i}" for i in range(L)]
         assert layer_loads[L:] == [f"layer.{i}" for i in reversed(range(L - K))]
+        uploads.clear()
+        eng.train_step(make_batches(1, 1), 1e-3)
+        eng.synchronize()
+        assert [u for u in uploads if u[0] == "head"] == [("head", 2)]
+    finally:
+        eng.close()
+
+
+def test_resident_layers_are_uploaded_once_per_step_after_their_update():
+    """cache_units=0: one slot per layer; after the first forward every layer is uploaded
+    exactly once per step, with the next step's weights, in the order the updates land."""
+    eng = _engine(cache_units=0)
+    try:
+        L = eng.split.num_layers
+        uploads = _spy_uploads(eng)
+        eng.train_step(make_batches(0, 1), 1e-3)
+        eng.synchronize()
+        layers = [u for u in uploads if u[0].startswith("layer.")]
+        assert layers == [(f"layer.{i}", 0) for i in range(L)] + [(f"layer.{i}", 1) for i in reversed(range(L))]
+        uploads.clear()
+        eng.train_step(make_batches(1, 1), 1e-3)
+        eng.synchronize()
+        assert [u for u in uploads if u[0].startswith("layer.")] == [(f"layer.{i}", 2) for i in reversed(range(L))]
     finally:
         eng.close()
 

@@ -12,6 +12,7 @@ trajectory (metrics.csv keeps the rows up to the checkpoint, then continues).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -33,7 +34,7 @@ from .config import TrainConfig, config_to_dict
 from .data import BatchSampler, build_datasets, default_pad_id, eval_batches
 from .device import Device
 from .engine import build_engine
-from .engine.fit import check_fit
+from .engine.fit import check_fit, choose_cache_units
 from .models.load import load_model
 from .telemetry.flops import train_flops_per_token
 
@@ -155,9 +156,16 @@ def train(cfg: TrainConfig) -> TrainSummary:
     if max_pos is not None and cfg.data.seq_len > max_pos:
         raise TrainingError(f"--seq-len {cfg.data.seq_len} exceeds the context of model {cfg.model!r}: "
                             f"{max_pos} tokens (max_position_embeddings); use --seq-len {max_pos} or less")
+    runtime = cfg.runtime if cfg.runtime.device != "auto" else _with_device(cfg, device)
+    runtime = choose_cache_units(loaded.split, runtime, batch_size=cfg.batch_size, seq_len=cfg.data.seq_len,
+                                 grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm)
+    if cfg.runtime.cache_units == -1 and cfg.runtime.mode == "slide":
+        L = loaded.split.num_layers
+        print(f"cache_units auto -> {runtime.resolved_cache_units(L)} GPU layer slots"
+              + (" (every layer stays on the GPU between steps)" if runtime.cache_units == 0 else ""))
     if cfg.check_memory:
         # Before the data is tokenized and before the engine allocates anything.
-        check_fit(loaded.split, cfg.runtime if cfg.runtime.device != "auto" else _with_device(cfg, device),
+        check_fit(loaded.split, runtime,
                   batch_size=cfg.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
                   max_grad_norm=cfg.max_grad_norm)
     train_ds, heldout = build_datasets(cfg.data, loaded.tokenizer)
@@ -180,7 +188,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
     if resume_from is not None:
         _warn_changed_config(out / "config.json", cfg)
     _write_text(out / "config.json", json.dumps(config_to_dict(cfg), indent=2) + "\n")
-    engine = build_engine(loaded, cfg.runtime, cfg.optim, device, grad_accum=cfg.grad_accum,
+    engine = build_engine(loaded, dataclasses.replace(runtime, device=cfg.runtime.device), cfg.optim, device, grad_accum=cfg.grad_accum,
                           max_grad_norm=cfg.max_grad_norm)
     try:
         with _StopFlag() as stop:       # from here on a signal means: finish the step, checkpoint, exit
@@ -399,7 +407,7 @@ def _loop(cfg, engine, loaded, sampler, heldout, pad_id, total_steps, device, ou
         tokens_per_s=float(np.median(tok_rates)) if tok_rates else None,
         wall_s=time.perf_counter() - t_start, interrupted=interrupted, stopped_early=stopped_early,
         data_source=cfg.data.path or f"built-in corpus (Python {platform.python_version()} docs)",
-        train_sequences=len(train_ds), heldout_sequences=len(heldout),
+        train_sequences=len(sampler.dataset), heldout_sequences=len(heldout) if heldout is not None else 0,
         device=torch.cuda.get_device_name() if device.is_cuda else "cpu")
     _write_text(out / "summary.json", json.dumps(summary.__dict__, indent=2) + "\n")
     return summary

@@ -62,6 +62,10 @@ def measure(spec: MeasureSpec) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(1.0, spec.gpu_memory_limit_gib * 2**30 / total), device.device)
     t0 = time.perf_counter()
     loaded = load_model(spec.model, num_layers=spec.num_layers, seed=spec.seed, with_tokenizer=False)
+    if rt.mode == "slide" and rt.cache_units == -1 and device.is_cuda:
+        from ..engine.fit import choose_cache_units
+        rt = choose_cache_units(loaded.split, rt, batch_size=spec.batch_size, seq_len=spec.seq_len,
+                                grad_accum=spec.grad_accum, max_grad_norm=spec.max_grad_norm)
     timer = EventTimer(device, enabled=spec.per_layer)
     engine = build_engine(loaded, rt, AdamWConfig(lr=spec.lr), device, grad_accum=spec.grad_accum,
                           max_grad_norm=spec.max_grad_norm, timer=timer)
@@ -74,7 +78,7 @@ def measure(spec: MeasureSpec) -> dict:
         memory.enabled = True
     split = loaded.split
     vocab = split.config.vocab_size
-    result: dict = {"spec": asdict(spec), "machine": machine_info(), "init_s": init_s,
+    result: dict = {"spec": asdict(spec), "machine": machine_info(), "init_s": init_s, "runtime": asdict(rt),
                     "params": split.num_params(), "num_layers": split.num_layers}
     steps = []
     try:

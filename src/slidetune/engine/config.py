@@ -16,12 +16,18 @@ class RuntimeConfig:
     # ckpt mode: which decoder layers recompute their activations in backward
     recompute: str = "all"          # all | none | comma list "0,3,7" | "every:k"
     # slide mode
-    cache_units: int = 3            # GPU layer slots: one computing, prefetches ahead in the rest
+    # GPU layer slots: one computing, prefetches ahead in the rest. 0 = one per layer: the
+    # weights stay on the GPU between steps and each layer is uploaded once per step, as
+    # soon as its update lands (during the backward, where H2D has room), so the forward
+    # runs without waiting on PCIe (Qwen3-8B b16: 2.65 -> 2.36 s). Costs num_layers x
+    # layer size on the GPU. -1 = auto: 0 when the whole configuration then fits in GPU
+    # memory (engine.fit.choose_cache_units), else 3.
+    cache_units: int = -1
     grad_slots: int = 3             # GPU gradient slots: one being written, one draining, one of slack
     offload_activations: bool = False  # layer-input checkpoints in pinned host memory
     schedule: str = "auto"          # auto | eager | deferred (auto: eager unless accumulation/clipping)
     cast_on: str = "auto"           # auto | cpu | gpu: where FP32 <-> compute dtype conversions run (auto: gpu on CUDA)
-    chunk_mb: int = 64              # cast/copy/update granularity: tens of MB pipeline well
+    chunk_mb: int = 256             # cast/copy/update granularity (benchmarks/NOTES.md 7: 256 beat 64 by 4% on 8B layers)
     upload_ring: int = 4            # pinned staging chunks for uploads
     download_ring: int = 0          # pinned staging chunks for gradient downloads (0: enough for 3 layers)
     upload_stages: int = 2          # GPU FP32 staging chunks per upload when the cast runs on the copy stream
@@ -52,8 +58,9 @@ class RuntimeConfig:
             raise ValueError(f"grad_slot_dtype must be compute or fp32, not {self.grad_slot_dtype!r}")
         if self.upload_stages < 1:
             raise ValueError("upload_stages must be >= 1")
-        if self.cache_units < 2:
-            raise ValueError("cache_units must be >= 2 (one computing, one loading)")
+        if self.cache_units == 1 or self.cache_units < -1:
+            raise ValueError("cache_units must be >= 2 (one computing, one loading), 0 for one per layer "
+                             "or -1 for auto")
         if self.grad_slots < 1:
             raise ValueError("grad_slots must be >= 1")
 
@@ -62,14 +69,21 @@ class RuntimeConfig:
         return DTYPES[self.dtype]
 
     # Buffer sizing shared by the slide engine and the fit estimate (engine/fit.py).
-    @property
-    def chunk_elems(self) -> int:
-        """Elements per transfer chunk: chunk_mb MiB of FP32 (the host-side element size)."""
-        return max(1, self.chunk_mb * 2**20 // 4)
+    def chunk_elems(self, layer_numel: int) -> int:
+        """Elements per transfer chunk: chunk_mb MiB of FP32 (the host-side element size), but
+        no more than one decoder layer: a small model must not get 256 MB staging buffers.
+        Units larger than a chunk (the vocabulary matrices) stream through in pieces."""
+        return max(1, min(self.chunk_mb * 2**20 // 4, layer_numel))
+
+    def resolved_cache_units(self, num_layers: int) -> int:
+        """Slots the engine allocates; an unresolved auto (-1) takes the small default, 3."""
+        if self.cache_units == 0:
+            return num_layers
+        return 3 if self.cache_units == -1 else self.cache_units
 
     def download_chunks(self, layer_numel: int) -> int:
         """Pinned gradient ring, in chunks: three layers (one filling, one in AdamW, one of slack)."""
-        return self.download_ring or max(4, -(-3 * layer_numel // self.chunk_elems))
+        return self.download_ring or max(4, -(-3 * layer_numel // self.chunk_elems(layer_numel)))
 
     def casts_on_gpu(self, is_cuda: bool) -> bool:
         return is_cuda and self.cast_on in ("auto", "gpu")

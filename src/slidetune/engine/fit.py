@@ -307,13 +307,14 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
 
     if rt.mode == "slide":
         schedule = rt.resolved_schedule(grad_accum, max_grad_norm)
-        gpu["layer weight slots"] = rt.cache_units * P_L * b
+        K = min(rt.resolved_cache_units(L), max(L, 2))
+        gpu["layer weight slots"] = K * P_L * b
         gb = 4 if rt.grad_slot_dtype == "fp32" else b
         gpu["layer grad slots"] = rt.grad_slots * P_L * gb
         gpu["vocab weight slots"] = (P_E + P_H) * b
         gpu["vocab grad slots"] = (P_E + P_H) * gb
         if rt.upload_cast_stream == "compute" and (rt.casts_on_gpu(dev == "cuda") or dev != "cuda"):
-            gpu["fp32 landing buffers (cast on the compute stream)"] = (rt.cache_units * P_L + P_E + P_H) * 4
+            gpu["fp32 landing buffers (cast on the compute stream)"] = (K * P_L + P_E + P_H) * 4
         ckpt = N * d * b
         # offload: the checkpoint being read by the layer in backward and the one prefetched
         # (in forward, the one whose D2H copy is in flight and the one being computed)
@@ -330,7 +331,7 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         }
         # Mirrors SlideEngine: chunks of chunk_mb MiB of FP32; on CUDA the casts run on the
         # GPU (FP32 master registered in place, FP32 gradient ring, 4 GPU staging chunks).
-        chunk_elems = rt.chunk_elems
+        chunk_elems = rt.chunk_elems(P_L)
         gpu_cast = rt.casts_on_gpu(dev == "cuda")
         host["master + Adam moments (12 B/param)"] = 12 * P
         if schedule == "deferred":
@@ -467,6 +468,28 @@ def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len:
                                   est, options)
 
 
+def choose_cache_units(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int,
+                       grad_accum: int = 1, max_grad_norm: float | None = None,
+                       gpu_free_bytes: int | None = None, safety: float = 0.9) -> RuntimeConfig:
+    """Resolve cache_units=-1 (auto): one slot per layer when everything then fits on the GPU.
+
+    Resident layers make the forward independent of PCIe (benchmarks/NOTES.md 8); they
+    only use memory the configuration leaves free, so the choice never causes an OOM the
+    3-slot configuration would not. On the CPU (no copies to hide) auto means 3.
+    """
+    import dataclasses
+    if rt.mode != "slide" or rt.cache_units != -1:
+        return rt
+    small = dataclasses.replace(rt, cache_units=3)
+    if _device_type(rt) != "cuda":
+        return small
+    resident = dataclasses.replace(rt, cache_units=0)
+    est = estimate_memory(split, resident, batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum,
+                          max_grad_norm=max_grad_norm)
+    free = query_gpu_free_bytes(rt) if gpu_free_bytes is None else gpu_free_bytes
+    return resident if est.gpu_bytes <= safety * free else small
+
+
 def _gib(n: int) -> str:
     return f"{n / GiB:.2f}"
 
@@ -598,7 +621,9 @@ def suggest(split: SplitModel, rt: RuntimeConfig, budget: _Budget, *, batch_size
     if rt.mode == "slide":
         if not rt.offload_activations:
             consider({"offload_activations": True})
-        if rt.cache_units > 2:
+        if rt.cache_units == 0:
+            consider({"cache_units": 3})
+        if rt.cache_units != 2:
             consider({"cache_units": 2})
         if rt.grad_slots > 1:
             consider({"grad_slots": 1})

@@ -47,8 +47,7 @@ def ds_config(spec: FSDP2Spec) -> dict:
 
 
 def run_zero3(spec_dict: dict) -> dict:
-    from ...telemetry.machine import machine_info, peak_rss_bytes
-    from ..measure import synthetic_batches
+    from ...telemetry.machine import machine_info
     why = availability()
     spec = FSDP2Spec(**{**spec_dict, "name": spec_dict.get("name", "deepspeed-zero3")})
     if why:
@@ -68,14 +67,32 @@ def run_zero3(spec_dict: dict) -> dict:
     deepspeed.init_distributed()
     config = preset_config(spec.model, spec.num_layers)
     cfg = ds_config(spec)
-    with deepspeed.zero.Init(config_dict_or_path=cfg):
-        hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
+    # With the DeepSpeed config registered, transformers builds the model under zero.Init
+    # itself and still runs its weight init (std 0.02) on the gathered shards; a bare
+    # zero.Init context would leave PyTorch's default init (embedding std 1.0), so the
+    # losses would not match the other systems' workload.
+    from transformers.integrations import HfDeepSpeedConfig
+    hf_ds_config = HfDeepSpeedConfig(cfg)  # noqa: F841 - must stay alive until deepspeed.initialize
+    hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
     if spec.recompute:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = _LossModel(hf, spec.head_chunk_tokens)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    result: dict = {"spec": asdict(spec), "machine": machine_info(), "system": "deepspeed-zero3-cpu-offload",
-                    "params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())}
+    # The head weight is read outside lm_head's forward (chunked loss): tell ZeRO-3 to gather it.
+    deepspeed.zero.register_external_parameter(model, hf.lm_head.weight)
+    try:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        return _measure(engine, model, config, spec, result_base={
+            "spec": asdict(spec), "machine": machine_info(), "system": "deepspeed-zero3-cpu-offload",
+            "params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())})
+    finally:
+        import deepspeed.comm as ds_comm
+        ds_comm.destroy_process_group()
+
+
+def _measure(engine, model, config, spec, result_base: dict) -> dict:
+    from ...telemetry.machine import peak_rss_bytes
+    from ..measure import synthetic_batches
+    result = dict(result_base)
     walls = []
     for k in range(spec.warmup + spec.steps):
         b = synthetic_batches(config.vocab_size, spec.batch_size, spec.seq_len, 1, spec.seed * 1000 + k)[0]

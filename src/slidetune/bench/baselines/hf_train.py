@@ -176,7 +176,7 @@ class _SlideRunner:
         state = {k: v.detach() for k, v in hf.state_dict().items()}
         loaded = LoadedModel(spec.model, SplitModel(skeleton(config)), StateDictSource(state), None)
         dtype = "bf16" if spec.precision == "bf16" else "fp32"
-        rt = RuntimeConfig(mode="slide", dtype=dtype, device=dev.type, head_impl="chunked",
+        rt = RuntimeConfig(mode="slide", dtype=dtype, device=dev.type, head_impl="chunked", cache_units=3,
                            head_chunk_tokens=spec.head_chunk_tokens)
         self.engine = build_engine(loaded, rt, AdamWConfig(lr=spec.lr, weight_decay=0.1), Device.resolve(dev.type),
                                    grad_accum=1, max_grad_norm=spec.max_grad_norm)

@@ -1,11 +1,7 @@
-"""Minimal result writers: CSV, JSON, bar / scatter PNGs (matplotlib Agg), Markdown tables.
-
-Kept private to the techniques / throughput / roofline scenarios so they do not depend on
-the shared bench.plots / bench.report modules being present.
-"""
+"""Result writers of the techniques / throughput / roofline scenarios: CSV (the suite's
+common format), JSON, bar / scatter PNGs (matplotlib Agg), Markdown tables."""
 from __future__ import annotations
 
-import csv
 import json
 import math
 from pathlib import Path
@@ -15,13 +11,12 @@ def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=1, default=float))
 
 
-def write_csv(path: Path, rows: list[dict], columns: list[str] | None = None) -> None:
-    columns = columns or list(dict.fromkeys(k for r in rows for k in r))
-    with path.open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=columns, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: r.get(k) for k in columns})
+def write_csv(path: Path, rows: list[dict], columns: list[str] | None, machine: dict) -> None:
+    """The suite's one CSV format (scenarios.common.write_csv): machine details as leading
+    `# machine.<key>: <value>` lines, then the table; read it with scenarios.common.read_csv."""
+    from ..scenarios.common import machine_of, write_csv as write_table
+    machine = machine or machine_of([])          # this machine, when the rows carry none
+    write_table(Path(path), rows, columns or list(dict.fromkeys(k for r in rows for k in r)), machine)
 
 
 def _finite(v) -> bool:

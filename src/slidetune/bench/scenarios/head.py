@@ -40,7 +40,8 @@ def specs(args) -> list:
     for seq in seqs:
         for impl in [i.strip() for i in args.impls.split(",") if i.strip()]:
             spec = common.make_spec(f"{impl}-s{seq}", b, args,
-                                    dict(mode=args.mode, head_impl=impl, head_chunk_tokens=chunk), seq_len=seq)
+                                    dict(mode=args.mode, head_impl=impl, head_chunk_tokens=chunk,
+                                         **({"cache_units": 3} if args.mode == "slide" else {})), seq_len=seq)
             out.append((spec, impl in have))
     return out
 

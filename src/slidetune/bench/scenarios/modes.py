@@ -28,6 +28,8 @@ def specs(args) -> list:
     out = []
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         rt = dict(mode=mode, head_impl=args.head_impl)
+        if mode == "slide":
+            rt["cache_units"] = 3      # the memory-saving configuration the seed report measured
         if mode == "ckpt":
             rt["recompute"] = args.recompute
         out.append(common.make_spec(mode, b, args, rt))

@@ -68,7 +68,8 @@ def run(args: argparse.Namespace) -> Path:
     rows.append(dict(term="floor_s", seconds=r.get("floor_s"),
                      note=("partial: AdamW term only (no CUDA)" if r.get("partial") else f"bound by {r.get('bound_by')}")))
     O.write_json(out / "roofline.json", r)
-    O.write_csv(out / "roofline.csv", [dict(model=model, batch_size=batch, seq_len=seq, **row) for row in rows])
+    O.write_csv(out / "roofline.csv", [dict(model=model, batch_size=batch, seq_len=seq, **row) for row in rows], None,
+                r.get("machine", {}))
     O.bar_plot(out / "roofline.png", [x["term"] for x in rows], {"seconds": [x["seconds"] for x in rows]},
                "seconds per step", f"Floor terms: {model}, batch {batch}, seq {seq}")
     lines = [f"# Roofline: {model}, batch {batch}, seq {seq}", "", *O.machine_lines(r.get("machine", {})), "",

@@ -265,8 +265,8 @@ def _write(out: Path, S: dict, names: list[str], same: int, runs: dict, searches
                 r["ppl_change_vs_fp32"] = r["perplexity"] / base["perplexity"] - 1
     machine = next((r["machine"] for r in runs.values() if "machine" in r), {})
     probes = [p for n in names if n in searches for p in searches[n]["probes"]]
-    O.write_csv(out / "techniques.csv", rows, COLUMNS)
-    O.write_csv(out / "probes.csv", probes)
+    O.write_csv(out / "techniques.csv", rows, COLUMNS, machine)
+    O.write_csv(out / "probes.csv", probes, None, machine)
     O.write_json(out / "techniques.json", {
         "machine": machine, "settings": S, "same_batch": same, "rows": rows, "probes": probes,
         "runs": [dict(technique=n, regime=g, **{k: v for k, v in r.items() if k != "machine"})

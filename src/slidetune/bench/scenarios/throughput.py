@@ -37,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", default="8,16,32,64")
     p.add_argument("--seq-lens", default=None, help="comma list (default: --seq-len)")
     p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--runtime", default="", help="slide's RuntimeConfig overrides, e.g. "
+                   "'cache_units=0,chunk_mb=256' (bench pipeline's variant syntax without the name)")
     p.add_argument("--no-floor", action="store_true")
     p.add_argument("--timeout", type=float, default=3600)
 
@@ -83,7 +85,7 @@ def run(args: argparse.Namespace) -> Path:
                     rows.append(_row(system, model, batch, seq, r, fpt, fl))
                     print(f"[throughput] {key} {system}: {rows[-1]['status']} {O.fmt(rows[-1].get('tokens_per_s'), 0)} tok/s "
                           f"step/floor {O.fmt(rows[-1].get('step_over_floor'))}", flush=True)
-    _write(out, rows, raw, floors, cuda)
+    _write(out, rows, raw, floors, cuda, slide_runtime=args.runtime)
     return out
 
 
@@ -91,6 +93,10 @@ def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, arg
     gib = args.gpu_memory_limit
     if system in ("slide", "gpu-ckpt"):
         rt = dict(mode="slide" if system == "slide" else "ckpt", device=dev, head_impl="chunked")
+        if system == "slide" and args.runtime:
+            from .pipeline import parse_variants
+            ((_, over),) = parse_variants("slide:" + args.runtime)
+            rt.update(over)
         if dev == "cpu":
             rt["dtype"] = "fp32"
         spec = MeasureSpec(name=f"{system}-{model}-b{batch}-s{seq}", model=model, num_layers=layers, batch_size=batch,
@@ -138,9 +144,9 @@ def _row(system, model, batch, seq, r, fpt, fl) -> dict:
     return row
 
 
-def _write(out: Path, rows, raw, floors, cuda: bool) -> None:
+def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "") -> None:
     machine = next((r["machine"] for r in raw if "machine" in r), {})
-    O.write_csv(out / "throughput.csv", rows, COLUMNS)
+    O.write_csv(out / "throughput.csv", rows, COLUMNS, machine)
     O.write_json(out / "throughput.json", {"machine": machine, "rows": rows, "floors": floors, "runs": raw})
     labels = [f"{r['model']} b{r['batch_size']} s{r['seq_len']}" for r in rows]
     keys = list(dict.fromkeys(labels))
@@ -159,7 +165,8 @@ def _write(out: Path, rows, raw, floors, cuda: bool) -> None:
              "Model TFLOPS = tokens/s x (6 N_matmul + 6 L S d_att) / 1e12 per token (telemetry/flops.py: the "
              "weights' 6N plus the causal half of attention; recomputation not counted). Every row ran in its own "
              "process; warm-up steps excluded. All systems: bf16 compute, FP32 master + AdamW, every decoder layer "
-             "recomputed, chunked cross-entropy head, synthetic token ids.", "",
+             "recomputed, chunked cross-entropy head, synthetic token ids. slide runtime: defaults"
+             + (f" with `{slide_runtime}`" if slide_runtime else "") + ".", "",
              "step/floor: bench.roofline.floor for the same workload (max of GPU compute, H2D, D2H and CPU AdamW "
              "terms, each probed on this machine)" + ("" if cuda else "; CPU run: only the AdamW term is measurable, "
                                                        "so the floor is partial") + ".", ""]

@@ -97,14 +97,17 @@ class SlideEngine:
 
         # K interchangeable layer slots; the vocabulary units get dedicated slots so they
         # never dictate the size of the layer slots.
-        self.layer_slots = [weight_slot(layer_numel) for _ in range(rt.cache_units)]
+        self.layer_slots = [weight_slot(layer_numel) for _ in range(rt.resolved_cache_units(L))]
+        # One slot per layer: each layer's weights for the next step are uploaded as soon as
+        # its update lands (_prefetch_next_step), so the forward never waits on PCIe.
+        self.resident = len(self.layer_slots) >= L
         self.vocab_slots = {0: weight_slot(self.units[0].spec.numel), L + 1: weight_slot(self.units[-1].spec.numel)}
         done = done_future(None)
         self.grad_slots = [_Slot(empty(layer_numel, grad_dtype), free=done) for _ in range(rt.grad_slots)]
         self.vocab_grad_slots = {0: _Slot(empty(self.units[0].spec.numel, grad_dtype), free=done),
                                  L + 1: _Slot(empty(self.units[-1].spec.numel, grad_dtype), free=done)}
         self._next_grad_slot = 0
-        chunk = rt.chunk_elems
+        chunk = rt.chunk_elems(layer_numel)
         self.chunk = chunk
         ring = rt.download_chunks(layer_numel)
         if self.gpu_cast:
@@ -134,8 +137,6 @@ class SlideEngine:
                 return fut.result()
             with self.timeline.span("compute", what), record_function(f"slidetune.{what}"):
                 return self._wait_loop(fut)
-        except WorkerError:
-            raise
         except Exception as e:
             first = self._first_error
             if first is not None and e is not first:
@@ -173,15 +174,26 @@ class SlideEngine:
         return {k: v.detach().requires_grad_(True) for k, v in views.items()}
 
     # ------------------------------------------------------------- uploads
-    def _submit_upload(self, unit_index: int, slot: _Slot) -> None:
+    def _submit_upload(self, unit_index: int, slot: _Slot, version: int | None = None) -> None:
+        """Queue the upload of the unit after its `version`-th update (default: this step's weights)."""
         unit = self.units[unit_index]
+        version = self.step_index if version is None else version
         after = done_future(slot.last_use)
-        slot.content = (unit_index, self.step_index)
+        slot.content = (unit_index, version)
         # With a landing buffer the upload only moves FP32 bytes; _acquire casts them.
         dst = slot.landing if slot.landing is not None else slot.flat
         slot.cast_pending = slot.landing is not None
         slot.ready = self.upload_worker.submit(self._timed, "upload", "upload", self.uploader.upload, unit, dst,
-                                               self.step_index, after)
+                                               version, after)
+
+    def _prefetch_next_step(self, unit_index: int, slot: _Slot) -> None:
+        """Eager schedule: upload the unit's next-step weights into `slot` once its update lands.
+
+        The upload worker runs jobs in order, so this is queued only where no upload the
+        current step still needs waits behind it: the resident layers need none, and the
+        head is updated first of all units, long before the middle of the backward.
+        """
+        self._submit_upload(unit_index, slot, version=self.step_index + 1)
 
     def _use_vocab(self, unit_index: int) -> _Slot:
         slot = self.vocab_slots[unit_index]
@@ -312,6 +324,11 @@ class SlideEngine:
             self._grad_norm_parts.append(self.host_worker.submit(self._read_device_norm, sq_host, ready))
         if self.schedule == "deferred":
             norm_fut = self.host_worker.submit(self._finish_deferred, list(self._grad_norm_parts), lr)
+            if self.resident:
+                # The sweep updates layers 0..L-1 in order: the uploads follow it.
+                for i in range(self.split.num_layers):
+                    slot = next(s for s in self.layer_slots if s.content == (i + 1, self.step_index))
+                    self._prefetch_next_step(i + 1, slot)
         else:
             parts = list(self._grad_norm_parts)
             norm_fut = self.host_worker.submit(lambda: math.sqrt(sum(p.result() for p in parts)))
@@ -419,6 +436,11 @@ class SlideEngine:
             self._claim_grad_slot(gslot)
             self._write_grads(split.layer_units[i], gslot, list(res[1:]))
             self._submit_drain(i + 1, gslot, m, n_micro, lr)
+            if self.schedule == "eager":
+                if self.resident:
+                    self._prefetch_next_step(i + 1, slot)
+                if i == L // 2:
+                    self._prefetch_next_step(L + 1, head_slot)
             g = res[0]
             del out, res, x_in, params
             self.memory.mark("backward", i)
