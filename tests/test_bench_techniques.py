@@ -139,3 +139,26 @@ def test_fsdp2_one_rank_gloo_cpu():
         pytest.skip(f"fully_shard on CPU/gloo unsupported here: {r.get('error')}")
     assert r["status"] == "ok", r.get("traceback") or r.get("error")
     assert math.isfinite(r["final_loss"]) and r["tokens_per_s"] > 0
+
+
+def test_longest_sequence_search_reports_the_largest_that_trains(tmp_path, monkeypatch):
+    """--max-seq: doubling then bisection over multiples of the granule, each probe a run;
+    here a stand-in run "fits" up to 100 tokens, so the answer is 96 (granule 16)."""
+    from slidetune.bench.scenarios import throughput
+    seen = []
+
+    def fake_run(system, model, layers, batch, seq, steps, warmup, dev, cuda, args):
+        seen.append((system, batch, seq))
+        fits = seq <= 100
+        return {"status": "ok" if fits else "oom", "step_s_mean": 0.1 if fits else None,
+                "error": None if fits else "CUDA out of memory"}
+
+    monkeypatch.setattr(throughput, "_run_system", fake_run)
+    out = throughput.run(_args(throughput, ["--smoke", "--out", str(tmp_path), "--models", "tiny-llama",
+                                            "--systems", "slide", "--no-floor", "--max-seq"]))
+    probes = [s for s in seen if s[1] == 1]
+    assert all(system == "slide" for system, _, _ in probes)
+    assert [s for _, _, s in probes] == [32, 64, 128, 96, 112]      # doubling from 32, then bisection
+    (row,) = read_csv(out / "max_seq.csv")
+    assert row["model"] == "tiny-llama" and int(row["max_seq"]) == 96
+    assert "## Longest trainable sequence" in (out / "report.md").read_text()

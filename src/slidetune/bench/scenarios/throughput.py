@@ -40,6 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runtime", default="", help="slide's RuntimeConfig overrides, e.g. "
                    "'cache_units=0,chunk_mb=256' (bench pipeline's variant syntax without the name)")
     p.add_argument("--no-floor", action="store_true")
+    p.add_argument("--max-seq", action="store_true",
+                   help="also find the longest trainable sequence at batch 1 (slide with --runtime): doubling "
+                        "then bisection over multiples of --seq-granule, each probe its own process, OOM caught")
+    p.add_argument("--seq-granule", type=int, default=1024)
+    p.add_argument("--max-seq-start", type=int, default=8192)
     p.add_argument("--timeout", type=float, default=3600)
 
 
@@ -85,8 +90,41 @@ def run(args: argparse.Namespace) -> Path:
                     rows.append(_row(system, model, batch, seq, r, fpt, fl))
                     print(f"[throughput] {key} {system}: {rows[-1]['status']} {O.fmt(rows[-1].get('tokens_per_s'), 0)} tok/s "
                           f"step/floor {O.fmt(rows[-1].get('step_over_floor'))}", flush=True)
+    if args.max_seq:
+        granule, start = (16, 32) if args.smoke else (args.seq_granule, args.max_seq_start)
+        for model in models:
+            found = longest_sequence(model, layers, dev, args, granule, start)
+            raw.append({"key": f"{model}/max-seq", "system": "slide", **found})
+            print(f"[throughput] {model} longest trainable sequence at batch 1: {found['max_seq']} tokens "
+                  f"(probes: {found['probes']})", flush=True)
     _write(out, rows, raw, floors, cuda, slide_runtime=args.runtime)
     return out
+
+
+def longest_sequence(model: str, layers: int | None, dev: str, args, granule: int, start: int) -> dict:
+    """Largest multiple of `granule` that trains at batch 1 in slide mode (--runtime options),
+    capped by the model's context. Each probe is one step in its own process; an OOM, a
+    refused fit check or a killed process counts as "does not train"."""
+    from ...models.presets import preset_config
+    from .techniques import find_max_batch
+    try:
+        cap = preset_config(model, layers).max_position_embeddings // granule
+    except Exception:  # noqa: BLE001 - not a preset: no known cap
+        cap = None
+    runs: dict[int, dict] = {}
+
+    def probe(k: int) -> bool:
+        seq = k * granule
+        r = _run_system("slide", model, layers, 1, seq, 1, 0, dev, dev == "cuda", args)
+        runs[seq] = {key: r.get(key) for key in ("status", "error", "step_s_mean", "tokens_per_s",
+                                                 "gpu_peak_alloc_gib", "cpu_peak_rss_gib")}
+        print(f"[throughput] {model} b1 s{seq}: {r.get('status')}", flush=True)
+        return r.get("status") == "ok"
+
+    best, history = find_max_batch(probe, start=max(1, start // granule), cap=cap)
+    return {"model": model, "max_seq": best * granule, "granule": granule,
+            "context_cap": None if cap is None else cap * granule,
+            "probes": [(k * granule, ok) for k, ok in history], "runs": runs}
 
 
 def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, args) -> dict:
@@ -175,6 +213,18 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "") ->
                                "oom_requested_gib"], {"step_s_mean": 3, "tokens_per_s": 0, "model_tflops": 1})
     lines += ["", "Plots: tokens_per_s.png, model_tflops.png, gpu_peak.png, cpu_peak.png, step_over_floor.png, "
               "pareto.png", ""]
+    searches = [r for r in raw if str(r.get("key", "")).endswith("/max-seq")]
+    if searches:
+        lines += ["## Longest trainable sequence (batch 1, slide)", "",
+                  "Doubling, then bisection over multiples of the granule; each probe one step in its own process; "
+                  "an OOM or a refused fit check is a failure. Capped by the model's context.", "",
+                  "| model | longest sequence | context | probes (sequence: trains?) |", "|---|---|---|---|"]
+        for r in searches:
+            lines.append(f"| {r['model']} | {r['max_seq']} | {r['context_cap']} | "
+                         + ", ".join(f"{q}: {'yes' if ok else 'no'}" for q, ok in r["probes"]) + " |")
+        lines.append("")
+        O.write_csv(out / "max_seq.csv", [{k: r[k] for k in ("model", "max_seq", "granule", "context_cap")}
+                                          for r in searches], None, machine)
     if not cuda:
         lines += ["**Not yet:** CPU run. FSDP2 / DeepSpeed rows need CUDA; slide and gpu rows are tiny shapes in "
                   "FP32 on the CPU and say nothing about the GPU targets of issue 5.", ""]
