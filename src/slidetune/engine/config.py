@@ -39,6 +39,9 @@ class RuntimeConfig:
     # copy that fills them is the cast. Costs FP32-sized slot buffers on the GPU.
     upload_cast_stream: str = "copy"    # copy | compute
     grad_slot_dtype: str = "compute"    # compute | fp32
+    # torch.compile the decoder layers' forward (slide mode; one graph per kind of layer,
+    # recompute and backward included). Costs a compile at the first step.
+    compile_layers: bool = False
     # output layer
     head_impl: str = "chunked"      # full | chunked | fused
     head_chunk_tokens: int = 4096   # tokens per logits chunk (4096 x 152k vocab x 2 B = 1.2 GB)

@@ -228,8 +228,19 @@ class SplitModel:
 
     def layer_forward(self, i: int, params: dict[str, torch.Tensor], hidden: torch.Tensor,
                       kwargs: dict) -> torch.Tensor:
-        out = functional_call(self.layer_modules[i], params, (hidden,), kwargs)
-        return out[0] if isinstance(out, tuple) else out                          # [B, S, d]
+        return run_layer(self.layer_modules[i], params, hidden, kwargs)
+
+    def layer_template(self, i: int) -> nn.Module:
+        """The first decoder layer built like layer i: same class and the same attention
+        attributes (type, sliding window), so running layer i's parameters through it is
+        running layer i. A compiled layer forward keyed on the template compiles once per
+        kind of layer instead of once per layer."""
+        def kind(m: nn.Module):
+            attn = getattr(m, "self_attn", None)
+            return (type(m), getattr(m, "attention_type", None), getattr(attn, "sliding_window", None),
+                    getattr(attn, "is_causal", None))
+        want = kind(self.layer_modules[i])
+        return next(m for m in self.layer_modules if kind(m) == want)
 
     def head_loss(self, params: dict[str, torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor,
                   lm_weight: torch.Tensor | None = None, impl: str = "chunked",
@@ -241,3 +252,9 @@ class SplitModel:
         bias = None if self.tied else params.get("lm_head.bias")
         return linear_cross_entropy(h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1),
                                     impl=impl, chunk_tokens=chunk_tokens, bias=bias)
+
+
+def run_layer(module: nn.Module, params: dict[str, torch.Tensor], hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """One decoder layer on the given parameters (functional_call): [B, S, d] -> [B, S, d]."""
+    out = functional_call(module, params, (hidden,), kwargs)
+    return out[0] if isinstance(out, tuple) else out

@@ -33,7 +33,7 @@ from torch.profiler import record_function
 
 from ...device import Device
 from ...models.load import LoadedModel
-from ...models.units import UnitSpec
+from ...models.units import UnitSpec, run_layer
 from ...telemetry.events import EventTimer
 from ...telemetry.host_timeline import HostTimeline
 from ...telemetry.memory_timeline import MemoryTimeline
@@ -126,6 +126,10 @@ class SlideEngine:
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(5e-4)
         self.acts = ActivationStore(device, L, rt.offload_activations)
+        # compile_layers: one compiled graph per kind of layer, keyed on a template module
+        # (dynamo guards on the module object; one per layer would recompile L times).
+        self._compiled_layer = torch.compile(run_layer, dynamic=False) if rt.compile_layers else None
+        self._templates = [self.split.layer_template(i) for i in range(L)] if rt.compile_layers else []
         self.step_index = 0
         self._views_cache: dict = {}
         self._grad_norm_parts: list[Future] = []
@@ -163,6 +167,11 @@ class SlideEngine:
         if key not in self._views_cache:
             self._views_cache[key] = unit.views(flat)
         return self._views_cache[key]
+
+    def _layer_forward(self, i: int, params: dict, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        if self._compiled_layer is not None:
+            return self._compiled_layer(self._templates[i], params, x, kwargs)
+        return self.split.layer_forward(i, params, x, kwargs)
 
     def _timed(self, thread: str, what: str, fn, *args, **kwargs):
         with self.timeline.span(thread, what):
@@ -376,7 +385,7 @@ class SlideEngine:
             if save_inputs:
                 self.acts.save(i, x)
             with torch.no_grad(), self.timer.span("forward", i):
-                x = split.layer_forward(i, self._views(split.layer_units[i], slot.flat), x, kwargs[i])
+                x = self._layer_forward(i, self._views(split.layer_units[i], slot.flat), x, kwargs[i])
             self._release(slot)
             self.memory.mark("forward", i)
         if head_slot is None:
@@ -428,7 +437,7 @@ class SlideEngine:
             params = self._leaves(self._views(split.layer_units[i], slot.flat))
             with torch.enable_grad():
                 with self.timer.span("recompute", i):
-                    out = split.layer_forward(i, params, x_in, kwargs[i])
+                    out = self._layer_forward(i, params, x_in, kwargs[i])
                 with self.timer.span("backward", i):
                     res = torch.autograd.grad(out, [x_in] + list(params.values()), g, materialize_grads=True)
             self._release(slot)
