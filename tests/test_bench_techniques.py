@@ -47,6 +47,18 @@ def test_max_batch_cap_zero_and_known():
     assert find_max_batch(probe, start=16, cap=64)[0] == 5
 
 
+@pytest.mark.parametrize("limit", [100, 463, 1135, 2038])
+def test_max_batch_tolerance_stops_the_bisection_early(limit):
+    """rel_tol=0.05: the answer trains, is within 5% of the true largest batch, in fewer probes;
+    starting from a known success skips the small sizes."""
+    probe, calls = _fake(limit)
+    exact = len(find_max_batch(probe, cap=4096)[1])
+    probe, calls = _fake(limit)
+    best, hist = find_max_batch(probe, cap=4096, rel_tol=0.05, start=64, known={64: True})
+    assert best <= limit and limit - best <= max(1, 0.05 * best)
+    assert all(b >= 64 for b, _ in hist) and len(hist) < exact
+
+
 def test_parse_oom_message():
     msg = ("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity of 79.11 GiB of which "
            "1.2 GiB is free.")

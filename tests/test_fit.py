@@ -409,3 +409,14 @@ def test_auto_cache_units_keeps_every_layer_resident_only_when_it_fits():
     assert choose_cache_units(split, ckpt, gpu_free_bytes=80 * GiB, **kw) is ckpt
     pinned = cuda_rt(mode="slide", cache_units=4)
     assert choose_cache_units(split, pinned, gpu_free_bytes=80 * GiB, **kw) is pinned
+
+
+def test_plan_prints_the_estimate_and_the_resident_alternative(capsys):
+    """`slidetune plan`: the estimate by part, and with cache_units auto the GPU memory from
+    which every layer would stay resident."""
+    from slidetune.cli import main
+    assert main(["plan", "--model", "qwen3-1.7b", "--batch-size", "8", "--seq-len", "1024", "--max-grad-norm", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU " in out and "layer weight slots" in out and "master + Adam moments" in out
+    m = re.search(r"at least ([\d.]+) GiB free every layer stays resident \(GPU ([\d.]+) GiB", out)
+    assert m and float(m[1]) > float(m[2]) > 0

@@ -41,6 +41,14 @@ def _plan(ns) -> int:
     print(f"host {est.host_bytes / gib:8.2f} GiB (pinned {est.pinned_bytes / gib:.2f})")
     for k, v in est.host_parts.items():
         print(f"   {k:<28} {v / gib:8.2f}")
+    if cfg.runtime.mode == "slide" and cfg.runtime.cache_units == -1:
+        import dataclasses
+        resident = estimate_memory(loaded.split, dataclasses.replace(cfg.runtime, cache_units=0),
+                                   batch_size=cfg.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
+                                   max_grad_norm=cfg.max_grad_norm)
+        print(f"cache_units auto: the estimate above is the 3-slot window; on a GPU with at least "
+              f"{resident.gpu_bytes / 0.9 / gib:.1f} GiB free every layer stays resident "
+              f"(GPU {resident.gpu_bytes / gib:.2f} GiB; faster: the forward no longer waits on PCIe)")
     return 0
 
 
