@@ -119,3 +119,35 @@ def test_worker_failure_surfaces_instead_of_hanging():
             eng.close()
         except Exception:
             pass
+
+
+def test_upload_may_trail_an_update_chunk_by_chunk():
+    """wait_version(v, upto=hi): satisfied once the update in progress has written master[:hi];
+    a wait past the written part blocks until the update finishes."""
+    import threading
+    import time
+
+    from slidetune.engine.slide.host_store import HostUnit
+    from slidetune.models.load import RandomInit
+    from slidetune.engine.adamw import AdamWConfig
+    eng = _engine()
+    try:
+        spec = eng.split.layer_units[0]
+    finally:
+        eng.close()
+    unit = HostUnit(spec, RandomInit(0), AdamWConfig(), keep_grad=False)
+    n = spec.numel
+    unit.advance(n // 2)                                   # update 1 has written the first half
+    unit.wait_version(1, upto=n // 2, poll_s=0.01)         # returns at once
+    done = []
+    t = threading.Thread(target=lambda: (unit.wait_version(1, upto=n, poll_s=0.01), done.append(1)))
+    t.start()
+    time.sleep(0.1)
+    assert not done                                        # the second half is not written yet
+    unit.bump_version()
+    t.join(2)
+    assert done and unit.progress == 0
+    with pytest.raises(RuntimeError, match="will not arrive"):
+        abort = threading.Event()
+        abort.set()
+        unit.wait_version(3, upto=1, abort=abort, poll_s=0.01)  # two updates ahead: progress does not count

@@ -27,27 +27,46 @@ class HostUnit:
         self.opt = FlatAdamW(self.master, spec.n_decay, optim)
         self.grad = torch.zeros(spec.numel, dtype=torch.float32) if keep_grad else None
         self.sq_norm = 0.0            # squared gradient norm of the current step
-        self.version = 0
+        self.version = 0              # updates applied in full
+        self.progress = 0             # elements of the update in progress already written
         self._cond = threading.Condition()
 
     def params(self) -> dict[str, torch.Tensor]:
         """Full HF name -> FP32 view of the master."""
         return {p.full_name: self.master[p.offset:p.offset + p.numel].view(p.shape) for p in self.spec.params}
 
+    def advance(self, hi: int) -> None:
+        """The update in progress has written master[:hi] (updates run front to back)."""
+        with self._cond:
+            self.progress = hi
+            self._cond.notify_all()
+
     def bump_version(self) -> None:
         with self._cond:
             self.version += 1
+            self.progress = 0
             self._cond.notify_all()
 
     def set_version(self, v: int) -> None:
         with self._cond:
             self.version = v
+            self.progress = 0
             self._cond.notify_all()
 
-    def wait_version(self, v: int, abort: threading.Event | None = None, poll_s: float = 0.5) -> None:
-        """Block until the unit has had `v` updates (or `abort` is set by a failing thread)."""
+    def wait_version(self, v: int, abort: threading.Event | None = None, poll_s: float = 0.5,
+                     upto: int | None = None) -> None:
+        """Block until the unit has had `v` updates (or `abort` is set by a failing thread).
+
+        With `upto`, only master[:upto] must be at version v: the uploader copies a chunk
+        as soon as the update's AdamW has passed it, so an upload trails its update by one
+        chunk instead of waiting for the whole unit (the next step's embedding and first
+        layer, updated last, are needed first).
+        """
+        def ready() -> bool:
+            return self.version >= v or (upto is not None and self.version == v - 1 and self.progress >= upto)
+
         with self._cond:
-            while not self._cond.wait_for(lambda: self.version >= v, timeout=poll_s):
+            while not self._cond.wait_for(ready, timeout=poll_s):
                 if abort is not None and abort.is_set():
                     raise RuntimeError(f"unit {self.spec.name}: update {v} will not arrive "
                                        f"(another pipeline thread failed)")

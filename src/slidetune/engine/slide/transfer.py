@@ -57,8 +57,6 @@ class Uploader:
 
         Runs on the uploader thread; returns the event that marks `dst` ready.
         """
-        with self.timeline.span("upload", "wait_update"):
-            unit.wait_version(version, abort=self.abort)
         src = unit.master
         n = src.numel()
         slot_free = after.result() if after is not None else None
@@ -70,12 +68,14 @@ class Uploader:
                 # stream casts it. On the CPU this is a plain copy.
                 for lo in range(0, n, self.chunk):
                     hi = min(n, lo + self.chunk)
+                    self._wait_update(unit, version, hi)
                     dst[lo:hi].copy_(src[lo:hi], non_blocking=True)
                 self.bytes += n * 4
                 return self.device.record(self.stream)
             if self.gpu_cast:
                 for c, lo in enumerate(range(0, n, self.chunk)):
                     hi = min(n, lo + self.chunk)
+                    self._wait_update(unit, version, hi)
                     stage = self.stage[c % len(self.stage)][: hi - lo]
                     stage.copy_(src[lo:hi], non_blocking=True)     # FP32 H2D from the registered master
                     dst[lo:hi].copy_(stage)                          # cast kernel on the upload stream
@@ -83,6 +83,7 @@ class Uploader:
                 return self.device.record(self.stream)
             for lo in range(0, n, self.chunk):
                 hi = min(n, lo + self.chunk)
+                self._wait_update(unit, version, hi)
                 k = self.next
                 self.next = (k + 1) % len(self.ring)
                 if self.ring_free[k] is not None:
@@ -94,6 +95,14 @@ class Uploader:
                 self.ring_free[k] = self.device.record(self.stream)
             self.bytes += n * dst.element_size()
             return self.device.record(self.stream)
+
+
+    def _wait_update(self, unit: HostUnit, version: int, hi: int) -> None:
+        """master[:hi] must hold the weights after `version` updates before it is copied."""
+        if unit.version >= version:
+            return
+        with self.timeline.span("upload", "wait_update"):
+            unit.wait_version(version, abort=self.abort, upto=hi)
 
 
 class GradDrain:
@@ -177,6 +186,7 @@ class GradDrain:
                     sq += float(torch.dot(g, g))                  # 2x vector_norm's speed on the CPU
                 with record_function("slidetune.adamw"), self.timeline.span("host", "adamw"):
                     unit.opt.update(g, lr, lo)
+                unit.advance(hi)
             else:
                 dst = unit.grad[lo:hi]
                 if mode == "copy":
@@ -199,6 +209,7 @@ class GradDrain:
             hi = min(n, lo + chunk)
             with record_function("slidetune.adamw"):
                 unit.opt.update(unit.grad[lo:hi], lr, lo, grad_scale=clip_coef)
+            unit.advance(hi)
         unit.bump_version()
 
 
