@@ -1,18 +1,19 @@
 """The runtime benchmark at --smoke size: every configuration in its own process, finite results."""
 from __future__ import annotations
 
-import csv
 import json
 import math
 
 from slidetune.bench.measure import MeasureSpec, measure
+from slidetune.bench.scenarios.common import read_csv, read_csv_machine
 from slidetune.cli import main
 
 
 def test_runtime_smoke_writes_finite_results(tmp_path):
     out = tmp_path / "rt"
     assert main(["bench", "runtime", "--smoke", "--out", str(out)]) == 0
-    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert read_csv_machine(out / "results.csv")["torch"]          # machine details in the CSV too
+    rows = read_csv(out / "results.csv")
     assert {r["name"] for r in rows} >= {"gpu", "ckpt", "slide", "slide-offload-2L", "slide-offload-4L"}
     for r in rows:
         assert r["status"] == "ok", r

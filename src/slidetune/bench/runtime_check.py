@@ -5,7 +5,6 @@ report.md into the output directory, with the machine's details.
 """
 from __future__ import annotations
 
-import csv
 import json
 from pathlib import Path
 
@@ -90,11 +89,8 @@ def run(out_dir: Path, smoke: bool = False, big_model: str = "qwen3-8b", big_bat
     machine = next((r["machine"] for r in results if "machine" in r), {})
     (out_dir / "results.json").write_text(json.dumps({"machine": machine, "checks": checks,
                                                       "results": results}, indent=1, default=float))
-    with (out_dir / "results.csv").open("w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=SUMMARY_COLUMNS)
-        w.writeheader()
-        for r in results:
-            w.writerow(_flat(r))
+    from .scenarios.common import write_csv
+    write_csv(out_dir / "results.csv", [_flat(r) for r in results], SUMMARY_COLUMNS, machine)
     from .plots import plot_pipeline_lanes
     for r in results:
         lanes = r.get("trace_summary", {}).get("lanes")
