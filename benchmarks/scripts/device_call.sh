@@ -9,7 +9,7 @@
 set -u
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
 R=/tmp/results_$(date +%s); mkdir -p $R      # one folder per call: a warm machine keeps /tmp
-if [ -d .whl ]; then     # optional extras carried as wheels (DeepSpeed and its needs; see benchmarks/README)
+if [ -d .whl ]; then     # optional extras carried as wheels (DeepSpeed and its needs; see benchmarks/README.md)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=$PYTHONPATH:/tmp/site PATH=/tmp/site/bin:$PATH     # ninja for DeepSpeed's CPU Adam JIT build
 fi
