@@ -16,6 +16,7 @@ import torch
 
 from ..engine.adamw import AdamWConfig, FlatAdamW
 from ..models.load import RandomInit, load_model
+from ..models.units import run_layer
 from ..telemetry.flops import train_flops_per_token
 
 
@@ -77,8 +78,11 @@ def probe_adamw(n: int = 128 * 2**20, steps: int = 3) -> dict:
 
 
 def probe_compute(model: str, batch: int, seq: int, num_layers: int | None = None,
-                  head_impl: str = "chunked", head_chunk_tokens: int = 4096) -> dict:
-    """Times of one resident layer and of head/embedding, in bf16 on the GPU."""
+                  head_impl: str = "chunked", head_chunk_tokens: int = 4096, compile_layers: bool = False) -> dict:
+    """Times of one resident layer and of head/embedding, in bf16 on the GPU.
+
+    compile_layers: time the layer as the slide engine runs it with that option
+    (torch.compile'd; the compile itself falls in the untimed warm-up calls)."""
     dev = torch.device("cuda")
     dtype = torch.bfloat16
     loaded = load_model(model, num_layers=num_layers, with_tokenizer=False)
@@ -100,13 +104,19 @@ def probe_compute(model: str, batch: int, seq: int, num_layers: int | None = Non
     ids = torch.randint(0, split.config.vocab_size, (batch, seq), device=dev)
     labels = torch.randint(0, split.config.vocab_size, (batch, seq), device=dev)
 
+    run = split.layer_forward
+    if compile_layers:
+        compiled = torch.compile(run_layer, dynamic=False)
+        template = split.layer_template(0)
+        run = lambda i, p, h, kw: compiled(template, p, h, kw)  # noqa: E731
+
     def fwd():
         with torch.no_grad():
-            split.layer_forward(0, layer, x, kwargs[0])
+            run(0, layer, x, kwargs[0])
 
     def recompute_backward():
         xi = x.detach().requires_grad_(True)
-        out = split.layer_forward(0, layer, xi, kwargs[0])
+        out = run(0, layer, xi, kwargs[0])
         torch.autograd.grad(out, [xi] + list(layer.values()), g)
 
     def head_fb():
@@ -130,15 +140,16 @@ def probe_compute(model: str, batch: int, seq: int, num_layers: int | None = Non
     return {"layer_forward_s": t_fwd, "layer_recompute_backward_s": t_rb, "head_s": t_head, "embed_s": t_embed,
             "compute_s": compute, "model_tflops_at_floor": flops / compute / 1e12,
             "params": split.num_params(), "layer_params": split.layer_units[0].numel,
-            "vocab_params": split.embed_unit.numel + split.head_unit.numel, "num_layers": L}
+            "vocab_params": split.embed_unit.numel + split.head_unit.numel, "num_layers": L,
+            "compile_layers": compile_layers}
 
 
 def floor(model: str, batch: int, seq: int, num_layers: int | None = None, cache_units: int = 3,
           copy: dict | None = None, adamw: dict | None = None, head_impl: str = "chunked",
-          head_chunk_tokens: int = 4096) -> dict:
+          head_chunk_tokens: int = 4096, compile_layers: bool = False) -> dict:
     copy = copy or probe_copy()
     adamw = adamw or probe_adamw()
-    comp = probe_compute(model, batch, seq, num_layers, head_impl, head_chunk_tokens)
+    comp = probe_compute(model, batch, seq, num_layers, head_impl, head_chunk_tokens, compile_layers)
     gib = 2**30
     L = comp["num_layers"]
     # Each layer goes up twice per step (forward and backward) except those still

@@ -28,7 +28,7 @@ def floor_worker(spec: dict) -> dict:
     out = {"spec": spec, "machine": machine_info(), "status": "ok"}
     if torch.cuda.is_available() and spec.get("device", "auto") != "cpu":
         fl = floor(spec["model"], spec["batch_size"], spec["seq_len"], spec.get("num_layers"),
-                   copy=spec.get("copy"), adamw=adamw)
+                   copy=spec.get("copy"), adamw=adamw, compile_layers=bool(spec.get("compile_layers")))
         out.update(fl, partial=False)
         return out
     from ...models.load import load_model
@@ -43,9 +43,10 @@ def floor_worker(spec: dict) -> dict:
 
 def measure_floor(model: str, batch: int, seq: int, num_layers: int | None = None, device: str = "auto",
                   adamw_n: int = 128 * 2**20, copy: dict | None = None, adamw: dict | None = None,
-                  timeout_s: float = 1800) -> dict:
+                  timeout_s: float = 1800, compile_layers: bool = False) -> dict:
     return run_worker(WORKER, dict(model=model, batch_size=batch, seq_len=seq, num_layers=num_layers,
-                                   device=device, adamw_n=adamw_n, copy=copy, adamw=adamw), timeout_s=timeout_s)
+                                   device=device, adamw_n=adamw_n, copy=copy, adamw=adamw,
+                                   compile_layers=compile_layers), timeout_s=timeout_s)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -72,6 +72,8 @@ def run(args: argparse.Namespace) -> Path:
         cuda = False
     rows, raw, floors = [], [], {}
     adamw_probe = None
+    # The floor times the layers as slide runs them (compiled or not).
+    slide_over = _runtime_overrides(args.runtime)
     for model in models:
         for seq in seqs:
             fpt = _flops_per_token(model, layers, seq)
@@ -80,7 +82,8 @@ def run(args: argparse.Namespace) -> Path:
                 fl = None
                 if not args.no_floor:
                     fl = measure_floor(model, batch, seq, layers, dev, adamw_n=(4 * 2**20 if args.smoke else 128 * 2**20),
-                                       adamw=adamw_probe, timeout_s=args.timeout)
+                                       adamw=adamw_probe, timeout_s=args.timeout,
+                                       compile_layers=bool(slide_over.get("compile_layers")))
                     if fl.get("status") == "ok":
                         adamw_probe = fl.get("adamw")
                     floors[key] = fl
@@ -127,14 +130,21 @@ def longest_sequence(model: str, layers: int | None, dev: str, args, granule: in
             "probes": [(k * granule, ok) for k, ok in history], "runs": runs}
 
 
+def _runtime_overrides(text: str) -> dict:
+    """'cache_units=0,compile_layers=true' -> RuntimeConfig overrides (checked)."""
+    if not text:
+        return {}
+    from .pipeline import parse_variants
+    ((_, over),) = parse_variants("slide:" + text)
+    return over
+
+
 def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, args) -> dict:
     gib = args.gpu_memory_limit
     if system in ("slide", "gpu-ckpt"):
         rt = dict(mode="slide" if system == "slide" else "ckpt", device=dev, head_impl="chunked")
-        if system == "slide" and args.runtime:
-            from .pipeline import parse_variants
-            ((_, over),) = parse_variants("slide:" + args.runtime)
-            rt.update(over)
+        if system == "slide":
+            rt.update(_runtime_overrides(args.runtime))
         if dev == "cpu":
             rt["dtype"] = "fp32"
         spec = MeasureSpec(name=f"{system}-{model}-b{batch}-s{seq}", model=model, num_layers=layers, batch_size=batch,
