@@ -169,12 +169,14 @@ def test_units_larger_than_the_staging_ring_stream_through_it():
         engine.close()      # closing twice is harmless
 
 
+@pytest.mark.parametrize("schedule", ["eager", "deferred"])
 @pytest.mark.parametrize("cache_units", [0, 3])
-def test_eval_between_steps_sees_the_updated_weights(cache_units):
+def test_eval_between_steps_sees_the_updated_weights(cache_units, schedule):
     """Evaluation between training steps uses the weights after the last update, also when the
     next step's weights were already prefetched into resident slots (cache_units=0)."""
     loaded = make_loaded("qwen3", tied=False)
-    rt = RuntimeConfig(mode="slide", dtype="fp32", device="cpu", cache_units=cache_units, chunk_mb=1)
+    rt = RuntimeConfig(mode="slide", dtype="fp32", device="cpu", cache_units=cache_units, chunk_mb=1,
+                       schedule=schedule)
     engine = build_engine(loaded, rt, AdamWConfig(lr=LR, eps=1e-6))
     ref = ReferenceTrainer(build_reference(loaded), lr=LR, eps=1e-6)
     (held,) = make_batches(99, 1)
