@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (device tool) from the repo root: each argument is one job.
 # Results go to $OUT/results.tar.gz (the device tool returns at most 8 files).
-#   jobs: stash | pipeline | train | equivalence | runtime | throughput | modes | recompute | head | roofline
-# Extra arguments per job come from PIPELINE_ARGS, THROUGHPUT_ARGS, EQ_ARGS, RUNTIME_PARTS, BENCH_ARGS.
+#   jobs: stash | pipeline | train | equivalence | runtime | throughput | throughput@TAG | techniques
+#         | modes | recompute | head | roofline
+# Extra arguments per job come from PIPELINE_ARGS, THROUGHPUT_ARGS (THROUGHPUT_ARGS_TAG for throughput@TAG,
+# written to throughput_TAG/), TECHNIQUES_ARGS, EQ_ARGS, RUNTIME_PARTS, BENCH_ARGS.
 # The embedded SmolLM2 GGUF (98 MB) is over one call's 64 MiB carry limit: `stash` keeps
 # the first half (carried as .smol_a) in /tmp of the warm machine; `train` joins it with
 # the second half (.smol_b, with the package's __init__.py) and the gguf wheel (.gwhl).
@@ -33,6 +35,9 @@ for job in "$@"; do
            tail -3 $R/gpu_equivalence_tests.txt ;;
     runtime) python -m slidetune.cli bench runtime --out $R/runtime --parts ${RUNTIME_PARTS:-memory,big} ;;
     throughput) python -m slidetune.cli bench throughput --out $R/throughput ${THROUGHPUT_ARGS:-} ;;
+    throughput@*) tag=${job#throughput@}; var=THROUGHPUT_ARGS_$tag       # several throughput runs in one call
+           python -m slidetune.cli bench throughput --out $R/throughput_$tag ${!var:-} ;;
+    techniques) python -m slidetune.cli bench techniques --out $R/techniques ${TECHNIQUES_ARGS:-} ;;
     modes|recompute|head|roofline) python -m slidetune.cli bench $job --out $R/$job ${BENCH_ARGS:-} ;;
     *) echo "unknown job $job" ;;
   esac
