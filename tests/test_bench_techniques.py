@@ -174,3 +174,127 @@ def test_longest_sequence_search_reports_the_largest_that_trains(tmp_path, monke
     (row,) = read_csv(out / "max_seq.csv")
     assert row["model"] == "tiny-llama" and int(row["max_seq"]) == 96
     assert "## Longest trainable sequence" in (out / "report.md").read_text()
+
+
+# ------------------------------------------------------------------ techniques: partial results, resume
+
+class _FakeWorker:
+    """Stands in for run_worker: batch b fits when b <= limit[technique]; records the launches and,
+    at each launch, what techniques.json on disk held (to prove it was written before)."""
+
+    def __init__(self, out, limits, fail=None):
+        self.out, self.limits, self.fail, self.calls, self.seen_on_disk = out, limits, fail or {}, [], []
+
+    def __call__(self, module, spec, timeout_s=0):
+        path = self.out / "techniques.json"
+        self.seen_on_disk.append(len(json.loads(path.read_text())["results"]) if path.exists() else -1)
+        name, b = spec["name"], spec["batch_size"]
+        self.calls.append((name, b, spec["eval"]))
+        machine = {"torch": torch.__version__, "gpu": "fake", "gpu_memory_gib": 79.2}
+        if self.fail.get(name) == b:
+            return {"spec": spec, "status": "error", "error": "RuntimeError: boom", "machine": machine}
+        if b > self.limits[name]:
+            return {"spec": spec, "status": "oom", "error": "CUDA out of memory", "oom_requested_gib": 1.0,
+                    "machine": machine}
+        return {"spec": spec, "status": "ok", "step_s_mean": 0.01 * b, "step_s_std": 0.0, "tokens_per_s": 100.0 * b,
+                "gpu_peak_alloc_gib": 0.1 * b, "gpu_peak_reserved_gib": 0.2 * b, "cpu_peak_rss_gib": 1.0,
+                "perplexity": 50.0 - b if spec["eval"] else None, "final_loss": 4.0, "machine": machine}
+
+
+def _techniques_args(out, *extra):
+    from slidetune.bench.scenarios import techniques
+    return _args(techniques, ["--out", str(out), "--techniques", "fp32,flash,recompute", "--device", "cpu",
+                              "--seq-len", "16", "--steps", "3", "--probe-steps", "1", "--jobs", "1", *extra])
+
+
+def _fake_env(monkeypatch, tmp_path, limits, fail=None):
+    from slidetune.bench.scenarios import techniques
+    fake = _FakeWorker(tmp_path, limits, fail)
+    monkeypatch.setattr(techniques, "run_worker", fake)
+    monkeypatch.setattr(techniques, "_dataset", lambda out, S, given: (tmp_path / "corpus.pt", False))
+    return techniques, fake
+
+
+def test_techniques_writes_after_every_process_and_resumes(tmp_path, monkeypatch):
+    """Outputs are rewritten after every process; a run stopped by --time-budget leaves valid files
+    that list what is pending, and --resume launches only what is missing."""
+    limits = {"fp32": 5, "flash": 12, "recompute": 30}
+    techniques, fake = _fake_env(monkeypatch, tmp_path, limits)
+    techniques.run(_techniques_args(tmp_path))
+    full = list(fake.calls)
+    assert fake.seen_on_disk == list(range(len(full)))       # each process found all earlier ones on disk
+    rows = {(r["technique"], r["regime"]): r for r in read_csv(tmp_path / "techniques.csv")}
+    assert rows[("fp32", "same")]["batch_size"] == "5" and rows[("recompute", "max")]["status"] == "ok"
+    assert 30 - int(rows[("recompute", "max")]["batch_size"]) <= 1          # exact search (tolerance 0)
+    # same-batch runs settle their batch: no technique re-probes the sizes below FP32's largest
+    assert not [c for c in full if c[0] != "fp32" and c[1] < 5]
+    doc = json.loads((tmp_path / "techniques.json").read_text())
+    assert doc["state"] == "complete" and "State: complete" in (tmp_path / "report.md").read_text()
+
+    # stopped: a budget spent after the first few processes
+    out = tmp_path / "partial"
+    out.mkdir()
+    techniques, fake = _fake_env(monkeypatch, out, limits)
+    monkeypatch.setattr(techniques.time, "monotonic", lambda: float(len(fake.calls)))   # 1 s per process
+    techniques.run(_techniques_args(out, "--time-budget", "9"))
+    n_first = len(fake.calls)
+    assert 0 < n_first < len(full)
+    doc = json.loads((out / "techniques.json").read_text())
+    assert doc["state"].startswith("stopped: time budget")
+    rows = _finite_csv(out / "techniques.csv", ["step_s_mean", "tokens_per_s", "peak_gib", "perplexity"])
+    assert any(r["status"] == "pending" for r in rows) and any(r["status"] == "ok" for r in rows)
+    report = (out / "report.md").read_text()
+    assert "Pending:" in report and "stopped: time budget" in report
+    _pngs(out, ["peak_memory.png", "throughput.png", "max_batch.png", "perplexity.png", "pareto.png"])
+
+    # resumed: only the rest runs, and the result is the uninterrupted one
+    techniques, fake = _fake_env(monkeypatch, out, limits)
+    monkeypatch.setattr(techniques.time, "monotonic", lambda: 0.0)
+    techniques.run(_techniques_args(out, "--resume"))
+    assert len(fake.calls) + n_first == len(full)
+    assert sorted(fake.calls + full[:n_first]) == sorted(full)
+    resumed = {(r["technique"], r["regime"]): r["batch_size"] for r in read_csv(out / "techniques.csv")}
+    assert resumed == {k: r["batch_size"] for k, r in rows_by(tmp_path).items()}
+    assert json.loads((out / "techniques.json").read_text())["state"] == "complete"
+
+
+def rows_by(out):
+    return {(r["technique"], r["regime"]): r for r in read_csv(out / "techniques.csv")}
+
+
+def test_techniques_outputs_survive_a_kill(tmp_path, monkeypatch):
+    """A process killed mid-run (here: the launcher raises) leaves the files of what finished."""
+    techniques, fake = _fake_env(monkeypatch, tmp_path, {"fp32": 4, "flash": 8, "recompute": 8})
+    real = _FakeWorker.__call__
+
+    def dying(self, module, spec, timeout_s=0):
+        if len(self.calls) == 6:
+            raise KeyboardInterrupt
+        return real(self, module, spec, timeout_s)
+    monkeypatch.setattr(_FakeWorker, "__call__", dying)
+    with pytest.raises(KeyboardInterrupt):
+        techniques.run(_techniques_args(tmp_path))
+    doc = json.loads((tmp_path / "techniques.json").read_text())
+    assert len(doc["results"]) == 6 and doc["state"] == "stopped: interrupted"
+    assert "Pending:" in (tmp_path / "report.md").read_text()
+
+
+def test_techniques_probe_error_is_no_largest_batch(tmp_path, monkeypatch):
+    """A probe that fails otherwise than by OOM stops that search with an error row, not a wrong batch."""
+    techniques, fake = _fake_env(monkeypatch, tmp_path, {"fp32": 4, "flash": 16, "recompute": 16},
+                                 fail={"flash": 8})
+    techniques.run(_techniques_args(tmp_path))
+    rows = rows_by(tmp_path)
+    assert rows[("flash", "max")]["status"] == "error" and "boom" in rows[("flash", "max")]["error"]
+    assert rows[("flash", "same")]["status"] == "ok" and rows[("recompute", "max")]["batch_size"] == "16"
+
+
+def test_techniques_report_compares_with_the_seed(tmp_path, monkeypatch):
+    from slidetune.bench.report import write_report
+    techniques, fake = _fake_env(monkeypatch, tmp_path, {"fp32": 4, "bf16-amp": 4, "flash": 9, "recompute": 17})
+    techniques.run(_techniques_args(tmp_path, "--techniques", "fp32,bf16-amp,flash,recompute", "--max-batch-tolerance",
+                                    "0.25"))
+    text = write_report(tmp_path, compare_seeds=True).read_text()
+    assert "## Compared with the seed report" in text
+    line = next(x for x in text.splitlines() if x.startswith("| GradCP | recompute | max"))
+    assert "4.40x / " in line and "n/a" not in line          # batch ratio: seed 2038/463, ours from the search

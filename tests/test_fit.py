@@ -80,10 +80,13 @@ def test_slide_8b_host_is_12_bytes_per_param_plus_buffers():
     buffers = eager.host_bytes - 12 * P
     # the budget: 12.5 B/param + 8 GiB in all
     assert 0 < buffers < 0.5 * P + 8 * GiB, eager.summary()
-    # pinned on CUDA (casts on the GPU): an FP32 gradient ring of three layers, in chunk_mb chunks
+    # pinned on CUDA (casts on the GPU): an FP32 gradient ring in chunk_mb chunks, of
+    # DEADLINE_RING_LAYERS layers (updates reordered earliest-deadline-first), 3 in FIFO order
     layer = split.layer_units[0].numel
     chunk = rt.chunk_mb * MiB // 4
-    assert eager.pinned_bytes == -(-3 * layer // chunk) * chunk * 4
+    assert eager.pinned_bytes == -(-rt.DEADLINE_RING_LAYERS * layer // chunk) * chunk * 4
+    fifo = estimate_memory(split, dataclasses.replace(rt, update_order="fifo"), batch_size=8, seq_len=1024)
+    assert fifo.pinned_bytes == -(-3 * layer // chunk) * chunk * 4
     deferred = estimate_memory(split, rt, batch_size=8, seq_len=1024, max_grad_norm=1.0)
     assert deferred.schedule == "deferred"
     assert deferred.host_bytes - eager.host_bytes == 4 * P

@@ -4,6 +4,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
+import torch
 
 from slidetune.device import Device
 from slidetune.engine import AdamWConfig, RuntimeConfig, build_engine
@@ -46,8 +47,9 @@ def _spy_uploads(eng) -> list[tuple[str, int]]:
 def test_layers_resident_at_the_turn_are_not_uploaded_again(K):
     """Per step: each layer up once for forward and once for backward, except the K
     still resident when the backward starts (all K slots: the planner evicts by next use);
-    embedding once; the head once for this step and, mid-backward, once more with the next
-    step's weights (it is updated first), so step 1 does not upload it again."""
+    the embedding once for this step and, after its backward, once more with the next
+    step's weights; the head once for this step and, mid-backward, once more with the next
+    step's weights (it is updated first), so step 1 uploads neither again."""
     eng = _engine(cache_units=K)
     try:
         L = eng.split.num_layers
@@ -56,7 +58,7 @@ def test_layers_resident_at_the_turn_are_not_uploaded_again(K):
         eng.synchronize()
         layer_loads = [u for u, _ in uploads if u.startswith("layer.")]
         assert len(layer_loads) == 2 * L - K
-        assert [u for u in uploads if u[0] == "embed"] == [("embed", 0)]
+        assert [u for u in uploads if u[0] == "embed"] == [("embed", 0), ("embed", 1)]
         assert [u for u in uploads if u[0] == "head"] == [("head", 0), ("head", 1)]
         # the backward re-uploads the layers in reverse order, after the forward's
         assert layer_loads[:L] == [f"layer.{i}" for i in range(L)]
@@ -65,6 +67,7 @@ def test_layers_resident_at_the_turn_are_not_uploaded_again(K):
         eng.train_step(make_batches(1, 1), 1e-3)
         eng.synchronize()
         assert [u for u in uploads if u[0] == "head"] == [("head", 2)]
+        assert [u for u in uploads if u[0] == "embed"] == [("embed", 2)]
     finally:
         eng.close()
 
@@ -151,3 +154,66 @@ def test_upload_may_trail_an_update_chunk_by_chunk():
         abort = threading.Event()
         abort.set()
         unit.wait_version(3, upto=1, abort=abort, poll_s=0.01)  # two updates ahead: progress does not count
+
+
+def _hold_host(eng):
+    """Block the host worker behind a barrier; returns the event that releases it."""
+    import threading
+    gate = threading.Event()
+    eng.host_worker.submit(gate.wait)
+    return gate
+
+
+def _spy_updates(eng) -> list[str]:
+    order: list[str] = []
+    orig = eng.drainer.consume
+
+    def spy(unit, chunks, **kw):
+        order.append(unit.spec.name)
+        return orig(unit, chunks, **kw)
+
+    eng.drainer.consume = spy
+    return order
+
+
+@pytest.mark.parametrize("cache_units", [0, 3])
+def test_queued_updates_run_in_the_order_the_next_forward_needs_them(cache_units):
+    """update_order=deadline: with every gradient of the step down before the host starts,
+    the updates run embedding, layer 0, ..., layer L-1, head (the next forward's order),
+    not in the order the backward released them; fifo keeps the release order. The
+    next step's weights are identical either way (bitwise: the same AdamW per unit)."""
+    finals = {}
+    for order_name in ("deadline", "fifo"):
+        eng = _engine(cache_units=cache_units, update_order=order_name, download_ring=64)
+        try:
+            L = eng.split.num_layers
+            order = _spy_updates(eng)
+            gate = _hold_host(eng)
+            eng.train_step(make_batches(0, 1), 1e-3)
+            eng.d2h_worker.drain()                         # every gradient copy queued
+            gate.set()
+            eng.synchronize()
+            released = ["head"] + [f"layer.{i}" for i in reversed(range(L))] + ["embed"]
+            if order_name == "deadline":
+                assert order == ["embed"] + [f"layer.{i}" for i in range(L)] + ["head"]
+            else:
+                assert order == released
+            eng.train_step(make_batches(1, 1), 1e-3)
+            eng.synchronize()
+            finals[order_name] = {k: v.clone() for k, v in eng.named_master_params()}
+        finally:
+            eng.close()
+    for k, v in finals["deadline"].items():
+        assert torch.equal(v, finals["fifo"][k]), k
+
+
+def test_deadline_order_with_a_one_chunk_ring_does_not_deadlock():
+    """The host may pick units out of order, but with no unit fully copied it takes the one
+    being issued, which frees the ring: a ring of one chunk still makes progress."""
+    eng = _engine(cache_units=0, update_order="deadline", download_ring=1, chunk_mb=1)
+    try:
+        for step in range(3):
+            eng.train_step(make_batches(step, 1), 1e-3)
+        eng.synchronize()
+    finally:
+        eng.close()

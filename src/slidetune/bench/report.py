@@ -2,6 +2,7 @@
 
 Works on any scenario directory written by bench.scenarios.common (results.json and the
 CSVs); missing CSVs are derived again from results.json, the plots are always redrawn.
+A techniques directory (techniques.json) is redrawn by scenarios.techniques.rewrite_report.
 """
 from __future__ import annotations
 
@@ -118,6 +119,9 @@ def top_layers(layers: list[dict], baseline: str, k: int) -> dict[str, list[tupl
 
 def write_report(out_dir: Path, compare_seeds: bool = False) -> Path:
     out_dir = Path(out_dir)
+    if (out_dir / "techniques.json").exists():       # its own format: rows per technique and regime
+        from .scenarios.techniques import rewrite_report
+        return rewrite_report(out_dir, compare_seeds=compare_seeds)
     data = load(out_dir)
     doc, machine, summary = data["doc"], data["machine"], data["summary"]
     scenario = doc.get("scenario", out_dir.name)

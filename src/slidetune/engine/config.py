@@ -29,7 +29,14 @@ class RuntimeConfig:
     cast_on: str = "auto"           # auto | cpu | gpu: where FP32 <-> compute dtype conversions run (auto: gpu on CUDA)
     chunk_mb: int = 256             # cast/copy/update granularity (benchmarks/NOTES.md 7: 256 beat 64 by 4% on 8B layers)
     upload_ring: int = 4            # pinned staging chunks for uploads
-    download_ring: int = 0          # pinned staging chunks for gradient downloads (0: enough for 3 layers)
+    download_ring: int = 0          # pinned staging chunks for gradient downloads (0: auto, see download_chunks)
+    # Order of the eager schedule's host updates. "deadline": the unit needed first by the
+    # next forward goes first among those whose gradients are down (the embedding and layer
+    # 0 before the upper layers), and the upper layers' updates overlap the next forward;
+    # "fifo": in the order the backward releases them (head, L-1, ..., 0, embedding), so
+    # the next forward waits for every update. Needs a gradient ring that holds the backlog
+    # (auto: 8 layers; benchmarks/NOTES.md 11).
+    update_order: str = "deadline"  # deadline | fifo
     upload_stages: int = 2          # GPU FP32 staging chunks per upload when the cast runs on the copy stream
     # Where the GPU casts run (cast_on=gpu). "copy": a cast kernel on the copy stream per
     # chunk; it needs SMs while the compute stream's GEMMs hold them, which can stall the
@@ -59,6 +66,8 @@ class RuntimeConfig:
             raise ValueError(f"upload_cast_stream must be copy or compute, not {self.upload_cast_stream!r}")
         if self.grad_slot_dtype not in ("compute", "fp32"):
             raise ValueError(f"grad_slot_dtype must be compute or fp32, not {self.grad_slot_dtype!r}")
+        if self.update_order not in ("deadline", "fifo"):
+            raise ValueError(f"update_order must be deadline or fifo, not {self.update_order!r}")
         if self.upload_stages < 1:
             raise ValueError("upload_stages must be >= 1")
         if self.cache_units == 1 or self.cache_units < -1:
@@ -84,9 +93,19 @@ class RuntimeConfig:
             return num_layers
         return 3 if self.cache_units == -1 else self.cache_units
 
+    # Layers of gradients the pinned ring holds under update_order=deadline: the backlog of
+    # updates still queued when the backward ends. Qwen3-8B b16 with compiled layers: AdamW
+    # 1.70 s per step against 1.29 s of head + backward leaves ~0.4 s = ~11 layers queued;
+    # 8 layers (6.2 GB pinned for an 8B model) keeps the host within 12.5 B/param + 8 GiB,
+    # and the last ~3 layers of such a backward wait for AdamW (raise download_ring if RAM allows).
+    DEADLINE_RING_LAYERS = 8
+
     def download_chunks(self, layer_numel: int) -> int:
-        """Pinned gradient ring, in chunks: three layers (one filling, one in AdamW, one of slack)."""
-        return self.download_ring or max(4, -(-3 * layer_numel // self.chunk_elems(layer_numel)))
+        """Pinned gradient ring, in chunks. fifo: three layers (one filling, one in AdamW, one
+        of slack); deadline: DEADLINE_RING_LAYERS layers, so the backward never waits for
+        AdamW while updates are reordered."""
+        layers = self.DEADLINE_RING_LAYERS if self.update_order == "deadline" else 3
+        return self.download_ring or max(4, -(-layers * layer_numel // self.chunk_elems(layer_numel)))
 
     def casts_on_gpu(self, is_cuda: bool) -> bool:
         return is_cuda and self.cast_on in ("auto", "gpu")

@@ -76,15 +76,26 @@ def bar_plot(path: Path, labels: list[str], series: dict[str, list], ylabel: str
     plt.close(fig)
 
 
+def _front(pts: list[tuple[str, float, float]], lower_x_better: bool, lower_y_better: bool) -> list:
+    sx = 1 if lower_x_better else -1
+    sy = 1 if lower_y_better else -1
+    return [p for p in pts if not any((sx * q[1] <= sx * p[1] and sy * q[2] <= sy * p[2]) and
+                                      (q[1] != p[1] or q[2] != p[2]) for q in pts)]
+
+
+def pareto_front(points: list[tuple[str, float, float]], lower_x_better: bool = True,
+                 lower_y_better: bool = True) -> list[str]:
+    """The names on the Pareto front, without drawing."""
+    pts = [(n, x, y) for n, x, y in points if _finite(x) and _finite(y)]
+    return [p[0] for p in _front(pts, lower_x_better, lower_y_better)]
+
+
 def pareto_plot(path: Path, points: list[tuple[str, float, float]], xlabel: str, ylabel: str, title: str,
                 lower_x_better: bool = True, lower_y_better: bool = True) -> list[str]:
     """Scatter with the Pareto front drawn; returns the names on the front."""
     plt = _plt()
     pts = [(n, x, y) for n, x, y in points if _finite(x) and _finite(y)]
-    sx = 1 if lower_x_better else -1
-    sy = 1 if lower_y_better else -1
-    front = [p for p in pts if not any((sx * q[1] <= sx * p[1] and sy * q[2] <= sy * p[2]) and
-                                       (q[1] != p[1] or q[2] != p[2]) for q in pts)]
+    front = _front(pts, lower_x_better, lower_y_better)
     fig, ax = plt.subplots(figsize=(7, 5))
     for n, x, y in pts:
         ax.scatter([x], [y], color="C1" if (n, x, y) in front else "C0")

@@ -43,7 +43,7 @@ from ..result import StepResult
 from .activations import ActivationStore
 from .host_store import HostStore, HostUnit
 from .transfer import GradDrain, Uploader, clip_coefficient
-from .workers import Worker, WorkerError, done_future, wait_or_abort
+from .workers import DeadlineWorker, Worker, WorkerError, done_future
 
 _WAIT_S = 1.0   # poll period while waiting on a worker future (to surface worker errors)
 
@@ -119,7 +119,9 @@ class SlideEngine:
         self.drainer.timeline = self.uploader.timeline = self.timeline
         self.drainer.abort = self.uploader.abort = self._abort
         self.upload_worker = Worker("upload", self._on_worker_error)
-        self.host_worker = Worker("host", self._on_worker_error)
+        # Eager updates run earliest-deadline-first (rt.update_order; workers.DeadlineWorker).
+        self.host_worker = DeadlineWorker("host", self._on_worker_error)
+        self.deadline_order = self.schedule == "eager" and rt.update_order == "deadline"
         self.d2h_worker = Worker("d2h", self._on_worker_error)
         # The worker threads need the GIL between their (GIL-free) kernels while the compute
         # thread runs Python; the default 5 ms switch interval would stall each hand-off.
@@ -183,8 +185,14 @@ class SlideEngine:
         return {k: v.detach().requires_grad_(True) for k, v in views.items()}
 
     # ------------------------------------------------------------- uploads
-    def _submit_upload(self, unit_index: int, slot: _Slot, version: int | None = None) -> None:
-        """Queue the upload of the unit after its `version`-th update (default: this step's weights)."""
+    def _submit_upload(self, unit_index: int, slot: _Slot, version: int | None = None,
+                       when_update_starts: bool = False) -> None:
+        """Queue the upload of the unit after its `version`-th update (default: this step's weights).
+
+        With `when_update_starts` the job reaches the (FIFO) upload thread only once the host
+        has begun that update, so uploads run in the order the updates do; the slot's
+        bookkeeping is still set here, on the compute thread, so _plan sees it at once.
+        """
         unit = self.units[unit_index]
         version = self.step_index if version is None else version
         after = done_future(slot.last_use)
@@ -192,17 +200,26 @@ class SlideEngine:
         # With a landing buffer the upload only moves FP32 bytes; _acquire casts them.
         dst = slot.landing if slot.landing is not None else slot.flat
         slot.cast_pending = slot.landing is not None
-        slot.ready = self.upload_worker.submit(self._timed, "upload", "upload", self.uploader.upload, unit, dst,
-                                               version, after)
+        job = (self._timed, "upload", "upload", self.uploader.upload, unit, dst, version, after)
+        if not when_update_starts:
+            slot.ready = self.upload_worker.submit(*job)
+            return
+        ready: Future = Future()
+        slot.ready = ready
+
+        def release() -> None:
+            self.upload_worker.submit(*job).add_done_callback(lambda f: _chain(f, ready))
+        unit.when_update_starts(version, release)
 
     def _prefetch_next_step(self, unit_index: int, slot: _Slot) -> None:
-        """Eager schedule: upload the unit's next-step weights into `slot` once its update lands.
+        """Upload the unit's next-step weights into `slot` as its update is written.
 
-        The upload worker runs jobs in order, so this is queued only where no upload the
-        current step still needs waits behind it: the resident layers need none, and the
-        head is updated first of all units, long before the middle of the backward.
+        The job is released to the upload thread when the update begins and trails it chunk
+        by chunk. It is registered only where no upload the current step still needs can
+        queue behind it: the resident layers need none, the head is updated first of all
+        units, long before the middle of the backward, and the embedding is the last unit.
         """
-        self._submit_upload(unit_index, slot, version=self.step_index + 1)
+        self._submit_upload(unit_index, slot, version=self.step_index + 1, when_update_starts=True)
 
     def _use_vocab(self, unit_index: int) -> _Slot:
         slot = self.vocab_slots[unit_index]
@@ -272,8 +289,12 @@ class SlideEngine:
         # With one micro-batch the squared norm is taken on the GPU (_norm_on_device); with
         # several it is the norm of the FP32 sum, which exists only on the host.
         host_norm = n_micro > 1 and micro == n_micro - 1
+        # Earliest deadline first: a unit's deadline is its place in the next forward
+        # (embedding 0, layer i at i + 1, head last); it can run without blocking once all
+        # its gradient copies are queued.
+        order = dict(deadline=unit_index, ready=lambda: all(c.done() for c in chunks)) if self.deadline_order else {}
         fut = self.host_worker.submit(self._timed, "host", "drain", self.drainer.consume, unit, chunks, mode=mode,
-                                      lr=lr, want_norm=host_norm)
+                                      lr=lr, want_norm=host_norm, **order)
         if host_norm:
             self._grad_norm_parts.append(fut)
         elif n_micro == 1:
@@ -301,8 +322,7 @@ class SlideEngine:
 
     def _issue_drain(self, unit: HostUnit, src: torch.Tensor, ready, chunks: list[Future], free: Future) -> None:
         with self.timeline.span("d2h", "issue"):
-            last = self.drainer.issue(unit, src, ready, futs=chunks,
-                                      wait=lambda f: wait_or_abort(f, self._abort, "a free gradient ring buffer"))
+            last = self.drainer.issue(unit, src, ready, futs=chunks)
         free.set_result(last)
 
     def _write_grads(self, unit: UnitSpec, slot: _Slot, grads: list[torch.Tensor], accumulate: bool = False):
@@ -463,6 +483,8 @@ class SlideEngine:
         self._release(embed_slot)
         self._write_grads(split.embed_unit, embed_gslot, [gw], accumulate=tied_w is not None)
         self._submit_drain(0, embed_gslot, m, n_micro, lr)
+        if self.schedule == "eager":
+            self._prefetch_next_step(0, embed_slot)
         self.acts.clear()
         self.memory.mark("embed_backward")
         return loss_value
@@ -536,3 +558,12 @@ class SlideEngine:
                 for unit in self.units:
                     self.device.unregister_host(unit.master)
                 self.gpu_cast = False
+
+
+def _chain(src: Future, dst: Future) -> None:
+    """Resolve `dst` with `src`'s outcome."""
+    err = src.exception()
+    if err is not None:
+        dst.set_exception(err)
+    else:
+        dst.set_result(src.result())

@@ -29,11 +29,33 @@ class HostUnit:
         self.sq_norm = 0.0            # squared gradient norm of the current step
         self.version = 0              # updates applied in full
         self.progress = 0             # elements of the update in progress already written
+        self.started = 0              # updates begun (version, or version + 1 while one runs)
+        self._on_start: dict[int, list] = {}   # update number -> callbacks to run when it begins
         self._cond = threading.Condition()
 
     def params(self) -> dict[str, torch.Tensor]:
         """Full HF name -> FP32 view of the master."""
         return {p.full_name: self.master[p.offset:p.offset + p.numel].view(p.shape) for p in self.spec.params}
+
+    def begin_update(self) -> None:
+        """An update (number version + 1) starts now: run what waited for it to begin."""
+        with self._cond:
+            self.started = self.version + 1
+            callbacks = self._on_start.pop(self.started, [])
+        for cb in callbacks:             # outside the lock: they submit work to other threads
+            cb()
+
+    def when_update_starts(self, v: int, callback) -> None:
+        """Run `callback` once update number `v` has begun (now, if it already has).
+
+        The uploads of the next step's weights are released this way, in the order the host
+        runs the updates: a FIFO upload thread must not wait on a unit whose update is
+        scheduled late while the units updated before it could already be copied."""
+        with self._cond:
+            if self.started < v:
+                self._on_start.setdefault(v, []).append(callback)
+                return
+        callback()
 
     def advance(self, hi: int) -> None:
         """The update in progress has written master[:hi] (updates run front to back)."""
@@ -50,7 +72,10 @@ class HostUnit:
     def set_version(self, v: int) -> None:
         with self._cond:
             self.version = v
+            self.started = v
             self.progress = 0
+            # loading a checkpoint abandons uploads registered for updates that will not run
+            self._on_start = {k: cbs for k, cbs in self._on_start.items() if k > v}
             self._cond.notify_all()
 
     def wait_version(self, v: int, abort: threading.Event | None = None, poll_s: float = 0.5,

@@ -30,7 +30,7 @@ from torch.profiler import record_function
 from ...device import Device
 from ...telemetry.host_timeline import HostTimeline
 from .host_store import HostUnit
-from .workers import wait_or_abort
+from .workers import WorkerError, wait_or_abort
 
 
 class Uploader:
@@ -115,8 +115,10 @@ class GradDrain:
         self.fp32_ring = gpu_cast or dtype == torch.float32     # AdamW reads the ring directly
         ring_dtype = torch.float32 if self.fp32_ring else dtype
         self.ring = [device.host_empty(chunk_elems, ring_dtype) for _ in range(ring)]
-        self.ring_free: list[Future] = [_done() for _ in range(ring)]   # set once the host consumed it
-        self.next = 0
+        # Free ring buffers, any order: the host may consume units out of release order
+        # (earliest deadline first), so buffers come back out of order too.
+        self._free = list(range(ring))
+        self._free_cond = threading.Condition()
         if self.gpu_cast:
             self.stage = [torch.empty(chunk_elems, dtype=torch.float32, device=device.device) for _ in range(2)]
         if self.fp32_ring:
@@ -127,14 +129,28 @@ class GradDrain:
         self.timeline = HostTimeline()
         self.abort = threading.Event()
 
-    def issue(self, unit: HostUnit, src: torch.Tensor, ready, wait, futs: list[Future]) -> object:
-        """Compute thread: queue the D2H copies of `src` (the unit's GPU gradient slot).
+    def take_buffer(self, what: str = "a free gradient ring buffer") -> int:
+        """Block until a ring buffer is free (the host consumed it); back-pressure when AdamW
+        falls behind. Gives up if another pipeline thread failed."""
+        with self._free_cond:
+            while not self._free:
+                if not self._free_cond.wait(timeout=0.5) and self.abort.is_set():
+                    raise WorkerError(f"gave up waiting for {what}: another pipeline thread failed")
+            return self._free.pop(0)
+
+    def give_back(self, r: int) -> None:
+        with self._free_cond:
+            self._free.append(r)
+            self._free_cond.notify()
+
+    def issue(self, unit: HostUnit, src: torch.Tensor, ready, futs: list[Future]) -> object:
+        """D2H issuer thread: queue the D2H copies of `src` (the unit's GPU gradient slot).
 
         Resolves `futs` (one per chunk) with (ring index, event of its copy) as soon as each
         copy is queued, so the host worker can consume chunk c while later ones are still
-        being issued. Returns the last copy's event. A ring buffer is reused only after the host consumed it (`wait`
-        blocks the caller on that host-side future: back-pressure when AdamW falls behind).
-        The last chunk's event is also the moment the GPU slot may be overwritten.
+        being issued. Returns the last copy's event. A ring buffer is reused only after the
+        host consumed it (take_buffer). The last chunk's event is also the moment the GPU
+        slot may be overwritten.
         """
         n = unit.spec.numel
         starts = list(range(0, n, self.chunk))
@@ -144,10 +160,7 @@ class GradDrain:
             self.stream.wait_event(ready)
             for c, lo in enumerate(starts):
                 hi = min(n, lo + self.chunk)
-                r = self.next
-                self.next = (r + 1) % len(self.ring)
-                wait(self.ring_free[r])
-                self.ring_free[r] = Future()
+                r = self.take_buffer()
                 if self.gpu_cast:
                     stage = self.stage[c % 2][: hi - lo]
                     stage.copy_(src[lo:hi])                           # cast to FP32 on the GPU
@@ -169,6 +182,7 @@ class GradDrain:
         n = unit.spec.numel
         sq = 0.0
         if mode == "update":
+            unit.begin_update()
             unit.opt.begin_step()
         for c, lo in enumerate(range(0, n, self.chunk)):
             hi = min(n, lo + self.chunk)
@@ -195,7 +209,7 @@ class GradDrain:
                     dst.add_(buf)                                 # FP32 accumulation across micro-batches
                 if want_norm:
                     sq += float(torch.dot(dst, dst))
-            self.ring_free[r].set_result(None)
+            self.give_back(r)
         if mode == "update":
             unit.bump_version()
         return sq
@@ -203,6 +217,7 @@ class GradDrain:
     @staticmethod
     def deferred_update(unit: HostUnit, lr: float, clip_coef: float, chunk: int) -> None:
         """Apply the step's (clipped) FP32 gradient to the unit, chunk by chunk."""
+        unit.begin_update()
         unit.opt.begin_step()
         n = unit.spec.numel
         for lo in range(0, n, chunk):
@@ -211,12 +226,6 @@ class GradDrain:
                 unit.opt.update(unit.grad[lo:hi], lr, lo, grad_scale=clip_coef)
             unit.advance(hi)
         unit.bump_version()
-
-
-def _done() -> Future:
-    f: Future = Future()
-    f.set_result(None)
-    return f
 
 
 def clip_coefficient(total_norm: float, max_norm: float | None) -> float:

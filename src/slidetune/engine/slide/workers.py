@@ -1,6 +1,8 @@
-"""A FIFO worker thread for the host side of the pipeline.
+"""Worker threads for the host side of the pipeline.
 
-Jobs run in submission order on one thread. Torch releases the GIL inside its
+Worker: jobs run in submission order on one thread. DeadlineWorker: jobs that carry a
+deadline run earliest-deadline-first among those ready (the host's AdamW jobs: see
+its docstring); jobs without one are barriers. Torch releases the GIL inside its
 kernels, so casts, copies and AdamW run in parallel with the compute thread. A job
 that raises poisons the worker: every later job fails with the same error and
 `check()` re-raises it in the caller, so a failure never turns into a hang.
@@ -59,6 +61,91 @@ class Worker:
 
     def close(self) -> None:
         self._jobs.put(None)
+        self._thread.join(timeout=60)
+
+
+class _Job:
+    __slots__ = ("fut", "fn", "args", "kwargs", "deadline", "ready", "seq")
+
+    def __init__(self, fut, fn, args, kwargs, deadline, ready, seq):
+        self.fut, self.fn, self.args, self.kwargs = fut, fn, args, kwargs
+        self.deadline, self.ready, self.seq = deadline, ready, seq
+
+
+class DeadlineWorker(Worker):
+    """One thread; among the pending jobs that carry a deadline, the earliest ready one runs next.
+
+    Why (the eager update schedule): the backward releases gradients head, L-1, ..., 0,
+    embedding, but the next forward needs the updates in the opposite order. A FIFO host
+    thread updates layer 0 and the embedding last, so the next forward starts only once
+    every update of the step is done, and the CPU idles through the next forward and the
+    head (benchmarks/NOTES.md 11). Earliest deadline first (deadline = position in the next
+    forward) updates the most recently released unit first and leaves the upper layers,
+    needed late in the next forward, to run while that forward computes.
+
+    Jobs without a deadline are barriers: a barrier runs once every job submitted before it
+    has run, and no job submitted after it runs before it (step boundaries, drain()).
+    `ready()` of a job says it can run without blocking (its gradient copies are queued);
+    when no job before the first barrier is ready, the oldest runs: it is the one whose
+    copies are being issued, so consuming it frees the ring buffers the issuer waits for
+    (no deadlock however small the ring).
+    """
+
+    def __init__(self, name: str, on_error: Callable[[BaseException], None] | None = None):
+        self._cond = threading.Condition()
+        self._pending: list[_Job] = []
+        self._seq = 0
+        self._closing = False
+        super().__init__(name, on_error)
+
+    def submit(self, fn: Callable[..., Any], *args, deadline: float | None = None,
+               ready: Callable[[], bool] | None = None, **kwargs) -> Future:
+        fut: Future = Future()
+        with self._cond:
+            self._seq += 1
+            self._pending.append(_Job(fut, fn, args, kwargs, deadline, ready, self._seq))
+            self._cond.notify_all()
+        return fut
+
+    def _pick(self) -> _Job | None:
+        with self._cond:
+            while not self._pending:
+                if self._closing:
+                    return None
+                self._cond.wait()
+            head = self._pending[0]
+            if head.deadline is None:                     # a barrier whose predecessors all ran
+                return self._pending.pop(0)
+            eligible = []
+            for job in self._pending:
+                if job.deadline is None:
+                    break
+                eligible.append(job)
+            ready = [j for j in eligible if j.ready is None or j.ready()]
+            job = min(ready, key=lambda j: (j.deadline, j.seq)) if ready else eligible[0]
+            self._pending.remove(job)
+            return job
+
+    def _run(self) -> None:
+        while True:
+            job = self._pick()
+            if job is None:
+                return
+            if self._error is not None:
+                job.fut.set_exception(WorkerError(f"{self.name} worker failed earlier: {self._error!r}"))
+                continue
+            try:
+                job.fut.set_result(job.fn(*job.args, **job.kwargs))
+            except BaseException as e:  # noqa: BLE001 - forwarded to the compute thread
+                self._error = e
+                job.fut.set_exception(e)
+                if self._on_error is not None:
+                    self._on_error(e)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
         self._thread.join(timeout=60)
 
 

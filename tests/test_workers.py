@@ -1,0 +1,75 @@
+"""The host-side worker threads of the slide pipeline (engine/slide/workers.py)."""
+from __future__ import annotations
+
+import threading
+
+from slidetune.engine.slide.workers import DeadlineWorker
+
+
+def _blocked(worker: DeadlineWorker) -> threading.Event:
+    gate = threading.Event()
+    worker.submit(gate.wait)          # a barrier: everything after it waits
+    return gate
+
+
+def test_earliest_deadline_first_among_ready_jobs():
+    w = DeadlineWorker("t")
+    try:
+        ran: list[str] = []
+        gate = _blocked(w)
+        for name, deadline in [("head", 9), ("l3", 4), ("l2", 3), ("l1", 2), ("embed", 0)]:
+            w.submit(ran.append, name, deadline=deadline)
+        gate.set()
+        w.drain()
+        assert ran == ["embed", "l1", "l2", "l3", "head"]
+    finally:
+        w.close()
+
+
+def test_barriers_split_the_schedule():
+    """Jobs after a barrier never overtake it; the barrier runs after all jobs before it."""
+    w = DeadlineWorker("t")
+    try:
+        ran: list[str] = []
+        gate = _blocked(w)
+        w.submit(ran.append, "a9", deadline=9)
+        w.submit(ran.append, "a1", deadline=1)
+        w.submit(ran.append, "barrier")
+        w.submit(ran.append, "b0", deadline=0)
+        gate.set()
+        w.drain()
+        assert ran == ["a1", "a9", "barrier", "b0"]
+    finally:
+        w.close()
+
+
+def test_not_ready_jobs_wait_unless_nothing_is_ready():
+    """A ready job with a later deadline beats a blocked one; with none ready the oldest runs."""
+    w = DeadlineWorker("t")
+    try:
+        ran: list[str] = []
+        gate = _blocked(w)
+        w.submit(ran.append, "late-ready", deadline=5, ready=lambda: True)
+        w.submit(ran.append, "early-blocked", deadline=0, ready=lambda: False)
+        w.submit(ran.append, "old-blocked", deadline=7, ready=lambda: False)
+        gate.set()
+        w.drain()
+        # then nothing is ready: the oldest remaining runs first
+        assert ran == ["late-ready", "early-blocked", "old-blocked"]
+    finally:
+        w.close()
+
+
+def test_a_failing_job_poisons_later_jobs():
+    w = DeadlineWorker("t")
+    errors = []
+    try:
+        def boom():
+            raise RuntimeError("x")
+        f1 = w.submit(boom, deadline=0)
+        f2 = w.submit(lambda: 1, deadline=1)
+        assert isinstance(f1.exception(timeout=5), RuntimeError)
+        errors.append(f2.exception(timeout=5))
+        assert errors[0] is not None
+    finally:
+        w.close()
