@@ -24,6 +24,7 @@ GPU_RUNS = {
     "slide-eager-cast-in-compute": ("slide", "eager", 1, None, False,
                                     {"upload_cast_stream": "compute", "grad_slot_dtype": "fp32"}),
     "slide-eager-resident": ("slide", "eager", 1, None, False, {"cache_units": 0}),
+    "slide-eager-resident-fifo": ("slide", "eager", 1, None, False, {"cache_units": 0, "update_order": "fifo"}),
     "slide-eager-resident-compiled": ("slide", "eager", 1, None, False, {"cache_units": 0, "compile_layers": True}),
     "ckpt": ("ckpt", "auto", 4, 0.5, False, {}),
 }
