@@ -301,7 +301,7 @@ class Study:
 
     def execute(self) -> None:
         S, names = self.S, self.names
-        if not self.same:                                  # the FP32 baseline's largest batch
+        if not self.same:     # the FP32 baseline's largest batch (on --resume, replayed from the results)
             self.guarded(self.search, "fp32")
             best = self.searches.get("fp32", {}).get("max_batch")
             if best is None:
@@ -343,7 +343,8 @@ class Study:
             render(self.out, doc, plots=plots)
 
     def resume(self) -> int:
-        """Load the finished processes of a previous run into the cache; returns how many."""
+        """Load the finished processes of a previous run; `execute` then replays the same decisions
+        (searches included) and launches only what they lack. Returns how many were loaded."""
         path = self.out / "techniques.json"
         if not path.exists():
             return 0
@@ -352,12 +353,10 @@ class Study:
                 if prev["settings"].get(k) != self.S.get(k)}
         if diff:
             raise SystemExit(f"--resume: {path} was made with other settings {diff}")
-        if not self.same:
-            self.same = prev.get("same_batch")
         for r in prev.get("results", []):
             if r.get("status") in ("ok", "oom"):           # errors, crashes and timeouts run again
-                self.results[(r.pop("technique"), int(r.pop("batch")), r.pop("kind"))] = \
-                    {**r, "machine": prev.get("machine")}
+                key = (r.pop("technique"), int(r.pop("batch")), r.pop("kind"))
+                self.results[key] = {**r, "machine": prev.get("machine")}
         return len(self.results)
 
 
