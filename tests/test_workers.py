@@ -43,19 +43,21 @@ def test_barriers_split_the_schedule():
         w.close()
 
 
-def test_not_ready_jobs_wait_unless_nothing_is_ready():
-    """A ready job with a later deadline beats a blocked one; with none ready the oldest runs."""
+def test_a_job_waits_until_it_is_ready():
+    """A ready job with a later deadline beats one not ready yet; that one runs once ready."""
     w = DeadlineWorker("t")
     try:
         ran: list[str] = []
+        flag = threading.Event()
         gate = _blocked(w)
+        w.submit(ran.append, "early-blocked", deadline=0, ready=flag.is_set)
         w.submit(ran.append, "late-ready", deadline=5, ready=lambda: True)
-        w.submit(ran.append, "early-blocked", deadline=0, ready=lambda: False)
-        w.submit(ran.append, "old-blocked", deadline=7, ready=lambda: False)
         gate.set()
-        w.drain()
-        # then nothing is ready: the oldest remaining runs first
-        assert ran == ["late-ready", "early-blocked", "old-blocked"]
+        done = w.submit(lambda: None)          # a barrier: waits for both
+        assert not done.done() or ran == ["late-ready", "early-blocked"]
+        threading.Timer(0.05, lambda: (flag.set(), w.notify())).start()
+        done.result(timeout=5)
+        assert ran == ["late-ready", "early-blocked"]
     finally:
         w.close()
 

@@ -23,7 +23,11 @@ class RuntimeConfig:
     # layer size on the GPU. -1 = auto: 0 when the whole configuration then fits in GPU
     # memory (engine.fit.choose_cache_units), else 3.
     cache_units: int = -1
-    grad_slots: int = 3             # GPU gradient slots: one being written, one draining, one of slack
+    # GPU gradient slots: one being written, one draining, one of slack. 0 = auto: 3, or
+    # DEADLINE_GRAD_SLOTS with update_order=deadline, eager updates and resident layers,
+    # where the slots also hold the gradients of the upper layers (late deadlines) until
+    # the host gets to them, while the pinned ring carries the most urgent ones.
+    grad_slots: int = 0
     offload_activations: bool = False  # layer-input checkpoints in pinned host memory
     schedule: str = "auto"          # auto | eager | deferred (auto: eager unless accumulation/clipping)
     cast_on: str = "auto"           # auto | cpu | gpu: where FP32 <-> compute dtype conversions run (auto: gpu on CUDA)
@@ -73,8 +77,8 @@ class RuntimeConfig:
         if self.cache_units == 1 or self.cache_units < -1:
             raise ValueError("cache_units must be >= 2 (one computing, one loading), 0 for one per layer "
                              "or -1 for auto")
-        if self.grad_slots < 1:
-            raise ValueError("grad_slots must be >= 1")
+        if self.grad_slots < 0:
+            raise ValueError("grad_slots must be >= 1, or 0 for auto")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -99,6 +103,19 @@ class RuntimeConfig:
     # 8 layers (6.2 GB pinned for an 8B model) keeps the host within 12.5 B/param + 8 GiB,
     # and the last ~3 layers of such a backward wait for AdamW (raise download_ring if RAM allows).
     DEADLINE_RING_LAYERS = 8
+
+    # GPU gradient slots under deadline order with resident layers: the backlog of updates
+    # at the end of a backward (benchmarks/NOTES.md 11: ~0.5 s of AdamW on an 8B model at
+    # b16 with compiled layers, ~18 layers) minus the ring. 16 x 0.39 GB for an 8B layer.
+    DEADLINE_GRAD_SLOTS = 16
+
+    def resolved_grad_slots(self, num_layers: int, eager: bool = True) -> int:
+        if self.grad_slots:
+            return self.grad_slots
+        resident = self.cache_units == 0
+        if eager and resident and self.update_order == "deadline":
+            return max(3, min(self.DEADLINE_GRAD_SLOTS, num_layers))
+        return 3
 
     def download_chunks(self, layer_numel: int) -> int:
         """Pinned gradient ring, in chunks. fifo: three layers (one filling, one in AdamW, one

@@ -310,7 +310,7 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         K = min(rt.resolved_cache_units(L), max(L, 2))
         gpu["layer weight slots"] = K * P_L * b
         gb = 4 if rt.grad_slot_dtype == "fp32" else b
-        gpu["layer grad slots"] = rt.grad_slots * P_L * gb
+        gpu["layer grad slots"] = rt.resolved_grad_slots(L, eager=schedule == "eager") * P_L * gb
         gpu["vocab weight slots"] = (P_E + P_H) * b
         gpu["vocab grad slots"] = (P_E + P_H) * gb
         if rt.upload_cast_stream == "compute" and (rt.casts_on_gpu(dev == "cuda") or dev != "cuda"):
@@ -625,7 +625,7 @@ def suggest(split: SplitModel, rt: RuntimeConfig, budget: _Budget, *, batch_size
             consider({"cache_units": 3})
         if rt.cache_units != 2:
             consider({"cache_units": 2})
-        if rt.grad_slots > 1:
+        if rt.resolved_grad_slots(split.num_layers) > 1:
             consider({"grad_slots": 1})
     head_base = {"head_impl": "chunked"} if rt.head_impl == "full" else {}
     if not (head_base and consider(head_base)):

@@ -25,7 +25,8 @@ from __future__ import annotations
 import math
 import sys
 import threading
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_any
 from dataclasses import dataclass
 
 import torch
@@ -103,10 +104,10 @@ class SlideEngine:
         self.resident = len(self.layer_slots) >= L
         self.vocab_slots = {0: weight_slot(self.units[0].spec.numel), L + 1: weight_slot(self.units[-1].spec.numel)}
         done = done_future(None)
-        self.grad_slots = [_Slot(empty(layer_numel, grad_dtype), free=done) for _ in range(rt.grad_slots)]
+        n_grad_slots = rt.resolved_grad_slots(L, eager=self.schedule == "eager")
+        self.grad_slots = [_Slot(empty(layer_numel, grad_dtype), free=done) for _ in range(n_grad_slots)]
         self.vocab_grad_slots = {0: _Slot(empty(self.units[0].spec.numel, grad_dtype), free=done),
                                  L + 1: _Slot(empty(self.units[-1].spec.numel, grad_dtype), free=done)}
-        self._next_grad_slot = 0
         chunk = rt.chunk_elems(layer_numel)
         self.chunk = chunk
         ring = rt.download_chunks(layer_numel)
@@ -122,7 +123,9 @@ class SlideEngine:
         # Eager updates run earliest-deadline-first (rt.update_order; workers.DeadlineWorker).
         self.host_worker = DeadlineWorker("host", self._on_worker_error)
         self.deadline_order = self.schedule == "eager" and rt.update_order == "deadline"
-        self.d2h_worker = Worker("d2h", self._on_worker_error)
+        # The D2H issuer also goes earliest-deadline-first under deadline order: the ring then
+        # carries the most urgent gradients while the others wait in their GPU slots.
+        self.d2h_worker = DeadlineWorker("d2h", self._on_worker_error)
         # The worker threads need the GIL between their (GIL-free) kernels while the compute
         # thread runs Python; the default 5 ms switch interval would stall each hand-off.
         self._switch_interval = sys.getswitchinterval()
@@ -269,11 +272,19 @@ class SlideEngine:
 
     # ------------------------------------------------------------- gradients
     def _grad_slot(self, unit_index: int) -> _Slot:
+        """A gradient slot for the unit: any layer slot whose last gradient has been copied out
+        (they come back out of order when the issuer runs earliest-deadline-first)."""
         if unit_index in self.vocab_grad_slots:
             return self.vocab_grad_slots[unit_index]
-        slot = self.grad_slots[self._next_grad_slot]
-        self._next_grad_slot = (self._next_grad_slot + 1) % len(self.grad_slots)
-        return slot
+        while True:
+            for slot in self.grad_slots:
+                if slot.free.done():
+                    return slot
+            with self.timeline.span("compute", "wait_grad_slot"), record_function("slidetune.wait_grad_slot"):
+                wait_any([s.free for s in self.grad_slots], timeout=_WAIT_S, return_when=FIRST_COMPLETED)
+            if self._abort.is_set():
+                err = self._first_error
+                raise WorkerError(f"a pipeline thread failed: {err!r}") from err
 
     def _claim_grad_slot(self, slot: _Slot) -> None:
         ev = self._wait(slot.free, "wait_grad_slot")
@@ -290,9 +301,11 @@ class SlideEngine:
         # several it is the norm of the FP32 sum, which exists only on the host.
         host_norm = n_micro > 1 and micro == n_micro - 1
         # Earliest deadline first: a unit's deadline is its place in the next forward
-        # (embedding 0, layer i at i + 1, head last); it can run without blocking once all
-        # its gradient copies are queued.
-        order = dict(deadline=unit_index, ready=lambda: all(c.done() for c in chunks)) if self.deadline_order else {}
+        # (embedding 0, layer i at i + 1, head last). Ready once its first chunk is queued
+        # for copy: it is then fully issued or the unit the issuer is working on.
+        order = dict(deadline=unit_index, ready=chunks[0].done) if self.deadline_order else {}
+        if self.deadline_order:
+            chunks[0].add_done_callback(lambda _: self.host_worker.notify())
         fut = self.host_worker.submit(self._timed, "host", "drain", self.drainer.consume, unit, chunks, mode=mode,
                                       lr=lr, want_norm=host_norm, **order)
         if host_norm:
@@ -302,7 +315,8 @@ class SlideEngine:
         # A third thread queues the copies as ring buffers free up, so neither the compute
         # thread (which only needs its GPU gradient slot back) nor AdamW ever waits on it.
         slot.free = Future()
-        self.d2h_worker.submit(self._issue_drain, unit, slot.flat[: unit.spec.numel], ready, chunks, slot.free)
+        self.d2h_worker.submit(self._issue_drain, unit, slot.flat[: unit.spec.numel], ready, chunks, slot.free,
+                               **({"deadline": unit_index} if self.deadline_order else {}))
 
     def _norm_on_device(self, flat: torch.Tensor) -> None:
         """Add the squared L2 norm of one unit's gradient slot to the step's GPU accumulator.

@@ -85,10 +85,11 @@ class DeadlineWorker(Worker):
 
     Jobs without a deadline are barriers: a barrier runs once every job submitted before it
     has run, and no job submitted after it runs before it (step boundaries, drain()).
-    `ready()` of a job says it can run without blocking (its gradient copies are queued);
-    when no job before the first barrier is ready, the oldest runs: it is the one whose
-    copies are being issued, so consuming it frees the ring buffers the issuer waits for
-    (no deadlock however small the ring).
+    A job runs only once its `ready()` is true (the host's: its first gradient chunk has
+    been queued for copy); call notify() when readiness may have changed. The D2H issuer,
+    itself earliest-deadline-first, issues one unit at a time, so a ready job is either
+    fully copied or the one being issued, whose consumption frees the ring buffers the
+    issuer waits for: no deadlock however small the ring.
     """
 
     def __init__(self, name: str, on_error: Callable[[BaseException], None] | None = None):
@@ -107,24 +108,38 @@ class DeadlineWorker(Worker):
             self._cond.notify_all()
         return fut
 
+    def notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
     def _pick(self) -> _Job | None:
         with self._cond:
-            while not self._pending:
-                if self._closing:
-                    return None
-                self._cond.wait()
-            head = self._pending[0]
-            if head.deadline is None:                     # a barrier whose predecessors all ran
-                return self._pending.pop(0)
-            eligible = []
-            for job in self._pending:
-                if job.deadline is None:
-                    break
-                eligible.append(job)
-            ready = [j for j in eligible if j.ready is None or j.ready()]
-            job = min(ready, key=lambda j: (j.deadline, j.seq)) if ready else eligible[0]
-            self._pending.remove(job)
-            return job
+            while True:
+                while not self._pending:
+                    if self._closing:
+                        return None
+                    self._cond.wait()
+                picked = self._pick_locked()
+                if picked is not None:
+                    return picked
+
+    def _pick_locked(self) -> _Job | None:
+        """The next job, or None after a short wait when no eligible job is ready (lock held)."""
+        head = self._pending[0]
+        if head.deadline is None:                     # a barrier whose predecessors all ran
+            return self._pending.pop(0)
+        eligible = []
+        for job in self._pending:
+            if job.deadline is None:
+                break
+            eligible.append(job)
+        ready = [j for j in eligible if j.ready is None or j.ready()]
+        if not ready:
+            self._cond.wait(timeout=0.01)             # woken by notify(); the timeout bounds a missed one
+            return None
+        job = min(ready, key=lambda j: (j.deadline, j.seq))
+        self._pending.remove(job)
+        return job
 
     def _run(self) -> None:
         while True:
