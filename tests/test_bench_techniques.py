@@ -42,6 +42,9 @@ def test_max_batch_cap_zero_and_known():
     probe, calls = _fake(6)
     best, _ = find_max_batch(probe, cap=64, known={1: True, 2: True, 4: True})
     assert best == 6 and 1 not in calls and 2 not in calls and calls[0] == 8
+    # a known failure ends the doubling: no probe at or past it
+    probe, calls = _fake(9)
+    assert find_max_batch(probe, start=8, cap=64, known={12: False})[0] == 9 and max(calls) < 12
     # starting above the limit halves down first
     probe, calls = _fake(5)
     assert find_max_batch(probe, start=16, cap=64)[0] == 5

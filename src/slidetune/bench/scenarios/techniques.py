@@ -100,6 +100,10 @@ def find_max_batch(probe: Callable[[int], bool], start: int = 1, cap: int | None
         hi = None
         while cap is None or lo < cap:
             nb = lo * 2 if cap is None else min(lo * 2, cap)
+            failed = [k for k, v in known.items() if not v and lo < k <= nb]
+            if failed:               # a known failure ends the doubling without probing past it
+                hi = min(failed)
+                break
             if ok(nb):
                 lo = nb
             else:
