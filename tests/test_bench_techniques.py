@@ -301,3 +301,28 @@ def test_techniques_report_compares_with_the_seed(tmp_path, monkeypatch):
     assert "## Compared with the seed report" in text
     line = next(x for x in text.splitlines() if x.startswith("| GradCP | recompute | max"))
     assert "4.40x / " in line and "n/a" not in line          # batch ratio: seed 2038/463, ours from the search
+
+
+def test_hf_train_cuda_device_has_an_index(monkeypatch):
+    """The memory cap (set_per_process_memory_fraction) needs an indexed device; 'cuda' alone failed."""
+    from slidetune.bench.baselines import hf_train
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    dev = hf_train._device("cuda")
+    assert dev == torch.device("cuda", 0)
+    assert torch.cuda._utils._get_device_index(dev) == 0          # what the cap call parses
+    assert hf_train._device("cpu") == torch.device("cpu")
+
+
+def test_flex_local_attention_casts_to_the_autocast_dtype(monkeypatch):
+    """Under autocast, HF's rotary leaves q and k in FP32 beside a bf16 v; flex (no autocast op) gets
+    all three in the autocast dtype, as SDPA would."""
+    from slidetune.ops import attention
+    seen = []
+    monkeypatch.setattr(attention, "_flex_compiled", lambda q, k, v, **kw: seen.append((q.dtype, k.dtype, v.dtype)) or q)
+    monkeypatch.setattr(attention, "_flex_block_mask", lambda *a: None)
+    q, k = torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)
+    v = torch.randn(1, 2, 16, 8, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        attention.local_attention(q, k, v, 4, backend="flex")
+    attention.local_attention(q, k, v.float(), 4, backend="flex")
+    assert seen == [(torch.bfloat16,) * 3, (torch.float32,) * 3]

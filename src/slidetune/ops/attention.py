@@ -93,6 +93,11 @@ def _flex(q, k, v, window, scale, extra_mask):
         raise NotImplementedError("flex backend with a padding mask: use backend='blocked'")
     if _flex_compiled is None:
         _flex_compiled = torch.compile(flex_attention, dynamic=False)
+    if torch.is_autocast_enabled(q.device.type):
+        # flex_attention is no autocast op (SDPA is): under HF's rotary, q and k arrive in FP32 beside
+        # a bf16 v, so cast as autocast would cast SDPA's inputs
+        dt = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dt), k.to(dt), v.to(dt)
     bm = _flex_block_mask(q.shape[-2], k.shape[-2], window, q.device)
     return _flex_compiled(q, k, v, block_mask=bm, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 

@@ -57,8 +57,12 @@ class TechniqueSpec:
 
 def _device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(name)
+    if dev.type == "cuda" and dev.index is None:
+        # set_per_process_memory_fraction refuses a device without an index
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def _data(spec: TechniqueSpec, vocab: int):
