@@ -163,9 +163,12 @@ class SlideEngine:
             try:
                 return fut.result(timeout=_WAIT_S)
             except TimeoutError:
-                if self._abort.is_set():
-                    err = self._first_error
-                    raise WorkerError(f"a pipeline thread failed: {err!r}") from err
+                self._raise_if_aborted()
+
+    def _raise_if_aborted(self) -> None:
+        if self._abort.is_set():
+            err = self._first_error
+            raise WorkerError(f"a pipeline thread failed: {err!r}") from err
 
     def _views(self, unit: UnitSpec, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         key = (unit.signature(), flat.data_ptr())
@@ -282,9 +285,7 @@ class SlideEngine:
                     return slot
             with self.timeline.span("compute", "wait_grad_slot"), record_function("slidetune.wait_grad_slot"):
                 wait_any([s.free for s in self.grad_slots], timeout=_WAIT_S, return_when=FIRST_COMPLETED)
-            if self._abort.is_set():
-                err = self._first_error
-                raise WorkerError(f"a pipeline thread failed: {err!r}") from err
+            self._raise_if_aborted()
 
     def _claim_grad_slot(self, slot: _Slot) -> None:
         ev = self._wait(slot.free, "wait_grad_slot")

@@ -33,11 +33,12 @@ class Worker:
         self._jobs.put((fut, fn, args, kwargs))
         return fut
 
+    def _next(self) -> tuple | None:
+        """The next job as (future, fn, args, kwargs); None once closed."""
+        return self._jobs.get()
+
     def _run(self) -> None:
-        while True:
-            item = self._jobs.get()
-            if item is None:
-                return
+        while (item := self._next()) is not None:
             fut, fn, args, kwargs = item
             if self._error is not None:
                 fut.set_exception(WorkerError(f"{self.name} worker failed earlier: {self._error!r}"))
@@ -112,16 +113,16 @@ class DeadlineWorker(Worker):
         with self._cond:
             self._cond.notify_all()
 
-    def _pick(self) -> _Job | None:
+    def _next(self) -> tuple | None:
         with self._cond:
             while True:
                 while not self._pending:
                     if self._closing:
                         return None
                     self._cond.wait()
-                picked = self._pick_locked()
-                if picked is not None:
-                    return picked
+                job = self._pick_locked()
+                if job is not None:
+                    return job.fut, job.fn, job.args, job.kwargs
 
     def _pick_locked(self) -> _Job | None:
         """The next job, or None after a short wait when no eligible job is ready (lock held)."""
@@ -140,22 +141,6 @@ class DeadlineWorker(Worker):
         job = min(ready, key=lambda j: (j.deadline, j.seq))
         self._pending.remove(job)
         return job
-
-    def _run(self) -> None:
-        while True:
-            job = self._pick()
-            if job is None:
-                return
-            if self._error is not None:
-                job.fut.set_exception(WorkerError(f"{self.name} worker failed earlier: {self._error!r}"))
-                continue
-            try:
-                job.fut.set_result(job.fn(*job.args, **job.kwargs))
-            except BaseException as e:  # noqa: BLE001 - forwarded to the compute thread
-                self._error = e
-                job.fut.set_exception(e)
-                if self._on_error is not None:
-                    self._on_error(e)
 
     def close(self) -> None:
         with self._cond:
