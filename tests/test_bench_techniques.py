@@ -185,8 +185,9 @@ class _FakeWorker:
     """Stands in for run_worker: batch b fits when b <= limit[technique]; records the launches and,
     at each launch, what techniques.json on disk held (to prove it was written before)."""
 
-    def __init__(self, out, limits, fail=None):
+    def __init__(self, out, limits, fail=None, run_limits=None):
         self.out, self.limits, self.fail, self.calls, self.seen_on_disk = out, limits, fail or {}, [], []
+        self.run_limits = run_limits or {}     # a timed run may fit less than its shorter probe did
 
     def __call__(self, module, spec, timeout_s=0):
         path = self.out / "techniques.json"
@@ -196,7 +197,9 @@ class _FakeWorker:
         machine = {"torch": torch.__version__, "gpu": "fake", "gpu_memory_gib": 79.2}
         if self.fail.get(name) == b:
             return {"spec": spec, "status": "error", "error": "RuntimeError: boom", "machine": machine}
-        if b > self.limits[name]:
+        assert spec["data"] == "corpus"        # probes train on the runs' data
+        limit = self.run_limits.get(name, self.limits[name]) if spec["eval"] else self.limits[name]
+        if b > limit:
             return {"spec": spec, "status": "oom", "error": "CUDA out of memory", "oom_requested_gib": 1.0,
                     "machine": machine}
         return {"spec": spec, "status": "ok", "step_s_mean": 0.01 * b, "step_s_std": 0.0, "tokens_per_s": 100.0 * b,
@@ -207,12 +210,12 @@ class _FakeWorker:
 def _techniques_args(out, *extra):
     from slidetune.bench.scenarios import techniques
     return _args(techniques, ["--out", str(out), "--techniques", "fp32,flash,recompute", "--device", "cpu",
-                              "--seq-len", "16", "--steps", "3", "--probe-steps", "1", "--jobs", "1", *extra])
+                              "--seq-len", "16", "--steps", "4", "--probe-steps", "2", "--jobs", "1", *extra])
 
 
-def _fake_env(monkeypatch, tmp_path, limits, fail=None):
+def _fake_env(monkeypatch, tmp_path, limits, fail=None, run_limits=None):
     from slidetune.bench.scenarios import techniques
-    fake = _FakeWorker(tmp_path, limits, fail)
+    fake = _FakeWorker(tmp_path, limits, fail, run_limits)
     monkeypatch.setattr(techniques, "run_worker", fake)
     monkeypatch.setattr(techniques, "_dataset", lambda out, S, given: (tmp_path / "corpus.pt", False))
     return techniques, fake
@@ -326,3 +329,37 @@ def test_flex_local_attention_casts_to_the_autocast_dtype(monkeypatch):
         attention.local_attention(q, k, v, 4, backend="flex")
     attention.local_attention(q, k, v.float(), 4, backend="flex")
     assert seen == [(torch.bfloat16,) * 3, (torch.float32,) * 3]
+
+
+def test_techniques_run_oom_searches_below(tmp_path, monkeypatch):
+    """A timed run that runs out of memory where its probe fitted: that batch counts as a failure
+    and the search goes on below it, so the 'max' row is a batch that trained."""
+    techniques, fake = _fake_env(monkeypatch, tmp_path, {"fp32": 4, "flash": 16, "recompute": 16},
+                                 run_limits={"flash": 11})
+    techniques.run(_techniques_args(tmp_path))
+    rows = rows_by(tmp_path)
+    assert rows[("flash", "max")]["status"] == "ok" and rows[("flash", "max")]["batch_size"] == "11"
+    flash_runs = [b for n, b, ev in fake.calls if n == "flash" and ev]
+    assert flash_runs[0] == 4 and flash_runs[1] == 16 and flash_runs[-1] == 11
+    assert rows[("recompute", "max")]["batch_size"] == "16"
+
+
+def test_techniques_probe_steps_at_least_two(tmp_path, monkeypatch):
+    techniques, fake = _fake_env(monkeypatch, tmp_path, {"fp32": 4, "flash": 8, "recompute": 8})
+    with pytest.raises(SystemExit, match="at least 2 steps"):
+        techniques.run(_techniques_args(tmp_path, "--probe-steps", "1"))
+    assert not fake.calls
+
+
+def test_techniques_resume_reprobes_when_probe_settings_change(tmp_path, monkeypatch):
+    """--resume with other probe settings keeps the timed runs and runs the probes again."""
+    limits = {"fp32": 4, "flash": 8, "recompute": 8}
+    techniques, fake = _fake_env(monkeypatch, tmp_path, limits)
+    techniques.run(_techniques_args(tmp_path))
+    first = list(fake.calls)
+    techniques, fake = _fake_env(monkeypatch, tmp_path, limits)
+    techniques.run(_techniques_args(tmp_path, "--probe-steps", "3", "--resume"))
+    assert fake.calls and not [c for c in fake.calls if c[2]]                 # no timed run again
+    settled = {(n, b) for n, b, ev in first if ev}                             # a timed run settles its batch
+    assert sorted(fake.calls) == sorted(c for c in first if not c[2] and (c[0], c[1]) not in settled)
+    assert rows_by(tmp_path)[("flash", "max")]["batch_size"] == "8"

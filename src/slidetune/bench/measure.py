@@ -86,27 +86,38 @@ def measure(spec: MeasureSpec) -> dict:
     steps = []
     try:
         total_steps = spec.warmup + spec.steps
+        # All batches before the loop: making synthetic data is not the engine's time.
+        data = [synthetic_batches(vocab, spec.batch_size, spec.seq_len, spec.grad_accum, spec.seed * 1000 + k)
+                for k in range(total_steps)]
+        # A step's time is the interval from the previous step's return to this one's: train_step
+        # returns once the step's work is issued, while the GPU tail and the host's D2H and AdamW go
+        # on in the background, so the call's own duration ("call_s") under-reads the step, and any
+        # pause between calls would hide work. Nothing but the engine runs between two calls.
+        prev_end = None
+        raw = []
         for k in range(total_steps):
-            mbs = synthetic_batches(vocab, spec.batch_size, spec.seq_len, spec.grad_accum, spec.seed * 1000 + k)
             if k == spec.warmup:
                 device.synchronize()
                 device.reset_peak()
                 timer.anchor()             # one synchronize, before the measured steps
             t = time.perf_counter()
-            res = engine.train_step(mbs, spec.lr)
+            res = engine.train_step(data[k], spec.lr)
             t_end = time.perf_counter()
-            wall = t_end - t
-            spans = timer.collect()
+            start = t if prev_end is None else prev_end
+            prev_end = t_end
+            raw.append((k, start, t, t_end, res, timer.collect(),
+                        timeline.take() if timeline is not None else [],
+                        memory.take() if memory is not None else []))
+        for k, start, t, t_end, res, spans, host_spans, mem_points in raw:
             host, overlap = {}, {}
             if timeline is not None:
                 from ..telemetry.host_timeline import overlap_report, summarize
-                host_spans = timeline.take()
-                host = summarize(host_spans, t, t_end)
+                host = summarize(host_spans, start, t_end)
                 gpu = [(s.start_s, s.end_s) for s in spans if s.start_s is not None]
                 if gpu:
-                    overlap = overlap_report(gpu, host_spans, t, t_end)
-            mem_points = memory.take() if memory is not None else []
-            steps.append({"step": k, "warmup": k < spec.warmup, "wall_s": wall, "loss": res.loss,
+                    overlap = overlap_report(gpu, host_spans, start, t_end)
+            steps.append({"step": k, "warmup": k < spec.warmup, "wall_s": t_end - start, "call_s": t_end - t,
+                          "loss": res.loss,
                           "memory": [(p.phase, p.layer, p.allocated, p.reserved, p.rss) for p in mem_points],
                           "grad_norm": res.grad_norm(), "host_s": host, "overlap": overlap,
                           "spans": [(s.phase, s.layer, s.ms) for s in spans]})

@@ -130,7 +130,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-start", type=int, default=1,
                    help="first size of the doubling when no run is known to fit yet (the FP32 search)")
     p.add_argument("--probe-steps", type=int, default=3,
-                   help="steps per largest-batch probe (>= --steps: the probes are the full runs)")
+                   help="steps per largest-batch probe, at least 2 (>= --steps: the probes are the full runs)")
     p.add_argument("--no-max-batch", action="store_true", help="only the same-batch runs")
     p.add_argument("--max-batch-tolerance", type=float, default=0.0,
                    help="stop the bisection when the gap is below this fraction of the best batch (0: exact)")
@@ -151,15 +151,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # settings a finished process's result depends on: --resume refuses results made with others
-RESULT_SETTINGS = ("model", "num_layers", "seq_len", "steps", "warmup", "probe_steps", "eval_batches", "device",
+RESULT_SETTINGS = ("model", "num_layers", "seq_len", "steps", "warmup", "eval_batches", "device",
                    "lr", "lr_warmup", "gpu_memory_limit_gib")
+# settings only the probes depend on: --resume drops the probes made with others (they run again)
+PROBE_SETTINGS = ("probe_steps", "probe_data")
+# Probes train on the runs' data (real text, padded rows and all) for at least two optimizer
+# steps: AdamW allocates its state (8 B/param) in the first step, so a one-step probe sees
+# a smaller peak than every later step and overstates the largest batch.
+PROBE_DATA = "corpus"
+MIN_PROBE_STEPS = 2
 
 
 def _settings(args) -> dict:
     cuda = torch.cuda.is_available() and args.device != "cpu"
     s = dict(model=args.model, num_layers=args.num_layers, seq_len=args.seq_len, batch=args.batch_size,
              steps=args.steps, warmup=args.warmup, cap=args.max_batch_cap, start=args.max_batch_start,
-             probe_steps=args.probe_steps, tolerance=args.max_batch_tolerance,
+             probe_steps=args.probe_steps, probe_data=PROBE_DATA, tolerance=args.max_batch_tolerance,
              windows=[int(x) for x in args.windows.split(",")], eval_batches=args.eval_batches,
              device="cuda" if cuda else "cpu", jobs=1 if cuda else (args.jobs or max(1, (os.cpu_count() or 2) // 1)),
              probe_jobs=max(1, args.probe_jobs), lr=args.lr, lr_warmup=min(20, args.steps),
@@ -170,6 +177,10 @@ def _settings(args) -> dict:
                  num_layers=args.num_layers or 2, seq_len=32, batch=args.batch_size or 1, steps=2, warmup=1,
                  cap=min(args.max_batch_cap, 2), start=1, probe_steps=2, windows=[8, 16], eval_batches=2,
                  device="cpu", jobs=args.jobs or min(2, os.cpu_count() or 1), lr_warmup=2)
+    if s["probe_steps"] < MIN_PROBE_STEPS:
+        raise SystemExit(f"--probe-steps {s['probe_steps']}: a probe needs at least {MIN_PROBE_STEPS} steps "
+                         "(AdamW's state appears in the first step, so one step misses part of the steady-state "
+                         f"peak and overstates the largest batch); use --probe-steps {MIN_PROBE_STEPS}")
     s["threads"] = max(1, (os.cpu_count() or 1) // s["jobs"]) if s["device"] == "cpu" else None
     return s
 
@@ -225,7 +236,8 @@ class Study:
         return asdict(TechniqueSpec(
             name=name, model=S["model"], num_layers=S["num_layers"], seq_len=S["seq_len"], batch_size=batch,
             steps=steps, warmup=min(S["warmup"], max(0, steps - 1)), lr=S["lr"], lr_warmup_steps=S["lr_warmup"],
-            data="corpus" if kind == "run" else "synthetic", eval=kind == "run", max_eval_batches=S["eval_batches"],
+            data="corpus" if kind == "run" else S["probe_data"], eval=kind == "run",
+            max_eval_batches=S["eval_batches"],
             dataset_path=str(self.data_path), threads=S["threads"], device=S["device"],
             gpu_memory_limit_gib=S["gpu_memory_limit_gib"], **self.table[name]))
 
@@ -247,10 +259,9 @@ class Study:
 
     def search(self, name: str) -> None:
         """The largest batch of `name`; the search's record is saved after every probe."""
-        known = {}
-        r = self.results.get((name, self.same, "run")) if self.same else None
-        if r and r.get("status") in ("ok", "oom"):
-            known[self.same] = r["status"] == "ok"       # a full run at a batch settles that batch
+        with self.lock:   # a full run at a batch settles that batch, whatever a probe there said
+            known = {b: r["status"] == "ok" for (n, b, k), r in self.results.items()
+                     if n == name and k == "run" and r.get("status") in ("ok", "oom")}
         rec = dict(max_batch=None, capped=None, probes=[], error=None)
         with self.lock:
             self.searches[name] = rec
@@ -266,7 +277,9 @@ class Study:
             if r.get("status") not in ("ok", "oom"):
                 raise ProbeFailed(f"b={b}: {r.get('status')}: {(r.get('error') or '')[:200]}")
             return r["status"] == "ok"
-        start = max([b for b, ok in known.items() if ok], default=self.S["start"])
+        # the doubling starts where it always did (so a resumed search replays the same probes);
+        # the other runs only add what they settled
+        start = self.same if self.same and known.get(self.same) else self.S["start"]
         try:
             best, _ = find_max_batch(probe, start=start, cap=self.S["cap"], known=known, rel_tol=self.S["tolerance"])
         except ProbeFailed as e:      # an error is no OOM: report it rather than a wrong largest batch
@@ -283,6 +296,22 @@ class Study:
             self.launch(name, batch, probe=False)
             with self.lock:
                 self.save(plots=True)
+
+    def run_largest(self, name: str) -> None:
+        """The timed run at `name`'s largest batch. The run is the last word: if it runs out of
+        memory where the (shorter) probe fitted, its batch counts as a failure and the search
+        goes on below it (fragmentation over many steps, or the held-out evaluation)."""
+        tried: set[int] = set()
+        while True:
+            batch = self.searches.get(name, {}).get("max_batch")
+            if not batch or batch in tried:
+                return
+            tried.add(batch)
+            self.run_at(name, batch)
+            if self.results.get((name, batch, "run"), {}).get("status") != "oom":
+                return
+            print(f"[techniques] {name}: the run at b={batch} ran out of memory; searching below it", flush=True)
+            self.search(name)
 
     def guarded(self, fn: Callable, *a) -> None:
         try:
@@ -320,7 +349,7 @@ class Study:
             with ThreadPoolExecutor(self.probe_jobs()) as pool:
                 list(pool.map(lambda n: self.guarded(self.search, n), todo))
             for n in names:                                # timed: one at a time
-                self.guarded(self.run_at, n, self.searches.get(n, {}).get("max_batch"))
+                self.guarded(self.run_largest, n)
         if self.state == "running":
             self.state = "complete"
 
@@ -357,7 +386,10 @@ class Study:
                 if prev["settings"].get(k) != self.S.get(k)}
         if diff:
             raise SystemExit(f"--resume: {path} was made with other settings {diff}")
+        probes_stale = any(prev["settings"].get(k) != self.S.get(k) for k in PROBE_SETTINGS)
         for r in prev.get("results", []):
+            if probes_stale and r.get("kind") == "probe":
+                continue
             if r.get("status") in ("ok", "oom"):           # errors, crashes and timeouts run again
                 key = (r.pop("technique"), int(r.pop("batch")), r.pop("kind"))
                 self.results[key] = {**r, "machine": prev.get("machine")}
@@ -493,10 +525,11 @@ def render(out: Path, doc: dict, plots: bool = True, compare_seeds: bool = False
               f"Largest batch: doubling from {S.get('start', 1)} (or from the same-batch run when it trained) until "
               f"a probe fails (OOM) or the cap ({S['cap']}), then bisection"
               + (f" until the gap is below {S['tolerance']:.0%} of the best batch" if S["tolerance"] else "")
-              + f"; probes use synthetic token ids "
+              + f"; probes train on the runs' data "
               f"({'the probes are full runs' if S['probe_steps'] >= S['steps'] else str(S['probe_steps']) + ' steps each'}"
               + (f", up to {S['probe_jobs']} at a time, each under its own memory cap" if S.get("probe_jobs", 1) > 1
-                 else "") + "). A probe that fails otherwise than by OOM stops its search (reported as an error, "
+                 else "") + "). A timed run that runs out of memory counts as a failed probe, and the search "
+              "goes on below it. A probe that fails otherwise than by OOM stops its search (reported as an error, "
               "not as a largest batch). Perplexity: held-out 5% of the built-in English corpus (CPython docs), "
               "embedded SmolLM2 tokenizer (vocab 49152); training batches drawn with replacement.", "",
               "Differences from seeds/003: Llama-family block (RMSNorm, SwiGLU, rotary; the study's model had "
