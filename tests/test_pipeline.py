@@ -217,3 +217,25 @@ def test_deadline_order_with_a_one_chunk_ring_does_not_deadlock():
         eng.synchronize()
     finally:
         eng.close()
+
+
+def test_host_threads_sets_the_host_workers_own_thread_count():
+    """host_threads applies to the host worker (AdamW) only; the weights are those of the default."""
+    caller = torch.get_num_threads()
+    finals = {}
+    for threads in (0, 1):
+        eng = _engine(cache_units=0, host_threads=threads)
+        try:
+            if threads:
+                assert eng.host_worker.submit(torch.get_num_threads).result() == threads
+            assert torch.get_num_threads() == caller
+            for step in range(2):
+                eng.train_step(make_batches(step, 1), 1e-3)
+            eng.synchronize()
+            finals[threads] = {k: v.clone() for k, v in eng.named_master_params()}
+        finally:
+            eng.close()
+    for k, v in finals[0].items():
+        torch.testing.assert_close(v, finals[1][k], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="host_threads"):
+        RuntimeConfig(host_threads=-1)

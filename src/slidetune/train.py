@@ -299,6 +299,53 @@ def _loop(cfg, engine, loaded, sampler, heldout, pad_id, total_steps, device, ou
         bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
     stop_message = None
     last_t = time.perf_counter()
+    # A step's checks and metrics wait for its gradient norm, i.e. for all of its host updates.
+    # They run once the next step is issued (its forward needs those updates anyway), so the
+    # updates overlap the next forward instead of stalling the loop; a step that must be
+    # complete at once (eval, save, stop, the last one) is checked right away.
+    pending: tuple | None = None
+
+    def finish(step: int, res, lr: float, tokens: int, dt: float) -> dict:
+        nonlocal first_loss, last_loss
+        grad_norm = res.grad_norm()
+        bad = None
+        if not math.isfinite(res.loss):
+            bad = f"non-finite loss ({res.loss})"
+        elif grad_norm is not None and not math.isfinite(grad_norm):
+            bad = f"non-finite gradient norm ({grad_norm}, loss {res.loss:.4f})"
+        if bad is not None:
+            _flush(metrics_path, rows, out)
+            newest = latest_checkpoint(ckpt_dir)
+            last = (f"the newest checkpoint, {newest}, is intact (resume from it with --resume auto "
+                    f"after changing the settings)" if newest else "no checkpoint had been written yet")
+            hints = [f"lower the learning rate (--lr, now {cfg.optim.lr:g})"]
+            if cfg.max_grad_norm is None:
+                hints.append("clip gradients (--max-grad-norm 1.0)")
+            hints.append(f"use more --warmup-steps (now {cfg.warmup_steps})")
+            if cfg.runtime.dtype == "fp16":
+                hints.append("use --dtype bf16 (fp16 overflows without loss scaling)")
+            hints.append(f"check the data of step {step + 1}")
+            raise TrainingError(
+                f"{bad} at step {step + 1}: training stopped; the weights of that step were not saved "
+                f"and {last}; metrics up to step {step} are in {metrics_path}. "
+                f"Hint: {'; '.join(hints)}")
+        tps = tokens / dt if dt > 0 else float("nan")
+        if step > start_step:                   # the first step includes warm-up
+            tok_rates.append(tps)
+        first_loss = res.loss if first_loss is None else first_loss
+        last_loss = res.loss
+        row = _row(step=step + 1, loss=res.loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tps,
+                   tflops=tps * flops_tok / 1e12, step_s=dt,
+                   gpu_peak_alloc_gib=device.max_memory_allocated() / 2**30,
+                   gpu_peak_reserved_gib=device.max_memory_reserved() / 2**30,
+                   cpu_rss_gib=proc.memory_info().rss / 2**30)
+        rows.append(row)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{res.loss:.4f}", tok_s=f"{tps:,.0f}", tflops=f"{row['tflops']:.1f}",
+                            gpu=f"{row['gpu_peak_alloc_gib']:.1f}G", rss=f"{row['cpu_rss_gib']:.1f}G")
+        return row
+
     try:
         for step in range(start_step, total_steps):
             mbs = [sampler.batch(step * cfg.grad_accum + j) for j in range(cfg.grad_accum)]
@@ -306,52 +353,26 @@ def _loop(cfg, engine, loaded, sampler, heldout, pad_id, total_steps, device, ou
             res = engine.train_step(mbs, lr)
             now = time.perf_counter()
             dt, last_t = now - last_t, now
-            grad_norm = res.grad_norm()
-            bad = None
-            if not math.isfinite(res.loss):
-                bad = f"non-finite loss ({res.loss})"
-            elif grad_norm is not None and not math.isfinite(grad_norm):
-                bad = f"non-finite gradient norm ({grad_norm}, loss {res.loss:.4f})"
-            if bad is not None:
-                _flush(metrics_path, rows, out)
-                newest = latest_checkpoint(ckpt_dir)
-                last = (f"the newest checkpoint, {newest}, is intact (resume from it with --resume auto "
-                        f"after changing the settings)" if newest else "no checkpoint had been written yet")
-                hints = [f"lower the learning rate (--lr, now {cfg.optim.lr:g})"]
-                if cfg.max_grad_norm is None:
-                    hints.append("clip gradients (--max-grad-norm 1.0)")
-                hints.append(f"use more --warmup-steps (now {cfg.warmup_steps})")
-                if cfg.runtime.dtype == "fp16":
-                    hints.append("use --dtype bf16 (fp16 overflows without loss scaling)")
-                hints.append(f"check the data of step {step + 1}")
-                raise TrainingError(
-                    f"{bad} at step {step + 1}: training stopped; the weights of that step were not saved "
-                    f"and {last}; metrics up to step {step} are in {metrics_path}. "
-                    f"Hint: {'; '.join(hints)}")
+            if pending is not None:
+                finish(*pending)
+                pending = None
             tokens = sum(int(mb.input_ids.numel()) for mb in mbs)
-            tps = tokens / dt if dt > 0 else float("nan")
-            if step > start_step:                   # the first step includes warm-up
-                tok_rates.append(tps)
-            first_loss = res.loss if first_loss is None else first_loss
-            last_loss = res.loss
-            row = _row(step=step + 1, loss=res.loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tps,
-                       tflops=tps * flops_tok / 1e12, step_s=dt,
-                       gpu_peak_alloc_gib=device.max_memory_allocated() / 2**30,
-                       gpu_peak_reserved_gib=device.max_memory_reserved() / 2**30,
-                       cpu_rss_gib=proc.memory_info().rss / 2**30)
-            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < total_steps and len(heldout):
-                row["eval_loss"], row["eval_ppl"] = evaluate(engine, heldout, cfg.batch_size, pad_id,
-                                                             cfg.eval_batches)
-            rows.append(row)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{res.loss:.4f}", tok_s=f"{tps:,.0f}", tflops=f"{row['tflops']:.1f}",
-                                gpu=f"{row['gpu_peak_alloc_gib']:.1f}G", rss=f"{row['cpu_rss_gib']:.1f}G")
+            done = step + 1
+            stopping = stop.signal is not None or bool(cfg.stop_after and done - start_step >= cfg.stop_after
+                                                       and done < total_steps)
+            evaluating = bool(cfg.eval_every and done % cfg.eval_every == 0 and done < total_steps
+                              and len(heldout))
+            saving = bool(cfg.save_every and done % cfg.save_every == 0 and done < total_steps)
+            if stopping or evaluating or saving or done == total_steps:
+                row = finish(step, res, lr, tokens, dt)
+                if evaluating:
+                    row["eval_loss"], row["eval_ppl"] = evaluate(engine, heldout, cfg.batch_size, pad_id,
+                                                                 cfg.eval_batches)
+            else:
+                pending = (step, res, lr, tokens, dt)
             if (step + 1) % cfg.log_every == 0:
                 _write_rows(metrics_path, rows)
-            done = step + 1
-            if stop.signal is not None or (cfg.stop_after and done - start_step >= cfg.stop_after
-                                           and done < total_steps):
+            if stopping:
                 _write_rows(metrics_path, rows)
                 path = save(done) if saved_step != done else ckpt_dir / f"checkpoint-{done}"
                 if stop.signal is not None:

@@ -139,6 +139,10 @@ def measure(spec: MeasureSpec) -> dict:
             result["overlap_mean"] = {k: sum(o.get(k, 0.0) for o in ov) / len(ov) for k in keys}
         if measured:
             import statistics
+            kept = [s for s in steps if not s["warmup"]]
+            result["call_s_mean"] = statistics.mean(s["call_s"] for s in kept)
+            keys = sorted({k for s in kept for k in s["host_s"]})
+            result["host_s_mean"] = {k: sum(s["host_s"].get(k, 0.0) for s in kept) / len(kept) for k in keys}
             mean = statistics.mean(measured)
             result["step_s_mean"] = mean
             result["step_s_std"] = statistics.stdev(measured) if len(measured) > 1 else 0.0

@@ -50,6 +50,12 @@ class RuntimeConfig:
     # copy that fills them is the cast. Costs FP32-sized slot buffers on the GPU.
     upload_cast_stream: str = "copy"    # copy | compute
     grad_slot_dtype: str = "compute"    # compute | fp32
+    # Intra-op threads of the host worker (AdamW, gradient norms). 0: torch's default (all
+    # cores). AdamW's parallel regions wait for their slowest thread, so on a host where
+    # the compute, upload and D2H threads also need cores, fewer AdamW threads can finish
+    # sooner (benchmarks/NOTES.md 12). Set in the worker thread, so the compute thread
+    # keeps its own count.
+    host_threads: int = 0
     # torch.compile the decoder layers' forward (slide mode; one graph per kind of layer,
     # recompute and backward included). Costs a compile at the first step.
     compile_layers: bool = False
@@ -77,6 +83,8 @@ class RuntimeConfig:
         if self.cache_units == 1 or self.cache_units < -1:
             raise ValueError("cache_units must be >= 2 (one computing, one loading), 0 for one per layer "
                              "or -1 for auto")
+        if self.host_threads < 0:
+            raise ValueError("host_threads must be >= 1, or 0 for torch's default")
         if self.grad_slots < 0:
             raise ValueError("grad_slots must be >= 1, or 0 for auto")
 

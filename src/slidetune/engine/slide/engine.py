@@ -122,6 +122,9 @@ class SlideEngine:
         self.upload_worker = Worker("upload", self._on_worker_error)
         # Eager updates run earliest-deadline-first (rt.update_order; workers.DeadlineWorker).
         self.host_worker = DeadlineWorker("host", self._on_worker_error)
+        if rt.host_threads:
+            # OpenMP's thread count is per calling thread: this sets the worker's own pool
+            self.host_worker.submit(torch.set_num_threads, rt.host_threads).result()
         self.deadline_order = self.schedule == "eager" and rt.update_order == "deadline"
         # The D2H issuer also goes earliest-deadline-first under deadline order: the ring then
         # carries the most urgent gradients while the others wait in their GPU slots.
