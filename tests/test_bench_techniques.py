@@ -128,6 +128,11 @@ def test_throughput_smoke(tmp_path):
     json.loads((out / "throughput.json").read_text())
     _pngs(out, ["tokens_per_s.png", "model_tflops.png", "gpu_peak.png", "step_over_floor.png"])
     assert "6 N_matmul" in (out / "report.md").read_text()
+    # where the slide step goes: the host timeline per step, inside the interval-timed step
+    slide = by["slide"]
+    assert 0 < float(slide["host_adamw_s"]) <= float(slide["step_s_mean"]) * 1.05
+    assert 0 < float(slide["call_s_mean"]) <= float(slide["step_s_mean"]) * 1.05
+    assert "Where a slide step goes" in (out / "report.md").read_text()
 
 
 def test_roofline_smoke(tmp_path):

@@ -174,7 +174,11 @@ def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, arg
 
 COLUMNS = ["model", "seq_len", "batch_size", "system", "status", "step_s_mean", "step_s_std", "tokens_per_s",
            "model_tflops", "gpu_peak_alloc_gib", "gpu_peak_reserved_gib", "cpu_peak_rss_gib", "floor_s",
-           "floor_bound_by", "floor_partial", "step_over_floor", "oom_requested_gib", "error"]
+           "floor_bound_by", "floor_partial", "step_over_floor", "oom_requested_gib", "call_s_mean",
+           "host_adamw_s", "host_wait_d2h_s", "fwd_wait_upload_s", "bwd_wait_grad_slot_s", "error"]
+# slide's host timeline, seconds per step (bench.measure host_s_mean): where a step goes
+HOST_COLUMNS = {"host_adamw_s": "host.adamw", "host_wait_d2h_s": "host.d2h_wait",
+                "fwd_wait_upload_s": "compute.wait_upload", "bwd_wait_grad_slot_s": "compute.wait_grad_slot"}
 
 
 def _row(system, model, batch, seq, r, fpt, fl) -> dict:
@@ -185,6 +189,10 @@ def _row(system, model, batch, seq, r, fpt, fl) -> dict:
                error=(r.get("error") or "")[:200] or None)
     if row["tokens_per_s"] and fpt:
         row["model_tflops"] = row["tokens_per_s"] * fpt / 1e12
+    row["call_s_mean"] = r.get("call_s_mean")
+    host = r.get("host_s_mean") or {}
+    for col, key in HOST_COLUMNS.items():
+        row[col] = host.get(key)
     if fl and fl.get("status") == "ok":
         row.update(floor_s=fl.get("floor_s"), floor_bound_by=fl.get("bound_by"), floor_partial=fl.get("partial"))
         if row["step_s_mean"] and fl.get("floor_s"):
@@ -221,6 +229,14 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "") ->
     lines += O.md_table(rows, ["model", "seq_len", "batch_size", "system", "status", "step_s_mean", "tokens_per_s",
                                "model_tflops", "gpu_peak_alloc_gib", "cpu_peak_rss_gib", "step_over_floor",
                                "oom_requested_gib"], {"step_s_mean": 3, "tokens_per_s": 0, "model_tflops": 1})
+    timed = [r for r in rows if r.get("host_adamw_s") is not None]
+    if timed:
+        lines += ["", "Where a slide step goes (host timeline, seconds per step): the host worker's AdamW and its "
+                  "wait for gradient copies; the compute thread's waits for updated weights (forward) and for a "
+                  "free gradient slot (backward). step_s is the interval between train_step returns; call_s the "
+                  "call alone (the rest ran in the background).", ""]
+        lines += O.md_table(timed, ["model", "seq_len", "batch_size", "step_s_mean", "call_s_mean", *HOST_COLUMNS],
+                            {k: 3 for k in ["step_s_mean", "call_s_mean", *HOST_COLUMNS]})
     lines += ["", "Plots: tokens_per_s.png, model_tflops.png, gpu_peak.png, cpu_peak.png, step_over_floor.png, "
               "pareto.png", ""]
     searches = [r for r in raw if str(r.get("key", "")).endswith("/max-seq")]
