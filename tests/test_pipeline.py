@@ -239,3 +239,67 @@ def test_host_threads_sets_the_host_workers_own_thread_count():
         torch.testing.assert_close(v, finals[1][k], rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="host_threads"):
         RuntimeConfig(host_threads=-1)
+
+
+class _LaggyEvent:
+    """A CPU stand-in for a CUDA event that completes some queries after it was recorded,
+    as a copy queued behind a backward the GPU has not run yet does."""
+
+    def __init__(self, lag: int):
+        self.left = lag
+
+    def query(self) -> bool:
+        self.left -= 1
+        return self.left < 0
+
+    def synchronize(self) -> None:
+        self.left = -1
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+def test_deadline_order_waits_for_landed_copies_and_computed_gradients(monkeypatch):
+    """Under deadline order the host takes only units whose first chunk has landed and the
+    issuer only computed gradients; with events that complete late both keep polling, never
+    deadlock (one-chunk ring), and the weights equal those of always-complete events."""
+    from slidetune.engine.slide.engine import _landed
+    not_landed = []
+
+    def counting(chunk):
+        ok = _landed(chunk)
+        not_landed.append(not ok)
+        return ok
+
+    def train(laggy: bool) -> dict:
+        if laggy:
+            counter = iter(range(10**9))
+            monkeypatch.setattr(Device, "record", lambda self, stream=None, timing=False:
+                                _LaggyEvent(next(counter) % 4))
+            monkeypatch.setattr(engine, "_landed", counting)
+        eng = _engine(cache_units=0, update_order="deadline", download_ring=1, chunk_mb=1)
+        try:
+            for step in range(3):
+                eng.train_step(make_batches(step, 1), 1e-3)
+            eng.synchronize()
+            return {k: v.clone() for k, v in eng.named_master_params()}
+        finally:
+            eng.close()
+            monkeypatch.undo()
+    plain, laggy = train(False), train(True)
+    for k, v in plain.items():
+        assert torch.equal(v, laggy[k]), k
+    assert any(not_landed)                          # the host did find queued-but-not-landed units
+
+    from concurrent.futures import Future
+    fut: Future = Future()
+    assert not _landed(fut)
+    ev = _LaggyEvent(1)
+    fut.set_result((0, ev))
+    assert not _landed(fut) and _landed(fut)       # queued, then landed
+    failed: Future = Future()
+    failed.set_exception(RuntimeError("issue failed"))
+    assert _landed(failed)                          # the host job runs and reports it

@@ -49,6 +49,17 @@ from .workers import DeadlineWorker, Worker, WorkerError, done_future
 _WAIT_S = 1.0   # poll period while waiting on a worker future (to surface worker errors)
 
 
+def _landed(chunk: Future) -> bool:
+    """A gradient chunk's D2H copy has finished (not merely been queued). A failed issue
+    counts as landed, so the host job runs and reports the error."""
+    if not chunk.done():
+        return False
+    if chunk.exception() is not None:
+        return True
+    _, event = chunk.result()
+    return bool(event.query())
+
+
 @dataclass
 class _Slot:
     """A GPU buffer holding one unit's weights (or gradients) in the compute dtype."""
@@ -305,9 +316,13 @@ class SlideEngine:
         # several it is the norm of the FP32 sum, which exists only on the host.
         host_norm = n_micro > 1 and micro == n_micro - 1
         # Earliest deadline first: a unit's deadline is its place in the next forward
-        # (embedding 0, layer i at i + 1, head last). Ready once its first chunk is queued
-        # for copy: it is then fully issued or the unit the issuer is working on.
-        order = dict(deadline=unit_index, ready=chunks[0].done) if self.deadline_order else {}
+        # (embedding 0, layer i at i + 1, head last), among the units whose first chunk has
+        # landed in host memory: such a unit is fully issued or the one the issuer is working
+        # on (so consuming it frees ring buffers). Queued is not enough: the compute thread
+        # runs layers ahead of the GPU, so the newest unit's copy waits for a backward the GPU
+        # has not run yet, and a host that picked it would idle while older gradients sit
+        # in the ring (benchmarks/NOTES.md 13).
+        order = dict(deadline=unit_index, ready=lambda: _landed(chunks[0])) if self.deadline_order else {}
         if self.deadline_order:
             chunks[0].add_done_callback(lambda _: self.host_worker.notify())
         fut = self.host_worker.submit(self._timed, "host", "drain", self.drainer.consume, unit, chunks, mode=mode,
@@ -319,8 +334,11 @@ class SlideEngine:
         # A third thread queues the copies as ring buffers free up, so neither the compute
         # thread (which only needs its GPU gradient slot back) nor AdamW ever waits on it.
         slot.free = Future()
+        # The issuer, too, takes the most urgent unit whose gradient the GPU has computed:
+        # copies run in issue order on one stream, so a copy queued behind a backward still
+        # to come would hold back the copies of gradients that are already there.
         self.d2h_worker.submit(self._issue_drain, unit, slot.flat[: unit.spec.numel], ready, chunks, slot.free,
-                               **({"deadline": unit_index} if self.deadline_order else {}))
+                               **({"deadline": unit_index, "ready": ready.query} if self.deadline_order else {}))
 
     def _norm_on_device(self, flat: torch.Tensor) -> None:
         """Add the squared L2 norm of one unit's gradient slot to the step's GPU accumulator.

@@ -15,6 +15,9 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 
+POLL_S = 0.002     # DeadlineWorker: how often unannounced readiness is re-checked
+
+
 class WorkerError(RuntimeError):
     pass
 
@@ -136,7 +139,9 @@ class DeadlineWorker(Worker):
             eligible.append(job)
         ready = [j for j in eligible if j.ready is None or j.ready()]
         if not ready:
-            self._cond.wait(timeout=0.01)             # woken by notify(); the timeout bounds a missed one
+            # woken by notify(); the timeout re-checks readiness that nothing announces (a copy
+            # landing on the GPU): 2 ms against ~50 ms of AdamW per 8B layer
+            self._cond.wait(timeout=POLL_S)
             return None
         job = min(ready, key=lambda j: (j.deadline, j.seq))
         self._pending.remove(job)
