@@ -65,8 +65,9 @@ def weights(directory: Path) -> dict[str, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def signal_after_step(sig: int, step: int):
-    """Wrap every engine built by the trainer so that `sig` is sent to this process after its step `step`."""
+def after_each_step(hook):
+    """Wrap every engine built by the trainer: `hook(engine, result)` runs after each of its
+    train_step calls and returns the result the trainer gets."""
     real = train_mod.build_engine
 
     def build(*args, **kwargs):
@@ -74,16 +75,25 @@ def signal_after_step(sig: int, step: int):
         inner = engine.train_step
 
         def train_step(mbs, lr):
-            res = inner(mbs, lr)
-            if engine.step_index == step:
-                os.kill(os.getpid(), sig)
-            return res
+            return hook(engine, inner(mbs, lr))
 
         engine.train_step = train_step
         return engine
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(train_mod, "build_engine", build)
+        yield
+
+
+@contextlib.contextmanager
+def signal_after_step(sig: int, step: int):
+    """Wrap every engine built by the trainer so that `sig` is sent to this process after its step `step`."""
+    def send(engine, res):
+        if engine.step_index == step:
+            os.kill(os.getpid(), sig)
+        return res
+
+    with after_each_step(send):
         yield
 
 

@@ -28,6 +28,7 @@ from slidetune import train as train_mod
 from slidetune.cli import main
 from slidetune.engine.result import StepResult
 from slidetune.data.corpus import builtin_corpus
+from test_train_e2e import after_each_step
 
 BASE = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "2",
         "--progress", "false", "--device", "cpu"]
@@ -309,34 +310,27 @@ def test_second_ctrl_c_stops_at_once_keeping_the_last_checkpoint(tmp_path):
     assert metric_steps(d) == [0, 1]
 
 
-def test_next_step_is_issued_before_the_last_steps_norm_is_awaited(tmp_path, monkeypatch):
+def test_next_step_is_issued_before_the_last_steps_norm_is_awaited(tmp_path):
     """A step's gradient norm waits for all of its host updates: the loop reads it only once
     the next step is issued, so those updates overlap the next forward (benchmarks/NOTES.md 12).
     Steps that must be complete at once (here the last) are checked right away."""
     events: list[tuple[str, int]] = []
-    real_build = train_mod.build_engine
 
-    def spy_build(*a, **k):
-        eng = real_build(*a, **k)
-        real_step = eng.train_step
+    def spy(engine, res):
+        n = sum(1 for kind, _ in events if kind == "issued")
+        events.append(("issued", n))
+        real_norm = res.grad_norm
 
-        def step(mbs, lr):
-            res = real_step(mbs, lr)
-            n = sum(1 for kind, _ in events if kind == "issued")
-            events.append(("issued", n))
-            real_norm = res.grad_norm
+        def norm():
+            events.append(("norm", n))
+            return real_norm()
+        res.grad_norm = norm
+        return res
 
-            def norm():
-                events.append(("norm", n))
-                return real_norm()
-            res.grad_norm = norm
-            return res
-        eng.train_step = step
-        return eng
-    monkeypatch.setattr(train_mod, "build_engine", spy_build)
     run = tmp_path / "run"
-    code, out, err = run_cli(*COMMON, "--max-steps", "4", "--eval-every", "0", "--save-every", "0",
-                             "--output-dir", str(run))
+    with after_each_step(spy):
+        code, out, err = run_cli(*COMMON, "--max-steps", "4", "--eval-every", "0", "--save-every", "0",
+                                 "--output-dir", str(run))
     assert code == 0, err
     assert events == [("issued", 0), ("issued", 1), ("norm", 0), ("issued", 2), ("norm", 1), ("issued", 3),
                       ("norm", 2), ("norm", 3)]

@@ -54,6 +54,12 @@ def synthetic_batches(vocab: int, batch: int, seq: int, n: int, seed: int) -> li
     return out
 
 
+def _mean_by_key(dicts: list[dict[str, float]]) -> dict[str, float]:
+    """Per key, the mean over `dicts` (a key missing from one counts as 0 there)."""
+    keys = sorted({k for d in dicts for k in d})
+    return {k: sum(d.get(k, 0.0) for d in dicts) / len(dicts) for k in keys}
+
+
 def measure(spec: MeasureSpec) -> dict:
     rt = RuntimeConfig(**spec.runtime)
     device = Device.resolve(rt.device)
@@ -129,20 +135,18 @@ def measure(spec: MeasureSpec) -> dict:
             result["engine_memory"] = engine.memory_report()
         if spec.profile:
             result["trace_summary"] = _profile(engine, vocab, spec)
-        measured = [s["wall_s"] for s in steps if not s["warmup"]]
+        kept = [s for s in steps if not s["warmup"]]
+        measured = [s["wall_s"] for s in kept]
         tokens = spec.batch_size * spec.seq_len * spec.grad_accum
         result["tokens_per_step"] = tokens
         result["flops_per_token"] = train_flops_per_token(split, spec.seq_len)
-        ov = [s["overlap"] for s in steps if not s["warmup"] and s.get("overlap")]
+        ov = [s["overlap"] for s in kept if s.get("overlap")]
         if ov:
-            keys = sorted({k for o in ov for k in o})
-            result["overlap_mean"] = {k: sum(o.get(k, 0.0) for o in ov) / len(ov) for k in keys}
+            result["overlap_mean"] = _mean_by_key(ov)
         if measured:
             import statistics
-            kept = [s for s in steps if not s["warmup"]]
             result["call_s_mean"] = statistics.mean(s["call_s"] for s in kept)
-            keys = sorted({k for s in kept for k in s["host_s"]})
-            result["host_s_mean"] = {k: sum(s["host_s"].get(k, 0.0) for s in kept) / len(kept) for k in keys}
+            result["host_s_mean"] = _mean_by_key([s["host_s"] for s in kept])
             mean = statistics.mean(measured)
             result["step_s_mean"] = mean
             result["step_s_std"] = statistics.stdev(measured) if len(measured) > 1 else 0.0
