@@ -1,7 +1,8 @@
-"""Telemetry: trace summary arithmetic, host timeline, FLOP formula."""
+"""Telemetry: trace summary arithmetic, host timeline, FLOP formula, event timer, how host threads wait."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -102,3 +103,36 @@ def test_stream_stats_and_lanes_from_a_trace(tmp_path):
     assert L["upload stream 20: h2d"] == [(0.0, 0.1)]
     assert L["download stream 21: d2h"] == [(0.7, 0.9)]
     assert L["cpu: AdamW"] == [(0.75, 0.9)] and L["cpu: compute wait_grad_slot"] == [(0.9, 0.95)]
+
+
+def test_event_timer_cut_defers_resolution_and_keeps_step_boundaries():
+    """measure() cuts the timer after every step and resolves after the loop (no GPU wait
+    inside the timed loop): each cut holds exactly the spans of its step."""
+    from slidetune.device import Device
+    from slidetune.telemetry.events import EventTimer
+
+    timer = EventTimer(Device.resolve("cpu"))
+    cuts = []
+    for step in range(3):
+        for layer in range(step + 1):
+            with timer.span("forward", layer):
+                time.sleep(0.001)
+        cuts.append(timer.cut())
+    assert timer.cut() == []
+    spans = [timer.resolve(c) for c in cuts]
+    assert [len(s) for s in spans] == [1, 2, 3]
+    assert [s.layer for s in spans[2]] == [0, 1, 2]
+    assert all(s.ms >= 1.0 and s.end_s > s.start_s for ss in spans for s in ss)
+    assert timer.collect() == []
+
+
+def test_cuda_waits_option_is_validated():
+    from slidetune.device import Device
+    from slidetune.engine.config import RuntimeConfig
+
+    with pytest.raises(ValueError, match="cuda_waits must be block or spin"):
+        RuntimeConfig(cuda_waits="yield")
+    with pytest.raises(ValueError, match="waits must be block or spin"):
+        Device.resolve("cpu", waits="yield")
+    cpu = Device.resolve("cpu", waits="spin")
+    assert cpu.waits == "spin" and cpu.context_waits == "n/a"

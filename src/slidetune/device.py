@@ -8,9 +8,39 @@ dependency logic is exercised, only without asynchrony.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from dataclasses import dataclass
 
 import torch
+
+CU_CTX_SCHED_BLOCKING_SYNC = 0x04       # cuda.h: host threads sleep on a wait instead of spinning
+CU_CTX_SCHED_MASK = 0x07
+
+
+def request_blocking_sync(index: int) -> str:
+    """Ask the driver to make every host wait on this GPU sleep instead of spin; says what happened.
+
+    CUDA's default (auto scheduling with fewer contexts than cores) spins a core in every
+    synchronizing call: `.item()`, `torch.cuda.synchronize`, waits on non-blocking events.
+    The slide engine's host runs AdamW on all cores in parallel regions that finish with
+    their slowest thread, so one spinning waiter cost 41% of AdamW's rate on the H100 host
+    (benchmarks/scripts/host_contention.py, NOTES.md 14). Sets the primary context's
+    scheduling flag through the driver API (torch does not expose it); it must run before
+    the context is created to be certain to apply, so Device.resolve calls it first.
+    """
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        return f"spin (libcuda not loadable: {e})"
+    dev = ctypes.c_int()
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(dev), index) != 0:
+        return "spin (cuInit/cuDeviceGet failed)"
+    err = cuda.cuDevicePrimaryCtxSetFlags_v2(dev, CU_CTX_SCHED_BLOCKING_SYNC)
+    flags, active = ctypes.c_uint(), ctypes.c_int()
+    cuda.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active))
+    if (flags.value & CU_CTX_SCHED_MASK) == CU_CTX_SCHED_BLOCKING_SYNC:
+        return "blocking_sync"
+    return f"spin (cuDevicePrimaryCtxSetFlags returned {err}; context active: {bool(active.value)})"
 
 
 class _NullEvent:
@@ -18,20 +48,6 @@ class _NullEvent:
 
     def record(self, stream=None) -> None:
         pass
-
-    def register_host(self, t: torch.Tensor) -> None:
-        """Page-lock an existing host tensor in place (cudaHostRegister): async copies, no extra RAM."""
-        if not self.is_cuda or t.numel() == 0:
-            return
-        err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
-        if err != 0:
-            raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size() / 2**30:.2f} GiB failed "
-                               f"(cudaError {err}); the host may limit locked memory (ulimit -l). "
-                               f"Use --cast-on cpu to stream through small pinned buffers instead")
-
-    def unregister_host(self, t: torch.Tensor) -> None:
-        if self.is_cuda and t.numel():
-            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
     def synchronize(self) -> None:
         pass
@@ -50,20 +66,6 @@ class _NullStream:
     def wait_stream(self, stream) -> None:
         pass
 
-    def register_host(self, t: torch.Tensor) -> None:
-        """Page-lock an existing host tensor in place (cudaHostRegister): async copies, no extra RAM."""
-        if not self.is_cuda or t.numel() == 0:
-            return
-        err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
-        if err != 0:
-            raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size() / 2**30:.2f} GiB failed "
-                               f"(cudaError {err}); the host may limit locked memory (ulimit -l). "
-                               f"Use --cast-on cpu to stream through small pinned buffers instead")
-
-    def unregister_host(self, t: torch.Tensor) -> None:
-        if self.is_cuda and t.numel():
-            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
-
     def synchronize(self) -> None:
         pass
 
@@ -76,17 +78,29 @@ class Device:
     """Wraps a torch.device with stream/event/pinning helpers."""
 
     device: torch.device
+    # Events whose synchronize() sleeps (cudaEventBlockingSync) rather than spins a core
+    # the host's AdamW needs; "spin" keeps CUDA's default for A/B measurements.
+    waits: str = "block"
+    # What the driver granted for the context's other waits (.item(), synchronize()).
+    context_waits: str = "n/a"
 
     @staticmethod
-    def resolve(name: str | None = None) -> "Device":
+    def resolve(name: str | None = None, waits: str = "block") -> "Device":
+        """name: auto | cpu | cuda[:i]; waits: block | spin (how host threads wait on the GPU)."""
+        if waits not in ("block", "spin"):
+            raise ValueError(f"waits must be block or spin, not {waits!r}")
         if name in (None, "auto"):
             name = "cuda" if torch.cuda.is_available() else "cpu"
         dev = torch.device(name)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("device 'cuda' requested but torch.cuda.is_available() is False")
-        return Device(dev)
+        context_waits = "n/a"
+        if dev.type == "cuda":
+            # before anything creates the context (current_device() may)
+            context_waits = request_blocking_sync(dev.index or 0) if waits == "block" else "spin"
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+        return Device(dev, waits=waits, context_waits=context_waits)
 
     @property
     def is_cuda(self) -> bool:
@@ -99,7 +113,9 @@ class Device:
         return torch.cuda.current_stream(self.device) if self.is_cuda else _NullStream()
 
     def event(self, timing: bool = False):
-        return torch.cuda.Event(enable_timing=timing) if self.is_cuda else _NullEvent()
+        if not self.is_cuda:
+            return _NullEvent()
+        return torch.cuda.Event(enable_timing=timing, blocking=self.waits == "block")
 
     def record(self, stream=None, timing: bool = False):
         """A new event recorded now on `stream` (default: current stream)."""

@@ -147,7 +147,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
     t_start = time.perf_counter()
     out = Path(cfg.output_dir)
     seed_everything(cfg.seed)
-    device = Device.resolve(cfg.runtime.device)
+    device = Device.resolve(cfg.runtime.device, waits=cfg.runtime.cuda_waits)
     loaded = load_model(cfg.model, num_layers=cfg.num_layers, seed=cfg.seed)
     if loaded.tokenizer is None:
         raise TrainingError(f"model {cfg.model!r} has no tokenizer, so text data cannot be tokenized; "

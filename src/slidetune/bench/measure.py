@@ -62,7 +62,7 @@ def _mean_by_key(dicts: list[dict[str, float]]) -> dict[str, float]:
 
 def measure(spec: MeasureSpec) -> dict:
     rt = RuntimeConfig(**spec.runtime)
-    device = Device.resolve(rt.device)
+    device = Device.resolve(rt.device, waits=rt.cuda_waits)
     if spec.gpu_memory_limit_gib and device.is_cuda:
         total = torch.cuda.get_device_properties(device.device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, spec.gpu_memory_limit_gib * 2**30 / total), device.device)
@@ -88,6 +88,7 @@ def measure(spec: MeasureSpec) -> dict:
     split = loaded.split
     vocab = split.config.vocab_size
     result: dict = {"spec": asdict(spec), "machine": machine_info(), "init_s": init_s, "runtime": asdict(rt),
+                    "cuda_context_waits": device.context_waits,
                     "params": split.num_params(), "num_layers": split.num_layers}
     steps = []
     try:
@@ -111,10 +112,11 @@ def measure(spec: MeasureSpec) -> dict:
             t_end = time.perf_counter()
             start = t if prev_end is None else prev_end
             prev_end = t_end
-            raw.append((k, start, t, t_end, res, timer.collect(),
+            raw.append((k, start, t, t_end, res, timer.cut(),      # resolved after the loop: no GPU wait here
                         timeline.take() if timeline is not None else [],
                         memory.take() if memory is not None else []))
-        for k, start, t, t_end, res, spans, host_spans, mem_points in raw:
+        for k, start, t, t_end, res, pending, host_spans, mem_points in raw:
+            spans = timer.resolve(pending)
             host, overlap = {}, {}
             if timeline is not None:
                 from ..telemetry.host_timeline import overlap_report, summarize

@@ -13,7 +13,7 @@ __all__ = ["AdamWConfig", "RuntimeConfig", "StepResult", "build_engine"]
 
 def build_engine(loaded: LoadedModel, rt: RuntimeConfig, optim: AdamWConfig, device: Device | None = None,
                  grad_accum: int = 1, max_grad_norm: float | None = None, timer: EventTimer | None = None):
-    device = device or Device.resolve(rt.device)
+    device = device or Device.resolve(rt.device, waits=rt.cuda_waits)
     if rt.mode == "slide":
         from .slide.engine import SlideEngine
         return SlideEngine(loaded, rt, optim, device, grad_accum, max_grad_norm, timer)

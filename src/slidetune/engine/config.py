@@ -56,6 +56,10 @@ class RuntimeConfig:
     # sooner (benchmarks/NOTES.md 12). Set in the worker thread, so the compute thread
     # keeps its own count.
     host_threads: int = 0
+    # How host threads wait on the GPU. "block": they sleep (blocking events, and the
+    # context's blocking-sync flag for .item() and synchronize()); "spin": CUDA's default,
+    # a busy core per waiter, which slowed the host's AdamW by up to 41% (NOTES.md 14).
+    cuda_waits: str = "block"       # block | spin
     # torch.compile the decoder layers' forward (slide mode; one graph per kind of layer,
     # recompute and backward included). Costs a compile at the first step.
     compile_layers: bool = False
@@ -76,6 +80,8 @@ class RuntimeConfig:
             raise ValueError(f"upload_cast_stream must be copy or compute, not {self.upload_cast_stream!r}")
         if self.grad_slot_dtype not in ("compute", "fp32"):
             raise ValueError(f"grad_slot_dtype must be compute or fp32, not {self.grad_slot_dtype!r}")
+        if self.cuda_waits not in ("block", "spin"):
+            raise ValueError(f"cuda_waits must be block or spin, not {self.cuda_waits!r}")
         if self.update_order not in ("deadline", "fifo"):
             raise ValueError(f"update_order must be deadline or fifo, not {self.update_order!r}")
         if self.upload_stages < 1:

@@ -14,7 +14,6 @@ import contextlib
 import time
 from dataclasses import dataclass
 
-import torch
 
 from ..device import Device
 
@@ -38,8 +37,7 @@ class EventTimer:
     def anchor(self) -> None:
         """Synchronize once and remember (GPU event, host time) to map GPU spans onto the host clock."""
         if self.device.is_cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
+            ev = self.device.record(timing=True)
             ev.synchronize()
             self._anchor = (ev, time.perf_counter())
 
@@ -49,8 +47,8 @@ class EventTimer:
             yield
             return
         if self.device.is_cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
+            start = self.device.event(timing=True)
+            end = self.device.event(timing=True)
             start.record()
             yield
             end.record()
@@ -65,30 +63,37 @@ class EventTimer:
         if not self.enabled:
             return None
         if self.device.is_cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
+            return self.device.record(timing=True)
         return time.perf_counter()
 
     def add(self, phase: str, layer: int, start, end) -> None:
         if self.enabled:
             self._open.append((phase, layer, start, end))
 
+    def cut(self) -> list:
+        """Hand over the spans recorded since the last cut, unresolved (no synchronize): a
+        measurement loop cuts after every step and resolves after the last, so reading the
+        timer never makes a step wait for the GPU."""
+        out, self._open = self._open, []
+        return out
+
+    def resolve(self, spans: list) -> list[Span]:
+        """Elapsed times of spans from cut() (on CUDA, waits for the last one's end event)."""
+        if not spans:
+            return []
+        if not self.device.is_cuda:
+            return [Span(p, l, (e - s) * 1e3, s, e) for p, l, s, e in spans]
+        spans[-1][3].synchronize()
+        out = []
+        for p, l, s, e in spans:
+            span = Span(p, l, s.elapsed_time(e))
+            if self._anchor is not None:
+                ev0, t0 = self._anchor
+                span.start_s = t0 + ev0.elapsed_time(s) / 1e3
+                span.end_s = t0 + ev0.elapsed_time(e) / 1e3
+            out.append(span)
+        return out
+
     def collect(self) -> list[Span]:
         """Elapsed times of all spans since the last collect (synchronizes once on CUDA)."""
-        if not self._open:
-            return []
-        if self.device.is_cuda:
-            self._open[-1][3].synchronize()
-            out = []
-            for p, l, s, e in self._open:
-                span = Span(p, l, s.elapsed_time(e))
-                if self._anchor is not None:
-                    ev0, t0 = self._anchor
-                    span.start_s = t0 + ev0.elapsed_time(s) / 1e3
-                    span.end_s = t0 + ev0.elapsed_time(e) / 1e3
-                out.append(span)
-        else:
-            out = [Span(p, l, (e - s) * 1e3, s, e) for p, l, s, e in self._open]
-        self._open = []
-        return out
+        return self.resolve(self.cut())

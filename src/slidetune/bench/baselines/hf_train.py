@@ -182,7 +182,8 @@ class _SlideRunner:
         dtype = "bf16" if spec.precision == "bf16" else "fp32"
         rt = RuntimeConfig(mode="slide", dtype=dtype, device=dev.type, head_impl="chunked", cache_units=3,
                            head_chunk_tokens=spec.head_chunk_tokens)
-        self.engine = build_engine(loaded, rt, AdamWConfig(lr=spec.lr, weight_decay=0.1), Device.resolve(dev.type),
+        self.engine = build_engine(loaded, rt, AdamWConfig(lr=spec.lr, weight_decay=0.1),
+                                   Device.resolve(dev.type, waits=rt.cuda_waits),
                                    grad_accum=1, max_grad_norm=spec.max_grad_norm)
         del hf, state
         self.vocab = config.vocab_size

@@ -376,10 +376,12 @@ class SlideEngine:
         scale = 1.0 / n_tokens
         self._grad_norm_parts = []
         dev = self.device.device
-        loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
         self._sq_device = torch.zeros((), dtype=torch.float32, device=dev)
-        for m, mb in enumerate(micro_batches):
-            loss_sum += self._micro_step(mb, m, len(micro_batches), scale, lr)
+        # Each micro-batch's loss is copied out right after its head, with its own event:
+        # reading it waits for that head only. (A float() of a GPU scalar at the end would
+        # wait for the whole backward queued behind it, spinning a core the host's AdamW
+        # needs; NOTES.md 14.)
+        losses = [self._micro_step(mb, m, len(micro_batches), scale, lr) for m, mb in enumerate(micro_batches)]
         if len(micro_batches) == 1:
             # Copied out on the compute stream after the last unit's norm; read by the host
             # worker, so neither the compute thread nor the worker's FIFO waits for it early.
@@ -398,7 +400,11 @@ class SlideEngine:
             parts = list(self._grad_norm_parts)
             norm_fut = self.host_worker.submit(lambda: math.sqrt(sum(p.result() for p in parts)))
         self.step_index += 1
-        loss = float(loss_sum) / n_tokens          # waits for this step's head only
+        loss_sum = 0.0
+        for host_loss, ready in losses:
+            ready.synchronize()
+            loss_sum += float(host_loss[0])
+        loss = loss_sum / n_tokens
         return StepResult(loss=loss, n_tokens=n_tokens, grad_norm_future=norm_fut)
 
     def _finish_deferred(self, parts: list[Future], lr: float) -> float:
@@ -448,7 +454,9 @@ class SlideEngine:
             head_slot = self._use_vocab(L + 1)
         return x, ids, labels, kwargs, embed_slot, head_slot
 
-    def _micro_step(self, mb, m: int, n_micro: int, scale: float, lr: float) -> torch.Tensor:
+    def _micro_step(self, mb, m: int, n_micro: int, scale: float, lr: float):
+        """Queue one micro-batch's forward, head and backward; returns (its summed loss in a
+        [1] host tensor, the event after which that tensor holds it)."""
         split = self.split
         L = split.num_layers
         visits = list(range(L)) + list(reversed(range(L)))     # forward then backward
@@ -470,7 +478,9 @@ class SlideEngine:
             grads = torch.autograd.grad(loss * scale, wrt, materialize_grads=True)
         self._release(head_slot)
         self.memory.mark("head")
-        loss_value = loss.detach().float()
+        host_loss = self.device.host_empty(1, torch.float32)
+        host_loss.copy_(loss.detach().float().view(1), non_blocking=True)
+        loss_ready = self.device.record()
         g = grads[0]                                           # [B, S, d]
         gslot = self._grad_slot(head_index)
         self._claim_grad_slot(gslot)
@@ -523,7 +533,7 @@ class SlideEngine:
             self._prefetch_next_step(0, embed_slot)
         self.acts.clear()
         self.memory.mark("embed_backward")
-        return loss_value
+        return host_loss, loss_ready
 
     # ------------------------------------------------------------- evaluation
     @torch.no_grad()

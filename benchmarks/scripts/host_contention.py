@@ -1,0 +1,160 @@
+"""Why the slide engine's host AdamW runs slower than the roofline's AdamW probe (NOTES.md 14).
+
+In the 8B step the host's AdamW took 2.0-2.3 s where the probe predicts 1.54 s (same call,
+same machine). Two suspects, each timed here against AdamW alone:
+  DMA      the PCIe copies read and write the same host DRAM AdamW streams through
+           (8B step: ~32 GB up, ~32 GB down, ~225 GB of AdamW traffic);
+  spinning CUDA waits (the default for non-blocking events and for .item()) keep a
+           core busy; 16 OpenMP AdamW threads on 16 cores then run as slow as the thread
+           that shares its core.
+Each variant runs AdamW the engine's way (layer-sized units, 64M-element chunks, FP32
+gradients from a pinned ring) while background threads apply a load, and reports AdamW's
+parameters/s and the DMA's achieved GB/s. Writes one JSON.
+Usage: python benchmarks/scripts/host_contention.py OUT.json [--units 8 --dma-gbs 15]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+
+import torch
+
+from slidetune.engine.adamw import AdamWConfig, FlatAdamW
+from slidetune.telemetry.machine import machine_info
+
+CHUNK = 64 * 2**20                      # elements: RuntimeConfig.chunk_mb=256 of FP32
+
+
+class Load(threading.Thread):
+    """A background load that runs until stop(); `gbs` is the DMA rate it achieved."""
+
+    def __init__(self, kind: str, dma_gbs: float, blocking: bool):
+        super().__init__(daemon=True)
+        self.kind = kind                  # "h2d" | "d2h" | "both" | "spin"
+        self.dma_gbs = dma_gbs            # target rate per direction (0: as fast as it goes)
+        self.blocking = blocking          # blocking events yield the core while waiting
+        self.halt = threading.Event()
+        self.bytes = 0
+        self.seconds = 0.0
+        n = CHUNK // 4                    # 64 MB of FP32 per copy
+        self.host = torch.empty(n, dtype=torch.float32).pin_memory()
+        self.host_down = torch.empty(n, dtype=torch.float32).pin_memory()
+        self.dev = torch.randn(n, device="cuda")
+        self.dev_up = torch.empty(n, device="cuda")
+        self.stream = torch.cuda.Stream()
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        with torch.cuda.stream(self.stream):
+            while not self.halt.is_set():
+                t = time.perf_counter()
+                moved = 0
+                if self.kind == "spin":
+                    torch.cuda._sleep(50_000_000)          # ~25 ms of GPU time; the wait spins on a core
+                else:
+                    if self.kind in ("h2d", "both"):
+                        self.dev_up.copy_(self.host, non_blocking=True)
+                        moved += self.host.numel() * 4
+                    if self.kind in ("d2h", "both"):
+                        self.host_down.copy_(self.dev, non_blocking=True)
+                        moved += self.dev.numel() * 4
+                ev = torch.cuda.Event(blocking=self.blocking)
+                ev.record()
+                ev.synchronize()
+                self.bytes += moved
+                if self.dma_gbs > 0 and moved:
+                    per_dir = moved / (2 if self.kind == "both" else 1)
+                    rest = per_dir / (self.dma_gbs * 1e9) - (time.perf_counter() - t)
+                    if rest > 0:
+                        time.sleep(rest)
+        self.seconds = time.perf_counter() - t0
+
+    def stop(self) -> float:
+        self.halt.set()
+        self.join()
+        return self.bytes / max(self.seconds, 1e-9) / 1e9
+
+
+def adamw_rate(opts: list[FlatAdamW], grad: torch.Tensor, steps: int) -> float:
+    """Parameters per second over `steps` passes of every unit, chunk by chunk (the engine's loop)."""
+    def one_step():
+        for opt in opts:
+            opt.begin_step()
+            n = opt.master.numel()
+            for lo in range(0, n, CHUNK):
+                hi = min(n, lo + CHUNK)
+                opt.update(grad[: hi - lo], 1e-5, lo)
+    t = time.perf_counter()
+    for _ in range(steps):
+        one_step()
+    return sum(o.master.numel() for o in opts) * steps / (time.perf_counter() - t)
+
+
+def copy_bandwidth(n: int = 2**29) -> float:
+    """Host DRAM GB/s of a large FP32 copy (read + write bytes), all intra-op threads."""
+    a, b = torch.randn(n), torch.empty(n)
+    b.copy_(a)
+    t = time.perf_counter()
+    for _ in range(5):
+        b.copy_(a)
+    return 5 * 2 * n * 4 / (time.perf_counter() - t) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--layer-params", type=float, default=218e6)   # one Llama-3.1-8B decoder layer
+    ap.add_argument("--units", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--dma-gbs", type=float, default=15.0, help="per direction; the 8B step's average is ~13")
+    a = ap.parse_args()
+    n = int(a.layer_params)
+    opts = [FlatAdamW(torch.randn(n), n * 9 // 10, AdamWConfig(weight_decay=0.1)) for _ in range(a.units)]
+    grad = torch.randn(CHUNK).pin_memory()              # the pinned FP32 ring chunk AdamW reads
+    full = torch.get_num_threads()
+    adamw_rate(opts, grad, 1)                           # warm-up: pages touched, threads up
+
+    variants = [   # name, loads [(kind, dma_gbs, blocking)], AdamW threads
+        ("alone", [], full),
+        ("dma_both_15", [("both", a.dma_gbs, False)], full),
+        ("dma_both_full", [("both", 0.0, False)], full),
+        ("spin", [("spin", 0.0, False)], full),
+        ("spin_blocking", [("spin", 0.0, True)], full),
+        ("engine_like", [("both", a.dma_gbs, False), ("spin", 0.0, False)], full),
+        ("engine_like_blocking", [("both", a.dma_gbs, True), ("spin", 0.0, True)], full),
+        (f"engine_like_threads={full - 1}", [("both", a.dma_gbs, False), ("spin", 0.0, False)], full - 1),
+        ("alone_again", [], full),
+    ]
+    out: dict[str, dict] = {}
+    for name, loads, threads in variants:
+        torch.set_num_threads(threads)
+        threads_ = [Load(*spec) for spec in loads]
+        for t in threads_:
+            t.start()
+        time.sleep(0.2)
+        rate = adamw_rate(opts, grad, a.steps)
+        dma = [t.stop() for t in threads_]
+        out[name] = {"adamw_params_per_s": rate, "threads": threads,
+                     "loads": [{"kind": s[0], "target_gbs": s[1], "blocking": s[2], "achieved_gbs": g}
+                               for s, g in zip(loads, dma)]}
+        print(f"{name:28s} AdamW {rate / 1e9:5.2f} G params/s  dma {[round(g, 1) for g in dma]} GB/s", flush=True)
+    torch.set_num_threads(full)
+    # the DMA alone, for its rate without AdamW
+    for kind in ("h2d", "d2h", "both"):
+        t = Load(kind, 0.0, True)
+        t.start()
+        time.sleep(2.0)
+        out[f"dma_{kind}_alone"] = {"achieved_gbs": t.stop()}
+        print(f"dma_{kind}_alone {out[f'dma_{kind}_alone']['achieved_gbs']:.1f} GB/s", flush=True)
+    out["copy_bandwidth_gbs"] = copy_bandwidth()
+    print(f"host copy bandwidth {out['copy_bandwidth_gbs']:.1f} GB/s (read + write)")
+    doc = {"machine": machine_info(), "layer_params": n, "units": a.units, "chunk": CHUNK,
+           "adamw_bytes_per_param": 28, "variants": out}
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
