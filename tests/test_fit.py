@@ -397,10 +397,10 @@ def test_head_estimate_matches_allocator_peak(dtype, impl, N, chunk):
 def test_auto_cache_units_keeps_every_layer_resident_only_when_it_fits():
     """cache_units=-1: one slot per layer (0) where the whole configuration then fits in the
     GPU's free memory, else the 3-slot window; CPU and non-slide modes are left alone."""
-    from slidetune.engine.fit import choose_cache_units, estimate_memory
+    from slidetune.engine.fit import choose_auto_settings, estimate_memory
     split = split_of("qwen3-8b")
     kw = dict(batch_size=16, seq_len=1024)
-    rt = cuda_rt(mode="slide")
+    rt = cuda_rt(mode="slide", grad_slot_dtype="compute")
     assert rt.cache_units == -1
     resident = estimate_memory(split, dataclasses.replace(rt, cache_units=0), **kw).gpu_bytes
     window = estimate_memory(split, dataclasses.replace(rt, cache_units=3), **kw).gpu_bytes
@@ -408,13 +408,46 @@ def test_auto_cache_units_keeps_every_layer_resident_only_when_it_fits():
     extra_grad_slots = (
         dataclasses.replace(rt, cache_units=0).resolved_grad_slots(split.num_layers) - 3)
     assert resident - window == (split.num_layers - 3 + extra_grad_slots) * max(u.numel for u in split.layer_units) * 2
-    assert choose_cache_units(split, rt, gpu_free_bytes=80 * GiB, **kw).cache_units == 0      # H100
-    assert choose_cache_units(split, rt, gpu_free_bytes=24 * GiB, **kw).cache_units == 3      # a 24 GB card
-    assert choose_cache_units(split, RuntimeConfig(device="cpu", mode="slide"), **kw).cache_units == 3
+    assert choose_auto_settings(split, rt, gpu_free_bytes=80 * GiB, **kw).cache_units == 0      # H100
+    assert choose_auto_settings(split, rt, gpu_free_bytes=24 * GiB, **kw).cache_units == 3      # a 24 GB card
+    cpu = RuntimeConfig(device="cpu", mode="slide")
+    assert choose_auto_settings(split, cpu, **kw).cache_units == 3
+    assert choose_auto_settings(split, cpu, **kw).grad_slot_dtype == "compute"
     ckpt = cuda_rt(mode="ckpt")
-    assert choose_cache_units(split, ckpt, gpu_free_bytes=80 * GiB, **kw) is ckpt
-    pinned = cuda_rt(mode="slide", cache_units=4)
-    assert choose_cache_units(split, pinned, gpu_free_bytes=80 * GiB, **kw) is pinned
+    assert choose_auto_settings(split, ckpt, gpu_free_bytes=80 * GiB, **kw) is ckpt
+    pinned = cuda_rt(mode="slide", cache_units=4, grad_slot_dtype="compute")
+    assert choose_auto_settings(split, pinned, gpu_free_bytes=80 * GiB, **kw) is pinned
+
+
+def test_auto_grad_slot_dtype_takes_fp32_after_resident_layers_where_it_fits():
+    """grad_slot_dtype=auto: FP32 slots (2 B/param more per slot) only where everything then
+    fits; resident layers are preferred to FP32 slots; cast_on=cpu keeps compute slots."""
+    from slidetune.engine.fit import choose_auto_settings, estimate_memory
+    split = split_of("llama-3.1-8b")
+    kw = dict(batch_size=16, seq_len=1024)
+    rt = cuda_rt(mode="slide")
+    assert rt.grad_slot_dtype == "auto" and not rt.grad_slots_fp32()
+
+    def gpu(**changes) -> int:
+        return estimate_memory(split, dataclasses.replace(rt, **changes), **kw).gpu_bytes
+
+    r0_fp32, r0_bf16 = gpu(cache_units=0, grad_slot_dtype="fp32"), gpu(cache_units=0, grad_slot_dtype="compute")
+    r3_fp32 = gpu(cache_units=3, grad_slot_dtype="fp32")
+    P_L = max(u.numel for u in split.layer_units)
+    slots = dataclasses.replace(rt, cache_units=0).resolved_grad_slots(split.num_layers)
+    vocab = split.embed_unit.numel + split.head_unit.numel
+    assert r0_fp32 - r0_bf16 == (slots * P_L + vocab) * 2
+    for free, want in [(r0_fp32 / 0.9 + 1, (0, "fp32")), (r0_fp32 / 0.9 - 1, (0, "compute")),
+                       (r3_fp32 / 0.9 + 1, (3, "fp32")) if r3_fp32 < r0_bf16 else (r0_bf16 / 0.9 + 1, (0, "compute"))]:
+        got = choose_auto_settings(split, rt, gpu_free_bytes=int(free), **kw)
+        assert (got.cache_units, got.grad_slot_dtype) == want
+    tiny = choose_auto_settings(split, rt, gpu_free_bytes=1 * GiB, **kw)        # nothing fits: the lean one
+    assert (tiny.cache_units, tiny.grad_slot_dtype) == (3, "compute")
+    host_casts = choose_auto_settings(split, dataclasses.replace(rt, cast_on="cpu"), gpu_free_bytes=80 * GiB, **kw)
+    assert host_casts.grad_slot_dtype == "compute"
+    explicit = choose_auto_settings(split, dataclasses.replace(rt, cache_units=0, grad_slot_dtype="compute"),
+                                    gpu_free_bytes=80 * GiB, **kw)
+    assert (explicit.cache_units, explicit.grad_slot_dtype) == (0, "compute")
 
 
 def test_plan_prints_the_estimate_and_the_resident_alternative(capsys):

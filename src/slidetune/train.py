@@ -34,7 +34,7 @@ from .config import TrainConfig, config_to_dict
 from .data import BatchSampler, build_datasets, default_pad_id, eval_batches
 from .device import Device
 from .engine import build_engine
-from .engine.fit import check_fit, choose_cache_units
+from .engine.fit import check_fit, choose_auto_settings
 from .models.load import load_model
 from .telemetry.flops import train_flops_per_token
 
@@ -157,12 +157,14 @@ def train(cfg: TrainConfig) -> TrainSummary:
         raise TrainingError(f"--seq-len {cfg.data.seq_len} exceeds the context of model {cfg.model!r}: "
                             f"{max_pos} tokens (max_position_embeddings); use --seq-len {max_pos} or less")
     runtime = cfg.runtime if cfg.runtime.device != "auto" else _with_device(cfg, device)
-    runtime = choose_cache_units(loaded.split, runtime, batch_size=cfg.batch_size, seq_len=cfg.data.seq_len,
-                                 grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm)
+    runtime = choose_auto_settings(loaded.split, runtime, batch_size=cfg.batch_size, seq_len=cfg.data.seq_len,
+                                   grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm)
     if cfg.runtime.cache_units == -1 and cfg.runtime.mode == "slide":
         L = loaded.split.num_layers
         print(f"cache_units auto -> {runtime.resolved_cache_units(L)} GPU layer slots"
               + (" (every layer stays on the GPU between steps)" if runtime.cache_units == 0 else ""))
+    if cfg.runtime.grad_slot_dtype == "auto" and cfg.runtime.mode == "slide":
+        print(f"grad_slot_dtype auto -> {runtime.grad_slot_dtype}")
     if cfg.check_memory:
         # Before the data is tokenized and before the engine allocates anything.
         check_fit(loaded.split, runtime,

@@ -68,13 +68,15 @@ def measure(spec: MeasureSpec) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(1.0, spec.gpu_memory_limit_gib * 2**30 / total), device.device)
     t0 = time.perf_counter()
     loaded = load_model(spec.model, num_layers=spec.num_layers, seed=spec.seed, with_tokenizer=False)
-    if rt.mode == "slide" and rt.cache_units == -1 and device.is_cuda:
-        from ..engine.fit import choose_cache_units
-        free = torch.cuda.mem_get_info(device.device)[0]
-        if spec.gpu_memory_limit_gib:           # an emulated smaller card: auto must plan for it
-            free = min(free, int(spec.gpu_memory_limit_gib * 2**30))
-        rt = choose_cache_units(loaded.split, rt, batch_size=spec.batch_size, seq_len=spec.seq_len,
-                                grad_accum=spec.grad_accum, max_grad_norm=spec.max_grad_norm, gpu_free_bytes=free)
+    if rt.mode == "slide":
+        from ..engine.fit import choose_auto_settings
+        free = None
+        if device.is_cuda:
+            free = torch.cuda.mem_get_info(device.device)[0]
+            if spec.gpu_memory_limit_gib:           # an emulated smaller card: auto must plan for it
+                free = min(free, int(spec.gpu_memory_limit_gib * 2**30))
+        rt = choose_auto_settings(loaded.split, rt, batch_size=spec.batch_size, seq_len=spec.seq_len,
+                                  grad_accum=spec.grad_accum, max_grad_norm=spec.max_grad_norm, gpu_free_bytes=free)
     timer = EventTimer(device, enabled=spec.per_layer)
     engine = build_engine(loaded, rt, AdamWConfig(lr=spec.lr), device, grad_accum=spec.grad_accum,
                           max_grad_norm=spec.max_grad_norm, timer=timer)

@@ -309,7 +309,7 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         schedule = rt.resolved_schedule(grad_accum, max_grad_norm)
         K = min(rt.resolved_cache_units(L), max(L, 2))
         gpu["layer weight slots"] = K * P_L * b
-        gb = 4 if rt.grad_slot_dtype == "fp32" else b
+        gb = 4 if rt.grad_slots_fp32() else b
         gpu["layer grad slots"] = rt.resolved_grad_slots(L, eager=schedule == "eager") * P_L * gb
         gpu["vocab weight slots"] = (P_E + P_H) * b
         gpu["vocab grad slots"] = (P_E + P_H) * gb
@@ -468,26 +468,40 @@ def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len:
                                   est, options)
 
 
-def choose_cache_units(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int,
-                       grad_accum: int = 1, max_grad_norm: float | None = None,
-                       gpu_free_bytes: int | None = None, safety: float = 0.9) -> RuntimeConfig:
-    """Resolve cache_units=-1 (auto): one slot per layer when everything then fits on the GPU.
+def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int,
+                         grad_accum: int = 1, max_grad_norm: float | None = None,
+                         gpu_free_bytes: int | None = None, safety: float = 0.9) -> RuntimeConfig:
+    """Resolve slide mode's memory-dependent autos: cache_units=-1 and grad_slot_dtype=auto.
 
-    Resident layers make the forward independent of PCIe (benchmarks/NOTES.md 8); they
-    only use memory the configuration leaves free, so the choice never causes an OOM the
-    3-slot configuration would not. On the CPU (no copies to hide) auto means 3.
+    In order of what they bought on the H100: one slot per layer (the forward stops waiting
+    on PCIe; Qwen3-8B b16 2.65 -> 2.36 s, benchmarks/NOTES.md 8), then FP32 gradient slots
+    (the copy stream runs no cast kernels; Llama-3.1-8B b16 2.38 -> 2.16 s, NOTES.md 14).
+    Each is taken only where the whole configuration then fits in `safety` x the GPU's free
+    memory, so an auto choice never causes an OOM the lean choice would not; otherwise the
+    3-slot window and compute-dtype slots. On the CPU (nothing to hide) the lean choices.
+    Settings given explicitly are kept; with nothing on auto, `rt` itself is returned.
     """
-    import dataclasses
-    if rt.mode != "slide" or rt.cache_units != -1:
+    if rt.mode != "slide":
         return rt
-    small = dataclasses.replace(rt, cache_units=3)
+    cache_options = [0, 3] if rt.cache_units == -1 else [rt.cache_units]
+    # FP32 slots help the GPU cast path; with cast_on=cpu the host converts anyway
+    fp32_useful = rt.casts_on_gpu(_device_type(rt) == "cuda")
+    dtype_options = (["fp32", "compute"] if fp32_useful else ["compute"]) if rt.grad_slot_dtype == "auto" \
+        else [rt.grad_slot_dtype]
+    if len(cache_options) == 1 and rt.grad_slot_dtype != "auto":
+        return rt
+    lean = dataclasses.replace(rt, cache_units=cache_options[-1], grad_slot_dtype=dtype_options[-1])
     if _device_type(rt) != "cuda":
-        return small
-    resident = dataclasses.replace(rt, cache_units=0)
-    est = estimate_memory(split, resident, batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum,
-                          max_grad_norm=max_grad_norm)
+        return lean
     free = query_gpu_free_bytes(rt) if gpu_free_bytes is None else gpu_free_bytes
-    return resident if est.gpu_bytes <= safety * free else small
+    for cache_units in cache_options:
+        for grad_dtype in dtype_options:
+            candidate = dataclasses.replace(rt, cache_units=cache_units, grad_slot_dtype=grad_dtype)
+            est = estimate_memory(split, candidate, batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum,
+                                  max_grad_norm=max_grad_norm)
+            if est.gpu_bytes <= safety * free:
+                return candidate
+    return lean
 
 
 def _gib(n: int) -> str:

@@ -101,7 +101,7 @@ class SlideEngine:
         # Casting on the compute stream needs FP32 on the device side: the CPU cast path
         # (cast_on=cpu) moves compute-dtype bytes and has nothing to cast there.
         self.cast_in_compute = rt.upload_cast_stream == "compute" and (self.gpu_cast or not device.is_cuda)
-        grad_dtype = torch.float32 if rt.grad_slot_dtype == "fp32" else self.dtype
+        grad_dtype = torch.float32 if rt.grad_slots_fp32() else self.dtype
         empty = lambda n, dt=self.dtype: torch.empty(n, dtype=dt, device=dev)  # noqa: E731
 
         def weight_slot(n: int) -> _Slot:
