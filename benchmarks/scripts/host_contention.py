@@ -7,6 +7,11 @@ same machine). Two suspects, each timed here against AdamW alone:
   spinning CUDA waits (the default for non-blocking events and for .item()) keep a
            core busy; 16 OpenMP AdamW threads on 16 cores then run as slow as the thread
            that shares its core.
+After section 14's fix the engine still ran AdamW at 0.66-0.82 of its probe (NOTES.md 14),
+so three more suspects are timed too (hypotheses a-c there):
+  registered  the FP32 masters page-locked with cudaHostRegister, as cast_on=gpu does;
+  launch      a thread launching small kernels non-stop, as the compute thread does;
+  dma_into    each gradient chunk written by a D2H copy right before AdamW reads it.
 Each variant runs AdamW the engine's way (layer-sized units, 64M-element chunks, FP32
 gradients from a pinned ring) while background threads apply a load, and reports AdamW's
 parameters/s and the DMA's achieved GB/s. Writes one JSON.
@@ -32,7 +37,7 @@ class Load(threading.Thread):
 
     def __init__(self, kind: str, dma_gbs: float, blocking: bool):
         super().__init__(daemon=True)
-        self.kind = kind                  # "h2d" | "d2h" | "both" | "spin"
+        self.kind = kind                  # "h2d" | "d2h" | "both" | "spin" | "launch"
         self.dma_gbs = dma_gbs            # target rate per direction (0: as fast as it goes)
         self.blocking = blocking          # blocking events yield the core while waiting
         self.halt = threading.Event()
@@ -53,6 +58,10 @@ class Load(threading.Thread):
                 moved = 0
                 if self.kind == "spin":
                     torch.cuda._sleep(50_000_000)          # ~25 ms of GPU time; the wait spins on a core
+                elif self.kind == "launch":
+                    small = self.dev_up[:1024]
+                    for _ in range(500):                   # Python + driver time per launch, as a compute thread
+                        small.add_(1.0)
                 else:
                     if self.kind in ("h2d", "both"):
                         self.dev_up.copy_(self.host, non_blocking=True)
@@ -77,19 +86,32 @@ class Load(threading.Thread):
         return self.bytes / max(self.seconds, 1e-9) / 1e9
 
 
-def adamw_rate(opts: list[FlatAdamW], grad: torch.Tensor, steps: int) -> float:
-    """Parameters per second over `steps` passes of every unit, chunk by chunk (the engine's loop)."""
+def adamw_rate(opts: list[FlatAdamW], grad: torch.Tensor, steps: int, dma_from: torch.Tensor | None = None) -> float:
+    """Parameters per second over `steps` passes of every unit, chunk by chunk (the engine's loop).
+
+    dma_from: a GPU tensor copied into `grad` (D2H, waited on with a blocking event) before each
+    chunk's AdamW, so AdamW reads memory a DMA has just written; the copy's time is excluded."""
+    copy_s = 0.0
+
     def one_step():
+        nonlocal copy_s
         for opt in opts:
             opt.begin_step()
             n = opt.master.numel()
             for lo in range(0, n, CHUNK):
                 hi = min(n, lo + CHUNK)
+                if dma_from is not None:
+                    t = time.perf_counter()
+                    grad[: hi - lo].copy_(dma_from[: hi - lo], non_blocking=True)
+                    ev = torch.cuda.Event(blocking=True)
+                    ev.record()
+                    ev.synchronize()
+                    copy_s += time.perf_counter() - t
                 opt.update(grad[: hi - lo], 1e-5, lo)
     t = time.perf_counter()
     for _ in range(steps):
         one_step()
-    return sum(o.master.numel() for o in opts) * steps / (time.perf_counter() - t)
+    return sum(o.master.numel() for o in opts) * steps / (time.perf_counter() - t - copy_s)
 
 
 def copy_bandwidth(n: int = 2**29) -> float:
@@ -125,16 +147,29 @@ def main() -> None:
         ("engine_like", [("both", a.dma_gbs, False), ("spin", 0.0, False)], full),
         ("engine_like_blocking", [("both", a.dma_gbs, True), ("spin", 0.0, True)], full),
         (f"engine_like_threads={full - 1}", [("both", a.dma_gbs, False), ("spin", 0.0, False)], full - 1),
+        ("launch_blocking", [("launch", 0.0, True)], full),
+        ("dma_into_grad", [], full),
+        ("copies_and_launches_blocking", [("both", a.dma_gbs, True), ("launch", 0.0, True)], full),
+        ("registered", [], full),
+        ("registered_copies_and_launches", [("both", a.dma_gbs, True), ("launch", 0.0, True)], full),
         ("alone_again", [], full),
     ]
+    dma_src = torch.randn(CHUNK, device="cuda")
     out: dict[str, dict] = {}
     for name, loads, threads in variants:
         torch.set_num_threads(threads)
+        if name == "registered":                       # from here on the masters stay page-locked
+            for o in opts:
+                err = int(torch.cuda.cudart().cudaHostRegister(o.master.data_ptr(), o.master.numel() * 4, 0))
+                assert err == 0, f"cudaHostRegister failed ({err})"
+        if name == "alone_again":
+            for o in opts:
+                torch.cuda.cudart().cudaHostUnregister(o.master.data_ptr())
         threads_ = [Load(*spec) for spec in loads]
         for t in threads_:
             t.start()
         time.sleep(0.2)
-        rate = adamw_rate(opts, grad, a.steps)
+        rate = adamw_rate(opts, grad, a.steps, dma_from=dma_src if name == "dma_into_grad" else None)
         dma = [t.stop() for t in threads_]
         out[name] = {"adamw_params_per_s": rate, "threads": threads,
                      "loads": [{"kind": s[0], "target_gbs": s[1], "blocking": s[2], "achieved_gbs": g}
