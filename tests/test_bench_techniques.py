@@ -133,6 +133,20 @@ def test_throughput_smoke(tmp_path):
     assert 0 < float(slide["host_adamw_s"]) <= float(slide["step_s_mean"]) * 1.05
     assert 0 < float(slide["call_s_mean"]) <= float(slide["step_s_mean"]) * 1.05
     assert "Where a slide step goes" in (out / "report.md").read_text()
+    # the scenarios' common tables and plots, per run, in per_run/
+    summary = {r["config"]: r for r in read_csv(out / "per_run" / "summary.csv")}
+    for system in ("slide", "gpu-ckpt"):
+        row = summary[f"{system}-tiny-llama-b2-s32"]
+        assert row["status"] == "ok"
+        for k in ("step_s_mean", "t_forward_s", "t_backward_s", "t_recompute_s", "t_optimizer_s"):
+            assert math.isfinite(float(row[k])) and float(row[k]) >= 0, (system, k)
+    assert float(summary["slide-tiny-llama-b2-s32"]["t_transfer_s"]) > 0       # host timeline copies
+    layers = read_csv(out / "per_run" / "layers.csv")
+    assert {r["phase"] for r in layers} >= {"forward", "backward", "recompute"}
+    assert read_csv(out / "per_run" / "memory_timeline.csv")
+    _pngs(out / "per_run", ["time_breakdown.png", "peak_memory.png", "memory_timeline.png", "per_layer_times.png",
+                            "step_times.png", "pareto.png"])
+    assert "per_run/time_breakdown.png" in (out / "report.md").read_text()
 
 
 def test_roofline_smoke(tmp_path):

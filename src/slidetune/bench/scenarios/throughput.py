@@ -24,7 +24,7 @@ from ..baselines.fsdp2 import FSDP2Spec
 from ..baselines.proc import parse_oom, run_worker
 from ..measure import MeasureSpec
 from ..runner import run_isolated
-from . import add_common_arguments
+from . import add_common_arguments, common
 from .roofline import measure_floor
 
 NAME = "throughput"
@@ -71,6 +71,7 @@ def run(args: argparse.Namespace) -> Path:
         batches, seqs, steps, warmup, dev = [2], [32], 2, 1, "cpu"
         cuda = False
     rows, raw, floors = [], [], {}
+    per_run: list[dict] = []      # every run in bench.measure's form, for the common tables and plots
     adamw_probe = None
     # The floor times the layers as slide runs them (compiled or not).
     slide_over = _runtime_overrides(args.runtime)
@@ -89,6 +90,7 @@ def run(args: argparse.Namespace) -> Path:
                     floors[key] = fl
                 for system in systems:
                     r = _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, args)
+                    per_run.append(_as_measured(r, system, model, batch, seq, warmup))
                     raw.append({"key": key, "system": system, **{k: v for k, v in r.items() if k != "steps"}})
                     rows.append(_row(system, model, batch, seq, r, fpt, fl))
                     print(f"[throughput] {key} {system}: {rows[-1]['status']} {O.fmt(rows[-1].get('tokens_per_s'), 0)} tok/s "
@@ -100,8 +102,40 @@ def run(args: argparse.Namespace) -> Path:
             raw.append({"key": f"{model}/max-seq", "system": "slide", **found})
             print(f"[throughput] {model} longest trainable sequence at batch 1: {found['max_seq']} tokens "
                   f"(probes: {found['probes']})", flush=True)
-    _write(out, rows, raw, floors, cuda, slide_runtime=args.runtime)
+    _write(out, rows, raw, floors, cuda, slide_runtime=args.runtime, per_run=per_run)
     return out
+
+
+def _as_measured(r: dict, system: str, model: str, batch: int, seq: int, warmup: int) -> dict:
+    """A run in bench.measure's result form (spec, steps, peaks), so the scenarios' common
+    tables and plots cover it. slide and gpu-ckpt runs are measure results already (with
+    per-layer spans, host timeline and memory points); the FSDP2 and DeepSpeed workers give
+    per-step wall times and peaks only, so only their step curves and peaks are drawn."""
+    name = f"{system}-{model}-b{batch}-s{seq}"
+    if "steps" in r:
+        return {**r, "spec": {**r.get("spec", {}), "name": name}}
+    walls = r.get("step_s") or []
+    steps = [{"step": k, "warmup": k < warmup, "wall_s": w, "loss": None} for k, w in enumerate(walls)]
+    return {"spec": {"name": name, "model": model, "batch_size": batch, "seq_len": seq,
+                     "runtime": {"mode": system}},
+            "status": r.get("status"), "error": r.get("error"), "steps": steps,
+            **{k: r.get(k) for k in ("machine", "tokens_per_s", "gpu_peak_alloc_gib", "gpu_peak_reserved_gib",
+                                      "cpu_peak_rss_gib", "num_layers")}}
+
+
+def _write_per_run(out: Path, per_run: list[dict], machine: dict) -> list[Path]:
+    """The scenarios' common CSVs and plots (time breakdown, peaks, memory timeline, per-layer
+    times with 95% CIs, step curves, Pareto) in out/per_run/; returns the PNGs."""
+    from ..report import draw
+    d = out / "per_run"
+    d.mkdir(exist_ok=True)
+    common.write_tables(d, per_run, machine)
+    names = ("steps.csv", "layers.csv", "memory_timeline.csv", "summary.csv")
+    tables = {n[:-4]: common.read_csv(d / n) for n in names}
+    slide = next((common.config_name(r) for r in per_run if r.get("status") == "ok"
+                  and r["spec"].get("runtime", {}).get("mode") == "slide"), None)
+    return draw(d, {"doc": {"scenario": "throughput", "baseline": slide, "results": []}, "machine": machine,
+                    **tables})
 
 
 def longest_sequence(model: str, layers: int | None, dev: str, args, granule: int, start: int) -> dict:
@@ -148,7 +182,7 @@ def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, arg
         if dev == "cpu":
             rt["dtype"] = "fp32"
         spec = MeasureSpec(name=f"{system}-{model}-b{batch}-s{seq}", model=model, num_layers=layers, batch_size=batch,
-                           seq_len=seq, steps=steps, warmup=warmup, runtime=rt, per_layer=False,
+                           seq_len=seq, steps=steps, warmup=warmup, runtime=rt, per_layer=True,
                            gpu_memory_limit_gib=gib)
         r = run_isolated(spec, timeout_s=args.timeout)
         if r.get("status") == "oom":
@@ -200,7 +234,7 @@ def _row(system, model, batch, seq, r, fpt, fl) -> dict:
     return row
 
 
-def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "") -> None:
+def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", per_run: list[dict] | None = None) -> None:
     machine = next((r["machine"] for r in raw if "machine" in r), {})
     O.write_csv(out / "throughput.csv", rows, COLUMNS, machine)
     O.write_json(out / "throughput.json", {"machine": machine, "rows": rows, "floors": floors, "runs": raw})
@@ -239,6 +273,14 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "") ->
                             {k: 3 for k in ["step_s_mean", "call_s_mean", *HOST_COLUMNS]})
     lines += ["", "Plots: tokens_per_s.png, model_tflops.png, gpu_peak.png, cpu_peak.png, step_over_floor.png, "
               "pareto.png", ""]
+    if per_run:
+        pngs = _write_per_run(out, per_run, machine)
+        lines += ["Per run (`per_run/`: steps, per-layer spans, memory timeline, summary CSVs): time breakdown "
+                  "(forward, head, backward, recompute from GPU events; optimizer and transfer from the host "
+                  "timeline; GPU idle = the step minus GPU compute), peaks, memory across the step (mean +- std "
+                  "over steps), per-layer times with 95% CIs, step curves. FSDP2 and DeepSpeed report step times "
+                  "and peaks only.", ""]
+        lines += [f"![{p.stem}](per_run/{p.name})" for p in pngs] + [""]
     searches = [r for r in raw if str(r.get("key", "")).endswith("/max-seq")]
     if searches:
         lines += ["## Longest trainable sequence (batch 1, slide)", "",
