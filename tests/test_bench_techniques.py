@@ -113,6 +113,17 @@ def test_techniques_smoke(tmp_path):
     assert data["machine"]["torch"] and data["rows"]
     _pngs(out, ["peak_memory.png", "throughput.png", "max_batch.png", "perplexity.png", "pareto.png"])
     assert "Memory-optimization" in (out / "report.md").read_text()
+    # per-layer record of the same-batch runs: HF hooks (fp32, local, recompute) and slide's own timer
+    summary = {r["config"]: r for r in read_csv(out / "per_run" / "summary.csv")}
+    assert set(summary) == {"fp32", "local-w16", "recompute", "slide"}
+    layers = read_csv(out / "per_run" / "layers.csv")
+    for name in summary:
+        got = {r["phase"] for r in layers if r["config"] == name}
+        assert {"forward", "backward"} <= got, (name, got)
+        assert all(math.isfinite(float(r["mean_ms"])) for r in layers if r["config"] == name)
+    assert "recompute" in {r["phase"] for r in layers if r["config"] == "slide"}
+    _pngs(out / "per_run", ["time_breakdown.png", "per_layer_times.png", "memory_timeline.png", "step_times.png"])
+    assert "per_run/per_layer_times.png" in (out / "report.md").read_text()
 
 
 def test_throughput_smoke(tmp_path):

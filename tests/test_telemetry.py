@@ -136,3 +136,35 @@ def test_cuda_waits_option_is_validated():
         Device.resolve("cpu", waits="yield")
     cpu = Device.resolve("cpu", waits="spin")
     assert cpu.waits == "spin" and cpu.context_waits == "n/a"
+
+
+@pytest.mark.parametrize("recompute,early_stop", [(False, True), (True, True), (True, False)])
+def test_module_probe_times_every_layer_of_an_hf_model_without_changing_it(recompute, early_stop):
+    """The techniques runs' per-layer record (telemetry.module_probe): hooks on an unmodified
+    HF model give forward and backward spans for every decoder layer; head, head_backward,
+    embed_backward and optimizer spans; memory points; and the same losses as the run without
+    hooks. Under checkpointing with torch's early stop the re-run's end is invisible to hooks
+    (no recompute span: it stays in backward); without early stop each layer gets one."""
+    import torch.utils.checkpoint as ckpt
+    from slidetune.bench.baselines.hf_train import run_technique
+    spec = dict(name="probe", model="tiny-llama", num_layers=3, seq_len=32, batch_size=2, steps=3, warmup=1,
+                lr=1e-3, lr_warmup_steps=0, data="synthetic", eval=False, device="cpu", precision="fp32",
+                attention="sdpa", recompute=recompute)
+    with ckpt.set_checkpoint_early_stop(early_stop):
+        plain = run_technique(dict(spec, per_layer=False))
+        timed = run_technique(dict(spec, per_layer=True))
+    assert "steps" not in plain
+    assert timed["loss"] == plain["loss"]                       # hooks observe, they change nothing
+    assert len(timed["steps"]) == 3 and [s["warmup"] for s in timed["steps"]] == [True, False, False]
+    for step in timed["steps"]:
+        phases: dict[str, list[int]] = {}
+        for phase, layer, ms in step["spans"]:
+            assert ms >= 0.0
+            phases.setdefault(phase, []).append(layer)
+        assert sorted(phases["forward"]) == [0, 1, 2] and sorted(phases["backward"]) == [0, 1, 2]
+        assert sorted(phases.get("recompute", [])) == ([0, 1, 2] if recompute and not early_stop else [])
+        for one in ("head", "head_backward", "embed_backward", "optimizer"):
+            assert phases[one] == [-1], one
+        marks = [p[0] for p in step["memory"]]
+        assert marks.count("forward") == 3 and marks.count("backward") == 3 and marks[-1] == "optimizer"
+        assert all(p[4] > 0 for p in step["memory"])            # host RSS at every point

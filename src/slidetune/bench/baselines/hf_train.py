@@ -53,6 +53,9 @@ class TechniqueSpec:
     device: str = "auto"
     gpu_memory_limit_gib: float | None = None
     seed: int = 0
+    # per-layer spans and memory points per step (telemetry.module_probe for HF models,
+    # the engine's own timer for slide): the common per-layer, breakdown and memory plots
+    per_layer: bool = False
 
 
 def _device(name: str) -> torch.device:
@@ -122,6 +125,20 @@ class _HFRunner:
                                      fused=dev.type == "cuda")
         self.vocab = config.vocab_size
         self.params = sum(p.numel() for p in self.model.parameters())
+        self.probe = None
+        self.timer = None
+
+    def instrument(self):
+        """Per-layer spans and memory points from hooks: (timer, memory, host timeline or None)."""
+        from ...device import Device
+        from ...telemetry.events import EventTimer
+        from ...telemetry.memory_timeline import MemoryTimeline
+        from ...telemetry.module_probe import ModuleProbe
+        device = Device(self.dev)
+        self.timer = EventTimer(device)
+        memory = MemoryTimeline(device, enabled=True)
+        self.probe = ModuleProbe(self.model.model.layers, self.timer, memory)
+        return self.timer, memory, None
 
     def _autocast(self):
         if self.spec.precision == "bf16":
@@ -133,6 +150,14 @@ class _HFRunner:
         mask = b.attention_mask.to(self.dev) if b.attention_mask is not None else None
         with self._autocast():
             h = self.model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        timed = self.probe is not None and self.timer.enabled
+        head_start = self.timer.mark("head") if timed else None
+        loss = self._head(h, labels)
+        if timed:
+            self.probe.head(h, head_start)
+        return loss
+
+    def _head(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.spec.head == "chunked":
             # outside autocast: the op runs its own mixed precision (compute dtype in, fp32 loss)
             from ...ops.cross_entropy import linear_cross_entropy
@@ -148,12 +173,19 @@ class _HFRunner:
     def train_step(self, b, lr: float) -> float:
         n = b.num_target_tokens()
         loss = self._loss_sum(b)
+        if self.probe is not None:
+            self.probe.backward_begin()
         (loss / n).backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm)
-        for g in self.opt.param_groups:
-            g["lr"] = lr
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        if self.probe is not None:
+            self.probe.backward_end()
+        with self.timer.span("optimizer", -1) if self.timer is not None else contextlib.nullcontext():
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.max_grad_norm)
+            for g in self.opt.param_groups:
+                g["lr"] = lr
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        if self.probe is not None:
+            self.probe.memory.mark("optimizer")
         return float(loss.detach()) / n
 
     @torch.no_grad()
@@ -189,6 +221,14 @@ class _SlideRunner:
         self.vocab = config.vocab_size
         self.params = loaded.split.num_params()
 
+    def instrument(self):
+        """The engine's own per-layer timer, memory points and host timeline."""
+        from ...telemetry.events import EventTimer
+        self.engine.timer = EventTimer(self.engine.device)
+        self.engine.memory.enabled = True
+        self.engine.timeline.enabled = True
+        return self.engine.timer, self.engine.memory, self.engine.timeline
+
     def train_step(self, b, lr: float) -> float:
         return self.engine.train_step([b], lr).loss
 
@@ -197,6 +237,19 @@ class _SlideRunner:
 
     def close(self):
         self.engine.close()
+
+
+def _recorded_steps(recorded: list, walls: list[float], losses: list[float], warmup: int, timer) -> list[dict]:
+    """Steps in bench.measure's form: spans (recompute taken out of backward), memory points, host time."""
+    from ...telemetry.host_timeline import summarize
+    from ...telemetry.module_probe import step_spans
+    steps = []
+    for k, ((cut, mem, host_spans, t0, t1), wall, loss) in enumerate(zip(recorded, walls, losses)):
+        steps.append({"step": k, "warmup": k < warmup, "wall_s": wall, "loss": loss,
+                      "spans": step_spans(timer.resolve(cut)),
+                      "memory": [(p.phase, p.layer, p.allocated, p.reserved, p.rss) for p in mem],
+                      "host_s": summarize(host_spans, t0, t1) if host_spans else {}, "overlap": {}})
+    return steps
 
 
 def run_technique(spec_dict: dict) -> dict:
@@ -214,6 +267,8 @@ def run_technique(spec_dict: dict) -> dict:
     batch_fn, heldout = _data(spec, runner.vocab)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     walls, losses = [], []
+    timer, memory, timeline = runner.instrument() if spec.per_layer else (None, None, None)
+    recorded = []                 # per step: (unresolved spans, memory points, host spans, start, end)
     prev_end = None
     try:
         for k in range(spec.steps):
@@ -228,6 +283,9 @@ def run_technique(spec_dict: dict) -> dict:
             # from the previous step's end: the slide engine's host updates run on after its
             # call returns (cuda synchronize does not wait for them), so the call alone under-reads
             walls.append(end - (t if prev_end is None else prev_end))
+            if timer is not None:
+                recorded.append((timer.cut(), memory.take(), timeline.take() if timeline is not None else [],
+                                 t if prev_end is None else prev_end, end))
             prev_end = end
             losses.append(loss)
             if not math.isfinite(loss):
@@ -238,6 +296,9 @@ def run_technique(spec_dict: dict) -> dict:
         else:
             result["gpu_peak_alloc_gib"] = result["gpu_peak_reserved_gib"] = None
         result["cpu_peak_rss_gib"] = peak_rss_bytes() / 2**30
+        if timer is not None:
+            timer.enabled = memory.enabled = False          # the held-out evaluation is not a step
+            result["steps"] = _recorded_steps(recorded, walls, losses, spec.warmup, timer)
         measured = walls[spec.warmup:] or walls
         result["step_s"] = walls
         result["loss"] = losses

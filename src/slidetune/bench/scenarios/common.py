@@ -248,6 +248,19 @@ def write_tables(out: Path, results: list[dict], machine: dict) -> None:
     write_csv(out / "summary.csv", [summary_row(r) for r in results], SUMMARY_COLUMNS, machine)
 
 
+def write_per_run(d: Path, results: list[dict], machine: dict, baseline: str | None, scenario: str) -> list[Path]:
+    """The common CSVs and plots (time breakdown, peaks, memory timeline, per-layer times
+    with 95% CIs, step curves and deltas, Pareto) of runs in bench.measure's result form, in
+    directory `d`, for scenarios whose own files are other tables (throughput, techniques).
+    Returns the PNGs."""
+    from ..report import draw
+    d.mkdir(parents=True, exist_ok=True)
+    write_tables(d, results, machine)
+    names = ("steps.csv", "layers.csv", "memory_timeline.csv", "summary.csv")
+    tables = {n[:-4]: read_csv(d / n) for n in names}
+    return draw(d, {"doc": {"scenario": scenario, "baseline": baseline, "results": []}, "machine": machine, **tables})
+
+
 def write_results(out: Path, scenario: str, args, results: list[dict], extra: dict | None = None) -> Path:
     machine = machine_of(results)
     argd = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()

@@ -38,7 +38,7 @@ import torch
 from ..baselines import outputs as O
 from ..baselines.hf_train import TechniqueSpec
 from ..baselines.proc import run_worker
-from . import add_common_arguments
+from . import add_common_arguments, common
 
 NAME = "techniques"
 WORKER = "slidetune.bench.baselines.hf_train"
@@ -237,6 +237,8 @@ class Study:
             name=name, model=S["model"], num_layers=S["num_layers"], seq_len=S["seq_len"], batch_size=batch,
             steps=steps, warmup=min(S["warmup"], max(0, steps - 1)), lr=S["lr"], lr_warmup_steps=S["lr_warmup"],
             data="corpus" if kind == "run" else S["probe_data"], eval=kind == "run",
+            # the same-batch runs also record per-layer spans and memory points (per_run/ plots)
+            per_layer=kind == "run" and batch == self.same,
             max_eval_batches=S["eval_batches"],
             dataset_path=str(self.data_path), threads=S["threads"], device=S["device"],
             gpu_memory_limit_gib=S["gpu_memory_limit_gib"], **self.table[name]))
@@ -552,6 +554,21 @@ def render(out: Path, doc: dict, plots: bool = True, compare_seeds: bool = False
     lines += O.md_table(probes, ["technique", "batch_size", "ok", "status", "oom_requested_gib", "gpu_peak_alloc_gib"])
     lines += ["", f"Pareto front (memory vs perplexity): {', '.join(front) or '-'}", "",
               "Plots: peak_memory.png, throughput.png, max_batch.png, perplexity.png, pareto.png", ""]
+    per_run = _per_run(doc)
+    if per_run:
+        if plots:
+            base = next((common.config_name(r) for r in per_run if r["spec"]["name"] == "fp32"), None)
+            common.write_per_run(out / "per_run", per_run, machine, baseline=base, scenario="techniques")
+        lines += ["## Per layer (same-batch runs)", "",
+                  "`per_run/`: the scenarios' common CSVs and plots for the same-batch runs: time breakdown, peaks, "
+                  "memory across the step (mean +- std over steps), per-layer forward / backward / recompute times "
+                  "with 95% CIs, step curves and their deltas against FP32. Spans come from hooks on the "
+                  "unmodified HF model (telemetry.module_probe; slide: its engine's own timer). Under HF "
+                  "gradient checkpointing torch stops each layer's re-run early, where no hook can see it end, "
+                  "so the recompute techniques' recompute time is inside their backward bars.", ""]
+        lines += [f"![{n}](per_run/{n}.png)" for n in ("time_breakdown", "peak_memory", "memory_timeline",
+                                                          "per_layer_times", "step_times", "per_layer_delta")
+                  if (out / "per_run" / f"{n}.png").exists()] + [""]
     if compare_seeds:
         from ..seeds import techniques_comparison_markdown
         lines += techniques_comparison_markdown(rows, max_batch) + [""]
@@ -562,6 +579,20 @@ def render(out: Path, doc: dict, plots: bool = True, compare_seeds: bool = False
 
 
 PROBE_COLUMNS = ["technique", "batch_size", "ok", "status", "oom_requested_gib", "gpu_peak_alloc_gib", "error"]
+
+
+def _per_run(doc: dict) -> list[dict]:
+    """The same-batch runs that recorded per-layer steps, in bench.measure's result form."""
+    S, out = doc["settings"], []
+    for r in doc["results"]:
+        if r.get("kind") != "run" or r.get("batch") != doc["same_batch"] or not r.get("steps"):
+            continue
+        out.append({"spec": {"name": r["technique"], "model": S["model"], "batch_size": r["batch"],
+                             "seq_len": S["seq_len"], "runtime": {"mode": r["technique"]}},
+                    "status": r.get("status"), "error": r.get("error"), "steps": r["steps"],
+                    **{k: r.get(k) for k in ("tokens_per_s", "gpu_peak_alloc_gib", "gpu_peak_reserved_gib",
+                                              "cpu_peak_rss_gib")}})
+    return out
 
 
 def rewrite_report(out: Path, compare_seeds: bool = False) -> Path:

@@ -123,21 +123,6 @@ def _as_measured(r: dict, system: str, model: str, batch: int, seq: int, warmup:
                                       "cpu_peak_rss_gib", "num_layers")}}
 
 
-def _write_per_run(out: Path, per_run: list[dict], machine: dict) -> list[Path]:
-    """The scenarios' common CSVs and plots (time breakdown, peaks, memory timeline, per-layer
-    times with 95% CIs, step curves, Pareto) in out/per_run/; returns the PNGs."""
-    from ..report import draw
-    d = out / "per_run"
-    d.mkdir(exist_ok=True)
-    common.write_tables(d, per_run, machine)
-    names = ("steps.csv", "layers.csv", "memory_timeline.csv", "summary.csv")
-    tables = {n[:-4]: common.read_csv(d / n) for n in names}
-    slide = next((common.config_name(r) for r in per_run if r.get("status") == "ok"
-                  and r["spec"].get("runtime", {}).get("mode") == "slide"), None)
-    return draw(d, {"doc": {"scenario": "throughput", "baseline": slide, "results": []}, "machine": machine,
-                    **tables})
-
-
 def longest_sequence(model: str, layers: int | None, dev: str, args, granule: int, start: int) -> dict:
     """Largest multiple of `granule` that trains at batch 1 in slide mode (--runtime options),
     capped by the model's context. Each probe is one step in its own process; an OOM, a
@@ -274,7 +259,9 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
     lines += ["", "Plots: tokens_per_s.png, model_tflops.png, gpu_peak.png, cpu_peak.png, step_over_floor.png, "
               "pareto.png", ""]
     if per_run:
-        pngs = _write_per_run(out, per_run, machine)
+        slide = next((common.config_name(r) for r in per_run if r.get("status") == "ok"
+                      and r["spec"].get("runtime", {}).get("mode") == "slide"), None)
+        pngs = common.write_per_run(out / "per_run", per_run, machine, baseline=slide, scenario="throughput")
         lines += ["Per run (`per_run/`: steps, per-layer spans, memory timeline, summary CSVs): time breakdown "
                   "(forward, head, backward, recompute from GPU events; optimizer and transfer from the host "
                   "timeline; GPU idle = the step minus GPU compute), peaks, memory across the step (mean +- std "
