@@ -65,6 +65,11 @@ class RuntimeConfig:
     # context's blocking-sync flag for .item() and synchronize()); "spin": CUDA's default,
     # a busy core per waiter, which slowed the host's AdamW by up to 41% (NOTES.md 14).
     cuda_waits: str = "block"       # block | spin
+    # Python's GIL switch interval while the slide engine runs (ms). Every torch call of the
+    # host's AdamW loop gives the GIL up and must take it back, waiting up to this long when
+    # the compute thread is busy in Python (benchmarks/scripts/gil_adamw.py: 0.87x at 0.5 ms
+    # for ~16 ms chunks on the CPU machine, ~0.97x at 0.2 ms).
+    gil_switch_ms: float = 0.5
     # torch.compile the decoder layers' forward (slide mode; one graph per kind of layer,
     # recompute and backward included). Costs a compile at the first step.
     compile_layers: bool = False
@@ -85,6 +90,8 @@ class RuntimeConfig:
             raise ValueError(f"upload_cast_stream must be copy or compute, not {self.upload_cast_stream!r}")
         if self.grad_slot_dtype not in ("auto", "compute", "fp32"):
             raise ValueError(f"grad_slot_dtype must be auto, compute or fp32, not {self.grad_slot_dtype!r}")
+        if not 0.01 <= self.gil_switch_ms <= 100:
+            raise ValueError(f"gil_switch_ms must be within 0.01-100 ms, not {self.gil_switch_ms}")
         if self.cuda_waits not in ("block", "spin"):
             raise ValueError(f"cuda_waits must be block or spin, not {self.cuda_waits!r}")
         if self.update_order not in ("deadline", "fifo"):

@@ -50,7 +50,7 @@ def parse_variants(text: str) -> list[tuple[str, dict]]:
                 raise ValueError(f"variant {name!r}: {kv!r} is not key=value with a RuntimeConfig field "
                                  f"(fields: {', '.join(sorted(fields))})")
             typ = fields[key].type
-            over[key] = (int(value) if typ in ("int", int) else
+            over[key] = (int(value) if typ in ("int", int) else float(value) if typ in ("float", float) else
                          value.lower() in ("1", "true", "yes") if typ in ("bool", bool) else value)
         RuntimeConfig(**over)        # reject bad values here, not in a worker process
         out.append((name.strip(), over))

@@ -143,7 +143,7 @@ class SlideEngine:
         # The worker threads need the GIL between their (GIL-free) kernels while the compute
         # thread runs Python; the default 5 ms switch interval would stall each hand-off.
         self._switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(5e-4)
+        sys.setswitchinterval(rt.gil_switch_ms / 1e3)
         self.acts = ActivationStore(device, L, rt.offload_activations)
         # compile_layers: one compiled graph per kind of layer, keyed on a template module
         # (dynamo guards on the module object; one per layer would recompile L times).
