@@ -257,11 +257,16 @@ def run_technique(spec_dict: dict) -> dict:
     spec = TechniqueSpec(**spec_dict)
     if spec.threads:
         torch.set_num_threads(spec.threads)
+    context_waits = "n/a"
+    if spec.engine == "slide" and spec.device != "cpu" and torch.cuda.is_available():
+        # before the context exists: slide's host AdamW must not share cores with spinning waits
+        from ...device import request_blocking_sync
+        context_waits = request_blocking_sync(torch.device(spec.device).index or 0 if spec.device != "auto" else 0)
     dev = _device(spec.device)
     if dev.type == "cuda" and spec.gpu_memory_limit_gib:
         total = torch.cuda.get_device_properties(dev).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, spec.gpu_memory_limit_gib * 2**30 / total), dev)
-    result: dict = {"spec": asdict(spec), "machine": machine_info()}
+    result: dict = {"spec": asdict(spec), "machine": machine_info(), "cuda_context_waits": context_waits}
     runner = _SlideRunner(spec, dev) if spec.engine == "slide" else _HFRunner(spec, dev)
     result["params"] = runner.params
     batch_fn, heldout = _data(spec, runner.vocab)
