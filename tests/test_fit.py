@@ -459,3 +459,9 @@ def test_plan_prints_the_estimate_and_the_resident_alternative(capsys):
     assert "GPU " in out and "layer weight slots" in out and "master + Adam moments" in out
     m = re.search(r"at least ([\d.]+) GiB free every layer stays resident \(GPU ([\d.]+) GiB", out)
     assert m and float(m[1]) > float(m[2]) > 0
+    # grad_slot_dtype auto: the memory from which FP32 slots are taken, for both slot choices
+    fp32 = re.findall(r"with cache_units (\d+), FP32 gradient slots need a GPU with ([\d.]+) GiB free "
+                      r"\(GPU ([\d.]+) GiB", out)
+    assert sorted(int(c) for c, _, _ in fp32) == [0, 3]
+    resident_fp32 = next(float(g) for c, _, g in fp32 if c == "0")
+    assert resident_fp32 > float(m[2])                  # FP32 slots cost more than compute-dtype ones

@@ -49,6 +49,17 @@ def _plan(ns) -> int:
         print(f"cache_units auto: the estimate above is the 3-slot window; on a GPU with at least "
               f"{resident.gpu_bytes / 0.9 / gib:.1f} GiB free every layer stays resident "
               f"(GPU {resident.gpu_bytes / gib:.2f} GiB; faster: the forward no longer waits on PCIe)")
+    if cfg.runtime.mode == "slide" and cfg.runtime.grad_slot_dtype == "auto":
+        import dataclasses
+        lean = 3 if cfg.runtime.cache_units == -1 else cfg.runtime.cache_units
+        for cache_units in sorted({lean, 0} if cfg.runtime.cache_units == -1 else {lean}):
+            fp32 = estimate_memory(loaded.split, dataclasses.replace(cfg.runtime, cache_units=cache_units,
+                                                                     grad_slot_dtype="fp32"),
+                                   batch_size=cfg.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
+                                   max_grad_norm=cfg.max_grad_norm)
+            print(f"grad_slot_dtype auto: with cache_units {cache_units}, FP32 gradient slots need a GPU with "
+                  f"{fp32.gpu_bytes / 0.9 / gib:.1f} GiB free (GPU {fp32.gpu_bytes / gib:.2f} GiB; the gradient "
+                  f"copies then need no cast kernel); below that the slots keep the compute dtype")
     return 0
 
 
