@@ -11,7 +11,9 @@ After section 14's fix the engine still ran AdamW at 0.66-0.82 of its probe (NOT
 so three more suspects are timed too (hypotheses a-c there):
   registered  the FP32 masters page-locked with cudaHostRegister, as cast_on=gpu does;
   launch      a thread launching small kernels non-stop, as the compute thread does;
-  dma_into    each gradient chunk written by a D2H copy right before AdamW reads it.
+  dma_into    each gradient chunk written by a D2H copy right before AdamW reads it;
+  python      a thread busy in pure Python: AdamW's loop waits for the GIL after each call
+              (hypothesis d), at the engine's 0.5 ms switch interval and at 0.2 ms.
 Each variant runs AdamW the engine's way (layer-sized units, 64M-element chunks, FP32
 gradients from a pinned ring) while background threads apply a load, and reports AdamW's
 parameters/s and the DMA's achieved GB/s. Writes one JSON.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import threading
 import time
 
@@ -37,7 +40,7 @@ class Load(threading.Thread):
 
     def __init__(self, kind: str, dma_gbs: float, blocking: bool):
         super().__init__(daemon=True)
-        self.kind = kind                  # "h2d" | "d2h" | "both" | "spin" | "launch"
+        self.kind = kind                  # "h2d" | "d2h" | "both" | "spin" | "launch" | "python"
         self.dma_gbs = dma_gbs            # target rate per direction (0: as fast as it goes)
         self.blocking = blocking          # blocking events yield the core while waiting
         self.halt = threading.Event()
@@ -52,6 +55,12 @@ class Load(threading.Thread):
 
     def run(self) -> None:
         t0 = time.perf_counter()
+        if self.kind == "python":             # pure Python: holds the GIL but for the switch interval
+            x = 0
+            while not self.halt.is_set():
+                x += 1
+            self.seconds = time.perf_counter() - t0
+            return
         with torch.cuda.stream(self.stream):
             while not self.halt.is_set():
                 t = time.perf_counter()
@@ -150,6 +159,8 @@ def main() -> None:
         ("launch_blocking", [("launch", 0.0, True)], full),
         ("dma_into_grad", [], full),
         ("copies_and_launches_blocking", [("both", a.dma_gbs, True), ("launch", 0.0, True)], full),
+        ("python_busy_switch_0.5ms", [("python", 0.0, True)], full),
+        ("python_busy_switch_0.2ms", [("python", 0.0, True)], full),
         ("registered", [], full),
         ("registered_copies_and_launches", [("both", a.dma_gbs, True), ("launch", 0.0, True)], full),
         ("alone_again", [], full),
@@ -158,6 +169,7 @@ def main() -> None:
     out: dict[str, dict] = {}
     for name, loads, threads in variants:
         torch.set_num_threads(threads)
+        sys.setswitchinterval(2e-4 if name.endswith("switch_0.2ms") else 5e-4)   # the engine sets 0.5 ms
         if name == "registered":                       # from here on the masters stay page-locked
             for o in opts:
                 err = int(torch.cuda.cudart().cudaHostRegister(o.master.data_ptr(), o.master.numel() * 4, 0))
