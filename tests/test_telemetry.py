@@ -5,6 +5,7 @@ import json
 import time
 
 import pytest
+import torch
 
 from slidetune.models.load import skeleton
 from slidetune.models.presets import preset_config
@@ -168,3 +169,14 @@ def test_module_probe_times_every_layer_of_an_hf_model_without_changing_it(recom
         marks = [p[0] for p in step["memory"]]
         assert marks.count("forward") == 3 and marks.count("backward") == 3 and marks[-1] == "optimizer"
         assert all(p[4] > 0 for p in step["memory"])            # host RSS at every point
+
+
+def test_request_blocking_sync_reports_instead_of_raising():
+    """Without a driver (this CPU machine) the request says why it could not be granted;
+    with one it reports what the primary context's scheduling flag now is."""
+    from slidetune.device import request_blocking_sync
+    got = request_blocking_sync(0)
+    if torch.cuda.is_available():
+        assert got == "blocking_sync" or got.startswith("spin (")
+    else:
+        assert got.startswith("spin (") and ("libcuda" in got or "cuInit" in got)
