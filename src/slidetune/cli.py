@@ -51,8 +51,7 @@ def _plan(ns) -> int:
               f"(GPU {resident.gpu_bytes / gib:.2f} GiB; faster: the forward no longer waits on PCIe)")
     if cfg.runtime.mode == "slide" and cfg.runtime.grad_slot_dtype == "auto":
         import dataclasses
-        lean = 3 if cfg.runtime.cache_units == -1 else cfg.runtime.cache_units
-        for cache_units in sorted({lean, 0} if cfg.runtime.cache_units == -1 else {lean}):
+        for cache_units in [0, 3] if cfg.runtime.cache_units == -1 else [cfg.runtime.cache_units]:
             fp32 = estimate_memory(loaded.split, dataclasses.replace(cfg.runtime, cache_units=cache_units,
                                                                      grad_slot_dtype="fp32"),
                                    batch_size=cfg.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,

@@ -128,7 +128,7 @@ def measure(spec: MeasureSpec) -> dict:
                     overlap = overlap_report(gpu, host_spans, start, t_end)
             steps.append({"step": k, "warmup": k < spec.warmup, "wall_s": t_end - start, "call_s": t_end - t,
                           "loss": res.loss,
-                          "memory": [(p.phase, p.layer, p.allocated, p.reserved, p.rss) for p in mem_points],
+                          "memory": [p.row() for p in mem_points],
                           "grad_norm": res.grad_norm(), "host_s": host, "overlap": overlap,
                           "spans": [(s.phase, s.layer, s.ms) for s in spans]})
         engine.synchronize()

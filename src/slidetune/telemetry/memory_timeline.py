@@ -22,6 +22,10 @@ class MemoryPoint:
     reserved: int
     rss: int
 
+    def row(self) -> tuple[str, int, int, int, int]:
+        """(phase, layer, allocated, reserved, rss): the form a step record keeps."""
+        return (self.phase, self.layer, self.allocated, self.reserved, self.rss)
+
 
 class MemoryTimeline:
     def __init__(self, device, enabled: bool = False):

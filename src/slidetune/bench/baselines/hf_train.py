@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from ...device import Device
+
 
 @dataclass
 class TechniqueSpec:
@@ -130,7 +132,6 @@ class _HFRunner:
 
     def instrument(self):
         """Per-layer spans and memory points from hooks: (timer, memory, host timeline or None)."""
-        from ...device import Device
         from ...telemetry.events import EventTimer
         from ...telemetry.memory_timeline import MemoryTimeline
         from ...telemetry.module_probe import ModuleProbe
@@ -199,9 +200,8 @@ class _HFRunner:
 class _SlideRunner:
     """slidetune's slide engine, started from the same initial weights as the HF runs."""
 
-    def __init__(self, spec: TechniqueSpec, dev: torch.device):
+    def __init__(self, spec: TechniqueSpec, device: Device):
         from transformers import AutoModelForCausalLM
-        from ...device import Device
         from ...engine import AdamWConfig, RuntimeConfig, build_engine
         from ...models.load import LoadedModel, StateDictSource, skeleton
         from ...models.presets import preset_config
@@ -212,10 +212,9 @@ class _SlideRunner:
         state = {k: v.detach() for k, v in hf.state_dict().items()}
         loaded = LoadedModel(spec.model, SplitModel(skeleton(config)), StateDictSource(state), None)
         dtype = "bf16" if spec.precision == "bf16" else "fp32"
-        rt = RuntimeConfig(mode="slide", dtype=dtype, device=dev.type, head_impl="chunked", cache_units=3,
+        rt = RuntimeConfig(mode="slide", dtype=dtype, device=device.device.type, head_impl="chunked", cache_units=3,
                            head_chunk_tokens=spec.head_chunk_tokens)
-        self.engine = build_engine(loaded, rt, AdamWConfig(lr=spec.lr, weight_decay=0.1),
-                                   Device.resolve(dev.type, waits=rt.cuda_waits),
+        self.engine = build_engine(loaded, rt, AdamWConfig(lr=spec.lr, weight_decay=0.1), device,
                                    grad_accum=1, max_grad_norm=spec.max_grad_norm)
         del hf, state
         self.vocab = config.vocab_size
@@ -247,7 +246,7 @@ def _recorded_steps(recorded: list, walls: list[float], losses: list[float], war
     for k, ((cut, mem, host_spans, t0, t1), wall, loss) in enumerate(zip(recorded, walls, losses)):
         steps.append({"step": k, "warmup": k < warmup, "wall_s": wall, "loss": loss,
                       "spans": step_spans(timer.resolve(cut)),
-                      "memory": [(p.phase, p.layer, p.allocated, p.reserved, p.rss) for p in mem],
+                      "memory": [p.row() for p in mem],
                       "host_s": summarize(host_spans, t0, t1) if host_spans else {}, "overlap": {}})
     return steps
 
@@ -257,17 +256,18 @@ def run_technique(spec_dict: dict) -> dict:
     spec = TechniqueSpec(**spec_dict)
     if spec.threads:
         torch.set_num_threads(spec.threads)
-    context_waits = "n/a"
-    if spec.engine == "slide" and spec.device != "cpu" and torch.cuda.is_available():
-        # before the context exists: slide's host AdamW must not share cores with spinning waits
-        from ...device import request_blocking_sync
-        context_waits = request_blocking_sync(torch.device(spec.device).index or 0 if spec.device != "auto" else 0)
-    dev = _device(spec.device)
+    device = None
+    if spec.engine == "slide":
+        # Device.resolve before anything opens the CUDA context: it asks for host waits that
+        # sleep, so slide's host AdamW does not share its cores with spinning waits
+        device = Device.resolve(spec.device)
+    dev = device.device if device is not None else _device(spec.device)
     if dev.type == "cuda" and spec.gpu_memory_limit_gib:
         total = torch.cuda.get_device_properties(dev).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, spec.gpu_memory_limit_gib * 2**30 / total), dev)
-    result: dict = {"spec": asdict(spec), "machine": machine_info(), "cuda_context_waits": context_waits}
-    runner = _SlideRunner(spec, dev) if spec.engine == "slide" else _HFRunner(spec, dev)
+    result: dict = {"spec": asdict(spec), "machine": machine_info(),
+                    "cuda_context_waits": device.context_waits if device is not None else "n/a"}
+    runner = _SlideRunner(spec, device) if device is not None else _HFRunner(spec, dev)
     result["params"] = runner.params
     batch_fn, heldout = _data(spec, runner.vocab)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -287,10 +287,11 @@ def run_technique(spec_dict: dict) -> dict:
             end = time.perf_counter()
             # from the previous step's end: the slide engine's host updates run on after its
             # call returns (cuda synchronize does not wait for them), so the call alone under-reads
-            walls.append(end - (t if prev_end is None else prev_end))
+            start = t if prev_end is None else prev_end
+            walls.append(end - start)
             if timer is not None:
                 recorded.append((timer.cut(), memory.take(), timeline.take() if timeline is not None else [],
-                                 t if prev_end is None else prev_end, end))
+                                 start, end))
             prev_end = end
             losses.append(loss)
             if not math.isfinite(loss):
