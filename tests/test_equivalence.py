@@ -193,9 +193,13 @@ def test_eval_between_steps_sees_the_updated_weights(cache_units, schedule):
         engine.close()
 
 
-def test_compiled_layers_match_the_reference():
+def test_compiled_layers_match_the_reference(monkeypatch):
     """compile_layers: torch.compile'd decoder layers (one graph per kind of layer, here one
-    for all four) follow the reference like the eager ones; inductor may reorder sums."""
+    for all four) follow the reference like the eager ones; inductor may reorder sums. Each
+    step ends by releasing inductor's compile workers (compile_workers.py)."""
+    import slidetune.engine.slide.engine as slide_engine
+    released = []
+    monkeypatch.setattr(slide_engine, "release_compile_workers", lambda: released.append(True) or False)
     loaded = make_loaded("qwen3", tied=True)
     ref = ReferenceTrainer(build_reference(loaded), lr=LR, eps=1e-6)
     rt = RuntimeConfig(mode="slide", dtype="fp32", device="cpu", compile_layers=True, chunk_mb=1)
@@ -205,6 +209,7 @@ def test_compiled_layers_match_the_reference():
         for step in range(2):
             mbs = make_batches(step, 1)
             assert engine.train_step(mbs, LR).loss == pytest.approx(ref.step(mbs, LR)[0], rel=1e-5)
+            assert len(released) == step + 1
         engine.synchronize()
         worst, where = max_param_rel_diff(engine, ref.model)
         assert worst < 1e-4, f"{where}: relative difference {worst:.2e}"

@@ -41,6 +41,7 @@ from ...telemetry.memory_timeline import MemoryTimeline
 from ..adamw import AdamWConfig
 from ..config import RuntimeConfig
 from ..result import StepResult
+from ..compile_workers import release_compile_workers
 from .activations import ActivationStore
 from .host_store import HostStore, HostUnit
 from .transfer import GradDrain, Uploader, clip_coefficient
@@ -400,6 +401,10 @@ class SlideEngine:
             parts = list(self._grad_norm_parts)
             norm_fut = self.host_worker.submit(lambda: math.sqrt(sum(p.result() for p in parts)))
         self.step_index += 1
+        if self._compiled_layer is not None:
+            # Every graph of this step is compiled by now (compilation runs on this thread at
+            # issue time): free the compile workers' cores for AdamW (compile_workers.py).
+            release_compile_workers()
         loss_sum = 0.0
         for host_loss, ready in losses:
             ready.synchronize()
