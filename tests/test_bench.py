@@ -37,6 +37,29 @@ def test_measure_records_per_layer_phases_and_host_spans():
     assert any(k.startswith("host.") for k in measured[0]["host_s"])
     assert 0 < measured[0]["overlap"]["gpu_compute_fraction_of_step"] <= 1.0
     assert "host.adamw_overlapped_with_gpu_compute" in r["overlap_mean"]
+    # the last measured step as a Gantt chart: the GPU's layer phases and the host threads, per unit
+    tl = r["step_timeline"]
+    assert tl["step"] == r["steps"][-1]["step"]
+    rows = tl["rows"]
+    gpu = {(what, unit) for lane, what, unit, _, _ in rows if lane == "gpu"}
+    assert {("forward", f"layer.{i}") for i in range(r["num_layers"])} <= gpu
+    adamw_units = {unit for lane, what, unit, _, _ in rows if (lane, what) == ("host", "adamw")}
+    assert adamw_units == {"embed", "head"} | {f"layer.{i}" for i in range(r["num_layers"])}
+    assert all(0 <= s <= e <= tl["step_ms"] + 1e-6 for *_, s, e in rows)
+
+
+def test_step_timeline_table_and_plot(tmp_path):
+    from slidetune.bench.report import draw, load
+    from slidetune.bench.scenarios import common
+    spec = MeasureSpec(model="tiny-llama", seq_len=16, batch_size=2, steps=1, warmup=1,
+                       runtime=dict(device="cpu", mode="slide"))
+    r = measure(spec)
+    common.write_tables(tmp_path, [r], r["machine"])
+    data = load(tmp_path)
+    assert data["step_timeline"] and {row["lane"] for row in data["step_timeline"]} >= {"gpu", "host"}
+    paths = draw(tmp_path, {**data, "doc": {"scenario": "throughput", "results": []}})
+    png = [p for p in paths if p.name.startswith("step_timeline_")]
+    assert len(png) == 1 and png[0].stat().st_size > 10_000
 
 
 def test_profile_summary_sees_the_worker_threads():

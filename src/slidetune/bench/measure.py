@@ -54,6 +54,21 @@ def synthetic_batches(vocab: int, batch: int, seq: int, n: int, seed: int) -> li
     return out
 
 
+def step_timeline(gpu_spans, host_spans, t0: float, t1: float) -> list[list]:
+    """One step as Gantt rows [lane, what, unit, start_ms, end_ms] relative to its start `t0`:
+    the GPU's per-layer spans (lane "gpu", what = phase) and the host threads' spans (lane =
+    thread), clipped to [t0, t1]. GPU spans without a host-clock position are left out."""
+    rows = []
+    for s in gpu_spans:
+        if s.start_s is not None and s.end_s > t0 and s.start_s < t1:
+            unit = f"layer.{s.layer}" if s.layer >= 0 else ""
+            rows.append(["gpu", s.phase, unit, (max(s.start_s, t0) - t0) * 1e3, (min(s.end_s, t1) - t0) * 1e3])
+    for thread, what, s, e, *rest in host_spans:
+        if e > t0 and s < t1:
+            rows.append([thread, what, rest[0] if rest else "", (max(s, t0) - t0) * 1e3, (min(e, t1) - t0) * 1e3])
+    return rows
+
+
 def _mean_by_key(dicts: list[dict[str, float]]) -> dict[str, float]:
     """Per key, the mean over `dicts` (a key missing from one counts as 0 there)."""
     keys = sorted({k for d in dicts for k in d})
@@ -117,8 +132,13 @@ def measure(spec: MeasureSpec) -> dict:
             raw.append((k, start, t, t_end, res, timer.cut(),      # resolved after the loop: no GPU wait here
                         timeline.take() if timeline is not None else [],
                         memory.take() if memory is not None else []))
+        last_measured = total_steps - 1 if spec.steps > 0 else -1
         for k, start, t, t_end, res, pending, host_spans, mem_points in raw:
             spans = timer.resolve(pending)
+            if k == last_measured and (host_spans or spans):
+                # the last measured step, every thread and the GPU on one clock (a Gantt chart)
+                result["step_timeline"] = {"step": k, "step_ms": (t_end - start) * 1e3,
+                                           "rows": step_timeline(spans, host_spans, start, t_end)}
             host, overlap = {}, {}
             if timeline is not None:
                 from ..telemetry.host_timeline import overlap_report, summarize

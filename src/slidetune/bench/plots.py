@@ -10,6 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import matplotlib
+import matplotlib.patches
 import matplotlib.ticker
 
 matplotlib.use("Agg")
@@ -263,5 +264,53 @@ def plot_pipeline_lanes(lanes: dict, path: Path, title: str = "One step, per str
     ax.set_xlim(0, lanes.get("step_ms", 1.0))
     ax.set_xlabel("ms from the step's start (torch.profiler; intervals closer than "
                   f"{lanes.get('merge_gap_us', 0):.0f} us merged)")
+    ax.set_title(title)
+    return _save(fig, path)
+
+
+_TIMELINE_LANES = (("gpu", None), ("compute", "wait_upload"), ("compute", "wait_grad_slot"),
+                   ("upload", "wait_update"), ("upload", "upload"), ("d2h", "issue"), ("host", "drain"),
+                   ("host", "d2h_wait"), ("host", "adamw"), ("host", "deferred_update"))
+_PHASE_COLORS = {"forward": "tab:blue", "recompute": "tab:cyan", "backward": "tab:purple", "head": "tab:olive",
+                 "embed": "tab:brown", "embed_backward": "tab:brown"}
+
+
+def _unit_tag(unit: str) -> str:
+    """'layer.12' -> '12', 'embed' -> 'E', 'head' -> 'H' (labels inside the bars)."""
+    return unit.split(".", 1)[1] if unit.startswith("layer.") else unit[:1].upper()
+
+
+def plot_step_timeline(rows: list[dict], path: Path, title: str) -> Path:
+    """Gantt chart of one step (bench.measure.step_timeline): the GPU's per-layer phases and each
+    host thread's activities on one clock, AdamW and uploads labelled with their unit."""
+    lanes: list[tuple[str, str | None]] = []
+    for key in _TIMELINE_LANES:
+        if any(r["lane"] == key[0] and (key[1] is None or r["what"] == key[1]) for r in rows):
+            lanes.append(key)
+    for r in rows:                                        # anything not foreseen gets a lane too
+        key = (r["lane"], None if r["lane"] == "gpu" else r["what"])
+        if key not in lanes:
+            lanes.append(key)
+    fig, ax = plt.subplots(figsize=(14, 0.5 * max(4, len(lanes)) + 1.4))
+    end = max((_f(r["end_ms"]) for r in rows), default=1.0)
+    for y, (lane, what) in enumerate(lanes):
+        mine = [r for r in rows if r["lane"] == lane and (what is None or r["what"] == what)]
+        for r in mine:
+            s, e = _f(r["start_ms"]), _f(r["end_ms"])
+            color = (_PHASE_COLORS.get(r["what"], "tab:gray") if lane == "gpu"
+                     else "tab:red" if "wait" in r["what"] else "tab:green")
+            ax.broken_barh([(s, e - s)], (y - 0.35, 0.7), color=color, edgecolor="white", linewidth=0.3)
+            if r["unit"] and lane != "gpu" and e - s > end / 120:
+                ax.text((s + e) / 2, y, _unit_tag(r["unit"]), ha="center", va="center", fontsize=5)
+    ax.set_yticks(range(len(lanes)))
+    ax.set_yticklabels([f"{lane}" if what is None else f"{lane}: {what}" for lane, what in lanes], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, end)
+    handles = [matplotlib.patches.Patch(color=c, label=p) for p, c in _PHASE_COLORS.items() if p != "embed_backward"]
+    handles += [matplotlib.patches.Patch(color="tab:green", label="host work"),
+                matplotlib.patches.Patch(color="tab:red", label="waiting")]
+    ax.legend(handles=handles, fontsize=7, ncol=len(handles), loc="upper center", bbox_to_anchor=(0.5, -0.12))
+    ax.set_xlabel("ms from the step's start (GPU: per-layer events on the host clock; host: thread spans; "
+                  "labels: layer index, E = embedding, H = head)")
     ax.set_title(title)
     return _save(fig, path)

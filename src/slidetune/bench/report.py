@@ -43,6 +43,7 @@ def load(out_dir: Path) -> dict:
     names = ("steps.csv", "layers.csv", "memory_timeline.csv", "summary.csv")
     if doc.get("results") is not None and not all((out_dir / n).exists() for n in names):
         common.write_tables(out_dir, doc["results"], doc.get("machine") or common.machine_of(doc["results"]))
+    names += ("step_timeline.csv",)     # only runs with a host timeline (slide) write it
     tables = {n[:-4]: common.read_csv(out_dir / n) if (out_dir / n).exists() else [] for n in names}
     machine = doc.get("machine") or (common.read_csv_machine(out_dir / "summary.csv")
                                      if (out_dir / "summary.csv").exists() else {})
@@ -65,6 +66,12 @@ def draw(out_dir: Path, data: dict) -> list[Path]:
         paths.append(plots.plot_layer_delta(data["layers"], baseline, out_dir / "per_layer_delta.png"))
     if data["doc"].get("scenario") == "head":
         paths.append(plots.plot_head(summary, out_dir / "head_time.png"))
+    by_config: dict[str, list[dict]] = {}
+    for row in data.get("step_timeline") or []:
+        by_config.setdefault(row["config"], []).append(row)
+    for name, rows in by_config.items():
+        paths.append(plots.plot_step_timeline(rows, out_dir / f"step_timeline_{name}.png",
+                                              f"{name}: step {rows[0]['step']}, GPU and host threads"))
     for r in data["doc"].get("results") or []:
         lanes = (r.get("trace_summary") or {}).get("lanes")
         if lanes:

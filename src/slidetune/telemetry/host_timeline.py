@@ -1,8 +1,8 @@
 """Host-side spans of the pipeline's threads (compute waits, AdamW, D2H waits, uploads).
 
 The profiler does not see what the worker threads do, so the engine records its own
-wall-clock spans when enabled: (thread label, what, start, end) in perf_counter
-seconds. Appending to a list is atomic under the GIL; the cost when disabled is one
+wall-clock spans when enabled: (thread label, what, start, end, unit label) in
+perf_counter seconds; the unit label (e.g. "layer.3") is "" where the span serves no one unit. Appending to a list is atomic under the GIL; the cost when disabled is one
 attribute check.
 """
 from __future__ import annotations
@@ -15,10 +15,10 @@ from collections import defaultdict
 class HostTimeline:
     def __init__(self, enabled: bool = False):
         self.enabled = enabled
-        self.spans: list[tuple[str, str, float, float]] = []
+        self.spans: list[tuple[str, str, float, float, str]] = []
 
     @contextlib.contextmanager
-    def span(self, thread: str, what: str):
+    def span(self, thread: str, what: str, unit: str = ""):
         if not self.enabled:
             yield
             return
@@ -26,17 +26,17 @@ class HostTimeline:
         try:
             yield
         finally:
-            self.spans.append((thread, what, t0, time.perf_counter()))
+            self.spans.append((thread, what, t0, time.perf_counter(), unit))
 
-    def take(self) -> list[tuple[str, str, float, float]]:
+    def take(self) -> list[tuple[str, str, float, float, str]]:
         out, self.spans = self.spans, []
         return out
 
 
-def summarize(spans: list[tuple[str, str, float, float]], t0: float, t1: float) -> dict[str, float]:
+def summarize(spans: list[tuple], t0: float, t1: float) -> dict[str, float]:
     """Seconds spent per (thread, what) inside [t0, t1]."""
     agg: dict[str, float] = defaultdict(float)
-    for thread, what, s, e in spans:
+    for thread, what, s, e, *_ in spans:
         s, e = max(s, t0), min(e, t1)
         if e > s:
             agg[f"{thread}.{what}"] += e - s
@@ -53,7 +53,7 @@ def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(s, e) for s, e in out]
 
 
-def overlap_report(gpu_spans: list[tuple[float, float]], host_spans: list[tuple[str, str, float, float]],
+def overlap_report(gpu_spans: list[tuple[float, float]], host_spans: list[tuple],
                    t0: float, t1: float) -> dict[str, float]:
     """For one step [t0, t1]: the fraction of it the GPU computes, and for each host activity
     (e.g. host.adamw, upload.upload) its busy seconds and the fraction overlapped by GPU compute."""
@@ -62,7 +62,7 @@ def overlap_report(gpu_spans: list[tuple[float, float]], host_spans: list[tuple[
     span = t1 - t0
     out = {"gpu_compute_fraction_of_step": sum(e - s for s, e in gpu) / span if span > 0 else 0.0}
     groups: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for thread, what, s, e in host_spans:
+    for thread, what, s, e, *_ in host_spans:
         groups[f"{thread}.{what}"].append((s, e))
     for key, iv in sorted(groups.items()):
         busy = union(clip(iv))

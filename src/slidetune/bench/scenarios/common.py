@@ -246,6 +246,17 @@ def write_tables(out: Path, results: list[dict], machine: dict) -> None:
               ["config", "point", "phase", "layer", "allocated_gib_mean", "allocated_gib_std",
                "reserved_gib_mean", "reserved_gib_std", "rss_gib_mean", "rss_gib_std"], machine)
     write_csv(out / "summary.csv", [summary_row(r) for r in results], SUMMARY_COLUMNS, machine)
+    timeline = [row for r in results for row in timeline_rows(r)]
+    if timeline:
+        write_csv(out / "step_timeline.csv", timeline, ["config", "step", "lane", "what", "unit", "start_ms", "end_ms"],
+                  machine)
+
+
+def timeline_rows(r: dict) -> list[dict]:
+    """The last measured step's Gantt rows (bench.measure.step_timeline), if recorded."""
+    tl = r.get("step_timeline") or {}
+    return [{"config": config_name(r), "step": tl["step"], "lane": lane, "what": what, "unit": unit,
+             "start_ms": round(s, 3), "end_ms": round(e, 3)} for lane, what, unit, s, e in tl.get("rows", [])]
 
 
 def write_per_run(d: Path, results: list[dict], machine: dict, baseline: str | None, scenario: str) -> list[Path]:
@@ -256,8 +267,8 @@ def write_per_run(d: Path, results: list[dict], machine: dict, baseline: str | N
     from ..report import draw
     d.mkdir(parents=True, exist_ok=True)
     write_tables(d, results, machine)
-    names = ("steps.csv", "layers.csv", "memory_timeline.csv", "summary.csv")
-    tables = {n[:-4]: read_csv(d / n) for n in names}
+    names = ("steps.csv", "layers.csv", "memory_timeline.csv", "summary.csv", "step_timeline.csv")
+    tables = {n[:-4]: read_csv(d / n) if (d / n).exists() else [] for n in names}
     return draw(d, {"doc": {"scenario": scenario, "baseline": baseline, "results": []}, "machine": machine, **tables})
 
 

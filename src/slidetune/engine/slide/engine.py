@@ -155,11 +155,11 @@ class SlideEngine:
         self._grad_norm_parts: list[Future] = []
 
     # ------------------------------------------------------------------ utils
-    def _wait(self, fut: Future, what: str = "wait"):
+    def _wait(self, fut: Future, what: str = "wait", unit: str = ""):
         try:
             if fut.done():
                 return fut.result()
-            with self.timeline.span("compute", what), record_function(f"slidetune.{what}"):
+            with self.timeline.span("compute", what, unit), record_function(f"slidetune.{what}"):
                 return self._wait_loop(fut)
         except Exception as e:
             first = self._first_error
@@ -196,8 +196,8 @@ class SlideEngine:
             return self._compiled_layer(self._templates[i], params, x, kwargs)
         return self.split.layer_forward(i, params, x, kwargs)
 
-    def _timed(self, thread: str, what: str, fn, *args, **kwargs):
-        with self.timeline.span(thread, what):
+    def _timed(self, thread: str, what: str, unit: str, fn, *args, **kwargs):
+        with self.timeline.span(thread, what, unit):
             return fn(*args, **kwargs)
 
     @staticmethod
@@ -221,7 +221,7 @@ class SlideEngine:
         # With a landing buffer the upload only moves FP32 bytes; _acquire casts them.
         dst = slot.landing if slot.landing is not None else slot.flat
         slot.cast_pending = slot.landing is not None
-        job = (self._timed, "upload", "upload", self.uploader.upload, unit, dst, version, after)
+        job = (self._timed, "upload", "upload", unit.spec.name, self.uploader.upload, unit, dst, version, after)
         if not when_update_starts:
             slot.ready = self.upload_worker.submit(*job)
             return
@@ -277,7 +277,7 @@ class SlideEngine:
             assign[w] = s
 
     def _acquire(self, slot: _Slot) -> None:
-        ev = self._wait(slot.ready, "wait_upload")
+        ev = self._wait(slot.ready, "wait_upload", self.units[slot.content[0]].spec.name if slot.content else "")
         if ev is not None:
             self.device.current_stream().wait_event(ev)
         if slot.cast_pending:
@@ -326,7 +326,8 @@ class SlideEngine:
         order = dict(deadline=unit_index, ready=lambda: _landed(chunks[0])) if self.deadline_order else {}
         if self.deadline_order:
             chunks[0].add_done_callback(lambda _: self.host_worker.notify())
-        fut = self.host_worker.submit(self._timed, "host", "drain", self.drainer.consume, unit, chunks, mode=mode,
+        fut = self.host_worker.submit(self._timed, "host", "drain", unit.spec.name, self.drainer.consume, unit,
+                                      chunks, mode=mode,
                                       lr=lr, want_norm=host_norm, **order)
         if host_norm:
             self._grad_norm_parts.append(fut)
@@ -358,7 +359,7 @@ class SlideEngine:
         return float(sq_host[0])
 
     def _issue_drain(self, unit: HostUnit, src: torch.Tensor, ready, chunks: list[Future], free: Future) -> None:
-        with self.timeline.span("d2h", "issue"):
+        with self.timeline.span("d2h", "issue", unit.spec.name):
             last = self.drainer.issue(unit, src, ready, futs=chunks)
         free.set_result(last)
 
@@ -419,7 +420,7 @@ class SlideEngine:
         # Embedding first: the next forward needs it first. Each unit's upload for the next
         # step waits only for that unit's update, so the sweep overlaps the next forward.
         for unit in self.units:
-            with self.timeline.span("host", "deferred_update"):
+            with self.timeline.span("host", "deferred_update", unit.spec.name):
                 GradDrain.deferred_update(unit, lr, coef, self.chunk)
         return total
 

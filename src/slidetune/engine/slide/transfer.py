@@ -101,7 +101,7 @@ class Uploader:
         """master[:hi] must hold the weights after `version` updates before it is copied."""
         if unit.version >= version:
             return
-        with self.timeline.span("upload", "wait_update"):
+        with self.timeline.span("upload", "wait_update", unit.spec.name):
             unit.wait_version(version, abort=self.abort, upto=hi)
 
 
@@ -187,7 +187,7 @@ class GradDrain:
         for c, lo in enumerate(range(0, n, self.chunk)):
             hi = min(n, lo + self.chunk)
             r, event = wait_or_abort(chunks[c], self.abort, f"gradient chunk {c} of {unit.spec.name}")
-            with record_function("slidetune.d2h_wait"), self.timeline.span("host", "d2h_wait"):
+            with record_function("slidetune.d2h_wait"), self.timeline.span("host", "d2h_wait", unit.spec.name):
                 event.synchronize()
             buf = self.ring[r][: hi - lo]
             if mode == "update":
@@ -198,7 +198,7 @@ class GradDrain:
                     g.copy_(buf)                                  # compute dtype -> FP32
                 if want_norm:
                     sq += float(torch.dot(g, g))                  # 2x vector_norm's speed on the CPU
-                with record_function("slidetune.adamw"), self.timeline.span("host", "adamw"):
+                with record_function("slidetune.adamw"), self.timeline.span("host", "adamw", unit.spec.name):
                     unit.opt.update(g, lr, lo)
                 unit.advance(hi)
             else:
