@@ -24,17 +24,20 @@ from slidetune.models.presets import tiny_config
 from slidetune.models.units import SplitModel
 
 VOCAB = 512
-VARIANTS = {                      # name -> (family, tied, grad_accum, max_grad_norm)
-    "untied": ("llama", False, 1, None),
-    "tied": ("qwen3", True, 1, None),
-    "deferred": ("llama", False, 2, 0.5),
+VARIANTS = {                      # name -> (family, tied, grad_accum, max_grad_norm, runtime options)
+    "untied": ("llama", False, 1, None, {}),
+    "tied": ("qwen3", True, 1, None, {}),
+    "deferred": ("llama", False, 2, 0.5, {}),
+    # slide: embedding and head state kept on the device (saved from and restored to it)
+    "vocab-device": ("llama", False, 1, None, {"vocab_update": "device"}),
 }
 
 
-def make_engine(mode="slide", family="llama", tied=False, grad_accum=1, max_grad_norm=None, seed=1, layers=3):
+def make_engine(mode="slide", family="llama", tied=False, grad_accum=1, max_grad_norm=None, seed=1, layers=3,
+                runtime: dict | None = None):
     cfg = tiny_config(family, tied=tied, vocab_size=VOCAB, layers=layers)
     loaded = LoadedModel("t", SplitModel(skeleton(cfg)), RandomInit(seed, std=0.1), None)
-    return build_engine(loaded, RuntimeConfig(mode=mode, dtype="fp32", device="cpu"),
+    return build_engine(loaded, RuntimeConfig(mode=mode, dtype="fp32", device="cpu", **(runtime or {})),
                         AdamWConfig(lr=1e-3, weight_decay=0.1), grad_accum=grad_accum,
                         max_grad_norm=max_grad_norm)
 
@@ -101,8 +104,8 @@ def shut(eng) -> None:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("mode", ["slide", "gpu"], ids=["mode=slide", "mode=gpu"])
 def test_resume_is_exact(tmp_path, engines, mode, variant):
-    family, tied, accum, clip = VARIANTS[variant]
-    kw = dict(mode=mode, family=family, tied=tied, grad_accum=accum, max_grad_norm=clip)
+    family, tied, accum, clip, runtime = VARIANTS[variant]
+    kw = dict(mode=mode, family=family, tied=tied, grad_accum=accum, max_grad_norm=clip, runtime=runtime)
     ref = engines(**kw)
     ref_losses = train(ref, range(4), accum)
     ref_masters, ref_optim = masters(ref), optim(ref)

@@ -14,10 +14,11 @@ def test_release_without_a_pool_is_a_no_op():
     assert release_compile_workers() is False
 
 
-def test_release_shuts_down_a_running_pool(monkeypatch):
-    # A two-worker pool, as inductor's warm-up starts it (one worker per core on the GPU host).
-    monkeypatch.setattr(torch._inductor.config, "compile_threads", 2)
-    pool = async_compile.AsyncCompile.process_pool()
+def test_release_shuts_down_a_running_pool():
+    # A two-worker pool, as inductor's warm-up starts it (one worker per core on the GPU host);
+    # inductor's own config.patch (a monkeypatch's undo breaks its config module).
+    with torch._inductor.config.patch(compile_threads=2):
+        pool = async_compile.AsyncCompile.process_pool()
     assert pool in async_compile._pool_set
     assert release_compile_workers() is True
     assert not async_compile._pool_set                       # nothing left running

@@ -34,6 +34,8 @@ RUNS = {
     "slide-deferred-clip": ("slide", "deferred", 1, 0.5, False, {"grad_slots": 1}),
     # one GPU slot per layer: next-step weights uploaded as each update lands
     "slide-eager-resident": ("slide", "eager", 1, None, False, {"cache_units": 0}),
+    # embedding and head updated on the device (here the CPU device, on the compute thread)
+    "slide-eager-vocab-device": ("slide", "eager", 1, None, False, {"vocab_update": "device"}),
     "slide-deferred-accum2-clip-resident": ("slide", "deferred", 2, 0.5, True, {"cache_units": 0}),
     # uploads land in FP32 buffers and are cast on the compute stream; FP32 gradient slots
     "slide-deferred-accum2-cast-in-compute": ("slide", "deferred", 2, None, False,

@@ -26,6 +26,9 @@ GPU_RUNS = {
     "slide-eager-resident": ("slide", "eager", 1, None, False, {"cache_units": 0}),
     "slide-eager-resident-fifo": ("slide", "eager", 1, None, False, {"cache_units": 0, "update_order": "fifo"}),
     "slide-eager-resident-compiled": ("slide", "eager", 1, None, False, {"cache_units": 0, "compile_layers": True}),
+    "slide-eager-resident-vocab-device": ("slide", "eager", 1, None, False,
+                                          {"cache_units": 0, "vocab_update": "device", "grad_slot_dtype": "fp32"}),
+    "slide-eager-vocab-device-bf16-slots": ("slide", "eager", 1, None, False, {"vocab_update": "device"}),
     "ckpt": ("ckpt", "auto", 4, 0.5, False, {}),
 }
 

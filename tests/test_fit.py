@@ -415,7 +415,7 @@ def test_auto_cache_units_keeps_every_layer_resident_only_when_it_fits():
     assert choose_auto_settings(split, cpu, **kw).grad_slot_dtype == "compute"
     ckpt = cuda_rt(mode="ckpt")
     assert choose_auto_settings(split, ckpt, gpu_free_bytes=80 * GiB, **kw) is ckpt
-    pinned = cuda_rt(mode="slide", cache_units=4, grad_slot_dtype="compute")
+    pinned = cuda_rt(mode="slide", cache_units=4, grad_slot_dtype="compute", vocab_update="host")
     assert choose_auto_settings(split, pinned, gpu_free_bytes=80 * GiB, **kw) is pinned
 
 
@@ -425,7 +425,7 @@ def test_auto_grad_slot_dtype_takes_fp32_after_resident_layers_where_it_fits():
     from slidetune.engine.fit import choose_auto_settings, estimate_memory
     split = split_of("llama-3.1-8b")
     kw = dict(batch_size=16, seq_len=1024)
-    rt = cuda_rt(mode="slide")
+    rt = cuda_rt(mode="slide", vocab_update="host")
     assert rt.grad_slot_dtype == "auto" and not rt.grad_slots_fp32()
 
     def gpu(**changes) -> int:
@@ -448,6 +448,38 @@ def test_auto_grad_slot_dtype_takes_fp32_after_resident_layers_where_it_fits():
     explicit = choose_auto_settings(split, dataclasses.replace(rt, cache_units=0, grad_slot_dtype="compute"),
                                     gpu_free_bytes=80 * GiB, **kw)
     assert (explicit.cache_units, explicit.grad_slot_dtype) == (0, "compute")
+
+
+def test_auto_vocab_update_takes_the_device_where_it_fits_and_the_schedule_is_eager():
+    """vocab_update=auto: the embedding and head state (12 B/param) moves to the GPU after resident
+    layers and before FP32 gradient slots, only where everything fits and only under the eager
+    schedule; the host then holds 12 B/param less for them."""
+    from slidetune.engine.fit import choose_auto_settings, estimate_memory
+    split = split_of("llama-3.1-8b")
+    kw = dict(batch_size=16, seq_len=1024)
+    rt = cuda_rt(mode="slide")
+    assert rt.vocab_update == "auto" and not rt.vocab_on_device("eager")
+    vocab = split.embed_unit.numel + split.head_unit.numel
+
+    def est(**changes):
+        return estimate_memory(split, dataclasses.replace(rt, cache_units=0, **changes), **kw)
+
+    dev_fp32, host_fp32 = est(vocab_update="device", grad_slot_dtype="fp32"), est(vocab_update="host",
+                                                                                 grad_slot_dtype="fp32")
+    dev_bf16 = est(vocab_update="device", grad_slot_dtype="compute")
+    assert dev_fp32.gpu_bytes - host_fp32.gpu_bytes == 12 * vocab
+    assert host_fp32.host_bytes - dev_fp32.host_bytes == 12 * vocab
+    assert dev_fp32.gpu_bytes > dev_bf16.gpu_bytes > host_fp32.gpu_bytes     # Llama-8B's numbers order them so
+    for free, want in [(dev_fp32.gpu_bytes / 0.9 + 1, ("device", "fp32")),
+                       (dev_bf16.gpu_bytes / 0.9 + 1, ("device", "compute")),
+                       (host_fp32.gpu_bytes / 0.9 + 1, ("host", "fp32"))]:
+        got = choose_auto_settings(split, rt, gpu_free_bytes=int(free), **kw)
+        assert (got.cache_units, got.vocab_update, got.grad_slot_dtype) == (0, *want)
+    clipped = choose_auto_settings(split, rt, gpu_free_bytes=140 * GiB, max_grad_norm=1.0, **kw)
+    assert clipped.vocab_update == "host"                 # deferred schedule: the host clips
+    with pytest.raises(ValueError, match="vocab_update=device .* eager schedule"):
+        estimate_memory(split, dataclasses.replace(rt, vocab_update="device"), max_grad_norm=1.0, **kw)
+    assert choose_auto_settings(split, RuntimeConfig(device="cpu", mode="slide"), **kw).vocab_update == "host"
 
 
 def test_plan_prints_the_estimate_and_the_resident_alternative(capsys):

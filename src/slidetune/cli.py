@@ -59,6 +59,20 @@ def _plan(ns) -> int:
             print(f"grad_slot_dtype auto: with cache_units {cache_units}, FP32 gradient slots need a GPU with "
                   f"{fp32.gpu_bytes / 0.9 / gib:.1f} GiB free (GPU {fp32.gpu_bytes / gib:.2f} GiB; the gradient "
                   f"copies then need no cast kernel); below that the slots keep the compute dtype")
+    if cfg.runtime.mode == "slide" and cfg.runtime.vocab_update == "auto":
+        import dataclasses
+        schedule = cfg.runtime.resolved_schedule(cfg.grad_accum, cfg.max_grad_norm)
+        if schedule != "eager":
+            print("vocab_update auto: host (the deferred schedule clips by a norm the host computes)")
+        else:
+            for cache_units in [0, 3] if cfg.runtime.cache_units == -1 else [cfg.runtime.cache_units]:
+                dev = estimate_memory(loaded.split, dataclasses.replace(cfg.runtime, cache_units=cache_units,
+                                                                        vocab_update="device"),
+                                      batch_size=cfg.batch_size, seq_len=cfg.data.seq_len,
+                                      grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm)
+                print(f"vocab_update auto: with cache_units {cache_units}, the embedding and head are updated on "
+                      f"the GPU on one with {dev.gpu_bytes / 0.9 / gib:.1f} GiB free (GPU {dev.gpu_bytes / gib:.2f} "
+                      f"GiB; less host AdamW per step); below that on the host")
     return 0
 
 

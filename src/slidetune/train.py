@@ -165,6 +165,9 @@ def train(cfg: TrainConfig) -> TrainSummary:
               + (" (every layer stays on the GPU between steps)" if runtime.cache_units == 0 else ""))
     if cfg.runtime.grad_slot_dtype == "auto" and cfg.runtime.mode == "slide":
         print(f"grad_slot_dtype auto -> {runtime.grad_slot_dtype}")
+    if cfg.runtime.vocab_update == "auto" and cfg.runtime.mode == "slide":
+        print(f"vocab_update auto -> {runtime.vocab_update}"
+              + (" (embedding and head updated on the GPU)" if runtime.vocab_update == "device" else ""))
     if cfg.check_memory:
         # Before the data is tokenized and before the engine allocates anything.
         check_fit(loaded.split, runtime,

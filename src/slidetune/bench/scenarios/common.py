@@ -39,6 +39,7 @@ BACKWARD_PHASES = ("backward", "embed_backward", "grad_copy")
 RECOMPUTE_PHASES = ("recompute",)
 TRANSFER_HOST_KEYS = ("upload.upload", "d2h.issue", "host.d2h_wait")
 OPTIMIZER_HOST_KEYS = ("host.adamw",)
+OPTIMIZER_DEVICE_PHASES = ("optimizer_device",)   # slide, vocab_update=device: on the compute stream
 BREAKDOWN = ("forward", "head", "backward", "recompute", "optimizer", "transfer", "gpu_idle")
 
 SUMMARY_COLUMNS = (["config", "status", "error", "model", "mode", "recompute", "head_impl", "num_layers",
@@ -155,7 +156,8 @@ def breakdown_step(step: dict) -> dict[str, float]:
            "recompute": tot(RECOMPUTE_PHASES),
            "transfer": sum(host.get(k, 0.0) for k in TRANSFER_HOST_KEYS)}
     host_opt = sum(host.get(k, 0.0) for k in OPTIMIZER_HOST_KEYS)
-    out["optimizer"] = host_opt if host_opt > 0 else ph.get(("optimizer", -1), 0.0) / 1e3
+    out["optimizer"] = (host_opt + tot(OPTIMIZER_DEVICE_PHASES) if host_opt > 0
+                        else ph.get(("optimizer", -1), 0.0) / 1e3 + tot(OPTIMIZER_DEVICE_PHASES))
     frac = (step.get("overlap") or {}).get("gpu_compute_fraction_of_step")
     wall = step["wall_s"]
     out["gpu_idle"] = wall * (1.0 - frac) if frac is not None else max(0.0, wall - sum(

@@ -94,6 +94,12 @@ class SlideEngine:
         self.store = HostStore(self.split, loaded.source, optim, keep_grads=self.schedule == "deferred")
         self.units: list[HostUnit] = self.store.units
         L = self.split.num_layers
+        # vocab_update=device: the embedding and head are updated on the compute stream
+        # (_update_on_device); their masters and moments leave the host.
+        self.vocab_on_device = rt.vocab_on_device(self.schedule)
+        if self.vocab_on_device:
+            for index in (0, L + 1):
+                self.units[index].move_to(device.device, optim)
         layer_numel = max(u.numel for u in self.split.layer_units)
         dev = device.device
         self.gpu_cast = rt.casts_on_gpu(device.is_cuda)
@@ -125,7 +131,8 @@ class SlideEngine:
         ring = rt.download_chunks(layer_numel)
         if self.gpu_cast:
             for unit in self.units:
-                device.register_host(unit.master)   # page-locked in place: async FP32 H2D, no copy
+                if unit.on_host:
+                    device.register_host(unit.master)   # page-locked in place: async FP32 H2D, no copy
         self.uploader = Uploader(device, self.dtype, chunk, rt.upload_ring, gpu_cast=self.gpu_cast,
                                  stages=rt.upload_stages)
         self.drainer = GradDrain(device, grad_dtype, chunk, ring, gpu_cast=self.gpu_cast)
@@ -245,8 +252,37 @@ class SlideEngine:
     def _use_vocab(self, unit_index: int) -> _Slot:
         slot = self.vocab_slots[unit_index]
         if slot.content != (unit_index, self.step_index):
-            self._submit_upload(unit_index, slot)
+            if self.units[unit_index].on_host:
+                self._submit_upload(unit_index, slot)
+            else:
+                self._refresh_from_device_master(unit_index, slot)
         return slot
+
+    def _refresh_from_device_master(self, unit_index: int, slot: _Slot) -> None:
+        """The compute-dtype weights of a unit kept on the device, cast from its FP32 master on
+        the compute stream (stream order covers every reader before and after)."""
+        unit = self.units[unit_index]
+        slot.flat[: unit.spec.numel].copy_(unit.master)
+        slot.content = (unit_index, unit.version)
+        slot.ready = done_future(None)
+        slot.cast_pending = False
+
+    def _update_on_device(self, unit_index: int, gslot: _Slot, lr: float) -> None:
+        """vocab_update=device, eager schedule: AdamW on the unit's device master right after its
+        gradient is complete, on the compute stream, then its next-step weights into its slot.
+        The gradient slot is free again in stream order, so nothing waits on the host."""
+        unit = self.units[unit_index]
+        n = unit.spec.numel
+        grad = gslot.flat[:n]                                   # [n] FP32 or compute dtype
+        self._norm_on_device(grad)
+        grad32 = grad if grad.dtype == torch.float32 else grad.float()   # [n] fp32, transient
+        with self.timer.span("optimizer_device", -1):
+            unit.begin_update()
+            unit.opt.begin_step()
+            unit.opt.update(grad32, lr)
+            unit.bump_version()
+            self._refresh_from_device_master(unit_index, self.vocab_slots[unit_index])
+        gslot.free = done_future(None)
 
     def _plan(self, visits: list[int], v: int, assign: dict[int, int]) -> None:
         """Make sure uploads are submitted for visits v .. v+K-1 (layer indices)."""
@@ -491,7 +527,10 @@ class SlideEngine:
         gslot = self._grad_slot(head_index)
         self._claim_grad_slot(gslot)
         self._write_grads(split.head_unit, gslot, list(grads[1:1 + len(head_params)]))
-        self._submit_drain(head_index, gslot, m, n_micro, lr)
+        if self.vocab_on_device:
+            self._update_on_device(head_index, gslot, lr)
+        else:
+            self._submit_drain(head_index, gslot, m, n_micro, lr)
         embed_gslot = self._grad_slot(0)
         self._claim_grad_slot(embed_gslot)
         if tied_w is not None:
@@ -520,7 +559,7 @@ class SlideEngine:
             if self.schedule == "eager":
                 if self.resident:
                     self._prefetch_next_step(i + 1, slot)
-                if i == L // 2:
+                if i == L // 2 and not self.vocab_on_device:
                     self._prefetch_next_step(L + 1, head_slot)
             g = res[0]
             del out, res, x_in, params
@@ -534,9 +573,12 @@ class SlideEngine:
             (gw,) = torch.autograd.grad(e, [w["weight"]], g, materialize_grads=True)
         self._release(embed_slot)
         self._write_grads(split.embed_unit, embed_gslot, [gw], accumulate=tied_w is not None)
-        self._submit_drain(0, embed_gslot, m, n_micro, lr)
-        if self.schedule == "eager":
-            self._prefetch_next_step(0, embed_slot)
+        if self.vocab_on_device:
+            self._update_on_device(0, embed_gslot, lr)
+        else:
+            self._submit_drain(0, embed_gslot, m, n_micro, lr)
+            if self.schedule == "eager":
+                self._prefetch_next_step(0, embed_slot)
         self.acts.clear()
         self.memory.mark("embed_backward")
         return host_loss, loss_ready
@@ -565,15 +607,17 @@ class SlideEngine:
         self.device.synchronize()
 
     def named_master_params(self):
-        """(HF name, FP32 host tensor) for every parameter; call after synchronize()."""
+        """(HF name, FP32 host tensor) for every parameter; call after synchronize(). Units kept
+        on the device (vocab_update=device) are copied to the host."""
         for unit in self.units:
-            yield from unit.params().items()
+            for name, t in unit.params().items():
+                yield name, (t if unit.on_host else t.cpu())
 
     def optimizer_tensors(self) -> dict[str, torch.Tensor]:
         out = {}
         for unit in self.units:
             for k, t in unit.opt.state_tensors().items():
-                out[f"{unit.spec.name}.{k}"] = t
+                out[f"{unit.spec.name}.{k}"] = t if unit.on_host else t.cpu()
         return out
 
     def load_state(self, masters: dict[str, torch.Tensor], optim: dict[str, torch.Tensor], step: int) -> None:
@@ -592,7 +636,9 @@ class SlideEngine:
         gpu_buffers = sum(t.numel() * t.element_size() for s in slots for t in (s.flat, s.landing) if t is not None)
         pinned = (sum(b.numel() * b.element_size() for b in self.uploader.ring + self.drainer.ring)
                   + self.acts.pinned_bytes())
-        return {"gpu_buffers": gpu_buffers, "pinned": pinned, "host_state": self.store.state_bytes()}
+        device_state = sum(12 * u.spec.numel for u in self.units if u.on_device)   # vocab_update=device
+        return {"gpu_buffers": gpu_buffers, "pinned": pinned, "host_state": self.store.state_bytes(),
+                "device_state": device_state}
 
     def close(self) -> None:
         if getattr(self, "_closed", False):
@@ -608,7 +654,8 @@ class SlideEngine:
             sys.setswitchinterval(self._switch_interval)
             if self.gpu_cast:
                 for unit in self.units:
-                    self.device.unregister_host(unit.master)
+                    if unit.on_host:
+                        self.device.unregister_host(unit.master)
                 self.gpu_cast = False
 
 

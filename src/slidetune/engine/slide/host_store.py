@@ -32,6 +32,20 @@ class HostUnit:
         self.started = 0              # updates begun (version, or version + 1 while one runs)
         self._on_start: dict[int, list] = {}   # update number -> callbacks to run when it begins
         self._cond = threading.Condition()
+        self.on_device = False        # move_to(): master and moments on the compute device
+
+    @property
+    def on_host(self) -> bool:
+        """Whether the host worker updates this unit (False: the compute stream does, on the device)."""
+        return not self.on_device
+
+    def move_to(self, device: torch.device, optim: AdamWConfig) -> None:
+        """Keep this unit's master and AdamW state on `device` from now on (vocab_update=device);
+        the host copy is released. Only before the first update (the moments start at zero)."""
+        assert self.version == 0 and self.grad is None
+        self.master = self.master.to(device)                           # [numel] fp32 on the device
+        self.opt = FlatAdamW(self.master, self.spec.n_decay, optim)
+        self.on_device = True
 
     def params(self) -> dict[str, torch.Tensor]:
         """Full HF name -> FP32 view of the master."""
@@ -111,5 +125,6 @@ class HostStore:
         return sum(u.spec.numel for u in self.units)
 
     def state_bytes(self) -> int:
+        """Host bytes of masters, moments and FP32 gradients (units kept on the device excluded)."""
         per = 12 + (4 if self.units[0].grad is not None else 0)
-        return per * self.num_params()
+        return per * sum(u.spec.numel for u in self.units if u.on_host)
