@@ -497,3 +497,8 @@ def test_plan_prints_the_estimate_and_the_resident_alternative(capsys):
     assert sorted(int(c) for c, _, _ in fp32) == [0, 3]
     resident_fp32 = next(float(g) for c, _, g in fp32 if c == "0")
     assert resident_fp32 > float(m[2])                  # FP32 slots cost more than compute-dtype ones
+    # vocab_update auto (eager here: no clipping): the memory from which the vocabulary units move
+    vocab = re.findall(r"vocab_update auto: with cache_units (\d+), the embedding and head are updated on the GPU "
+                       r"on one with ([\d.]+) GiB free \(GPU ([\d.]+) GiB", out)
+    assert sorted(int(c) for c, _, _ in vocab) == [0, 3]
+    assert next(float(g) for c, _, g in vocab if c == "0") > float(m[2])
