@@ -39,9 +39,9 @@ from ...telemetry.events import EventTimer
 from ...telemetry.host_timeline import HostTimeline
 from ...telemetry.memory_timeline import MemoryTimeline
 from ..adamw import AdamWConfig
+from ..compile_workers import release_compile_workers
 from ..config import RuntimeConfig
 from ..result import StepResult
-from ..compile_workers import release_compile_workers
 from .activations import ActivationStore
 from .host_store import HostStore, HostUnit
 from .transfer import GradDrain, Uploader, clip_coefficient
