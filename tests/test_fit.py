@@ -202,6 +202,19 @@ def test_slide_batch_too_large_suggests_smaller_batch_and_offload():
         check_fit(split, rt, batch_size=largest + 1, seq_len=4096, grad_accum=2, **avail)
 
 
+def test_suggestions_with_accumulation_move_an_explicit_device_vocabulary_to_the_host():
+    """vocab_update=device needs the eager schedule: an option that accumulates micro-batches says
+    --vocab-update host, and every option still fits when applied through the CLI parser."""
+    split = split_of("qwen3-8b")
+    rt = cuda_rt(vocab_update="device", schedule="eager")
+    avail = dict(gpu_free_bytes=80 * GiB, host_available_bytes=256 * GiB)
+    with pytest.raises(InsufficientMemoryError) as ei:
+        check_fit(split, rt, batch_size=32, seq_len=4096, **avail)
+    accumulating = [o for o in ei.value.options if "--grad-accum" in o]
+    assert accumulating and all("--vocab-update host" in o and "--schedule deferred" in o for o in accumulating)
+    assert_options_fit(ei.value, split, rt, 32, 4096, **avail)
+
+
 def test_offload_alone_can_be_the_fix():
     split = split_of("qwen3-8b")
     rt = cuda_rt()

@@ -568,6 +568,8 @@ def suggest(split: SplitModel, rt: RuntimeConfig, budget: _Budget, *, batch_size
         ch = dict(changes)
         if accum > 1 and ch.get("mode", rt.mode) == "slide" and ch.get("schedule", rt.schedule) == "eager":
             ch["schedule"] = "deferred"          # eager cannot accumulate
+            if ch.get("vocab_update", rt.vocab_update) == "device":
+                ch["vocab_update"] = "host"       # nor update the vocabulary on the device
         try:
             est = estimate_memory(split, dataclasses.replace(rt, **ch) if ch else rt, batch_size=B,
                                   seq_len=seq_len, grad_accum=accum, max_grad_norm=clip)
@@ -606,8 +608,11 @@ def suggest(split: SplitModel, rt: RuntimeConfig, budget: _Budget, *, batch_size
             flags.append(_fmt_flag("batch_size", B))
         if accum is not None and accum != grad_accum:
             flags.append(_fmt_flag("grad_accum", accum))
-        if (accum or grad_accum) > 1 and changes.get("mode", rt.mode) == "slide" and rt.schedule == "eager":
-            flags.append(_fmt_flag("schedule", "deferred"))
+        if (accum or grad_accum) > 1 and changes.get("mode", rt.mode) == "slide":
+            if rt.schedule == "eager":
+                flags.append(_fmt_flag("schedule", "deferred"))
+            if changes.get("vocab_update", rt.vocab_update) == "device":
+                flags.append(_fmt_flag("vocab_update", "host"))   # attempt() estimated it so
         return flags
 
     plain_best = 0
