@@ -27,12 +27,19 @@ def _train(ns) -> int:
 
 def _plan(ns) -> int:
     """Print the memory estimate of a configuration without allocating anything."""
+    import dataclasses
+
     from .engine.fit import estimate_memory
     from .models.load import load_model
     cfg = config_from_args(ns)
     loaded = load_model(cfg.model, num_layers=cfg.num_layers, with_tokenizer=False)
-    est = estimate_memory(loaded.split, cfg.runtime, batch_size=cfg.batch_size, seq_len=cfg.data.seq_len,
-                          grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm)
+
+    def estimate(**changes):
+        """The estimate of this configuration with some runtime settings changed."""
+        return estimate_memory(loaded.split, dataclasses.replace(cfg.runtime, **changes), batch_size=cfg.batch_size,
+                               seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm)
+
+    est = estimate()
     gib = 2**30
     print(f"model {cfg.model}: {loaded.split.num_params() / 1e9:.3f} B parameters, mode {cfg.runtime.mode}")
     print(f"GPU  {est.gpu_bytes / gib:8.2f} GiB")
@@ -41,38 +48,30 @@ def _plan(ns) -> int:
     print(f"host {est.host_bytes / gib:8.2f} GiB (pinned {est.pinned_bytes / gib:.2f})")
     for k, v in est.host_parts.items():
         print(f"   {k:<28} {v / gib:8.2f}")
-    if cfg.runtime.mode == "slide" and cfg.runtime.cache_units == -1:
-        import dataclasses
-        resident = estimate_memory(loaded.split, dataclasses.replace(cfg.runtime, cache_units=0),
-                                   batch_size=cfg.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
-                                   max_grad_norm=cfg.max_grad_norm)
+    if cfg.runtime.mode != "slide":
+        return 0
+    # the slot choices engine.fit.choose_auto_settings tries for cache_units
+    cache_options = [0, 3] if cfg.runtime.cache_units == -1 else [cfg.runtime.cache_units]
+    if cfg.runtime.cache_units == -1:
+        resident = estimate(cache_units=0)
         print(f"cache_units auto: the estimate above is the 3-slot window; on a GPU with at least "
               f"{resident.gpu_bytes / 0.9 / gib:.1f} GiB free every layer stays resident "
               f"(GPU {resident.gpu_bytes / gib:.2f} GiB; faster: the forward no longer waits on PCIe)")
-    if cfg.runtime.mode == "slide" and cfg.runtime.grad_slot_dtype == "auto":
-        import dataclasses
-        for cache_units in [0, 3] if cfg.runtime.cache_units == -1 else [cfg.runtime.cache_units]:
-            fp32 = estimate_memory(loaded.split, dataclasses.replace(cfg.runtime, cache_units=cache_units,
-                                                                     grad_slot_dtype="fp32"),
-                                   batch_size=cfg.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
-                                   max_grad_norm=cfg.max_grad_norm)
+    if cfg.runtime.grad_slot_dtype == "auto":
+        for cache_units in cache_options:
+            fp32 = estimate(cache_units=cache_units, grad_slot_dtype="fp32")
             print(f"grad_slot_dtype auto: with cache_units {cache_units}, FP32 gradient slots need a GPU with "
                   f"{fp32.gpu_bytes / 0.9 / gib:.1f} GiB free (GPU {fp32.gpu_bytes / gib:.2f} GiB; the gradient "
                   f"copies then need no cast kernel); below that the slots keep the compute dtype")
-    if cfg.runtime.mode == "slide" and cfg.runtime.vocab_update == "auto":
-        import dataclasses
-        schedule = cfg.runtime.resolved_schedule(cfg.grad_accum, cfg.max_grad_norm)
-        if schedule != "eager":
+    if cfg.runtime.vocab_update == "auto":
+        if cfg.runtime.resolved_schedule(cfg.grad_accum, cfg.max_grad_norm) != "eager":
             print("vocab_update auto: host (the deferred schedule clips by a norm the host computes)")
-        else:
-            for cache_units in [0, 3] if cfg.runtime.cache_units == -1 else [cfg.runtime.cache_units]:
-                dev = estimate_memory(loaded.split, dataclasses.replace(cfg.runtime, cache_units=cache_units,
-                                                                        vocab_update="device"),
-                                      batch_size=cfg.batch_size, seq_len=cfg.data.seq_len,
-                                      grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm)
-                print(f"vocab_update auto: with cache_units {cache_units}, the embedding and head are updated on "
-                      f"the GPU on one with {dev.gpu_bytes / 0.9 / gib:.1f} GiB free (GPU {dev.gpu_bytes / gib:.2f} "
-                      f"GiB; less host AdamW per step); below that on the host")
+            return 0
+        for cache_units in cache_options:
+            dev = estimate(cache_units=cache_units, vocab_update="device")
+            print(f"vocab_update auto: with cache_units {cache_units}, the embedding and head are updated on "
+                  f"the GPU on one with {dev.gpu_bytes / 0.9 / gib:.1f} GiB free (GPU {dev.gpu_bytes / gib:.2f} "
+                  f"GiB; less host AdamW per step); below that on the host")
     return 0
 
 

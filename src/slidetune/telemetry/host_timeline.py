@@ -2,7 +2,8 @@
 
 The profiler does not see what the worker threads do, so the engine records its own
 wall-clock spans when enabled: (thread label, what, start, end, unit label) in
-perf_counter seconds; the unit label (e.g. "layer.3") is "" where the span serves no one unit. Appending to a list is atomic under the GIL; the cost when disabled is one
+perf_counter seconds; the unit label (e.g. "layer.3") is "" where the span serves no
+one unit. Appending to a list is atomic under the GIL; the cost when disabled is one
 attribute check.
 """
 from __future__ import annotations

@@ -156,8 +156,8 @@ def breakdown_step(step: dict) -> dict[str, float]:
            "recompute": tot(RECOMPUTE_PHASES),
            "transfer": sum(host.get(k, 0.0) for k in TRANSFER_HOST_KEYS)}
     host_opt = sum(host.get(k, 0.0) for k in OPTIMIZER_HOST_KEYS)
-    out["optimizer"] = (host_opt + tot(OPTIMIZER_DEVICE_PHASES) if host_opt > 0
-                        else ph.get(("optimizer", -1), 0.0) / 1e3 + tot(OPTIMIZER_DEVICE_PHASES))
+    out["optimizer"] = ((host_opt if host_opt > 0 else ph.get(("optimizer", -1), 0.0) / 1e3)
+                        + tot(OPTIMIZER_DEVICE_PHASES))
     frac = (step.get("overlap") or {}).get("gpu_compute_fraction_of_step")
     wall = step["wall_s"]
     out["gpu_idle"] = wall * (1.0 - frac) if frac is not None else max(0.0, wall - sum(
@@ -266,12 +266,11 @@ def write_per_run(d: Path, results: list[dict], machine: dict, baseline: str | N
     with 95% CIs, step curves and deltas, Pareto) of runs in bench.measure's result form, in
     directory `d`, for scenarios whose own files are other tables (throughput, techniques).
     Returns the PNGs."""
-    from ..report import draw
+    from ..report import draw, load
     d.mkdir(parents=True, exist_ok=True)
     write_tables(d, results, machine)
-    names = ("steps.csv", "layers.csv", "memory_timeline.csv", "summary.csv", "step_timeline.csv")
-    tables = {n[:-4]: read_csv(d / n) if (d / n).exists() else [] for n in names}
-    return draw(d, {"doc": {"scenario": scenario, "baseline": baseline, "results": []}, "machine": machine, **tables})
+    data = load(d)                      # the tables just written (no results.json here)
+    return draw(d, {**data, "doc": {"scenario": scenario, "baseline": baseline, "results": []}, "machine": machine})
 
 
 def write_results(out: Path, scenario: str, args, results: list[dict], extra: dict | None = None) -> Path:
