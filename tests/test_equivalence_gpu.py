@@ -18,7 +18,10 @@ pytestmark = pytest.mark.gpu
 
 # (mode, schedule, grad_accum, max_grad_norm, offload, extra runtime options)
 GPU_RUNS = {
+    # defaults: BF16 gradients downloaded as they are, widened by the host's AdamW kernel
     "slide-eager": ("slide", "eager", 1, None, False, {}),
+    # gradients widened to FP32 on the GPU's D2H stream, torch's fused AdamW on the host
+    "slide-eager-fp32-download": ("slide", "eager", 1, None, False, {"grad_download": "fp32"}),
     "slide-eager-offload": ("slide", "eager", 1, None, True, {}),
     "slide-deferred-accum4-clip-offload": ("slide", "deferred", 4, 0.5, True, {}),
     "slide-eager-cast-in-compute": ("slide", "eager", 1, None, False,

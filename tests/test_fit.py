@@ -80,13 +80,17 @@ def test_slide_8b_host_is_12_bytes_per_param_plus_buffers():
     buffers = eager.host_bytes - 12 * P
     # the issue's budget: 12.5 B/param + 8 GiB in all
     assert 0 < buffers < 0.5 * P + 8 * GiB, eager.summary()
-    # pinned on CUDA (casts on the GPU): an FP32 gradient ring in chunk_mb chunks, of
-    # DEADLINE_RING_LAYERS layers (updates reordered earliest-deadline-first), 3 in FIFO order
+    # pinned on CUDA (casts on the GPU): a gradient ring in chunks of chunk_mb MiB of FP32
+    # elements, of DEADLINE_RING_LAYERS layers (updates reordered earliest-deadline-first), 3
+    # in FIFO order; BF16 elements (grad_download=compute, the default), FP32 with fp32
     layer = split.layer_units[0].numel
     chunk = rt.chunk_mb * MiB // 4
-    assert eager.pinned_bytes == -(-rt.DEADLINE_RING_LAYERS * layer // chunk) * chunk * 4
+    assert rt.grad_download == "compute"
+    assert eager.pinned_bytes == -(-rt.DEADLINE_RING_LAYERS * layer // chunk) * chunk * 2
+    fp32 = estimate_memory(split, dataclasses.replace(rt, grad_download="fp32"), batch_size=8, seq_len=1024)
+    assert fp32.pinned_bytes == 2 * eager.pinned_bytes
     fifo = estimate_memory(split, dataclasses.replace(rt, update_order="fifo"), batch_size=8, seq_len=1024)
-    assert fifo.pinned_bytes == -(-3 * layer // chunk) * chunk * 4
+    assert fifo.pinned_bytes == -(-3 * layer // chunk) * chunk * 2
     deferred = estimate_memory(split, rt, batch_size=8, seq_len=1024, max_grad_norm=1.0)
     assert deferred.schedule == "deferred"
     assert deferred.host_bytes - eager.host_bytes == 4 * P
@@ -434,11 +438,14 @@ def test_auto_cache_units_keeps_every_layer_resident_only_when_it_fits():
 
 def test_auto_grad_slot_dtype_takes_fp32_after_resident_layers_where_it_fits():
     """grad_slot_dtype=auto: FP32 slots (2 B/param more per slot) only where everything then
-    fits; resident layers are preferred to FP32 slots; cast_on=cpu keeps compute slots."""
+    fits; resident layers are preferred to FP32 slots; cast_on=cpu keeps compute slots. Only with
+    grad_download=fp32: with compute-dtype downloads (the default) the slots keep the compute dtype."""
     from slidetune.engine.fit import choose_auto_settings, estimate_memory
     split = split_of("llama-3.1-8b")
     kw = dict(batch_size=16, seq_len=1024)
-    rt = cuda_rt(mode="slide", vocab_update="host")
+    default = choose_auto_settings(split, cuda_rt(mode="slide", vocab_update="host"), gpu_free_bytes=140 * GiB, **kw)
+    assert (default.cache_units, default.grad_slot_dtype) == (0, "compute")
+    rt = cuda_rt(mode="slide", vocab_update="host", grad_download="fp32")
     assert rt.grad_slot_dtype == "auto" and not rt.grad_slots_fp32()
 
     def gpu(**changes) -> int:
@@ -449,7 +456,8 @@ def test_auto_grad_slot_dtype_takes_fp32_after_resident_layers_where_it_fits():
     P_L = max(u.numel for u in split.layer_units)
     slots = dataclasses.replace(rt, cache_units=0).resolved_grad_slots(split.num_layers)
     vocab = split.embed_unit.numel + split.head_unit.numel
-    assert r0_fp32 - r0_bf16 == (slots * P_L + vocab) * 2
+    d2h_cast_staging = 2 * rt.chunk_elems(P_L) * 4        # compute-dtype slots cast on the D2H stream
+    assert r0_fp32 - r0_bf16 == (slots * P_L + vocab) * 2 - d2h_cast_staging
     for free, want in [(r0_fp32 / 0.9 + 1, (0, "fp32")), (r0_fp32 / 0.9 - 1, (0, "compute")),
                        (r3_fp32 / 0.9 + 1, (3, "fp32")) if r3_fp32 < r0_bf16 else (r0_bf16 / 0.9 + 1, (0, "compute"))]:
         got = choose_auto_settings(split, rt, gpu_free_bytes=int(free), **kw)
@@ -470,7 +478,7 @@ def test_auto_vocab_update_takes_the_device_where_it_fits_and_the_schedule_is_ea
     from slidetune.engine.fit import choose_auto_settings, estimate_memory
     split = split_of("llama-3.1-8b")
     kw = dict(batch_size=16, seq_len=1024)
-    rt = cuda_rt(mode="slide")
+    rt = cuda_rt(mode="slide", grad_download="fp32")
     assert rt.vocab_update == "auto" and not rt.vocab_on_device("eager")
     vocab = split.embed_unit.numel + split.head_unit.numel
 
@@ -504,7 +512,12 @@ def test_plan_prints_the_estimate_and_the_resident_alternative(capsys):
     assert "GPU " in out and "layer weight slots" in out and "master + Adam moments" in out
     m = re.search(r"at least ([\d.]+) GiB free every layer stays resident \(GPU ([\d.]+) GiB", out)
     assert m and float(m[1]) > float(m[2]) > 0
-    # grad_slot_dtype auto: the memory from which FP32 slots are taken, for both slot choices
+    # grad_slot_dtype auto: compute-dtype slots with compute-dtype downloads (the default) ...
+    assert "grad_slot_dtype auto: compute (gradients cross PCIe in the compute dtype" in out
+    # ... and with FP32 downloads, the memory from which FP32 slots are taken, for both slot choices
+    assert main(["plan", "--model", "qwen3-1.7b", "--batch-size", "8", "--seq-len", "1024", "--max-grad-norm", "0",
+                 "--grad-download", "fp32"]) == 0
+    out = capsys.readouterr().out
     fp32 = re.findall(r"with cache_units (\d+), FP32 gradient slots need a GPU with ([\d.]+) GiB free "
                       r"\(GPU ([\d.]+) GiB", out)
     assert sorted(int(c) for c, _, _ in fp32) == [0, 3]

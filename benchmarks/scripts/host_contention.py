@@ -16,8 +16,10 @@ so three more suspects are timed too (hypotheses a-c there):
               (hypothesis d), at the engine's 0.5 ms switch interval and at 0.2 ms.
 Each variant runs AdamW the engine's way (layer-sized units, 64M-element chunks, FP32
 gradients from a pinned ring) while background threads apply a load, and reports AdamW's
-parameters/s and the DMA's achieved GB/s. Writes one JSON.
-Usage: python benchmarks/scripts/host_contention.py OUT.json [--units 8 --dma-gbs 15]
+parameters/s and the DMA's achieved GB/s. Variants named *_bf16 feed AdamW BF16 gradients
+through the widening kernel (grad_download=compute, NOTES.md 16) instead of FP32 ones.
+Writes one JSON.
+Usage: python benchmarks/scripts/host_contention.py OUT.json [--units 8 --dma-gbs 15 --only alone,alone_bf16]
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import time
 
 import torch
 
+from slidetune.engine import adamw_widening
 from slidetune.engine.adamw import AdamWConfig, FlatAdamW
 from slidetune.telemetry.machine import machine_info
 
@@ -140,11 +143,14 @@ def main() -> None:
     ap.add_argument("--units", type=int, default=8)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--dma-gbs", type=float, default=15.0, help="per direction; the 8B step's average is ~13")
+    ap.add_argument("--only", default="", help="comma list of variant names to run (default: all)")
     a = ap.parse_args()
     n = int(a.layer_params)
     opts = [FlatAdamW(torch.randn(n), n * 9 // 10, AdamWConfig(weight_decay=0.1)) for _ in range(a.units)]
     grad = torch.randn(CHUNK).pin_memory()              # the pinned FP32 ring chunk AdamW reads
+    grad_bf16 = torch.randn(CHUNK).to(torch.bfloat16).pin_memory()   # grad_download=compute's ring chunk
     full = torch.get_num_threads()
+    assert adamw_widening.build(torch.bfloat16), "the widening AdamW kernel did not build"
     adamw_rate(opts, grad, 1)                           # warm-up: pages touched, threads up
 
     variants = [   # name, loads [(kind, dma_gbs, blocking)], AdamW threads
@@ -164,7 +170,17 @@ def main() -> None:
         ("registered", [], full),
         ("registered_copies_and_launches", [("both", a.dma_gbs, True), ("launch", 0.0, True)], full),
         ("alone_again", [], full),
+        ("alone_bf16", [], full),
+        ("dma_both_15_bf16", [("both", a.dma_gbs, True)], full),
+        ("dma_both_full_bf16", [("both", 0.0, True)], full),
+        ("alone_fp32_again", [], full),
     ]
+    if a.only:
+        wanted = a.only.split(",")
+        unknown = sorted(set(wanted) - {v[0] for v in variants})
+        if unknown:
+            raise SystemExit(f"unknown variants {unknown}")
+        variants = [v for v in variants if v[0] in wanted]
     dma_src = torch.randn(CHUNK, device="cuda")
     out: dict[str, dict] = {}
     for name, loads, threads in variants:
@@ -181,7 +197,8 @@ def main() -> None:
         for t in threads_:
             t.start()
         time.sleep(0.2)
-        rate = adamw_rate(opts, grad, a.steps, dma_from=dma_src if name == "dma_into_grad" else None)
+        rate = adamw_rate(opts, grad_bf16 if name.endswith("_bf16") else grad, a.steps,
+                          dma_from=dma_src if name == "dma_into_grad" else None)
         dma = [t.stop() for t in threads_]
         out[name] = {"adamw_params_per_s": rate, "threads": threads,
                      "loads": [{"kind": s[0], "target_gbs": s[1], "blocking": s[2], "achieved_gbs": g}
@@ -198,7 +215,7 @@ def main() -> None:
     out["copy_bandwidth_gbs"] = copy_bandwidth()
     print(f"host copy bandwidth {out['copy_bandwidth_gbs']:.1f} GB/s (read + write)")
     doc = {"machine": machine_info(), "layer_params": n, "units": a.units, "chunk": CHUNK,
-           "adamw_bytes_per_param": 28, "variants": out}
+           "adamw_bytes_per_param": {"fp32 gradients": 28, "bf16 gradients (*_bf16)": 26}, "variants": out}
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
 

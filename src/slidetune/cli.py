@@ -57,7 +57,10 @@ def _plan(ns) -> int:
         print(f"cache_units auto: the estimate above is the 3-slot window; on a GPU with at least "
               f"{resident.gpu_bytes / 0.9 / gib:.1f} GiB free every layer stays resident "
               f"(GPU {resident.gpu_bytes / gib:.2f} GiB; faster: the forward no longer waits on PCIe)")
-    if cfg.runtime.grad_slot_dtype == "auto":
+    if cfg.runtime.grad_slot_dtype == "auto" and cfg.runtime.grad_download == "compute":
+        print("grad_slot_dtype auto: compute (gradients cross PCIe in the compute dtype and the host's AdamW "
+              "widens them, grad_download=compute)")
+    elif cfg.runtime.grad_slot_dtype == "auto":
         for cache_units in cache_options:
             fp32 = estimate(cache_units=cache_units, grad_slot_dtype="fp32")
             print(f"grad_slot_dtype auto: with cache_units {cache_units}, FP32 gradient slots need a GPU with "

@@ -5,13 +5,17 @@ and CPU since torch 2.4): 7x faster on the CPU than the for-each path. Calling i
 directly on ranges of a flat tensor lets the sliding engine update a unit chunk by
 chunk as its gradients arrive, with two parameter groups (decayed matrices first,
 then norms and biases without decay) as contiguous ranges of the same tensor.
-The arithmetic is exactly torch.optim.AdamW's (tested against it).
+The arithmetic is exactly torch.optim.AdamW's (tested against it). A gradient in the
+compute dtype (BF16) goes through adamw_widening's one-pass kernel instead, which reads
+it as it is (torch's kernel wants FP32 gradients for FP32 parameters).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from . import adamw_widening
 
 
 @dataclass
@@ -41,15 +45,24 @@ class FlatAdamW:
         self.step_count += 1
 
     def update(self, grad: torch.Tensor, lr: float, start: int = 0, grad_scale: float = 1.0) -> None:
-        """Apply AdamW to master[start:start+len(grad)] with fp32 `grad` (modified in place if scaled)."""
+        """Apply AdamW to master[start:start+len(grad)] with `grad` (modified in place if scaled).
+
+        FP32 gradients go through torch's fused kernel; compute-dtype ones through the
+        widening kernel (adamw_widening.build() must have succeeded for their dtype)."""
         end = start + grad.numel()
         if grad_scale != 1.0:
             grad.mul_(grad_scale)
+        widen = grad.dtype != torch.float32
         for lo, hi, wd in ((start, min(end, self.n_decay), self.cfg.weight_decay),
                            (max(start, self.n_decay), end, 0.0)):
             if hi <= lo:
                 continue
             g = grad[lo - start:hi - start]
+            if widen:
+                adamw_widening.update(self.master[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], g, lr=lr,
+                                      beta1=self.cfg.beta1, beta2=self.cfg.beta2, eps=self.cfg.eps,
+                                      weight_decay=wd, step=int(self.step_count))
+                continue
             torch._fused_adamw_(
                 [self.master[lo:hi]], [g], [self.exp_avg[lo:hi]], [self.exp_avg_sq[lo:hi]], [],
                 [self.step_count], lr=lr, beta1=self.cfg.beta1, beta2=self.cfg.beta2,

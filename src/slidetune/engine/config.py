@@ -55,6 +55,15 @@ class RuntimeConfig:
     # whole configuration then fits in GPU memory (engine.fit.choose_auto_settings), else
     # the compute dtype; left unresolved (an engine built directly) it means compute.
     grad_slot_dtype: str = "auto"       # auto | compute | fp32
+    # The dtype in which gradients cross PCIe and land in host memory (cast_on=gpu; with
+    # cast_on=cpu they always come down in the compute dtype). "compute": as the backward
+    # made them (2 B/param for BF16), and the host's AdamW widens them inside its own kernel
+    # (engine/adamw_widening.py): the D2H bytes halve and AdamW reads 26 instead of 28 B/param
+    # of host DRAM, which the two share (benchmarks/NOTES.md 16). Needs a C++ compiler at run
+    # time; without one the host widens into a scratch chunk first. "fp32": widened on the
+    # GPU (a cast on the D2H stream). FP32 gradient slots (grad_slot_dtype=fp32) download FP32
+    # either way, so auto never picks them with "compute".
+    grad_download: str = "compute"     # compute | fp32
     # Where the embedding and head units' FP32 master and AdamW state live and are updated.
     # "device": on the GPU, updated on the compute stream as soon as their gradient is
     # complete (~5 ms each at HBM speed for a 0.5 B-parameter vocabulary matrix), so they
@@ -102,6 +111,8 @@ class RuntimeConfig:
             raise ValueError(f"grad_slot_dtype must be auto, compute or fp32, not {self.grad_slot_dtype!r}")
         if not 0.01 <= self.gil_switch_ms <= 100:
             raise ValueError(f"gil_switch_ms must be within 0.01-100 ms, not {self.gil_switch_ms}")
+        if self.grad_download not in ("compute", "fp32"):
+            raise ValueError(f"grad_download must be compute or fp32, not {self.grad_download!r}")
         if self.vocab_update not in ("auto", "host", "device"):
             raise ValueError(f"vocab_update must be auto, host or device, not {self.vocab_update!r}")
         if self.cuda_waits not in ("block", "spin"):
@@ -161,6 +172,11 @@ class RuntimeConfig:
         AdamW while updates are reordered."""
         layers = self.DEADLINE_RING_LAYERS if self.update_order == "deadline" else 3
         return self.download_ring or max(4, -(-layers * layer_numel // self.chunk_elems(layer_numel)))
+
+    def downloads_fp32(self, is_cuda: bool) -> bool:
+        """Whether gradients land in host memory as FP32: FP32 slots, or a cast on the GPU's D2H
+        stream (grad_download=fp32 with GPU casts). Otherwise in the compute dtype."""
+        return self.grad_slots_fp32() or (self.casts_on_gpu(is_cuda) and self.grad_download == "fp32")
 
     def grad_slots_fp32(self) -> bool:
         """Whether the gradient slots are FP32 (auto, unresolved, means the compute dtype)."""

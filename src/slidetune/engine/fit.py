@@ -342,11 +342,19 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         if schedule == "deferred":
             host["fp32 gradients (deferred schedule, 4 B/param)"] = 4 * P
         down_chunks = rt.download_chunks(P_L)
+        downloads_fp32 = rt.downloads_fp32(dev == "cuda")
+        rings = down_chunks * chunk_elems * (4 if downloads_fp32 else b)
+        staging = 0
         if gpu_cast:
-            rings = down_chunks * chunk_elems * 4
-            gpu["fp32 cast staging"] = (rt.upload_stages + 2) * chunk_elems * 4
+            staging += rt.upload_stages * chunk_elems * 4            # uploads: FP32 from the registered master
         else:
-            rings = (rt.upload_ring + down_chunks) * chunk_elems * b
+            rings += rt.upload_ring * chunk_elems * b
+        if gpu_cast and downloads_fp32 and not rt.grad_slots_fp32():
+            staging += 2 * chunk_elems * 4                           # the D2H stream's cast
+        if staging:
+            gpu["fp32 cast staging"] = staging
+        if not downloads_fp32:
+            # widening into FP32 before AdamW where its widening kernel cannot be built
             host["fp32 drain scratch"] = chunk_elems * 4
         host["upload/download rings"] = rings
         if rt.offload_activations:
@@ -492,8 +500,9 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
     if rt.mode != "slide":
         return rt
     cache_options = [0, 3] if rt.cache_units == -1 else [rt.cache_units]
-    # FP32 slots help the GPU cast path; with cast_on=cpu the host converts anyway
-    fp32_useful = rt.casts_on_gpu(_device_type(rt) == "cuda")
+    # FP32 slots help the GPU cast path (no cast kernel on the D2H stream); with compute-dtype
+    # downloads or cast_on=cpu the host widens the gradients anyway
+    fp32_useful = rt.casts_on_gpu(_device_type(rt) == "cuda") and rt.grad_download == "fp32"
     dtype_options = (["fp32", "compute"] if fp32_useful else ["compute"]) if rt.grad_slot_dtype == "auto" \
         else [rt.grad_slot_dtype]
     eager = rt.resolved_schedule(grad_accum, max_grad_norm) == "eager"

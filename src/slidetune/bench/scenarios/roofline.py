@@ -24,7 +24,8 @@ def floor_worker(spec: dict) -> dict:
     """Runs in its own process. spec: model, batch_size, seq_len, num_layers, adamw_n, copy, adamw."""
     from ...telemetry.machine import machine_info
     from ..roofline import floor, probe_adamw
-    adamw = spec.get("adamw") or probe_adamw(n=spec.get("adamw_n", 128 * 2**20))
+    adamw = spec.get("adamw") or probe_adamw(n=spec.get("adamw_n", 128 * 2**20),
+                                             grad_download=spec.get("grad_download", "compute"))
     out = {"spec": spec, "machine": machine_info(), "status": "ok"}
     if torch.cuda.is_available() and spec.get("device", "auto") != "cpu":
         fl = floor(spec["model"], spec["batch_size"], spec["seq_len"], spec.get("num_layers"),
@@ -43,10 +44,11 @@ def floor_worker(spec: dict) -> dict:
 
 def measure_floor(model: str, batch: int, seq: int, num_layers: int | None = None, device: str = "auto",
                   adamw_n: int = 128 * 2**20, copy: dict | None = None, adamw: dict | None = None,
-                  timeout_s: float = 1800, compile_layers: bool = False) -> dict:
+                  timeout_s: float = 1800, compile_layers: bool = False, grad_download: str = "compute") -> dict:
     return run_worker(WORKER, dict(model=model, batch_size=batch, seq_len=seq, num_layers=num_layers,
                                    device=device, adamw_n=adamw_n, copy=copy, adamw=adamw,
-                                   compile_layers=compile_layers), timeout_s=timeout_s)
+                                   compile_layers=compile_layers, grad_download=grad_download),
+                      timeout_s=timeout_s)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -76,7 +78,7 @@ def run(args: argparse.Namespace) -> Path:
     lines = [f"# Roofline: {model}, batch {batch}, seq {seq}", "", *O.machine_lines(r.get("machine", {})), "",
              "floor = max(GPU compute [L x (fwd + recompute + bwd) of one resident layer + head + embedding], "
              "weight bytes H2D / pinned H2D bandwidth, gradient bytes D2H / D2H bandwidth, "
-             "parameters / fused CPU AdamW rate); each term measured by a probe (bench/roofline.py).", "",
+             "parameters / host AdamW rate (the engine's kernel)); each term measured by a probe (bench/roofline.py).", "",
              f"status: {r.get('status')} {r.get('error') or ''}", ""]
     lines += O.md_table(rows, ["term", "seconds", "note"], {"seconds": 4})
     for key in ("copy", "adamw"):

@@ -38,6 +38,7 @@ from ...models.units import UnitSpec, run_layer
 from ...telemetry.events import EventTimer
 from ...telemetry.host_timeline import HostTimeline
 from ...telemetry.memory_timeline import MemoryTimeline
+from .. import adamw_widening
 from ..adamw import AdamWConfig
 from ..compile_workers import release_compile_workers
 from ..config import RuntimeConfig
@@ -135,15 +136,21 @@ class SlideEngine:
                     device.register_host(unit.master)   # page-locked in place: async FP32 H2D, no copy
         self.uploader = Uploader(device, self.dtype, chunk, rt.upload_ring, gpu_cast=self.gpu_cast,
                                  stages=rt.upload_stages)
-        self.drainer = GradDrain(device, grad_dtype, chunk, ring, gpu_cast=self.gpu_cast)
-        self.drainer.timeline = self.uploader.timeline = self.timeline
-        self.drainer.abort = self.uploader.abort = self._abort
         self.upload_worker = Worker("upload", self._on_worker_error)
         # Eager updates run earliest-deadline-first (rt.update_order; workers.DeadlineWorker).
         self.host_worker = DeadlineWorker("host", self._on_worker_error)
         if rt.host_threads:
             # OpenMP's thread count is per calling thread: this sets the worker's own pool
             self.host_worker.submit(torch.set_num_threads, rt.host_threads).result()
+        # Gradients in the compute dtype reach AdamW as they landed where its widening kernel
+        # builds (compiled on the host worker: its OpenMP thread count is the one baked in).
+        downloads_fp32 = rt.downloads_fp32(device.is_cuda)
+        widen = (self.schedule == "eager" and not downloads_fp32 and grad_dtype != torch.float32
+                 and self.host_worker.submit(adamw_widening.build, grad_dtype).result())
+        self.drainer = GradDrain(device, grad_dtype, chunk, ring, gpu_cast=self.gpu_cast and downloads_fp32,
+                                 widen_in_adamw=widen)
+        self.drainer.timeline = self.uploader.timeline = self.timeline
+        self.drainer.abort = self.uploader.abort = self._abort
         self.deadline_order = self.schedule == "eager" and rt.update_order == "deadline"
         # The D2H issuer also goes earliest-deadline-first under deadline order: the ring then
         # carries the most urgent gradients while the others wait in their GPU slots.

@@ -106,13 +106,18 @@ class Uploader:
 
 
 class GradDrain:
-    def __init__(self, device: Device, dtype: torch.dtype, chunk_elems: int, ring: int, gpu_cast: bool = False):
-        """dtype: the gradient slots' dtype (FP32 slots need no cast on either side)."""
+    def __init__(self, device: Device, dtype: torch.dtype, chunk_elems: int, ring: int, gpu_cast: bool = False,
+                 widen_in_adamw: bool = False):
+        """dtype: the gradient slots' dtype (FP32 slots need no cast on either side).
+        gpu_cast: widen compute-dtype slots to FP32 on the D2H stream (grad_download=fp32).
+        widen_in_adamw: compute-dtype gradients go to AdamW as they landed (its widening
+        kernel is built); otherwise the host widens each chunk into an FP32 scratch first."""
         self.device = device
         self.stream = device.new_stream()
         self.chunk = chunk_elems
         self.gpu_cast = gpu_cast and dtype != torch.float32     # a cast kernel on the D2H stream
         self.fp32_ring = gpu_cast or dtype == torch.float32     # AdamW reads the ring directly
+        self.widen_in_adamw = widen_in_adamw and not self.fp32_ring
         ring_dtype = torch.float32 if self.fp32_ring else dtype
         self.ring = [device.host_empty(chunk_elems, ring_dtype) for _ in range(ring)]
         # Free ring buffers, any order: the host may consume units out of release order
@@ -121,7 +126,7 @@ class GradDrain:
         self._free_cond = threading.Condition()
         if self.gpu_cast:
             self.stage = [torch.empty(chunk_elems, dtype=torch.float32, device=device.device) for _ in range(2)]
-        if self.fp32_ring:
+        if self.fp32_ring or self.widen_in_adamw:
             self.scratch = None
         else:
             self.scratch = torch.empty(chunk_elems, dtype=torch.float32)   # one chunk of FP32 grads
@@ -191,13 +196,14 @@ class GradDrain:
                 event.synchronize()
             buf = self.ring[r][: hi - lo]
             if mode == "update":
-                if self.fp32_ring:
-                    g = buf                                       # already FP32
+                if self.fp32_ring or self.widen_in_adamw:
+                    g = buf                                       # FP32, or widened by AdamW's kernel
                 else:
                     g = self.scratch[: hi - lo]
                     g.copy_(buf)                                  # compute dtype -> FP32
                 if want_norm:
-                    sq += float(torch.dot(g, g))                  # 2x vector_norm's speed on the CPU
+                    g32 = g.float()                               # [chunk] fp32 (a copy only if widened in AdamW)
+                    sq += float(torch.dot(g32, g32))              # 2x vector_norm's speed on the CPU
                 with record_function("slidetune.adamw"), self.timeline.span("host", "adamw", unit.spec.name):
                     unit.opt.update(g, lr, lo)
                 unit.advance(hi)
