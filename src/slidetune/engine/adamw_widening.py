@@ -20,6 +20,7 @@ the compiler may contract a multiply-add differently), tested.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -33,6 +34,14 @@ log = logging.getLogger(__name__)
 # Below this many elements the eager fallback runs: a size-0/1 range would make dynamo
 # specialize and recompile, and a tiny range gains nothing from a fused kernel.
 MIN_COMPILED = 64
+# Inductor decides whether the loop runs in parallel from the compile-time call's size (work
+# per thread >= cpp.min_chunk_size elements), even with dynamic shapes, and its FX-graph cache
+# does not key on that size: warmed on 256 elements the kernel came out serial, ran at 0.8 G
+# params/s on the 16-core H100 host against 4.2 for torch's (NOTES.md 16), and came back
+# serial from the cache after a larger warm-up. So min_chunk_size is 1 (also a new cache
+# key), and the warm-up is large anyway (~56 MB once).
+COMPILE_OPTIONS = {"cpp.min_chunk_size": 1}
+WARM_ELEMS = 1 << 22
 
 
 def _adamw_widening(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -62,9 +71,10 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 
 def build(grad_dtype: torch.dtype) -> bool:
-    """Compile the kernel for `grad_dtype` gradients on the calling thread (its OpenMP thread
-    count is baked in). True if it runs; False, logged once, where it cannot be built (no C++
-    compiler, torch without inductor): the caller widens into a scratch buffer instead."""
+    """Compile the kernel for `grad_dtype` gradients on the calling thread (a new thread count
+    recompiles). True if it runs; False, logged once, where it cannot be built (no C++
+    compiler, torch without inductor) or came out as a serial loop: the caller widens into a
+    scratch buffer instead."""
     global _compiled
     key = (grad_dtype, torch.get_num_threads())      # a new thread count recompiles: build it here
     with _lock:
@@ -72,13 +82,16 @@ def build(grad_dtype: torch.dtype) -> bool:
             return _built[key]
         try:
             if _compiled is None:
-                _compiled = torch.compile(_adamw_widening, dynamic=True, fullgraph=True)
-            n = 4 * MIN_COMPILED
+                _compiled = torch.compile(_adamw_widening, dynamic=True, fullgraph=True, options=COMPILE_OPTIONS)
+            n = WARM_ELEMS
             # separate tensors, as the engine's are (dynamo guards on inputs sharing memory)
             state = [torch.zeros(n) for _ in range(3)]       # master, m, v: [n] fp32
             grad = torch.linspace(-1, 1, n).to(grad_dtype)
-            update(*state, grad, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=1)
+            with _capture_source() as sources:
+                update(*state, grad, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=1)
             ok = all(bool(torch.isfinite(t).all()) for t in state)
+            if ok and sources and torch.get_num_threads() > 1 and not any("omp parallel" in c for c in sources):
+                raise RuntimeError("inductor generated a serial loop")
             release_compile_workers()                    # their imports would compete with AdamW
         except Exception as e:  # noqa: BLE001 - any failure means: use the fallback
             log.warning("slidetune: the widening AdamW kernel could not be built (%s: %s); gradients "
@@ -86,6 +99,27 @@ def build(grad_dtype: torch.dtype) -> bool:
             ok = False
         _built[key] = ok
         return ok
+
+
+@contextlib.contextmanager
+def _capture_source():
+    """The source inductor generates (or fetches from its cache) while inside; empty where this
+    torch has no hook for it (then nothing is checked)."""
+    sources: list[str] = []
+    try:
+        from torch._inductor.graph import GraphLowering
+        hook_exists = hasattr(GraphLowering, "save_output_code")
+    except ImportError:
+        hook_exists = False
+    if not hook_exists:
+        yield sources
+        return
+    previous = GraphLowering.save_output_code
+    GraphLowering.save_output_code = staticmethod(sources.append)
+    try:
+        yield sources
+    finally:
+        GraphLowering.save_output_code = previous
 
 
 def update(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, *,
