@@ -36,10 +36,10 @@ log = logging.getLogger(__name__)
 MIN_COMPILED = 64
 # Inductor decides whether the loop runs in parallel from the compile-time call's size (work
 # per thread >= cpp.min_chunk_size elements), even with dynamic shapes, and its FX-graph cache
-# does not key on that size: warmed on 256 elements the kernel came out serial, ran at 0.8 G
-# params/s on the 16-core H100 host against 4.2 for torch's (NOTES.md 16), and came back
-# serial from the cache after a larger warm-up. So min_chunk_size is 1 (also a new cache
-# key), and the warm-up is large anyway (~56 MB once).
+# may hand back a kernel compiled at another size: warmed on 256 elements the kernel came out
+# serial and ran at 0.8 G params/s on the 16-core H100 host against 4.2 for torch's (NOTES.md
+# 16). So min_chunk_size is 1 (also a new cache key), the warm-up is large anyway (~56 MB
+# once), and build() checks the generated loop.
 COMPILE_OPTIONS = {"cpp.min_chunk_size": 1}
 WARM_ELEMS = 1 << 22
 
