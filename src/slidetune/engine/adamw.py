@@ -48,17 +48,18 @@ class FlatAdamW:
         """Apply AdamW to master[start:start+len(grad)] with `grad` (modified in place if scaled).
 
         FP32 gradients go through torch's fused kernel; compute-dtype ones through the
-        widening kernel (adamw_widening.build() must have succeeded for their dtype)."""
+        widening kernel where adamw_widening.runs() them, else widened here for torch's."""
         end = start + grad.numel()
         if grad_scale != 1.0:
             grad.mul_(grad_scale)
-        widen = grad.dtype != torch.float32
         for lo, hi, wd in ((start, min(end, self.n_decay), self.cfg.weight_decay),
                            (max(start, self.n_decay), end, 0.0)):
             if hi <= lo:
                 continue
             g = grad[lo - start:hi - start]
-            if widen:
+            if g.dtype != torch.float32 and not adamw_widening.runs(g):
+                g = g.float()                             # a tiny range, or no kernel: torch's below
+            if g.dtype != torch.float32:
                 adamw_widening.update(self.master[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], g, lr=lr,
                                       beta1=self.cfg.beta1, beta2=self.cfg.beta2, eps=self.cfg.eps,
                                       weight_decay=wd, step=int(self.step_count))

@@ -31,8 +31,8 @@ from .compile_workers import release_compile_workers
 
 log = logging.getLogger(__name__)
 
-# Below this many elements the eager fallback runs: a size-0/1 range would make dynamo
-# specialize and recompile, and a tiny range gains nothing from a fused kernel.
+# Below this many elements FlatAdamW widens the range and uses torch's kernel: a size-0/1
+# range would make dynamo specialize and recompile, and a tiny one gains nothing here.
 MIN_COMPILED = 64
 # Inductor decides whether the loop runs in parallel from the compile-time call's size (work
 # per thread >= cpp.min_chunk_size elements), even with dynamic shapes, and its FX-graph cache
@@ -122,18 +122,19 @@ def _capture_source():
         GraphLowering.save_output_code = previous
 
 
+def runs(grad: torch.Tensor) -> bool:
+    """Whether update() takes this gradient range: the kernel exists and the range is not tiny
+    (FlatAdamW widens the others and gives them to torch's kernel)."""
+    return _compiled is not None and grad.numel() >= MIN_COMPILED
+
+
 def update(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, *,
            lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> None:
-    """One AdamW step over equal-length 1-D ranges; `grad` in any float dtype, the rest FP32."""
+    """One AdamW step over equal-length 1-D ranges; `grad` in any float dtype, the rest FP32.
+    Only for ranges that runs() accepts."""
     # torch's fused kernel: bias corrections and step size in double, then cast to FP32
     bc1 = 1 - beta1 ** step
     bc2 = 1 - beta2 ** step
     values = [1 - lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2, lr / bc1, math.sqrt(bc2), eps]
-    if grad.numel() < MIN_COMPILED or _compiled is None:
-        g32 = grad.to(torch.float32)                         # [n] fp32, small
-        step_t = torch.tensor(float(step))
-        torch._fused_adamw_([master], [g32], [exp_avg], [exp_avg_sq], [], [step_t], lr=lr, beta1=beta1,
-                            beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
-        return
     scalars = torch.tensor(values, dtype=torch.float32)     # [8]
     _compiled(_plain(master), _plain(exp_avg), _plain(exp_avg_sq), _plain(grad), scalars)
