@@ -17,7 +17,12 @@ so three more suspects are timed too (hypotheses a-c there):
 Each variant runs AdamW the engine's way (layer-sized units, 64M-element chunks, FP32
 gradients from a pinned ring) while background threads apply a load, and reports AdamW's
 parameters/s and the DMA's achieved GB/s. Variants named *_bf16 feed AdamW BF16 gradients
-through the widening kernel (grad_download=compute, NOTES.md 16) instead of FP32 ones.
+(grad_download=compute, NOTES.md 16) instead of FP32 ones. The kernel is torch's fused one
+(BF16 gradients: the inductor widening kernel) unless the name ends in _dynamic or _static:
+native_adamw's loop with that OpenMP schedule (NOTES.md 17), beside the same loads:
+  launch  the compute thread's kind of load (a thread launching small kernels non-stop),
+  python  a thread busy in pure Python,
+  engine  copies at the engine's rate (blocking waits) plus a launching thread.
 Writes one JSON.
 Usage: python benchmarks/scripts/host_contention.py OUT.json [--units 8 --dma-gbs 15 --only alone,alone_bf16]
 """
@@ -31,7 +36,7 @@ import time
 
 import torch
 
-from slidetune.engine import adamw_widening
+from slidetune.engine import adamw_widening, native_adamw
 from slidetune.engine.adamw import AdamWConfig, FlatAdamW
 from slidetune.telemetry.machine import machine_info
 
@@ -151,6 +156,7 @@ def main() -> None:
     grad_bf16 = torch.randn(CHUNK).to(torch.bfloat16).pin_memory()   # grad_download=compute's ring chunk
     full = torch.get_num_threads()
     assert adamw_widening.build(torch.bfloat16), "the widening AdamW kernel did not build"
+    assert native_adamw.load() is not None, "the native AdamW kernel did not build"
     adamw_rate(opts, grad, 1)                           # warm-up: pages touched, threads up
 
     variants = [   # name, loads [(kind, dma_gbs, blocking)], AdamW threads
@@ -175,6 +181,13 @@ def main() -> None:
         ("dma_both_full_bf16", [("both", 0.0, True)], full),
         ("alone_fp32_again", [], full),
     ]
+    # the schedule A/B (NOTES.md 17): each load with the inductor kernel, then the native loop both ways
+    for base, loads in [("alone", []), ("launch", [("launch", 0.0, True)]), ("python", [("python", 0.0, True)]),
+                        ("engine", [("both", a.dma_gbs, True), ("launch", 0.0, True)])]:
+        for kernel in ("", "_static", "_dynamic"):
+            variants.append((f"sched_{base}_bf16{kernel}", loads, full))
+    variants += [("sched_alone_fp32_dynamic", [], full), ("sched_launch_fp32_dynamic", [("launch", 0.0, True)], full),
+                 (f"sched_launch_bf16_dynamic_threads={full - 1}", [("launch", 0.0, True)], full - 1)]
     if a.only:
         wanted = a.only.split(",")
         unknown = sorted(set(wanted) - {v[0] for v in variants})
@@ -185,7 +198,7 @@ def main() -> None:
     out: dict[str, dict] = {}
     for name, loads, threads in variants:
         torch.set_num_threads(threads)
-        sys.setswitchinterval(2e-4 if name.endswith("switch_0.2ms") else 5e-4)   # the engine sets 0.5 ms
+        sys.setswitchinterval(2e-4 if "switch_0.2ms" in name else 5e-4)   # the engine sets 0.5 ms
         if name == "registered":                       # from here on the masters stay page-locked
             for o in opts:
                 err = int(torch.cuda.cudart().cudaHostRegister(o.master.data_ptr(), o.master.numel() * 4, 0))
@@ -197,10 +210,15 @@ def main() -> None:
         for t in threads_:
             t.start()
         time.sleep(0.2)
-        rate = adamw_rate(opts, grad_bf16 if name.endswith("_bf16") else grad, a.steps,
+        kernel = next((k for k in ("dynamic", "static") if f"_{k}" in name), "torch")
+        for o in opts:
+            o.kernel = kernel
+        bf16 = "_bf16" in name
+        rate = adamw_rate(opts, grad_bf16 if bf16 else grad, a.steps,
                           dma_from=dma_src if name == "dma_into_grad" else None)
         dma = [t.stop() for t in threads_]
-        out[name] = {"adamw_params_per_s": rate, "threads": threads,
+        out[name] = {"adamw_params_per_s": rate, "threads": threads, "kernel": kernel,
+                     "grad_dtype": "bf16" if bf16 else "fp32",
                      "loads": [{"kind": s[0], "target_gbs": s[1], "blocking": s[2], "achieved_gbs": g}
                                for s, g in zip(loads, dma)]}
         print(f"{name:28s} AdamW {rate / 1e9:5.2f} G params/s  dma {[round(g, 1) for g in dma]} GB/s", flush=True)

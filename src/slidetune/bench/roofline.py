@@ -5,9 +5,9 @@ bandwidth, parameters / CPU AdamW rate). Each term is measured here, not assumed
   compute  one decoder layer resident on the GPU: forward (no autograd) + recompute +
            backward, times the number of layers, plus head and embedding;
   copies   pinned <-> device bandwidth each way and both at once (1 GiB transfers);
-  AdamW    the host AdamW over a flat FP32 tensor, params/s at the current thread count:
-           torch's fused kernel on FP32 gradients, or the widening kernel on BF16 ones
-           (grad_download=compute, the default).
+  AdamW    the host AdamW over a flat FP32 tensor, params/s at the current thread count,
+           through the engine's kernel (RuntimeConfig.host_adamw), on BF16 gradients
+           (grad_download=compute, the default) or FP32 ones.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from ..engine import adamw_widening
+from ..engine import adamw_widening, native_adamw
 from ..engine.adamw import AdamWConfig, FlatAdamW
 from ..models.load import RandomInit, load_model
 from ..models.units import run_layer
@@ -65,10 +65,10 @@ def probe_copy(nbytes: int = 2**30) -> dict:
             "bidirectional_total_gib_s": 2 * nbytes / bidir / gib, "pageable_h2d_gib_s": nbytes / 4 / pg / gib}
 
 
-def _adamw_rate(n: int, steps: int, grad_dtype: torch.dtype) -> float:
+def _adamw_rate(n: int, steps: int, grad_dtype: torch.dtype, kernel: str) -> float:
     master = torch.randn(n)
     grad = torch.randn(n).to(grad_dtype)
-    opt = FlatAdamW(master, n, AdamWConfig(weight_decay=0.1))
+    opt = FlatAdamW(master, n, AdamWConfig(weight_decay=0.1), kernel)
     opt.begin_step()
     opt.update(grad, 1e-5)
     t = time.perf_counter()
@@ -78,14 +78,18 @@ def _adamw_rate(n: int, steps: int, grad_dtype: torch.dtype) -> float:
     return n / ((time.perf_counter() - t) / steps)
 
 
-def probe_adamw(n: int = 128 * 2**20, steps: int = 3, grad_download: str = "compute") -> dict:
-    """The host AdamW's rate over one flat tensor: torch's fused kernel on FP32 gradients, and
-    the widening kernel on BF16 ones (grad_download=compute). `adamw_params_per_s` is the
-    rate of the path the engine takes (the widening kernel where it builds)."""
-    fp32 = _adamw_rate(n, steps, torch.float32)
-    out = {"adamw_fp32_grad_params_per_s": fp32, "threads": torch.get_num_threads()}
-    if adamw_widening.build(torch.bfloat16):
-        out["adamw_bf16_grad_params_per_s"] = _adamw_rate(n, steps, torch.bfloat16)
+def probe_adamw(n: int = 128 * 2**20, steps: int = 3, grad_download: str = "compute",
+                host_adamw: str = "dynamic") -> dict:
+    """The host AdamW's rate over one flat tensor through the engine's kernel (host_adamw:
+    native_adamw's loop, or torch's fused kernel with the inductor one for BF16), on FP32
+    gradients and on BF16 ones. `adamw_params_per_s` is the rate of the path the engine
+    takes: BF16 under grad_download=compute where a kernel reads them."""
+    fp32 = _adamw_rate(n, steps, torch.float32, host_adamw)
+    out = {"adamw_fp32_grad_params_per_s": fp32, "threads": torch.get_num_threads(), "host_adamw": host_adamw}
+    native = host_adamw != "torch" and native_adamw.load() is not None
+    if native or adamw_widening.build(torch.bfloat16):
+        out["adamw_bf16_grad_params_per_s"] = _adamw_rate(n, steps, torch.bfloat16, host_adamw)
+    out["kernel"] = f"native ({host_adamw})" if native else "torch"
     widened = grad_download == "compute" and "adamw_bf16_grad_params_per_s" in out
     out["grad_dtype"] = "bf16" if widened else "fp32"
     out["adamw_params_per_s"] = out["adamw_bf16_grad_params_per_s"] if widened else fp32

@@ -5,9 +5,13 @@ and CPU since torch 2.4): 7x faster on the CPU than the for-each path. Calling i
 directly on ranges of a flat tensor lets the sliding engine update a unit chunk by
 chunk as its gradients arrive, with two parameter groups (decayed matrices first,
 then norms and biases without decay) as contiguous ranges of the same tensor.
-The arithmetic is exactly torch.optim.AdamW's (tested against it). A gradient in the
-compute dtype (BF16) goes through adamw_widening's one-pass kernel instead, which reads
-it as it is (torch's kernel wants FP32 gradients for FP32 parameters).
+The arithmetic is exactly torch.optim.AdamW's (tested against it).
+
+On the host, ranges go through native_adamw's kernel instead (kernel="dynamic" or
+"static"): one OpenMP loop whose threads claim blocks as they go, so a thread that shares
+its core with the engine's compute thread does not hold the whole update back, and that
+reads BF16 gradients as they landed (torch's kernel wants FP32 gradients for FP32
+parameters). kernel="torch", or a host without a C compiler, keeps torch's fused kernel.
 """
 from __future__ import annotations
 
@@ -15,7 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import adamw_widening
+from . import adamw_widening, native_adamw
+
+KERNELS = ("dynamic", "static", "torch")
 
 
 @dataclass
@@ -30,11 +36,13 @@ class AdamWConfig:
 class FlatAdamW:
     """AdamW state (moments, step) for one flat master tensor with a decay range [0, n_decay)."""
 
-    def __init__(self, master: torch.Tensor, n_decay: int, cfg: AdamWConfig):
+    def __init__(self, master: torch.Tensor, n_decay: int, cfg: AdamWConfig, kernel: str = "dynamic"):
         assert master.dim() == 1 and master.dtype == torch.float32
+        assert kernel in KERNELS, f"kernel must be one of {KERNELS}, not {kernel!r}"
         self.master = master                                 # [numel] fp32, updated in place
         self.n_decay = n_decay
         self.cfg = cfg
+        self.kernel = kernel                                 # host ranges: native_adamw's schedule, or torch
         self.exp_avg = torch.zeros_like(master)              # [numel] fp32
         self.exp_avg_sq = torch.zeros_like(master)           # [numel] fp32
         # The kernel reads the step from a tensor on the parameters' device.
@@ -47,8 +55,10 @@ class FlatAdamW:
     def update(self, grad: torch.Tensor, lr: float, start: int = 0, grad_scale: float = 1.0) -> None:
         """Apply AdamW to master[start:start+len(grad)] with `grad` (modified in place if scaled).
 
-        FP32 gradients go through torch's fused kernel; compute-dtype ones through the
-        widening kernel where adamw_widening.runs() them, else widened here for torch's."""
+        Host ranges go through native_adamw's kernel (FP32 or BF16 gradients) unless
+        kernel="torch" or it cannot be built; otherwise FP32 gradients go through torch's
+        fused kernel, and compute-dtype ones through the inductor widening kernel where
+        adamw_widening.runs() them, else widened here for torch's."""
         end = start + grad.numel()
         if grad_scale != 1.0:
             grad.mul_(grad_scale)
@@ -57,6 +67,11 @@ class FlatAdamW:
             if hi <= lo:
                 continue
             g = grad[lo - start:hi - start]
+            if self.kernel != "torch" and native_adamw.takes(g, self.master):
+                native_adamw.update(self.master[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], g, lr=lr,
+                                    beta1=self.cfg.beta1, beta2=self.cfg.beta2, eps=self.cfg.eps,
+                                    weight_decay=wd, step=int(self.step_count), schedule=self.kernel)
+                continue
             if g.dtype != torch.float32 and not adamw_widening.runs(g):
                 g = g.float()                             # a tiny range, or no kernel: torch's below
             if g.dtype != torch.float32:

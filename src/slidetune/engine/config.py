@@ -80,6 +80,13 @@ class RuntimeConfig:
     # sooner (benchmarks/NOTES.md 12). Set in the worker thread, so the compute thread
     # keeps its own count.
     host_threads: int = 0
+    # The host's AdamW kernel (engine/native_adamw.py). "dynamic": one OpenMP loop compiled at
+    # run time whose threads claim 32K-element blocks as they go, so a thread sharing its core
+    # with the compute thread does not hold the update back; reads BF16 gradients as they
+    # landed. "static": the same loop split evenly up front (A/B of the schedule). "torch":
+    # torch's fused kernel (a static split), BF16 gradients through an inductor-compiled
+    # kernel. Without a C compiler "dynamic" and "static" fall back to "torch" (logged).
+    host_adamw: str = "dynamic"     # dynamic | static | torch
     # How host threads wait on the GPU. "block": they sleep (blocking events, and the
     # context's blocking-sync flag for .item() and synchronize()); "spin": CUDA's default,
     # a busy core per waiter, which slowed the host's AdamW by up to 41% (NOTES.md 14).
@@ -115,6 +122,8 @@ class RuntimeConfig:
             raise ValueError(f"grad_download must be compute or fp32, not {self.grad_download!r}")
         if self.vocab_update not in ("auto", "host", "device"):
             raise ValueError(f"vocab_update must be auto, host or device, not {self.vocab_update!r}")
+        if self.host_adamw not in ("dynamic", "static", "torch"):
+            raise ValueError(f"host_adamw must be dynamic, static or torch, not {self.host_adamw!r}")
         if self.cuda_waits not in ("block", "spin"):
             raise ValueError(f"cuda_waits must be block or spin, not {self.cuda_waits!r}")
         if self.update_order not in ("deadline", "fifo"):

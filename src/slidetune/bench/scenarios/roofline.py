@@ -25,7 +25,8 @@ def floor_worker(spec: dict) -> dict:
     from ...telemetry.machine import machine_info
     from ..roofline import floor, probe_adamw
     adamw = spec.get("adamw") or probe_adamw(n=spec.get("adamw_n", 128 * 2**20),
-                                             grad_download=spec.get("grad_download", "compute"))
+                                             grad_download=spec.get("grad_download", "compute"),
+                                             host_adamw=spec.get("host_adamw", "dynamic"))
     out = {"spec": spec, "machine": machine_info(), "status": "ok"}
     if torch.cuda.is_available() and spec.get("device", "auto") != "cpu":
         fl = floor(spec["model"], spec["batch_size"], spec["seq_len"], spec.get("num_layers"),
@@ -44,10 +45,12 @@ def floor_worker(spec: dict) -> dict:
 
 def measure_floor(model: str, batch: int, seq: int, num_layers: int | None = None, device: str = "auto",
                   adamw_n: int = 128 * 2**20, copy: dict | None = None, adamw: dict | None = None,
-                  timeout_s: float = 1800, compile_layers: bool = False, grad_download: str = "compute") -> dict:
+                  timeout_s: float = 1800, compile_layers: bool = False, grad_download: str = "compute",
+                  host_adamw: str = "dynamic") -> dict:
     return run_worker(WORKER, dict(model=model, batch_size=batch, seq_len=seq, num_layers=num_layers,
                                    device=device, adamw_n=adamw_n, copy=copy, adamw=adamw,
-                                   compile_layers=compile_layers, grad_download=grad_download),
+                                   compile_layers=compile_layers, grad_download=grad_download,
+                                   host_adamw=host_adamw),
                       timeout_s=timeout_s)
 
 

@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> Path:
                     fl = measure_floor(model, batch, seq, layers, dev, adamw_n=(4 * 2**20 if args.smoke else 128 * 2**20),
                                        adamw=adamw_probe, timeout_s=args.timeout,
                                        compile_layers=bool(slide_over.get("compile_layers")),
-                                       grad_download=str(slide_over.get("grad_download", "compute")))
+                                       grad_download=str(slide_over.get("grad_download", "compute")),
+                                       host_adamw=str(slide_over.get("host_adamw", "dynamic")))
                     if fl.get("status") == "ok":
                         adamw_probe = fl.get("adamw")
                     floors[key] = fl

@@ -38,7 +38,7 @@ from ...models.units import UnitSpec, run_layer
 from ...telemetry.events import EventTimer
 from ...telemetry.host_timeline import HostTimeline
 from ...telemetry.memory_timeline import MemoryTimeline
-from .. import adamw_widening
+from .. import adamw_widening, native_adamw
 from ..adamw import AdamWConfig
 from ..compile_workers import release_compile_workers
 from ..config import RuntimeConfig
@@ -92,7 +92,8 @@ class SlideEngine:
         self.timer = timer or EventTimer(device, enabled=False)
         self.timeline = HostTimeline(enabled=False)
         self.memory = MemoryTimeline(device, enabled=False)
-        self.store = HostStore(self.split, loaded.source, optim, keep_grads=self.schedule == "deferred")
+        self.store = HostStore(self.split, loaded.source, optim, keep_grads=self.schedule == "deferred",
+                               kernel=rt.host_adamw)
         self.units: list[HostUnit] = self.store.units
         L = self.split.num_layers
         # vocab_update=device: the embedding and head are updated on the compute stream
@@ -142,11 +143,12 @@ class SlideEngine:
         if rt.host_threads:
             # OpenMP's thread count is per calling thread: this sets the worker's own pool
             self.host_worker.submit(torch.set_num_threads, rt.host_threads).result()
-        # Gradients in the compute dtype reach AdamW as they landed where its widening kernel
-        # builds (compiled on the host worker: its OpenMP thread count is the one baked in).
+        # Gradients in the compute dtype reach AdamW as they landed where a host kernel reads
+        # them: native_adamw's, else (host_adamw=torch) the inductor one, compiled on the host
+        # worker (its OpenMP thread count is the one baked in).
         downloads_fp32 = rt.downloads_fp32(device.is_cuda)
         widen = (self.schedule == "eager" and not downloads_fp32 and grad_dtype != torch.float32
-                 and self.host_worker.submit(adamw_widening.build, grad_dtype).result())
+                 and self.host_worker.submit(self._host_reads, grad_dtype, rt.host_adamw).result())
         self.drainer = GradDrain(device, grad_dtype, chunk, ring, gpu_cast=self.gpu_cast and downloads_fp32,
                                  widen_in_adamw=widen)
         self.drainer.timeline = self.uploader.timeline = self.timeline
@@ -209,6 +211,13 @@ class SlideEngine:
         if self._compiled_layer is not None:
             return self._compiled_layer(self._templates[i], params, x, kwargs)
         return self.split.layer_forward(i, params, x, kwargs)
+
+    @staticmethod
+    def _host_reads(grad_dtype: torch.dtype, host_adamw: str) -> bool:
+        """Whether the host's AdamW reads `grad_dtype` gradients as they land (run on the host worker)."""
+        if host_adamw != "torch" and grad_dtype in native_adamw.GRAD_TYPES and native_adamw.load() is not None:
+            return True
+        return adamw_widening.build(grad_dtype)
 
     def _timed(self, thread: str, what: str, unit: str, fn, *args, **kwargs):
         with self.timeline.span(thread, what, unit):

@@ -20,11 +20,12 @@ from ..adamw import AdamWConfig, FlatAdamW
 
 
 class HostUnit:
-    def __init__(self, spec: UnitSpec, source: WeightSource, optim: AdamWConfig, keep_grad: bool):
+    def __init__(self, spec: UnitSpec, source: WeightSource, optim: AdamWConfig, keep_grad: bool,
+                 kernel: str = "dynamic"):
         self.spec = spec
         self.master = torch.empty(spec.numel, dtype=torch.float32)     # [numel] fp32
         source.fill(spec, self.master)
-        self.opt = FlatAdamW(self.master, spec.n_decay, optim)
+        self.opt = FlatAdamW(self.master, spec.n_decay, optim, kernel)
         self.grad = torch.zeros(spec.numel, dtype=torch.float32) if keep_grad else None
         self.sq_norm = 0.0            # squared gradient norm of the current step
         self.version = 0              # updates applied in full
@@ -112,14 +113,17 @@ class HostUnit:
 
 
 class HostStore:
-    def __init__(self, split: SplitModel, source: WeightSource, optim: AdamWConfig, keep_grads: bool):
+    def __init__(self, split: SplitModel, source: WeightSource, optim: AdamWConfig, keep_grads: bool,
+                 kernel: str = "dynamic"):
+        """kernel: the host AdamW kernel of every unit (FlatAdamW's; RuntimeConfig.host_adamw)."""
         # Each unit is materialized straight from the source into its own master (no second
         # copy), several units at once: torch's normal_ with a generator runs on one core
         # (~150 M values/s), so a random 8B model took ~55 s unit by unit. Every unit seeds
         # its own generator, so the weights do not depend on the thread count.
         workers = max(1, min(8, os.cpu_count() or 1))
         with ThreadPoolExecutor(workers, thread_name_prefix="slidetune-init") as pool:
-            self.units = list(pool.map(lambda spec: HostUnit(spec, source, optim, keep_grads), split.units))
+            self.units = list(pool.map(lambda spec: HostUnit(spec, source, optim, keep_grads, kernel),
+                                       split.units))
 
     def num_params(self) -> int:
         return sum(u.spec.numel for u in self.units)

@@ -1,0 +1,185 @@
+"""The host's AdamW as one OpenMP loop that threads take blocks of as they go.
+
+Why not torch's fused CPU kernel (or an inductor-compiled one): both split a range into
+one equal part per thread up front (OpenMP's static schedule), so a call ends with its
+slowest thread. In the sliding engine the host's AdamW never has the cores to itself:
+the compute thread launches kernels non-stop and the copy threads wake up, so one AdamW
+thread shares its core and the whole update waits for it. On the 16-core H100 host a
+thread busy launching kernels cut a static 16-thread AdamW to 0.72 of its rate alone, a
+thread busy in Python to 0.60 (benchmarks/NOTES.md 14, `host_contention.py`). Here the
+range is cut into BLOCK-element blocks that the threads claim one at a time (OpenMP's
+dynamic schedule), so a thread that loses its core simply takes fewer blocks.
+
+The same loop reads BF16 gradients as they landed from the GPU (widened in registers):
+26 B/param of host DRAM instead of 28, and half the gradient download (NOTES.md 16).
+
+The C source below is compiled once per process with the system's C compiler (`CC`, else
+gcc, else cc; -O3 -march=native -fopenmp) into a temporary shared library and called
+through ctypes, which releases the GIL for the call. With no compiler, or one without
+OpenMP, `load()` says so once and returns None, and callers use torch's kernel.
+
+Arithmetic: torch's fused AdamW, ADAMW mode (decay applied to the parameter, bias
+corrections in double, then FP32); results agree with torch._fused_adamw_ to within FP32
+rounding (its vector code orders a few operations differently), tested.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = ("dynamic", "static")
+# Elements a thread claims at a time (dynamic schedule): 128 KB of each FP32 array, ~20-80 us
+# of work per claim on one core, so the shared counter costs nothing next to the loop.
+BLOCK = 1 << 15
+# FlatAdamW keeps tiny ranges (a norm's few thousand elements) on torch's kernel: a parallel
+# region costs more than it saves there.
+MIN_NATIVE = 1 << 12
+GRAD_TYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+static inline float from_bf16(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline float from_f32(float x) { return x; }
+
+/* s: decay, beta1, 1-beta1, beta2, 1-beta2, step size, sqrt(bias correction 2), eps */
+#define ADAMW_KERNEL(NAME, GRAD_T, WIDEN)                                                        \
+void NAME(float *restrict p, float *restrict m, float *restrict v, const GRAD_T *restrict g,    \
+          int64_t n, const float *s, int threads, int dynamic) {                                \
+    const float decay = s[0], beta1 = s[1], c1 = s[2], beta2 = s[3], c2 = s[4];                 \
+    const float step_size = s[5], bc2_sqrt = s[6], eps = s[7];                                  \
+    const int64_t nblocks = (n + BLOCK - 1) / BLOCK;                                            \
+    _Pragma("omp parallel num_threads(threads)")                                                \
+    {                                                                                           \
+        if (dynamic) {                                                                          \
+            _Pragma("omp for schedule(dynamic, 1)")                                             \
+            for (int64_t b = 0; b < nblocks; b++) BODY(WIDEN)                                   \
+        } else {                                                                                \
+            _Pragma("omp for schedule(static)")                                                 \
+            for (int64_t b = 0; b < nblocks; b++) BODY(WIDEN)                                   \
+        }                                                                                       \
+    }                                                                                           \
+}
+
+#define BODY(WIDEN) {                                                                           \
+    const int64_t lo = b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;                         \
+    for (int64_t i = lo; i < hi; i++) {                                                         \
+        const float gi = WIDEN(g[i]);                                                           \
+        const float mi = m[i] * beta1 + gi * c1;                                                \
+        const float vi = v[i] * beta2 + gi * gi * c2;                                           \
+        const float denom = sqrtf(vi) / bc2_sqrt + eps;                                         \
+        p[i] = p[i] * decay - step_size * mi / denom;                                           \
+        m[i] = mi;                                                                              \
+        v[i] = vi;                                                                              \
+    }                                                                                           \
+}
+
+ADAMW_KERNEL(adamw_f32, float, from_f32)
+ADAMW_KERNEL(adamw_bf16, uint16_t, from_bf16)
+"""
+
+# -ffp-contract=off: no fused multiply-adds, so each element rounds as torch's elementwise
+# arithmetic does (as inductor's kernel did). Contracted, the results stayed within an ulp per
+# step, but a BF16 copy of a weight then rounds the other way now and then, and a 3-step
+# CPU training test drifted to 2e-4 against torch's kernel (1e-5 is the contract).
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared"]
+
+
+@dataclass
+class Kernel:
+    lib: ctypes.CDLL
+    compiler: str
+
+    def fn(self, grad_dtype: torch.dtype):
+        return getattr(self.lib, f"adamw_{GRAD_TYPES[grad_dtype]}")
+
+
+_kernel: Kernel | None = None
+_tried = False
+_lock = threading.Lock()
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "gcc", "cc"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _build() -> Kernel:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    tmp = tempfile.mkdtemp(prefix="slidetune-adamw-")
+    try:
+        src, lib_path = os.path.join(tmp, "adamw.c"), os.path.join(tmp, "adamw.so")
+        with open(src, "w") as f:
+            f.write(f"#define BLOCK {BLOCK}\n" + SOURCE)
+        done = subprocess.run([cc, *FLAGS, src, "-o", lib_path], capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{os.path.basename(cc)} failed: {done.stderr.strip()[-400:]}")
+        # torch is loaded with its own libgomp.so.1; the kernel's libgomp.so.1 resolves to it
+        lib = ctypes.CDLL(lib_path)            # CDLL: the GIL is released during each call
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)   # the mapping stays valid once loaded
+    f32_ptr, c_int64, c_int = ctypes.POINTER(ctypes.c_float), ctypes.c_int64, ctypes.c_int
+    for name in ("adamw_f32", "adamw_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.c_void_p] * 4 + [c_int64, f32_ptr, c_int, c_int]
+        fn.restype = None
+    return Kernel(lib, cc)
+
+
+def load() -> Kernel | None:
+    """The kernel, built on first use; None (logged once) where it cannot be built."""
+    global _kernel, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                _kernel = _build()
+            except Exception as e:  # noqa: BLE001 - any failure means: torch's kernel instead
+                log.warning("slidetune: the host AdamW kernel could not be built (%s); using torch's "
+                            "fused AdamW (a static split across threads, and BF16 gradients widened "
+                            "into a scratch buffer first)", e)
+        return _kernel
+
+
+def takes(grad: torch.Tensor, master: torch.Tensor) -> bool:
+    """Whether update() handles this range: a host range of a gradient dtype it reads, not tiny."""
+    return (grad.dtype in GRAD_TYPES and master.device.type == "cpu" and grad.device.type == "cpu"
+            and grad.numel() >= MIN_NATIVE and load() is not None)
+
+
+def update(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, *,
+           lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+           schedule: str = "dynamic", threads: int = 0) -> None:
+    """One AdamW step over equal-length contiguous 1-D CPU ranges (master and moments FP32,
+    updated in place; grad FP32 or BF16), on `threads` OpenMP threads (0: the calling
+    thread's torch.get_num_threads()). Only for ranges that takes() accepts."""
+    kernel = load()
+    assert kernel is not None and schedule in SCHEDULES
+    n = grad.numel()
+    for t in (master, exp_avg, exp_avg_sq):
+        assert t.dtype == torch.float32 and t.is_contiguous() and t.numel() == n
+    assert grad.is_contiguous()
+    # torch's fused kernel: bias corrections and step size in double, then cast to FP32
+    bc1 = 1 - beta1 ** step
+    bc2 = 1 - beta2 ** step
+    scalars = (ctypes.c_float * 8)(1 - lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2,
+                                   lr / bc1, math.sqrt(bc2), eps)
+    kernel.fn(grad.dtype)(master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(),
+                          n, scalars, threads or torch.get_num_threads(), int(schedule == "dynamic"))

@@ -1,0 +1,143 @@
+"""The host AdamW kernel (engine/native_adamw.py): one OpenMP loop, FP32 or BF16 gradients.
+
+It must give torch's fused AdamW's result on the same (widened) gradient to within FP32
+rounding, over ranges at any offset and length (decay and no-decay ranges of one flat
+master, chunk by chunk), with either schedule and any thread count; a slide engine
+updating through it must train like one on torch's kernel; and where it cannot be built
+the engine must say so and train on torch's kernel.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from slidetune.engine import AdamWConfig, RuntimeConfig, build_engine
+from slidetune.engine import adamw_widening, native_adamw
+from slidetune.engine.adamw import FlatAdamW
+from test_equivalence import LR, make_batches, make_loaded, max_param_rel_diff
+
+CFG = AdamWConfig(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+
+def _close(got: FlatAdamW, want: FlatAdamW) -> None:
+    for a, b in [(got.master, want.master), (got.exp_avg, want.exp_avg), (got.exp_avg_sq, want.exp_avg_sq)]:
+        # rounding level (DESIGN.md's 1e-5), scaled to the tensor: a moment near zero differs in its last bits
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
+
+
+def test_kernel_builds_here():
+    """CI and the GPU host have gcc: the kernel must build there (the fallback is for hosts without one)."""
+    assert native_adamw.load() is not None
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("schedule", ["dynamic", "static"])
+def test_matches_torch_fused_adamw(grad_dtype, schedule):
+    torch.manual_seed(0)
+    b = native_adamw.BLOCK
+    n, n_decay = 3 * b + 10_007, 2 * b + 6_001
+    master = torch.randn(n)
+    native = FlatAdamW(master.clone(), n_decay, CFG, kernel=schedule)
+    reference = FlatAdamW(master.clone(), n_decay, CFG, kernel="torch")
+    # ranges of every kind: across the decay boundary, within one block, a tiny one (torch's
+    # kernel), many blocks with a ragged tail
+    ranges = [(0, 4_000), (4_000, 2 * b + 6_050), (2 * b + 6_050, 2 * b + 6_060), (2 * b + 6_060, n)]
+    for step in range(4):
+        grad = (torch.randn(n) * 10 ** -step).to(grad_dtype)           # [n], shrinking like real gradients
+        native.begin_step()
+        reference.begin_step()
+        for lo, hi in ranges:
+            lr = 1e-3 * (1 + step)
+            native.update(grad[lo:hi], lr, lo)
+            reference.update(grad[lo:hi].float(), lr, lo)              # fp32: torch._fused_adamw_
+    _close(native, reference)
+    assert not torch.equal(native.master, master)                      # it moved
+
+
+def test_thread_count_and_schedule_do_not_change_the_result():
+    """Elementwise: every element sees the same arithmetic however the blocks are shared out."""
+    torch.manual_seed(1)
+    n = 5 * native_adamw.BLOCK + 123
+    grad = torch.randn(n).to(torch.bfloat16)
+    results = []
+    for schedule, threads in [("dynamic", 1), ("dynamic", 2), ("static", 2), ("dynamic", 7)]:
+        torch.manual_seed(2)
+        state = [torch.randn(n), torch.randn(n) * 1e-3, torch.rand(n) * 1e-4]     # master, m, v
+        native_adamw.update(*state, grad, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=5,
+                            schedule=schedule, threads=threads)
+        results.append(state)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
+def test_takes_only_host_ranges_it_reads():
+    g = torch.zeros(native_adamw.MIN_NATIVE)
+    assert native_adamw.takes(g, torch.zeros(1))
+    assert native_adamw.takes(g.bfloat16(), torch.zeros(1))
+    assert not native_adamw.takes(g.half(), torch.zeros(1))                  # FP16: torch's path widens it
+    assert not native_adamw.takes(g[:-1], torch.zeros(1))                    # tiny: torch's kernel
+    assert not native_adamw.takes(g, torch.zeros(1, device="meta"))          # not on the host
+
+
+def test_no_compiler_falls_back_with_a_message(monkeypatch, caplog):
+    monkeypatch.setattr(native_adamw, "_kernel", None)
+    monkeypatch.setattr(native_adamw, "_tried", False)
+    monkeypatch.setattr(native_adamw, "_compiler", lambda: None)
+    with caplog.at_level(logging.WARNING):
+        assert native_adamw.load() is None
+    assert "no C compiler" in caplog.text and "torch's fused AdamW" in caplog.text
+    opt = FlatAdamW(torch.zeros(native_adamw.MIN_NATIVE), 0, CFG)             # updates through torch's kernel
+    opt.begin_step()
+    opt.update(torch.ones(native_adamw.MIN_NATIVE), 1e-3)
+    assert bool((opt.master < 0).all())
+
+
+def test_a_failing_compile_says_why(monkeypatch, caplog):
+    monkeypatch.setattr(native_adamw, "_kernel", None)
+    monkeypatch.setattr(native_adamw, "_tried", False)
+    monkeypatch.setattr(native_adamw, "SOURCE", "this is not C")
+    with caplog.at_level(logging.WARNING):
+        assert native_adamw.load() is None
+    assert "failed" in caplog.text
+
+
+def _train(loaded, host_adamw: str, monkeypatch, kernels: bool = True):
+    if not kernels:     # as on a host without a compiler: torch's kernel on widened scratch chunks
+        monkeypatch.setattr(native_adamw, "load", lambda: None)
+        monkeypatch.setattr(adamw_widening, "build", lambda dtype: False)
+    rt = RuntimeConfig(mode="slide", dtype="bf16", device="cpu", schedule="eager", head_chunk_tokens=16, chunk_mb=1,
+                       host_adamw=host_adamw)
+    engine = build_engine(loaded, rt, AdamWConfig(lr=LR, weight_decay=0.1, eps=1e-6))
+    assert engine.drainer.widen_in_adamw is kernels
+    assert engine.drainer.ring[0].dtype == torch.bfloat16               # gradients land as BF16
+    losses = [engine.train_step(make_batches(step, 1), LR * (0.5 + step)).loss for step in range(3)]
+    engine.synchronize()
+    monkeypatch.undo()
+    return engine, losses
+
+
+def test_engine_on_the_native_kernel_trains_like_on_torchs(monkeypatch):
+    loaded = make_loaded("qwen3", tied=False)
+    native, native_losses = _train(loaded, "dynamic", monkeypatch)
+    scratch, scratch_losses = _train(loaded, "dynamic", monkeypatch, kernels=False)
+    try:
+        assert all(u.opt.kernel == "dynamic" for u in native.units)
+        assert native_losses == pytest.approx(scratch_losses, rel=1e-5)
+        worst, where = max_param_rel_diff(native, _as_module(scratch))
+        assert worst < 1e-5, f"{where}: relative difference {worst:.2e}"
+    finally:
+        native.close()
+        scratch.close()
+
+
+class _as_module:
+    """named_parameters() over an engine's FP32 masters (max_param_rel_diff's reference side)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def named_parameters(self):
+        return self.engine.named_master_params()
