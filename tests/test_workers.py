@@ -75,3 +75,21 @@ def test_a_failing_job_poisons_later_jobs():
         assert errors[0] is not None
     finally:
         w.close()
+
+
+def test_whole_jobs_go_before_partial_ones_but_partial_ones_still_run():
+    """Among ready jobs, the whole ones (every gradient chunk landed) run first, earliest
+    deadline first; a ready job that is not whole runs once no whole one is left, so
+    `whole` never holds the worker up (the last unit in the ring may be partial)."""
+    w = DeadlineWorker("t")
+    try:
+        ran: list[str] = []
+        gate = _blocked(w)
+        w.submit(ran.append, "newest-partial", deadline=1, ready=lambda: True, whole=lambda: False)
+        w.submit(ran.append, "older-whole", deadline=7, ready=lambda: True, whole=lambda: True)
+        w.submit(ran.append, "oldest-whole", deadline=9, ready=lambda: True)      # no whole(): whole
+        gate.set()
+        w.drain()
+        assert ran == ["older-whole", "oldest-whole", "newest-partial"]
+    finally:
+        w.close()

@@ -18,7 +18,8 @@ Each variant runs AdamW the engine's way (layer-sized units, 64M-element chunks,
 gradients from a pinned ring) while background threads apply a load, and reports AdamW's
 parameters/s and the DMA's achieved GB/s. Variants named *_bf16 feed AdamW BF16 gradients
 (grad_download=compute, NOTES.md 16) instead of FP32 ones. The kernel is torch's fused one
-(BF16 gradients: the inductor widening kernel) unless the name ends in _dynamic or _static:
+(BF16 gradients widened into a scratch chunk first; until session 8 an inductor-compiled
+kernel, which held the GIL) unless the name has _dynamic or _static in it:
 native_adamw's loop with that OpenMP schedule (NOTES.md 17), beside the same loads:
   launch  the compute thread's kind of load (a thread launching small kernels non-stop),
   python  a thread busy in pure Python,
@@ -36,7 +37,7 @@ import time
 
 import torch
 
-from slidetune.engine import adamw_widening, native_adamw
+from slidetune.engine import native_adamw
 from slidetune.engine.adamw import AdamWConfig, FlatAdamW
 from slidetune.telemetry.machine import machine_info
 
@@ -155,7 +156,6 @@ def main() -> None:
     grad = torch.randn(CHUNK).pin_memory()              # the pinned FP32 ring chunk AdamW reads
     grad_bf16 = torch.randn(CHUNK).to(torch.bfloat16).pin_memory()   # grad_download=compute's ring chunk
     full = torch.get_num_threads()
-    assert adamw_widening.build(torch.bfloat16), "the widening AdamW kernel did not build"
     assert native_adamw.load() is not None, "the native AdamW kernel did not build"
     adamw_rate(opts, grad, 1)                           # warm-up: pages touched, threads up
 
@@ -181,7 +181,7 @@ def main() -> None:
         ("dma_both_full_bf16", [("both", 0.0, True)], full),
         ("alone_fp32_again", [], full),
     ]
-    # the schedule A/B (NOTES.md 17): each load with the inductor kernel, then the native loop both ways
+    # the schedule A/B (NOTES.md 17): each load with torch's kernel, then the native loop both ways
     for base, loads in [("alone", []), ("launch", [("launch", 0.0, True)]), ("python", [("python", 0.0, True)]),
                         ("engine", [("both", a.dma_gbs, True), ("launch", 0.0, True)])]:
         for kernel in ("", "_static", "_dynamic"):

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from ..engine import adamw_widening, native_adamw
+from ..engine import native_adamw
 from ..engine.adamw import AdamWConfig, FlatAdamW
 from ..models.load import RandomInit, load_model
 from ..models.units import run_layer
@@ -81,13 +81,13 @@ def _adamw_rate(n: int, steps: int, grad_dtype: torch.dtype, kernel: str) -> flo
 def probe_adamw(n: int = 128 * 2**20, steps: int = 3, grad_download: str = "compute",
                 host_adamw: str = "dynamic") -> dict:
     """The host AdamW's rate over one flat tensor through the engine's kernel (host_adamw:
-    native_adamw's loop, or torch's fused kernel with the inductor one for BF16), on FP32
-    gradients and on BF16 ones. `adamw_params_per_s` is the rate of the path the engine
-    takes: BF16 under grad_download=compute where a kernel reads them."""
+    native_adamw's loop, or torch's fused kernel), on FP32 gradients and, where the native
+    kernel reads them, on BF16 ones. `adamw_params_per_s` is the rate of the path the
+    engine takes: BF16 under grad_download=compute where the native kernel runs."""
     fp32 = _adamw_rate(n, steps, torch.float32, host_adamw)
     out = {"adamw_fp32_grad_params_per_s": fp32, "threads": torch.get_num_threads(), "host_adamw": host_adamw}
     native = host_adamw != "torch" and native_adamw.load() is not None
-    if native or adamw_widening.build(torch.bfloat16):
+    if native:
         out["adamw_bf16_grad_params_per_s"] = _adamw_rate(n, steps, torch.bfloat16, host_adamw)
     out["kernel"] = f"native ({host_adamw})" if native else "torch"
     widened = grad_download == "compute" and "adamw_bf16_grad_params_per_s" in out

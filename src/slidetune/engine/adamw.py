@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import adamw_widening, native_adamw
+from . import native_adamw
 
 KERNELS = ("dynamic", "static", "torch")
 
@@ -56,9 +56,8 @@ class FlatAdamW:
         """Apply AdamW to master[start:start+len(grad)] with `grad` (modified in place if scaled).
 
         Host ranges go through native_adamw's kernel (FP32 or BF16 gradients) unless
-        kernel="torch" or it cannot be built; otherwise FP32 gradients go through torch's
-        fused kernel, and compute-dtype ones through the inductor widening kernel where
-        adamw_widening.runs() them, else widened here for torch's."""
+        kernel="torch", it cannot be built or the range is tiny; everything else through
+        torch's fused kernel, a compute-dtype gradient widened to FP32 first."""
         end = start + grad.numel()
         if grad_scale != 1.0:
             grad.mul_(grad_scale)
@@ -72,13 +71,8 @@ class FlatAdamW:
                                     beta1=self.cfg.beta1, beta2=self.cfg.beta2, eps=self.cfg.eps,
                                     weight_decay=wd, step=int(self.step_count), schedule=self.kernel)
                 continue
-            if g.dtype != torch.float32 and not adamw_widening.runs(g):
-                g = g.float()                             # a tiny range, or no kernel: torch's below
-            if g.dtype != torch.float32:
-                adamw_widening.update(self.master[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], g, lr=lr,
-                                      beta1=self.cfg.beta1, beta2=self.cfg.beta2, eps=self.cfg.eps,
-                                      weight_decay=wd, step=int(self.step_count))
-                continue
+            if g.dtype != self.master.dtype:
+                g = g.float()                             # torch's kernel wants the parameters' dtype
             torch._fused_adamw_(
                 [self.master[lo:hi]], [g], [self.exp_avg[lo:hi]], [self.exp_avg_sq[lo:hi]], [],
                 [self.step_count], lr=lr, beta1=self.cfg.beta1, beta2=self.cfg.beta2,

@@ -354,7 +354,7 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         if staging:
             gpu["fp32 cast staging"] = staging
         if not downloads_fp32:
-            # widening into FP32 before AdamW where its widening kernel cannot be built
+            # widening into FP32 before AdamW where native_adamw's kernel cannot be built
             host["fp32 drain scratch"] = chunk_elems * 4
         host["upload/download rings"] = rings
         if rt.offload_activations:

@@ -1,21 +1,22 @@
-"""The host's AdamW as one OpenMP loop that threads take blocks of as they go.
+"""The host's AdamW as one C loop, called without the GIL, that threads take blocks of as they go.
 
-Why not torch's fused CPU kernel (or an inductor-compiled one): both split a range into
-one equal part per thread up front (OpenMP's static schedule), so a call ends with its
-slowest thread. In the sliding engine the host's AdamW never has the cores to itself:
-the compute thread launches kernels non-stop and the copy threads wake up, so one AdamW
-thread shares its core and the whole update waits for it. On the 16-core H100 host a
-thread busy launching kernels cut a static 16-thread AdamW to 0.72 of its rate alone, a
-thread busy in Python to 0.60 (benchmarks/NOTES.md 14, `host_contention.py`). Here the
-range is cut into BLOCK-element blocks that the threads claim one at a time (OpenMP's
-dynamic schedule), so a thread that loses its core simply takes fewer blocks.
+Why not torch's fused CPU kernel or an inductor-compiled one (benchmarks/NOTES.md 17):
+  - the GIL: ctypes releases it for the call, so the compute thread keeps launching while
+    AdamW runs. The inductor kernel held it, and beside it the GPU's backward ran twice as
+    long (Qwen3-4B b8 on the H100 host: a step 1.19 s there, 1.08 s here);
+  - speed alone: 5.26 G params/s on the 16-core H100 host against 4.44 for the inductor
+    kernel (BF16 gradients) and 4.26 for torch's (FP32), the same loop with OpenMP's static
+    schedule 4.66. Threads claim BLOCK-element blocks (dynamic schedule), so a thread
+    that starts late or runs slow takes fewer. (Beside a thread that keeps a core busy
+    neither schedule holds up, 3.3-3.4 G/s: a preempted thread holds the parallel region
+    until it runs again; one core left free does, 4.88 with 15 threads: host_threads.)
 
 The same loop reads BF16 gradients as they landed from the GPU (widened in registers):
 26 B/param of host DRAM instead of 28, and half the gradient download (NOTES.md 16).
 
 The C source below is compiled once per process with the system's C compiler (`CC`, else
-gcc, else cc; -O3 -march=native -fopenmp) into a temporary shared library and called
-through ctypes, which releases the GIL for the call. With no compiler, or one without
+gcc, else cc; -O3 -march=native -fopenmp) into a temporary shared library (its libgomp is
+the one torch loaded) and called through ctypes. With no compiler, or one without
 OpenMP, `load()` says so once and returns None, and callers use torch's kernel.
 
 Arithmetic: torch's fused AdamW, ADAMW mode (decay applied to the parameter, bias

@@ -38,7 +38,7 @@ from ...models.units import UnitSpec, run_layer
 from ...telemetry.events import EventTimer
 from ...telemetry.host_timeline import HostTimeline
 from ...telemetry.memory_timeline import MemoryTimeline
-from .. import adamw_widening, native_adamw
+from .. import native_adamw
 from ..adamw import AdamWConfig
 from ..compile_workers import release_compile_workers
 from ..config import RuntimeConfig
@@ -143,12 +143,13 @@ class SlideEngine:
         if rt.host_threads:
             # OpenMP's thread count is per calling thread: this sets the worker's own pool
             self.host_worker.submit(torch.set_num_threads, rt.host_threads).result()
-        # Gradients in the compute dtype reach AdamW as they landed where a host kernel reads
-        # them: native_adamw's, else (host_adamw=torch) the inductor one, compiled on the host
-        # worker (its OpenMP thread count is the one baked in).
+        # Gradients in the compute dtype reach AdamW as they landed where native_adamw's kernel
+        # reads them (built here once per process: a C compile, ~0.2 s); else the host widens
+        # each chunk into an FP32 scratch for torch's kernel.
         downloads_fp32 = rt.downloads_fp32(device.is_cuda)
-        widen = (self.schedule == "eager" and not downloads_fp32 and grad_dtype != torch.float32
-                 and self.host_worker.submit(self._host_reads, grad_dtype, rt.host_adamw).result())
+        widen = (self.schedule == "eager" and not downloads_fp32 and rt.host_adamw != "torch"
+                 and grad_dtype in native_adamw.GRAD_TYPES and grad_dtype != torch.float32
+                 and native_adamw.load() is not None)
         self.drainer = GradDrain(device, grad_dtype, chunk, ring, gpu_cast=self.gpu_cast and downloads_fp32,
                                  widen_in_adamw=widen)
         self.drainer.timeline = self.uploader.timeline = self.timeline
@@ -211,13 +212,6 @@ class SlideEngine:
         if self._compiled_layer is not None:
             return self._compiled_layer(self._templates[i], params, x, kwargs)
         return self.split.layer_forward(i, params, x, kwargs)
-
-    @staticmethod
-    def _host_reads(grad_dtype: torch.dtype, host_adamw: str) -> bool:
-        """Whether the host's AdamW reads `grad_dtype` gradients as they land (run on the host worker)."""
-        if host_adamw != "torch" and grad_dtype in native_adamw.GRAD_TYPES and native_adamw.load() is not None:
-            return True
-        return adamw_widening.build(grad_dtype)
 
     def _timed(self, thread: str, what: str, unit: str, fn, *args, **kwargs):
         with self.timeline.span(thread, what, unit):
@@ -374,8 +368,13 @@ class SlideEngine:
         # on (so consuming it frees ring buffers). Queued is not enough: the compute thread
         # runs layers ahead of the GPU, so the newest unit's copy waits for a backward the GPU
         # has not run yet, and a host that picked it would idle while older gradients sit
-        # in the ring (benchmarks/NOTES.md 13).
-        order = dict(deadline=unit_index, ready=lambda: _landed(chunks[0])) if self.deadline_order else {}
+        # in the ring (benchmarks/NOTES.md 13). Units that are whole (every chunk landed, or
+        # the ring has room, so the rest is on its way) go first: with the ring full, the
+        # newest unit's next chunk waits for a buffer that only its own first chunk's AdamW
+        # frees (NOTES.md 17).
+        order = dict(deadline=unit_index, ready=lambda: _landed(chunks[0]),
+                     whole=lambda: self.drainer.has_free_buffer() or all(_landed(c) for c in chunks)
+                     ) if self.deadline_order else {}
         if self.deadline_order:
             chunks[0].add_done_callback(lambda _: self.host_worker.notify())
         fut = self.host_worker.submit(self._timed, "host", "drain", unit.spec.name, self.drainer.consume, unit,

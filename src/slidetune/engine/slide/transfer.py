@@ -110,8 +110,8 @@ class GradDrain:
                  widen_in_adamw: bool = False):
         """dtype: the gradient slots' dtype (FP32 slots need no cast on either side).
         gpu_cast: widen compute-dtype slots to FP32 on the D2H stream (grad_download=fp32).
-        widen_in_adamw: compute-dtype gradients go to AdamW as they landed (its widening
-        kernel is built); otherwise the host widens each chunk into an FP32 scratch first."""
+        widen_in_adamw: compute-dtype gradients go to AdamW as they landed (native_adamw's
+        kernel reads them); otherwise the host widens each chunk into an FP32 scratch first."""
         self.device = device
         self.stream = device.new_stream()
         self.chunk = chunk_elems
@@ -142,6 +142,11 @@ class GradDrain:
                 if not self._free_cond.wait(timeout=0.5) and self.abort.is_set():
                     raise WorkerError(f"gave up waiting for {what}: another pipeline thread failed")
             return self._free.pop(0)
+
+    def has_free_buffer(self) -> bool:
+        """Whether a ring buffer is free now, i.e. the issuer is not held up by the host."""
+        with self._free_cond:
+            return bool(self._free)
 
     def give_back(self, r: int) -> None:
         with self._free_cond:
