@@ -30,6 +30,8 @@ VARIANTS = {                      # name -> (family, tied, grad_accum, max_grad_
     "deferred": ("llama", False, 2, 0.5, {}),
     # slide: embedding and head state kept on the device (saved from and restored to it)
     "vocab-device": ("llama", False, 1, None, {"vocab_update": "device"}),
+    # slide: the lowest layers' state kept on the device as well
+    "device-layers": ("llama", False, 1, None, {"device_layers": 2}),
 }
 
 

@@ -36,6 +36,12 @@ RUNS = {
     "slide-eager-resident": ("slide", "eager", 1, None, False, {"cache_units": 0}),
     # embedding and head updated on the device (here the CPU device, on the compute thread)
     "slide-eager-vocab-device": ("slide", "eager", 1, None, False, {"vocab_update": "device"}),
+    # the lowest layers kept and updated on the device too; with a 2-slot window for the
+    # others, and with every layer there (no layer slots at all)
+    "slide-eager-device-layers": ("slide", "eager", 1, None, True, {"device_layers": 2, "cache_units": 2}),
+    "slide-eager-resident-device-layers-vocab": ("slide", "eager", 1, None, False,
+                                                 {"device_layers": 1, "cache_units": 0, "vocab_update": "device"}),
+    "slide-eager-all-layers-on-device": ("slide", "eager", 1, None, False, {"device_layers": 4}),
     "slide-deferred-accum2-clip-resident": ("slide", "deferred", 2, 0.5, True, {"cache_units": 0}),
     # uploads land in FP32 buffers and are cast on the compute stream; FP32 gradient slots
     "slide-deferred-accum2-cast-in-compute": ("slide", "deferred", 2, None, False,
@@ -146,6 +152,34 @@ def test_eager_refuses_accumulation():
     with pytest.raises(ValueError, match="eager schedule"):
         build_engine(loaded, RuntimeConfig(mode="slide", dtype="fp32", device="cpu", schedule="eager"),
                      AdamWConfig(), grad_accum=2)
+
+
+def test_device_layers_stay_on_the_device_and_never_reach_the_host(monkeypatch):
+    """device_layers=2: layers 0 and 1 keep master and moments on the device, get slots of their
+    own and no layer slot, and no gradient of theirs is drained to the host."""
+    loaded = make_loaded("llama", tied=False, layers=4)
+    rt = RuntimeConfig(mode="slide", dtype="fp32", device="cpu", schedule="eager", device_layers=2, cache_units=0)
+    engine = build_engine(loaded, rt, AdamWConfig(lr=LR, eps=1e-6))
+    drained: list[int] = []
+    submit = engine._submit_drain
+    monkeypatch.setattr(engine, "_submit_drain", lambda i, *a, **k: (drained.append(i), submit(i, *a, **k)))
+    try:
+        for step in range(2):
+            engine.train_step(make_batches(step, 1), LR)
+        engine.synchronize()
+        assert [u.on_device for u in engine.units] == [False, True, True, False, False, False]
+        assert len(engine.layer_slots) == 2 and set(engine.own_slots) == {0, 1, 2, 5}
+        assert sorted(set(drained)) == [0, 3, 4, 5]                  # embedding, layers 2-3, head
+        assert all(engine.units[i].version == 2 for i in (1, 2))      # updated on the device, twice
+        layers = loaded.split.layer_units
+        assert engine.memory_report()["device_state"] == 12 * (layers[0].numel + layers[1].numel)
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="device_layers .* eager schedule"):
+        build_engine(loaded, RuntimeConfig(mode="slide", dtype="fp32", device="cpu", device_layers=1),
+                     AdamWConfig(), max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="4 decoder layers"):
+        build_engine(loaded, RuntimeConfig(mode="slide", dtype="fp32", device="cpu", device_layers=5), AdamWConfig())
 
 
 def test_units_larger_than_the_staging_ring_stream_through_it():

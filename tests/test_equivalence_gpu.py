@@ -32,6 +32,7 @@ GPU_RUNS = {
     "slide-eager-resident-vocab-device": ("slide", "eager", 1, None, False,
                                           {"cache_units": 0, "vocab_update": "device", "grad_slot_dtype": "fp32"}),
     "slide-eager-vocab-device-bf16-slots": ("slide", "eager", 1, None, False, {"vocab_update": "device"}),
+    "slide-eager-device-layers": ("slide", "eager", 1, None, False, {"device_layers": 2, "cache_units": 0}),
     "ckpt": ("ckpt", "auto", 4, 0.5, False, {}),
 }
 

@@ -528,3 +528,38 @@ def test_plan_prints_the_estimate_and_the_resident_alternative(capsys):
                        r"on one with ([\d.]+) GiB free \(GPU ([\d.]+) GiB", out)
     assert sorted(int(c) for c, _, _ in vocab) == [0, 3]
     assert next(float(g) for c, _, g in vocab if c == "0") > float(m[2])
+
+
+def test_device_layers_move_their_state_from_host_to_gpu():
+    """device_layers=k: the k lowest layers' master and moments (12 B/param) leave the host for the
+    GPU, with a weight slot of their own each, and with one slot per layer the rotating slots
+    shrink by the same k; the update's FP32 gradient copy counts as a phase."""
+    from slidetune.engine.fit import estimate_memory
+    split = split_of("qwen3-8b")
+    kw = dict(batch_size=16, seq_len=1024)
+    rt = cuda_rt(mode="slide", cache_units=0, vocab_update="host", grad_slot_dtype="compute")
+    base = estimate_memory(split, rt, **kw)
+    four = estimate_memory(split, dataclasses.replace(rt, device_layers=4), **kw)
+    moved = sum(u.numel for u in split.layer_units[:4])
+    assert base.host_bytes - four.host_bytes == 12 * moved
+    assert four.gpu_bytes - base.gpu_bytes >= 12 * moved                 # + the fp32 gradient copy phase
+    assert four.gpu_parts["layer weight slots"] == base.gpu_parts["layer weight slots"] - 2 * moved
+    with pytest.raises(ValueError, match="device_layers .* eager schedule"):
+        estimate_memory(split, dataclasses.replace(rt, device_layers=4), max_grad_norm=1.0, **kw)
+
+
+def test_auto_device_layers_takes_as_many_as_fit():
+    """device_layers=-1: after the other auto choices, the most layers whose state still fits in
+    90% of the free GPU memory; none under the deferred schedule or on the CPU."""
+    from slidetune.engine.fit import choose_auto_settings, estimate_memory
+    split = split_of("qwen3-8b")
+    kw = dict(batch_size=16, seq_len=1024)
+    rt = cuda_rt(mode="slide", cache_units=0, vocab_update="device", grad_slot_dtype="compute", device_layers=-1)
+    for k in (0, 5, 36):
+        need = estimate_memory(split, dataclasses.replace(rt, device_layers=k), **kw).gpu_bytes
+        got = choose_auto_settings(split, rt, gpu_free_bytes=int(need / 0.9) + 1, **kw)
+        assert got.device_layers == k
+    clipped = dataclasses.replace(rt, vocab_update="auto")       # the deferred schedule: neither on the GPU
+    assert choose_auto_settings(split, clipped, gpu_free_bytes=500 * GiB, max_grad_norm=1.0, **kw).device_layers == 0
+    assert choose_auto_settings(split, RuntimeConfig(device="cpu", mode="slide", device_layers=-1),
+                                **kw).device_layers == 0

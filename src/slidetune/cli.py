@@ -66,6 +66,15 @@ def _plan(ns) -> int:
             print(f"grad_slot_dtype auto: with cache_units {cache_units}, FP32 gradient slots need a GPU with "
                   f"{fp32.gpu_bytes / 0.9 / gib:.1f} GiB free (GPU {fp32.gpu_bytes / gib:.2f} GiB; the gradient "
                   f"copies then need no cast kernel); below that the slots keep the compute dtype")
+    if cfg.runtime.device_layers == -1:
+        if cfg.runtime.resolved_schedule(cfg.grad_accum, cfg.max_grad_norm) != "eager":
+            print("device_layers auto: 0 (the deferred schedule updates on the host)")
+        else:
+            one = estimate(device_layers=1).gpu_bytes - estimate(device_layers=0).gpu_bytes
+            every = estimate(device_layers=loaded.split.num_layers).gpu_bytes
+            print(f"device_layers auto: each layer kept and updated on the GPU adds about {one / gib:.2f} GiB "
+                  f"to the estimate above and takes its share off the host's AdamW; all "
+                  f"{loaded.split.num_layers} need a GPU with {every / 0.9 / gib:.1f} GiB free")
     if cfg.runtime.vocab_update == "auto":
         if cfg.runtime.resolved_schedule(cfg.grad_accum, cfg.max_grad_norm) != "eager":
             print("vocab_update auto: host (the deferred schedule clips by a norm the host computes)")

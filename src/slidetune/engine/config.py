@@ -74,6 +74,15 @@ class RuntimeConfig:
     # layers. auto: device where the whole configuration then fits in GPU memory
     # (engine.fit.choose_auto_settings); left unresolved (an engine built directly), host.
     vocab_update: str = "auto"          # auto | host | device
+    # The first `device_layers` decoder layers keep their FP32 master and AdamW moments on
+    # the GPU and are updated there, on the compute stream, right after their backward (as
+    # vocab_update=device does for the embedding and head): their weights never cross PCIe
+    # and the host's AdamW, the bound of a host-limited step, loses their share. The lowest
+    # layers, because the next forward needs them first. Costs 14 B/param on the GPU (master,
+    # moments, a weight slot of their own) for each such layer; eager schedule only. -1 (auto):
+    # as many as fit in GPU memory after the other auto choices (engine.fit.choose_auto_settings);
+    # left unresolved (an engine built directly) it means 0. Default 0 until measured on the GPU.
+    device_layers: int = 0
     # Intra-op threads of the host worker (AdamW, gradient norms). 0: torch's default (all
     # cores). AdamW's parallel regions wait for their slowest thread, so on a host where
     # the compute, upload and D2H threads also need cores, fewer AdamW threads can finish
@@ -123,6 +132,8 @@ class RuntimeConfig:
             raise ValueError(f"grad_download must be compute or fp32, not {self.grad_download!r}")
         if self.vocab_update not in ("auto", "host", "device"):
             raise ValueError(f"vocab_update must be auto, host or device, not {self.vocab_update!r}")
+        if self.device_layers < -1:
+            raise ValueError(f"device_layers must be >= 0, or -1 for auto, not {self.device_layers}")
         if self.host_adamw not in ("dynamic", "static", "torch"):
             raise ValueError(f"host_adamw must be dynamic, static or torch, not {self.host_adamw!r}")
         if self.cuda_waits not in ("block", "spin"):
@@ -199,6 +210,15 @@ class RuntimeConfig:
                              "exist, so it needs the eager schedule (no gradient accumulation or clipping); "
                              "use vocab_update=host (or auto)")
         return self.vocab_update == "device"
+
+    def layers_on_device(self, schedule: str, num_layers: int) -> int:
+        """How many of the lowest decoder layers the engine keeps and updates on the device."""
+        if self.device_layers > 0 and schedule != "eager":
+            raise ValueError("device_layers updates layers as soon as their gradients exist, so it needs "
+                             "the eager schedule (no gradient accumulation or clipping); use device_layers=0")
+        if self.device_layers > num_layers:
+            raise ValueError(f"device_layers={self.device_layers} but the model has {num_layers} decoder layers")
+        return max(0, self.device_layers)
 
     def casts_on_gpu(self, is_cuda: bool) -> bool:
         return is_cuda and self.cast_on in ("auto", "gpu")

@@ -307,7 +307,9 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
 
     if rt.mode == "slide":
         schedule = rt.resolved_schedule(grad_accum, max_grad_norm)
-        K = min(rt.resolved_cache_units(L), max(L, 2))
+        n_dev = rt.layers_on_device(schedule, L)
+        host_layers = L - n_dev
+        K = min(rt.resolved_cache_units(host_layers), max(host_layers, 2)) if host_layers else 0
         gpu["layer weight slots"] = K * P_L * b
         gb = 4 if rt.grad_slots_fp32() else b
         gpu["layer grad slots"] = rt.resolved_grad_slots(L, eager=schedule == "eager") * P_L * gb
@@ -332,13 +334,17 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         vocab_device = rt.vocab_on_device(schedule)
         if vocab_device:
             gpu["vocab master + Adam moments (vocab_update=device, 12 B/param)"] = 12 * (P_E + P_H)
-            if gb != 4:   # the update reads an FP32 copy of a compute-dtype gradient slot
-                phases["vocab update (fp32 gradient copy)"] = 4 * max(P_E, P_H)
+        P_dev = sum(u.numel for u in split.layer_units[:n_dev])
+        if n_dev:
+            gpu["device layers: master + Adam moments (12 B/param) + own weight slots"] = (12 + b) * P_dev
+        device_units = ([P_E, P_H] if vocab_device else []) + [u.numel for u in split.layer_units[:n_dev]]
+        if device_units and gb != 4:   # the update reads an FP32 copy of a compute-dtype gradient slot
+            phases["device update (fp32 gradient copy)"] = 4 * max(device_units)
         # Mirrors SlideEngine: chunks of chunk_mb MiB of FP32; on CUDA the casts run on the
         # GPU (FP32 master registered in place, FP32 gradient ring, 4 GPU staging chunks).
         chunk_elems = rt.chunk_elems(P_L)
         gpu_cast = rt.casts_on_gpu(dev == "cuda")
-        host["master + Adam moments (12 B/param)"] = 12 * (P - (P_E + P_H if vocab_device else 0))
+        host["master + Adam moments (12 B/param)"] = 12 * (P - (P_E + P_H if vocab_device else 0) - P_dev)
         if schedule == "deferred":
             host["fp32 gradients (deferred schedule, 4 B/param)"] = 4 * P
         down_chunks = rt.download_chunks(P_L)
@@ -484,14 +490,15 @@ def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len:
 def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int,
                          grad_accum: int = 1, max_grad_norm: float | None = None,
                          gpu_free_bytes: int | None = None, safety: float = 0.9) -> RuntimeConfig:
-    """Resolve slide mode's memory-dependent autos: cache_units=-1, vocab_update=auto and
-    grad_slot_dtype=auto.
+    """Resolve slide mode's memory-dependent autos: cache_units=-1, vocab_update=auto,
+    grad_slot_dtype=auto and device_layers=-1.
 
     In order of what they bought on the H100: one slot per layer (the forward stops waiting
     on PCIe; Qwen3-8B b16 2.65 -> 2.36 s, benchmarks/NOTES.md 8), then the vocabulary units
     updated on the GPU (the host's AdamW, the bound, loses 13% of its work on Llama-3.1-8B;
     NOTES.md 15; eager schedule only), then FP32 gradient slots (the copy stream runs no cast
-    kernels; Llama-3.1-8B b16 2.38 -> 2.16 s, NOTES.md 14).
+    kernels; Llama-3.1-8B b16 2.38 -> 2.16 s, NOTES.md 14), then with device_layers=-1 as
+    many of the lowest layers kept and updated on the GPU as still fit (NOTES.md 17).
     Each is taken only where the whole configuration then fits in `safety` x the GPU's free
     memory, so an auto choice never causes an OOM the lean choice would not; otherwise the
     3-slot window and compute-dtype slots. On the CPU (nothing to hide) the lean choices.
@@ -507,23 +514,31 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
         else [rt.grad_slot_dtype]
     eager = rt.resolved_schedule(grad_accum, max_grad_norm) == "eager"
     vocab_options = (["device", "host"] if eager else ["host"]) if rt.vocab_update == "auto" else [rt.vocab_update]
-    if len(cache_options) == 1 and rt.grad_slot_dtype != "auto" and rt.vocab_update != "auto":
+    if len(cache_options) == 1 and rt.grad_slot_dtype != "auto" and rt.vocab_update != "auto" \
+            and rt.device_layers != -1:
         return rt
     lean = dataclasses.replace(rt, cache_units=cache_options[-1], grad_slot_dtype=dtype_options[-1],
-                               vocab_update=vocab_options[-1])
+                               vocab_update=vocab_options[-1], device_layers=max(0, rt.device_layers))
     if _device_type(rt) != "cuda":
         return lean
     free = query_gpu_free_bytes(rt) if gpu_free_bytes is None else gpu_free_bytes
-    for cache_units in cache_options:
-        for vocab in vocab_options:
-            for grad_dtype in dtype_options:
-                candidate = dataclasses.replace(rt, cache_units=cache_units, grad_slot_dtype=grad_dtype,
-                                                vocab_update=vocab)
-                est = estimate_memory(split, candidate, batch_size=batch_size, seq_len=seq_len,
-                                      grad_accum=grad_accum, max_grad_norm=max_grad_norm)
-                if est.gpu_bytes <= safety * free:
-                    return candidate
-    return lean
+
+    def fits(candidate: RuntimeConfig) -> bool:
+        est = estimate_memory(split, candidate, batch_size=batch_size, seq_len=seq_len,
+                              grad_accum=grad_accum, max_grad_norm=max_grad_norm)
+        return est.gpu_bytes <= safety * free
+
+    chosen = next((c for cache_units in cache_options for vocab in vocab_options for grad_dtype in dtype_options
+                   if fits(c := dataclasses.replace(rt, cache_units=cache_units, grad_slot_dtype=grad_dtype,
+                                                    vocab_update=vocab, device_layers=max(0, rt.device_layers)))),
+                  lean)
+    if rt.device_layers == -1 and eager:
+        # then the most layers whose state still fits on the GPU (memory grows with each)
+        k = 0
+        while k < split.num_layers and fits(dataclasses.replace(chosen, device_layers=k + 1)):
+            k += 1
+        chosen = dataclasses.replace(chosen, device_layers=k)
+    return chosen
 
 
 def _gib(n: int) -> str:

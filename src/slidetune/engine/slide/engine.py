@@ -102,6 +102,11 @@ class SlideEngine:
         if self.vocab_on_device:
             for index in (0, L + 1):
                 self.units[index].move_to(device.device, optim)
+        # device_layers: the lowest layers likewise, each with a weight slot of its own.
+        self.device_layers = rt.layers_on_device(self.schedule, L)
+        for index in range(1, self.device_layers + 1):
+            self.units[index].move_to(device.device, optim)
+        host_layers = L - self.device_layers
         layer_numel = max(u.numel for u in self.split.layer_units)
         dev = device.device
         self.gpu_cast = rt.casts_on_gpu(device.is_cuda)
@@ -118,11 +123,15 @@ class SlideEngine:
 
         # K interchangeable layer slots; the vocabulary units get dedicated slots so they
         # never dictate the size of the layer slots.
-        self.layer_slots = [weight_slot(layer_numel) for _ in range(rt.resolved_cache_units(L))]
+        self.layer_slots = [weight_slot(layer_numel) for _ in range(rt.resolved_cache_units(host_layers) if host_layers else 0)]
         # One slot per layer: each layer's weights for the next step are uploaded as soon as
         # its update lands (_prefetch_next_step), so the forward never waits on PCIe.
-        self.resident = len(self.layer_slots) >= L
+        self.resident = len(self.layer_slots) >= host_layers
         self.vocab_slots = {0: weight_slot(self.units[0].spec.numel), L + 1: weight_slot(self.units[-1].spec.numel)}
+        # Units with a slot of their own: the vocabulary units, and the layers kept on the device
+        # (their weights are cast from the device master there, never uploaded).
+        self.own_slots = {**self.vocab_slots, **{i: _Slot(empty(self.units[i].spec.numel))
+                                                 for i in range(1, self.device_layers + 1)}}
         done = done_future(None)
         n_grad_slots = rt.resolved_grad_slots(L, eager=self.schedule == "eager")
         self.grad_slots = [_Slot(empty(layer_numel, grad_dtype), free=done) for _ in range(n_grad_slots)]
@@ -259,8 +268,14 @@ class SlideEngine:
         """
         self._submit_upload(unit_index, slot, version=self.step_index + 1, when_update_starts=True)
 
-    def _use_vocab(self, unit_index: int) -> _Slot:
-        slot = self.vocab_slots[unit_index]
+    def _on_device(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based) is kept and updated on the device (device_layers)."""
+        return layer < self.device_layers
+
+    def _use_own_slot(self, unit_index: int) -> _Slot:
+        """The weights of a unit with a slot of its own (vocabulary units, device layers) for
+        this step: uploaded from the host master, or cast from the device one."""
+        slot = self.own_slots[unit_index]
         if slot.content != (unit_index, self.step_index):
             if self.units[unit_index].on_host:
                 self._submit_upload(unit_index, slot)
@@ -278,8 +293,9 @@ class SlideEngine:
         slot.cast_pending = False
 
     def _update_on_device(self, unit_index: int, gslot: _Slot, lr: float) -> None:
-        """vocab_update=device, eager schedule: AdamW on the unit's device master right after its
-        gradient is complete, on the compute stream, then its next-step weights into its slot.
+        """vocab_update=device or device_layers, eager schedule: AdamW on the unit's device master
+        right after its gradient is complete, on the compute stream, then its next-step weights
+        into its slot (stream order: after every kernel that read the old ones).
         The gradient slot is free again in stream order, so nothing waits on the host."""
         unit = self.units[unit_index]
         n = unit.spec.numel
@@ -291,14 +307,14 @@ class SlideEngine:
             unit.opt.begin_step()
             unit.opt.update(grad32, lr)
             unit.bump_version()
-            self._refresh_from_device_master(unit_index, self.vocab_slots[unit_index])
+            self._refresh_from_device_master(unit_index, self.own_slots[unit_index])
         gslot.free = done_future(None)
 
     def _plan(self, visits: list[int], v: int, assign: dict[int, int]) -> None:
         """Make sure uploads are submitted for visits v .. v+K-1 (layer indices)."""
         K = len(self.layer_slots)
         for w in range(v, min(len(visits), v + K)):
-            if w in assign:
+            if w in assign or self._on_device(visits[w]):
                 continue
             unit_index = visits[w] + 1
             want = (unit_index, self.step_index)
@@ -306,7 +322,7 @@ class SlideEngine:
             if hit:
                 assign[w] = hit[0]
                 continue
-            busy = {assign[u] for u in range(v, w)}
+            busy = {assign[u] for u in range(v, w) if u in assign}
 
             def next_use(s: int) -> float:
                 c = self.layer_slots[s].content
@@ -488,7 +504,7 @@ class SlideEngine:
         mask = mb.attention_mask.to(dev) if mb.attention_mask is not None else None
         B, S = ids.shape
         kwargs = split.layer_kwargs(B, S, self.dtype, dev, attention_mask=mask)
-        embed_slot = self._use_vocab(0)
+        embed_slot = self._use_own_slot(0)
         self._plan(visits, 0, assign)
         self._acquire(embed_slot)
         with torch.no_grad(), self.timer.span("embed", -1):
@@ -498,8 +514,8 @@ class SlideEngine:
         for i in range(L):
             self._plan(visits, i, assign)
             if i == max(0, L - len(self.layer_slots)):
-                head_slot = self._use_vocab(L + 1)            # queue the head behind the last layers
-            slot = self.layer_slots[assign[i]]
+                head_slot = self._use_own_slot(L + 1)         # queue the head behind the last layers
+            slot = self._use_own_slot(i + 1) if self._on_device(i) else self.layer_slots[assign[i]]
             self._acquire(slot)
             if save_inputs:
                 self.acts.save(i, x)
@@ -508,7 +524,7 @@ class SlideEngine:
             self._release(slot)
             self.memory.mark("forward", i)
         if head_slot is None:
-            head_slot = self._use_vocab(L + 1)
+            head_slot = self._use_own_slot(L + 1)
         return x, ids, labels, kwargs, embed_slot, head_slot
 
     def _micro_step(self, mb, m: int, n_micro: int, scale: float, lr: float):
@@ -556,7 +572,7 @@ class SlideEngine:
         for i in reversed(range(L)):
             v = 2 * L - 1 - i
             self._plan(visits, v, assign)
-            slot = self.layer_slots[assign[v]]
+            slot = self.own_slots[i + 1] if self._on_device(i) else self.layer_slots[assign[v]]
             self.acts.prefetch(i - 1)
             self._acquire(slot)
             x_in = self.acts.load(i).detach().requires_grad_(True)
@@ -570,9 +586,12 @@ class SlideEngine:
             gslot = self._grad_slot(i + 1)
             self._claim_grad_slot(gslot)
             self._write_grads(split.layer_units[i], gslot, list(res[1:]))
-            self._submit_drain(i + 1, gslot, m, n_micro, lr)
+            if self._on_device(i):
+                self._update_on_device(i + 1, gslot, lr)
+            else:
+                self._submit_drain(i + 1, gslot, m, n_micro, lr)
             if self.schedule == "eager":
-                if self.resident:
+                if self.resident and not self._on_device(i):
                     self._prefetch_next_step(i + 1, slot)
                 if i == L // 2 and not self.vocab_on_device:
                     self._prefetch_next_step(L + 1, head_slot)
@@ -643,15 +662,15 @@ class SlideEngine:
             unit.opt.load_state_tensors({k: optim[f"{unit.spec.name}.{k}"] for k in ("exp_avg", "exp_avg_sq", "step")})
             unit.set_version(step)
         self.step_index = step
-        for slot in self.layer_slots + list(self.vocab_slots.values()):
+        for slot in self.layer_slots + list(self.own_slots.values()):
             slot.content = None
 
     def memory_report(self) -> dict[str, int]:
-        slots = self.layer_slots + self.grad_slots + list(self.vocab_slots.values()) + list(self.vocab_grad_slots.values())
+        slots = self.layer_slots + self.grad_slots + list(self.own_slots.values()) + list(self.vocab_grad_slots.values())
         gpu_buffers = sum(t.numel() * t.element_size() for s in slots for t in (s.flat, s.landing) if t is not None)
         pinned = (sum(b.numel() * b.element_size() for b in self.uploader.ring + self.drainer.ring)
                   + self.acts.pinned_bytes())
-        device_state = sum(12 * u.spec.numel for u in self.units if u.on_device)   # vocab_update=device
+        device_state = sum(12 * u.spec.numel for u in self.units if u.on_device)   # vocab_update=device, device_layers
         return {"gpu_buffers": gpu_buffers, "pinned": pinned, "host_state": self.store.state_bytes(),
                 "device_state": device_state}
 
