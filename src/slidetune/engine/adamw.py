@@ -8,10 +8,10 @@ then norms and biases without decay) as contiguous ranges of the same tensor.
 The arithmetic is exactly torch.optim.AdamW's (tested against it).
 
 On the host, ranges go through native_adamw's kernel instead (kernel="dynamic" or
-"static"): one OpenMP loop whose threads claim blocks as they go, so a thread that shares
-its core with the engine's compute thread does not hold the whole update back, and that
-reads BF16 gradients as they landed (torch's kernel wants FP32 gradients for FP32
-parameters). kernel="torch", or a host without a C compiler, keeps torch's fused kernel.
+"static", its OpenMP schedule): one C loop called without the GIL, so the compute thread
+keeps launching while it runs, and that reads BF16 gradients as they landed (torch's
+kernel wants FP32 gradients for FP32 parameters). kernel="torch", or a host without a C
+compiler, keeps torch's fused kernel.
 """
 from __future__ import annotations
 

@@ -60,8 +60,8 @@ class RuntimeConfig:
     # made them (2 B/param for BF16), and the host's AdamW widens them inside its own kernel
     # (engine/native_adamw.py): the D2H bytes halve and AdamW reads 26 instead of 28 B/param
     # of host DRAM, which the two share (benchmarks/NOTES.md 16). Needs a C compiler at run
-    # time; without one (or with host_adamw=torch) the host widens into a scratch chunk first. "fp32": widened on the
-    # GPU (a cast on the D2H stream). FP32 gradient slots (grad_slot_dtype=fp32) download FP32
+    # time; without one (or with host_adamw=torch) the host widens into a scratch chunk
+    # first. "fp32": widened on the GPU (a cast on the D2H stream). FP32 gradient slots (grad_slot_dtype=fp32) download FP32
     # either way, so auto never picks them with "compute".
     grad_download: str = "compute"     # compute | fp32
     # Where the embedding and head units' FP32 master and AdamW state live and are updated.
@@ -90,10 +90,11 @@ class RuntimeConfig:
     # keeps its own count.
     host_threads: int = 0
     # The host's AdamW kernel (engine/native_adamw.py). "dynamic": one OpenMP loop compiled at
-    # run time whose threads claim 32K-element blocks as they go, so a thread sharing its core
-    # with the compute thread does not hold the update back; reads BF16 gradients as they
-    # landed; it releases the GIL while it runs, so the compute thread keeps launching
-    # (NOTES.md 17). "static": the same loop split evenly up front (A/B of the schedule).
+    # run time whose threads claim 32K-element blocks as they go (5.26 G params/s alone on the
+    # H100 host, static 4.66; beside a busy thread neither schedule holds up, a free core
+    # does: host_threads); reads BF16 gradients as they landed; it releases the GIL while it
+    # runs, so the compute thread keeps launching (NOTES.md 17). "static": the same loop
+    # split evenly up front (A/B of the schedule).
     # "torch": torch's fused kernel (a static split; BF16 gradients widened into a scratch
     # chunk first). Without a C compiler "dynamic" and "static" fall back to "torch" (logged).
     host_adamw: str = "dynamic"     # dynamic | static | torch

@@ -127,11 +127,10 @@ class SlideEngine:
         # One slot per layer: each layer's weights for the next step are uploaded as soon as
         # its update lands (_prefetch_next_step), so the forward never waits on PCIe.
         self.resident = len(self.layer_slots) >= host_layers
-        self.vocab_slots = {0: weight_slot(self.units[0].spec.numel), L + 1: weight_slot(self.units[-1].spec.numel)}
         # Units with a slot of their own: the vocabulary units, and the layers kept on the device
         # (their weights are cast from the device master there, never uploaded).
-        self.own_slots = {**self.vocab_slots, **{i: _Slot(empty(self.units[i].spec.numel))
-                                                 for i in range(1, self.device_layers + 1)}}
+        self.own_slots = {0: weight_slot(self.units[0].spec.numel), L + 1: weight_slot(self.units[-1].spec.numel),
+                          **{i: _Slot(empty(self.units[i].spec.numel)) for i in range(1, self.device_layers + 1)}}
         done = done_future(None)
         n_grad_slots = rt.resolved_grad_slots(L, eager=self.schedule == "eager")
         self.grad_slots = [_Slot(empty(layer_numel, grad_dtype), free=done) for _ in range(n_grad_slots)]
