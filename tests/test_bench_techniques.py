@@ -207,6 +207,10 @@ def test_longest_sequence_search_reports_the_largest_that_trains(tmp_path, monke
     (row,) = read_csv(out / "max_seq.csv")
     assert row["model"] == "tiny-llama" and int(row["max_seq"]) == 96
     assert "## Longest trainable sequence" in (out / "report.md").read_text()
+    # every probe is logged as it ends, so a search cut short keeps what it found
+    logged = [json.loads(line) for line in (out / "max_seq_probes.jsonl").read_text().splitlines()]
+    assert [(r["seq_len"], r["status"]) for r in logged if r["model"] == "tiny-llama"] == \
+        [(32, "ok"), (64, "ok"), (128, "oom"), (96, "ok"), (112, "oom")]
 
 
 # ------------------------------------------------------------------ techniques: partial results, resume

@@ -432,7 +432,7 @@ def test_auto_cache_units_keeps_every_layer_resident_only_when_it_fits():
     assert choose_auto_settings(split, cpu, **kw).grad_slot_dtype == "compute"
     ckpt = cuda_rt(mode="ckpt")
     assert choose_auto_settings(split, ckpt, gpu_free_bytes=80 * GiB, **kw) is ckpt
-    pinned = cuda_rt(mode="slide", cache_units=4, grad_slot_dtype="compute", vocab_update="host")
+    pinned = cuda_rt(mode="slide", cache_units=4, grad_slot_dtype="compute", vocab_update="host", device_layers=0)
     assert choose_auto_settings(split, pinned, gpu_free_bytes=80 * GiB, **kw) is pinned
 
 

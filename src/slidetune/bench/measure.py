@@ -106,6 +106,9 @@ def measure(spec: MeasureSpec) -> dict:
     vocab = split.config.vocab_size
     result: dict = {"spec": asdict(spec), "machine": machine_info(), "init_s": init_s, "runtime": asdict(rt),
                     "cuda_context_waits": device.context_waits,
+                    # resolved where the runtime left them on auto (host_threads=0)
+                    "host_threads": getattr(engine, "host_threads", None),
+                    "device_layers": getattr(engine, "device_layers", None),
                     "params": split.num_params(), "num_layers": split.num_layers}
     steps = []
     try:

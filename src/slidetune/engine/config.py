@@ -80,14 +80,17 @@ class RuntimeConfig:
     # and the host's AdamW, the bound of a host-limited step, loses their share. The lowest
     # layers, because the next forward needs them first. Costs 14 B/param on the GPU (master,
     # moments, a weight slot of their own) for each such layer; eager schedule only. -1 (auto):
-    # as many as fit in GPU memory after the other auto choices (engine.fit.choose_auto_settings);
-    # left unresolved (an engine built directly) it means 0. Default 0 until measured on the GPU.
-    device_layers: int = 0
-    # Intra-op threads of the host worker (AdamW, gradient norms). 0: torch's default (all
-    # cores). AdamW's parallel regions wait for their slowest thread, so on a host where
-    # the compute, upload and D2H threads also need cores, fewer AdamW threads can finish
-    # sooner (benchmarks/NOTES.md 12). Set in the worker thread, so the compute thread
-    # keeps its own count.
+    # as many as fit in GPU memory after the other auto choices (engine.fit.choose_auto_settings;
+    # Qwen3-8B b16 on the H100: 8 layers, 2.22 -> 1.75 s a step, NOTES.md 18); left unresolved
+    # (an engine built directly) it means 0. 0 keeps every layer's state on the host.
+    device_layers: int = -1
+    # Intra-op threads of the host worker (AdamW, gradient norms). 0 (auto): on CUDA, one
+    # fewer than torch's default (all cores), so the compute thread that launches the GPU's
+    # kernels has a core of its own: an AdamW thread preempted mid-block holds the whole
+    # parallel region for milliseconds (NOTES.md 17: 3.30 -> 4.88 G params/s beside a
+    # launching thread; Qwen3-4B b8 1.01 -> 0.90 s, NOTES.md 18); on the CPU, torch's default
+    # (the compute thread computes with the same pool). Set in the worker thread, so the
+    # compute thread keeps its own count.
     host_threads: int = 0
     # The host's AdamW kernel (engine/native_adamw.py). "dynamic": one OpenMP loop compiled at
     # run time whose threads claim 32K-element blocks as they go (5.26 G params/s alone on the
@@ -220,6 +223,14 @@ class RuntimeConfig:
         if self.device_layers > num_layers:
             raise ValueError(f"device_layers={self.device_layers} but the model has {num_layers} decoder layers")
         return max(0, self.device_layers)
+
+    def resolved_host_threads(self, is_cuda: bool) -> int:
+        """The host worker's AdamW threads: host_threads, or for 0 one core left to the compute
+        thread on CUDA (all of torch's on the CPU)."""
+        if self.host_threads:
+            return self.host_threads
+        cores = torch.get_num_threads()
+        return max(1, cores - 1) if is_cuda else cores
 
     def casts_on_gpu(self, is_cuda: bool) -> bool:
         return is_cuda and self.cast_on in ("auto", "gpu")

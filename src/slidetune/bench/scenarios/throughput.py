@@ -13,6 +13,7 @@ workload (one probe process per workload).
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import asdict
 from pathlib import Path
 
@@ -100,7 +101,7 @@ def run(args: argparse.Namespace) -> Path:
     if args.max_seq:
         granule, start = (16, 32) if args.smoke else (args.seq_granule, args.max_seq_start)
         for model in models:
-            found = longest_sequence(model, layers, dev, args, granule, start)
+            found = longest_sequence(model, layers, dev, args, granule, start, probe_log=out / "max_seq_probes.jsonl")
             raw.append({"key": f"{model}/max-seq", "system": "slide", **found})
             print(f"[throughput] {model} longest trainable sequence at batch 1: {found['max_seq']} tokens "
                   f"(probes: {found['probes']})", flush=True)
@@ -125,7 +126,8 @@ def _as_measured(r: dict, system: str, model: str, batch: int, seq: int, warmup:
                                       "cpu_peak_rss_gib", "num_layers")}}
 
 
-def longest_sequence(model: str, layers: int | None, dev: str, args, granule: int, start: int) -> dict:
+def longest_sequence(model: str, layers: int | None, dev: str, args, granule: int, start: int,
+                     probe_log: Path | None = None) -> dict:
     """Largest multiple of `granule` that trains at batch 1 in slide mode (--runtime options),
     capped by the model's context. Each probe is one step in its own process; an OOM, a
     refused fit check or a killed process counts as "does not train"."""
@@ -143,6 +145,9 @@ def longest_sequence(model: str, layers: int | None, dev: str, args, granule: in
         runs[seq] = {key: r.get(key) for key in ("status", "error", "step_s_mean", "tokens_per_s",
                                                  "gpu_peak_alloc_gib", "cpu_peak_rss_gib")}
         print(f"[throughput] {model} b1 s{seq}: {r.get('status')}", flush=True)
+        if probe_log is not None:      # each probe as it ends: a search cut short still leaves its probes
+            with open(probe_log, "a") as f:
+                f.write(json.dumps({"model": model, "seq_len": seq, **runs[seq]}) + "\n")
         return r.get("status") == "ok"
 
     best, history = find_max_batch(probe, start=max(1, start // granule), cap=cap)
@@ -196,7 +201,8 @@ def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, arg
 COLUMNS = ["model", "seq_len", "batch_size", "system", "status", "step_s_mean", "step_s_std", "tokens_per_s",
            "model_tflops", "gpu_peak_alloc_gib", "gpu_peak_reserved_gib", "cpu_peak_rss_gib", "floor_s",
            "floor_bound_by", "floor_partial", "step_over_floor", "oom_requested_gib", "call_s_mean",
-           "host_adamw_s", "host_wait_d2h_s", "fwd_wait_upload_s", "bwd_wait_grad_slot_s", "error"]
+           "host_adamw_s", "host_wait_d2h_s", "fwd_wait_upload_s", "bwd_wait_grad_slot_s", "device_layers",
+           "host_threads", "error"]
 # slide's host timeline, seconds per step (bench.measure host_s_mean): where a step goes
 HOST_COLUMNS = {"host_adamw_s": "host.adamw", "host_wait_d2h_s": "host.d2h_wait",
                 "fwd_wait_upload_s": "compute.wait_upload", "bwd_wait_grad_slot_s": "compute.wait_grad_slot"}
@@ -211,6 +217,8 @@ def _row(system, model, batch, seq, r, fpt, fl) -> dict:
     if row["tokens_per_s"] and fpt:
         row["model_tflops"] = row["tokens_per_s"] * fpt / 1e12
     row["call_s_mean"] = r.get("call_s_mean")
+    # slide: decoder layers whose state stayed on the GPU, and the host AdamW's threads (resolved autos)
+    row["device_layers"], row["host_threads"] = r.get("device_layers"), r.get("host_threads")
     host = r.get("host_s_mean") or {}
     for col, key in HOST_COLUMNS.items():
         row[col] = host.get(key)
@@ -255,8 +263,10 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
         lines += ["", "Where a slide step goes (host timeline, seconds per step): the host worker's AdamW and its "
                   "wait for gradient copies; the compute thread's waits for updated weights (forward) and for a "
                   "free gradient slot (backward). step_s is the interval between train_step returns; call_s the "
-                  "call alone (the rest ran in the background).", ""]
-        lines += O.md_table(timed, ["model", "seq_len", "batch_size", "step_s_mean", "call_s_mean", *HOST_COLUMNS],
+                  "call alone (the rest ran in the background). device_layers: decoder layers whose master and "
+                  "AdamW state stayed on the GPU (updated there); host_threads: the host AdamW's threads.", ""]
+        lines += O.md_table(timed, ["model", "seq_len", "batch_size", "step_s_mean", "call_s_mean", *HOST_COLUMNS,
+                                    "device_layers", "host_threads"],
                             {k: 3 for k in ["step_s_mean", "call_s_mean", *HOST_COLUMNS]})
     lines += ["", "Plots: tokens_per_s.png, model_tflops.png, gpu_peak.png, cpu_peak.png, step_over_floor.png, "
               "pareto.png", ""]

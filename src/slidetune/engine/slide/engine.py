@@ -148,9 +148,9 @@ class SlideEngine:
         self.upload_worker = Worker("upload", self._on_worker_error)
         # Eager updates run earliest-deadline-first (rt.update_order; workers.DeadlineWorker).
         self.host_worker = DeadlineWorker("host", self._on_worker_error)
-        if rt.host_threads:
-            # OpenMP's thread count is per calling thread: this sets the worker's own pool
-            self.host_worker.submit(torch.set_num_threads, rt.host_threads).result()
+        # OpenMP's thread count is per calling thread: this sets the worker's own pool
+        self.host_threads = rt.resolved_host_threads(device.is_cuda)
+        self.host_worker.submit(torch.set_num_threads, self.host_threads).result()
         # Gradients in the compute dtype reach AdamW as they landed where native_adamw's kernel
         # reads them (built here once per process: a C compile, ~0.2 s); else the host widens
         # each chunk into an FP32 scratch for torch's kernel.
