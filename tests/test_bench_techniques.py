@@ -397,3 +397,64 @@ def test_techniques_resume_reprobes_when_probe_settings_change(tmp_path, monkeyp
     settled = {(n, b) for n, b, ev in first if ev}                             # a timed run settles its batch
     assert sorted(fake.calls) == sorted(c for c in first if not c[2] and (c[0], c[1]) not in settled)
     assert rows_by(tmp_path)[("flash", "max")]["batch_size"] == "8"
+
+
+# ------------------------------------------------------------------ the floor of a placement
+
+_COMP = {"num_layers": 4, "layer_params": 100 * 2**20, "vocab_params": 50 * 2**20, "compute_s": 1.0}
+_COPY = {"h2d_gib_s": 50.0, "d2h_gib_s": 50.0}
+_ADAMW = {"adamw_params_per_s": 1e9}
+
+
+def test_floor_terms_count_only_what_the_host_updates():
+    """Every unit on the host: all parameters through the host's AdamW and down as BF16 gradients,
+    the layers up twice but for the window's slots, the vocabulary once. Units updated on the GPU
+    (device_layers, vocab_update=device) leave all three terms; resident layers go up once."""
+    from slidetune.bench.roofline import Placement, floor_terms
+    L, P, V, gib = 4, 100 * 2**20, 50 * 2**20, 2**30
+    host = floor_terms(_COMP, _COPY, _ADAMW)
+    assert host["adamw_s"] == pytest.approx((L * P + V) / 1e9)
+    assert host["d2h_s"] == pytest.approx(2 * (L * P + V) / (50 * gib))
+    assert host["h2d_s"] == pytest.approx(2 * (P * (2 * L - 3) + V) / (50 * gib))
+    assert host["compute_s"] == 1.0
+    placed = floor_terms(_COMP, _COPY, _ADAMW, Placement(device_layers=3, vocab_on_device=True, resident=True))
+    assert placed["adamw_s"] == pytest.approx(P / 1e9)
+    assert placed["d2h_s"] == pytest.approx(2 * P / (50 * gib))
+    assert placed["h2d_s"] == pytest.approx(2 * P / (50 * gib))          # the one host layer, once
+    everything = floor_terms(_COMP, _COPY, _ADAMW, Placement(device_layers=L, vocab_on_device=True))
+    assert everything["adamw_s"] == everything["d2h_s"] == everything["h2d_s"] == 0
+    rt = {"device_layers": 3, "vocab_update": "device", "cache_units": 0}
+    assert Placement.of_runtime(rt) == Placement(device_layers=3, vocab_on_device=True, resident=True)
+    assert Placement.of_runtime({"device_layers": -1, "vocab_update": "auto", "cache_units": 3}) == Placement()
+
+
+def test_throughput_rows_use_the_floor_of_the_runs_placement(tmp_path):
+    """A slide run that updated layers on the GPU is held to the floor of that placement, not to
+    the all-on-host probe floor (which it can beat); `slidetune report` rewrites an existing
+    throughput directory with it, keeping the baselines' rows as they were."""
+    from slidetune.bench.report import write_report
+    from slidetune.bench.scenarios import throughput
+    fl = {"status": "ok", "partial": False, "floor_s": 2.0, "bound_by": "adamw_s", "compute": _COMP,
+          "copy": _COPY, "adamw": {"adamw_params_per_s": (4 * 100 + 50) * 2**20 / 2.0}}
+    slide = {"status": "ok", "step_s_mean": 1.1, "tokens_per_s": 100.0, "flops_per_token": 1e9,
+             "runtime": {"device_layers": 3, "vocab_update": "device", "cache_units": 0},
+             "spec": {"runtime": {"mode": "slide", "device": "cuda", "compile_layers": True}},
+             "device_layers": 3, "host_threads": 15}
+    row = throughput._row("slide", "m", 8, 1024, slide, 1e9, fl)
+    assert row["floor_bound_by"] == "compute_s" and row["step_over_floor"] == pytest.approx(1.1)
+    assert (row["device_layers"], row["host_threads"]) == (3, 15)
+    ds = {"status": "ok", "step_s_mean": 3.0, "tokens_per_s": 30.0, "system": "deepspeed-zero3-cpu-offload"}
+    assert throughput._row("deepspeed", "m", 8, 1024, ds, 1e9, fl)["step_over_floor"] == pytest.approx(1.5)
+    # an old directory whose rows held the probe floor (step/floor 0.55) is rewritten
+    old = [dict(throughput._row("slide", "m", 8, 1024, slide, 1e9, fl), step_over_floor=0.55, floor_bound_by="adamw_s"),
+           throughput._row("deepspeed", "m", 8, 1024, ds, 1e9, fl)]
+    doc = {"machine": {"gpu": "test"}, "rows": old, "floors": {"m/b8/s1024": fl},
+           "runs": [{"key": "m/b8/s1024", "system": "slide", **slide}, {"key": "m/b8/s1024", **ds}]}
+    (tmp_path / "throughput.json").write_text(json.dumps(doc))
+    report = write_report(tmp_path).read_text()
+    rows = {r["system"]: r for r in read_csv(tmp_path / "throughput.csv")}
+    assert float(rows["slide"]["step_over_floor"]) == pytest.approx(1.1)
+    assert rows["slide"]["floor_bound_by"] == "compute_s"
+    assert float(rows["deepspeed"]["step_over_floor"]) == pytest.approx(1.5)
+    assert float(rows["deepspeed"]["model_tflops"]) == pytest.approx(30.0 * 1e9 / 1e12)
+    assert "`compile_layers=true`" in report and "| compute_s |" in report

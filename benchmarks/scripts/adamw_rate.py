@@ -1,7 +1,7 @@
 """Why the roofline's AdamW probe reads slower than the engine's own AdamW (NOTES.md 11-12).
 
 Times torch's fused CPU AdamW (engine.adamw.FlatAdamW) several ways and writes one JSON:
-  probe        bench.roofline.probe_adamw as the floor uses it (one 128M-element tensor, 3 steps)
+  probe        bench.roofline.probe_adamw as the floor uses it (one 128M-element tensor, median of 11 steps)
   probe10      the same, 10 steps
   units        as the slide engine runs it: several layer-sized units, each its own FlatAdamW,
                updated in 64M-element chunks (RuntimeConfig.chunk_mb=256) from a BF16 pinned-like

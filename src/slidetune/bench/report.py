@@ -2,7 +2,8 @@
 
 Works on any scenario directory written by bench.scenarios.common (results.json and the
 CSVs); missing CSVs are derived again from results.json, the plots are always redrawn.
-A techniques directory (techniques.json) is redrawn by scenarios.techniques.rewrite_report.
+A techniques directory (techniques.json) is redrawn by scenarios.techniques.rewrite_report, a
+throughput directory (throughput.json) by scenarios.throughput.rewrite_report.
 """
 from __future__ import annotations
 
@@ -126,6 +127,9 @@ def top_layers(layers: list[dict], baseline: str, k: int) -> dict[str, list[tupl
 
 def write_report(out_dir: Path, compare_seeds: bool = False) -> Path:
     out_dir = Path(out_dir)
+    if (out_dir / "throughput.json").exists():       # its own format: rows per model, batch and system
+        from .scenarios.throughput import rewrite_report as rewrite_throughput
+        return rewrite_throughput(out_dir)
     if (out_dir / "techniques.json").exists():       # its own format: rows per technique and regime
         from .scenarios.techniques import rewrite_report
         return rewrite_report(out_dir, compare_seeds=compare_seeds)

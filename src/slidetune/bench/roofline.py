@@ -11,7 +11,9 @@ bandwidth, parameters / CPU AdamW rate). Each term is measured here, not assumed
 """
 from __future__ import annotations
 
+import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -66,19 +68,24 @@ def probe_copy(nbytes: int = 2**30) -> dict:
 
 
 def _adamw_rate(n: int, steps: int, grad_dtype: torch.dtype, kernel: str) -> float:
+    """params/s of the median step: one step that a page fault, a timer tick or a neighbour
+    stretched must not set the floor (three-step means ranged 3.8-6.7 G params/s on the H100
+    host, NOTES.md 18)."""
     master = torch.randn(n)
     grad = torch.randn(n).to(grad_dtype)
     opt = FlatAdamW(master, n, AdamWConfig(weight_decay=0.1), kernel)
     opt.begin_step()
-    opt.update(grad, 1e-5)
-    t = time.perf_counter()
+    opt.update(grad, 1e-5)              # first touch of the moments, outside the timing
+    times = []
     for _ in range(steps):
+        t = time.perf_counter()
         opt.begin_step()
         opt.update(grad, 1e-5)
-    return n / ((time.perf_counter() - t) / steps)
+        times.append(time.perf_counter() - t)
+    return n / statistics.median(times)
 
 
-def probe_adamw(n: int = 128 * 2**20, steps: int = 3, grad_download: str = "compute",
+def probe_adamw(n: int = 128 * 2**20, steps: int = 11, grad_download: str = "compute",
                 host_adamw: str = "dynamic") -> dict:
     """The host AdamW's rate over one flat tensor through the engine's kernel (host_adamw:
     native_adamw's loop, or torch's fused kernel), on FP32 gradients and, where the native
@@ -163,24 +170,57 @@ def probe_compute(model: str, batch: int, seq: int, num_layers: int | None = Non
             "compile_layers": compile_layers}
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a slide run keeps the units' state, as its resolved runtime says: which updates
+    the host's AdamW runs and which bytes cross PCIe. The default is the design's: every
+    unit on the host, a window of `cache_units` layer slots."""
+    device_layers: int = 0          # lowest decoder layers updated on the GPU (RuntimeConfig.device_layers)
+    vocab_on_device: bool = False   # embedding and head updated on the GPU (vocab_update=device)
+    resident: bool = False          # a slot per host layer: each uploaded once a step (cache_units=0)
+    cache_units: int = 3            # window slots when not resident
+
+    @classmethod
+    def of_runtime(cls, runtime: dict) -> Placement:
+        """From a run's resolved RuntimeConfig (as bench.measure records it); -1 and auto, left
+        unresolved, mean what an engine built directly does: nothing on the GPU, 3 slots."""
+        slots = int(runtime.get("cache_units") or 0)
+        return cls(device_layers=max(0, int(runtime.get("device_layers") or 0)),
+                   vocab_on_device=runtime.get("vocab_update") == "device",
+                   resident=slots == 0, cache_units=slots if slots >= 2 else 3)
+
+
+def floor_terms(comp: dict, copy: dict, adamw: dict, placement: Placement = Placement()) -> dict:
+    """The floor's terms (seconds) for a placement, from the probes' results.
+
+    Only host-updated units cost host AdamW, D2H (BF16 gradients, 2 B/param) and uploads
+    (BF16 weights). Uploads: resident host layers once a step; a window twice (forward and
+    backward) except the `cache_units` still resident at the turn; host vocabulary units once.
+    The GPU-side AdamW of device-updated units (~26 B/param at HBM speed, ~13 ms for 8
+    Qwen3-8B layers) is not a probed term and is left out of compute_s."""
+    L, P_L, vocab = comp["num_layers"], comp["layer_params"], comp["vocab_params"]
+    host_layers = L - min(L, placement.device_layers)
+    host_vocab = 0 if placement.vocab_on_device else vocab
+    host_params = P_L * host_layers + host_vocab
+    uploads = host_layers if placement.resident else max(host_layers, 2 * host_layers - placement.cache_units)
+    gib = 2**30
+    return {
+        "compute_s": comp["compute_s"],
+        "h2d_s": 2 * (P_L * uploads + host_vocab) / (copy["h2d_gib_s"] * gib),
+        "d2h_s": 2 * host_params / (copy["d2h_gib_s"] * gib),
+        "adamw_s": host_params / adamw["adamw_params_per_s"],
+    }
+
+
 def floor(model: str, batch: int, seq: int, num_layers: int | None = None, cache_units: int = 3,
           copy: dict | None = None, adamw: dict | None = None, head_impl: str = "chunked",
           head_chunk_tokens: int = 4096, compile_layers: bool = False) -> dict:
+    """The design's floor (every unit on the host, a window of `cache_units` slots) with its
+    probes; floor_terms() gives the terms of any other placement from the same probes."""
     copy = copy or probe_copy()
     adamw = adamw or probe_adamw()
     comp = probe_compute(model, batch, seq, num_layers, head_impl, head_chunk_tokens, compile_layers)
-    gib = 2**30
-    L = comp["num_layers"]
-    # Each layer goes up twice per step (forward and backward) except those still
-    # resident at the turn; vocabulary units once. BF16: 2 bytes per parameter.
-    upload_bytes = 2 * (comp["layer_params"] * (2 * L - cache_units) + comp["vocab_params"])
-    grad_bytes = 2 * comp["params"]
-    terms = {
-        "compute_s": comp["compute_s"],
-        "h2d_s": upload_bytes / (copy["h2d_gib_s"] * gib),
-        "d2h_s": grad_bytes / (copy["d2h_gib_s"] * gib),
-        "adamw_s": comp["params"] / adamw["adamw_params_per_s"],
-    }
+    terms = floor_terms(comp, copy, adamw, Placement(cache_units=cache_units))
     bound = max(terms, key=terms.get)
     return {"floor_s": terms[bound], "bound_by": bound, "terms": terms, "copy": copy, "adamw": adamw,
             "compute": comp, "tokens_per_step": batch * seq}

@@ -24,6 +24,7 @@ from ..baselines.deepspeed_zero3 import availability as ds_availability
 from ..baselines.fsdp2 import FSDP2Spec
 from ..baselines.proc import parse_oom, run_worker
 from ..measure import MeasureSpec
+from ..roofline import Placement, floor_terms
 from ..runner import run_isolated
 from . import add_common_arguments, common
 from .roofline import measure_floor
@@ -107,6 +108,30 @@ def run(args: argparse.Namespace) -> Path:
                   f"(probes: {found['probes']})", flush=True)
     _write(out, rows, raw, floors, cuda, slide_runtime=args.runtime, per_run=per_run)
     return out
+
+
+def rewrite_report(out: Path) -> Path:
+    """`slidetune report DIR` for a throughput directory: rows, CSV, JSON, report and plots again
+    from throughput.json's runs and floors, with the current row logic (e.g. each slide run's
+    floor for the placement it resolved to). per_run/ is kept as the run wrote it."""
+    out = Path(out)
+    doc = json.loads((out / "throughput.json").read_text())
+    raw, floors = doc["runs"], doc.get("floors") or {}
+    # rows and runs were appended together, in the same order (the max-seq probes after them);
+    # a run's own "system" may be the worker's longer name, so the row's is kept
+    runs = [r for r in raw if not str(r.get("key", "")).endswith("/max-seq")]
+    rows, overrides = [], ""
+    for old, r in zip(doc["rows"], runs):
+        system, model, batch, seq = old["system"], old["model"], int(old["batch_size"]), int(old["seq_len"])
+        fpt = r.get("flops_per_token") or (old["model_tflops"] * 1e12 / old["tokens_per_s"]
+                                           if old.get("model_tflops") and old.get("tokens_per_s") else None)
+        rows.append(_row(system, model, batch, seq, r, fpt, floors.get(f"{model}/b{batch}/s{seq}")))
+        if system == "slide" and not overrides:
+            given = {k: v for k, v in ((r.get("spec") or {}).get("runtime") or {}).items()
+                     if k not in ("mode", "device", "head_impl", "dtype")}
+            overrides = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in given.items())
+    _write(out, rows, raw, floors, cuda=doc.get("machine", {}).get("gpu") is not None, slide_runtime=overrides)
+    return out / "report.md"
 
 
 def _as_measured(r: dict, system: str, model: str, batch: int, seq: int, warmup: int) -> dict:
@@ -223,9 +248,16 @@ def _row(system, model, batch, seq, r, fpt, fl) -> dict:
     for col, key in HOST_COLUMNS.items():
         row[col] = host.get(key)
     if fl and fl.get("status") == "ok":
-        row.update(floor_s=fl.get("floor_s"), floor_bound_by=fl.get("bound_by"), floor_partial=fl.get("partial"))
-        if row["step_s_mean"] and fl.get("floor_s"):
-            row["step_over_floor"] = row["step_s_mean"] / fl["floor_s"]
+        floor_s, bound = fl.get("floor_s"), fl.get("bound_by")
+        if system == "slide" and r.get("runtime") and not fl.get("partial"):
+            # the floor of the placement this run resolved to: units updated on the GPU cost the
+            # host neither AdamW nor copies (the probe's floor assumes every unit on the host)
+            terms = floor_terms(fl["compute"], fl["copy"], fl["adamw"], Placement.of_runtime(r["runtime"]))
+            bound = max(terms, key=terms.get)
+            floor_s = terms[bound]
+        row.update(floor_s=floor_s, floor_bound_by=bound, floor_partial=fl.get("partial"))
+        if row["step_s_mean"] and floor_s:
+            row["step_over_floor"] = row["step_s_mean"] / floor_s
     return row
 
 
@@ -253,11 +285,14 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
              "recomputed, chunked cross-entropy head, synthetic token ids. slide runtime: defaults"
              + (f" with `{slide_runtime}`" if slide_runtime else "") + ".", "",
              "step/floor: bench.roofline.floor for the same workload (max of GPU compute, H2D, D2H and CPU AdamW "
-             "terms, each probed on this machine)" + ("" if cuda else "; CPU run: only the AdamW term is measurable, "
+             "terms, each probed on this machine), with the terms of the placement the slide run resolved to "
+             "(bench.roofline.floor_terms: layers and vocabulary updated on the GPU cost the host neither AdamW "
+             "nor copies; floor_bound_by names the largest term)" + ("" if cuda else "; CPU run: only the AdamW term is measurable, "
                                                        "so the floor is partial") + ".", ""]
     lines += O.md_table(rows, ["model", "seq_len", "batch_size", "system", "status", "step_s_mean", "tokens_per_s",
                                "model_tflops", "gpu_peak_alloc_gib", "cpu_peak_rss_gib", "step_over_floor",
-                               "oom_requested_gib"], {"step_s_mean": 3, "tokens_per_s": 0, "model_tflops": 1})
+                               "floor_bound_by", "oom_requested_gib"],
+                        {"step_s_mean": 3, "tokens_per_s": 0, "model_tflops": 1})
     timed = [r for r in rows if r.get("host_adamw_s") is not None]
     if timed:
         lines += ["", "Where a slide step goes (host timeline, seconds per step): the host worker's AdamW and its "
@@ -280,6 +315,9 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
                   "over steps), per-layer times with 95% CIs, step curves. FSDP2 and DeepSpeed report step times "
                   "and peaks only.", ""]
         lines += [f"![{p.stem}](per_run/{p.name})" for p in pngs] + [""]
+    elif (out / "per_run").is_dir():         # a rewritten report: the per-run files as they were written
+        lines += ["Per run: `per_run/` (as the run wrote it).", ""]
+        lines += [f"![{p.stem}](per_run/{p.name})" for p in sorted((out / "per_run").glob("*.png"))] + [""]
     searches = [r for r in raw if str(r.get("key", "")).endswith("/max-seq")]
     if searches:
         lines += ["## Longest trainable sequence (batch 1, slide)", "",
