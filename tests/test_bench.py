@@ -51,6 +51,32 @@ def test_measure_records_per_layer_phases_and_host_spans():
     assert all(0 <= s <= e <= tl["step_ms"] + 1e-6 for *_, s, e in rows)
 
 
+def test_steps_record_gc_pauses_and_allocator_events(tmp_path):
+    """Each step says how long Python's collections stopped the process inside it (a full one is
+    timed as generation 2) and, on CUDA, the caching allocator's retries and cudaMallocs; the
+    per-run steps.csv carries them. On the CPU the allocator columns stay empty."""
+    import gc
+    from slidetune.bench.measure import GCPauses
+    from slidetune.bench.scenarios import common
+    pauses = GCPauses()
+    try:
+        gc.collect()
+        (gen, seconds), *_ = pauses.take()
+        assert gen == 2 and seconds >= 0
+        assert pauses.take() == []
+    finally:
+        pauses.close()
+    assert pauses._callback not in gc.callbacks
+    spec = MeasureSpec(model="tiny-llama", seq_len=16, batch_size=2, steps=2, warmup=1,
+                       runtime=dict(device="cpu", mode="slide"))
+    r = measure(spec)
+    assert all(s["gc_s"] >= 0 and s["gc_gen2"] >= 0 and s["alloc"] == {} for s in r["steps"])
+    assert not any(c.__self__.__class__ is GCPauses for c in gc.callbacks if hasattr(c, "__self__"))
+    common.write_tables(tmp_path, [r], r["machine"])
+    rows = common.read_csv(tmp_path / "steps.csv")
+    assert len(rows) == 3 and all(float(row["gc_s"]) >= 0 and row["alloc_retries"] in ("", None) for row in rows)
+
+
 def test_step_timeline_table_and_plot(tmp_path):
     from slidetune.bench.report import draw, load
     from slidetune.bench.scenarios import common

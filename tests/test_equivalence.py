@@ -182,6 +182,27 @@ def test_device_layers_stay_on_the_device_and_never_reach_the_host(monkeypatch):
         build_engine(loaded, RuntimeConfig(mode="slide", dtype="fp32", device="cpu", device_layers=5), AdamWConfig())
 
 
+def test_units_kept_on_the_device_are_built_there_without_host_state():
+    """HostStore's device units: master and moments are allocated on the device from the start
+    (the host holds neither, only a transient buffer while loading), with the same weights a host
+    unit gets; the other units stay on the host. "meta" stands in for a device that is not the host."""
+    from slidetune.engine.slide.host_store import HostStore
+    loaded = make_loaded("llama", tied=False, layers=3)
+    split, meta = loaded.split, torch.device("meta")
+    store = HostStore(split, loaded.source, AdamWConfig(), keep_grads=False, device_units=frozenset({0, 2}),
+                      device=meta)
+    host = HostStore(split, loaded.source, AdamWConfig(), keep_grads=False)
+    for i, unit in enumerate(store.units):
+        on_device = i in (0, 2)
+        assert unit.on_device is on_device and unit.on_host is not on_device
+        for t in (unit.master, unit.opt.exp_avg, unit.opt.exp_avg_sq):
+            assert t.device.type == ("meta" if on_device else "cpu")
+        if not on_device:
+            torch.testing.assert_close(unit.master, host.units[i].master, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="device_units needs the device"):
+        HostStore(split, loaded.source, AdamWConfig(), keep_grads=False, device_units=frozenset({0}))
+
+
 def test_units_larger_than_the_staging_ring_stream_through_it():
     """A 3.1M-parameter embedding through a one-chunk (1 MiB) ring: chunks pipeline, no deadlock."""
     cfg = tiny_config("llama", tied=False, vocab_size=49152, layers=2)

@@ -476,6 +476,7 @@ def test_auto_vocab_update_takes_the_device_where_it_fits_and_the_schedule_is_ea
     layers and before FP32 gradient slots, only where everything fits and only under the eager
     schedule; the host then holds 12 B/param less for them."""
     from slidetune.engine.fit import choose_auto_settings, estimate_memory
+    from slidetune.engine.slide.host_store import BUILD_WORKERS
     split = split_of("llama-3.1-8b")
     kw = dict(batch_size=16, seq_len=1024)
     rt = cuda_rt(mode="slide", grad_download="fp32")
@@ -489,7 +490,12 @@ def test_auto_vocab_update_takes_the_device_where_it_fits_and_the_schedule_is_ea
                                                                                  grad_slot_dtype="fp32")
     dev_bf16 = est(vocab_update="device", grad_slot_dtype="compute")
     assert dev_fp32.gpu_bytes - host_fp32.gpu_bytes == 12 * vocab
-    assert host_fp32.host_bytes - dev_fp32.host_bytes == 12 * vocab
+    state = "master + Adam moments (12 B/param)"
+    assert host_fp32.host_parts[state] - dev_fp32.host_parts[state] == 12 * vocab
+    # built on the device through a host buffer each: both vocabulary units at once, at most
+    assert dev_fp32.host_parts["weight loading transient"] == 4 * max(
+        vocab if BUILD_WORKERS >= 2 else max(split.embed_unit.numel, split.head_unit.numel),
+        max(p.numel for u in split.units for p in u.params))
     assert dev_fp32.gpu_bytes > dev_bf16.gpu_bytes > host_fp32.gpu_bytes     # Llama-8B's numbers order them so
     for free, want in [(dev_fp32.gpu_bytes / 0.9 + 1, ("device", "fp32")),
                        (dev_bf16.gpu_bytes / 0.9 + 1, ("device", "compute")),
@@ -535,13 +541,23 @@ def test_device_layers_move_their_state_from_host_to_gpu():
     GPU, with a weight slot of their own each, and with one slot per layer the rotating slots
     shrink by the same k; the update's FP32 gradient copy counts as a phase."""
     from slidetune.engine.fit import estimate_memory
+    from slidetune.engine.slide.host_store import BUILD_WORKERS
     split = split_of("qwen3-8b")
     kw = dict(batch_size=16, seq_len=1024)
     rt = cuda_rt(mode="slide", cache_units=0, vocab_update="host", grad_slot_dtype="compute")
     base = estimate_memory(split, rt, **kw)
     four = estimate_memory(split, dataclasses.replace(rt, device_layers=4), **kw)
     moved = sum(u.numel for u in split.layer_units[:4])
-    assert base.host_bytes - four.host_bytes == 12 * moved
+    state = "master + Adam moments (12 B/param)"
+    assert base.host_parts[state] - four.host_parts[state] == 12 * moved
+    # units built on the device pass through a host buffer each, BUILD_WORKERS at once; without
+    # them the transient is the largest single parameter (the embedding) being loaded
+    largest = max(p.numel for u in split.units for p in u.params)
+    assert base.host_parts["weight loading transient"] == 4 * largest
+    layers = sorted((u.numel for u in split.layer_units), reverse=True)
+    for k in (4, split.num_layers):
+        got = estimate_memory(split, dataclasses.replace(rt, device_layers=k), **kw)
+        assert got.host_parts["weight loading transient"] == 4 * max(largest, sum(layers[:min(k, BUILD_WORKERS)]))
     assert four.gpu_bytes - base.gpu_bytes >= 12 * moved                 # + the fp32 gradient copy phase
     assert four.gpu_parts["layer weight slots"] == base.gpu_parts["layer weight slots"] - 2 * moved
     with pytest.raises(ValueError, match="device_layers .* eager schedule"):

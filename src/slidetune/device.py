@@ -160,6 +160,15 @@ class Device:
     def max_memory_reserved(self) -> int:
         return torch.cuda.max_memory_reserved(self.device) if self.is_cuda else 0
 
+    def allocator_counters(self) -> dict[str, int]:
+        """Cumulative caching-allocator events (no GPU sync): cudaMalloc calls, cudaFree calls and
+        retries (a failed cudaMalloc that freed the cache and tried again: a stall of milliseconds
+        to seconds). Empty on the CPU."""
+        if not self.is_cuda:
+            return {}
+        stats = torch.cuda.memory_stats(self.device)
+        return {k: int(stats.get(k, 0)) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
+
     def reset_peak(self) -> None:
         if self.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)

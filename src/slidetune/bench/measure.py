@@ -7,6 +7,7 @@ recorded on the compute stream and read once per step.
 """
 from __future__ import annotations
 
+import gc
 import sys
 import tempfile
 import time
@@ -75,6 +76,31 @@ def _mean_by_key(dicts: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(d.get(k, 0.0) for d in dicts) / len(dicts) for k in keys}
 
 
+class GCPauses:
+    """Python's garbage collections while installed: (generation, seconds) each, via gc.callbacks.
+    A full (generation 2) collection of a process holding a model's worth of tensors stops every
+    Python thread, the compute thread that launches the GPU's work included."""
+
+    def __init__(self):
+        self._pauses: list[tuple[int, float]] = []
+        self._t0 = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self._pauses.append((info["generation"], time.perf_counter() - self._t0))
+
+    def take(self) -> list[tuple[int, float]]:
+        out, self._pauses = self._pauses, []
+        return out
+
+    def close(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+
 def measure(spec: MeasureSpec) -> dict:
     rt = RuntimeConfig(**spec.runtime)
     device = Device.resolve(rt.device, waits=rt.cuda_waits)
@@ -111,6 +137,7 @@ def measure(spec: MeasureSpec) -> dict:
                     "device_layers": getattr(engine, "device_layers", None),
                     "params": split.num_params(), "num_layers": split.num_layers}
     steps = []
+    gc_pauses = GCPauses()               # Python's collections inside each step (a stall the GPU sees)
     try:
         total_steps = spec.warmup + spec.steps
         # All batches before the loop: making synthetic data is not the engine's time.
@@ -122,6 +149,7 @@ def measure(spec: MeasureSpec) -> dict:
         # pause between calls would hide work. Nothing but the engine runs between two calls.
         prev_end = None
         raw = []
+        alloc_before = device.allocator_counters()
         for k in range(total_steps):
             if k == spec.warmup:
                 device.synchronize()
@@ -134,9 +162,14 @@ def measure(spec: MeasureSpec) -> dict:
             prev_end = t_end
             raw.append((k, start, t, t_end, res, timer.cut(),      # resolved after the loop: no GPU wait here
                         timeline.take() if timeline is not None else [],
-                        memory.take() if memory is not None else []))
+                        memory.take() if memory is not None else [],
+                        device.allocator_counters(), gc_pauses.take()))
         last_measured = total_steps - 1 if spec.steps > 0 else -1
-        for k, start, t, t_end, res, pending, host_spans, mem_points in raw:
+        before = alloc_before
+        for k, start, t, t_end, res, pending, host_spans, mem_points, alloc, gcs in raw:
+            # allocator events of this step (cumulative counters differenced), and GC pauses
+            alloc_step = {key: v - before.get(key, 0) for key, v in alloc.items()}
+            before = alloc
             spans = timer.resolve(pending)
             if k == last_measured and (host_spans or spans):
                 # the last measured step, every thread and the GPU on one clock (a Gantt chart)
@@ -153,6 +186,8 @@ def measure(spec: MeasureSpec) -> dict:
                           "loss": res.loss,
                           "memory": [p.row() for p in mem_points],
                           "grad_norm": res.grad_norm(), "host_s": host, "overlap": overlap,
+                          "alloc": alloc_step, "gc_s": sum(d for _, d in gcs),
+                          "gc_gen2": sum(1 for gen, _ in gcs if gen == 2),
                           "spans": [(s.phase, s.layer, s.ms) for s in spans]})
         engine.synchronize()
         result["gpu_peak_alloc_gib"] = device.max_memory_allocated() / 2**30
@@ -185,6 +220,7 @@ def measure(spec: MeasureSpec) -> dict:
         result.update(status="oom", error=str(e).splitlines()[0],
                       gpu_peak_alloc_gib=device.max_memory_allocated() / 2**30)
     finally:
+        gc_pauses.close()
         engine.close()
     return result
 

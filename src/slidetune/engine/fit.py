@@ -38,6 +38,7 @@ import torch
 
 from ..models.units import SplitModel
 from .config import RuntimeConfig, recompute_set
+from .slide.host_store import BUILD_WORKERS
 
 GiB = 2**30
 MiB = 2**20
@@ -367,7 +368,10 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
             host["offloaded checkpoints"] = L * ckpt
         if dev == "cuda":
             pinned = rings + (L * ckpt if rt.offload_activations else 0)
-        host["weight loading transient"] = largest_param * 4
+        # units kept on the device pass through a host buffer (4 B/param) while they are built,
+        # up to BUILD_WORKERS at once, beside the host units (HostStore)
+        building = sorted(device_units, reverse=True)[:BUILD_WORKERS]
+        host["weight loading transient"] = max(largest_param, sum(building)) * 4
     else:
         recomputed = recompute_set(rt.recompute, L) if rt.mode == "ckpt" else set()
         gpu["fp32 master"] = 4 * P

@@ -4,7 +4,7 @@ Files written into a scenario's output directory (machine details in every one: 
 under "machine", CSVs as leading `# machine.<key>: <value>` comment lines, read them
 with `read_csv`):
   results.json          scenario, args, machine, every raw result (per step, per span, per memory point)
-  steps.csv             config, step, warmup, wall_s, loss
+  steps.csv             config, step, warmup, wall_s, loss, GC pauses, allocator events
   layers.csv            config, phase, layer, mean_ms, std_ms, ci95_ms, n (measured steps only)
   memory_timeline.csv   config, point, phase, layer, allocated/reserved/rss mean and std (GiB)
   summary.csv           per config: step time, throughput, peaks, time breakdown
@@ -196,9 +196,16 @@ def summary_row(r: dict) -> dict:
     return row
 
 
+STEP_COLUMNS = ["config", "step", "warmup", "wall_s", "loss", "gc_s", "gc_gen2", "alloc_retries", "cuda_mallocs"]
+
+
 def step_rows(r: dict) -> list[dict]:
+    """One row per step; gc_s / gc_gen2: Python's collections inside it (bench.measure.GCPauses),
+    alloc_retries / cuda_mallocs: the caching allocator's events in it (empty where not recorded)."""
     return [{"config": config_name(r), "step": s["step"], "warmup": int(bool(s["warmup"])), "wall_s": s["wall_s"],
-             "loss": s["loss"]} for s in r.get("steps", [])]
+             "loss": s["loss"], "gc_s": s.get("gc_s"), "gc_gen2": s.get("gc_gen2"),
+             "alloc_retries": (s.get("alloc") or {}).get("num_alloc_retries"),
+             "cuda_mallocs": (s.get("alloc") or {}).get("num_device_alloc")} for s in r.get("steps", [])]
 
 
 # ---------------------------------------------------------------- files
@@ -240,8 +247,7 @@ def read_csv_machine(path: Path) -> dict:
 
 def write_tables(out: Path, results: list[dict], machine: dict) -> None:
     """The four CSVs, derived from the raw results (also used to regenerate them)."""
-    write_csv(out / "steps.csv", [row for r in results for row in step_rows(r)],
-              ["config", "step", "warmup", "wall_s", "loss"], machine)
+    write_csv(out / "steps.csv", [row for r in results for row in step_rows(r)], STEP_COLUMNS, machine)
     write_csv(out / "layers.csv", [row for r in results for row in layer_rows(r)],
               ["config", "phase", "layer", "mean_ms", "std_ms", "ci95_ms", "n"], machine)
     write_csv(out / "memory_timeline.csv", [row for r in results for row in memory_rows(r)],

@@ -92,20 +92,16 @@ class SlideEngine:
         self.timer = timer or EventTimer(device, enabled=False)
         self.timeline = HostTimeline(enabled=False)
         self.memory = MemoryTimeline(device, enabled=False)
-        self.store = HostStore(self.split, loaded.source, optim, keep_grads=self.schedule == "deferred",
-                               kernel=rt.host_adamw)
-        self.units: list[HostUnit] = self.store.units
         L = self.split.num_layers
         # vocab_update=device: the embedding and head are updated on the compute stream
-        # (_update_on_device); their masters and moments leave the host.
+        # (_update_on_device); device_layers: the lowest layers likewise, each with a weight slot
+        # of its own. Their masters and moments are built on the device and never held by the host.
         self.vocab_on_device = rt.vocab_on_device(self.schedule)
-        if self.vocab_on_device:
-            for index in (0, L + 1):
-                self.units[index].move_to(device.device, optim)
-        # device_layers: the lowest layers likewise, each with a weight slot of its own.
         self.device_layers = rt.layers_on_device(self.schedule, L)
-        for index in range(1, self.device_layers + 1):
-            self.units[index].move_to(device.device, optim)
+        device_units = frozenset(([0, L + 1] if self.vocab_on_device else []) + list(range(1, self.device_layers + 1)))
+        self.store = HostStore(self.split, loaded.source, optim, keep_grads=self.schedule == "deferred",
+                               kernel=rt.host_adamw, device_units=device_units, device=device.device)
+        self.units: list[HostUnit] = self.store.units
         host_layers = L - self.device_layers
         layer_numel = max(u.numel for u in self.split.layer_units)
         dev = device.device

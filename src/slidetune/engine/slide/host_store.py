@@ -18,35 +18,36 @@ from ...models.load import WeightSource
 from ...models.units import SplitModel, UnitSpec
 from ..adamw import AdamWConfig, FlatAdamW
 
+# Units materialized at once (threads); each unit kept on the device holds a host buffer of
+# 4 B/param while it is built (engine.fit counts them).
+BUILD_WORKERS = max(1, min(8, os.cpu_count() or 1))
+
 
 class HostUnit:
     def __init__(self, spec: UnitSpec, source: WeightSource, optim: AdamWConfig, keep_grad: bool,
-                 kernel: str = "dynamic"):
+                 kernel: str = "dynamic", device: torch.device | None = None):
+        """device: keep this unit's master and AdamW state there from the start (vocab_update=device,
+        device_layers): the weights pass through a transient host buffer (4 B/param) on the way,
+        and the moments are never allocated in host RAM."""
         self.spec = spec
-        self.master = torch.empty(spec.numel, dtype=torch.float32)     # [numel] fp32
-        source.fill(spec, self.master)
+        master = torch.empty(spec.numel, dtype=torch.float32)          # [numel] fp32
+        source.fill(spec, master)
+        self.on_device = device is not None       # True: the compute stream updates it, on the device
+        self.master = master.to(device) if self.on_device else master  # the host buffer goes with `master`
+        del master
         self.opt = FlatAdamW(self.master, spec.n_decay, optim, kernel)
-        self.grad = torch.zeros(spec.numel, dtype=torch.float32) if keep_grad else None
+        self.grad = torch.zeros(spec.numel, dtype=torch.float32) if keep_grad and not self.on_device else None
         self.sq_norm = 0.0            # squared gradient norm of the current step
         self.version = 0              # updates applied in full
         self.progress = 0             # elements of the update in progress already written
         self.started = 0              # updates begun (version, or version + 1 while one runs)
         self._on_start: dict[int, list] = {}   # update number -> callbacks to run when it begins
         self._cond = threading.Condition()
-        self.on_device = False        # move_to(): master and moments on the compute device
 
     @property
     def on_host(self) -> bool:
         """Whether the host worker updates this unit (False: the compute stream does, on the device)."""
         return not self.on_device
-
-    def move_to(self, device: torch.device, optim: AdamWConfig) -> None:
-        """Keep this unit's master and AdamW state on `device` from now on (vocab_update=device);
-        the host copy is released. Only before the first update (the moments start at zero)."""
-        assert self.version == 0 and self.grad is None
-        self.master = self.master.to(device)                           # [numel] fp32 on the device
-        self.opt = FlatAdamW(self.master, self.spec.n_decay, optim)
-        self.on_device = True
 
     def params(self) -> dict[str, torch.Tensor]:
         """Full HF name -> FP32 view of the master."""
@@ -114,16 +115,21 @@ class HostUnit:
 
 class HostStore:
     def __init__(self, split: SplitModel, source: WeightSource, optim: AdamWConfig, keep_grads: bool,
-                 kernel: str = "dynamic"):
-        """kernel: the host AdamW kernel of every unit (FlatAdamW's; RuntimeConfig.host_adamw)."""
+                 kernel: str = "dynamic", device_units: frozenset[int] = frozenset(),
+                 device: torch.device | None = None):
+        """kernel: the host AdamW kernel of every unit (FlatAdamW's; RuntimeConfig.host_adamw).
+        device_units: indices of the units whose state lives on `device` (HostUnit's device)."""
         # Each unit is materialized straight from the source into its own master (no second
         # copy), several units at once: torch's normal_ with a generator runs on one core
         # (~150 M values/s), so a random 8B model took ~55 s unit by unit. Every unit seeds
         # its own generator, so the weights do not depend on the thread count.
-        workers = max(1, min(8, os.cpu_count() or 1))
-        with ThreadPoolExecutor(workers, thread_name_prefix="slidetune-init") as pool:
-            self.units = list(pool.map(lambda spec: HostUnit(spec, source, optim, keep_grads, kernel),
-                                       split.units))
+        if device_units and device is None:
+            raise ValueError("device_units needs the device they live on")
+        with ThreadPoolExecutor(BUILD_WORKERS, thread_name_prefix="slidetune-init") as pool:
+            self.units = list(pool.map(
+                lambda i: HostUnit(split.units[i], source, optim, keep_grads, kernel,
+                                   device=device if i in device_units else None),
+                range(len(split.units))))
 
     def num_params(self) -> int:
         return sum(u.spec.numel for u in self.units)
