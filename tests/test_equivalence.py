@@ -182,6 +182,33 @@ def test_device_layers_stay_on_the_device_and_never_reach_the_host(monkeypatch):
         build_engine(loaded, RuntimeConfig(mode="slide", dtype="fp32", device="cpu", device_layers=5), AdamWConfig())
 
 
+def test_device_updates_widen_compute_dtype_gradients_chunk_by_chunk():
+    """Units updated on the device with BF16 gradient slots: the gradient is widened a chunk at a
+    time into one preallocated FP32 buffer, and the trajectory is bit-identical to FP32 gradient
+    slots (where the slot copy itself widens, exactly, and the update takes the whole unit)."""
+    cfg = tiny_config("llama", tied=False, vocab_size=4 * VOCAB, layers=2)     # a vocabulary of several chunks
+    loaded = LoadedModel("tiny", SplitModel(skeleton(cfg)), RandomInit(1, std=0.1, bias_std=0.1), None)
+    finals = {}
+    for slots in ("compute", "fp32"):
+        rt = RuntimeConfig(mode="slide", dtype="bf16", device="cpu", schedule="eager", device_layers=1,
+                           vocab_update="device", cache_units=0, grad_slot_dtype=slots)
+        engine = build_engine(loaded, rt, AdamWConfig(lr=LR, eps=1e-6))
+        try:
+            embed = engine.units[0].spec.numel
+            if slots == "compute":
+                assert engine.device_grad32.numel() == engine.chunk < embed     # the vocabulary spans chunks
+            else:
+                assert engine.device_grad32 is None
+            for step in range(3):
+                engine.train_step(make_batches(step, 1), LR)
+            engine.synchronize()
+            finals[slots] = {k: v.clone() for k, v in engine.named_master_params()}
+        finally:
+            engine.close()
+    for name, t in finals["compute"].items():
+        torch.testing.assert_close(t, finals["fp32"][name], rtol=0, atol=0, msg=name)
+
+
 def test_units_kept_on_the_device_are_built_there_without_host_state():
     """HostStore's device units: master and moments are allocated on the device from the start
     (the host holds neither, only a transient buffer while loading), with the same weights a host

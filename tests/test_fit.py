@@ -558,7 +558,8 @@ def test_device_layers_move_their_state_from_host_to_gpu():
     for k in (4, split.num_layers):
         got = estimate_memory(split, dataclasses.replace(rt, device_layers=k), **kw)
         assert got.host_parts["weight loading transient"] == 4 * max(largest, sum(layers[:min(k, BUILD_WORKERS)]))
-    assert four.gpu_bytes - base.gpu_bytes >= 12 * moved                 # + the fp32 gradient copy phase
+    assert four.gpu_bytes - base.gpu_bytes >= 12 * moved                 # + the widening buffer
+    assert four.gpu_parts["device update widening buffer"] == 4 * rt.chunk_elems(max(u.numel for u in split.layer_units))
     assert four.gpu_parts["layer weight slots"] == base.gpu_parts["layer weight slots"] - 2 * moved
     with pytest.raises(ValueError, match="device_layers .* eager schedule"):
         estimate_memory(split, dataclasses.replace(rt, device_layers=4), max_grad_norm=1.0, **kw)

@@ -339,11 +339,11 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         if n_dev:
             gpu["device layers: master + Adam moments (12 B/param) + own weight slots"] = (12 + b) * P_dev
         device_units = ([P_E, P_H] if vocab_device else []) + [u.numel for u in split.layer_units[:n_dev]]
-        if device_units and gb != 4:   # the update reads an FP32 copy of a compute-dtype gradient slot
-            phases["device update (fp32 gradient copy)"] = 4 * max(device_units)
         # Mirrors SlideEngine: chunks of chunk_mb MiB of FP32; on CUDA the casts run on the
         # GPU (FP32 master registered in place, FP32 gradient ring, 4 GPU staging chunks).
         chunk_elems = rt.chunk_elems(P_L)
+        if device_units and gb != 4:   # the update widens a compute-dtype gradient a chunk at a time
+            gpu["device update widening buffer"] = 4 * min(chunk_elems, max(device_units))
         gpu_cast = rt.casts_on_gpu(dev == "cuda")
         host["master + Adam moments (12 B/param)"] = 12 * (P - (P_E + P_H if vocab_device else 0) - P_dev)
         if schedule == "deferred":
