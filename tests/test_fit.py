@@ -350,7 +350,7 @@ def test_saved_activations_match_saved_tensors_hooks(family, dtype, padded):
         split.layer_forward(0, params, x, kwargs)
     exclude = {p.untyped_storage().data_ptr() for p in params.values()} | {x.untyped_storage().data_ptr()}
     measured = sum(n for ptr, n in storages.items() if ptr not in exclude)
-    est = layer_activation_bytes(split, B, S, dtype)["saved"]
+    est = layer_activation_bytes(split, B, S, dtype, masked=padded)["saved"]
     assert measured <= est * 1.1 and est <= 1.5 * measured, (measured, est)
 
 
@@ -369,7 +369,7 @@ def test_layer_working_set_matches_allocator_peak(family, dtype, B, S, padded):
         del out, grads, g
 
     peak = _allocator_peak(step)
-    est = ACTIVATION_MARGIN * layer_activation_bytes(split, B, S, dtype)["peak"]
+    est = ACTIVATION_MARGIN * layer_activation_bytes(split, B, S, dtype, masked=padded)["peak"]
     assert peak <= est <= 1.5 * peak, (peak, est, est / peak)
 
 
@@ -580,3 +580,43 @@ def test_auto_device_layers_takes_as_many_as_fit():
     assert choose_auto_settings(split, clipped, gpu_free_bytes=500 * GiB, max_grad_norm=1.0, **kw).device_layers == 0
     assert choose_auto_settings(split, RuntimeConfig(device="cpu", mode="slide", device_layers=-1),
                                 **kw).device_layers == 0
+
+
+def _hf_masks(split: SplitModel, B: int, S: int, padded: bool) -> int:
+    """Distinct [B,1,S,S] masks HF hands the layers (SDPA) for such a batch."""
+    mask = None
+    if padded:
+        mask = torch.ones(B, S, dtype=torch.long)
+        mask[0, -2:] = 0
+    kwargs = split.layer_kwargs(B, S, torch.float32, torch.device("cpu"), attention_mask=mask)
+    return len({id(kw["attention_mask"]) for kw in kwargs if kw.get("attention_mask") is not None})
+
+
+@pytest.mark.parametrize("family,window", [("llama", None), ("qwen3", None), ("mistral", 8)])
+@pytest.mark.parametrize("S", [4, 32])
+@pytest.mark.parametrize("padded", [False, True])
+def test_materialized_masks_match_what_hf_builds(family, window, S, padded):
+    """Unpadded causal batches get no mask (SDPA's is_causal); a sliding window shorter than the
+    sequence does; any padding does, one per mask kind."""
+    from slidetune.engine.fit import materialized_masks
+    split = SplitModel(skeleton(tiny_config(family, tied=False, vocab_size=128, layers=2, sliding_window=window)))
+    assert materialized_masks(split, S, padded) == _hf_masks(split, 2, S, padded)
+
+
+def test_unpadded_long_sequences_drop_the_s_squared_terms():
+    """Packed or synthetic batches (padded=False): no [B,1,S,S] masks and no mask copy inside SDPA,
+    so an 8B layer at 128K tokens is linear in S; a padded batch keeps both S^2 terms."""
+    split = split_of("llama-3.1-8b")
+    rt = cuda_rt(mode="slide", offload_activations=True, cache_units=3, vocab_update="host", device_layers=0)
+    kw = dict(batch_size=1, seq_len=131072)
+    padded, packed = estimate_memory(split, rt, **kw), estimate_memory(split, rt, padded=False, **kw)
+    S, b = 131072, 2
+    inputs = "layer inputs (masks, rotary, ids)"
+    assert padded.gpu_parts[inputs] - packed.gpu_parts[inputs] == S * S          # one bool mask
+    act = layer_activation_bytes(split, 1, S, torch.bfloat16)
+    assert act["saved"] - layer_activation_bytes(split, 1, S, torch.bfloat16, masked=False)["saved"] == b * S * S
+    assert packed.gpu_bytes < 60 * GiB < padded.gpu_bytes
+    half = estimate_memory(split, rt, padded=False, batch_size=1, seq_len=S // 2)
+    working = "layer working set (peak phase)"
+    # linear in S (but for the constant weight-gradient term of the peak phase)
+    assert packed.gpu_parts[working] == pytest.approx(2 * half.gpu_parts[working], rel=0.01)

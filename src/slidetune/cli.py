@@ -37,7 +37,8 @@ def _plan(ns) -> int:
     def estimate(**changes):
         """The estimate of this configuration with some runtime settings changed."""
         return estimate_memory(loaded.split, dataclasses.replace(cfg.runtime, **changes), batch_size=cfg.batch_size,
-                               seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm)
+                               seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm,
+                               padded=not cfg.data.packing)     # as train: packed rows carry no padding
 
     est = estimate()
     gib = 2**30

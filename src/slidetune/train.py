@@ -157,8 +157,10 @@ def train(cfg: TrainConfig) -> TrainSummary:
         raise TrainingError(f"--seq-len {cfg.data.seq_len} exceeds the context of model {cfg.model!r}: "
                             f"{max_pos} tokens (max_position_embeddings); use --seq-len {max_pos} or less")
     runtime = cfg.runtime if cfg.runtime.device != "auto" else _with_device(cfg, device)
+    # packed rows are full windows: no batch carries padding, so no [B,1,S,S] masks
+    padded = not cfg.data.packing
     runtime = choose_auto_settings(loaded.split, runtime, batch_size=cfg.batch_size, seq_len=cfg.data.seq_len,
-                                   grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm)
+                                   grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm, padded=padded)
     if cfg.runtime.cache_units == -1 and cfg.runtime.mode == "slide":
         L = loaded.split.num_layers
         print(f"cache_units auto -> {runtime.resolved_cache_units(L)} GPU layer slots"
@@ -172,7 +174,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
         # Before the data is tokenized and before the engine allocates anything.
         check_fit(loaded.split, runtime,
                   batch_size=cfg.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
-                  max_grad_norm=cfg.max_grad_norm)
+                  max_grad_norm=cfg.max_grad_norm, padded=padded)
     train_ds, heldout = build_datasets(cfg.data, loaded.tokenizer)
     pad_id = default_pad_id(loaded.tokenizer)
     sampler = BatchSampler(train_ds, cfg.batch_size, cfg.seed, pad_id)

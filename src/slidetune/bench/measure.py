@@ -116,8 +116,10 @@ def measure(spec: MeasureSpec) -> dict:
             free = torch.cuda.mem_get_info(device.device)[0]
             if spec.gpu_memory_limit_gib:           # an emulated smaller card: auto must plan for it
                 free = min(free, int(spec.gpu_memory_limit_gib * 2**30))
+        # synthetic batches are full rows: never padded (no [B,1,S,S] masks)
         rt = choose_auto_settings(loaded.split, rt, batch_size=spec.batch_size, seq_len=spec.seq_len,
-                                  grad_accum=spec.grad_accum, max_grad_norm=spec.max_grad_norm, gpu_free_bytes=free)
+                                  grad_accum=spec.grad_accum, max_grad_norm=spec.max_grad_norm, gpu_free_bytes=free,
+                                  padded=False)
     timer = EventTimer(device, enabled=spec.per_layer)
     engine = build_engine(loaded, rt, AdamWConfig(lr=spec.lr), device, grad_accum=spec.grad_accum,
                           max_grad_norm=spec.max_grad_norm, timer=timer)

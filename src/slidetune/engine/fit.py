@@ -120,6 +120,7 @@ class _Shape:
     layers: int
     qk_norm: bool     # per-head q/k RMSNorms (Qwen3)
     mask_types: int   # distinct attention-mask kinds (full, sliding window)
+    sliding_window: int | None = None   # window of the sliding-attention layers, if any
 
     @property
     def hq(self) -> int:
@@ -143,8 +144,23 @@ def _shape(split: SplitModel) -> _Shape:
     names = {p.local_name for p in split.layer_units[0].params} if split.layer_units else set()
     qk_norm = any("q_norm" in n for n in names)
     types = getattr(c, "layer_types", None)
+    window = getattr(c, "sliding_window", None)
+    # a window applies where layer_types names sliding layers, or (no layer_types: Mistral) to every layer
+    sliding = ("sliding_attention" in types) if types else window is not None
     return _Shape(d=d, inter=int(inter), heads=heads, kv_heads=kv, head_dim=hd, vocab=int(c.vocab_size),
-                  layers=split.num_layers, qk_norm=qk_norm, mask_types=max(1, len(set(types or []))))
+                  layers=split.num_layers, qk_norm=qk_norm, mask_types=max(1, len(set(types or []))),
+                  sliding_window=int(window) if sliding and window else None)
+
+
+def materialized_masks(split: SplitModel, seq_len: int, padded: bool) -> int:
+    """How many [B,1,S,S] attention masks HF builds for a batch (SDPA): one per mask kind when the
+    batch may carry padding; without padding none for causal attention (SDPA's is_causal), one
+    for sliding-window layers whose window is shorter than the sequence (checked against HF in
+    tests/test_fit.py)."""
+    sh = _shape(split)
+    if padded:
+        return sh.mask_types
+    return 1 if sh.sliding_window is not None and seq_len > sh.sliding_window else 0
 
 
 def _device_type(rt: RuntimeConfig) -> str:
@@ -171,7 +187,7 @@ def _math_attention(dtype: torch.dtype) -> bool:
 
 
 def layer_activation_bytes(split: SplitModel, batch_size: int, seq_len: int, dtype: torch.dtype,
-                           math_attention: bool | None = None) -> dict[str, int]:
+                           math_attention: bool | None = None, masked: bool = True) -> dict[str, int]:
     """Working set of ONE decoder layer run with autograd, then differentiated (no margin).
 
     Returns bytes for N = batch_size * seq_len tokens:
@@ -195,7 +211,7 @@ def layer_activation_bytes(split: SplitModel, batch_size: int, seq_len: int, dty
           k and v count at q's width: with a padding mask HF repeats k/v to every head
           (repeat_kv) instead of using enable_gqa:                             4*b*hq + 4*heads
           a padding mask is converted to the compute dtype inside SDPA and saved per layer
-          (B*S*S*b per layer; counted always, as any batch may be padded):    b*S
+          (B*S*S*b per layer; counted where the layer gets a mask, `masked`):  b*S
       SwiGLU: gate (SiLU input), act (mul input), up (mul input), act*up (down_proj input):
                                                                               4*b*I
       residual adds save nothing.
@@ -221,7 +237,8 @@ def layer_activation_bytes(split: SplitModel, batch_size: int, seq_len: int, dty
     if sh.qk_norm:
         saved += (4 + b) * (hq + hk)
     saved += b * 4 * hq + 4 * heads                              # q, k, v (repeated), out, lse
-    saved += b * S                                               # padding mask copy
+    if masked:
+        saved += b * S                                           # the mask's copy inside SDPA
     saved_mlp = 4 * b * inter                                    # gate, act, up, act*up
     saved += saved_mlp
     io = 3 * b * d
@@ -281,8 +298,12 @@ def head_bytes(split: SplitModel, n_tokens: int, dtype: torch.dtype, impl: str, 
 
 
 def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int,
-                    grad_accum: int = 1, max_grad_norm: float | None = None) -> MemoryEstimate:
-    """Bytes of GPU, host and pinned memory the configuration needs (nothing is allocated)."""
+                    grad_accum: int = 1, max_grad_norm: float | None = None, padded: bool = True) -> MemoryEstimate:
+    """Bytes of GPU, host and pinned memory the configuration needs (nothing is allocated).
+
+    padded: whether batches may carry padding (then HF materializes [B,1,S,S] masks, which SDPA
+    also copies per layer: the S^2 terms of long sequences). Packed data and synthetic benchmark
+    batches have none; the default assumes they may."""
     if batch_size < 1 or seq_len < 1 or grad_accum < 1:
         raise ValueError("batch_size, seq_len and grad_accum must be >= 1")
     if rt.head_impl not in ("full", "chunked", "fused"):
@@ -301,9 +322,10 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
     host: dict[str, int] = {}
     pinned = 0
     schedule = None
-    # what every layer receives besides the hidden states: one [B,1,S,S] bool mask per
-    # mask kind (materialized when the batch is padded), rotary cos/sin [1,S,hd] fp32
-    layer_inputs = sh.mask_types * B * S * S + 2 * S * sh.head_dim * 4 + 2 * N * 8   # + ids, labels
+    # what every layer receives besides the hidden states: the [B,1,S,S] bool masks HF
+    # materializes (materialized_masks), rotary cos/sin [1,S,hd] fp32
+    masks = materialized_masks(split, S, padded)
+    layer_inputs = masks * B * S * S + 2 * S * sh.head_dim * 4 + 2 * N * 8   # + ids, labels
     head = int(HEAD_MARGIN * head_bytes(split, N, dtype, rt.head_impl, rt.head_chunk_tokens))
 
     if rt.mode == "slide":
@@ -326,7 +348,8 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         phases = {
             # recompute + backward of one layer; autograd.grad also returns the layer's
             # parameter gradients as fresh tensors before they are copied into a grad slot
-            "layer working set": int(ACTIVATION_MARGIN * layer_activation_bytes(split, B, S, dtype)["peak"]),
+            "layer working set": int(ACTIVATION_MARGIN * layer_activation_bytes(split, B, S, dtype,
+                                                                               masked=masks > 0)["peak"]),
             # the head phase (head_bytes counts the last layer's output and its gradient)
             "head/logits": head,
             # embedding backward: a dense [V, d] gradient, and the incoming gradient
@@ -380,7 +403,7 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         gpu["compute weights"] = b * P
         gpu["compute grads"] = b * P
         stored = len(recomputed) * N * d * b
-        act = layer_activation_bytes(split, B, S, dtype)
+        act = layer_activation_bytes(split, B, S, dtype, masked=masks > 0)
         stored += (L - len(recomputed)) * int(ACTIVATION_MARGIN * act["saved"])
         gpu["stored activations"] = stored
         gpu["layer inputs (masks, rotary, ids)"] = layer_inputs
@@ -466,7 +489,7 @@ class _Budget:
 
 def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int, grad_accum: int = 1,
               max_grad_norm: float | None = None, gpu_free_bytes: int | None = None,
-              host_available_bytes: int | None = None, safety: float = 0.9) -> MemoryEstimate:
+              host_available_bytes: int | None = None, safety: float = 0.9, padded: bool = True) -> MemoryEstimate:
     """The estimate if it fits in `safety` x the available memory, else InsufficientMemoryError.
 
     gpu_free_bytes: default torch.cuda.mem_get_info()[0] (device cuda); ignored on device cpu,
@@ -476,7 +499,7 @@ def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len:
     if not 0 < safety <= 1:
         raise ValueError("safety must be in (0, 1]")
     est = estimate_memory(split, rt, batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum,
-                          max_grad_norm=max_grad_norm)
+                          max_grad_norm=max_grad_norm, padded=padded)
     if est.device_type == "cuda" and gpu_free_bytes is None:
         gpu_free_bytes = query_gpu_free_bytes(rt)
     if host_available_bytes is None:
@@ -486,14 +509,15 @@ def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len:
     if not short:
         return est
     options = suggest(split, rt, budget, batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum,
-                      max_grad_norm=max_grad_norm)
+                      max_grad_norm=max_grad_norm, padded=padded)
     raise InsufficientMemoryError(_message(rt, est, short, options, batch_size, seq_len, grad_accum, safety),
                                   est, options)
 
 
 def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int,
                          grad_accum: int = 1, max_grad_norm: float | None = None,
-                         gpu_free_bytes: int | None = None, safety: float = 0.9) -> RuntimeConfig:
+                         gpu_free_bytes: int | None = None, safety: float = 0.9,
+                         padded: bool = True) -> RuntimeConfig:
     """Resolve slide mode's memory-dependent autos: cache_units=-1, vocab_update=auto,
     grad_slot_dtype=auto and device_layers=-1.
 
@@ -529,7 +553,7 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
 
     def fits(candidate: RuntimeConfig) -> bool:
         est = estimate_memory(split, candidate, batch_size=batch_size, seq_len=seq_len,
-                              grad_accum=grad_accum, max_grad_norm=max_grad_norm)
+                              grad_accum=grad_accum, max_grad_norm=max_grad_norm, padded=padded)
         return est.gpu_bytes <= safety * free
 
     chosen = next((c for cache_units in cache_options for vocab in vocab_options for grad_dtype in dtype_options
@@ -581,7 +605,7 @@ def _fmt_flag(name: str, value) -> str:
 
 
 def suggest(split: SplitModel, rt: RuntimeConfig, budget: _Budget, *, batch_size: int, seq_len: int,
-            grad_accum: int, max_grad_norm: float | None, limit: int = 8) -> list[str]:
+            grad_accum: int, max_grad_norm: float | None, limit: int = 8, padded: bool = True) -> list[str]:
     """Changes that fit per the estimate, cheapest first; each a line of CLI flags + the result.
 
     Each candidate change is tried at the current micro-batch; where it does not fit, the
@@ -600,7 +624,7 @@ def suggest(split: SplitModel, rt: RuntimeConfig, budget: _Budget, *, batch_size
                 ch["vocab_update"] = "host"       # nor update the vocabulary on the device
         try:
             est = estimate_memory(split, dataclasses.replace(rt, **ch) if ch else rt, batch_size=B,
-                                  seq_len=seq_len, grad_accum=accum, max_grad_norm=clip)
+                                  seq_len=seq_len, grad_accum=accum, max_grad_norm=clip, padded=padded)
         except ValueError:
             return None
         return est if budget.fits(est) else None
