@@ -144,3 +144,20 @@ def test_measured_step_includes_the_work_left_in_the_background(monkeypatch):
     measured = [s for s in r["steps"] if not s["warmup"]]
     assert 0.065 < r["step_s_mean"] < 0.2 and all(s["wall_s"] > 0.065 for s in measured)
     assert all(s["wall_s"] >= s["call_s"] for s in r["steps"])
+
+
+def test_measure_refuses_what_does_not_fit_before_building(monkeypatch):
+    """A slide run the fit check refuses ends as status "refused" with the check's message (what is
+    short, the options that fit) before the engine allocates anything; check_memory=False skips it."""
+    from slidetune.engine.fit import ENV_HOST_MEMORY
+    import slidetune.bench.measure as M
+    built = []
+    real_build = M.build_engine
+    monkeypatch.setattr(M, "build_engine", lambda *a, **k: (built.append(1), real_build(*a, **k))[1])
+    monkeypatch.setenv(ENV_HOST_MEMORY, str(64 * 2**20))          # a 64 MiB host
+    spec = MeasureSpec(model="tiny-llama", seq_len=16, batch_size=2, steps=1, warmup=0,
+                       runtime=dict(device="cpu", mode="slide"))
+    r = measure(spec)
+    assert r["status"] == "refused" and "host RAM" in r["error"] and not built
+    monkeypatch.delenv(ENV_HOST_MEMORY)
+    assert measure(spec)["status"] == "ok" and built

@@ -42,6 +42,10 @@ class MeasureSpec:
     profile: bool = False            # one extra profiled step -> trace summary
     gpu_memory_limit_gib: float | None = None
     seed: int = 0
+    # slide: refuse (status "refused", the fit check's message) what engine.fit says does not
+    # fit, before anything large is allocated: a host that runs out of RAM may take more than
+    # this process with it, and the OOM killer leaves no message
+    check_memory: bool = True
 
 
 def synthetic_batches(vocab: int, batch: int, seq: int, n: int, seed: int) -> list[Batch]:
@@ -120,6 +124,15 @@ def measure(spec: MeasureSpec) -> dict:
         rt = choose_auto_settings(loaded.split, rt, batch_size=spec.batch_size, seq_len=spec.seq_len,
                                   grad_accum=spec.grad_accum, max_grad_norm=spec.max_grad_norm, gpu_free_bytes=free,
                                   padded=False)
+        if spec.check_memory:
+            from ..engine.fit import InsufficientMemoryError, check_fit
+            try:
+                check_fit(loaded.split, rt, batch_size=spec.batch_size, seq_len=spec.seq_len,
+                          grad_accum=spec.grad_accum, max_grad_norm=spec.max_grad_norm, gpu_free_bytes=free,
+                          padded=False)
+            except InsufficientMemoryError as e:
+                return {"spec": asdict(spec), "machine": machine_info(), "runtime": asdict(rt),
+                        "status": "refused", "error": str(e)}
     timer = EventTimer(device, enabled=spec.per_layer)
     engine = build_engine(loaded, rt, AdamWConfig(lr=spec.lr), device, grad_accum=spec.grad_accum,
                           max_grad_norm=spec.max_grad_norm, timer=timer)
