@@ -211,6 +211,20 @@ def test_longest_sequence_search_reports_the_largest_that_trains(tmp_path, monke
     logged = [json.loads(line) for line in (out / "max_seq_probes.jsonl").read_text().splitlines()]
     assert [(r["seq_len"], r["status"]) for r in logged if r["model"] == "tiny-llama"] == \
         [(32, "ok"), (64, "ok"), (128, "oom"), (96, "ok"), (112, "oom")]
+    # a search cut short resumes from its log: the logged probes are not run again
+    partial = tmp_path / "partial.jsonl"
+    partial.write_text("\n".join(json.dumps(r) for r in logged[:3]) + "\n")
+    seen.clear()
+    out2 = throughput.run(_args(throughput, ["--smoke", "--out", str(tmp_path / "again"), "--models", "tiny-llama",
+                                             "--systems", "slide", "--no-floor", "--max-seq",
+                                             "--max-seq-known", str(partial)]))
+    assert [s for _, b, s in seen if b == 1] == [96, 112]
+    (row,) = read_csv(out2 / "max_seq.csv")
+    assert int(row["max_seq"]) == 96
+    assert "64: yes (earlier call)" in (out2 / "report.md").read_text()
+    relogged = [json.loads(line) for line in (out2 / "max_seq_probes.jsonl").read_text().splitlines()]
+    assert [(r["seq_len"], r.get("reused", False)) for r in relogged] == \
+        [(32, True), (64, True), (128, True), (96, False), (112, False)]
 
 
 # ------------------------------------------------------------------ techniques: partial results, resume

@@ -170,6 +170,10 @@ def train(cfg: TrainConfig) -> TrainSummary:
     if cfg.runtime.vocab_update == "auto" and cfg.runtime.mode == "slide":
         print(f"vocab_update auto -> {runtime.vocab_update}"
               + (" (embedding and head updated on the GPU)" if runtime.vocab_update == "device" else ""))
+    if cfg.runtime.device_layers == -1 and cfg.runtime.mode == "slide":
+        print(f"device_layers auto -> {max(0, runtime.device_layers)}"
+              + (f" (decoder layers 0-{runtime.device_layers - 1} kept and updated on the GPU)"
+                 if runtime.device_layers > 0 else ""))
     if cfg.check_memory:
         # Before the data is tokenized and before the engine allocates anything.
         check_fit(loaded.split, runtime,

@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also find the longest trainable sequence at batch 1 (slide with --runtime): doubling "
                         "then bisection over multiples of --seq-granule, each probe its own process, OOM caught")
     p.add_argument("--seq-granule", type=int, default=1024)
+    p.add_argument("--max-seq-known", default=None,
+                   help="max_seq_probes.jsonl of an earlier search (e.g. a device call that ran out of time): "
+                        "its probes are taken as measured and not run again")
     p.add_argument("--max-seq-start", type=int, default=8192)
     p.add_argument("--timeout", type=float, default=3600)
 
@@ -102,7 +105,8 @@ def run(args: argparse.Namespace) -> Path:
     if args.max_seq:
         granule, start = (16, 32) if args.smoke else (args.seq_granule, args.max_seq_start)
         for model in models:
-            found = longest_sequence(model, layers, dev, args, granule, start, probe_log=out / "max_seq_probes.jsonl")
+            found = longest_sequence(model, layers, dev, args, granule, start, probe_log=out / "max_seq_probes.jsonl",
+                                     known_log=Path(args.max_seq_known) if args.max_seq_known else None)
             raw.append({"key": f"{model}/max-seq", "system": "slide", **found})
             print(f"[throughput] {model} longest trainable sequence at batch 1: {found['max_seq']} tokens "
                   f"(probes: {found['probes']})", flush=True)
@@ -152,10 +156,11 @@ def _as_measured(r: dict, system: str, model: str, batch: int, seq: int, warmup:
 
 
 def longest_sequence(model: str, layers: int | None, dev: str, args, granule: int, start: int,
-                     probe_log: Path | None = None) -> dict:
+                     probe_log: Path | None = None, known_log: Path | None = None) -> dict:
     """Largest multiple of `granule` that trains at batch 1 in slide mode (--runtime options),
     capped by the model's context. Each probe is one step in its own process; an OOM, a
-    refused fit check or a killed process counts as "does not train"."""
+    refused fit check or a killed process counts as "does not train". Probes of this model in
+    `known_log` (an earlier search's probe log) count as run: a search split over calls."""
     from ...models.presets import preset_config
     from .techniques import find_max_batch
     try:
@@ -163,6 +168,16 @@ def longest_sequence(model: str, layers: int | None, dev: str, args, granule: in
     except Exception:  # noqa: BLE001 - not a preset: no known cap
         cap = None
     runs: dict[int, dict] = {}
+    known: dict[int, bool] = {}
+    if known_log is not None:
+        for line in known_log.read_text().splitlines():
+            r = json.loads(line) if line.strip() else {}
+            if r.get("model") == model and r["seq_len"] % granule == 0:
+                known[r["seq_len"] // granule] = r.get("status") == "ok"
+                runs[r["seq_len"]] = {**{k: v for k, v in r.items() if k not in ("model", "seq_len")}, "reused": True}
+                if probe_log is not None:        # the new log holds the whole search
+                    with open(probe_log, "a") as f:
+                        f.write(json.dumps({**r, "reused": True}) + "\n")
 
     def probe(k: int) -> bool:
         seq = k * granule
@@ -175,9 +190,10 @@ def longest_sequence(model: str, layers: int | None, dev: str, args, granule: in
                 f.write(json.dumps({"model": model, "seq_len": seq, **runs[seq]}) + "\n")
         return r.get("status") == "ok"
 
-    best, history = find_max_batch(probe, start=max(1, start // granule), cap=cap)
+    best, history = find_max_batch(probe, start=max(1, start // granule), cap=cap, known=known)
     return {"model": model, "max_seq": best * granule, "granule": granule,
             "context_cap": None if cap is None else cap * granule,
+            "reused_probes": sorted((k * granule, ok) for k, ok in known.items()),
             "probes": [(k * granule, ok) for k, ok in history], "runs": runs}
 
 
@@ -325,8 +341,9 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
                   "an OOM or a refused fit check is a failure. Capped by the model's context.", "",
                   "| model | longest sequence | context | probes (sequence: trains?) |", "|---|---|---|---|"]
         for r in searches:
-            lines.append(f"| {r['model']} | {r['max_seq']} | {r['context_cap']} | "
-                         + ", ".join(f"{q}: {'yes' if ok else 'no'}" for q, ok in r["probes"]) + " |")
+            probes = [f"{q}: {'yes' if ok else 'no'} (earlier call)" for q, ok in r.get("reused_probes", [])]
+            probes += [f"{q}: {'yes' if ok else 'no'}" for q, ok in r["probes"]]
+            lines.append(f"| {r['model']} | {r['max_seq']} | {r['context_cap']} | " + ", ".join(probes) + " |")
         lines.append("")
         O.write_csv(out / "max_seq.csv", [{k: r[k] for k in ("model", "max_seq", "granule", "context_cap")}
                                           for r in searches], None, machine)
