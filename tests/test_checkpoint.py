@@ -138,6 +138,31 @@ def test_resume_is_exact(tmp_path, engines, mode, variant):
     assert_close(optim(resumed), ref_optim)
 
 
+@pytest.mark.parametrize("saved,resumed", [("device", "host"), ("host", "device")])
+def test_resume_across_placements(tmp_path, engines, saved, resumed):
+    """A checkpoint does not depend on where the state lived: saved with the lowest layers and the
+    vocabulary updated on the device and resumed with everything on the host (device_layers auto
+    can resolve differently on another GPU), or the other way, the run goes on as if uninterrupted."""
+    placement = {"device": {"device_layers": 2, "vocab_update": "device", "cache_units": 0},
+                 "host": {"device_layers": 0, "vocab_update": "host"}}
+    ref = engines(runtime=placement[saved])
+    ref_losses = train(ref, range(4))
+    ref_masters, ref_optim = masters(ref), optim(ref)
+    first = engines(runtime=placement[saved])
+    losses = train(first, range(2))
+    ckpt = save_checkpoint(first, checkpoint_dir(tmp_path, 2), step=2)
+    shut(first)
+    other = engines(runtime=placement[resumed], seed=99)
+    load_checkpoint(other, ckpt)
+    assert [u.on_device for u in other.units][1] is (resumed == "device")
+    losses += train(other, range(2, 4))
+    assert max(abs(a - b) / abs(a) for a, b in zip(losses, ref_losses)) <= 1e-6, (losses, ref_losses)
+    for got, want in ((masters(other), ref_masters), (optim(other), ref_optim)):
+        assert got.keys() == want.keys()
+        for k in got:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-9, msg=k)
+
+
 def test_rng_states_are_restored(tmp_path, engines):
     eng = engines()
     torch.manual_seed(3)
