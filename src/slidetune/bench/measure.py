@@ -61,8 +61,9 @@ def synthetic_batches(vocab: int, batch: int, seq: int, n: int, seed: int) -> li
 
 def step_timeline(gpu_spans, host_spans, t0: float, t1: float) -> list[list]:
     """One step as Gantt rows [lane, what, unit, start_ms, end_ms] relative to its start `t0`:
-    the GPU's per-layer spans (lane "gpu", what = phase) and the host threads' spans (lane =
-    thread), clipped to [t0, t1]. GPU spans without a host-clock position are left out."""
+    the GPU's per-layer spans (lane "gpu", what = phase; pass the previous step's too, whose
+    backward runs into this interval) and the host threads' spans (lane = thread), clipped to
+    [t0, t1]. GPU spans without a host-clock position are left out."""
     rows = []
     for s in gpu_spans:
         if s.start_s is not None and s.end_s > t0 and s.start_s < t1:
@@ -181,20 +182,26 @@ def measure(spec: MeasureSpec) -> dict:
                         device.allocator_counters(), gc_pauses.take()))
         last_measured = total_steps - 1 if spec.steps > 0 else -1
         before = alloc_before
+        prev_spans: list = []
         for k, start, t, t_end, res, pending, host_spans, mem_points, alloc, gcs in raw:
             # allocator events of this step (cumulative counters differenced), and GC pauses
             alloc_step = {key: v - before.get(key, 0) for key, v in alloc.items()}
             before = alloc
             spans = timer.resolve(pending)
+            # train_step returns once its head's loss is out, with its backward still queued on
+            # the GPU: the first part of the next interval is that backward. What the GPU does in
+            # [start, t_end] is this step's spans and the previous step's (both clipped to it).
+            in_interval = prev_spans + spans
+            prev_spans = spans
             if k == last_measured and (host_spans or spans):
                 # the last measured step, every thread and the GPU on one clock (a Gantt chart)
                 result["step_timeline"] = {"step": k, "step_ms": (t_end - start) * 1e3,
-                                           "rows": step_timeline(spans, host_spans, start, t_end)}
+                                           "rows": step_timeline(in_interval, host_spans, start, t_end)}
             host, overlap = {}, {}
             if timeline is not None:
                 from ..telemetry.host_timeline import overlap_report, summarize
                 host = summarize(host_spans, start, t_end)
-                gpu = [(s.start_s, s.end_s) for s in spans if s.start_s is not None]
+                gpu = [(s.start_s, s.end_s) for s in in_interval if s.start_s is not None]
                 if gpu:
                     overlap = overlap_report(gpu, host_spans, start, t_end)
             steps.append({"step": k, "warmup": k < spec.warmup, "wall_s": t_end - start, "call_s": t_end - t,
