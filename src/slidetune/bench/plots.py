@@ -118,7 +118,7 @@ def plot_memory_timeline(mem: list[dict], path: Path) -> Path:
         ticks = _phase_ticks(longest)
         ax.set_xticks([t for t, _ in ticks])
         ax.set_xticklabels([lab for _, lab in ticks], rotation=45, ha="right", fontsize=7)
-        ax.legend(fontsize=7)
+        _legend(ax)
     return _save(fig, path)
 
 
@@ -152,7 +152,7 @@ def plot_layers(layers: list[dict], path: Path,
         ax.set_title(f"{phase} per layer (mean, 95% t CI)")
         ax.set_ylabel("ms")
         if by:
-            ax.legend(fontsize=7)
+            _legend(ax)
         else:
             ax.text(0.5, 0.5, "no spans of this phase", ha="center", va="center", transform=ax.transAxes)
     axes[-1, 0].set_xlabel("decoder layer")
@@ -176,7 +176,7 @@ def plot_layer_delta(layers: list[dict], baseline: str, path: Path, top_k: int =
     ax.set_xlabel("decoder layer")
     ax.set_ylabel("ms")
     ax.set_title(f"Per-layer total time delta vs {baseline}")
-    ax.legend(fontsize=7)
+    _legend(ax)
     return _save(fig, path)
 
 
@@ -192,7 +192,7 @@ def plot_step_times(steps: list[dict], baseline: str | None, path: Path) -> Path
         axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=name)
     axes[0].set_ylabel("step wall (ms)")
     axes[0].set_title("Step wall time (measured steps)")
-    axes[0].legend(fontsize=7)
+    _legend(axes[0])
     base = dict(by.get(baseline, [])) if baseline else {}
     for name, pts in by.items():
         if name == baseline or not base:
@@ -203,8 +203,7 @@ def plot_step_times(steps: list[dict], baseline: str | None, path: Path) -> Path
     axes[1].set_ylabel("delta (ms)")
     axes[1].set_xlabel("step")
     axes[1].set_title(f"Delta vs {baseline}" if baseline else "no baseline")
-    if base:
-        axes[1].legend(fontsize=7)
+    _legend(axes[1])
     return _save(fig, path)
 
 
@@ -225,7 +224,7 @@ def plot_pareto(summary: list[dict], path: Path) -> Path:
     front.sort()
     if len(front) > 1:
         ax.plot([p[0] for p in front], [p[1] for p in front], "k--", lw=0.8, label="Pareto front")
-        ax.legend(fontsize=7)
+        _legend(ax)
     ax.set_xlabel("step time (s, mean)")
     ax.set_ylabel(label)
     ax.set_title("Memory vs time")
@@ -244,7 +243,7 @@ def plot_head(summary: list[dict], path: Path) -> Path:
     ax.set_xticklabels(names, rotation=30, ha="right")
     ax.set_ylabel("ms per step")
     ax.set_title("Output layer time")
-    ax.legend(fontsize=7)
+    _legend(ax)
     return _save(fig, path)
 
 
@@ -278,6 +277,12 @@ _PHASE_COLORS = {"forward": "tab:blue", "recompute": "tab:cyan", "backward": "ta
 def _unit_tag(unit: str) -> str:
     """'layer.12' -> '12', 'embed' -> 'E', 'head' -> 'H' (labels inside the bars)."""
     return unit.split(".", 1)[1] if unit.startswith("layer.") else unit[:1].upper()
+
+
+def _legend(ax) -> None:
+    """A legend where something on the axes has a label (a one-config run has no deltas to name)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
 
 
 def plot_step_timeline(rows: list[dict], path: Path, title: str) -> Path:
