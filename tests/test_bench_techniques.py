@@ -437,6 +437,11 @@ def test_floor_terms_count_only_what_the_host_updates():
     assert placed["h2d_s"] == pytest.approx(2 * P / (50 * gib))          # the one host layer, once
     everything = floor_terms(_COMP, _COPY, _ADAMW, Placement(device_layers=L, vocab_on_device=True))
     assert everything["adamw_s"] == everything["d2h_s"] == everything["h2d_s"] == 0
+    # the GPU's AdamW of the units updated there runs on the compute stream: it adds to compute
+    rate = {"device_adamw_params_per_s": 1e10}
+    placed_dev = floor_terms(_COMP, _COPY, _ADAMW, Placement(device_layers=3, vocab_on_device=True), rate)
+    assert placed_dev["compute_s"] == pytest.approx(1.0 + (3 * P + V) / 1e10)
+    assert floor_terms(_COMP, _COPY, _ADAMW, Placement(), rate)["compute_s"] == 1.0
     rt = {"device_layers": 3, "vocab_update": "device", "cache_units": 0}
     assert Placement.of_runtime(rt) == Placement(device_layers=3, vocab_on_device=True, resident=True)
     assert Placement.of_runtime({"device_layers": -1, "vocab_update": "auto", "cache_units": 3}) == Placement()

@@ -184,8 +184,9 @@ def test_device_layers_stay_on_the_device_and_never_reach_the_host(monkeypatch):
 
 def test_device_updates_widen_compute_dtype_gradients_chunk_by_chunk():
     """Units updated on the device with BF16 gradient slots: the gradient is widened a chunk at a
-    time into one preallocated FP32 buffer, and the trajectory is bit-identical to FP32 gradient
-    slots (where the slot copy itself widens, exactly, and the update takes the whole unit)."""
+    time into one preallocated FP32 buffer, and the trajectory matches FP32 gradient slots (where
+    the slot copy itself widens, exactly, and the update takes the whole unit) to FP32 rounding
+    (torch's vectorized CPU loop may round a range's unaligned tail its own way)."""
     cfg = tiny_config("llama", tied=False, vocab_size=4 * VOCAB, layers=2)     # a vocabulary of several chunks
     loaded = LoadedModel("tiny", SplitModel(skeleton(cfg)), RandomInit(1, std=0.1, bias_std=0.1), None)
     finals = {}
@@ -206,7 +207,7 @@ def test_device_updates_widen_compute_dtype_gradients_chunk_by_chunk():
         finally:
             engine.close()
     for name, t in finals["compute"].items():
-        torch.testing.assert_close(t, finals["fp32"][name], rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(t, finals["fp32"][name], rtol=1e-6, atol=1e-9, msg=name)
 
 
 def test_units_kept_on_the_device_are_built_there_without_host_state():

@@ -191,3 +191,26 @@ def test_the_kernel_lets_go_of_the_gil():
         sys.setswitchinterval(interval)
     share = during / (alone * call_s[0])
     assert share > 0.2, f"a Python thread ran at {share:.0%} of its rate while the kernel ran"
+
+
+@pytest.mark.parametrize("chunk", [1000, 4096, 10_000])
+def test_update_widened_matches_a_whole_fp32_gradient(chunk):
+    """FlatAdamW.update_widened (the device units' update: a BF16 gradient widened a chunk at a time
+    into a scratch) matches update() with the gradient widened whole, across the decay boundary and
+    with a last partial chunk; torch's kernel on both sides. To FP32 rounding, not bit for bit:
+    torch's vectorized CPU loop rounds a range's unaligned tail elements its own way."""
+    n, n_decay = 9_000, 5_500
+    g = torch.Generator().manual_seed(0)
+    grad = torch.randn(n, generator=g).to(torch.bfloat16)
+    start = torch.randn(n, generator=g)
+    a, b = start.clone(), start.clone()
+    opt_a = FlatAdamW(a, n_decay, AdamWConfig(weight_decay=0.1), kernel="torch")
+    opt_b = FlatAdamW(b, n_decay, AdamWConfig(weight_decay=0.1), kernel="torch")
+    scratch = torch.empty(chunk)
+    for _ in range(3):
+        opt_a.begin_step()
+        opt_a.update_widened(grad, 1e-3, scratch)
+        opt_b.begin_step()
+        opt_b.update(grad.float(), 1e-3)
+    for got, want in ((a, b), (opt_a.exp_avg, opt_b.exp_avg), (opt_a.exp_avg_sq, opt_b.exp_avg_sq)):
+        torch.testing.assert_close(got, want, rtol=2e-7, atol=0)

@@ -7,7 +7,8 @@ bandwidth, parameters / CPU AdamW rate). Each term is measured here, not assumed
   copies   pinned <-> device bandwidth each way and both at once (1 GiB transfers);
   AdamW    the host AdamW over a flat FP32 tensor, params/s at the current thread count,
            through the engine's kernel (RuntimeConfig.host_adamw), on BF16 gradients
-           (grad_download=compute, the default) or FP32 ones.
+           (grad_download=compute, the default) or FP32 ones; and the GPU's AdamW of the units
+           updated there (vocab_update=device, device_layers), added to compute.
 """
 from __future__ import annotations
 
@@ -103,6 +104,21 @@ def probe_adamw(n: int = 128 * 2**20, steps: int = 11, grad_download: str = "com
     return out
 
 
+def probe_device_adamw(n: int = 64 * 2**20, chunk: int = 64 * 2**20) -> dict:
+    """The GPU's AdamW as the slide engine runs it for units updated on the device (FlatAdamW
+    over an FP32 master, BF16 gradient widened a chunk at a time): params/s, median of 5."""
+    dev = torch.device("cuda")
+    master = torch.randn(n, device=dev)
+    grad = torch.randn(n, device=dev).to(torch.bfloat16)
+    scratch = torch.empty(min(chunk, n), device=dev)
+    opt = FlatAdamW(master, n, AdamWConfig(weight_decay=0.1))
+
+    def step():
+        opt.begin_step()
+        opt.update_widened(grad, 1e-5, scratch)
+    return {"device_adamw_params_per_s": n / _time_cuda(step)}
+
+
 def probe_compute(model: str, batch: int, seq: int, num_layers: int | None = None,
                   head_impl: str = "chunked", head_chunk_tokens: int = 4096, compile_layers: bool = False) -> dict:
     """Times of one resident layer and of head/embedding, in bf16 on the GPU.
@@ -190,22 +206,27 @@ class Placement:
                    resident=slots == 0, cache_units=slots if slots >= 2 else 3)
 
 
-def floor_terms(comp: dict, copy: dict, adamw: dict, placement: Placement = Placement()) -> dict:
+def floor_terms(comp: dict, copy: dict, adamw: dict, placement: Placement = Placement(),
+                device_adamw: dict | None = None) -> dict:
     """The floor's terms (seconds) for a placement, from the probes' results.
 
     Only host-updated units cost host AdamW, D2H (BF16 gradients, 2 B/param) and uploads
     (BF16 weights). Uploads: resident host layers once a step; a window twice (forward and
     backward) except the `cache_units` still resident at the turn; host vocabulary units once.
-    The GPU-side AdamW of device-updated units (~26 B/param at HBM speed, ~13 ms for 8
-    Qwen3-8B layers) is not a probed term and is left out of compute_s."""
+    Units updated on the GPU run their AdamW on the compute stream: with `device_adamw` (the
+    probe_device_adamw rate) it is added to compute_s (~26 B/param at HBM speed; the engine's
+    optimizer_device spans were 38 ms a step for a Qwen3-4B with every unit there)."""
     L, P_L, vocab = comp["num_layers"], comp["layer_params"], comp["vocab_params"]
     host_layers = L - min(L, placement.device_layers)
     host_vocab = 0 if placement.vocab_on_device else vocab
     host_params = P_L * host_layers + host_vocab
+    device_params = P_L * (L - host_layers) + (vocab - host_vocab)
     uploads = host_layers if placement.resident else max(host_layers, 2 * host_layers - placement.cache_units)
+    device_update_s = device_params / device_adamw["device_adamw_params_per_s"] if device_adamw and device_params \
+        else 0.0
     gib = 2**30
     return {
-        "compute_s": comp["compute_s"],
+        "compute_s": comp["compute_s"] + device_update_s,
         "h2d_s": 2 * (P_L * uploads + host_vocab) / (copy["h2d_gib_s"] * gib),
         "d2h_s": 2 * host_params / (copy["d2h_gib_s"] * gib),
         "adamw_s": host_params / adamw["adamw_params_per_s"],
@@ -223,4 +244,4 @@ def floor(model: str, batch: int, seq: int, num_layers: int | None = None, cache
     terms = floor_terms(comp, copy, adamw, Placement(cache_units=cache_units))
     bound = max(terms, key=terms.get)
     return {"floor_s": terms[bound], "bound_by": bound, "terms": terms, "copy": copy, "adamw": adamw,
-            "compute": comp, "tokens_per_step": batch * seq}
+            "compute": comp, "device_adamw": probe_device_adamw(), "tokens_per_step": batch * seq}

@@ -78,6 +78,17 @@ class FlatAdamW:
                 [self.step_count], lr=lr, beta1=self.cfg.beta1, beta2=self.cfg.beta2,
                 weight_decay=wd, eps=self.cfg.eps, amsgrad=False, maximize=False)
 
+    def update_widened(self, grad: torch.Tensor, lr: float, scratch: torch.Tensor) -> None:
+        """update() over the whole master from a compute-dtype gradient [numel], widened to FP32 a
+        chunk at a time into `scratch` (FP32, any length), so no gradient-sized FP32 copy is
+        allocated: what the slide engine does for units updated on the GPU."""
+        n, chunk = grad.numel(), scratch.numel()
+        for lo in range(0, n, chunk):
+            hi = min(n, lo + chunk)
+            widened = scratch[: hi - lo]                     # [hi - lo] fp32
+            widened.copy_(grad[lo:hi])
+            self.update(widened, lr, start=lo)
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "step": self.step_count}
 

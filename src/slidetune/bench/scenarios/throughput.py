@@ -268,7 +268,8 @@ def _row(system, model, batch, seq, r, fpt, fl) -> dict:
         if system == "slide" and r.get("runtime") and not fl.get("partial"):
             # the floor of the placement this run resolved to: units updated on the GPU cost the
             # host neither AdamW nor copies (the probe's floor assumes every unit on the host)
-            terms = floor_terms(fl["compute"], fl["copy"], fl["adamw"], Placement.of_runtime(r["runtime"]))
+            terms = floor_terms(fl["compute"], fl["copy"], fl["adamw"], Placement.of_runtime(r["runtime"]),
+                                device_adamw=fl.get("device_adamw"))
             bound = max(terms, key=terms.get)
             floor_s = terms[bound]
         row.update(floor_s=floor_s, floor_bound_by=bound, floor_partial=fl.get("partial"))

@@ -310,11 +310,7 @@ class SlideEngine:
                 # preallocated buffer, not a unit-sized FP32 copy allocated every step (2.5 GB
                 # for a 152K-vocabulary matrix, asked of an allocator the auto settings have
                 # filled to 90% of the GPU)
-                for lo in range(0, n, self.chunk):
-                    hi = min(n, lo + self.chunk)
-                    widened = self.device_grad32[: hi - lo]    # [hi - lo] fp32
-                    widened.copy_(grad[lo:hi])
-                    unit.opt.update(widened, lr, start=lo)
+                unit.opt.update_widened(grad, lr, self.device_grad32)
             unit.bump_version()
             self._refresh_from_device_master(unit_index, self.own_slots[unit_index])
         gslot.free = done_future(None)
