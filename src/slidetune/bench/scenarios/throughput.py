@@ -169,25 +169,28 @@ def longest_sequence(model: str, layers: int | None, dev: str, args, granule: in
         cap = None
     runs: dict[int, dict] = {}
     known: dict[int, bool] = {}
+
+    def record(seq: int, run: dict) -> None:
+        """A probe's result, logged as soon as it is known (reused ones too: the new log holds the
+        whole search), so a search cut short still leaves its probes."""
+        runs[seq] = run
+        if probe_log is not None:
+            with open(probe_log, "a") as f:
+                f.write(json.dumps({"model": model, "seq_len": seq, **run}) + "\n")
+
     if known_log is not None:
         for line in known_log.read_text().splitlines():
             r = json.loads(line) if line.strip() else {}
             if r.get("model") == model and r["seq_len"] % granule == 0:
                 known[r["seq_len"] // granule] = r.get("status") == "ok"
-                runs[r["seq_len"]] = {**{k: v for k, v in r.items() if k not in ("model", "seq_len")}, "reused": True}
-                if probe_log is not None:        # the new log holds the whole search
-                    with open(probe_log, "a") as f:
-                        f.write(json.dumps({**r, "reused": True}) + "\n")
+                record(r["seq_len"], {**{k: v for k, v in r.items() if k not in ("model", "seq_len")}, "reused": True})
 
     def probe(k: int) -> bool:
         seq = k * granule
         r = _run_system("slide", model, layers, 1, seq, 1, 0, dev, dev == "cuda", args)
-        runs[seq] = {key: r.get(key) for key in ("status", "error", "step_s_mean", "tokens_per_s",
-                                                 "gpu_peak_alloc_gib", "cpu_peak_rss_gib")}
+        record(seq, {key: r.get(key) for key in ("status", "error", "step_s_mean", "tokens_per_s",
+                                                 "gpu_peak_alloc_gib", "cpu_peak_rss_gib")})
         print(f"[throughput] {model} b1 s{seq}: {r.get('status')}", flush=True)
-        if probe_log is not None:      # each probe as it ends: a search cut short still leaves its probes
-            with open(probe_log, "a") as f:
-                f.write(json.dumps({"model": model, "seq_len": seq, **runs[seq]}) + "\n")
         return r.get("status") == "ok"
 
     best, history = find_max_batch(probe, start=max(1, start // granule), cap=cap, known=known)
