@@ -12,6 +12,26 @@
 # ends before the device tool's 600 s limit and returns what finished; a job's output goes to
 # $R/log_<job>.txt as well (a search cut short leaves its probe log there).
 set -u
+# --detach JOB...: run the jobs in the background on the warm machine, past this call's 600 s
+# (one sweep on one machine, up to its 30 minutes held): a snapshot of the tree in /tmp (a later
+# call re-sends the working tree, which must not change the code under a running sweep), its own
+# session (setsid: it outlives the call), results in /tmp/detached_out. --collect [WAIT_S] waits
+# until the sweep ends or WAIT_S passes (default 540) and copies what it has so far into $OUT.
+# Each collect call keeps the machine warm; give it back only after the last one.
+D=/tmp/detached_out
+if [ "${1:-}" = "--detach" ]; then
+  shift
+  rm -rf /tmp/slidetune_src $D && mkdir -p /tmp/slidetune_src $D && cp -a . /tmp/slidetune_src/
+  cd /tmp/slidetune_src && OUT=$D CALL_BUDGET_S=${CALL_BUDGET_S:-1380} \
+    setsid nohup bash -c 'bash benchmarks/scripts/device_call.sh "$@"; touch $OUT/DONE' _ "$@" > $D/sweep.log 2>&1 < /dev/null &
+  sleep 5; echo "[device_call] detached: $* (budget ${CALL_BUDGET_S:-1380} s)"; cat $D/sweep.log; exit 0
+fi
+if [ "${1:-}" = "--collect" ]; then
+  wait_s=${2:-540}; t0=$(date +%s)
+  while [ ! -f $D/DONE ] && [ $(( $(date +%s) - t0 )) -lt $wait_s ]; do sleep 5; done
+  cp $D/results.tar.gz $D/sweep.log $OUT/ 2>/dev/null; [ -f $D/DONE ] && echo "[device_call] sweep done" || echo "[device_call] sweep still running"
+  tail -40 $D/sweep.log; exit 0
+fi
 BUDGET=${CALL_BUDGET_S:-540}; START=$(date +%s)
 set -m     # job control: each job runs in its own process group, so the deadline ends all of it
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
