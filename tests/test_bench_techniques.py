@@ -195,7 +195,10 @@ def test_longest_sequence_search_reports_the_largest_that_trains(tmp_path, monke
     def fake_run(system, model, layers, batch, seq, steps, warmup, dev, cuda, args):
         seen.append((system, batch, seq))
         fits = seq <= 100
+        runtime = {"mode": "slide", "offload_activations": True, "gpu_checkpoints": 3, "cache_units": 3,
+                   "vocab_update": "device", "device_layers": 0}
         return {"status": "ok" if fits else "oom", "step_s_mean": 0.1 if fits else None,
+                "tokens_per_s": seq / 0.1 if fits else None, "runtime": runtime,
                 "error": None if fits else "CUDA out of memory"}
 
     monkeypatch.setattr(throughput, "_run_system", fake_run)
@@ -206,7 +209,11 @@ def test_longest_sequence_search_reports_the_largest_that_trains(tmp_path, monke
     assert [s for _, _, s in probes] == [32, 64, 128, 96, 112]      # doubling from 32, then bisection
     (row,) = read_csv(out / "max_seq.csv")
     assert row["model"] == "tiny-llama" and int(row["max_seq"]) == 96
-    assert "## Longest trainable sequence" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "## Longest trainable sequence" in report
+    # the longest probe's step, tokens/s and the placement its auto settings resolved to
+    (line,) = [x for x in report.splitlines() if x.startswith("| tiny-llama | 96 |")]
+    assert "0.1 s, 960," in line and "cache_units=3 vocab_update=device device_layers=0 gpu_checkpoints=3" in line
     # every probe is logged as it ends, so a search cut short keeps what it found
     logged = [json.loads(line) for line in (out / "max_seq_probes.jsonl").read_text().splitlines()]
     assert [(r["seq_len"], r["status"]) for r in logged if r["model"] == "tiny-llama"] == \

@@ -30,6 +30,8 @@ FAMILIES = {
 RUNS = {
     "slide-eager": ("slide", "eager", 1, None, False, {}),
     "slide-eager-offload": ("slide", "eager", 1, None, True, {"cache_units": 2}),
+    # the last two layers' checkpoints stay on the device, the first two are offloaded
+    "slide-eager-offload-2-kept": ("slide", "eager", 1, None, True, {"cache_units": 2, "gpu_checkpoints": 2}),
     "slide-deferred-accum4-clip-offload": ("slide", "deferred", 4, 0.5, True, {}),
     "slide-deferred-clip": ("slide", "deferred", 1, 0.5, False, {"grad_slots": 1}),
     # one GPU slot per layer: next-step weights uploaded as each update lands

@@ -23,6 +23,7 @@ GPU_RUNS = {
     # gradients widened to FP32 on the GPU's D2H stream, torch's fused AdamW on the host
     "slide-eager-fp32-download": ("slide", "eager", 1, None, False, {"grad_download": "fp32"}),
     "slide-eager-offload": ("slide", "eager", 1, None, True, {}),
+    "slide-eager-offload-2-kept": ("slide", "eager", 1, None, True, {"gpu_checkpoints": 2}),
     "slide-deferred-accum4-clip-offload": ("slide", "deferred", 4, 0.5, True, {}),
     "slide-eager-cast-in-compute": ("slide", "eager", 1, None, False,
                                     {"upload_cast_stream": "compute", "grad_slot_dtype": "fp32"}),

@@ -32,6 +32,13 @@ def cuda_rt(**kw) -> RuntimeConfig:
 H100 = dict(gpu_free_bytes=80 * GiB, host_available_bytes=128 * GiB)
 
 
+def auto_with_ample_host(split: SplitModel, rt: RuntimeConfig, **kw) -> RuntimeConfig:
+    """choose_auto_settings where host RAM never binds: the speed-first choices alone (this
+    machine's own RAM must not decide what the GPU-side tests see)."""
+    from slidetune.engine.fit import choose_auto_settings
+    return choose_auto_settings(split, rt, host_available_bytes=1 << 50, **kw)
+
+
 def apply_option(line: str, rt: RuntimeConfig, batch_size: int, grad_accum: int, max_grad_norm):
     """Turn a suggested '--flag value ...  -> ...' line back into a configuration, through the real CLI parser."""
     import argparse
@@ -414,7 +421,7 @@ def test_head_estimate_matches_allocator_peak(dtype, impl, N, chunk):
 def test_auto_cache_units_keeps_every_layer_resident_only_when_it_fits():
     """cache_units=-1: one slot per layer (0) where the whole configuration then fits in the
     GPU's free memory, else the 3-slot window; CPU and non-slide modes are left alone."""
-    from slidetune.engine.fit import choose_auto_settings, estimate_memory
+    from slidetune.engine.fit import estimate_memory
     split = split_of("qwen3-8b")
     kw = dict(batch_size=16, seq_len=1024)
     rt = cuda_rt(mode="slide", grad_slot_dtype="compute")
@@ -425,25 +432,25 @@ def test_auto_cache_units_keeps_every_layer_resident_only_when_it_fits():
     extra_grad_slots = (
         dataclasses.replace(rt, cache_units=0).resolved_grad_slots(split.num_layers) - 3)
     assert resident - window == (split.num_layers - 3 + extra_grad_slots) * max(u.numel for u in split.layer_units) * 2
-    assert choose_auto_settings(split, rt, gpu_free_bytes=80 * GiB, **kw).cache_units == 0      # H100
-    assert choose_auto_settings(split, rt, gpu_free_bytes=24 * GiB, **kw).cache_units == 3      # a 24 GB card
+    assert auto_with_ample_host(split, rt, gpu_free_bytes=80 * GiB, **kw).cache_units == 0      # H100
+    assert auto_with_ample_host(split, rt, gpu_free_bytes=24 * GiB, **kw).cache_units == 3      # a 24 GB card
     cpu = RuntimeConfig(device="cpu", mode="slide")
-    assert choose_auto_settings(split, cpu, **kw).cache_units == 3
-    assert choose_auto_settings(split, cpu, **kw).grad_slot_dtype == "compute"
+    assert auto_with_ample_host(split, cpu, **kw).cache_units == 3
+    assert auto_with_ample_host(split, cpu, **kw).grad_slot_dtype == "compute"
     ckpt = cuda_rt(mode="ckpt")
-    assert choose_auto_settings(split, ckpt, gpu_free_bytes=80 * GiB, **kw) is ckpt
+    assert auto_with_ample_host(split, ckpt, gpu_free_bytes=80 * GiB, **kw) is ckpt
     pinned = cuda_rt(mode="slide", cache_units=4, grad_slot_dtype="compute", vocab_update="host", device_layers=0)
-    assert choose_auto_settings(split, pinned, gpu_free_bytes=80 * GiB, **kw) is pinned
+    assert auto_with_ample_host(split, pinned, gpu_free_bytes=80 * GiB, **kw) is pinned
 
 
 def test_auto_grad_slot_dtype_takes_fp32_after_resident_layers_where_it_fits():
     """grad_slot_dtype=auto: FP32 slots (2 B/param more per slot) only where everything then
     fits; resident layers are preferred to FP32 slots; cast_on=cpu keeps compute slots. Only with
     grad_download=fp32: with compute-dtype downloads (the default) the slots keep the compute dtype."""
-    from slidetune.engine.fit import choose_auto_settings, estimate_memory
+    from slidetune.engine.fit import estimate_memory
     split = split_of("llama-3.1-8b")
     kw = dict(batch_size=16, seq_len=1024)
-    default = choose_auto_settings(split, cuda_rt(mode="slide", vocab_update="host"), gpu_free_bytes=140 * GiB, **kw)
+    default = auto_with_ample_host(split, cuda_rt(mode="slide", vocab_update="host"), gpu_free_bytes=140 * GiB, **kw)
     assert (default.cache_units, default.grad_slot_dtype) == (0, "compute")
     rt = cuda_rt(mode="slide", vocab_update="host", grad_download="fp32")
     assert rt.grad_slot_dtype == "auto" and not rt.grad_slots_fp32()
@@ -460,13 +467,13 @@ def test_auto_grad_slot_dtype_takes_fp32_after_resident_layers_where_it_fits():
     assert r0_fp32 - r0_bf16 == (slots * P_L + vocab) * 2 - d2h_cast_staging
     for free, want in [(r0_fp32 / 0.9 + 1, (0, "fp32")), (r0_fp32 / 0.9 - 1, (0, "compute")),
                        (r3_fp32 / 0.9 + 1, (3, "fp32")) if r3_fp32 < r0_bf16 else (r0_bf16 / 0.9 + 1, (0, "compute"))]:
-        got = choose_auto_settings(split, rt, gpu_free_bytes=int(free), **kw)
+        got = auto_with_ample_host(split, rt, gpu_free_bytes=int(free), **kw)
         assert (got.cache_units, got.grad_slot_dtype) == want
-    tiny = choose_auto_settings(split, rt, gpu_free_bytes=1 * GiB, **kw)        # nothing fits: the lean one
+    tiny = auto_with_ample_host(split, rt, gpu_free_bytes=1 * GiB, **kw)        # nothing fits: the lean one
     assert (tiny.cache_units, tiny.grad_slot_dtype) == (3, "compute")
-    host_casts = choose_auto_settings(split, dataclasses.replace(rt, cast_on="cpu"), gpu_free_bytes=80 * GiB, **kw)
+    host_casts = auto_with_ample_host(split, dataclasses.replace(rt, cast_on="cpu"), gpu_free_bytes=80 * GiB, **kw)
     assert host_casts.grad_slot_dtype == "compute"
-    explicit = choose_auto_settings(split, dataclasses.replace(rt, cache_units=0, grad_slot_dtype="compute"),
+    explicit = auto_with_ample_host(split, dataclasses.replace(rt, cache_units=0, grad_slot_dtype="compute"),
                                     gpu_free_bytes=80 * GiB, **kw)
     assert (explicit.cache_units, explicit.grad_slot_dtype) == (0, "compute")
 
@@ -475,7 +482,7 @@ def test_auto_vocab_update_takes_the_device_where_it_fits_and_the_schedule_is_ea
     """vocab_update=auto: the embedding and head state (12 B/param) moves to the GPU after resident
     layers and before FP32 gradient slots, only where everything fits and only under the eager
     schedule; the host then holds 12 B/param less for them."""
-    from slidetune.engine.fit import choose_auto_settings, estimate_memory
+    from slidetune.engine.fit import estimate_memory
     from slidetune.engine.slide.host_store import BUILD_WORKERS
     split = split_of("llama-3.1-8b")
     kw = dict(batch_size=16, seq_len=1024)
@@ -500,13 +507,13 @@ def test_auto_vocab_update_takes_the_device_where_it_fits_and_the_schedule_is_ea
     for free, want in [(dev_fp32.gpu_bytes / 0.9 + 1, ("device", "fp32")),
                        (dev_bf16.gpu_bytes / 0.9 + 1, ("device", "compute")),
                        (host_fp32.gpu_bytes / 0.9 + 1, ("host", "fp32"))]:
-        got = choose_auto_settings(split, rt, gpu_free_bytes=int(free), **kw)
+        got = auto_with_ample_host(split, rt, gpu_free_bytes=int(free), **kw)
         assert (got.cache_units, got.vocab_update, got.grad_slot_dtype) == (0, *want)
-    clipped = choose_auto_settings(split, rt, gpu_free_bytes=140 * GiB, max_grad_norm=1.0, **kw)
+    clipped = auto_with_ample_host(split, rt, gpu_free_bytes=140 * GiB, max_grad_norm=1.0, **kw)
     assert clipped.vocab_update == "host"                 # deferred schedule: the host clips
     with pytest.raises(ValueError, match="vocab_update=device .* eager schedule"):
         estimate_memory(split, dataclasses.replace(rt, vocab_update="device"), max_grad_norm=1.0, **kw)
-    assert choose_auto_settings(split, RuntimeConfig(device="cpu", mode="slide"), **kw).vocab_update == "host"
+    assert auto_with_ample_host(split, RuntimeConfig(device="cpu", mode="slide"), **kw).vocab_update == "host"
 
 
 def test_plan_prints_the_estimate_and_the_resident_alternative(capsys):
@@ -568,17 +575,17 @@ def test_device_layers_move_their_state_from_host_to_gpu():
 def test_auto_device_layers_takes_as_many_as_fit():
     """device_layers=-1: after the other auto choices, the most layers whose state still fits in
     90% of the free GPU memory; none under the deferred schedule or on the CPU."""
-    from slidetune.engine.fit import choose_auto_settings, estimate_memory
+    from slidetune.engine.fit import estimate_memory
     split = split_of("qwen3-8b")
     kw = dict(batch_size=16, seq_len=1024)
     rt = cuda_rt(mode="slide", cache_units=0, vocab_update="device", grad_slot_dtype="compute", device_layers=-1)
     for k in (0, 5, 36):
         need = estimate_memory(split, dataclasses.replace(rt, device_layers=k), **kw).gpu_bytes
-        got = choose_auto_settings(split, rt, gpu_free_bytes=int(need / 0.9) + 1, **kw)
+        got = auto_with_ample_host(split, rt, gpu_free_bytes=int(need / 0.9) + 1, **kw)
         assert got.device_layers == k
     clipped = dataclasses.replace(rt, vocab_update="auto")       # the deferred schedule: neither on the GPU
-    assert choose_auto_settings(split, clipped, gpu_free_bytes=500 * GiB, max_grad_norm=1.0, **kw).device_layers == 0
-    assert choose_auto_settings(split, RuntimeConfig(device="cpu", mode="slide", device_layers=-1),
+    assert auto_with_ample_host(split, clipped, gpu_free_bytes=500 * GiB, max_grad_norm=1.0, **kw).device_layers == 0
+    assert auto_with_ample_host(split, RuntimeConfig(device="cpu", mode="slide", device_layers=-1),
                                 **kw).device_layers == 0
 
 
@@ -620,3 +627,71 @@ def test_unpadded_long_sequences_drop_the_s_squared_terms():
     working = "layer working set (peak phase)"
     # linear in S (but for the constant weight-gradient term of the peak phase)
     assert packed.gpu_parts[working] == pytest.approx(2 * half.gpu_parts[working], rel=0.01)
+
+
+def test_checkpoints_kept_on_the_gpu_leave_host_ram():
+    """gpu_checkpoints=k with offload: k checkpoints (plus the 2 in flight) on the GPU, L - k in
+    pinned host RAM; without offload every checkpoint is on the GPU whatever k says."""
+    split = split_of("llama-3.1-8b")
+    L, S = split.num_layers, 131072
+    ckpt = S * 4096 * 2                                     # [1, S, d] bf16: 1 GiB
+    kw = dict(batch_size=1, seq_len=S, padded=False)
+    rt = cuda_rt(mode="slide", offload_activations=True, cache_units=3, vocab_update="host", device_layers=0)
+    for k in (0, 8, L - 1, L):
+        est = estimate_memory(split, dataclasses.replace(rt, gpu_checkpoints=k), **kw)
+        assert est.gpu_parts["activation checkpoints"] == min(L, k + 2) * ckpt
+        assert est.host_parts.get("offloaded checkpoints", 0) == (L - k) * ckpt
+    base = estimate_memory(split, dataclasses.replace(rt, gpu_checkpoints=0), **kw)
+    eight = estimate_memory(split, dataclasses.replace(rt, gpu_checkpoints=8), **kw)
+    assert base.host_bytes - eight.host_bytes == base.pinned_bytes - eight.pinned_bytes == 8 * ckpt
+    assert estimate_memory(split, rt, **kw).host_bytes == base.host_bytes         # auto, unresolved: none kept
+    on_gpu = dataclasses.replace(rt, offload_activations=False, gpu_checkpoints=3)
+    assert estimate_memory(split, on_gpu, **kw).gpu_parts["activation checkpoints"] == L * ckpt
+    with pytest.raises(ValueError, match="gpu_checkpoints"):
+        RuntimeConfig(gpu_checkpoints=-2)
+
+
+def test_auto_settings_where_host_ram_binds_give_the_gpu_to_what_frees_the_host():
+    """Llama-3.1-8B, batch 1 x 128K tokens, offloaded checkpoints, on the H100 host (80 GiB GPU,
+    123 GiB of RAM available): the speed-first choices (every layer resident) need more host RAM
+    than there is; the host-bound choices (3-slot window, vocabulary and checkpoints on the GPU)
+    fit both. With RAM to spare the speed-first choices stand."""
+    from slidetune.engine.fit import check_fit, choose_auto_settings
+    split = split_of("llama-3.1-8b")
+    kw = dict(batch_size=1, seq_len=131072, max_grad_norm=0.0, padded=False)
+    rt = cuda_rt(mode="slide", offload_activations=True)
+    gpu, host = 80 * GiB, 123 * GiB
+    fastest = auto_with_ample_host(split, rt, gpu_free_bytes=gpu, **kw)
+    assert fastest.cache_units == 0
+    assert estimate_memory(split, fastest, **kw).host_bytes > 0.9 * host
+    got = choose_auto_settings(split, rt, gpu_free_bytes=gpu, host_available_bytes=host, **kw)
+    est = estimate_memory(split, got, **kw)
+    assert (got.cache_units, got.vocab_update) == (3, "device") and got.gpu_checkpoints > 0
+    assert est.host_bytes <= 0.9 * host and est.gpu_bytes <= 0.9 * gpu
+    # checkpoints before device layers: one more checkpoint would not fit on the GPU
+    assert estimate_memory(split, dataclasses.replace(got, gpu_checkpoints=got.gpu_checkpoints + 1),
+                           **kw).gpu_bytes > 0.9 * gpu
+    check_fit(split, got, gpu_free_bytes=gpu, host_available_bytes=host, **kw)      # does not raise
+    # a host far too small: the configuration with the least host RAM, which check_fit refuses
+    small = choose_auto_settings(split, rt, gpu_free_bytes=gpu, host_available_bytes=64 * GiB, **kw)
+    assert estimate_memory(split, small, **kw).host_bytes <= est.host_bytes
+    with pytest.raises(InsufficientMemoryError, match="host RAM"):
+        check_fit(split, small, gpu_free_bytes=gpu, host_available_bytes=64 * GiB, **kw)
+
+
+def test_auto_gpu_checkpoints_fill_what_device_layers_leave():
+    """With RAM to spare, checkpoints kept on the GPU come after device layers (those take work
+    off the host's AdamW; checkpoints only save PCIe and host RAM): as many as then fit."""
+    split = split_of("llama-3.1-8b")
+    kw = dict(batch_size=1, seq_len=8192, max_grad_norm=0.0, padded=False)
+    got = auto_with_ample_host(split, cuda_rt(mode="slide", offload_activations=True), gpu_free_bytes=80 * GiB, **kw)
+    assert got.device_layers > 0 and 0 < got.gpu_checkpoints <= split.num_layers
+
+    def gpu(**change):
+        return estimate_memory(split, dataclasses.replace(got, **change), **kw).gpu_bytes
+    assert gpu() <= 0.9 * 80 * GiB
+    if got.gpu_checkpoints < split.num_layers:
+        assert gpu(gpu_checkpoints=got.gpu_checkpoints + 1) > 0.9 * 80 * GiB
+    explicit = auto_with_ample_host(split, cuda_rt(mode="slide", offload_activations=True, gpu_checkpoints=0),
+                                    gpu_free_bytes=80 * GiB, **kw)
+    assert explicit.gpu_checkpoints == 0

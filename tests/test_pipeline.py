@@ -314,3 +314,22 @@ def test_deadline_order_waits_for_landed_copies_and_computed_gradients(monkeypat
     failed: Future = Future()
     failed.set_exception(RuntimeError("issue failed"))
     assert _landed(failed)                          # the host job runs and reports it
+
+
+def test_activation_store_keeps_the_last_layers_and_sizes_host_slots_exactly():
+    """keep_on_gpu=2 of 4: layers 2 and 3 are never copied to the host; the others get host
+    slots of exactly their size (not the pinned allocator's power of two), grown when a larger
+    micro-batch comes, and every checkpoint comes back bit for bit."""
+    store = activations.ActivationStore(Device.resolve("cpu"), num_layers=4, offload=True, keep_on_gpu=2)
+    xs = [torch.randn(1, 3, 5) for _ in range(4)]           # 15 elements: no power of two
+    for i, x in enumerate(xs):
+        store.save(i, x)
+    assert store.host[2] is None and store.host[3] is None
+    assert [store.host[i].numel() for i in (0, 1)] == [15, 15]
+    for i in reversed(range(4)):
+        assert torch.equal(store.load(i), xs[i])
+    bigger = torch.randn(2, 3, 5)
+    store.save(0, bigger)
+    assert store.host[0].numel() == 30 and torch.equal(store.load(0), bigger)
+    store.close()
+    assert store.host == [None] * 4

@@ -174,6 +174,10 @@ def train(cfg: TrainConfig) -> TrainSummary:
         print(f"device_layers auto -> {max(0, runtime.device_layers)}"
               + (f" (decoder layers 0-{runtime.device_layers - 1} kept and updated on the GPU)"
                  if runtime.device_layers > 0 else ""))
+    if cfg.runtime.gpu_checkpoints == -1 and cfg.runtime.offload_activations and cfg.runtime.mode == "slide":
+        kept = runtime.gpu_checkpoint_layers(loaded.split.num_layers)
+        print(f"gpu_checkpoints auto -> {kept}"
+              + (f" (the input checkpoints of the last {kept} decoder layers stay on the GPU)" if kept else ""))
     if cfg.check_memory:
         # Before the data is tokenized and before the engine allocates anything.
         check_fit(loaded.split, runtime,

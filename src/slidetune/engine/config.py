@@ -29,6 +29,15 @@ class RuntimeConfig:
     # the host gets to them, while the pinned ring carries the most urgent ones.
     grad_slots: int = 0
     offload_activations: bool = False  # layer-input checkpoints in pinned host memory
+    # With offload_activations: the input checkpoints of the last `gpu_checkpoints` decoder
+    # layers stay on the GPU. The backward reads those first, so it starts without waiting
+    # for a prefetch, and each is B x S x d compute-dtype bytes less of pinned host RAM and
+    # of PCIe each way (at batch 1 x 128K tokens an 8B layer's is 1 GiB: 32 GiB of host RAM
+    # for all of them, what bounds the longest sequence on a 128 GiB host). -1 (auto): as
+    # many as fit in GPU memory after the other auto choices, or, where host RAM is what
+    # does not fit, before them (engine.fit.choose_auto_settings); left unresolved (an engine
+    # built directly) it means 0: every checkpoint offloaded.
+    gpu_checkpoints: int = -1
     schedule: str = "auto"          # auto | eager | deferred (auto: eager unless accumulation/clipping)
     cast_on: str = "auto"           # auto | cpu | gpu: where FP32 <-> compute dtype conversions run (auto: gpu on CUDA)
     chunk_mb: int = 256             # cast/copy/update granularity (benchmarks/NOTES.md 7: 256 beat 64 by 4% on 8B layers)
@@ -136,6 +145,8 @@ class RuntimeConfig:
             raise ValueError(f"grad_download must be compute or fp32, not {self.grad_download!r}")
         if self.vocab_update not in ("auto", "host", "device"):
             raise ValueError(f"vocab_update must be auto, host or device, not {self.vocab_update!r}")
+        if self.gpu_checkpoints < -1:
+            raise ValueError(f"gpu_checkpoints must be >= 0, or -1 for auto, not {self.gpu_checkpoints}")
         if self.device_layers < -1:
             raise ValueError(f"device_layers must be >= 0, or -1 for auto, not {self.device_layers}")
         if self.host_adamw not in ("dynamic", "static", "torch"):
@@ -223,6 +234,13 @@ class RuntimeConfig:
         if self.device_layers > num_layers:
             raise ValueError(f"device_layers={self.device_layers} but the model has {num_layers} decoder layers")
         return max(0, self.device_layers)
+
+    def gpu_checkpoint_layers(self, num_layers: int) -> int:
+        """How many of the last decoder layers keep their input checkpoint on the GPU: all without
+        offload_activations; with it, gpu_checkpoints (auto, unresolved: none)."""
+        if not self.offload_activations:
+            return num_layers
+        return min(num_layers, max(0, self.gpu_checkpoints))
 
     def resolved_host_threads(self, is_cuda: bool) -> int:
         """The host worker's AdamW threads: host_threads, or for 0 one core left to the compute

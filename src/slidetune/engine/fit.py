@@ -17,12 +17,12 @@ micro-batch, L layers, d hidden width, V vocabulary, I the MLP width.
 What each engine allocates (see slide/engine.py and plain.py):
   slide  GPU : K layer slots + G gradient slots of P_L*b each, dedicated embed/head weight
                and gradient slots ((P_E+P_H)*b each), layer-input checkpoints (L*N*d*b on
-               the GPU, or 2 resident with --offload-activations), plus the largest of the
-               transient working sets (one layer's recompute + backward, the head, the
-               embedding backward).
+               the GPU; with --offload-activations N*d*b for each kept there by
+               gpu_checkpoints, plus 2 in flight), plus the largest of the transient working
+               sets (one layer's recompute + backward, the head, the embedding backward).
          host: 12 B/param (FP32 master + two moments), +4 B/param with the deferred schedule
                (FP32 gradients), pinned upload/download rings of chunk_mb each, one FP32
-               scratch chunk, and with offload L*N*d*b pinned checkpoint slots.
+               scratch chunk, and with offload N*d*b pinned for each offloaded checkpoint.
   gpu/ckpt   : per param FP32 master 4 + moments 8 + FP32 grad 4 + compute copy b + compute
                grad b, all on the device; full saved activations for layers that are not
                recomputed, an N*d*b checkpoint for those that are.
@@ -341,9 +341,11 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         if rt.upload_cast_stream == "compute" and (rt.casts_on_gpu(dev == "cuda") or dev != "cuda"):
             gpu["fp32 landing buffers (cast on the compute stream)"] = (K * P_L + P_E + P_H) * 4
         ckpt = N * d * b
-        # offload: the checkpoint being read by the layer in backward and the one prefetched
-        # (in forward, the one whose D2H copy is in flight and the one being computed)
-        gpu["activation checkpoints"] = 2 * ckpt if rt.offload_activations else L * ckpt
+        kept = rt.gpu_checkpoint_layers(L)
+        # offload: those kept on the GPU, plus the checkpoint being read by the layer in backward
+        # and the one prefetched (in forward, the one whose D2H copy is in flight and the one
+        # being computed)
+        gpu["activation checkpoints"] = min(L, kept + 2) * ckpt
         gpu["layer inputs (masks, rotary, ids)"] = layer_inputs
         phases = {
             # recompute + backward of one layer; autograd.grad also returns the layer's
@@ -387,10 +389,10 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
             # widening into FP32 before AdamW where native_adamw's kernel cannot be built
             host["fp32 drain scratch"] = chunk_elems * 4
         host["upload/download rings"] = rings
-        if rt.offload_activations:
-            host["offloaded checkpoints"] = L * ckpt
+        if kept < L:
+            host["offloaded checkpoints"] = (L - kept) * ckpt
         if dev == "cuda":
-            pinned = rings + (L * ckpt if rt.offload_activations else 0)
+            pinned = rings + (L - kept) * ckpt
         # units kept on the device pass through a host buffer (4 B/param) while they are built,
         # up to BUILD_WORKERS at once, beside the host units (HostStore)
         building = sorted(device_units, reverse=True)[:BUILD_WORKERS]
@@ -516,24 +518,34 @@ def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len:
 
 def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int,
                          grad_accum: int = 1, max_grad_norm: float | None = None,
-                         gpu_free_bytes: int | None = None, safety: float = 0.9,
-                         padded: bool = True) -> RuntimeConfig:
+                         gpu_free_bytes: int | None = None, host_available_bytes: int | None = None,
+                         safety: float = 0.9, padded: bool = True) -> RuntimeConfig:
     """Resolve slide mode's memory-dependent autos: cache_units=-1, vocab_update=auto,
-    grad_slot_dtype=auto and device_layers=-1.
+    grad_slot_dtype=auto, device_layers=-1 and gpu_checkpoints=-1.
 
-    In order of what they bought on the H100: one slot per layer (the forward stops waiting
-    on PCIe; Qwen3-8B b16 2.65 -> 2.36 s, benchmarks/NOTES.md 8), then the vocabulary units
-    updated on the GPU (the host's AdamW, the bound, loses 13% of its work on Llama-3.1-8B;
-    NOTES.md 15; eager schedule only), then FP32 gradient slots (the copy stream runs no cast
-    kernels; Llama-3.1-8B b16 2.38 -> 2.16 s, NOTES.md 14), then with device_layers=-1 as
-    many of the lowest layers kept and updated on the GPU as still fit (NOTES.md 17).
+    For speed, in order of what they bought on the H100: one slot per layer (the forward stops
+    waiting on PCIe; Qwen3-8B b16 2.65 -> 2.36 s, benchmarks/NOTES.md 8), then the vocabulary
+    units updated on the GPU (the host's AdamW, the bound, loses 13% of its work on
+    Llama-3.1-8B; NOTES.md 15; eager schedule only), then FP32 gradient slots (the copy stream
+    runs no cast kernels; Llama-3.1-8B b16 2.38 -> 2.16 s, NOTES.md 14), then with
+    device_layers=-1 as many of the lowest layers kept and updated on the GPU as still fit
+    (NOTES.md 17), then with offload and gpu_checkpoints=-1 as many checkpoints as still fit.
     Each is taken only where the whole configuration then fits in `safety` x the GPU's free
     memory, so an auto choice never causes an OOM the lean choice would not; otherwise the
-    3-slot window and compute-dtype slots. On the CPU (nothing to hide) the lean choices.
+    3-slot window and compute-dtype slots.
+
+    Where that configuration does not fit in `safety` x the host's available RAM (long
+    sequences with offloaded checkpoints, models near 12 B/param of the host's RAM), the GPU's
+    room goes instead to what takes the most off the host per GPU byte: the 3-slot window
+    (resident layers save no host RAM), the vocabulary units on the GPU, then checkpoints
+    (a GPU byte for each host byte), then device layers (12 host bytes for 14 GPU bytes). If
+    even that does not fit, the configuration that needs the least host RAM is returned and
+    check_fit reports it. On the CPU (nothing to hide) the lean choices.
     Settings given explicitly are kept; with nothing on auto, `rt` itself is returned.
     """
     if rt.mode != "slide":
         return rt
+    L = split.num_layers
     cache_options = [0, 3] if rt.cache_units == -1 else [rt.cache_units]
     # FP32 slots help the GPU cast path (no cast kernel on the D2H stream); with compute-dtype
     # downloads or cast_on=cpu the host widens the gradients anyway
@@ -542,31 +554,50 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
         else [rt.grad_slot_dtype]
     eager = rt.resolved_schedule(grad_accum, max_grad_norm) == "eager"
     vocab_options = (["device", "host"] if eager else ["host"]) if rt.vocab_update == "auto" else [rt.vocab_update]
+    # the counts filled one at a time while the GPU has room (each grows the estimate)
+    fillable = [name for name, auto in (("device_layers", rt.device_layers == -1 and eager),
+                                        ("gpu_checkpoints", rt.gpu_checkpoints == -1 and rt.offload_activations))
+                if auto]
     if len(cache_options) == 1 and rt.grad_slot_dtype != "auto" and rt.vocab_update != "auto" \
-            and rt.device_layers != -1:
+            and rt.device_layers != -1 and "gpu_checkpoints" not in fillable:
         return rt
-    lean = dataclasses.replace(rt, cache_units=cache_options[-1], grad_slot_dtype=dtype_options[-1],
-                               vocab_update=vocab_options[-1], device_layers=max(0, rt.device_layers))
+
+    def candidate(cache_units: int, vocab: str, grad_dtype: str) -> RuntimeConfig:
+        return dataclasses.replace(rt, cache_units=cache_units, grad_slot_dtype=grad_dtype, vocab_update=vocab,
+                                   device_layers=max(0, rt.device_layers), gpu_checkpoints=max(0, rt.gpu_checkpoints))
+
+    lean = candidate(cache_options[-1], vocab_options[-1], dtype_options[-1])
     if _device_type(rt) != "cuda":
         return lean
     free = query_gpu_free_bytes(rt) if gpu_free_bytes is None else gpu_free_bytes
+    host = query_host_available_bytes() if host_available_bytes is None else host_available_bytes
 
-    def fits(candidate: RuntimeConfig) -> bool:
-        est = estimate_memory(split, candidate, batch_size=batch_size, seq_len=seq_len,
-                              grad_accum=grad_accum, max_grad_norm=max_grad_norm, padded=padded)
-        return est.gpu_bytes <= safety * free
+    def estimate(c: RuntimeConfig) -> MemoryEstimate:
+        return estimate_memory(split, c, batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum,
+                               max_grad_norm=max_grad_norm, padded=padded)
 
-    chosen = next((c for cache_units in cache_options for vocab in vocab_options for grad_dtype in dtype_options
-                   if fits(c := dataclasses.replace(rt, cache_units=cache_units, grad_slot_dtype=grad_dtype,
-                                                    vocab_update=vocab, device_layers=max(0, rt.device_layers)))),
-                  lean)
-    if rt.device_layers == -1 and eager:
-        # then the most layers whose state still fits on the GPU (memory grows with each)
-        k = 0
-        while k < split.num_layers and fits(dataclasses.replace(chosen, device_layers=k + 1)):
-            k += 1
-        chosen = dataclasses.replace(chosen, device_layers=k)
-    return chosen
+    def fits(c: RuntimeConfig) -> bool:
+        return estimate(c).gpu_bytes <= safety * free
+
+    def fill(c: RuntimeConfig, order: list[str]) -> RuntimeConfig:
+        for name in (n for n in order if n in fillable):
+            k = 0
+            while k < L and fits(dataclasses.replace(c, **{name: k + 1})):
+                k += 1
+            c = dataclasses.replace(c, **{name: k})
+        return c
+
+    fastest = fill(next((c for cache_units in cache_options for vocab in vocab_options for grad_dtype in dtype_options
+                         if fits(c := candidate(cache_units, vocab, grad_dtype))), lean),
+                   ["device_layers", "gpu_checkpoints"])
+    if estimate(fastest).host_bytes <= safety * host:
+        return fastest
+    # host RAM binds: the GPU's room to what takes the most off the host per GPU byte
+    leanest = [fill(c, ["gpu_checkpoints", "device_layers"])
+               for cache_units in sorted(cache_options, reverse=True) for vocab in vocab_options
+               if fits(c := candidate(cache_units, vocab, dtype_options[-1]))]
+    return next((c for c in leanest if estimate(c).host_bytes <= safety * host),
+                min([fastest, *leanest], key=lambda c: estimate(c).host_bytes))
 
 
 def _gib(n: int) -> str:

@@ -188,8 +188,9 @@ def longest_sequence(model: str, layers: int | None, dev: str, args, granule: in
     def probe(k: int) -> bool:
         seq = k * granule
         r = _run_system("slide", model, layers, 1, seq, 1, 0, dev, dev == "cuda", args)
-        record(seq, {key: r.get(key) for key in ("status", "error", "step_s_mean", "tokens_per_s",
-                                                 "gpu_peak_alloc_gib", "cpu_peak_rss_gib")})
+        record(seq, {**{key: r.get(key) for key in ("status", "error", "step_s_mean", "tokens_per_s",
+                                                    "gpu_peak_alloc_gib", "cpu_peak_rss_gib")},
+                     "placement": _placement(r)})
         print(f"[throughput] {model} b1 s{seq}: {r.get('status')}", flush=True)
         return r.get("status") == "ok"
 
@@ -198,6 +199,19 @@ def longest_sequence(model: str, layers: int | None, dev: str, args, granule: in
             "context_cap": None if cap is None else cap * granule,
             "reused_probes": sorted((k * granule, ok) for k, ok in known.items()),
             "probes": [(k * granule, ok) for k, ok in history], "runs": runs}
+
+
+def _placement(r: dict) -> dict:
+    """Where a slide run's auto settings put things (its resolved runtime): layer slots (0: one
+    per layer), vocabulary updates, device layers, and with offload the checkpoints kept on the
+    GPU."""
+    rt = r.get("runtime") or {}
+    if rt.get("mode") != "slide":
+        return {}
+    out = {k: rt.get(k) for k in ("cache_units", "vocab_update", "device_layers")}
+    if rt.get("offload_activations"):
+        out["gpu_checkpoints"] = max(0, int(rt.get("gpu_checkpoints") or 0))
+    return out
 
 
 def _runtime_overrides(text: str) -> dict:
@@ -246,7 +260,7 @@ COLUMNS = ["model", "seq_len", "batch_size", "system", "status", "step_s_mean", 
            "model_tflops", "gpu_peak_alloc_gib", "gpu_peak_reserved_gib", "cpu_peak_rss_gib", "floor_s",
            "floor_bound_by", "floor_partial", "step_over_floor", "oom_requested_gib", "call_s_mean",
            "host_adamw_s", "host_wait_d2h_s", "fwd_wait_upload_s", "bwd_wait_grad_slot_s", "device_layers",
-           "host_threads", "error"]
+           "gpu_checkpoints", "host_threads", "error"]
 # slide's host timeline, seconds per step (bench.measure host_s_mean): where a step goes
 HOST_COLUMNS = {"host_adamw_s": "host.adamw", "host_wait_d2h_s": "host.d2h_wait",
                 "fwd_wait_upload_s": "compute.wait_upload", "bwd_wait_grad_slot_s": "compute.wait_grad_slot"}
@@ -263,6 +277,7 @@ def _row(system, model, batch, seq, r, fpt, fl) -> dict:
     row["call_s_mean"] = r.get("call_s_mean")
     # slide: decoder layers whose state stayed on the GPU, and the host AdamW's threads (resolved autos)
     row["device_layers"], row["host_threads"] = r.get("device_layers"), r.get("host_threads")
+    row["gpu_checkpoints"] = _placement(r).get("gpu_checkpoints")
     host = r.get("host_s_mean") or {}
     for col, key in HOST_COLUMNS.items():
         row[col] = host.get(key)
@@ -319,9 +334,10 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
                   "wait for gradient copies; the compute thread's waits for updated weights (forward) and for a "
                   "free gradient slot (backward). step_s is the interval between train_step returns; call_s the "
                   "call alone (the rest ran in the background). device_layers: decoder layers whose master and "
-                  "AdamW state stayed on the GPU (updated there); host_threads: the host AdamW's threads.", ""]
+                  "AdamW state stayed on the GPU (updated there); gpu_checkpoints (with offload): layers whose "
+                  "input checkpoint stayed on the GPU; host_threads: the host AdamW's threads.", ""]
         lines += O.md_table(timed, ["model", "seq_len", "batch_size", "step_s_mean", "call_s_mean", *HOST_COLUMNS,
-                                    "device_layers", "host_threads"],
+                                    "device_layers", "gpu_checkpoints", "host_threads"],
                             {k: 3 for k in ["step_s_mean", "call_s_mean", *HOST_COLUMNS]})
     lines += ["", "Plots: tokens_per_s.png, model_tflops.png, gpu_peak.png, cpu_peak.png, step_over_floor.png, "
               "pareto.png", ""]
@@ -343,11 +359,17 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
         lines += ["## Longest trainable sequence (batch 1, slide)", "",
                   "Doubling, then bisection over multiples of the granule; each probe one step in its own process; "
                   "an OOM or a refused fit check is a failure. Capped by the model's context.", "",
-                  "| model | longest sequence | context | probes (sequence: trains?) |", "|---|---|---|---|"]
+                  "| model | longest sequence | context | at the longest: one step s, tokens/s, GPU peak / host RSS "
+                  "GiB, placement | probes (sequence: trains?) |", "|---|---|---|---|---|"]
         for r in searches:
             probes = [f"{q}: {'yes' if ok else 'no'} (earlier call)" for q, ok in r.get("reused_probes", [])]
             probes += [f"{q}: {'yes' if ok else 'no'}" for q, ok in r["probes"]]
-            lines.append(f"| {r['model']} | {r['max_seq']} | {r['context_cap']} | " + ", ".join(probes) + " |")
+            # JSON keys are strings once a search was read back (report rewrite, --max-seq-known)
+            best = (r.get("runs") or {}).get(r["max_seq"]) or (r.get("runs") or {}).get(str(r["max_seq"])) or {}
+            at = (f"{O.fmt(best.get('step_s_mean'), 1)} s, {O.fmt(best.get('tokens_per_s'), 0)}, "
+                  f"{O.fmt(best.get('gpu_peak_alloc_gib'), 1)} / {O.fmt(best.get('cpu_peak_rss_gib'), 1)}, "
+                  + " ".join(f"{k}={v}" for k, v in (best.get("placement") or {}).items())) if best else "-"
+            lines.append(f"| {r['model']} | {r['max_seq']} | {r['context_cap']} | {at} | " + ", ".join(probes) + " |")
         lines.append("")
         O.write_csv(out / "max_seq.csv", [{k: r[k] for k in ("model", "max_seq", "granule", "context_cap")}
                                           for r in searches], None, machine)

@@ -3,7 +3,9 @@
 Offload: after layer i's input is produced, it is copied D2H on its own stream into
 host slot i (one slot per layer, grown to the largest micro-batch seen); in the
 backward pass it is prefetched H2D one layer ahead, so the copy hides under the
-previous layer's recompute + backward.
+previous layer's recompute + backward. The last `keep_on_gpu` layers are not offloaded
+(RuntimeConfig.gpu_checkpoints): the backward needs them first, when no earlier layer's
+compute could hide their prefetch.
 """
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ from ...device import Device
 
 
 class ActivationStore:
-    def __init__(self, device: Device, num_layers: int, offload: bool):
+    def __init__(self, device: Device, num_layers: int, offload: bool, keep_on_gpu: int = 0):
         self.device = device
         self.offload = offload
+        # layers >= this index keep their checkpoint on the GPU (all of them without offload)
+        self.first_kept = num_layers - keep_on_gpu if offload else 0
         self.gpu: dict[int, torch.Tensor] = {}
         self.host: list[torch.Tensor | None] = [None] * num_layers
         self.meta: dict[int, tuple] = {}
@@ -27,12 +31,12 @@ class ActivationStore:
 
     def save(self, i: int, x: torch.Tensor) -> None:
         """x: [B, S, d], the input of layer i."""
-        if not self.offload:
+        if i >= self.first_kept:
             self.gpu[i] = x
             return
         n = x.numel()
         if self.host[i] is None or self.host[i].numel() < n or self.host[i].dtype != x.dtype:
-            self.host[i] = self.device.host_empty(n, x.dtype)
+            self._grow(i, n, x.dtype)
         self.meta[i] = (x.shape, x.dtype)
         ready = self.device.record()
         with self.device.stream_ctx(self.d2h):
@@ -42,6 +46,24 @@ class ActivationStore:
                 x.record_stream(self.d2h)    # keep x's memory until the copy has read it
             self.saved[i] = self.device.record(self.d2h)
         self.bytes_d2h += n * x.element_size()
+
+    def _grow(self, i: int, n: int, dtype: torch.dtype) -> None:
+        """Host slot i for n elements, page-locked in place at exactly its size: torch's pinned
+        allocator rounds every request up to a power of two (a 768 MiB checkpoint of a 96K-token
+        sequence would take 1 GiB, 8 GiB more host RAM over 32 layers than engine.fit counts)."""
+        if self.host[i] is not None:
+            # a smaller micro-batch came first (rare): no copy may still read the old slot
+            self.device.synchronize()
+            self.device.unregister_host(self.host[i])
+        self.host[i] = torch.empty(n, dtype=dtype)
+        self.device.register_host(self.host[i])
+
+    def close(self) -> None:
+        """Unlock the host slots (the caller has synchronized: no copy is in flight)."""
+        for t in self.host:
+            if t is not None:
+                self.device.unregister_host(t)
+        self.host = [None] * len(self.host)
 
     def prefetch(self, i: int) -> None:
         if not self.offload or i < 0 or i in self.fetched or i not in self.saved:
@@ -55,7 +77,7 @@ class ActivationStore:
             self.fetched[i] = (t.view(shape), self.device.record(self.h2d))
 
     def load(self, i: int) -> torch.Tensor:
-        if not self.offload:
+        if i >= self.first_kept:
             return self.gpu.pop(i)
         self.prefetch(i)
         t, ev = self.fetched.pop(i)

@@ -170,7 +170,7 @@ class SlideEngine:
         # thread runs Python; the default 5 ms switch interval would stall each hand-off.
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(rt.gil_switch_ms / 1e3)
-        self.acts = ActivationStore(device, L, rt.offload_activations)
+        self.acts = ActivationStore(device, L, rt.offload_activations, keep_on_gpu=rt.gpu_checkpoint_layers(L))
         # compile_layers: one compiled graph per kind of layer, keyed on a template module
         # (dynamo guards on the module object; one per layer would recompile L times).
         self._compiled_layer = torch.compile(run_layer, dynamic=False) if rt.compile_layers else None
@@ -691,6 +691,7 @@ class SlideEngine:
             self.host_worker.close()
             self.d2h_worker.close()
             sys.setswitchinterval(self._switch_interval)
+            self.acts.close()
             if self.gpu_cast:
                 for unit in self.units:
                     if unit.on_host:
