@@ -234,6 +234,33 @@ def test_longest_sequence_search_reports_the_largest_that_trains(tmp_path, monke
         [(32, True), (64, True), (128, True), (96, False), (112, False)]
 
 
+def test_longest_sequence_search_counts_the_sweeps_own_batch_1_rows(tmp_path, monkeypatch):
+    """A batch-1 slide row of the same call at a length the search would probe is not run again:
+    with a row at 128 that trains and a cap of 128, the search runs no probe at all."""
+    from slidetune.bench.scenarios import throughput
+    seen = []
+
+    def fake_run(system, model, layers, batch, seq, steps, warmup, dev, cuda, args):
+        seen.append((batch, seq, steps))
+        return {"status": "ok", "step_s_mean": 2.0, "tokens_per_s": seq / 2.0,
+                "runtime": {"mode": "slide", "offload_activations": True, "gpu_checkpoints": 1}}
+
+    monkeypatch.setattr(throughput, "_run_system", fake_run)
+    monkeypatch.setattr(throughput, "_flops_per_token", lambda *a: None)
+    monkeypatch.setattr("slidetune.models.presets.preset_config",
+                        lambda model, layers: type("C", (), {"max_position_embeddings": 128})())
+    args = _args(throughput, ["--out", str(tmp_path), "--models", "tiny-llama", "--systems", "slide", "--no-floor",
+                              "--device", "cpu", "--batches", "1", "--seq-lens", "128", "--max-seq",
+                              "--max-seq-start", "128", "--seq-granule", "16", "--steps", "2", "--warmup", "1"])
+    out = throughput.run(args)
+    assert seen == [(1, 128, 2)]                  # the sweep row only: no probe
+    (row,) = read_csv(out / "max_seq.csv")
+    assert int(row["max_seq"]) == 128
+    section = (out / "report.md").read_text().split("## Longest trainable sequence")[1]
+    (line,) = [x for x in section.splitlines() if x.startswith("| tiny-llama | 128 |")]
+    assert "128: yes (sweep row)" in line and "2.0 s, 64," in line and "gpu_checkpoints=1" in line
+
+
 # ------------------------------------------------------------------ techniques: partial results, resume
 
 class _FakeWorker:

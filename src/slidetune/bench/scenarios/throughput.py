@@ -105,8 +105,12 @@ def run(args: argparse.Namespace) -> Path:
     if args.max_seq:
         granule, start = (16, 32) if args.smoke else (args.seq_granule, args.max_seq_start)
         for model in models:
+            # the sweep's own slide runs at batch 1 answer the search's question for their lengths
+            measured = {int(row["seq_len"]): run for row, run in zip(rows, raw)
+                        if row["model"] == model and row["system"] == "slide" and int(row["batch_size"]) == 1}
             found = longest_sequence(model, layers, dev, args, granule, start, probe_log=out / "max_seq_probes.jsonl",
-                                     known_log=Path(args.max_seq_known) if args.max_seq_known else None)
+                                     known_log=Path(args.max_seq_known) if args.max_seq_known else None,
+                                     measured=measured)
             raw.append({"key": f"{model}/max-seq", "system": "slide", **found})
             print(f"[throughput] {model} longest trainable sequence at batch 1: {found['max_seq']} tokens "
                   f"(probes: {found['probes']})", flush=True)
@@ -156,11 +160,13 @@ def _as_measured(r: dict, system: str, model: str, batch: int, seq: int, warmup:
 
 
 def longest_sequence(model: str, layers: int | None, dev: str, args, granule: int, start: int,
-                     probe_log: Path | None = None, known_log: Path | None = None) -> dict:
+                     probe_log: Path | None = None, known_log: Path | None = None,
+                     measured: dict[int, dict] | None = None) -> dict:
     """Largest multiple of `granule` that trains at batch 1 in slide mode (--runtime options),
     capped by the model's context. Each probe is one step in its own process; an OOM, a
     refused fit check or a killed process counts as "does not train". Probes of this model in
-    `known_log` (an earlier search's probe log) count as run: a search split over calls."""
+    `known_log` (an earlier search's probe log) count as run: a search split over calls; so do
+    `measured` lengths (sequence -> run result: the sweep's own batch-1 runs of this call)."""
     from ...models.presets import preset_config
     from .techniques import find_max_batch
     try:
@@ -185,19 +191,29 @@ def longest_sequence(model: str, layers: int | None, dev: str, args, granule: in
                 known[r["seq_len"] // granule] = r.get("status") == "ok"
                 record(r["seq_len"], {**{k: v for k, v in r.items() if k not in ("model", "seq_len")}, "reused": True})
 
+    from_log = dict(known)
+    def summary(r: dict) -> dict:
+        return {**{key: r.get(key) for key in ("status", "error", "step_s_mean", "tokens_per_s",
+                                               "gpu_peak_alloc_gib", "cpu_peak_rss_gib")},
+                "placement": _placement(r)}
+
+    for seq, r in (measured or {}).items():
+        if seq % granule == 0 and seq // granule not in known:
+            known[seq // granule] = r.get("status") == "ok"
+            record(seq, {**summary(r), "sweep_row": True})
+
     def probe(k: int) -> bool:
         seq = k * granule
         r = _run_system("slide", model, layers, 1, seq, 1, 0, dev, dev == "cuda", args)
-        record(seq, {**{key: r.get(key) for key in ("status", "error", "step_s_mean", "tokens_per_s",
-                                                    "gpu_peak_alloc_gib", "cpu_peak_rss_gib")},
-                     "placement": _placement(r)})
+        record(seq, summary(r))
         print(f"[throughput] {model} b1 s{seq}: {r.get('status')}", flush=True)
         return r.get("status") == "ok"
 
     best, history = find_max_batch(probe, start=max(1, start // granule), cap=cap, known=known)
     return {"model": model, "max_seq": best * granule, "granule": granule,
             "context_cap": None if cap is None else cap * granule,
-            "reused_probes": sorted((k * granule, ok) for k, ok in known.items()),
+            "reused_probes": sorted((k * granule, ok) for k, ok in from_log.items()),
+            "sweep_rows": sorted((k * granule, ok) for k, ok in known.items() if k not in from_log),
             "probes": [(k * granule, ok) for k, ok in history], "runs": runs}
 
 
@@ -363,6 +379,7 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
                   "GiB, placement | probes (sequence: trains?) |", "|---|---|---|---|---|"]
         for r in searches:
             probes = [f"{q}: {'yes' if ok else 'no'} (earlier call)" for q, ok in r.get("reused_probes", [])]
+            probes += [f"{q}: {'yes' if ok else 'no'} (sweep row)" for q, ok in r.get("sweep_rows", [])]
             probes += [f"{q}: {'yes' if ok else 'no'}" for q, ok in r["probes"]]
             # JSON keys are strings once a search was read back (report rewrite, --max-seq-known)
             best = (r.get("runs") or {}).get(r["max_seq"]) or (r.get("runs") or {}).get(str(r["max_seq"])) or {}
