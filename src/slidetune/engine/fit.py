@@ -396,7 +396,11 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         # units kept on the device pass through a host buffer (4 B/param) while they are built,
         # up to BUILD_WORKERS at once, beside the host units (HostStore)
         building = sorted(device_units, reverse=True)[:BUILD_WORKERS]
-        host["weight loading transient"] = max(largest_param, sum(building)) * 4
+        # freed before the first step, when the offloaded checkpoints' slots are allocated (in
+        # the first forward): the two never coexist, so only what the transient takes beyond
+        # them raises the peak
+        host["weight loading transient"] = max(0, max(largest_param, sum(building)) * 4
+                                               - host.get("offloaded checkpoints", 0))
     else:
         recomputed = recompute_set(rt.recompute, L) if rt.mode == "ckpt" else set()
         gpu["fp32 master"] = 4 * P
