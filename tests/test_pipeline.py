@@ -333,3 +333,33 @@ def test_activation_store_keeps_the_last_layers_and_sizes_host_slots_exactly():
     assert store.host[0].numel() == 30 and torch.equal(store.load(0), bigger)
     store.close()
     assert store.host == [None] * 4
+
+
+@pytest.mark.parametrize("mode", ["slide", "gpu"])
+def test_long_lived_objects_are_frozen_after_the_first_step_until_close(mode, monkeypatch):
+    """gc_freeze (default): after the first step everything then alive sits in Python's permanent
+    generation, out of reach of full collections; close() hands it back, so a closed engine in a
+    reference cycle can still be freed. gc_freeze=false leaves the collector alone."""
+    import gc
+    gc.unfreeze()
+    freezes = []
+    real_freeze = gc.freeze
+    monkeypatch.setattr(gc, "freeze", lambda: (freezes.append(1), real_freeze())[1])
+    loaded = make_loaded("llama", tied=False, layers=2)
+    eng = build_engine(loaded, RuntimeConfig(mode=mode, dtype="fp32", device="cpu"), AdamWConfig(lr=1e-3))
+    try:
+        assert gc.get_freeze_count() == 0
+        eng.train_step(make_batches(0, 1), 1e-3)
+        assert gc.get_freeze_count() > 0 and len(freezes) == 1
+        eng.train_step(make_batches(1, 1), 1e-3)
+        assert len(freezes) == 1                        # once, not every step
+    finally:
+        eng.close()
+    assert gc.get_freeze_count() == 0
+    off = build_engine(loaded, RuntimeConfig(mode=mode, dtype="fp32", device="cpu", gc_freeze=False),
+                       AdamWConfig(lr=1e-3))
+    try:
+        off.train_step(make_batches(0, 1), 1e-3)
+        assert gc.get_freeze_count() == 0
+    finally:
+        off.close()

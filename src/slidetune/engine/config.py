@@ -119,6 +119,11 @@ class RuntimeConfig:
     # the compute thread is busy in Python (benchmarks/scripts/gil_adamw.py: 0.87x at 0.5 ms
     # for ~16 ms chunks on the CPU machine, ~0.97x at 0.2 ms).
     gil_switch_ms: float = 0.5
+    # After the first step, move every object then alive into Python's permanent GC generation
+    # (engine/gc_policy.py): a full collection no longer walks the model and the compiled graphs
+    # and stops the compute thread for a fraction of a second (Qwen3-4B b16: 0.54 s in one step
+    # of 1.06 s, NOTES.md 19). Undone at close().
+    gc_freeze: bool = True
     # torch.compile the decoder layers' forward (slide mode; one graph per kind of layer,
     # recompute and backward included). Costs a compile at the first step.
     compile_layers: bool = False

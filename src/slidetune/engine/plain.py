@@ -20,6 +20,7 @@ from ..telemetry.host_timeline import HostTimeline
 from ..telemetry.memory_timeline import MemoryTimeline
 from .adamw import AdamWConfig, FlatAdamW
 from .config import RuntimeConfig, recompute_set
+from .gc_policy import GCFreeze
 from .result import StepResult
 from .slide.transfer import clip_coefficient
 
@@ -56,6 +57,7 @@ class PlainEngine:
         self.recompute = recompute_set(rt.recompute, L) if rt.mode == "ckpt" else set()
         self.units = [_DeviceUnit(s, loaded.source, optim, self.dtype, device.device) for s in self.split.units]
         self.step_index = 0
+        self.gc_freeze = GCFreeze(rt.gc_freeze)
         self._in_backward = False                  # set around backward (recompute attribution)
         self._grad_marks: dict = {}                # layer -> timer mark when its input's gradient lands
         self._recompute_marks: dict = {}           # layer -> (start, end) marks of its recompute
@@ -163,6 +165,7 @@ class PlainEngine:
                         u.compute.copy_(u.master)
         self.memory.mark("optimizer")
         self.step_index += 1
+        self.gc_freeze.freeze()        # everything the run keeps exists by now (engine/gc_policy.py)
         return StepResult(loss=float(total) / n_tokens, n_tokens=n_tokens, grad_norm_value=norm)
 
     def _accumulate_grads(self, m: int) -> None:
@@ -208,4 +211,4 @@ class PlainEngine:
         return {"gpu_buffers": 0, "pinned": 0, "host_state": 0}
 
     def close(self) -> None:
-        pass
+        self.gc_freeze.release()

@@ -42,6 +42,7 @@ from .. import native_adamw
 from ..adamw import AdamWConfig
 from ..compile_workers import release_compile_workers
 from ..config import RuntimeConfig
+from ..gc_policy import GCFreeze
 from ..result import StepResult
 from .activations import ActivationStore
 from .host_store import HostStore, HostUnit
@@ -171,6 +172,7 @@ class SlideEngine:
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(rt.gil_switch_ms / 1e3)
         self.acts = ActivationStore(device, L, rt.offload_activations, keep_on_gpu=rt.gpu_checkpoint_layers(L))
+        self.gc_freeze = GCFreeze(rt.gc_freeze)
         # compile_layers: one compiled graph per kind of layer, keyed on a template module
         # (dynamo guards on the module object; one per layer would recompile L times).
         self._compiled_layer = torch.compile(run_layer, dynamic=False) if rt.compile_layers else None
@@ -478,6 +480,7 @@ class SlideEngine:
             # Every graph of this step is compiled by now (compilation runs on this thread at
             # issue time): free the compile workers' cores for AdamW (compile_workers.py).
             release_compile_workers()
+        self.gc_freeze.freeze()        # everything the run keeps exists by now
         loss_sum = 0.0
         for host_loss, ready in losses:
             ready.synchronize()
@@ -692,6 +695,7 @@ class SlideEngine:
             self.d2h_worker.close()
             sys.setswitchinterval(self._switch_interval)
             self.acts.close()
+            self.gc_freeze.release()
             if self.gpu_cast:
                 for unit in self.units:
                     if unit.on_host:
