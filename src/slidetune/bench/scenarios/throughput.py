@@ -375,7 +375,7 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
         lines += ["## Longest trainable sequence (batch 1, slide)", "",
                   "Doubling, then bisection over multiples of the granule; each probe one step in its own process; "
                   "an OOM or a refused fit check is a failure. Capped by the model's context.", "",
-                  "| model | longest sequence | context | at the longest: one step s, tokens/s, GPU peak / host RSS "
+                  "| model | longest sequence | context | at the longest: step s (a probe: one cold step), tokens/s, GPU peak / host RSS "
                   "GiB, placement | probes (sequence: trains?) |", "|---|---|---|---|---|"]
         for r in searches:
             probes = [f"{q}: {'yes' if ok else 'no'} (earlier call)" for q, ok in r.get("reused_probes", [])]
