@@ -335,6 +335,26 @@ def test_activation_store_keeps_the_last_layers_and_sizes_host_slots_exactly():
     assert store.host == [None] * 4
 
 
+def test_large_activation_slots_are_registered_in_place_and_released(monkeypatch):
+    """Slots of EXACT_PIN_BYTES and more are page-locked in place (exact size), smaller ones come
+    from the pinned allocator; growing or closing unregisters exactly the registered ones."""
+    device = Device.resolve("cpu")
+    calls = []
+    monkeypatch.setattr(Device, "register_host", lambda self, t: calls.append(("reg", t.numel())))
+    monkeypatch.setattr(Device, "unregister_host", lambda self, t: calls.append(("unreg", t.numel())))
+    monkeypatch.setattr(activations.ActivationStore, "EXACT_PIN_BYTES", 64)   # 16 FP32 elements
+    store = activations.ActivationStore(device, num_layers=2, offload=True)
+    store.save(0, torch.randn(1, 3, 5))       # 60 bytes: the pinned allocator's
+    store.save(1, torch.randn(1, 4, 5))       # 80 bytes: registered in place
+    assert calls == [("reg", 20)]
+    store.load(0), store.load(1)
+    store.save(1, torch.randn(2, 4, 5))       # grows: the old one unregistered first
+    assert calls == [("reg", 20), ("unreg", 20), ("reg", 40)]
+    store.load(1)
+    store.close()
+    assert calls[-1] == ("unreg", 40) and len(calls) == 4
+
+
 @pytest.mark.parametrize("mode", ["slide", "gpu"])
 def test_long_lived_objects_are_frozen_after_the_first_step_until_close(mode, monkeypatch):
     """gc_freeze (default): after the first step everything then alive sits in Python's permanent

@@ -22,6 +22,7 @@ class ActivationStore:
         self.first_kept = num_layers - keep_on_gpu if offload else 0
         self.gpu: dict[int, torch.Tensor] = {}
         self.host: list[torch.Tensor | None] = [None] * num_layers
+        self.registered: set[int] = set()         # slots page-locked in place (unregistered on free)
         self.meta: dict[int, tuple] = {}
         self.saved: dict[int, object] = {}        # layer -> event of its D2H copy
         self.fetched: dict[int, tuple] = {}       # layer -> (gpu tensor, event of its H2D copy)
@@ -47,23 +48,37 @@ class ActivationStore:
             self.saved[i] = self.device.record(self.d2h)
         self.bytes_d2h += n * x.element_size()
 
+    # Slots of at least this size are page-locked in place at exactly their size: torch's pinned
+    # allocator rounds every request up to a power of two (a 768 MiB checkpoint of a 96K-token
+    # sequence would take 1 GiB: 8 GiB more host RAM over 32 layers than engine.fit counts).
+    # Smaller ones come from that allocator: registering memory in place needs pages of its
+    # own, which glibc guarantees only for blocks it maps apart (always above 32 MiB), and two
+    # registrations of one page fail.
+    EXACT_PIN_BYTES = 64 * 2**20
+
     def _grow(self, i: int, n: int, dtype: torch.dtype) -> None:
-        """Host slot i for n elements, page-locked in place at exactly its size: torch's pinned
-        allocator rounds every request up to a power of two (a 768 MiB checkpoint of a 96K-token
-        sequence would take 1 GiB, 8 GiB more host RAM over 32 layers than engine.fit counts)."""
+        """Host slot i for n elements of `dtype`."""
         if self.host[i] is not None:
             # a smaller micro-batch came first (rare): no copy may still read the old slot
             self.device.synchronize()
+            self._free(i)
+        if n * dtype.itemsize >= self.EXACT_PIN_BYTES:
+            self.host[i] = torch.empty(n, dtype=dtype)
+            self.device.register_host(self.host[i])
+            self.registered.add(i)
+        else:
+            self.host[i] = self.device.host_empty(n, dtype)
+
+    def _free(self, i: int) -> None:
+        if i in self.registered:
             self.device.unregister_host(self.host[i])
-        self.host[i] = torch.empty(n, dtype=dtype)
-        self.device.register_host(self.host[i])
+            self.registered.discard(i)
+        self.host[i] = None
 
     def close(self) -> None:
         """Unlock the host slots (the caller has synchronized: no copy is in flight)."""
-        for t in self.host:
-            if t is not None:
-                self.device.unregister_host(t)
-        self.host = [None] * len(self.host)
+        for i in range(len(self.host)):
+            self._free(i)
 
     def prefetch(self, i: int) -> None:
         if not self.offload or i < 0 or i in self.fetched or i not in self.saved:
