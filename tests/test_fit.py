@@ -698,3 +698,24 @@ def test_auto_gpu_checkpoints_fill_what_device_layers_leave():
     explicit = auto_with_ample_host(split, cuda_rt(mode="slide", offload_activations=True, gpu_checkpoints=0),
                                     gpu_free_bytes=80 * GiB, **kw)
     assert explicit.gpu_checkpoints == 0
+
+
+def test_plan_resolves_the_auto_settings_for_a_given_gpu_and_host(capsys):
+    """`slidetune plan --gpu-free-gib G --host-gib H`: the placement the auto settings resolve to
+    there (as train would), its estimate, and whether it fits; Llama-3.1-8B at 128K tokens fits
+    the H100 host only with the host-bound placement."""
+    from slidetune.cli import main
+    args = ["plan", "--model", "llama-3.1-8b", "--batch-size", "1", "--seq-len", "131072", "--offload-activations",
+            "--device", "cuda", "--max-grad-norm", "0", "--gpu-free-gib", "78.5"]
+    assert main(args + ["--host-gib", "123"]) == 0
+    out = capsys.readouterr().out
+    m = re.search(r"resolved on a GPU with 78.5 GiB free and 123.0 GiB of host RAM: cache_units=3 "
+                  r"vocab_update=device grad_slot_dtype=compute device_layers=0 gpu_checkpoints=(\d+): "
+                  r"GPU ([\d.]+) GiB, host ([\d.]+) GiB\nfits", out)
+    assert m and int(m[1]) > 0 and float(m[2]) <= 0.9 * 78.5 and float(m[3]) <= 0.9 * 123
+    assert main(args + ["--host-gib", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit: mode slide, batch 1 x 131072 tokens" in out and "host RAM too small" in out
+    if not torch.cuda.is_available():              # planning for a GPU on a machine without one: a hint
+        assert main(["plan", "--model", "llama-3.1-8b", "--device", "cuda"]) == 0
+        assert "pass --gpu-free-gib" in capsys.readouterr().out

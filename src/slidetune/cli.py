@@ -51,6 +51,7 @@ def _plan(ns) -> int:
         print(f"   {k:<28} {v / gib:8.2f}")
     if cfg.runtime.mode != "slide":
         return 0
+    _plan_resolved(ns, cfg, loaded.split)
     # the slot choices engine.fit.choose_auto_settings tries for cache_units
     cache_options = [0, 3] if cfg.runtime.cache_units == -1 else [cfg.runtime.cache_units]
     if cfg.runtime.cache_units == -1:
@@ -91,6 +92,39 @@ def _plan(ns) -> int:
                   f"the GPU on one with {dev.gpu_bytes / 0.9 / gib:.1f} GiB free (GPU {dev.gpu_bytes / gib:.2f} "
                   f"GiB; less host AdamW per step); below that on the host")
     return 0
+
+
+def _plan_resolved(ns, cfg, split) -> None:
+    """What the auto settings resolve to on a given GPU and host (as train would resolve them
+    there), the estimate of that placement, and whether check_fit lets it run."""
+    import torch
+
+    from .engine.fit import InsufficientMemoryError, check_fit, choose_auto_settings, estimate_memory
+    from .engine.fit import query_host_available_bytes
+    gib = 2**30
+    if cfg.runtime.device == "cpu" or (ns.gpu_free_gib is None and not torch.cuda.is_available()):
+        if cfg.runtime.device == "cuda":
+            print("(pass --gpu-free-gib [--host-gib] to see what the auto settings resolve to on such a GPU)")
+        return
+    rt = cfg.runtime if cfg.runtime.device == "cuda" else dataclasses.replace(cfg.runtime, device="cuda")
+    free = int(ns.gpu_free_gib * gib) if ns.gpu_free_gib is not None else None
+    host = int(ns.host_gib * gib) if ns.host_gib is not None else query_host_available_bytes()
+    kw = dict(batch_size=cfg.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
+              max_grad_norm=cfg.max_grad_norm, padded=not cfg.data.packing)
+    resolved = choose_auto_settings(split, rt, gpu_free_bytes=free, host_available_bytes=host, **kw)
+    est = estimate_memory(split, resolved, **kw)
+    L = split.num_layers
+    where = f"a GPU with {free / gib:.1f} GiB free" if free is not None else "this machine's GPU"
+    print(f"resolved on {where} and {host / gib:.1f} GiB of host RAM: cache_units={resolved.cache_units} "
+          f"vocab_update={resolved.vocab_update} grad_slot_dtype={resolved.grad_slot_dtype} "
+          f"device_layers={max(0, resolved.device_layers)}"
+          + (f" gpu_checkpoints={resolved.gpu_checkpoint_layers(L)}" if resolved.offload_activations else "")
+          + f": GPU {est.gpu_bytes / gib:.2f} GiB, host {est.host_bytes / gib:.2f} GiB")
+    try:
+        check_fit(split, resolved, gpu_free_bytes=free, host_available_bytes=host, **kw)
+        print("fits (90% of each)")
+    except InsufficientMemoryError as e:
+        print(f"does not fit: {str(e).removeprefix('slidetune: ')}")
 
 
 def _bench_runtime(ns) -> int:
@@ -146,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_train.set_defaults(func=_train)
     p_plan = sub.add_parser("plan", help="print the memory a configuration needs, allocating nothing")
     add_config_flags(p_plan)
+    p_plan.add_argument("--gpu-free-gib", type=float, default=None,
+                        help="slide on CUDA: resolve the auto settings for a GPU with this much free memory "
+                             "(default: this machine's GPU, if it has one) and say whether it fits")
+    p_plan.add_argument("--host-gib", type=float, default=None,
+                        help="with --gpu-free-gib: the host RAM available (default: this machine's)")
     p_plan.set_defaults(func=_plan)
     _add_bench(sub)
     p_report = sub.add_parser("report", help="turn a results directory into Markdown + PNG plots")
