@@ -716,6 +716,9 @@ def test_plan_resolves_the_auto_settings_for_a_given_gpu_and_host(capsys):
     assert main(args + ["--host-gib", "100"]) == 0
     out = capsys.readouterr().out
     assert "does not fit: mode slide, batch 1 x 131072 tokens" in out and "host RAM too small" in out
+    # --device auto (the default) plans for CUDA when a GPU size is given
+    assert main([a for a in args if a not in ("--device", "cuda")] + ["--host-gib", "123"]) == 0
+    assert "resolved on a GPU with 78.5 GiB free" in capsys.readouterr().out
     if not torch.cuda.is_available():              # planning for a GPU on a machine without one: a hint
         assert main(["plan", "--model", "llama-3.1-8b", "--device", "cuda"]) == 0
         assert "pass --gpu-free-gib" in capsys.readouterr().out

@@ -97,6 +97,8 @@ def _plan(ns) -> int:
 def _plan_resolved(ns, cfg, split) -> None:
     """What the auto settings resolve to on a given GPU and host (as train would resolve them
     there), the estimate of that placement, and whether check_fit lets it run."""
+    import dataclasses
+
     import torch
 
     from .engine.fit import InsufficientMemoryError, check_fit, choose_auto_settings, estimate_memory
