@@ -126,6 +126,19 @@ def test_techniques_smoke(tmp_path):
     assert "per_run/per_layer_times.png" in (out / "report.md").read_text()
 
 
+def test_throughput_profile_adds_the_profiled_table_and_gantt_charts(tmp_path):
+    """--profile: each slide run of the sweep is profiled after its measured steps; the report
+    says where the step goes between streams and threads, with a Gantt chart per run."""
+    from slidetune.bench.scenarios import throughput
+    out = throughput.run(_args(throughput, ["--smoke", "--out", str(tmp_path), "--models", "tiny-llama",
+                                            "--systems", "slide", "--no-floor", "--profile"]))
+    (row,) = read_csv(out / "per_run" / "profile.csv")
+    assert row["config"] == "slide-tiny-llama-b2-s32"
+    assert 0 <= float(row["gpu_compute_fraction"]) <= 1.0 and float(row["host.adamw_s"]) > 0
+    assert "## Profiled (torch.profiler" in (out / "report.md").read_text()
+    _pngs(out / "per_run", ["pipeline_slide-tiny-llama-b2-s32.png"])
+
+
 def test_throughput_smoke(tmp_path):
     from slidetune.bench.scenarios import throughput
     out = throughput.run(_args(throughput, ["--smoke", "--out", str(tmp_path), "--models", "tiny-llama"]))

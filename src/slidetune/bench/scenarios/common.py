@@ -269,14 +269,16 @@ def timeline_rows(r: dict) -> list[dict]:
 
 def write_per_run(d: Path, results: list[dict], machine: dict, baseline: str | None, scenario: str) -> list[Path]:
     """The common CSVs and plots (time breakdown, peaks, memory timeline, per-layer times
-    with 95% CIs, step curves and deltas, Pareto) of runs in bench.measure's result form, in
-    directory `d`, for scenarios whose own files are other tables (throughput, techniques).
-    Returns the PNGs."""
+    with 95% CIs, step curves and deltas, Pareto, and the Gantt chart of profiled runs) of runs
+    in bench.measure's result form, in directory `d`, for scenarios whose own files are other
+    tables (throughput, techniques). Returns the PNGs."""
     from ..report import draw, load
     d.mkdir(parents=True, exist_ok=True)
     write_tables(d, results, machine)
     data = load(d)                      # the tables just written (no results.json here)
-    return draw(d, {**data, "doc": {"scenario": scenario, "baseline": baseline, "results": []}, "machine": machine})
+    profiled = [r for r in results if r.get("trace_summary")]
+    return draw(d, {**data, "doc": {"scenario": scenario, "baseline": baseline, "results": profiled},
+                    "machine": machine})
 
 
 def write_results(out: Path, scenario: str, args, results: list[dict], extra: dict | None = None) -> Path:

@@ -25,6 +25,7 @@ from ..baselines.fsdp2 import FSDP2Spec
 from ..baselines.proc import parse_oom, run_worker
 from ..measure import MeasureSpec
 from ..roofline import Placement, floor_terms
+from ..report import pipeline_rows
 from ..runner import run_isolated
 from . import add_common_arguments, common
 from .roofline import measure_floor
@@ -51,6 +52,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "its probes are taken as measured and not run again")
     p.add_argument("--max-seq-start", type=int, default=8192)
     p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--profile", action="store_true",
+                   help="slide runs of the sweep (not the longest-sequence probes): three more steps under "
+                        "torch.profiler after the measured ones, all threads: where the step goes between the "
+                        "GPU's streams and the host threads, and a Gantt chart of one step "
+                        "(per_run/pipeline_<run>.png); the measured steps run without it")
 
 
 def _flops_per_token(model: str, num_layers: int | None, seq: int) -> float | None:
@@ -96,7 +102,8 @@ def run(args: argparse.Namespace) -> Path:
                         adamw_probe = fl.get("adamw")
                     floors[key] = fl
                 for system in systems:
-                    r = _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, args)
+                    r = _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, args,
+                                    profile=args.profile)
                     per_run.append(_as_measured(r, system, model, batch, seq, warmup))
                     raw.append({"key": key, "system": system, **{k: v for k, v in r.items() if k != "steps"}})
                     rows.append(_row(system, model, batch, seq, r, fpt, fl))
@@ -239,7 +246,7 @@ def _runtime_overrides(text: str) -> dict:
     return over
 
 
-def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, args) -> dict:
+def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, args, profile: bool = False) -> dict:
     gib = args.gpu_memory_limit
     if system in ("slide", "gpu-ckpt"):
         rt = dict(mode="slide" if system == "slide" else "ckpt", device=dev, head_impl="chunked")
@@ -249,7 +256,7 @@ def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, arg
             rt["dtype"] = "fp32"
         spec = MeasureSpec(name=f"{system}-{model}-b{batch}-s{seq}", model=model, num_layers=layers, batch_size=batch,
                            seq_len=seq, steps=steps, warmup=warmup, runtime=rt, per_layer=True,
-                           gpu_memory_limit_gib=gib)
+                           gpu_memory_limit_gib=gib, profile=profile and system == "slide")
         r = run_isolated(spec, timeout_s=args.timeout)
         if r.get("status") == "oom":
             r.update({f"oom_{k}": v for k, v in parse_oom(r.get("error", "")).items()})
@@ -367,6 +374,15 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
                   "over steps), per-layer times with 95% CIs, step curves. FSDP2 and DeepSpeed report step times "
                   "and peaks only.", ""]
         lines += [f"![{p.stem}](per_run/{p.name})" for p in pngs] + [""]
+        profiled = pipeline_rows(per_run)
+        if profiled:
+            O.write_csv(out / "per_run" / "profile.csv", profiled, None, machine)
+            lines += ["## Profiled (torch.profiler, three steps after the measured ones, all threads)", "",
+                      "GPU compute, H2D and D2H as fractions of the step, and how much of each copy ran under "
+                      "compute; the host's AdamW under compute; the threads' seconds per step (host timeline). "
+                      "`per_run/profile.csv`, Gantt charts `per_run/pipeline_<run>.png`.", ""]
+            lines += O.md_table(profiled, list(profiled[0]), {k: 3 for k in profiled[0] if k != "config"})
+            lines.append("")
     elif (out / "per_run").is_dir():         # a rewritten report: the per-run files as they were written
         lines += ["Per run: `per_run/` (as the run wrote it).", ""]
         lines += [f"![{p.stem}](per_run/{p.name})" for p in sorted((out / "per_run").glob("*.png"))] + [""]
