@@ -722,3 +722,20 @@ def test_plan_resolves_the_auto_settings_for_a_given_gpu_and_host(capsys):
     if not torch.cuda.is_available():              # planning for a GPU on a machine without one: a hint
         assert main(["plan", "--model", "llama-3.1-8b", "--device", "cuda"]) == 0
         assert "pass --gpu-free-gib" in capsys.readouterr().out
+
+
+def test_refusal_offers_the_placement_auto_would_choose():
+    """Placements given explicitly that leave host RAM short: the refusal names the placement the
+    auto settings would take on that GPU and host, with its estimate, as an option that fits."""
+    from slidetune.engine.fit import check_fit
+    split = split_of("llama-3.1-8b")
+    rt = cuda_rt(mode="slide", offload_activations=True, cache_units=0, vocab_update="host", device_layers=0,
+                 gpu_checkpoints=0, grad_slot_dtype="compute")
+    kw = dict(batch_size=1, seq_len=131072, max_grad_norm=0.0, padded=False,
+              gpu_free_bytes=int(78.5 * GiB), host_available_bytes=123 * GiB)
+    with pytest.raises(InsufficientMemoryError, match="host RAM too small") as err:
+        check_fit(split, rt, **kw)
+    m = re.search(r"--cache-units 3 --vocab-update device --gpu-checkpoints (\d+)  -> GPU ([\d.]+) GiB, "
+                  r"host ([\d.]+) GiB", str(err.value))
+    assert m and int(m[1]) > 0 and float(m[3]) <= 0.9 * 123
+    assert any("--gpu-checkpoints" in o for o in err.value.options)

@@ -736,7 +736,21 @@ def suggest(split: SplitModel, rt: RuntimeConfig, budget: _Budget, *, batch_size
 
     # 1. the same configuration with a smaller micro-batch (more accumulation)
     consider({})
-    # 2. single changes, cheapest first
+    # 2. where placements were given explicitly: the one the auto settings would choose on this
+    # GPU and host (which turns to the host's RAM where that is what does not fit)
+    if rt.mode == "slide" and budget.device_type == "cuda" and budget.gpu_free is not None:
+        fields = ["cache_units", "vocab_update", "grad_slot_dtype", "device_layers"] + \
+            (["gpu_checkpoints"] if rt.offload_activations else [])
+        placed = choose_auto_settings(
+            split, dataclasses.replace(rt, cache_units=-1, vocab_update="auto", grad_slot_dtype="auto",
+                                       device_layers=-1, gpu_checkpoints=-1),
+            batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
+            gpu_free_bytes=budget.gpu_free, host_available_bytes=budget.host_avail, safety=budget.safety,
+            padded=padded)
+        changes = {k: getattr(placed, k) for k in fields if getattr(placed, k) != getattr(rt, k)}
+        if changes:
+            consider(changes)
+    # 3. single changes, cheapest first
     if rt.mode == "slide":
         if not rt.offload_activations:
             consider({"offload_activations": True})
