@@ -205,8 +205,11 @@ def test_longest_sequence_search_reports_the_largest_that_trains(tmp_path, monke
     from slidetune.bench.scenarios import throughput
     seen = []
 
+    profiled = []
+
     def fake_run(system, model, layers, batch, seq, steps, warmup, dev, cuda, args, profile=False):
         seen.append((system, batch, seq))
+        profiled.append((batch, profile))
         fits = seq <= 100
         runtime = {"mode": "slide", "offload_activations": True, "gpu_checkpoints": 3, "cache_units": 3,
                    "vocab_update": "device", "device_layers": 0}
@@ -216,7 +219,9 @@ def test_longest_sequence_search_reports_the_largest_that_trains(tmp_path, monke
 
     monkeypatch.setattr(throughput, "_run_system", fake_run)
     out = throughput.run(_args(throughput, ["--smoke", "--out", str(tmp_path), "--models", "tiny-llama",
-                                            "--systems", "slide", "--no-floor", "--max-seq"]))
+                                            "--systems", "slide", "--no-floor", "--max-seq", "--profile"]))
+    # --profile profiles the sweep's runs (batch 2 here), never the search's one-step probes
+    assert {p for b, p in profiled if b == 2} == {True} and {p for b, p in profiled if b == 1} == {False}
     probes = [s for s in seen if s[1] == 1]
     assert all(system == "slide" for system, _, _ in probes)
     assert [s for _, _, s in probes] == [32, 64, 128, 96, 112]      # doubling from 32, then bisection
