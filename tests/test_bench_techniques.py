@@ -231,7 +231,7 @@ def test_longest_sequence_search_reports_the_largest_that_trains(tmp_path, monke
     assert "## Longest trainable sequence" in report
     # the longest probe's step, tokens/s and the placement its auto settings resolved to
     (line,) = [x for x in report.splitlines() if x.startswith("| tiny-llama | 96 |")]
-    assert "0.1 s, 960," in line and "cache_units=3 vocab_update=device device_layers=0 gpu_checkpoints=3" in line
+    assert "0.1 s, 960," in line and "cache_units=3 resident_layers=0 vocab_update=device device_layers=0 gpu_checkpoints=3" in line
     # every probe is logged as it ends, so a search cut short keeps what it found
     logged = [json.loads(line) for line in (out / "max_seq_probes.jsonl").read_text().splitlines()]
     assert [(r["seq_len"], r["status"]) for r in logged if r["model"] == "tiny-llama"] == \

@@ -45,6 +45,10 @@ RUNS = {
                                                  {"device_layers": 1, "cache_units": 0, "vocab_update": "device"}),
     "slide-eager-all-layers-on-device": ("slide", "eager", 1, None, False, {"device_layers": 4}),
     "slide-deferred-accum2-clip-resident": ("slide", "deferred", 2, 0.5, True, {"cache_units": 0}),
+    # layer 0 resident (a slot of its own), layers 1-3 through a 2-slot window
+    "slide-eager-partly-resident": ("slide", "eager", 1, None, False, {"cache_units": 2, "resident_layers": 1}),
+    "slide-deferred-accum2-clip-partly-resident": ("slide", "deferred", 2, 0.5, True,
+                                                   {"cache_units": 2, "resident_layers": 1}),
     # uploads land in FP32 buffers and are cast on the compute stream; FP32 gradient slots
     "slide-deferred-accum2-cast-in-compute": ("slide", "deferred", 2, None, False,
                                               {"upload_cast_stream": "compute", "grad_slot_dtype": "fp32"}),
@@ -149,6 +153,41 @@ def test_padding_mask_is_honoured():
         engine.close()
 
 
+def test_partly_resident_layers_are_uploaded_once_a_step_and_the_window_twice(monkeypatch):
+    """device_layers=1, resident_layers=2, a 2-slot window, 6 layers: layer 0 on the device, layers
+    1-2 in slots of their own (uploaded once a step, as each update lands: the first step's and
+    then one per step), layers 3-5 through the window (forward and backward, except the two still
+    in their slots at the turn). Training matches the reference."""
+    loaded = make_loaded("llama", tied=False, layers=6)
+    ref = ReferenceTrainer(build_reference(loaded), lr=LR, weight_decay=0.1, eps=1e-6, max_grad_norm=None)
+    rt = RuntimeConfig(mode="slide", dtype="fp32", device="cpu", schedule="eager", device_layers=1,
+                       resident_layers=2, cache_units=2, head_chunk_tokens=16, chunk_mb=1)
+    engine = build_engine(loaded, rt, AdamWConfig(lr=LR, weight_decay=0.1, eps=1e-6))
+    uploads: list[tuple[str, int]] = []
+    upload = engine.uploader.upload
+    monkeypatch.setattr(engine.uploader, "upload",
+                        lambda unit, dst, version, after: (uploads.append((unit.spec.name, version)),
+                                                           upload(unit, dst, version, after))[1])
+    try:
+        assert len(engine.layer_slots) == 2 and set(engine.own_slots) == {0, 1, 2, 3, 7}
+        for step in range(STEPS):
+            mbs = make_batches(step, 1)
+            ref_loss, _ = ref.step(mbs, LR)
+            assert engine.train_step(mbs, LR).loss == pytest.approx(ref_loss, rel=1e-5)
+        engine.synchronize()
+        worst, where = max_param_rel_diff(engine, ref.model)
+        assert worst < 1e-5, f"{where}: relative difference {worst:.2e}"
+    finally:
+        engine.close()
+    names = [u.name for u in loaded.split.layer_units]
+    for i in (1, 2):     # resident: version 0 before the first forward, then each step's as it lands
+        assert sorted(v for n, v in uploads if n == names[i]) == list(range(STEPS + 1))
+    assert not any(n == names[0] for n, _ in uploads)            # on the device: never uploaded
+    per_step = {names[3]: 2, names[4]: 1, names[5]: 1}           # layers 4 and 5 are in the window at the turn
+    for name, k in per_step.items():
+        assert sorted(v for n, v in uploads if n == name) == sorted(list(range(STEPS)) * k)
+
+
 def test_eager_refuses_accumulation():
     loaded = make_loaded("llama", tied=False, layers=2)
     with pytest.raises(ValueError, match="eager schedule"):
@@ -158,7 +197,8 @@ def test_eager_refuses_accumulation():
 
 def test_device_layers_stay_on_the_device_and_never_reach_the_host(monkeypatch):
     """device_layers=2: layers 0 and 1 keep master and moments on the device, get slots of their
-    own and no layer slot, and no gradient of theirs is drained to the host."""
+    own and no layer slot, and no gradient of theirs is drained to the host. (The two host
+    layers, resident, have slots of their own too: no window.)"""
     loaded = make_loaded("llama", tied=False, layers=4)
     rt = RuntimeConfig(mode="slide", dtype="fp32", device="cpu", schedule="eager", device_layers=2, cache_units=0)
     engine = build_engine(loaded, rt, AdamWConfig(lr=LR, eps=1e-6))
@@ -170,7 +210,7 @@ def test_device_layers_stay_on_the_device_and_never_reach_the_host(monkeypatch):
             engine.train_step(make_batches(step, 1), LR)
         engine.synchronize()
         assert [u.on_device for u in engine.units] == [False, True, True, False, False, False]
-        assert len(engine.layer_slots) == 2 and set(engine.own_slots) == {0, 1, 2, 5}
+        assert len(engine.layer_slots) == 0 and set(engine.own_slots) == {0, 1, 2, 3, 4, 5}
         assert sorted(set(drained)) == [0, 3, 4, 5]                  # embedding, layers 2-3, head
         assert all(engine.units[i].version == 2 for i in (1, 2))      # updated on the device, twice
         layers = loaded.split.layer_units

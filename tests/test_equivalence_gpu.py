@@ -34,6 +34,12 @@ GPU_RUNS = {
                                           {"cache_units": 0, "vocab_update": "device", "grad_slot_dtype": "fp32"}),
     "slide-eager-vocab-device-bf16-slots": ("slide", "eager", 1, None, False, {"vocab_update": "device"}),
     "slide-eager-device-layers": ("slide", "eager", 1, None, False, {"device_layers": 2, "cache_units": 0}),
+    # one layer resident beside a 2-slot window for the other three; and with a device layer
+    "slide-eager-partly-resident": ("slide", "eager", 1, None, False, {"cache_units": 2, "resident_layers": 1}),
+    "slide-eager-partly-resident-compiled-offload": ("slide", "eager", 1, None, True,
+                                                     {"cache_units": 2, "resident_layers": 1, "compile_layers": True}),
+    "slide-deferred-accum2-clip-partly-resident": ("slide", "deferred", 2, 0.5, False,
+                                                   {"cache_units": 2, "resident_layers": 1}),
     "ckpt": ("ckpt", "auto", 4, 0.5, False, {}),
 }
 

@@ -710,9 +710,11 @@ def test_plan_resolves_the_auto_settings_for_a_given_gpu_and_host(capsys):
     assert main(args + ["--host-gib", "123"]) == 0
     out = capsys.readouterr().out
     m = re.search(r"resolved on a GPU with 78.5 GiB free and 123.0 GiB of host RAM: cache_units=3 "
-                  r"vocab_update=device grad_slot_dtype=compute device_layers=0 gpu_checkpoints=(\d+): "
-                  r"GPU ([\d.]+) GiB, host ([\d.]+) GiB\nfits", out)
-    assert m and int(m[1]) > 0 and float(m[2]) <= 0.9 * 78.5 and float(m[3]) <= 0.9 * 123
+                  r"resident_layers=(\d+) vocab_update=device grad_slot_dtype=compute device_layers=0 "
+                  r"gpu_checkpoints=(\d+): GPU ([\d.]+) GiB, host ([\d.]+) GiB\nfits", out)
+    assert m and int(m[2]) > 0 and float(m[3]) <= 0.9 * 78.5 and float(m[4]) <= 0.9 * 123
+    # the checkpoints take the GPU's room first (each frees a host byte); what is left is a layer
+    # slot or a few, which go to resident layers (int(m[1]) may be 0)
     assert main(args + ["--host-gib", "100"]) == 0
     out = capsys.readouterr().out
     assert "does not fit: mode slide, batch 1 x 131072 tokens" in out and "host RAM too small" in out
@@ -739,3 +741,75 @@ def test_refusal_offers_the_placement_auto_would_choose():
                   r"host ([\d.]+) GiB", str(err.value))
     assert m and int(m[1]) > 0 and float(m[3]) <= 0.9 * 123
     assert any("--gpu-checkpoints" in o for o in err.value.options)
+
+
+def test_resident_layers_beside_the_window():
+    """resident_layers=R with a window of K slots: the lowest R host layers get a slot of their own,
+    the others share the window; where the window would hold every layer left to it, all are
+    resident. The estimate counts R + K layer slots and no host RAM for them."""
+    rt = RuntimeConfig(cache_units=3, resident_layers=5)
+    assert (rt.resident_layer_count(20), rt.window_slots(20), rt.resolved_cache_units(20)) == (5, 3, 8)
+    assert RuntimeConfig(cache_units=3, resident_layers=17).resident_layer_count(20) == 20     # 3 left: no window
+    assert RuntimeConfig(cache_units=3, resident_layers=17).window_slots(20) == 0
+    assert RuntimeConfig(cache_units=0, resident_layers=2).resident_layer_count(20) == 20
+    assert RuntimeConfig(cache_units=3).resident_layer_count(20) == 0                          # auto, unresolved
+    assert RuntimeConfig(cache_units=3, resident_layers=4).resident_layer_count(2) == 2
+    with pytest.raises(ValueError, match="resident_layers"):
+        RuntimeConfig(resident_layers=-2)
+    split = split_of("qwen3-8b")
+    kw = dict(batch_size=8, seq_len=1024)
+    window = cuda_rt(mode="slide", cache_units=3, vocab_update="host", grad_slot_dtype="compute", device_layers=2)
+    base, five = (estimate_memory(split, dataclasses.replace(window, resident_layers=r), **kw) for r in (0, 5))
+    layer = split.layer_units[0].numel * 2
+    assert base.gpu_parts["layer weight slots"] == 3 * layer and five.gpu_parts["layer weight slots"] == 8 * layer
+    assert five.host_bytes == base.host_bytes
+
+
+def test_auto_settings_where_host_ram_binds_give_what_is_left_to_resident_layers():
+    """Qwen3-14B b8 on an H200 (138 GiB free) with 110 GiB of RAM available: every layer resident
+    with the most device layers that fit needs more host RAM than that. The auto settings take
+    the 3-slot window, the fewest device layers with which the host fits, and give the GPU's room
+    left to resident layers (the all-window placement left this step bound by its uploads,
+    benchmarks/NOTES.md 20)."""
+    from slidetune.engine.fit import choose_auto_settings
+    split = split_of("qwen3-14b")
+    L = split.num_layers
+    kw = dict(batch_size=8, seq_len=1024, max_grad_norm=0.0)
+    rt = cuda_rt(mode="slide")
+    gpu, host = 138 * GiB, 110 * GiB
+
+    def est(c):
+        return estimate_memory(split, c, **kw)
+    fastest = auto_with_ample_host(split, rt, gpu_free_bytes=gpu, **kw)
+    assert fastest.cache_units == 0 and est(fastest).host_bytes > 0.9 * host
+    got = choose_auto_settings(split, rt, gpu_free_bytes=gpu, host_available_bytes=host, **kw)
+    host_layers = L - got.device_layers
+    resident = got.resident_layer_count(host_layers)
+    assert got.cache_units == 3 and 0 < resident < host_layers and got.window_slots(host_layers) == 3
+    assert est(got).gpu_bytes <= 0.9 * gpu and est(got).host_bytes <= 0.9 * host
+    # the fewest device layers: one fewer and the host does not fit
+    assert est(dataclasses.replace(got, device_layers=got.device_layers - 1)).host_bytes > 0.9 * host
+    # as many resident layers as fit
+    assert est(dataclasses.replace(got, resident_layers=got.resident_layers + 1)).gpu_bytes > 0.9 * gpu
+    # fewer layer uploads a step than the window alone with the most device layers (session 11's run)
+    from slidetune.bench.roofline import Placement
+    window_only = Placement(device_layers=19, cache_units=3).uploads(L - 19)
+    assert Placement(device_layers=got.device_layers, cache_units=3,
+                     resident_layers=got.resident_layers).uploads(host_layers) < window_only
+
+
+def test_auto_resident_layers_fill_a_gpu_too_small_for_all():
+    """A GPU with room for the window and some layers more (Qwen3-8B on a 24 GB card, RAM to
+    spare): as many resident layers as fit beside the 3-slot window. An explicit cache_units=3
+    asks for the small window and gets no resident layers."""
+    split = split_of("qwen3-8b")
+    kw = dict(batch_size=4, seq_len=1024)
+    got = auto_with_ample_host(split, cuda_rt(mode="slide"), gpu_free_bytes=24 * GiB, **kw)
+    L = split.num_layers
+    assert got.cache_units == 3 and got.device_layers == 0
+    assert 0 < got.resident_layer_count(L) < L
+    assert estimate_memory(split, got, **kw).gpu_bytes <= 0.9 * 24 * GiB
+    more = dataclasses.replace(got, resident_layers=got.resident_layers + 1)
+    assert estimate_memory(split, more, **kw).gpu_bytes > 0.9 * 24 * GiB
+    explicit = auto_with_ample_host(split, cuda_rt(mode="slide", cache_units=3), gpu_free_bytes=24 * GiB, **kw)
+    assert explicit.resident_layer_count(L) == 0

@@ -117,8 +117,10 @@ def _plan_resolved(ns, cfg, split) -> None:
     est = estimate_memory(split, resolved, **kw)
     L = split.num_layers
     where = f"a GPU with {free / gib:.1f} GiB free" if free is not None else "this machine's GPU"
+    host_layers = L - max(0, resolved.device_layers)
     print(f"resolved on {where} and {host / gib:.1f} GiB of host RAM: cache_units={resolved.cache_units} "
-          f"vocab_update={resolved.vocab_update} grad_slot_dtype={resolved.grad_slot_dtype} "
+          + (f"resident_layers={resolved.resident_layer_count(host_layers)} " if resolved.cache_units else "")
+          + f"vocab_update={resolved.vocab_update} grad_slot_dtype={resolved.grad_slot_dtype} "
           f"device_layers={max(0, resolved.device_layers)}"
           + (f" gpu_checkpoints={resolved.gpu_checkpoint_layers(L)}" if resolved.offload_activations else "")
           + f": GPU {est.gpu_bytes / gib:.2f} GiB, host {est.host_bytes / gib:.2f} GiB")

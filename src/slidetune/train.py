@@ -162,9 +162,11 @@ def train(cfg: TrainConfig) -> TrainSummary:
     runtime = choose_auto_settings(loaded.split, runtime, batch_size=cfg.batch_size, seq_len=cfg.data.seq_len,
                                    grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm, padded=padded)
     if cfg.runtime.cache_units == -1 and cfg.runtime.mode == "slide":
-        L = loaded.split.num_layers
-        print(f"cache_units auto -> {runtime.resolved_cache_units(L)} GPU layer slots"
-              + (" (every layer stays on the GPU between steps)" if runtime.cache_units == 0 else ""))
+        host_layers = loaded.split.num_layers - max(0, runtime.device_layers)
+        resident, window = runtime.resident_layer_count(host_layers), runtime.window_slots(host_layers)
+        print(f"cache_units auto -> {runtime.cache_units}: "
+              + (f"a {window}-slot window" + (f" and {resident} resident layers" if resident else "") if window
+                 else "every host-updated layer stays on the GPU between steps"))
     if cfg.runtime.grad_slot_dtype == "auto" and cfg.runtime.mode == "slide":
         print(f"grad_slot_dtype auto -> {runtime.grad_slot_dtype}")
     if cfg.runtime.vocab_update == "auto" and cfg.runtime.mode == "slide":

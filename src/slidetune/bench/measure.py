@@ -146,7 +146,12 @@ def measure(spec: MeasureSpec) -> dict:
         memory.enabled = True
     split = loaded.split
     vocab = split.config.vocab_size
-    result: dict = {"spec": asdict(spec), "machine": machine_info(), "init_s": init_s, "runtime": asdict(rt),
+    runtime = asdict(rt)
+    if hasattr(engine, "resident_layers"):
+        # the layers with a slot of their own as the engine resolved them (auto left unresolved
+        # means none; a window that would hold every other layer makes them all resident)
+        runtime["resident_layers"] = engine.resident_layers
+    result: dict = {"spec": asdict(spec), "machine": machine_info(), "init_s": init_s, "runtime": runtime,
                     "cuda_context_waits": device.context_waits,
                     # resolved where the runtime left them on auto (host_threads=0)
                     "host_threads": getattr(engine, "host_threads", None),

@@ -195,6 +195,7 @@ class Placement:
     vocab_on_device: bool = False   # embedding and head updated on the GPU (vocab_update=device)
     resident: bool = False          # a slot per host layer: each uploaded once a step (cache_units=0)
     cache_units: int = 3            # window slots when not resident
+    resident_layers: int = 0        # beside the window: the lowest host layers with a slot of their own
 
     @classmethod
     def of_runtime(cls, runtime: dict) -> Placement:
@@ -203,7 +204,18 @@ class Placement:
         slots = int(runtime.get("cache_units") or 0)
         return cls(device_layers=max(0, int(runtime.get("device_layers") or 0)),
                    vocab_on_device=runtime.get("vocab_update") == "device",
-                   resident=slots == 0, cache_units=slots if slots >= 2 else 3)
+                   resident=slots == 0, cache_units=slots if slots >= 2 else 3,
+                   resident_layers=max(0, int(runtime.get("resident_layers") or 0)))
+
+    def uploads(self, host_layers: int) -> int:
+        """Layer uploads a step (as RuntimeConfig.resident_layer_count resolves the residents):
+        resident host layers once; window layers twice (forward and backward), except the
+        `cache_units` still in their slots at the turn."""
+        resident = host_layers if self.resident else min(host_layers, self.resident_layers)
+        if self.cache_units >= host_layers - resident:
+            resident = host_layers
+        window = host_layers - resident
+        return resident + (max(window, 2 * window - self.cache_units) if window else 0)
 
 
 def floor_terms(comp: dict, copy: dict, adamw: dict, placement: Placement = Placement(),
@@ -212,7 +224,8 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, placement: Placement = Plac
 
     Only host-updated units cost host AdamW, D2H (BF16 gradients, 2 B/param) and uploads
     (BF16 weights). Uploads: resident host layers once a step; a window twice (forward and
-    backward) except the `cache_units` still resident at the turn; host vocabulary units once.
+    backward) except the `cache_units` still resident at the turn (Placement.uploads); host
+    vocabulary units once.
     Units updated on the GPU run their AdamW on the compute stream: with `device_adamw` (the
     probe_device_adamw rate) it is added to compute_s (~26 B/param at HBM speed; the engine's
     optimizer_device spans were 38 ms a step for a Qwen3-4B with every unit there)."""
@@ -221,7 +234,7 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, placement: Placement = Plac
     host_vocab = 0 if placement.vocab_on_device else vocab
     host_params = P_L * host_layers + host_vocab
     device_params = P_L * (L - host_layers) + (vocab - host_vocab)
-    uploads = host_layers if placement.resident else max(host_layers, 2 * host_layers - placement.cache_units)
+    uploads = placement.uploads(host_layers)
     device_update_s = device_params / device_adamw["device_adamw_params_per_s"] if device_adamw and device_params \
         else 0.0
     gib = 2**30

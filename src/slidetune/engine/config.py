@@ -23,6 +23,16 @@ class RuntimeConfig:
     # layer size on the GPU. -1 = auto: 0 when the whole configuration then fits in GPU
     # memory (engine.fit.choose_auto_settings), else 3.
     cache_units: int = -1
+    # With a window (cache_units >= 2): the lowest `resident_layers` host-updated decoder layers
+    # get a GPU slot of their own besides the window, uploaded once a step as their update lands
+    # instead of twice (forward and backward) through the window; the upper layers use the
+    # window. Costs a layer of compute-dtype weights per layer on the GPU, no host RAM. Where
+    # host RAM binds, the auto settings put only as many layers' state on the GPU as the host
+    # needs and give the rest of the GPU's room to resident layers (Qwen3-14B b8 on an H200:
+    # the all-window placement spent 40% of its H2D time outside compute; benchmarks/NOTES.md 20).
+    # -1 = auto (engine.fit.choose_auto_settings; unresolved, as in an engine built directly:
+    # none). With cache_units=0 every host layer is resident and this is not used.
+    resident_layers: int = -1
     # GPU gradient slots: one being written, one draining, one of slack. 0 = auto: 3, or
     # DEADLINE_GRAD_SLOTS with update_order=deadline, eager updates and resident layers,
     # where the slots also hold the gradients of the upper layers (late deadlines) until
@@ -152,6 +162,8 @@ class RuntimeConfig:
             raise ValueError(f"vocab_update must be auto, host or device, not {self.vocab_update!r}")
         if self.gpu_checkpoints < -1:
             raise ValueError(f"gpu_checkpoints must be >= 0, or -1 for auto, not {self.gpu_checkpoints}")
+        if self.resident_layers < -1:
+            raise ValueError(f"resident_layers must be >= 0, or -1 for auto, not {self.resident_layers}")
         if self.device_layers < -1:
             raise ValueError(f"device_layers must be >= 0, or -1 for auto, not {self.device_layers}")
         if self.host_adamw not in ("dynamic", "static", "torch"):
@@ -182,10 +194,25 @@ class RuntimeConfig:
         return max(1, min(self.chunk_mb * 2**20 // 4, layer_numel))
 
     def resolved_cache_units(self, num_layers: int) -> int:
-        """Slots the engine allocates; an unresolved auto (-1) takes the small default, 3."""
-        if self.cache_units == 0:
-            return num_layers
+        """GPU layer slots for `num_layers` host layers, window and resident together; an
+        unresolved auto (-1) takes the small default window, 3."""
+        resident = self.resident_layer_count(num_layers)
+        return resident + self.window_slots(num_layers)
+
+    def _window(self) -> int:
         return 3 if self.cache_units == -1 else self.cache_units
+
+    def resident_layer_count(self, host_layers: int) -> int:
+        """How many of the `host_layers` host-updated layers have a slot of their own (the lowest
+        ones): all with cache_units=0, or where the window would hold every layer left to it."""
+        if self.cache_units == 0:
+            return host_layers
+        resident = min(host_layers, max(0, self.resident_layers))
+        return host_layers if self._window() >= host_layers - resident else resident
+
+    def window_slots(self, host_layers: int) -> int:
+        """The window's interchangeable slots, for the host layers without one of their own."""
+        return 0 if self.resident_layer_count(host_layers) == host_layers else self._window()
 
     # Layers of gradients the pinned ring holds under update_order=deadline: the backlog of
     # updates still queued when the backward ends. Qwen3-8B b16 with compiled layers: AdamW
@@ -202,6 +229,8 @@ class RuntimeConfig:
     def resolved_grad_slots(self, num_layers: int, eager: bool = True) -> int:
         if self.grad_slots:
             return self.grad_slots
+        # only with every layer resident: a step from 3 to 16 slots as the first layer became
+        # resident would stop choose_auto_settings' fill of resident layers at none
         resident = self.cache_units == 0
         if eager and resident and self.update_order == "deadline":
             return max(3, min(self.DEADLINE_GRAD_SLOTS, num_layers))

@@ -332,7 +332,7 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         schedule = rt.resolved_schedule(grad_accum, max_grad_norm)
         n_dev = rt.layers_on_device(schedule, L)
         host_layers = L - n_dev
-        K = min(rt.resolved_cache_units(host_layers), max(host_layers, 2)) if host_layers else 0
+        K = rt.resolved_cache_units(host_layers)          # window slots + resident layers' own
         gpu["layer weight slots"] = K * P_L * b
         gb = 4 if rt.grad_slots_fp32() else b
         gpu["layer grad slots"] = rt.resolved_grad_slots(L, eager=schedule == "eager") * P_L * gb
@@ -524,8 +524,8 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
                          grad_accum: int = 1, max_grad_norm: float | None = None,
                          gpu_free_bytes: int | None = None, host_available_bytes: int | None = None,
                          safety: float = 0.9, padded: bool = True) -> RuntimeConfig:
-    """Resolve slide mode's memory-dependent autos: cache_units=-1, vocab_update=auto,
-    grad_slot_dtype=auto, device_layers=-1 and gpu_checkpoints=-1.
+    """Resolve slide mode's memory-dependent autos: cache_units=-1 (with resident_layers=-1),
+    vocab_update=auto, grad_slot_dtype=auto, device_layers=-1 and gpu_checkpoints=-1.
 
     For speed, in order of what they bought on the H100: one slot per layer (the forward stops
     waiting on PCIe; Qwen3-8B b16 2.65 -> 2.36 s, benchmarks/NOTES.md 8), then the vocabulary
@@ -536,14 +536,16 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
     (NOTES.md 17), then with offload and gpu_checkpoints=-1 as many checkpoints as still fit.
     Each is taken only where the whole configuration then fits in `safety` x the GPU's free
     memory, so an auto choice never causes an OOM the lean choice would not; otherwise the
-    3-slot window and compute-dtype slots.
+    3-slot window with as many resident layers as fit, and compute-dtype slots.
 
     Where that configuration does not fit in `safety` x the host's available RAM (long
     sequences with offloaded checkpoints, models near 12 B/param of the host's RAM), the GPU's
     room goes instead to what takes the most off the host per GPU byte: the 3-slot window
     (resident layers save no host RAM), the vocabulary units on the GPU, then checkpoints
-    (a GPU byte for each host byte), then device layers (12 host bytes for 14 GPU bytes). If
-    even that does not fit, the configuration that needs the least host RAM is returned and
+    (a GPU byte for each host byte), then the fewest device layers (12 host bytes for 14 GPU
+    bytes) that make the host fit; the room left goes to resident layers (Qwen3-14B on an H200:
+    the window alone left its b8 step bound by uploads, NOTES.md 20), then more device layers.
+    If even that does not fit, the configuration that needs the least host RAM is returned and
     check_fit reports it. On the CPU (nothing to hide) the lean choices.
     Settings given explicitly are kept; with nothing on auto, `rt` itself is returned.
     """
@@ -559,7 +561,10 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
     eager = rt.resolved_schedule(grad_accum, max_grad_norm) == "eager"
     vocab_options = (["device", "host"] if eager else ["host"]) if rt.vocab_update == "auto" else [rt.vocab_update]
     # the counts filled one at a time while the GPU has room (each grows the estimate)
-    fillable = [name for name, auto in (("device_layers", rt.device_layers == -1 and eager),
+    # resident layers are auto only beside an auto window: an explicit cache_units=3 asks for
+    # the small-window placement
+    fillable = [name for name, auto in (("resident_layers", rt.resident_layers == -1 and rt.cache_units == -1),
+                                        ("device_layers", rt.device_layers == -1 and eager),
                                         ("gpu_checkpoints", rt.gpu_checkpoints == -1 and rt.offload_activations))
                 if auto]
     if len(cache_options) == 1 and rt.grad_slot_dtype != "auto" and rt.vocab_update != "auto" \
@@ -568,7 +573,8 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
 
     def candidate(cache_units: int, vocab: str, grad_dtype: str) -> RuntimeConfig:
         return dataclasses.replace(rt, cache_units=cache_units, grad_slot_dtype=grad_dtype, vocab_update=vocab,
-                                   device_layers=max(0, rt.device_layers), gpu_checkpoints=max(0, rt.gpu_checkpoints))
+                                   device_layers=max(0, rt.device_layers), gpu_checkpoints=max(0, rt.gpu_checkpoints),
+                                   resident_layers=max(0, rt.resident_layers))
 
     lean = candidate(cache_options[-1], vocab_options[-1], dtype_options[-1])
     if _device_type(rt) != "cuda":
@@ -583,25 +589,51 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
     def fits(c: RuntimeConfig) -> bool:
         return estimate(c).gpu_bytes <= safety * free
 
+    def host_fits(c: RuntimeConfig) -> bool:
+        return estimate(c).host_bytes <= safety * host
+
     def fill(c: RuntimeConfig, order: list[str]) -> RuntimeConfig:
         for name in (n for n in order if n in fillable):
-            k = 0
-            while k < L and fits(dataclasses.replace(c, **{name: k + 1})):
+            if name == "resident_layers" and c.cache_units == 0:
+                continue                              # every host layer is resident already
+            top = L - c.device_layers if name == "resident_layers" else L
+            k = getattr(c, name)
+            while k < top and fits(dataclasses.replace(c, **{name: k + 1})):
                 k += 1
             c = dataclasses.replace(c, **{name: k})
         return c
 
+    def fewest_device_layers(c: RuntimeConfig) -> RuntimeConfig | None:
+        """`c` with the fewest device layers (auto) that make the host fit, or None."""
+        ks = range(c.device_layers, L + 1) if "device_layers" in fillable else [c.device_layers]
+        for k in ks:
+            t = dataclasses.replace(c, device_layers=k)
+            if not fits(t):
+                return None
+            if host_fits(t):
+                return t
+        return None
+
+    # For speed: the resident layers (each saves a layer's upload per step), then the device
+    # layers (each takes its AdamW off the host), then the checkpoints.
     fastest = fill(next((c for cache_units in cache_options for vocab in vocab_options for grad_dtype in dtype_options
                          if fits(c := candidate(cache_units, vocab, grad_dtype))), lean),
-                   ["device_layers", "gpu_checkpoints"])
-    if estimate(fastest).host_bytes <= safety * host:
+                   ["resident_layers", "device_layers", "gpu_checkpoints"])
+    if host_fits(fastest):
         return fastest
-    # host RAM binds: the GPU's room to what takes the most off the host per GPU byte
-    leanest = [fill(c, ["gpu_checkpoints", "device_layers"])
-               for cache_units in sorted(cache_options, reverse=True) for vocab in vocab_options
-               if fits(c := candidate(cache_units, vocab, dtype_options[-1]))]
-    return next((c for c in leanest if estimate(c).host_bytes <= safety * host),
-                min([fastest, *leanest], key=lambda c: estimate(c).host_bytes))
+    # Host RAM binds: the GPU's room first to what takes the most off the host per GPU byte
+    # (checkpoints, then device layers), but only as many device layers as the host needs;
+    # what is left goes to speed again (resident layers, then more device layers).
+    leanest = []
+    for cache_units in sorted(cache_options, reverse=True):
+        for vocab in vocab_options:
+            if not fits(c := candidate(cache_units, vocab, dtype_options[-1])):
+                continue
+            c = fill(c, ["gpu_checkpoints"])
+            enough = fewest_device_layers(c)
+            leanest.append(fill(enough, ["resident_layers", "device_layers"]) if enough
+                           else fill(c, ["device_layers"]))
+    return next((c for c in leanest if host_fits(c)), min([fastest, *leanest], key=lambda c: estimate(c).host_bytes))
 
 
 def _gib(n: int) -> str:

@@ -226,12 +226,15 @@ def longest_sequence(model: str, layers: int | None, dev: str, args, granule: in
 
 def _placement(r: dict) -> dict:
     """Where a slide run's auto settings put things (its resolved runtime): layer slots (0: one
-    per layer), vocabulary updates, device layers, and with offload the checkpoints kept on the
-    GPU."""
+    per layer; with a window, the resident layers beside it), vocabulary updates, device layers,
+    and with offload the checkpoints kept on the GPU."""
     rt = r.get("runtime") or {}
     if rt.get("mode") != "slide":
         return {}
-    out = {k: rt.get(k) for k in ("cache_units", "vocab_update", "device_layers")}
+    out = {"cache_units": rt.get("cache_units")}
+    if rt.get("cache_units"):      # a window: the layers with a slot of their own beside it
+        out["resident_layers"] = max(0, int(rt.get("resident_layers") or 0))
+    out.update({k: rt.get(k) for k in ("vocab_update", "device_layers")})
     if rt.get("offload_activations"):
         out["gpu_checkpoints"] = max(0, int(rt.get("gpu_checkpoints") or 0))
     return out

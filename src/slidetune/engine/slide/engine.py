@@ -14,7 +14,10 @@ Four threads cooperate:
     buffers free up, and hands the GPU gradient slot back (an event);
   host worker: waits for each chunk's copy and runs AdamW on it (eager) or accumulates
     it in FP32 (deferred, then a clipped update sweep).
-The compute thread plans uploads `cache_units - 1` visits ahead; a slot is
+Resident layers (cache_units=0: all; else the lowest `resident_layers`) have a GPU slot
+of their own, uploaded once a step as their update lands; the other host layers share a
+window of `cache_units` slots. The compute thread plans window uploads `cache_units - 1`
+visits ahead; a slot is
 overwritten only after the event of its last reader, a gradient slot only after the
 event of the D2H copy that drained it. A failing thread sets an abort flag that every
 host-side wait polls, and the compute thread re-raises the first error.
@@ -118,16 +121,20 @@ class SlideEngine:
         def weight_slot(n: int) -> _Slot:
             return _Slot(empty(n), landing=empty(n, torch.float32) if self.cast_in_compute else None)
 
-        # K interchangeable layer slots; the vocabulary units get dedicated slots so they
-        # never dictate the size of the layer slots.
-        self.layer_slots = [weight_slot(layer_numel) for _ in range(rt.resolved_cache_units(host_layers) if host_layers else 0)]
-        # One slot per layer: each layer's weights for the next step are uploaded as soon as
-        # its update lands (_prefetch_next_step), so the forward never waits on PCIe.
-        self.resident = len(self.layer_slots) >= host_layers
-        # Units with a slot of their own: the vocabulary units, and the layers kept on the device
-        # (their weights are cast from the device master there, never uploaded).
+        # Resident host layers (the lowest ones above the device layers): a slot each, into
+        # which the next step's weights are uploaded as soon as the update lands
+        # (_prefetch_next_step), so their forward never waits on PCIe.
+        self.resident_layers = rt.resident_layer_count(host_layers)
+        # The window: interchangeable slots for the other host layers, each uploaded in the
+        # forward and again in the backward.
+        self.layer_slots = [weight_slot(layer_numel) for _ in range(rt.window_slots(host_layers))]
+        # Units with a slot of their own: the vocabulary units, the layers kept on the device
+        # (their weights are cast from the device master there, never uploaded) and the resident
+        # layers.
+        resident = range(self.device_layers + 1, self.device_layers + self.resident_layers + 1)
         self.own_slots = {0: weight_slot(self.units[0].spec.numel), L + 1: weight_slot(self.units[-1].spec.numel),
-                          **{i: _Slot(empty(self.units[i].spec.numel)) for i in range(1, self.device_layers + 1)}}
+                          **{i: _Slot(empty(self.units[i].spec.numel)) for i in range(1, self.device_layers + 1)},
+                          **{i: weight_slot(self.units[i].spec.numel) for i in resident}}
         done = done_future(None)
         n_grad_slots = rt.resolved_grad_slots(L, eager=self.schedule == "eager")
         self.grad_slots = [_Slot(empty(layer_numel, grad_dtype), free=done) for _ in range(n_grad_slots)]
@@ -273,6 +280,13 @@ class SlideEngine:
         """Whether decoder layer `layer` (0-based) is kept and updated on the device (device_layers)."""
         return layer < self.device_layers
 
+    def _resident(self, layer: int) -> bool:
+        """Whether decoder layer `layer` is a host-updated layer with a slot of its own."""
+        return self.device_layers <= layer < self.device_layers + self.resident_layers
+
+    def _has_own_slot(self, layer: int) -> bool:
+        return layer < self.device_layers + self.resident_layers
+
     def _use_own_slot(self, unit_index: int) -> _Slot:
         """The weights of a unit with a slot of its own (vocabulary units, device layers) for
         this step: uploaded from the host master, or cast from the device one."""
@@ -321,7 +335,7 @@ class SlideEngine:
         """Make sure uploads are submitted for visits v .. v+K-1 (layer indices)."""
         K = len(self.layer_slots)
         for w in range(v, min(len(visits), v + K)):
-            if w in assign or self._on_device(visits[w]):
+            if w in assign or self._has_own_slot(visits[w]):
                 continue
             unit_index = visits[w] + 1
             want = (unit_index, self.step_index)
@@ -342,7 +356,10 @@ class SlideEngine:
 
             free = [s for s in range(K) if s not in busy]
             s = max(free, key=next_use)
-            self._submit_upload(unit_index, self.layer_slots[s])
+            # Released to the (FIFO) upload thread once this step's update of the unit has begun:
+            # a window upload planned ahead must not hold back, behind an update the host has
+            # not reached, the uploads of units it updates first (resident layers below).
+            self._submit_upload(unit_index, self.layer_slots[s], when_update_starts=True)
             assign[w] = s
 
     def _acquire(self, slot: _Slot) -> None:
@@ -467,11 +484,10 @@ class SlideEngine:
             self._grad_norm_parts.append(self.host_worker.submit(self._read_device_norm, sq_host, ready))
         if self.schedule == "deferred":
             norm_fut = self.host_worker.submit(self._finish_deferred, list(self._grad_norm_parts), lr)
-            if self.resident:
-                # The sweep updates layers 0..L-1 in order: the uploads follow it.
-                for i in range(self.split.num_layers):
-                    slot = next(s for s in self.layer_slots if s.content == (i + 1, self.step_index))
-                    self._prefetch_next_step(i + 1, slot)
+            # The sweep updates layers 0..L-1 in order: the resident layers' uploads follow it.
+            for i in range(self.split.num_layers):
+                if self._resident(i):
+                    self._prefetch_next_step(i + 1, self.own_slots[i + 1])
         else:
             parts = list(self._grad_norm_parts)
             norm_fut = self.host_worker.submit(lambda: math.sqrt(sum(p.result() for p in parts)))
@@ -513,6 +529,10 @@ class SlideEngine:
         B, S = ids.shape
         kwargs = split.layer_kwargs(B, S, self.dtype, dev, attention_mask=mask)
         embed_slot = self._use_own_slot(0)
+        # Resident layers whose slot does not hold this step's weights (the first step, or
+        # after load_state), in the order the forward needs them; later steps find them there.
+        for i in range(self.device_layers, self.device_layers + self.resident_layers):
+            self._use_own_slot(i + 1)
         self._plan(visits, 0, assign)
         self._acquire(embed_slot)
         with torch.no_grad(), self.timer.span("embed", -1):
@@ -521,9 +541,9 @@ class SlideEngine:
         head_slot = None
         for i in range(L):
             self._plan(visits, i, assign)
-            if i == max(0, L - len(self.layer_slots)):
+            if i == max(0, L - len(self.layer_slots) - self.resident_layers):
                 head_slot = self._use_own_slot(L + 1)         # queue the head behind the last layers
-            slot = self._use_own_slot(i + 1) if self._on_device(i) else self.layer_slots[assign[i]]
+            slot = self._use_own_slot(i + 1) if self._has_own_slot(i) else self.layer_slots[assign[i]]
             self._acquire(slot)
             if save_inputs:
                 self.acts.save(i, x)
@@ -580,7 +600,7 @@ class SlideEngine:
         for i in reversed(range(L)):
             v = 2 * L - 1 - i
             self._plan(visits, v, assign)
-            slot = self.own_slots[i + 1] if self._on_device(i) else self.layer_slots[assign[v]]
+            slot = self.own_slots[i + 1] if self._has_own_slot(i) else self.layer_slots[assign[v]]
             self.acts.prefetch(i - 1)
             self._acquire(slot)
             x_in = self.acts.load(i).detach().requires_grad_(True)
@@ -599,7 +619,7 @@ class SlideEngine:
             else:
                 self._submit_drain(i + 1, gslot, m, n_micro, lr)
             if self.schedule == "eager":
-                if self.resident and not self._on_device(i):
+                if self._resident(i):
                     self._prefetch_next_step(i + 1, slot)
                 if i == L // 2 and not self.vocab_on_device:
                     self._prefetch_next_step(L + 1, head_slot)
