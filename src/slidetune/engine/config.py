@@ -21,7 +21,7 @@ class RuntimeConfig:
     # soon as its update lands (during the backward, where H2D has room), so the forward
     # runs without waiting on PCIe (Qwen3-8B b16: 2.65 -> 2.36 s). Costs num_layers x
     # layer size on the GPU. -1 = auto: 0 when the whole configuration then fits in GPU
-    # memory (engine.fit.choose_auto_settings), else 3.
+    # memory (engine.fit.choose_auto_settings), else 3 (with resident layers beside them).
     cache_units: int = -1
     # With a window (cache_units >= 2): the lowest `resident_layers` host-updated decoder layers
     # get a GPU slot of their own besides the window, uploaded once a step as their update lands

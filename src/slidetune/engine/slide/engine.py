@@ -288,8 +288,8 @@ class SlideEngine:
         return layer < self.device_layers + self.resident_layers
 
     def _use_own_slot(self, unit_index: int) -> _Slot:
-        """The weights of a unit with a slot of its own (vocabulary units, device layers) for
-        this step: uploaded from the host master, or cast from the device one."""
+        """The weights of a unit with a slot of its own (vocabulary units, device layers, resident
+        layers) for this step: uploaded from the host master, or cast from the device one."""
         slot = self.own_slots[unit_index]
         if slot.content != (unit_index, self.step_index):
             if self.units[unit_index].on_host:
