@@ -497,6 +497,12 @@ def test_floor_terms_count_only_what_the_host_updates():
     rt = {"device_layers": 3, "vocab_update": "device", "cache_units": 0}
     assert Placement.of_runtime(rt) == Placement(device_layers=3, vocab_on_device=True, resident=True)
     assert Placement.of_runtime({"device_layers": -1, "vocab_update": "auto", "cache_units": 3}) == Placement()
+    # layer uploads a step: resident layers once, window layers twice but for the slots at the turn
+    assert Placement(cache_units=3).uploads(20) == 2 * 20 - 3
+    assert Placement(resident=True).uploads(20) == 20
+    assert Placement(cache_units=3, resident_layers=5).uploads(20) == 5 + 2 * 15 - 3
+    assert Placement(cache_units=3, resident_layers=17).uploads(20) == 20      # the window would hold the rest
+    assert Placement.of_runtime({"cache_units": 3, "resident_layers": 5}).resident_layers == 5
 
 
 def test_throughput_rows_use_the_floor_of_the_runs_placement(tmp_path):

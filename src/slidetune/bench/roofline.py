@@ -20,6 +20,7 @@ import torch
 
 from ..engine import native_adamw
 from ..engine.adamw import AdamWConfig, FlatAdamW
+from ..engine.config import RuntimeConfig
 from ..models.load import RandomInit, load_model
 from ..models.units import run_layer
 from ..telemetry.flops import train_flops_per_token
@@ -208,13 +209,12 @@ class Placement:
                    resident_layers=max(0, int(runtime.get("resident_layers") or 0)))
 
     def uploads(self, host_layers: int) -> int:
-        """Layer uploads a step (as RuntimeConfig.resident_layer_count resolves the residents):
-        resident host layers once; window layers twice (forward and backward), except the
-        `cache_units` still in their slots at the turn."""
-        resident = host_layers if self.resident else min(host_layers, self.resident_layers)
-        if self.cache_units >= host_layers - resident:
-            resident = host_layers
-        window = host_layers - resident
+        """Layer uploads a step: resident host layers once (which ones are resident, as the
+        engine resolves it: RuntimeConfig.resident_layer_count); window layers twice (forward
+        and backward), except the `cache_units` still in their slots at the turn."""
+        rt = RuntimeConfig(cache_units=0 if self.resident else self.cache_units, resident_layers=self.resident_layers)
+        window = host_layers - rt.resident_layer_count(host_layers)
+        resident = host_layers - window
         return resident + (max(window, 2 * window - self.cache_units) if window else 0)
 
 
