@@ -52,6 +52,21 @@ RUNS = {
     # uploads land in FP32 buffers and are cast on the compute stream; FP32 gradient slots
     "slide-deferred-accum2-cast-in-compute": ("slide", "deferred", 2, None, False,
                                               {"upload_cast_stream": "compute", "grad_slot_dtype": "fp32"}),
+    # accumulation without clipping: eager (each unit's micro-batches summed on the device first)
+    "slide-eager-accum3-device-layers-vocab": ("slide", "eager", 3, None, True,
+                                               {"device_layers": 1, "cache_units": 2, "vocab_update": "device"}),
+    # the recipe users run: clipping (deferred) with every placement kept: the embedding and head
+    # and the lowest layer updated on the device with their gradients held there, one resident
+    # layer, a 2-slot window; with and without accumulation, checkpoints offloaded or not
+    "slide-deferred-clip-device-layers-vocab-partly-resident": (
+        "slide", "deferred", 1, 0.5, False,
+        {"device_layers": 1, "vocab_update": "device", "cache_units": 2, "resident_layers": 1}),
+    "slide-deferred-accum4-clip-device-layers-vocab-partly-resident-offload": (
+        "slide", "deferred", 4, 0.5, True,
+        {"device_layers": 1, "vocab_update": "device", "cache_units": 2, "resident_layers": 1,
+         "gpu_checkpoints": 1}),
+    "slide-deferred-accum2-clip-all-on-device": ("slide", "deferred", 2, 0.5, False,
+                                                 {"device_layers": 4, "vocab_update": "device"}),
     "gpu-accum2-clip": ("gpu", "auto", 2, 0.5, False, {}),
     "ckpt-every2": ("ckpt", "auto", 1, None, False, {"recompute": "every:2"}),
 }
@@ -188,11 +203,54 @@ def test_partly_resident_layers_are_uploaded_once_a_step_and_the_window_twice(mo
         assert sorted(v for n, v in uploads if n == name) == sorted(list(range(STEPS)) * k)
 
 
-def test_eager_refuses_accumulation():
+def test_eager_refuses_clipping_and_auto_defers_only_for_it():
     loaded = make_loaded("llama", tied=False, layers=2)
     with pytest.raises(ValueError, match="eager schedule"):
         build_engine(loaded, RuntimeConfig(mode="slide", dtype="fp32", device="cpu", schedule="eager"),
-                     AdamWConfig(), grad_accum=2)
+                     AdamWConfig(), max_grad_norm=1.0)
+    rt = RuntimeConfig(mode="slide")
+    assert rt.resolved_schedule(4, None) == "eager" and rt.resolved_schedule(4, 0.0) == "eager"
+    assert rt.resolved_schedule(1, 1.0) == "deferred"
+
+
+def test_deferred_holds_gradients_in_the_compute_dtype_and_updates_after_the_norm(monkeypatch):
+    """The deferred schedule: no unit is updated before the backward has ended (the global norm
+    is known); host units hold their gradient in the compute dtype (no FP32 copy: 12 + 2 B/param
+    of host RAM in BF16), the device units in a device slot of their own; nothing is drained
+    chunk-wise to the host's AdamW."""
+    loaded = make_loaded("llama", tied=False, layers=4)
+    rt = RuntimeConfig(mode="slide", dtype="bf16", device="cpu", device_layers=1, vocab_update="device",
+                       cache_units=2, resident_layers=1)
+    engine = build_engine(loaded, rt, AdamWConfig(lr=LR, eps=1e-6), grad_accum=2, max_grad_norm=1.0)
+    versions_when_complete: list[list[int]] = []
+    complete = engine._gradient_complete
+
+    def record(i, *a, **k):
+        versions_when_complete.append([u.version for u in engine.units])
+        return complete(i, *a, **k)
+
+    monkeypatch.setattr(engine, "_gradient_complete", record)
+    monkeypatch.setattr(engine, "_submit_drain", lambda *a, **k: pytest.fail("deferred drained to AdamW"))
+    try:
+        assert engine.schedule == "deferred"
+        held = [u.held for u in engine.units]
+        assert [h is None for h in held] == [True, True, False, False, False, True]   # device: embed, layer 0, head
+        assert all(h.dtype == torch.bfloat16 and h.numel() == u.spec.numel
+                   for h, u in zip(held, engine.units) if h is not None)
+        assert set(engine.device_grad_slots) == {1}
+        host_params = sum(u.spec.numel for u in engine.units if u.on_host)
+        assert engine.store.state_bytes() == 14 * host_params
+        for step in range(2):
+            res = engine.train_step(make_batches(step, 2), LR)
+            assert res.grad_norm() > 0
+        engine.synchronize()
+        # every gradient of a step was complete before any unit of that step was updated
+        assert len(versions_when_complete) == 2 * 6
+        for step in range(2):
+            assert all(v == [step] * 6 for v in versions_when_complete[6 * step: 6 * step + 6])
+        assert [u.version for u in engine.units] == [2] * 6
+    finally:
+        engine.close()
 
 
 def test_device_layers_stay_on_the_device_and_never_reach_the_host(monkeypatch):
@@ -217,9 +275,6 @@ def test_device_layers_stay_on_the_device_and_never_reach_the_host(monkeypatch):
         assert engine.memory_report()["device_state"] == 12 * (layers[0].numel + layers[1].numel)
     finally:
         engine.close()
-    with pytest.raises(ValueError, match="device_layers .* eager schedule"):
-        build_engine(loaded, RuntimeConfig(mode="slide", dtype="fp32", device="cpu", device_layers=1),
-                     AdamWConfig(), max_grad_norm=1.0)
     with pytest.raises(ValueError, match="4 decoder layers"):
         build_engine(loaded, RuntimeConfig(mode="slide", dtype="fp32", device="cpu", device_layers=5), AdamWConfig())
 
@@ -259,9 +314,8 @@ def test_units_kept_on_the_device_are_built_there_without_host_state():
     from slidetune.engine.slide.host_store import HostStore
     loaded = make_loaded("llama", tied=False, layers=3)
     split, meta = loaded.split, torch.device("meta")
-    store = HostStore(split, loaded.source, AdamWConfig(), keep_grads=False, device_units=frozenset({0, 2}),
-                      device=meta)
-    host = HostStore(split, loaded.source, AdamWConfig(), keep_grads=False)
+    store = HostStore(split, loaded.source, AdamWConfig(), device_units=frozenset({0, 2}), device=meta)
+    host = HostStore(split, loaded.source, AdamWConfig())
     for i, unit in enumerate(store.units):
         on_device = i in (0, 2)
         assert unit.on_device is on_device and unit.on_host is not on_device
@@ -270,7 +324,7 @@ def test_units_kept_on_the_device_are_built_there_without_host_state():
         if not on_device:
             torch.testing.assert_close(unit.master, host.units[i].master, rtol=0, atol=0)
     with pytest.raises(ValueError, match="device_units needs the device"):
-        HostStore(split, loaded.source, AdamWConfig(), keep_grads=False, device_units=frozenset({0}))
+        HostStore(split, loaded.source, AdamWConfig(), device_units=frozenset({0}))
 
 
 def test_units_larger_than_the_staging_ring_stream_through_it():

@@ -40,6 +40,17 @@ GPU_RUNS = {
                                                      {"cache_units": 2, "resident_layers": 1, "compile_layers": True}),
     "slide-deferred-accum2-clip-partly-resident": ("slide", "deferred", 2, 0.5, False,
                                                    {"cache_units": 2, "resident_layers": 1}),
+    # the default recipe (clipping) with every placement kept: gradients held as BF16 on the host
+    # (page-locked, one D2H copy each) and in the device units' own slots; with accumulation
+    # (layer by layer, summed in FP32 on the GPU), and eager accumulation without clipping
+    "slide-deferred-clip-device-layers-vocab-partly-resident": (
+        "slide", "deferred", 1, 0.5, False,
+        {"device_layers": 1, "vocab_update": "device", "cache_units": 2, "resident_layers": 1}),
+    "slide-deferred-accum4-clip-device-layers-vocab-offload": (
+        "slide", "deferred", 4, 0.5, True, {"device_layers": 1, "vocab_update": "device", "gpu_checkpoints": 1}),
+    "slide-deferred-clip-fp32-slots-resident": ("slide", "deferred", 1, 0.5, False,
+                                                {"cache_units": 0, "grad_slot_dtype": "fp32"}),
+    "slide-eager-accum4-device-layers": ("slide", "eager", 4, None, False, {"device_layers": 2, "cache_units": 0}),
     "ckpt": ("ckpt", "auto", 4, 0.5, False, {}),
 }
 

@@ -100,9 +100,12 @@ def test_slide_8b_host_is_12_bytes_per_param_plus_buffers():
     assert fifo.pinned_bytes == -(-3 * layer // chunk) * chunk * 2
     deferred = estimate_memory(split, rt, batch_size=8, seq_len=1024, max_grad_norm=1.0)
     assert deferred.schedule == "deferred"
-    assert deferred.host_bytes - eager.host_bytes == 4 * P
-    # the 8B state is ~92 GiB: fits a 128 GiB host with eager updates
+    # clipping holds each gradient as the backward made it, BF16: 2 B/param (page-locked), not 4
+    assert deferred.host_bytes - eager.host_bytes == 2 * P
+    assert deferred.pinned_bytes - eager.pinned_bytes == 2 * P
+    # the 8B state is ~92 GiB: fits a 128 GiB host with eager updates, and with clipping
     check_fit(split, rt, batch_size=8, seq_len=1024, **H100)
+    check_fit(split, rt, batch_size=8, seq_len=1024, max_grad_norm=1.0, **H100)
 
 
 def test_slide_gpu_parts_follow_the_engine_allocations():
@@ -216,16 +219,18 @@ def test_slide_batch_too_large_suggests_smaller_batch_and_offload():
         check_fit(split, rt, batch_size=largest + 1, seq_len=4096, grad_accum=2, **avail)
 
 
-def test_suggestions_with_accumulation_move_an_explicit_device_vocabulary_to_the_host():
-    """vocab_update=device needs the eager schedule: an option that accumulates micro-batches says
-    --vocab-update host, and every option still fits when applied through the CLI parser."""
+def test_suggestions_with_accumulation_keep_an_eager_device_vocabulary():
+    """Accumulation needs neither the deferred schedule nor the vocabulary on the host (a unit's
+    micro-batches are summed on the GPU): an option that accumulates keeps both, and every option
+    still fits when applied through the CLI parser."""
     split = split_of("qwen3-8b")
     rt = cuda_rt(vocab_update="device", schedule="eager")
     avail = dict(gpu_free_bytes=80 * GiB, host_available_bytes=256 * GiB)
     with pytest.raises(InsufficientMemoryError) as ei:
         check_fit(split, rt, batch_size=32, seq_len=4096, **avail)
     accumulating = [o for o in ei.value.options if "--grad-accum" in o]
-    assert accumulating and all("--vocab-update host" in o and "--schedule deferred" in o for o in accumulating)
+    assert accumulating[0].startswith("--batch-size 8 --grad-accum 4 ")        # nothing else changed
+    assert all("--schedule" not in o for o in accumulating)
     assert_options_fit(ei.value, split, rt, 32, 4096, **avail)
 
 
@@ -258,14 +263,15 @@ def test_full_head_suggests_chunked():
 
 def test_host_too_small_for_deferred_suggests_eager_and_names_the_env_var():
     split = split_of("qwen3-8b")
-    rt = cuda_rt()
-    with pytest.raises(InsufficientMemoryError) as ei:   # 16 B/param = 122 GiB > 90% of 128
-        check_fit(split, rt, batch_size=4, seq_len=1024, max_grad_norm=1.0, **H100)
+    rt = cuda_rt(vocab_update="host", device_layers=0, cache_units=3)
+    host = dict(H100, host_available_bytes=112 * GiB)    # 12 + 2 B/param = 107 GiB > 90% of 112
+    with pytest.raises(InsufficientMemoryError) as ei:
+        check_fit(split, rt, batch_size=4, seq_len=1024, max_grad_norm=1.0, **host)
     msg = str(ei.value)
-    assert "host RAM: needs" in msg and "fp32 gradients (deferred schedule" in msg
+    assert "host RAM: needs" in msg and "held gradients (deferred schedule" in msg
     assert ENV_HOST_MEMORY in msg
     assert any("--max-grad-norm 0" in o for o in ei.value.options), msg
-    assert_options_fit(ei.value, split, rt, 4, 1024, max_grad_norm=1.0, **H100)
+    assert_options_fit(ei.value, split, rt, 4, 1024, max_grad_norm=1.0, **host)
 
 
 def test_nothing_fits_says_so():
@@ -301,7 +307,7 @@ def test_invalid_inputs():
     with pytest.raises(ValueError):
         estimate_memory(split, cuda_rt(), batch_size=0, seq_len=128)
     with pytest.raises(ValueError, match="eager"):
-        estimate_memory(split, cuda_rt(schedule="eager"), batch_size=1, seq_len=128, grad_accum=2)
+        estimate_memory(split, cuda_rt(schedule="eager"), batch_size=1, seq_len=128, max_grad_norm=1.0)
 
 
 # --------------------------------------------------------------------------- formulas vs torch
@@ -481,10 +487,11 @@ def test_auto_grad_slot_dtype_takes_fp32_after_resident_layers_where_it_fits():
     assert (explicit.cache_units, explicit.grad_slot_dtype) == (0, "compute")
 
 
-def test_auto_vocab_update_takes_the_device_where_it_fits_and_the_schedule_is_eager():
+def test_auto_vocab_update_takes_the_device_where_it_fits_under_either_schedule():
     """vocab_update=auto: the embedding and head state (12 B/param) moves to the GPU after resident
-    layers and before FP32 gradient slots, only where everything fits and only under the eager
-    schedule; the host then holds 12 B/param less for them."""
+    layers and before FP32 gradient slots, only where everything fits; the host then holds 12
+    B/param less for them. Clipping (the deferred schedule) keeps it: their gradients wait on
+    the GPU for the clip coefficient."""
     from slidetune.engine.fit import estimate_memory
     from slidetune.engine.slide.host_store import BUILD_WORKERS
     split = split_of("llama-3.1-8b")
@@ -513,9 +520,10 @@ def test_auto_vocab_update_takes_the_device_where_it_fits_and_the_schedule_is_ea
         got = auto_with_ample_host(split, rt, gpu_free_bytes=int(free), **kw)
         assert (got.cache_units, got.vocab_update, got.grad_slot_dtype) == (0, *want)
     clipped = auto_with_ample_host(split, rt, gpu_free_bytes=140 * GiB, max_grad_norm=1.0, **kw)
-    assert clipped.vocab_update == "host"                 # deferred schedule: the host clips
-    with pytest.raises(ValueError, match="vocab_update=device .* eager schedule"):
-        estimate_memory(split, dataclasses.replace(rt, vocab_update="device"), max_grad_norm=1.0, **kw)
+    assert clipped.vocab_update == "device"
+    held = estimate_memory(split, dataclasses.replace(rt, vocab_update="device"), max_grad_norm=1.0, **kw)
+    host_params = split.num_params() - vocab
+    assert held.host_parts["held gradients (deferred schedule, 2 B/param)"] == 2 * host_params
     assert auto_with_ample_host(split, RuntimeConfig(device="cpu", mode="slide"), **kw).vocab_update == "host"
 
 
@@ -571,13 +579,16 @@ def test_device_layers_move_their_state_from_host_to_gpu():
     assert four.gpu_bytes - base.gpu_bytes >= 12 * moved                 # + the widening buffer
     assert four.gpu_parts["device update widening buffer"] == 4 * rt.chunk_elems(max(u.numel for u in split.layer_units))
     assert four.gpu_parts["layer weight slots"] == base.gpu_parts["layer weight slots"] - 2 * moved
-    with pytest.raises(ValueError, match="device_layers .* eager schedule"):
-        estimate_memory(split, dataclasses.replace(rt, device_layers=4), max_grad_norm=1.0, **kw)
+    # clipping: their gradients wait on the GPU in the compute dtype (2 B/param more there), and
+    # the host holds the others' (2 B/param) instead of 4 B/param of FP32 for every unit
+    clip4 = estimate_memory(split, dataclasses.replace(rt, device_layers=4), max_grad_norm=1.0, **kw)
+    assert clip4.gpu_parts["device layers' held gradients (deferred schedule)"] == 2 * moved
+    assert clip4.host_parts["held gradients (deferred schedule, 2 B/param)"] == 2 * (split.num_params() - moved)
 
 
 def test_auto_device_layers_takes_as_many_as_fit():
     """device_layers=-1: after the other auto choices, the most layers whose state still fits in
-    90% of the free GPU memory; none under the deferred schedule or on the CPU."""
+    90% of the free GPU memory, under either schedule; none on the CPU."""
     from slidetune.engine.fit import estimate_memory
     split = split_of("qwen3-8b")
     kw = dict(batch_size=16, seq_len=1024)
@@ -586,8 +597,8 @@ def test_auto_device_layers_takes_as_many_as_fit():
         need = estimate_memory(split, dataclasses.replace(rt, device_layers=k), **kw).gpu_bytes
         got = auto_with_ample_host(split, rt, gpu_free_bytes=int(need / 0.9) + 1, **kw)
         assert got.device_layers == k
-    clipped = dataclasses.replace(rt, vocab_update="auto")       # the deferred schedule: neither on the GPU
-    assert auto_with_ample_host(split, clipped, gpu_free_bytes=500 * GiB, max_grad_norm=1.0, **kw).device_layers == 0
+    clipped = dataclasses.replace(rt, vocab_update="auto")       # the deferred schedule keeps them
+    assert auto_with_ample_host(split, clipped, gpu_free_bytes=500 * GiB, max_grad_norm=1.0, **kw).device_layers == 36
     assert auto_with_ample_host(split, RuntimeConfig(device="cpu", mode="slide", device_layers=-1),
                                 **kw).device_layers == 0
 

@@ -214,3 +214,32 @@ def test_update_widened_matches_a_whole_fp32_gradient(chunk):
         opt_b.update(grad.float(), 1e-3)
     for got, want in ((a, b), (opt_a.exp_avg, opt_b.exp_avg), (opt_a.exp_avg_sq, opt_b.exp_avg_sq)):
         torch.testing.assert_close(got, want, rtol=2e-7, atol=0)
+
+
+@pytest.mark.parametrize("kernel", ["dynamic", "torch"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_split_update_writes_exactly_what_the_full_one_does(grad_dtype, kernel):
+    """The deferred schedule's pair: "params" (weights only) then "moments" (moments only), with a
+    clip scale applied to the read-only gradient, leaves master and moments bit for bit as one
+    "all" update does, over decay and no-decay ranges and a tail too small for the kernel
+    (updated in full by "params", left alone by "moments"); the gradient is not modified."""
+    n, n_decay = 3 * native_adamw.BLOCK + 777, 2 * native_adamw.BLOCK + 5
+    g0 = torch.Generator().manual_seed(3)
+    master = torch.randn(n, generator=g0)
+    grad = torch.randn(n, generator=g0).to(grad_dtype)
+    full, split = (FlatAdamW(master.clone(), n_decay, CFG, kernel) for _ in range(2))
+    for opt in (full, split):            # some history in the moments first
+        opt.begin_step()
+        opt.update(torch.randn(n, generator=torch.Generator().manual_seed(4)).to(grad_dtype), 1e-3)
+    kept = grad.clone()
+    full.begin_step()
+    full.update(grad.clone(), 1e-3, grad_scale=0.37)
+    split.begin_step()
+    split.update(grad, 1e-3, grad_scale=0.37, part="params")
+    if kernel != "torch":
+        assert not torch.equal(split.exp_avg, full.exp_avg)        # moments not written yet
+    split.update(grad, 0.0, grad_scale=0.37, part="moments")
+    for a, b in [(split.master, full.master), (split.exp_avg, full.exp_avg), (split.exp_avg_sq, full.exp_avg_sq)]:
+        assert torch.equal(a, b)
+    if kernel != "torch":
+        assert torch.equal(grad, kept)

@@ -102,18 +102,25 @@ def test_resident_layers_are_uploaded_once_per_step_after_their_update():
         eng.close()
 
 
-def test_micro_batches_reuse_resident_vocabulary_units():
-    """Within one step (deferred schedule) the weights do not change: embed/head go up once."""
-    loaded = make_loaded("qwen3", tied=True, layers=3)
-    eng = build_engine(loaded, RuntimeConfig(mode="slide", dtype="fp32", device="cpu"), AdamWConfig(lr=1e-3),
-                       grad_accum=3)
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_micro_batches_run_layer_by_layer_each_unit_uploaded_once(clip):
+    """Accumulation runs the micro-batches layer by layer: every unit's weights for the step go up
+    once, however many micro-batches (a 2-slot window over 4 layers: each layer once in the
+    forward, once in the backward, except the two still there at the turn)."""
+    loaded = make_loaded("qwen3", tied=True, layers=4)
+    eng = build_engine(loaded, RuntimeConfig(mode="slide", dtype="fp32", device="cpu", cache_units=2),
+                       AdamWConfig(lr=1e-3), grad_accum=3, max_grad_norm=clip)
     try:
-        names = []
+        ups = []
         orig = eng.uploader.upload
-        eng.uploader.upload = lambda unit, *a: (names.append(unit.spec.name), orig(unit, *a))[1]
+        eng.uploader.upload = lambda unit, dst, version, *a: (ups.append((unit.spec.name, version)),
+                                                              orig(unit, dst, version, *a))[1]
         eng.train_step(make_batches(0, 3), 1e-3)
         eng.synchronize()
-        assert names.count("embed") == 1 and names.count("head") == 1
+        step0 = [n for n, v in ups if v == 0]
+        assert step0.count("embed") == 1 and step0.count("head") == 1
+        layers = [u.name for u in loaded.split.layer_units]
+        assert [step0.count(n) for n in layers] == [2, 2, 1, 1]
     finally:
         eng.close()
 
@@ -149,7 +156,7 @@ def test_upload_may_trail_an_update_chunk_by_chunk():
         spec = eng.split.layer_units[0]
     finally:
         eng.close()
-    unit = HostUnit(spec, RandomInit(0), AdamWConfig(), keep_grad=False)
+    unit = HostUnit(spec, RandomInit(0), AdamWConfig())
     n = spec.numel
     unit.advance(n // 2)                                   # update 1 has written the first half
     unit.wait_version(1, upto=n // 2, poll_s=0.01)         # returns at once
@@ -324,15 +331,20 @@ def test_activation_store_keeps_the_last_layers_and_sizes_host_slots_exactly():
     xs = [torch.randn(1, 3, 5) for _ in range(4)]           # 15 elements: no power of two
     for i, x in enumerate(xs):
         store.save(i, x)
-    assert store.host[2] is None and store.host[3] is None
-    assert [store.host[i].numel() for i in (0, 1)] == [15, 15]
+    assert (2, 0) not in store.host and (3, 0) not in store.host
+    assert [store.host[(i, 0)].numel() for i in (0, 1)] == [15, 15]
     for i in reversed(range(4)):
         assert torch.equal(store.load(i), xs[i])
     bigger = torch.randn(2, 3, 5)
     store.save(0, bigger)
-    assert store.host[0].numel() == 30 and torch.equal(store.load(0), bigger)
+    assert store.host[(0, 0)].numel() == 30 and torch.equal(store.load(0), bigger)
+    # a second micro-batch's checkpoint of the same layer has a slot of its own
+    other = torch.randn(1, 3, 5)
+    store.save(0, bigger, m=0)
+    store.save(0, other, m=1)
+    assert torch.equal(store.load(0, m=1), other) and torch.equal(store.load(0, m=0), bigger)
     store.close()
-    assert store.host == [None] * 4
+    assert store.host == {}
 
 
 def test_large_activation_slots_are_registered_in_place_and_released(monkeypatch):

@@ -69,23 +69,17 @@ def _plan(ns) -> int:
                   f"{fp32.gpu_bytes / 0.9 / gib:.1f} GiB free (GPU {fp32.gpu_bytes / gib:.2f} GiB; the gradient "
                   f"copies then need no cast kernel); below that the slots keep the compute dtype")
     if cfg.runtime.device_layers == -1:
-        if cfg.runtime.resolved_schedule(cfg.grad_accum, cfg.max_grad_norm) != "eager":
-            print("device_layers auto: 0 (the deferred schedule updates on the host)")
-        else:
-            one = estimate(device_layers=1).gpu_bytes - estimate(device_layers=0).gpu_bytes
-            every = estimate(device_layers=loaded.split.num_layers).gpu_bytes
-            print(f"device_layers auto: each layer kept and updated on the GPU adds about {one / gib:.2f} GiB "
-                  f"to the estimate above and takes its share off the host's AdamW; all "
-                  f"{loaded.split.num_layers} need a GPU with {every / 0.9 / gib:.1f} GiB free")
+        one = estimate(device_layers=1).gpu_bytes - estimate(device_layers=0).gpu_bytes
+        every = estimate(device_layers=loaded.split.num_layers).gpu_bytes
+        print(f"device_layers auto: each layer kept and updated on the GPU adds about {one / gib:.2f} GiB "
+              f"to the estimate above and takes its share off the host's AdamW; all "
+              f"{loaded.split.num_layers} need a GPU with {every / 0.9 / gib:.1f} GiB free")
     if cfg.runtime.offload_activations and cfg.runtime.gpu_checkpoints == -1:
         one = estimate(gpu_checkpoints=1).host_bytes - estimate(gpu_checkpoints=0).host_bytes
         print(f"gpu_checkpoints auto: the estimate above offloads every checkpoint; each one kept on the GPU "
               f"moves {-one / gib:.2f} GiB from pinned host RAM to the GPU (as many as fit after device_layers, "
               f"or before them where host RAM is what does not fit)")
     if cfg.runtime.vocab_update == "auto":
-        if cfg.runtime.resolved_schedule(cfg.grad_accum, cfg.max_grad_norm) != "eager":
-            print("vocab_update auto: host (the deferred schedule clips by a norm the host computes)")
-            return 0
         for cache_units in cache_options:
             dev = estimate(cache_units=cache_units, vocab_update="device")
             print(f"vocab_update auto: with cache_units {cache_units}, the embedding and head are updated on "

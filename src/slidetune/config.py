@@ -94,6 +94,8 @@ class TrainConfig:
 
 # flag name overrides (field path -> flag); None hides a field (it follows another one)
 _FLAG_NAMES = {"data.path": "data", "data.seed": None}
+# string fields whose flag alone means a value, as a boolean flag alone means true
+_BARE_FLAG = {"runtime.compile_layers": "on"}
 _SECTIONS = ("data", "runtime", "optim")
 _SECTION_CLASSES = {"data": DataConfig, "runtime": RuntimeConfig, "optim": AdamWConfig}
 # help text where the field's own comment is missing or too terse for --help
@@ -155,6 +157,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         help_text = (f"{doc} " if doc else "") + f"[{path}] (default: {default})"
         help_text = help_text.replace("%", "%%")
         extra = {"nargs": "?", "const": True} if base is bool else {}   # `--offload-activations` alone means true
+        if path in _BARE_FLAG:
+            extra = {"nargs": "?", "const": _BARE_FLAG[path]}           # `--compile-layers` alone means on
         parser.add_argument("--" + flag.replace("_", "-"), dest=path, default=argparse.SUPPRESS,
                             type=lambda s, t=f.type: _parse_value(s, t), help=help_text,
                             metavar=base.__name__.upper() if isinstance(base, type) else "VALUE", **extra)

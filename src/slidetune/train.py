@@ -34,6 +34,7 @@ from .config import TrainConfig, config_to_dict
 from .data import BatchSampler, build_datasets, default_pad_id, eval_batches
 from .device import Device
 from .engine import build_engine
+from .engine.compile_policy import choose_compile_layers, resolve_compile_layers
 from .engine.fit import check_fit, choose_auto_settings
 from .models.load import load_model
 from .telemetry.flops import train_flops_per_token
@@ -191,6 +192,12 @@ def train(cfg: TrainConfig) -> TrainSummary:
     total_steps = cfg.resolved_max_steps(device.is_cuda)
     if cfg.epochs is not None:
         total_steps = max(1, int(cfg.epochs * len(sampler) / cfg.grad_accum))
+    compiled = choose_compile_layers(runtime, loaded.split, is_cuda=device.is_cuda, steps=total_steps,
+                                     tokens_per_step=cfg.batch_size * cfg.grad_accum * cfg.data.seq_len,
+                                     seq_len=cfg.data.seq_len)
+    runtime = resolve_compile_layers(runtime, compiled)
+    if cfg.runtime.mode == "slide":
+        print(f"compile_layers {cfg.runtime.compile_layers} -> {compiled.compile_layers} ({compiled.reason})")
 
     ckpt_dir = out / "checkpoints"
     resume_from = _resolve_resume(cfg, ckpt_dir, total_steps)

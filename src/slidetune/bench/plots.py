@@ -269,7 +269,7 @@ def plot_pipeline_lanes(lanes: dict, path: Path, title: str = "One step, per str
 
 _TIMELINE_LANES = (("gpu", None), ("compute", "wait_upload"), ("compute", "wait_grad_slot"),
                    ("upload", "wait_update"), ("upload", "upload"), ("d2h", "issue"), ("host", "drain"),
-                   ("host", "d2h_wait"), ("host", "adamw"), ("host", "deferred_update"))
+                   ("host", "d2h_wait"), ("host", "adamw"), ("host", "adamw_moments"), ("d2h", "hold"))
 _PHASE_COLORS = {"forward": "tab:blue", "recompute": "tab:cyan", "backward": "tab:purple", "head": "tab:olive",
                  "embed": "tab:brown", "embed_backward": "tab:brown"}
 

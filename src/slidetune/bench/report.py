@@ -84,7 +84,7 @@ def draw(out_dir: Path, data: dict) -> list[Path]:
 
 # host-timeline keys (thread.activity, seconds per step) shown in the pipeline table
 PIPELINE_HOST_KEYS = ("compute.wait_upload", "compute.wait_grad_slot", "upload.upload", "upload.wait_update",
-                      "d2h.issue", "host.drain", "host.adamw", "host.d2h_wait")
+                      "d2h.issue", "d2h.hold", "host.drain", "host.adamw", "host.adamw_moments", "host.d2h_wait")
 
 
 def pipeline_rows(results: list[dict]) -> list[dict]:

@@ -69,7 +69,7 @@ def probe_copy(nbytes: int = 2**30) -> dict:
             "bidirectional_total_gib_s": 2 * nbytes / bidir / gib, "pageable_h2d_gib_s": nbytes / 4 / pg / gib}
 
 
-def _adamw_rate(n: int, steps: int, grad_dtype: torch.dtype, kernel: str) -> float:
+def _adamw_rate(n: int, steps: int, grad_dtype: torch.dtype, kernel: str, part: str = "all") -> float:
     """params/s of the median step: one step that a page fault, a timer tick or a neighbour
     stretched must not set the floor (three-step means ranged 3.8-6.7 G params/s on the H100
     host, NOTES.md 18)."""
@@ -82,7 +82,7 @@ def _adamw_rate(n: int, steps: int, grad_dtype: torch.dtype, kernel: str) -> flo
     for _ in range(steps):
         t = time.perf_counter()
         opt.begin_step()
-        opt.update(grad, 1e-5)
+        opt.update(grad, 1e-5, part=part)
         times.append(time.perf_counter() - t)
     return n / statistics.median(times)
 
@@ -98,6 +98,9 @@ def probe_adamw(n: int = 128 * 2**20, steps: int = 11, grad_download: str = "com
     native = host_adamw != "torch" and native_adamw.load() is not None
     if native:
         out["adamw_bf16_grad_params_per_s"] = _adamw_rate(n, steps, torch.bfloat16, host_adamw)
+        # the clipped sweep's weights-only pass (deferred schedule): BF16 held gradients
+        out["adamw_weights_pass_params_per_s"] = _adamw_rate(n, steps, torch.bfloat16, host_adamw, part="params")
+        out["adamw_moments_pass_params_per_s"] = _adamw_rate(n, steps, torch.bfloat16, host_adamw, part="moments")
     out["kernel"] = f"native ({host_adamw})" if native else "torch"
     widened = grad_download == "compute" and "adamw_bf16_grad_params_per_s" in out
     out["grad_dtype"] = "bf16" if widened else "fp32"
@@ -197,16 +200,19 @@ class Placement:
     resident: bool = False          # a slot per host layer: each uploaded once a step (cache_units=0)
     cache_units: int = 3            # window slots when not resident
     resident_layers: int = 0        # beside the window: the lowest host layers with a slot of their own
+    clipped: bool = False           # global-norm clipping: the deferred schedule (updates after the backward)
 
     @classmethod
-    def of_runtime(cls, runtime: dict) -> Placement:
+    def of_runtime(cls, runtime: dict, clipped: bool = False) -> Placement:
         """From a run's resolved RuntimeConfig (as bench.measure records it); -1 and auto, left
-        unresolved, mean what an engine built directly does: nothing on the GPU, 3 slots."""
+        unresolved, mean what an engine built directly does: nothing on the GPU, 3 slots.
+        clipped: the run clipped by the global norm (its max_grad_norm > 0)."""
         slots = int(runtime.get("cache_units") or 0)
         return cls(device_layers=max(0, int(runtime.get("device_layers") or 0)),
                    vocab_on_device=runtime.get("vocab_update") == "device",
                    resident=slots == 0, cache_units=slots if slots >= 2 else 3,
-                   resident_layers=max(0, int(runtime.get("resident_layers") or 0)))
+                   resident_layers=max(0, int(runtime.get("resident_layers") or 0)),
+                   clipped=clipped or runtime.get("schedule") == "deferred")
 
     def uploads(self, host_layers: int) -> int:
         """Layer uploads a step: resident host layers once (which ones are resident, as the
@@ -228,7 +234,14 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, placement: Placement = Plac
     vocabulary units once.
     Units updated on the GPU run their AdamW on the compute stream: with `device_adamw` (the
     probe_device_adamw rate) it is added to compute_s (~26 B/param at HBM speed; the engine's
-    optimizer_device spans were 38 ms a step for a Qwen3-4B with every unit there)."""
+    optimizer_device spans were 38 ms a step for a Qwen3-4B with every unit there).
+    Clipped (the deferred schedule): no update may start before the global norm is known, at
+    the end of the backward, and the next step's last host layer cannot compute before its
+    update; so a step is at least the head, every layer's recompute + backward, the embedding's
+    backward, the device units' AdamW, the host's weights pass over its units (at the probed
+    rate of that pass: it writes the weights only, the moments follow where nothing waits) and
+    one layer's forward: clip_sweep_s. (The forward runs in the sweep's shadow; nothing else of
+    the host's sweep can overlap.)"""
     L, P_L, vocab = comp["num_layers"], comp["layer_params"], comp["vocab_params"]
     host_layers = L - min(L, placement.device_layers)
     host_vocab = 0 if placement.vocab_on_device else vocab
@@ -238,12 +251,22 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, placement: Placement = Plac
     device_update_s = device_params / device_adamw["device_adamw_params_per_s"] if device_adamw and device_params \
         else 0.0
     gib = 2**30
-    return {
+    terms = {
         "compute_s": comp["compute_s"] + device_update_s,
         "h2d_s": 2 * (P_L * uploads + host_vocab) / (copy["h2d_gib_s"] * gib),
         "d2h_s": 2 * host_params / (copy["d2h_gib_s"] * gib),
         "adamw_s": host_params / adamw["adamw_params_per_s"],
     }
+    if placement.clipped and host_params:
+        # the sweep writes the weights only (the moments follow under the next step): its rate
+        # where probed, else the whole AdamW's
+        sweep_rate = adamw.get("adamw_weights_pass_params_per_s") or adamw["adamw_params_per_s"]
+        backward = L * comp["layer_recompute_backward_s"] + comp["head_s"] + comp["embed_s"]
+        terms["clip_sweep_s"] = backward + device_update_s + host_params / sweep_rate + comp["layer_forward_s"]
+        if adamw.get("adamw_moments_pass_params_per_s"):
+            # the host's AdamW a step is both passes (each reads the gradient and the moments)
+            terms["adamw_s"] = host_params / sweep_rate + host_params / adamw["adamw_moments_pass_params_per_s"]
+    return terms
 
 
 def floor(model: str, batch: int, seq: int, num_layers: int | None = None, cache_units: int = 3,

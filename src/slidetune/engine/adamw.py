@@ -52,33 +52,49 @@ class FlatAdamW:
         """Count one optimizer step; call once before the ranges of this step are updated."""
         self.step_count += 1
 
-    def update(self, grad: torch.Tensor, lr: float, start: int = 0, grad_scale: float = 1.0) -> None:
-        """Apply AdamW to master[start:start+len(grad)] with `grad` (modified in place if scaled).
+    def update(self, grad: torch.Tensor, lr: float, start: int = 0,
+               grad_scale: float | torch.Tensor = 1.0, part: str = "all") -> None:
+        """Apply AdamW to master[start:start+len(grad)] with `grad` times `grad_scale`.
 
-        Host ranges go through native_adamw's kernel (FP32 or BF16 gradients) unless
-        kernel="torch", it cannot be built or the range is tiny; everything else through
-        torch's fused kernel, a compute-dtype gradient widened to FP32 first."""
+        grad_scale: the clip coefficient, a float (host) or a 0-dim FP32 tensor on the master's
+        device (computed there from the device's norm, so no host sync). The gradient is widened
+        to FP32 before it is scaled, as clip_grad_norm_ scales an FP32 gradient. Host ranges go
+        through native_adamw's kernel (FP32 or BF16 gradients, read only, scaled in registers)
+        unless kernel="torch", it cannot be built or the range is tiny; everything else through
+        torch's fused kernel, after an FP32 copy (a compute-dtype gradient) or an in-place
+        scaling of `grad` (an FP32 one, which the caller no longer needs).
+
+        part: "all"; or the split pair "params" (the new parameters only) then "moments" (the new
+        moments only, with the same gradient and scale), which together write exactly what "all"
+        does (native_adamw.update's part). Ranges native_adamw does not take are updated in full
+        by "params" and left alone by "moments"."""
         end = start + grad.numel()
-        if grad_scale != 1.0:
-            grad.mul_(grad_scale)
+        scaled = isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0
         for lo, hi, wd in ((start, min(end, self.n_decay), self.cfg.weight_decay),
                            (max(start, self.n_decay), end, 0.0)):
             if hi <= lo:
                 continue
             g = grad[lo - start:hi - start]
-            if self.kernel != "torch" and native_adamw.takes(g, self.master):
+            if (self.kernel != "torch" and not isinstance(grad_scale, torch.Tensor)
+                    and native_adamw.takes(g, self.master)):
                 native_adamw.update(self.master[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], g, lr=lr,
                                     beta1=self.cfg.beta1, beta2=self.cfg.beta2, eps=self.cfg.eps,
-                                    weight_decay=wd, step=int(self.step_count), schedule=self.kernel)
+                                    weight_decay=wd, step=int(self.step_count), schedule=self.kernel,
+                                    grad_scale=float(grad_scale), part=part)
                 continue
+            if part == "moments":
+                continue                                  # written in full by the "params" call
             if g.dtype != self.master.dtype:
                 g = g.float()                             # torch's kernel wants the parameters' dtype
+            if scaled:
+                g.mul_(grad_scale)
             torch._fused_adamw_(
                 [self.master[lo:hi]], [g], [self.exp_avg[lo:hi]], [self.exp_avg_sq[lo:hi]], [],
                 [self.step_count], lr=lr, beta1=self.cfg.beta1, beta2=self.cfg.beta2,
                 weight_decay=wd, eps=self.cfg.eps, amsgrad=False, maximize=False)
 
-    def update_widened(self, grad: torch.Tensor, lr: float, scratch: torch.Tensor) -> None:
+    def update_widened(self, grad: torch.Tensor, lr: float, scratch: torch.Tensor,
+                       grad_scale: float | torch.Tensor = 1.0) -> None:
         """update() over the whole master from a compute-dtype gradient [numel], widened to FP32 a
         chunk at a time into `scratch` (FP32, any length), so no gradient-sized FP32 copy is
         allocated: what the slide engine does for units updated on the GPU."""
@@ -87,7 +103,7 @@ class FlatAdamW:
             hi = min(n, lo + chunk)
             widened = scratch[: hi - lo]                     # [hi - lo] fp32
             widened.copy_(grad[lo:hi])
-            self.update(widened, lr, start=lo)
+            self.update(widened, lr, start=lo, grad_scale=grad_scale)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "step": self.step_count}

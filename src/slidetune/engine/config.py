@@ -48,7 +48,12 @@ class RuntimeConfig:
     # does not fit, before them (engine.fit.choose_auto_settings); left unresolved (an engine
     # built directly) it means 0: every checkpoint offloaded.
     gpu_checkpoints: int = -1
-    schedule: str = "auto"          # auto | eager | deferred (auto: eager unless accumulation/clipping)
+    # When updates run. "eager": each unit's AdamW as soon as its gradient is complete (after its
+    # backward over every micro-batch: accumulation runs layer by layer, engine/slide/engine.py);
+    # "deferred": gradients wait where they landed (host units' in the compute dtype, 2 B/param of
+    # host RAM for BF16; device units' on the GPU) until the global norm is known, then the clipped
+    # update sweep overlaps the next forward. auto: deferred when clipping, else eager.
+    schedule: str = "auto"          # auto | eager | deferred
     cast_on: str = "auto"           # auto | cpu | gpu: where FP32 <-> compute dtype conversions run (auto: gpu on CUDA)
     chunk_mb: int = 256             # cast/copy/update granularity (benchmarks/NOTES.md 7: 256 beat 64 by 4% on 8B layers)
     upload_ring: int = 4            # pinned staging chunks for uploads
@@ -88,8 +93,8 @@ class RuntimeConfig:
     # complete (~5 ms each at HBM speed for a 0.5 B-parameter vocabulary matrix), so they
     # cross PCIe neither way and the host's AdamW, the step's bound, loses their share
     # (Llama-3.1-8B: 1.05 of 8.0 B parameters; ~0.23 s of a 2.1 s step at b16). Costs 12
-    # B/param of the vocabulary units on the GPU (12.6 GB for Llama-3.1-8B); eager schedule
-    # only (the deferred one clips by a global norm the host computes). "host": with the
+    # B/param of the vocabulary units on the GPU (12.6 GB for Llama-3.1-8B); under the deferred
+    # schedule their gradients wait on the GPU for the clip coefficient. "host": with the
     # layers. auto: device where the whole configuration then fits in GPU memory
     # (engine.fit.choose_auto_settings); left unresolved (an engine built directly), host.
     vocab_update: str = "auto"          # auto | host | device
@@ -98,7 +103,8 @@ class RuntimeConfig:
     # vocab_update=device does for the embedding and head): their weights never cross PCIe
     # and the host's AdamW, the bound of a host-limited step, loses their share. The lowest
     # layers, because the next forward needs them first. Costs 14 B/param on the GPU (master,
-    # moments, a weight slot of their own) for each such layer; eager schedule only. -1 (auto):
+    # moments, a weight slot of their own) for each such layer, 2 more under the deferred
+    # schedule (the gradient, held there for the clip coefficient). -1 (auto):
     # as many as fit in GPU memory after the other auto choices (engine.fit.choose_auto_settings;
     # Qwen3-8B b16 on the H100: 8 layers, 2.22 -> 1.75 s a step, NOTES.md 18); left unresolved
     # (an engine built directly) it means 0. 0 keeps every layer's state on the host.
@@ -135,13 +141,17 @@ class RuntimeConfig:
     # of 1.06 s, NOTES.md 19). Undone at close().
     gc_freeze: bool = True
     # torch.compile the decoder layers' forward (slide mode; one graph per kind of layer,
-    # recompute and backward included). Costs a compile at the first step.
-    compile_layers: bool = False
+    # recompute and backward included): 18% less layer time on the H100 for a ~40 s compile at
+    # the first step. auto: on CUDA where the planned run earns the compile back 5x over
+    # (engine/compile_policy.py; `slidetune train` prints the estimate); left unresolved (an
+    # engine built directly, a benchmark) it means off. on | off (true | false) force it.
+    compile_layers: str = "auto"
     # output layer
     head_impl: str = "chunked"      # full | chunked | fused
     head_chunk_tokens: int = 4096   # tokens per logits chunk (4096 x 152k vocab x 2 B = 1.2 GB)
 
     def __post_init__(self):
+        self.compile_layers = _on_off_auto(self.compile_layers, "compile_layers")
         if self.mode not in ("gpu", "ckpt", "slide"):
             raise ValueError(f"mode must be gpu, ckpt or slide, not {self.mode!r}")
         if self.dtype not in DTYPES:
@@ -185,6 +195,10 @@ class RuntimeConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    def compiles_layers(self) -> bool:
+        """Whether the slide engine compiles its layers (auto, unresolved: no)."""
+        return self.compile_layers == "on"
 
     # Buffer sizing shared by the slide engine and the fit estimate (engine/fit.py).
     def chunk_elems(self, layer_numel: int) -> int:
@@ -254,17 +268,10 @@ class RuntimeConfig:
 
     def vocab_on_device(self, schedule: str) -> bool:
         """Whether the engine updates the vocabulary units on the device (auto, unresolved: no)."""
-        if self.vocab_update == "device" and schedule != "eager":
-            raise ValueError("vocab_update=device updates the embedding and head as soon as their gradients "
-                             "exist, so it needs the eager schedule (no gradient accumulation or clipping); "
-                             "use vocab_update=host (or auto)")
         return self.vocab_update == "device"
 
     def layers_on_device(self, schedule: str, num_layers: int) -> int:
         """How many of the lowest decoder layers the engine keeps and updates on the device."""
-        if self.device_layers > 0 and schedule != "eager":
-            raise ValueError("device_layers updates layers as soon as their gradients exist, so it needs "
-                             "the eager schedule (no gradient accumulation or clipping); use device_layers=0")
         if self.device_layers > num_layers:
             raise ValueError(f"device_layers={self.device_layers} but the model has {num_layers} decoder layers")
         return max(0, self.device_layers)
@@ -288,14 +295,29 @@ class RuntimeConfig:
         return is_cuda and self.cast_on in ("auto", "gpu")
 
     def resolved_schedule(self, grad_accum: int, max_grad_norm: float | None) -> str:
-        needs_deferred = grad_accum > 1 or (max_grad_norm is not None and max_grad_norm > 0)
+        """eager, or deferred where clipping needs the global norm first. Accumulation needs
+        neither: a unit's micro-batches are summed on the GPU before its update."""
+        needs_deferred = max_grad_norm is not None and max_grad_norm > 0
         if self.schedule == "eager" and needs_deferred:
-            raise ValueError("the eager schedule updates each unit as soon as its gradient lands, so it "
-                             "cannot accumulate micro-batches or clip by the global norm; use "
-                             "--schedule deferred (or auto)")
+            raise ValueError("the eager schedule updates each unit as soon as its gradient is complete, so it "
+                             "cannot clip by the global norm; use --schedule deferred (or auto)")
         if self.schedule == "auto":
             return "deferred" if needs_deferred else "eager"
         return self.schedule
+
+
+def _on_off_auto(value, name: str) -> str:
+    """auto | on | off, from those or a bool or true/false/yes/no/1/0 (YAML, older configs)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    text = str(value).strip().lower()
+    if text in ("on", "true", "yes", "1"):
+        return "on"
+    if text in ("off", "false", "no", "0"):
+        return "off"
+    if text == "auto":
+        return "auto"
+    raise ValueError(f"{name} must be auto, on or off, not {value!r}")
 
 
 def recompute_set(spec: str, num_layers: int) -> set[int]:

@@ -16,13 +16,15 @@ micro-batch, L layers, d hidden width, V vocabulary, I the MLP width.
 
 What each engine allocates (see slide/engine.py and plain.py):
   slide  GPU : K layer slots + G gradient slots of P_L*b each, dedicated embed/head weight
-               and gradient slots ((P_E+P_H)*b each), layer-input checkpoints (L*N*d*b on
-               the GPU; with --offload-activations N*d*b for each kept there by
-               gpu_checkpoints, plus 2 in flight), plus the largest of the transient working
-               sets (one layer's recompute + backward, the head, the embedding backward).
-         host: 12 B/param (FP32 master + two moments), +4 B/param with the deferred schedule
-               (FP32 gradients), pinned upload/download rings of chunk_mb each, one FP32
-               scratch chunk, and with offload N*d*b pinned for each offloaded checkpoint.
+               and gradient slots ((P_E+P_H)*b each), layer-input checkpoints (L*A*N*d*b on
+               the GPU for A micro-batches, run layer by layer; with --offload-activations
+               A*N*d*b for each kept there by gpu_checkpoints, plus those in flight), plus the
+               largest of the transient working sets (one micro-batch's recompute + backward
+               of a layer, the head, the embedding backward).
+         host: 12 B/param (FP32 master + two moments), + the compute dtype's size (2 B/param for
+               BF16) with the deferred schedule (clipping): the held gradients, page-locked;
+               pinned upload/download rings of chunk_mb each, one FP32 scratch chunk, and with
+               offload A*N*d*b pinned for each offloaded checkpoint.
   gpu/ckpt   : per param FP32 master 4 + moments 8 + FP32 grad 4 + compute copy b + compute
                grad b, all on the device; full saved activations for layers that are not
                recomputed, an N*d*b checkpoint for those that are.
@@ -252,9 +254,12 @@ def layer_activation_bytes(split: SplitModel, batch_size: int, seq_len: int, dty
     phases = [(N * (saved + bw_mlp), b * d * inter),
               (N * (saved - saved_mlp + bw_attn), b * p_mlp),
               (N * io, b * p_layer)]
+    # Kernel scratch beyond the tensors above: torch 2.13's CPU BF16 GEMMs took 63 KiB more than
+    # the formula at 16 tokens of a 256-wide layer (tests/test_fit.py); nothing at GPU sizes.
+    workspace = 128 * 2**10
     return {"saved": N * saved,
-            "peak": max(a + g for a, g in phases),
-            "peak_no_param_grads": max(a for a, _ in phases)}
+            "peak": max(a + g for a, g in phases) + workspace,
+            "peak_no_param_grads": max(a for a, _ in phases) + workspace}
 
 
 def head_bytes(split: SplitModel, n_tokens: int, dtype: torch.dtype, impl: str, chunk_tokens: int) -> int:
@@ -313,6 +318,9 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
     b = torch.empty((), dtype=dtype).element_size()
     sh = _shape(split)
     B, S, N, L, d = batch_size, seq_len, batch_size * seq_len, sh.layers, sh.d
+    # slide mode runs a step's micro-batches layer by layer: the checkpoints, the head and the
+    # embedding backward see every micro-batch's tokens at once, a layer's working set one's
+    N_step = N * grad_accum
     P = split.num_params()
     P_L = max((u.numel for u in split.layer_units), default=0)
     P_E, P_H = split.embed_unit.numel, split.head_unit.numel
@@ -329,6 +337,9 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
     head = int(HEAD_MARGIN * head_bytes(split, N, dtype, rt.head_impl, rt.head_chunk_tokens))
 
     if rt.mode == "slide":
+        if grad_accum > 1:
+            # a micro-batch at a time, its parameter gradients summed in FP32 (a tied embedding's too)
+            head += 4 * (split.head_unit.numel + (split.embed_unit.numel if split.tied else 0))
         schedule = rt.resolved_schedule(grad_accum, max_grad_norm)
         n_dev = rt.layers_on_device(schedule, L)
         host_layers = L - n_dev
@@ -340,22 +351,28 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         gpu["vocab grad slots"] = (P_E + P_H) * gb
         if rt.upload_cast_stream == "compute" and (rt.casts_on_gpu(dev == "cuda") or dev != "cuda"):
             gpu["fp32 landing buffers (cast on the compute stream)"] = (K * P_L + P_E + P_H) * 4
-        ckpt = N * d * b
+        ckpt_micro = N * d * b                 # one micro-batch's checkpoint of one layer
+        ckpt = N_step * d * b                  # a layer's checkpoints, every micro-batch
         kept = rt.gpu_checkpoint_layers(L)
-        # offload: those kept on the GPU, plus the checkpoint being read by the layer in backward
-        # and the one prefetched (in forward, the one whose D2H copy is in flight and the one
-        # being computed)
-        gpu["activation checkpoints"] = min(L, kept + 2) * ckpt
+        # offload: those kept on the GPU, plus in forward the micro-batches' outputs of the layer
+        # being computed and the one whose D2H copy is in flight (in backward, the checkpoint being
+        # read and the one prefetched, no more)
+        gpu["activation checkpoints"] = min(L * ckpt, kept * ckpt + ckpt + ckpt_micro)
         gpu["layer inputs (masks, rotary, ids)"] = layer_inputs
         phases = {
             # recompute + backward of one layer; autograd.grad also returns the layer's
             # parameter gradients as fresh tensors before they are copied into a grad slot
+            # with several micro-batches, the other micro-batches' output gradients wait beside it,
+            # and the layer's gradient sums in FP32 (a compute-dtype sum would round each add)
             "layer working set": int(ACTIVATION_MARGIN * layer_activation_bytes(split, B, S, dtype,
-                                                                               masked=masks > 0)["peak"]),
+                                                                               masked=masks > 0)["peak"])
+            + (grad_accum - 1) * ckpt_micro + (4 * P_L if grad_accum > 1 else 0),
             # the head phase (head_bytes counts the last layer's output and its gradient)
             "head/logits": head,
             # embedding backward: a dense [V, d] gradient, and the incoming gradient
-            "embedding backward": P_E * b + ckpt,
+            # every micro-batch's incoming gradient; with several, a micro-batch at a time into
+            # an FP32 sum
+            "embedding backward": P_E * b + ckpt + (4 * P_E if grad_accum > 1 else 0),
         }
         vocab_device = rt.vocab_on_device(schedule)
         if vocab_device:
@@ -363,6 +380,8 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         P_dev = sum(u.numel for u in split.layer_units[:n_dev])
         if n_dev:
             gpu["device layers: master + Adam moments (12 B/param) + own weight slots"] = (12 + b) * P_dev
+            if schedule == "deferred":
+                gpu["device layers' held gradients (deferred schedule)"] = gb * P_dev
         device_units = ([P_E, P_H] if vocab_device else []) + [u.numel for u in split.layer_units[:n_dev]]
         # Mirrors SlideEngine: chunks of chunk_mb MiB of FP32; on CUDA the casts run on the
         # GPU (FP32 master registered in place, FP32 gradient ring, 4 GPU staging chunks).
@@ -370,9 +389,11 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         if device_units and gb != 4:   # the update widens a compute-dtype gradient a chunk at a time
             gpu["device update widening buffer"] = 4 * min(chunk_elems, max(device_units))
         gpu_cast = rt.casts_on_gpu(dev == "cuda")
-        host["master + Adam moments (12 B/param)"] = 12 * (P - (P_E + P_H if vocab_device else 0) - P_dev)
-        if schedule == "deferred":
-            host["fp32 gradients (deferred schedule, 4 B/param)"] = 4 * P
+        P_host = P - (P_E + P_H if vocab_device else 0) - P_dev
+        host["master + Adam moments (12 B/param)"] = 12 * P_host
+        held = b * P_host if schedule == "deferred" else 0
+        if held:
+            host[f"held gradients (deferred schedule, {b} B/param)"] = held
         down_chunks = rt.download_chunks(P_L)
         downloads_fp32 = rt.downloads_fp32(dev == "cuda")
         rings = down_chunks * chunk_elems * (4 if downloads_fp32 else b)
@@ -392,7 +413,7 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         if kept < L:
             host["offloaded checkpoints"] = (L - kept) * ckpt
         if dev == "cuda":
-            pinned = rings + (L - kept) * ckpt
+            pinned = rings + (L - kept) * ckpt + held
         # units kept on the device pass through a host buffer (4 B/param) while they are built,
         # up to BUILD_WORKERS at once, beside the host units (HostStore)
         building = sorted(device_units, reverse=True)[:BUILD_WORKERS]
@@ -530,7 +551,7 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
     For speed, in order of what they bought on the H100: one slot per layer (the forward stops
     waiting on PCIe; Qwen3-8B b16 2.65 -> 2.36 s, benchmarks/NOTES.md 8), then the vocabulary
     units updated on the GPU (the host's AdamW, the bound, loses 13% of its work on
-    Llama-3.1-8B; NOTES.md 15; eager schedule only), then FP32 gradient slots (the copy stream
+    Llama-3.1-8B; NOTES.md 15), then FP32 gradient slots (the copy stream
     runs no cast kernels; Llama-3.1-8B b16 2.38 -> 2.16 s, NOTES.md 14), then with
     device_layers=-1 as many of the lowest layers kept and updated on the GPU as still fit
     (NOTES.md 17), then with offload and gpu_checkpoints=-1 as many checkpoints as still fit.
@@ -558,13 +579,12 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
     fp32_useful = rt.casts_on_gpu(_device_type(rt) == "cuda") and rt.grad_download == "fp32"
     dtype_options = (["fp32", "compute"] if fp32_useful else ["compute"]) if rt.grad_slot_dtype == "auto" \
         else [rt.grad_slot_dtype]
-    eager = rt.resolved_schedule(grad_accum, max_grad_norm) == "eager"
-    vocab_options = (["device", "host"] if eager else ["host"]) if rt.vocab_update == "auto" else [rt.vocab_update]
+    vocab_options = ["device", "host"] if rt.vocab_update == "auto" else [rt.vocab_update]
     # the counts filled one at a time while the GPU has room (each grows the estimate)
     # resident layers are auto only beside an auto window: an explicit cache_units=3 asks for
     # the small-window placement
     fillable = [name for name, auto in (("resident_layers", rt.resident_layers == -1 and rt.cache_units == -1),
-                                        ("device_layers", rt.device_layers == -1 and eager),
+                                        ("device_layers", rt.device_layers == -1),
                                         ("gpu_checkpoints", rt.gpu_checkpoints == -1 and rt.offload_activations))
                 if auto]
     if len(cache_options) == 1 and rt.grad_slot_dtype != "auto" and rt.vocab_update != "auto" \
@@ -685,10 +705,6 @@ def suggest(split: SplitModel, rt: RuntimeConfig, budget: _Budget, *, batch_size
 
     def attempt(changes: dict, B: int, accum: int, clip) -> MemoryEstimate | None:
         ch = dict(changes)
-        if accum > 1 and ch.get("mode", rt.mode) == "slide" and ch.get("schedule", rt.schedule) == "eager":
-            ch["schedule"] = "deferred"          # eager cannot accumulate
-            if ch.get("vocab_update", rt.vocab_update) == "device":
-                ch["vocab_update"] = "host"       # nor update the vocabulary on the device
         try:
             est = estimate_memory(split, dataclasses.replace(rt, **ch) if ch else rt, batch_size=B,
                                   seq_len=seq_len, grad_accum=accum, max_grad_norm=clip, padded=padded)
@@ -727,11 +743,6 @@ def suggest(split: SplitModel, rt: RuntimeConfig, budget: _Budget, *, batch_size
             flags.append(_fmt_flag("batch_size", B))
         if accum is not None and accum != grad_accum:
             flags.append(_fmt_flag("grad_accum", accum))
-        if (accum or grad_accum) > 1 and changes.get("mode", rt.mode) == "slide":
-            if rt.schedule == "eager":
-                flags.append(_fmt_flag("schedule", "deferred"))
-            if changes.get("vocab_update", rt.vocab_update) == "device":
-                flags.append(_fmt_flag("vocab_update", "host"))   # attempt() estimated it so
         return flags
 
     plain_best = 0
@@ -816,10 +827,10 @@ def suggest(split: SplitModel, rt: RuntimeConfig, budget: _Budget, *, batch_size
         lean = {k: v for k, v in lean.items() if getattr(rt, k) != v}
         if lean:
             consider(lean)
-    # 4. host: the deferred schedule keeps FP32 gradients (4 B/param), eager does not
-    if rt.mode == "slide" and rt.schedule != "deferred" and (grad_accum > 1 or (max_grad_norm or 0) > 0):
-        est = attempt({}, batch_size, 1, None)
+    # 4. host: the deferred schedule (clipping) holds the step's gradients, eager does not
+    if rt.mode == "slide" and rt.schedule != "deferred" and (max_grad_norm or 0) > 0:
+        est = attempt({}, batch_size, grad_accum, None)
         if est is not None:
-            add([_fmt_flag("grad_accum", 1), _fmt_flag("max_grad_norm", 0)], est,
-                "eager schedule, no FP32 host gradients; changes the recipe: no accumulation, no clipping")
+            add([_fmt_flag("max_grad_norm", 0)], est,
+                "eager schedule, no held gradients; changes the recipe: no clipping")
     return out

@@ -56,40 +56,48 @@ SOURCE = r"""
 static inline float from_bf16(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline float from_f32(float x) { return x; }
 
-/* s: decay, beta1, 1-beta1, beta2, 1-beta2, step size, sqrt(bias correction 2), eps */
-#define ADAMW_KERNEL(NAME, GRAD_T, WIDEN)                                                        \
+/* s: decay, beta1, 1-beta1, beta2, 1-beta2, step size, sqrt(bias correction 2), eps, gradient scale */
+/* STORE: what a kernel writes back. The split pair (params, then moments) computes the same
+   m', v' from the same inputs in the same order, so it writes exactly what the full one does. */
+#define STORE_ALL    p[i] = p[i] * decay - step_size * mi / denom; m[i] = mi; v[i] = vi;
+#define STORE_PARAMS p[i] = p[i] * decay - step_size * mi / denom;
+#define STORE_MOMENTS m[i] = mi; v[i] = vi;
+
+#define ADAMW_KERNEL(NAME, GRAD_T, WIDEN, STORE)                                                 \
 void NAME(float *restrict p, float *restrict m, float *restrict v, const GRAD_T *restrict g,    \
           int64_t n, const float *s, int threads, int dynamic) {                                \
     const float decay = s[0], beta1 = s[1], c1 = s[2], beta2 = s[3], c2 = s[4];                 \
-    const float step_size = s[5], bc2_sqrt = s[6], eps = s[7];                                  \
+    const float step_size = s[5], bc2_sqrt = s[6], eps = s[7], gscale = s[8];                   \
     const int64_t nblocks = (n + BLOCK - 1) / BLOCK;                                            \
     _Pragma("omp parallel num_threads(threads)")                                                \
     {                                                                                           \
         if (dynamic) {                                                                          \
             _Pragma("omp for schedule(dynamic, 1)")                                             \
-            for (int64_t b = 0; b < nblocks; b++) BODY(WIDEN)                                   \
+            for (int64_t b = 0; b < nblocks; b++) BODY(WIDEN, STORE)                            \
         } else {                                                                                \
             _Pragma("omp for schedule(static)")                                                 \
-            for (int64_t b = 0; b < nblocks; b++) BODY(WIDEN)                                   \
+            for (int64_t b = 0; b < nblocks; b++) BODY(WIDEN, STORE)                            \
         }                                                                                       \
     }                                                                                           \
 }
 
-#define BODY(WIDEN) {                                                                           \
+#define BODY(WIDEN, STORE) {                                                                    \
     const int64_t lo = b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;                         \
     for (int64_t i = lo; i < hi; i++) {                                                         \
-        const float gi = WIDEN(g[i]);                                                           \
+        const float gi = WIDEN(g[i]) * gscale;                                                  \
         const float mi = m[i] * beta1 + gi * c1;                                                \
         const float vi = v[i] * beta2 + gi * gi * c2;                                           \
         const float denom = sqrtf(vi) / bc2_sqrt + eps;                                         \
-        p[i] = p[i] * decay - step_size * mi / denom;                                           \
-        m[i] = mi;                                                                              \
-        v[i] = vi;                                                                              \
+        STORE                                                                                   \
     }                                                                                           \
 }
 
-ADAMW_KERNEL(adamw_f32, float, from_f32)
-ADAMW_KERNEL(adamw_bf16, uint16_t, from_bf16)
+ADAMW_KERNEL(adamw_f32, float, from_f32, STORE_ALL)
+ADAMW_KERNEL(adamw_bf16, uint16_t, from_bf16, STORE_ALL)
+ADAMW_KERNEL(adamw_params_f32, float, from_f32, STORE_PARAMS)
+ADAMW_KERNEL(adamw_params_bf16, uint16_t, from_bf16, STORE_PARAMS)
+ADAMW_KERNEL(adamw_moments_f32, float, from_f32, STORE_MOMENTS)
+ADAMW_KERNEL(adamw_moments_bf16, uint16_t, from_bf16, STORE_MOMENTS)
 """
 
 # -ffp-contract=off: no fused multiply-adds, so each element rounds as torch's elementwise
@@ -104,8 +112,9 @@ class Kernel:
     lib: ctypes.CDLL
     compiler: str
 
-    def fn(self, grad_dtype: torch.dtype):
-        return getattr(self.lib, f"adamw_{GRAD_TYPES[grad_dtype]}")
+    def fn(self, grad_dtype: torch.dtype, part: str = "all"):
+        prefix = {"all": "adamw", "params": "adamw_params", "moments": "adamw_moments"}[part]
+        return getattr(self.lib, f"{prefix}_{GRAD_TYPES[grad_dtype]}")
 
 
 _kernel: Kernel | None = None
@@ -137,7 +146,7 @@ def _build() -> Kernel:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)   # the mapping stays valid once loaded
     f32_ptr, c_int64, c_int = ctypes.POINTER(ctypes.c_float), ctypes.c_int64, ctypes.c_int
-    for name in ("adamw_f32", "adamw_bf16"):
+    for name in (f"{prefix}_{g}" for prefix in ("adamw", "adamw_params", "adamw_moments") for g in ("f32", "bf16")):
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_void_p] * 4 + [c_int64, f32_ptr, c_int, c_int]
         fn.restype = None
@@ -167,10 +176,21 @@ def takes(grad: torch.Tensor, master: torch.Tensor) -> bool:
 
 def update(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, *,
            lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-           schedule: str = "dynamic", threads: int = 0) -> None:
+           schedule: str = "dynamic", threads: int = 0, grad_scale: float = 1.0, part: str = "all") -> None:
     """One AdamW step over equal-length contiguous 1-D CPU ranges (master and moments FP32,
-    updated in place; grad FP32 or BF16), on `threads` OpenMP threads (0: the calling
-    thread's torch.get_num_threads()). Only for ranges that takes() accepts."""
+    updated in place; grad FP32 or BF16, read only), on `threads` OpenMP threads (0: the calling
+    thread's torch.get_num_threads()). Only for ranges that takes() accepts.
+
+    grad_scale: each gradient element is widened to FP32 and then multiplied by it, as
+    clip_grad_norm_ multiplies an FP32 gradient by its clip coefficient (x * 1.0f is x: the
+    unclipped path is unchanged). The held BF16 gradient of the deferred schedule is never
+    rounded by the scaling.
+
+    part: "all" writes the parameters and both moments (26 B/param with BF16 gradients);
+    "params" writes only the parameters (18 B/param: the new moments stay in registers) and
+    "moments" only the moments (18 B/param), from the same inputs, so "params" then "moments"
+    leaves exactly what "all" does. The deferred schedule runs "params" where the next forward
+    waits for it and "moments" later, where the host is idle (engine/slide/engine.py)."""
     kernel = load()
     assert kernel is not None and schedule in SCHEDULES
     n = grad.numel()
@@ -180,7 +200,7 @@ def update(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
     # torch's fused kernel: bias corrections and step size in double, then cast to FP32
     bc1 = 1 - beta1 ** step
     bc2 = 1 - beta2 ** step
-    scalars = (ctypes.c_float * 8)(1 - lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2,
-                                   lr / bc1, math.sqrt(bc2), eps)
-    kernel.fn(grad.dtype)(master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(),
+    scalars = (ctypes.c_float * 9)(1 - lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2,
+                                   lr / bc1, math.sqrt(bc2), eps, grad_scale)
+    kernel.fn(grad.dtype, part)(master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(),
                           n, scalars, threads or torch.get_num_threads(), int(schedule == "dynamic"))

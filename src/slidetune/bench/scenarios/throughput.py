@@ -6,6 +6,11 @@ compute, FP32 master + AdamW) / recomputation (every decoder layer):
   fsdp2     PyTorch FSDP2 + CPUOffloadPolicy on a one-rank NCCL group (bench.baselines.fsdp2)
   deepspeed DeepSpeed ZeRO-3 with CPU offload, when `import deepspeed` works
 An OOM is a result: the row says so, with the size the allocator asked for.
+Recipes (--recipes, slide and gpu-ckpt): what the step does besides forward and backward,
+side by side in one call: "plain" (no clipping, one micro-batch), "clip" (global-norm
+clipping at 1.0, the default recipe of `slidetune train`), "accumN" (N micro-batches of
+b/N each, the same sequences per step), combined with "+" (e.g. clip+accum4); "clipX"
+clips at X. FSDP2 and DeepSpeed rows run their plain step once per workload.
 Model TFLOPS use telemetry/flops.py: 6 N_matmul + 6 L S d_att per token (causal half of
 attention), recomputation not counted. step/floor uses bench.roofline.floor for the same
 workload (one probe process per workload).
@@ -42,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--runtime", default="", help="slide's RuntimeConfig overrides, e.g. "
                    "'cache_units=0,chunk_mb=256' (bench pipeline's variant syntax without the name)")
+    p.add_argument("--recipes", default="clip",
+                   help="comma list of recipes for slide and gpu-ckpt: plain | clip[X] | accumN | clip+accumN "
+                        "(clip: max_grad_norm 1.0, the default recipe; accumN: N micro-batches of batch/N)")
     p.add_argument("--no-floor", action="store_true")
     p.add_argument("--max-seq", action="store_true",
                    help="also find the longest trainable sequence at batch 1 (slide with --runtime): doubling "
@@ -57,6 +65,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "torch.profiler after the measured ones, all threads: where the step goes between the "
                         "GPU's streams and the host threads, and a Gantt chart of one step "
                         "(per_run/pipeline_<run>.png); the measured steps run without it")
+
+
+DEFAULT_CLIP = 1.0      # TrainConfig.max_grad_norm's default: the recipe users run
+
+
+def parse_recipe(text: str) -> dict:
+    """'clip+accum4' -> {"name": "clip+accum4", "max_grad_norm": 1.0, "grad_accum": 4}."""
+    out = {"name": text.strip(), "max_grad_norm": None, "grad_accum": 1}
+    for part in (p.strip() for p in text.split("+")):
+        if part == "plain":
+            continue
+        if part.startswith("clip"):
+            out["max_grad_norm"] = float(part[4:]) if part[4:] else DEFAULT_CLIP
+        elif part.startswith("accum") and part[5:].isdigit() and int(part[5:]) >= 1:
+            out["grad_accum"] = int(part[5:])
+        else:
+            raise ValueError(f"unknown recipe part {part!r} in {text!r}: plain, clip[X], accumN, joined by +")
+    return out
 
 
 def _flops_per_token(model: str, num_layers: int | None, seq: int) -> float | None:
@@ -76,6 +102,10 @@ def run(args: argparse.Namespace) -> Path:
     batches = [int(b) for b in args.batches.split(",")]
     seqs = [int(s) for s in (args.seq_lens or str(args.seq_len)).split(",")]
     systems = [s.strip() for s in args.systems.split(",")]
+    recipes = [parse_recipe(t) for t in getattr(args, "recipes", "plain").split(",") if t.strip()]
+    for rec in recipes:
+        if any(b % rec["grad_accum"] for b in batches):
+            raise ValueError(f"recipe {rec['name']}: every batch must divide into {rec['grad_accum']} micro-batches")
     steps, warmup, layers, dev = args.steps, args.warmup, args.num_layers, "cuda" if cuda else "cpu"
     if args.smoke:
         models = ["tiny-qwen3", "tiny-llama"] if args.models == "qwen3-8b,llama-3.1-8b" else models
@@ -95,20 +125,25 @@ def run(args: argparse.Namespace) -> Path:
                 if not args.no_floor:
                     fl = measure_floor(model, batch, seq, layers, dev, adamw_n=(4 * 2**20 if args.smoke else 128 * 2**20),
                                        adamw=adamw_probe, timeout_s=args.timeout,
-                                       compile_layers=bool(slide_over.get("compile_layers")),
+                                       compile_layers=_compiles(slide_over),
                                        grad_download=str(slide_over.get("grad_download", "compute")),
                                        host_adamw=str(slide_over.get("host_adamw", "dynamic")))
                     if fl.get("status") == "ok":
                         adamw_probe = fl.get("adamw")
                     floors[key] = fl
                 for system in systems:
-                    r = _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, args,
-                                    profile=args.profile)
-                    per_run.append(_as_measured(r, system, model, batch, seq, warmup))
-                    raw.append({"key": key, "system": system, **{k: v for k, v in r.items() if k != "steps"}})
-                    rows.append(_row(system, model, batch, seq, r, fpt, fl))
-                    print(f"[throughput] {key} {system}: {rows[-1]['status']} {O.fmt(rows[-1].get('tokens_per_s'), 0)} tok/s "
-                          f"step/floor {O.fmt(rows[-1].get('step_over_floor'))}", flush=True)
+                    # the baselines' workers run a plain step: once per workload
+                    for rec in (recipes if system in ("slide", "gpu-ckpt") else [parse_recipe("plain")]):
+                        r = _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, args,
+                                        profile=args.profile, recipe=rec)
+                        per_run.append(_as_measured(r, system, model, batch, seq, warmup,
+                                                    rec["name"] if len(recipes) > 1 else ""))
+                        raw.append({"key": key, "system": system, "recipe": rec["name"],
+                                    **{k: v for k, v in r.items() if k != "steps"}})
+                        rows.append(_row(system, model, batch, seq, r, fpt, fl, recipe=rec))
+                        print(f"[throughput] {key} {system} {rec['name']}: {rows[-1]['status']} "
+                              f"{O.fmt(rows[-1].get('tokens_per_s'), 0)} tok/s "
+                              f"step/floor {O.fmt(rows[-1].get('step_over_floor'))}", flush=True)
     if args.max_seq:
         granule, start = (16, 32) if args.smoke else (args.seq_granule, args.max_seq_start)
         for model in models:
@@ -140,7 +175,8 @@ def rewrite_report(out: Path) -> Path:
         system, model, batch, seq = old["system"], old["model"], int(old["batch_size"]), int(old["seq_len"])
         fpt = r.get("flops_per_token") or (old["model_tflops"] * 1e12 / old["tokens_per_s"]
                                            if old.get("model_tflops") and old.get("tokens_per_s") else None)
-        rows.append(_row(system, model, batch, seq, r, fpt, floors.get(f"{model}/b{batch}/s{seq}")))
+        rows.append(_row(system, model, batch, seq, r, fpt, floors.get(f"{model}/b{batch}/s{seq}"),
+                         recipe=parse_recipe(old.get("recipe") or "plain")))
         if system == "slide" and not overrides:
             given = {k: v for k, v in ((r.get("spec") or {}).get("runtime") or {}).items()
                      if k not in ("mode", "device", "head_impl", "dtype")}
@@ -149,12 +185,13 @@ def rewrite_report(out: Path) -> Path:
     return out / "report.md"
 
 
-def _as_measured(r: dict, system: str, model: str, batch: int, seq: int, warmup: int) -> dict:
+def _as_measured(r: dict, system: str, model: str, batch: int, seq: int, warmup: int,
+                 recipe: str = "") -> dict:
     """A run in bench.measure's result form (spec, steps, peaks), so the scenarios' common
     tables and plots cover it. slide and gpu-ckpt runs are measure results already (with
     per-layer spans, host timeline and memory points); the FSDP2 and DeepSpeed workers give
     per-step wall times and peaks only, so only their step curves and peaks are drawn."""
-    name = f"{system}-{model}-b{batch}-s{seq}"
+    name = f"{system}-{model}-b{batch}-s{seq}" + (f"-{recipe}" if recipe else "")   # recipe: where several ran
     if "steps" in r:
         return {**r, "spec": {**r.get("spec", {}), "name": name}}
     walls = r.get("step_s") or []
@@ -240,6 +277,12 @@ def _placement(r: dict) -> dict:
     return out
 
 
+def _compiles(overrides: dict) -> bool:
+    """Whether slide runs with these overrides compile their layers (a benchmark resolves no auto)."""
+    from ...engine.config import RuntimeConfig
+    return RuntimeConfig(compile_layers=overrides.get("compile_layers", "auto")).compiles_layers()
+
+
 def _runtime_overrides(text: str) -> dict:
     """'cache_units=0,compile_layers=true' -> RuntimeConfig overrides (checked)."""
     if not text:
@@ -249,15 +292,21 @@ def _runtime_overrides(text: str) -> dict:
     return over
 
 
-def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, args, profile: bool = False) -> dict:
+def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, args, profile: bool = False,
+                recipe: dict | None = None) -> dict:
+    """One run of `system` at `batch` sequences of `seq` tokens a step; `recipe` (parse_recipe;
+    slide and gpu-ckpt) sets clipping and splits the batch into its micro-batches."""
     gib = args.gpu_memory_limit
+    recipe = recipe or parse_recipe("plain")
     if system in ("slide", "gpu-ckpt"):
         rt = dict(mode="slide" if system == "slide" else "ckpt", device=dev, head_impl="chunked")
         if system == "slide":
             rt.update(_runtime_overrides(args.runtime))
         if dev == "cpu":
             rt["dtype"] = "fp32"
-        spec = MeasureSpec(name=f"{system}-{model}-b{batch}-s{seq}", model=model, num_layers=layers, batch_size=batch,
+        accum = recipe["grad_accum"]
+        spec = MeasureSpec(name=f"{system}-{model}-b{batch}-s{seq}", model=model, num_layers=layers,
+                           batch_size=batch // accum, grad_accum=accum, max_grad_norm=recipe["max_grad_norm"],
                            seq_len=seq, steps=steps, warmup=warmup, runtime=rt, per_layer=True,
                            gpu_memory_limit_gib=gib, profile=profile and system == "slide")
         r = run_isolated(spec, timeout_s=args.timeout)
@@ -282,18 +331,21 @@ def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, arg
     raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
 
 
-COLUMNS = ["model", "seq_len", "batch_size", "system", "status", "step_s_mean", "step_s_std", "tokens_per_s",
+COLUMNS = ["model", "seq_len", "batch_size", "system", "recipe", "status", "step_s_mean", "step_s_std", "tokens_per_s",
            "model_tflops", "gpu_peak_alloc_gib", "gpu_peak_reserved_gib", "cpu_peak_rss_gib", "floor_s",
            "floor_bound_by", "floor_partial", "step_over_floor", "oom_requested_gib", "call_s_mean",
            "host_adamw_s", "host_wait_d2h_s", "fwd_wait_upload_s", "bwd_wait_grad_slot_s", "device_layers",
            "gpu_checkpoints", "host_threads", "error"]
 # slide's host timeline, seconds per step (bench.measure host_s_mean): where a step goes
-HOST_COLUMNS = {"host_adamw_s": "host.adamw", "host_wait_d2h_s": "host.d2h_wait",
+# (host_adamw_s: AdamW's time; under clipping the weights pass and the moments pass)
+HOST_COLUMNS = {"host_adamw_s": ("host.adamw", "host.adamw_moments"),
+                "host_wait_d2h_s": "host.d2h_wait",
                 "fwd_wait_upload_s": "compute.wait_upload", "bwd_wait_grad_slot_s": "compute.wait_grad_slot"}
 
 
-def _row(system, model, batch, seq, r, fpt, fl) -> dict:
-    row = dict(model=model, seq_len=seq, batch_size=batch, system=system, status=r.get("status"),
+def _row(system, model, batch, seq, r, fpt, fl, recipe: dict | None = None) -> dict:
+    recipe = recipe or parse_recipe("plain")
+    row = dict(model=model, seq_len=seq, batch_size=batch, system=system, recipe=recipe["name"], status=r.get("status"),
                step_s_mean=r.get("step_s_mean"), step_s_std=r.get("step_s_std"), tokens_per_s=r.get("tokens_per_s"),
                gpu_peak_alloc_gib=r.get("gpu_peak_alloc_gib"), gpu_peak_reserved_gib=r.get("gpu_peak_reserved_gib"),
                cpu_peak_rss_gib=r.get("cpu_peak_rss_gib"), oom_requested_gib=r.get("oom_requested_gib"),
@@ -305,14 +357,16 @@ def _row(system, model, batch, seq, r, fpt, fl) -> dict:
     row["device_layers"], row["host_threads"] = r.get("device_layers"), r.get("host_threads")
     row["gpu_checkpoints"] = _placement(r).get("gpu_checkpoints")
     host = r.get("host_s_mean") or {}
-    for col, key in HOST_COLUMNS.items():
-        row[col] = host.get(key)
+    for col, keys in HOST_COLUMNS.items():
+        found = [host[k] for k in ((keys,) if isinstance(keys, str) else keys) if host.get(k) is not None]
+        row[col] = sum(found) if found else None
     if fl and fl.get("status") == "ok":
         floor_s, bound = fl.get("floor_s"), fl.get("bound_by")
         if system == "slide" and r.get("runtime") and not fl.get("partial"):
             # the floor of the placement this run resolved to: units updated on the GPU cost the
             # host neither AdamW nor copies (the probe's floor assumes every unit on the host)
-            terms = floor_terms(fl["compute"], fl["copy"], fl["adamw"], Placement.of_runtime(r["runtime"]),
+            placement = Placement.of_runtime(r["runtime"], clipped=bool(recipe["max_grad_norm"]))
+            terms = floor_terms(fl["compute"], fl["copy"], fl["adamw"], placement,
                                 device_adamw=fl.get("device_adamw"))
             bound = max(terms, key=terms.get)
             floor_s = terms[bound]
@@ -328,8 +382,12 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
     O.write_json(out / "throughput.json", {"machine": machine, "rows": rows, "floors": floors, "runs": raw})
     labels = [f"{r['model']} b{r['batch_size']} s{r['seq_len']}" for r in rows]
     keys = list(dict.fromkeys(labels))
-    systems = list(dict.fromkeys(r["system"] for r in rows))
-    by = {(lab, r["system"]): r for lab, r in zip(labels, rows)}
+    # a series per system, and per recipe where a system ran several
+    several = {s for s in {r["system"] for r in rows}
+               if len({r.get("recipe", "plain") for r in rows if r["system"] == s}) > 1}
+    series = [r["system"] + (f" {r.get('recipe', 'plain')}" if r["system"] in several else "") for r in rows]
+    systems = list(dict.fromkeys(series))
+    by = {(lab, s): r for lab, s, r in zip(labels, series, rows)}
     ser = lambda k: {s: [by.get((lab, s), {}).get(k) for lab in keys] for s in systems}  # noqa: E731
     O.bar_plot(out / "tokens_per_s.png", keys, ser("tokens_per_s"), "tokens/s", "Throughput (x = OOM / not run)")
     O.bar_plot(out / "model_tflops.png", keys, ser("model_tflops"), "model TFLOPS", "Model TFLOPS (6N + attention)")
@@ -350,7 +408,11 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
              "(bench.roofline.floor_terms: layers and vocabulary updated on the GPU cost the host neither AdamW "
              "nor copies; floor_bound_by names the largest term)" + ("" if cuda else "; CPU run: only the AdamW term is measurable, "
                                                        "so the floor is partial") + ".", ""]
-    lines += O.md_table(rows, ["model", "seq_len", "batch_size", "system", "status", "step_s_mean", "tokens_per_s",
+    lines += ["Recipes: plain = no clipping, one micro-batch; clip = global-norm clipping at 1.0 (the default "
+              "recipe of `slidetune train`); accumN = N micro-batches of batch/N (batch_size is the sequences per "
+              "step). A clipped slide step updates only once its backward has ended, so its floor gains the term "
+              "clip_sweep_s (bench.roofline.floor_terms).", ""]
+    lines += O.md_table(rows, ["model", "seq_len", "batch_size", "system", "recipe", "status", "step_s_mean", "tokens_per_s",
                                "model_tflops", "gpu_peak_alloc_gib", "cpu_peak_rss_gib", "step_over_floor",
                                "floor_bound_by", "oom_requested_gib"],
                         {"step_s_mean": 3, "tokens_per_s": 0, "model_tflops": 1})

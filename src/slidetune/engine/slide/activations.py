@@ -1,9 +1,10 @@
 """Layer-input checkpoints: kept on the GPU, or offloaded to pinned host memory.
 
 Offload: after layer i's input is produced, it is copied D2H on its own stream into
-host slot i (one slot per layer, grown to the largest micro-batch seen); in the
-backward pass it is prefetched H2D one layer ahead, so the copy hides under the
-previous layer's recompute + backward. The last `keep_on_gpu` layers are not offloaded
+host slot (i, m) (one slot per layer and micro-batch m: the slide engine runs a step's
+micro-batches layer by layer, so every micro-batch's checkpoint of a layer is alive at
+once); in the backward pass it is prefetched H2D one visit ahead, so the copy hides under
+the previous recompute + backward. The last `keep_on_gpu` layers are not offloaded
 (RuntimeConfig.gpu_checkpoints): the backward needs them first, when no earlier layer's
 compute could hide their prefetch.
 """
@@ -20,23 +21,26 @@ class ActivationStore:
         self.offload = offload
         # layers >= this index keep their checkpoint on the GPU (all of them without offload)
         self.first_kept = num_layers - keep_on_gpu if offload else 0
-        self.gpu: dict[int, torch.Tensor] = {}
-        self.host: list[torch.Tensor | None] = [None] * num_layers
-        self.registered: set[int] = set()         # slots page-locked in place (unregistered on free)
-        self.meta: dict[int, tuple] = {}
-        self.saved: dict[int, object] = {}        # layer -> event of its D2H copy
-        self.fetched: dict[int, tuple] = {}       # layer -> (gpu tensor, event of its H2D copy)
+        # keys: (layer, micro-batch)
+        self.gpu: dict[tuple, torch.Tensor] = {}
+        self.host: dict[tuple, torch.Tensor] = {}
+        self.registered: set[tuple] = set()       # slots page-locked in place (unregistered on free)
+        self.meta: dict[tuple, tuple] = {}
+        self.saved: dict[tuple, object] = {}      # key -> event of its D2H copy
+        self.fetched: dict[tuple, tuple] = {}     # key -> (gpu tensor, event of its H2D copy)
         self.d2h = device.new_stream() if offload else None
         self.h2d = device.new_stream() if offload else None
         self.bytes_d2h = 0
 
-    def save(self, i: int, x: torch.Tensor) -> None:
-        """x: [B, S, d], the input of layer i."""
+    def save(self, i: int, x: torch.Tensor, m: int = 0) -> None:
+        """x: [B, S, d], the input of layer i for micro-batch m."""
+        key = (i, m)
         if i >= self.first_kept:
-            self.gpu[i] = x
+            self.gpu[key] = x
             return
+        i = key
         n = x.numel()
-        if self.host[i] is None or self.host[i].numel() < n or self.host[i].dtype != x.dtype:
+        if self.host.get(i) is None or self.host[i].numel() < n or self.host[i].dtype != x.dtype:
             self._grow(i, n, x.dtype)
         self.meta[i] = (x.shape, x.dtype)
         ready = self.device.record()
@@ -56,9 +60,9 @@ class ActivationStore:
     # registrations of one page fail.
     EXACT_PIN_BYTES = 64 * 2**20
 
-    def _grow(self, i: int, n: int, dtype: torch.dtype) -> None:
-        """Host slot i for n elements of `dtype`."""
-        if self.host[i] is not None:
+    def _grow(self, i: tuple, n: int, dtype: torch.dtype) -> None:
+        """Host slot i (layer, micro-batch) for n elements of `dtype`."""
+        if self.host.get(i) is not None:
             # a smaller micro-batch came first (rare): no copy may still read the old slot
             self.device.synchronize()
             self._free(i)
@@ -69,19 +73,20 @@ class ActivationStore:
         else:
             self.host[i] = self.device.host_empty(n, dtype)
 
-    def _free(self, i: int) -> None:
+    def _free(self, i: tuple) -> None:
         if i in self.registered:
             self.device.unregister_host(self.host[i])
             self.registered.discard(i)
-        self.host[i] = None
+        self.host.pop(i, None)
 
     def close(self) -> None:
         """Unlock the host slots (the caller has synchronized: no copy is in flight)."""
-        for i in range(len(self.host)):
+        for i in list(self.host):
             self._free(i)
 
-    def prefetch(self, i: int) -> None:
-        if not self.offload or i < 0 or i in self.fetched or i not in self.saved:
+    def prefetch(self, i: int, m: int = 0) -> None:
+        i = (i, m)
+        if not self.offload or i[0] < 0 or i in self.fetched or i not in self.saved:
             return
         shape, dtype = self.meta[i]
         n = torch.Size(shape).numel()
@@ -91,10 +96,11 @@ class ActivationStore:
             t.copy_(self.host[i][:n], non_blocking=True)
             self.fetched[i] = (t.view(shape), self.device.record(self.h2d))
 
-    def load(self, i: int) -> torch.Tensor:
+    def load(self, i: int, m: int = 0) -> torch.Tensor:
         if i >= self.first_kept:
-            return self.gpu.pop(i)
-        self.prefetch(i)
+            return self.gpu.pop((i, m))
+        self.prefetch(i, m)
+        i = (i, m)
         t, ev = self.fetched.pop(i)
         self.device.current_stream().wait_event(ev)
         if self.device.is_cuda:
@@ -108,4 +114,4 @@ class ActivationStore:
         self.saved.clear()
 
     def pinned_bytes(self) -> int:
-        return sum(h.numel() * h.element_size() for h in self.host if h is not None)
+        return sum(h.numel() * h.element_size() for h in self.host.values())

@@ -1,8 +1,27 @@
 """The layer-sliding engine: FP32 master + AdamW on the host, a window of layers on the GPU.
 
-One step (per micro-batch): embed -> layers 0..L-1 forward without autograd (each
-layer's input saved as a checkpoint) -> head loss with its gradients -> layers
-L-1..0: recompute from the checkpoint and differentiate -> embedding gradient.
+One step: embed -> layers 0..L-1 forward without autograd (each layer's input saved as
+a checkpoint) -> head loss with its gradients -> layers L-1..0: recompute from the
+checkpoint and differentiate -> embedding gradient. The step's micro-batches (gradient
+accumulation) run layer by layer: a layer, once on the GPU, runs every micro-batch before
+the next layer, and sums their gradients on the GPU (in FP32 when the compute dtype is
+narrower). Its weights cross PCIe once a step whatever the accumulation, no host buffer
+accumulates anything, and every unit's gradient is complete right after its backward;
+what it costs is the checkpoints of the whole batch (a micro-batch's working set).
+
+Two update schedules (RuntimeConfig.schedule):
+  eager: each unit's AdamW runs as soon as its gradient is complete (no clipping);
+  deferred (clipping by the global norm): each unit's squared norm is added on the GPU as
+    its gradient completes, and the gradient waits where it is until the norm is known:
+    host units' in a host buffer in the compute dtype (one D2H copy, 2 B/param for BF16,
+    read by AdamW's kernel with the clip coefficient applied in registers), device units'
+    in a GPU buffer of their own. After the backward the GPU computes the coefficient and
+    updates its units on the compute stream; the host sweeps its units from the embedding
+    up, and each next-step upload trails its unit's update, so the sweep overlaps the
+    next forward. Why hold the gradient in the compute dtype: with one micro-batch it is
+    exactly what the backward made; with several it is the FP32 sum rounded once (BF16
+    noise, as the single micro-batch's own gradient), where an FP32 host copy would cost
+    4 B/param of host RAM (a Qwen3-8B no longer fits a 128 GiB host).
 
 Four threads cooperate:
   compute (the caller): issues kernels on the compute stream, waits only on events
@@ -12,8 +31,8 @@ Four threads cooperate:
     ring; transfer.py);
   d2h issuer: queues each unit's gradient D2H copies into a pinned ring as ring
     buffers free up, and hands the GPU gradient slot back (an event);
-  host worker: waits for each chunk's copy and runs AdamW on it (eager) or accumulates
-    it in FP32 (deferred, then a clipped update sweep).
+  host worker: waits for each chunk's copy and runs AdamW on it (eager), or runs the
+    clipped update sweep over the held gradients (deferred).
 Resident layers (cache_units=0: all; else the lowest `resident_layers`) have a GPU slot
 of their own, uploaded once a step as their update lands; the other host layers share a
 window of `cache_units` slots. The compute thread plans window uploads `cache_units - 1`
@@ -50,7 +69,7 @@ from ..result import StepResult
 from .activations import ActivationStore
 from .host_store import HostStore, HostUnit
 from .transfer import GradDrain, Uploader, clip_coefficient
-from .workers import DeadlineWorker, Worker, WorkerError, done_future
+from .workers import DeadlineWorker, Worker, WorkerError, done_future, wait_or_abort
 
 _WAIT_S = 1.0   # poll period while waiting on a worker future (to surface worker errors)
 
@@ -103,7 +122,8 @@ class SlideEngine:
         self.vocab_on_device = rt.vocab_on_device(self.schedule)
         self.device_layers = rt.layers_on_device(self.schedule, L)
         device_units = frozenset(([0, L + 1] if self.vocab_on_device else []) + list(range(1, self.device_layers + 1)))
-        self.store = HostStore(self.split, loaded.source, optim, keep_grads=self.schedule == "deferred",
+        self.deferred = self.schedule == "deferred"
+        self.store = HostStore(self.split, loaded.source, optim, held_dtype=self.dtype if self.deferred else None,
                                kernel=rt.host_adamw, device_units=device_units, device=device.device)
         self.units: list[HostUnit] = self.store.units
         host_layers = L - self.device_layers
@@ -140,6 +160,10 @@ class SlideEngine:
         self.grad_slots = [_Slot(empty(layer_numel, grad_dtype), free=done) for _ in range(n_grad_slots)]
         self.vocab_grad_slots = {0: _Slot(empty(self.units[0].spec.numel, grad_dtype), free=done),
                                  L + 1: _Slot(empty(self.units[-1].spec.numel, grad_dtype), free=done)}
+        # deferred: each device layer's gradient waits for the clip coefficient in a buffer of its
+        # own (the vocabulary units' gradient slots are theirs already)
+        self.device_grad_slots = ({i: _Slot(empty(self.units[i].spec.numel, grad_dtype), free=done)
+                                   for i in range(1, self.device_layers + 1)} if self.deferred else {})
         chunk = rt.chunk_elems(layer_numel)
         self.chunk = chunk
         # the FP32 widening buffer of the device-side updates (compute-dtype gradient slots)
@@ -147,6 +171,10 @@ class SlideEngine:
         self.device_grad32 = (torch.empty(min(chunk, device_numel), dtype=torch.float32, device=dev)
                               if device_numel and grad_dtype != torch.float32 else None)
         ring = rt.download_chunks(layer_numel)
+        if device.is_cuda:
+            for unit in self.units:
+                if unit.held is not None:
+                    device.register_host(unit.held)     # one D2H copy straight into it
         if self.gpu_cast:
             for unit in self.units:
                 if unit.on_host:
@@ -182,11 +210,12 @@ class SlideEngine:
         self.gc_freeze = GCFreeze(rt.gc_freeze)
         # compile_layers: one compiled graph per kind of layer, keyed on a template module
         # (dynamo guards on the module object; one per layer would recompile L times).
-        self._compiled_layer = torch.compile(run_layer, dynamic=False) if rt.compile_layers else None
-        self._templates = [self.split.layer_template(i) for i in range(L)] if rt.compile_layers else []
+        self._compiled_layer = torch.compile(run_layer, dynamic=False) if rt.compiles_layers() else None
+        self._templates = [self.split.layer_template(i) for i in range(L)] if rt.compiles_layers() else []
         self.step_index = 0
         self._views_cache: dict = {}
-        self._grad_norm_parts: list[Future] = []
+        self._held_landed: dict[int, Future] = {}     # deferred: unit -> event of its held gradient's copy
+        self._held_free: dict[int, Future] = {}       # deferred: unit -> its last step's moment pass is done
 
     # ------------------------------------------------------------------ utils
     def _wait(self, fut: Future, what: str = "wait", unit: str = ""):
@@ -307,26 +336,27 @@ class SlideEngine:
         slot.ready = done_future(None)
         slot.cast_pending = False
 
-    def _update_on_device(self, unit_index: int, gslot: _Slot, lr: float) -> None:
-        """vocab_update=device or device_layers, eager schedule: AdamW on the unit's device master
-        right after its gradient is complete, on the compute stream, then its next-step weights
+    def _update_on_device(self, unit_index: int, gslot: _Slot, lr: float,
+                          coef: float | torch.Tensor = 1.0) -> None:
+        """vocab_update=device or device_layers: AdamW on the unit's device master on the compute
+        stream (eager: right after its gradient is complete; deferred: after the backward, with
+        the clip coefficient `coef`, a 0-dim tensor on the device), then its next-step weights
         into its slot (stream order: after every kernel that read the old ones).
         The gradient slot is free again in stream order, so nothing waits on the host."""
         unit = self.units[unit_index]
         n = unit.spec.numel
         grad = gslot.flat[:n]                                   # [n] FP32 or compute dtype
-        self._norm_on_device(grad)
         with self.timer.span("optimizer_device", -1):
             unit.begin_update()
             unit.opt.begin_step()
             if grad.dtype == torch.float32:
-                unit.opt.update(grad, lr)
+                unit.opt.update(grad, lr, grad_scale=coef)
             else:
                 # torch's fused AdamW wants FP32 gradients: widened a chunk at a time into one
                 # preallocated buffer, not a unit-sized FP32 copy allocated every step (2.5 GB
                 # for a 152K-vocabulary matrix, asked of an allocator the auto settings have
                 # filled to 90% of the GPU)
-                unit.opt.update_widened(grad, lr, self.device_grad32)
+                unit.opt.update_widened(grad, lr, self.device_grad32, grad_scale=coef)
             unit.bump_version()
             self._refresh_from_device_master(unit_index, self.own_slots[unit_index])
         gslot.free = done_future(None)
@@ -380,6 +410,8 @@ class SlideEngine:
         (they come back out of order when the issuer runs earliest-deadline-first)."""
         if unit_index in self.vocab_grad_slots:
             return self.vocab_grad_slots[unit_index]
+        if unit_index in self.device_grad_slots:
+            return self.device_grad_slots[unit_index]
         while True:
             for slot in self.grad_slots:
                 if slot.free.done():
@@ -393,15 +425,45 @@ class SlideEngine:
         if ev is not None:
             self.device.current_stream().wait_event(ev)
 
-    def _submit_drain(self, unit_index: int, slot: _Slot, micro: int, n_micro: int, lr: float) -> None:
+    def _gradient_complete(self, unit_index: int, slot: _Slot, lr: float) -> None:
+        """The unit's gradient for this step is in `slot` (every micro-batch summed): its squared
+        norm joins the step's, then it is applied (eager) or held until the norm is known."""
+        unit = self.units[unit_index]
+        self._norm_on_device(slot.flat[: unit.spec.numel])
+        if unit.on_device:
+            if not self.deferred:
+                self._update_on_device(unit_index, slot, lr)
+            # deferred: it waits in its own slot for _update_device_units
+        elif self.deferred:
+            self._submit_hold(unit_index, slot)
+        else:
+            self._submit_drain(unit_index, slot, lr)
+
+    def _submit_hold(self, unit_index: int, slot: _Slot) -> None:
+        """Deferred: one D2H copy of the unit's gradient slot into its held host buffer."""
         unit = self.units[unit_index]
         ready = self.device.record()
-        mode = "update" if self.schedule == "eager" else ("copy" if micro == 0 else "add")
+        slot.free = Future()
+        landed: Future = Future()
+        self._held_landed[unit_index] = landed
+        self.d2h_worker.submit(self._issue_hold, unit, slot.flat[: unit.spec.numel], ready, slot.free, landed,
+                               self._held_free.get(unit_index, done_future(None)))
+
+    def _issue_hold(self, unit: HostUnit, src: torch.Tensor, ready, free: Future, landed: Future,
+                    held_free: Future) -> None:
+        # the previous step's moment pass must have read the held gradient first
+        wait_or_abort(held_free, self._abort, f"the previous step's moments of {unit.spec.name}")
+        with self.timeline.span("d2h", "hold", unit.spec.name):
+            event = self.drainer.hold(unit, src, ready)
+        free.set_result(event)
+        landed.set_result(event)
+
+    def _submit_drain(self, unit_index: int, slot: _Slot, lr: float) -> None:
+        """Eager: the unit's gradient goes down chunk by chunk and the host's AdamW consumes it."""
+        unit = self.units[unit_index]
+        ready = self.device.record()
         chunks = [Future() for _ in range(-(-unit.spec.numel // self.chunk))]
         # The host job is queued first so it consumes chunk c while later chunks are issued.
-        # With one micro-batch the squared norm is taken on the GPU (_norm_on_device); with
-        # several it is the norm of the FP32 sum, which exists only on the host.
-        host_norm = n_micro > 1 and micro == n_micro - 1
         # Earliest deadline first: a unit's deadline is its place in the next forward
         # (embedding 0, layer i at i + 1, head last), among the units whose first chunk has
         # landed in host memory: such a unit is fully issued or the one the issuer is working
@@ -417,13 +479,8 @@ class SlideEngine:
                      ) if self.deadline_order else {}
         if self.deadline_order:
             chunks[0].add_done_callback(lambda _: self.host_worker.notify())
-        fut = self.host_worker.submit(self._timed, "host", "drain", unit.spec.name, self.drainer.consume, unit,
-                                      chunks, mode=mode,
-                                      lr=lr, want_norm=host_norm, **order)
-        if host_norm:
-            self._grad_norm_parts.append(fut)
-        elif n_micro == 1:
-            self._norm_on_device(slot.flat[: unit.spec.numel])
+        self.host_worker.submit(self._timed, "host", "drain", unit.spec.name, self.drainer.consume, unit,
+                                chunks, lr=lr, **order)
         # A third thread queues the copies as ring buffers free up, so neither the compute
         # thread (which only needs its GPU gradient slot back) nor AdamW ever waits on it.
         slot.free = Future()
@@ -439,7 +496,7 @@ class SlideEngine:
         On the compute stream, right after the slot was written: reading 2 bytes/param at HBM
         speed is ~0.1 ms per 8B layer, where the host worker took ~5 ms per 64 MB chunk (a
         single-threaded reduction on the critical path of every chunk's AdamW). The slot
-        holds exactly the values the host converts to FP32, so this is the same norm.
+        holds exactly the values AdamW reads (widened to FP32), so this is the same norm.
         """
         (norm,) = torch._foreach_norm([flat], 2, dtype=torch.float32)
         self._sq_device.add_(norm.square())
@@ -466,68 +523,108 @@ class SlideEngine:
         n_tokens = sum(mb.num_target_tokens() for mb in micro_batches)
         if n_tokens == 0:
             raise ValueError("the step's batches contain no target tokens (all labels are -100)")
-        scale = 1.0 / n_tokens
-        self._grad_norm_parts = []
-        dev = self.device.device
-        self._sq_device = torch.zeros((), dtype=torch.float32, device=dev)
-        # Each micro-batch's loss is copied out right after its head, with its own event:
-        # reading it waits for that head only. (A float() of a GPU scalar at the end would
-        # wait for the whole backward queued behind it, spinning a core the host's AdamW
-        # needs; NOTES.md 14.)
-        losses = [self._micro_step(mb, m, len(micro_batches), scale, lr) for m, mb in enumerate(micro_batches)]
-        if len(micro_batches) == 1:
-            # Copied out on the compute stream after the last unit's norm; read by the host
-            # worker, so neither the compute thread nor the worker's FIFO waits for it early.
-            sq_host = self.device.host_empty(1, torch.float32)
-            sq_host.copy_(self._sq_device.view(1), non_blocking=True)
-            ready = self.device.record()
-            self._grad_norm_parts.append(self.host_worker.submit(self._read_device_norm, sq_host, ready))
-        if self.schedule == "deferred":
-            norm_fut = self.host_worker.submit(self._finish_deferred, list(self._grad_norm_parts), lr)
+        self._held_landed = {}
+        self._sq_device = torch.zeros((), dtype=torch.float32, device=self.device.device)
+        # The summed loss is copied out right after the head, with its own event: reading it
+        # waits for that head only. (A float() of a GPU scalar at the end would wait for the
+        # whole backward queued behind it, spinning a core the host's AdamW needs; NOTES.md 14.)
+        host_loss, loss_ready = self._forward_backward(micro_batches, 1.0 / n_tokens, lr)
+        # The squared norm, complete once the last unit's is added: copied out on the compute
+        # stream and read by the host worker, so neither the compute thread nor the worker's
+        # queue waits for it early.
+        sq_host = self.device.host_empty(1, torch.float32)
+        sq_host.copy_(self._sq_device.view(1), non_blocking=True)
+        sq_ready = self.device.record()
+        if self.deferred:
+            self._update_device_units(lr)
+            self._held_free = {i: Future() for i in self._held_landed}
+            norm_fut = self.host_worker.submit(self._finish_deferred, sq_host, sq_ready, dict(self._held_landed),
+                                               dict(self._held_free), lr)
             # The sweep updates layers 0..L-1 in order: the resident layers' uploads follow it.
             for i in range(self.split.num_layers):
                 if self._resident(i):
                     self._prefetch_next_step(i + 1, self.own_slots[i + 1])
         else:
-            parts = list(self._grad_norm_parts)
-            norm_fut = self.host_worker.submit(lambda: math.sqrt(sum(p.result() for p in parts)))
+            norm_fut = self.host_worker.submit(lambda: math.sqrt(self._read_device_norm(sq_host, sq_ready)))
         self.step_index += 1
         if self._compiled_layer is not None:
             # Every graph of this step is compiled by now (compilation runs on this thread at
             # issue time): free the compile workers' cores for AdamW (compile_workers.py).
             release_compile_workers()
         self.gc_freeze.freeze()        # everything the run keeps exists by now
-        loss_sum = 0.0
-        for host_loss, ready in losses:
-            ready.synchronize()
-            loss_sum += float(host_loss[0])
-        loss = loss_sum / n_tokens
+        loss_ready.synchronize()
+        loss = float(host_loss[0]) / n_tokens
         return StepResult(loss=loss, n_tokens=n_tokens, grad_norm_future=norm_fut)
 
-    def _finish_deferred(self, parts: list[Future], lr: float) -> float:
-        """Host worker, after the last drain: global norm, then the clipped update sweep."""
-        total = math.sqrt(sum(p.result() for p in parts))
-        coef = clip_coefficient(total, self.max_grad_norm)
-        # Embedding first: the next forward needs it first. Each unit's upload for the next
-        # step waits only for that unit's update, so the sweep overlaps the next forward.
-        for unit in self.units:
-            with self.timeline.span("host", "deferred_update", unit.spec.name):
-                GradDrain.deferred_update(unit, lr, coef, self.chunk)
-        return total
+    def _clip_coefficient_on_device(self) -> torch.Tensor:
+        """clip_grad_norm_'s coefficient from the step's squared norm, as a 0-dim FP32 tensor on the
+        device (no host sync): min(1, max_norm / (norm + 1e-6)); 1 when the norm is not finite
+        (as clip_coefficient, which the host uses)."""
+        norm = self._sq_device.sqrt()
+        if self.max_grad_norm is None or self.max_grad_norm <= 0:       # deferred without clipping
+            return torch.ones_like(norm)
+        coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+        return torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
 
-    def _forward(self, mb, visits: list[int], assign: dict[int, int], save_inputs: bool):
-        """Embedding and layers 0..L-1 without autograd, uploads planned along `visits`.
+    def _update_device_units(self, lr: float) -> None:
+        """Deferred, on the compute stream after the backward: the units kept on the device apply
+        their held gradients with the clip coefficient, in the order the next forward needs them."""
+        coef = self._clip_coefficient_on_device()
+        L = self.split.num_layers
+        for unit_index in [0, *range(1, L + 1), L + 1]:
+            if self.units[unit_index].on_device:
+                self._update_on_device(unit_index, self._grad_slot(unit_index), lr, coef)
 
-        With `save_inputs` each layer's input is kept as its checkpoint (training).
-        Returns (x [B, S, d], ids, labels, layer kwargs, embed slot, head slot).
+    def _finish_deferred(self, sq_host: torch.Tensor, sq_ready, landed: dict[int, Future],
+                         held_free: dict[int, Future], lr: float) -> float:
+        """Host worker, once the backward is queued: the global norm, then the clipped update sweep
+        of the host units from the embedding up, each as soon as its held gradient has landed;
+        then their moments, from the head down (the order the next backward needs the held
+        buffers back in).
+
+        Why two passes: no update can start before the norm is known, at the end of the
+        backward, and the next forward waits for each host layer's new weights, so the sweep is
+        the part of a clipped step nothing hides. Writing only the weights there moves 18 of
+        AdamW's 26 B/param of host DRAM (the loop is memory-bound); the moments (18 more) are
+        written while the next step's forward and backward run, when the host is otherwise idle.
+        """
+        try:
+            total = math.sqrt(self._read_device_norm(sq_host, sq_ready))
+            coef = clip_coefficient(total, self.max_grad_norm)
+            # Embedding first: the next forward needs it first. Each unit's upload for the next
+            # step waits only for that unit's update (chunk by chunk), so the sweep overlaps the
+            # next forward.
+            host = [(i, u) for i, u in enumerate(self.units) if u.on_host]
+            for index, unit in host:
+                event = wait_or_abort(landed[index], self._abort, f"the held gradient of {unit.spec.name}")
+                event.synchronize()
+                with self.timeline.span("host", "adamw", unit.spec.name):
+                    GradDrain.deferred_update(unit, lr, coef, self.chunk)
+            for index, unit in reversed(host):
+                with self.timeline.span("host", "adamw_moments", unit.spec.name):
+                    GradDrain.deferred_moments(unit, coef, self.chunk)
+                held_free[index].set_result(None)
+            return total
+        finally:
+            for fut in held_free.values():      # after a failure: the abort flag stops the waiters
+                if not fut.done():
+                    fut.set_result(None)
+
+    def _forward(self, mbs: list, visits: list[int], assign: dict[int, int], save_inputs: bool):
+        """Embedding and layers 0..L-1 without autograd over every micro-batch, layer by layer,
+        uploads planned along `visits`. With `save_inputs` each layer's input is kept as its
+        checkpoint (training).
+
+        Returns (xs: per micro-batch [B, S, d], ids, labels and layer kwargs per micro-batch,
+        embed slot, head slot).
         """
         split, dev = self.split, self.device.device
         L = split.num_layers
-        ids = mb.input_ids.to(dev, non_blocking=True)          # [B, S]
-        labels = mb.labels.to(dev, non_blocking=True)          # [B, S]
-        mask = mb.attention_mask.to(dev) if mb.attention_mask is not None else None
-        B, S = ids.shape
-        kwargs = split.layer_kwargs(B, S, self.dtype, dev, attention_mask=mask)
+        ids = [mb.input_ids.to(dev, non_blocking=True) for mb in mbs]          # [B, S] each
+        labels = [mb.labels.to(dev, non_blocking=True) for mb in mbs]          # [B, S] each
+        kwargs = [split.layer_kwargs(*i.shape, self.dtype, dev,
+                                     attention_mask=mb.attention_mask.to(dev) if mb.attention_mask is not None else None)
+                  for i, mb in zip(ids, mbs)]
         embed_slot = self._use_own_slot(0)
         # Resident layers whose slot does not hold this step's weights (the first step, or
         # after load_state), in the order the forward needs them; later steps find them there.
@@ -536,7 +633,8 @@ class SlideEngine:
         self._plan(visits, 0, assign)
         self._acquire(embed_slot)
         with torch.no_grad(), self.timer.span("embed", -1):
-            x = split.embed_forward(self._views(split.embed_unit, embed_slot.flat), ids)   # [B, S, d]
+            embed_params = self._views(split.embed_unit, embed_slot.flat)
+            xs = [split.embed_forward(embed_params, i) for i in ids]                # [B, S, d] each
         self.memory.mark("embed")
         head_slot = None
         for i in range(L):
@@ -545,102 +643,129 @@ class SlideEngine:
                 head_slot = self._use_own_slot(L + 1)         # queue the head behind the last layers
             slot = self._use_own_slot(i + 1) if self._has_own_slot(i) else self.layer_slots[assign[i]]
             self._acquire(slot)
-            if save_inputs:
-                self.acts.save(i, x)
-            with torch.no_grad(), self.timer.span("forward", i):
-                x = self._layer_forward(i, self._views(split.layer_units[i], slot.flat), x, kwargs[i])
+            params = self._views(split.layer_units[i], slot.flat)
+            for m in range(len(mbs)):
+                if save_inputs:
+                    self.acts.save(i, xs[m], m)
+                with torch.no_grad(), self.timer.span("forward", i):
+                    xs[m] = self._layer_forward(i, params, xs[m], kwargs[m][i])
             self._release(slot)
             self.memory.mark("forward", i)
         if head_slot is None:
             head_slot = self._use_own_slot(L + 1)
-        return x, ids, labels, kwargs, embed_slot, head_slot
+        return xs, ids, labels, kwargs, embed_slot, head_slot
 
-    def _micro_step(self, mb, m: int, n_micro: int, scale: float, lr: float):
-        """Queue one micro-batch's forward, head and backward; returns (its summed loss in a
-        [1] host tensor, the event after which that tensor holds it)."""
+    def _sum_grads(self, acc: list[torch.Tensor] | None, grads, n_micro: int) -> list[torch.Tensor]:
+        """Sum of the micro-batches' parameter gradients, on the device: FP32 when there are several
+        (the reference accumulates FP32 gradients), the backward's own tensors when one."""
+        if acc is None:
+            if n_micro == 1:
+                return list(grads)
+            return [g.to(torch.float32, copy=True) for g in grads]
+        torch._foreach_add_(acc, list(grads))
+        return acc
+
+    def _forward_backward(self, mbs: list, scale: float, lr: float):
+        """Queue the step's forward, head and backward over all micro-batches; returns (the summed
+        loss in a [1] host tensor, the event after which that tensor holds it)."""
         split = self.split
         L = split.num_layers
+        k = len(mbs)
         visits = list(range(L)) + list(reversed(range(L)))     # forward then backward
         assign: dict[int, int] = {}
         head_index = L + 1
-        x, ids, labels, kwargs, embed_slot, head_slot = self._forward(mb, visits, assign, save_inputs=True)
+        xs, ids, labels, kwargs, embed_slot, head_slot = self._forward(mbs, visits, assign, save_inputs=True)
 
-        # ---- head: loss and its gradients
+        # ---- head: loss and its gradients, a micro-batch at a time (the head never holds more
+        # than a chunk of logits), their parameter gradients summed as the layers' are
         self._acquire(head_slot)
         head_params = self._leaves(self._views(split.head_unit, head_slot.flat))
         tied_w = None
         if split.tied:
             tied_w = self._leaves(self._views(split.embed_unit, embed_slot.flat))["weight"]
-        with torch.enable_grad(), self.timer.span("head", -1):
-            xh = x.detach().requires_grad_(True)
-            loss = split.head_loss(head_params, xh, labels, lm_weight=tied_w, impl=self.rt.head_impl,
-                                   chunk_tokens=self.rt.head_chunk_tokens)
-            wrt = [xh] + list(head_params.values()) + ([tied_w] if tied_w is not None else [])
-            grads = torch.autograd.grad(loss * scale, wrt, materialize_grads=True)
+        wrt = list(head_params.values()) + ([tied_w] if tied_w is not None else [])
+        gs: list[torch.Tensor] = []       # the gradient reaching each micro-batch's last layer output, [B, S, d]
+        acc = None
+        loss_sum = None
+        for m in range(k):
+            with torch.enable_grad(), self.timer.span("head", -1):
+                xh = xs[m].detach().requires_grad_(True)            # [B, S, d]
+                loss = split.head_loss(head_params, xh, labels[m], lm_weight=tied_w, impl=self.rt.head_impl,
+                                       chunk_tokens=self.rt.head_chunk_tokens)
+                grads = torch.autograd.grad(loss * scale, [xh] + wrt, materialize_grads=True)
+            gs.append(grads[0])
+            acc = self._sum_grads(acc, grads[1:], k)
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+            xs[m] = None
+            del xh, loss, grads
         self._release(head_slot)
         self.memory.mark("head")
         host_loss = self.device.host_empty(1, torch.float32)
-        host_loss.copy_(loss.detach().float().view(1), non_blocking=True)
+        host_loss.copy_(loss_sum.float().view(1), non_blocking=True)
         loss_ready = self.device.record()
-        g = grads[0]                                           # [B, S, d]
         gslot = self._grad_slot(head_index)
         self._claim_grad_slot(gslot)
-        self._write_grads(split.head_unit, gslot, list(grads[1:1 + len(head_params)]))
-        if self.vocab_on_device:
-            self._update_on_device(head_index, gslot, lr)
-        else:
-            self._submit_drain(head_index, gslot, m, n_micro, lr)
-        embed_gslot = self._grad_slot(0)
-        self._claim_grad_slot(embed_gslot)
-        if tied_w is not None:
-            self._write_grads(split.embed_unit, embed_gslot, [grads[-1]])
-        del x, xh, loss, grads
+        self._write_grads(split.head_unit, gslot, acc[:len(head_params)])
+        self._gradient_complete(head_index, gslot, lr)
+        # a tied embedding's gradient: the head's share, to which the embedding's own is added
+        tied_acc = acc[len(head_params):] if tied_w is not None else None
+        del xs, acc
 
-        # ---- backward: recompute each layer from its checkpoint, then differentiate
+        # ---- backward: recompute each layer from its checkpoints, then differentiate, every
+        # micro-batch while the layer's weights are on the GPU
         for i in reversed(range(L)):
             v = 2 * L - 1 - i
             self._plan(visits, v, assign)
             slot = self.own_slots[i + 1] if self._has_own_slot(i) else self.layer_slots[assign[v]]
-            self.acts.prefetch(i - 1)
+            self.acts.prefetch(i, 0)
             self._acquire(slot)
-            x_in = self.acts.load(i).detach().requires_grad_(True)
             params = self._leaves(self._views(split.layer_units[i], slot.flat))
-            with torch.enable_grad():
-                with self.timer.span("recompute", i):
-                    out = self._layer_forward(i, params, x_in, kwargs[i])
-                with self.timer.span("backward", i):
-                    res = torch.autograd.grad(out, [x_in] + list(params.values()), g, materialize_grads=True)
+            acc = None
+            for m in range(k):
+                # the next checkpoint the backward reads: this layer's next micro-batch, or the
+                # layer below's first
+                self.acts.prefetch(*((i, m + 1) if m + 1 < k else (i - 1, 0)))
+                x_in = self.acts.load(i, m).detach().requires_grad_(True)
+                with torch.enable_grad():
+                    with self.timer.span("recompute", i):
+                        out = self._layer_forward(i, params, x_in, kwargs[m][i])
+                    with self.timer.span("backward", i):
+                        res = torch.autograd.grad(out, [x_in] + list(params.values()), gs[m],
+                                                  materialize_grads=True)
+                gs[m] = res[0]
+                acc = self._sum_grads(acc, res[1:], k)
+                del out, res, x_in
             self._release(slot)
             gslot = self._grad_slot(i + 1)
             self._claim_grad_slot(gslot)
-            self._write_grads(split.layer_units[i], gslot, list(res[1:]))
-            if self._on_device(i):
-                self._update_on_device(i + 1, gslot, lr)
-            else:
-                self._submit_drain(i + 1, gslot, m, n_micro, lr)
-            if self.schedule == "eager":
+            self._write_grads(split.layer_units[i], gslot, acc)
+            self._gradient_complete(i + 1, gslot, lr)
+            if not self.deferred:
                 if self._resident(i):
                     self._prefetch_next_step(i + 1, slot)
                 if i == L // 2 and not self.vocab_on_device:
                     self._prefetch_next_step(L + 1, head_slot)
-            g = res[0]
-            del out, res, x_in, params
+            del acc, params
             self.memory.mark("backward", i)
 
-        # ---- embedding gradient
+        # ---- embedding gradient, a micro-batch at a time, summed
         self._acquire(embed_slot)
-        with torch.enable_grad(), self.timer.span("embed_backward", -1):
-            w = self._leaves(self._views(split.embed_unit, embed_slot.flat))
-            e = split.embed_forward(w, ids)
-            (gw,) = torch.autograd.grad(e, [w["weight"]], g, materialize_grads=True)
+        w = self._leaves(self._views(split.embed_unit, embed_slot.flat))
+        acc = tied_acc
+        for m in range(k):
+            with torch.enable_grad(), self.timer.span("embed_backward", -1):
+                e = split.embed_forward(w, ids[m])
+                grads = torch.autograd.grad(e, [w["weight"]], gs[m], materialize_grads=True)
+            acc = self._sum_grads(acc, grads, k)
+            gs[m] = None
+            del e, grads
         self._release(embed_slot)
-        self._write_grads(split.embed_unit, embed_gslot, [gw], accumulate=tied_w is not None)
-        if self.vocab_on_device:
-            self._update_on_device(0, embed_gslot, lr)
-        else:
-            self._submit_drain(0, embed_gslot, m, n_micro, lr)
-            if self.schedule == "eager":
-                self._prefetch_next_step(0, embed_slot)
+        embed_gslot = self._grad_slot(0)
+        self._claim_grad_slot(embed_gslot)
+        self._write_grads(split.embed_unit, embed_gslot, acc)
+        self._gradient_complete(0, embed_gslot, lr)
+        if not self.deferred and not self.vocab_on_device:
+            self._prefetch_next_step(0, embed_slot)
         self.acts.clear()
         self.memory.mark("embed_backward")
         return host_loss, loss_ready
@@ -650,11 +775,11 @@ class SlideEngine:
     def eval_loss(self, batch) -> tuple[float, int]:
         """Sum of token losses and token count of one batch with the current weights."""
         split = self.split
-        x, _, labels, _, embed_slot, head_slot = self._forward(batch, list(range(split.num_layers)), {},
-                                                               save_inputs=False)
+        xs, _, labels, _, embed_slot, head_slot = self._forward([batch], list(range(split.num_layers)), {},
+                                                                save_inputs=False)
         self._acquire(head_slot)
         tied_w = self._views(split.embed_unit, embed_slot.flat)["weight"] if split.tied else None
-        loss = split.head_loss(self._views(split.head_unit, head_slot.flat), x, labels, lm_weight=tied_w,
+        loss = split.head_loss(self._views(split.head_unit, head_slot.flat), xs[0], labels[0], lm_weight=tied_w,
                                impl=self.rt.head_impl, chunk_tokens=self.rt.head_chunk_tokens)
         self._release(embed_slot)
         self._release(head_slot)
@@ -694,7 +819,8 @@ class SlideEngine:
             slot.content = None
 
     def memory_report(self) -> dict[str, int]:
-        slots = self.layer_slots + self.grad_slots + list(self.own_slots.values()) + list(self.vocab_grad_slots.values())
+        slots = (self.layer_slots + self.grad_slots + list(self.own_slots.values()) + list(self.vocab_grad_slots.values())
+                 + list(self.device_grad_slots.values()))
         gpu_buffers = sum(t.numel() * t.element_size() for s in slots for t in (s.flat, s.landing) if t is not None)
         pinned = (sum(b.numel() * b.element_size() for b in self.uploader.ring + self.drainer.ring)
                   + self.acts.pinned_bytes())
@@ -716,6 +842,10 @@ class SlideEngine:
             sys.setswitchinterval(self._switch_interval)
             self.acts.close()
             self.gc_freeze.release()
+            if self.device.is_cuda:
+                for unit in self.units:
+                    if unit.held is not None:
+                        self.device.unregister_host(unit.held)
             if self.gpu_cast:
                 for unit in self.units:
                     if unit.on_host:

@@ -1,7 +1,8 @@
 """The host store: per unit one flat FP32 master tensor and its AdamW state.
 
 About 12 bytes per parameter (master 4 + two moments 8); the deferred schedule
-adds a persistent FP32 gradient (4 more). The unit's parameters are views of the
+adds the step's gradient in the compute dtype, held until the global norm is known (2 more
+for BF16; engine.py says why not FP32). The unit's parameters are views of the
 flat master, so saving, loading and updating never copy the model. Each unit
 carries a version (the number of optimizer updates applied) that the uploader
 waits on: a layer is uploaded for step t only once its t-th update is done.
@@ -24,9 +25,12 @@ BUILD_WORKERS = max(1, min(8, os.cpu_count() or 1))
 
 
 class HostUnit:
-    def __init__(self, spec: UnitSpec, source: WeightSource, optim: AdamWConfig, keep_grad: bool,
-                 kernel: str = "dynamic", device: torch.device | None = None):
-        """device: keep this unit's master and AdamW state there from the start (vocab_update=device,
+    def __init__(self, spec: UnitSpec, source: WeightSource, optim: AdamWConfig,
+                 held_dtype: torch.dtype | None = None, kernel: str = "dynamic",
+                 device: torch.device | None = None):
+        """held_dtype: the deferred schedule's held gradient [numel] in this dtype (host units only;
+        a unit on the device holds its gradient there, in the engine).
+        device: keep this unit's master and AdamW state there from the start (vocab_update=device,
         device_layers): the weights pass through a transient host buffer (4 B/param) on the way,
         and the moments are never allocated in host RAM."""
         self.spec = spec
@@ -36,8 +40,10 @@ class HostUnit:
         self.master = master.to(device) if self.on_device else master  # the host buffer goes with `master`
         del master
         self.opt = FlatAdamW(self.master, spec.n_decay, optim, kernel)
-        self.grad = torch.zeros(spec.numel, dtype=torch.float32) if keep_grad and not self.on_device else None
-        self.sq_norm = 0.0            # squared gradient norm of the current step
+        # [numel] the step's gradient as the GPU computed it (compute dtype), written by one D2H
+        # copy and read by the clipped update sweep (deferred schedule)
+        self.held = (torch.empty(spec.numel, dtype=held_dtype)
+                     if held_dtype is not None and not self.on_device else None)
         self.version = 0              # updates applied in full
         self.progress = 0             # elements of the update in progress already written
         self.started = 0              # updates begun (version, or version + 1 while one runs)
@@ -114,10 +120,11 @@ class HostUnit:
 
 
 class HostStore:
-    def __init__(self, split: SplitModel, source: WeightSource, optim: AdamWConfig, keep_grads: bool,
-                 kernel: str = "dynamic", device_units: frozenset[int] = frozenset(),
-                 device: torch.device | None = None):
-        """kernel: the host AdamW kernel of every unit (FlatAdamW's; RuntimeConfig.host_adamw).
+    def __init__(self, split: SplitModel, source: WeightSource, optim: AdamWConfig,
+                 held_dtype: torch.dtype | None = None, kernel: str = "dynamic",
+                 device_units: frozenset[int] = frozenset(), device: torch.device | None = None):
+        """held_dtype: the deferred schedule's held gradients' dtype (None: eager, none held).
+        kernel: the host AdamW kernel of every unit (FlatAdamW's; RuntimeConfig.host_adamw).
         device_units: indices of the units whose state lives on `device` (HostUnit's device)."""
         # Each unit is materialized straight from the source into its own master (no second
         # copy), several units at once: torch's normal_ with a generator runs on one core
@@ -127,7 +134,7 @@ class HostStore:
             raise ValueError("device_units needs the device they live on")
         with ThreadPoolExecutor(BUILD_WORKERS, thread_name_prefix="slidetune-init") as pool:
             self.units = list(pool.map(
-                lambda i: HostUnit(split.units[i], source, optim, keep_grads, kernel,
+                lambda i: HostUnit(split.units[i], source, optim, held_dtype, kernel,
                                    device=device if i in device_units else None),
                 range(len(split.units))))
 
@@ -135,6 +142,6 @@ class HostStore:
         return sum(u.spec.numel for u in self.units)
 
     def state_bytes(self) -> int:
-        """Host bytes of masters, moments and FP32 gradients (units kept on the device excluded)."""
-        per = 12 + (4 if self.units[0].grad is not None else 0)
-        return per * sum(u.spec.numel for u in self.units if u.on_host)
+        """Host bytes of masters, moments and held gradients (units kept on the device excluded)."""
+        return sum(12 * u.spec.numel + (u.held.numel() * u.held.element_size() if u.held is not None else 0)
+                   for u in self.units if u.on_host)

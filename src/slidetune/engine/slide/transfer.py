@@ -13,9 +13,10 @@ cast on "gpu" (default on CUDA): the FP32 master is page-locked in place
   contend with it (benchmarks/NOTES.md), while PCIe has room to spare.
 
 Upload runs on the uploader thread; gradient D2H copies are queued by the D2H issuer
-thread (GradDrain.issue) and consumed, AdamW or FP32 accumulation, by the host worker
-thread (GradDrain.consume). Ring buffers are rewritten only after the event of the copy that
-last read them; a GPU gradient slot is handed back (an event) as soon as its last
+thread (GradDrain.issue) and consumed by the host worker's AdamW (GradDrain.consume); under
+the deferred schedule each unit's gradient comes down in one copy into its held buffer
+(GradDrain.hold) and waits there for the clipped sweep (GradDrain.deferred_update, then
+deferred_moments). Ring buffers are rewritten only after the event of the copy that last read them; a GPU gradient slot is handed back (an event) as soon as its last
 chunk has been copied out.
 """
 from __future__ import annotations
@@ -182,61 +183,67 @@ class GradDrain:
         self.bytes += n * (4 if self.gpu_cast else src.element_size())   # FP32 slots: element_size 4
         return last
 
-    def consume(self, unit: HostUnit, chunks: list[Future], *, mode: str, lr: float = 0.0,
-                want_norm: bool = False) -> float:
-        """Host worker: wait for each chunk's copy, then AdamW it (eager) or accumulate it in FP32.
-
-        mode: "update" (eager AdamW per chunk), "copy" (first micro-batch), "add" (later ones).
-        Returns the squared norm of the FP32 gradient when `want_norm` (else 0).
-        """
+    def consume(self, unit: HostUnit, chunks: list[Future], *, lr: float) -> None:
+        """Host worker (eager): wait for each chunk's copy and apply AdamW to it."""
         n = unit.spec.numel
-        sq = 0.0
-        if mode == "update":
-            unit.begin_update()
-            unit.opt.begin_step()
+        unit.begin_update()
+        unit.opt.begin_step()
         for c, lo in enumerate(range(0, n, self.chunk)):
             hi = min(n, lo + self.chunk)
             r, event = wait_or_abort(chunks[c], self.abort, f"gradient chunk {c} of {unit.spec.name}")
             with record_function("slidetune.d2h_wait"), self.timeline.span("host", "d2h_wait", unit.spec.name):
                 event.synchronize()
             buf = self.ring[r][: hi - lo]
-            if mode == "update":
-                if self.fp32_ring or self.widen_in_adamw:
-                    g = buf                                       # FP32, or widened by AdamW's kernel
-                else:
-                    g = self.scratch[: hi - lo]
-                    g.copy_(buf)                                  # compute dtype -> FP32
-                if want_norm:
-                    g32 = g.float()                               # [chunk] fp32 (a copy only if widened in AdamW)
-                    sq += float(torch.dot(g32, g32))              # 2x vector_norm's speed on the CPU
-                with record_function("slidetune.adamw"), self.timeline.span("host", "adamw", unit.spec.name):
-                    unit.opt.update(g, lr, lo)
-                unit.advance(hi)
+            if self.fp32_ring or self.widen_in_adamw:
+                g = buf                                       # FP32, or widened by AdamW's kernel
             else:
-                dst = unit.grad[lo:hi]
-                if mode == "copy":
-                    dst.copy_(buf)
-                else:
-                    dst.add_(buf)                                 # FP32 accumulation across micro-batches
-                if want_norm:
-                    sq += float(torch.dot(dst, dst))
+                g = self.scratch[: hi - lo]
+                g.copy_(buf)                                  # compute dtype -> FP32
+            with record_function("slidetune.adamw"), self.timeline.span("host", "adamw", unit.spec.name):
+                unit.opt.update(g, lr, lo)
+            unit.advance(hi)
             self.give_back(r)
-        if mode == "update":
-            unit.bump_version()
-        return sq
+        unit.bump_version()
+
+    def hold(self, unit: HostUnit, src: torch.Tensor, ready) -> object:
+        """D2H issuer (deferred): copy the unit's whole gradient slot `src` into its held host
+        buffer (page-locked on CUDA) after `ready`, in one copy, cast on the GPU first where the
+        slot is FP32 and the held buffer narrower. Returns the copy's event (the slot is free
+        again after it, and the held gradient is there)."""
+        with self.device.stream_ctx(self.stream):
+            self.stream.wait_event(ready)
+            if src.dtype != unit.held.dtype:
+                src = src.to(unit.held.dtype)                 # on the D2H stream, a temporary
+            unit.held.copy_(src, non_blocking=True)
+            event = self.device.record(self.stream)
+        self.bytes += src.numel() * src.element_size()
+        return event
 
     @staticmethod
     def deferred_update(unit: HostUnit, lr: float, clip_coef: float, chunk: int) -> None:
-        """Apply the step's (clipped) FP32 gradient to the unit, chunk by chunk."""
+        """The new weights from the step's held gradient, scaled by the clip coefficient, chunk by
+        chunk (the next step's upload trails it chunk by chunk). Only the parameters are written
+        (18 of AdamW's 26 B/param of host DRAM): the next forward waits for them. The moments
+        follow in deferred_moments, where nothing waits (FlatAdamW.update's split pair)."""
         unit.begin_update()
         unit.opt.begin_step()
         n = unit.spec.numel
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
             with record_function("slidetune.adamw"):
-                unit.opt.update(unit.grad[lo:hi], lr, lo, grad_scale=clip_coef)
+                unit.opt.update(unit.held[lo:hi], lr, lo, grad_scale=clip_coef, part="params")
             unit.advance(hi)
         unit.bump_version()
+
+    @staticmethod
+    def deferred_moments(unit: HostUnit, clip_coef: float, chunk: int) -> None:
+        """The moments of the update deferred_update wrote the weights of (same gradient, same
+        coefficient); after it the held gradient may be overwritten."""
+        n = unit.spec.numel
+        for lo in range(0, n, chunk):
+            hi = min(n, lo + chunk)
+            with record_function("slidetune.adamw"):        # AdamW work to the profile summary too
+                unit.opt.update(unit.held[lo:hi], 0.0, lo, grad_scale=clip_coef, part="moments")
 
 
 def clip_coefficient(total_norm: float, max_norm: float | None) -> float:

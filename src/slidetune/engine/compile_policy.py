@@ -1,0 +1,59 @@
+"""compile_layers=auto: compile the decoder layers where the run earns the compile back.
+
+torch.compile'd layers ran 487 model TFLOPS against 401 eager on the H100 (one Llama-3.1-8B
+layer, 16 x 1024 tokens, forward + recompute + backward; DESIGN.md section 1): a compiled
+step spends 18% less time in its layers. The compile costs about 40 s at start-up
+(README, one graph per kind of layer; less when inductor's FX cache has the graphs). So the
+planned run is worth compiling when the time it saves, steps x 18% of the layers' compute,
+is at least PAYBACK times the compile. Layer compute is estimated from the model's FLOPs
+(telemetry/flops.py, recompute included) at the eager rate: an estimate, stated as such in
+the reason the resolved config prints.
+
+Only slide mode compiles layers, and only on CUDA (inductor's CPU code is not what the
+measurements above are of, and a CPU run has seconds to spare for nothing).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..models.units import SplitModel
+from ..telemetry.flops import train_flops_per_token
+from .config import RuntimeConfig
+
+EAGER_LAYER_TFLOPS = 401.0      # measured, H100 (DESIGN.md section 1)
+COMPILED_LAYER_TFLOPS = 487.0   # measured, same layer and batch
+COMPILE_S = 40.0                # start-up compile of an 8B's layers on the H100 host (README)
+PAYBACK = 5.0                   # "earn the compile back many times over"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileChoice:
+    compile_layers: str         # on | off
+    reason: str
+
+
+def choose_compile_layers(rt: RuntimeConfig, split: SplitModel, *, is_cuda: bool, steps: int,
+                          tokens_per_step: int, seq_len: int) -> CompileChoice:
+    """What compile_layers=auto resolves to for a run of `steps` optimizer steps of
+    `tokens_per_step` tokens; an explicit on/off is kept, with its reason."""
+    if rt.compile_layers != "auto":
+        return CompileChoice(rt.compile_layers, "set explicitly")
+    if rt.mode != "slide":
+        return CompileChoice("off", f"{rt.mode} mode does not compile layers")
+    if not is_cuda:
+        return CompileChoice("off", "not on CUDA")
+    # the layers' share of a step's FLOPs, with the recompute's extra forward (8/6 of 6N)
+    flops = train_flops_per_token(split, seq_len) * tokens_per_step * 8 / 6
+    eager_s = flops / (EAGER_LAYER_TFLOPS * 1e12)
+    saved_s = eager_s * (1 - EAGER_LAYER_TFLOPS / COMPILED_LAYER_TFLOPS)
+    earned = steps * saved_s / COMPILE_S
+    est = (f"{steps} steps x ~{saved_s:.3f} s saved a step (~{eager_s:.2f} s of layer compute eager, "
+           f"{1 - EAGER_LAYER_TFLOPS / COMPILED_LAYER_TFLOPS:.0%} less compiled) against a ~{COMPILE_S:.0f} s "
+           f"compile: {earned:.1f}x")
+    if earned >= PAYBACK:
+        return CompileChoice("on", est + f" >= {PAYBACK:.0f}x")
+    return CompileChoice("off", est + f" < {PAYBACK:.0f}x (--compile-layers on compiles anyway)")
+
+
+def resolve_compile_layers(rt: RuntimeConfig, choice: CompileChoice) -> RuntimeConfig:
+    return dataclasses.replace(rt, compile_layers=choice.compile_layers)
