@@ -394,7 +394,8 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         held = b * P_host if schedule == "deferred" else 0
         if held:
             host[f"held gradients (deferred schedule, {b} B/param)"] = held
-        down_chunks = rt.download_chunks(P_L)
+        deferred = schedule == "deferred"          # gradients straight into the held buffers: no ring
+        down_chunks = 0 if deferred else rt.download_chunks(P_L)
         downloads_fp32 = rt.downloads_fp32(dev == "cuda")
         rings = down_chunks * chunk_elems * (4 if downloads_fp32 else b)
         staging = 0
@@ -402,11 +403,11 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
             staging += rt.upload_stages * chunk_elems * 4            # uploads: FP32 from the registered master
         else:
             rings += rt.upload_ring * chunk_elems * b
-        if gpu_cast and downloads_fp32 and not rt.grad_slots_fp32():
+        if gpu_cast and downloads_fp32 and not rt.grad_slots_fp32() and not deferred:
             staging += 2 * chunk_elems * 4                           # the D2H stream's cast
         if staging:
             gpu["fp32 cast staging"] = staging
-        if not downloads_fp32:
+        if not downloads_fp32 and not deferred:
             # widening into FP32 before AdamW where native_adamw's kernel cannot be built
             host["fp32 drain scratch"] = chunk_elems * 4
         host["upload/download rings"] = rings

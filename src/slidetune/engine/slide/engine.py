@@ -170,7 +170,8 @@ class SlideEngine:
         device_numel = max((u.spec.numel for u in self.units if u.on_device), default=0)
         self.device_grad32 = (torch.empty(min(chunk, device_numel), dtype=torch.float32, device=dev)
                               if device_numel and grad_dtype != torch.float32 else None)
-        ring = rt.download_chunks(layer_numel)
+        # the deferred schedule copies each gradient straight into its held buffer: no ring
+        ring = 0 if self.deferred else rt.download_chunks(layer_numel)
         if device.is_cuda:
             for unit in self.units:
                 if unit.held is not None:

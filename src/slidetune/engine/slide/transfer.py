@@ -112,7 +112,9 @@ class GradDrain:
         """dtype: the gradient slots' dtype (FP32 slots need no cast on either side).
         gpu_cast: widen compute-dtype slots to FP32 on the D2H stream (grad_download=fp32).
         widen_in_adamw: compute-dtype gradients go to AdamW as they landed (native_adamw's
-        kernel reads them); otherwise the host widens each chunk into an FP32 scratch first."""
+        kernel reads them); otherwise the host widens each chunk into an FP32 scratch first.
+        ring=0 (the deferred schedule, whose gradients go straight into held buffers): no ring, no
+        scratch, no staging: only hold() is used."""
         self.device = device
         self.stream = device.new_stream()
         self.chunk = chunk_elems
@@ -125,9 +127,9 @@ class GradDrain:
         # (earliest deadline first), so buffers come back out of order too.
         self._free = list(range(ring))
         self._free_cond = threading.Condition()
-        if self.gpu_cast:
+        if self.gpu_cast and ring:
             self.stage = [torch.empty(chunk_elems, dtype=torch.float32, device=device.device) for _ in range(2)]
-        if self.fp32_ring or self.widen_in_adamw:
+        if self.fp32_ring or self.widen_in_adamw or not ring:
             self.scratch = None
         else:
             self.scratch = torch.empty(chunk_elems, dtype=torch.float32)   # one chunk of FP32 grads
