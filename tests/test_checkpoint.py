@@ -245,15 +245,37 @@ def enospc(*a, **kw):
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
+def test_streamed_safetensors_read_back_with_safetensors(tmp_path):
+    """write_safetensors: the file the library reads, every dtype a checkpoint writes, scalars and
+    empty tensors included, a conversion on the way, and non-contiguous views."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from slidetune.checkpoint import write_safetensors
+    base = torch.randn(6, 10)
+    tensors = {"a": torch.randn(3, 5), "view": base[:, ::2], "bf16": torch.randn(7).to(torch.bfloat16),
+               "step": torch.tensor(3.0), "empty": torch.zeros(0), "ids": torch.arange(5)}
+    write_safetensors(tensors, tmp_path / "x.safetensors")
+    back = load_file(str(tmp_path / "x.safetensors"))
+    assert back.keys() == tensors.keys()
+    for k, t in tensors.items():
+        assert back[k].dtype == t.dtype and torch.equal(back[k], t), k
+    floats = {k: tensors[k] for k in ("a", "view", "step")}
+    write_safetensors(floats, tmp_path / "y.safetensors", dtype=torch.bfloat16)
+    with safe_open(str(tmp_path / "y.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        for k, t in floats.items():
+            assert torch.equal(f.get_tensor(k), t.to(torch.bfloat16)), k
+
+
 def test_failed_save_leaves_previous_checkpoint(tmp_path, engines, monkeypatch):
-    import safetensors.torch
+    import slidetune.checkpoint as ckpt_mod
     eng = engines()
     train(eng, range(2))
     first = save_checkpoint(eng, checkpoint_dir(tmp_path, 2), step=2)
     before = tree_digest(first)
     saved_masters = masters(eng)
     train(eng, range(2, 3))
-    monkeypatch.setattr(safetensors.torch, "save_file", enospc)
+    monkeypatch.setattr(ckpt_mod, "write_safetensors", enospc)
     with pytest.raises(CheckpointError) as info:
         save_checkpoint(eng, checkpoint_dir(tmp_path, 3), step=3)
     msg = str(info.value)

@@ -21,7 +21,10 @@ def test_long_cuda_runs_compile_short_ones_do_not(split_8b):
     long_run = choose_compile_layers(rt, split_8b, is_cuda=True, steps=1000, tokens_per_step=16 * 1024, seq_len=1024)
     assert long_run.compile_layers == "on" and "steps" in long_run.reason
     short = choose_compile_layers(rt, split_8b, is_cuda=True, steps=5, tokens_per_step=16 * 1024, seq_len=1024)
-    assert short.compile_layers == "off" and f"< {PAYBACK:.0f}x" in short.reason
+    assert short.compile_layers == "off" and f"< {PAYBACK:g}x" in short.reason
+    # the default 8B run: 300 steps of 16 x 1024 tokens
+    assert choose_compile_layers(rt, split_8b, is_cuda=True, steps=300, tokens_per_step=16 * 1024,
+                                 seq_len=1024).compile_layers == "on"
     # the crossover: twice as many tokens a step halves the steps it takes
     def smallest(tokens):
         return next(s for s in range(1, 100_000) if choose_compile_layers(

@@ -235,9 +235,9 @@ def test_non_finite_step_stops_naming_the_step(tmp_path, what):
 
 # ----------------------------------------------------------------------------- disk full
 def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    import safetensors.torch
+    import slidetune.checkpoint as ckpt_mod
     d = tmp_path / "full"
-    real = safetensors.torch.save_file
+    real = ckpt_mod.write_safetensors
     seen = {}
 
     def save_file(tensors, filename, *args, **kwargs):
@@ -246,7 +246,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypa
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(filename))
         return real(tensors, filename, *args, **kwargs)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    monkeypatch.setattr(ckpt_mod, "write_safetensors", save_file)
     code, out, err = run_cli(*COMMON, "--max-steps", "3", "--save-every", "1", "--output-dir", str(d))
     assert code == 2, err[-2000:]
     assert "No space left on device" in err
@@ -260,7 +260,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypa
     assert not (d / "final").exists()
 
     # and the run continues from it once there is space again
-    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    monkeypatch.setattr(ckpt_mod, "write_safetensors", real)
     code, out, err = run_cli(*COMMON, "--max-steps", "3", "--save-every", "1", "--resume", "auto",
                              "--output-dir", str(d))
     assert code == 0, err[-2000:]

@@ -52,10 +52,16 @@ run_job() {
              python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gwhl/*.whl
              export PYTHONPATH=$PYTHONPATH:/tmp/site
            fi
-           python -m slidetune.cli train --output-dir /tmp/train_gpu --progress false > $R/train_gpu.log 2>&1
-           mkdir -p $R/train_default_gpu
-           cp /tmp/train_gpu/{metrics.csv,loss.png,config.json,summary.json,run.json} $R/train_default_gpu/ 2>/dev/null
-           tail -5 $R/train_gpu.log ;;
+           # TRAIN_ARGS: more flags (e.g. --model qwen3-8b --batch-size 16 --seq-len 1024); TRAIN_TAG names
+           # the results folder (train_<tag>_gpu); the final/ it writes is loaded back with transformers
+           tag=${TRAIN_TAG:-default}; rm -rf /tmp/train_gpu
+           python -m slidetune.cli train --output-dir /tmp/train_gpu --progress false ${TRAIN_ARGS:-} > $R/train_${tag}_gpu.log 2>&1
+           echo "train rc=$?" >> $R/train_${tag}_gpu.log
+           mkdir -p $R/train_${tag}_gpu
+           cp /tmp/train_gpu/{metrics.csv,loss.png,config.json,summary.json,run.json} $R/train_${tag}_gpu/ 2>/dev/null
+           ls -la /tmp/train_gpu /tmp/train_gpu/final > $R/train_${tag}_gpu/files.txt 2>&1; df -h /tmp >> $R/train_${tag}_gpu/files.txt
+           python -c "import sys, torch; from transformers import AutoModelForCausalLM as M; m = M.from_pretrained('/tmp/train_gpu/final'); print('final/ loads:', type(m).__name__, m.dtype, sum(p.numel() for p in m.parameters()), 'params')" > $R/train_${tag}_gpu/final_loads.txt 2>&1
+           tail -5 $R/train_${tag}_gpu.log; cat $R/train_${tag}_gpu/final_loads.txt ;;
     equivalence) timeout 240 python -m pytest -q tests/test_equivalence_gpu.py ${EQ_ARGS:-} > $R/gpu_equivalence_tests.txt 2>&1
            tail -3 $R/gpu_equivalence_tests.txt ;;
     runtime) python -m slidetune.cli bench runtime --out $R/runtime --parts ${RUNTIME_PARTS:-memory,big} ;;

@@ -22,10 +22,12 @@ When an existing directory of the same name is overwritten, a crash between its 
 renames leaves the old checkpoint whole in `<name>.old-<pid>` and the new one whole in
 `<name>.tmp-<pid>` (both with COMPLETE): never a mix of the two.
 
-Memory: tensors are written shard by shard straight from the engine's FP32 masters
-(views, no copy); a BF16 export converts one shard at a time. Loading reads one tensor
-at a time from the memory-mapped files, so neither side ever holds a second copy of
-the model.
+Memory: tensors are written one at a time straight from the engine's FP32 masters and
+moments (views, no copy; write_safetensors streams a safetensors file, where
+safetensors.torch.save_file first builds every tensor's bytes in RAM: 65 GB for an 8B's
+moments); a BF16 export converts one tensor at a time, and state kept on the GPU comes to
+the host one tensor at a time. Loading reads one tensor at a time from the memory-mapped
+files, so neither side ever holds a second copy of the model.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ import os
 import random
 import re
 import shutil
+import struct
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -116,7 +119,7 @@ def save_checkpoint(engine, out_dir: Path, *, step: int, tokenizer=None, trainer
         sdir = tmp / STATE_DIR
         sdir.mkdir()
         if with_optimizer:
-            _save_tensors(engine.optimizer_tensors(), sdir / "optimizer.safetensors")
+            _save_tensors(engine.optimizer_tensors(on_host=False), sdir / "optimizer.safetensors")
         torch.save(_rng_state(), sdir / "rng.pt")
         (sdir / "state.json").write_text(state_text)
         _fsync_tree(tmp)
@@ -169,7 +172,7 @@ def _write_weights(engine, directory: Path, dtype: torch.dtype, max_shard_bytes:
         if not pending:
             return
         part = directory / f"model-{len(shards) + 1:05d}.partial.safetensors"
-        _save_tensors({k: v.to(dtype) for k, v in pending.items()}, part)
+        _save_tensors(pending, part, dtype=dtype)
         shards.append(list(pending))
         pending, pending_bytes = {}, 0
 
@@ -198,11 +201,46 @@ def _write_weights(engine, directory: Path, dtype: torch.dtype, max_shard_bytes:
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
 
 
-def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    # Looked up at call time (tests replace it to simulate a full disk).
-    import safetensors.torch
-    tensors = {k: v if v.is_contiguous() else v.contiguous() for k, v in tensors.items()}
-    safetensors.torch.save_file(tensors, str(path), metadata={"format": "pt"})
+def _save_tensors(tensors: Mapping[str, torch.Tensor], path: Path, dtype: torch.dtype | None = None) -> None:
+    # Looked up at call time (tests replace write_safetensors to simulate a full disk).
+    write_safetensors(tensors, path, dtype=dtype)
+
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+_WRITE_BYTES = 256 * 2**20      # one write() call at most: bounded kernel buffers, prompt ENOSPC
+
+
+def write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path, dtype: torch.dtype | None = None,
+                      metadata: dict[str, str] | None = None) -> None:
+    """A safetensors file written tensor by tensor from where the tensors are (format: a little-
+    endian u64 header length, the JSON header padded to 8 bytes, then the tensors' bytes in
+    header order), so the file never exists in RAM. `dtype`: each tensor converted as it is
+    written (one tensor's copy at a time); a tensor on another device comes to the host one
+    at a time. Readable by safetensors (safe_open, load_file) and HF from_pretrained."""
+    entries, offset = [], 0
+    for name, t in tensors.items():
+        dt = dtype or t.dtype
+        if dt not in _ST_DTYPES:
+            raise TypeError(f"{name}: dtype {dt} has no safetensors code here")
+        n = t.numel() * torch.empty((), dtype=dt).element_size()
+        entries.append((name, t, dt, offset, offset + n))
+        offset += n
+    header = {name: {"dtype": _ST_DTYPES[dt], "shape": list(t.shape), "data_offsets": [lo, hi]}
+              for name, t, dt, lo, hi in entries}
+    header["__metadata__"] = dict(metadata or {"format": "pt"})
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for name, t, dt, lo, hi in entries:
+            src = t.detach()
+            if src.device.type != "cpu" or src.dtype != dt:
+                src = src.to("cpu", dt)                     # one tensor's copy
+            raw = src.contiguous().reshape(-1).view(torch.uint8).numpy()
+            for start in range(0, raw.size, _WRITE_BYTES):
+                f.write(memoryview(raw[start:start + _WRITE_BYTES]))
 
 
 def _swap_in(tmp: Path, final: Path, aside: Path) -> None:

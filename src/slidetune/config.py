@@ -52,7 +52,8 @@ class TrainConfig:
     eval_batches: int = 8                # held-out batches per evaluation (0: all)
     save_every: int = 0                  # checkpoint every N steps (0: only at the end)
     keep_last: int = 2                   # checkpoints kept (the final export is separate)
-    save_dtype: str = "fp32"             # dtype of the exported final/ model: fp32 | bf16
+    save_dtype: str = "auto"             # dtype of the exported final/ model: auto (the checkpoint's own: bf16 for a bf16 model) | fp32 | bf16
+    checkpoint_dir: str | None = None    # where resumable checkpoints go (None: <output_dir>/checkpoints); another disk when they do not fit
     output_dir: str = "runs/default"     # metrics.csv, loss.png, config.json, checkpoints/, final/
     resume: str | None = None            # None | auto | path to a checkpoint directory
     stop_after: int | None = None        # stop after this many steps in this invocation, leaving a resumable checkpoint
@@ -86,8 +87,8 @@ class TrainConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], not {self.min_lr_ratio}")
         if self.lr_schedule not in ("cosine", "linear", "constant"):
             raise ValueError(f"lr_schedule must be cosine, linear or constant, not {self.lr_schedule!r}")
-        if self.save_dtype not in ("fp32", "bf16"):
-            raise ValueError("save_dtype must be fp32 or bf16")
+        if self.save_dtype not in ("auto", "fp32", "bf16"):
+            raise ValueError("save_dtype must be auto, fp32 or bf16")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             self.max_grad_norm = None
 

@@ -35,6 +35,7 @@ from .data import BatchSampler, build_datasets, default_pad_id, eval_batches
 from .device import Device
 from .engine import build_engine
 from .engine.compile_policy import choose_compile_layers, resolve_compile_layers
+from .save_plan import DiskSpaceError, SavePlan, plan_saves, resolve_save_dtype
 from .engine.fit import check_fit, choose_auto_settings
 from .models.load import load_model
 from .telemetry.flops import train_flops_per_token
@@ -199,7 +200,16 @@ def train(cfg: TrainConfig) -> TrainSummary:
     if cfg.runtime.mode == "slide":
         print(f"compile_layers {cfg.runtime.compile_layers} -> {compiled.compile_layers} ({compiled.reason})")
 
-    ckpt_dir = out / "checkpoints"
+    ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else out / "checkpoints"
+    save_dtype = resolve_save_dtype(cfg.save_dtype, loaded.split.config, runtime.dtype)
+    try:
+        # before step 1: final/ must fit, and periodic checkpoints asked for (save_plan.py)
+        saves = plan_saves(loaded.split.num_params(), save_dtype=save_dtype, output_dir=out, checkpoint_dir=ckpt_dir,
+                           save_every=cfg.save_every, keep_last=cfg.keep_last)
+    except DiskSpaceError as e:
+        raise TrainingError(str(e)) from e
+    for note in saves.notes:
+        print(note, file=sys.stderr)
     resume_from = _resolve_resume(cfg, ckpt_dir, total_steps)
     stale = []
     if resume_from is None:
@@ -217,7 +227,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
     try:
         with _StopFlag() as stop:       # from here on a signal means: finish the step, checkpoint, exit
             return _loop(cfg, engine, loaded, sampler, heldout, pad_id, total_steps, device, out, t_start,
-                         resume_from, stale, stop)
+                         resume_from, stale, stop, ckpt_dir=ckpt_dir, saves=saves, save_dtype=save_dtype)
     finally:
         engine.close()
 
@@ -275,10 +285,12 @@ def _warn_changed_config(path: Path, cfg: TrainConfig) -> None:
 
 def _loop(cfg, engine, loaded, sampler, heldout, pad_id, total_steps, device, out, t_start,
           resume_from: Path | None = None, stale: list[Path] | None = None,
-          stop: "_StopFlag | None" = None) -> TrainSummary:
+          stop: "_StopFlag | None" = None, ckpt_dir: Path | None = None, saves: SavePlan | None = None,
+          save_dtype: str = "fp32") -> TrainSummary:
     stop = stop or _StopFlag()
     start_step = 0
-    ckpt_dir = out / "checkpoints"
+    ckpt_dir = ckpt_dir or out / "checkpoints"
+    resumable = saves is None or saves.resumable      # resumable checkpoints fit the disk
     metrics_path = out / "metrics.csv"
     saved_step = None                    # step of the newest checkpoint in ckpt_dir written or loaded
     if resume_from is not None:
@@ -398,7 +410,9 @@ def _loop(cfg, engine, loaded, sampler, heldout, pad_id, total_steps, device, ou
                 _write_rows(metrics_path, rows)
             if stopping:
                 _write_rows(metrics_path, rows)
-                path = save(done) if saved_step != done else ckpt_dir / f"checkpoint-{done}"
+                path = None
+                if resumable:
+                    path = save(done) if saved_step != done else ckpt_dir / f"checkpoint-{done}"
                 if stop.signal is not None:
                     interrupted = True
                     why = f"stopped by {signal.Signals(stop.signal).name}"
@@ -407,7 +421,9 @@ def _loop(cfg, engine, loaded, sampler, heldout, pad_id, total_steps, device, ou
                     why = f"stopped as asked (--stop-after {cfg.stop_after})"
                 stop_message = (f"{why} after step {done} of {total_steps}; resumable checkpoint: {path}\n"
                                 f"continue with: slidetune train <same options> --output-dir {out} "
-                                f"--resume auto")
+                                f"--resume auto") if path else (
+                    f"{why} after step {done} of {total_steps}; no resumable checkpoint was written: it does not "
+                    f"fit the disk of {ckpt_dir} (the note at the start); metrics are in {metrics_path}")
                 break
             if cfg.save_every and done % cfg.save_every == 0 and done < total_steps:
                 save(done)
@@ -432,17 +448,24 @@ def _loop(cfg, engine, loaded, sampler, heldout, pad_id, total_steps, device, ou
             print(f"held-out after training: loss {after[0]:.4f}  perplexity {after[1]:.2f}")
             rows.append(_row(step=total_steps, eval_loss=after[0], eval_ppl=after[1]))
         _write_rows(metrics_path, rows)
-        if saved_step != total_steps:
-            save(total_steps)
+        # final/ first: the model is kept whether or not the resumable state can be written after it
         try:
             save_checkpoint(engine, out / "final", step=total_steps, tokenizer=loaded.tokenizer,
-                            save_dtype=cfg.save_dtype, with_optimizer=False)
+                            save_dtype=save_dtype, with_optimizer=False)
         except CheckpointError as e:
+            kept = None
+            if resumable:
+                try:
+                    kept = save(total_steps) if saved_step != total_steps else ckpt_dir / f"checkpoint-{total_steps}"
+                except TrainingError:
+                    kept = None
             _flush(metrics_path, rows, out)
-            raise TrainingError(f"{e}. The training itself finished: the resumable checkpoint "
-                                f"{ckpt_dir / f'checkpoint-{total_steps}'} holds the final weights; run again "
-                                f"with --output-dir {out} --resume auto to retry the export") from e
+            raise TrainingError(f"{e}. The training itself finished: " + (
+                f"the resumable checkpoint {kept} holds the final weights; run again with --output-dir {out} "
+                f"--resume auto to retry the export" if kept else "no checkpoint could be written either")) from e
         print(f"final model: {out / 'final'} (AutoModelForCausalLM.from_pretrained loads it)")
+        if resumable and saved_step != total_steps:
+            save(total_steps)
     _flush(metrics_path, rows, out)
     summary = TrainSummary(
         output_dir=str(out), steps=engine.step_index,

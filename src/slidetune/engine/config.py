@@ -142,7 +142,7 @@ class RuntimeConfig:
     gc_freeze: bool = True
     # torch.compile the decoder layers' forward (slide mode; one graph per kind of layer,
     # recompute and backward included): 18% less layer time on the H100 for a ~40 s compile at
-    # the first step. auto: on CUDA where the planned run earns the compile back 5x over
+    # the first step. auto: on CUDA where the planned run earns the compile back 2.5x over
     # (engine/compile_policy.py; `slidetune train` prints the estimate); left unresolved (an
     # engine built directly, a benchmark) it means off. on | off (true | false) force it.
     compile_layers: str = "auto"

@@ -191,11 +191,12 @@ class PlainEngine:
             for p in u.spec.params:
                 yield p.full_name, u.master[p.offset:p.offset + p.numel].view(p.shape).cpu()
 
-    def optimizer_tensors(self) -> dict[str, torch.Tensor]:
+    def optimizer_tensors(self, on_host: bool = True) -> dict[str, torch.Tensor]:
+        """AdamW state by name, copied to the host unless on_host=False (left on the device)."""
         out = {}
         for u in self.units:
             for k, t in u.opt.state_tensors().items():
-                out[f"{u.spec.name}.{k}"] = t.cpu()
+                out[f"{u.spec.name}.{k}"] = t.cpu() if on_host else t
         return out
 
     def load_state(self, masters: dict[str, torch.Tensor], optim: dict[str, torch.Tensor], step: int) -> None:

@@ -801,11 +801,13 @@ class SlideEngine:
             for name, t in unit.params().items():
                 yield name, (t if unit.on_host else t.cpu())
 
-    def optimizer_tensors(self) -> dict[str, torch.Tensor]:
+    def optimizer_tensors(self, on_host: bool = True) -> dict[str, torch.Tensor]:
+        """Every unit's AdamW state by name; on_host=False leaves the device units' where they are
+        (a checkpoint writer copies one tensor at a time instead of all of them at once)."""
         out = {}
         for unit in self.units:
             for k, t in unit.opt.state_tensors().items():
-                out[f"{unit.spec.name}.{k}"] = t if unit.on_host else t.cpu()
+                out[f"{unit.spec.name}.{k}"] = t if unit.on_host or not on_host else t.cpu()
         return out
 
     def load_state(self, masters: dict[str, torch.Tensor], optim: dict[str, torch.Tensor], step: int) -> None:

@@ -1,0 +1,132 @@
+"""What a run will write to disk, checked against the free space before step 1.
+
+A run writes `final/` (the model in HF format, in `save_dtype`) and resumable checkpoints
+(FP32 masters 4 B/param + AdamW moments 8 B/param + a few files): 12 B/param, 98 GB for an
+8B model, more than the GPU machine's 64 GiB disk. While a periodic checkpoint is written
+the previous `keep_last` stay until it is complete (checkpoint.py writes atomically), so
+`keep_last + 1` of them exist at once.
+
+The rules (issue 18):
+- `final/` is written first, and must fit, or the run is refused before step 1;
+- periodic checkpoints (`--save-every N`) that cannot fit are refused, with the options that
+  do: final model only, fewer kept, or checkpoints on another disk (`--checkpoint-dir`);
+- with none asked for, the end-of-run resumable checkpoint is written only where it fits
+  beside `final/`; otherwise the run goes on and says up front that only `final/` will be
+  written (and that an interruption cannot leave a resumable checkpoint).
+Free space is what `shutil.disk_usage` reports for the directory (or its nearest existing
+parent) now, less a margin; checkpoints already in the directory count as used.
+"""
+from __future__ import annotations
+
+import math
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+GiB = 2**30
+# config, tokenizer, index and state files beside the tensors, and filesystem slack
+FILES_MARGIN = 256 * 2**20
+# leave this much of the free space unused (logs, metrics, other writers)
+FREE_MARGIN = 0.02
+SAVE_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+
+
+class DiskSpaceError(RuntimeError):
+    """What the run would write does not fit; the message has the sizes and the options."""
+
+
+@dataclass
+class SavePlan:
+    final_bytes: int                 # final/ in save_dtype
+    checkpoint_bytes: int            # one resumable checkpoint
+    resumable: bool                  # resumable checkpoints will be written (periodic, at the end, on a stop)
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return (f"final/ {self.final_bytes / GiB:.1f} GiB; a resumable checkpoint {self.checkpoint_bytes / GiB:.1f} GiB"
+                + ("" if self.resumable else " (not written: it does not fit)"))
+
+
+def resolve_save_dtype(save_dtype: str, config, compute_dtype: str) -> str:
+    """auto: the checkpoint's own dtype (its config's), bf16 or fp32; for a model without one
+    (a preset shape with random weights), the run's compute dtype (fp16 -> fp32)."""
+    if save_dtype != "auto":
+        return save_dtype
+    own = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(own, str):
+        own = getattr(torch, own, None)
+    if own == torch.bfloat16:
+        return "bf16"
+    if own == torch.float32:
+        return "fp32"
+    return "bf16" if compute_dtype == "bf16" else "fp32"
+
+
+def free_bytes(path: Path) -> int:
+    """Free space for `path` (its nearest existing parent when it does not exist yet)."""
+    p = Path(path).resolve()
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def _device_id(path: Path) -> int:
+    p = Path(path).resolve()
+    while not p.exists():
+        p = p.parent
+    return p.stat().st_dev
+
+
+def plan_saves(num_params: int, *, save_dtype: str, output_dir: Path, checkpoint_dir: Path, save_every: int,
+               keep_last: int, output_free: int | None = None, checkpoint_free: int | None = None,
+               same_disk: bool | None = None) -> SavePlan:
+    """The run's writes against the free space; raises DiskSpaceError with options where the run
+    cannot keep its promise (final/ must fit; periodic checkpoints asked for must fit).
+    output_free, checkpoint_free, same_disk: as measured here unless given."""
+    final = num_params * SAVE_DTYPE_BYTES[save_dtype] + FILES_MARGIN
+    ckpt = num_params * 12 + FILES_MARGIN
+    if same_disk is None:
+        same_disk = _device_id(output_dir) == _device_id(checkpoint_dir)
+    out_free = free_bytes(output_dir) if output_free is None else output_free
+    ck_free = (out_free if same_disk else free_bytes(checkpoint_dir)) if checkpoint_free is None else checkpoint_free
+    out_usable = int(out_free * (1 - FREE_MARGIN))
+    ck_usable = int(ck_free * (1 - FREE_MARGIN))
+
+    def gib(n: int) -> str:
+        return f"{n / GiB:.1f} GiB"
+
+    if final > out_usable:
+        options = []
+        if save_dtype == "fp32":
+            bf16 = num_params * 2 + FILES_MARGIN
+            if bf16 <= out_usable:
+                options.append(f"--save-dtype bf16 (final/ {gib(bf16)})")
+        options.append(f"--output-dir on a disk with at least {gib(math.ceil(final / (1 - FREE_MARGIN)))} free")
+        raise DiskSpaceError(f"slidetune: final/ ({gib(final)} in {save_dtype}) does not fit the {gib(out_free)} "
+                             f"free for {output_dir}. Options: " + "; ".join(options))
+    # what the checkpoints' disk has left once final/ is written there too
+    room = ck_usable - (final if same_disk else 0)
+    if save_every:
+        at_once = keep_last + 1
+        if at_once * ckpt <= room:
+            return SavePlan(final, ckpt, True)
+        options = ["--save-every 0 (final model only" + (", and a resumable checkpoint at the end)" if ckpt <= room
+                                                          else ")")]
+        fits = room // ckpt - 1
+        if fits >= 1:
+            options.append(f"--keep-last {fits} ({fits + 1} checkpoints of {gib(ckpt)} at once while one is written)")
+        options.append(f"--checkpoint-dir on a disk with at least {gib(math.ceil(at_once * ckpt / (1 - FREE_MARGIN)))} "
+                       f"free")
+        raise DiskSpaceError(
+            f"slidetune: --save-every {save_every} with --keep-last {keep_last} keeps up to {at_once} resumable "
+            f"checkpoints of {gib(ckpt)} (FP32 weights and AdamW moments, 12 B/param) at once beside final/ "
+            f"({gib(final)}), but {checkpoint_dir} has {gib(ck_free)} free. Options that fit: " + "; ".join(options))
+    if ckpt <= room:
+        return SavePlan(final, ckpt, True)
+    note = (f"note: only final/ ({gib(final)}, {save_dtype}) will be written: a resumable checkpoint "
+            f"({gib(ckpt)}, FP32 weights and AdamW moments) does not fit beside it in the {gib(ck_free)} free for "
+            f"{checkpoint_dir}, so an interrupted run cannot be resumed; for one, use --checkpoint-dir on a disk "
+            f"with at least {gib(math.ceil((ckpt + (final if same_disk else 0)) / (1 - FREE_MARGIN)))} free")
+    return SavePlan(final, ckpt, False, [note])
