@@ -317,7 +317,7 @@ def _fake_env(monkeypatch, tmp_path, limits, fail=None, run_limits=None):
     from slidetune.bench.scenarios import techniques
     fake = _FakeWorker(tmp_path, limits, fail, run_limits)
     monkeypatch.setattr(techniques, "run_worker", fake)
-    monkeypatch.setattr(techniques, "_dataset", lambda out, S, given: (tmp_path / "corpus.pt", False))
+    monkeypatch.setattr(techniques, "_dataset", lambda out, S, given: (tmp_path / "corpus.safetensors", False))
     return techniques, fake
 
 

@@ -52,3 +52,4 @@ def test_values_and_the_flag():
     assert config_from_args(p.parse_args(["--compile-layers"])).runtime.compile_layers == "on"
     assert config_from_args(p.parse_args(["--compile-layers", "off"])).runtime.compile_layers == "off"
     assert config_from_args(p.parse_args([])).runtime.compile_layers == "auto"
+

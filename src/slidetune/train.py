@@ -24,21 +24,27 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 import psutil
 import torch
 
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, prune_checkpoints, recover_leftovers,
+                         save_checkpoint)
 from .config import TrainConfig, config_to_dict
-from .data import BatchSampler, build_datasets, default_pad_id, eval_batches
+from .data import BatchSampler, TokenDataset, build_datasets, default_pad_id, eval_batches
 from .device import Device
-from .engine import build_engine
+from .engine import StepResult, build_engine
 from .engine.compile_policy import choose_compile_layers, resolve_compile_layers
 from .save_plan import DiskSpaceError, SavePlan, plan_saves, resolve_save_dtype
 from .engine.fit import check_fit, choose_auto_settings
-from .models.load import load_model
+from .models.load import LoadedModel, load_model
 from .telemetry.flops import train_flops_per_token
+
+if TYPE_CHECKING:
+    from .engine.plain import PlainEngine
+    from .engine.slide.engine import SlideEngine
 
 METRIC_COLUMNS = ["step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "step_s",
                   "gpu_peak_alloc_gib", "gpu_peak_reserved_gib", "cpu_rss_gib", "eval_loss", "eval_ppl"]
@@ -142,9 +148,9 @@ def evaluate(engine, heldout, batch_size: int, pad_id: int, max_batches: int) ->
 def train(cfg: TrainConfig) -> TrainSummary:
     """Run (or continue) the training job `cfg`; see the module docstring.
 
-    Everything that can be refused is checked before the output directory is touched or
-    anything large is allocated: the model, the sequence length against its context, the
-    memory estimate, the data, the checkpoint to resume from.
+    Everything that can be refused is checked before the output directory is touched (but for
+    what killed saves left there) or anything large is allocated: the model, the sequence
+    length against its context, the memory estimate, the data, the checkpoint to resume from.
     """
     t_start = time.perf_counter()
     out = Path(cfg.output_dir)
@@ -202,6 +208,11 @@ def train(cfg: TrainConfig) -> TrainSummary:
 
     ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else out / "checkpoints"
     save_dtype = resolve_save_dtype(cfg.save_dtype, loaded.split.config, runtime.dtype)
+    # Before the free space is measured and a checkpoint looked for: a killed save leaves a
+    # directory as large as what it was writing (kill -9 or the OOM killer during an export).
+    for src, dst in recover_leftovers(out, "final") + recover_leftovers(ckpt_dir):
+        print(f"note: {dst} was missing: restored the complete copy that a killed save had set aside in "
+              f"{src.name}", file=sys.stderr)
     try:
         # before step 1: final/ must fit, and periodic checkpoints asked for (save_plan.py)
         saves = plan_saves(loaded.split.num_params(), save_dtype=save_dtype, output_dir=out, checkpoint_dir=ckpt_dir,
@@ -220,14 +231,16 @@ def train(cfg: TrainConfig) -> TrainSummary:
                   f"instead)", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     if resume_from is not None:
-        _warn_changed_config(out / "config.json", cfg)
+        _warn_changed_config(resume_from, out / "config.json", cfg)
+    # config.json describes the newest invocation; what a resume is compared with is the config
+    # saved inside each checkpoint (_checkpoint), as this file is rewritten before the first save.
     _write_text(out / "config.json", json.dumps(config_to_dict(cfg), indent=2) + "\n")
     engine = build_engine(loaded, dataclasses.replace(runtime, device=cfg.runtime.device), cfg.optim, device, grad_accum=cfg.grad_accum,
                           max_grad_norm=cfg.max_grad_norm)
     try:
         with _StopFlag() as stop:       # from here on a signal means: finish the step, checkpoint, exit
-            return _loop(cfg, engine, loaded, sampler, heldout, pad_id, total_steps, device, out, t_start,
-                         resume_from, stale, stop, ckpt_dir=ckpt_dir, saves=saves, save_dtype=save_dtype)
+            return Trainer(cfg, engine, loaded, sampler, heldout, pad_id, total_steps, device, out, t_start,
+                           resume_from, stale, stop, ckpt_dir=ckpt_dir, saves=saves, save_dtype=save_dtype).run()
     finally:
         engine.close()
 
@@ -261,12 +274,19 @@ def _resolve_resume(cfg: TrainConfig, ckpt_dir: Path, total_steps: int) -> Path 
     return ckpt
 
 
-def _warn_changed_config(path: Path, cfg: TrainConfig) -> None:
-    """On resume: say which settings differ from the interrupted run (they change the trajectory)."""
+def _warn_changed_config(ckpt: Path, run_config: Path, cfg: TrainConfig) -> None:
+    """On resume: say which settings differ from those the checkpoint `ckpt` was made with
+    (they change the trajectory); checkpoints older than that record fall back to the run's
+    `config.json`."""
     try:
-        old = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return
+        old = json.loads((ckpt / "trainer_state" / "state.json").read_text())["trainer_state"]["config"]
+        source = f"those {ckpt.name} was saved with"
+    except (OSError, ValueError, KeyError, TypeError):
+        try:
+            old = json.loads(run_config.read_text())
+        except (OSError, ValueError):
+            return
+        source = "the run's saved config.json"
     ignore = {"resume", "stop_after", "progress", "log_every", "output_dir"}
     new = config_to_dict(cfg)
     changed = []
@@ -279,206 +299,307 @@ def _warn_changed_config(path: Path, cfg: TrainConfig) -> None:
         elif key in old and old[key] != value:
             changed.append(f"{key}: {old[key]!r} -> {value!r}")
     if changed:
-        print("note: resuming with settings that differ from the run's saved config.json, so the result will "
+        print(f"note: resuming with settings that differ from {source}, so the result will "
               "differ from an uninterrupted run: " + "; ".join(changed), file=sys.stderr)
 
 
-def _loop(cfg, engine, loaded, sampler, heldout, pad_id, total_steps, device, out, t_start,
-          resume_from: Path | None = None, stale: list[Path] | None = None,
-          stop: "_StopFlag | None" = None, ckpt_dir: Path | None = None, saves: SavePlan | None = None,
-          save_dtype: str = "fp32") -> TrainSummary:
-    stop = stop or _StopFlag()
-    start_step = 0
-    ckpt_dir = ckpt_dir or out / "checkpoints"
-    resumable = saves is None or saves.resumable      # resumable checkpoints fit the disk
-    metrics_path = out / "metrics.csv"
-    saved_step = None                    # step of the newest checkpoint in ckpt_dir written or loaded
-    if resume_from is not None:
-        state = load_checkpoint(engine, resume_from)
-        start_step = int(state.get("step", engine.step_index))
-        if resume_from.parent.resolve() == ckpt_dir.resolve():
-            saved_step = start_step
-        print(f"resumed from {resume_from} at step {start_step} of {total_steps}")
-    # Earlier rows of this run up to the checkpoint (rows after it are recomputed); the held-out
-    # evaluation at the end of an earlier invocation is dropped: the end of this one redoes it.
-    rows = [r for r in _read_rows(metrics_path, upto=start_step) if r["loss"] or int(float(r["step"])) == 0] \
-        if start_step else []
-    flops_tok = train_flops_per_token(loaded.split, cfg.data.seq_len)
-    proc = psutil.Process()
-    stale = list(stale or [])
+@dataclass
+class _IssuedStep:
+    """One optimizer step handed to the engine; its loss and gradient norm may still be in flight."""
+    step: int                            # 0-based
+    res: StepResult
+    lr: float
+    tokens: int
+    dt: float                            # seconds since the previous step was issued
 
-    def save(step: int) -> Path:
-        nonlocal saved_step
-        _write_rows(metrics_path, rows)          # the rows up to a checkpoint are on disk with it
+
+class Trainer:
+    """One invocation of a training run, in named steps (after torchtitan's `Trainer`).
+
+    Holds the run's state (engine, data, metrics rows, where checkpoints go and the newest
+    one written); `run()` is the driver: resume, evaluate, step, stop or export, summarize.
+    """
+
+    def __init__(self, cfg: TrainConfig, engine: PlainEngine | SlideEngine, loaded: LoadedModel,
+                 sampler: BatchSampler, heldout: TokenDataset | None, pad_id: int, total_steps: int,
+                 device: Device, out: Path, t_start: float, resume_from: Path | None = None,
+                 stale: list[Path] | None = None, stop: _StopFlag | None = None, ckpt_dir: Path | None = None,
+                 saves: SavePlan | None = None, save_dtype: str = "fp32"):
+        self.cfg, self.engine, self.loaded, self.device = cfg, engine, loaded, device
+        self.sampler, self.heldout, self.pad_id = sampler, heldout, pad_id
+        self.total_steps, self.out, self.t_start = total_steps, out, t_start
+        self.resume_from = resume_from
+        self.stop_flag = stop or _StopFlag()
+        self.ckpt_dir = ckpt_dir or out / "checkpoints"
+        self.save_dtype = save_dtype
+        self.resumable = saves is None or saves.resumable      # resumable checkpoints fit the disk
+        self.metrics_path = out / "metrics.csv"
+        self.stale = list(stale or [])   # an earlier run's checkpoints, deleted by the first save
+        self.start_step = 0
+        self.saved_step: int | None = None   # step of the newest checkpoint in ckpt_dir written or loaded
+        self.rows: list[dict] = []
+        self.flops_tok = train_flops_per_token(loaded.split, cfg.data.seq_len)
+        self.proc = psutil.Process()
+        self.before: tuple[float, float] | None = None
+        self.after: tuple[float, float] | None = None
+        self.first_loss: float | None = None
+        self.last_loss: float | None = None
+        self.tok_rates: list[float] = []
+        self.interrupted = False         # stopped by SIGINT/SIGTERM
+        self.stopped_early = False       # stopped by --stop-after
+        self.stop_message: str | None = None
+        self.bar = None
+        self.last_t = 0.0
+        # A step's checks and metrics wait for its gradient norm, i.e. for all of its host updates.
+        # They run once the next step is issued (its forward needs those updates anyway), so the
+        # updates overlap the next forward instead of stalling the loop; a step that must be
+        # complete at once (eval, save, stop, the last one) is checked right away.
+        self.pending: _IssuedStep | None = None
+
+    # ------------------------------------------------------------------ the driver
+    def run(self) -> TrainSummary:
+        """Resume (if asked), evaluate, train to the end or a stop, export, write the summary."""
+        self.resume()
+        self.evaluate_before()
+        self.device.reset_peak()
+        self.open_progress()
         try:
-            path = _checkpoint(cfg, engine, loaded, ckpt_dir, step, stale)
-        except CheckpointError as e:
-            _flush(metrics_path, rows, out)
-            raise TrainingError(f"{e}. Training stopped after step {step}; metrics up to that step are in "
-                                f"{metrics_path}. Free some space (or fix the output directory) and continue "
-                                f"from the intact checkpoint with --output-dir {out} --resume auto") from e
-        saved_step = step
-        return path
+            for step in range(self.start_step, self.total_steps):
+                if not self.advance(step):
+                    break
+        except KeyboardInterrupt:
+            self.abort()
+            raise
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+        if self.stop_message:
+            print(self.stop_message, file=sys.stderr if self.interrupted else sys.stdout)
+        if not (self.interrupted or self.stopped_early):
+            self.evaluate_after()
+            self.export_final()
+        _flush(self.metrics_path, self.rows, self.out)
+        return self.write_summary()
 
-    before = None
-    if start_step == 0 and heldout is not None and len(heldout) > 0:
-        before = evaluate(engine, heldout, cfg.batch_size, pad_id, cfg.eval_batches)
-        print(f"held-out before training: loss {before[0]:.4f}  perplexity {before[1]:.2f}")
-        rows.append(_row(step=0, eval_loss=before[0], eval_ppl=before[1]))
-    first_loss = last_loss = None
-    interrupted = stopped_early = False
-    tok_rates = []
-    device.reset_peak()
-    bar = None
-    if cfg.progress and start_step < total_steps:
-        from tqdm import tqdm
-        bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
-    stop_message = None
-    last_t = time.perf_counter()
-    # A step's checks and metrics wait for its gradient norm, i.e. for all of its host updates.
-    # They run once the next step is issued (its forward needs those updates anyway), so the
-    # updates overlap the next forward instead of stalling the loop; a step that must be
-    # complete at once (eval, save, stop, the last one) is checked right away.
-    pending: tuple | None = None
+    def advance(self, step: int) -> bool:
+        """Issue `step`, finish the pending one, then evaluate / log / stop / save as due; False: stop."""
+        issued = self.train_step(step)
+        if self.pending is not None:
+            self.finish_step(self.pending)
+            self.pending = None
+        done = step + 1
+        stopping = self.stop_due(done)
+        evaluating = self.eval_due(done)
+        saving = self.save_due(done)
+        if stopping or evaluating or saving or done == self.total_steps:
+            row = self.finish_step(issued)
+            if evaluating:
+                row["eval_loss"], row["eval_ppl"] = self.evaluate()
+        else:
+            self.pending = issued
+        if done % self.cfg.log_every == 0:
+            _write_rows(self.metrics_path, self.rows)
+        if stopping:
+            self.stop(done)
+            return False
+        if saving:
+            self.save_checkpoint(done)
+        return True
 
-    def finish(step: int, res, lr: float, tokens: int, dt: float) -> dict:
-        nonlocal first_loss, last_loss
+    # ------------------------------------------------------------------ start
+    def resume(self) -> None:
+        """Load the checkpoint to continue from, if any, and this run's metrics rows up to it."""
+        if self.resume_from is not None:
+            state = load_checkpoint(self.engine, self.resume_from)
+            self.start_step = int(state.get("step", self.engine.step_index))
+            if self.resume_from.parent.resolve() == self.ckpt_dir.resolve():
+                self.saved_step = self.start_step
+            print(f"resumed from {self.resume_from} at step {self.start_step} of {self.total_steps}")
+        # Earlier rows of this run up to the checkpoint (rows after it are recomputed); the held-out
+        # evaluation at the end of an earlier invocation is dropped: the end of this one redoes it.
+        if self.start_step:
+            self.rows = [r for r in _read_rows(self.metrics_path, upto=self.start_step)
+                         if r["loss"] or int(float(r["step"])) == 0]
+
+    def open_progress(self) -> None:
+        """Start the progress bar (when asked for and steps remain) and the step clock."""
+        if self.cfg.progress and self.start_step < self.total_steps:
+            from tqdm import tqdm
+            self.bar = tqdm(total=self.total_steps, initial=self.start_step, desc="train", dynamic_ncols=True)
+        self.last_t = time.perf_counter()
+
+    # ------------------------------------------------------------------ steps
+    def train_step(self, step: int) -> _IssuedStep:
+        """One optimizer step: its micro-batches and learning rate to the engine (the norm may still run)."""
+        mbs = [self.sampler.batch(step * self.cfg.grad_accum + j) for j in range(self.cfg.grad_accum)]
+        lr = lr_at(self.cfg, step, self.total_steps)
+        res = self.engine.train_step(mbs, lr)
+        now = time.perf_counter()
+        dt, self.last_t = now - self.last_t, now
+        tokens = sum(int(mb.input_ids.numel()) for mb in mbs)
+        return _IssuedStep(step=step, res=res, lr=lr, tokens=tokens, dt=dt)
+
+    def finish_step(self, s: _IssuedStep) -> dict:
+        """A step's deferred part: refuse a non-finite loss or norm, append its metrics row, tick the bar."""
+        res = s.res
         grad_norm = res.grad_norm()
-        bad = None
         if not math.isfinite(res.loss):
-            bad = f"non-finite loss ({res.loss})"
+            self.fail_non_finite(s.step, f"non-finite loss ({res.loss})")
         elif grad_norm is not None and not math.isfinite(grad_norm):
-            bad = f"non-finite gradient norm ({grad_norm}, loss {res.loss:.4f})"
-        if bad is not None:
-            _flush(metrics_path, rows, out)
-            newest = latest_checkpoint(ckpt_dir)
-            last = (f"the newest checkpoint, {newest}, is intact (resume from it with --resume auto "
-                    f"after changing the settings)" if newest else "no checkpoint had been written yet")
-            hints = [f"lower the learning rate (--lr, now {cfg.optim.lr:g})"]
-            if cfg.max_grad_norm is None:
-                hints.append("clip gradients (--max-grad-norm 1.0)")
-            hints.append(f"use more --warmup-steps (now {cfg.warmup_steps})")
-            if cfg.runtime.dtype == "fp16":
-                hints.append("use --dtype bf16 (fp16 overflows without loss scaling)")
-            hints.append(f"check the data of step {step + 1}")
-            raise TrainingError(
-                f"{bad} at step {step + 1}: training stopped; the weights of that step were not saved "
-                f"and {last}; metrics up to step {step} are in {metrics_path}. "
-                f"Hint: {'; '.join(hints)}")
-        tps = tokens / dt if dt > 0 else float("nan")
-        if step > start_step:                   # the first step includes warm-up
-            tok_rates.append(tps)
-        first_loss = res.loss if first_loss is None else first_loss
-        last_loss = res.loss
-        row = _row(step=step + 1, loss=res.loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tps,
-                   tflops=tps * flops_tok / 1e12, step_s=dt,
-                   gpu_peak_alloc_gib=device.max_memory_allocated() / 2**30,
-                   gpu_peak_reserved_gib=device.max_memory_reserved() / 2**30,
-                   cpu_rss_gib=proc.memory_info().rss / 2**30)
-        rows.append(row)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{res.loss:.4f}", tok_s=f"{tps:,.0f}", tflops=f"{row['tflops']:.1f}",
-                            gpu=f"{row['gpu_peak_alloc_gib']:.1f}G", rss=f"{row['cpu_rss_gib']:.1f}G")
+            self.fail_non_finite(s.step, f"non-finite gradient norm ({grad_norm}, loss {res.loss:.4f})")
+        tps = s.tokens / s.dt if s.dt > 0 else float("nan")
+        if s.step > self.start_step:            # the first step includes warm-up
+            self.tok_rates.append(tps)
+        self.first_loss = res.loss if self.first_loss is None else self.first_loss
+        self.last_loss = res.loss
+        row = _row(step=s.step + 1, loss=res.loss, lr=s.lr, grad_norm=grad_norm, tokens_per_s=tps,
+                   tflops=tps * self.flops_tok / 1e12, step_s=s.dt,
+                   gpu_peak_alloc_gib=self.device.max_memory_allocated() / 2**30,
+                   gpu_peak_reserved_gib=self.device.max_memory_reserved() / 2**30,
+                   cpu_rss_gib=self.proc.memory_info().rss / 2**30)
+        self.rows.append(row)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{res.loss:.4f}", tok_s=f"{tps:,.0f}", tflops=f"{row['tflops']:.1f}",
+                                 gpu=f"{row['gpu_peak_alloc_gib']:.1f}G", rss=f"{row['cpu_rss_gib']:.1f}G")
         return row
 
-    try:
-        for step in range(start_step, total_steps):
-            mbs = [sampler.batch(step * cfg.grad_accum + j) for j in range(cfg.grad_accum)]
-            lr = lr_at(cfg, step, total_steps)
-            res = engine.train_step(mbs, lr)
-            now = time.perf_counter()
-            dt, last_t = now - last_t, now
-            if pending is not None:
-                finish(*pending)
-                pending = None
-            tokens = sum(int(mb.input_ids.numel()) for mb in mbs)
-            done = step + 1
-            stopping = stop.signal is not None or bool(cfg.stop_after and done - start_step >= cfg.stop_after
-                                                       and done < total_steps)
-            evaluating = bool(cfg.eval_every and done % cfg.eval_every == 0 and done < total_steps
-                              and len(heldout))
-            saving = bool(cfg.save_every and done % cfg.save_every == 0 and done < total_steps)
-            if stopping or evaluating or saving or done == total_steps:
-                row = finish(step, res, lr, tokens, dt)
-                if evaluating:
-                    row["eval_loss"], row["eval_ppl"] = evaluate(engine, heldout, cfg.batch_size, pad_id,
-                                                                 cfg.eval_batches)
-            else:
-                pending = (step, res, lr, tokens, dt)
-            if (step + 1) % cfg.log_every == 0:
-                _write_rows(metrics_path, rows)
-            if stopping:
-                _write_rows(metrics_path, rows)
-                path = None
-                if resumable:
-                    path = save(done) if saved_step != done else ckpt_dir / f"checkpoint-{done}"
-                if stop.signal is not None:
-                    interrupted = True
-                    why = f"stopped by {signal.Signals(stop.signal).name}"
-                else:
-                    stopped_early = True
-                    why = f"stopped as asked (--stop-after {cfg.stop_after})"
-                stop_message = (f"{why} after step {done} of {total_steps}; resumable checkpoint: {path}\n"
-                                f"continue with: slidetune train <same options> --output-dir {out} "
-                                f"--resume auto") if path else (
-                    f"{why} after step {done} of {total_steps}; no resumable checkpoint was written: it does not "
-                    f"fit the disk of {ckpt_dir} (the note at the start); metrics are in {metrics_path}")
-                break
-            if cfg.save_every and done % cfg.save_every == 0 and done < total_steps:
-                save(done)
-    except KeyboardInterrupt:
-        # A second Ctrl-C / SIGTERM while the first one was being handled: stop at once.
-        _flush(metrics_path, rows, out)
-        newest = latest_checkpoint(ckpt_dir)
+    def fail_non_finite(self, step: int, bad: str) -> NoReturn:
+        """Stop the run at a non-finite step: metrics so far to disk, then a TrainingError with hints."""
+        cfg = self.cfg
+        _flush(self.metrics_path, self.rows, self.out)
+        newest = latest_checkpoint(self.ckpt_dir)
+        last = (f"the newest checkpoint, {newest}, is intact (resume from it with --resume auto "
+                f"after changing the settings)" if newest else "no checkpoint had been written yet")
+        hints = [f"lower the learning rate (--lr, now {cfg.optim.lr:g})"]
+        if cfg.max_grad_norm is None:
+            hints.append("clip gradients (--max-grad-norm 1.0)")
+        hints.append(f"use more --warmup-steps (now {cfg.warmup_steps})")
+        if cfg.runtime.dtype == "fp16":
+            hints.append("use --dtype bf16 (fp16 overflows without loss scaling)")
+        hints.append(f"check the data of step {step + 1}")
+        raise TrainingError(
+            f"{bad} at step {step + 1}: training stopped; the weights of that step were not saved "
+            f"and {last}; metrics up to step {step} are in {self.metrics_path}. "
+            f"Hint: {'; '.join(hints)}")
+
+    def stop_due(self, done: int) -> bool:
+        """A signal arrived, or --stop-after steps of this invocation are done (and the run is not)."""
+        cfg = self.cfg
+        return self.stop_flag.signal is not None or bool(cfg.stop_after and done - self.start_step >= cfg.stop_after
+                                                         and done < self.total_steps)
+
+    def eval_due(self, done: int) -> bool:
+        """A periodic held-out evaluation after step `done` (the last one has its own)."""
+        return bool(self.cfg.eval_every and done % self.cfg.eval_every == 0 and done < self.total_steps
+                    and len(self.heldout))
+
+    def save_due(self, done: int) -> bool:
+        """A periodic checkpoint after step `done` (the last one is saved by export_final)."""
+        return bool(self.cfg.save_every and done % self.cfg.save_every == 0 and done < self.total_steps)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> tuple[float, float]:
+        """Held-out (loss, perplexity) of the current weights."""
+        return evaluate(self.engine, self.heldout, self.cfg.batch_size, self.pad_id, self.cfg.eval_batches)
+
+    def evaluate_before(self) -> None:
+        """The held-out evaluation before step 1 (a fresh start only), as metrics row 0."""
+        if self.start_step == 0 and self.heldout is not None and len(self.heldout) > 0:
+            self.before = self.evaluate()
+            print(f"held-out before training: loss {self.before[0]:.4f}  perplexity {self.before[1]:.2f}")
+            self.rows.append(_row(step=0, eval_loss=self.before[0], eval_ppl=self.before[1]))
+
+    def evaluate_after(self) -> None:
+        """The held-out evaluation of the finished run, once the last updates have landed."""
+        self.engine.synchronize()
+        if self.heldout is not None and len(self.heldout) > 0:
+            self.after = self.evaluate()
+            print(f"held-out after training: loss {self.after[0]:.4f}  perplexity {self.after[1]:.2f}")
+            self.rows.append(_row(step=self.total_steps, eval_loss=self.after[0], eval_ppl=self.after[1]))
+
+    # ------------------------------------------------------------------ saving and stopping
+    def save_checkpoint(self, step: int) -> Path:
+        """Write the resumable `checkpoint-<step>` (metrics first); a failed save stops the run."""
+        _write_rows(self.metrics_path, self.rows)      # the rows up to a checkpoint are on disk with it
+        try:
+            path = _checkpoint(self.cfg, self.engine, self.loaded, self.ckpt_dir, step, self.stale)
+        except CheckpointError as e:
+            _flush(self.metrics_path, self.rows, self.out)
+            raise TrainingError(f"{e}. Training stopped after step {step}; metrics up to that step are in "
+                                f"{self.metrics_path}. Free some space (or fix the output directory) and continue "
+                                f"from the intact checkpoint with --output-dir {self.out} --resume auto") from e
+        self.saved_step = step
+        return path
+
+    def ensure_checkpoint(self, step: int) -> Path:
+        """The resumable checkpoint of `step`: written unless it is the one written or loaded last."""
+        return self.save_checkpoint(step) if self.saved_step != step else self.ckpt_dir / f"checkpoint-{step}"
+
+    def stop(self, done: int) -> None:
+        """Stop after step `done` (signal or --stop-after): metrics, a resumable checkpoint if it fits,
+        and the message saying how to continue (printed once the progress bar is closed)."""
+        _write_rows(self.metrics_path, self.rows)
+        path = self.ensure_checkpoint(done) if self.resumable else None
+        if self.stop_flag.signal is not None:
+            self.interrupted = True
+            why = f"stopped by {signal.Signals(self.stop_flag.signal).name}"
+        else:
+            self.stopped_early = True
+            why = f"stopped as asked (--stop-after {self.cfg.stop_after})"
+        self.stop_message = (f"{why} after step {done} of {self.total_steps}; resumable checkpoint: {path}\n"
+                             f"continue with: slidetune train <same options> --output-dir {self.out} "
+                             f"--resume auto") if path else (
+            f"{why} after step {done} of {self.total_steps}; no resumable checkpoint was written: it does not "
+            f"fit the disk of {self.ckpt_dir} (the note at the start); metrics are in {self.metrics_path}")
+
+    def abort(self) -> None:
+        """A second Ctrl-C / SIGTERM while the first one was being handled: keep the metrics, say what is left."""
+        _flush(self.metrics_path, self.rows, self.out)
+        newest = latest_checkpoint(self.ckpt_dir)
         print(f"\ninterrupted twice: stopped without saving the current step; "
               + (f"the newest checkpoint, {newest}, is intact" if newest else "no checkpoint was written"),
               file=sys.stderr)
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
-    if stop_message:
-        print(stop_message, file=sys.stderr if interrupted else sys.stdout)
-    after = None
-    if not (interrupted or stopped_early):
-        engine.synchronize()
-        if heldout is not None and len(heldout) > 0:
-            after = evaluate(engine, heldout, cfg.batch_size, pad_id, cfg.eval_batches)
-            print(f"held-out after training: loss {after[0]:.4f}  perplexity {after[1]:.2f}")
-            rows.append(_row(step=total_steps, eval_loss=after[0], eval_ppl=after[1]))
-        _write_rows(metrics_path, rows)
-        # final/ first: the model is kept whether or not the resumable state can be written after it
+
+    def export_final(self) -> None:
+        """Metrics, then `final/`, then (if resumable) the end-of-run checkpoint: the model is kept
+        whether or not the resumable state can be written after it."""
+        total = self.total_steps
+        _write_rows(self.metrics_path, self.rows)
         try:
-            save_checkpoint(engine, out / "final", step=total_steps, tokenizer=loaded.tokenizer,
-                            save_dtype=save_dtype, with_optimizer=False)
+            save_checkpoint(self.engine, self.out / "final", step=total, tokenizer=self.loaded.tokenizer,
+                            save_dtype=self.save_dtype, with_optimizer=False)
         except CheckpointError as e:
             kept = None
-            if resumable:
+            if self.resumable:
                 try:
-                    kept = save(total_steps) if saved_step != total_steps else ckpt_dir / f"checkpoint-{total_steps}"
+                    kept = self.ensure_checkpoint(total)
                 except TrainingError:
                     kept = None
-            _flush(metrics_path, rows, out)
+            _flush(self.metrics_path, self.rows, self.out)
             raise TrainingError(f"{e}. The training itself finished: " + (
-                f"the resumable checkpoint {kept} holds the final weights; run again with --output-dir {out} "
+                f"the resumable checkpoint {kept} holds the final weights; run again with --output-dir {self.out} "
                 f"--resume auto to retry the export" if kept else "no checkpoint could be written either")) from e
-        print(f"final model: {out / 'final'} (AutoModelForCausalLM.from_pretrained loads it)")
-        if resumable and saved_step != total_steps:
-            save(total_steps)
-    _flush(metrics_path, rows, out)
-    summary = TrainSummary(
-        output_dir=str(out), steps=engine.step_index,
-        eval_loss_before=before[0] if before else None, eval_loss_after=after[0] if after else None,
-        ppl_before=before[1] if before else None, ppl_after=after[1] if after else None,
-        first_loss=first_loss, last_loss=last_loss,
-        tokens_per_s=float(np.median(tok_rates)) if tok_rates else None,
-        wall_s=time.perf_counter() - t_start, interrupted=interrupted, stopped_early=stopped_early,
-        data_source=cfg.data.path or f"built-in corpus (Python {platform.python_version()} docs)",
-        train_sequences=len(sampler.dataset), heldout_sequences=len(heldout) if heldout is not None else 0,
-        device=torch.cuda.get_device_name() if device.is_cuda else "cpu")
-    _write_text(out / "summary.json", json.dumps(summary.__dict__, indent=2) + "\n")
-    return summary
+        print(f"final model: {self.out / 'final'} (AutoModelForCausalLM.from_pretrained loads it)")
+        if self.resumable and self.saved_step != total:
+            self.save_checkpoint(total)
+
+    def write_summary(self) -> TrainSummary:
+        """summary.json of this invocation; also returned."""
+        cfg, before, after, heldout = self.cfg, self.before, self.after, self.heldout
+        summary = TrainSummary(
+            output_dir=str(self.out), steps=self.engine.step_index,
+            eval_loss_before=before[0] if before else None, eval_loss_after=after[0] if after else None,
+            ppl_before=before[1] if before else None, ppl_after=after[1] if after else None,
+            first_loss=self.first_loss, last_loss=self.last_loss,
+            tokens_per_s=float(np.median(self.tok_rates)) if self.tok_rates else None,
+            wall_s=time.perf_counter() - self.t_start, interrupted=self.interrupted,
+            stopped_early=self.stopped_early,
+            data_source=cfg.data.path or f"built-in corpus (Python {platform.python_version()} docs)",
+            train_sequences=len(self.sampler.dataset), heldout_sequences=len(heldout) if heldout is not None else 0,
+            device=torch.cuda.get_device_name() if self.device.is_cuda else "cpu")
+        _write_text(self.out / "summary.json", json.dumps(summary.__dict__, indent=2) + "\n")
+        return summary
 
 
 def _flush(metrics: Path, rows: list[dict], out: Path) -> None:
@@ -497,9 +618,14 @@ def _write_text(path: Path, text: str) -> None:
 
 
 def _checkpoint(cfg, engine, loaded, ckpt_dir: Path, step: int, stale: list[Path] | None = None) -> Path:
-    """Save `checkpoint-<step>`; then delete an earlier run's checkpoints (`stale`, emptied) and prune."""
+    """Save `checkpoint-<step>`; then delete an earlier run's checkpoints (`stale`, emptied) and prune.
+
+    The run's config goes into the checkpoint's state.json: a resume compares its settings
+    with the checkpoint's own, not with the run-level config.json (a fresh run rewrites that
+    before its first save, while the earlier run's checkpoints are still the newest).
+    """
     path = save_checkpoint(engine, ckpt_dir / f"checkpoint-{step}", step=step, tokenizer=loaded.tokenizer,
-                           trainer_state={"step": step})
+                           trainer_state={"step": step, "config": config_to_dict(cfg)})
     for old in stale or []:
         if old.resolve() != path.resolve():
             shutil.rmtree(old, ignore_errors=True)

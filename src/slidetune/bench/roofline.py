@@ -201,6 +201,7 @@ class Placement:
     cache_units: int = 3            # window slots when not resident
     resident_layers: int = 0        # beside the window: the lowest host layers with a slot of their own
     clipped: bool = False           # global-norm clipping: the deferred schedule (updates after the backward)
+    split_sweep: bool = True        # clipped: weights then moments (RuntimeConfig.clip_sweep split), or one pass
 
     @classmethod
     def of_runtime(cls, runtime: dict, clipped: bool = False) -> Placement:
@@ -212,7 +213,8 @@ class Placement:
                    vocab_on_device=runtime.get("vocab_update") == "device",
                    resident=slots == 0, cache_units=slots if slots >= 2 else 3,
                    resident_layers=max(0, int(runtime.get("resident_layers") or 0)),
-                   clipped=clipped or runtime.get("schedule") == "deferred")
+                   clipped=clipped or runtime.get("schedule") == "deferred",
+                   split_sweep=runtime.get("clip_sweep") != "whole")
 
     def uploads(self, host_layers: int) -> int:
         """Layer uploads a step: resident host layers once (which ones are resident, as the
@@ -260,10 +262,11 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, placement: Placement = Plac
     if placement.clipped and host_params:
         # the sweep writes the weights only (the moments follow under the next step): its rate
         # where probed, else the whole AdamW's
-        sweep_rate = adamw.get("adamw_weights_pass_params_per_s") or adamw["adamw_params_per_s"]
+        sweep_rate = (adamw.get("adamw_weights_pass_params_per_s") if placement.split_sweep else None) \
+            or adamw["adamw_params_per_s"]
         backward = L * comp["layer_recompute_backward_s"] + comp["head_s"] + comp["embed_s"]
         terms["clip_sweep_s"] = backward + device_update_s + host_params / sweep_rate + comp["layer_forward_s"]
-        if adamw.get("adamw_moments_pass_params_per_s"):
+        if placement.split_sweep and adamw.get("adamw_moments_pass_params_per_s"):
             # the host's AdamW a step is both passes (each reads the gradient and the moments)
             terms["adamw_s"] = host_params / sweep_rate + host_params / adamw["adamw_moments_pass_params_per_s"]
     return terms

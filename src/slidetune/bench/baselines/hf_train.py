@@ -15,10 +15,13 @@ Dropout: the Llama-family presets have none (the study used 0.1), stated in the 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +53,7 @@ class TechniqueSpec:
     eval: bool = True               # perplexity on the held-out split after training
     eval_batch_size: int = 8
     max_eval_batches: int | None = None
-    dataset_path: str | None = None   # torch.save'd (train, heldout, pad_id): tokenize once per scenario
+    dataset_path: str | None = None   # save_datasets file (train, heldout, pad_id): tokenized once per scenario
     threads: int | None = None
     device: str = "auto"
     gpu_memory_limit_gib: float | None = None
@@ -78,7 +81,7 @@ def _data(spec: TechniqueSpec, vocab: int):
         return (lambda k: synthetic_batches(vocab, spec.batch_size, spec.seq_len, 1, spec.seed * 1000 + k)[0]), None
     from ...data import collate, eval_batches
     if spec.dataset_path:
-        train, heldout, pad = torch.load(spec.dataset_path, weights_only=False)
+        train, heldout, pad = load_datasets(spec.dataset_path)
     else:
         train, heldout, pad = corpus_datasets(spec.seq_len, spec.seed)
     if int(train.tokens.max()) >= vocab:
@@ -98,6 +101,127 @@ def corpus_datasets(seq_len: int, seed: int = 0):
     tok = embedded_tokenizer()
     train, heldout = build_datasets(DataConfig(seq_len=seq_len, seed=seed), tok)
     return train, heldout, default_pad_id(tok)
+
+
+# ------------------------------------------------------------------ tokenized dataset files
+#
+# The scenario tokenizes once and every worker process reads the result (the GPU host has no
+# tokenizer, so the file is also carried there with --dataset). The file is a safetensors file:
+# tensors and a JSON string, nothing that can run code when read (it used to be a torch.save'd
+# pickle, which runs arbitrary code from whoever wrote the file). Layout:
+#   tensors   "<split>.tokens" int32 [T], "<split>.targets" bool [T], "<split>.starts" int64 [N],
+#             "<split>.lengths" int64 [N]   for split in train, heldout (the TokenDataset fields)
+#   metadata  "format": DATASET_FORMAT, "version": DATASET_VERSION,
+#             "slidetune": JSON {"pad_id": int, "train": {...}, "heldout": {...}} with each split's
+#             scalar fields (seq_len, packed, split, source, format, num_examples, ...)
+
+DATASET_SUFFIX = ".safetensors"
+DATASET_FORMAT = "slidetune-token-datasets"
+DATASET_VERSION = "1"
+_SPLITS = ("train", "heldout")
+_TENSOR_DTYPES = {"tokens": torch.int32, "targets": torch.bool, "starts": torch.int64, "lengths": torch.int64}
+_INFO_TYPES = {"seq_len": int, "packed": bool, "split": str, "source": str, "format": str,
+               "num_examples": int, "num_truncated": int, "num_dropped": int}
+_REGENERATE = (f"regenerate it: `slidetune bench techniques --dataset NEW{DATASET_SUFFIX} ...` writes the "
+               "tokenized corpus to a path that does not exist yet (and reads it on later runs)")
+
+
+class DatasetFileError(ValueError):
+    """A dataset file that is not save_datasets' format (it is refused, never unpickled)."""
+
+
+def check_dataset_path(path) -> Path:
+    """`path` as a Path if it names a dataset file of this format, else DatasetFileError.
+
+    Reads at most 9 bytes and never unpickles: an old torch.save'd file (zip or raw pickle) is
+    refused with how to regenerate it."""
+    path = Path(path)
+    if path.suffix != DATASET_SUFFIX:
+        old = path.suffix in (".pt", ".pth", ".pkl", ".pickle", ".bin")
+        raise DatasetFileError(
+            f"{path}: tokenized dataset files are now {DATASET_SUFFIX} (safetensors); "
+            + (f"{path.suffix} files were torch.save'd pickles, which can run arbitrary code when read, "
+               "and are no longer loaded; " if old else f"not a {DATASET_SUFFIX} path; ")
+            + _REGENERATE)
+    if path.exists():
+        with open(path, "rb") as f:
+            head = f.read(9)
+        if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
+            raise DatasetFileError(
+                f"{path}: a torch.save'd (pickle) dataset file, the format before {DATASET_SUFFIX}; it is not "
+                f"loaded (unpickling can run arbitrary code); {_REGENERATE}")
+        if len(head) < 9 or head[8:9] != b"{":
+            raise DatasetFileError(f"{path}: not a safetensors file; {_REGENERATE}")
+    return path
+
+
+def save_datasets(path, train, heldout, pad_id: int) -> Path:
+    """Write (train, heldout, pad_id) to `path` (a .safetensors file; see the layout above).
+
+    Written to a temporary file and renamed, so a reader never sees a half-written file."""
+    from safetensors.torch import save_file
+    path = Path(path)
+    if path.suffix != DATASET_SUFFIX:
+        check_dataset_path(path)          # raises: a pickle-era name (.pt) or another suffix
+    tensors: dict[str, torch.Tensor] = {}
+    info: dict[str, object] = {"pad_id": int(pad_id)}
+    for name, ds in zip(_SPLITS, (train, heldout)):
+        for field, dtype in _TENSOR_DTYPES.items():
+            # own contiguous storage: safetensors refuses views and tensors sharing memory
+            tensors[f"{name}.{field}"] = getattr(ds, field).detach().to("cpu", dtype).contiguous().clone()
+        info[name] = {k: t(getattr(ds, k)) for k, t in _INFO_TYPES.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata={"format": DATASET_FORMAT, "version": DATASET_VERSION,
+                                               "slidetune": json.dumps(info)})
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def load_datasets(path):
+    """(train, heldout, pad_id) from a save_datasets file; DatasetFileError for anything else
+    (an old torch.save'd .pt file included, which is refused without being unpickled)."""
+    from safetensors import safe_open
+    from ...data import TokenDataset
+    path = check_dataset_path(path)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != DATASET_FORMAT:
+                raise DatasetFileError(f"{path}: a safetensors file, but not a slidetune dataset file "
+                                       f"(metadata format {meta.get('format')!r}); {_REGENERATE}")
+            if meta.get("version") != DATASET_VERSION:
+                raise DatasetFileError(f"{path}: dataset file version {meta.get('version')!r}, this slidetune "
+                                       f"reads {DATASET_VERSION!r}; {_REGENERATE}")
+            info = json.loads(meta["slidetune"])
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except DatasetFileError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a corrupt or foreign file: say which and how to fix it
+        raise DatasetFileError(f"{path}: cannot read it as a dataset file ({type(e).__name__}: {e}); "
+                               f"{_REGENERATE}") from e
+    splits = []
+    for name in _SPLITS:
+        fields = {}
+        for field, dtype in _TENSOR_DTYPES.items():
+            t = tensors.get(f"{name}.{field}")
+            if t is None or t.dtype != dtype or t.dim() != 1:
+                raise DatasetFileError(f"{path}: {name}.{field} missing or not a 1-D {dtype} tensor; {_REGENERATE}")
+            fields[field] = t
+        starts, lengths = fields["starts"], fields["lengths"]
+        if (fields["tokens"].numel() != fields["targets"].numel() or starts.numel() != lengths.numel()
+                or (starts.numel() and (bool((starts < 0).any()) or bool((lengths < 0).any())
+                                        or int((starts + lengths).max()) > fields["tokens"].numel()))):
+            raise DatasetFileError(f"{path}: the {name} split's rows do not fit its tokens; {_REGENERATE}")
+        try:
+            scalars = {k: t(info[name][k]) for k, t in _INFO_TYPES.items()}
+        except (KeyError, TypeError, ValueError) as e:
+            raise DatasetFileError(f"{path}: the {name} split's metadata is incomplete ({e}); {_REGENERATE}") from e
+        splits.append(TokenDataset(**fields, **scalars))
+    return splits[0], splits[1], int(info["pad_id"])
 
 
 def _lr(spec: TechniqueSpec, step: int) -> float:

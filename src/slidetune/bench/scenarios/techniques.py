@@ -146,8 +146,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true",
                    help="reuse the finished processes in OUT/techniques.json (same settings); run the rest")
     p.add_argument("--dataset", type=Path, default=None,
-                   help="tokenized corpus (torch.save'd): read if it exists, else written there. The GPU host "
-                        "has no tokenizer: tokenize here, carry the file")
+                   help="tokenized corpus, a .safetensors file: read if it exists, else written there. The GPU "
+                        "host has no tokenizer: tokenize here, carry the file (old torch.save'd .pt files are "
+                        "refused: pass a new .safetensors path to regenerate)")
 
 
 # settings a finished process's result depends on: --resume refuses results made with others
@@ -186,16 +187,23 @@ def _settings(args) -> dict:
 
 
 def _dataset(out: Path, S: dict, given: Path | None) -> tuple[Path, bool]:
-    """(tokenized corpus file, whether it is ours to delete): tokenized once, loaded by every run."""
-    from ..baselines.hf_train import corpus_datasets
-    if given is not None and given.exists():
-        train = torch.load(given, weights_only=False)[0]
-        if train.seq_len != S["seq_len"]:
-            raise SystemExit(f"{given} holds seq {train.seq_len}, not {S['seq_len']}")
-        return given, False
-    path = given or out / f".corpus-s{S['seq_len']}.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(corpus_datasets(S["seq_len"]), path)
+    """(tokenized corpus file, whether it is ours to delete): tokenized once, loaded by every run.
+
+    A .safetensors file (hf_train.save_datasets); a pickle-era .pt file is refused, not loaded."""
+    from ..baselines.hf_train import DatasetFileError, check_dataset_path, corpus_datasets, load_datasets, \
+        save_datasets
+    try:
+        if given is not None:
+            check_dataset_path(given)
+        if given is not None and given.exists():
+            train = load_datasets(given)[0]
+            if train.seq_len != S["seq_len"]:
+                raise SystemExit(f"{given} holds seq {train.seq_len}, not {S['seq_len']}")
+            return given, False
+        path = given or out / f".corpus-s{S['seq_len']}.safetensors"
+        save_datasets(path, *corpus_datasets(S["seq_len"]))
+    except DatasetFileError as e:
+        raise SystemExit(str(e)) from None
     return path, given is None
 
 

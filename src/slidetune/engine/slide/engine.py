@@ -123,6 +123,7 @@ class SlideEngine:
         self.device_layers = rt.layers_on_device(self.schedule, L)
         device_units = frozenset(([0, L + 1] if self.vocab_on_device else []) + list(range(1, self.device_layers + 1)))
         self.deferred = self.schedule == "deferred"
+        self.split_sweep = rt.clip_sweep == "split"
         self.store = HostStore(self.split, loaded.source, optim, held_dtype=self.dtype if self.deferred else None,
                                kernel=rt.host_adamw, device_units=device_units, device=device.device)
         self.units: list[HostUnit] = self.store.units
@@ -600,8 +601,11 @@ class SlideEngine:
                 event = wait_or_abort(landed[index], self._abort, f"the held gradient of {unit.spec.name}")
                 event.synchronize()
                 with self.timeline.span("host", "adamw", unit.spec.name):
-                    GradDrain.deferred_update(unit, lr, coef, self.chunk)
-            for index, unit in reversed(host):
+                    GradDrain.deferred_update(unit, lr, coef, self.chunk,
+                                              part="params" if self.split_sweep else "all")
+                if not self.split_sweep:
+                    held_free[index].set_result(None)
+            for index, unit in (reversed(host) if self.split_sweep else []):
                 with self.timeline.span("host", "adamw_moments", unit.spec.name):
                     GradDrain.deferred_moments(unit, coef, self.chunk)
                 held_free[index].set_result(None)

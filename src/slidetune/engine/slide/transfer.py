@@ -222,18 +222,19 @@ class GradDrain:
         return event
 
     @staticmethod
-    def deferred_update(unit: HostUnit, lr: float, clip_coef: float, chunk: int) -> None:
+    def deferred_update(unit: HostUnit, lr: float, clip_coef: float, chunk: int, part: str = "params") -> None:
         """The new weights from the step's held gradient, scaled by the clip coefficient, chunk by
-        chunk (the next step's upload trails it chunk by chunk). Only the parameters are written
-        (18 of AdamW's 26 B/param of host DRAM): the next forward waits for them. The moments
-        follow in deferred_moments, where nothing waits (FlatAdamW.update's split pair)."""
+        chunk (the next step's upload trails it chunk by chunk). part="params": only the
+        parameters are written (18 of AdamW's 26 B/param of host DRAM), the next forward waits
+        for them, and the moments follow in deferred_moments, where nothing waits
+        (FlatAdamW.update's split pair); part="all": the whole update at once (clip_sweep)."""
         unit.begin_update()
         unit.opt.begin_step()
         n = unit.spec.numel
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
             with record_function("slidetune.adamw"):
-                unit.opt.update(unit.held[lo:hi], lr, lo, grad_scale=clip_coef, part="params")
+                unit.opt.update(unit.held[lo:hi], lr, lo, grad_scale=clip_coef, part=part)
             unit.advance(hi)
         unit.bump_version()
 
