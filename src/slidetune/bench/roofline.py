@@ -87,6 +87,40 @@ def _adamw_rate(n: int, steps: int, grad_dtype: torch.dtype, kernel: str, part: 
     return n / statistics.median(times)
 
 
+# Host DRAM bytes per parameter of the AdamW passes (FP32 master and moments, BF16 gradient):
+# read p, m, v, g and write p, m, v (one pass); the clipped sweep's pair writes p, then m and v.
+ADAMW_BYTES = {"adamw_bf16_grad_params_per_s": 26, "adamw_fp32_grad_params_per_s": 28,
+               "adamw_weights_pass_params_per_s": 18, "adamw_moments_pass_params_per_s": 18}
+
+
+def probe_host_dram(n: int = 256 * 2**20, reps: int = 5) -> dict:
+    """The host's DRAM bandwidth as the AdamW loop can use it: a += b over FP32 arrays far larger
+    than the caches, on the calling thread's torch threads (12 B per element: two reads, one
+    write back in place, as AdamW writes its state; an out-of-place c = a + b also reads c's
+    lines before writing them, 16 B moved for 12 counted: 16 against 25 GiB/s on the CPU
+    machine). Median of `reps`."""
+    a, b = torch.ones(n), torch.ones(n)
+    a.add_(b)                               # first touch, outside the timing
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        a.add_(b)
+        times.append(time.perf_counter() - t)
+    return {"dram_gib_s": 12 * n / statistics.median(times) / 2**30, "dram_threads": torch.get_num_threads()}
+
+
+def adamw_dram_use(adamw: dict, dram: dict) -> dict:
+    """Each probed AdamW rate as the DRAM bandwidth it moves (rate x bytes per parameter) and as a
+    fraction of the probed bandwidth: how far the loop is from the memory's limit."""
+    out = {}
+    for key, nbytes in ADAMW_BYTES.items():
+        if adamw.get(key):
+            gib_s = adamw[key] * nbytes / 2**30
+            out[key.replace("_params_per_s", "_gib_s")] = gib_s
+            out[key.replace("_params_per_s", "_of_dram")] = gib_s / dram["dram_gib_s"]
+    return out
+
+
 def probe_adamw(n: int = 128 * 2**20, steps: int = 11, grad_download: str = "compute",
                 host_adamw: str = "dynamic") -> dict:
     """The host AdamW's rate over one flat tensor through the engine's kernel (host_adamw:
@@ -102,6 +136,8 @@ def probe_adamw(n: int = 128 * 2**20, steps: int = 11, grad_download: str = "com
         out["adamw_weights_pass_params_per_s"] = _adamw_rate(n, steps, torch.bfloat16, host_adamw, part="params")
         out["adamw_moments_pass_params_per_s"] = _adamw_rate(n, steps, torch.bfloat16, host_adamw, part="moments")
     out["kernel"] = f"native ({host_adamw})" if native else "torch"
+    dram = probe_host_dram()
+    out.update(dram, **adamw_dram_use(out, dram))
     widened = grad_download == "compute" and "adamw_bf16_grad_params_per_s" in out
     out["grad_dtype"] = "bf16" if widened else "fp32"
     out["adamw_params_per_s"] = out["adamw_bf16_grad_params_per_s"] if widened else fp32
