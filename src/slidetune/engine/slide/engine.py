@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 import sys
 import threading
+import time
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_any
 from dataclasses import dataclass
@@ -69,6 +70,7 @@ from ..result import StepResult
 from .activations import ActivationStore
 from .host_store import HostStore, HostUnit
 from .transfer import GradDrain, Uploader, clip_coefficient
+from .watchdog import Watchdog
 from .workers import DeadlineWorker, Worker, WorkerError, done_future, wait_or_abort
 
 _WAIT_S = 1.0   # poll period while waiting on a worker future (to surface worker errors)
@@ -218,6 +220,8 @@ class SlideEngine:
         self._views_cache: dict = {}
         self._held_landed: dict[int, Future] = {}     # deferred: unit -> event of its held gradient's copy
         self._held_free: dict[int, Future] = {}       # deferred: unit -> its last step's moment pass is done
+        self.watchdog = Watchdog()                    # bounds every wait of the compute thread (watchdog.py)
+        self._last_step_t: float | None = None
 
     # ------------------------------------------------------------------ utils
     def _wait(self, fut: Future, what: str = "wait", unit: str = ""):
@@ -225,7 +229,7 @@ class SlideEngine:
             if fut.done():
                 return fut.result()
             with self.timeline.span("compute", what, unit), record_function(f"slidetune.{what}"):
-                return self._wait_loop(fut)
+                return self._wait_loop(fut, f"{what} {unit}".strip())
         except Exception as e:
             first = self._first_error
             if first is not None and e is not first:
@@ -238,12 +242,17 @@ class SlideEngine:
             self._first_error = error
         self._abort.set()
 
-    def _wait_loop(self, fut: Future):
+    def _wait_loop(self, fut: Future, what: str = "a pipeline thread"):
+        t0 = time.monotonic()
         while True:
             try:
                 return fut.result(timeout=_WAIT_S)
             except TimeoutError:
                 self._raise_if_aborted()
+                self.watchdog.check(time.monotonic() - t0, what, self._workers())
+
+    def _workers(self) -> list:
+        return [self.upload_worker, self.d2h_worker, self.host_worker]
 
     def _raise_if_aborted(self) -> None:
         if self._abort.is_set():
@@ -414,6 +423,7 @@ class SlideEngine:
             return self.vocab_grad_slots[unit_index]
         if unit_index in self.device_grad_slots:
             return self.device_grad_slots[unit_index]
+        t0 = time.monotonic()
         while True:
             for slot in self.grad_slots:
                 if slot.free.done():
@@ -421,6 +431,7 @@ class SlideEngine:
             with self.timeline.span("compute", "wait_grad_slot"), record_function("slidetune.wait_grad_slot"):
                 wait_any([s.free for s in self.grad_slots], timeout=_WAIT_S, return_when=FIRST_COMPLETED)
             self._raise_if_aborted()
+            self.watchdog.check(time.monotonic() - t0, "a free gradient slot", self._workers())
 
     def _claim_grad_slot(self, slot: _Slot) -> None:
         ev = self._wait(slot.free, "wait_grad_slot")
@@ -525,6 +536,10 @@ class SlideEngine:
         n_tokens = sum(mb.num_target_tokens() for mb in micro_batches)
         if n_tokens == 0:
             raise ValueError("the step's batches contain no target tokens (all labels are -100)")
+        now = time.monotonic()
+        if self._last_step_t is not None:
+            self.watchdog.record_step(now - self._last_step_t)       # the interval between steps
+        self._last_step_t = now
         self._held_landed = {}
         self._sq_device = torch.zeros((), dtype=torch.float32, device=self.device.device)
         # The summed loss is copied out right after the head, with its own event: reading it

@@ -11,11 +11,20 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
 
 POLL_S = 0.002     # DeadlineWorker: how often unannounced readiness is re-checked
+
+
+def _describe(fn, args) -> str:
+    """A job as the watchdog reports it: the engine's timed jobs carry (thread, what, unit, fn)."""
+    name = getattr(fn, "__name__", repr(fn))
+    if name == "_timed" and len(args) >= 3:
+        return f"{args[1]} {args[2]}"
+    return name
 
 
 class WorkerError(RuntimeError):
@@ -28,6 +37,8 @@ class Worker:
         self._on_error = on_error
         self._jobs: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
+        self.current: str | None = None    # the job running now (for the watchdog's report)
+        self.since = 0.0                   # when it started (time.monotonic)
         self._thread = threading.Thread(target=self._run, name=f"slidetune-{name}", daemon=True)
         self._thread.start()
 
@@ -46,6 +57,7 @@ class Worker:
             if self._error is not None:
                 fut.set_exception(WorkerError(f"{self.name} worker failed earlier: {self._error!r}"))
                 continue
+            self.current, self.since = _describe(fn, args), time.monotonic()
             try:
                 fut.set_result(fn(*args, **kwargs))
             except BaseException as e:  # noqa: BLE001 - forwarded to the compute thread
@@ -53,6 +65,8 @@ class Worker:
                 fut.set_exception(e)
                 if self._on_error is not None:
                     self._on_error(e)
+            finally:
+                self.current = None
 
     def check(self) -> None:
         if self._error is not None:
