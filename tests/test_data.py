@@ -265,7 +265,9 @@ def test_heldout_split_deterministic_disjoint():
         heldout_split(1, 0.5, 0, "x")
 
 
-def test_heldout_documents_disjoint_in_datasets(tmp_path, tok):
+def test_heldout_documents_disjoint_in_datasets(tmp_path, tok, monkeypatch):
+    import slidetune.data.split as split_mod
+    monkeypatch.setattr(split_mod, "MIN_HELDOUT_EXAMPLES", 2)  # 8 documents: one per word
     # Each document is one distinct word repeated: the word identifies its document.
     docs = [{"text": " ".join([w] * 6)} for w in WORDS]
     p = write_jsonl(tmp_path / "t.jsonl", docs)
@@ -405,27 +407,108 @@ def test_error_empty_sources(tmp_path, tok):
         build(str(q), tok)
 
 
-def test_error_fewer_tokens_than_one_sequence(tmp_path, tok):
+def test_too_few_tokens_for_one_packed_row_falls_back_to_padding(tmp_path, tok, capsys):
     p = write_jsonl(tmp_path / "small.jsonl", [{"text": "a"}, {"text": "b c"}])
-    # 3 + 4 = 7 tokens < seq_len + 1 = 9
-    with pytest.raises(DataError, match=rf"{p}: the train split is empty after tokenization: 7 "
-                                        r"tokens were found, fewer than one sequence of "
-                                        r"seq_len\+1 = 9"):
-        build(p, tok, seq_len=8)
-    # Enough for training but not for the held-out split.
-    p2 = write_jsonl(tmp_path / "small2.jsonl", [{"text": "a b c d e f g h"}, {"text": "a"}])
-    seed = next(s for s in range(100) if heldout_split(2, 0.5, s, "x")[1] == [1])
-    with pytest.raises(DataError, match=r"the heldout split is empty .* 3 tokens were found.*"
-                                        r"heldout_fraction"):
-        build(p2, tok, seq_len=5, heldout_fraction=0.5, seed=seed)
+    # 3 + 4 = 7 tokens < seq_len + 1 = 9: no packed row, so one example per row
+    train, heldout = build(p, tok, seq_len=8)
+    assert not train.packed and len(train) == 2 and len(heldout) == 0
+    assert [r.ids.tolist() for r in train] == [[BOS, a, EOS], [BOS, b, c, EOS]]
+    batch = collate(train, [0, 1], pad_id=PAD)
+    X = IGNORE_INDEX
+    assert batch.labels.tolist() == [[a, EOS] + [X] * 6, [b, c, EOS] + [X] * 5]
+    assert batch.attention_mask.tolist() == [[1] * 3 + [0] * 5, [1] * 4 + [0] * 4]
+    err = capsys.readouterr().err
+    assert "note:" in err and "too few to fill one packed row of seq_len+1 = 9" in err
+    assert "one example per row" in err
+
+
+def test_packed_rows_fewer_than_a_batch_fall_back_to_padding(tmp_path, tok, capsys):
+    p = write_jsonl(tmp_path / "t.jsonl", [{"text": "a b c"}, {"text": "d e"}, {"text": "f"}])
+    # 5 + 4 + 3 = 12 tokens: 2 packed rows of 5 (seq_len 4); 3 rows one example each
+    train, _ = build(p, tok, seq_len=4)
+    assert train.packed and len(train) == 2
+    train, _ = build_datasets(DataConfig(path=p, seq_len=4, heldout_fraction=0.0), tok, min_rows=3)
+    assert not train.packed and len(train) == 3
+    assert "fill only 2 packed row(s)" in capsys.readouterr().err
+    with pytest.raises(DataError, match=rf"{p}: too little training data for one batch: the 3 "
+                                        r"training examples give 3 usable rows of one example "
+                                        r"each, fewer than batch_size=4; add examples or use a "
+                                        r"smaller --batch-size$"):
+        build_datasets(DataConfig(path=p, seq_len=4, heldout_fraction=0.0), tok, min_rows=4)
+    assert capsys.readouterr().err == ""    # an error comes without the notes of the fallback
+
+
+def test_fewer_than_ten_examples_train_without_heldout(tmp_path, tok, capsys):
+    p = write_jsonl(tmp_path / "small2.jsonl", [{"text": "a b c d e f g h"}, {"text": "a"}] * 4)
+    train, heldout = build(p, tok, seq_len=5, heldout_fraction=0.5)
+    assert len(heldout) == 0 and train.num_examples == 8
+    err = capsys.readouterr().err
+    assert "note:" in err and "8 example(s) are too few to hold some out" in err
+    assert "--heldout-fraction 0" in err
+    # from 10 examples up at least one is held out, even where the fraction rounds to 0
+    p = write_jsonl(tmp_path / "ten.jsonl", [{"text": "a b c d e f g h"}] * 10)
+    train, heldout = build(p, tok, seq_len=5, heldout_fraction=0.01)
+    assert heldout.num_examples == 1 and train.num_examples == 9
+    assert len(heldout) > 0 and heldout.packed
+
+
+def test_heldout_too_small_to_pack_is_padded(tmp_path, tok, capsys):
+    p = write_jsonl(tmp_path / "t.jsonl", [{"text": "a b"}] * 12)  # 4 tokens each
+    train, heldout = build(p, tok, seq_len=5, heldout_fraction=0.1)  # 1 held out: 4 tokens < 6
+    assert train.packed and len(train) == 8                          # 44 tokens: 8 rows of 6
+    assert not heldout.packed and len(heldout) == 1 and heldout.num_examples == 1
+    assert heldout[0].ids.tolist() == [BOS, a, b, EOS]
+    assert "the 1 held-out examples (4 tokens) are too few to fill one packed row" in (
+        capsys.readouterr().err)
+    (batch,) = eval_batches(heldout, 4, pad_id=PAD)
+    X = IGNORE_INDEX
+    assert batch.input_ids.tolist() == [[BOS, a, b, EOS, PAD]]
+    assert batch.labels.tolist() == [[a, b, EOS, X, X]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 0]]
+    assert batch.num_target_tokens() == 3
+
+
+def test_heldout_without_targets_is_dropped_with_a_note(tmp_path, tok, capsys):
+    records = [{"prompt": "a", "completion": "b c"} for _ in range(10)]
+    records[3] = {"prompt": "a b", "completion": ""}  # nothing to evaluate
+    p = write_jsonl(tmp_path / "pc.jsonl", records)
+    seed = next(s for s in range(1000) if heldout_split(10, 0.1, s, "x")[1] == [3])
+    train, heldout = build(p, tok, seq_len=8, heldout_fraction=0.1, seed=seed)
+    assert len(heldout) == 0 and train.num_examples == 9 and len(train) > 0
+    assert "none of the 1 held-out examples has a token to evaluate" in capsys.readouterr().err
 
 
 def test_error_no_target_tokens_unpacked(tmp_path, tok):
     p = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "a b c d", "completion": "e"}])
-    with pytest.raises(DataError, match=rf"{p}: the train split is empty .* 1 examples \(7 tokens\)"
-                                        r" were found, and 1 of them have no target token"), \
-            pytest.warns(UserWarning, match="truncated"):
+    with pytest.raises(DataError, match=rf"{p}: no usable training examples \(the train split is "
+                                        r"empty after tokenization\): of the 1 training example "
+                                        r"\(7 tokens\), 1 has none within the first seq_len\+1 = 3 "
+                                        r"tokens .*larger --seq-len.*check the data's format"):
         build(p, tok, seq_len=2, packing=False)
+
+
+def test_error_no_usable_examples(tmp_path, tok):
+    # empty completions: the prompt is masked and EOS follows it, so nothing is a target
+    empty = [{"prompt": "a b", "completion": ""}] * 3                   # 4 tokens each
+    p = write_jsonl(tmp_path / "empty.jsonl", empty)
+    for packing in (True, False):
+        with pytest.raises(DataError) as err:
+            build(p, tok, seq_len=4, packing=packing)
+        msg = str(err.value)
+        assert msg.startswith(f"{p}: no usable training examples (the train split is empty after "
+                              f"tokenization): of the 3 training examples (12 tokens), 3 have no "
+                              f"token to train on at all (an empty text or completion")
+        assert "add examples" in msg and "check the data's format" in msg
+        assert "--seq-len" not in msg                                 # would not help here
+    # one per row (packing=False): long prompts leave nothing within seq_len+1 tokens
+    long_prompt = [{"prompt": "a b c d e f g", "completion": "h"}] * 2    # 10 tokens each
+    p = write_jsonl(tmp_path / "mixed.jsonl", empty + long_prompt)
+    with pytest.raises(DataError) as err:
+        build(p, tok, seq_len=4, packing=False)
+    msg = str(err.value)
+    assert "of the 5 training examples (32 tokens), 3 have no token to train on at all" in msg
+    assert "and 2 have none within the first seq_len+1 = 5 tokens (a prompt of seq_len = 4" in msg
+    assert "use a larger --seq-len" in msg
 
 
 def test_error_chat_without_template_names_file(tmp_path):

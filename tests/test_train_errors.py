@@ -142,10 +142,12 @@ def test_empty_data_file(prev, tmp_path):
 
 
 def test_dataset_empty_after_tokenization(prev, tmp_path):
-    path = tmp_path / "short.txt"
-    path.write_text("Too short for one sequence.\n\nAnd another short one.\n")
+    # (two short documents train now, one per row: tests/test_small_data.py) empty completions
+    # leave nothing to train on
+    path = tmp_path / "empty_completions.jsonl"
+    path.write_text('{"prompt": "Say nothing.", "completion": ""}\n' * 2)
     err = refused(prev, "--data", str(path), "--heldout-fraction", "0")
-    assert str(path) in err and "empty after tokenization" in err and "seq_len" in err
+    assert str(path) in err and "empty after tokenization" in err and "no usable training examples" in err
 
 
 # ----------------------------------------------------------------------------- model

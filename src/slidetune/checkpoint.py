@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from . import __version__
+from .faults import maybe_fail
 
 FORMAT_VERSION = 1
 COMPLETE = "COMPLETE"
@@ -114,6 +115,7 @@ def save_checkpoint(engine, out_dir: Path, *, step: int, tokenizer=None, trainer
         engine.synchronize()     # the deferred schedule's update sweep may still be running
         _write_config(engine, tmp, SAVE_DTYPES[save_dtype])
         _write_weights(engine, tmp, SAVE_DTYPES[save_dtype], max_shard_bytes)
+        maybe_fail("checkpoint", int(step))          # tests only (faults.py): a writer failing mid-save
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         sdir = tmp / STATE_DIR

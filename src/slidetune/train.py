@@ -37,6 +37,7 @@ from .data import BatchSampler, TokenDataset, build_datasets, default_pad_id, ev
 from .device import Device
 from .engine import StepResult, build_engine
 from .engine.compile_policy import choose_compile_layers, resolve_compile_layers
+from .faults import maybe_fail
 from .save_plan import DiskSpaceError, SavePlan, plan_saves, resolve_save_dtype
 from .engine.fit import check_fit, choose_auto_settings
 from .models.load import LoadedModel, load_model
@@ -193,7 +194,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
         check_fit(loaded.split, runtime,
                   batch_size=cfg.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
                   max_grad_norm=cfg.max_grad_norm, padded=padded)
-    train_ds, heldout = build_datasets(cfg.data, loaded.tokenizer)
+    train_ds, heldout = build_datasets(cfg.data, loaded.tokenizer, min_rows=cfg.batch_size)
     pad_id = default_pad_id(loaded.tokenizer)
     sampler = BatchSampler(train_ds, cfg.batch_size, cfg.seed, pad_id)
     total_steps = cfg.resolved_max_steps(device.is_cuda)
@@ -431,6 +432,7 @@ class Trainer:
     # ------------------------------------------------------------------ steps
     def train_step(self, step: int) -> _IssuedStep:
         """One optimizer step: its micro-batches and learning rate to the engine (the norm may still run)."""
+        maybe_fail("data", step + 1)                 # tests only (faults.py)
         mbs = [self.sampler.batch(step * self.cfg.grad_accum + j) for j in range(self.cfg.grad_accum)]
         lr = lr_at(self.cfg, step, self.total_steps)
         res = self.engine.train_step(mbs, lr)

@@ -2,10 +2,24 @@
 
 Pipeline: read the source (formats.py) -> held-out split over examples (split.py) ->
 tokenize each split (tokenization.py) -> pack or pad (packing.py) -> check non-empty.
+
+Small data sets (a few dozen short examples, a usual first try) train rather than being
+refused; each fallback prints a ``note:`` line to stderr:
+
+* fewer than `split.MIN_HELDOUT_EXAMPLES` (10) examples: no held-out split (all of them train);
+* packing the training examples gives fewer rows than one batch (``min_rows``, e.g. none of
+  seq_len+1 tokens): one example per row instead, right-padded to seq_len (the padding is
+  masked out of attention and loss, batch.py), and the held-out split is padded too;
+* packing the held-out examples gives no row: they are evaluated one example per row;
+* no held-out row has a target token: training goes on without the held-out evaluation.
+
+What cannot train raises `DataError` saying why and what to do: no example with a token to
+train on within seq_len+1 tokens, or fewer usable rows than one batch.
 """
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from typing import Any
 
@@ -14,9 +28,9 @@ from .corpus import builtin_corpus
 from .dataset import TokenDataset
 from .errors import DataError
 from .formats import Example, Source, read_source, texts_source
-from .packing import pack, pad_rows
-from .split import heldout_split
-from .tokenization import special_ids, tokenize_examples
+from .packing import Rows, pack, pad_rows
+from .split import plan_heldout
+from .tokenization import TokenizedExample, special_ids, tokenize_examples
 
 log = logging.getLogger(__name__)
 
@@ -30,54 +44,163 @@ def load_source(cfg: DataConfig) -> Source:
     return read_source(cfg.path)
 
 
-def _build_split(name: str, examples: list[Example], source: Source, cfg: DataConfig,
-                 tokenizer: Any) -> TokenDataset:
-    info = dict(split=name, source=source.name, format=source.format,
-                num_examples=len(examples))
-    tokenized = tokenize_examples(examples, tokenizer, cfg.mask_prompt, source.name)
-    rows = pack(tokenized, cfg.seq_len) if cfg.packing else pad_rows(tokenized, cfg.seq_len)
+def _note(message: str) -> None:
+    """A fallback the user should know about: printed (not a warning: nothing is wrong)."""
+    log.info("%s", message)
+    print(f"note: {message}", file=sys.stderr)
+
+
+def _n_tokens(examples: list[TokenizedExample]) -> int:
+    return sum(len(e.ids) for e in examples)
+
+
+def _warn_rows(rows: Rows, name: str, n_examples: int, source: Source, cfg: DataConfig) -> None:
     if rows.num_truncated:
-        warnings.warn(f"{source.name}: {rows.num_truncated} of {len(examples)} {name} examples are "
+        warnings.warn(f"{source.name}: {rows.num_truncated} of {n_examples} {name} examples are "
                       f"longer than seq_len+1 = {cfg.seq_len + 1} tokens and were truncated (their "
-                      f"ends, EOS included, are not trained on)", stacklevel=3)
+                      f"ends, EOS included, are not trained on)", stacklevel=4)
     if rows.num_dropped and rows.starts.numel():
         warnings.warn(f"{source.name}: {rows.num_dropped} {name} rows have no target token "
-                      f"(e.g. a prompt longer than seq_len) and were dropped", stacklevel=3)
-    if rows.starts.numel() == 0:
-        if cfg.packing:
-            detail = (f"{rows.num_stream_tokens} tokens were found, fewer than one sequence of "
-                      f"seq_len+1 = {cfg.seq_len + 1} tokens")
-            if rows.num_stream_tokens >= cfg.seq_len + 1:
-                detail = (f"all {rows.num_dropped} windows of seq_len+1 = {cfg.seq_len + 1} tokens "
-                          f"have no target token")
-        else:
-            detail = (f"{len(examples)} examples ({rows.num_stream_tokens} tokens) were found, and "
-                      f"{rows.num_dropped} of them have no target token within seq_len+1 = "
-                      f"{cfg.seq_len + 1} tokens")
-        hint = "use more data or a smaller seq_len"
-        if name == "heldout":
-            hint += ", a larger heldout_fraction, or heldout_fraction=0 to skip evaluation"
-        raise DataError(f"{source.name}: the {name} split is empty after tokenization: {detail}; "
-                        f"{hint}")
-    return TokenDataset.from_rows(rows, cfg.seq_len, cfg.packing, **info)
+                      f"(e.g. a prompt longer than seq_len) and were dropped", stacklevel=4)
 
 
-def build_datasets(cfg: DataConfig, tokenizer: Any) -> tuple[TokenDataset, TokenDataset]:
-    """(train, heldout) for ``cfg``. The held-out split is empty when heldout_fraction == 0.
+def _no_usable_examples(tokenized: list[TokenizedExample], n_heldout: int, source: Source,
+                        cfg: DataConfig) -> DataError:
+    """The error for a train split without one row to train on (padded: one row per example)."""
+    width = cfg.seq_len + 1
+    none_at_all = sum(not any(e.targets[1:]) for e in tokenized)
+    beyond = sum(any(e.targets[1:]) and not any(e.targets[1:width]) for e in tokenized)
+    causes = []
+    if none_at_all:
+        causes.append(f"{none_at_all} {'has' if none_at_all == 1 else 'have'} no token to train "
+                      f"on at all (an empty text or completion, or a conversation without an "
+                      f"assistant reply)")
+    if beyond:
+        causes.append(f"{beyond} {'has' if beyond == 1 else 'have'} none within the first "
+                      f"seq_len+1 = {width} tokens (a prompt of seq_len = {cfg.seq_len} tokens or "
+                      f"more)")
+    hints = ["add examples with something to train on"]
+    if beyond:
+        hints.append("use a larger --seq-len (up to the model's context) or shorter prompts")
+    hints.append("check the data's format (prompt/completion and instruction/output records train "
+                 "on the completion/output, chat records on the assistant turns, text records on "
+                 "the text)")
+    n = len(tokenized)
+    return DataError(
+        f"{source.name}: no usable training examples (the train split is empty after "
+        f"tokenization): "
+        f"of the {n} training example{'' if n == 1 else 's'} ({_n_tokens(tokenized)} tokens"
+        + (f"; {n_heldout} more held out" if n_heldout else "") + "), "
+        + " and ".join(causes) + "; " + ", ".join(hints[:-1]) + " or " + hints[-1])
 
-    Raises `DataError` (naming the file and 1-based line where it applies) for missing or
-    malformed data, and ImportError for a datasets directory without ``datasets`` installed.
+
+def _too_few_rows(rows: Rows, padded: bool, n_packed: int, n_examples: int, n_heldout: int,
+                  min_rows: int, source: Source, cfg: DataConfig) -> DataError:
+    """The error for a train split with fewer rows than one batch."""
+    width = cfg.seq_len + 1
+    if padded:
+        what = f"{len(rows.starts)} usable rows of one example each"
+        hints = ["add examples", "use a smaller --batch-size"]
+    else:
+        what = f"{n_packed} packed rows of seq_len+1 = {width} tokens"
+        hints = ["add data", "use a smaller --seq-len", "use a smaller --batch-size"]
+    if n_heldout:
+        hints.append(f"train on the {n_heldout} held-out examples too (--heldout-fraction 0)")
+    return DataError(f"{source.name}: too little training data for one batch: the {n_examples} "
+                     f"training examples give {what}, fewer than batch_size={min_rows}; "
+                     + ", ".join(hints[:-1]) + " or " + hints[-1])
+
+
+def _build_train(examples: list[Example], n_heldout: int, source: Source, cfg: DataConfig,
+                 tokenizer: Any, min_rows: int, notes: list[str]) -> TokenDataset:
+    tokenized = tokenize_examples(examples, tokenizer, cfg.mask_prompt, source.name)
+    width = cfg.seq_len + 1
+    padded, n_packed, note = not cfg.packing, 0, None
+    if cfg.packing:
+        rows = pack(tokenized, cfg.seq_len)
+        n_packed = len(rows.starts)
+        if n_packed < min_rows:
+            per_example = pad_rows(tokenized, cfg.seq_len)
+            if len(per_example.starts) > n_packed:
+                filled = (f"fill only {n_packed} packed row(s) of seq_len+1 = {width} tokens, "
+                          f"fewer than one batch (batch_size={min_rows})" if n_packed else
+                          f"are too few to fill one packed row of seq_len+1 = {width} tokens")
+                note = (f"{source.name}: the {len(examples)} training examples "
+                        f"({_n_tokens(tokenized)} tokens) {filled}: training on one example per "
+                        f"row instead, right-padded to seq_len (padding is masked out of attention "
+                        f"and loss)" + (", and the held-out examples are evaluated the same way"
+                                    if n_heldout else ""))
+                rows, padded = per_example, True
+    else:
+        rows = pad_rows(tokenized, cfg.seq_len)
+    if len(rows.starts) == 0:
+        # padded rows are one per example (computed above whenever packing gave none)
+        raise _no_usable_examples(tokenized, n_heldout, source, cfg)
+    if len(rows.starts) < min_rows:
+        raise _too_few_rows(rows, padded, n_packed, len(examples), n_heldout, min_rows, source, cfg)
+    if note:
+        notes.append(note)
+    _warn_rows(rows, "train", len(examples), source, cfg)
+    return TokenDataset.from_rows(rows, cfg.seq_len, not padded, split="train", source=source.name,
+                                  format=source.format, num_examples=len(examples))
+
+
+def _build_heldout(examples: list[Example], padded: bool, source: Source, cfg: DataConfig,
+                   tokenizer: Any, notes: list[str]) -> TokenDataset:
+    """The held-out rows: packed like the train split unless that gives no row; empty (with a
+    note) when not one held-out example has a token to evaluate."""
+    info = dict(split="heldout", source=source.name, format=source.format)
+    tokenized = tokenize_examples(examples, tokenizer, cfg.mask_prompt, source.name)
+    width = cfg.seq_len + 1
+    if padded:
+        rows = pad_rows(tokenized, cfg.seq_len)
+    else:
+        rows = pack(tokenized, cfg.seq_len)
+        if len(rows.starts) == 0:
+            rows, padded = pad_rows(tokenized, cfg.seq_len), True
+            if len(rows.starts):
+                notes.append(f"{source.name}: the {len(examples)} held-out examples "
+                             f"({_n_tokens(tokenized)} tokens) are too few to fill one packed row "
+                             f"of seq_len+1 = {width} tokens: they are evaluated one example per "
+                             f"row, right-padded")
+    if len(rows.starts) == 0:
+        notes.append(f"{source.name}: none of the {len(examples)} held-out examples has a token to "
+                     f"evaluate within seq_len+1 = {width} tokens: training without a held-out "
+                     f"evaluation")
+        return TokenDataset.empty(cfg.seq_len, cfg.packing, num_examples=len(examples), **info)
+    _warn_rows(rows, "heldout", len(examples), source, cfg)
+    return TokenDataset.from_rows(rows, cfg.seq_len, not padded, num_examples=len(examples), **info)
+
+
+def build_datasets(cfg: DataConfig, tokenizer: Any,
+                   min_rows: int = 1) -> tuple[TokenDataset, TokenDataset]:
+    """(train, heldout) for ``cfg``. The held-out split is empty when heldout_fraction == 0, when
+    there are fewer than `split.MIN_HELDOUT_EXAMPLES` examples, or when no held-out example has a
+    token to evaluate (both with a note).
+
+    ``min_rows``: the train split must have at least this many rows (the trainer passes its
+    batch_size); packed rows fewer than that fall back to one example per row (see the module
+    docstring). The notes are printed once both splits are built (an error comes alone).
+    Raises `DataError` (naming the file and 1-based line where it applies) for missing,
+    malformed or too little data, and ImportError for a datasets directory without
+    ``datasets`` installed.
     """
+    if min_rows < 1:
+        raise ValueError(f"min_rows must be >= 1, got {min_rows}")
     source = load_source(cfg)
     special_ids(tokenizer, source.name)  # fail on a tokenizer without EOS before any work
-    train_idx, heldout_idx = heldout_split(len(source.examples), cfg.heldout_fraction, cfg.seed,
-                                           source.name)
-    train = _build_split("train", [source.examples[i] for i in train_idx], source, cfg, tokenizer)
+    train_idx, heldout_idx, note = plan_heldout(len(source.examples), cfg.heldout_fraction,
+                                                cfg.seed, source.name)
+    notes = [note] if note else []
+    train = _build_train([source.examples[i] for i in train_idx], len(heldout_idx), source, cfg,
+                         tokenizer, min_rows, notes)
     if heldout_idx:
-        heldout = _build_split("heldout", [source.examples[i] for i in heldout_idx], source, cfg,
-                               tokenizer)
+        heldout = _build_heldout([source.examples[i] for i in heldout_idx], not train.packed,
+                                 source, cfg, tokenizer, notes)
     else:
         heldout = TokenDataset.empty(cfg.seq_len, cfg.packing, split="heldout",
                                      source=source.name, format=source.format)
+    for note in notes:
+        _note(note)
     log.info("data: %r; %r", train, heldout)
     return train, heldout

@@ -15,9 +15,13 @@ class DataConfig:
     # True: documents are concatenated (EOS between) and cut into windows of seq_len+1
     # tokens, so no compute is spent on padding. False: one example per row, truncated to
     # seq_len+1 tokens and right-padded (what chat SFT without cross-example attention needs).
+    # A split too small to fill one batch of packed rows (a few dozen short examples) falls
+    # back to one example per row, with a note (build.py).
     packing: bool = True
     # Fraction of documents/examples held out for evaluation, chosen by a seeded permutation.
-    # 5% of the ~1 MB built-in corpus is ~12K tokens: enough for a stable perplexity.
+    # 5% of the ~1 MB built-in corpus is ~12K tokens: enough for a stable perplexity. Data sets
+    # of fewer than 10 examples train without a held-out split (with a note); from 10 up at
+    # least one example is held out.
     heldout_fraction: float = 0.05
     # chat / prompt-completion / alpaca data: prompt tokens get label -100, so the loss is
     # the completion's only (the usual SFT recipe). Plain text is always fully supervised.

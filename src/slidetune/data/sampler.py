@@ -23,10 +23,13 @@ class BatchSampler:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if len(dataset) < batch_size:
+            rows = (f"rows of seq_len+1 = {dataset.seq_len + 1} tokens" if dataset.packed
+                    else "rows (one example each)")
+            fix = ("use more data, a smaller seq_len or a smaller batch" if dataset.packed
+                   else "add examples or use a smaller batch")
             raise ValueError(
                 f"the {dataset.split} split of {dataset.source or 'the data'} has {len(dataset)} "
-                f"rows of seq_len+1 = {dataset.seq_len + 1} tokens, fewer than batch_size="
-                f"{batch_size}; use more data, a smaller seq_len or a smaller batch"
+                f"{rows}, fewer than batch_size={batch_size}; {fix}"
             )
         self.dataset = dataset
         self.batch_size = batch_size

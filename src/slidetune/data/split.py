@@ -5,6 +5,10 @@ import torch
 
 from .errors import DataError
 
+# A held-out split is made only from this many examples up: below it, holding one or two
+# examples out costs a large share of the training data and gives a meaningless loss.
+MIN_HELDOUT_EXAMPLES = 10
+
 
 def heldout_split(n: int, fraction: float, seed: int,
                   source_name: str) -> tuple[list[int], list[int]]:
@@ -24,3 +28,22 @@ def heldout_split(n: int, fraction: float, seed: int,
     n_heldout = min(max(int(n * fraction + 0.5), 1), n - 1)
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     return sorted(perm[n_heldout:]), sorted(perm[:n_heldout])
+
+
+def plan_heldout(n: int, fraction: float, seed: int,
+                 source_name: str) -> tuple[list[int], list[int], str | None]:
+    """`heldout_split` for `build_datasets`, never refusing: (train, held-out, note).
+
+    From `MIN_HELDOUT_EXAMPLES` examples up it is `heldout_split` (at least one example held
+    out, at least one left to train on). A smaller data set with ``fraction > 0`` is trained on
+    whole, without a held-out split, and ``note`` says so (None otherwise).
+    """
+    if fraction <= 0.0:
+        return list(range(n)), [], None
+    if n < MIN_HELDOUT_EXAMPLES:
+        return list(range(n)), [], (
+            f"{source_name}: {n} example(s) are too few to hold some out for evaluation (that "
+            f"takes at least {MIN_HELDOUT_EXAMPLES}): training on all of them, without a held-out "
+            f"evaluation (heldout_fraction=0, --heldout-fraction 0, turns this note off)")
+    train, heldout = heldout_split(n, fraction, seed, source_name)
+    return train, heldout, None

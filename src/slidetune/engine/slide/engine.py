@@ -45,6 +45,7 @@ No device-wide synchronize on the hot path.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import threading
 import time
@@ -70,6 +71,8 @@ from ..result import StepResult
 from .activations import ActivationStore
 from .host_store import HostStore, HostUnit
 from .transfer import GradDrain, Uploader, clip_coefficient
+from ...faults import ENV as FAULT_ENV
+from ...faults import maybe_fail
 from .watchdog import Watchdog
 from .workers import DeadlineWorker, Worker, WorkerError, done_future, wait_or_abort
 
@@ -112,6 +115,7 @@ class SlideEngine:
         # wait polls this flag, set by whichever worker fails first.
         self._abort = threading.Event()
         self._first_error: BaseException | None = None
+        self._failed_where = "a pipeline thread failed"
         self._closed = False
         self.max_grad_norm = max_grad_norm
         self.timer = timer or EventTimer(device, enabled=False)
@@ -206,6 +210,10 @@ class SlideEngine:
         # The D2H issuer also goes earliest-deadline-first under deadline order: the ring then
         # carries the most urgent gradients while the others wait in their GPU slots.
         self.d2h_worker = DeadlineWorker("d2h", self._on_worker_error)
+        for worker in (self.upload_worker, self.host_worker, self.d2h_worker):
+            # tests only (faults.py): the step a job runs in is the one being issued
+            worker.before_job = (lambda name=worker.name: maybe_fail(name, self.step_index + 1)) \
+                if os.environ.get(FAULT_ENV) else None
         # The worker threads need the GIL between their (GIL-free) kernels while the compute
         # thread runs Python; the default 5 ms switch interval would stall each hand-off.
         self._switch_interval = sys.getswitchinterval()
@@ -234,12 +242,13 @@ class SlideEngine:
             first = self._first_error
             if first is not None and e is not first:
                 # a consequence of an earlier failure: report the root cause
-                raise WorkerError(f"a pipeline thread failed: {first!r}") from first
+                raise WorkerError(f"{self._failed_where}: {first!r}") from first
             raise
 
-    def _on_worker_error(self, error: BaseException) -> None:
+    def _on_worker_error(self, error: BaseException, thread: str = "a pipeline") -> None:
         if self._first_error is None:          # the root cause; later failures are consequences
             self._first_error = error
+            self._failed_where = f"the {thread} thread failed during step {self.step_index + 1}"
         self._abort.set()
 
     def _wait_loop(self, fut: Future, what: str = "a pipeline thread"):
@@ -257,7 +266,7 @@ class SlideEngine:
     def _raise_if_aborted(self) -> None:
         if self._abort.is_set():
             err = self._first_error
-            raise WorkerError(f"a pipeline thread failed: {err!r}") from err
+            raise WorkerError(f"{self._failed_where}: {err!r}") from err
 
     def _views(self, unit: UnitSpec, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         key = (unit.signature(), flat.data_ptr())
@@ -571,7 +580,23 @@ class SlideEngine:
         self.gc_freeze.freeze()        # everything the run keeps exists by now
         loss_ready.synchronize()
         loss = float(host_loss[0]) / n_tokens
-        return StepResult(loss=loss, n_tokens=n_tokens, grad_norm_future=norm_fut)
+        return StepResult(loss=loss, n_tokens=n_tokens, grad_norm_future=self._rooted(norm_fut))
+
+    def _rooted(self, fut: Future) -> Future:
+        """`fut`, but failing with the root cause where its job failed because another thread did
+        (it gave up waiting): the caller learns which thread failed first, and in which step."""
+        out: Future = Future()
+
+        def done(f: Future) -> None:
+            err = f.exception()
+            if err is None:
+                out.set_result(f.result())
+            elif self._first_error is not None and err is not self._first_error:
+                out.set_exception(WorkerError(f"{self._failed_where}: {self._first_error!r}"))
+            else:
+                out.set_exception(WorkerError(f"{self._failed_where}: {err!r}") if self._first_error is err else err)
+        fut.add_done_callback(done)
+        return out
 
     def _clip_coefficient_on_device(self) -> torch.Tensor:
         """clip_grad_norm_'s coefficient from the step's squared norm, as a 0-dim FP32 tensor on the
@@ -808,9 +833,13 @@ class SlideEngine:
     # ------------------------------------------------------------- state
     def synchronize(self) -> None:
         """Wait until every submitted update and copy has finished (not used on the hot path)."""
-        self.d2h_worker.drain()
-        self.host_worker.drain()
-        self.upload_worker.drain()
+        try:
+            self.d2h_worker.drain()
+            self.host_worker.drain()
+            self.upload_worker.drain()
+        except WorkerError as e:
+            first = self._first_error or e
+            raise WorkerError(f"{self._failed_where}: {first!r}") from first
         self.device.synchronize()
 
     def named_master_params(self):

@@ -32,12 +32,13 @@ class WorkerError(RuntimeError):
 
 
 class Worker:
-    def __init__(self, name: str, on_error: Callable[[BaseException], None] | None = None):
+    def __init__(self, name: str, on_error: Callable[[BaseException, str], None] | None = None):
         self.name = name
         self._on_error = on_error
         self._jobs: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self.current: str | None = None    # the job running now (for the watchdog's report)
+        self.before_job: Callable[[], None] | None = None   # called before each job (fault injection)
         self.since = 0.0                   # when it started (time.monotonic)
         self._thread = threading.Thread(target=self._run, name=f"slidetune-{name}", daemon=True)
         self._thread.start()
@@ -59,12 +60,14 @@ class Worker:
                 continue
             self.current, self.since = _describe(fn, args), time.monotonic()
             try:
+                if self.before_job is not None:
+                    self.before_job()
                 fut.set_result(fn(*args, **kwargs))
             except BaseException as e:  # noqa: BLE001 - forwarded to the compute thread
                 self._error = e
                 fut.set_exception(e)
                 if self._on_error is not None:
-                    self._on_error(e)
+                    self._on_error(e, self.name)
             finally:
                 self.current = None
 
@@ -116,7 +119,7 @@ class DeadlineWorker(Worker):
     issuer waits for: no deadlock however small the ring.
     """
 
-    def __init__(self, name: str, on_error: Callable[[BaseException], None] | None = None):
+    def __init__(self, name: str, on_error: Callable[[BaseException, str], None] | None = None):
         self._cond = threading.Condition()
         self._pending: list[_Job] = []
         self._seq = 0

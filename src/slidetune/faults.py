@@ -1,0 +1,37 @@
+"""Fault injection for tests: make one of the run's threads fail at a chosen step.
+
+Not a user flag: the environment variable SLIDETUNE_INJECT_FAULT=THREAD:STEP (THREAD one of
+upload, d2h, host, checkpoint, data; STEP the optimizer step, 1-based, during which it fails)
+makes that thread raise InjectedFault at its next piece of work of that step. The pipeline
+threads check it before each job (engine/slide/workers.py), the checkpoint writer before it
+writes, the data loader before it builds a step's micro-batches (train.py). Tests use it to
+prove that every thread's failure ends the run promptly with a message naming the thread and
+the step, and leaves the newest complete checkpoint intact and resumable.
+"""
+from __future__ import annotations
+
+import os
+
+ENV = "SLIDETUNE_INJECT_FAULT"
+THREADS = ("upload", "d2h", "host", "checkpoint", "data")
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def _target() -> tuple[str, int] | None:
+    spec = os.environ.get(ENV)
+    if not spec:
+        return None
+    thread, _, step = spec.partition(":")
+    if thread not in THREADS or not step.isdigit():
+        raise ValueError(f"{ENV}={spec!r}: expected THREAD:STEP with THREAD one of {', '.join(THREADS)}")
+    return thread, int(step)
+
+
+def maybe_fail(thread: str, step: int) -> None:
+    """Raise InjectedFault when the environment asks `thread` to fail at `step` (1-based)."""
+    target = _target()
+    if target is not None and target == (thread, step):
+        raise InjectedFault(f"injected fault in the {thread} thread at step {step} ({ENV})")
