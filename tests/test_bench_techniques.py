@@ -476,33 +476,38 @@ def test_floor_terms_count_only_what_the_host_updates():
     """Every unit on the host: all parameters through the host's AdamW and down as BF16 gradients,
     the layers up twice but for the window's slots, the vocabulary once. Units updated on the GPU
     (device_layers, vocab_update=device) leave all three terms; resident layers go up once."""
-    from slidetune.bench.roofline import Placement, floor_terms
+    from slidetune.bench.roofline import floor_terms, plan_of_runtime
     L, P, V, gib = 4, 100 * 2**20, 50 * 2**20, 2**30
+
+    def Placement(**rt):
+        return plan_of_runtime(_COMP, rt)
     host = floor_terms(_COMP, _COPY, _ADAMW)
     assert host["adamw_s"] == pytest.approx((L * P + V) / 1e9)
     assert host["d2h_s"] == pytest.approx(2 * (L * P + V) / (50 * gib))
     assert host["h2d_s"] == pytest.approx(2 * (P * (2 * L - 3) + V) / (50 * gib))
     assert host["compute_s"] == 1.0
-    placed = floor_terms(_COMP, _COPY, _ADAMW, Placement(device_layers=3, vocab_on_device=True, resident=True))
+    placed = floor_terms(_COMP, _COPY, _ADAMW, Placement(device_layers=3, vocab_update="device", cache_units=0))
     assert placed["adamw_s"] == pytest.approx(P / 1e9)
     assert placed["d2h_s"] == pytest.approx(2 * P / (50 * gib))
     assert placed["h2d_s"] == pytest.approx(2 * P / (50 * gib))          # the one host layer, once
-    everything = floor_terms(_COMP, _COPY, _ADAMW, Placement(device_layers=L, vocab_on_device=True))
+    everything = floor_terms(_COMP, _COPY, _ADAMW, Placement(device_layers=L, vocab_update="device"))
     assert everything["adamw_s"] == everything["d2h_s"] == everything["h2d_s"] == 0
     # the GPU's AdamW of the units updated there runs on the compute stream: it adds to compute
     rate = {"device_adamw_params_per_s": 1e10}
-    placed_dev = floor_terms(_COMP, _COPY, _ADAMW, Placement(device_layers=3, vocab_on_device=True), rate)
+    placed_dev = floor_terms(_COMP, _COPY, _ADAMW, Placement(device_layers=3, vocab_update="device"), rate)
     assert placed_dev["compute_s"] == pytest.approx(1.0 + (3 * P + V) / 1e10)
     assert floor_terms(_COMP, _COPY, _ADAMW, Placement(), rate)["compute_s"] == 1.0
-    rt = {"device_layers": 3, "vocab_update": "device", "cache_units": 0}
-    assert Placement.of_runtime(rt) == Placement(device_layers=3, vocab_on_device=True, resident=True)
-    assert Placement.of_runtime({"device_layers": -1, "vocab_update": "auto", "cache_units": 3}) == Placement()
+    assert Placement(device_layers=-1, vocab_update="auto", cache_units=3) == Placement()
     # layer uploads a step: resident layers once, window layers twice but for the slots at the turn
-    assert Placement(cache_units=3).uploads(20) == 2 * 20 - 3
-    assert Placement(resident=True).uploads(20) == 20
-    assert Placement(cache_units=3, resident_layers=5).uploads(20) == 5 + 2 * 15 - 3
-    assert Placement(cache_units=3, resident_layers=17).uploads(20) == 20      # the window would hold the rest
-    assert Placement.of_runtime({"cache_units": 3, "resident_layers": 5}).resident_layers == 5
+    from slidetune.engine.config import RuntimeConfig
+    from slidetune.engine.placement import PlacementPlan, shapes_from_counts
+
+    def uploads(layers, **rt):
+        return PlacementPlan.build(shapes_from_counts(layers, 1, 1, 1), RuntimeConfig(**rt)).uploads_per_step()[0]
+    assert uploads(20, cache_units=3) == 2 * 20 - 3
+    assert uploads(20, cache_units=0) == 20
+    assert uploads(20, cache_units=3, resident_layers=5) == 5 + 2 * 15 - 3
+    assert uploads(20, cache_units=3, resident_layers=17) == 20      # the window would hold the rest
 
 
 def test_throughput_rows_use_the_floor_of_the_runs_placement(tmp_path):

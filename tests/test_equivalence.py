@@ -26,6 +26,8 @@ FAMILIES = {
     "qwen3-tied-qknorm": dict(family="qwen3", tied=True),
     "mistral-window": dict(family="mistral", tied=False, sliding_window=8),
 }
+# The disk tier in a test's tmp_path (disk_dir "TMP"), with small blocks: several per layer.
+DISK = {"disk_dir": "TMP", "disk_block_mb": 0.1, "disk_buffers": 3}
 # (mode, schedule, grad_accum, max_grad_norm, offload, extra runtime options)
 RUNS = {
     "slide-eager": ("slide", "eager", 1, None, False, {}),
@@ -70,6 +72,14 @@ RUNS = {
                                                {"clip_sweep": "whole", "device_layers": 1, "cache_units": 2}),
     "slide-deferred-accum2-clip-all-on-device": ("slide", "deferred", 2, 0.5, False,
                                                  {"device_layers": 4, "vocab_update": "device"}),
+    # the disk tier: the moments of the head and the top layers in files (three blocks a layer,
+    # a 3-buffer ring: reads ahead, AdamW, writes behind), unclipped and on the clipped recipe
+    # with every other placement beside it
+    "slide-eager-disk": ("slide", "eager", 1, None, False, {"disk_units": 3, **DISK}),
+    "slide-deferred-accum2-clip-disk-device-layers-vocab-partly-resident": (
+        "slide", "deferred", 2, 0.5, True,
+        {"disk_units": 2, "device_layers": 1, "vocab_update": "device", "cache_units": 2, "resident_layers": 1,
+         **DISK}),
     "gpu-accum2-clip": ("gpu", "auto", 2, 0.5, False, {}),
     "ckpt-every2": ("ckpt", "auto", 1, None, False, {"recompute": "every:2"}),
 }
@@ -107,8 +117,10 @@ def max_param_rel_diff(engine, reference_model) -> tuple[float, str]:
 
 @pytest.mark.parametrize("run", list(RUNS))
 @pytest.mark.parametrize("fam", list(FAMILIES))
-def test_matches_reference(fam, run):
+def test_matches_reference(fam, run, tmp_path):
     mode, schedule, accum, clip, offload, extra = RUNS[run]
+    if extra.get("disk_dir") == "TMP":
+        extra = dict(extra, disk_dir=str(tmp_path))
     loaded = make_loaded(**FAMILIES[fam])
     ref = ReferenceTrainer(build_reference(loaded), lr=LR, weight_decay=0.1, eps=1e-6, max_grad_norm=clip)
     rt = RuntimeConfig(mode=mode, dtype="fp32", device="cpu", schedule=schedule, offload_activations=offload,

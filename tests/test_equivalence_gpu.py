@@ -12,7 +12,7 @@ import torch
 
 from reference import ReferenceTrainer, build_reference
 from slidetune.engine import AdamWConfig, RuntimeConfig, build_engine
-from test_equivalence import FAMILIES, LR, STEPS, make_batches, make_loaded, max_param_rel_diff
+from test_equivalence import DISK, FAMILIES, LR, STEPS, make_batches, make_loaded, max_param_rel_diff
 
 pytestmark = pytest.mark.gpu
 
@@ -51,6 +51,10 @@ GPU_RUNS = {
     "slide-deferred-clip-fp32-slots-resident": ("slide", "deferred", 1, 0.5, False,
                                                 {"cache_units": 0, "grad_slot_dtype": "fp32"}),
     "slide-eager-accum4-device-layers": ("slide", "eager", 4, None, False, {"device_layers": 2, "cache_units": 0}),
+    # the disk tier (pinned block buffers, O_DIRECT where /tmp allows it) beside the GPU's pipeline
+    "slide-eager-disk": ("slide", "eager", 1, None, False, {"disk_units": 3, **DISK}),
+    "slide-deferred-accum2-clip-disk-device-layers-vocab": (
+        "slide", "deferred", 2, 0.5, False, {"disk_units": 2, "device_layers": 1, "vocab_update": "device", **DISK}),
     "ckpt": ("ckpt", "auto", 4, 0.5, False, {}),
 }
 
@@ -70,9 +74,11 @@ def _run(loaded, mode, schedule, accum, clip, offload, dtype, extra=None):
 
 @pytest.mark.parametrize("run", list(GPU_RUNS))
 @pytest.mark.parametrize("fam", list(FAMILIES))
-def test_bf16_within_noise(fam, run):
+def test_bf16_within_noise(fam, run, tmp_path):
     torch.backends.cuda.matmul.allow_tf32 = False
     mode, schedule, accum, clip, offload, extra = GPU_RUNS[run]
+    if extra.get("disk_dir") == "TMP":
+        extra = dict(extra, disk_dir=str(tmp_path))
     loaded = make_loaded(**FAMILIES[fam])
     ref = ReferenceTrainer(build_reference(loaded).cuda(), lr=LR, weight_decay=0.1, eps=1e-6, max_grad_norm=clip)
     ref_losses = []

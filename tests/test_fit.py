@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from slidetune.engine.config import RuntimeConfig
+from slidetune.engine.placement import PlacementPlan, shapes_from_counts, unit_shapes
 from slidetune.engine.fit import (ACTIVATION_MARGIN, ENV_HOST_MEMORY, GiB, MiB, InsufficientMemoryError,
                                   check_fit, estimate_memory, head_bytes, layer_activation_bytes)
 from slidetune.models.load import skeleton
@@ -283,7 +284,13 @@ def test_nothing_fits_says_so():
     with pytest.raises(InsufficientMemoryError) as ei:
         check_fit(split, cuda_rt(), batch_size=4, seq_len=1024, **H100)
     assert ei.value.options == []
-    assert "No single change" in str(ei.value)
+    # host RAM is what does not fit: the disk tier is named, with what it would hold
+    assert "With a local disk: --disk-dir PATH" in str(ei.value)
+    with pytest.raises(InsufficientMemoryError) as ei:
+        check_fit(split, cuda_rt(), batch_size=4, seq_len=1024, gpu_free_bytes=78 * GiB,
+                  host_available_bytes=32 * GiB)
+    assert ei.value.options == []
+    assert "No single change" in str(ei.value) and "--disk-dir" not in str(ei.value)
 
 
 def test_env_var_overrides_host_memory(monkeypatch):
@@ -501,7 +508,7 @@ def test_auto_vocab_update_takes_the_device_where_it_fits_under_either_schedule(
     split = split_of("llama-3.1-8b")
     kw = dict(batch_size=16, seq_len=1024)
     rt = cuda_rt(mode="slide", grad_download="fp32")
-    assert rt.vocab_update == "auto" and not rt.vocab_on_device("eager")
+    assert rt.vocab_update == "auto" and not PlacementPlan.build(unit_shapes(split), rt).vocab_on_device
     vocab = split.embed_unit.numel + split.head_unit.numel
 
     def est(**changes):
@@ -762,13 +769,15 @@ def test_resident_layers_beside_the_window():
     """resident_layers=R with a window of K slots: the lowest R host layers get a slot of their own,
     the others share the window; where the window would hold every layer left to it, all are
     resident. The estimate counts R + K layer slots and no host RAM for them."""
-    rt = RuntimeConfig(cache_units=3, resident_layers=5)
-    assert (rt.resident_layer_count(20), rt.window_slots(20), rt.resolved_cache_units(20)) == (5, 3, 8)
-    assert RuntimeConfig(cache_units=3, resident_layers=17).resident_layer_count(20) == 20     # 3 left: no window
-    assert RuntimeConfig(cache_units=3, resident_layers=17).window_slots(20) == 0
-    assert RuntimeConfig(cache_units=0, resident_layers=2).resident_layer_count(20) == 20
-    assert RuntimeConfig(cache_units=3).resident_layer_count(20) == 0                          # auto, unresolved
-    assert RuntimeConfig(cache_units=3, resident_layers=4).resident_layer_count(2) == 2
+    def plan(layers=20, **kw):
+        return PlacementPlan.build(shapes_from_counts(layers, 10, 5, 5), RuntimeConfig(**kw))
+    p = plan(cache_units=3, resident_layers=5)
+    assert (p.resident_layers, p.window_slots, p.layer_slots) == (5, 3, 8)
+    assert plan(cache_units=3, resident_layers=17).resident_layers == 20     # 3 left: no window
+    assert plan(cache_units=3, resident_layers=17).window_slots == 0
+    assert plan(cache_units=0, resident_layers=2).resident_layers == 20
+    assert plan(cache_units=3).resident_layers == 0                          # auto, unresolved
+    assert plan(layers=2, cache_units=3, resident_layers=4).resident_layers == 2
     with pytest.raises(ValueError, match="resident_layers"):
         RuntimeConfig(resident_layers=-2)
     split = split_of("qwen3-8b")
@@ -799,18 +808,17 @@ def test_auto_settings_where_host_ram_binds_give_what_is_left_to_resident_layers
     assert fastest.cache_units == 0 and est(fastest).host_bytes > 0.9 * host
     got = choose_auto_settings(split, rt, gpu_free_bytes=gpu, host_available_bytes=host, **kw)
     host_layers = L - got.device_layers
-    resident = got.resident_layer_count(host_layers)
-    assert got.cache_units == 3 and 0 < resident < host_layers and got.window_slots(host_layers) == 3
+    plan = PlacementPlan.build(unit_shapes(split), got)
+    resident = plan.resident_layers
+    assert got.cache_units == 3 and 0 < resident < host_layers and plan.window_slots == 3
     assert est(got).gpu_bytes <= 0.9 * gpu and est(got).host_bytes <= 0.9 * host
     # the fewest device layers: one fewer and the host does not fit
     assert est(dataclasses.replace(got, device_layers=got.device_layers - 1)).host_bytes > 0.9 * host
     # as many resident layers as fit
     assert est(dataclasses.replace(got, resident_layers=got.resident_layers + 1)).gpu_bytes > 0.9 * gpu
     # fewer layer uploads a step than the window alone with the most device layers (session 11's run)
-    from slidetune.bench.roofline import Placement
-    window_only = Placement(device_layers=19, cache_units=3).uploads(L - 19)
-    assert Placement(device_layers=got.device_layers, cache_units=3,
-                     resident_layers=got.resident_layers).uploads(host_layers) < window_only
+    window_only = PlacementPlan.build(unit_shapes(split), RuntimeConfig(device_layers=19, cache_units=3))
+    assert plan.uploads_per_step()[0] < window_only.uploads_per_step()[0]
 
 
 def test_auto_resident_layers_fill_a_gpu_too_small_for_all():
@@ -822,9 +830,9 @@ def test_auto_resident_layers_fill_a_gpu_too_small_for_all():
     got = auto_with_ample_host(split, cuda_rt(mode="slide"), gpu_free_bytes=24 * GiB, **kw)
     L = split.num_layers
     assert got.cache_units == 3 and got.device_layers == 0
-    assert 0 < got.resident_layer_count(L) < L
+    assert 0 < PlacementPlan.build(unit_shapes(split), got).resident_layers < L
     assert estimate_memory(split, got, **kw).gpu_bytes <= 0.9 * 24 * GiB
     more = dataclasses.replace(got, resident_layers=got.resident_layers + 1)
     assert estimate_memory(split, more, **kw).gpu_bytes > 0.9 * 24 * GiB
     explicit = auto_with_ample_host(split, cuda_rt(mode="slide", cache_units=3), gpu_free_bytes=24 * GiB, **kw)
-    assert explicit.resident_layer_count(L) == 0
+    assert PlacementPlan.build(unit_shapes(split), explicit).resident_layers == 0

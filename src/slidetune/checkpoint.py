@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from . import __version__
+from .engine.slide.disk_tier import StreamedTensor
 from .faults import maybe_fail
 
 FORMAT_VERSION = 1
@@ -237,6 +238,12 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path, dtype: to
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
         for name, t, dt, lo, hi in entries:
+            if isinstance(t, StreamedTensor):           # the disk tier's moments, block by block
+                for part in t.chunks():
+                    raw = part.to(dt).contiguous().view(torch.uint8).numpy()
+                    for start in range(0, raw.size, _WRITE_BYTES):
+                        f.write(memoryview(raw[start:start + _WRITE_BYTES]))
+                continue
             src = t.detach()
             if src.device.type != "cpu" or src.dtype != dt:
                 src = src.to("cpu", dt)                     # one tensor's copy

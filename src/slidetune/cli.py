@@ -109,20 +109,22 @@ def _plan_resolved(ns, cfg, split) -> None:
               max_grad_norm=cfg.max_grad_norm, padded=not cfg.data.packing)
     resolved = choose_auto_settings(split, rt, gpu_free_bytes=free, host_available_bytes=host, **kw)
     est = estimate_memory(split, resolved, **kw)
-    L = split.num_layers
     where = f"a GPU with {free / gib:.1f} GiB free" if free is not None else "this machine's GPU"
-    host_layers = L - max(0, resolved.device_layers)
+    plan = est.plan
     print(f"resolved on {where} and {host / gib:.1f} GiB of host RAM: cache_units={resolved.cache_units} "
-          + (f"resident_layers={resolved.resident_layer_count(host_layers)} " if resolved.cache_units else "")
+          + (f"resident_layers={plan.resident_layers} " if resolved.cache_units else "")
           + f"vocab_update={resolved.vocab_update} grad_slot_dtype={resolved.grad_slot_dtype} "
-          f"device_layers={max(0, resolved.device_layers)}"
-          + (f" gpu_checkpoints={resolved.gpu_checkpoint_layers(L)}" if resolved.offload_activations else "")
-          + f": GPU {est.gpu_bytes / gib:.2f} GiB, host {est.host_bytes / gib:.2f} GiB")
+          f"device_layers={plan.device_layers}"
+          + (f" disk_units={len(plan.indices('disk'))}" if resolved.disk_dir else "")
+          + (f" gpu_checkpoints={plan.gpu_checkpoints}" if resolved.offload_activations else "")
+          + f": GPU {est.gpu_bytes / gib:.2f} GiB, host {est.host_bytes / gib:.2f} GiB"
+          + (f", disk tier {est.disk_bytes / gib:.2f} GiB" if est.disk_bytes else ""))
     try:
         check_fit(split, resolved, gpu_free_bytes=free, host_available_bytes=host, **kw)
         print("fits (90% of each)")
     except InsufficientMemoryError as e:
         print(f"does not fit: {str(e).removeprefix('slidetune: ')}")
+    print("placement:\n" + "\n".join(plan.summary_lines()))
 
 
 def _bench_runtime(ns) -> int:

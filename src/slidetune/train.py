@@ -40,6 +40,7 @@ from .engine.compile_policy import choose_compile_layers, resolve_compile_layers
 from .faults import maybe_fail
 from .save_plan import DiskSpaceError, SavePlan, plan_saves, resolve_save_dtype
 from .engine.fit import check_fit, choose_auto_settings
+from .engine.placement import PlacementPlan, unit_shapes
 from .models.load import LoadedModel, load_model
 from .telemetry.flops import train_flops_per_token
 
@@ -170,9 +171,11 @@ def train(cfg: TrainConfig) -> TrainSummary:
     padded = not cfg.data.packing
     runtime = choose_auto_settings(loaded.split, runtime, batch_size=cfg.batch_size, seq_len=cfg.data.seq_len,
                                    grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm, padded=padded)
+    plan = (PlacementPlan.build(unit_shapes(loaded.split), runtime,
+                                runtime.resolved_schedule(cfg.grad_accum, cfg.max_grad_norm))
+            if runtime.mode == "slide" else None)
     if cfg.runtime.cache_units == -1 and cfg.runtime.mode == "slide":
-        host_layers = loaded.split.num_layers - max(0, runtime.device_layers)
-        resident, window = runtime.resident_layer_count(host_layers), runtime.window_slots(host_layers)
+        resident, window = plan.resident_layers, plan.window_slots
         print(f"cache_units auto -> {runtime.cache_units}: "
               + (f"a {window}-slot window" + (f" and {resident} resident layers" if resident else "") if window
                  else "every host-updated layer stays on the GPU between steps"))
@@ -186,9 +189,15 @@ def train(cfg: TrainConfig) -> TrainSummary:
               + (f" (decoder layers 0-{runtime.device_layers - 1} kept and updated on the GPU)"
                  if runtime.device_layers > 0 else ""))
     if cfg.runtime.gpu_checkpoints == -1 and cfg.runtime.offload_activations and cfg.runtime.mode == "slide":
-        kept = runtime.gpu_checkpoint_layers(loaded.split.num_layers)
+        kept = plan.gpu_checkpoints
         print(f"gpu_checkpoints auto -> {kept}"
               + (f" (the input checkpoints of the last {kept} decoder layers stay on the GPU)" if kept else ""))
+    if cfg.runtime.disk_units == -1 and runtime.disk_dir and cfg.runtime.mode == "slide":
+        print(f"disk_units auto -> {len(plan.indices('disk'))}"
+              + (f" ({plan.ranges(lambda u: u.state == 'disk')}: AdamW moments in {runtime.disk_dir})"
+                 if plan.indices("disk") else " (host RAM holds the state)"))
+    if plan is not None:
+        print("placement:\n" + "\n".join(plan.summary_lines()))
     if cfg.check_memory:
         # Before the data is tokenized and before the engine allocates anything.
         check_fit(loaded.split, runtime,

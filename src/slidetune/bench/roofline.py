@@ -12,15 +12,19 @@ bandwidth, parameters / CPU AdamW rate). Each term is measured here, not assumed
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 import statistics
+import tempfile
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ..engine import native_adamw
 from ..engine.adamw import AdamWConfig, FlatAdamW
 from ..engine.config import RuntimeConfig
+from ..engine.placement import PlacementPlan, shapes_from_counts
 from ..models.load import RandomInit, load_model
 from ..models.units import run_layer
 from ..telemetry.flops import train_flops_per_token
@@ -144,6 +148,52 @@ def probe_adamw(n: int = 128 * 2**20, steps: int = 11, grad_download: str = "com
     return out
 
 
+def probe_disk(directory: str, total_bytes: int = 4 * 2**30, block_mb: int = 64, threads: int = 4) -> dict:
+    """Read and write bandwidth of `directory` as the disk tier uses it (engine/slide/disk_tier.py):
+    O_DIRECT where the filesystem allows it, blocks of `block_mb` MiB (a block's two moments), at a
+    queue depth of `threads` (its I/O threads), over a file of `total_bytes`: written, then read,
+    then both at once (the tier reads ahead while it writes behind). GiB/s each."""
+    from ..engine.slide.disk_tier import ALIGN, _aligned_empty, block_elems, check_directory
+    block_bytes = 8 * block_elems(block_mb)
+    n_blocks = max(threads, total_bytes // block_bytes)
+    root = check_directory(directory, n_blocks * block_bytes)
+    fd_path = tempfile.mktemp(prefix="slidetune-disk-probe-", dir=root)
+    direct = hasattr(os, "O_DIRECT")
+    try:
+        fd = os.open(fd_path, os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0), 0o600)
+    except OSError:
+        direct = False
+        fd = os.open(fd_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, n_blocks * block_bytes)
+        bufs = [memoryview(_aligned_empty(block_bytes // 4, pinned=False).numpy()).cast("B") for _ in range(threads)]
+        for b in bufs:
+            b[:] = os.urandom(ALIGN) * (len(b) // ALIGN)
+
+        def io(write: bool, worker: int, blocks: range) -> None:
+            for k in blocks:
+                (os.pwritev if write else os.preadv)(fd, [bufs[worker]], k * block_bytes)
+
+        def run(kinds: list[bool]) -> float:
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(threads) as pool:
+                futs = [pool.submit(io, kinds[w % len(kinds)], w, range(w, n_blocks, threads)) for w in range(threads)]
+                for f in futs:
+                    f.result()
+            os.fsync(fd)
+            return n_blocks * block_bytes / (time.perf_counter() - t0) / 2**30
+
+        write = run([True])
+        read = run([False])
+        mixed = run([False, True])
+    finally:
+        os.close(fd)
+        os.unlink(fd_path)
+    return {"read_gib_s": read, "write_gib_s": write, "mixed_gib_s": mixed, "direct_io": direct,
+            "block_mib": block_bytes / 2**20, "threads": threads, "bytes": n_blocks * block_bytes,
+            "directory": str(root)}
+
+
 def probe_device_adamw(n: int = 64 * 2**20, chunk: int = 64 * 2**20) -> dict:
     """The GPU's AdamW as the slide engine runs it for units updated on the device (FlatAdamW
     over an FP32 master, BF16 gradient widened a chunk at a time): params/s, median of 5."""
@@ -223,53 +273,39 @@ def probe_compute(model: str, batch: int, seq: int, num_layers: int | None = Non
             "compute_s": compute, "model_tflops_at_floor": flops / compute / 1e12,
             "params": split.num_params(), "layer_params": split.layer_units[0].numel,
             "vocab_params": split.embed_unit.numel + split.head_unit.numel, "num_layers": L,
+            "embed_params": split.embed_unit.numel,
             "compile_layers": compile_layers}
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where a slide run keeps the units' state, as its resolved runtime says: which updates
-    the host's AdamW runs and which bytes cross PCIe. The default is the design's: every
-    unit on the host, a window of `cache_units` layer slots."""
-    device_layers: int = 0          # lowest decoder layers updated on the GPU (RuntimeConfig.device_layers)
-    vocab_on_device: bool = False   # embedding and head updated on the GPU (vocab_update=device)
-    resident: bool = False          # a slot per host layer: each uploaded once a step (cache_units=0)
-    cache_units: int = 3            # window slots when not resident
-    resident_layers: int = 0        # beside the window: the lowest host layers with a slot of their own
-    clipped: bool = False           # global-norm clipping: the deferred schedule (updates after the backward)
-    split_sweep: bool = True        # clipped: weights then moments (RuntimeConfig.clip_sweep split), or one pass
-
-    @classmethod
-    def of_runtime(cls, runtime: dict, clipped: bool = False) -> Placement:
-        """From a run's resolved RuntimeConfig (as bench.measure records it); -1 and auto, left
-        unresolved, mean what an engine built directly does: nothing on the GPU, 3 slots.
-        clipped: the run clipped by the global norm (its max_grad_norm > 0)."""
-        slots = int(runtime.get("cache_units") or 0)
-        return cls(device_layers=max(0, int(runtime.get("device_layers") or 0)),
-                   vocab_on_device=runtime.get("vocab_update") == "device",
-                   resident=slots == 0, cache_units=slots if slots >= 2 else 3,
-                   resident_layers=max(0, int(runtime.get("resident_layers") or 0)),
-                   clipped=clipped or runtime.get("schedule") == "deferred",
-                   split_sweep=runtime.get("clip_sweep") != "whole")
-
-    def uploads(self, host_layers: int) -> int:
-        """Layer uploads a step: resident host layers once (which ones are resident, as the
-        engine resolves it: RuntimeConfig.resident_layer_count); window layers twice (forward
-        and backward), except the `cache_units` still in their slots at the turn."""
-        rt = RuntimeConfig(cache_units=0 if self.resident else self.cache_units, resident_layers=self.resident_layers)
-        window = host_layers - rt.resident_layer_count(host_layers)
-        resident = host_layers - window
-        return resident + (max(window, 2 * window - self.cache_units) if window else 0)
+def plan_of_runtime(comp: dict, runtime: dict | None = None, clipped: bool = False) -> PlacementPlan:
+    """The placement plan of a run, from its resolved RuntimeConfig (as bench.measure records it) and
+    the probe's shapes; -1 and auto, left unresolved, mean what an engine built directly does
+    (nothing on the GPU, a 3-slot window). No runtime: the design's placement, every unit on the
+    host. clipped: the run clipped by the global norm (its max_grad_norm > 0)."""
+    known = {f.name for f in dataclasses.fields(RuntimeConfig)}
+    rt = RuntimeConfig(**{k: v for k, v in (runtime or {}).items() if k in known})
+    schedule = "deferred" if clipped or rt.schedule == "deferred" else "eager"
+    vocab = comp["vocab_params"]
+    embed = comp.get("embed_params", vocab // 2)
+    shapes = shapes_from_counts(comp["num_layers"], comp["layer_params"], embed, vocab - embed)
+    return PlacementPlan.build(shapes, rt, schedule)
 
 
-def floor_terms(comp: dict, copy: dict, adamw: dict, placement: Placement = Placement(),
-                device_adamw: dict | None = None) -> dict:
-    """The floor's terms (seconds) for a placement, from the probes' results.
+def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None = None,
+                device_adamw: dict | None = None, disk: dict | None = None, split_sweep: bool = True) -> dict:
+    """The floor's terms (seconds) for a placement plan (engine/placement.py; None: the design's,
+    every unit on the host, a 3-slot window), from the probes' results.
 
-    Only host-updated units cost host AdamW, D2H (BF16 gradients, 2 B/param) and uploads
-    (BF16 weights). Uploads: resident host layers once a step; a window twice (forward and
-    backward) except the `cache_units` still resident at the turn (Placement.uploads); host
-    vocabulary units once.
+    Only host-updated units (host and disk) cost host AdamW, D2H (BF16 gradients, 2 B/param)
+    and uploads (BF16 weights). Uploads: resident host layers once a step; a window twice
+    (forward and backward) except the slots still holding layers at the turn
+    (PlacementPlan.uploads_per_step); host vocabulary units once.
+    Disk units (with `disk`, probe_disk's result): their moments are read and written once a
+    step (16 B/param through the disk): disk_s. Unclipped, that I/O runs beside the whole step
+    (the backward releases the disk units first, the next forward needs them last). Clipped,
+    it cannot start before the norm is known (the reads can, but only as far as the block
+    buffers reach): it runs beside the host's weights pass over the RAM units, and the next
+    forward's disk units wait for it: clip_sweep_s takes the larger of the two.
     Units updated on the GPU run their AdamW on the compute stream: with `device_adamw` (the
     probe_device_adamw rate) it is added to compute_s (~26 B/param at HBM speed; the engine's
     optimizer_device spans were 38 ms a step for a Qwen3-4B with every unit there).
@@ -280,31 +316,38 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, placement: Placement = Plac
     rate of that pass: it writes the weights only, the moments follow where nothing waits) and
     one layer's forward: clip_sweep_s. (The forward runs in the sweep's shadow; nothing else of
     the host's sweep can overlap.)"""
-    L, P_L, vocab = comp["num_layers"], comp["layer_params"], comp["vocab_params"]
-    host_layers = L - min(L, placement.device_layers)
-    host_vocab = 0 if placement.vocab_on_device else vocab
-    host_params = P_L * host_layers + host_vocab
-    device_params = P_L * (L - host_layers) + (vocab - host_vocab)
-    uploads = placement.uploads(host_layers)
+    plan = plan or plan_of_runtime(comp)
+    L = comp["num_layers"]
+    host_params = plan.host_updated_params
+    device_params = plan.params("gpu")
+    disk_params = plan.params("disk")
     device_update_s = device_params / device_adamw["device_adamw_params_per_s"] if device_adamw and device_params \
         else 0.0
     gib = 2**30
     terms = {
         "compute_s": comp["compute_s"] + device_update_s,
-        "h2d_s": 2 * (P_L * uploads + host_vocab) / (copy["h2d_gib_s"] * gib),
+        "h2d_s": 2 * plan.upload_params() / (copy["h2d_gib_s"] * gib),
         "d2h_s": 2 * host_params / (copy["d2h_gib_s"] * gib),
         "adamw_s": host_params / adamw["adamw_params_per_s"],
     }
-    if placement.clipped and host_params:
+    disk_io_s = 0.0
+    if disk_params and disk:
+        disk_io_s = 8 * disk_params / (disk["read_gib_s"] * gib) + 8 * disk_params / (disk["write_gib_s"] * gib)
+        terms["disk_s"] = disk_io_s
+    clipped = plan.schedule == "deferred"
+    ram_params = host_params - disk_params
+    if clipped and host_params:
         # the sweep writes the weights only (the moments follow under the next step): its rate
-        # where probed, else the whole AdamW's
-        sweep_rate = (adamw.get("adamw_weights_pass_params_per_s") if placement.split_sweep else None) \
+        # where probed, else the whole AdamW's; disk units are updated whole, at the disk's pace
+        sweep_rate = (adamw.get("adamw_weights_pass_params_per_s") if split_sweep else None) \
             or adamw["adamw_params_per_s"]
         backward = L * comp["layer_recompute_backward_s"] + comp["head_s"] + comp["embed_s"]
-        terms["clip_sweep_s"] = backward + device_update_s + host_params / sweep_rate + comp["layer_forward_s"]
-        if placement.split_sweep and adamw.get("adamw_moments_pass_params_per_s"):
+        terms["clip_sweep_s"] = (backward + device_update_s + max(ram_params / sweep_rate, disk_io_s)
+                                 + comp["layer_forward_s"])
+        if split_sweep and adamw.get("adamw_moments_pass_params_per_s"):
             # the host's AdamW a step is both passes (each reads the gradient and the moments)
-            terms["adamw_s"] = host_params / sweep_rate + host_params / adamw["adamw_moments_pass_params_per_s"]
+            terms["adamw_s"] = (ram_params / sweep_rate + ram_params / adamw["adamw_moments_pass_params_per_s"]
+                                + disk_params / adamw["adamw_params_per_s"])
     return terms
 
 
@@ -316,7 +359,7 @@ def floor(model: str, batch: int, seq: int, num_layers: int | None = None, cache
     copy = copy or probe_copy()
     adamw = adamw or probe_adamw()
     comp = probe_compute(model, batch, seq, num_layers, head_impl, head_chunk_tokens, compile_layers)
-    terms = floor_terms(comp, copy, adamw, Placement(cache_units=cache_units))
+    terms = floor_terms(comp, copy, adamw, plan_of_runtime(comp, {"cache_units": cache_units}))
     bound = max(terms, key=terms.get)
     return {"floor_s": terms[bound], "bound_by": bound, "terms": terms, "copy": copy, "adamw": adamw,
             "compute": comp, "device_adamw": probe_device_adamw(), "tokens_per_step": batch * seq}

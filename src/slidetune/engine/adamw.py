@@ -36,15 +36,18 @@ class AdamWConfig:
 class FlatAdamW:
     """AdamW state (moments, step) for one flat master tensor with a decay range [0, n_decay)."""
 
-    def __init__(self, master: torch.Tensor, n_decay: int, cfg: AdamWConfig, kernel: str = "dynamic"):
+    def __init__(self, master: torch.Tensor, n_decay: int, cfg: AdamWConfig, kernel: str = "dynamic",
+                 moments_here: bool = True):
+        """moments_here=False: the moments live elsewhere (the disk tier) and every update() is given
+        the moments of its range."""
         assert master.dim() == 1 and master.dtype == torch.float32
         assert kernel in KERNELS, f"kernel must be one of {KERNELS}, not {kernel!r}"
         self.master = master                                 # [numel] fp32, updated in place
         self.n_decay = n_decay
         self.cfg = cfg
         self.kernel = kernel                                 # host ranges: native_adamw's schedule, or torch
-        self.exp_avg = torch.zeros_like(master)              # [numel] fp32
-        self.exp_avg_sq = torch.zeros_like(master)           # [numel] fp32
+        self.exp_avg = torch.zeros_like(master) if moments_here else None      # [numel] fp32
+        self.exp_avg_sq = torch.zeros_like(master) if moments_here else None   # [numel] fp32
         # The kernel reads the step from a tensor on the parameters' device.
         self.step_count = torch.zeros((), dtype=torch.float32, device=master.device)
 
@@ -53,7 +56,8 @@ class FlatAdamW:
         self.step_count += 1
 
     def update(self, grad: torch.Tensor, lr: float, start: int = 0,
-               grad_scale: float | torch.Tensor = 1.0, part: str = "all") -> None:
+               grad_scale: float | torch.Tensor = 1.0, part: str = "all",
+               moments: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Apply AdamW to master[start:start+len(grad)] with `grad` times `grad_scale`.
 
         grad_scale: the clip coefficient, a float (host) or a 0-dim FP32 tensor on the master's
@@ -67,17 +71,26 @@ class FlatAdamW:
         part: "all"; or the split pair "params" (the new parameters only) then "moments" (the new
         moments only, with the same gradient and scale), which together write exactly what "all"
         does (native_adamw.update's part). Ranges native_adamw does not take are updated in full
-        by "params" and left alone by "moments"."""
+        by "params" and left alone by "moments".
+
+        moments: (exp_avg, exp_avg_sq) of master[start:start+len(grad)], [len(grad)] FP32 each, where
+        they do not live in this object (the disk tier's block buffers)."""
         end = start + grad.numel()
+
+        def moment_views(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if moments is None:
+                return self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi]
+            return moments[0][lo - start:hi - start], moments[1][lo - start:hi - start]
         scaled = isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0
         for lo, hi, wd in ((start, min(end, self.n_decay), self.cfg.weight_decay),
                            (max(start, self.n_decay), end, 0.0)):
             if hi <= lo:
                 continue
             g = grad[lo - start:hi - start]
+            m, v = moment_views(lo, hi)
             if (self.kernel != "torch" and not isinstance(grad_scale, torch.Tensor)
                     and native_adamw.takes(g, self.master)):
-                native_adamw.update(self.master[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], g, lr=lr,
+                native_adamw.update(self.master[lo:hi], m, v, g, lr=lr,
                                     beta1=self.cfg.beta1, beta2=self.cfg.beta2, eps=self.cfg.eps,
                                     weight_decay=wd, step=int(self.step_count), schedule=self.kernel,
                                     grad_scale=float(grad_scale), part=part)
@@ -89,7 +102,7 @@ class FlatAdamW:
             if scaled:
                 g.mul_(grad_scale)
             torch._fused_adamw_(
-                [self.master[lo:hi]], [g], [self.exp_avg[lo:hi]], [self.exp_avg_sq[lo:hi]], [],
+                [self.master[lo:hi]], [g], [m], [v], [],
                 [self.step_count], lr=lr, beta1=self.cfg.beta1, beta2=self.cfg.beta2,
                 weight_decay=wd, eps=self.cfg.eps, amsgrad=False, maximize=False)
 

@@ -152,6 +152,18 @@ class RuntimeConfig:
     # Split was as fast or faster everywhere measured, even where the host's AdamW binds
     # (Llama-3.1-8B b8, 24 GiB GPU, one machine: 2.54 s against 2.61; NOTES.md 21).
     clip_sweep: str = "split"       # split | whole
+    # The disk tier (engine/slide/disk_tier.py): the AdamW moments of `disk_units` host-updated
+    # units (the head, then decoder layers from the top down: those the next forward needs last)
+    # live in files under `disk_dir`, read ahead of each unit's update and written behind it.
+    # Each such unit then takes 4 B/param of host RAM (its master) instead of 12, and moves
+    # 16 B/param through the disk a step. A fraction (0 < x < 1) takes that share of the units
+    # that may go there. -1 (auto): with a disk_dir, as few as make host RAM fit
+    # (engine.fit.choose_auto_settings), else none; left unresolved, none.
+    disk_dir: str | None = None
+    disk_units: float = -1
+    disk_block_mb: float = 64       # disk I/O block: one block's moments (m and v) per pinned buffer
+    disk_buffers: int = 8           # pinned block buffers: reads ahead, the block in AdamW, writes behind
+    disk_io_threads: int = 4        # threads issuing preadv/pwritev (each releases the GIL)
     # output layer
     head_impl: str = "chunked"      # full | chunked | fused
     head_chunk_tokens: int = 4096   # tokens per logits chunk (4096 x 152k vocab x 2 B = 1.2 GB)
@@ -199,6 +211,17 @@ class RuntimeConfig:
             raise ValueError("host_threads must be >= 1, or 0 for torch's default")
         if self.grad_slots < 0:
             raise ValueError("grad_slots must be >= 1, or 0 for auto")
+        if self.disk_units < -1 or (self.disk_units >= 1 and self.disk_units != int(self.disk_units)):
+            raise ValueError(f"disk_units must be a count, a fraction between 0 and 1, or -1 for auto, "
+                             f"not {self.disk_units}")
+        if self.disk_units == int(self.disk_units):
+            self.disk_units = int(self.disk_units)
+        if self.disk_units > 0 and not self.disk_dir:
+            raise ValueError("disk_units needs a disk directory: --disk-dir PATH (a local disk with room "
+                             "for 8 bytes per parameter of those units)")
+        if self.disk_block_mb <= 0 or self.disk_buffers < 3 or self.disk_io_threads < 1:
+            raise ValueError("disk_block_mb must be > 0, disk_buffers >= 3 (one read ahead, one in AdamW, "
+                             "one written behind) and disk_io_threads >= 1")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -214,27 +237,6 @@ class RuntimeConfig:
         no more than one decoder layer: a small model must not get 256 MB staging buffers.
         Units larger than a chunk (the vocabulary matrices) stream through in pieces."""
         return max(1, min(self.chunk_mb * 2**20 // 4, layer_numel))
-
-    def resolved_cache_units(self, num_layers: int) -> int:
-        """GPU layer slots for `num_layers` host layers, window and resident together; an
-        unresolved auto (-1) takes the small default window, 3."""
-        resident = self.resident_layer_count(num_layers)
-        return resident + self.window_slots(num_layers)
-
-    def _window(self) -> int:
-        return 3 if self.cache_units == -1 else self.cache_units
-
-    def resident_layer_count(self, host_layers: int) -> int:
-        """How many of the `host_layers` host-updated layers have a slot of their own (the lowest
-        ones): all with cache_units=0, or where the window would hold every layer left to it."""
-        if self.cache_units == 0:
-            return host_layers
-        resident = min(host_layers, max(0, self.resident_layers))
-        return host_layers if self._window() >= host_layers - resident else resident
-
-    def window_slots(self, host_layers: int) -> int:
-        """The window's interchangeable slots, for the host layers without one of their own."""
-        return 0 if self.resident_layer_count(host_layers) == host_layers else self._window()
 
     # Layers of gradients the pinned ring holds under update_order=deadline: the backlog of
     # updates still queued when the backward ends. Qwen3-8B b16 with compiled layers: AdamW
@@ -273,23 +275,6 @@ class RuntimeConfig:
     def grad_slots_fp32(self) -> bool:
         """Whether the gradient slots are FP32 (auto, unresolved, means the compute dtype)."""
         return self.grad_slot_dtype == "fp32"
-
-    def vocab_on_device(self, schedule: str) -> bool:
-        """Whether the engine updates the vocabulary units on the device (auto, unresolved: no)."""
-        return self.vocab_update == "device"
-
-    def layers_on_device(self, schedule: str, num_layers: int) -> int:
-        """How many of the lowest decoder layers the engine keeps and updates on the device."""
-        if self.device_layers > num_layers:
-            raise ValueError(f"device_layers={self.device_layers} but the model has {num_layers} decoder layers")
-        return max(0, self.device_layers)
-
-    def gpu_checkpoint_layers(self, num_layers: int) -> int:
-        """How many of the last decoder layers keep their input checkpoint on the GPU: all without
-        offload_activations; with it, gpu_checkpoints (auto, unresolved: none)."""
-        if not self.offload_activations:
-            return num_layers
-        return min(num_layers, max(0, self.gpu_checkpoints))
 
     def resolved_host_threads(self, is_cuda: bool) -> int:
         """The host worker's AdamW threads: host_threads, or for 0 one core left to the compute

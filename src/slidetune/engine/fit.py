@@ -40,6 +40,8 @@ import torch
 
 from ..models.units import SplitModel
 from .config import RuntimeConfig, recompute_set
+from .placement import PlacementPlan, unit_shapes
+from .slide.disk_tier import block_elems, check_directory, file_bytes
 from .slide.host_store import BUILD_WORKERS
 
 GiB = 2**30
@@ -85,6 +87,8 @@ class MemoryEstimate:
     device_type: str = "cuda"            # "cpu": gpu_* is memory of the CPU device, i.e. host RAM
     phases: dict[str, int] = field(default_factory=dict)  # transient working sets; only the largest counts
     schedule: str | None = None          # slide mode: eager | deferred
+    disk_bytes: int = 0                  # the disk tier's files (slide mode with disk units)
+    plan: PlacementPlan | None = None    # slide mode: the placement the estimate is of
 
     @property
     def host_total_bytes(self) -> int:
@@ -96,7 +100,8 @@ class MemoryEstimate:
             return ", ".join(f"{k} {_gib(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v)
         dev = "GPU" if self.device_type == "cuda" else "device (cpu: in RAM)"
         return (f"{dev} {_gib(self.gpu_bytes)} GiB [{items(self.gpu_parts)}]; host {_gib(self.host_bytes)} GiB "
-                f"(pinned {_gib(self.pinned_bytes)}) [{items(self.host_parts)}]")
+                f"(pinned {_gib(self.pinned_bytes)}) [{items(self.host_parts)}]"
+                + (f"; disk tier {_gib(self.disk_bytes)} GiB" if self.disk_bytes else ""))
 
 
 class InsufficientMemoryError(RuntimeError):
@@ -330,6 +335,8 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
     host: dict[str, int] = {}
     pinned = 0
     schedule = None
+    plan = None
+    disk_bytes = 0
     # what every layer receives besides the hidden states: the [B,1,S,S] bool masks HF
     # materializes (materialized_masks), rotary cos/sin [1,S,hd] fp32
     masks = materialized_masks(split, S, padded)
@@ -341,9 +348,9 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
             # a micro-batch at a time, its parameter gradients summed in FP32 (a tied embedding's too)
             head += 4 * (split.head_unit.numel + (split.embed_unit.numel if split.tied else 0))
         schedule = rt.resolved_schedule(grad_accum, max_grad_norm)
-        n_dev = rt.layers_on_device(schedule, L)
-        host_layers = L - n_dev
-        K = rt.resolved_cache_units(host_layers)          # window slots + resident layers' own
+        plan = PlacementPlan.build(unit_shapes(split), rt, schedule)
+        n_dev = plan.device_layers
+        K = plan.layer_slots                              # window slots + resident layers' own
         gpu["layer weight slots"] = K * P_L * b
         gb = 4 if rt.grad_slots_fp32() else b
         gpu["layer grad slots"] = rt.resolved_grad_slots(L, eager=schedule == "eager") * P_L * gb
@@ -353,7 +360,7 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
             gpu["fp32 landing buffers (cast on the compute stream)"] = (K * P_L + P_E + P_H) * 4
         ckpt_micro = N * d * b                 # one micro-batch's checkpoint of one layer
         ckpt = N_step * d * b                  # a layer's checkpoints, every micro-batch
-        kept = rt.gpu_checkpoint_layers(L)
+        kept = plan.gpu_checkpoints
         # offload: those kept on the GPU, plus in forward the micro-batches' outputs of the layer
         # being computed and the one whose D2H copy is in flight (in backward, the checkpoint being
         # read and the one prefetched, no more)
@@ -374,7 +381,7 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
             # an FP32 sum
             "embedding backward": P_E * b + ckpt + (4 * P_E if grad_accum > 1 else 0),
         }
-        vocab_device = rt.vocab_on_device(schedule)
+        vocab_device = plan.vocab_on_device
         if vocab_device:
             gpu["vocab master + Adam moments (vocab_update=device, 12 B/param)"] = 12 * (P_E + P_H)
         P_dev = sum(u.numel for u in split.layer_units[:n_dev])
@@ -390,7 +397,14 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
             gpu["device update widening buffer"] = 4 * min(chunk_elems, max(device_units))
         gpu_cast = rt.casts_on_gpu(dev == "cuda")
         P_host = P - (P_E + P_H if vocab_device else 0) - P_dev
-        host["master + Adam moments (12 B/param)"] = 12 * P_host
+        P_disk = plan.params("disk")
+        host["master + Adam moments (12 B/param)"] = 12 * (P_host - P_disk)
+        if P_disk:
+            # the disk tier: masters here, moments in its files, through a few pinned block buffers
+            block = block_elems(rt.disk_block_mb)
+            host["disk units' masters (4 B/param; moments on disk)"] = 4 * P_disk
+            host["disk tier block buffers"] = rt.disk_buffers * 8 * block
+            disk_bytes = sum(file_bytes(u.numel, block) for u in plan.units if u.state == "disk")
         held = b * P_host if schedule == "deferred" else 0
         if held:
             host[f"held gradients (deferred schedule, {b} B/param)"] = held
@@ -414,7 +428,7 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         if kept < L:
             host["offloaded checkpoints"] = (L - kept) * ckpt
         if dev == "cuda":
-            pinned = rings + (L - kept) * ckpt + held
+            pinned = rings + (L - kept) * ckpt + held + host.get("disk tier block buffers", 0)
         # units kept on the device pass through a host buffer (4 B/param) while they are built,
         # up to BUILD_WORKERS at once, beside the host units (HostStore)
         building = sorted(device_units, reverse=True)[:BUILD_WORKERS]
@@ -449,7 +463,8 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
     return MemoryEstimate(gpu_bytes=int(sum(gpu.values())), host_bytes=int(sum(host.values())),
                           pinned_bytes=int(pinned), gpu_parts={k: int(v) for k, v in gpu.items()},
                           host_parts={k: int(v) for k, v in host.items()}, device_type=dev,
-                          phases={k: int(v) for k, v in phases.items()}, schedule=schedule)
+                          phases={k: int(v) for k, v in phases.items()}, schedule=schedule,
+                          disk_bytes=int(disk_bytes), plan=plan)
 
 
 # ----------------------------------------------------------------------------- availability
@@ -528,6 +543,9 @@ def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len:
         raise ValueError("safety must be in (0, 1]")
     est = estimate_memory(split, rt, batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum,
                           max_grad_norm=max_grad_norm, padded=padded)
+    if est.disk_bytes:
+        # the disk tier's directory: there, writable, with room for its files (DiskTierError)
+        check_directory(rt.disk_dir, est.disk_bytes)
     if est.device_type == "cuda" and gpu_free_bytes is None:
         gpu_free_bytes = query_gpu_free_bytes(rt)
     if host_available_bytes is None:
@@ -538,8 +556,29 @@ def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len:
         return est
     options = suggest(split, rt, budget, batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum,
                       max_grad_norm=max_grad_norm, padded=padded)
-    raise InsufficientMemoryError(_message(rt, est, short, options, batch_size, seq_len, grad_accum, safety),
-                                  est, options)
+    disk_note = _disk_tier_note(split, rt, budget, short, batch_size=batch_size, seq_len=seq_len,
+                                grad_accum=grad_accum, max_grad_norm=max_grad_norm, padded=padded)
+    raise InsufficientMemoryError(_message(rt, est, short, options, batch_size, seq_len, grad_accum, safety,
+                                           disk_note), est, options)
+
+
+def _disk_tier_note(split: SplitModel, rt: RuntimeConfig, budget: _Budget, short, **kw) -> str:
+    """Where host RAM is what does not fit and no disk tier was given: what the disk tier would take
+    (the auto placement with a disk directory), or "" where it would not help."""
+    if rt.mode != "slide" or rt.disk_dir or not any(what == "host RAM" for what, *_ in short) \
+            or budget.device_type != "cuda" or budget.gpu_free is None:
+        return ""
+    trial = dataclasses.replace(rt, disk_dir="PATH", disk_units=-1)
+    placed = choose_auto_settings(split, trial, gpu_free_bytes=budget.gpu_free, host_available_bytes=budget.host_avail,
+                                  safety=budget.safety, **kw)
+    est = estimate_memory(split, placed, **kw)
+    if not budget.fits(est):
+        return ""
+    n = len(est.plan.indices("disk"))
+    return (f"With a local disk: --disk-dir PATH (the disk tier: AdamW moments of {n} units, "
+            f"{est.plan.ranges(lambda u: u.state == 'disk')}, {_gib(est.disk_bytes)} GiB of files there; "
+            f"GPU {_gib(est.gpu_bytes)} GiB, host {_gib(est.host_bytes)} GiB; each step moves "
+            f"{_gib(2 * est.disk_bytes)} GiB through the disk)")
 
 
 def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int,
@@ -589,13 +628,14 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
                                         ("gpu_checkpoints", rt.gpu_checkpoints == -1 and rt.offload_activations))
                 if auto]
     if len(cache_options) == 1 and rt.grad_slot_dtype != "auto" and rt.vocab_update != "auto" \
-            and rt.device_layers != -1 and "gpu_checkpoints" not in fillable:
+            and rt.device_layers != -1 and "gpu_checkpoints" not in fillable \
+            and (rt.disk_units != -1 or not rt.disk_dir):
         return rt
 
     def candidate(cache_units: int, vocab: str, grad_dtype: str) -> RuntimeConfig:
         return dataclasses.replace(rt, cache_units=cache_units, grad_slot_dtype=grad_dtype, vocab_update=vocab,
                                    device_layers=max(0, rt.device_layers), gpu_checkpoints=max(0, rt.gpu_checkpoints),
-                                   resident_layers=max(0, rt.resident_layers))
+                                   resident_layers=max(0, rt.resident_layers), disk_units=max(0, rt.disk_units))
 
     lean = candidate(cache_options[-1], vocab_options[-1], dtype_options[-1])
     if _device_type(rt) != "cuda":
@@ -654,14 +694,27 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
             enough = fewest_device_layers(c)
             leanest.append(fill(enough, ["resident_layers", "device_layers"]) if enough
                            else fill(c, ["device_layers"]))
-    return next((c for c in leanest if host_fits(c)), min([fastest, *leanest], key=lambda c: estimate(c).host_bytes))
+    fitting = next((c for c in leanest if host_fits(c)), None)
+    if fitting is not None:
+        return fitting
+    least = min([fastest, *leanest], key=lambda c: estimate(c).host_bytes)
+    if rt.disk_units == -1 and rt.disk_dir:
+        # RAM and GPU cannot hold the state: the disk tier takes the moments of as few units as
+        # make the host fit (the head, then layers from the top down; each 8 B/param off the host)
+        host_units = PlacementPlan.build(unit_shapes(split), least).disk_capacity()
+        for k in range(1, host_units + 1):
+            c = dataclasses.replace(least, disk_units=k)
+            if host_fits(c) and fits(c):
+                return c
+        return dataclasses.replace(least, disk_units=host_units)
+    return least
 
 
 def _gib(n: int) -> str:
     return f"{n / GiB:.2f}"
 
 
-def _message(rt, est, short, options, B, S, accum, safety) -> str:
+def _message(rt, est, short, options, B, S, accum, safety, disk_note: str = "") -> str:
     lines = [f"slidetune: mode {rt.mode}, batch {B} x {S} tokens"
              + (f" x {accum} micro-batches" if accum > 1 else "") + f", {rt.dtype} on {est.device_type}: "
              + " and ".join(w for w, *_ in short) + " too small."]
@@ -675,7 +728,9 @@ def _message(rt, est, short, options, B, S, accum, safety) -> str:
     if options:
         lines.append("Options that fit (per the same estimate):")
         lines += [f"  {o}" for o in options]
-    else:
+    if disk_note:
+        lines.append(disk_note)
+    if not options and not disk_note:
         lines.append("No single change among batch size, activation offload, cache slots, head chunking "
                      "and mode fits: use a smaller model or sequence length, or a machine with more memory.")
     return "\n".join(lines)

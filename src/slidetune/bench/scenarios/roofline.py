@@ -23,11 +23,15 @@ WORKER = "slidetune.bench.scenarios.roofline"
 def floor_worker(spec: dict) -> dict:
     """Runs in its own process. spec: model, batch_size, seq_len, num_layers, adamw_n, copy, adamw."""
     from ...telemetry.machine import machine_info
-    from ..roofline import floor, probe_adamw
+    from ..roofline import floor, probe_adamw, probe_disk
     adamw = spec.get("adamw") or probe_adamw(n=spec.get("adamw_n", 128 * 2**20),
                                              grad_download=spec.get("grad_download", "compute"),
                                              host_adamw=spec.get("host_adamw", "dynamic"))
     out = {"spec": spec, "machine": machine_info(), "status": "ok"}
+    if spec.get("disk_dir"):
+        out["disk"] = probe_disk(spec["disk_dir"], block_mb=spec.get("disk_block_mb", 64),
+                                 threads=spec.get("disk_io_threads", 4),
+                                 total_bytes=4 * 2**30 if torch.cuda.is_available() else 2**28)
     if torch.cuda.is_available() and spec.get("device", "auto") != "cpu":
         fl = floor(spec["model"], spec["batch_size"], spec["seq_len"], spec.get("num_layers"),
                    copy=spec.get("copy"), adamw=adamw, compile_layers=bool(spec.get("compile_layers")))
@@ -46,11 +50,14 @@ def floor_worker(spec: dict) -> dict:
 def measure_floor(model: str, batch: int, seq: int, num_layers: int | None = None, device: str = "auto",
                   adamw_n: int = 128 * 2**20, copy: dict | None = None, adamw: dict | None = None,
                   timeout_s: float = 1800, compile_layers: bool = False, grad_download: str = "compute",
-                  host_adamw: str = "dynamic") -> dict:
+                  host_adamw: str = "dynamic", disk_dir: str | None = None, disk_block_mb: int = 64,
+                  disk_io_threads: int = 4) -> dict:
+    """disk_dir: also probe the disk tier's directory (bench.roofline.probe_disk) for the disk term."""
     return run_worker(WORKER, dict(model=model, batch_size=batch, seq_len=seq, num_layers=num_layers,
                                    device=device, adamw_n=adamw_n, copy=copy, adamw=adamw,
                                    compile_layers=compile_layers, grad_download=grad_download,
-                                   host_adamw=host_adamw),
+                                   host_adamw=host_adamw, disk_dir=disk_dir, disk_block_mb=disk_block_mb,
+                                   disk_io_threads=disk_io_threads),
                       timeout_s=timeout_s)
 
 

@@ -29,7 +29,7 @@ from ..baselines.deepspeed_zero3 import availability as ds_availability
 from ..baselines.fsdp2 import FSDP2Spec
 from ..baselines.proc import parse_oom, run_worker
 from ..measure import MeasureSpec
-from ..roofline import Placement, floor_terms
+from ..roofline import floor_terms, plan_of_runtime
 from ..report import pipeline_rows
 from ..runner import run_isolated
 from . import add_common_arguments, common
@@ -127,7 +127,10 @@ def run(args: argparse.Namespace) -> Path:
                                        adamw=adamw_probe, timeout_s=args.timeout,
                                        compile_layers=_compiles(slide_over),
                                        grad_download=str(slide_over.get("grad_download", "compute")),
-                                       host_adamw=str(slide_over.get("host_adamw", "dynamic")))
+                                       host_adamw=str(slide_over.get("host_adamw", "dynamic")),
+                                       disk_dir=slide_over.get("disk_dir"),
+                                       disk_block_mb=int(slide_over.get("disk_block_mb", 64)),
+                                       disk_io_threads=int(slide_over.get("disk_io_threads", 4)))
                     if fl.get("status") == "ok":
                         adamw_probe = fl.get("adamw")
                     floors[key] = fl
@@ -272,6 +275,8 @@ def _placement(r: dict) -> dict:
     if rt.get("cache_units"):      # a window: the layers with a slot of their own beside it
         out["resident_layers"] = max(0, int(rt.get("resident_layers") or 0))
     out.update({k: rt.get(k) for k in ("vocab_update", "device_layers")})
+    if rt.get("disk_dir"):
+        out["disk_units"] = max(0, int(rt.get("disk_units") or 0))
     if rt.get("offload_activations"):
         out["gpu_checkpoints"] = max(0, int(rt.get("gpu_checkpoints") or 0))
     return out
@@ -365,9 +370,9 @@ def _row(system, model, batch, seq, r, fpt, fl, recipe: dict | None = None) -> d
         if system == "slide" and r.get("runtime") and not fl.get("partial"):
             # the floor of the placement this run resolved to: units updated on the GPU cost the
             # host neither AdamW nor copies (the probe's floor assumes every unit on the host)
-            placement = Placement.of_runtime(r["runtime"], clipped=bool(recipe["max_grad_norm"]))
-            terms = floor_terms(fl["compute"], fl["copy"], fl["adamw"], placement,
-                                device_adamw=fl.get("device_adamw"))
+            plan = plan_of_runtime(fl["compute"], r["runtime"], clipped=bool(recipe["max_grad_norm"]))
+            terms = floor_terms(fl["compute"], fl["copy"], fl["adamw"], plan, device_adamw=fl.get("device_adamw"),
+                                disk=fl.get("disk"), split_sweep=r["runtime"].get("clip_sweep") != "whole")
             bound = max(terms, key=terms.get)
             floor_s = terms[bound]
         row.update(floor_s=floor_s, floor_bound_by=bound, floor_partial=fl.get("partial"))

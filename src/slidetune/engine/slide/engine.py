@@ -67,8 +67,10 @@ from ..adamw import AdamWConfig
 from ..compile_workers import release_compile_workers
 from ..config import RuntimeConfig
 from ..gc_policy import GCFreeze
+from ..placement import PlacementPlan, unit_shapes
 from ..result import StepResult
 from .activations import ActivationStore
+from .disk_tier import DiskTier
 from .host_store import HostStore, HostUnit
 from .transfer import GradDrain, Uploader, clip_coefficient
 from ...faults import ENV as FAULT_ENV
@@ -122,18 +124,34 @@ class SlideEngine:
         self.timeline = HostTimeline(enabled=False)
         self.memory = MemoryTimeline(device, enabled=False)
         L = self.split.num_layers
-        # vocab_update=device: the embedding and head are updated on the compute stream
-        # (_update_on_device); device_layers: the lowest layers likewise, each with a weight slot
-        # of its own. Their masters and moments are built on the device and never held by the host.
-        self.vocab_on_device = rt.vocab_on_device(self.schedule)
-        self.device_layers = rt.layers_on_device(self.schedule, L)
-        device_units = frozenset(([0, L + 1] if self.vocab_on_device else []) + list(range(1, self.device_layers + 1)))
+        # Where each unit's state lives and how its weights reach the GPU (engine/placement.py).
+        # GPU units (vocab_update=device, device_layers) are updated on the compute stream
+        # (_update_on_device), each with a weight slot of their own; their masters and moments are
+        # built on the device and never held by the host. Disk units keep their moments in the
+        # disk tier's files.
+        self.plan = PlacementPlan.build(unit_shapes(self.split), rt, self.schedule)
+        self.vocab_on_device = self.plan.vocab_on_device
+        self.device_layers = self.plan.device_layers
+        device_units = frozenset(self.plan.indices("gpu"))
         self.deferred = self.schedule == "deferred"
         self.split_sweep = rt.clip_sweep == "split"
-        self.store = HostStore(self.split, loaded.source, optim, held_dtype=self.dtype if self.deferred else None,
-                               kernel=rt.host_adamw, device_units=device_units, device=device.device)
+        disk_units = self.plan.indices("disk")
+        self.disk = (DiskTier(rt.disk_dir, {i: self.split.units[i].numel for i in disk_units},
+                              block_mb=rt.disk_block_mb, buffers=rt.disk_buffers, io_threads=rt.disk_io_threads,
+                              pinned=device.is_cuda, names={i: self.split.units[i].name for i in disk_units},
+                              timeline=self.timeline)
+                     if disk_units else None)
+        if self.disk is not None:
+            self.disk.abort = self._abort
+        try:
+            self.store = HostStore(self.split, loaded.source, optim,
+                                   held_dtype=self.dtype if self.deferred else None, kernel=rt.host_adamw,
+                                   device_units=device_units, device=device.device, disk=self.disk)
+        except BaseException:
+            if self.disk is not None:
+                self.disk.close()
+            raise
         self.units: list[HostUnit] = self.store.units
-        host_layers = L - self.device_layers
         layer_numel = max(u.numel for u in self.split.layer_units)
         dev = device.device
         self.gpu_cast = rt.casts_on_gpu(device.is_cuda)
@@ -151,10 +169,10 @@ class SlideEngine:
         # Resident host layers (the lowest ones above the device layers): a slot each, into
         # which the next step's weights are uploaded as soon as the update lands
         # (_prefetch_next_step), so their forward never waits on PCIe.
-        self.resident_layers = rt.resident_layer_count(host_layers)
+        self.resident_layers = self.plan.resident_layers
         # The window: interchangeable slots for the other host layers, each uploaded in the
         # forward and again in the backward.
-        self.layer_slots = [weight_slot(layer_numel) for _ in range(rt.window_slots(host_layers))]
+        self.layer_slots = [weight_slot(layer_numel) for _ in range(self.plan.window_slots)]
         # Units with a slot of their own: the vocabulary units, the layers kept on the device
         # (their weights are cast from the device master there, never uploaded) and the resident
         # layers.
@@ -218,7 +236,7 @@ class SlideEngine:
         # thread runs Python; the default 5 ms switch interval would stall each hand-off.
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(rt.gil_switch_ms / 1e3)
-        self.acts = ActivationStore(device, L, rt.offload_activations, keep_on_gpu=rt.gpu_checkpoint_layers(L))
+        self.acts = ActivationStore(device, L, rt.offload_activations, keep_on_gpu=self.plan.gpu_checkpoints)
         self.gc_freeze = GCFreeze(rt.gc_freeze)
         # compile_layers: one compiled graph per kind of layer, keyed on a template module
         # (dynamo guards on the module object; one per layer would recompile L times).
@@ -325,16 +343,13 @@ class SlideEngine:
         """
         self._submit_upload(unit_index, slot, version=self.step_index + 1, when_update_starts=True)
 
-    def _on_device(self, layer: int) -> bool:
-        """Whether decoder layer `layer` (0-based) is kept and updated on the device (device_layers)."""
-        return layer < self.device_layers
-
     def _resident(self, layer: int) -> bool:
         """Whether decoder layer `layer` is a host-updated layer with a slot of its own."""
-        return self.device_layers <= layer < self.device_layers + self.resident_layers
+        place = self.plan.units[layer + 1]
+        return place.slot == "own" and place.host_updated
 
     def _has_own_slot(self, layer: int) -> bool:
-        return layer < self.device_layers + self.resident_layers
+        return self.plan.has_own_slot(layer)
 
     def _use_own_slot(self, unit_index: int) -> _Slot:
         """The weights of a unit with a slot of its own (vocabulary units, device layers, resident
@@ -551,6 +566,13 @@ class SlideEngine:
         self._last_step_t = now
         self._held_landed = {}
         self._sq_device = torch.zeros((), dtype=torch.float32, device=self.device.device)
+        if self.disk is not None:
+            # the disk units' moments, read ahead in the order their updates will run: as the
+            # backward releases them (eager), or as the sweep reaches them (deferred); moments do
+            # not depend on the gradient, so the reads start now
+            order = sorted(self.disk.units, reverse=not self.deferred)
+            for i in order:
+                self.disk.prefetch(i)
         # The summed loss is copied out right after the head, with its own event: reading it
         # waits for that head only. (A float() of a GPU scalar at the end would wait for the
         # whole backward queued behind it, spinning a core the host's AdamW needs; NOTES.md 14.)
@@ -636,16 +658,20 @@ class SlideEngine:
             # Embedding first: the next forward needs it first. Each unit's upload for the next
             # step waits only for that unit's update (chunk by chunk), so the sweep overlaps the
             # next forward.
+            # A disk unit's update reads and writes its moments once ("all"): its moments are
+            # not in RAM for a second pass to find.
             host = [(i, u) for i, u in enumerate(self.units) if u.on_host]
             for index, unit in host:
                 event = wait_or_abort(landed[index], self._abort, f"the held gradient of {unit.spec.name}")
                 event.synchronize()
+                split = self.split_sweep and unit.disk is None
                 with self.timeline.span("host", "adamw", unit.spec.name):
-                    GradDrain.deferred_update(unit, lr, coef, self.chunk,
-                                              part="params" if self.split_sweep else "all")
-                if not self.split_sweep:
+                    GradDrain.deferred_update(unit, lr, coef, self.chunk, part="params" if split else "all")
+                if not split:
                     held_free[index].set_result(None)
             for index, unit in (reversed(host) if self.split_sweep else []):
+                if unit.disk is not None:
+                    continue
                 with self.timeline.span("host", "adamw_moments", unit.spec.name):
                     GradDrain.deferred_moments(unit, coef, self.chunk)
                 held_free[index].set_result(None)
@@ -837,6 +863,8 @@ class SlideEngine:
             self.d2h_worker.drain()
             self.host_worker.drain()
             self.upload_worker.drain()
+            if self.disk is not None:
+                self.disk.drain()
         except WorkerError as e:
             first = self._first_error or e
             raise WorkerError(f"{self._failed_where}: {first!r}") from first
@@ -854,7 +882,7 @@ class SlideEngine:
         (a checkpoint writer copies one tensor at a time instead of all of them at once)."""
         out = {}
         for unit in self.units:
-            for k, t in unit.opt.state_tensors().items():
+            for k, t in unit.state_tensors().items():
                 out[f"{unit.spec.name}.{k}"] = t if unit.on_host or not on_host else t.cpu()
         return out
 
@@ -863,7 +891,7 @@ class SlideEngine:
         for unit in self.units:
             for name, view in unit.params().items():
                 view.copy_(masters[name])
-            unit.opt.load_state_tensors({k: optim[f"{unit.spec.name}.{k}"] for k in ("exp_avg", "exp_avg_sq", "step")})
+            unit.load_state_tensors({k: optim[f"{unit.spec.name}.{k}"] for k in ("exp_avg", "exp_avg_sq", "step")})
             unit.set_version(step)
         self.step_index = step
         for slot in self.layer_slots + list(self.own_slots.values()):
@@ -874,10 +902,14 @@ class SlideEngine:
                  + list(self.device_grad_slots.values()))
         gpu_buffers = sum(t.numel() * t.element_size() for s in slots for t in (s.flat, s.landing) if t is not None)
         pinned = (sum(b.numel() * b.element_size() for b in self.uploader.ring + self.drainer.ring)
-                  + self.acts.pinned_bytes())
+                  + self.acts.pinned_bytes() + (self.disk.pinned_bytes() if self.disk is not None else 0))
         device_state = sum(12 * u.spec.numel for u in self.units if u.on_device)   # vocab_update=device, device_layers
-        return {"gpu_buffers": gpu_buffers, "pinned": pinned, "host_state": self.store.state_bytes(),
-                "device_state": device_state}
+        out = {"gpu_buffers": gpu_buffers, "pinned": pinned, "host_state": self.store.state_bytes(),
+               "device_state": device_state}
+        if self.disk is not None:
+            out.update(disk_state=sum(8 * n for n in self.disk.units.values()), disk_read=self.disk.bytes_read,
+                       disk_written=self.disk.bytes_written)
+        return out
 
     def close(self) -> None:
         if getattr(self, "_closed", False):
@@ -892,6 +924,8 @@ class SlideEngine:
             self.d2h_worker.close()
             sys.setswitchinterval(self._switch_interval)
             self.acts.close()
+            if self.disk is not None:
+                self.disk.close()           # the scratch files go; the run's state is in its checkpoints
             self.gc_freeze.release()
             if self.device.is_cuda:
                 for unit in self.units:

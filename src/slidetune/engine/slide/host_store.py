@@ -18,6 +18,7 @@ import torch
 from ...models.load import WeightSource
 from ...models.units import SplitModel, UnitSpec
 from ..adamw import AdamWConfig, FlatAdamW
+from .disk_tier import DiskTier, StreamedTensor
 
 # Units materialized at once (threads); each unit kept on the device holds a host buffer of
 # 4 B/param while it is built (engine.fit counts them).
@@ -27,19 +28,23 @@ BUILD_WORKERS = max(1, min(8, os.cpu_count() or 1))
 class HostUnit:
     def __init__(self, spec: UnitSpec, source: WeightSource, optim: AdamWConfig,
                  held_dtype: torch.dtype | None = None, kernel: str = "dynamic",
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, disk: DiskTier | None = None):
         """held_dtype: the deferred schedule's held gradient [numel] in this dtype (host units only;
         a unit on the device holds its gradient there, in the engine).
         device: keep this unit's master and AdamW state there from the start (vocab_update=device,
         device_layers): the weights pass through a transient host buffer (4 B/param) on the way,
-        and the moments are never allocated in host RAM."""
+        and the moments are never allocated in host RAM.
+        disk: the disk tier holding this unit's moments (placement "disk"); the master stays here."""
         self.spec = spec
         master = torch.empty(spec.numel, dtype=torch.float32)          # [numel] fp32
         source.fill(spec, master)
         self.on_device = device is not None       # True: the compute stream updates it, on the device
         self.master = master.to(device) if self.on_device else master  # the host buffer goes with `master`
         del master
-        self.opt = FlatAdamW(self.master, spec.n_decay, optim, kernel)
+        self.disk = disk
+        self.opt = FlatAdamW(self.master, spec.n_decay, optim, kernel, moments_here=disk is None)
+        self._open_block: int | None = None          # disk: the block this update holds
+        self._open_moments: tuple[torch.Tensor, torch.Tensor] | None = None
         # [numel] the step's gradient as the GPU computed it (compute dtype), written by one D2H
         # copy and read by the clipped update sweep (deferred schedule)
         self.held = (torch.empty(spec.numel, dtype=held_dtype)
@@ -54,6 +59,51 @@ class HostUnit:
     def on_host(self) -> bool:
         """Whether the host worker updates this unit (False: the compute stream does, on the device)."""
         return not self.on_device
+
+    def update_range(self, grad: torch.Tensor, lr: float, start: int, grad_scale: float = 1.0,
+                     part: str = "all") -> None:
+        """AdamW on master[start:start+len(grad)] (FlatAdamW.update), with the moments of a disk unit
+        taken from the disk tier block by block: a block is held from the first range that
+        touches it until its last element is written, then written behind."""
+        if self.disk is None:
+            self.opt.update(grad, lr, start, grad_scale=grad_scale, part=part)
+            return
+        if part != "all":
+            raise ValueError("a disk unit's update reads and writes its moments once: part must be 'all'")
+        end, index = start + grad.numel(), self.spec.index
+        lo = start
+        while lo < end:
+            b = lo // self.disk.block
+            block_lo, block_hi = self.disk.block_range(index, b)
+            hi = min(end, block_hi)
+            if self._open_block != b:
+                if self._open_block is not None:       # an update that skipped a block's tail
+                    self.disk.release(index, self._open_block)
+                self._open_moments = self.disk.acquire(index, b, self.disk.abort)
+                self._open_block = b
+            m, v = self._open_moments                 # [block_hi - block_lo] each
+            self.opt.update(grad[lo - start:hi - start], lr, lo, grad_scale=grad_scale,
+                            moments=(m[lo - block_lo:hi - block_lo], v[lo - block_lo:hi - block_lo]))
+            if hi == block_hi:
+                self.disk.release(index, b)
+                self._open_block = self._open_moments = None
+            lo = hi
+
+    def state_tensors(self) -> dict[str, torch.Tensor | StreamedTensor]:
+        """AdamW's state by name; a disk unit's moments as StreamedTensors read from the disk tier."""
+        if self.disk is None:
+            return self.opt.state_tensors()
+        index, shape = self.spec.index, (self.spec.numel,)
+        return {"exp_avg": StreamedTensor(shape, torch.float32, lambda: self.disk.read_moment(index, 0)),
+                "exp_avg_sq": StreamedTensor(shape, torch.float32, lambda: self.disk.read_moment(index, 1)),
+                "step": self.opt.step_count}
+
+    def load_state_tensors(self, state: dict[str, torch.Tensor]) -> None:
+        if self.disk is None:
+            self.opt.load_state_tensors(state)
+            return
+        self.disk.write_unit(self.spec.index, state["exp_avg"], state["exp_avg_sq"])
+        self.opt.step_count.copy_(state["step"])
 
     def params(self) -> dict[str, torch.Tensor]:
         """Full HF name -> FP32 view of the master."""
@@ -122,10 +172,12 @@ class HostUnit:
 class HostStore:
     def __init__(self, split: SplitModel, source: WeightSource, optim: AdamWConfig,
                  held_dtype: torch.dtype | None = None, kernel: str = "dynamic",
-                 device_units: frozenset[int] = frozenset(), device: torch.device | None = None):
+                 device_units: frozenset[int] = frozenset(), device: torch.device | None = None,
+                 disk: DiskTier | None = None):
         """held_dtype: the deferred schedule's held gradients' dtype (None: eager, none held).
         kernel: the host AdamW kernel of every unit (FlatAdamW's; RuntimeConfig.host_adamw).
-        device_units: indices of the units whose state lives on `device` (HostUnit's device)."""
+        device_units: indices of the units whose state lives on `device` (HostUnit's device).
+        disk: the disk tier; the units it holds (disk.units) keep their moments there."""
         # Each unit is materialized straight from the source into its own master (no second
         # copy), several units at once: torch's normal_ with a generator runs on one core
         # (~150 M values/s), so a random 8B model took ~55 s unit by unit. Every unit seeds
@@ -135,7 +187,8 @@ class HostStore:
         with ThreadPoolExecutor(BUILD_WORKERS, thread_name_prefix="slidetune-init") as pool:
             self.units = list(pool.map(
                 lambda i: HostUnit(split.units[i], source, optim, held_dtype, kernel,
-                                   device=device if i in device_units else None),
+                                   device=device if i in device_units else None,
+                                   disk=disk if disk is not None and i in disk.units else None),
                 range(len(split.units))))
 
     def num_params(self) -> int:
@@ -143,5 +196,6 @@ class HostStore:
 
     def state_bytes(self) -> int:
         """Host bytes of masters, moments and held gradients (units kept on the device excluded)."""
-        return sum(12 * u.spec.numel + (u.held.numel() * u.held.element_size() if u.held is not None else 0)
+        return sum((4 if u.disk is not None else 12) * u.spec.numel
+                   + (u.held.numel() * u.held.element_size() if u.held is not None else 0)
                    for u in self.units if u.on_host)

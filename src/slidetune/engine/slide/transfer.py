@@ -202,7 +202,7 @@ class GradDrain:
                 g = self.scratch[: hi - lo]
                 g.copy_(buf)                                  # compute dtype -> FP32
             with record_function("slidetune.adamw"), self.timeline.span("host", "adamw", unit.spec.name):
-                unit.opt.update(g, lr, lo)
+                unit.update_range(g, lr, lo)
             unit.advance(hi)
             self.give_back(r)
         unit.bump_version()
@@ -234,7 +234,7 @@ class GradDrain:
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
             with record_function("slidetune.adamw"):
-                unit.opt.update(unit.held[lo:hi], lr, lo, grad_scale=clip_coef, part=part)
+                unit.update_range(unit.held[lo:hi], lr, lo, grad_scale=clip_coef, part=part)
             unit.advance(hi)
         unit.bump_version()
 
@@ -246,7 +246,7 @@ class GradDrain:
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
             with record_function("slidetune.adamw"):        # AdamW work to the profile summary too
-                unit.opt.update(unit.held[lo:hi], 0.0, lo, grad_scale=clip_coef, part="moments")
+                unit.update_range(unit.held[lo:hi], 0.0, lo, grad_scale=clip_coef, part="moments")
 
 
 def clip_coefficient(total_norm: float, max_norm: float | None) -> float:

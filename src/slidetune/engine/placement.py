@@ -1,0 +1,243 @@
+"""The one placement plan: where each unit's state lives and how its weights reach the GPU.
+
+Every unit (0 the embedding, 1..L the decoder layers, L+1 the head) gets:
+  state: where its FP32 master and AdamW moments live, and who updates it
+    "gpu"  - master and moments on the GPU, updated on the compute stream (vocab_update=device,
+             device_layers); its weights never cross PCIe;
+    "host" - master and moments in host RAM, updated by the host's AdamW;
+    "disk" - master in host RAM, moments in a file of the disk tier (engine/slide/disk_tier.py),
+             read ahead of the unit's host update and written behind it;
+  slot: how its compute-dtype weights are held on the GPU
+    "own"    - a slot of its own (vocabulary units, device layers, resident host layers): uploaded
+               once a step (or cast from the GPU master), as its update lands;
+    "window" - one of the window's interchangeable slots, uploaded in the forward and again in
+               the backward.
+Plus the activation checkpoints kept on the GPU (the last `gpu_checkpoints` layers) and the
+window's slot count.
+
+RuntimeConfig holds what the user (or engine.fit.choose_auto_settings) asked for;
+PlacementPlan.build turns it into this plan, once, by the rules below, and the engine, the fit
+estimate, `slidetune plan`, the floor model (bench/roofline.py) and the reports read the plan.
+Nothing else restates these rules.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import RuntimeConfig
+
+STATES = ("gpu", "host", "disk")
+SLOTS = ("own", "window")
+
+
+@dataclass(frozen=True)
+class UnitShape:
+    """What the plan needs of a unit: its name and size."""
+    name: str
+    numel: int
+
+
+def unit_shapes(split) -> list[UnitShape]:
+    """The units of a SplitModel (models/units.py), in unit order."""
+    return [UnitShape(u.name, u.numel) for u in split.units]
+
+
+def shapes_from_counts(num_layers: int, layer_params: int, embed_params: int, head_params: int) -> list[UnitShape]:
+    """Units from counts (a probe's record, where no SplitModel is at hand)."""
+    return ([UnitShape("embed", embed_params)] + [UnitShape(f"layer.{i}", layer_params) for i in range(num_layers)]
+            + [UnitShape("head", head_params)])
+
+
+@dataclass(frozen=True)
+class UnitPlace:
+    index: int        # unit index: 0 embedding, 1..L decoder layers, L+1 head
+    name: str
+    numel: int
+    state: str        # gpu | host | disk (STATES)
+    slot: str         # own | window (SLOTS)
+
+    @property
+    def host_updated(self) -> bool:
+        """Whether the host's AdamW updates it (its gradient crosses PCIe, its weights too)."""
+        return self.state != "gpu"
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    units: tuple[UnitPlace, ...]
+    window_slots: int             # interchangeable GPU slots for the "window" layers
+    gpu_checkpoints: int          # the last decoder layers whose input checkpoint stays on the GPU
+    schedule: str                 # eager | deferred (RuntimeConfig.resolved_schedule)
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def build(cls, shapes: list[UnitShape], rt: RuntimeConfig, schedule: str = "eager") -> PlacementPlan:
+        """The plan of a resolved (or partly unresolved) RuntimeConfig. Unresolved autos (-1, "auto")
+        mean what an engine built directly does: nothing on the GPU, a 3-slot window, no resident
+        layers, nothing on disk, every checkpoint offloaded (with offload_activations)."""
+        L = len(shapes) - 2
+        if L < 0:
+            raise ValueError("a plan needs the embedding, the decoder layers and the head")
+        if rt.device_layers > L:
+            raise ValueError(f"device_layers={rt.device_layers} but the model has {L} decoder layers")
+        n_dev = max(0, rt.device_layers)
+        vocab_dev = rt.vocab_update == "device"
+        host_layers = L - n_dev
+        window = 3 if rt.cache_units == -1 else rt.cache_units
+        # Resident layers: the lowest host layers get a slot of their own; all of them with
+        # cache_units=0, or where the window would hold every layer left to it.
+        if rt.cache_units == 0:
+            resident = host_layers
+        else:
+            resident = min(host_layers, max(0, rt.resident_layers))
+            if window >= host_layers - resident:
+                resident = host_layers
+        window_slots = 0 if resident == host_layers else window
+        state = ["gpu" if vocab_dev else "host"] + ["gpu" if i < n_dev else "host" for i in range(L)] \
+            + ["gpu" if vocab_dev else "host"]
+        # The disk tier takes the host units the next forward needs last: the head, then the
+        # decoder layers from the top down. Their updates have the most slack (eager: the backward
+        # releases them first; deferred: the sweep reaches them last, while the next forward runs
+        # the layers below them).
+        candidates = _disk_order(state)
+        n_disk = max(0, rt.disk_units)
+        if 0 < n_disk < 1:                       # a fraction of the units that may go there
+            n_disk = round(n_disk * len(candidates))
+        if n_disk > len(candidates):
+            raise ValueError(f"disk_units={n_disk} but only {len(candidates)} units can go to disk (the head and "
+                             f"the host-updated decoder layers; the others are on the GPU)")
+        for i in candidates[:n_disk]:
+            state[i] = "disk"
+        own = {0, L + 1} | set(range(1, n_dev + resident + 1))
+        units = tuple(UnitPlace(i, s.name, s.numel, state[i], "own" if i in own else "window")
+                      for i, s in enumerate(shapes))
+        kept = L if not rt.offload_activations else min(L, max(0, rt.gpu_checkpoints))
+        return cls(units=units, window_slots=window_slots, gpu_checkpoints=kept, schedule=schedule)
+
+    def disk_capacity(self) -> int:
+        """How many units could go to disk in this plan: the head and the decoder layers not on the
+        GPU (the embedding stays in RAM: the next forward needs it first)."""
+        return len(_disk_order([u.state if u.state != "disk" else "host" for u in self.units]))
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def num_layers(self) -> int:
+        return len(self.units) - 2
+
+    @property
+    def layers(self) -> tuple[UnitPlace, ...]:
+        return self.units[1:-1]
+
+    @property
+    def vocab_on_device(self) -> bool:
+        return self.units[0].state == "gpu"
+
+    @property
+    def device_layers(self) -> int:
+        """How many of the lowest decoder layers are kept and updated on the GPU."""
+        return sum(u.state == "gpu" for u in self.layers)
+
+    @property
+    def resident_layers(self) -> int:
+        """Host-updated decoder layers with a slot of their own (the lowest ones above the device layers)."""
+        return sum(u.slot == "own" and u.host_updated for u in self.layers)
+
+    @property
+    def layer_slots(self) -> int:
+        """GPU slots for host layers: the window's and the resident layers' own."""
+        return self.window_slots + self.resident_layers
+
+    def indices(self, state: str) -> list[int]:
+        return [u.index for u in self.units if u.state == state]
+
+    def params(self, state: str) -> int:
+        return sum(u.numel for u in self.units if u.state == state)
+
+    @property
+    def host_updated_params(self) -> int:
+        """Parameters the host's AdamW updates (host and disk units)."""
+        return sum(u.numel for u in self.units if u.host_updated)
+
+    def has_own_slot(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based) has a GPU slot of its own."""
+        return self.units[layer + 1].slot == "own"
+
+    def uploads_per_step(self) -> tuple[int, int]:
+        """(decoder-layer uploads, vocabulary units uploaded) a step: resident host layers once, window
+        layers twice (forward and backward) except the `window_slots` still in their slots at the
+        turn; host vocabulary units once."""
+        window = sum(u.slot == "window" for u in self.layers)
+        layer_uploads = self.resident_layers + (max(window, 2 * window - self.window_slots) if window else 0)
+        return layer_uploads, sum(u.host_updated for u in (self.units[0], self.units[-1]))
+
+    def upload_params(self) -> int:
+        """Parameters uploaded a step (each layer upload counted; every layer is the same size)."""
+        layer_uploads, _ = self.uploads_per_step()
+        layer = max((u.numel for u in self.layers), default=0)
+        return layer_uploads * layer + sum(u.numel for u in (self.units[0], self.units[-1]) if u.host_updated)
+
+    # State bytes of each tier: GPU 12 B/param (master, moments), host 12 B/param of its units and
+    # the 4 B/param master of the disk units, disk 8 B/param (the moments).
+    def state_bytes(self) -> dict[str, int]:
+        return {"gpu": 12 * self.params("gpu"), "host": 12 * self.params("host") + 4 * self.params("disk"),
+                "disk": 8 * self.params("disk")}
+
+    # ------------------------------------------------------------------ reporting
+    def ranges(self, pred) -> str:
+        """Unit names matching `pred`, decoder layers as ranges: "embed, layers 0-7, head"."""
+        parts, run = [], []
+
+        def flush():
+            if run:
+                parts.append(f"layer {run[0]}" if len(run) == 1 else f"layers {run[0]}-{run[-1]}")
+                run.clear()
+        for u in self.units:
+            if not pred(u):
+                continue
+            if 1 <= u.index <= self.num_layers:
+                if run and run[-1] != u.index - 2:
+                    flush()
+                run.append(u.index - 1)
+            else:
+                flush()
+                parts.append(u.name)
+        flush()
+        return ", ".join(parts) or "none"
+
+    def summary_lines(self) -> list[str]:
+        """What goes where, for `slidetune plan` and the train log."""
+        gib = 2**30
+        b = self.state_bytes()
+        lines = []
+        for state, what in (("gpu", "GPU (master + moments, updated on the GPU)"),
+                            ("host", "host RAM (master + moments, host AdamW)"),
+                            ("disk", "disk tier (moments; master in host RAM)")):
+            n = self.params(state)
+            if n or state == "host":
+                lines.append(f"  {what}: {self.ranges(lambda u, s=state: u.state == s)} "
+                             f"({n / 1e9:.2f} B params, {b[state] / gib:.1f} GiB state)")
+        lines.append(f"  GPU weight slots: own for {self.ranges(lambda u: u.slot == 'own')}; "
+                     f"window of {self.window_slots} for {self.ranges(lambda u: u.slot == 'window')}")
+        layer_uploads, vocab_uploads = self.uploads_per_step()
+        lines.append(f"  uploads a step: {layer_uploads} layer(s), {vocab_uploads} vocabulary unit(s); "
+                     f"checkpoints on the GPU: last {self.gpu_checkpoints} of {self.num_layers} layers")
+        return lines
+
+    def to_dict(self) -> dict:
+        """A compact record for results files (bench.measure) and Placement-free floors."""
+        return {"schedule": self.schedule, "window_slots": self.window_slots,
+                "gpu_checkpoints": self.gpu_checkpoints,
+                "units": [[u.name, u.numel, u.state, u.slot] for u in self.units]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PlacementPlan:
+        units = tuple(UnitPlace(i, name, int(numel), state, slot) for i, (name, numel, state, slot)
+                      in enumerate(d["units"]))
+        return cls(units=units, window_slots=int(d["window_slots"]), gpu_checkpoints=int(d["gpu_checkpoints"]),
+                   schedule=d["schedule"])
+
+
+def _disk_order(state: list[str]) -> list[int]:
+    """Units that may go to disk, in the order they do: the head, then decoder layers top down."""
+    L = len(state) - 2
+    return [i for i in [L + 1, *range(L, 0, -1)] if state[i] != "gpu"]

@@ -1,0 +1,383 @@
+"""The disk tier: the AdamW moments of some units in files on a local disk.
+
+Which units: engine/placement.py (state "disk"). Their FP32 masters stay in host RAM (the
+uploads read them twice a step); their moments (8 B/param, two thirds of the host's state)
+live here and pass through a few page-locked block buffers:
+
+  file layout   one file per unit in a scratch directory made for the run; block b holds the
+                moments of elements [b*B, (b+1)*B): exp_avg (B FP32) then exp_avg_sq (B FP32),
+                at offset b * 8B (a unit's last block is padded), so each block is one read
+                and one write of a fixed, aligned size;
+  I/O           os.preadv / os.pwritev from a pool of threads (each call releases the GIL, so the
+                compute thread keeps launching), on files opened with O_DIRECT where the
+                filesystem allows it: no page cache, which would take back the RAM the tier
+                frees. Where it does not (tmpfs, some network filesystems) the files are opened
+                buffered and the tier says so;
+  buffers       `disk_buffers` page-aligned (page-locked on CUDA) buffers of one block each:
+                blocks are read ahead in the order the engine expects to update them
+                (prefetch), handed to AdamW (acquire), written behind (release). A written
+                block stays readable in its buffer until the buffer is needed again. A demand
+                for a block nobody prefetched may take back a prefetched buffer, so an update
+                order the prefetch did not foresee (earliest-deadline-first) never deadlocks.
+
+The directory is scratch space for one run: made at start (with a SCRATCH note saying so),
+removed at close, never named or marked like a checkpoint. Stale directories of runs that
+died are removed when the next run starts there. A checkpoint reads the moments through the
+tier (StreamedTensor) and writes them into the checkpoint like any other tensor.
+
+Why not a library: kvikio's POSIX backend and the alternatives are compared in
+benchmarks/NOTES.md (section "disk tier"); a pool of preadv/pwritev threads on O_DIRECT files
+needs no compiled extension and measured as fast as the disk.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ...telemetry.host_timeline import HostTimeline
+
+ALIGN = 4096                      # O_DIRECT: buffer address, size and offset aligned to this
+SCRATCH_PREFIX = "slidetune-disk-tier-"
+SCRATCH_NOTE = "SCRATCH"
+
+
+class DiskTierError(RuntimeError):
+    """The disk tier cannot be set up or has failed (a missing, read-only or full directory, I/O)."""
+
+
+def block_elems(block_mb: float) -> int:
+    """Elements per block: block_mb MiB hold a block's two FP32 moments, rounded to ALIGN."""
+    per = int(block_mb * 2**20) // 8
+    return max(ALIGN // 4, per - per % (ALIGN // 4))
+
+
+def file_bytes(numel: int, block: int) -> int:
+    """Bytes a unit of `numel` parameters takes on disk (whole blocks)."""
+    return -(-numel // block) * 8 * block
+
+
+def check_directory(path: str | os.PathLike, need_bytes: int) -> Path:
+    """The disk tier's directory, checked before anything is allocated: it exists, is writable and
+    has `need_bytes` free. DiskTierError names the problem and the fix."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DiskTierError(f"--disk-dir {p} does not exist; create it (on a local disk, ideally NVMe) "
+                            f"or give another directory")
+    if not p.is_dir():
+        raise DiskTierError(f"--disk-dir {p} is a file, not a directory; give a directory on a local disk")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise DiskTierError(f"--disk-dir {p} is not writable (read-only filesystem or permissions); "
+                            f"give a directory you can write to")
+    remove_stale(p)
+    free = shutil.disk_usage(p).free
+    if need_bytes > free:
+        gib = 2**30
+        raise DiskTierError(f"--disk-dir {p} has {free / gib:.1f} GiB free but the disk tier needs "
+                            f"{need_bytes / gib:.1f} GiB (8 bytes per parameter of the units placed there); "
+                            f"free space there, give a larger disk, or put fewer units on disk (--disk-units)")
+    return p
+
+
+def remove_stale(directory: Path) -> list[Path]:
+    """Remove the scratch directories of runs that are no longer alive (killed mid-run)."""
+    removed = []
+    for d in directory.glob(f"{SCRATCH_PREFIX}*"):
+        try:
+            pid = int(d.name[len(SCRATCH_PREFIX):].split("-")[0])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not _pid_alive(pid):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _aligned_empty(n_floats: int, pinned: bool) -> torch.Tensor:
+    """[n_floats] FP32 whose address is ALIGN-aligned (O_DIRECT), page-locked if `pinned`."""
+    if pinned:
+        # CUDA's host allocations are page-aligned; padding would round a 64 MiB block up to 128
+        raw = torch.empty(n_floats, dtype=torch.float32, pin_memory=True)
+        if raw.data_ptr() % ALIGN == 0:
+            return raw
+        del raw
+    pad = ALIGN // 4
+    raw = torch.empty(n_floats + pad, dtype=torch.float32, pin_memory=pinned)
+    skip = (-raw.data_ptr() % ALIGN) // 4
+    return raw[skip:skip + n_floats]
+
+
+@dataclass
+class _Buffer:
+    data: torch.Tensor            # [2 * block] FP32: exp_avg then exp_avg_sq
+    key: tuple[int, int] | None = None   # (unit index, block) it holds or is loading
+    state: str = "free"           # free | reading | ready | busy | writing
+    unconsumed: bool = False      # read for AdamW and not yet taken (a clean, written-back block is not)
+    error: BaseException | None = None
+
+
+class DiskTier:
+    def __init__(self, directory: str | os.PathLike, units: dict[int, int], *, block_mb: float = 64,
+                 buffers: int = 8, io_threads: int = 4, pinned: bool = False, names: dict[int, str] | None = None,
+                 timeline: HostTimeline | None = None):
+        """units: unit index -> numel of each unit whose moments live here (zero at start, as
+        AdamW's). The files are allocated in full now (fallocate), so a full disk shows here,
+        not mid-run."""
+        self.block = block_elems(block_mb)
+        self.units = dict(units)
+        self.names = names or {i: f"unit {i}" for i in units}
+        need = sum(file_bytes(n, self.block) for n in self.units.values())
+        root = check_directory(directory, need)
+        self.dir = root / f"{SCRATCH_PREFIX}{os.getpid()}-{time.time_ns()}"
+        self.dir.mkdir()
+        (self.dir / SCRATCH_NOTE).write_text(
+            "Scratch space of a running slidetune job (the disk tier's AdamW moments). Not a checkpoint: "
+            "it is removed when the run ends, and by the next run here if this one was killed.\n")
+        self.timeline = timeline or HostTimeline(enabled=False)
+        self.direct = True
+        self._fds: dict[int, int] = {}
+        try:
+            for i, n in self.units.items():
+                self._fds[i] = self._open(self.dir / f"unit-{i:04d}.moments", file_bytes(n, self.block))
+        except BaseException:
+            self.close()
+            raise
+        self._buffers = [_Buffer(_aligned_empty(2 * self.block, pinned)) for _ in range(buffers)]
+        self._where: dict[tuple[int, int], _Buffer] = {}
+        self._queue: deque[tuple[int, int]] = deque()     # blocks to prefetch, in order
+        self._cond = threading.Condition()
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="slidetune-disk")
+        self._error: BaseException | None = None
+        self.abort: threading.Event | None = None     # the engine's: waits give up when it is set
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------ files
+    def _open(self, path: Path, size: int) -> int:
+        flags = os.O_RDWR | os.O_CREAT
+        fd = None
+        if self.direct and hasattr(os, "O_DIRECT"):
+            try:
+                fd = os.open(path, flags | os.O_DIRECT, 0o600)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise DiskTierError(f"cannot create the disk tier's file {path}: {e}") from e
+                self.direct = False       # this filesystem has no O_DIRECT (tmpfs): buffered
+        else:
+            self.direct = False
+        if fd is None:
+            fd = os.open(path, flags, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)     # reserved now: zeros, and no ENOSPC mid-run
+        except OSError as e:
+            os.close(fd)
+            raise DiskTierError(f"cannot reserve {size / 2**30:.2f} GiB for {path}: {e}; free space on the "
+                                f"disk or put fewer units there (--disk-units)") from e
+        return fd
+
+    def blocks(self, unit: int) -> int:
+        return -(-self.units[unit] // self.block)
+
+    def block_range(self, unit: int, b: int) -> tuple[int, int]:
+        """Elements [lo, hi) of the unit that block b holds."""
+        lo = b * self.block
+        return lo, min(self.units[unit], lo + self.block)
+
+    # ------------------------------------------------------------------ I/O threads
+    def _io(self, buf: _Buffer, key: tuple[int, int], write: bool) -> None:
+        unit, b = key
+        view = memoryview(buf.data.numpy()).cast("B")
+        offset = b * 8 * self.block
+        try:
+            with self.timeline.span("disk", "write" if write else "read", self.names.get(unit, "")):
+                done = 0
+                while done < len(view):                     # short reads/writes: go on from where it stopped
+                    part = [view[done:]]
+                    n = (os.pwritev if write else os.preadv)(self._fds[unit], part, offset + done)
+                    if n <= 0:
+                        raise DiskTierError(f"disk tier {'write' if write else 'read'} of {self.names.get(unit)} "
+                                            f"block {b} returned {n}")
+                    done += n
+        except BaseException as e:
+            with self._cond:
+                buf.error = e
+                self._error = self._error or e
+                self._cond.notify_all()
+            return
+        with self._cond:
+            if write:
+                self.bytes_written += len(view)
+            else:
+                self.bytes_read += len(view)
+            buf.state = "ready"             # written: still holds the block, clean
+            self._cond.notify_all()
+            self._pump()
+
+    def _start(self, buf: _Buffer, key: tuple[int, int], write: bool) -> None:
+        """(lock held) Give `buf` to an I/O thread."""
+        buf.state = "writing" if write else "reading"
+        self._pool.submit(self._io, buf, key, write)
+
+    def _take(self, key: tuple[int, int], demand: bool) -> _Buffer | None:
+        """(lock held) A buffer for `key`: a free one, else one holding a block already written back
+        (clean, consumed), else, for a demand, a prefetched block nobody has consumed yet (it goes
+        back to the queue's front). None when all are in flight or in use."""
+        pick = next((x for x in self._buffers if x.state == "free"), None)
+        if pick is None:
+            pick = next((x for x in self._buffers if x.state == "ready" and not x.unconsumed), None)
+        if pick is None and demand:
+            ready = [x for x in self._buffers if x.state == "ready"]
+            if ready:
+                pick = ready[-1]
+                self._queue.appendleft(pick.key)
+        if pick is None:
+            return None
+        if pick.key is not None:
+            self._where.pop(pick.key, None)
+        pick.key, pick.state, pick.unconsumed, pick.error = key, "free", False, None
+        self._where[key] = pick
+        return pick
+
+    def _pump(self) -> None:
+        """(lock held) Start prefetch reads while buffers are free."""
+        while self._queue and not self._closed:
+            key = self._queue[0]
+            if key in self._where:
+                self._queue.popleft()
+                continue
+            buf = self._take(key, demand=False)
+            if buf is None:
+                return
+            self._queue.popleft()
+            buf.unconsumed = True
+            self._start(buf, key, write=False)
+
+    # ------------------------------------------------------------------ the engine's side
+    def prefetch(self, unit: int) -> None:
+        """Read the unit's blocks ahead, in order, as buffers free up."""
+        with self._cond:
+            queued = set(self._queue)
+            self._queue.extend(k for b in range(self.blocks(unit)) if (k := (unit, b)) not in queued)
+            self._pump()
+
+    def acquire(self, unit: int, b: int, abort: threading.Event | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block b's moments (exp_avg, exp_avg_sq views [hi - lo] each) for AdamW; waits for its read."""
+        abort = abort or self.abort
+        key = (unit, b)
+        n = self.block_range(unit, b)[1] - b * self.block
+        with self._cond:
+            while True:
+                self._raise_if_failed(abort)
+                buf = self._where.get(key)
+                if buf is not None and buf.state == "ready":
+                    buf.state, buf.unconsumed = "busy", False
+                    return buf.data[:n], buf.data[self.block:self.block + n]
+                if buf is not None and buf.state == "busy":
+                    raise DiskTierError(f"{self.names.get(unit)} block {b} acquired twice")
+                if buf is None:
+                    buf = self._take(key, demand=True)
+                    if buf is not None:
+                        buf.unconsumed = True          # the pump must not take it back before we do
+                        self._start(buf, key, write=False)
+                self._cond.wait(timeout=0.5)
+
+    def release(self, unit: int, b: int, dirty: bool = True) -> None:
+        """AdamW is done with block b: written behind (dirty) or kept as it was read."""
+        with self._cond:
+            buf = self._where[(unit, b)]
+            if dirty:
+                self._start(buf, (unit, b), write=True)
+            else:
+                buf.state = "ready"
+                self._cond.notify_all()
+                self._pump()
+
+    def drain(self, abort: threading.Event | None = None) -> None:
+        """Wait until every write has reached the file (a checkpoint reads the files after this)."""
+        abort = abort or self.abort
+        with self._cond:
+            while any(x.state in ("writing", "reading") for x in self._buffers):
+                self._raise_if_failed(abort)
+                self._cond.wait(timeout=0.5)
+            self._raise_if_failed(abort)
+
+    def _raise_if_failed(self, abort: threading.Event | None) -> None:
+        if self._error is not None:
+            raise DiskTierError(f"disk tier I/O failed in {self.dir}: {self._error!r}") from self._error
+        if abort is not None and abort.is_set():
+            raise DiskTierError("gave up waiting for the disk tier: another pipeline thread failed")
+
+    # ------------------------------------------------------------------ whole units (checkpoints)
+    def read_moment(self, unit: int, which: int):
+        """exp_avg (which=0) or exp_avg_sq (1) of a unit, block by block (CPU tensors, copies)."""
+        for b in range(self.blocks(unit)):
+            m, v = self.acquire(unit, b)
+            out = (m if which == 0 else v).clone()
+            self.release(unit, b, dirty=False)
+            yield out
+
+    def write_unit(self, unit: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Overwrite a unit's moments (loading a checkpoint)."""
+        for b in range(self.blocks(unit)):
+            lo, hi = self.block_range(unit, b)
+            m, v = self.acquire(unit, b)
+            m.copy_(exp_avg[lo:hi])
+            v.copy_(exp_avg_sq[lo:hi])
+            self.release(unit, b)
+        self.drain()
+
+    def pinned_bytes(self) -> int:
+        return sum(x.data.numel() * 4 for x in self._buffers)
+
+    def close(self) -> None:
+        """Stop the I/O, close and remove the scratch files (the run's state is in its checkpoints)."""
+        if self._closed:
+            return
+        self._closed = True
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=True)
+        for fd in self._fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds = {}
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@dataclass
+class StreamedTensor:
+    """A tensor that is not in memory: its shape and dtype, and its values block by block
+    (checkpoint.write_safetensors writes it without holding it whole)."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    source: object                 # a callable returning an iterator of 1-D CPU tensors, in order
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def chunks(self):
+        return self.source()
