@@ -275,6 +275,9 @@ def test_floor_has_a_disk_term():
     backward = 4 * 0.15 + 0.05 + 0.01
     assert clipped["clip_sweep_s"] == pytest.approx(backward + eager["disk_s"] + 0.05)
     assert "disk_s" not in floor_terms(comp, copy, adamw, plan_of_runtime(comp), disk=disk)
+    # with the probe's mixed rate (reads ahead and writes behind at once): 16 B/param at that rate
+    mixed = floor_terms(comp, copy, adamw, plan, disk=dict(disk, mixed_gib_s=4.0))
+    assert mixed["disk_s"] == pytest.approx(16 * P / (4 * 2**30))
 
 
 def test_probe_measures_the_directory(tmp_path):
@@ -282,3 +285,6 @@ def test_probe_measures_the_directory(tmp_path):
     r = probe_disk(str(tmp_path), total_bytes=8 * 2**20, block_mb=1, threads=2)
     assert r["read_gib_s"] > 0 and r["write_gib_s"] > 0 and r["mixed_gib_s"] > 0
     assert r["bytes"] >= 8 * 2**20 and list(Path(tmp_path).iterdir()) == []
+    assert r["first_write_gib_s"] > 0 and r["warm_passes"] == 1      # the untimed first touch, reported
+    cold = probe_disk(str(tmp_path), total_bytes=8 * 2**20, block_mb=1, threads=2, warm_passes=0)
+    assert cold["first_write_gib_s"] is None and cold["write_gib_s"] > 0

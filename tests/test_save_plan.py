@@ -48,6 +48,23 @@ def test_periodic_checkpoints_that_do_not_fit_are_refused_with_options_that_do()
     assert plan(20, 300, save_every=50).resumable
 
 
+def test_the_disk_tier_takes_its_room_first(tmp_path):
+    """The disk tier's files are allocated when the engine starts, before anything is saved: on the
+    output's disk they come off its free space. The 14B of the GPU machine: a 55 GiB tier on its
+    64 GiB disk leaves no room for final/ (27.5 GiB bf16), and the refusal says the tier took it;
+    on another disk (a different device) the tier takes nothing from the output's."""
+    P14B = 14_768_307_200
+    args = dict(save_dtype="bf16", output_dir=tmp_path, checkpoint_dir=tmp_path, save_every=0, keep_last=2,
+                output_free=64 * GiB, checkpoint_free=64 * GiB, same_disk=True)
+    assert plan_saves(P14B, **args).final_bytes < 28 * GiB                # fits without the tier
+    with pytest.raises(DiskSpaceError) as e:
+        plan_saves(P14B, scratch=(tmp_path, 55 * GiB), **args)
+    assert "disk tier's 55.0 GiB of files" in str(e.value) and "--disk-dir on another disk" in str(e.value)
+    assert "9.0 GiB free" in str(e.value)
+    # the tier elsewhere: /proc is another filesystem than tmp_path's
+    assert plan_saves(P14B, scratch=("/proc", 55 * GiB), **args).final_bytes < 28 * GiB
+
+
 def test_final_that_does_not_fit_is_refused_and_bf16_offered():
     with pytest.raises(DiskSpaceError, match="--save-dtype bf16"):
         plan(20, save_dtype="fp32")                       # 30.5 GiB in FP32, 15.3 in BF16

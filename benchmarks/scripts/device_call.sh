@@ -3,6 +3,7 @@
 # Results go to $OUT/results.tar.gz (the device tool returns at most 8 files).
 #   jobs: stash | pipeline | train | equivalence | runtime | throughput | throughput@TAG | techniques
 #         | modes | recompute | head | roofline | contention | gil | disk (DISK_DIR, DISK_PLAN_ARGS)
+#         | diskprobe (DISK_DIR, DISKPROBE_ARGS: cold, warm and under-AdamW-load disk bandwidth)
 # Extra arguments per job come from PIPELINE_ARGS, THROUGHPUT_ARGS (THROUGHPUT_ARGS_TAG for throughput@TAG,
 # written to throughput_TAG/), TECHNIQUES_ARGS, EQ_ARGS, RUNTIME_PARTS, BENCH_ARGS.
 # The embedded SmolLM2 GGUF (98 MB) is over one call's 64 MiB carry limit (with the tree's ~25 MB):
@@ -79,6 +80,7 @@ run_job() {
           python -m slidetune.cli plan ${DISK_PLAN_ARGS:---model qwen3-14b --batch-size 16 --seq-len 1024} \
             --device cuda --disk-dir $d > $R/disk_plan.txt 2>&1
           cat $R/disk_mount.txt $R/disk_plan.txt ;;
+    diskprobe) mkdir -p ${DISK_DIR:-/var/tmp/slidetune_disk}; python benchmarks/scripts/disk_probe.py $R/disk_probe.json --dir ${DISK_DIR:-/var/tmp/slidetune_disk} ${DISKPROBE_ARGS:-} ;;
     sleep@*) sleep ${job#sleep@} ;;     # checks the deadline: `CALL_BUDGET_S=30 ... sleep@60 throughput`
     *) echo "unknown job $job" ;;
   esac

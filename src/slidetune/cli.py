@@ -51,7 +51,9 @@ def _plan(ns) -> int:
         print(f"   {k:<28} {v / gib:8.2f}")
     if cfg.runtime.mode != "slide":
         return 0
-    _plan_resolved(ns, cfg, loaded.split)
+    plan = _plan_resolved(ns, cfg, loaded.split) or est.plan
+    if ns.terms:
+        _plan_terms(cfg, plan)
     # the slot choices engine.fit.choose_auto_settings tries for cache_units
     cache_options = [0, 3] if cfg.runtime.cache_units == -1 else [cfg.runtime.cache_units]
     if cfg.runtime.cache_units == -1:
@@ -88,9 +90,51 @@ def _plan(ns) -> int:
     return 0
 
 
-def _plan_resolved(ns, cfg, split) -> None:
+def _plan_terms(cfg, plan) -> None:
+    """The floor's terms for this placement, each probed on this machine (bench.roofline): the
+    seconds a step each resource needs at best, and the largest of them, the floor."""
+    from .bench.roofline import floor_terms
+    from .bench.scenarios.roofline import measure_floor
+    rt = cfg.runtime
+    print("probing this machine for the floor's terms (GPU compute, PCIe copies, host AdamW"
+          + (", disk" if plan.indices("disk") else "") + "; about a minute) ...", flush=True)
+    fl = measure_floor(cfg.model, cfg.batch_size, cfg.data.seq_len, cfg.num_layers, rt.device,
+                       compile_layers=rt.compile_layers != "off", grad_download=rt.grad_download,
+                       host_adamw=rt.host_adamw, disk_dir=rt.disk_dir if plan.indices("disk") else None,
+                       disk_block_mb=rt.disk_block_mb, disk_io_threads=rt.disk_io_threads)
+    if fl.get("status") != "ok":
+        print(f"the probes failed: {fl.get('error', fl)}")
+        return
+    disk = fl.get("disk")
+    if fl.get("partial"):       # no GPU here: the host's terms only
+        terms = {"adamw_s": plan.host_updated_params / fl["adamw"]["adamw_params_per_s"]}
+        if disk and plan.params("disk"):
+            terms["disk_s"] = 16 * plan.params("disk") / (disk["mixed_gib_s"] * 2**30)
+    else:
+        terms = floor_terms(fl["compute"], fl["copy"], fl["adamw"], plan, device_adamw=fl.get("device_adamw"),
+                            disk=disk, split_sweep=rt.clip_sweep != "whole")
+    what = {"compute_s": "GPU: every layer's forward, recompute and backward, head, GPU-updated units' AdamW",
+            "h2d_s": f"PCIe H2D: {plan.upload_params() / 1e9:.2f} B params of BF16 weights uploaded",
+            "d2h_s": f"PCIe D2H: BF16 gradients of {plan.host_updated_params / 1e9:.2f} B host-updated params",
+            "adamw_s": f"host AdamW over {plan.host_updated_params / 1e9:.2f} B params",
+            "disk_s": f"disk: moments of {plan.params('disk') / 1e9:.2f} B params read and written (16 B/param)",
+            "clip_sweep_s": "clipped: the backward, then the update sweep the next forward waits for"}
+    print("floor terms (seconds a step, from this machine's probes):")
+    for k, v in terms.items():
+        print(f"   {k:<13} {v:8.3f}   {what.get(k, '')}")
+    if disk:
+        print(f"   (disk probe: read {disk['read_gib_s']:.2f}, write {disk['write_gib_s']:.2f}, "
+              f"both at once {disk['mixed_gib_s']:.2f} GiB/s, {'O_DIRECT' if disk['direct_io'] else 'buffered'})")
+    bound = max(terms, key=terms.get)
+    tokens = cfg.batch_size * cfg.data.seq_len
+    print(f"floor {terms[bound]:.3f} s a step (bound by {bound}): at best {tokens / terms[bound]:,.0f} tokens/s"
+          + (" (host terms only: no GPU here)" if fl.get("partial") else ""))
+
+
+def _plan_resolved(ns, cfg, split):
     """What the auto settings resolve to on a given GPU and host (as train would resolve them
-    there), the estimate of that placement, and whether check_fit lets it run."""
+    there), the estimate of that placement, and whether check_fit lets it run. Returns that
+    placement plan (None where nothing is resolved: no GPU here and none described)."""
     import dataclasses
 
     import torch
@@ -125,6 +169,7 @@ def _plan_resolved(ns, cfg, split) -> None:
     except InsufficientMemoryError as e:
         print(f"does not fit: {str(e).removeprefix('slidetune: ')}")
     print("placement:\n" + "\n".join(plan.summary_lines()))
+    return plan
 
 
 def _bench_runtime(ns) -> int:
@@ -185,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: this machine's GPU, if it has one) and say whether it fits")
     p_plan.add_argument("--host-gib", type=float, default=None,
                         help="with --gpu-free-gib: the host RAM available (default: this machine's)")
+    p_plan.add_argument("--terms", action="store_true",
+                        help="also probe this machine (GPU compute, PCIe, host AdamW, the disk tier's directory; "
+                             "about a minute) and print the seconds a step each term of the floor costs")
     p_plan.set_defaults(func=_plan)
     _add_bench(sub)
     p_report = sub.add_parser("report", help="turn a results directory into Markdown + PNG plots")

@@ -81,21 +81,37 @@ def _device_id(path: Path) -> int:
 
 def plan_saves(num_params: int, *, save_dtype: str, output_dir: Path, checkpoint_dir: Path, save_every: int,
                keep_last: int, output_free: int | None = None, checkpoint_free: int | None = None,
-               same_disk: bool | None = None) -> SavePlan:
+               same_disk: bool | None = None, scratch: tuple[Path, int] | None = None) -> SavePlan:
     """The run's writes against the free space; raises DiskSpaceError with options where the run
     cannot keep its promise (final/ must fit; periodic checkpoints asked for must fit).
-    output_free, checkpoint_free, same_disk: as measured here unless given."""
+    output_free, checkpoint_free, same_disk: as measured here unless given.
+    scratch: (directory, bytes) the run takes before it saves anything (the disk tier's files,
+    allocated in full when the engine starts): off the free space of whichever of the two
+    directories shares its disk."""
     final = num_params * SAVE_DTYPE_BYTES[save_dtype] + FILES_MARGIN
     ckpt = num_params * 12 + FILES_MARGIN
     if same_disk is None:
         same_disk = _device_id(output_dir) == _device_id(checkpoint_dir)
     out_free = free_bytes(output_dir) if output_free is None else output_free
     ck_free = (out_free if same_disk else free_bytes(checkpoint_dir)) if checkpoint_free is None else checkpoint_free
-    out_usable = int(out_free * (1 - FREE_MARGIN))
-    ck_usable = int(ck_free * (1 - FREE_MARGIN))
 
     def gib(n: int) -> str:
         return f"{n / GiB:.1f} GiB"
+
+    taken = ""          # said in the refusals: what the scratch files took of that disk
+    if scratch and scratch[1]:
+        scratch_dev = _device_id(scratch[0])
+        on_out = scratch_dev == _device_id(output_dir)
+        on_ck = scratch_dev == _device_id(checkpoint_dir)
+        if on_out:
+            out_free = max(0, out_free - scratch[1])
+        if on_ck:
+            ck_free = max(0, ck_free - scratch[1])
+        if on_out or on_ck:
+            taken = (f" (after the disk tier's {gib(scratch[1])} of files in {scratch[0]}; --disk-dir on another "
+                     f"disk leaves that room to the saves)")
+    out_usable = int(out_free * (1 - FREE_MARGIN))
+    ck_usable = int(ck_free * (1 - FREE_MARGIN))
 
     if final > out_usable:
         options = []
@@ -105,7 +121,7 @@ def plan_saves(num_params: int, *, save_dtype: str, output_dir: Path, checkpoint
                 options.append(f"--save-dtype bf16 (final/ {gib(bf16)})")
         options.append(f"--output-dir on a disk with at least {gib(math.ceil(final / (1 - FREE_MARGIN)))} free")
         raise DiskSpaceError(f"slidetune: final/ ({gib(final)} in {save_dtype}) does not fit the {gib(out_free)} "
-                             f"free for {output_dir}. Options: " + "; ".join(options))
+                             f"free for {output_dir}{taken}. Options: " + "; ".join(options))
     # what the checkpoints' disk has left once final/ is written there too
     room = ck_usable - (final if same_disk else 0)
     if save_every:
@@ -122,11 +138,11 @@ def plan_saves(num_params: int, *, save_dtype: str, output_dir: Path, checkpoint
         raise DiskSpaceError(
             f"slidetune: --save-every {save_every} with --keep-last {keep_last} keeps up to {at_once} resumable "
             f"checkpoints of {gib(ckpt)} (FP32 weights and AdamW moments, 12 B/param) at once beside final/ "
-            f"({gib(final)}), but {checkpoint_dir} has {gib(ck_free)} free. Options that fit: " + "; ".join(options))
+            f"({gib(final)}), but {checkpoint_dir} has {gib(ck_free)} free{taken}. Options that fit: " + "; ".join(options))
     if ckpt <= room:
         return SavePlan(final, ckpt, True)
     note = (f"note: only final/ ({gib(final)}, {save_dtype}) will be written: a resumable checkpoint "
             f"({gib(ckpt)}, FP32 weights and AdamW moments) does not fit beside it in the {gib(ck_free)} free for "
-            f"{checkpoint_dir}, so an interrupted run cannot be resumed; for one, use --checkpoint-dir on a disk "
+            f"{checkpoint_dir}{taken}, so an interrupted run cannot be resumed; for one, use --checkpoint-dir on a disk "
             f"with at least {gib(math.ceil((ckpt + (final if same_disk else 0)) / (1 - FREE_MARGIN)))} free")
     return SavePlan(final, ckpt, False, [note])

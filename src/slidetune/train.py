@@ -41,6 +41,7 @@ from .faults import maybe_fail
 from .save_plan import DiskSpaceError, SavePlan, plan_saves, resolve_save_dtype
 from .engine.fit import check_fit, choose_auto_settings
 from .engine.placement import PlacementPlan, unit_shapes
+from .engine.slide.disk_tier import tier_bytes
 from .models.load import LoadedModel, load_model
 from .telemetry.flops import train_flops_per_token
 
@@ -225,8 +226,10 @@ def train(cfg: TrainConfig) -> TrainSummary:
               f"{src.name}", file=sys.stderr)
     try:
         # before step 1: final/ must fit, and periodic checkpoints asked for (save_plan.py)
+        tier = (Path(runtime.disk_dir), tier_bytes(plan, runtime.disk_block_mb)) \
+            if plan is not None and plan.indices("disk") else None
         saves = plan_saves(loaded.split.num_params(), save_dtype=save_dtype, output_dir=out, checkpoint_dir=ckpt_dir,
-                           save_every=cfg.save_every, keep_last=cfg.keep_last)
+                           save_every=cfg.save_every, keep_last=cfg.keep_last, scratch=tier)
     except DiskSpaceError as e:
         raise TrainingError(str(e)) from e
     for note in saves.notes:

@@ -148,11 +148,17 @@ def probe_adamw(n: int = 128 * 2**20, steps: int = 11, grad_download: str = "com
     return out
 
 
-def probe_disk(directory: str, total_bytes: int = 4 * 2**30, block_mb: int = 64, threads: int = 4) -> dict:
+def probe_disk(directory: str, total_bytes: int = 4 * 2**30, block_mb: int = 64, threads: int = 4,
+               warm_passes: int = 1) -> dict:
     """Read and write bandwidth of `directory` as the disk tier uses it (engine/slide/disk_tier.py):
     O_DIRECT where the filesystem allows it, blocks of `block_mb` MiB (a block's two moments), at a
     queue depth of `threads` (its I/O threads), over a file of `total_bytes`: written, then read,
-    then both at once (the tier reads ahead while it writes behind). GiB/s each."""
+    then both at once (the tier reads ahead while it writes behind). GiB/s each.
+
+    warm_passes: untimed writes of the whole file first. The tier rewrites the same blocks every
+    step, and a first write into fresh extents (ext4's unwritten extents, a thin-provisioned
+    virtual disk's first touch) can be several times slower than a rewrite: the steady state
+    is what a step sees. The first pass's rate is reported too (first_write_gib_s)."""
     from ..engine.slide.disk_tier import ALIGN, _aligned_empty, block_elems, check_directory
     block_bytes = 8 * block_elems(block_mb)
     n_blocks = max(threads, total_bytes // block_bytes)
@@ -183,13 +189,17 @@ def probe_disk(directory: str, total_bytes: int = 4 * 2**30, block_mb: int = 64,
             os.fsync(fd)
             return n_blocks * block_bytes / (time.perf_counter() - t0) / 2**30
 
+        first_write = run([True]) if warm_passes > 0 else None
+        for _ in range(warm_passes - 1):
+            run([True])
         write = run([True])
         read = run([False])
         mixed = run([False, True])
     finally:
         os.close(fd)
         os.unlink(fd_path)
-    return {"read_gib_s": read, "write_gib_s": write, "mixed_gib_s": mixed, "direct_io": direct,
+    return {"read_gib_s": read, "write_gib_s": write, "mixed_gib_s": mixed, "first_write_gib_s": first_write,
+            "warm_passes": warm_passes, "direct_io": direct,
             "block_mib": block_bytes / 2**20, "threads": threads, "bytes": n_blocks * block_bytes,
             "directory": str(root)}
 
@@ -301,7 +311,7 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
     (forward and backward) except the slots still holding layers at the turn
     (PlacementPlan.uploads_per_step); host vocabulary units once.
     Disk units (with `disk`, probe_disk's result): their moments are read and written once a
-    step (16 B/param through the disk): disk_s. Unclipped, that I/O runs beside the whole step
+    step (16 B/param through the disk, at the probe's mixed rate): disk_s. Unclipped, that I/O runs beside the whole step
     (the backward releases the disk units first, the next forward needs them last). Clipped,
     it cannot start before the norm is known (the reads can, but only as far as the block
     buffers reach): it runs beside the host's weights pass over the RAM units, and the next
@@ -332,7 +342,12 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
     }
     disk_io_s = 0.0
     if disk_params and disk:
-        disk_io_s = 8 * disk_params / (disk["read_gib_s"] * gib) + 8 * disk_params / (disk["write_gib_s"] * gib)
+        # the tier reads ahead while it writes behind: the 16 B/param move at the probe's mixed
+        # rate (reads and writes at once); a probe without it, one after the other
+        if disk.get("mixed_gib_s"):
+            disk_io_s = 16 * disk_params / (disk["mixed_gib_s"] * gib)
+        else:
+            disk_io_s = 8 * disk_params / (disk["read_gib_s"] * gib) + 8 * disk_params / (disk["write_gib_s"] * gib)
         terms["disk_s"] = disk_io_s
     clipped = plan.schedule == "deferred"
     ram_params = host_params - disk_params

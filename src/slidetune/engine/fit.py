@@ -41,7 +41,7 @@ import torch
 from ..models.units import SplitModel
 from .config import RuntimeConfig, recompute_set
 from .placement import PlacementPlan, unit_shapes
-from .slide.disk_tier import block_elems, check_directory, file_bytes
+from .slide.disk_tier import block_elems, check_directory, tier_bytes
 from .slide.host_store import BUILD_WORKERS
 
 GiB = 2**30
@@ -404,7 +404,7 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
             block = block_elems(rt.disk_block_mb)
             host["disk units' masters (4 B/param; moments on disk)"] = 4 * P_disk
             host["disk tier block buffers"] = rt.disk_buffers * 8 * block
-            disk_bytes = sum(file_bytes(u.numel, block) for u in plan.units if u.state == "disk")
+            disk_bytes = tier_bytes(plan, rt.disk_block_mb)
         held = b * P_host if schedule == "deferred" else 0
         if held:
             host[f"held gradients (deferred schedule, {b} B/param)"] = held

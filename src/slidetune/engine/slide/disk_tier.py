@@ -65,6 +65,12 @@ def file_bytes(numel: int, block: int) -> int:
     return -(-numel // block) * 8 * block
 
 
+def tier_bytes(plan, block_mb: float) -> int:
+    """Bytes the disk tier's files take for a placement plan's disk units (engine/placement.py)."""
+    block = block_elems(block_mb)
+    return sum(file_bytes(u.numel, block) for u in plan.units if u.state == "disk")
+
+
 def check_directory(path: str | os.PathLike, need_bytes: int) -> Path:
     """The disk tier's directory, checked before anything is allocated: it exists, is writable and
     has `need_bytes` free. DiskTierError names the problem and the fix."""
