@@ -430,8 +430,8 @@ def _flatten_yaml(loaded: dict, source: str) -> dict:
             raise ValueError(f"{source}: unknown config field {key!r}; known fields: {', '.join(known)}, "
                              f"and the {TUNING_SECTION}: section (slidetune train --help-tuning)")
     if moved:
-        _note_deprecated(f"{source}: the tuning knob{'s' if len(moved) > 1 else ''} {', '.join(moved)} outside "
-                         f"the `{TUNING_SECTION}:` section", f"`{TUNING_SECTION}: {{{moved[0].split('.')[-1]}: ...}}`")
+        _note_deprecated(f"{source}: placing tuning knobs ({', '.join(moved)}) outside the `{TUNING_SECTION}:` "
+                         "section", f"`{TUNING_SECTION}: {{{moved[0].split('.')[-1]}: ...}}`")
     return flat
 
 
