@@ -429,9 +429,10 @@ def _flatten_yaml(loaded: dict, source: str) -> dict:
             known = sorted({p.split(".")[-1] for p in leaves if p not in knobs})
             raise ValueError(f"{source}: unknown config field {key!r}; known fields: {', '.join(known)}, "
                              f"and the {TUNING_SECTION}: section (slidetune train --help-tuning)")
-    if moved:
-        _note_deprecated(f"{source}: placing tuning knobs ({', '.join(moved)}) outside the `{TUNING_SECTION}:` "
-                         "section", f"`{TUNING_SECTION}: {{{moved[0].split('.')[-1]}: ...}}`")
+    if moved:            # an old config.json has every knob under runtime: name a few
+        named = ", ".join(moved[:4]) + (f" and {len(moved) - 4} more" if len(moved) > 4 else "")
+        _note_deprecated(f"{source}: placing tuning knobs ({named}) outside the `{TUNING_SECTION}:` section",
+                         f"`{TUNING_SECTION}: {{{moved[0].split('.')[-1]}: ...}}`")
     return flat
 
 
