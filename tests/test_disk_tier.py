@@ -188,7 +188,7 @@ def test_directory_errors_are_clear_before_step_1(tmp_path, monkeypatch):
     (tmp_path / "file").write_text("x")
     with pytest.raises(DiskTierError, match="is a file, not a directory"):
         check_directory(tmp_path / "file", 1)
-    with pytest.raises(DiskTierError, match=r"GiB free but the disk tier needs .* \(--disk-units\)"):
+    with pytest.raises(DiskTierError, match=r"GiB free but the disk tier needs .* \(--tuning.disk_units\)"):
         check_directory(tmp_path, 1 << 60)
     # read-only: this suite may run as root, for whom permission bits do not stop a write, so the
     # answer a read-only filesystem gives is simulated

@@ -16,7 +16,7 @@ def test_a_thread_failing_at_step_4_leaves_checkpoint_2_resumable(thread, tmp_pa
     step 3 is saved or ends, so step 4, not 3: a save that synchronizes runs them), the checkpoint
     writer in the save of step 4, the data loader building step 4."""
     d = tmp_path / thread
-    args = [*COMMON, "--max-steps", "5", "--save-every", "2", "--cache-units", "2", "--output-dir", str(d)]
+    args = [*COMMON, "--max-steps", "5", "--save-every", "2", "--tuning.cache_units", "2", "--output-dir", str(d)]
     monkeypatch.setenv(ENV, f"{thread}:4")
     t0 = time.monotonic()
     code, out, err = run_cli(*args)

@@ -214,7 +214,7 @@ def test_slide_batch_too_large_suggests_smaller_batch_and_offload():
     assert m, msg
     B, accum = int(m.group(1)), int(m.group(2))
     assert B < 32 and B * accum == 32
-    assert "--schedule" not in first       # auto schedule turns deferred by itself
+    assert "--tuning.schedule" not in first       # auto schedule turns deferred by itself
     assert any("--offload-activations" in o for o in err.options), msg
     assert_options_fit(err, split, rt, 32, 4096, **avail)
     # the largest batch claimed to fit does, and one more does not
@@ -235,7 +235,7 @@ def test_suggestions_with_accumulation_keep_an_eager_device_vocabulary():
         check_fit(split, rt, batch_size=32, seq_len=4096, **avail)
     accumulating = [o for o in ei.value.options if "--grad-accum" in o]
     assert accumulating[0].startswith("--batch-size 8 --grad-accum 4 ")        # nothing else changed
-    assert all("--schedule" not in o for o in accumulating)
+    assert all("--tuning.schedule" not in o for o in accumulating)
     assert_options_fit(ei.value, split, rt, 32, 4096, **avail)
 
 
@@ -262,7 +262,7 @@ def test_full_head_suggests_chunked():
     gpu = int(chunked.gpu_bytes / 0.9) + GiB
     with pytest.raises(InsufficientMemoryError) as ei:
         check_fit(split, rt, batch_size=16, seq_len=2048, gpu_free_bytes=gpu, host_available_bytes=128 * GiB)
-    assert any(o.startswith("--head-impl chunked") for o in ei.value.options), str(ei.value)
+    assert any(o.startswith("--tuning.head_impl chunked") for o in ei.value.options), str(ei.value)
     assert_options_fit(ei.value, split, rt, 16, 2048, gpu_free_bytes=gpu, host_available_bytes=128 * GiB)
 
 
@@ -551,7 +551,7 @@ def test_plan_prints_the_estimate_and_the_resident_alternative(capsys):
     assert "grad_slot_dtype auto: compute (gradients cross PCIe in the compute dtype" in out
     # ... and with FP32 downloads, the memory from which FP32 slots are taken, for both slot choices
     assert main(["plan", "--model", "qwen3-1.7b", "--batch-size", "8", "--seq-len", "1024", "--max-grad-norm", "0",
-                 "--grad-download", "fp32"]) == 0
+                 "--tuning.grad_download", "fp32"]) == 0
     out = capsys.readouterr().out
     fp32 = re.findall(r"with cache_units (\d+), FP32 gradient slots need a GPU with ([\d.]+) GiB free "
                       r"\(GPU ([\d.]+) GiB", out)
@@ -759,10 +759,10 @@ def test_refusal_offers_the_placement_auto_would_choose():
               gpu_free_bytes=int(78.5 * GiB), host_available_bytes=123 * GiB)
     with pytest.raises(InsufficientMemoryError, match="host RAM too small") as err:
         check_fit(split, rt, **kw)
-    m = re.search(r"--cache-units 3 --vocab-update device --gpu-checkpoints (\d+)  -> GPU ([\d.]+) GiB, "
-                  r"host ([\d.]+) GiB", str(err.value))
+    m = re.search(r"--tuning.cache_units 3 --tuning.vocab_update device --tuning.gpu_checkpoints (\d+)  "
+                  r"-> GPU ([\d.]+) GiB, host ([\d.]+) GiB", str(err.value))
     assert m and int(m[1]) > 0 and float(m[3]) <= 0.9 * 123
-    assert any("--gpu-checkpoints" in o for o in err.value.options)
+    assert any("--tuning.gpu_checkpoints" in o for o in err.value.options)
 
 
 def test_resident_layers_beside_the_window():

@@ -24,7 +24,7 @@ import torch
 
 from slidetune import train as train_mod
 from slidetune.cli import build_parser, main
-from slidetune.config import TrainConfig, _FLAG_NAMES, _leaf_fields, config_from_args
+from slidetune.config import TrainConfig, _FLAG_NAMES, _leaf_fields, config_from_args, config_to_dict, tuning_paths
 from slidetune.data.corpus import builtin_corpus
 
 BASE = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "2",
@@ -287,10 +287,14 @@ def test_help_lists_every_field_with_its_default():
     # one entry per option: from "  --flag" to the next option line
     for m in re.finditer(r"^  (--[\w-]+)(.*?)(?=^  -|\Z)", text, flags=re.S | re.M):
         entries[m.group(1)] = " ".join(m.group(2).split())
+    knobs = tuning_paths()
     for path, f in _leaf_fields(TrainConfig):
         flag = _FLAG_NAMES.get(path, path.split(".")[-1])
         if flag is None:
             continue                     # data.seed follows --seed
+        if path in knobs:
+            assert "--" + flag.replace("_", "-") not in entries, f"tuning knob {path} in --help (--help-tuning has it)"
+            continue
         obj = defaults
         for part in path.split(".")[:-1]:
             obj = getattr(obj, part)
@@ -312,7 +316,7 @@ def test_resolved_config_saved_yaml_and_flag_precedence(runs):
     assert saved["optim"]["lr"] == TrainConfig().optim.lr  # default where neither says
     # the saved config is valid --config input and reproduces the run's config
     ns = build_parser().parse_args(["train", "--config", str(runs["A"] / "config.json")])
-    assert json.loads(json.dumps(__import__("dataclasses").asdict(config_from_args(ns)))) == saved
+    assert json.loads(json.dumps(config_to_dict(config_from_args(ns)))) == saved
 
 
 def test_yaml_values_are_converted_and_checked(tmp_path):

@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from .config import add_config_flags, config_from_args, config_to_dict
+from .config import ConfigArgumentParser, add_config_flags, config_from_args, config_to_dict
 
 
 def _train(ns) -> int:
@@ -215,15 +215,23 @@ def _add_bench(sub) -> None:
         p.set_defaults(func=_bench_scenario, scenario_module=mod)
 
 
+_TRAIN_DESCRIPTION = ("Fine-tune every parameter of a decoder-only model on one GPU. The flags below are the "
+                      "choices a run makes; the pipeline's tuning knobs (rings, chunk sizes, streams, wait modes, "
+                      "update order, disk blocks) have measured defaults and are set as --tuning.NAME VALUE or in a "
+                      "YAML `tuning:` section: --help-tuning lists them.")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="slidetune", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    # ConfigArgumentParser (and its subparsers): unknown --tuning.NAME names the valid knobs
+    parser = ConfigArgumentParser(prog="slidetune", description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p_train = sub.add_parser("train", help="fine-tune a model (default: SmolLM2-135M on the built-in corpus)",
-                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                             description=_TRAIN_DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_config_flags(p_train)
     p_train.set_defaults(func=_train)
-    p_plan = sub.add_parser("plan", help="print the memory a configuration needs, allocating nothing")
+    p_plan = sub.add_parser("plan", help="print the memory a configuration needs, allocating nothing",
+                            description=_TRAIN_DESCRIPTION.replace("Fine-tune", "Plan the memory of fine-tuning"))
     add_config_flags(p_plan)
     p_plan.add_argument("--gpu-free-gib", type=float, default=None,
                         help="slide on CUDA: resolve the auto settings for a GPU with this much free memory "

@@ -2,12 +2,20 @@
 
 Nested dataclasses (data, runtime, optim) are flattened into flags named after the
 field (`--seq-len`, `--mode`, `--lr`); a few get clearer names (`--data` for the data
-path). Precedence: dataclass defaults < YAML file (--config) < explicit flags.
+path). `--help` shows them in groups (FLAG_GROUPS: model, data, batch, optimizer,
+clipping, mode, memory, offload, compile, evaluation, output). The runtime's tuning
+knobs (RuntimeConfig fields declared with `tuning_field`: rings, chunk sizes, streams,
+wait modes...) are one more group, as torchtitan's job config has a section per concern:
+`--tuning.NAME VALUE` on the command line, a `tuning:` section in YAML, "tuning" in the
+saved config.json, listed with their measured defaults by `--help-tuning`. Their old
+top-level spellings (`--chunk-mb`, `chunk_mb:`) work for one more release, with a note.
+Precedence: dataclass defaults < YAML file (--config) < explicit flags.
 
-The YAML file may nest the sections (`data: {seq_len: 512}`) or name the fields flat,
-like the flags (`seq_len: 512`, `seq-len: 512`, `data: train.jsonl`); values are
-converted to the field's type (YAML reads `1e-4` as a string) and checked. The resolved
-config that `train` saves (`<output_dir>/config.json`) is valid input for `--config`.
+The YAML file may nest the sections (`data: {seq_len: 512}`, `tuning: {chunk_mb: 128}`)
+or name the user's fields flat, like the flags (`seq_len: 512`, `seq-len: 512`, `data:
+train.jsonl`); values are converted to the field's type (YAML reads `1e-4` as a string)
+and checked. The resolved config that `train` saves (`<output_dir>/config.json`) is valid
+input for `--config`.
 """
 from __future__ import annotations
 
@@ -16,6 +24,8 @@ import dataclasses
 import functools
 import inspect
 import re
+import sys
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,7 +35,7 @@ import yaml
 
 from .data.config import DataConfig
 from .engine.adamw import AdamWConfig
-from .engine.config import RuntimeConfig
+from .engine.config import TUNING_SECTION, RuntimeConfig, tuning_docs
 
 
 DEFAULT_CPU_STEPS = 20     # the default job on 2 CPU cores: about two and a half minutes
@@ -106,6 +116,12 @@ _HELP = {
     "optim.beta1": "AdamW first-moment decay",
     "optim.beta2": "AdamW second-moment decay (0.95, not 0.999: the usual LLM fine-tuning choice)",
     "optim.eps": "AdamW epsilon",
+    "runtime.recompute": 'ckpt mode: the decoder layers that recompute their activations in the backward: '
+                         'all | none | a comma list "0,3,7" | "every:k"',
+    "runtime.disk_dir": "a directory on a local disk (NVMe ideally) where the AdamW moments of some units live, "
+                        "read ahead of their update and written behind it: 4 instead of 12 B/param of host RAM for "
+                        "each, 16 B/param through the disk a step (how many: --tuning.disk_units, auto: as few as "
+                        "make host RAM fit)",
 }
 
 
@@ -142,27 +158,166 @@ def _parse_value(text: str, tp):
     return base(text)
 
 
+# The user's flags in --help, by group: (what the group decides, its field paths). The runtime's
+# tuning knobs (engine/config.py's tuning_field) are the one other kind, under --tuning.NAME. A new
+# field goes in one of these groups or is declared a tuning knob: tests/test_config_surface.py fails
+# on a field in neither (until then --help shows it under "other").
+FLAG_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "model": ("what to fine-tune", ("model", "num_layers")),
+    "data": ("what to train on", ("data.path", "data.seq_len", "data.packing", "data.mask_prompt",
+                                  "data.heldout_fraction", "data.seed", "seed")),
+    "batch": ("sequences per step, and how many steps", ("batch_size", "grad_accum", "max_steps", "epochs")),
+    "optimizer": ("AdamW and its learning-rate schedule", ("optim.lr", "optim.beta1", "optim.beta2", "optim.eps",
+                                                           "optim.weight_decay", "lr_schedule", "warmup_steps",
+                                                           "min_lr_ratio")),
+    "clipping": ("global gradient-norm clipping", ("max_grad_norm",)),
+    "mode": ("how the model trains, where, in which precision",
+             ("runtime.mode", "runtime.device", "runtime.dtype", "runtime.recompute")),
+    "memory": ("the memory budget: the fit check and the disk tier", ("check_memory", "runtime.disk_dir")),
+    "offload": ("what leaves the GPU besides the optimizer state", ("runtime.offload_activations",)),
+    "compile": ("torch.compile of the decoder layers", ("runtime.compile_layers",)),
+    "evaluation": ("held-out loss during the run", ("eval_every", "eval_batches")),
+    "output": ("where results and checkpoints go, and resuming",
+               ("output_dir", "save_every", "keep_last", "save_dtype", "checkpoint_dir", "resume", "stop_after",
+                "log_every", "progress")),
+}
+
+
+def tuning_paths() -> dict[str, str]:
+    """Field path (runtime.NAME) -> knob name, for every tuning knob."""
+    return {f"runtime.{name}": name for name in tuning_docs()}
+
+
+def flag_group(path: str) -> str | None:
+    """The --help group of a user's field path, or None (a tuning knob, or unclassified)."""
+    return next((g for g, (_, paths) in FLAG_GROUPS.items() if path in paths), None)
+
+
+def _field_default(path: str):
+    obj = TrainConfig()
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _value_spec(path: str, f: dataclasses.Field) -> dict:
+    """argparse keywords that parse a field's value (type, metavar, a bare flag's meaning)."""
+    base, _ = _base_type(f.type)
+    spec = {"type": lambda s, t=f.type: _parse_value(s, t),
+            "metavar": base.__name__.upper() if isinstance(base, type) else "VALUE"}
+    if base is bool:
+        spec.update(nargs="?", const=True)                       # `--offload-activations` alone means true
+    if path in _BARE_FLAG:
+        spec.update(nargs="?", const=_BARE_FLAG[path])           # `--compile-layers` alone means on
+    return spec
+
+
+_DEPRECATION_NOTED: set[str] = set()     # old spellings already noted in this process
+
+
+def _note_deprecated(old: str, new: str) -> None:
+    """Say once per process that a moved knob's old spelling still works but is going."""
+    if old in _DEPRECATION_NOTED:
+        return
+    _DEPRECATION_NOTED.add(old)
+    print(f"slidetune: note: {old} is deprecated and goes in the next release: use {new} "
+          f"(slidetune train --help-tuning lists the tuning knobs)", file=sys.stderr, flush=True)
+
+
+class _DeprecatedSpelling(argparse.Action):
+    """A tuning knob's old top-level flag (`--chunk-mb`): stores the value, notes the new spelling."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        _note_deprecated(option_string, f"--{TUNING_SECTION}.{self.dest.split('.')[-1]}")
+        setattr(namespace, self.dest, values)
+
+
+class _HelpTuning(argparse.Action):
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(tuning_help())
+        parser.exit()
+
+
+def tuning_help() -> str:
+    """The --help-tuning text: every knob with its type, measured default, what it is and when to touch it."""
+    intro = (f"Pipeline tuning knobs: --{TUNING_SECTION}.NAME VALUE on the command line, or a `{TUNING_SECTION}:` "
+             f'section of the YAML config; the run\'s config.json lists them under "{TUNING_SECTION}". The '
+             "defaults were measured (benchmarks/NOTES.md) and the auto ones resolve per machine at the start of "
+             "a run (`slidetune plan` shows what they resolve to): leave them unless a profile or the `when` line "
+             "says otherwise.")
+    lines = [textwrap.fill(intro, 100), ""]
+    for name, doc in tuning_docs().items():
+        f = RuntimeConfig.__dataclass_fields__[name]
+        metavar = _value_spec(f"runtime.{name}", f)["metavar"]
+        lines += [f"  --{TUNING_SECTION}.{name} {metavar} (default: {_field_default(f'runtime.{name}')})",
+                  f"      {doc.help}", f"      when: {doc.when}"]
+    return "\n".join(lines)
+
+
+def unknown_tuning_message(names: list[str]) -> str:
+    valid = ", ".join(tuning_docs())
+    return (f"unknown tuning knob{'s' if len(names) > 1 else ''} {', '.join(names)}; valid names: {valid} "
+            f"(--help-tuning says what each does)")
+
+
+class ConfigArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser for the config flags: `--tuning.some-name` is read as `--tuning.some_name`,
+    and an unknown `--tuning.NAME` is an error that lists the valid names (argparse alone would only
+    say "unrecognized arguments"). Subparsers made from it are of this class too."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        prefix = f"--{TUNING_SECTION}."
+        args = [_underscored_knob(a, prefix) if a.startswith(prefix) else a for a in args]
+        namespace, extras = super().parse_known_args(args, namespace)
+        unknown = [a.split("=", 1)[0] for a in extras if a.startswith(prefix)]
+        if unknown:
+            self.error(unknown_tuning_message(unknown))
+        return namespace, extras
+
+
+def _underscored_knob(arg: str, prefix: str) -> str:
+    name, eq, value = arg[len(prefix):].partition("=")
+    return prefix + name.replace("-", "_") + eq + value
+
+
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, help="YAML file with any of the fields below")
-    defaults = TrainConfig()
-    for path, f in _leaf_fields(TrainConfig):
+    general = parser.add_argument_group("config")
+    general.add_argument("--config", type=Path, help="YAML file with any of the fields below (sections or flat "
+                                                     f"names) and a `{TUNING_SECTION}:` section")
+    general.add_argument("--help-tuning", action=_HelpTuning,
+                         help=f"list the pipeline's tuning knobs (--{TUNING_SECTION}.NAME VALUE), each with its "
+                              "measured default and when to touch it, and exit")
+    groups = {name: parser.add_argument_group(name, desc) for name, (desc, _) in FLAG_GROUPS.items()}
+    knobs = tuning_paths()
+    leaves = dict(_leaf_fields(TrainConfig))
+    # in --help's order (the usage line follows it): the groups', then the knobs and any unclassified
+    in_groups = [p for _, paths in FLAG_GROUPS.values() for p in paths if p in leaves]
+    for path in in_groups + [p for p in leaves if p not in in_groups]:
+        f = leaves[path]
+        spec = _value_spec(path, f)
+        if path in knobs:
+            # shown by --help-tuning, not --help; the old top-level spelling still parses, with a note
+            parser.add_argument(f"--{TUNING_SECTION}.{knobs[path]}", dest=path, default=argparse.SUPPRESS,
+                                help=argparse.SUPPRESS, **spec)
+            parser.add_argument("--" + knobs[path].replace("_", "-"), dest=path, default=argparse.SUPPRESS,
+                                action=_DeprecatedSpelling, help=argparse.SUPPRESS, **spec)
+            continue
         flag = _FLAG_NAMES.get(path, path.split(".")[-1])
         if flag is None:
             continue
-        obj = defaults
-        for part in path.split(".")[:-1]:
-            obj = getattr(obj, part)
-        default = getattr(obj, f.name)
-        base, _ = _base_type(f.type)
-        doc = _HELP.get(path) or field_docs(type(obj)).get(f.name, "")
+        group = flag_group(path)
+        if group not in groups:
+            groups[group] = parser.add_argument_group("other", "not yet given a group in config.FLAG_GROUPS")
+        default = _field_default(path)
+        obj_cls = TrainConfig if "." not in path else _SECTION_CLASSES[path.split(".")[0]]
+        doc = _HELP.get(path) or field_docs(obj_cls).get(f.name, "")
         help_text = (f"{doc} " if doc else "") + f"[{path}] (default: {default})"
-        help_text = help_text.replace("%", "%%")
-        extra = {"nargs": "?", "const": True} if base is bool else {}   # `--offload-activations` alone means true
-        if path in _BARE_FLAG:
-            extra = {"nargs": "?", "const": _BARE_FLAG[path]}           # `--compile-layers` alone means on
-        parser.add_argument("--" + flag.replace("_", "-"), dest=path, default=argparse.SUPPRESS,
-                            type=lambda s, t=f.type: _parse_value(s, t), help=help_text,
-                            metavar=base.__name__.upper() if isinstance(base, type) else "VALUE", **extra)
+        groups[group].add_argument("--" + flag.replace("_", "-"), dest=path, default=argparse.SUPPRESS,
+                                   help=help_text.replace("%", "%%"), **spec)
 
 
 @functools.cache
@@ -225,6 +380,7 @@ def _coerce(value, tp, path: str):
 def _flatten_yaml(loaded: dict, source: str) -> dict:
     """YAML mapping (nested sections and/or flat flag-style keys) -> {field path: value}."""
     leaves = dict(_leaf_fields(TrainConfig))
+    knobs = tuning_paths()
     by_name: dict[str, str] = {}          # flat name (field or flag, `_` for `-`) -> path
     for path in sorted(leaves, key=lambda p: "." in p):        # top-level fields first: they keep their name
         name = path.split(".")[-1]
@@ -234,15 +390,27 @@ def _flatten_yaml(loaded: dict, source: str) -> dict:
             if key not in _SECTIONS:
                 by_name.setdefault(key, path)
     flat: dict[str, object] = {}
+    moved: list[str] = []                 # tuning knobs given in their old place (flat, or under runtime:)
 
     def put(path: str, value, key: str) -> None:
         if path in flat and flat[path] != value:
             raise ValueError(f"{source}: {path} is given twice ({key!r}) with different values")
         flat[path] = value
+        if path in knobs and not key.startswith(f"{TUNING_SECTION}."):
+            moved.append(key)
 
     for key, value in loaded.items():
         k = str(key).replace("-", "_")
-        if k in _SECTIONS:
+        if k == TUNING_SECTION:
+            if not isinstance(value, dict):
+                raise ValueError(f"{source}: section {TUNING_SECTION!r} must be a mapping of knob names to "
+                                 f"values, got {value!r}")
+            for sub, v in value.items():
+                name = str(sub).replace("-", "_")
+                if f"runtime.{name}" not in knobs:
+                    raise ValueError(f"{source}: {unknown_tuning_message([repr(sub)])}")
+                put(f"runtime.{name}", v, f"{TUNING_SECTION}.{sub}")
+        elif k in _SECTIONS:
             if k == "data" and (value is None or isinstance(value, str)):
                 put("data.path", value, key)          # `data: train.jsonl`, as the --data flag
                 continue
@@ -258,8 +426,13 @@ def _flatten_yaml(loaded: dict, source: str) -> dict:
         elif k in by_name:
             put(by_name[k], value, key)
         else:
-            known = sorted({p.split(".")[-1] for p in leaves})
-            raise ValueError(f"{source}: unknown config field {key!r}; known fields: {', '.join(known)}")
+            known = sorted({p.split(".")[-1] for p in leaves if p not in knobs})
+            raise ValueError(f"{source}: unknown config field {key!r}; known fields: {', '.join(known)}, "
+                             f"and the {TUNING_SECTION}: section (slidetune train --help-tuning)")
+    if moved:            # an old config.json has every knob under runtime: name a few
+        named = ", ".join(moved[:4]) + (f" and {len(moved) - 4} more" if len(moved) > 4 else "")
+        _note_deprecated(f"{source}: placing tuning knobs ({named}) outside the `{TUNING_SECTION}:` section",
+                         f"`{TUNING_SECTION}: {{{moved[0].split('.')[-1]}: ...}}`")
     return flat
 
 
@@ -302,7 +475,14 @@ def load_yaml(path) -> dict:
 
 
 def build_config(raw: dict) -> TrainConfig:
+    """A TrainConfig from a nested dict (sections as dicts; tuning knobs under "tuning" or "runtime")."""
     raw = dict(raw)
+    tuning = raw.pop(TUNING_SECTION, None) or {}
+    unknown = sorted(set(tuning) - set(tuning_docs()))
+    if unknown:
+        raise ValueError(unknown_tuning_message(unknown))
+    if tuning:
+        raw["runtime"] = {**(raw.get("runtime") or {}), **tuning}
     sections = {}
     for name, cls in (("data", DataConfig), ("runtime", RuntimeConfig), ("optim", AdamWConfig)):
         values = raw.pop(name, {}) or {}
@@ -326,4 +506,21 @@ def build_config(raw: dict) -> TrainConfig:
 
 
 def config_to_dict(cfg: TrainConfig) -> dict:
-    return dataclasses.asdict(cfg)
+    """The config as saved in config.json: sections nested, the tuning knobs as their own group."""
+    return group_tuning(dataclasses.asdict(cfg))
+
+
+def group_tuning(d: dict) -> dict:
+    """A config dict with the tuning knobs moved from "runtime" into a "tuning" group right after it
+    (a config.json saved before the knobs had a group reads the same way)."""
+    runtime = dict(d.get("runtime") or {})
+    tuning = {**{name: runtime.pop(name) for name in tuning_docs() if name in runtime},
+              **(d.get(TUNING_SECTION) or {})}
+    out = {}
+    for key, value in d.items():
+        if key == TUNING_SECTION:
+            continue
+        out[key] = runtime if key == "runtime" else value
+        if key == "runtime":
+            out[TUNING_SECTION] = tuning
+    return out

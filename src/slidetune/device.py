@@ -141,7 +141,7 @@ class Device:
         if err != 0:
             raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size() / 2**30:.2f} GiB failed "
                                f"(cudaError {err}); the host may limit locked memory (ulimit -l). "
-                               f"Use --cast-on cpu to stream through small pinned buffers instead")
+                               f"Use --tuning.cast_on cpu to stream through small pinned buffers instead")
 
     def unregister_host(self, t: torch.Tensor) -> None:
         if self.is_cuda and t.numel():

@@ -32,7 +32,7 @@ import torch
 
 from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, prune_checkpoints, recover_leftovers,
                          save_checkpoint)
-from .config import TrainConfig, config_to_dict
+from .config import TrainConfig, config_to_dict, group_tuning
 from .data import BatchSampler, TokenDataset, build_datasets, default_pad_id, eval_batches
 from .device import Device
 from .engine import StepResult, build_engine
@@ -301,6 +301,7 @@ def _warn_changed_config(ckpt: Path, run_config: Path, cfg: TrainConfig) -> None
             return
         source = "the run's saved config.json"
     ignore = {"resume", "stop_after", "progress", "log_every", "output_dir"}
+    old = group_tuning(old)             # one saved before the tuning knobs had their group compares the same
     new = config_to_dict(cfg)
     changed = []
     for key, value in new.items():

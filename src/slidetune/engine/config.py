@@ -1,11 +1,53 @@
-"""Typed configuration of the training runtime (what runs where, in which precision)."""
+"""Typed configuration of the training runtime (what runs where, in which precision).
+
+Two kinds of field. The user's choices (mode, dtype, device, recompute, activation offload,
+compile, the disk directory) are plain fields, top-level flags of `slidetune train`. The
+pipeline's tuning knobs (rings, chunk sizes, streams, wait modes, update order, disk blocks...)
+are declared with `tuning_field`, which carries their one-line help and when to touch them;
+the CLI shows them under `--tuning.NAME` (`slidetune train --help-tuning`), YAML under
+`tuning:`, and the resolved config.json groups them under "tuning" (config.py). Their
+defaults were measured (benchmarks/NOTES.md); the comment above each keeps the reason.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+TUNING_SECTION = "tuning"       # the YAML section, config.json group and flag prefix of the knobs
+
+
+@dataclass(frozen=True)
+class TuningDoc:
+    """What a tuning knob is (help) and when a user should touch it (when): one line each."""
+    help: str
+    when: str
+
+
+def tuning_field(default, *, help: str, when: str):  # noqa: A002 - argparse's word for it
+    """A RuntimeConfig field that is a pipeline tuning knob rather than a user's choice: its
+    default is measured, `help` says what it is and `when` when to change it (shown by
+    --help-tuning). Both must be one line: they are the knob's whole documentation there."""
+    if not help.strip() or not when.strip() or "\n" in help + when:
+        raise ValueError("tuning_field needs a one-line help and a one-line when")
+    return field(default=default, metadata={TUNING_SECTION: TuningDoc(help.strip(), when.strip())})
+
+
+def tuning_docs() -> dict[str, TuningDoc]:
+    """RuntimeConfig's tuning knobs, in declaration order: field name -> its TuningDoc."""
+    return {f.name: f.metadata[TUNING_SECTION] for f in dataclasses.fields(RuntimeConfig)
+            if TUNING_SECTION in f.metadata}
+
+
+def cli_flag(name: str) -> str:
+    """The command-line spelling of a RuntimeConfig field: `--tuning.NAME` for a tuning knob,
+    `--the-name` for a user's flag (the spelling messages that suggest a change must use)."""
+    if name in tuning_docs():
+        return f"--{TUNING_SECTION}.{name}"
+    return "--" + name.replace("_", "-")
 
 
 @dataclass
@@ -22,7 +64,9 @@ class RuntimeConfig:
     # runs without waiting on PCIe (Qwen3-8B b16: 2.65 -> 2.36 s). Costs num_layers x
     # layer size on the GPU. -1 = auto: 0 when the whole configuration then fits in GPU
     # memory (engine.fit.choose_auto_settings), else 3 (with resident layers beside them).
-    cache_units: int = -1
+    cache_units: int = tuning_field(
+        -1, help="GPU layer slots: -1 auto, 0 one per layer (weights stay on the GPU), N >= 2 a window of N",
+        when="auto picks 0 where everything fits, else 3; a window of 3-4 frees GPU memory for a larger batch")
     # With a window (cache_units >= 2): the lowest `resident_layers` host-updated decoder layers
     # get a GPU slot of their own besides the window, uploaded once a step as their update lands
     # instead of twice (forward and backward) through the window; the upper layers use the
@@ -32,12 +76,16 @@ class RuntimeConfig:
     # the all-window placement spent 40% of its H2D time outside compute; benchmarks/NOTES.md 20).
     # -1 = auto (engine.fit.choose_auto_settings; unresolved, as in an engine built directly:
     # none). With cache_units=0 every host layer is resident and this is not used.
-    resident_layers: int = -1
+    resident_layers: int = tuning_field(
+        -1, help="with a window: the lowest N host-updated layers get a GPU slot of their own (-1 auto)",
+        when="lower it to give GPU memory back to the batch; auto fills what the GPU has left")
     # GPU gradient slots: one being written, one draining, one of slack. 0 = auto: 3, or
     # DEADLINE_GRAD_SLOTS with update_order=deadline, eager updates and resident layers,
     # where the slots also hold the gradients of the upper layers (late deadlines) until
     # the host gets to them, while the pinned ring carries the most urgent ones.
-    grad_slots: int = 0
+    grad_slots: int = tuning_field(
+        0, help="GPU gradient slots (0 auto: 3, or 16 under deadline order with every layer resident)",
+        when="raise when a profile shows the backward waiting for a free gradient slot; lower to save GPU memory")
     offload_activations: bool = False  # layer-input checkpoints in pinned host memory
     # With offload_activations: the input checkpoints of the last `gpu_checkpoints` decoder
     # layers stay on the GPU. The backward reads those first, so it starts without waiting
@@ -47,38 +95,59 @@ class RuntimeConfig:
     # many as fit in GPU memory after the other auto choices, or, where host RAM is what
     # does not fit, before them (engine.fit.choose_auto_settings); left unresolved (an engine
     # built directly) it means 0: every checkpoint offloaded.
-    gpu_checkpoints: int = -1
+    gpu_checkpoints: int = tuning_field(
+        -1, help="with --offload-activations: the last N layers' input checkpoints stay on the GPU (-1 auto)",
+        when="lower to free GPU memory; raise where the backward's first layers wait for their prefetch")
     # When updates run. "eager": each unit's AdamW as soon as its gradient is complete (after its
     # backward over every micro-batch: accumulation runs layer by layer, engine/slide/engine.py);
     # "deferred": gradients wait where they landed (host units' in the compute dtype, 2 B/param of
     # host RAM for BF16; device units' on the GPU) until the global norm is known, then the clipped
     # update sweep overlaps the next forward. auto: deferred when clipping, else eager.
-    schedule: str = "auto"          # auto | eager | deferred
-    cast_on: str = "auto"           # auto | cpu | gpu: where FP32 <-> compute dtype conversions run (auto: gpu on CUDA)
-    chunk_mb: int = 256             # cast/copy/update granularity (benchmarks/NOTES.md 7: 256 beat 64 by 4% on 8B layers)
-    upload_ring: int = 4            # pinned staging chunks for uploads
-    download_ring: int = 0          # pinned staging chunks for gradient downloads (0: auto, see download_chunks)
+    schedule: str = tuning_field(
+        "auto", help="when updates run: eager (as each gradient completes) or deferred (after the global norm); auto",
+        when="leave auto (deferred when clipping, else eager); eager cannot clip, deferred without clipping only A/Bs")
+    cast_on: str = tuning_field(
+        "auto", help="where FP32 <-> compute-dtype casts run: auto (gpu on CUDA), gpu or cpu",
+        when="cpu where page-locking the FP32 masters fails (a low `ulimit -l`): small pinned buffers instead")
+    # benchmarks/NOTES.md 7: 256 beat 64 by 4% on 8B layers
+    chunk_mb: int = tuning_field(
+        256, help="cast/copy/update granularity in MiB of FP32 (256 beat 64 by 4% on 8B layers)",
+        when="lower (64) where pinned host RAM is short; units smaller than a chunk use one chunk anyway")
+    upload_ring: int = tuning_field(
+        4, help="pinned staging chunks for uploads (chunk_mb each)",
+        when="raise when a profile shows uploads waiting for a staging chunk; lower to save pinned RAM")
+    download_ring: int = tuning_field(
+        0, help="pinned staging chunks for gradient downloads (0 auto: 8 layers under deadline order, 3 fifo)",
+        when="raise where host RAM allows and the backward's last layers wait for AdamW; lower to save pinned RAM")
     # Order of the eager schedule's host updates. "deadline": the unit needed first by the
     # next forward goes first among those whose gradients are down (the embedding and layer
     # 0 before the upper layers), and the upper layers' updates overlap the next forward;
     # "fifo": in the order the backward releases them (head, L-1, ..., 0, embedding), so
     # the next forward waits for every update. Needs a gradient ring that holds the backlog
     # (auto: 8 layers; benchmarks/NOTES.md 11).
-    update_order: str = "deadline"  # deadline | fifo
-    upload_stages: int = 2          # GPU FP32 staging chunks per upload when the cast runs on the copy stream
+    update_order: str = tuning_field(
+        "deadline", help="order of the eager host updates: deadline (the next forward's first units first) or fifo",
+        when="fifo only to A/B the deadline order or to shrink the gradient ring to 3 layers")
+    upload_stages: int = tuning_field(
+        2, help="GPU FP32 staging chunks per upload when the cast runs on the copy stream",
+        when="rarely: raise when an upload's cast waits for a free staging chunk")
     # Where the GPU casts run (cast_on=gpu). "copy": a cast kernel on the copy stream per
     # chunk; it needs SMs while the compute stream's GEMMs hold them, which can stall the
     # copies behind it. "compute": the copy streams only move bytes (DMA engines): uploads
     # land in an FP32 buffer per slot and the compute stream casts a whole unit right
     # before it computes (0.5 ms per 8B layer); gradient slots are FP32 and the gradient
     # copy that fills them is the cast. Costs FP32-sized slot buffers on the GPU.
-    upload_cast_stream: str = "copy"    # copy | compute
+    upload_cast_stream: str = tuning_field(
+        "copy", help="where GPU casts run: copy (a kernel on the copy stream) or compute (whole unit, FP32 slots)",
+        when="compute where copy-stream casts stall behind the GEMMs (H2D gaps in a profile) and the GPU has room")
     # Gradient slots in FP32: the backward's gradient copy into the slot is the cast, and the
     # D2H copy stream moves bytes only (no cast kernel waiting for SMs). 2 B/param more per
     # slot; Llama-3.1-8B b16: 2.38 -> 2.16 s a step (NOTES.md 14). auto: fp32 where the
     # whole configuration then fits in GPU memory (engine.fit.choose_auto_settings), else
     # the compute dtype; left unresolved (an engine built directly) it means compute.
-    grad_slot_dtype: str = "auto"       # auto | compute | fp32
+    grad_slot_dtype: str = tuning_field(
+        "auto", help="gradient slots in the compute dtype or FP32 (auto: fp32 where it fits and downloads are fp32)",
+        when="fp32 with --tuning.grad_download fp32 where D2H casts wait for SMs; compute to save GPU memory")
     # The dtype in which gradients cross PCIe and land in host memory (cast_on=gpu; with
     # cast_on=cpu they always come down in the compute dtype). "compute": as the backward
     # made them (2 B/param for BF16), and the host's AdamW widens them inside its own kernel
@@ -87,7 +156,9 @@ class RuntimeConfig:
     # time; without one (or with host_adamw=torch) the host widens into a scratch chunk
     # first. "fp32": widened on the GPU (a cast on the D2H stream). FP32 gradient slots (grad_slot_dtype=fp32) download FP32
     # either way, so auto never picks them with "compute".
-    grad_download: str = "compute"     # compute | fp32
+    grad_download: str = tuning_field(
+        "compute", help="dtype gradients cross PCIe in: compute (the host's AdamW widens them) or fp32",
+        when="fp32 only to A/B: it doubles the D2H bytes and the host's DRAM traffic rises 26 -> 28 B/param")
     # Where the embedding and head units' FP32 master and AdamW state live and are updated.
     # "device": on the GPU, updated on the compute stream as soon as their gradient is
     # complete (~5 ms each at HBM speed for a 0.5 B-parameter vocabulary matrix), so they
@@ -97,7 +168,9 @@ class RuntimeConfig:
     # schedule their gradients wait on the GPU for the clip coefficient. "host": with the
     # layers. auto: device where the whole configuration then fits in GPU memory
     # (engine.fit.choose_auto_settings); left unresolved (an engine built directly), host.
-    vocab_update: str = "auto"          # auto | host | device
+    vocab_update: str = tuning_field(
+        "auto", help="where the embedding and head are updated: device (GPU), host, or auto (device where it fits)",
+        when="host to free 12 B/param of the vocabulary on the GPU; device to insist on it")
     # The first `device_layers` decoder layers keep their FP32 master and AdamW moments on
     # the GPU and are updated there, on the compute stream, right after their backward (as
     # vocab_update=device does for the embedding and head): their weights never cross PCIe
@@ -108,7 +181,9 @@ class RuntimeConfig:
     # as many as fit in GPU memory after the other auto choices (engine.fit.choose_auto_settings;
     # Qwen3-8B b16 on the H100: 8 layers, 2.22 -> 1.75 s a step, NOTES.md 18); left unresolved
     # (an engine built directly) it means 0. 0 keeps every layer's state on the host.
-    device_layers: int = -1
+    device_layers: int = tuning_field(
+        -1, help="the lowest N layers keep master and AdamW state on the GPU, updated there (-1 auto: as fit)",
+        when="0 keeps every layer's state on the host (a DeepSpeed-like comparison); lower it to free GPU memory")
     # Intra-op threads of the host worker (AdamW, gradient norms). 0 (auto): on CUDA, one
     # fewer than torch's default (all cores), so the compute thread that launches the GPU's
     # kernels has a core of its own: an AdamW thread preempted mid-block holds the whole
@@ -116,7 +191,9 @@ class RuntimeConfig:
     # launching thread; Qwen3-4B b8 1.01 -> 0.90 s, NOTES.md 18); on the CPU, torch's default
     # (the compute thread computes with the same pool). Set in the worker thread, so the
     # compute thread keeps its own count.
-    host_threads: int = 0
+    host_threads: int = tuning_field(
+        0, help="intra-op threads of the host's AdamW worker (0 auto: all cores but one on CUDA)",
+        when="lower when other processes share the host's cores; auto leaves a core to the launching thread")
     # The host's AdamW kernel (engine/native_adamw.py). "dynamic": one OpenMP loop compiled at
     # run time whose threads claim 32K-element blocks as they go (5.26 G params/s alone on the
     # H100 host, static 4.66; beside a busy thread neither schedule holds up, a free core
@@ -125,21 +202,29 @@ class RuntimeConfig:
     # split evenly up front (A/B of the schedule).
     # "torch": torch's fused kernel (a static split; BF16 gradients widened into a scratch
     # chunk first). Without a C compiler "dynamic" and "static" fall back to "torch" (logged).
-    host_adamw: str = "dynamic"     # dynamic | static | torch
+    host_adamw: str = tuning_field(
+        "dynamic", help="the host's AdamW kernel: dynamic or static (native OpenMP loops) or torch (its fused one)",
+        when="torch to rule the native kernel out; static to A/B the schedule (dynamic measured 13% faster)")
     # How host threads wait on the GPU. "block": they sleep (blocking events, and the
     # context's blocking-sync flag for .item() and synchronize()); "spin": CUDA's default,
     # a busy core per waiter, which slowed the host's AdamW by up to 41% (NOTES.md 14).
-    cuda_waits: str = "block"       # block | spin
+    cuda_waits: str = tuning_field(
+        "block", help="how host threads wait on the GPU: block (sleep) or spin (CUDA's default)",
+        when="spin only to A/B: a spinning waiter slowed the host's AdamW by up to 41%")
     # Python's GIL switch interval while the slide engine runs (ms). Every torch call of the
     # host's AdamW loop gives the GIL up and must take it back, waiting up to this long when
     # the compute thread is busy in Python (benchmarks/scripts/gil_adamw.py: 0.87x at 0.5 ms
     # for ~16 ms chunks on the CPU machine, ~0.97x at 0.2 ms).
-    gil_switch_ms: float = 0.5
+    gil_switch_ms: float = tuning_field(
+        0.5, help="Python's GIL switch interval while the slide engine runs, in ms (0.01-100)",
+        when="lower (0.2) when the host's AdamW waits for the GIL behind a busy compute thread")
     # After the first step, move every object then alive into Python's permanent GC generation
     # (engine/gc_policy.py): a full collection no longer walks the model and the compiled graphs
     # and stops the compute thread for a fraction of a second (Qwen3-4B b16: 0.54 s in one step
     # of 1.06 s, NOTES.md 19). Undone at close().
-    gc_freeze: bool = True
+    gc_freeze: bool = tuning_field(
+        True, help="after step 1, move every live object into the GC's permanent generation",
+        when="off only to debug leaks: a full collection then stops the compute thread (0.54 s in a 1.06 s step)")
     # torch.compile the decoder layers' forward (slide mode; one graph per kind of layer,
     # recompute and backward included): 18% less layer time on the H100 for a ~40 s compile at
     # the first step. auto: on CUDA where the planned run earns the compile back 2.5x over
@@ -151,7 +236,9 @@ class RuntimeConfig:
     # writes all of AdamW's state in one pass (28% less host DRAM traffic, all of it waited for).
     # Split was as fast or faster everywhere measured, even where the host's AdamW binds
     # (Llama-3.1-8B b8, 24 GiB GPU, one machine: 2.54 s against 2.61; NOTES.md 21).
-    clip_sweep: str = "split"       # split | whole
+    clip_sweep: str = tuning_field(
+        "split", help="the clipped schedule's host sweep: split (weights first, moments under the next step) or whole",
+        when="whole only to A/B: split was as fast or faster everywhere measured")
     # The disk tier (engine/slide/disk_tier.py): the AdamW moments of `disk_units` host-updated
     # units (the head, then decoder layers from the top down: those the next forward needs last)
     # live in files under `disk_dir`, read ahead of each unit's update and written behind it.
@@ -160,13 +247,25 @@ class RuntimeConfig:
     # that may go there. -1 (auto): with a disk_dir, as few as make host RAM fit
     # (engine.fit.choose_auto_settings), else none; left unresolved, none.
     disk_dir: str | None = None
-    disk_units: float = -1
-    disk_block_mb: float = 64       # disk I/O block: one block's moments (m and v) per pinned buffer
-    disk_buffers: int = 8           # pinned block buffers: reads ahead, the block in AdamW, writes behind
-    disk_io_threads: int = 4        # threads issuing preadv/pwritev (each releases the GIL)
+    disk_units: float = tuning_field(
+        -1, help="units whose AdamW moments live under --disk-dir: a count, a fraction, or -1 auto (fewest that fit)",
+        when="more to leave host RAM to other work; fewer where the disk's bandwidth binds the step")
+    disk_block_mb: float = tuning_field(
+        64, help="disk I/O block in MiB: one block's moments (m and v) per pinned buffer",
+        when="raise for disks that want larger requests; lower to save pinned RAM (buffers x block)")
+    disk_buffers: int = tuning_field(
+        8, help="pinned block buffers: reads ahead, the block in AdamW, writes behind (>= 3)",
+        when="raise when AdamW waits for disk reads on a fast disk; each costs disk_block_mb of pinned RAM")
+    disk_io_threads: int = tuning_field(
+        4, help="threads issuing preadv/pwritev (each releases the GIL)",
+        when="raise for NVMe with deep queues or striped disks; lower on one slow disk")
     # output layer
-    head_impl: str = "chunked"      # full | chunked | fused
-    head_chunk_tokens: int = 4096   # tokens per logits chunk (4096 x 152k vocab x 2 B = 1.2 GB)
+    head_impl: str = tuning_field(
+        "chunked", help="output layer: full logits, chunked (head_chunk_tokens at a time) or fused",
+        when="full only for small vocabularies and short sequences; chunked keeps the logits' peak bounded")
+    head_chunk_tokens: int = tuning_field(
+        4096, help="tokens per logits chunk (4096 x 152k vocab x 2 B = 1.2 GB)",
+        when="lower when the head's peak does not fit the GPU; higher rarely helps")
 
     def __post_init__(self):
         self.compile_layers = _on_off_auto(self.compile_layers, "compile_layers")
@@ -217,11 +316,11 @@ class RuntimeConfig:
         if self.disk_units == int(self.disk_units):
             self.disk_units = int(self.disk_units)
         if self.disk_units > 0 and not self.disk_dir:
-            raise ValueError("disk_units needs a disk directory: --disk-dir PATH (a local disk with room "
+            raise ValueError("--tuning.disk_units needs a disk directory: --disk-dir PATH (a local disk with room "
                              "for 8 bytes per parameter of those units)")
         if self.disk_block_mb <= 0 or self.disk_buffers < 3 or self.disk_io_threads < 1:
-            raise ValueError("disk_block_mb must be > 0, disk_buffers >= 3 (one read ahead, one in AdamW, "
-                             "one written behind) and disk_io_threads >= 1")
+            raise ValueError("--tuning.disk_block_mb must be > 0, --tuning.disk_buffers >= 3 (one read ahead, "
+                             "one in AdamW, one written behind) and --tuning.disk_io_threads >= 1")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -293,7 +392,7 @@ class RuntimeConfig:
         needs_deferred = max_grad_norm is not None and max_grad_norm > 0
         if self.schedule == "eager" and needs_deferred:
             raise ValueError("the eager schedule updates each unit as soon as its gradient is complete, so it "
-                             "cannot clip by the global norm; use --schedule deferred (or auto)")
+                             "cannot clip by the global norm; use --tuning.schedule deferred (or auto)")
         if self.schedule == "auto":
             return "deferred" if needs_deferred else "eager"
         return self.schedule

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.units import SplitModel
-from .config import RuntimeConfig, recompute_set
+from .config import RuntimeConfig, cli_flag, recompute_set
 from .placement import PlacementPlan, unit_shapes
 from .slide.disk_tier import block_elems, check_directory, tier_bytes
 from .slide.host_store import BUILD_WORKERS
@@ -740,11 +740,12 @@ def _message(rt, est, short, options, B, S, accum, safety, disk_note: str = "") 
 
 
 def _fmt_flag(name: str, value) -> str:
+    flag = cli_flag(name)                             # --tuning.NAME for a tuning knob
     if value is True:
-        return f"--{name.replace('_', '-')}"          # boolean flags take no value when true
+        return flag                                   # boolean flags take no value when true
     if value is False:
         value = "false"
-    return f"--{name.replace('_', '-')} {value}"
+    return f"{flag} {value}"
 
 
 def suggest(split: SplitModel, rt: RuntimeConfig, budget: _Budget, *, batch_size: int, seq_len: int,

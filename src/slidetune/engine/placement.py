@@ -79,7 +79,7 @@ class PlacementPlan:
         if L < 0:
             raise ValueError("a plan needs the embedding, the decoder layers and the head")
         if rt.device_layers > L:
-            raise ValueError(f"device_layers={rt.device_layers} but the model has {L} decoder layers")
+            raise ValueError(f"--tuning.device_layers {rt.device_layers} but the model has {L} decoder layers")
         n_dev = max(0, rt.device_layers)
         vocab_dev = rt.vocab_update == "device"
         host_layers = L - n_dev
@@ -104,7 +104,7 @@ class PlacementPlan:
         if 0 < n_disk < 1:                       # a fraction of the units that may go there
             n_disk = round(n_disk * len(candidates))
         if n_disk > len(candidates):
-            raise ValueError(f"disk_units={n_disk} but only {len(candidates)} units can go to disk (the head and "
+            raise ValueError(f"--tuning.disk_units {n_disk} but only {len(candidates)} units can go to disk (the head and "
                              f"the host-updated decoder layers; the others are on the GPU)")
         for i in candidates[:n_disk]:
             state[i] = "disk"

@@ -89,7 +89,7 @@ def check_directory(path: str | os.PathLike, need_bytes: int) -> Path:
         gib = 2**30
         raise DiskTierError(f"--disk-dir {p} has {free / gib:.1f} GiB free but the disk tier needs "
                             f"{need_bytes / gib:.1f} GiB (8 bytes per parameter of the units placed there); "
-                            f"free space there, give a larger disk, or put fewer units on disk (--disk-units)")
+                            f"free space there, give a larger disk, or put fewer units on disk (--tuning.disk_units)")
     return p
 
 
@@ -197,7 +197,7 @@ class DiskTier:
         except OSError as e:
             os.close(fd)
             raise DiskTierError(f"cannot reserve {size / 2**30:.2f} GiB for {path}: {e}; free space on the "
-                                f"disk or put fewer units there (--disk-units)") from e
+                                f"disk or put fewer units there (--tuning.disk_units)") from e
         return fd
 
     def blocks(self, unit: int) -> int:

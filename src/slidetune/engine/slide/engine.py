@@ -156,7 +156,7 @@ class SlideEngine:
         dev = device.device
         self.gpu_cast = rt.casts_on_gpu(device.is_cuda)
         if rt.cast_on == "gpu" and not device.is_cuda:
-            raise ValueError("cast_on=gpu needs a CUDA device")
+            raise ValueError("--tuning.cast_on gpu needs a CUDA device (auto picks cpu on a CPU machine)")
         # Casting on the compute stream needs FP32 on the device side: the CPU cast path
         # (cast_on=cpu) moves compute-dtype bytes and has nothing to cast there.
         self.cast_in_compute = rt.upload_cast_stream == "compute" and (self.gpu_cast or not device.is_cuda)
