@@ -51,18 +51,55 @@ def test_periodic_checkpoints_that_do_not_fit_are_refused_with_options_that_do()
 def test_the_disk_tier_takes_its_room_first(tmp_path):
     """The disk tier's files are allocated when the engine starts, before anything is saved: on the
     output's disk they come off its free space. The 14B of the GPU machine: a 55 GiB tier on its
-    64 GiB disk leaves no room for final/ (27.5 GiB bf16), and the refusal says the tier took it;
-    on another disk (a different device) the tier takes nothing from the output's."""
+    64 GiB disk leaves 9 GiB, no room for final/ (27.5 GiB bf16). With nothing but final/ asked
+    for, the tier's files are removed when training ends and final/ is written then (said up front);
+    periodic checkpoints on that disk are refused, naming the tier. On another disk (a different
+    device) the tier takes nothing from the output's."""
     P14B = 14_768_307_200
-    args = dict(save_dtype="bf16", output_dir=tmp_path, checkpoint_dir=tmp_path, save_every=0, keep_last=2,
+    args = dict(save_dtype="bf16", output_dir=tmp_path, checkpoint_dir=tmp_path, keep_last=2,
                 output_free=64 * GiB, checkpoint_free=64 * GiB, same_disk=True)
-    assert plan_saves(P14B, **args).final_bytes < 28 * GiB                # fits without the tier
+    alone = plan_saves(P14B, save_every=0, **args)
+    assert alone.final_bytes < 28 * GiB and not alone.release_scratch_first
+    shared = plan_saves(P14B, save_every=0, scratch=(tmp_path, 55 * GiB), **args)
+    assert shared.release_scratch_first and not shared.resumable
+    (note,) = shared.notes
+    assert "tier's files are removed when training ends, then final/ is written" in note and "--checkpoint-dir" in note
     with pytest.raises(DiskSpaceError) as e:
-        plan_saves(P14B, scratch=(tmp_path, 55 * GiB), **args)
+        plan_saves(P14B, save_every=50, scratch=(tmp_path, 55 * GiB), **args)
     assert "disk tier's 55.0 GiB of files" in str(e.value) and "--disk-dir on another disk" in str(e.value)
     assert "9.0 GiB free" in str(e.value)
+    # a disk too small for final/ even without the tier: refused
+    with pytest.raises(DiskSpaceError, match="final/"):
+        plan_saves(P14B, save_every=0, scratch=(tmp_path, 55 * GiB), **dict(args, output_free=20 * GiB))
     # the tier elsewhere: /proc is another filesystem than tmp_path's
-    assert plan_saves(P14B, scratch=("/proc", 55 * GiB), **args).final_bytes < 28 * GiB
+    other = plan_saves(P14B, save_every=0, scratch=("/proc", 55 * GiB), **args)
+    assert not other.release_scratch_first and other.notes
+
+
+def test_a_run_whose_disk_tier_and_final_do_not_fit_together_removes_the_tier_first(tmp_path, monkeypatch):
+    """End to end on CPU: slide mode with 2 disk units, and a disk reported with room for final/ but
+    not for final/ beside the tier's files. The run says so up front, trains, removes the tier's
+    files, writes final/ (loadable), and no resumable checkpoint."""
+    import slidetune.train as train_mod
+    d, tier = tmp_path / "out", tmp_path / "tier"
+    tier.mkdir()
+    seen = {}
+
+    def tier_then_final(num_params, **kw):
+        final = num_params * SAVE_DTYPE_BYTES[kw["save_dtype"]] + FILES_MARGIN
+        scratch = kw["scratch"]
+        seen["scratch"] = scratch
+        free = int((final + scratch[1] // 2) / (1 - FREE_MARGIN))         # final/ fits, not with the tier
+        return plan_saves(num_params, **kw, output_free=free, checkpoint_free=free, same_disk=True)
+
+    monkeypatch.setattr(train_mod, "plan_saves", tier_then_final)
+    code, out, err = run_cli(*COMMON, "--mode", "slide", "--max-steps", "2", "--output-dir", str(d),
+                             "--disk-dir", str(tier), "--tuning.disk_units", "2")
+    assert code == 0, err[-2000:]
+    assert seen["scratch"][0] == tier and seen["scratch"][1] > 0
+    assert "tier's files are removed when training ends" in err
+    assert_loads(d / "final")
+    assert list(tier.iterdir()) == [] and not (d / "checkpoints").exists() and metric_steps(d)[-1] == 2
 
 
 def test_final_that_does_not_fit_is_refused_and_bf16_offered():

@@ -43,6 +43,9 @@ class SavePlan:
     checkpoint_bytes: int            # one resumable checkpoint
     resumable: bool                  # resumable checkpoints will be written (periodic, at the end, on a stop)
     notes: list[str] = field(default_factory=list)
+    # the scratch files (the disk tier) are removed before final/ is written: the two do not fit
+    # that disk together, and nothing needs the tier's moments once no resumable state is kept
+    release_scratch_first: bool = False
 
     def summary(self) -> str:
         return (f"final/ {self.final_bytes / GiB:.1f} GiB; a resumable checkpoint {self.checkpoint_bytes / GiB:.1f} GiB"
@@ -99,6 +102,8 @@ def plan_saves(num_params: int, *, save_dtype: str, output_dir: Path, checkpoint
         return f"{n / GiB:.1f} GiB"
 
     taken = ""          # said in the refusals: what the scratch files took of that disk
+    out_free_alone = out_free       # the output's disk without the scratch files
+    on_out = False
     if scratch and scratch[1]:
         scratch_dev = _device_id(scratch[0])
         on_out = scratch_dev == _device_id(output_dir)
@@ -113,6 +118,15 @@ def plan_saves(num_params: int, *, save_dtype: str, output_dir: Path, checkpoint
     out_usable = int(out_free * (1 - FREE_MARGIN))
     ck_usable = int(ck_free * (1 - FREE_MARGIN))
 
+    if final > out_usable and on_out and not save_every and final <= int(out_free_alone * (1 - FREE_MARGIN)):
+        # final/ fits once the tier's files are gone: remove them first (the moments die with
+        # them, so no resumable state can follow final/)
+        return SavePlan(final, ckpt, False, [
+            f"note: the disk tier's {gib(scratch[1])} of files and final/ ({gib(final)}, {save_dtype}) do not fit "
+            f"the {gib(out_free_alone)} free for {output_dir} together: the tier's files are removed when training "
+            f"ends, then final/ is written. No resumable checkpoint will be written (it needs the tier's AdamW "
+            f"moments), so an interrupted run cannot be resumed; for one, --checkpoint-dir on a disk with at least "
+            f"{gib(math.ceil(ckpt / (1 - FREE_MARGIN)))} free"], release_scratch_first=True)
     if final > out_usable:
         options = []
         if save_dtype == "fp32":

@@ -347,6 +347,8 @@ class Trainer:
         self.ckpt_dir = ckpt_dir or out / "checkpoints"
         self.save_dtype = save_dtype
         self.resumable = saves is None or saves.resumable      # resumable checkpoints fit the disk
+        # final/ fits only once the disk tier's files are gone (save_plan.py): removed before it
+        self.release_scratch_first = saves is not None and saves.release_scratch_first
         self.metrics_path = out / "metrics.csv"
         self.stale = list(stale or [])   # an earlier run's checkpoints, deleted by the first save
         self.start_step = 0
@@ -581,6 +583,8 @@ class Trainer:
         whether or not the resumable state can be written after it."""
         total = self.total_steps
         _write_rows(self.metrics_path, self.rows)
+        if self.release_scratch_first:
+            getattr(self.engine, "release_disk_tier", lambda: None)()
         try:
             save_checkpoint(self.engine, self.out / "final", step=total, tokenizer=self.loaded.tokenizer,
                             save_dtype=self.save_dtype, with_optimizer=False)

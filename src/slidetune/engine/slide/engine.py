@@ -136,6 +136,7 @@ class SlideEngine:
         self.deferred = self.schedule == "deferred"
         self.split_sweep = rt.clip_sweep == "split"
         disk_units = self.plan.indices("disk")
+        self.disk_released = False      # release_disk_tier(): the run is over, its moments are gone
         self.disk = (DiskTier(rt.disk_dir, {i: self.split.units[i].numel for i in disk_units},
                               block_mb=rt.disk_block_mb, buffers=rt.disk_buffers, io_threads=rt.disk_io_threads,
                               pinned=device.is_cuda, names={i: self.split.units[i].name for i in disk_units},
@@ -557,6 +558,7 @@ class SlideEngine:
 
     # ------------------------------------------------------------- the step
     def train_step(self, micro_batches: list, lr: float) -> StepResult:
+        self._check_disk_tier_kept("train a step")
         n_tokens = sum(mb.num_target_tokens() for mb in micro_batches)
         if n_tokens == 0:
             raise ValueError("the step's batches contain no target tokens (all labels are -100)")
@@ -880,6 +882,7 @@ class SlideEngine:
     def optimizer_tensors(self, on_host: bool = True) -> dict[str, torch.Tensor]:
         """Every unit's AdamW state by name; on_host=False leaves the device units' where they are
         (a checkpoint writer copies one tensor at a time instead of all of them at once)."""
+        self._check_disk_tier_kept("read the optimizer state")
         out = {}
         for unit in self.units:
             for k, t in unit.state_tensors().items():
@@ -910,6 +913,21 @@ class SlideEngine:
             out.update(disk_state=sum(8 * n for n in self.disk.units.values()), disk_read=self.disk.bytes_read,
                        disk_written=self.disk.bytes_written)
         return out
+
+    def _check_disk_tier_kept(self, what: str) -> None:
+        if self.disk_released:
+            raise RuntimeError(f"cannot {what}: the disk tier's files (the AdamW moments of its units) were "
+                               f"removed by release_disk_tier() at the end of the run")
+
+    def release_disk_tier(self) -> None:
+        """Remove the disk tier's files now (the run is over and keeps no resumable state): the
+        weights (masters in host RAM) stay exportable; the disk units' AdamW moments are gone, so
+        no further step or optimizer-state checkpoint is possible."""
+        if self.disk is None:
+            return
+        self.synchronize()
+        self.disk.close()
+        self.disk_released = True
 
     def close(self) -> None:
         if getattr(self, "_closed", False):
