@@ -35,7 +35,10 @@ def _plan(ns) -> int:
     loaded = load_model(cfg.model, num_layers=cfg.num_layers, with_tokenizer=False)
 
     def estimate(**changes):
-        """The estimate of this configuration with some runtime settings changed."""
+        """The estimate of this configuration with some runtime settings changed (the GPU's hints:
+        without disk units, which a GPU holding more layers may leave no room for)."""
+        if "device_layers" in changes:
+            changes.setdefault("disk_units", 0)
         return estimate_memory(loaded.split, dataclasses.replace(cfg.runtime, **changes), batch_size=cfg.batch_size,
                                seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm,
                                padded=not cfg.data.packing)     # as train: packed rows carry no padding
