@@ -61,6 +61,8 @@ class ReferenceCheckResult:
 _SMALL_WIDTHS = {
     "hidden_size": 64, "intermediate_size": 128, "head_dim": 16,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "ffn_hidden_size": 128,
+    # multi-head latent attention (DeepSeek-V2/V3 and kin)
+    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
 }
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 _EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_k", "top_k")
@@ -90,8 +92,10 @@ def _cut(config: PretrainedConfig, small_widths: bool, small_vocab: bool) -> Pre
         d["vocab_size"] = VOCAB
         for key in _TOKEN_IDS:                 # ids past the small vocabulary would index out of range
             v = d.get(key)
-            if isinstance(v, list) or (isinstance(v, int) and v >= VOCAB):
-                d[key] = None
+            if isinstance(v, int) and v >= VOCAB:
+                d[key] = VOCAB - 1
+            elif isinstance(v, list):
+                d[key] = [min(int(t), VOCAB - 1) for t in v]
     if small_widths:
         for key, value in _SMALL_WIDTHS.items():
             if d.get(key) is not None:
@@ -99,8 +103,10 @@ def _cut(config: PretrainedConfig, small_widths: bool, small_vocab: bool) -> Pre
         heads, kv = d.get("num_attention_heads"), d.get("num_key_value_heads")
         if heads:
             d["num_attention_heads"] = 4
-            if kv:
-                d["num_key_value_heads"] = 4 if kv == heads else 2
+            if "num_key_value_heads" in d:
+                d["num_key_value_heads"] = 4 if kv in (None, heads) else 2
+        if d.get("qk_rope_head_dim") is not None and d.get("head_dim") is not None:
+            d["head_dim"] = d["qk_rope_head_dim"]     # MLA: the rotary runs over the rope part only
         for key in _EXPERT_COUNTS:
             if isinstance(d.get(key), int) and d[key] > 4:
                 d[key] = 4

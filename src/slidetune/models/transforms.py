@@ -9,7 +9,9 @@ must be applied by the split too, or a different model trains:
   module, `embed_scale`, and runs with it);
 - logit scaling: Granite divides the logits by `logits_scaling`, Cohere multiplies them
   by `logit_scale`;
-- final logit softcapping: Gemma 2/3 take `c * tanh(logits / c)`.
+- final logit softcapping: Gemma 2/3 take `c * tanh(logits / c)`;
+- a norm of the embeddings: NanoChat runs its (parameter-free) final norm on the
+  embeddings before the first layer too.
 
 Residual multipliers (Granite's `residual_multiplier`), attention multipliers, fused
 projections, partial rotary and parallel blocks live inside the decoder layer modules
@@ -29,6 +31,7 @@ from ..ops.cross_entropy import IDENTITY, LogitTransform
 class ModelTransforms:
     embed_multiplier: float = 1.0           # hidden = embed(ids) * m before the first layer
     logits: LogitTransform = IDENTITY       # applied to the fp32 logits before the loss
+    norm_embeddings: bool = False           # hidden = final_norm(hidden) before the first layer (NanoChat)
 
     def describe(self) -> str:
         parts = []
@@ -38,6 +41,8 @@ class ModelTransforms:
             parts.append(f"logits x {self.logits.scale:g}")
         if self.logits.softcap:
             parts.append(f"logit softcap {self.logits.softcap:g}")
+        if self.norm_embeddings:
+            parts.append("final norm on the embeddings")
         return ", ".join(parts) or "none"
 
 
@@ -51,13 +56,20 @@ def _positive(config: PretrainedConfig, name: str) -> float | None:
     return value
 
 
+# `logits_scaling` is a divisor in Granite (`logits / logits_scaling`) and a multiplier in
+# HyperCLOVA X (`logits * logits_scaling`, "unlike GraniteConfig").
+_LOGITS_SCALING_MULTIPLIES = {"hyperclovax"}
+
+
 def model_transforms(config: PretrainedConfig) -> ModelTransforms:
     """The transforms `config`'s family applies outside its units, read from its config fields."""
-    embed = _positive(config, "embedding_multiplier") or 1.0       # Granite family
+    embed = _positive(config, "embedding_multiplier") or 1.0       # Granite, HyperCLOVA X
     scale = 1.0
-    if (divisor := _positive(config, "logits_scaling")) is not None:   # Granite: logits / s
-        scale /= divisor
+    if (scaling := _positive(config, "logits_scaling")) is not None:
+        scale = scaling if config.model_type in _LOGITS_SCALING_MULTIPLIES else 1.0 / scaling
     if (factor := _positive(config, "logit_scale")) is not None:       # Cohere: logits * s
         scale *= factor
     softcap = _positive(config, "final_logit_softcapping")             # Gemma 2/3
-    return ModelTransforms(embed, LogitTransform(scale, softcap))
+    # NanoChatModel.forward: `hidden_states = self.norm(hidden_states)  # Additional norm before the layers`
+    norm_embeddings = config.model_type == "nanochat"
+    return ModelTransforms(embed, LogitTransform(scale, softcap), norm_embeddings)

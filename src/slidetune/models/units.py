@@ -153,6 +153,9 @@ class SplitModel:
             named += [("lm_head." + n, full(lm_head, n), p) for n, p in lm_head.named_parameters()]
         _layout(hu, named)
         self.units.append(hu)
+        if self.transforms.norm_embeddings and any(True for _ in norm.parameters()):
+            raise UnsupportedModelError(f"{type(model).__name__}: the final norm also runs on the embeddings, "
+                                        f"and it has parameters (they would belong to two units)")
         self._check_buffers()
         self._rotary_cache: dict = {}
         self._buffer_cache: dict = {}
@@ -253,6 +256,8 @@ class SplitModel:
         x = functional_call(self.embed_module, tensors, (input_ids,))            # [B, S, d]
         if self.transforms.embed_multiplier != 1.0:
             x = x * self.transforms.embed_multiplier      # as the base model's forward does (Granite)
+        if self.transforms.norm_embeddings:
+            x = self.norm_module(x)                       # parameter-free (checked at init): NanoChat
         return x
 
     def layer_forward(self, i: int, params: dict[str, torch.Tensor], hidden: torch.Tensor,
