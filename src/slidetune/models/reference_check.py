@@ -37,6 +37,7 @@ class ReferenceMismatchError(ValueError):
 class ReferenceCheckResult:
     family: str              # config.model_type
     shape: str               # the cut config that ran, e.g. "2 layers, hidden 64, vocab 256"
+    num_layers: int          # decoder layers of the cut config
     loss: float              # the split's loss
     reference_loss: float    # transformers' own loss
     loss_gap: float          # |loss - reference| / |reference|
@@ -190,8 +191,8 @@ def _run(config: PretrainedConfig, seed: int) -> ReferenceCheckResult:
         gap = float((g - g_ref).norm() / g_ref.norm().clamp_min(1e-12))
         if gap > worst:
             worst, where = gap, name
-    r = float(ref_loss)
-    return ReferenceCheckResult(config.model_type, _describe(config), loss, r,
+    r = float(ref_loss.detach())
+    return ReferenceCheckResult(config.model_type, _describe(config), config.num_hidden_layers, loss, r,
                                 abs(loss - r) / max(abs(r), 1e-12), worst, where,
                                 time.perf_counter() - start)
 
