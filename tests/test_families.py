@@ -140,3 +140,25 @@ def test_moe_with_router_aux_loss_is_refused_and_the_plan_says_what_slides():
     note = moe_note(config, split.layer_units[0].numel)
     assert "all 8 experts" in note and "2 of them" in note
     assert moe_note(GraniteConfig(**_SMALL), 1000) is None
+
+
+def test_train_runs_the_check_by_default_and_records_a_skip(tmp_path, monkeypatch, capsys):
+    """`slidetune train` refuses an unfaithful split before anything; --skip-reference-check
+    trains anyway and config.json says the check was skipped."""
+    import json
+
+    from slidetune.cli import main
+    from slidetune.data.corpus import builtin_corpus
+    data = tmp_path / "small.jsonl"
+    data.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in builtin_corpus()[:20]))
+    args = ["train", "--model", "tiny-llama", "--num-layers", "1", "--seq-len", "32", "--batch-size", "2",
+            "--eval-batches", "1", "--progress", "false", "--device", "cpu", "--max-steps", "1",
+            "--data", str(data)]
+    monkeypatch.setattr(units, "model_transforms", lambda cfg: ModelTransforms(embed_multiplier=1.5))
+    assert main([*args, "--output-dir", str(tmp_path / "refused")]) != 0
+    err = capsys.readouterr().err
+    assert "reference check failed for model family 'llama'" in err and "gap" in err
+    assert not (tmp_path / "refused" / "config.json").exists()
+    assert main([*args, "--output-dir", str(tmp_path / "skipped"), "--skip-reference-check"]) == 0
+    assert "reference check skipped" in capsys.readouterr().out
+    assert json.loads((tmp_path / "skipped" / "config.json").read_text())["skip_reference_check"] is True
