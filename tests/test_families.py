@@ -142,6 +142,7 @@ def test_moe_with_router_aux_loss_is_refused_and_the_plan_says_what_slides():
     assert moe_note(GraniteConfig(**_SMALL), 1000) is None
 
 
+@pytest.mark.slow
 def test_train_runs_the_check_by_default_and_records_a_skip(tmp_path, monkeypatch, capsys):
     """`slidetune train` refuses an unfaithful split before anything; --skip-reference-check
     trains anyway and config.json says the check was skipped."""
