@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from slidetune.ops.cross_entropy import IGNORE_INDEX, available_impls, linear_cross_entropy
+from slidetune.ops.cross_entropy import IGNORE_INDEX, LogitTransform, available_impls, linear_cross_entropy
 
 CUDA = torch.cuda.is_available()
 
@@ -321,3 +321,24 @@ def test_gpu_fused_peak_memory_below_full():
     assert peaks["full"] > 3 * logits_bf16, peaks
     assert peaks["chunked"] < peaks["full"] / 2, peaks
     assert peaks["fused"] <= peaks["chunked"], peaks
+
+
+@pytest.mark.parametrize("transform", [LogitTransform(scale=0.125), LogitTransform(softcap=2.0),
+                                       LogitTransform(scale=4.0, softcap=3.0)], ids=["scale", "softcap", "both"])
+def test_logit_transform_matches_autograd(transform):
+    """Granite/Cohere scaling and Gemma softcapping: loss and gradients equal plain autograd."""
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(24, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(40, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(40, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 40, (24,), generator=g)
+    labels[:5] = -100
+    want = F.cross_entropy(transform.apply(F.linear(hidden, weight, bias)), labels, ignore_index=-100,
+                           reduction="sum")
+    want_grads = torch.autograd.grad(want, (hidden, weight, bias))
+    for impl, kw in (("full", {}), ("chunked", {"chunk_tokens": 7})):
+        loss = linear_cross_entropy(hidden, weight, labels, impl=impl, bias=bias, transform=transform, **kw)
+        grads = torch.autograd.grad(loss, (hidden, weight, bias))
+        torch.testing.assert_close(loss, want)
+        for got, ref in zip(grads, want_grads):
+            torch.testing.assert_close(got, ref)

@@ -69,6 +69,7 @@ class TrainConfig:
     stop_after: int | None = None        # stop after this many steps in this invocation, leaving a resumable checkpoint
     log_every: int = 1                   # write metrics.csv every N steps
     check_memory: bool = True            # refuse before allocating when the estimate does not fit
+    skip_reference_check: bool = False   # do not verify the split against transformers on a tiny copy of the model (about a second); recorded here when skipped
     progress: bool = True                # tqdm progress bar
 
     def resolved_max_steps(self, on_gpu: bool) -> int:

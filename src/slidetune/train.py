@@ -43,6 +43,7 @@ from .engine.fit import check_fit, choose_auto_settings
 from .engine.placement import PlacementPlan, unit_shapes
 from .engine.slide.disk_tier import tier_bytes
 from .models.load import LoadedModel, load_model
+from .models.reference_check import require_faithful
 from .telemetry.flops import train_flops_per_token
 
 if TYPE_CHECKING:
@@ -160,6 +161,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
     seed_everything(cfg.seed)
     device = Device.resolve(cfg.runtime.device, waits=cfg.runtime.cuda_waits)
     loaded = load_model(cfg.model, num_layers=cfg.num_layers, seed=cfg.seed)
+    _reference_check(cfg, loaded)
     if loaded.tokenizer is None:
         raise TrainingError(f"model {cfg.model!r} has no tokenizer, so text data cannot be tokenized; "
                             f"use a model directory with tokenizer files or a preset with a >= 49152 vocabulary")
@@ -256,6 +258,17 @@ def train(cfg: TrainConfig) -> TrainSummary:
                            resume_from, stale, stop, ckpt_dir=ckpt_dir, saves=saves, save_dtype=save_dtype).run()
     finally:
         engine.close()
+
+
+def _reference_check(cfg: TrainConfig, loaded: LoadedModel) -> None:
+    """The split against transformers on a tiny copy of the model's config (about a second):
+    a family whose forward does arithmetic the split misses refuses here, before anything."""
+    if cfg.skip_reference_check:
+        print(f"reference check skipped (--skip-reference-check): the split of "
+              f"{loaded.split.config.model_type!r} is not verified against transformers")
+        return
+    result = require_faithful(loaded.split.config, seed=cfg.seed)
+    print(f"reference check passed: {result.summary()}")
 
 
 def _with_device(cfg: TrainConfig, device: Device):

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from .families import require_supported_family
 from .presets import PRESETS, preset_config
 from .units import SplitModel, UnitSpec
 
@@ -127,7 +128,9 @@ def embedded_gguf() -> tuple[Path, str]:
 
 
 def skeleton(config: PretrainedConfig) -> torch.nn.Module:
-    """The model's module tree with every parameter on `meta` (no memory)."""
+    """The model's module tree with every parameter on `meta` (no memory); a refused family
+    (families.py) gets its reason here."""
+    require_supported_family(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     return model.eval()

@@ -7,6 +7,8 @@ of a flat buffer on the compute device). What the decoder layers receive besides
 the hidden states (attention masks per layer type, rotary embeddings, position
 ids) is recorded by running the base model's own forward with the layers
 replaced by recorders, so every family's mask and rotary logic is HF's own.
+What the family's forward computes between the units (embedding multiplier, logit
+scaling and softcapping) is applied here too: see `transforms.py`.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ..ops.cross_entropy import linear_cross_entropy
+from .transforms import ModelTransforms, model_transforms
 
 
 class UnsupportedModelError(ValueError):
@@ -104,8 +107,7 @@ class SplitModel:
     def __init__(self, model: nn.Module):
         self.model = model
         self.config = model.config
-        if getattr(self.config, "final_logit_softcapping", None):
-            raise UnsupportedModelError("final_logit_softcapping is not supported by the sliding head")
+        self.transforms: ModelTransforms = model_transforms(self.config)
         base = self._find_base(model)
         self.base = base
         layers = getattr(base, "layers", None)
@@ -151,7 +153,12 @@ class SplitModel:
             named += [("lm_head." + n, full(lm_head, n), p) for n, p in lm_head.named_parameters()]
         _layout(hu, named)
         self.units.append(hu)
+        if self.transforms.norm_embeddings and any(True for _ in norm.parameters()):
+            raise UnsupportedModelError(f"{type(model).__name__}: the final norm also runs on the embeddings, "
+                                        f"and it has parameters (they would belong to two units)")
+        self._check_buffers()
         self._rotary_cache: dict = {}
+        self._buffer_cache: dict = {}
 
     @staticmethod
     def _find_base(model: nn.Module) -> nn.Module:
@@ -162,6 +169,27 @@ class SplitModel:
         raise UnsupportedModelError(
             f"{type(model).__name__}: could not find the base decoder model (looked for .model, "
             f".transformer, .decoder with a .layers stack)")
+
+    def _check_buffers(self) -> None:
+        """Buffers of the units are not in the flat parameter buffers. The embedding's
+        `embed_scale` (Gemma's sqrt(hidden) normalizer) is rebuilt from its scalar; any
+        other buffer would be a meta tensor at run time, so it refuses here."""
+        for unit in self.units:
+            for name, _ in unit.module.named_buffers():
+                if unit.kind == "embed" and name == "embed_scale" and hasattr(unit.module, "scalar_embed_scale"):
+                    continue
+                raise UnsupportedModelError(
+                    f"{type(self.model).__name__}: unit {unit.name} has the buffer {name!r}, which the "
+                    f"sliding units do not carry (only parameters slide)")
+
+    def _embed_buffers(self, device: torch.device) -> dict[str, torch.Tensor]:
+        if not hasattr(self.embed_module, "scalar_embed_scale"):
+            return {}
+        if device not in self._buffer_cache:
+            # HF keeps it as a float32 0-dim buffer and casts it to the weight's dtype in forward
+            self._buffer_cache[device] = {"embed_scale": torch.tensor(
+                float(self.embed_module.scalar_embed_scale), dtype=torch.float32, device=device)}
+        return self._buffer_cache[device]
 
     # ---- shapes -------------------------------------------------------------
     @property
@@ -224,7 +252,13 @@ class SplitModel:
 
     # ---- unit computations ----------------------------------------------------
     def embed_forward(self, params: dict[str, torch.Tensor], input_ids: torch.Tensor) -> torch.Tensor:
-        return functional_call(self.embed_module, params, (input_ids,))          # [B, S, d]
+        tensors = {**params, **self._embed_buffers(input_ids.device)}
+        x = functional_call(self.embed_module, tensors, (input_ids,))            # [B, S, d]
+        if self.transforms.embed_multiplier != 1.0:
+            x = x * self.transforms.embed_multiplier      # as the base model's forward does (Granite)
+        if self.transforms.norm_embeddings:
+            x = self.norm_module(x)                       # parameter-free (checked at init): NanoChat
+        return x
 
     def layer_forward(self, i: int, params: dict[str, torch.Tensor], hidden: torch.Tensor,
                       kwargs: dict) -> torch.Tensor:
@@ -251,7 +285,8 @@ class SplitModel:
         weight = lm_weight if self.tied else params["lm_head.weight"]            # [V, d]
         bias = None if self.tied else params.get("lm_head.bias")
         return linear_cross_entropy(h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1),
-                                    impl=impl, chunk_tokens=chunk_tokens, bias=bias)
+                                    impl=impl, chunk_tokens=chunk_tokens, bias=bias,
+                                    transform=self.transforms.logits)
 
 
 def run_layer(module: nn.Module, params: dict[str, torch.Tensor], hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:

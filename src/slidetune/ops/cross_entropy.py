@@ -33,6 +33,14 @@ dtype of b bytes (2 for bf16), c = chunk_tokens:
 
 Selecting the valid rows needs their count on the host: one device sync per call.
 
+Logit transforms (``LogitTransform``), applied to the fp32 logits exactly where the
+model family's own forward applies them: z = scale * logits (Granite divides by
+``logits_scaling``, Cohere multiplies by ``logit_scale``), then, with a softcap c,
+z = c * tanh(z / c) (Gemma 2/3 ``final_logit_softcapping``). The chunked kernel carries
+the chain rule through both (dz/dlogits = scale * (1 - tanh^2)), at one more [c, V]
+fp32 buffer per chunk when a softcap is set. ``fused`` has no transform in its
+kernels: with a transform it runs the chunked path with the torch kernel.
+
 Measured once on an H100 (torch 2.11, Triton 3.6), bf16, forward + backward, 25% of
 labels ignored, chunk_tokens=4096, peak allocated above the inputs:
   8192 tok, d=2048, V=128256:  full 33 ms / 11.7 GiB, chunked 30 ms / 5.9 GiB, fused 17 ms / 2.5 GiB
@@ -43,6 +51,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +62,29 @@ IMPLS = ("full", "chunked", "fused")
 
 
 # ---------------------------------------------------------------------------- public API
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a family's forward does to the logits before the loss: z = softcap(scale * logits)."""
+
+    scale: float = 1.0             # multiplies the logits (1 / logits_scaling for Granite)
+    softcap: float | None = None   # z = softcap * tanh(z / softcap) when set
+
+    @property
+    def is_identity(self) -> bool:
+        return self.scale == 1.0 and not self.softcap
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Out of place (autograd-friendly), in the logits' dtype."""
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+IDENTITY = LogitTransform()
 
 
 def available_impls() -> list[str]:
@@ -70,8 +102,9 @@ def linear_cross_entropy(
     impl: str = "chunked",
     chunk_tokens: int = 4096,  # 4096 x 128K vocab x (2 + 4) bytes = 3 GB per chunk in bf16
     bias: torch.Tensor | None = None,  # [V]
+    transform: LogitTransform = IDENTITY,  # the family's logit scaling / softcapping
 ) -> torch.Tensor:
-    """SUM over non-ignored tokens of the cross-entropy of ``hidden @ weight.T + bias``.
+    """SUM over non-ignored tokens of the cross-entropy of ``transform(hidden @ weight.T + bias)``.
 
     Returns a 0-dim float32 tensor (float64 for float64 inputs). Gradients flow to
     hidden, weight and bias, whichever require grad. Leading dims of hidden/labels
@@ -92,9 +125,10 @@ def linear_cross_entropy(
     labels = labels.long()
 
     if impl == "full":
-        return _full(hidden, weight, labels, bias)
-    if impl == "chunked":
-        return _chunked(hidden, weight, labels, bias, chunk_tokens, kernel="torch")
+        return _full(hidden, weight, labels, bias, transform)
+    if impl == "chunked" or (not transform.is_identity and hidden.is_cuda):
+        # the fused kernels know no transform; the torch kernel applies it exactly
+        return _chunked(hidden, weight, labels, bias, chunk_tokens, kernel="torch", transform=transform)
 
     backend = _fused_backend() if hidden.is_cuda else None
     if backend is None:
@@ -118,32 +152,32 @@ def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _full(hidden, weight, labels, bias):
+def _full(hidden, weight, labels, bias, transform=IDENTITY):
     logits = F.linear(hidden, weight, bias)  # [N, V] compute dtype
     return F.cross_entropy(
-        logits.to(_loss_dtype(logits.dtype)), labels, ignore_index=IGNORE_INDEX, reduction="sum"
+        transform.apply(logits.to(_loss_dtype(logits.dtype))), labels, ignore_index=IGNORE_INDEX, reduction="sum"
     )
 
 
 # ---------------------------------------------------------------------------- chunked
 
 
-def _chunked(hidden, weight, labels, bias, chunk_tokens, kernel):
+def _chunked(hidden, weight, labels, bias, chunk_tokens, kernel, transform=IDENTITY):
     if not torch.is_grad_enabled():  # a Function's forward can't see grad mode: decide here
         return _chunked_loss_and_grads(
-            hidden, weight, bias, labels, chunk_tokens, kernel, need=(False, False, False)
+            hidden, weight, bias, labels, chunk_tokens, kernel, need=(False, False, False), transform=transform
         )[0]
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, labels, chunk_tokens, kernel)
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, labels, chunk_tokens, kernel, transform)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Loss and all gradients in forward, chunk by chunk; backward only scales them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk_tokens, kernel):
+    def forward(ctx, hidden, weight, bias, labels, chunk_tokens, kernel, transform):
         need = tuple(ctx.needs_input_grad[:3])
         loss, g_hidden, g_weight, g_bias = _chunked_loss_and_grads(
-            hidden, weight, bias, labels, chunk_tokens, kernel, need
+            hidden, weight, bias, labels, chunk_tokens, kernel, need, transform
         )
         ctx.save_for_backward(g_hidden, g_weight, g_bias)
         return loss
@@ -152,7 +186,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_loss):  # grad_loss: 0-dim, the loss dtype
         scaled = [None if g is None else _scale(g, grad_loss) for g in ctx.saved_tensors]
-        return (*scaled, None, None, None)
+        return (*scaled, None, None, None, None)
 
 
 def _scale(g: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -165,13 +199,16 @@ def _scale(g: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return torch.mul(g, s.reshape(1), out=torch.empty_like(g))
 
 
-def _chunked_loss_and_grads(hidden, weight, bias, labels, chunk_tokens, kernel, need):
+def _chunked_loss_and_grads(hidden, weight, bias, labels, chunk_tokens, kernel, need, transform=IDENTITY):
     """(loss, grad_hidden | None, grad_weight | None, grad_bias | None) for loss scale 1."""
     need_h, need_w, need_b = need
     need_b = need_b and bias is not None
     any_grad = need_h or need_w or need_b
     n, dtype, acc = hidden.shape[0], hidden.dtype, _loss_dtype(hidden.dtype)
-    chunk_ce = _ce_chunk_torch if kernel == "torch" else _triton_ce_chunk()
+    if kernel == "torch":
+        chunk_ce = functools.partial(_ce_chunk_torch, transform=transform)
+    else:
+        chunk_ce = _triton_ce_chunk()
 
     valid_idx = (labels != IGNORE_INDEX).nonzero().squeeze(1)  # [Nv]; syncs with the device
     n_valid = valid_idx.numel()
@@ -221,19 +258,35 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, chunk_tokens, kernel, 
     return loss, g_hidden, g_weight, g_bias
 
 
-def _ce_chunk_torch(logits: torch.Tensor, labels: torch.Tensor, compute_grad: bool):
-    """(summed fp32 CE of a chunk, softmax - onehot in the logits dtype or None).
+def _ce_chunk_torch(logits: torch.Tensor, labels: torch.Tensor, compute_grad: bool,
+                    transform: LogitTransform = IDENTITY):
+    """(summed fp32 CE of a chunk, d loss / d logits in the logits dtype or None).
 
     The gradient is built in place over the fp32 upcast and copied back into the
-    logits buffer: per chunk c*V*(b + 4) bytes, nothing more.
+    logits buffer: per chunk c*V*(b + 4) bytes, plus c*V*4 for tanh' with a softcap.
     """
     x = logits.to(_loss_dtype(logits.dtype))  # [c, V]; an alias when already fp32/fp64
+    if not transform.is_identity and x.data_ptr() == logits.data_ptr():
+        x = x.clone()  # the transform works in place; the logits buffer receives the gradient
+    if transform.scale != 1.0:
+        x.mul_(transform.scale)
+    tanh_grad = None
+    if transform.softcap:
+        x.div_(transform.softcap).tanh_()  # t = tanh(z / c)
+        if compute_grad:
+            tanh_grad = 1.0 - x * x  # d(c * t) / dz = 1 - t^2  [c, V]
+        x.mul_(transform.softcap)
     lse = torch.logsumexp(x, dim=1)  # [c]
     loss = (lse - x.gather(1, labels[:, None]).squeeze(1)).sum()
     if not compute_grad:
         return loss, None
     x.sub_(lse[:, None]).exp_()  # softmax
     x.scatter_add_(1, labels[:, None], x.new_full((labels.shape[0], 1), -1.0))  # - onehot
+    if tanh_grad is not None:
+        x.mul_(tanh_grad)
+        del tanh_grad
+    if transform.scale != 1.0:
+        x.mul_(transform.scale)
     if x.data_ptr() != logits.data_ptr():
         logits.copy_(x)  # fp32 -> compute dtype, into the logits buffer
         del x

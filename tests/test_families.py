@@ -1,0 +1,165 @@
+"""Every causal-LM family of transformers 5.17: faithful (split = transformers) or refused by name.
+
+- the registry (models/families.py) covers MODEL_FOR_CAUSAL_LM_MAPPING_NAMES exactly once;
+- each TESTED family: the reference self-check on a tiny config (2 layers, hidden 64,
+  vocab 256, 2 x 16 tokens) agrees with transformers' loss and every gradient to 1e-4,
+  with the family's model-level transforms set away from identity;
+- Granite and Gemma 2 (embedding multiplier, logit scaling, softcapping) train in slide
+  mode against the plain PyTorch reference for several AdamW steps;
+- the self-check refuses a deliberately unfaithful split, naming the family and the gap;
+- refused families and MoE with the router's auxiliary loss get their reason at load.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import CONFIG_MAPPING, GPT2Config, GraniteConfig, Gemma2Config, MambaConfig, MixtralConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from reference import ReferenceTrainer, build_reference
+from test_equivalence import VOCAB, make_batches, max_param_rel_diff
+from slidetune.engine import AdamWConfig, RuntimeConfig, build_engine
+from slidetune.models import units
+from slidetune.models.families import (NOT_DECODER_ONLY, REFUSED, TESTED, UnsupportedFamilyError,
+                                       family_status, moe_note)
+from slidetune.models.load import LoadedModel, RandomInit, skeleton
+from slidetune.models.reference_check import ReferenceMismatchError, reference_check, require_faithful
+from slidetune.models.transforms import ModelTransforms
+from slidetune.models.units import SplitModel
+
+# Model-level transforms away from 1 (the default configs have them at identity, which
+# would test nothing), and fields whose default leaves the config unusable.
+_MUP = dict(embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.22, attention_multiplier=0.0156)
+OVERRIDES = {
+    "granite": _MUP, "granitemoe": _MUP, "granitemoeshared": dict(_MUP, shared_intermediate_size=64),
+    "hyperclovax": dict(_MUP, logits_scaling=0.125),        # a multiplier here, a divisor in Granite
+    "cohere": dict(logit_scale=0.25), "cohere2": dict(logit_scale=0.25), "cohere2_moe": dict(logit_scale=0.25),
+    # a cap near the logits' size, so that tanh is far from linear
+    "gemma2": dict(final_logit_softcapping=2.0, attn_logit_softcapping=5.0),
+    "gemma3_text": dict(final_logit_softcapping=2.0), "vaultgemma": dict(final_logit_softcapping=2.0),
+    "nanochat": dict(final_logit_softcapping=2.0),
+    "minicpm3": dict(scale_emb=12.0, scale_depth=1.4, dim_model_base=16),
+    "deepseek_v2": dict(num_experts_per_tok=2),             # None by default: no routing at all
+}
+
+
+def test_every_causal_lm_family_is_listed_once():
+    listed = [*TESTED, *REFUSED, *NOT_DECODER_ONLY]
+    assert len(listed) == len(set(listed))
+    assert set(listed) == set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    assert all(REFUSED.values()) and all(NOT_DECODER_ONLY.values())
+
+
+@pytest.mark.parametrize("family", TESTED)
+def test_family_split_matches_transformers(family):
+    result = reference_check(CONFIG_MAPPING[family](**OVERRIDES.get(family, {})))
+    assert result.ok, result.summary()
+    assert 1 <= result.num_layers <= 3, result.summary()      # tiny: each kind of layer once
+
+
+def test_transformed_families_really_transform():
+    """The overrides above change what the split must compute (else those rows test nothing)."""
+    for family in ("granite", "hyperclovax", "cohere", "gemma2", "nanochat"):
+        t = SplitModel(skeleton(CONFIG_MAPPING[family](**OVERRIDES[family]))).transforms
+        assert t != ModelTransforms(), family
+    t = SplitModel(skeleton(CONFIG_MAPPING["granite"](**OVERRIDES["granite"]))).transforms
+    assert t.embed_multiplier == 12.0 and t.logits.scale == pytest.approx(1 / 8)
+    assert SplitModel(skeleton(CONFIG_MAPPING["hyperclovax"](**OVERRIDES["hyperclovax"]))).transforms.logits.scale \
+        == pytest.approx(0.125)
+
+
+def test_check_refuses_an_unfaithful_split(monkeypatch):
+    """Granite with its transforms dropped from the split: the gap the issue reported."""
+    config = GraniteConfig(**_MUP)
+    assert require_faithful(config).ok
+    monkeypatch.setattr(units, "model_transforms", lambda cfg: ModelTransforms())
+    with pytest.raises(ReferenceMismatchError) as e:
+        require_faithful(config)
+    msg = str(e.value)
+    assert "'granite'" in msg and "gap" in msg and "--skip-reference-check" in msg
+    result = reference_check(config)
+    assert result.loss_gap > 1e-3 and not result.ok
+
+
+def _tiny(config) -> LoadedModel:
+    return LoadedModel("tiny", SplitModel(skeleton(config)), RandomInit(1, std=0.1, bias_std=0.1), None)
+
+
+_SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              bos_token_id=1, eos_token_id=2, pad_token_id=2)
+
+
+@pytest.mark.parametrize("config", [
+    GraniteConfig(**_SMALL, **_MUP),
+    # tied head, sqrt(hidden) embedding normalizer, softcapped logits and attention, sliding layers
+    Gemma2Config(**_SMALL, head_dim=16, final_logit_softcapping=3.0, attn_logit_softcapping=5.0,
+                 sliding_window=8, tie_word_embeddings=True),
+], ids=["granite", "gemma2"])
+def test_transformed_family_trains_in_slide_mode_like_the_reference(config):
+    """The engine's numerical path (chunked head with the transform, deferred clipped AdamW)."""
+    loaded = _tiny(config)
+    ref = ReferenceTrainer(build_reference(loaded), lr=1e-3, weight_decay=0.1, eps=1e-6, max_grad_norm=0.5)
+    rt = RuntimeConfig(mode="slide", dtype="fp32", device="cpu", schedule="deferred", head_chunk_tokens=16,
+                       chunk_mb=1)
+    engine = build_engine(loaded, rt, AdamWConfig(lr=1e-3, weight_decay=0.1, eps=1e-6), grad_accum=2,
+                          max_grad_norm=0.5)
+    try:
+        for step in range(3):
+            mbs = make_batches(step, 2)
+            ref_loss, ref_norm = ref.step(mbs, 1e-3)
+            res = engine.train_step(mbs, 1e-3)
+            assert res.loss == pytest.approx(ref_loss, rel=1e-5), f"step {step}"
+            assert res.grad_norm() == pytest.approx(ref_norm, rel=1e-5), f"step {step}"
+        engine.synchronize()
+        worst, where = max_param_rel_diff(engine, ref.model)
+        assert worst < 1e-5, f"{where}: relative difference {worst:.2e}"
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("config,family,words", [
+    (GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100), "gpt2", "position embeddings"),
+    (MambaConfig(num_hidden_layers=2, hidden_size=32, vocab_size=100), "mamba", "recurrent"),
+    (CONFIG_MAPPING["bart"](), "bart", "encoder-decoder"),
+])
+def test_refused_family_gets_its_reason_at_load(config, family, words):
+    with pytest.raises(UnsupportedFamilyError) as e:
+        skeleton(config)
+    assert f"'{family}'" in str(e.value) and words in str(e.value)
+    assert family_status(family)[0] in ("refused", "not decoder-only")
+
+
+def test_moe_with_router_aux_loss_is_refused_and_the_plan_says_what_slides():
+    small = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)
+    with pytest.raises(UnsupportedFamilyError, match="output_router_logits"):
+        skeleton(MixtralConfig(**small, output_router_logits=True))
+    config = MixtralConfig(**small)                 # transformers' default: cross-entropy alone
+    split = SplitModel(skeleton(config))
+    note = moe_note(config, split.layer_units[0].numel)
+    assert "all 8 experts" in note and "2 of them" in note
+    assert moe_note(GraniteConfig(**_SMALL), 1000) is None
+
+
+@pytest.mark.slow
+def test_train_runs_the_check_by_default_and_records_a_skip(tmp_path, monkeypatch, capsys):
+    """`slidetune train` refuses an unfaithful split before anything; --skip-reference-check
+    trains anyway and config.json says the check was skipped."""
+    import json
+
+    from slidetune.cli import main
+    from slidetune.data.corpus import builtin_corpus
+    data = tmp_path / "small.jsonl"
+    data.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in builtin_corpus()[:20]))
+    args = ["train", "--model", "tiny-llama", "--num-layers", "1", "--seq-len", "32", "--batch-size", "2",
+            "--eval-batches", "1", "--progress", "false", "--device", "cpu", "--max-steps", "1",
+            "--data", str(data)]
+    monkeypatch.setattr(units, "model_transforms", lambda cfg: ModelTransforms(embed_multiplier=1.5))
+    assert main([*args, "--output-dir", str(tmp_path / "refused")]) != 0
+    err = capsys.readouterr().err
+    assert "reference check failed for model family 'llama'" in err and "gap" in err
+    assert not (tmp_path / "refused" / "config.json").exists()
+    assert main([*args, "--output-dir", str(tmp_path / "skipped"), "--skip-reference-check"]) == 0
+    assert "reference check skipped" in capsys.readouterr().out
+    assert json.loads((tmp_path / "skipped" / "config.json").read_text())["skip_reference_check"] is True
