@@ -52,6 +52,11 @@ def _plan(ns) -> int:
     print(f"host {est.host_bytes / gib:8.2f} GiB (pinned {est.pinned_bytes / gib:.2f})")
     for k, v in est.host_parts.items():
         print(f"   {k:<28} {v / gib:8.2f}")
+    from .models.families import moe_note
+    note = moe_note(loaded.split.config, loaded.split.units[1].numel if loaded.split.num_layers else 0,
+                    bytes_per_param=2)
+    if note:
+        print(note)
     if cfg.runtime.mode != "slide":
         return 0
     plan = _plan_resolved(ns, cfg, loaded.split) or est.plan

@@ -164,7 +164,8 @@ def _parse_value(text: str, tp):
 # field goes in one of these groups or is declared a tuning knob: tests/test_config_surface.py fails
 # on a field in neither (until then --help shows it under "other").
 FLAG_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "model": ("what to fine-tune", ("model", "num_layers")),
+    "model": ("what to fine-tune, and the check that it trains as transformers runs it",
+              ("model", "num_layers", "skip_reference_check")),
     "data": ("what to train on", ("data.path", "data.seq_len", "data.packing", "data.mask_prompt",
                                   "data.heldout_fraction", "data.seed", "seed")),
     "batch": ("sequences per step, and how many steps", ("batch_size", "grad_accum", "max_steps", "epochs")),
