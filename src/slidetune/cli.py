@@ -121,11 +121,14 @@ def _plan_terms(cfg, plan) -> None:
     else:
         terms = floor_terms(fl["compute"], fl["copy"], fl["adamw"], plan, device_adamw=fl.get("device_adamw"),
                             disk=disk, split_sweep=rt.clip_sweep != "whole")
+    def count(n: int) -> str:
+        return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.1f} M"
+
     what = {"compute_s": "GPU: every layer's forward, recompute and backward, head, GPU-updated units' AdamW",
-            "h2d_s": f"PCIe H2D: {plan.upload_params() / 1e9:.2f} B params of BF16 weights uploaded",
-            "d2h_s": f"PCIe D2H: BF16 gradients of {plan.host_updated_params / 1e9:.2f} B host-updated params",
-            "adamw_s": f"host AdamW over {plan.host_updated_params / 1e9:.2f} B params",
-            "disk_s": f"disk: moments of {plan.params('disk') / 1e9:.2f} B params read and written (16 B/param)",
+            "h2d_s": f"PCIe H2D: {count(plan.upload_params())} params of BF16 weights uploaded",
+            "d2h_s": f"PCIe D2H: BF16 gradients of {count(plan.host_updated_params)} host-updated params",
+            "adamw_s": f"host AdamW over {count(plan.host_updated_params)} params",
+            "disk_s": f"disk: moments of {count(plan.params('disk'))} params read and written (16 B/param)",
             "clip_sweep_s": "clipped: the backward, then the update sweep the next forward waits for"}
     print("floor terms (seconds a step, from this machine's probes):")
     for k, v in terms.items():
