@@ -115,8 +115,8 @@ def _build_train(examples: list[Example], n_heldout: int, source: Source, cfg: D
                  tokenizer: Any, min_rows: int, notes: list[str]) -> TokenDataset:
     tokenized = tokenize_examples(examples, tokenizer, cfg.mask_prompt, source.name)
     width = cfg.seq_len + 1
-    padded, n_packed, note = not cfg.packing, 0, None
-    if cfg.packing:
+    padded, n_packed, note = not cfg.packed, 0, None
+    if cfg.packed:
         rows = pack(tokenized, cfg.seq_len)
         n_packed = len(rows.starts)
         if n_packed < min_rows:
@@ -142,6 +142,7 @@ def _build_train(examples: list[Example], n_heldout: int, source: Source, cfg: D
         notes.append(note)
     _warn_rows(rows, "train", len(examples), source, cfg)
     return TokenDataset.from_rows(rows, cfg.seq_len, not padded, split="train", source=source.name,
+                                  document_mask=cfg.packing == "masked" and not padded,
                                   format=source.format, num_examples=len(examples))
 
 
@@ -167,9 +168,10 @@ def _build_heldout(examples: list[Example], padded: bool, source: Source, cfg: D
         notes.append(f"{source.name}: none of the {len(examples)} held-out examples has a token to "
                      f"evaluate within seq_len+1 = {width} tokens: training without a held-out "
                      f"evaluation")
-        return TokenDataset.empty(cfg.seq_len, cfg.packing, num_examples=len(examples), **info)
+        return TokenDataset.empty(cfg.seq_len, cfg.packed, num_examples=len(examples), **info)
     _warn_rows(rows, "heldout", len(examples), source, cfg)
-    return TokenDataset.from_rows(rows, cfg.seq_len, not padded, num_examples=len(examples), **info)
+    return TokenDataset.from_rows(rows, cfg.seq_len, not padded, num_examples=len(examples),
+                                  document_mask=cfg.packing == "masked" and not padded, **info)
 
 
 def build_datasets(cfg: DataConfig, tokenizer: Any,
@@ -198,7 +200,7 @@ def build_datasets(cfg: DataConfig, tokenizer: Any,
         heldout = _build_heldout([source.examples[i] for i in heldout_idx], not train.packed,
                                  source, cfg, tokenizer, notes)
     else:
-        heldout = TokenDataset.empty(cfg.seq_len, cfg.packing, split="heldout",
+        heldout = TokenDataset.empty(cfg.seq_len, cfg.packed, split="heldout",
                                      source=source.name, format=source.format)
     for note in notes:
         _note(note)

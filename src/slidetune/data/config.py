@@ -3,6 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+PACKING_MODES = ("masked", "causal", "off")
+# the boolean spelling of the flag before the modes existed (`--packing true|false`)
+_PACKING_ALIASES = {"true": "masked", "on": "masked", "yes": "masked", "1": "masked",
+                    "false": "off", "no": "off", "0": "off"}
+
 
 @dataclass
 class DataConfig:
@@ -12,12 +17,18 @@ class DataConfig:
     # Tokens per training sequence (the model's input length S). 256 matches the T1M1
     # benchmark shape and keeps CPU tests fast; real fine-tuning usually wants 1024-4096.
     seq_len: int = 256
-    # True: documents are concatenated (EOS between) and cut into windows of seq_len+1
-    # tokens, so no compute is spent on padding. False: one example per row, truncated to
-    # seq_len+1 tokens and right-padded (what chat SFT without cross-example attention needs).
+    # How rows are made (PACKING_MODES):
+    #   masked: documents are concatenated and cut into windows of seq_len+1 tokens (no compute
+    #           spent on padding); each token attends only to its own document and position ids
+    #           restart at each document, so a packed row trains like its documents run alone
+    #           (what instruction/chat fine-tuning wants; transformers' packed-sequence mask).
+    #   causal: packed the same way but unmasked: documents attend to the documents before
+    #           them in the row (the usual trade of packed pretraining corpora).
+    #   off:    one example per row, truncated to seq_len+1 tokens and right-padded.
+    # The old spelling stays accepted: true -> masked (packing on), false -> off.
     # A split too small to fill one batch of packed rows (a few dozen short examples) falls
     # back to one example per row, with a note (build.py).
-    packing: bool = True
+    packing: str = "masked"
     # Fraction of documents/examples held out for evaluation, chosen by a seeded permutation.
     # 5% of the ~1 MB built-in corpus is ~12K tokens: enough for a stable perplexity. Data sets
     # of fewer than 10 examples train without a held-out split (with a note); from 10 up at
@@ -29,9 +40,20 @@ class DataConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        mode = str(self.packing).strip().lower()
+        self.packing = _PACKING_ALIASES.get(mode, mode)
+        if self.packing not in PACKING_MODES:
+            raise ValueError(f"DataConfig.packing must be one of {', '.join(PACKING_MODES)} (or the old "
+                             f"true/false), got {self.packing!r}: --packing masked keeps documents apart, "
+                             f"--packing causal lets them attend to each other, --packing off pads")
         if self.seq_len < 1:
             raise ValueError(f"DataConfig.seq_len must be >= 1, got {self.seq_len}")
         if not 0.0 <= self.heldout_fraction < 1.0:
             raise ValueError(
                 f"DataConfig.heldout_fraction must be in [0, 1), got {self.heldout_fraction}"
             )
+
+    @property
+    def packed(self) -> bool:
+        """Rows are windows of the concatenated documents (masked or causal)."""
+        return self.packing != "off"
