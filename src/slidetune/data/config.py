@@ -12,8 +12,13 @@ _PACKING_ALIASES = {"true": "masked", "on": "masked", "yes": "masked", "1": "mas
 @dataclass
 class DataConfig:
     # None -> the built-in English corpus (corpus.py, no download); otherwise a .txt file,
-    # a .jsonl file, or a HuggingFace `datasets` save_to_disk directory (formats.py).
+    # a .jsonl file, or a HuggingFace `datasets` save_to_disk directory (formats.py); or a
+    # pre-tokenized corpus read memory-mapped (token_arrays.py): a .bin/.npy token-id array or
+    # a save_to_disk directory with an input_ids column.
     path: str | None = None
+    # dtype of a raw .bin token file: uint16 (nanoGPT's prepare.py; vocabularies up to 65536)
+    # or uint32. A .npy file carries its own.
+    token_dtype: str = "uint16"
     # Tokens per training sequence (the model's input length S). 256 matches the T1M1
     # benchmark shape and keeps CPU tests fast; real fine-tuning usually wants 1024-4096.
     seq_len: int = 256
@@ -46,6 +51,8 @@ class DataConfig:
             raise ValueError(f"DataConfig.packing must be one of {', '.join(PACKING_MODES)} (or the old "
                              f"true/false), got {self.packing!r}: --packing masked keeps documents apart, "
                              f"--packing causal lets them attend to each other, --packing off pads")
+        if self.token_dtype not in ("uint16", "uint32"):
+            raise ValueError(f"DataConfig.token_dtype must be uint16 or uint32, got {self.token_dtype!r}")
         if self.seq_len < 1:
             raise ValueError(f"DataConfig.seq_len must be >= 1, got {self.seq_len}")
         if not 0.0 <= self.heldout_fraction < 1.0:
