@@ -205,3 +205,23 @@ def test_packing_flag_modes_and_old_spelling():
     assert DataConfig(packing="false").packing == "off"
     with pytest.raises(ValueError, match="masked, causal, off"):
         DataConfig(packing="docs")
+
+
+def test_packing_bench_smoke(tmp_path, monkeypatch):
+    """benchmarks/scripts/packing_bench.py --smoke: CSV and JSON with machine details and the ratio."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "scripts" / "packing_bench.py"
+    spec = importlib.util.spec_from_file_location("packing_bench", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(sys, "argv", ["packing_bench.py", str(tmp_path), "--smoke"])
+    bench.main()
+    result = json.loads((tmp_path / "packing_bench.json").read_text())
+    assert {r["variant"] for r in result["rows"]} == {"causal", "masked"}
+    assert result["rows"][1]["attn_implementation"] == IMPL_NAME
+    assert all(r["graphs_during_timing"] == 0 and r["step_ms_median"] > 0 for r in result["rows"])
+    assert result["ratio_masked_over_causal"]["eager"] > 0 and "torch" in result["machine"]
+    assert (tmp_path / "packing_bench.csv").read_text().startswith("variant,")
