@@ -198,7 +198,10 @@ def test_compiled_layer_takes_a_new_document_mask_without_recompiling():
     assert counter.frame_count == 1
 
 
-def test_packing_flag_modes_and_old_spelling():
+def test_packing_flag_modes_and_old_spelling(tmp_path):
+    from slidetune.config import build_config, load_yaml
+    (tmp_path / "c.yaml").write_text("packing: off\n")        # YAML reads off as false
+    assert build_config(load_yaml(tmp_path / "c.yaml")).data.packing == "off"
     assert DataConfig().packing == "masked"
     assert DataConfig(packing="causal").packed and not DataConfig(packing="off").packed
     assert DataConfig(packing=True).packing == "masked"          # the old boolean spelling

@@ -103,6 +103,10 @@ _SECTION_CLASSES = {"data": DataConfig, "runtime": RuntimeConfig, "optim": AdamW
 _HELP = {
     "data.path": "training data: a .txt/.md file, a .jsonl/.ndjson file (text, messages, prompt/completion or "
                  "alpaca records) or a datasets save_to_disk directory; None: the built-in English corpus",
+    "data.packing": "masked: documents packed into rows of seq_len+1 tokens, each attending only to itself "
+                    "(positions restart per document); causal: packed and unmasked, documents see the ones "
+                    "before them in the row (pretraining corpora); off: one example per row, right-padded. "
+                    "The old true/false mean masked/off",
     "optim.beta1": "AdamW first-moment decay",
     "optim.beta2": "AdamW second-moment decay (0.95, not 0.999: the usual LLM fine-tuning choice)",
     "optim.eps": "AdamW epsilon",
@@ -214,6 +218,8 @@ def _coerce(value, tp, path: str):
             return int(value)
         if base is str and isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
+        if base is str and isinstance(value, bool):
+            return str(value).lower()     # YAML reads `packing: off` as false: the field maps it
         if isinstance(base, type) and isinstance(value, base):
             return value
     except (ValueError, TypeError, argparse.ArgumentTypeError):

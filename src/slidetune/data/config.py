@@ -22,7 +22,7 @@ class DataConfig:
     # Tokens per training sequence (the model's input length S). 256 matches the T1M1
     # benchmark shape and keeps CPU tests fast; real fine-tuning usually wants 1024-4096.
     seq_len: int = 256
-    # How rows are made (PACKING_MODES):
+    # How rows are made:
     #   masked: documents are concatenated and cut into windows of seq_len+1 tokens (no compute
     #           spent on padding); each token attends only to its own document and position ids
     #           restart at each document, so a packed row trains like its documents run alone
