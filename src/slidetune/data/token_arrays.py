@@ -24,6 +24,7 @@ every dataset (sampler.py), so a resumed run lands on the same batch.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,24 @@ from .split import MIN_HELDOUT_EXAMPLES
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 ARRAY_SUFFIXES = (".bin", ".npy")
 TOKEN_COLUMN = "input_ids"
+
+
+# A read fault maps the whole page-cache folio around it into the process (up to 2 MiB on
+# current kernels): without releasing it, RSS grew ~0.8 MiB per 257-token window read, 1 GB over
+# 1200 random windows of a 5 GB .bin (kernel 6.18). The pages stay in the page cache.
+UNMAP_ALIGN = 2 * 2**20
+
+
+def _unmap(seg: np.ndarray, lo: int, hi: int) -> None:
+    """Drop this process's mapping of the folios that held seg[lo:hi] (MADV_DONTNEED on a shared
+    file mapping: a later read faults them back from the page cache; nothing is written)."""
+    mm = getattr(seg, "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise"):
+        return                                        # not an np.memmap (Arrow buffers)
+    base = seg.offset % mmap.ALLOCATIONGRANULARITY     # where np.memmap's data starts in its map
+    a = (base + lo * seg.itemsize) // UNMAP_ALIGN * UNMAP_ALIGN
+    b = min(len(mm), -(-(base + hi * seg.itemsize) // UNMAP_ALIGN) * UNMAP_ALIGN)
+    mm.madvise(mmap.MADV_DONTNEED, a, b - a)
 
 
 @dataclass
@@ -64,6 +83,7 @@ class TokenStream:
             seg, base = self.segments[first], int(self.seg_starts[first])
             end = min(stop, base + seg.shape[0])
             parts.append(np.asarray(seg[start - base:end - base], dtype=np.int64))
+            _unmap(seg, start - base, end - base)
             start, first = end, first + 1
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
