@@ -135,9 +135,11 @@ def test_causal_packing_keeps_documents_visible():
     assert (causal[first + 1:] - alone[first + 1:]).nan_to_num().abs().max() > 1e-3
 
 
-def test_slide_mode_matches_documents_alone():
-    """Slide mode's eval forward, one target token at a time, gives each document's own losses;
-    a few training steps on packed batches follow the HF reference with the same mask."""
+@pytest.mark.parametrize("mode", ["slide", "gpu"])
+def test_engine_matches_documents_alone(mode):
+    """The engine's eval forward (slide mode; gpu mode: the plain engine), one target token at a
+    time, gives each document's own losses; training steps on packed batches follow the HF
+    reference with the same mask."""
     loaded = make_loaded("llama", tied=True)
     rows = make_docs()
     batch = collate(packed_dataset(rows, document_mask=True), [0, 1], pad_id=0)
@@ -146,16 +148,23 @@ def test_slide_mode_matches_documents_alone():
         alone = torch.stack([alone_losses(reference.eval(), docs) for docs in rows])    # [B, S]
     use_packed_attention(loaded.split.model)
     use_packed_attention(reference)
-    rt = RuntimeConfig(mode="slide", dtype="fp32", device="cpu", head_chunk_tokens=16, chunk_mb=1)
+    rt = RuntimeConfig(mode=mode, dtype="fp32", device="cpu", head_chunk_tokens=16, chunk_mb=1)
     engine = build_engine(loaded, rt, AdamWConfig(lr=1e-3, eps=1e-6))
     try:
-        keep = (batch.labels != IGNORE_INDEX).nonzero().tolist()
-        for b, t in keep:
-            labels = torch.full_like(batch.labels, IGNORE_INDEX)
-            labels[b, t] = batch.labels[b, t]
+        # slide mode: every token on its own; gpu mode: each document's sum (fewer forwards)
+        keep = batch.labels != IGNORE_INDEX
+        groups = (keep.nonzero().tolist() if mode == "slide" else
+                  [(b, doc) for b in range(2) for doc in range(len(DOC_LENGTHS[b]))])
+        for b, t in groups:
+            select = torch.zeros_like(keep)
+            if mode == "slide":
+                select[b, t] = True
+            else:
+                select[b] = keep[b] & (batch.document_ids()[b] == t)
+            labels = torch.where(select, batch.labels, IGNORE_INDEX)
             loss, n = engine.eval_loss(Batch(batch.input_ids, labels, None, batch.position_ids))
-            assert n == 1
-            assert loss == pytest.approx(float(alone[b, t]), rel=1e-5, abs=1e-6), (b, t)
+            assert n == int(select.sum())
+            assert loss == pytest.approx(float(alone[select].sum()), rel=1e-5, abs=1e-6), (b, t)
         trainer = ReferenceTrainer(reference.train(), lr=1e-3, eps=1e-6)
         for step in range(2):
             want, _ = _reference_step(trainer, batch)

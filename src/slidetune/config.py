@@ -102,7 +102,9 @@ _SECTION_CLASSES = {"data": DataConfig, "runtime": RuntimeConfig, "optim": AdamW
 # help text where the field's own comment is missing or too terse for --help
 _HELP = {
     "data.path": "training data: a .txt/.md file, a .jsonl/.ndjson file (text, messages, prompt/completion or "
-                 "alpaca records) or a datasets save_to_disk directory; None: the built-in English corpus",
+                 "alpaca records) or a datasets save_to_disk directory; a pre-tokenized corpus read memory-mapped: "
+                 "a .bin (see --token-dtype) or .npy token-id array, or a save_to_disk directory of input_ids; "
+                 "None: the built-in English corpus",
     "data.packing": "masked: documents packed into rows of seq_len+1 tokens, each attending only to itself "
                     "(positions restart per document); causal: packed and unmasked, documents see the ones "
                     "before them in the row (pretraining corpora); off: one example per row, right-padded. "
