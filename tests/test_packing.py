@@ -94,6 +94,7 @@ def test_collate_restarts_positions_and_cuts_labels_at_documents():
     ends = torch.tensor(DOC_LENGTHS[0]).cumsum(0) - 1
     assert (batch.labels[0, ends] == IGNORE_INDEX).all()
     assert batch.num_target_tokens() == 2 * 24 - 4 - 3
+    assert packed_dataset(rows, document_mask=True).num_target_tokens == batch.num_target_tokens()
     causal = collate(packed_dataset(rows, document_mask=False), [0, 1], pad_id=0)
     assert causal.position_ids is None and causal.num_target_tokens() == 48
     assert torch.equal(causal.input_ids, batch.input_ids)

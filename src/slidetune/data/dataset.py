@@ -85,11 +85,14 @@ class TokenDataset:
         """Labels that count in the loss, over all rows."""
         if len(self) == 0:
             return 0
-        csum = torch.cat([torch.zeros(1, dtype=torch.int64),
-                          self.targets.to(torch.int64).cumsum(0)])
+        targets = self.targets
+        if self.document_mask and self.doc_starts is not None:
+            targets = targets & ~self.doc_starts   # no label across a document boundary (collate)
+        csum = torch.cat([torch.zeros(1, dtype=torch.int64), targets.to(torch.int64).cumsum(0)])
         return int((csum[self.starts + self.lengths] - csum[self.starts + 1]).sum())
 
     def __repr__(self) -> str:
         return (f"TokenDataset(split={self.split!r}, rows={len(self)}, seq_len={self.seq_len}, "
-                f"packed={self.packed}, document_mask={self.document_mask}, format={self.format!r}, examples={self.num_examples}, "
+                f"packed={self.packed}, document_mask={self.document_mask}, format={self.format!r}, "
+                f"examples={self.num_examples}, "
                 f"target_tokens={self.num_target_tokens}, source={self.source!r})")
