@@ -43,6 +43,8 @@ TOKEN_COLUMN = "input_ids"
 # A read fault maps the whole page-cache folio around it into the process (up to 2 MiB on
 # current kernels): without releasing it, RSS grew ~0.8 MiB per 257-token window read, 1 GB over
 # 1200 random windows of a 5 GB .bin (kernel 6.18). The pages stay in the page cache.
+# Arrow buffers (pyarrow's own memory map) cannot be released this way: there the mapped pages
+# count in RSS as the run touches them (file-backed and clean: the kernel reclaims them first).
 UNMAP_ALIGN = 2 * 2**20
 
 
