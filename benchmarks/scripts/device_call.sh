@@ -2,7 +2,7 @@
 # Run on the GPU machine (device tool) from the repo root: each argument is one job.
 # Results go to $OUT/results.tar.gz (the device tool returns at most 8 files).
 #   jobs: stash | pipeline | train | equivalence | runtime | throughput | throughput@TAG | techniques
-#         | modes | recompute | head | roofline | contention | gil | disk (DISK_DIR, DISK_PLAN_ARGS)
+#         | modes | recompute | head | roofline | contention | gil | packing (PACKING_ARGS) | disk (DISK_DIR, DISK_PLAN_ARGS)
 #         | diskprobe (DISK_DIR, DISKPROBE_ARGS: cold, warm and under-AdamW-load disk bandwidth)
 # Extra arguments per job come from PIPELINE_ARGS, THROUGHPUT_ARGS (THROUGHPUT_ARGS_TAG for throughput@TAG,
 # written to throughput_TAG/), TECHNIQUES_ARGS, EQ_ARGS, RUNTIME_PARTS, BENCH_ARGS.
@@ -73,6 +73,7 @@ run_job() {
     techniques) python -m slidetune.cli bench techniques --out $R/techniques ${TECHNIQUES_ARGS:-} ;;
     contention) python benchmarks/scripts/host_contention.py $R/host_contention.json ${CONTENTION_ARGS:-} ;;
     gil) python benchmarks/scripts/gil_adamw.py $R/gil_adamw.json ${GIL_ARGS:-} ;;
+    packing) python benchmarks/scripts/packing_bench.py $R/packing ${PACKING_ARGS:-} ;;   # issue 20: masked vs causal
     modes|recompute|head|roofline) python -m slidetune.cli bench $job --out $R/$job ${BENCH_ARGS:-} ;;
     disk) # the disk tier's directory on this machine: its filesystem, and what `plan` places there
           d=${DISK_DIR:-/var/tmp/slidetune_disk}; mkdir -p $d

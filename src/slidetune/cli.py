@@ -41,7 +41,7 @@ def _plan(ns) -> int:
             changes.setdefault("disk_units", 0)
         return estimate_memory(loaded.split, dataclasses.replace(cfg.runtime, **changes), batch_size=cfg.batch_size,
                                seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm,
-                               padded=not cfg.data.packing)     # as train: packed rows carry no padding
+                               padded=not cfg.data.packed)     # as train: packed rows carry no padding
 
     est = estimate()
     gib = 2**30
@@ -161,7 +161,7 @@ def _plan_resolved(ns, cfg, split):
     free = int(ns.gpu_free_gib * gib) if ns.gpu_free_gib is not None else None
     host = int(ns.host_gib * gib) if ns.host_gib is not None else query_host_available_bytes()
     kw = dict(batch_size=cfg.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
-              max_grad_norm=cfg.max_grad_norm, padded=not cfg.data.packing)
+              max_grad_norm=cfg.max_grad_norm, padded=not cfg.data.packed)
     resolved = choose_auto_settings(split, rt, gpu_free_bytes=free, host_available_bytes=host, **kw)
     est = estimate_memory(split, resolved, **kw)
     where = f"a GPU with {free / gib:.1f} GiB free" if free is not None else "this machine's GPU"

@@ -113,7 +113,13 @@ _SECTION_CLASSES = {"data": DataConfig, "runtime": RuntimeConfig, "optim": AdamW
 # help text where the field's own comment is missing or too terse for --help
 _HELP = {
     "data.path": "training data: a .txt/.md file, a .jsonl/.ndjson file (text, messages, prompt/completion or "
-                 "alpaca records) or a datasets save_to_disk directory; None: the built-in English corpus",
+                 "alpaca records) or a datasets save_to_disk directory; a pre-tokenized corpus read memory-mapped: "
+                 "a .bin (see --token-dtype) or .npy token-id array, or a save_to_disk directory of input_ids; "
+                 "None: the built-in English corpus",
+    "data.packing": "masked: documents packed into rows of seq_len+1 tokens, each attending only to itself "
+                    "(positions restart per document); causal: packed and unmasked, documents see the ones "
+                    "before them in the row (pretraining corpora); off: one example per row, right-padded. "
+                    "The old true/false mean masked/off",
     "optim.beta1": "AdamW first-moment decay",
     "optim.beta2": "AdamW second-moment decay (0.95, not 0.999: the usual LLM fine-tuning choice)",
     "optim.eps": "AdamW epsilon",
@@ -166,7 +172,7 @@ def _parse_value(text: str, tp):
 FLAG_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "model": ("what to fine-tune, and the check that it trains as transformers runs it",
               ("model", "num_layers", "skip_reference_check")),
-    "data": ("what to train on", ("data.path", "data.seq_len", "data.packing", "data.mask_prompt",
+    "data": ("what to train on", ("data.path", "data.token_dtype", "data.seq_len", "data.packing", "data.mask_prompt",
                                   "data.heldout_fraction", "data.seed", "seed")),
     "batch": ("sequences per step, and how many steps", ("batch_size", "grad_accum", "max_steps", "epochs")),
     "optimizer": ("AdamW and its learning-rate schedule", ("optim.lr", "optim.beta1", "optim.beta2", "optim.eps",
@@ -371,6 +377,8 @@ def _coerce(value, tp, path: str):
             return int(value)
         if base is str and isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
+        if base is str and isinstance(value, bool):
+            return str(value).lower()     # YAML reads `packing: off` as false: the field maps it
         if isinstance(base, type) and isinstance(value, base):
             return value
     except (ValueError, TypeError, argparse.ArgumentTypeError):

@@ -44,6 +44,7 @@ from .engine.placement import PlacementPlan, unit_shapes
 from .engine.slide.disk_tier import tier_bytes
 from .models.load import LoadedModel, load_model
 from .models.reference_check import require_faithful
+from .ops.packed_attention import use_packed_attention
 from .telemetry.flops import train_flops_per_token
 
 if TYPE_CHECKING:
@@ -170,8 +171,9 @@ def train(cfg: TrainConfig) -> TrainSummary:
         raise TrainingError(f"--seq-len {cfg.data.seq_len} exceeds the context of model {cfg.model!r}: "
                             f"{max_pos} tokens (max_position_embeddings); use --seq-len {max_pos} or less")
     runtime = cfg.runtime if cfg.runtime.device != "auto" else _with_device(cfg, device)
-    # packed rows are full windows: no batch carries padding, so no [B,1,S,S] masks
-    padded = not cfg.data.packing
+    # packed rows are full windows: no batch carries padding, so no [B,1,S,S] padding masks
+    # (masked packing builds its document mask as a FlexAttention BlockMask on CUDA)
+    padded = not cfg.data.packed
     runtime = choose_auto_settings(loaded.split, runtime, batch_size=cfg.batch_size, seq_len=cfg.data.seq_len,
                                    grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm, padded=padded)
     plan = (PlacementPlan.build(unit_shapes(loaded.split), runtime,
@@ -207,6 +209,8 @@ def train(cfg: TrainConfig) -> TrainSummary:
                   batch_size=cfg.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
                   max_grad_norm=cfg.max_grad_norm, padded=padded)
     train_ds, heldout = build_datasets(cfg.data, loaded.tokenizer, min_rows=cfg.batch_size)
+    if train_ds.document_mask:
+        use_packed_attention(loaded.split.model)   # packing "masked": attention per document
     pad_id = default_pad_id(loaded.tokenizer)
     sampler = BatchSampler(train_ds, cfg.batch_size, cfg.seed, pad_id)
     total_steps = cfg.resolved_max_steps(device.is_cuda)

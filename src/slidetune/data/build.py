@@ -29,7 +29,8 @@ from .dataset import TokenDataset
 from .errors import DataError
 from .formats import Example, Source, read_source, texts_source
 from .packing import Rows, pack, pad_rows
-from .split import plan_heldout
+from .split import MIN_HELDOUT_EXAMPLES, plan_heldout
+from .token_arrays import TokenArrayDataset, build_token_datasets, is_token_source
 from .tokenization import TokenizedExample, special_ids, tokenize_examples
 
 log = logging.getLogger(__name__)
@@ -115,8 +116,8 @@ def _build_train(examples: list[Example], n_heldout: int, source: Source, cfg: D
                  tokenizer: Any, min_rows: int, notes: list[str]) -> TokenDataset:
     tokenized = tokenize_examples(examples, tokenizer, cfg.mask_prompt, source.name)
     width = cfg.seq_len + 1
-    padded, n_packed, note = not cfg.packing, 0, None
-    if cfg.packing:
+    padded, n_packed, note = not cfg.packed, 0, None
+    if cfg.packed:
         rows = pack(tokenized, cfg.seq_len)
         n_packed = len(rows.starts)
         if n_packed < min_rows:
@@ -142,6 +143,7 @@ def _build_train(examples: list[Example], n_heldout: int, source: Source, cfg: D
         notes.append(note)
     _warn_rows(rows, "train", len(examples), source, cfg)
     return TokenDataset.from_rows(rows, cfg.seq_len, not padded, split="train", source=source.name,
+                                  document_mask=cfg.packing == "masked" and not padded,
                                   format=source.format, num_examples=len(examples))
 
 
@@ -167,13 +169,33 @@ def _build_heldout(examples: list[Example], padded: bool, source: Source, cfg: D
         notes.append(f"{source.name}: none of the {len(examples)} held-out examples has a token to "
                      f"evaluate within seq_len+1 = {width} tokens: training without a held-out "
                      f"evaluation")
-        return TokenDataset.empty(cfg.seq_len, cfg.packing, num_examples=len(examples), **info)
+        return TokenDataset.empty(cfg.seq_len, cfg.packed, num_examples=len(examples), **info)
     _warn_rows(rows, "heldout", len(examples), source, cfg)
-    return TokenDataset.from_rows(rows, cfg.seq_len, not padded, num_examples=len(examples), **info)
+    return TokenDataset.from_rows(rows, cfg.seq_len, not padded, num_examples=len(examples),
+                                  document_mask=cfg.packing == "masked" and not padded, **info)
+
+
+def _build_token_arrays(cfg: DataConfig, tokenizer: Any,
+                        min_rows: int) -> tuple[TokenArrayDataset, TokenArrayDataset]:
+    """A pre-tokenized corpus: memory-mapped windows, no tokenization (token_arrays.py)."""
+    assert cfg.path is not None
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    train, heldout = build_token_datasets(cfg.path, cfg.seq_len, cfg.token_dtype, cfg.heldout_fraction,
+                                          eos_id=eos, document_mask=cfg.packing == "masked",
+                                          min_rows=min_rows)
+    if cfg.packing == "off":
+        _note(f"{cfg.path}: a pre-tokenized corpus is always packed (its documents are not stored "
+              f"apart); --packing off has no effect, masked keeps documents apart, causal does not")
+    if cfg.heldout_fraction > 0 and len(heldout) == 0:
+        _note(f"{cfg.path}: {len(train)} rows are too few to hold some out (that takes at least "
+              f"{MIN_HELDOUT_EXAMPLES}): training without a held-out evaluation")
+    log.info("data: %r; %r", train, heldout)
+    return train, heldout
 
 
 def build_datasets(cfg: DataConfig, tokenizer: Any,
-                   min_rows: int = 1) -> tuple[TokenDataset, TokenDataset]:
+                   min_rows: int = 1) -> tuple[TokenDataset | TokenArrayDataset,
+                                               TokenDataset | TokenArrayDataset]:
     """(train, heldout) for ``cfg``. The held-out split is empty when heldout_fraction == 0, when
     there are fewer than `split.MIN_HELDOUT_EXAMPLES` examples, or when no held-out example has a
     token to evaluate (both with a note).
@@ -181,12 +203,16 @@ def build_datasets(cfg: DataConfig, tokenizer: Any,
     ``min_rows``: the train split must have at least this many rows (the trainer passes its
     batch_size); packed rows fewer than that fall back to one example per row (see the module
     docstring). The notes are printed once both splits are built (an error comes alone).
+    A pre-tokenized corpus (.bin/.npy, or a save_to_disk directory of input_ids) gives
+    memory-mapped `TokenArrayDataset`s instead (token_arrays.py).
     Raises `DataError` (naming the file and 1-based line where it applies) for missing,
     malformed or too little data, and ImportError for a datasets directory without
     ``datasets`` installed.
     """
     if min_rows < 1:
         raise ValueError(f"min_rows must be >= 1, got {min_rows}")
+    if is_token_source(cfg.path):
+        return _build_token_arrays(cfg, tokenizer, min_rows)
     source = load_source(cfg)
     special_ids(tokenizer, source.name)  # fail on a tokenizer without EOS before any work
     train_idx, heldout_idx, note = plan_heldout(len(source.examples), cfg.heldout_fraction,
@@ -198,7 +224,7 @@ def build_datasets(cfg: DataConfig, tokenizer: Any,
         heldout = _build_heldout([source.examples[i] for i in heldout_idx], not train.packed,
                                  source, cfg, tokenizer, notes)
     else:
-        heldout = TokenDataset.empty(cfg.seq_len, cfg.packing, split="heldout",
+        heldout = TokenDataset.empty(cfg.seq_len, cfg.packed, split="heldout",
                                      source=source.name, format=source.format)
     for note in notes:
         _note(note)

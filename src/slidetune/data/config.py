@@ -3,21 +3,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+PACKING_MODES = ("masked", "causal", "off")
+# the boolean spelling of the flag before the modes existed (`--packing true|false`)
+_PACKING_ALIASES = {"true": "masked", "on": "masked", "yes": "masked", "1": "masked",
+                    "false": "off", "no": "off", "0": "off"}
+
 
 @dataclass
 class DataConfig:
     # None -> the built-in English corpus (corpus.py, no download); otherwise a .txt file,
-    # a .jsonl file, or a HuggingFace `datasets` save_to_disk directory (formats.py).
+    # a .jsonl file, or a HuggingFace `datasets` save_to_disk directory (formats.py); or a
+    # pre-tokenized corpus read memory-mapped (token_arrays.py): a .bin/.npy token-id array or
+    # a save_to_disk directory with an input_ids column.
     path: str | None = None
+    # dtype of a raw .bin token file: uint16 (nanoGPT's prepare.py; vocabularies up to 65536)
+    # or uint32. A .npy file carries its own.
+    token_dtype: str = "uint16"
     # Tokens per training sequence (the model's input length S). 256 matches the T1M1
     # benchmark shape and keeps CPU tests fast; real fine-tuning usually wants 1024-4096.
     seq_len: int = 256
-    # True: documents are concatenated (EOS between) and cut into windows of seq_len+1
-    # tokens, so no compute is spent on padding. False: one example per row, truncated to
-    # seq_len+1 tokens and right-padded (what chat SFT without cross-example attention needs).
+    # How rows are made:
+    #   masked: documents are concatenated and cut into windows of seq_len+1 tokens (no compute
+    #           spent on padding); each token attends only to its own document and position ids
+    #           restart at each document, so a packed row trains like its documents run alone
+    #           (what instruction/chat fine-tuning wants; transformers' packed-sequence mask).
+    #   causal: packed the same way but unmasked: documents attend to the documents before
+    #           them in the row (the usual trade of packed pretraining corpora).
+    #   off:    one example per row, truncated to seq_len+1 tokens and right-padded.
+    # The old spelling stays accepted: true -> masked (packing on), false -> off.
     # A split too small to fill one batch of packed rows (a few dozen short examples) falls
     # back to one example per row, with a note (build.py).
-    packing: bool = True
+    packing: str = "masked"
     # Fraction of documents/examples held out for evaluation, chosen by a seeded permutation.
     # 5% of the ~1 MB built-in corpus is ~12K tokens: enough for a stable perplexity. Data sets
     # of fewer than 10 examples train without a held-out split (with a note); from 10 up at
@@ -29,9 +45,22 @@ class DataConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        mode = str(self.packing).strip().lower()
+        self.packing = _PACKING_ALIASES.get(mode, mode)
+        if self.packing not in PACKING_MODES:
+            raise ValueError(f"DataConfig.packing must be one of {', '.join(PACKING_MODES)} (or the old "
+                             f"true/false), got {self.packing!r}: --packing masked keeps documents apart, "
+                             f"--packing causal lets them attend to each other, --packing off pads")
+        if self.token_dtype not in ("uint16", "uint32"):
+            raise ValueError(f"DataConfig.token_dtype must be uint16 or uint32, got {self.token_dtype!r}")
         if self.seq_len < 1:
             raise ValueError(f"DataConfig.seq_len must be >= 1, got {self.seq_len}")
         if not 0.0 <= self.heldout_fraction < 1.0:
             raise ValueError(
                 f"DataConfig.heldout_fraction must be in [0, 1), got {self.heldout_fraction}"
             )
+
+    @property
+    def packed(self) -> bool:
+        """Rows are windows of the concatenated documents (masked or causal)."""
+        return self.packing != "off"

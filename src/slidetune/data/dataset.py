@@ -36,12 +36,16 @@ class TokenDataset:
     num_examples: int = 0   # documents/examples of this split before packing
     num_truncated: int = 0  # examples cut to seq_len+1 tokens (packing=False)
     num_dropped: int = 0    # rows dropped for having no target token
+    doc_starts: torch.Tensor | None = None  # [T] bool, True at each document's first token
+    # packing "masked": packed rows keep their documents apart (batch.collate gives position ids
+    # that restart at each document; the model masks attention per document from them)
+    document_mask: bool = False
 
     @classmethod
     def from_rows(cls, rows: Rows, seq_len: int, packed: bool, **info: object) -> "TokenDataset":
         return cls(rows.tokens, rows.targets, rows.starts, rows.lengths, seq_len, packed,
                    num_truncated=rows.num_truncated, num_dropped=rows.num_dropped,
-                   **info)  # type: ignore[arg-type]
+                   doc_starts=rows.doc_starts, **info)  # type: ignore[arg-type]
 
     @classmethod
     def empty(cls, seq_len: int, packed: bool, **info: object) -> "TokenDataset":
@@ -51,6 +55,13 @@ class TokenDataset:
 
     def __len__(self) -> int:
         return int(self.starts.numel())
+
+    def window(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Row ``index`` as (ids [L] int64, targets [L] bool, doc_starts [L] bool or None)."""
+        start, length = int(self.starts[index]), int(self.lengths[index])
+        doc = None if self.doc_starts is None else self.doc_starts[start:start + length]
+        return (self.tokens[start:start + length].to(torch.int64),
+                self.targets[start:start + length], doc)
 
     def __getitem__(self, index: int) -> Row:
         if not -len(self) <= index < len(self):
@@ -74,11 +85,14 @@ class TokenDataset:
         """Labels that count in the loss, over all rows."""
         if len(self) == 0:
             return 0
-        csum = torch.cat([torch.zeros(1, dtype=torch.int64),
-                          self.targets.to(torch.int64).cumsum(0)])
+        targets = self.targets
+        if self.document_mask and self.doc_starts is not None:
+            targets = targets & ~self.doc_starts   # no label across a document boundary (collate)
+        csum = torch.cat([torch.zeros(1, dtype=torch.int64), targets.to(torch.int64).cumsum(0)])
         return int((csum[self.starts + self.lengths] - csum[self.starts + 1]).sum())
 
     def __repr__(self) -> str:
         return (f"TokenDataset(split={self.split!r}, rows={len(self)}, seq_len={self.seq_len}, "
-                f"packed={self.packed}, format={self.format!r}, examples={self.num_examples}, "
+                f"packed={self.packed}, document_mask={self.document_mask}, format={self.format!r}, "
+                f"examples={self.num_examples}, "
                 f"target_tokens={self.num_target_tokens}, source={self.source!r})")

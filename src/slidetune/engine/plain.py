@@ -67,7 +67,9 @@ class PlainEngine:
         ids = mb.input_ids.to(dev)
         labels = mb.labels.to(dev)
         mask = mb.attention_mask.to(dev) if mb.attention_mask is not None else None
-        kwargs = split.layer_kwargs(*ids.shape, self.dtype, dev, attention_mask=mask)
+        # packing "masked": positions restarting per document; the mask follows from them
+        positions = mb.position_ids.to(dev) if getattr(mb, "position_ids", None) is not None else None
+        kwargs = split.layer_kwargs(*ids.shape, self.dtype, dev, attention_mask=mask, position_ids=positions)
         timing = self.timer.enabled and torch.is_grad_enabled()
         with self.timer.span("embed", -1):
             x = split.embed_forward(self.units[0].leaves, ids)           # [B, S, d]

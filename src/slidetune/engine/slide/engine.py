@@ -92,6 +92,10 @@ def _landed(chunk: Future) -> bool:
     return bool(event.query())
 
 
+def _to(t: torch.Tensor | None, dev: torch.device) -> torch.Tensor | None:
+    return None if t is None else t.to(dev, non_blocking=True)
+
+
 @dataclass
 class _Slot:
     """A GPU buffer holding one unit's weights (or gradients) in the compute dtype."""
@@ -696,7 +700,8 @@ class SlideEngine:
         ids = [mb.input_ids.to(dev, non_blocking=True) for mb in mbs]          # [B, S] each
         labels = [mb.labels.to(dev, non_blocking=True) for mb in mbs]          # [B, S] each
         kwargs = [split.layer_kwargs(*i.shape, self.dtype, dev,
-                                     attention_mask=mb.attention_mask.to(dev) if mb.attention_mask is not None else None)
+                                     attention_mask=_to(mb.attention_mask, dev),
+                                     position_ids=_to(getattr(mb, "position_ids", None), dev))  # masked packing
                   for i, mb in zip(ids, mbs)]
         embed_slot = self._use_own_slot(0)
         # Resident layers whose slot does not hold this step's weights (the first step, or

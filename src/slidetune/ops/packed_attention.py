@@ -1,0 +1,83 @@
+"""Document-masked attention for packed rows: transformers' own pieces, one name.
+
+Packing "masked" (data/batch.py) gives each packed row position ids that restart at 0 at
+every document. From those, transformers' `create_causal_mask` finds the documents
+(`masking_utils.find_packed_sequence_indices`: a new document wherever the position does not
+grow by 1) and ANDs "same document" into the causal mask function. What that mask function
+becomes depends on the attention implementation; "slidetune_packed" picks per device:
+
+  CUDA  transformers' `flex_attention_mask` -> a FlexAttention `BlockMask`
+        (`torch.nn.attention.flex_attention.create_block_mask`) and transformers'
+        `flex_attention_forward`: 128 x 128 tiles wholly outside a document are skipped, so a
+        row of ~10 documents computes ~1/10 of the causal triangle.
+  CPU   transformers' `sdpa_mask` -> a boolean block-diagonal causal mask [B, 1, S, S] and
+        `sdpa_attention_forward` (flex has no CPU backward; the tests run here).
+
+A batch without a document boundary (every row one document) gets the plain causal mask.
+No kernel of our own. Under compile_layers the mask is an input of the compiled layer:
+a fixed-shape bool tensor on CPU; on CUDA a BlockMask, whose mask_mod closure tensors
+(the per-row document ids) torch >= 2.10 lifts into pytree leaves, so a new mask per
+micro-batch is new data, not a new graph (tests/test_packing.py checks the CPU case,
+benchmarks/scripts/packing_bench.py counts recompiles on the GPU).
+
+`use_packed_attention(model_or_config)` registers the implementation and points the config
+at it; the sliding split runs the skeleton's own layers, so it needs nothing else.
+"""
+from __future__ import annotations
+
+import torch
+
+IMPL_NAME = "slidetune_packed"
+# implementations that already honour the packed-sequence mask transformers builds: keep them
+# (slidetune_local ANDs any mask it is given into its band)
+_KEEP = ("slidetune_local", IMPL_NAME)
+
+
+def _on_cuda(device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def packed_mask(batch_size: int, q_length: int, kv_length: int, *, device="cpu", **kwargs):
+    """AttentionMaskInterface entry: a BlockMask on CUDA, a bool SDPA mask (or None) elsewhere."""
+    from transformers.masking_utils import flex_attention_mask, sdpa_mask
+    build = flex_attention_mask if _on_cuda(device) else sdpa_mask
+    return build(batch_size, q_length, kv_length, device=device, **kwargs)
+
+
+def packed_attention(module, query, key, value, attention_mask, **kwargs):
+    """AttentionInterface entry; q: [B, H, S, D], k/v: [B, Hkv, S, D] -> ([B, S, H, D], None)."""
+    from torch.nn.attention.flex_attention import BlockMask
+    if isinstance(attention_mask, BlockMask):
+        from transformers.integrations.flex_attention import flex_attention_forward
+        if torch.is_autocast_enabled(query.device.type):
+            # flex_attention is no autocast op (SDPA is): cast as autocast would cast SDPA's inputs
+            dt = torch.get_autocast_dtype(query.device.type)
+            query, key, value = query.to(dt), key.to(dt), value.to(dt)
+        return flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def register() -> str:
+    from transformers import AttentionInterface, AttentionMaskInterface
+    AttentionInterface.register(IMPL_NAME, packed_attention)
+    AttentionMaskInterface.register(IMPL_NAME, packed_mask)
+    return IMPL_NAME
+
+
+def use_packed_attention(target):
+    """Make a HF model (or its config) mask attention per document of a packed row.
+
+    Models on "sdpa" (the skeleton's default) or "eager" move to "slidetune_packed"; an
+    implementation that already applies transformers' mask (slidetune_local) is kept.
+    Returns the target.
+    """
+    register()
+    config = getattr(target, "config", target)
+    if getattr(config, "_attn_implementation", None) in _KEEP:
+        return target
+    if hasattr(target, "set_attn_implementation"):
+        target.set_attn_implementation(IMPL_NAME)
+    else:
+        config._attn_implementation = IMPL_NAME
+    return target
