@@ -31,15 +31,16 @@ CLIP = 0.05            # below every step's gradient norm here: the clipped path
 RUNS = {
     # the recipe: clipping (deferred sweep) with accumulation; a resident layer and a 2-slot window
     "deferred-accum2-clip": ("llama", "deferred", 2, CLIP, {"cache_units": 2, "resident_layers": 1}),
-    # eager updates as each unit's gradient lands, tied embedding (the head's share reduced with it)
-    "eager-tied": ("qwen3-tied-qknorm", "eager", 1, None, {}),
+    # eager updates as each unit's gradient lands, tied embedding (the head's share reduced with
+    # it), checkpoints offloaded (per rank: nothing shared)
+    "eager-tied-offload": ("qwen3-tied-qknorm", "eager", 1, None, {"offload_activations": True, "cache_units": 2}),
 }
 RESUMED = "deferred-accum2-clip"
 
 
 def runtime(schedule: str, extra: dict) -> RuntimeConfig:
-    return RuntimeConfig(mode="slide", dtype="fp32", device="cpu", schedule=schedule, offload_activations=False,
-                         head_chunk_tokens=16, chunk_mb=1, **extra)
+    return RuntimeConfig(mode="slide", dtype="fp32", device="cpu", schedule=schedule, head_chunk_tokens=16,
+                         chunk_mb=1, **{"offload_activations": False, **extra})
 
 
 def engine_for(run: str, dist=None):
@@ -113,6 +114,26 @@ def _rank_main(rank: int, port: int, out: str, ckpt_1rank: str) -> None:
         finally:
             engine.close()
         torch.save(record, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        close_process_group()
+
+
+def _host_main(rank: int, port: int, out: str) -> None:
+    """One rank per emulated host (LOCAL_WORLD_SIZE=1): each has a state copy of its own and
+    updates every unit; only the gradient reduction crosses the "hosts"."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    torch.set_num_threads(1)
+    dp = DataParallel(DistConfig.from_env(backend="gloo", timeout_s=300))
+    try:
+        engine = engine_for(RESUMED, dp)
+        try:
+            losses, norms = train(engine, RESUMED, range(STEPS), rank, WORLD)
+            torch.save({"losses": losses, "norms": norms, "masters": masters(engine),
+                        "owned": all(u.owned for u in engine.units), "shared_bytes": engine.shared.nbytes},
+                       os.path.join(out, f"host{rank}.pt"))
+        finally:
+            engine.close()
     finally:
         close_process_group()
 
@@ -253,6 +274,21 @@ def test_checkpoint_written_at_one_rank_resumes_at_two(results):
         assert worst < 1e-5, f"rank {rank} {where}: relative difference {worst:.2e}"
 
 
+def test_two_hosts_each_with_its_own_state_copy(results):
+    """Issue 21's across-hosts case, emulated by two processes that each are a host of one rank."""
+    tmp = results["tmp"]
+    mp.spawn(_host_main, args=(_free_port(), str(tmp)), nprocs=WORLD, join=True)
+    want = results["one"][RESUMED]
+    for rank in range(WORLD):
+        got = torch.load(tmp / f"host{rank}.pt", weights_only=False)
+        assert got["owned"], "a host of one rank updates every unit of its own copy"
+        for step in range(STEPS):
+            assert _close(got["losses"][step], want["losses"][step]), (rank, step)
+            assert _close(got["norms"][step], want["norms"][step]), (rank, step)
+        worst, where = _worst_rel(got["masters"], want["masters"])
+        assert worst < 1e-5, f"host {rank} {where}: relative difference {worst:.2e}"
+
+
 # ---------------------------------------------------------------------------- without processes
 def test_shards_balance_parameters():
     # an embedding and a head of 5 layers each, 8 layers of 1: 9 and 9
@@ -264,7 +300,6 @@ def test_shards_balance_parameters():
 
 
 @pytest.mark.parametrize("extra, named", [
-    ({"offload_activations": True}, "activation offload"),
     ({"device_layers": 1}, "device_layers"),
     ({"vocab_update": "device"}, "vocab_update"),
     ({"disk_units": 1, "disk_dir": "/tmp"}, "disk tier"),

@@ -1039,8 +1039,6 @@ def _check_data_parallel(plan: PlacementPlan, rt: RuntimeConfig) -> None:
         unsupported.append("--tuning.device_layers > 0 (layers updated on the GPU)")
     if plan.indices("disk"):
         unsupported.append("--tuning.disk_units > 0 (the disk tier)")
-    if rt.offload_activations:
-        unsupported.append("activation offload (offload_activations)")
     if unsupported:
         raise ValueError("data parallel over several ranks does not support yet: " + "; ".join(unsupported)
                          + ". Run it on one rank, or without these settings")
