@@ -200,7 +200,8 @@ class DataParallel:
 
     def share_host_state(self, numels: list[int]) -> SharedHostState:
         """Collective over the host: local rank 0 creates the file, every local rank maps it, and
-        the name is removed once all have (no file outlives the run, even after a crash)."""
+        the name is removed once all have (the memory then goes with the last rank's exit; only a
+        crash in the seconds before that leaves a /dev/shm/slidetune-* file behind)."""
         state = None
         if self.cfg.local_rank == 0:
             state = SharedHostState(numels, f"{SHM_DIR}/slidetune-{os.getpid()}-{uuid.uuid4().hex[:12]}",

@@ -41,6 +41,14 @@ overwritten only after the event of its last reader, a gradient slot only after 
 event of the D2H copy that drained it. A failing thread sets an abort flag that every
 host-side wait polls, and the compute thread re-raises the first error.
 No device-wide synchronize on the hot path.
+
+Data parallel (dist=, engine/distributed.py, docs/data_parallel.md): every rank runs this
+pipeline on its own micro-batches; each unit's gradient slot is all-reduced as its backward
+ends (each rank scaled by 1 / the step's tokens over all ranks), so the norm and the clip
+coefficient are global; the host state is one shared mapping per host, and only a unit's
+owner holds its gradient and runs its AdamW, while a fifth thread (follower) waits for the
+other owners' versions and releases this rank's uploads of their units. train_step's loss
+and token count are the step's over all ranks.
 """
 from __future__ import annotations
 
