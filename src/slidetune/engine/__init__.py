@@ -12,10 +12,14 @@ __all__ = ["AdamWConfig", "RuntimeConfig", "StepResult", "build_engine"]
 
 
 def build_engine(loaded: LoadedModel, rt: RuntimeConfig, optim: AdamWConfig, device: Device | None = None,
-                 grad_accum: int = 1, max_grad_norm: float | None = None, timer: EventTimer | None = None):
+                 grad_accum: int = 1, max_grad_norm: float | None = None, timer: EventTimer | None = None,
+                 dist=None):
+    """dist: a distributed.DataParallel for data parallel over several ranks (slide mode only)."""
     device = device or Device.resolve(rt.device, waits=rt.cuda_waits)
     if rt.mode == "slide":
         from .slide.engine import SlideEngine
-        return SlideEngine(loaded, rt, optim, device, grad_accum, max_grad_norm, timer)
+        return SlideEngine(loaded, rt, optim, device, grad_accum, max_grad_norm, timer, dist=dist)
+    if dist is not None and dist.world_size > 1:
+        raise ValueError(f"data parallel over several ranks runs in slide mode only, not mode {rt.mode!r}")
     from .plain import PlainEngine
     return PlainEngine(loaded, rt, optim, device, grad_accum, max_grad_norm, timer)

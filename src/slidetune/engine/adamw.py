@@ -37,15 +37,20 @@ class FlatAdamW:
     """AdamW state (moments, step) for one flat master tensor with a decay range [0, n_decay)."""
 
     def __init__(self, master: torch.Tensor, n_decay: int, cfg: AdamWConfig, kernel: str = "dynamic",
-                 moments_here: bool = True):
+                 moments_here: bool = True, state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
         """moments_here=False: the moments live elsewhere (the disk tier) and every update() is given
-        the moments of its range."""
+        the moments of its range.
+        state: (exp_avg, exp_avg_sq, step) to use instead of new zeros: the views of the host state
+        the ranks of a host share (engine/distributed.py); they hold zeros or a state to go on from."""
         assert master.dim() == 1 and master.dtype == torch.float32
         assert kernel in KERNELS, f"kernel must be one of {KERNELS}, not {kernel!r}"
         self.master = master                                 # [numel] fp32, updated in place
         self.n_decay = n_decay
         self.cfg = cfg
         self.kernel = kernel                                 # host ranges: native_adamw's schedule, or torch
+        if state is not None:
+            self.exp_avg, self.exp_avg_sq, self.step_count = state
+            return
         self.exp_avg = torch.zeros_like(master) if moments_here else None      # [numel] fp32
         self.exp_avg_sq = torch.zeros_like(master) if moments_here else None   # [numel] fp32
         # The kernel reads the step from a tensor on the parameters' device.

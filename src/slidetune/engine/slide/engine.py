@@ -41,6 +41,14 @@ overwritten only after the event of its last reader, a gradient slot only after 
 event of the D2H copy that drained it. A failing thread sets an abort flag that every
 host-side wait polls, and the compute thread re-raises the first error.
 No device-wide synchronize on the hot path.
+
+Data parallel (dist=, engine/distributed.py, docs/data_parallel.md): every rank runs this
+pipeline on its own micro-batches; each unit's gradient slot is all-reduced as its backward
+ends (each rank scaled by 1 / the step's tokens over all ranks), so the norm and the clip
+coefficient are global; the host state is one shared mapping per host, and only a unit's
+owner holds its gradient and runs its AdamW, while a fifth thread (follower) waits for the
+other owners' versions and releases this rank's uploads of their units. train_step's loss
+and token count are the step's over all ranks.
 """
 from __future__ import annotations
 
@@ -66,6 +74,7 @@ from .. import native_adamw
 from ..adamw import AdamWConfig
 from ..compile_workers import release_compile_workers
 from ..config import RuntimeConfig
+from ..distributed import DataParallel
 from ..gc_policy import GCFreeze
 from ..placement import PlacementPlan, unit_shapes
 from ..result import StepResult
@@ -111,7 +120,10 @@ class _Slot:
 
 class SlideEngine:
     def __init__(self, loaded: LoadedModel, rt: RuntimeConfig, optim: AdamWConfig, device: Device,
-                 grad_accum: int = 1, max_grad_norm: float | None = None, timer: EventTimer | None = None):
+                 grad_accum: int = 1, max_grad_norm: float | None = None, timer: EventTimer | None = None,
+                 dist: DataParallel | None = None):
+        """dist: data parallel over several ranks (engine/distributed.py, docs/data_parallel.md); None
+        or a world of one rank: this process alone, unchanged."""
         self.split = loaded.split
         self.rt = rt
         self.device = device
@@ -139,6 +151,17 @@ class SlideEngine:
         device_units = frozenset(self.plan.indices("gpu"))
         self.deferred = self.schedule == "deferred"
         self.split_sweep = rt.clip_sweep == "split"
+        # Data parallel: the host state lives once per host in shared memory; this rank updates the
+        # units it owns and follows the others' owners.
+        self.dp = dist if dist is not None and dist.world_size > 1 else None
+        shared, owned = None, None
+        if self.dp is not None:
+            _check_data_parallel(self.plan, rt)
+            numels = [u.numel for u in self.plan.units]
+            owners = self.dp.owners(numels)
+            owned = frozenset(i for i, r in enumerate(owners) if r == self.dp.local_rank)
+            shared = self.dp.share_host_state(numels)
+        self.shared = shared
         disk_units = self.plan.indices("disk")
         self.disk_released = False      # release_disk_tier(): the run is over, its moments are gone
         self.disk = (DiskTier(rt.disk_dir, {i: self.split.units[i].numel for i in disk_units},
@@ -151,12 +174,18 @@ class SlideEngine:
         try:
             self.store = HostStore(self.split, loaded.source, optim,
                                    held_dtype=self.dtype if self.deferred else None, kernel=rt.host_adamw,
-                                   device_units=device_units, device=device.device, disk=self.disk)
+                                   device_units=device_units, device=device.device, disk=self.disk,
+                                   shared=shared, owned=owned)
+            if self.dp is not None:
+                self.dp.host_barrier()      # every owner has filled its units before anyone uploads
         except BaseException:
             if self.disk is not None:
                 self.disk.close()
             raise
         self.units: list[HostUnit] = self.store.units
+        # Data parallel: waits for the owners of the units this rank does not update (follow()), in
+        # the order their updates run, so the host worker itself never waits on another rank.
+        self.follower = Worker("follow", self._on_worker_error) if self.dp is not None else None
         layer_numel = max(u.numel for u in self.split.layer_units)
         dev = device.device
         self.gpu_cast = rt.casts_on_gpu(device.is_cuda)
@@ -284,7 +313,7 @@ class SlideEngine:
                 self.watchdog.check(time.monotonic() - t0, what, self._workers())
 
     def _workers(self) -> list:
-        return [self.upload_worker, self.d2h_worker, self.host_worker]
+        return [self.upload_worker, self.d2h_worker, self.host_worker] + ([self.follower] if self.follower else [])
 
     def _raise_if_aborted(self) -> None:
         if self._abort.is_set():
@@ -471,7 +500,16 @@ class SlideEngine:
         """The unit's gradient for this step is in `slot` (every micro-batch summed): its squared
         norm joins the step's, then it is applied (eager) or held until the norm is known."""
         unit = self.units[unit_index]
+        if self.dp is not None:
+            # every rank's share summed (each scaled by 1 / the global token count): the global
+            # gradient, so the norm below is the global one on every rank
+            self.dp.all_reduce_(slot.flat[: unit.spec.numel])
         self._norm_on_device(slot.flat[: unit.spec.numel])
+        if not unit.owned:
+            # another rank updates it from the same gradient; its slot is free again in stream order
+            if not self.deferred:
+                self._follow(unit_index)
+            return
         if unit.on_device:
             if not self.deferred:
                 self._update_on_device(unit_index, slot, lr)
@@ -521,7 +559,7 @@ class SlideEngine:
                      ) if self.deadline_order else {}
         if self.deadline_order:
             chunks[0].add_done_callback(lambda _: self.host_worker.notify())
-        self.host_worker.submit(self._timed, "host", "drain", unit.spec.name, self.drainer.consume, unit,
+        self.host_worker.submit(self._timed, "host", "drain", unit.spec.name, self._consume, unit,
                                 chunks, lr=lr, **order)
         # A third thread queues the copies as ring buffers free up, so neither the compute
         # thread (which only needs its GPU gradient slot back) nor AdamW ever waits on it.
@@ -548,6 +586,18 @@ class SlideEngine:
         ready.synchronize()
         return float(sq_host[0])
 
+    def _consume(self, unit: HostUnit, chunks: list[Future], *, lr: float) -> None:
+        """Host worker (eager): the unit's AdamW as its chunks land; weights and moments in one pass."""
+        self.drainer.consume(unit, chunks, lr=lr)
+        unit.publish_state()
+
+    def _follow(self, unit_index: int) -> None:
+        """Data parallel: count this step's update of a unit another rank owns once its owner has
+        written it (HostUnit.follow), on the follower thread."""
+        unit = self.units[unit_index]
+        self.follower.submit(self._timed, "follow", "follow", unit.spec.name, unit.follow, self.step_index + 1,
+                             self._abort)
+
     def _issue_drain(self, unit: HostUnit, src: torch.Tensor, ready, chunks: list[Future], free: Future) -> None:
         with self.timeline.span("d2h", "issue", unit.spec.name):
             last = self.drainer.issue(unit, src, ready, futs=chunks)
@@ -564,6 +614,10 @@ class SlideEngine:
     def train_step(self, micro_batches: list, lr: float) -> StepResult:
         self._check_disk_tier_kept("train a step")
         n_tokens = sum(mb.num_target_tokens() for mb in micro_batches)
+        if self.dp is not None:
+            # every rank scales its gradient by 1 / the step's tokens over all ranks: the summed
+            # gradients are then one rank's at the whole batch
+            (n_tokens,) = (int(n) for n in self.dp.sum_scalars([n_tokens]))
         if n_tokens == 0:
             raise ValueError("the step's batches contain no target tokens (all labels are -100)")
         now = time.monotonic()
@@ -594,6 +648,10 @@ class SlideEngine:
             self._held_free = {i: Future() for i in self._held_landed}
             norm_fut = self.host_worker.submit(self._finish_deferred, sq_host, sq_ready, dict(self._held_landed),
                                                dict(self._held_free), lr)
+            if self.dp is not None:
+                for index, unit in enumerate(self.units):     # in the owners' sweep order
+                    if not unit.owned:
+                        self._follow(index)
             # The sweep updates layers 0..L-1 in order: the resident layers' uploads follow it.
             for i in range(self.split.num_layers):
                 if self._resident(i):
@@ -607,7 +665,10 @@ class SlideEngine:
             release_compile_workers()
         self.gc_freeze.freeze()        # everything the run keeps exists by now
         loss_ready.synchronize()
-        loss = float(host_loss[0]) / n_tokens
+        loss_sum = float(host_loss[0])
+        if self.dp is not None:
+            (loss_sum,) = self.dp.sum_scalars([loss_sum])
+        loss = loss_sum / n_tokens
         return StepResult(loss=loss, n_tokens=n_tokens, grad_norm_future=self._rooted(norm_fut))
 
     def _rooted(self, fut: Future) -> Future:
@@ -666,7 +727,7 @@ class SlideEngine:
             # next forward.
             # A disk unit's update reads and writes its moments once ("all"): its moments are
             # not in RAM for a second pass to find.
-            host = [(i, u) for i, u in enumerate(self.units) if u.on_host]
+            host = [(i, u) for i, u in enumerate(self.units) if u.on_host and u.owned]
             for index, unit in host:
                 event = wait_or_abort(landed[index], self._abort, f"the held gradient of {unit.spec.name}")
                 event.synchronize()
@@ -674,12 +735,14 @@ class SlideEngine:
                 with self.timeline.span("host", "adamw", unit.spec.name):
                     GradDrain.deferred_update(unit, lr, coef, self.chunk, part="params" if split else "all")
                 if not split:
+                    unit.publish_state()
                     held_free[index].set_result(None)
             for index, unit in (reversed(host) if self.split_sweep else []):
                 if unit.disk is not None:
                     continue
                 with self.timeline.span("host", "adamw_moments", unit.spec.name):
                     GradDrain.deferred_moments(unit, coef, self.chunk)
+                unit.publish_state()
                 held_free[index].set_result(None)
             return total
         finally:
@@ -870,8 +933,14 @@ class SlideEngine:
             self.d2h_worker.drain()
             self.host_worker.drain()
             self.upload_worker.drain()
+            if self.follower is not None:
+                self.follower.drain()
             if self.disk is not None:
                 self.disk.drain()
+            if self.dp is not None:
+                # the other owners' moments too (not a collective: one rank may call it alone)
+                for unit in self.units:
+                    unit.wait_state(self.step_index, self._abort)
         except WorkerError as e:
             first = self._first_error or e
             raise WorkerError(f"{self._failed_where}: {first!r}") from first
@@ -895,8 +964,15 @@ class SlideEngine:
         return out
 
     def load_state(self, masters: dict[str, torch.Tensor], optim: dict[str, torch.Tensor], step: int) -> None:
+        """Data parallel: a collective over the host (every rank loads; each owner writes its units
+        into the shared state, the others wait for it)."""
         self.synchronize()
+        if self.dp is not None:
+            self.dp.host_barrier()      # no rank still reads the old state
         for unit in self.units:
+            if not unit.owned:
+                unit.set_version(step)
+                continue
             for name, view in unit.params().items():
                 view.copy_(masters[name])
             unit.load_state_tensors({k: optim[f"{unit.spec.name}.{k}"] for k in ("exp_avg", "exp_avg_sq", "step")})
@@ -904,6 +980,8 @@ class SlideEngine:
         self.step_index = step
         for slot in self.layer_slots + list(self.own_slots.values()):
             slot.content = None
+        if self.dp is not None:
+            self.dp.host_barrier()      # every owner has written its units
 
     def memory_report(self) -> dict[str, int]:
         slots = (self.layer_slots + self.grad_slots + list(self.own_slots.values()) + list(self.vocab_grad_slots.values())
@@ -912,7 +990,9 @@ class SlideEngine:
         pinned = (sum(b.numel() * b.element_size() for b in self.uploader.ring + self.drainer.ring)
                   + self.acts.pinned_bytes() + (self.disk.pinned_bytes() if self.disk is not None else 0))
         device_state = sum(12 * u.spec.numel for u in self.units if u.on_device)   # vocab_update=device, device_layers
-        out = {"gpu_buffers": gpu_buffers, "pinned": pinned, "host_state": self.store.state_bytes(),
+        # the shared host state is counted once per host, by its local rank 0
+        shared = self.shared.nbytes if self.shared is not None and self.dp.local_rank == 0 else 0
+        out = {"gpu_buffers": gpu_buffers, "pinned": pinned, "host_state": self.store.state_bytes() + shared,
                "device_state": device_state}
         if self.disk is not None:
             out.update(disk_state=sum(8 * n for n in self.disk.units.values()), disk_read=self.disk.bytes_read,
@@ -945,6 +1025,8 @@ class SlideEngine:
             self.upload_worker.close()
             self.host_worker.close()
             self.d2h_worker.close()
+            if self.follower is not None:
+                self.follower.close()
             sys.setswitchinterval(self._switch_interval)
             self.acts.close()
             if self.disk is not None:
@@ -959,6 +1041,20 @@ class SlideEngine:
                     if unit.on_host:
                         self.device.unregister_host(unit.master)
                 self.gpu_cast = False
+
+
+def _check_data_parallel(plan: PlacementPlan, rt: RuntimeConfig) -> None:
+    """What data parallel does not make exact yet is refused, naming it (docs/data_parallel.md)."""
+    unsupported = []
+    if plan.vocab_on_device:
+        unsupported.append("--tuning.vocab_update device (the vocabulary units updated on the GPU)")
+    if plan.device_layers:
+        unsupported.append("--tuning.device_layers > 0 (layers updated on the GPU)")
+    if plan.indices("disk"):
+        unsupported.append("--tuning.disk_units > 0 (the disk tier)")
+    if unsupported:
+        raise ValueError("data parallel over several ranks does not support yet: " + "; ".join(unsupported)
+                         + ". Run it on one rank, or without these settings")
 
 
 def _chain(src: Future, dst: Future) -> None:

@@ -18,6 +18,7 @@ import torch
 from ...models.load import WeightSource
 from ...models.units import SplitModel, UnitSpec
 from ..adamw import AdamWConfig, FlatAdamW
+from ..distributed import SharedHostState, SharedUnit
 from .disk_tier import DiskTier, StreamedTensor
 
 # Units materialized at once (threads); each unit kept on the device holds a host buffer of
@@ -28,27 +29,35 @@ BUILD_WORKERS = max(1, min(8, os.cpu_count() or 1))
 class HostUnit:
     def __init__(self, spec: UnitSpec, source: WeightSource, optim: AdamWConfig,
                  held_dtype: torch.dtype | None = None, kernel: str = "dynamic",
-                 device: torch.device | None = None, disk: DiskTier | None = None):
+                 device: torch.device | None = None, disk: DiskTier | None = None,
+                 shared: SharedUnit | None = None, owned: bool = True):
         """held_dtype: the deferred schedule's held gradient [numel] in this dtype (host units only;
         a unit on the device holds its gradient there, in the engine).
         device: keep this unit's master and AdamW state there from the start (vocab_update=device,
         device_layers): the weights pass through a transient host buffer (4 B/param) on the way,
         and the moments are never allocated in host RAM.
-        disk: the disk tier holding this unit's moments (placement "disk"); the master stays here."""
+        disk: the disk tier holding this unit's moments (placement "disk"); the master stays here.
+        shared: data parallel: the unit's views of the host state its ranks share (master, moments,
+        step, versions); `owned`: this rank fills and updates it (and holds its gradient), else it
+        follows the owner's weights version (follow())."""
         self.spec = spec
-        master = torch.empty(spec.numel, dtype=torch.float32)          # [numel] fp32
-        source.fill(spec, master)
+        self.shared = shared
+        self.owned = owned
+        master = torch.empty(spec.numel, dtype=torch.float32) if shared is None else shared.master   # [numel] fp32
+        if owned:
+            source.fill(spec, master)
         self.on_device = device is not None       # True: the compute stream updates it, on the device
         self.master = master.to(device) if self.on_device else master  # the host buffer goes with `master`
         del master
         self.disk = disk
-        self.opt = FlatAdamW(self.master, spec.n_decay, optim, kernel, moments_here=disk is None)
+        self.opt = FlatAdamW(self.master, spec.n_decay, optim, kernel, moments_here=disk is None,
+                             state=(shared.exp_avg, shared.exp_avg_sq, shared.step) if shared is not None else None)
         self._open_block: int | None = None          # disk: the block this update holds
         self._open_moments: tuple[torch.Tensor, torch.Tensor] | None = None
         # [numel] the step's gradient as the GPU computed it (compute dtype), written by one D2H
         # copy and read by the clipped update sweep (deferred schedule)
         self.held = (torch.empty(spec.numel, dtype=held_dtype)
-                     if held_dtype is not None and not self.on_device else None)
+                     if held_dtype is not None and not self.on_device and owned else None)
         self.version = 0              # updates applied in full
         self.progress = 0             # elements of the update in progress already written
         self.started = 0              # updates begun (version, or version + 1 while one runs)
@@ -139,7 +148,27 @@ class HostUnit:
         with self._cond:
             self.version += 1
             self.progress = 0
+            if self.shared is not None and self.owned:
+                self.shared.weights_version.fill_(self.version)    # the host's other ranks may upload it
             self._cond.notify_all()
+
+    def publish_state(self) -> None:
+        """Data parallel, owner: the update's moments are written too (a checkpoint may read them)."""
+        if self.shared is not None and self.owned:
+            self.shared.state_version.fill_(self.version)
+
+    def follow(self, v: int, abort: threading.Event | None = None) -> None:
+        """Data parallel, another rank's unit: wait until its owner has written update `v`'s weights
+        into the shared master, then count the update here, which releases the uploads waiting on it
+        (when_update_starts, wait_version) as an update of this rank's own would."""
+        self.shared.wait(self.shared.weights_version, v, abort, f"unit {self.spec.name}")
+        self.begin_update()
+        self.bump_version()
+
+    def wait_state(self, v: int, abort: threading.Event | None = None) -> None:
+        """Data parallel: block until the owner has written update `v`'s moments."""
+        if self.shared is not None:
+            self.shared.wait(self.shared.state_version, v, abort, f"unit {self.spec.name}'s moments")
 
     def set_version(self, v: int) -> None:
         with self._cond:
@@ -148,6 +177,9 @@ class HostUnit:
             self.progress = 0
             # loading a checkpoint abandons uploads registered for updates that will not run
             self._on_start = {k: cbs for k, cbs in self._on_start.items() if k > v}
+            if self.shared is not None and self.owned:
+                self.shared.weights_version.fill_(v)
+                self.shared.state_version.fill_(v)
             self._cond.notify_all()
 
     def wait_version(self, v: int, abort: threading.Event | None = None, poll_s: float = 0.5,
@@ -173,11 +205,14 @@ class HostStore:
     def __init__(self, split: SplitModel, source: WeightSource, optim: AdamWConfig,
                  held_dtype: torch.dtype | None = None, kernel: str = "dynamic",
                  device_units: frozenset[int] = frozenset(), device: torch.device | None = None,
-                 disk: DiskTier | None = None):
+                 disk: DiskTier | None = None, shared: SharedHostState | None = None,
+                 owned: frozenset[int] | None = None):
         """held_dtype: the deferred schedule's held gradients' dtype (None: eager, none held).
         kernel: the host AdamW kernel of every unit (FlatAdamW's; RuntimeConfig.host_adamw).
         device_units: indices of the units whose state lives on `device` (HostUnit's device).
-        disk: the disk tier; the units it holds (disk.units) keep their moments there."""
+        disk: the disk tier; the units it holds (disk.units) keep their moments there.
+        shared: data parallel: the host state this host's ranks share, in place of this store's own
+        allocations; `owned`: the indices of the units this rank fills and updates (None: all)."""
         # Each unit is materialized straight from the source into its own master (no second
         # copy), several units at once: torch's normal_ with a generator runs on one core
         # (~150 M values/s), so a random 8B model took ~55 s unit by unit. Every unit seeds
@@ -188,14 +223,20 @@ class HostStore:
             self.units = list(pool.map(
                 lambda i: HostUnit(split.units[i], source, optim, held_dtype, kernel,
                                    device=device if i in device_units else None,
-                                   disk=disk if disk is not None and i in disk.units else None),
+                                   disk=disk if disk is not None and i in disk.units else None,
+                                   shared=shared.units[i] if shared is not None else None,
+                                   owned=owned is None or i in owned),
                 range(len(split.units))))
+        self.shared = shared
 
     def num_params(self) -> int:
         return sum(u.spec.numel for u in self.units)
 
     def state_bytes(self) -> int:
-        """Host bytes of masters, moments and held gradients (units kept on the device excluded)."""
-        return sum((4 if u.disk is not None else 12) * u.spec.numel
-                   + (u.held.numel() * u.held.element_size() if u.held is not None else 0)
-                   for u in self.units if u.on_host)
+        """Host bytes of masters, moments and held gradients (units kept on the device excluded);
+        with a shared host state, only the held gradients this rank allocated (the shared mapping
+        is counted once per host, by the engine of its local rank 0)."""
+        held = sum(u.held.numel() * u.held.element_size() for u in self.units if u.held is not None)
+        if self.shared is not None:
+            return held
+        return held + sum((4 if u.disk is not None else 12) * u.spec.numel for u in self.units if u.on_host)

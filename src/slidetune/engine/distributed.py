@@ -1,0 +1,221 @@
+"""Data parallel over torch.distributed: the process groups, the units' owners and the host state
+every rank of a host shares (docs/data_parallel.md).
+
+Ranks come from torchrun's environment (env://: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT). Torchrun numbers ranks host by host, so the ranks of host h are
+h * local_world_size .. (h + 1) * local_world_size - 1.
+
+The state of every unit (FP32 master, AdamW moments and step: 12 B/param + 4 B) lives once per host
+in one file in /dev/shm, mapped by each of the host's ranks; each unit is updated by one of them
+(its owner, `shard_units`), and every host updates its own copy with the same all-reduced gradients.
+Two int64 counters per unit tell the other ranks how far the owner is: the weights version (the
+new weights are written: they may be uploaded) and the state version (the moments too: a
+checkpoint may read them).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("gloo", "nccl")
+SHM_DIR = "/dev/shm"
+_ALIGN = 64                 # bytes: every tensor of the shared file starts on a cache line
+_POLL_S = 0.0005            # how often a rank re-reads another rank's counter while waiting
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    """Where this process sits among the ranks (torchrun's variables)."""
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    local_world_size: int = 1     # ranks on this host; they share one copy of the host state
+    backend: str = "gloo"         # gloo: CPU tensors (the tests); nccl: CUDA tensors (the GPU machine)
+    timeout_s: float = 600.0      # a collective waiting this long fails instead of hanging
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, not {self.backend!r}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside a world of {self.world_size}")
+        if self.local_world_size < 1 or self.world_size % self.local_world_size:
+            raise ValueError(f"{self.world_size} ranks do not split into hosts of {self.local_world_size}")
+        if self.local_rank != self.rank % self.local_world_size:
+            raise ValueError(f"local rank {self.local_rank} is not rank {self.rank} mod {self.local_world_size} "
+                             f"(torchrun numbers ranks host by host)")
+
+    @classmethod
+    def from_env(cls, backend: str | None = None, timeout_s: float = 600.0) -> DistConfig:
+        """From torchrun's variables; a process started without them is one rank of one."""
+        env = os.environ
+        world = int(env.get("WORLD_SIZE", "1"))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", str(world)))
+        default = "nccl" if torch.cuda.is_available() else "gloo"
+        return cls(world_size=world, rank=int(env.get("RANK", "0")), local_rank=int(env.get("LOCAL_RANK", "0")),
+                   local_world_size=local_world, backend=backend or default, timeout_s=timeout_s)
+
+    @property
+    def host(self) -> int:
+        return self.rank // self.local_world_size
+
+    @property
+    def num_hosts(self) -> int:
+        return self.world_size // self.local_world_size
+
+
+def shard_units(numels: list[int], parts: int) -> list[int]:
+    """The owner (0 .. parts-1) of each unit, balanced by parameter count: units largest first,
+    each to the least-loaded part (ties: the lower part, then the lower unit index), so every rank
+    computes the same answer. Greedy is within 4/3 of the best balance; with L equal layers and two
+    vocabulary matrices it is near even."""
+    load = [0] * parts
+    owner = [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        p = min(range(parts), key=lambda p: (load[p], p))
+        owner[i] = p
+        load[p] += numels[i]
+    return owner
+
+
+@dataclass
+class SharedUnit:
+    """One unit's views of the host's shared state."""
+    master: torch.Tensor            # [numel] fp32
+    exp_avg: torch.Tensor           # [numel] fp32
+    exp_avg_sq: torch.Tensor        # [numel] fp32
+    step: torch.Tensor              # [] fp32, AdamW's step count (what FlatAdamW keeps)
+    weights_version: torch.Tensor   # [] int64: updates whose new weights are written
+    state_version: torch.Tensor     # [] int64: updates whose moments are written too
+
+    def wait(self, counter: torch.Tensor, v: int, abort: threading.Event | None, what: str) -> None:
+        """Block until `counter` (one of the two versions) reaches `v`, polling shared memory."""
+        while int(counter) < v:
+            if abort is not None and abort.is_set():
+                raise RuntimeError(f"{what}: version {v} will not arrive (another pipeline thread failed)")
+            time.sleep(_POLL_S)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class SharedHostState:
+    """Every unit's master, moments, step and versions in one mapping of a /dev/shm file.
+
+    Layout, unit after unit: master, exp_avg, exp_avg_sq ([numel] fp32 each), step ([1] fp32),
+    each 64-byte aligned; then the versions, [units, 2] int64. A new file reads as zeros: moments,
+    steps and versions start at 0 as AdamW's do."""
+
+    def __init__(self, numels: list[int], path: str, create: bool):
+        self.numels = list(numels)
+        self.path = path
+        offsets, at = [], 0
+        for n in self.numels:
+            unit = []
+            for size in (4 * n, 4 * n, 4 * n, 4):
+                unit.append(at)
+                at += _aligned(size)
+            offsets.append(unit)
+        versions_at = at
+        self.nbytes = at + _aligned(16 * len(self.numels))
+        if create:
+            with open(path, "wb") as f:
+                f.truncate(self.nbytes)                    # sparse zeros; pages appear as written
+        self.buffer = torch.from_file(path, shared=True, size=self.nbytes, dtype=torch.uint8)   # [nbytes]
+        versions = self.buffer[versions_at:versions_at + 16 * len(self.numels)].view(torch.int64).view(-1, 2)
+        self.units = []
+        for n, (m, a, s, st) in zip(self.numels, offsets):
+            f32 = lambda lo, k: self.buffer[lo:lo + 4 * k].view(torch.float32)  # noqa: E731
+            i = len(self.units)
+            self.units.append(SharedUnit(master=f32(m, n), exp_avg=f32(a, n), exp_avg_sq=f32(s, n),
+                                         step=f32(st, 1).view(()), weights_version=versions[i, 0],
+                                         state_version=versions[i, 1]))
+
+    def unlink(self) -> None:
+        """Remove the file's name; the memory stays until the last rank unmaps it (its exit)."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class DataParallel:
+    """This rank's process groups and its view of the host's shared state.
+
+    The default group carries the gradients (NCCL on GPUs, gloo on CPUs); a gloo group per host,
+    and a gloo copy of the world for NCCL runs, carry the CPU-side agreements (scalars, the shared
+    file's name, barriers)."""
+
+    def __init__(self, cfg: DistConfig):
+        self.cfg = cfg
+        if not dist.is_initialized():
+            dist.init_process_group(cfg.backend, init_method="env://", rank=cfg.rank, world_size=cfg.world_size,
+                                    timeout=timedelta(seconds=cfg.timeout_s))
+        self.world_cpu = dist.new_group(backend="gloo") if cfg.backend != "gloo" else None
+        self.host_group = None            # None: the world (one host)
+        if cfg.num_hosts > 1:
+            for h in range(cfg.num_hosts):       # every rank creates every group, in the same order
+                ranks = list(range(h * cfg.local_world_size, (h + 1) * cfg.local_world_size))
+                group = dist.new_group(ranks=ranks, backend="gloo")
+                if h == cfg.host:
+                    self.host_group = group
+        elif self.world_cpu is not None:
+            self.host_group = self.world_cpu
+
+    @property
+    def world_size(self) -> int:
+        return self.cfg.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.cfg.local_rank
+
+    def owners(self, numels: list[int]) -> list[int]:
+        """The local rank that owns (updates) each unit on this host."""
+        return shard_units(numels, self.cfg.local_world_size)
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` over every rank in place (a gradient slot: on the compute stream with NCCL)."""
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def sum_scalars(self, values: list[float]) -> list[float]:
+        """Sum a few host scalars over every rank (FP64: token counts are exact)."""
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.world_cpu)
+        return t.tolist()
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.world_cpu)
+
+    def host_barrier(self) -> None:
+        dist.barrier(group=self.host_group)
+
+    def share_host_state(self, numels: list[int]) -> SharedHostState:
+        """Collective over the host: local rank 0 creates the file, every local rank maps it, and
+        the name is removed once all have (the memory then goes with the last rank's exit; only a
+        crash in the seconds before that leaves a /dev/shm/slidetune-* file behind)."""
+        state = None
+        if self.cfg.local_rank == 0:
+            state = SharedHostState(numels, f"{SHM_DIR}/slidetune-{os.getpid()}-{uuid.uuid4().hex[:12]}",
+                                    create=True)
+        name = [state.path if state is not None else None]
+        dist.broadcast_object_list(name, src=self.cfg.host * self.cfg.local_world_size, group=self.host_group)
+        if state is None:
+            state = SharedHostState(numels, name[0], create=False)
+        self.host_barrier()               # every local rank has mapped it
+        if self.cfg.local_rank == 0:
+            state.unlink()
+        return state
+
+
+def close_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,320 @@
+"""Data-parallel slide (engine/distributed.py, docs/data_parallel.md) on CPU: 2 gloo ranks.
+
+Two ranks at batch b follow one rank at batch 2b (fp32, relative 1e-5: only the order of the
+gradient sums differs), with clipping that clips and with accumulation; the host state is one
+shared mapping, counted once; a checkpoint written at 2 ranks resumes at 1 and one written at 1
+resumes at 2. The ranks are spawned once for the whole module (a process start with torch and
+transformers costs seconds here); each test reads its part of what they recorded.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from slidetune.checkpoint import load_checkpoint, save_checkpoint
+from slidetune.data import Batch
+from slidetune.engine import AdamWConfig, RuntimeConfig, build_engine
+from slidetune.engine.distributed import DataParallel, DistConfig, close_process_group, shard_units
+from slidetune.engine.placement import PlacementPlan, unit_shapes
+from slidetune.engine.slide.engine import _check_data_parallel
+from test_equivalence import FAMILIES, LR, make_batches, make_loaded
+
+WORLD = 2
+STEPS = 3
+CKPT_STEP = 2          # the checkpoint is written after this many steps
+CLIP = 0.05            # below every step's gradient norm here: the clipped path runs (asserted)
+# name -> (model family, schedule, accumulation, max_grad_norm, extra runtime options)
+RUNS = {
+    # the recipe: clipping (deferred sweep) with accumulation; a resident layer and a 2-slot window
+    "deferred-accum2-clip": ("llama", "deferred", 2, CLIP, {"cache_units": 2, "resident_layers": 1}),
+    # eager updates as each unit's gradient lands, tied embedding (the head's share reduced with
+    # it), checkpoints offloaded (per rank: nothing shared)
+    "eager-tied-offload": ("qwen3-tied-qknorm", "eager", 1, None, {"offload_activations": True, "cache_units": 2}),
+}
+RESUMED = "deferred-accum2-clip"
+
+
+def runtime(schedule: str, extra: dict) -> RuntimeConfig:
+    return RuntimeConfig(mode="slide", dtype="fp32", device="cpu", schedule=schedule, head_chunk_tokens=16,
+                         chunk_mb=1, **{"offload_activations": False, **extra})
+
+
+def engine_for(run: str, dist=None):
+    fam, schedule, accum, clip, extra = RUNS[run]
+    return build_engine(make_loaded(**FAMILIES[fam]), runtime(schedule, extra),
+                        AdamWConfig(lr=LR, weight_decay=0.1, eps=1e-6), grad_accum=accum, max_grad_norm=clip,
+                        dist=dist)
+
+
+def step_batches(run: str, step: int, rank: int = 0, world: int = 1) -> list[Batch]:
+    """The step's micro-batches of the whole batch (2 rows per rank), rows [2 rank, 2 rank + 2)
+    of each for `rank`. Row 0 has a masked prompt: the ranks' token counts differ."""
+    accum = RUNS[run][2]
+    mbs = make_batches(step, accum, batch=2 * WORLD)
+    rows = slice(rank * 2 * WORLD // world, (rank + 1) * 2 * WORLD // world)
+    return [Batch(mb.input_ids[rows], mb.labels[rows], None) for mb in mbs]
+
+
+def train(engine, run: str, steps: range, rank: int = 0, world: int = 1) -> tuple[list[float], list[float]]:
+    losses, norms = [], []
+    for step in steps:
+        res = engine.train_step(step_batches(run, step, rank, world), LR * (0.5 + step))
+        losses.append(res.loss)
+        norms.append(res.grad_norm())
+    engine.synchronize()
+    return losses, norms
+
+
+def masters(engine) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for name, t in engine.named_master_params()}
+
+
+def optimizer_state(engine) -> dict[str, torch.Tensor]:
+    return {k: t.clone() for k, t in engine.optimizer_tensors().items()}
+
+
+# ---------------------------------------------------------------------------- the ranks
+def _rank_main(rank: int, port: int, out: str, ckpt_1rank: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    dp = DataParallel(DistConfig.from_env(backend="gloo", timeout_s=300))
+    record: dict = {}
+    try:
+        for run in RUNS:
+            engine = engine_for(run, dp)
+            try:
+                if run == RESUMED:
+                    losses, norms = train(engine, run, range(CKPT_STEP), rank, WORLD)
+                    if rank == 0:                  # written once, from the shared state
+                        save_checkpoint(engine, os.path.join(out, "ckpt-2ranks"), step=CKPT_STEP)
+                    dp.barrier()
+                    more = train(engine, run, range(CKPT_STEP, STEPS), rank, WORLD)
+                    losses, norms = losses + more[0], norms + more[1]
+                else:
+                    losses, norms = train(engine, run, range(STEPS), rank, WORLD)
+                record[run] = {"losses": losses, "norms": norms, "masters": masters(engine),
+                               "optimizer": optimizer_state(engine)}
+                if run == RESUMED:
+                    record["sharing"] = _sharing_probe(engine, dp, rank)
+            finally:
+                engine.close()
+        # a checkpoint written by one rank, resumed at two
+        engine = engine_for(RESUMED, dp)
+        try:
+            load_checkpoint(engine, ckpt_1rank)
+            loaded = masters(engine)
+            losses, norms = train(engine, RESUMED, range(CKPT_STEP, STEPS), rank, WORLD)
+            record["resumed-from-1rank"] = {"loaded": loaded, "losses": losses, "norms": norms,
+                                            "masters": masters(engine)}
+        finally:
+            engine.close()
+        torch.save(record, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        close_process_group()
+
+
+def _host_main(rank: int, port: int, out: str) -> None:
+    """One rank per emulated host (LOCAL_WORLD_SIZE=1): each has a state copy of its own and
+    updates every unit; only the gradient reduction crosses the "hosts"."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    torch.set_num_threads(1)
+    dp = DataParallel(DistConfig.from_env(backend="gloo", timeout_s=300))
+    try:
+        engine = engine_for(RESUMED, dp)
+        try:
+            losses, norms = train(engine, RESUMED, range(STEPS), rank, WORLD)
+            torch.save({"losses": losses, "norms": norms, "masters": masters(engine),
+                        "owned": all(u.owned for u in engine.units), "shared_bytes": engine.shared.nbytes},
+                       os.path.join(out, f"host{rank}.pt"))
+        finally:
+            engine.close()
+    finally:
+        close_process_group()
+
+
+def _sharing_probe(engine, dp: DataParallel, rank: int) -> dict:
+    """What shows the host state is one mapping: each rank's units are views of one storage of the
+    shared state's size, and a value one rank writes into a unit it does not own is what the owner
+    reads. Runs after the run's masters were recorded (the write spoils them)."""
+    storages = {u.master.untyped_storage().data_ptr() for u in engine.units}
+    storage_bytes = engine.units[0].master.untyped_storage().nbytes()
+    foreign = next(i for i, u in enumerate(engine.units) if not u.owned)
+    mine = next(i for i, u in enumerate(engine.units) if u.owned)
+    dp.barrier()
+    sentinel = 1234.5 + rank
+    engine.units[foreign].master[0] = sentinel      # into the other rank's unit
+    dp.barrier()
+    seen = float(engine.units[mine].master[0])      # what the other rank wrote into mine
+    dp.barrier()
+    return {"storages": len(storages), "storage_bytes": storage_bytes, "shared_bytes": engine.shared.nbytes,
+            "seen": seen, "other_sentinel": 1234.5 + (1 - rank),
+            "host_state": engine.memory_report()["host_state"],
+            "owned_params": sum(u.spec.numel for u in engine.units if u.owned)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------- one rank, then two
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dp")
+    torch.manual_seed(0)
+    one: dict = {}
+    for run in RUNS:
+        engine = engine_for(run)
+        try:
+            if run == RESUMED:
+                # the run is checkpointed and resumed at one rank too (exact: test_checkpoint.py)
+                losses, norms = train(engine, run, range(CKPT_STEP))
+                save_checkpoint(engine, tmp / "ckpt-1rank", step=CKPT_STEP)
+                engine.close()
+                engine = engine_for(run)
+                load_checkpoint(engine, tmp / "ckpt-1rank")
+                one["host_state"] = engine.memory_report()["host_state"]
+                one["params"] = sum(u.spec.numel for u in engine.units)
+                one["units"] = len(engine.units)
+                more = train(engine, run, range(CKPT_STEP, STEPS))
+                losses, norms = losses + more[0], norms + more[1]
+            else:
+                losses, norms = train(engine, run, range(STEPS))
+            one[run] = {"losses": losses, "norms": norms, "masters": masters(engine),
+                        "optimizer": optimizer_state(engine)}
+        finally:
+            engine.close()
+    mp.spawn(_rank_main, args=(_free_port(), str(tmp), str(tmp / "ckpt-1rank")), nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return {"one": one, "ranks": ranks, "tmp": tmp}
+
+
+def _close(a: float, b: float, rel: float = 1e-5) -> bool:
+    return abs(a - b) <= rel * abs(b)
+
+
+def _worst_rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, str]:
+    assert got.keys() == want.keys()
+    return max((float((got[k] - want[k]).norm() / want[k].norm().clamp_min(1e-30)), k) for k in want)
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+def test_two_ranks_follow_one_rank_at_twice_the_batch(results, run):
+    want = results["one"][run]
+    for rank, rec in enumerate(results["ranks"]):
+        got = rec[run]
+        for step in range(STEPS):
+            assert _close(got["losses"][step], want["losses"][step]), (rank, step, got["losses"], want["losses"])
+            assert _close(got["norms"][step], want["norms"][step]), (rank, step, got["norms"], want["norms"])
+        worst, where = _worst_rel(got["masters"], want["masters"])
+        assert worst < 1e-5, f"rank {rank} {where}: relative difference {worst:.2e}"
+        worst, where = _worst_rel(got["optimizer"], want["optimizer"])
+        assert worst < 1e-5, f"rank {rank} optimizer {where}: relative difference {worst:.2e}"
+    if RUNS[run][3] is not None:
+        assert min(want["norms"]) > RUNS[run][3], "the clip threshold must clip every step"
+    # the weights moved: a no-op engine on both sides would pass the comparisons above
+    start = masters(engine_for(run))
+    assert _worst_rel(want["masters"], start)[0] > 1e-3
+
+
+def test_ranks_share_one_host_state(results):
+    probes = [rec["sharing"] for rec in results["ranks"]]
+    one = results["one"]
+    for rank, p in enumerate(probes):
+        assert p["storages"] == 1, "every unit's master must be a view of the one shared mapping"
+        assert p["storage_bytes"] == p["shared_bytes"]
+        assert p["seen"] == p["other_sentinel"], "a write by the other rank must be visible"
+        assert p["owned_params"] > 0, f"rank {rank} owns no unit"
+    # counted once: the ranks' host state together is the one-rank run's, plus the shared file's
+    # alignment, steps and version counters (at most 64 B per tensor and 16 B per unit)
+    total = sum(p["host_state"] for p in probes)
+    assert one["host_state"] <= total <= one["host_state"] + one["units"] * (4 * 64 + 16) + 64
+    # every unit has one owner
+    assert sum(p["owned_params"] for p in probes) == one["params"]
+
+
+def test_checkpoint_written_at_two_ranks_resumes_at_one(results):
+    tmp = results["tmp"]
+    two = results["ranks"][0][RESUMED]
+    engine = engine_for(RESUMED)
+    try:
+        load_checkpoint(engine, tmp / "ckpt-2ranks")
+        losses, _ = train(engine, RESUMED, range(CKPT_STEP, STEPS))
+        final = masters(engine)
+    finally:
+        engine.close()
+    assert _close(losses[0], two["losses"][CKPT_STEP])
+    worst, where = _worst_rel(final, two["masters"])
+    assert worst < 1e-5, f"{where}: relative difference {worst:.2e}"
+    worst, where = _worst_rel(final, results["one"][RESUMED]["masters"])
+    assert worst < 1e-5, f"{where}: relative difference {worst:.2e}"
+
+
+def test_checkpoint_written_at_one_rank_resumes_at_two(results):
+    one = results["one"][RESUMED]
+    ckpt_engine = engine_for(RESUMED)
+    try:
+        load_checkpoint(ckpt_engine, results["tmp"] / "ckpt-1rank")
+        saved = masters(ckpt_engine)
+    finally:
+        ckpt_engine.close()
+    for rank, rec in enumerate(results["ranks"]):
+        got = rec["resumed-from-1rank"]
+        for name, t in saved.items():                  # loaded bit for bit
+            assert torch.equal(got["loaded"][name], t), (rank, name)
+        assert _close(got["losses"][0], one["losses"][CKPT_STEP])
+        worst, where = _worst_rel(got["masters"], one["masters"])
+        assert worst < 1e-5, f"rank {rank} {where}: relative difference {worst:.2e}"
+
+
+def test_two_hosts_each_with_its_own_state_copy(results):
+    """Issue 21's across-hosts case, emulated by two processes that each are a host of one rank."""
+    tmp = results["tmp"]
+    mp.spawn(_host_main, args=(_free_port(), str(tmp)), nprocs=WORLD, join=True)
+    want = results["one"][RESUMED]
+    for rank in range(WORLD):
+        got = torch.load(tmp / f"host{rank}.pt", weights_only=False)
+        assert got["owned"], "a host of one rank updates every unit of its own copy"
+        for step in range(STEPS):
+            assert _close(got["losses"][step], want["losses"][step]), (rank, step)
+            assert _close(got["norms"][step], want["norms"][step]), (rank, step)
+        worst, where = _worst_rel(got["masters"], want["masters"])
+        assert worst < 1e-5, f"host {rank} {where}: relative difference {worst:.2e}"
+
+
+# ---------------------------------------------------------------------------- without processes
+def test_shards_balance_parameters():
+    # an embedding and a head of 5 layers each, 8 layers of 1: 9 and 9
+    owners = shard_units([5] + [1] * 8 + [5], 2)
+    loads = [sum(n for n, o in zip([5] + [1] * 8 + [5], owners) if o == r) for r in range(2)]
+    assert loads == [9, 9]
+    assert owners[0] != owners[-1]
+    assert shard_units([3, 3, 3], 1) == [0, 0, 0]
+
+
+@pytest.mark.parametrize("extra, named", [
+    ({"device_layers": 1}, "device_layers"),
+    ({"vocab_update": "device"}, "vocab_update"),
+    ({"disk_units": 1, "disk_dir": "/tmp"}, "disk tier"),
+])
+def test_unsupported_combinations_are_refused(extra, named):
+    rt = RuntimeConfig(mode="slide", dtype="fp32", device="cpu", **{"offload_activations": False, **extra})
+    plan = PlacementPlan.build(unit_shapes(make_loaded("llama", tied=False).split), rt)
+    with pytest.raises(ValueError, match=named):
+        _check_data_parallel(plan, rt)
+
+
+def test_dist_config_from_torchrun_env(monkeypatch):
+    for k, v in dict(WORLD_SIZE="4", RANK="3", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2").items():
+        monkeypatch.setenv(k, v)
+    cfg = DistConfig.from_env(backend="gloo")
+    assert (cfg.world_size, cfg.rank, cfg.local_rank, cfg.host, cfg.num_hosts) == (4, 3, 1, 1, 2)
+    with pytest.raises(ValueError, match="mod"):
+        DistConfig(world_size=4, rank=3, local_rank=0, local_world_size=2)
