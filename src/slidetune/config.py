@@ -59,6 +59,7 @@ class TrainConfig:
     stop_after: int | None = None        # stop after this many steps in this invocation, leaving a resumable checkpoint
     log_every: int = 1                   # write metrics.csv every N steps
     check_memory: bool = True            # refuse before allocating when the estimate does not fit
+    gpu_memory_limit: float | None = None  # GiB of GPU memory this run may use (a budget below the card's; None: all of it)
     progress: bool = True                # tqdm progress bar
 
     def resolved_max_steps(self, on_gpu: bool) -> int:
@@ -89,6 +90,8 @@ class TrainConfig:
             raise ValueError(f"lr_schedule must be cosine, linear or constant, not {self.lr_schedule!r}")
         if self.save_dtype not in ("auto", "fp32", "bf16"):
             raise ValueError("save_dtype must be auto, fp32 or bf16")
+        if self.gpu_memory_limit is not None and self.gpu_memory_limit <= 0:
+            raise ValueError(f"gpu_memory_limit must be > 0 GiB (or None: the whole GPU), not {self.gpu_memory_limit}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             self.max_grad_norm = None
 
