@@ -381,34 +381,38 @@ class Trainer:
         # updates overlap the next forward instead of stalling the loop; a step that must be
         # complete at once (eval, save, stop, the last one) is checked right away.
         self.pending: _IssuedStep | None = None
+        self.where = "start-up"          # the phase running now: what a GPU out-of-memory names
 
     # ------------------------------------------------------------------ the driver
     def run(self) -> TrainSummary:
         """Resume (if asked), evaluate, train to the end or a stop, export, write the summary."""
         self.resume()
-        self.evaluate_before()
-        self.device.reset_peak()
-        self.open_progress()
         try:
-            for step in range(self.start_step, self.total_steps):
-                if not self.advance(step):
-                    break
-        except KeyboardInterrupt:
-            self.abort()
-            raise
+            self.where = "the held-out evaluation before step 1"
+            self.evaluate_before()
+            self.device.reset_peak()
+            self.open_progress()
+            try:
+                for step in range(self.start_step, self.total_steps):
+                    if not self.advance(step):
+                        break
+            except KeyboardInterrupt:
+                self.abort()
+                raise
+            finally:
+                if self.bar is not None:
+                    self.bar.close()
+            if self.stop_message:
+                print(self.stop_message, file=sys.stderr if self.interrupted else sys.stdout)
+            if not (self.interrupted or self.stopped_early):
+                self.where = "the held-out evaluation after the last step"
+                self.evaluate_after()
+                self.export_final()
         except Exception as e:
             oom = _out_of_memory(e)
             if oom is None:
                 raise
-            self.fail_out_of_memory(step, oom, e)
-        finally:
-            if self.bar is not None:
-                self.bar.close()
-        if self.stop_message:
-            print(self.stop_message, file=sys.stderr if self.interrupted else sys.stdout)
-        if not (self.interrupted or self.stopped_early):
-            self.evaluate_after()
-            self.export_final()
+            self.fail_out_of_memory(oom, e)
         _flush(self.metrics_path, self.rows, self.out)
         return self.write_summary()
 
@@ -425,6 +429,7 @@ class Trainer:
         if stopping or evaluating or saving or done == self.total_steps:
             row = self.finish_step(issued)
             if evaluating:
+                self.where = f"the held-out evaluation after step {done}"
                 row["eval_loss"], row["eval_ppl"] = self.evaluate()
         else:
             self.pending = issued
@@ -462,6 +467,7 @@ class Trainer:
     # ------------------------------------------------------------------ steps
     def train_step(self, step: int) -> _IssuedStep:
         """One optimizer step: its micro-batches and learning rate to the engine (the norm may still run)."""
+        self.where = f"step {step + 1}"               # what a GPU out-of-memory interrupted
         maybe_fail("data", step + 1)                 # tests only (faults.py)
         mbs = [self.sampler.batch(step * self.cfg.grad_accum + j) for j in range(self.cfg.grad_accum)]
         lr = lr_at(self.cfg, step, self.total_steps)
@@ -515,9 +521,9 @@ class Trainer:
             f"and {last}; metrics up to step {step} are in {self.metrics_path}. "
             f"Hint: {'; '.join(hints)}")
 
-    def fail_out_of_memory(self, step: int, oom: BaseException, error: BaseException) -> NoReturn:
-        """Stop the run at a GPU out-of-memory during step `step` (0-based): metrics so far to disk,
-        then a TrainingError naming the OOM, the step, the memory budget and what makes the step fit."""
+    def fail_out_of_memory(self, oom: BaseException, error: BaseException) -> NoReturn:
+        """Stop the run at a GPU out-of-memory (in `self.where`: a step or an evaluation): metrics so far
+        to disk, then a TrainingError naming the OOM, the step, the memory budget and what makes it fit."""
         cfg = self.cfg
         _flush(self.metrics_path, self.rows, self.out)
         newest = latest_checkpoint(self.ckpt_dir)
@@ -539,7 +545,7 @@ class Trainer:
         where = "" if isinstance(error, torch.OutOfMemoryError) else f" ({str(error).split(':')[0]})"
         first_line = str(oom).strip().splitlines()[0] if str(oom).strip() else type(oom).__name__
         raise TrainingError(
-            f"GPU out of memory during step {step + 1}{where}: training stopped; {budget}; {last}; the finished steps' "
+            f"GPU out of memory during {self.where}{where}: training stopped; {budget}; {last}; the finished steps' "
             f"metrics are in {self.metrics_path}. Fix: {'; '.join(fixes)}. (torch: {first_line[:300]})"
         ) from error
 
