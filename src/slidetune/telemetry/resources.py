@@ -21,7 +21,7 @@ from ..device import Device, pinned_bytes
 SERIES = {
     "rss_bytes": "host resident memory",
     "pinned_bytes": "page-locked host memory the engine holds (device.PINNED)",
-    "pinned_cache_bytes": "CUDA caching host allocator, reserved (pin_memory() anywhere in the process)",
+    "pinned_cache_bytes": "CUDA caching host allocator: its blocks, in use or cached (pin_memory() anywhere)",
     "gpu_allocated_bytes": "GPU memory in tensors",
     "gpu_reserved_bytes": "GPU memory reserved by the caching allocator",
     "open_fds": "open file descriptors",
@@ -39,7 +39,7 @@ def sample_resources(device: Device, proc: psutil.Process | None = None) -> dict
     if device.is_cuda:
         out["gpu_allocated_bytes"] = torch.cuda.memory_allocated(device.device)
         out["gpu_reserved_bytes"] = torch.cuda.memory_reserved(device.device)
-        out["pinned_cache_bytes"] = int(torch.cuda.host_memory_stats().get("reserved_bytes.current", 0))
+        out["pinned_cache_bytes"] = int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
     return out
 
 
