@@ -59,6 +59,7 @@ def soak(spec: SoakSpec) -> dict:
     """Build the engine as `train` does, run spec.steps steps, sample each; the result as a dict."""
     rt = RuntimeConfig(**{"mode": "slide", **spec.runtime})
     device = Device.resolve(rt.device, waits=rt.cuda_waits)
+    rt = replace(rt, device=device.device.type)       # auto -> cuda | cpu, as train resolves it
     free = None
     if spec.gpu_memory_limit_gib:
         limit = device.limit_memory(spec.gpu_memory_limit_gib)
