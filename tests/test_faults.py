@@ -95,3 +95,9 @@ def test_the_fault_hook_refuses_an_unknown_kind(monkeypatch):
     monkeypatch.setenv(ENV, "gpu:3")
     with pytest.raises(ValueError, match="KIND one of upload, d2h, host, checkpoint, data, oom, nan"):
         maybe_fail("upload", 3)
+
+
+def test_a_gpu_memory_limit_of_zero_is_refused_naming_the_flag(tmp_path):
+    code, out, err = run_cli(*COMMON, "--gpu-memory-limit", "0", "--output-dir", str(tmp_path / "r"))
+    assert code == 2 and "gpu_memory_limit must be > 0 GiB" in err, err[-2000:]
+    assert not (tmp_path / "r").exists()
