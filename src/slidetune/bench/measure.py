@@ -109,9 +109,8 @@ class GCPauses:
 def measure(spec: MeasureSpec) -> dict:
     rt = RuntimeConfig(**spec.runtime)
     device = Device.resolve(rt.device, waits=rt.cuda_waits)
-    if spec.gpu_memory_limit_gib and device.is_cuda:
-        total = torch.cuda.get_device_properties(device.device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, spec.gpu_memory_limit_gib * 2**30 / total), device.device)
+    if spec.gpu_memory_limit_gib:
+        device.limit_memory(spec.gpu_memory_limit_gib)
     t0 = time.perf_counter()
     loaded = load_model(spec.model, num_layers=spec.num_layers, seed=spec.seed, with_tokenizer=False)
     if rt.mode == "slide":

@@ -14,6 +14,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..device import Device
+from ..faults import maybe_oom, maybe_poison
 from ..models.load import LoadedModel
 from ..telemetry.events import EventTimer
 from ..telemetry.host_timeline import HostTimeline
@@ -140,7 +141,8 @@ class PlainEngine:
             raise ValueError("the step's batches contain no target tokens (all labels are -100)")
         total = torch.zeros((), dtype=torch.float32, device=self.device.device)
         for m, mb in enumerate(micro_batches):
-            loss = self._loss(mb)
+            loss = maybe_poison(self._loss(mb), self.step_index + 1)     # tests only (faults.py)
+            maybe_oom(self.step_index + 1)
             self.memory.mark("head")
             bw_start = self.timer.mark("backward", -1)
             self._in_backward = True

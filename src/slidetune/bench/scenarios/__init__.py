@@ -28,6 +28,7 @@ SCENARIOS = {
     "throughput": "throughput",
     "roofline": "roofline",
     "pipeline": "pipeline",
+    "soak": "soak",
 }
 
 

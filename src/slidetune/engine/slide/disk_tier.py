@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from ...device import PINNED
 from ...telemetry.host_timeline import HostTimeline
 
 ALIGN = 4096                      # O_DIRECT: buffer address, size and offset aligned to this
@@ -123,10 +124,11 @@ def _aligned_empty(n_floats: int, pinned: bool) -> torch.Tensor:
         # CUDA's host allocations are page-aligned; padding would round a 64 MiB block up to 128
         raw = torch.empty(n_floats, dtype=torch.float32, pin_memory=True)
         if raw.data_ptr() % ALIGN == 0:
-            return raw
+            return PINNED.track(raw)
         del raw
     pad = ALIGN // 4
     raw = torch.empty(n_floats + pad, dtype=torch.float32, pin_memory=pinned)
+    PINNED.track(raw)          # counted on the CPU too, as Device.host_empty's buffers are
     skip = (-raw.data_ptr() % ALIGN) // 4
     return raw[skip:skip + n_floats]
 

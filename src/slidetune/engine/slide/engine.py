@@ -83,7 +83,7 @@ from .disk_tier import DiskTier
 from .host_store import HostStore, HostUnit
 from .transfer import GradDrain, Uploader, clip_coefficient
 from ...faults import ENV as FAULT_ENV
-from ...faults import maybe_fail
+from ...faults import maybe_fail, maybe_oom, maybe_poison
 from .watchdog import Watchdog
 from .workers import DeadlineWorker, Worker, WorkerError, done_future, wait_or_abort
 
@@ -636,7 +636,14 @@ class SlideEngine:
         # The summed loss is copied out right after the head, with its own event: reading it
         # waits for that head only. (A float() of a GPU scalar at the end would wait for the
         # whole backward queued behind it, spinning a core the host's AdamW needs; NOTES.md 14.)
-        host_loss, loss_ready = self._forward_backward(micro_batches, 1.0 / n_tokens, lr)
+        try:
+            host_loss, loss_ready = self._forward_backward(micro_batches, 1.0 / n_tokens, lr)
+        except BaseException as e:
+            # A failure of the compute thread itself (a CUDA OOM): the workers may be waiting for
+            # gradients that will never come, so mark the run failed; close() then skips the final
+            # synchronize and the workers' waits give up instead of hanging.
+            self._on_worker_error(e, "compute")
+            raise
         # The squared norm, complete once the last unit's is added: copied out on the compute
         # stream and read by the host worker, so neither the compute thread nor the worker's
         # queue waits for it early.
@@ -828,11 +835,13 @@ class SlideEngine:
         gs: list[torch.Tensor] = []       # the gradient reaching each micro-batch's last layer output, [B, S, d]
         acc = None
         loss_sum = None
+        maybe_oom(self.step_index + 1)        # tests only (faults.py): an OOM mid-step, past the forward
         for m in range(k):
             with torch.enable_grad(), self.timer.span("head", -1):
                 xh = xs[m].detach().requires_grad_(True)            # [B, S, d]
                 loss = split.head_loss(head_params, xh, labels[m], lm_weight=tied_w, impl=self.rt.head_impl,
                                        chunk_tokens=self.rt.head_chunk_tokens)
+                loss = maybe_poison(loss, self.step_index + 1)       # tests only (faults.py)
                 grads = torch.autograd.grad(loss * scale, [xh] + wrt, materialize_grads=True)
             gs.append(grads[0])
             acc = self._sum_grads(acc, grads[1:], k)

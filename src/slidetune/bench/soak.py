@@ -1,0 +1,111 @@
+"""One soak run in this process: a long slide-mode run sampling its resources every step.
+
+Run as `python -m slidetune.bench.soak SPEC.json OUT.json` (bench.baselines.proc.run_worker:
+one process per variant, so one variant's page-locked or GPU memory cannot show in
+another's series). The recipe is `slidetune train`'s default (TrainConfig: AdamW settings,
+global-norm clipping at 1.0, which makes the slide engine's update schedule the deferred
+one); the data are synthetic token ids, a fresh batch every step as the trainer's sampler
+builds one, so the loop allocates what a real run allocates. Each step is complete (its
+gradient norm read, i.e. every update of it applied) before the resources are sampled, so
+the step time is the interval between completed steps.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+import psutil
+import torch
+
+from ..config import TrainConfig
+from ..data import Batch
+from ..device import Device
+from ..engine import RuntimeConfig, build_engine
+from ..models.load import load_model
+from ..telemetry.machine import machine_info
+from ..telemetry.resources import sample_resources
+from .baselines.proc import worker_main
+
+_RECIPE = TrainConfig()      # the default recipe: its optimizer settings and clipping
+
+
+@dataclass
+class SoakSpec:
+    name: str = "slide"
+    model: str = "qwen3-8b"
+    num_layers: int | None = None
+    batch_size: int = 8
+    seq_len: int = 1024
+    steps: int = 250                 # every one is sampled; the first `warmup` are not fitted
+    warmup: int = 20
+    runtime: dict = field(default_factory=dict)   # RuntimeConfig fields (mode slide unless given)
+    max_grad_norm: float | None = _RECIPE.max_grad_norm
+    lr: float = _RECIPE.optim.lr
+    gpu_memory_limit_gib: float | None = None
+    seed: int = 0
+    check_memory: bool = True        # refuse (status "refused") what engine.fit says does not fit
+    progress_every: int = 25         # a line on stderr every N steps (0: none)
+
+
+def _batch(gen: torch.Generator, vocab: int, batch: int, seq: int) -> Batch:
+    ids = torch.randint(0, vocab, (batch, seq), generator=gen)          # [B, S]
+    labels = torch.roll(ids, -1, 1)                                      # next token; last one ignored
+    labels[:, -1] = -100
+    return Batch(ids, labels, None)
+
+
+def soak(spec: SoakSpec) -> dict:
+    """Build the engine as `train` does, run spec.steps steps, sample each; the result as a dict."""
+    rt = RuntimeConfig(**{"mode": "slide", **spec.runtime})
+    device = Device.resolve(rt.device, waits=rt.cuda_waits)
+    rt = replace(rt, device=device.device.type)       # auto -> cuda | cpu, as train resolves it
+    free = None
+    if spec.gpu_memory_limit_gib:
+        limit = device.limit_memory(spec.gpu_memory_limit_gib)
+        free = min(device.free_and_total()[0], limit) if device.is_cuda else None
+    loaded = load_model(spec.model, num_layers=spec.num_layers, seed=spec.seed, with_tokenizer=False)
+    base = dict(spec=asdict(spec), machine=machine_info())
+    if rt.mode == "slide":
+        from ..engine.fit import InsufficientMemoryError, check_fit, choose_auto_settings
+        kw = dict(batch_size=spec.batch_size, seq_len=spec.seq_len, max_grad_norm=spec.max_grad_norm,
+                  gpu_free_bytes=free, padded=False)       # synthetic rows are full: never padded
+        rt = choose_auto_settings(loaded.split, rt, **kw)
+        if spec.check_memory:
+            try:
+                check_fit(loaded.split, rt, **kw)
+            except InsufficientMemoryError as e:
+                return {**base, "runtime": asdict(rt), "status": "refused", "error": str(e)}
+    t0 = time.perf_counter()
+    engine = build_engine(loaded, rt, replace(_RECIPE.optim, lr=spec.lr), device, max_grad_norm=spec.max_grad_norm)
+    init_s = time.perf_counter() - t0
+    proc = psutil.Process()
+    gen = torch.Generator().manual_seed(spec.seed)
+    vocab = loaded.split.config.vocab_size
+    samples = [{"step": 0, "step_s": 0.0, "loss": None, **sample_resources(device, proc)}]   # before step 1
+    try:
+        last = time.perf_counter()
+        for step in range(1, spec.steps + 1):
+            res = engine.train_step([_batch(gen, vocab, spec.batch_size, spec.seq_len)], spec.lr)
+            res.grad_norm()                   # the step is complete: every update applied
+            now = time.perf_counter()
+            samples.append({"step": step, "step_s": now - last, "loss": res.loss, **sample_resources(device, proc)})
+            last = now
+            if spec.progress_every and step % spec.progress_every == 0:
+                s = samples[-1]
+                print(f"[soak {spec.name}] step {step}/{spec.steps}: {s['step_s']:.3f} s, rss "
+                      f"{s['rss_bytes'] / 2**30:.2f} GiB, pinned {s['pinned_bytes'] / 2**30:.2f} GiB, gpu reserved "
+                      f"{s['gpu_reserved_bytes'] / 2**30:.2f} GiB, fds {s['open_fds']}, threads {s['threads']}",
+                      file=sys.stderr, flush=True)
+    finally:
+        engine.close()
+    return {**base, "status": "ok", "runtime": asdict(rt), "init_s": init_s, "params": loaded.split.num_params(),
+            "num_layers": loaded.split.num_layers, "samples": samples}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return worker_main(lambda d: soak(SoakSpec(**d)), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""What a long run holds, sampled once per step, and how fast each series grows.
+
+The resources users of offloading trainers see run out over hundreds of steps: host RSS
+(the kernel's OOM killer), page-locked memory, GPU memory (allocated by tensors, reserved
+by the caching allocator), open file descriptors and threads. `sample_resources` reads
+them in ~0.1 ms (psutil and the allocators' counters; no GPU synchronization), and
+`growth_per_100_steps` fits each series' least-squares slope after warm-up: a leak shows
+as a steady slope, while a one-off allocation or noise does not.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import psutil
+import torch
+
+from ..device import Device, pinned_bytes
+
+# The series sampled each step (bytes or counts) and the unit each is reported in.
+SERIES = {
+    "rss_bytes": "host resident memory",
+    "pinned_bytes": "page-locked host memory the engine holds (device.PINNED)",
+    "pinned_cache_bytes": "CUDA caching host allocator: its blocks, in use or cached (pin_memory() anywhere)",
+    "gpu_allocated_bytes": "GPU memory in tensors",
+    "gpu_reserved_bytes": "GPU memory reserved by the caching allocator",
+    "open_fds": "open file descriptors",
+    "threads": "threads of the process",
+    "step_s": "step time (s)",
+}
+
+
+def sample_resources(device: Device, proc: psutil.Process | None = None) -> dict[str, float]:
+    """The process's resources now (every key of SERIES but step_s)."""
+    proc = proc or psutil.Process()
+    out = {"rss_bytes": proc.memory_info().rss, "pinned_bytes": pinned_bytes(),
+           "pinned_cache_bytes": 0, "gpu_allocated_bytes": 0, "gpu_reserved_bytes": 0,
+           "open_fds": proc.num_fds(), "threads": proc.num_threads()}
+    if device.is_cuda:
+        out["gpu_allocated_bytes"] = torch.cuda.memory_allocated(device.device)
+        out["gpu_reserved_bytes"] = torch.cuda.memory_reserved(device.device)
+        out["pinned_cache_bytes"] = int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+    return out
+
+
+@dataclass
+class Growth:
+    series: str
+    n: int                   # samples fitted (after warm-up)
+    mean: float              # the series' mean over them
+    slope_per_step: float    # least squares, units per step
+    growth_pct_per_100: float  # 100 steps' growth as a % of the mean (0 for an all-zero series)
+    first: float
+    last: float
+
+    def within(self, target_pct: float) -> bool:
+        return self.growth_pct_per_100 <= target_pct
+
+
+def growth_per_100_steps(series: str, steps: list[int], values: list[float]) -> Growth:
+    """Least-squares slope of `values` over `steps`, as % of their mean per 100 steps.
+
+    Growth only: a shrinking series (memory given back) reads negative and passes any target.
+    """
+    if len(steps) < 2:
+        raise ValueError(f"{series}: {len(steps)} sample(s) after warm-up; a slope needs 2 or more "
+                         f"(more --steps or a shorter --warmup)")
+    x = np.asarray(steps, dtype=np.float64)
+    y = np.asarray(values, dtype=np.float64)
+    slope = float(np.polyfit(x, y, 1)[0])
+    mean = float(y.mean())
+    pct = 100.0 * slope * 100.0 / mean if mean else 0.0
+    return Growth(series, len(y), mean, slope, pct, float(y[0]), float(y[-1]))
