@@ -71,3 +71,28 @@ def test_too_few_steps_after_warm_up_is_refused_naming_both(tmp_path, capsys):
                  "--out", str(tmp_path)])
     assert code == 2
     assert "--steps 10 leaves fewer than 2 steps after --warmup 9" in capsys.readouterr().err
+
+
+def test_a_soak_cut_short_keeps_its_samples(tmp_path):
+    """Samples go to their JSON-lines file as they are taken: --max-minutes ends the run early
+    with the steps done kept, and a worker that never returned (a deadline's kill, a crash) is
+    reported as "partial" from that file, fitted where enough steps are past the warm-up."""
+    import json
+    from dataclasses import asdict
+    from slidetune.bench.scenarios.soak import recover_partial
+    from slidetune.bench.soak import SoakSpec, soak
+    path = tmp_path / "samples.jsonl"
+    spec = SoakSpec(name="cut", model="tiny-qwen3", seq_len=16, batch_size=1, steps=50, warmup=1,
+                    runtime={"device": "cpu"}, samples_path=str(path), max_minutes=1e-9)
+    result = soak(spec)
+    assert result["status"] == "ok" and result["stopped_after_steps"] == 1       # the deadline passed at once
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [s["step"] for s in lines] == [0, 1] and lines == json.loads(json.dumps(result["samples"]))
+    # a run that was killed: its result is a timeout, its file has 4 steps (2 past the warm-up)
+    more = lines + [dict(lines[-1], step=k) for k in (2, 3, 4)]
+    path.write_text("".join(json.dumps(s) + "\n" for s in more))
+    timed_out = {"spec": asdict(spec), "status": "timeout", "error": "exceeded 60 s"}
+    got = recover_partial(timed_out, path, warmup=2)
+    assert got["status"] == "partial" and got["steps_done"] == 4 and len(got["samples"]) == 5
+    assert "exceeded 60 s" in got["error"]
+    assert recover_partial(timed_out, path, warmup=3)["status"] == "timeout"      # 1 step past warm-up: no fit

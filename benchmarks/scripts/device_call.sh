@@ -99,7 +99,7 @@ run_job() {
     soak) # issue 22: 250 steps of the default recipe (clip 1.0) on Qwen3-8B b8 x 1024, every step sampled;
           # SOAK_ARGS adds variants, e.g. --variants "default:;offload:offload_activations=true" or --disk-dir DIR
           python -m slidetune.cli bench soak --out $R/soak --model qwen3-8b --batch-size 8 --seq-len 1024 \
-            --steps 250 --warmup 20 ${SOAK_ARGS:-}
+            --steps 250 --warmup 20 --max-minutes ${SOAK_MINUTES:-25} ${SOAK_ARGS:-}
           cat $R/soak/report.md ;;
     faults) # issue 22: what a user sees when the GPU runs out of memory (real and injected) or a step goes NaN
           install_smol; mkdir -p $R/faults; rm -rf /tmp/faults

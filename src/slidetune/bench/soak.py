@@ -11,6 +11,7 @@ the step time is the interval between completed steps.
 """
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -46,6 +47,10 @@ class SoakSpec:
     seed: int = 0
     check_memory: bool = True        # refuse (status "refused") what engine.fit says does not fit
     progress_every: int = 25         # a line on stderr every N steps (0: none)
+    # each sample also goes to this JSON-lines file as it is taken (flushed): a run cut short by
+    # a deadline or a crash leaves its samples (the worker's result is written only at the end)
+    samples_path: str | None = None
+    max_minutes: float | None = None  # stop after this long (the steps done are kept and fitted)
 
 
 def _batch(gen: torch.Generator, vocab: int, batch: int, seq: int) -> Batch:
@@ -82,15 +87,29 @@ def soak(spec: SoakSpec) -> dict:
     proc = psutil.Process()
     gen = torch.Generator().manual_seed(spec.seed)
     vocab = loaded.split.config.vocab_size
-    samples = [{"step": 0, "step_s": 0.0, "loss": None, **sample_resources(device, proc)}]   # before step 1
+    log = open(spec.samples_path, "w") if spec.samples_path else None
+
+    def keep(sample: dict) -> None:
+        samples.append(sample)
+        if log is not None:
+            log.write(json.dumps(sample, default=float) + "\n")
+            log.flush()
+
+    samples: list[dict] = []
+    keep({"step": 0, "step_s": 0.0, "loss": None, **sample_resources(device, proc)})     # before step 1
+    deadline = t0 + 60 * spec.max_minutes if spec.max_minutes else None
+    stopped_at = None
     try:
         last = time.perf_counter()
         for step in range(1, spec.steps + 1):
             res = engine.train_step([_batch(gen, vocab, spec.batch_size, spec.seq_len)], spec.lr)
             res.grad_norm()                   # the step is complete: every update applied
             now = time.perf_counter()
-            samples.append({"step": step, "step_s": now - last, "loss": res.loss, **sample_resources(device, proc)})
+            keep({"step": step, "step_s": now - last, "loss": res.loss, **sample_resources(device, proc)})
             last = now
+            if deadline is not None and now > deadline and step < spec.steps:
+                stopped_at = step
+                break
             if spec.progress_every and step % spec.progress_every == 0:
                 s = samples[-1]
                 print(f"[soak {spec.name}] step {step}/{spec.steps}: {s['step_s']:.3f} s, rss "
@@ -99,8 +118,11 @@ def soak(spec: SoakSpec) -> dict:
                       file=sys.stderr, flush=True)
     finally:
         engine.close()
+        if log is not None:
+            log.close()
     return {**base, "status": "ok", "runtime": asdict(rt), "init_s": init_s, "params": loaded.split.num_params(),
-            "num_layers": loaded.split.num_layers, "samples": samples}
+            "num_layers": loaded.split.num_layers, "samples": samples,
+            "stopped_after_steps": stopped_at}      # --max-minutes ended it early (None: every step ran)
 
 
 def main(argv: list[str] | None = None) -> int:

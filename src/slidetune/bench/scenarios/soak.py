@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                      "host RAM in files here (the disk tier)")
     p.add_argument("--offload-activations", action="store_true",
                    help="every variant: layer-input checkpoints in page-locked host memory")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="each variant stops after this long, keeping and fitting the steps done (a device call's "
+                        "deadline); samples are also written as they are taken, so a run cut short leaves them")
     p.add_argument("--target-pct", type=float, default=TARGET_PCT, help="growth allowed, %% per 100 steps")
 
 
@@ -72,8 +75,24 @@ def specs(args) -> list[SoakSpec]:
     if args.offload_activations:
         shared["offload_activations"] = True
     return [SoakSpec(name=name, num_layers=None if args.smoke else args.num_layers, runtime={**shared, **over},
-                     gpu_memory_limit_gib=args.gpu_memory_limit, **sizes)
+                     gpu_memory_limit_gib=args.gpu_memory_limit, max_minutes=getattr(args, "max_minutes", None),
+                     **sizes)
             for name, over in parse_variants(args.variants)]
+
+
+def recover_partial(result: dict, samples_path: Path, warmup: int) -> dict:
+    """A worker that timed out or crashed leaves no result, but its samples file holds every step
+    it finished: with enough steps past the warm-up to fit, the run is reported as "partial"."""
+    if result.get("status") in ("ok", "refused") or not samples_path.exists():
+        return result
+    samples = [json.loads(line) for line in samples_path.read_text().splitlines() if line.strip()]
+    if sum(1 for s in samples if s["step"] > warmup) < 2:
+        return result
+    spec = result["spec"]
+    return {**result, "status": "partial", "samples": samples, "steps_done": samples[-1]["step"],
+            "num_layers": spec.get("num_layers"), "params": None,
+            "error": f"{result.get('status')}: {result.get('error', '')} (the {samples[-1]['step']} steps done "
+                     f"are fitted)"}
 
 
 def fit_growth(result: dict, warmup: int, target_pct: float) -> list[dict]:
@@ -123,7 +142,8 @@ def report(out: Path, args, results: list[dict], growth: list[dict], machine: di
         sp = r["spec"]
         lines.append(f"- **{sp['name']}**: {r.get('status')}"
                      + (f": {str(r.get('error'))[:400]}" if r.get("status") != "ok" else
-                        f": {sp['steps']} steps of batch {sp['batch_size']} x seq {sp['seq_len']}, "
+                        f": {r['samples'][-1]['step']} of {sp['steps']} steps of batch {sp['batch_size']} x seq "
+                        f"{sp['seq_len']}, "
                         f"{r['num_layers']} layers, {r['params'] / 1e9:.3f} B params, clip {sp['max_grad_norm']}, "
                         f"runtime {json.dumps(sp['runtime'])}"))
     lines += ["", f"Growth after {warmup} warm-up steps, least squares, in % of the mean per 100 steps "
@@ -146,11 +166,13 @@ def run(args: argparse.Namespace) -> Path:
     results = []
     for spec in todo:
         print(f"[{NAME}] {spec.name}: {spec.steps} steps ...", flush=True)
-        results.append(run_worker("slidetune.bench.soak", asdict(spec), timeout_s=6 * 3600))
+        spec.samples_path = str(out / f"samples_{spec.name}.jsonl")
+        results.append(recover_partial(run_worker("slidetune.bench.soak", asdict(spec), timeout_s=6 * 3600),
+                                       Path(spec.samples_path), spec.warmup))
         if results[-1].get("status") != "ok":
             print(f"[{NAME}] {spec.name}: {results[-1].get('status')}: {str(results[-1].get('error'))[:500]}")
     warmup = todo[0].warmup
-    ok = [r for r in results if r.get("status") == "ok"]
+    ok = [r for r in results if r.get("status") in ("ok", "partial")]
     growth = [row for r in ok for row in fit_growth(r, warmup, args.target_pct)]
     machine = common.machine_of(results)
     common.write_csv(out / "samples.csv", [{"variant": r["spec"]["name"], **s} for r in ok for s in r["samples"]],
