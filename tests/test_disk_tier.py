@@ -288,3 +288,22 @@ def test_probe_measures_the_directory(tmp_path):
     assert r["first_write_gib_s"] > 0 and r["warm_passes"] == 1      # the untimed first touch, reported
     cold = probe_disk(str(tmp_path), total_bytes=8 * 2**20, block_mb=1, threads=2, warm_passes=0)
     assert cold["first_write_gib_s"] is None and cold["write_gib_s"] > 0
+
+
+def test_plan_terms_prints_the_three_tiers_and_each_term(tmp_path, capsys):
+    """`slidetune plan --terms` on the CPU machine: the placement (disk units included), then the
+    terms this machine can probe (the host's AdamW over the host-updated units, the disk's moments
+    at the probed rate) and the floor they give."""
+    import re
+    from slidetune.cli import main
+    code = main(["plan", "--model", "tiny-llama", "--device", "cpu", "--seq-len", "32", "--batch-size", "2",
+                 "--disk-dir", str(tmp_path), "--tuning.disk_units", "2", "--terms"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "placement:" in out and "disk tier" in out
+    adamw = re.search(r"adamw_s\s+([\d.]+)\s+host AdamW over", out)
+    disk = re.search(r"disk_s\s+([\d.]+)\s+disk: moments of [\d.]+ [MB] params read and written", out)
+    assert adamw and disk and float(adamw.group(1)) > 0 and float(disk.group(1)) > 0
+    assert re.search(r"disk probe: read [\d.]+, write [\d.]+, both at once [\d.]+ GiB/s", out)
+    assert re.search(r"floor [\d.]+ s a step \(bound by (adamw_s|disk_s)\)", out)
+    assert list(tmp_path.iterdir()) == []          # the probe's file is gone

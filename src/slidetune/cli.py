@@ -59,7 +59,10 @@ def _plan(ns) -> int:
         print(note)
     if cfg.runtime.mode != "slide":
         return 0
-    plan = _plan_resolved(ns, cfg, loaded.split) or est.plan
+    plan = _plan_resolved(ns, cfg, loaded.split)
+    if plan is None:        # nothing resolved for a GPU here: the placement of the settings as given
+        plan = est.plan
+        print("placement:\n" + "\n".join(plan.summary_lines()))
     if ns.terms:
         _plan_terms(cfg, plan)
     # the slot choices engine.fit.choose_auto_settings tries for cache_units
@@ -106,7 +109,10 @@ def _plan_terms(cfg, plan) -> None:
     rt = cfg.runtime
     print("probing this machine for the floor's terms (GPU compute, PCIe copies, host AdamW"
           + (", disk" if plan.indices("disk") else "") + "; about a minute) ...", flush=True)
+    import torch
+    on_gpu = rt.device != "cpu" and torch.cuda.is_available()
     fl = measure_floor(cfg.model, cfg.batch_size, cfg.data.seq_len, cfg.num_layers, rt.device,
+                       adamw_n=128 * 2**20 if on_gpu else 16 * 2**20,     # the CPU machine's probe: small and quick
                        compile_layers=rt.compile_layers != "off", grad_download=rt.grad_download,
                        host_adamw=rt.host_adamw, disk_dir=rt.disk_dir if plan.indices("disk") else None,
                        disk_block_mb=rt.disk_block_mb, disk_io_threads=rt.disk_io_threads)

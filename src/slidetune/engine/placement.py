@@ -214,8 +214,9 @@ class PlacementPlan:
                             ("disk", "disk tier (moments; master in host RAM)")):
             n = self.params(state)
             if n or state == "host":
-                lines.append(f"  {what}: {self.ranges(lambda u, s=state: u.state == s)} "
-                             f"({n / 1e9:.2f} B params, {b[state] / gib:.1f} GiB state)")
+                size = (f"{n / 1e9:.2f} B params, {b[state] / gib:.1f} GiB state" if n >= 1e8 else
+                        f"{n / 1e6:.1f} M params, {b[state] / 2**20:.1f} MiB state")
+                lines.append(f"  {what}: {self.ranges(lambda u, s=state: u.state == s)} ({size})")
         lines.append(f"  GPU weight slots: own for {self.ranges(lambda u: u.slot == 'own')}; "
                      f"window of {self.window_slots} for {self.ranges(lambda u: u.slot == 'window')}")
         layer_uploads, vocab_uploads = self.uploads_per_step()
