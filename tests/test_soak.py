@@ -28,16 +28,28 @@ def test_growth_is_the_least_squares_slope_in_percent_of_the_mean_per_100_steps(
 
 
 def test_the_pinned_counter_follows_a_buffer_until_its_last_view_is_freed():
-    before = pinned_bytes()
-    buf = Device(torch.device("cpu")).host_empty(1024, torch.float32)
-    view = buf[10:20]
-    assert pinned_bytes() - before == 4096
-    del buf
-    gc.collect()
-    assert pinned_bytes() - before == 4096          # a view still holds the storage
-    del view
-    gc.collect()
-    assert pinned_bytes() == before
+    """In a fresh process: the counter is process-wide, and in the suite's process buffers of
+    earlier tests' engines are freed by any gc.collect() of this one."""
+    import subprocess
+    import sys
+    code = """
+import gc, torch
+from slidetune.device import Device, pinned_bytes
+gc.collect()
+before = pinned_bytes()
+buf = Device(torch.device("cpu")).host_empty(1024, torch.float32)
+view = buf[10:20]
+assert pinned_bytes() - before == 4096, pinned_bytes() - before
+del buf
+gc.collect()
+assert pinned_bytes() - before == 4096, pinned_bytes() - before     # a view still holds the storage
+del view
+gc.collect()
+assert pinned_bytes() == before, pinned_bytes() - before
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 @pytest.mark.slow
