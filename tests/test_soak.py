@@ -2,7 +2,6 @@
 whose memory, page-locked buffers, file descriptors and threads stay flat after warm-up."""
 from __future__ import annotations
 
-import gc
 
 import pytest
 import torch
@@ -10,7 +9,6 @@ from transformers import AutoModelForCausalLM
 
 from slidetune.bench.scenarios.common import read_csv
 from slidetune.cli import main
-from slidetune.device import Device, pinned_bytes
 from slidetune.models.presets import tiny_config
 from slidetune.telemetry.resources import growth_per_100_steps
 
