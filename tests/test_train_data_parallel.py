@@ -15,8 +15,10 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -175,3 +177,54 @@ def test_launcher_command_drops_gpus_and_refuses_nesting(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="leave --gpus out under torchrun"):
         launch.check_gpus(2, "cpu", visible=0)
+
+
+def launcher_args(tmp: Path, steps: int) -> list[str]:
+    data = tmp / "small.jsonl"
+    data.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in builtin_corpus()[:40]))
+    no_saves = common_args(data)
+    at = no_saves.index("--save-every")
+    del no_saves[at:at + 2]              # the only checkpoints: those a stop writes
+    return no_saves + [
+        "--batch-size", str(PER_RANK), "--gpus", "2", "--max-steps", str(steps), "--log-every", "1",
+        "--output-dir", str(tmp / "run")]
+
+
+@pytest.mark.slow
+def test_a_failing_rank_ends_every_rank_naming_it(tmp_path):
+    args = launcher_args(tmp_path, steps=4)
+    proc = subprocess.run([sys.executable, "-m", "slidetune.cli", "train", *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "SLIDETUNE_INJECT_FAULT": "data:2:1"})
+    err = proc.stderr
+    assert proc.returncode != 0
+    assert "slidetune: error (rank 1 of 2): InjectedFault: injected fault in the data thread at step 2 on rank 1" \
+        in err, err[-5000:]
+    assert "slidetune: error (rank 0 of 2)" in err, "rank 0 must end too, not wait for rank 1"
+    assert not (tmp_path / "run" / "final").exists()
+
+
+@pytest.mark.slow
+def test_sigint_to_the_launcher_stops_every_rank_after_one_step_with_one_checkpoint(tmp_path):
+    args = launcher_args(tmp_path, steps=500)
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "slidetune.cli", "train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (run / "metrics.csv").exists() and len(step_rows(run)) >= 2:
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, "the run ended before it could be interrupted"
+        proc.send_signal(signal.SIGINT)       # the launcher is torchrun now (exec): it forwards the signal
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert len(checkpoints) == 1, checkpoints
+    done = int(checkpoints[0].removeprefix("checkpoint-"))
+    assert (run / "checkpoints" / checkpoints[0] / "COMPLETE").exists()
+    assert out.count(f"stopped by SIGINT after step {done} of 500") == 1, out[-5000:]
+    assert sorted(step_rows(run)) == list(range(1, done + 1)), "both ranks stopped after the same step"
+    assert json.loads((run / "summary.json").read_text())["interrupted"] is True

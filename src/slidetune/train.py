@@ -496,7 +496,7 @@ class Trainer:
         finally:
             if self.bar is not None:
                 self.bar.close()
-        if self.stop_message:
+        if self.stop_message and self.ranks.is_main:
             print(self.stop_message, file=sys.stderr if self.interrupted else sys.stdout)
         if not (self.interrupted or self.stopped_early):
             self.evaluate_after()
