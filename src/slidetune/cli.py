@@ -8,6 +8,7 @@ traceback as well.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -17,12 +18,27 @@ from .config import ConfigArgumentParser, add_config_flags, config_from_args, co
 
 
 def _train(ns) -> int:
-    from .train import train
     cfg = config_from_args(ns)
-    print("resolved config:\n" + json.dumps(config_to_dict(cfg), indent=2), flush=True)
-    summary = train(cfg)
-    print(json.dumps(summary.__dict__, indent=2))
+    if ns.gpus is not None:
+        from . import launch
+        launch.check_gpus(ns.gpus, cfg.runtime.device,
+                          launch.visible_gpus() if cfg.runtime.device != "cpu" else 0)
+        if ns.gpus > 1:
+            launch.relaunch(ns.gpus, ns.argv)          # does not return
+    from .train import train
+    # several ranks: rank 0 alone prints the run's progress (errors still come from every rank)
+    quiet = _rank()[0] > 0
+    with open(os.devnull, "w") if quiet else contextlib.nullcontext(sys.stdout) as out, \
+            contextlib.redirect_stdout(out):
+        print("resolved config:\n" + json.dumps(config_to_dict(cfg), indent=2), flush=True)
+        summary = train(cfg)
+        print(json.dumps(summary.__dict__, indent=2))
     return 130 if summary.interrupted else 0
+
+
+def _rank() -> tuple[int, int]:
+    """(rank, world size) from torchrun's environment; (0, 1) for a single process."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _plan(ns) -> int:
@@ -246,6 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_train = sub.add_parser("train", help="fine-tune a model (default: SmolLM2-135M on the built-in corpus)",
                              description=_TRAIN_DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_config_flags(p_train)
+    p_train.add_argument("--gpus", type=int, default=None, metavar="N",
+                         help="data parallel on N GPUs of this host: restarts the command through torchrun "
+                              "(torch.distributed.run) with N ranks, --batch-size rows each (the global batch is "
+                              "N x --batch-size); with --device cpu, N CPU processes over gloo (testing). "
+                              "docs/data_parallel.md")
     p_train.set_defaults(func=_train)
     p_plan = sub.add_parser("plan", help="print the memory a configuration needs, allocating nothing",
                             description=_TRAIN_DESCRIPTION.replace("Fine-tune", "Plan the memory of fine-tuning"))
@@ -276,6 +297,7 @@ _CLEAN_ERRORS = (ValueError, OSError, RuntimeError, ImportError, KeyError)
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    ns.argv = list(sys.argv[1:] if argv is None else argv)     # what --gpus restarts through torchrun
     try:
         return ns.func(ns)
     except KeyboardInterrupt:
@@ -287,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         msg = str(e.args[0] if isinstance(e, KeyError) and len(e.args) == 1 else e)
         msg = msg.removeprefix("slidetune: ")        # some messages carry the program name already
-        print(f"slidetune: error: {type(e).__name__}: {msg}", file=sys.stderr)
+        rank, world = _rank()
+        where = f" (rank {rank} of {world})" if world > 1 else ""
+        print(f"slidetune: error{where}: {type(e).__name__}: {msg}", file=sys.stderr)
         return 2
 
 

@@ -11,6 +11,8 @@ optimizer step, 1-based, during which it happens) with KIND one of
   nan                                   the step's loss, hence every gradient, becomes NaN.
 Tests use it to prove that each fault ends the run promptly with a message naming what
 failed and the step, and leaves the newest complete checkpoint intact and resumable.
+KIND:STEP:RANK fails on that data-parallel rank only (RANK from torchrun's environment);
+without it, on every rank.
 """
 from __future__ import annotations
 
@@ -27,25 +29,31 @@ class InjectedFault(RuntimeError):
     pass
 
 
-def _target() -> tuple[str, int] | None:
+def _target() -> tuple[str, int, int | None] | None:
     spec = os.environ.get(ENV)
     if not spec:
         return None
-    kind, _, step = spec.partition(":")
-    if kind not in KINDS or not step.isdigit():
-        raise ValueError(f"{ENV}={spec!r}: expected KIND:STEP with KIND one of {', '.join(KINDS)}")
-    return kind, int(step)
+    kind, _, rest = spec.partition(":")
+    step, _, rank = rest.partition(":")
+    if kind not in KINDS or not step.isdigit() or not (rank == "" or rank.isdigit()):
+        raise ValueError(f"{ENV}={spec!r}: expected KIND:STEP or KIND:STEP:RANK with KIND one of {', '.join(KINDS)}")
+    return kind, int(step), int(rank) if rank else None
 
 
 def due(kind: str, step: int) -> bool:
-    """Whether the environment asks for fault `kind` at `step` (1-based)."""
-    return _target() == (kind, step)
+    """Whether the environment asks for fault `kind` at `step` (1-based) on this rank."""
+    target = _target()
+    if target is None or target[:2] != (kind, step):
+        return False
+    return target[2] is None or target[2] == int(os.environ.get("RANK", "0"))
 
 
 def maybe_fail(thread: str, step: int) -> None:
     """Raise InjectedFault when the environment asks `thread` to fail at `step` (1-based)."""
     if due(thread, step):
-        raise InjectedFault(f"injected fault in the {thread} thread at step {step} ({ENV})")
+        rank = _target()[2]
+        raise InjectedFault(f"injected fault in the {thread} thread at step {step}"
+                            + (f" on rank {rank}" if rank is not None else "") + f" ({ENV})")
 
 
 def maybe_oom(step: int) -> None:

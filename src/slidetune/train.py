@@ -33,7 +33,7 @@ import torch
 from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, prune_checkpoints, recover_leftovers,
                          save_checkpoint)
 from .config import TrainConfig, config_to_dict, group_tuning
-from .data import BatchSampler, TokenDataset, build_datasets, default_pad_id, eval_batches
+from .data import BatchSampler, TokenDataset, build_datasets, collate, default_pad_id
 from .device import Device
 from .engine import StepResult, build_engine
 from .engine.compile_policy import choose_compile_layers, resolve_compile_layers
@@ -45,6 +45,7 @@ from .engine.slide.disk_tier import tier_bytes
 from .models.load import LoadedModel, load_model
 from .models.reference_check import require_faithful
 from .ops.packed_attention import use_packed_attention
+from .ranks import Ranks
 from .telemetry.flops import train_flops_per_token
 
 if TYPE_CHECKING:
@@ -136,14 +137,26 @@ class TrainSummary:
     device: str = ""
 
 
-def evaluate(engine, heldout, batch_size: int, pad_id: int, max_batches: int) -> tuple[float, float]:
+def evaluate(engine, heldout, batch_size: int, pad_id: int, max_batches: int,
+             ranks: Ranks | None = None) -> tuple[float, float]:
+    """Held-out (loss, perplexity) over every row once (the first `max_batches` batches if set).
+
+    With several ranks the batches are global (batch_size rows per rank, as in training): each
+    rank evaluates its rows of each and the sums are added over the ranks, so N ranks at batch b
+    evaluate the rows one rank at batch N b does (a collective: every rank calls it)."""
+    ranks = ranks or Ranks.single()
     total, count = 0.0, 0
-    for i, batch in enumerate(eval_batches(heldout, batch_size, pad_id)):
+    global_batch = batch_size * ranks.world_size
+    for i, start in enumerate(range(0, len(heldout), global_batch)):
         if max_batches and i >= max_batches:
             break
-        s, n = engine.eval_loss(batch)
+        mine = ranks.rows(range(start, min(start + global_batch, len(heldout))), batch_size)
+        if not mine:                     # the last, shorter batch may leave this rank none
+            continue
+        s, n = engine.eval_loss(collate(heldout, mine, pad_id))
         total += s
         count += n
+    total, count = ranks.sum([total, float(count)])
     if count == 0:
         return float("nan"), float("nan")
     loss = total / count
@@ -160,7 +173,42 @@ def train(cfg: TrainConfig) -> TrainSummary:
     t_start = time.perf_counter()
     out = Path(cfg.output_dir)
     seed_everything(cfg.seed)
-    device = Device.resolve(cfg.runtime.device, waits=cfg.runtime.cuda_waits)
+    ranks, device = Ranks.start(cfg.runtime.device, waits=cfg.runtime.cuda_waits)
+    try:
+        return _train(cfg, ranks, device, out, t_start)
+    finally:
+        ranks.close()
+
+
+def _refuse_under_data_parallel(cfg: TrainConfig, ranks: Ranks) -> None:
+    """Settings the data-parallel engine does not run (docs/data_parallel.md), refused by name."""
+    rt = cfg.runtime
+    bad = []
+    if rt.mode != "slide":
+        bad.append(f"--mode {rt.mode} (data parallel runs in slide mode only)")
+    if rt.vocab_update == "device":
+        bad.append("--tuning.vocab_update device (use host or auto)")
+    if rt.device_layers > 0:
+        bad.append("--tuning.device_layers > 0 (use 0 or auto)")
+    if rt.disk_dir:
+        bad.append("--disk-dir (the disk tier)")
+    if bad:
+        raise TrainingError(f"{ranks.world_size} ranks (data parallel) do not support yet: " + "; ".join(bad)
+                            + ". Drop these settings, or run on one rank")
+
+
+def _data_parallel_runtime(rt):
+    """The autos data parallel cannot take resolved to what it runs: the vocabulary units and every
+    layer updated on the host (one shared state, updated by the units' owners)."""
+    return dataclasses.replace(rt, vocab_update="host" if rt.vocab_update == "auto" else rt.vocab_update,
+                               device_layers=0 if rt.device_layers == -1 else rt.device_layers)
+
+
+def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: float) -> TrainSummary:
+    if ranks.world_size > 1:
+        _refuse_under_data_parallel(cfg, ranks)
+        print(f"data parallel: rank {ranks.rank} of {ranks.world_size} on {device.device}; global batch "
+              f"{cfg.batch_size * ranks.world_size} ({cfg.batch_size} rows per rank)")
     gpu_free = _apply_gpu_memory_limit(cfg, device)
     loaded = load_model(cfg.model, num_layers=cfg.num_layers, seed=cfg.seed)
     _reference_check(cfg, loaded)
@@ -172,12 +220,16 @@ def train(cfg: TrainConfig) -> TrainSummary:
         raise TrainingError(f"--seq-len {cfg.data.seq_len} exceeds the context of model {cfg.model!r}: "
                             f"{max_pos} tokens (max_position_embeddings); use --seq-len {max_pos} or less")
     runtime = cfg.runtime if cfg.runtime.device != "auto" else _with_device(cfg, device)
+    if ranks.world_size > 1:
+        runtime = _data_parallel_runtime(runtime)
     # packed rows are full windows: no batch carries padding, so no [B,1,S,S] padding masks
     # (masked packing builds its document mask as a FlexAttention BlockMask on CUDA)
     padded = not cfg.data.packed
-    runtime = choose_auto_settings(loaded.split, runtime, batch_size=cfg.batch_size, seq_len=cfg.data.seq_len,
-                                   grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm, padded=padded,
-                                   gpu_free_bytes=gpu_free)
+    # chosen on rank 0 from its GPU and shared: every rank runs the same placement (check_fit below
+    # verifies each rank's GPU, and the host for all of its ranks)
+    runtime = ranks.on_main(lambda: choose_auto_settings(
+        loaded.split, runtime, batch_size=cfg.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
+        max_grad_norm=cfg.max_grad_norm, padded=padded, gpu_free_bytes=gpu_free))
     plan = (PlacementPlan.build(unit_shapes(loaded.split), runtime,
                                 runtime.resolved_schedule(cfg.grad_accum, cfg.max_grad_norm))
             if runtime.mode == "slide" else None)
@@ -206,15 +258,20 @@ def train(cfg: TrainConfig) -> TrainSummary:
     if plan is not None:
         print("placement:\n" + "\n".join(plan.summary_lines()))
     if cfg.check_memory:
-        # Before the data is tokenized and before the engine allocates anything.
-        check_fit(loaded.split, runtime,
-                  batch_size=cfg.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
-                  max_grad_norm=cfg.max_grad_norm, padded=padded, gpu_free_bytes=gpu_free)
-    train_ds, heldout = build_datasets(cfg.data, loaded.tokenizer, min_rows=cfg.batch_size)
+        # Before the data is tokenized and before the engine allocates anything. Per rank: its own
+        # GPU; the host with its local ranks (the shared state once, each rank's buffers each).
+        ranks.on_each(lambda: check_fit(
+            loaded.split, runtime, batch_size=cfg.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
+            max_grad_norm=cfg.max_grad_norm, padded=padded, ranks_per_host=ranks.cfg.local_world_size,
+            gpu_free_bytes=gpu_free))
+    # the sampler draws global batches (--batch-size rows per rank) from (seed, step); each rank
+    # takes its rows of each (Trainer.micro_batch): N ranks train on one rank's data at N x the batch
+    global_batch = cfg.batch_size * ranks.world_size
+    train_ds, heldout = ranks.on_each(lambda: build_datasets(cfg.data, loaded.tokenizer, min_rows=global_batch))
     if train_ds.document_mask:
         use_packed_attention(loaded.split.model)   # packing "masked": attention per document
     pad_id = default_pad_id(loaded.tokenizer)
-    sampler = BatchSampler(train_ds, cfg.batch_size, cfg.seed, pad_id)
+    sampler = BatchSampler(train_ds, global_batch, cfg.seed, pad_id)
     total_steps = cfg.resolved_max_steps(device.is_cuda)
     if cfg.epochs is not None:
         total_steps = max(1, int(cfg.epochs * len(sampler) / cfg.grad_accum))
@@ -227,6 +284,27 @@ def train(cfg: TrainConfig) -> TrainSummary:
 
     ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else out / "checkpoints"
     save_dtype = resolve_save_dtype(cfg.save_dtype, loaded.split.config, runtime.dtype)
+    # Rank 0 alone reads and changes the output directory before the run (leftovers, free space,
+    # the checkpoint to resume from, an earlier run's checkpoints) and every rank gets its answer.
+    saves, resume_from, stale = ranks.on_main(lambda: _prepare_output(cfg, loaded, plan, runtime, out, ckpt_dir,
+                                                                      save_dtype, total_steps, ranks.world_size))
+    engine = build_engine(loaded, dataclasses.replace(runtime, device=cfg.runtime.device), cfg.optim, device,
+                          grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm, dist=ranks.dp)
+    try:
+        with _StopFlag() as stop:       # from here on a signal means: finish the step, checkpoint, exit
+            return Trainer(cfg, engine, loaded, sampler, heldout, pad_id, total_steps, device, out, t_start,
+                           resume_from, stale if ranks.is_main else [], stop, ckpt_dir=ckpt_dir, saves=saves,
+                           save_dtype=save_dtype, ranks=ranks).run()
+    finally:
+        engine.close()
+
+
+def _prepare_output(cfg: TrainConfig, loaded: LoadedModel, plan: PlacementPlan | None, runtime, out: Path,
+                    ckpt_dir: Path, save_dtype: str, total_steps: int,
+                    world_size: int) -> tuple[SavePlan, Path | None, list[Path]]:
+    """Before step 1 (rank 0 only): restore what killed saves set aside, check that final/ and the
+    checkpoints asked for fit the disk, find the checkpoint to resume from, write config.json.
+    Returns (the save plan, the checkpoint to resume from or None, an earlier run's checkpoints)."""
     # Before the free space is measured and a checkpoint looked for: a killed save leaves a
     # directory as large as what it was writing (kill -9 or the OOM killer during an export).
     for src, dst in recover_leftovers(out, "final") + recover_leftovers(ckpt_dir):
@@ -252,18 +330,20 @@ def train(cfg: TrainConfig) -> TrainSummary:
                   f"instead)", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     if resume_from is not None:
-        _warn_changed_config(resume_from, out / "config.json", cfg)
+        _warn_changed_config(resume_from, out / "config.json", cfg, world_size)
     # config.json describes the newest invocation; what a resume is compared with is the config
     # saved inside each checkpoint (_checkpoint), as this file is rewritten before the first save.
-    _write_text(out / "config.json", json.dumps(config_to_dict(cfg), indent=2) + "\n")
-    engine = build_engine(loaded, dataclasses.replace(runtime, device=cfg.runtime.device), cfg.optim, device, grad_accum=cfg.grad_accum,
-                          max_grad_norm=cfg.max_grad_norm)
-    try:
-        with _StopFlag() as stop:       # from here on a signal means: finish the step, checkpoint, exit
-            return Trainer(cfg, engine, loaded, sampler, heldout, pad_id, total_steps, device, out, t_start,
-                           resume_from, stale, stop, ckpt_dir=ckpt_dir, saves=saves, save_dtype=save_dtype).run()
-    finally:
-        engine.close()
+    _write_text(out / "config.json", json.dumps(_run_record(cfg, world_size), indent=2) + "\n")
+    return saves, resume_from, stale
+
+
+def _run_record(cfg: TrainConfig, world_size: int) -> dict:
+    """The run's settings as saved (config.json, each checkpoint): the config, plus the ranks it ran
+    on where several (batch_size is per rank: the global batch is batch_size x world_size)."""
+    record = config_to_dict(cfg)
+    if world_size > 1:
+        record["world_size"] = world_size
+    return record
 
 
 def _reference_check(cfg: TrainConfig, loaded: LoadedModel) -> None:
@@ -320,10 +400,11 @@ def _resolve_resume(cfg: TrainConfig, ckpt_dir: Path, total_steps: int) -> Path 
     return ckpt
 
 
-def _warn_changed_config(ckpt: Path, run_config: Path, cfg: TrainConfig) -> None:
+def _warn_changed_config(ckpt: Path, run_config: Path, cfg: TrainConfig, world_size: int = 1) -> None:
     """On resume: say which settings differ from those the checkpoint `ckpt` was made with
     (they change the trajectory); checkpoints older than that record fall back to the run's
-    `config.json`."""
+    `config.json`. The batch is compared globally (batch_size x ranks): 2 ranks at 4 rows and one
+    rank at 8 train alike."""
     try:
         old = json.loads((ckpt / "trainer_state" / "state.json").read_text())["trainer_state"]["config"]
         source = f"those {ckpt.name} was saved with"
@@ -333,9 +414,15 @@ def _warn_changed_config(ckpt: Path, run_config: Path, cfg: TrainConfig) -> None
         except (OSError, ValueError):
             return
         source = "the run's saved config.json"
-    ignore = {"resume", "stop_after", "progress", "log_every", "output_dir", "gpu_memory_limit"}
+    ignore = {"resume", "stop_after", "progress", "log_every", "output_dir", "gpu_memory_limit", "world_size"}
     old = group_tuning(old)             # one saved before the tuning knobs had their group compares the same
     new = config_to_dict(cfg)
+    old_world = int(old.get("world_size", 1))
+    if isinstance(old.get("batch_size"), int) and old["batch_size"] * old_world == cfg.batch_size * world_size:
+        ignore.add("batch_size")
+    elif old_world != world_size:
+        new["batch_size"] = f"{cfg.batch_size} x {world_size} ranks"
+        old["batch_size"] = f"{old.get('batch_size')} x {old_world} ranks"
     changed = []
     for key, value in new.items():
         if key in ignore:
@@ -371,8 +458,10 @@ class Trainer:
                  sampler: BatchSampler, heldout: TokenDataset | None, pad_id: int, total_steps: int,
                  device: Device, out: Path, t_start: float, resume_from: Path | None = None,
                  stale: list[Path] | None = None, stop: _StopFlag | None = None, ckpt_dir: Path | None = None,
-                 saves: SavePlan | None = None, save_dtype: str = "fp32"):
+                 saves: SavePlan | None = None, save_dtype: str = "fp32", ranks: Ranks | None = None):
         self.cfg, self.engine, self.loaded, self.device = cfg, engine, loaded, device
+        # data parallel: every rank runs this loop in step; rank 0 alone writes files
+        self.ranks = ranks or Ranks.single()
         self.sampler, self.heldout, self.pad_id = sampler, heldout, pad_id
         self.total_steps, self.out, self.t_start = total_steps, out, t_start
         self.resume_from = resume_from
@@ -397,6 +486,7 @@ class Trainer:
         self.interrupted = False         # stopped by SIGINT/SIGTERM
         self.stopped_early = False       # stopped by --stop-after
         self.stop_message: str | None = None
+        self.stop_signal: int | None = None   # the signal that stopped the run (any rank's, agreed)
         self.bar = None
         self.last_t = 0.0
         # A step's checks and metrics wait for its gradient norm, i.e. for all of its host updates.
@@ -425,7 +515,7 @@ class Trainer:
             finally:
                 if self.bar is not None:
                     self.bar.close()
-            if self.stop_message:
+            if self.stop_message and self.ranks.is_main:
                 print(self.stop_message, file=sys.stderr if self.interrupted else sys.stdout)
             if not (self.interrupted or self.stopped_early):
                 self.where = "the held-out evaluation after the last step"
@@ -436,7 +526,7 @@ class Trainer:
             if oom is None:
                 raise
             self.fail_out_of_memory(oom, e)
-        _flush(self.metrics_path, self.rows, self.out)
+        self.flush()
         return self.write_summary()
 
     def advance(self, step: int) -> bool:
@@ -457,7 +547,7 @@ class Trainer:
         else:
             self.pending = issued
         if done % self.cfg.log_every == 0:
-            _write_rows(self.metrics_path, self.rows)
+            self.write_metrics()
         if stopping:
             self.stop(done)
             return False
@@ -482,7 +572,7 @@ class Trainer:
 
     def open_progress(self) -> None:
         """Start the progress bar (when asked for and steps remain) and the step clock."""
-        if self.cfg.progress and self.start_step < self.total_steps:
+        if self.cfg.progress and self.start_step < self.total_steps and self.ranks.is_main:
             from tqdm import tqdm
             self.bar = tqdm(total=self.total_steps, initial=self.start_step, desc="train", dynamic_ncols=True)
         self.last_t = time.perf_counter()
@@ -492,13 +582,22 @@ class Trainer:
         """One optimizer step: its micro-batches and learning rate to the engine (the norm may still run)."""
         self.where = f"step {step + 1}"               # what a GPU out-of-memory interrupted
         maybe_fail("data", step + 1)                 # tests only (faults.py)
-        mbs = [self.sampler.batch(step * self.cfg.grad_accum + j) for j in range(self.cfg.grad_accum)]
+        mbs = [self.micro_batch(step * self.cfg.grad_accum + j) for j in range(self.cfg.grad_accum)]
         lr = lr_at(self.cfg, step, self.total_steps)
         res = self.engine.train_step(mbs, lr)
         now = time.perf_counter()
         dt, self.last_t = now - self.last_t, now
-        tokens = sum(int(mb.input_ids.numel()) for mb in mbs)
+        # the whole run's tokens (every rank's rows have the same [B, S] shape): tokens_per_s and
+        # tflops in metrics.csv are the run's, over all ranks
+        tokens = sum(int(mb.input_ids.numel()) for mb in mbs) * self.ranks.world_size
         return _IssuedStep(step=step, res=res, lr=lr, tokens=tokens, dt=dt)
+
+    def micro_batch(self, index: int):
+        """This rank's rows of the sampler's global batch `index` (all of it on one rank)."""
+        if self.ranks.world_size == 1:
+            return self.sampler.batch(index)
+        rows = self.ranks.rows(self.sampler.rows(index), self.cfg.batch_size)
+        return collate(self.sampler.dataset, rows, self.pad_id)
 
     def finish_step(self, s: _IssuedStep) -> dict:
         """A step's deferred part: refuse a non-finite loss or norm, append its metrics row, tick the bar."""
@@ -528,7 +627,7 @@ class Trainer:
     def fail_non_finite(self, step: int, bad: str) -> NoReturn:
         """Stop the run at a non-finite step: metrics so far to disk, then a TrainingError with hints."""
         cfg = self.cfg
-        _flush(self.metrics_path, self.rows, self.out)
+        self.flush()
         newest = latest_checkpoint(self.ckpt_dir)
         last = (f"the newest checkpoint, {newest}, is intact (resume from it with --resume auto "
                 f"after changing the settings)" if newest else "no checkpoint had been written yet")
@@ -548,7 +647,7 @@ class Trainer:
         """Stop the run at a GPU out-of-memory (in `self.where`: a step or an evaluation): metrics so far
         to disk, then a TrainingError naming the OOM, the step, the memory budget and what makes it fit."""
         cfg = self.cfg
-        _flush(self.metrics_path, self.rows, self.out)
+        self.flush()
         newest = latest_checkpoint(self.ckpt_dir)
         last = (f"the newest checkpoint, {newest}, is intact: continue from it with --output-dir {self.out} "
                 f"--resume auto and the changed settings" if newest else "no checkpoint had been written yet")
@@ -575,8 +674,12 @@ class Trainer:
     def stop_due(self, done: int) -> bool:
         """A signal arrived, or --stop-after steps of this invocation are done (and the run is not)."""
         cfg = self.cfg
-        return self.stop_flag.signal is not None or bool(cfg.stop_after and done - self.start_step >= cfg.stop_after
-                                                         and done < self.total_steps)
+        # every rank must stop after the same step: a signal that reached any rank stops them all
+        # (one small all-reduce a step with several ranks)
+        if self.ranks.any(self.stop_flag.signal is not None):
+            self.stop_signal = self.stop_flag.signal or signal.SIGTERM
+            return True
+        return bool(cfg.stop_after and done - self.start_step >= cfg.stop_after and done < self.total_steps)
 
     def eval_due(self, done: int) -> bool:
         """A periodic held-out evaluation after step `done` (the last one has its own)."""
@@ -590,7 +693,7 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> tuple[float, float]:
         """Held-out (loss, perplexity) of the current weights."""
-        return evaluate(self.engine, self.heldout, self.cfg.batch_size, self.pad_id, self.cfg.eval_batches)
+        return evaluate(self.engine, self.heldout, self.cfg.batch_size, self.pad_id, self.cfg.eval_batches, self.ranks)
 
     def evaluate_before(self) -> None:
         """The held-out evaluation before step 1 (a fresh start only), as metrics row 0."""
@@ -609,17 +712,27 @@ class Trainer:
 
     # ------------------------------------------------------------------ saving and stopping
     def save_checkpoint(self, step: int) -> Path:
-        """Write the resumable `checkpoint-<step>` (metrics first); a failed save stops the run."""
+        """Write the resumable `checkpoint-<step>` (metrics first); a failed save stops the run.
+
+        With several ranks every rank calls it: rank 0 writes the whole checkpoint from the shared
+        host state (its synchronize() waits for every owner's updates; the other ranks cannot change
+        the state meanwhile, as their next step waits for rank 0) and the others wait for the outcome."""
+        path = self.ranks.on_main(lambda: self._write_checkpoint(step))
+        self.saved_step = step
+        return path
+
+    def _write_checkpoint(self, step: int) -> Path:
+        """save_checkpoint's writing (rank 0 alone)."""
         _write_rows(self.metrics_path, self.rows)      # the rows up to a checkpoint are on disk with it
         try:
-            path = _checkpoint(self.cfg, self.engine, self.loaded, self.ckpt_dir, step, self.stale)
+            return _checkpoint(self.cfg, self.engine, self.loaded, self.ckpt_dir, step, self.stale,
+                               self.ranks.world_size)
         except CheckpointError as e:
             _flush(self.metrics_path, self.rows, self.out)
             raise TrainingError(f"{e}. Training stopped after step {step}; metrics up to that step are in "
-                                f"{self.metrics_path}. Free some space (or fix the output directory) and continue "
-                                f"from the intact checkpoint with --output-dir {self.out} --resume auto") from e
-        self.saved_step = step
-        return path
+                                f"{self.metrics_path}. Free some space (or fix the output directory) and "
+                                f"continue from the intact checkpoint with --output-dir {self.out} "
+                                f"--resume auto") from e
 
     def ensure_checkpoint(self, step: int) -> Path:
         """The resumable checkpoint of `step`: written unless it is the one written or loaded last."""
@@ -628,11 +741,11 @@ class Trainer:
     def stop(self, done: int) -> None:
         """Stop after step `done` (signal or --stop-after): metrics, a resumable checkpoint if it fits,
         and the message saying how to continue (printed once the progress bar is closed)."""
-        _write_rows(self.metrics_path, self.rows)
+        self.write_metrics()
         path = self.ensure_checkpoint(done) if self.resumable else None
-        if self.stop_flag.signal is not None:
+        if self.stop_signal is not None:
             self.interrupted = True
-            why = f"stopped by {signal.Signals(self.stop_flag.signal).name}"
+            why = f"stopped by {signal.Signals(self.stop_signal).name}"
         else:
             self.stopped_early = True
             why = f"stopped as asked (--stop-after {self.cfg.stop_after})"
@@ -644,7 +757,7 @@ class Trainer:
 
     def abort(self) -> None:
         """A second Ctrl-C / SIGTERM while the first one was being handled: keep the metrics, say what is left."""
-        _flush(self.metrics_path, self.rows, self.out)
+        self.flush()
         newest = latest_checkpoint(self.ckpt_dir)
         print(f"\ninterrupted twice: stopped without saving the current step; "
               + (f"the newest checkpoint, {newest}, is intact" if newest else "no checkpoint was written"),
@@ -652,11 +765,20 @@ class Trainer:
 
     def export_final(self) -> None:
         """Metrics, then `final/`, then (if resumable) the end-of-run checkpoint: the model is kept
-        whether or not the resumable state can be written after it."""
+        whether or not the resumable state can be written after it. With several ranks rank 0 writes
+        both from the shared host state while the others wait for the outcome."""
         total = self.total_steps
-        _write_rows(self.metrics_path, self.rows)
+        self.write_metrics()
         if self.release_scratch_first:
             getattr(self.engine, "release_disk_tier", lambda: None)()
+        self.ranks.on_main(self._write_final)
+        print(f"final model: {self.out / 'final'} (AutoModelForCausalLM.from_pretrained loads it)")
+        if self.resumable and self.saved_step != total:
+            self.save_checkpoint(total)
+
+    def _write_final(self) -> None:
+        """export_final's writing of final/ (rank 0 alone); if it fails, the resumable checkpoint."""
+        total = self.total_steps
         try:
             save_checkpoint(self.engine, self.out / "final", step=total, tokenizer=self.loaded.tokenizer,
                             save_dtype=self.save_dtype, with_optimizer=False)
@@ -664,16 +786,14 @@ class Trainer:
             kept = None
             if self.resumable:
                 try:
-                    kept = self.ensure_checkpoint(total)
+                    kept = (self._write_checkpoint(total) if self.saved_step != total
+                            else self.ckpt_dir / f"checkpoint-{total}")
                 except TrainingError:
                     kept = None
             _flush(self.metrics_path, self.rows, self.out)
             raise TrainingError(f"{e}. The training itself finished: " + (
                 f"the resumable checkpoint {kept} holds the final weights; run again with --output-dir {self.out} "
                 f"--resume auto to retry the export" if kept else "no checkpoint could be written either")) from e
-        print(f"final model: {self.out / 'final'} (AutoModelForCausalLM.from_pretrained loads it)")
-        if self.resumable and self.saved_step != total:
-            self.save_checkpoint(total)
 
     def write_summary(self) -> TrainSummary:
         """summary.json of this invocation; also returned."""
@@ -689,8 +809,20 @@ class Trainer:
             data_source=cfg.data.path or f"built-in corpus (Python {platform.python_version()} docs)",
             train_sequences=len(self.sampler.dataset), heldout_sequences=len(heldout) if heldout is not None else 0,
             device=torch.cuda.get_device_name() if self.device.is_cuda else "cpu")
-        _write_text(self.out / "summary.json", json.dumps(summary.__dict__, indent=2) + "\n")
+        if self.ranks.is_main:
+            _write_text(self.out / "summary.json", json.dumps(summary.__dict__, indent=2) + "\n")
         return summary
+
+    # ------------------------------------------------------------------ files (rank 0 only)
+    def write_metrics(self) -> None:
+        """metrics.csv as it stands (rank 0 writes; the other ranks keep the same rows unwritten)."""
+        if self.ranks.is_main:
+            _write_rows(self.metrics_path, self.rows)
+
+    def flush(self) -> None:
+        """metrics.csv and loss.png as they stand (rank 0)."""
+        if self.ranks.is_main:
+            _flush(self.metrics_path, self.rows, self.out)
 
 
 def _out_of_memory(error: BaseException) -> BaseException | None:
@@ -720,7 +852,8 @@ def _write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _checkpoint(cfg, engine, loaded, ckpt_dir: Path, step: int, stale: list[Path] | None = None) -> Path:
+def _checkpoint(cfg, engine, loaded, ckpt_dir: Path, step: int, stale: list[Path] | None = None,
+                world_size: int = 1) -> Path:
     """Save `checkpoint-<step>`; then delete an earlier run's checkpoints (`stale`, emptied) and prune.
 
     The run's config goes into the checkpoint's state.json: a resume compares its settings
@@ -728,7 +861,7 @@ def _checkpoint(cfg, engine, loaded, ckpt_dir: Path, step: int, stale: list[Path
     before its first save, while the earlier run's checkpoints are still the newest).
     """
     path = save_checkpoint(engine, ckpt_dir / f"checkpoint-{step}", step=step, tokenizer=loaded.tokenizer,
-                           trainer_state={"step": step, "config": config_to_dict(cfg)})
+                           trainer_state={"step": step, "config": _run_record(cfg, world_size)})
     for old in stale or []:
         if old.resolve() != path.resolve():
             shutil.rmtree(old, ignore_errors=True)

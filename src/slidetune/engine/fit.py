@@ -75,6 +75,10 @@ ENV_HOST_MEMORY = "SLIDETUNE_HOST_MEMORY_BYTES"
 # ----------------------------------------------------------------------------- results
 
 
+# host parts held once per host under data parallel (the shared state; the owners' held gradients)
+SHARED_PER_HOST = ("master + Adam moments", "held gradients")
+
+
 @dataclass
 class MemoryEstimate:
     """Bytes a configuration needs. host_bytes includes pinned_bytes (pinned is a part of RAM)."""
@@ -94,6 +98,14 @@ class MemoryEstimate:
     def host_total_bytes(self) -> int:
         """What the host must hold: on device cpu the device parts live in RAM too."""
         return self.host_bytes + (self.gpu_bytes if self.device_type == "cpu" else 0)
+
+    def host_bytes_per_host(self, ranks_per_host: int = 1) -> int:
+        """What the host must hold with `ranks_per_host` data-parallel ranks on it: the state
+        (master + moments) and the held gradients once (one shared copy; each owner holds its own
+        units' gradients), everything else (rings, checkpoints, on device cpu the device parts) once
+        per rank (docs/data_parallel.md)."""
+        once = sum(v for k, v in self.host_parts.items() if k.startswith(SHARED_PER_HOST))
+        return once + ranks_per_host * (self.host_total_bytes - once)
 
     def summary(self) -> str:
         def items(parts):
@@ -509,6 +521,7 @@ class _Budget:
     gpu_free: int | None
     host_avail: int
     safety: float
+    ranks_per_host: int = 1          # data parallel: the host's ranks share one state (host_bytes_per_host)
 
     def shortfalls(self, est: MemoryEstimate) -> list[tuple[str, int, int, int, dict[str, int]]]:
         """[(what, needed, usable, available, parts)] for each memory that does not fit."""
@@ -518,11 +531,13 @@ class _Budget:
             if est.gpu_bytes > usable:
                 out.append(("GPU memory", est.gpu_bytes, usable, self.gpu_free, est.gpu_parts))
         usable = int(self.safety * self.host_avail)
-        need = est.host_total_bytes
+        need = est.host_bytes_per_host(self.ranks_per_host)
         if need > usable:
             parts = dict(est.host_parts)
             if est.device_type == "cpu":
                 parts.update({f"device: {k}": v for k, v in est.gpu_parts.items()})
+            if self.ranks_per_host > 1:
+                parts[f"the host's {self.ranks_per_host - 1} other ranks' own buffers"] = need - est.host_total_bytes
             out.append(("host RAM", need, usable, self.host_avail, parts))
         return out
 
@@ -532,8 +547,12 @@ class _Budget:
 
 def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int, grad_accum: int = 1,
               max_grad_norm: float | None = None, gpu_free_bytes: int | None = None,
-              host_available_bytes: int | None = None, safety: float = 0.9, padded: bool = True) -> MemoryEstimate:
+              host_available_bytes: int | None = None, safety: float = 0.9, padded: bool = True,
+              ranks_per_host: int = 1) -> MemoryEstimate:
     """The estimate if it fits in `safety` x the available memory, else InsufficientMemoryError.
+
+    ranks_per_host: data-parallel ranks on this host; the GPU check is per rank (each has its own
+    GPU), the host check counts the shared state once and each rank's own buffers per rank.
 
     gpu_free_bytes: default torch.cuda.mem_get_info()[0] (device cuda); ignored on device cpu,
     where model state and activations count against host RAM.
@@ -550,7 +569,7 @@ def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len:
         gpu_free_bytes = query_gpu_free_bytes(rt)
     if host_available_bytes is None:
         host_available_bytes = query_host_available_bytes()
-    budget = _Budget(est.device_type, gpu_free_bytes, int(host_available_bytes), safety)
+    budget = _Budget(est.device_type, gpu_free_bytes, int(host_available_bytes), safety, ranks_per_host)
     short = budget.shortfalls(est)
     if not short:
         return est

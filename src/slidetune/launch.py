@@ -1,0 +1,71 @@
+"""`slidetune train --gpus N`: the same command on N data-parallel ranks (docs/data_parallel.md).
+
+The process re-executes itself through torch.distributed.run (torchrun), one host, N processes:
+
+    python -m torch.distributed.run --standalone --nproc-per-node N -m slidetune.cli train <args without --gpus>
+
+`torchrun --nproc-per-node N -m slidetune.cli train ...` is the same run started by hand (and the
+way to span hosts). Each rank takes the GPU of its LOCAL_RANK (ranks.Ranks.start); `--device cpu`
+starts N CPU processes over gloo instead (for tests: the same code paths without GPUs).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+FLAG = "--gpus"
+# On a signal torchrun forwards it to the ranks and kills them this many seconds later: the ranks
+# finish their step and rank 0 writes a resumable checkpoint first, which for a large model takes
+# minutes (torchrun's own default is 30 s).
+SHUTDOWN_TIMEOUT_S = 900
+
+
+def without_gpus_flag(argv: list[str]) -> list[str]:
+    """argv less `--gpus N` / `--gpus=N` (what each rank is started with)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == FLAG:
+            skip = True
+        elif not a.startswith(FLAG + "="):
+            out.append(a)
+    return out
+
+
+def visible_gpus() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_gpus(n: int, device: str, visible: int) -> None:
+    """Refuse a --gpus N that cannot run here, naming the fix."""
+    if n < 1:
+        raise ValueError(f"{FLAG} {n}: the number of ranks must be at least 1")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(f"{FLAG} starts the ranks itself, but this process is already one of "
+                         f"{os.environ['WORLD_SIZE']} ranks (torchrun): leave {FLAG} out under torchrun")
+    if device == "cpu":
+        return                     # N CPU processes over gloo
+    if n > visible:
+        where = f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r}" \
+            if "CUDA_VISIBLE_DEVICES" in os.environ else "no CUDA_VISIBLE_DEVICES set"
+        fix = (f"use {FLAG} {visible} or fewer" if visible else
+               f"run on a machine with GPUs, or add --device cpu to start {n} CPU processes (gloo; for testing)")
+        raise ValueError(f"{FLAG} {n} with --device {device}: this machine has {visible} visible GPU"
+                         f"{'' if visible == 1 else 's'} ({where}); {fix}")
+
+
+def torchrun_command(n: int, argv: list[str]) -> list[str]:
+    """The command that runs `slidetune <argv>` (argv without --gpus) on n ranks of this host."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "-m", "slidetune.cli", *argv]
+
+
+def relaunch(n: int, argv: list[str]) -> None:
+    """Replace this process by torchrun running n ranks (never returns): a signal to the command
+    goes to torchrun, which forwards it to every rank."""
+    cmd = torchrun_command(n, without_gpus_flag(argv))
+    print(f"slidetune: starting {n} ranks: {' '.join(cmd)}", flush=True)
+    sys.stderr.flush()
+    os.execv(sys.executable, cmd)

@@ -1,0 +1,230 @@
+"""`slidetune train --gpus N` on CPU (docs/data_parallel.md): 2 gloo ranks through the launcher.
+
+One 2-rank run at --batch-size 2 (3 steps, clipping that clips, a checkpoint at step 2) is
+compared with one rank at --batch-size 4: the same losses, gradient norms and final weights (fp32,
+relative 1e-5: only the order of the gradient sums differs). The 2-rank run's step-2 checkpoint,
+resumed on one rank, ends where the uninterrupted one-rank run ends. Rank 0 alone writes: one set
+of files, each step once in metrics.csv. The runs are made once for the module (a 2-rank run costs
+about a minute here: two processes importing torch and transformers).
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from slidetune import launch
+from slidetune.cli import main
+from slidetune.data.corpus import builtin_corpus
+
+STEPS = 3
+SAVE_EVERY = 2
+CLIP = 0.05            # below every step's gradient norm here: the clipped path runs (asserted)
+PER_RANK = 2           # --batch-size of each of the 2 ranks; one rank runs at 2 x this
+
+
+def common_args(data: Path) -> list[str]:
+    return ["--model", "tiny-llama", "--device", "cpu", "--dtype", "fp32", "--seq-len", "32", "--data", str(data),
+            "--max-steps", str(STEPS), "--max-grad-norm", str(CLIP), "--save-every", str(SAVE_EVERY),
+            "--eval-batches", "1", "--progress", "false", "--skip-reference-check"]
+
+
+def run_in_process(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["train", *args])
+    return code, out.getvalue(), err.getvalue()
+
+
+def run_launcher(*args: str) -> subprocess.CompletedProcess:
+    """`slidetune train --gpus 2 ...` as a user runs it (the launcher re-executes into torchrun)."""
+    return subprocess.run([sys.executable, "-m", "slidetune.cli", "train", *args], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dp-train")
+    data = tmp / "small.jsonl"     # 40 documents of the built-in corpus: tokenized in milliseconds
+    data.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in builtin_corpus()[:40]))
+    args = common_args(data)
+    two = run_launcher(*args, "--batch-size", str(PER_RANK), "--gpus", "2", "--output-dir", str(tmp / "two"))
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-5000:]
+    code, out, err = run_in_process(*args, "--batch-size", str(2 * PER_RANK), "--output-dir", str(tmp / "one"))
+    assert code == 0, out[-3000:] + err[-3000:]
+    # the 2-rank run's step-2 checkpoint, continued on one rank at the same global batch
+    (tmp / "resumed" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp / "two" / "checkpoints" / f"checkpoint-{SAVE_EVERY}",
+                    tmp / "resumed" / "checkpoints" / f"checkpoint-{SAVE_EVERY}")
+    code, r_out, r_err = run_in_process(*args, "--batch-size", str(2 * PER_RANK), "--resume", "auto",
+                                        "--output-dir", str(tmp / "resumed"))
+    assert code == 0, r_out[-3000:] + r_err[-3000:]
+    return {"tmp": tmp, "two": two, "resumed_out": r_out, "resumed_err": r_err}
+
+
+def metrics(run: Path) -> list[dict]:
+    with (run / "metrics.csv").open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def step_rows(run: Path) -> dict[int, dict]:
+    return {int(r["step"]): r for r in metrics(run) if r["loss"]}
+
+
+def weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        out.update(load_file(f))
+    assert out, f"no weights in {model_dir}"
+    return out
+
+
+def worst_rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, str]:
+    assert got.keys() == want.keys()
+    return max((float((got[k].double() - want[k].double()).norm() / want[k].double().norm().clamp_min(1e-30)), k)
+               for k in want)
+
+
+def close(a: float, b: float, rel: float = 1e-5) -> bool:
+    return abs(a - b) <= rel * abs(b)
+
+
+def test_two_ranks_train_like_one_rank_at_twice_the_batch(runs):
+    tmp = runs["tmp"]
+    two, one = step_rows(tmp / "two"), step_rows(tmp / "one")
+    assert sorted(two) == sorted(one) == list(range(1, STEPS + 1))
+    for step in one:
+        for key in ("loss", "grad_norm", "lr"):
+            assert close(float(two[step][key]), float(one[step][key])), (step, key, two[step][key], one[step][key])
+        assert float(one[step]["grad_norm"]) > CLIP, "the clip threshold must clip every step"
+    # the held-out evaluation (split over the ranks, summed) before and after training
+    for run_two, run_one in zip(metrics(tmp / "two"), metrics(tmp / "one")):
+        if run_one["eval_loss"]:
+            assert close(float(run_two["eval_loss"]), float(run_one["eval_loss"]))
+    worst, where = worst_rel(weights(tmp / "two" / "final"), weights(tmp / "one" / "final"))
+    assert worst < 1e-5, f"{where}: relative difference {worst:.2e}"
+    # the weights moved: a run that trained nothing would pass the comparison above
+    start = weights(tmp / "two" / "checkpoints" / f"checkpoint-{SAVE_EVERY}")
+    assert worst_rel(weights(tmp / "one" / "final"), start)[0] > 1e-7
+
+
+def test_two_rank_checkpoint_resumes_on_one_rank(runs):
+    tmp = runs["tmp"]
+    assert f"resumed from {tmp / 'resumed' / 'checkpoints' / f'checkpoint-{SAVE_EVERY}'}" in runs["resumed_out"]
+    # 2 ranks x 2 rows and 1 rank x 4 rows are the same global batch: no "settings differ" note
+    assert "differ" not in runs["resumed_err"], runs["resumed_err"]
+    one, resumed = step_rows(tmp / "one"), step_rows(tmp / "resumed")
+    for step in range(SAVE_EVERY + 1, STEPS + 1):
+        assert close(float(resumed[step]["loss"]), float(one[step]["loss"])), step
+    worst, where = worst_rel(weights(tmp / "resumed" / "final"), weights(tmp / "one" / "final"))
+    assert worst < 1e-5, f"{where}: relative difference {worst:.2e}"
+
+
+def test_only_rank_zero_writes(runs):
+    tmp = runs["tmp"]
+    out = tmp / "two"
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (tmp / "one").iterdir()) == [
+        "checkpoints", "config.json", "final", "loss.png", "metrics.csv", "summary.json"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"checkpoint-{SAVE_EVERY}",
+                                                                        f"checkpoint-{STEPS}"]
+    assert not list(tmp.rglob("*.tmp*")) and not list(tmp.rglob("*.old-*")), "a save left a partial copy"
+    steps = [int(r["step"]) for r in metrics(out) if r["loss"]]
+    assert steps == list(range(1, STEPS + 1)), "each step once in metrics.csv"
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["world_size"] == 2 and saved["batch_size"] == PER_RANK
+    state = json.loads((out / "checkpoints" / f"checkpoint-{STEPS}" / "trainer_state" / "state.json").read_text())
+    assert state["trainer_state"]["config"]["world_size"] == 2
+    # rank 1 prints nothing but errors: the run's report appears once
+    stdout = runs["two"].stdout
+    for once in ("resolved config:", "final model:", '"eval_loss_before"'):
+        assert stdout.count(once) == 1, (once, stdout[-3000:])
+    assert "torch.distributed.run --standalone --nproc-per-node 2" in stdout
+
+
+def test_more_gpus_than_visible_is_refused(tmp_path):
+    code, _, err = run_in_process("--model", "tiny-llama", "--device", "cuda", "--gpus", "2",
+                                  "--output-dir", str(tmp_path / "run"))
+    assert code == 2
+    assert "--gpus 2 with --device cuda: this machine has 0 visible GPUs" in err, err
+    assert "--device cpu" in err           # the fix for a machine without GPUs
+    assert not (tmp_path / "run").exists()
+
+
+def test_launcher_command_drops_gpus_and_refuses_nesting(monkeypatch):
+    argv = ["--model", "m", "--gpus", "4", "--batch-size", "2", "--gpus=4"]
+    assert launch.without_gpus_flag(argv) == ["--model", "m", "--batch-size", "2"]
+    cmd = launch.torchrun_command(4, ["--model", "m"])
+    assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "--shutdown-timeout",
+                       str(launch.SHUTDOWN_TIMEOUT_S), "-m", "slidetune.cli", "--model", "m"]
+    with pytest.raises(ValueError, match="fewer"):
+        launch.check_gpus(4, "cuda", visible=2)
+    launch.check_gpus(2, "cuda", visible=2)
+    launch.check_gpus(3, "cpu", visible=0)
+    with pytest.raises(ValueError, match="at least 1"):
+        launch.check_gpus(0, "cpu", visible=0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="leave --gpus out under torchrun"):
+        launch.check_gpus(2, "cpu", visible=0)
+
+
+def launcher_args(tmp: Path, steps: int) -> list[str]:
+    data = tmp / "small.jsonl"
+    data.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in builtin_corpus()[:40]))
+    no_saves = common_args(data)
+    at = no_saves.index("--save-every")
+    del no_saves[at:at + 2]              # the only checkpoints: those a stop writes
+    return no_saves + [
+        "--batch-size", str(PER_RANK), "--gpus", "2", "--max-steps", str(steps), "--log-every", "1",
+        "--output-dir", str(tmp / "run")]
+
+
+@pytest.mark.slow
+def test_a_failing_rank_ends_every_rank_naming_it(tmp_path):
+    args = launcher_args(tmp_path, steps=4)
+    proc = subprocess.run([sys.executable, "-m", "slidetune.cli", "train", *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "SLIDETUNE_INJECT_FAULT": "data:2:1"})
+    err = proc.stderr
+    assert proc.returncode != 0
+    assert "slidetune: error (rank 1 of 2): InjectedFault: injected fault in the data thread at step 2 on rank 1" \
+        in err, err[-5000:]
+    assert "slidetune: error (rank 0 of 2)" in err, "rank 0 must end too, not wait for rank 1"
+    assert not (tmp_path / "run" / "final").exists()
+
+
+@pytest.mark.slow
+def test_sigint_to_the_launcher_stops_every_rank_after_one_step_with_one_checkpoint(tmp_path):
+    args = launcher_args(tmp_path, steps=500)
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "slidetune.cli", "train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (run / "metrics.csv").exists() and len(step_rows(run)) >= 2:
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, "the run ended before it could be interrupted"
+        proc.send_signal(signal.SIGINT)       # the launcher is torchrun now (exec): it forwards the signal
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert len(checkpoints) == 1, checkpoints
+    done = int(checkpoints[0].removeprefix("checkpoint-"))
+    assert (run / "checkpoints" / checkpoints[0] / "COMPLETE").exists()
+    assert out.count(f"stopped by SIGINT after step {done} of 500") == 1, out[-5000:]
+    assert sorted(step_rows(run)) == list(range(1, done + 1)), "both ranks stopped after the same step"
+    assert json.loads((run / "summary.json").read_text())["interrupted"] is True
