@@ -81,15 +81,6 @@ class _NullEvent:
     def record(self, stream=None) -> None:
         pass
 
-    def limit_memory(self, gib: float) -> int:
-        """Cap what this process may allocate on the GPU at `gib` GiB (the caching allocator raises
-        torch.OutOfMemoryError past it, as on a smaller card); returns the cap in bytes (no-op on the CPU)."""
-        limit = int(gib * 2**30)
-        if self.is_cuda:
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), self.device)
-        return limit
-
     def synchronize(self) -> None:
         pass
 
@@ -106,15 +97,6 @@ class _NullStream:
 
     def wait_stream(self, stream) -> None:
         pass
-
-    def limit_memory(self, gib: float) -> int:
-        """Cap what this process may allocate on the GPU at `gib` GiB (the caching allocator raises
-        torch.OutOfMemoryError past it, as on a smaller card); returns the cap in bytes (no-op on the CPU)."""
-        limit = int(gib * 2**30)
-        if self.is_cuda:
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), self.device)
-        return limit
 
     def synchronize(self) -> None:
         pass
