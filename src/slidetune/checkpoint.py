@@ -47,6 +47,7 @@ import torch
 from . import __version__
 from .engine.slide.disk_tier import StreamedTensor
 from .faults import maybe_fail
+from .processes import pid_alive
 
 FORMAT_VERSION = 1
 COMPLETE = "COMPLETE"
@@ -531,20 +532,6 @@ def _dead_leftovers(directory: Path, ours: bool = False) -> list[tuple[re.Match,
         m = _LEFTOVER_RE.match(p.name)
         if m and p.is_dir():
             pid = int(m.group("pid"))
-            if not _pid_alive(pid) or (ours and pid == os.getpid()):
+            if not pid_alive(pid) or (ours and pid == os.getpid()):
                 found.append((m, p))
     return found
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OSError:
-        return True
-    return True

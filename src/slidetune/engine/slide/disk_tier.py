@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from ...device import PINNED
+from ...processes import pid_alive
 from ...telemetry.host_timeline import HostTimeline
 
 ALIGN = 4096                      # O_DIRECT: buffer address, size and offset aligned to this
@@ -102,20 +103,10 @@ def remove_stale(directory: Path) -> list[Path]:
             pid = int(d.name[len(SCRATCH_PREFIX):].split("-")[0])
         except ValueError:
             continue
-        if pid != os.getpid() and not _pid_alive(pid):
+        if pid != os.getpid() and not pid_alive(pid):
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d)
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _aligned_empty(n_floats: int, pinned: bool) -> torch.Tensor:
