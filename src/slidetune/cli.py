@@ -120,7 +120,7 @@ def _plan(ns) -> int:
 def _plan_terms(cfg, plan) -> None:
     """The floor's terms for this placement, each probed on this machine (bench.roofline): the
     seconds a step each resource needs at best, and the largest of them, the floor."""
-    from .bench.roofline import floor_terms
+    from .bench.roofline import disk_term, floor_terms
     from .bench.scenarios.roofline import measure_floor
     rt = cfg.runtime
     print("probing this machine for the floor's terms (GPU compute, PCIe copies, host AdamW"
@@ -139,7 +139,7 @@ def _plan_terms(cfg, plan) -> None:
     if fl.get("partial"):       # no GPU here: the host's terms only
         terms = {"adamw_s": plan.host_updated_params / fl["adamw"]["adamw_params_per_s"]}
         if disk and plan.params("disk"):
-            terms["disk_s"] = 16 * plan.params("disk") / (disk["mixed_gib_s"] * 2**30)
+            terms["disk_s"] = disk_term(plan.params("disk"), disk)
     else:
         terms = floor_terms(fl["compute"], fl["copy"], fl["adamw"], plan, device_adamw=fl.get("device_adamw"),
                             disk=disk, split_sweep=rt.clip_sweep != "whole")

@@ -301,6 +301,16 @@ def plan_of_runtime(comp: dict, runtime: dict | None = None, clipped: bool = Fal
     return PlacementPlan.build(shapes, rt, schedule)
 
 
+def disk_term(disk_params: int, disk: dict) -> float:
+    """Seconds a step the disk tier's I/O takes (probe_disk's result): the moments of `disk_params`
+    are read and written once a step, 16 B/param. The tier reads ahead while it writes behind: at
+    the probe's mixed rate (reads and writes at once); a probe without it, one after the other."""
+    gib = 2**30
+    if disk.get("mixed_gib_s"):
+        return 16 * disk_params / (disk["mixed_gib_s"] * gib)
+    return 8 * disk_params / (disk["read_gib_s"] * gib) + 8 * disk_params / (disk["write_gib_s"] * gib)
+
+
 def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None = None,
                 device_adamw: dict | None = None, disk: dict | None = None, split_sweep: bool = True) -> dict:
     """The floor's terms (seconds) for a placement plan (engine/placement.py; None: the design's,
@@ -340,14 +350,8 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
         "d2h_s": 2 * host_params / (copy["d2h_gib_s"] * gib),
         "adamw_s": host_params / adamw["adamw_params_per_s"],
     }
-    disk_io_s = 0.0
-    if disk_params and disk:
-        # the tier reads ahead while it writes behind: the 16 B/param move at the probe's mixed
-        # rate (reads and writes at once); a probe without it, one after the other
-        if disk.get("mixed_gib_s"):
-            disk_io_s = 16 * disk_params / (disk["mixed_gib_s"] * gib)
-        else:
-            disk_io_s = 8 * disk_params / (disk["read_gib_s"] * gib) + 8 * disk_params / (disk["write_gib_s"] * gib)
+    disk_io_s = disk_term(disk_params, disk) if disk_params and disk else 0.0
+    if disk_io_s:
         terms["disk_s"] = disk_io_s
     clipped = plan.schedule == "deferred"
     ram_params = host_params - disk_params
