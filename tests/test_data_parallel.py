@@ -34,6 +34,11 @@ RUNS = {
     # eager updates as each unit's gradient lands, tied embedding (the head's share reduced with
     # it), checkpoints offloaded (per rank: nothing shared)
     "eager-tied-offload": ("qwen3-tied-qknorm", "eager", 1, None, {"offload_activations": True, "cache_units": 2}),
+    # units updated on the device (the vocabulary and a layer): every rank updates its own copy
+    # from the all-reduced gradient, clipped, with accumulation; the rest shared and sharded
+    "deferred-device-units": ("llama", "deferred", 2, CLIP, {"vocab_update": "device", "device_layers": 1,
+                                                              "cache_units": 2}),
+    "eager-device-layer": ("qwen3-tied-qknorm", "eager", 1, None, {"device_layers": 1, "cache_units": 2}),
 }
 RESUMED = "deferred-accum2-clip"
 
@@ -98,7 +103,9 @@ def _rank_main(rank: int, port: int, out: str, ckpt_1rank: str) -> None:
                 else:
                     losses, norms = train(engine, run, range(STEPS), rank, WORLD)
                 record[run] = {"losses": losses, "norms": norms, "masters": masters(engine),
-                               "optimizer": optimizer_state(engine)}
+                               "optimizer": optimizer_state(engine),
+                               "on_device": [i for i, u in enumerate(engine.units) if u.on_device],
+                               "owned": [i for i, u in enumerate(engine.units) if u.owned]}
                 if run == RESUMED:
                     record["sharing"] = _sharing_probe(engine, dp, rank)
             finally:
@@ -217,6 +224,15 @@ def test_two_ranks_follow_one_rank_at_twice_the_batch(results, run):
         assert worst < 1e-5, f"rank {rank} {where}: relative difference {worst:.2e}"
         worst, where = _worst_rel(got["optimizer"], want["optimizer"])
         assert worst < 1e-5, f"rank {rank} optimizer {where}: relative difference {worst:.2e}"
+    extra = RUNS[run][4]
+    if extra.get("device_layers") or extra.get("vocab_update") == "device":
+        on_device = results["ranks"][0][run]["on_device"]
+        assert on_device and all(rec[run]["on_device"] == on_device for rec in results["ranks"])
+        # every rank updates its own copy of each device unit; the host units have one owner
+        for rec in results["ranks"]:
+            assert set(on_device) <= set(rec[run]["owned"])
+        host_owned = [set(rec[run]["owned"]) - set(on_device) for rec in results["ranks"]]
+        assert all(host_owned) and not host_owned[0] & host_owned[1]
     if RUNS[run][3] is not None:
         assert min(want["norms"]) > RUNS[run][3], "the clip threshold must clip every step"
     # the weights moved: a no-op engine on both sides would pass the comparisons above
@@ -300,8 +316,6 @@ def test_shards_balance_parameters():
 
 
 @pytest.mark.parametrize("extra, named", [
-    ({"device_layers": 1}, "device_layers"),
-    ({"vocab_update": "device"}, "vocab_update"),
     ({"disk_units": 1, "disk_dir": "/tmp"}, "disk tier"),
 ])
 def test_unsupported_combinations_are_refused(extra, named):

@@ -589,7 +589,7 @@ def _disk_tier_note(split: SplitModel, rt: RuntimeConfig, budget: _Budget, short
         return ""
     trial = dataclasses.replace(rt, disk_dir="PATH", disk_units=-1)
     placed = choose_auto_settings(split, trial, gpu_free_bytes=budget.gpu_free, host_available_bytes=budget.host_avail,
-                                  safety=budget.safety, **kw)
+                                  safety=budget.safety, ranks_per_host=budget.ranks_per_host, **kw)
     est = estimate_memory(split, placed, **kw)
     if not budget.fits(est):
         return ""
@@ -603,7 +603,7 @@ def _disk_tier_note(split: SplitModel, rt: RuntimeConfig, budget: _Budget, short
 def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int,
                          grad_accum: int = 1, max_grad_norm: float | None = None,
                          gpu_free_bytes: int | None = None, host_available_bytes: int | None = None,
-                         safety: float = 0.9, padded: bool = True) -> RuntimeConfig:
+                         safety: float = 0.9, padded: bool = True, ranks_per_host: int = 1) -> RuntimeConfig:
     """Resolve slide mode's memory-dependent autos: cache_units=-1 (with resident_layers=-1),
     vocab_update=auto, grad_slot_dtype=auto, device_layers=-1 and gpu_checkpoints=-1.
 
@@ -628,6 +628,11 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
     If even that does not fit, the configuration that needs the least host RAM is returned and
     check_fit reports it. On the CPU (nothing to hide) the lean choices.
     Settings given explicitly are kept; with nothing on auto, `rt` itself is returned.
+
+    ranks_per_host: data-parallel ranks on this host, each with a GPU like this one. The GPU
+    checks are per rank; the host check counts the shared state once and each rank's own
+    buffers per rank (MemoryEstimate.host_bytes_per_host), so N ranks may need the GPU to take
+    more off the host than one rank would.
     """
     if rt.mode != "slide":
         return rt
@@ -669,8 +674,11 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
     def fits(c: RuntimeConfig) -> bool:
         return estimate(c).gpu_bytes <= safety * free
 
+    def host_bytes(c: RuntimeConfig) -> int:
+        return estimate(c).host_bytes_per_host(ranks_per_host)
+
     def host_fits(c: RuntimeConfig) -> bool:
-        return estimate(c).host_bytes <= safety * host
+        return host_bytes(c) <= safety * host
 
     def fill(c: RuntimeConfig, order: list[str]) -> RuntimeConfig:
         for name in (n for n in order if n in fillable):
@@ -716,7 +724,7 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
     fitting = next((c for c in leanest if host_fits(c)), None)
     if fitting is not None:
         return fitting
-    least = min([fastest, *leanest], key=lambda c: estimate(c).host_bytes)
+    least = min([fastest, *leanest], key=host_bytes)
     if rt.disk_units == -1 and rt.disk_dir:
         # RAM and GPU cannot hold the state: the disk tier takes the moments of as few units as
         # make the host fit (the head, then layers from the top down; each 8 B/param off the host)

@@ -156,10 +156,14 @@ class SlideEngine:
         self.dp = dist if dist is not None and dist.world_size > 1 else None
         shared, owned = None, None
         if self.dp is not None:
-            _check_data_parallel(self.plan, rt)
-            numels = [u.numel for u in self.plan.units]
+            # Host-updated units (host and disk) are shared and sharded over the host's ranks. Units
+            # updated on the GPU are every rank's own: each rank applies the same all-reduced
+            # gradient to its own device copy (GPU memory is per rank anyway), so they have no
+            # owner, take no room in the shared mapping and are never followed.
+            numels = [u.numel if u.host_updated else 0 for u in self.plan.units]
             owners = self.dp.owners(numels)
-            owned = frozenset(i for i, r in enumerate(owners) if r == self.dp.local_rank)
+            owned = frozenset(i for i, r in enumerate(owners)
+                              if r == self.dp.local_rank or not self.plan.units[i].host_updated)
             shared = self.dp.share_host_state(numels)
         self.shared = shared
         disk_units = self.plan.indices("disk")
@@ -1055,10 +1059,6 @@ class SlideEngine:
 def _check_data_parallel(plan: PlacementPlan, rt: RuntimeConfig) -> None:
     """What data parallel does not make exact yet is refused, naming it (docs/data_parallel.md)."""
     unsupported = []
-    if plan.vocab_on_device:
-        unsupported.append("--tuning.vocab_update device (the vocabulary units updated on the GPU)")
-    if plan.device_layers:
-        unsupported.append("--tuning.device_layers > 0 (layers updated on the GPU)")
     if plan.indices("disk"):
         unsupported.append("--tuning.disk_units > 0 (the disk tier)")
     if unsupported:

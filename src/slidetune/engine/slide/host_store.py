@@ -224,7 +224,8 @@ class HostStore:
                 lambda i: HostUnit(split.units[i], source, optim, held_dtype, kernel,
                                    device=device if i in device_units else None,
                                    disk=disk if disk is not None and i in disk.units else None,
-                                   shared=shared.units[i] if shared is not None else None,
+                                   # a unit updated on the device is each rank's own copy
+                                   shared=shared.units[i] if shared is not None and i not in device_units else None,
                                    owned=owned is None or i in owned),
                 range(len(split.units))))
         self.shared = shared
