@@ -19,11 +19,13 @@ from slidetune.checkpoint import load_checkpoint, save_checkpoint
 from slidetune.data import Batch
 from slidetune.engine import AdamWConfig, RuntimeConfig, build_engine
 from slidetune.engine.distributed import DataParallel, DistConfig, close_process_group, shard_units
-from slidetune.engine.placement import PlacementPlan, unit_shapes
-from slidetune.engine.slide.engine import _check_data_parallel
+from slidetune.engine.slide.disk_tier import StreamedTensor
 from test_equivalence import FAMILIES, LR, make_batches, make_loaded
 
 WORLD = 2
+# the disk tier's directory: every process of the test (the spawned ranks import this module
+# again) takes it from the environment the fixture sets
+DISK_DIR = "$SLIDETUNE_TEST_DISK_DIR"
 STEPS = 3
 CKPT_STEP = 2          # the checkpoint is written after this many steps
 CLIP = 0.05            # below every step's gradient norm here: the clipped path runs (asserted)
@@ -39,11 +41,19 @@ RUNS = {
     "deferred-device-units": ("llama", "deferred", 2, CLIP, {"vocab_update": "device", "device_layers": 1,
                                                               "cache_units": 2}),
     "eager-device-layer": ("qwen3-tied-qknorm", "eager", 1, None, {"device_layers": 1, "cache_units": 2}),
+    # the disk tier's units (head and top layer) on local rank 0, moments in its files; the
+    # checkpoint-less run's optimizer state is read back through rank 0's tier
+    "deferred-disk": ("llama", "deferred", 2, CLIP, {"disk_units": 2, "disk_dir": DISK_DIR, "disk_block_mb": 0.0625,
+                                                     "cache_units": 2}),
+    "eager-disk": ("llama", "eager", 1, None, {"disk_units": 2, "disk_dir": DISK_DIR, "disk_block_mb": 0.0625,
+                                               "cache_units": 2}),
 }
 RESUMED = "deferred-accum2-clip"
 
 
 def runtime(schedule: str, extra: dict) -> RuntimeConfig:
+    if extra.get("disk_dir") == DISK_DIR:
+        extra = {**extra, "disk_dir": os.environ["SLIDETUNE_TEST_DISK_DIR"]}
     return RuntimeConfig(mode="slide", dtype="fp32", device="cpu", schedule=schedule, head_chunk_tokens=16,
                          chunk_mb=1, **{"offload_activations": False, **extra})
 
@@ -79,7 +89,14 @@ def masters(engine) -> dict[str, torch.Tensor]:
 
 
 def optimizer_state(engine) -> dict[str, torch.Tensor]:
-    return {k: t.clone() for k, t in engine.optimizer_tensors().items()}
+    """Every AdamW tensor this engine can read (a disk unit's moments streamed from its tier);
+    without the disk units' moments on a rank that does not keep the tier (they are rank 0's)."""
+    out = {}
+    for k, t in engine.optimizer_tensors().items():
+        t = torch.cat(list(t.chunks())) if isinstance(t, StreamedTensor) else t.clone()
+        if t.numel() or not k.endswith(("exp_avg", "exp_avg_sq")):
+            out[k] = t
+    return out
 
 
 # ---------------------------------------------------------------------------- the ranks
@@ -102,10 +119,15 @@ def _rank_main(rank: int, port: int, out: str, ckpt_1rank: str) -> None:
                     losses, norms = losses + more[0], norms + more[1]
                 else:
                     losses, norms = train(engine, run, range(STEPS), rank, WORLD)
+                if run == "deferred-disk":
+                    if rank == 0:                  # the disk units' moments come from rank 0's tier
+                        save_checkpoint(engine, os.path.join(out, "ckpt-disk-2ranks"), step=STEPS)
+                    dp.barrier()
                 record[run] = {"losses": losses, "norms": norms, "masters": masters(engine),
                                "optimizer": optimizer_state(engine),
                                "on_device": [i for i, u in enumerate(engine.units) if u.on_device],
-                               "owned": [i for i, u in enumerate(engine.units) if u.owned]}
+                               "owned": [i for i, u in enumerate(engine.units) if u.owned],
+                               "disk": sorted(engine.disk.units) if engine.disk is not None else []}
                 if run == RESUMED:
                     record["sharing"] = _sharing_probe(engine, dp, rank)
             finally:
@@ -175,10 +197,12 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dp")
+    os.environ["SLIDETUNE_TEST_DISK_DIR"] = str(tmp_path_factory.mktemp("disk"))
     torch.manual_seed(0)
     one: dict = {}
     for run in RUNS:
         engine = engine_for(run)
+        one["unit_names"] = [u.spec.name for u in engine.units]
         try:
             if run == RESUMED:
                 # the run is checkpointed and resumed at one rank too (exact: test_checkpoint.py)
@@ -215,6 +239,7 @@ def _worst_rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> t
 @pytest.mark.parametrize("run", list(RUNS))
 def test_two_ranks_follow_one_rank_at_twice_the_batch(results, run):
     want = results["one"][run]
+    engine_units = results["one"]["unit_names"]
     for rank, rec in enumerate(results["ranks"]):
         got = rec[run]
         for step in range(STEPS):
@@ -222,9 +247,20 @@ def test_two_ranks_follow_one_rank_at_twice_the_batch(results, run):
             assert _close(got["norms"][step], want["norms"][step]), (rank, step, got["norms"], want["norms"])
         worst, where = _worst_rel(got["masters"], want["masters"])
         assert worst < 1e-5, f"rank {rank} {where}: relative difference {worst:.2e}"
-        worst, where = _worst_rel(got["optimizer"], want["optimizer"])
+        optimizer = want["optimizer"]
+        if RUNS[run][4].get("disk_units") and rank:
+            # the disk units' moments are in local rank 0's tier alone
+            names = {f"{engine_units[i]}.{k}" for i in results["ranks"][0][run]["disk"] for k in ("exp_avg", "exp_avg_sq")}
+            assert set(optimizer) - set(got["optimizer"]) == names
+            optimizer = {k: v for k, v in optimizer.items() if k not in names}
+        worst, where = _worst_rel(got["optimizer"], optimizer)
         assert worst < 1e-5, f"rank {rank} optimizer {where}: relative difference {worst:.2e}"
     extra = RUNS[run][4]
+    if extra.get("disk_units"):
+        disk = [rec[run]["disk"] for rec in results["ranks"]]
+        assert len(disk[0]) == extra["disk_units"] and disk[1:] == [[]] * (WORLD - 1), disk
+        assert set(disk[0]) <= set(results["ranks"][0][run]["owned"])
+        assert not set(disk[0]) & set(results["ranks"][1][run]["owned"])
     if extra.get("device_layers") or extra.get("vocab_update") == "device":
         on_device = results["ranks"][0][run]["on_device"]
         assert on_device and all(rec[run]["on_device"] == on_device for rec in results["ranks"])
@@ -315,14 +351,13 @@ def test_shards_balance_parameters():
     assert shard_units([3, 3, 3], 1) == [0, 0, 0]
 
 
-@pytest.mark.parametrize("extra, named", [
-    ({"disk_units": 1, "disk_dir": "/tmp"}, "disk tier"),
-])
-def test_unsupported_combinations_are_refused(extra, named):
-    rt = RuntimeConfig(mode="slide", dtype="fp32", device="cpu", **{"offload_activations": False, **extra})
-    plan = PlacementPlan.build(unit_shapes(make_loaded("llama", tied=False).split), rt)
-    with pytest.raises(ValueError, match=named):
-        _check_data_parallel(plan, rt)
+def test_pinned_units_keep_their_owner_and_count_towards_its_load():
+    # the disk tier's units (the head and the top layer here) on part 0; the rest balance around them
+    numels = [5] + [1] * 8 + [5]
+    owners = shard_units(numels, 2, pinned={9: 0, 8: 0})
+    assert owners[9] == owners[8] == 0
+    loads = [sum(n for n, o in zip(numels, owners) if o == r) for r in range(2)]
+    assert abs(loads[0] - loads[1]) <= 1 and owners[0] == 1
 
 
 def test_dist_config_from_torchrun_env(monkeypatch):
@@ -332,3 +367,20 @@ def test_dist_config_from_torchrun_env(monkeypatch):
     assert (cfg.world_size, cfg.rank, cfg.local_rank, cfg.host, cfg.num_hosts) == (4, 3, 1, 1, 2)
     with pytest.raises(ValueError, match="mod"):
         DistConfig(world_size=4, rank=3, local_rank=0, local_world_size=2)
+
+
+def test_checkpoint_with_the_disk_tier_written_at_two_ranks_loads_at_one(results):
+    """Rank 0 wrote the whole state, its tier's moments included; one rank with the same disk
+    placement loads it and holds what the one-rank run ended with."""
+    engine = engine_for("deferred-disk")
+    try:
+        assert engine.disk is not None and len(engine.disk.units) == 2
+        load_checkpoint(engine, results["tmp"] / "ckpt-disk-2ranks")
+        got_masters, got_optimizer = masters(engine), optimizer_state(engine)
+    finally:
+        engine.close()
+    want = results["one"]["deferred-disk"]
+    worst, where = _worst_rel(got_masters, want["masters"])
+    assert worst < 1e-5, f"{where}: relative difference {worst:.2e}"
+    worst, where = _worst_rel(got_optimizer, want["optimizer"])
+    assert worst < 1e-5, f"optimizer {where}: relative difference {worst:.2e}"

@@ -186,8 +186,6 @@ def _refuse_under_data_parallel(cfg: TrainConfig, ranks: Ranks) -> None:
     bad = []
     if rt.mode != "slide":
         bad.append(f"--mode {rt.mode} (data parallel runs in slide mode only)")
-    if rt.disk_dir:
-        bad.append("--disk-dir (the disk tier)")
     if bad:
         raise TrainingError(f"{ranks.world_size} ranks (data parallel) do not support yet: " + "; ".join(bad)
                             + ". Drop these settings, or run on one rank")

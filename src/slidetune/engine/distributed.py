@@ -70,14 +70,19 @@ class DistConfig:
         return self.world_size // self.local_world_size
 
 
-def shard_units(numels: list[int], parts: int) -> list[int]:
+def shard_units(numels: list[int], parts: int, pinned: dict[int, int] | None = None) -> list[int]:
     """The owner (0 .. parts-1) of each unit, balanced by parameter count: units largest first,
     each to the least-loaded part (ties: the lower part, then the lower unit index), so every rank
     computes the same answer. Greedy is within 4/3 of the best balance; with L equal layers and two
-    vocabulary matrices it is near even."""
+    vocabulary matrices it is near even.
+    pinned: unit -> part for units whose owner is fixed (the disk tier's, on local rank 0); they
+    count towards their part's load before the others are placed."""
     load = [0] * parts
     owner = [0] * len(numels)
-    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+    for i, p in (pinned or {}).items():
+        owner[i] = p
+        load[p] += numels[i]
+    for i in sorted((i for i in range(len(numels)) if i not in (pinned or {})), key=lambda i: (-numels[i], i)):
         p = min(range(parts), key=lambda p: (load[p], p))
         owner[i] = p
         load[p] += numels[i]
@@ -111,15 +116,17 @@ class SharedHostState:
 
     Layout, unit after unit: master, exp_avg, exp_avg_sq ([numel] fp32 each), step ([1] fp32),
     each 64-byte aligned; then the versions, [units, 2] int64. A new file reads as zeros: moments,
-    steps and versions start at 0 as AdamW's do."""
+    steps and versions start at 0 as AdamW's do. Units in `no_moments` (the disk tier's: their
+    moments are in its files) have zero-length moments here."""
 
-    def __init__(self, numels: list[int], path: str, create: bool):
+    def __init__(self, numels: list[int], path: str, create: bool, no_moments: frozenset[int] = frozenset()):
         self.numels = list(numels)
         self.path = path
         offsets, at = [], 0
-        for n in self.numels:
+        for i, n in enumerate(self.numels):
             unit = []
-            for size in (4 * n, 4 * n, 4 * n, 4):
+            m = 0 if i in no_moments else n
+            for size in (4 * n, 4 * m, 4 * m, 4):
                 unit.append(at)
                 at += _aligned(size)
             offsets.append(unit)
@@ -134,7 +141,8 @@ class SharedHostState:
         for n, (m, a, s, st) in zip(self.numels, offsets):
             f32 = lambda lo, k: self.buffer[lo:lo + 4 * k].view(torch.float32)  # noqa: E731
             i = len(self.units)
-            self.units.append(SharedUnit(master=f32(m, n), exp_avg=f32(a, n), exp_avg_sq=f32(s, n),
+            k = 0 if i in no_moments else n
+            self.units.append(SharedUnit(master=f32(m, n), exp_avg=f32(a, k), exp_avg_sq=f32(s, k),
                                          step=f32(st, 1).view(()), weights_version=versions[i, 0],
                                          state_version=versions[i, 1]))
 
@@ -177,9 +185,9 @@ class DataParallel:
     def local_rank(self) -> int:
         return self.cfg.local_rank
 
-    def owners(self, numels: list[int]) -> list[int]:
-        """The local rank that owns (updates) each unit on this host."""
-        return shard_units(numels, self.cfg.local_world_size)
+    def owners(self, numels: list[int], pinned: dict[int, int] | None = None) -> list[int]:
+        """The local rank that owns (updates) each unit on this host (`pinned`: shard_units')."""
+        return shard_units(numels, self.cfg.local_world_size, pinned)
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over every rank in place (a gradient slot: on the compute stream with NCCL)."""
@@ -198,18 +206,18 @@ class DataParallel:
     def host_barrier(self) -> None:
         dist.barrier(group=self.host_group)
 
-    def share_host_state(self, numels: list[int]) -> SharedHostState:
+    def share_host_state(self, numels: list[int], no_moments: frozenset[int] = frozenset()) -> SharedHostState:
         """Collective over the host: local rank 0 creates the file, every local rank maps it, and
         the name is removed once all have (the memory then goes with the last rank's exit; only a
         crash in the seconds before that leaves a /dev/shm/slidetune-* file behind)."""
         state = None
         if self.cfg.local_rank == 0:
             state = SharedHostState(numels, f"{SHM_DIR}/slidetune-{os.getpid()}-{uuid.uuid4().hex[:12]}",
-                                    create=True)
+                                    create=True, no_moments=no_moments)
         name = [state.path if state is not None else None]
         dist.broadcast_object_list(name, src=self.cfg.host * self.cfg.local_world_size, group=self.host_group)
         if state is None:
-            state = SharedHostState(numels, name[0], create=False)
+            state = SharedHostState(numels, name[0], create=False, no_moments=no_moments)
         self.host_barrier()               # every local rank has mapped it
         if self.cfg.local_rank == 0:
             state.unlink()

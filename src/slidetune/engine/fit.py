@@ -75,8 +75,9 @@ ENV_HOST_MEMORY = "SLIDETUNE_HOST_MEMORY_BYTES"
 # ----------------------------------------------------------------------------- results
 
 
-# host parts held once per host under data parallel (the shared state; the owners' held gradients)
-SHARED_PER_HOST = ("master + Adam moments", "held gradients")
+# host parts held once per host under data parallel (the shared state; the owners' held gradients;
+# the disk tier, which local rank 0 alone keeps)
+SHARED_PER_HOST = ("master + Adam moments", "held gradients", "disk units' masters", "disk tier block buffers")
 
 
 @dataclass
