@@ -259,4 +259,15 @@ def test_two_ranks_with_every_tier_train_like_one_rank(tmp_path):
     want = load_file(tmp_path / "one" / "checkpoints" / f"checkpoint-{STEPS}" / "trainer_state" / "optimizer.safetensors")
     worst, where = worst_rel(optim, want)
     assert worst < 1e-5, f"optimizer {where}: relative difference {worst:.2e}"
+    # the 2-rank step-2 checkpoint resumed at 2 ranks (every rank checks the shapes; rank 0's tier
+    # takes the disk unit's moments back) ends where the uninterrupted run ends
+    (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "two" / "checkpoints" / f"checkpoint-{SAVE_EVERY}",
+                    tmp_path / "resumed" / "checkpoints" / f"checkpoint-{SAVE_EVERY}")
+    resumed = run_launcher(*args, "--batch-size", str(PER_RANK), "--gpus", "2", "--resume", "auto",
+                           "--output-dir", str(tmp_path / "resumed"))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
+    assert "resumed from" in resumed.stdout
+    worst, where = worst_rel(weights(tmp_path / "resumed" / "final"), weights(tmp_path / "one" / "final"))
+    assert worst < 1e-5, f"resumed {where}: relative difference {worst:.2e}"
     assert not list(disk.iterdir()), "the disk tier's scratch directories must be removed at the end"

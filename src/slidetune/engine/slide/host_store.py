@@ -100,9 +100,17 @@ class HostUnit:
 
     def state_tensors(self) -> dict[str, torch.Tensor | StreamedTensor]:
         """AdamW's state by name; a disk unit's moments as StreamedTensors read from the disk tier."""
+        index, shape = self.spec.index, (self.spec.numel,)
+        if self.disk is None and self.shared is not None and self.shared.exp_avg.numel() != self.spec.numel:
+            # data parallel: a disk unit of another rank (local rank 0 keeps the tier); its shape is
+            # known here (a resume checks it on every rank), its values only in the owner's tier
+            def elsewhere():
+                raise RuntimeError(f"the AdamW moments of {self.spec.name} are in local rank 0's disk tier; "
+                                   f"only that rank reads them")
+            return {"exp_avg": StreamedTensor(shape, torch.float32, elsewhere),
+                    "exp_avg_sq": StreamedTensor(shape, torch.float32, elsewhere), "step": self.opt.step_count}
         if self.disk is None:
             return self.opt.state_tensors()
-        index, shape = self.spec.index, (self.spec.numel,)
         return {"exp_avg": StreamedTensor(shape, torch.float32, lambda: self.disk.read_moment(index, 0)),
                 "exp_avg_sq": StreamedTensor(shape, torch.float32, lambda: self.disk.read_moment(index, 1)),
                 "step": self.opt.step_count}
