@@ -388,3 +388,81 @@ def test_checkpoint_with_the_disk_tier_written_at_two_ranks_loads_at_one(results
     assert worst < 1e-5, f"{where}: relative difference {worst:.2e}"
     worst, where = _worst_rel(got_optimizer, want["optimizer"])
     assert worst < 1e-5, f"optimizer {where}: relative difference {worst:.2e}"
+
+
+# ---------------------------------------------------------------------------- shared memory
+def test_shared_state_layout_size_is_what_the_mapping_takes(tmp_path):
+    from slidetune.engine.distributed import SharedHostState
+    numels, disk = [10, 20, 3], frozenset({1})
+    state = SharedHostState(numels, str(tmp_path / "state"), create=True, no_moments=disk)
+    assert state.nbytes == SharedHostState.layout_bytes(numels, disk) == (tmp_path / "state").stat().st_size
+    assert state.units[1].exp_avg.numel() == 0 and state.units[1].master.numel() == 20
+
+
+def test_too_small_shared_memory_is_refused_naming_the_fix(tmp_path):
+    import shutil as sh
+    from slidetune.engine.distributed import SharedMemoryError, check_shared_memory
+    free = sh.disk_usage(tmp_path).free
+    with pytest.raises(SharedMemoryError, match=r"--shm-size .*remount,size="):
+        check_shared_memory(free + 2**30, str(tmp_path))
+    with pytest.raises(SharedMemoryError, match="does not exist"):
+        check_shared_memory(1, str(tmp_path / "missing"))
+    check_shared_memory(1, str(tmp_path))
+
+
+def test_stale_shared_states_of_dead_runs_are_removed(tmp_path):
+    import subprocess
+    import sys
+    from slidetune.engine.distributed import SHM_PREFIX, remove_stale_states
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for pid in (dead.pid, 1, os.getpid()):          # gone, alive, this process
+        (tmp_path / f"{SHM_PREFIX}{pid}-abc").write_bytes(b"x")
+    (tmp_path / "other-file").write_bytes(b"x")
+    assert remove_stale_states(str(tmp_path)) == [f"{SHM_PREFIX}{dead.pid}-abc"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["other-file", f"{SHM_PREFIX}1-abc", f"{SHM_PREFIX}{os.getpid()}-abc"])
+
+
+def _shm_refusal_main(rank: int, port: int, out: str) -> None:
+    """Both ranks of a host whose shared-memory directory is missing: each raises the same error."""
+    import slidetune.engine.distributed as distributed
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
+    distributed.SHM_DIR = os.path.join(out, "no-shm")
+    dp = DataParallel(DistConfig.from_env(backend="gloo", timeout_s=60))
+    try:
+        dp.share_host_state([16, 16])
+        message = "no error"
+    except distributed.SharedMemoryError as e:
+        message = str(e)
+    finally:
+        close_process_group()
+    with open(os.path.join(out, f"shm{rank}.txt"), "w") as f:
+        f.write(message)
+
+
+def test_every_rank_gets_the_shared_memory_refusal(tmp_path):
+    mp.spawn(_shm_refusal_main, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    messages = [(tmp_path / f"shm{r}.txt").read_text() for r in range(WORLD)]
+    assert messages[0] == messages[1] and "does not exist" in messages[0] and "no-shm" in messages[0]
+
+
+def test_fit_check_refuses_a_shared_memory_too_small_before_anything_is_allocated(tmp_path, monkeypatch):
+    import slidetune.engine.distributed as distributed
+    from slidetune.engine.fit import check_fit, shared_state_bytes
+    split = make_loaded("llama", tied=False).split
+    rt = runtime("deferred", {"cache_units": 2})
+    kw = dict(batch_size=2, seq_len=16, max_grad_norm=1.0, host_available_bytes=1 << 40)
+    est = check_fit(split, rt, ranks_per_host=2, **kw)     # this machine's /dev/shm holds a tiny model
+    engine = engine_for("deferred-accum2-clip")
+    try:        # the size checked is the mapping's size for this placement (one rank: no mapping)
+        numels = [u.numel if u.host_updated else 0 for u in est.plan.units]
+        assert shared_state_bytes(est.plan) == distributed.SharedHostState.layout_bytes(numels)
+        assert shared_state_bytes(est.plan) >= 12 * sum(u.spec.numel for u in engine.units)
+    finally:
+        engine.close()
+    monkeypatch.setattr(distributed, "SHM_DIR", str(tmp_path / "no-shm"))
+    with pytest.raises(distributed.SharedMemoryError, match="no-shm and needs .* but it does not exist"):
+        check_fit(split, rt, ranks_per_host=2, **kw)
+    check_fit(split, rt, ranks_per_host=1, **kw)           # one rank shares nothing

@@ -858,6 +858,7 @@ def test_auto_settings_count_every_rank_of_the_host():
     assert got2 != fastest
     est2 = estimate_memory(split, got2, **kw)
     assert est2.host_bytes_per_host(2) <= 0.9 * host and est2.gpu_bytes <= 0.9 * gpu
-    check_fit(split, got2, gpu_free_bytes=gpu, host_available_bytes=host, ranks_per_host=2, **kw)
+    shm = dict(ranks_per_host=2, shm_free_bytes=host)      # /dev/shm enlarged to the RAM
+    check_fit(split, got2, gpu_free_bytes=gpu, host_available_bytes=host, **shm, **kw)
     with pytest.raises(InsufficientMemoryError, match="host RAM"):
-        check_fit(split, got1, gpu_free_bytes=gpu, host_available_bytes=host, ranks_per_host=2, **kw)
+        check_fit(split, got1, gpu_free_bytes=gpu, host_available_bytes=host, **shm, **kw)

@@ -549,11 +549,12 @@ class _Budget:
 def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int, grad_accum: int = 1,
               max_grad_norm: float | None = None, gpu_free_bytes: int | None = None,
               host_available_bytes: int | None = None, safety: float = 0.9, padded: bool = True,
-              ranks_per_host: int = 1) -> MemoryEstimate:
+              ranks_per_host: int = 1, shm_free_bytes: int | None = None) -> MemoryEstimate:
     """The estimate if it fits in `safety` x the available memory, else InsufficientMemoryError.
 
     ranks_per_host: data-parallel ranks on this host; the GPU check is per rank (each has its own
-    GPU), the host check counts the shared state once and each rank's own buffers per rank.
+    GPU), the host check counts the shared state once and each rank's own buffers per rank, and
+    the shared state must fit the host's /dev/shm (`shm_free_bytes`, default: its free space).
 
     gpu_free_bytes: default torch.cuda.mem_get_info()[0] (device cuda); ignored on device cpu,
     where model state and activations count against host RAM.
@@ -566,6 +567,11 @@ def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len:
     if est.disk_bytes:
         # the disk tier's directory: there, writable, with room for its files (DiskTierError)
         check_directory(rt.disk_dir, est.disk_bytes)
+    if ranks_per_host > 1 and est.plan is not None:
+        # the host's ranks share the state through a tmpfs file (SharedMemoryError, naming the fix;
+        # a container's /dev/shm is 64 MB unless it is given more)
+        from . import distributed
+        distributed.check_shared_memory(shared_state_bytes(est.plan), distributed.SHM_DIR, shm_free_bytes)
     if est.device_type == "cuda" and gpu_free_bytes is None:
         gpu_free_bytes = query_gpu_free_bytes(rt)
     if host_available_bytes is None:
@@ -580,6 +586,14 @@ def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len:
                                 grad_accum=grad_accum, max_grad_norm=max_grad_norm, padded=padded)
     raise InsufficientMemoryError(_message(rt, est, short, options, batch_size, seq_len, grad_accum, safety,
                                            disk_note), est, options)
+
+
+def shared_state_bytes(plan: PlacementPlan) -> int:
+    """Data parallel: the bytes of the host's shared state file for a placement (its layout:
+    master, moments and step of every host-updated unit, a disk unit's master only)."""
+    from .distributed import SharedHostState
+    numels = [u.numel if u.host_updated else 0 for u in plan.units]
+    return SharedHostState.layout_bytes(numels, frozenset(plan.indices("disk")))
 
 
 def _disk_tier_note(split: SplitModel, rt: RuntimeConfig, budget: _Budget, short, **kw) -> str:
