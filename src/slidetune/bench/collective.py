@@ -185,7 +185,7 @@ def collective_worker(spec: dict) -> dict:
         out = probe_collective(cs, device.device)
     finally:
         ranks.close()
-    return {"status": "ok", "machine": machine_info(), **out}
+    return {"status": "ok", "machine": machine_info(), **out, "sizes_from": cs.sizes_from}
 
 
 def measure_collective(ranks: int, sizes: tuple[int, ...] = DEFAULT_SIZES, device: str = "auto",
