@@ -518,7 +518,7 @@ def _scaling_lines(rows: list[dict], collectives: dict) -> list[str]:
                                 "allreduce_s", "allreduce_busbw_gib_s", "floor_s", "floor_bound_by", "step_over_floor"],
                         {"step_s_mean": 3, "tokens_per_s": 0, "tokens_per_s_per_gpu": 0, "allreduce_s": 4,
                          "floor_s": 3})
-    probes = [dict(probe=key, op=op, mib=r["bytes"] / 2**20, time_ms=r["time_s"] * 1e3, algbw_gib_s=r["algbw_gib_s"],
+    probes = [dict(probe=key, op=op, bytes=r["bytes"], time_ms=r["time_s"] * 1e3, algbw_gib_s=r["algbw_gib_s"],
                    busbw_gib_s=r["busbw_gib_s"])
               for key, c in collectives.items() if c.get("status") == "ok"
               for op in ("allreduce", "allgather") for r in c.get(op) or []]
@@ -529,8 +529,8 @@ def _scaling_lines(rows: list[dict], collectives: dict) -> list[str]:
                   "rank; algbw = bytes / time, busbw = algbw x 2(N-1)/N for all-reduce, x (N-1)/N for all-gather "
                   "of the gathered bytes, as nccl-tests defines them). all-gather is the alternative upload: each "
                   "rank uploads a shard and the ranks gather the rest.", ""]
-        lines += O.md_table(probes, ["probe", "op", "mib", "time_ms", "algbw_gib_s", "busbw_gib_s"],
-                            {"mib": 2, "time_ms": 3, "algbw_gib_s": 2, "busbw_gib_s": 2})
+        lines += O.md_table(probes, ["probe", "op", "bytes", "time_ms", "algbw_gib_s", "busbw_gib_s"],
+                            {"time_ms": 3, "algbw_gib_s": 3, "busbw_gib_s": 3})
         lines += [f"- probe failed: {f}" for f in failed]
     return lines + [""]
 
@@ -576,7 +576,8 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
               "recipe of `slidetune train`); accumN = N micro-batches of batch/N (batch_size is the sequences per "
               "step). A clipped slide step updates only once its backward has ended, so its floor gains the term "
               "clip_sweep_s (bench.roofline.floor_terms).", ""]
-    lines += O.md_table(rows, ["model", "seq_len", "batch_size", "system", "recipe", "status", "step_s_mean", "tokens_per_s",
+    lines += O.md_table(rows, ["model", "seq_len", "batch_size", "system", "recipe", "gpus", "status", "step_s_mean",
+                               "tokens_per_s",
                                "model_tflops", "gpu_peak_alloc_gib", "cpu_peak_rss_gib", "step_over_floor",
                                "floor_bound_by", "oom_requested_gib"],
                         {"step_s_mean": 3, "tokens_per_s": 0, "model_tflops": 1})
@@ -599,7 +600,7 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
                                     "device_layers", "gpu_checkpoints", "host_threads"],
                             {k: 3 for k in ["step_s_mean", "call_s_mean", *HOST_COLUMNS]})
     lines += ["", "Plots: tokens_per_s.png, model_tflops.png, gpu_peak.png, cpu_peak.png, step_over_floor.png, "
-              "pareto.png", ""]
+              "pareto.png" + (", scaling.png" if scaled else ""), ""]
     if per_run:
         slide = next((common.config_name(r) for r in per_run if r.get("status") == "ok"
                       and r["spec"].get("runtime", {}).get("mode") == "slide"), None)
