@@ -132,6 +132,15 @@ def test_gpus_beyond_the_visible_count_are_refused():
         parse_gpus("0", "cpu")
 
 
+def test_ranks_share_the_hosts_cores():
+    """torchrun would give each of several ranks one OpenMP thread (the host AdamW's threads)."""
+    from slidetune import launch
+    cores = launch.host_cores()
+    assert launch.rank_threads_env(2, {})["OMP_NUM_THREADS"] == str(max(1, cores // 2))
+    assert launch.rank_threads_env(2, {"OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3"     # the user's
+    assert "OMP_NUM_THREADS" not in launch.rank_threads_env(1, {})
+
+
 def test_rows_on_two_ranks_carry_the_allreduce_term_and_the_scaling():
     """The row logic alone (a partial CPU floor, as a CPU run gets): the N=2 row's floor adds the
     all-reduce of the probe's units; efficiency is per-GPU tokens/s over the N=1 row's."""
