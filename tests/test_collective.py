@@ -75,6 +75,9 @@ def test_floor_on_two_ranks_adds_the_allreduce_on_the_compute_stream_and_splits_
     shard = max(sum(n for n, o in zip(numels, owners) if o == r) for r in range(2))
     assert largest_shard(plan, 2) == shard < sum(numels)
     assert two["d2h_s"] == pytest.approx(2 * shard / (50 * GIB))
+    # units updated on the GPU have no owner: 3 host layers of 100M over 2 ranks, the busiest holds 2
+    placed = plan_of_runtime(_COMP, {"vocab_update": "device", "device_layers": 1})
+    assert largest_shard(placed, 2) == 2 * _COMP["layer_params"]
     # every rank uploads every unit over its own link; the host's AdamW is the host's
     assert two["h2d_s"] == one["h2d_s"] and two["adamw_s"] == one["adamw_s"]
     # the shared master read by both ranks' uploads, beside AdamW's traffic, at the probes' best DRAM rate

@@ -11,7 +11,6 @@ point with the reason instead of hanging in the next collective.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
@@ -27,14 +26,6 @@ T = TypeVar("T")
 # A collective waits this long before failing: long enough for rank 0 to write a large checkpoint
 # or final/ while the others wait for it (an 8B model's optimizer state is ~100 GB).
 COLLECTIVE_TIMEOUT_S = 3600.0
-
-
-def data_parallel_runtime(rt):
-    """The autos data parallel cannot take resolved to what it runs: the vocabulary units and every
-    layer updated on the host (one shared state, updated by the units' owners). (train.py keeps a
-    private copy, _data_parallel_runtime; the bench's ranks take this one.)"""
-    return dataclasses.replace(rt, vocab_update="host" if rt.vocab_update == "auto" else rt.vocab_update,
-                               device_layers=0 if rt.device_layers == -1 else rt.device_layers)
 
 
 class RankFailure(RuntimeError):

@@ -20,7 +20,7 @@ from ..data import Batch
 from ..device import Device
 from ..engine import AdamWConfig, RuntimeConfig, build_engine
 from ..models.load import load_model
-from ..ranks import RankFailure, Ranks, data_parallel_runtime
+from ..ranks import RankFailure, Ranks
 from ..telemetry.events import EventTimer
 from ..telemetry.flops import train_flops_per_token
 from ..telemetry.machine import host_peak_rss, machine_info, memory_parts, peak_rss_bytes
@@ -153,8 +153,6 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
         device.limit_memory(spec.gpu_memory_limit_gib)
     t0 = time.perf_counter()
     loaded = load_model(spec.model, num_layers=spec.num_layers, seed=spec.seed, with_tokenizer=False)
-    if ranks.world_size > 1:
-        rt = data_parallel_runtime(rt)
     if rt.mode == "slide":
         from ..engine.fit import choose_auto_settings
         free = None
@@ -163,10 +161,12 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
             if spec.gpu_memory_limit_gib:           # an emulated smaller card: auto must plan for it
                 free = min(free, int(spec.gpu_memory_limit_gib * 2**30))
         # synthetic batches are full rows: never padded (no [B,1,S,S] masks)
-        # several ranks: chosen on rank 0 and shared, as training does (every rank the same placement)
+        # several ranks: chosen on rank 0 and shared, as training does (every rank the same placement;
+        # the host's RAM counted for all of its ranks)
         rt = ranks.on_main(lambda: choose_auto_settings(
             loaded.split, rt, batch_size=spec.batch_size, seq_len=spec.seq_len, grad_accum=spec.grad_accum,
-            max_grad_norm=spec.max_grad_norm, gpu_free_bytes=free, padded=False))
+            max_grad_norm=spec.max_grad_norm, gpu_free_bytes=free, padded=False,
+            ranks_per_host=ranks.cfg.local_world_size))
         if spec.check_memory:
             from ..engine.fit import InsufficientMemoryError, check_fit
             try:

@@ -321,16 +321,18 @@ UPLOAD_READ_BYTES = 4
 
 
 def largest_shard(plan: PlacementPlan, ranks: int) -> int:
-    """Parameters of the host-updated units the busiest of `ranks` local ranks owns (the engine's
-    distributed.shard_units over the plan's units): only a unit's owner copies its gradient down
-    and runs its AdamW. One rank: every host-updated parameter."""
+    """Parameters of the host-updated units the busiest of `ranks` local ranks owns: only a unit's
+    owner copies its gradient down and runs its AdamW. The owners as SlideEngine assigns them
+    (distributed.shard_units over the host-updated units, the disk tier's pinned to local rank 0);
+    units updated on the GPU have no owner (every rank updates its own copy). One rank: every
+    host-updated parameter."""
     if ranks <= 1:
         return plan.host_updated_params
-    owners = shard_units([u.numel for u in plan.units], ranks)
+    numels = [u.numel if u.host_updated else 0 for u in plan.units]
+    owners = shard_units(numels, ranks, pinned={i: 0 for i in plan.indices("disk")})
     load = [0] * ranks
-    for u, r in zip(plan.units, owners):
-        if u.host_updated:
-            load[r] += u.numel
+    for n, r in zip(numels, owners):
+        load[r] += n
     return max(load)
 
 
@@ -386,7 +388,10 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
     - d2h_s: only a unit's owner copies its gradient down: the busiest rank's shard (largest_shard),
       over its own PCIe link. h2d_s is unchanged: every rank uploads every unit over its own link.
     - adamw_s is unchanged: each rank updates its shard, but the ranks share the host's cores and
-      DRAM, so the host's AdamW a step is still every host parameter at the host's probed rate.
+      DRAM, so the host's AdamW a step is still every host parameter at the host's probed rate
+      (a lower bound: each rank runs its shard on its share of the cores, and an uneven shard,
+      e.g. the disk units all on rank 0, ends later). Units updated on the GPU: every rank
+      updates its own copy, so device AdamW and the disk tier's I/O (rank 0's) stay per host.
     - host_dram_s: the N uploads of each unit all read the one shared master from the same DRAM,
       beside AdamW's traffic (host_dram_term).
     One rank gives exactly the one-rank terms."""
