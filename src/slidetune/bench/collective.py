@@ -93,10 +93,10 @@ def _time_reps(fn, reps: int, warmup: int, inner: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
-def _slowest(seconds: float) -> list[float]:
-    """Every rank's median (gathered on the CPU side, so it works under NCCL and gloo alike)."""
+def _every_rank(seconds: float, group) -> list[float]:
+    """Every rank's median, gathered over `group` (a gloo group under NCCL: no device copies)."""
     out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, seconds)
+    dist.all_gather_object(out, seconds, group=group)
     return [float(s) for s in out]
 
 
@@ -107,9 +107,10 @@ def _row(nbytes: int, rank_s: list[float], bus_factor: float) -> dict:
             "rank_time_s": rank_s}
 
 
-def probe_collective(spec: CollectiveSpec, device: torch.device) -> dict:
+def probe_collective(spec: CollectiveSpec, device: torch.device, cpu_group=None) -> dict:
     """All-reduce (and all-gather) times at each size of `spec` over the default process group;
-    every rank must call it (collectives). Tensors live on `device` (cuda:LOCAL_RANK with NCCL)."""
+    every rank must call it (collectives). Tensors live on `device` (cuda:LOCAL_RANK with NCCL);
+    `cpu_group` (a gloo group of the same ranks, None: the default group) gathers the timings."""
     n = dist.get_world_size()
     cuda = device.type == "cuda"
     dtype = _dtype(spec.dtype, cuda)
@@ -124,11 +125,11 @@ def probe_collective(spec: CollectiveSpec, device: torch.device) -> dict:
         inner = max(1, min(20, INNER_BYTES // size))
         buf = torch.ones(numel, dtype=dtype, device=device)             # [numel]
         t = _time_reps(lambda: dist.all_reduce(buf), spec.reps, spec.warmup, inner, cuda)
-        out["allreduce"].append(_row(size, _slowest(t), allreduce_bus_factor(n)))
+        out["allreduce"].append(_row(size, _every_rank(t, cpu_group), allreduce_bus_factor(n)))
         if spec.allgather:
             shard = buf[: numel // n].clone()                            # [numel / N]: this rank's part
             t = _time_reps(lambda: gather(buf, shard), spec.reps, spec.warmup, inner, cuda)
-            out["allgather"].append(_row(size, _slowest(t), allgather_bus_factor(n)))
+            out["allgather"].append(_row(size, _every_rank(t, cpu_group), allgather_bus_factor(n)))
             del shard
         del buf
     return out
@@ -140,13 +141,18 @@ def _nearest(rows: list[dict], nbytes: int) -> dict:
     return min(rows, key=lambda r: abs(math.log(r["bytes"]) - math.log(max(nbytes, 1))))
 
 
+def allreduce_busbw(nbytes: int, probe: dict) -> float:
+    """GiB/s: the all-reduce bus bandwidth probed nearest `nbytes`."""
+    return _nearest(probe["allreduce"], nbytes)["busbw_gib_s"]
+
+
 def allreduce_seconds(nbytes: int, probe: dict) -> float:
     """Seconds to all-reduce one message of `nbytes` over the probe's ranks: 2 (N - 1) / N x nbytes at
     the bus bandwidth probed nearest that size (0 on one rank)."""
     n = probe["world_size"]
     if n < 2 or nbytes <= 0:
         return 0.0
-    return allreduce_bus_factor(n) * nbytes / (_nearest(probe["allreduce"], nbytes)["busbw_gib_s"] * GIB)
+    return allreduce_bus_factor(n) * nbytes / (allreduce_busbw(nbytes, probe) * GIB)
 
 
 def allgather_seconds(nbytes: int, probe: dict) -> float:
@@ -182,7 +188,7 @@ def collective_worker(spec: dict) -> dict:
     try:
         if ranks.world_size < 2:
             raise ValueError("the collective probe needs at least 2 ranks (start it with measure_collective)")
-        out = probe_collective(cs, device.device)
+        out = probe_collective(cs, device.device, ranks.dp.world_cpu)
     finally:
         ranks.close()
     return {"status": "ok", "machine": machine_info(), **out, "sizes_from": cs.sizes_from}

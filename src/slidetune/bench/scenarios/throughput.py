@@ -199,13 +199,12 @@ def parse_gpus(text: str, device: str) -> list[int]:
     return counts
 
 
-def _grad_bytes(runtime: dict | None, cuda: bool) -> int:
+def _grad_bytes(runtime: dict | None, default: int) -> int:
     """Bytes per parameter of a slide run's gradient slots, what its all-reduce moves: FP32 slots
-    (grad_slot_dtype=fp32) or FP32 compute 4, else the compute dtype's 2. No runtime: the default,
-    BF16 on the GPU and FP32 on the CPU."""
+    (grad_slot_dtype=fp32) or FP32 compute 4, else the compute dtype's 2; `default` without a runtime."""
     if runtime:
         return 4 if runtime.get("grad_slot_dtype") == "fp32" or runtime.get("dtype") == "fp32" else 2
-    return 2 if cuda else 4
+    return default
 
 
 def probe_collective_for(model: str, layers: int | None, n: int, dev: str, timeout_s: float) -> dict:
@@ -215,7 +214,7 @@ def probe_collective_for(model: str, layers: int | None, n: int, dev: str, timeo
     from ..collective import measure_collective, message_sizes
     split = load_model(model, num_layers=layers, with_tokenizer=False).split
     numels = [u.numel for u in split.units]
-    grad_bytes = _grad_bytes(None, dev == "cuda")
+    grad_bytes = 2 if dev == "cuda" else 4         # the slots' default: BF16 on the GPU, FP32 on the CPU
     return measure_collective(n, message_sizes(numels, grad_bytes), device=dev, timeout_s=timeout_s,
                               sizes_from={"model": model, "unit_numels": numels, "grad_bytes": grad_bytes})
 
@@ -446,7 +445,8 @@ def _row(system, model, batch, seq, r, fpt, fl, recipe: dict | None = None, coll
                tokens_per_s_per_gpu=r.get("tokens_per_s_per_gpu") or (r["tokens_per_s"] / ranks
                                                                       if r.get("tokens_per_s") else None),
                gpu_peak_alloc_gib=r.get("gpu_peak_alloc_gib"), gpu_peak_reserved_gib=r.get("gpu_peak_reserved_gib"),
-               cpu_peak_rss_gib=r.get("cpu_peak_rss_gib"), host_rss_gib=r.get("host_rss_gib", r.get("cpu_peak_rss_gib")),
+               cpu_peak_rss_gib=r.get("cpu_peak_rss_gib"),
+               host_rss_gib=r.get("host_rss_gib", r.get("cpu_peak_rss_gib")),
                oom_requested_gib=r.get("oom_requested_gib"), error=(r.get("error") or "")[:200] or None)
     if row["tokens_per_s"] and fpt:
         row["model_tflops"] = row["tokens_per_s"] * fpt / 1e12
@@ -460,11 +460,11 @@ def _row(system, model, batch, seq, r, fpt, fl, recipe: dict | None = None, coll
         row[col] = sum(found) if found else None
     usable = collective if collective and collective.get("status") == "ok" and ranks > 1 else None
     if usable:
-        from ..collective import _nearest
+        from ..collective import allreduce_busbw
         numels = usable["sizes_from"].get("unit_numels") or [0]
-        layer_bytes = max(numels[1:-1] or numels) * _grad_bytes(r.get("runtime"), False)   # a decoder layer's
-        row["allreduce_busbw_gib_s"] = _nearest(usable["allreduce"], layer_bytes)["busbw_gib_s"] if layer_bytes \
-            else None
+        layer_bytes = max(numels[1:-1] or numels) * _grad_bytes(r.get("runtime"),           # a decoder layer's
+                                                                usable["sizes_from"].get("grad_bytes", 2))
+        row["allreduce_busbw_gib_s"] = allreduce_busbw(layer_bytes, usable) if layer_bytes else None
     if fl and fl.get("status") == "ok":
         floor_s, bound, terms = _floor(system, r, fl, recipe, usable, ranks)
         row.update(floor_s=floor_s, floor_bound_by=bound, floor_partial=fl.get("partial"),
@@ -488,12 +488,12 @@ def _floor(system: str, r: dict, fl: dict, recipe: dict, collective: dict | None
         terms = floor_terms(fl["compute"], fl["copy"], fl["adamw"], plan, device_adamw=fl.get("device_adamw"),
                             disk=fl.get("disk"), split_sweep=rt.get("clip_sweep") != "whole",
                             collective=collective, ranks=ranks,
-                            grad_bytes=_grad_bytes(rt, True))
+                            grad_bytes=_grad_bytes(rt, 2))
     elif system == "slide" and collective and collective.get("sizes_from", {}).get("unit_numels"):
         from ..collective import allreduce_term
         terms = {k: v for k, v in terms.items() if v is not None}
         terms["allreduce_s"] = allreduce_term(collective["sizes_from"]["unit_numels"], collective,
-                                              _grad_bytes(rt, False))
+                                              _grad_bytes(rt, collective["sizes_from"].get("grad_bytes", 4)))
     else:
         return floor_s, bound, terms
     known = {k: v for k, v in terms.items() if v is not None}
