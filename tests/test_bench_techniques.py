@@ -207,7 +207,8 @@ def test_longest_sequence_search_reports_the_largest_that_trains(tmp_path, monke
 
     profiled = []
 
-    def fake_run(system, model, layers, batch, seq, steps, warmup, dev, cuda, args, profile=False, recipe=None):
+    def fake_run(system, model, layers, batch, seq, steps, warmup, dev, cuda, args, profile=False, recipe=None,
+                 ranks=1):
         seen.append((system, batch, seq))
         profiled.append((batch, profile))
         fits = seq <= 100
@@ -258,7 +259,8 @@ def test_longest_sequence_search_counts_the_sweeps_own_batch_1_rows(tmp_path, mo
     from slidetune.bench.scenarios import throughput
     seen = []
 
-    def fake_run(system, model, layers, batch, seq, steps, warmup, dev, cuda, args, profile=False, recipe=None):
+    def fake_run(system, model, layers, batch, seq, steps, warmup, dev, cuda, args, profile=False, recipe=None,
+                 ranks=1):
         seen.append((batch, seq, steps))
         return {"status": "ok", "step_s_mean": 2.0, "tokens_per_s": seq / 2.0,
                 "runtime": {"mode": "slide", "offload_activations": True, "gpu_checkpoints": 1}}

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (device tool) from the repo root: each argument is one job.
 # Results go to $OUT/results.tar.gz (the device tool returns at most 8 files).
-#   jobs: stash | pipeline | train | equivalence | runtime | throughput | throughput@TAG | techniques
+#   jobs: stash | pipeline | train | equivalence | runtime | throughput | throughput@TAG | scaling | techniques
 #         | modes | recompute | head | roofline | contention | gil | packing (PACKING_ARGS) | disk (DISK_DIR, DISK_PLAN_ARGS)
 #         | diskprobe (DISK_DIR, DISKPROBE_ARGS: cold, warm and under-AdamW-load disk bandwidth)
 #         | soak (SOAK_ARGS; ~20 min for 250 8B steps: run it with --detach) | faults (needs the smol carry, as train)
 # Extra arguments per job come from PIPELINE_ARGS, THROUGHPUT_ARGS (THROUGHPUT_ARGS_TAG for throughput@TAG,
-# written to throughput_TAG/), TECHNIQUES_ARGS, EQ_ARGS, RUNTIME_PARTS, BENCH_ARGS.
+# written to throughput_TAG/), SCALING_ARGS (scaling: bench throughput --gpus on this host's GPUs, e.g.
+# "--gpus 1,2 --models qwen3-8b --batches 16 --seq-lens 1024 --recipes clip": needs a 2-GPU kind),
+# TECHNIQUES_ARGS, EQ_ARGS, RUNTIME_PARTS, BENCH_ARGS.
 # The embedded SmolLM2 GGUF (98 MB) is over one call's 64 MiB carry limit (with the tree's ~25 MB):
 # `stash` keeps the leading parts (carried as .smol_a/part_a0, and in a second call .smol_a2/part_a1)
 # in /tmp of the warm machine; `train` joins them with the last part (.smol_b/part, with the
@@ -84,6 +86,9 @@ run_job() {
     throughput) python -m slidetune.cli bench throughput --out $R/throughput ${THROUGHPUT_ARGS:-} ;;
     throughput@*) tag=${job#throughput@}; var=THROUGHPUT_ARGS_$tag       # several throughput runs in one call
            python -m slidetune.cli bench throughput --out $R/throughput_$tag ${!var:-} ;;
+    scaling) # slide on 1..N GPUs of this host (data parallel), each N>1 floor with the probed all-reduce
+           python -m slidetune.cli bench throughput --out $R/scaling --systems slide \
+             ${SCALING_ARGS:---gpus 1,2 --models qwen3-8b --batches 16 --seq-lens 1024 --recipes clip} ;;
     techniques) python -m slidetune.cli bench techniques --out $R/techniques ${TECHNIQUES_ARGS:-} ;;
     contention) python benchmarks/scripts/host_contention.py $R/host_contention.json ${CONTENTION_ARGS:-} ;;
     gil) python benchmarks/scripts/gil_adamw.py $R/gil_adamw.json ${GIL_ARGS:-} ;;

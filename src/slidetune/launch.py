@@ -56,10 +56,34 @@ def check_gpus(n: int, device: str, visible: int) -> None:
                          f"{'' if visible == 1 else 's'} ({where}); {fix}")
 
 
+def torchrun_prefix(n: int) -> list[str]:
+    """torchrun on n ranks of this host, up to the module it runs (`-m MODULE ARGS...` follows)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
+
+
 def torchrun_command(n: int, argv: list[str]) -> list[str]:
     """The command that runs `slidetune <argv>` (argv without --gpus) on n ranks of this host."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "-m", "slidetune.cli", *argv]
+    return [*torchrun_prefix(n), "-m", "slidetune.cli", *argv]
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its affinity, else the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def rank_threads_env(n: int, env: dict | None = None) -> dict:
+    """The environment for n ranks of one host: OMP_NUM_THREADS = the host's cores / n, unless set.
+    torchrun sets it to 1 when it starts several ranks and it is unset, and torch's thread pool
+    (the host AdamW's threads: RuntimeConfig.resolved_host_threads) follows it: each rank would
+    run its shard's AdamW on one core of a 16-core host. The ranks share the host's cores."""
+    env = dict(os.environ if env is None else env)
+    if n > 1 and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, host_cores() // n))
+    return env
 
 
 def relaunch(n: int, argv: list[str]) -> None:
@@ -68,4 +92,4 @@ def relaunch(n: int, argv: list[str]) -> None:
     cmd = torchrun_command(n, without_gpus_flag(argv))
     print(f"slidetune: starting {n} ranks: {' '.join(cmd)}", flush=True)
     sys.stderr.flush()
-    os.execv(sys.executable, cmd)
+    os.execve(sys.executable, cmd, rank_threads_env(n))

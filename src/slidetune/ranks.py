@@ -131,6 +131,14 @@ class Ranks:
             return flag
         return self.dp.sum_scalars([float(flag)])[0] > 0
 
+    def gather(self, value: T) -> list[T]:
+        """Every rank's `value` (it must pickle), in rank order, on every rank."""
+        if self.dp is None:
+            return [value]
+        out: list = [None] * self.world_size
+        tdist.all_gather_object(out, value, group=self.dp.world_cpu)
+        return out
+
     def sum(self, values: list[float]) -> list[float]:
         return values if self.dp is None else self.dp.sum_scalars(values)
 

@@ -20,9 +20,10 @@ from ..data import Batch
 from ..device import Device
 from ..engine import AdamWConfig, RuntimeConfig, build_engine
 from ..models.load import load_model
+from ..ranks import RankFailure, Ranks
 from ..telemetry.events import EventTimer
 from ..telemetry.flops import train_flops_per_token
-from ..telemetry.machine import machine_info, peak_rss_bytes
+from ..telemetry.machine import host_peak_rss, machine_info, memory_parts, peak_rss_bytes
 
 
 @dataclass
@@ -46,6 +47,11 @@ class MeasureSpec:
     # fit, before anything large is allocated: a host that runs out of RAM may take more than
     # this process with it, and the OOM killer leaves no message
     check_memory: bool = True
+    # data-parallel ranks on this host (slide mode, docs/data_parallel.md): run_isolated starts this
+    # many processes under torchrun; batch_size is per rank (the step's tokens are ranks x batch x
+    # seq); the result is rank 0's, with every rank's peaks and step time, the host's RSS counting
+    # the shared host state once
+    ranks: int = 1
 
 
 def synthetic_batches(vocab: int, batch: int, seq: int, n: int, seed: int) -> list[Batch]:
@@ -106,9 +112,43 @@ class GCPauses:
             gc.callbacks.remove(self._callback)
 
 
+def start_ranks(spec: MeasureSpec, rt: RuntimeConfig) -> tuple[Ranks, Device]:
+    """One rank: the runtime's device. spec.ranks > 1 (under torchrun, bench.runner): this process's
+    rank and device as training takes them (ranks.Ranks.start: cuda:LOCAL_RANK over NCCL, or gloo
+    on the CPU)."""
+    if spec.ranks <= 1:
+        return Ranks.single(), Device.resolve(rt.device, waits=rt.cuda_waits)
+    if rt.mode != "slide":
+        raise ValueError(f"{spec.ranks} ranks: data parallel runs in slide mode only, not {rt.mode}")
+    ranks, device = Ranks.start(rt.device, rt.cuda_waits)
+    if ranks.world_size != spec.ranks:
+        ranks.close()
+        raise ValueError(f"the spec asks for {spec.ranks} ranks, but this process is one of {ranks.world_size} "
+                         f"(run it through bench.runner.run_isolated)")
+    return ranks, device
+
+
+def rank_summary(ranks: Ranks, result: dict) -> dict:
+    """Every rank's peaks and step time, gathered (a collective: every rank calls it), and the
+    host's peak RSS with the shared host state counted once (telemetry.machine.host_peak_rss)."""
+    mine = {"rank": ranks.rank, **memory_parts(), "step_s_mean": result.get("step_s_mean"),
+            "gpu_peak_alloc_gib": result.get("gpu_peak_alloc_gib")}
+    every = ranks.gather(mine)
+    return {"world_size": ranks.world_size, "rank_results": every,
+            "host_rss_gib": host_peak_rss(every) / 2**30,
+            "host_pss_gib": sum(r["pss"] for r in every) / 2**30}
+
+
 def measure(spec: MeasureSpec) -> dict:
     rt = RuntimeConfig(**spec.runtime)
-    device = Device.resolve(rt.device, waits=rt.cuda_waits)
+    ranks, device = start_ranks(spec, rt)
+    try:
+        return _measure(spec, rt, ranks, device)
+    finally:
+        ranks.close()
+
+
+def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device) -> dict:
     if spec.gpu_memory_limit_gib:
         device.limit_memory(spec.gpu_memory_limit_gib)
     t0 = time.perf_counter()
@@ -121,21 +161,26 @@ def measure(spec: MeasureSpec) -> dict:
             if spec.gpu_memory_limit_gib:           # an emulated smaller card: auto must plan for it
                 free = min(free, int(spec.gpu_memory_limit_gib * 2**30))
         # synthetic batches are full rows: never padded (no [B,1,S,S] masks)
-        rt = choose_auto_settings(loaded.split, rt, batch_size=spec.batch_size, seq_len=spec.seq_len,
-                                  grad_accum=spec.grad_accum, max_grad_norm=spec.max_grad_norm, gpu_free_bytes=free,
-                                  padded=False)
+        # several ranks: chosen on rank 0 and shared, as training does (every rank the same placement;
+        # the host's RAM counted for all of its ranks)
+        rt = ranks.on_main(lambda: choose_auto_settings(
+            loaded.split, rt, batch_size=spec.batch_size, seq_len=spec.seq_len, grad_accum=spec.grad_accum,
+            max_grad_norm=spec.max_grad_norm, gpu_free_bytes=free, padded=False,
+            ranks_per_host=ranks.cfg.local_world_size))
         if spec.check_memory:
             from ..engine.fit import InsufficientMemoryError, check_fit
             try:
-                check_fit(loaded.split, rt, batch_size=spec.batch_size, seq_len=spec.seq_len,
-                          grad_accum=spec.grad_accum, max_grad_norm=spec.max_grad_norm, gpu_free_bytes=free,
-                          padded=False)
-            except InsufficientMemoryError as e:
+                # per rank its GPU; the host with all its ranks (the shared state once)
+                ranks.on_each(lambda: check_fit(
+                    loaded.split, rt, batch_size=spec.batch_size, seq_len=spec.seq_len, grad_accum=spec.grad_accum,
+                    max_grad_norm=spec.max_grad_norm, gpu_free_bytes=free, padded=False,
+                    ranks_per_host=ranks.cfg.local_world_size))
+            except (InsufficientMemoryError, RankFailure) as e:
                 return {"spec": asdict(spec), "machine": machine_info(), "runtime": asdict(rt),
                         "status": "refused", "error": str(e)}
     timer = EventTimer(device, enabled=spec.per_layer)
     engine = build_engine(loaded, rt, AdamWConfig(lr=spec.lr), device, grad_accum=spec.grad_accum,
-                          max_grad_norm=spec.max_grad_norm, timer=timer)
+                          max_grad_norm=spec.max_grad_norm, timer=timer, dist=ranks.dp)
     init_s = time.perf_counter() - t0
     timeline = getattr(engine, "timeline", None)
     if timeline is not None:
@@ -161,8 +206,9 @@ def measure(spec: MeasureSpec) -> dict:
     try:
         total_steps = spec.warmup + spec.steps
         # All batches before the loop: making synthetic data is not the engine's time.
-        data = [synthetic_batches(vocab, spec.batch_size, spec.seq_len, spec.grad_accum, spec.seed * 1000 + k)
-                for k in range(total_steps)]
+        # (each rank its own rows)
+        data = [synthetic_batches(vocab, spec.batch_size, spec.seq_len, spec.grad_accum,
+                                  spec.seed * 1000 + k + 10**6 * ranks.rank) for k in range(total_steps)]
         # A step's time is the interval from the previous step's return to this one's: train_step
         # returns once the step's work is issued, while the GPU tail and the host's D2H and AdamW go
         # on in the background, so the call's own duration ("call_s") under-reads the step, and any
@@ -225,7 +271,7 @@ def measure(spec: MeasureSpec) -> dict:
             result["trace_summary"] = _profile(engine, vocab, spec)
         kept = [s for s in steps if not s["warmup"]]
         measured = [s["wall_s"] for s in kept]
-        tokens = spec.batch_size * spec.seq_len * spec.grad_accum
+        tokens = spec.batch_size * spec.seq_len * spec.grad_accum * ranks.world_size     # every rank's
         result["tokens_per_step"] = tokens
         result["flops_per_token"] = train_flops_per_token(split, spec.seq_len)
         ov = [s["overlap"] for s in kept if s.get("overlap")]
@@ -239,8 +285,13 @@ def measure(spec: MeasureSpec) -> dict:
             result["step_s_mean"] = mean
             result["step_s_std"] = statistics.stdev(measured) if len(measured) > 1 else 0.0
             result["tokens_per_s"] = tokens / mean
+            result["tokens_per_s_per_gpu"] = tokens / mean / ranks.world_size
             result["model_tflops"] = tokens * result["flops_per_token"] / mean / 1e12
         result["steps"] = steps
+        if ranks.world_size > 1:
+            result.update(rank_summary(ranks, result))
+        else:
+            result.update(world_size=1, host_rss_gib=result["cpu_peak_rss_gib"])
         result["status"] = "ok"
     except torch.OutOfMemoryError as e:
         result.update(status="oom", error=str(e).splitlines()[0],

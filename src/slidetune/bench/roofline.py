@@ -8,7 +8,9 @@ bandwidth, parameters / CPU AdamW rate). Each term is measured here, not assumed
   AdamW    the host AdamW over a flat FP32 tensor, params/s at the current thread count,
            through the engine's kernel (RuntimeConfig.host_adamw), on BF16 gradients
            (grad_download=compute, the default) or FP32 ones; and the GPU's AdamW of the units
-           updated there (vocab_update=device, device_layers), added to compute.
+           updated there (vocab_update=device, device_layers), added to compute;
+  collective  N data-parallel ranks on one host: the gradient all-reduce at the bus bandwidth
+           bench.collective probed at N ranks, on the compute stream (floor_terms, `ranks`).
 """
 from __future__ import annotations
 
@@ -24,10 +26,12 @@ import torch
 from ..engine import native_adamw
 from ..engine.adamw import AdamWConfig, FlatAdamW
 from ..engine.config import RuntimeConfig
+from ..engine.distributed import shard_units
 from ..engine.placement import PlacementPlan, shapes_from_counts
 from ..models.load import RandomInit, load_model
 from ..models.units import run_layer
 from ..telemetry.flops import train_flops_per_token
+from .collective import allreduce_term
 
 
 def _time_cuda(fn, reps: int = 5, warmup: int = 2) -> float:
@@ -311,8 +315,44 @@ def disk_term(disk_params: int, disk: dict) -> float:
     return 8 * disk_params / (disk["read_gib_s"] * gib) + 8 * disk_params / (disk["write_gib_s"] * gib)
 
 
+# Bytes of host DRAM an upload reads per parameter: the FP32 master (the GPU-cast path page-locks it
+# and DMAs it as is; the CPU-cast path reads it too, and writes and re-reads a BF16 copy besides).
+UPLOAD_READ_BYTES = 4
+
+
+def largest_shard(plan: PlacementPlan, ranks: int) -> int:
+    """Parameters of the host-updated units the busiest of `ranks` local ranks owns: only a unit's
+    owner copies its gradient down and runs its AdamW. The owners as SlideEngine assigns them
+    (distributed.shard_units over the host-updated units, the disk tier's pinned to local rank 0);
+    units updated on the GPU have no owner (every rank updates its own copy). One rank: every
+    host-updated parameter."""
+    if ranks <= 1:
+        return plan.host_updated_params
+    numels = [u.numel if u.host_updated else 0 for u in plan.units]
+    owners = shard_units(numels, ranks, pinned={i: 0 for i in plan.indices("disk")})
+    load = [0] * ranks
+    for n, r in zip(numels, owners):
+        load[r] += n
+    return max(load)
+
+
+def host_dram_term(plan: PlacementPlan, adamw: dict, ranks: int) -> float | None:
+    """Seconds a step of the host DRAM's traffic when `ranks` ranks share one host: every rank
+    uploads every unit from the one shared master (N x UPLOAD_READ_BYTES per uploaded parameter)
+    while the host's AdamW streams its state (ADAMW_BYTES per parameter), at the largest DRAM
+    bandwidth the probes saw (probe_host_dram's a += b, or the AdamW loop's own traffic). None where
+    probe_adamw measured no DRAM bandwidth."""
+    if not adamw.get("dram_gib_s"):
+        return None
+    key = "adamw_bf16_grad_params_per_s" if adamw.get("grad_dtype") == "bf16" else "adamw_fp32_grad_params_per_s"
+    seen = [adamw["dram_gib_s"]] + [adamw[k] * b / 2**30 for k, b in ADAMW_BYTES.items() if adamw.get(k)]
+    nbytes = ranks * UPLOAD_READ_BYTES * plan.upload_params() + ADAMW_BYTES[key] * plan.host_updated_params
+    return nbytes / (max(seen) * 2**30)
+
+
 def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None = None,
-                device_adamw: dict | None = None, disk: dict | None = None, split_sweep: bool = True) -> dict:
+                device_adamw: dict | None = None, disk: dict | None = None, split_sweep: bool = True,
+                collective: dict | None = None, ranks: int = 1, grad_bytes: int | None = None) -> dict:
     """The floor's terms (seconds) for a placement plan (engine/placement.py; None: the design's,
     every unit on the host, a 3-slot window), from the probes' results.
 
@@ -335,7 +375,26 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
     backward, the device units' AdamW, the host's weights pass over its units (at the probed
     rate of that pass: it writes the weights only, the moments follow where nothing waits) and
     one layer's forward: clip_sweep_s. (The forward runs in the sweep's shadow; nothing else of
-    the host's sweep can overlap.)"""
+    the host's sweep can overlap.)
+
+    `ranks` data-parallel ranks on this host (docs/data_parallel.md), a rank's terms:
+    - allreduce_s (with `collective`, bench.collective's probe at that rank count): every unit's
+      gradient slot is all-reduced as its backward ends, 2 (N - 1) / N x its bytes (`grad_bytes`
+      per parameter, default the probe's dtype: BF16 on the GPU) at the bus bandwidth probed nearest
+      its size (bench.collective.allreduce_term). The engine issues it on the compute stream
+      (SlideEngine._gradient_complete calls dist.all_reduce there and the unit's norm, D2H and the
+      next layer's backward are queued behind it), so it adds to compute_s and to the clipped
+      sweep's backward; it is also listed alone.
+    - d2h_s: only a unit's owner copies its gradient down: the busiest rank's shard (largest_shard),
+      over its own PCIe link. h2d_s is unchanged: every rank uploads every unit over its own link.
+    - adamw_s is unchanged: each rank updates its shard, but the ranks share the host's cores and
+      DRAM, so the host's AdamW a step is still every host parameter at the host's probed rate
+      (a lower bound: each rank runs its shard on its share of the cores, and an uneven shard,
+      e.g. the disk units all on rank 0, ends later). Units updated on the GPU: every rank
+      updates its own copy, so device AdamW and the disk tier's I/O (rank 0's) stay per host.
+    - host_dram_s: the N uploads of each unit all read the one shared master from the same DRAM,
+      beside AdamW's traffic (host_dram_term).
+    One rank gives exactly the one-rank terms."""
     plan = plan or plan_of_runtime(comp)
     L = comp["num_layers"]
     host_params = plan.host_updated_params
@@ -344,12 +403,21 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
     device_update_s = device_params / device_adamw["device_adamw_params_per_s"] if device_adamw and device_params \
         else 0.0
     gib = 2**30
+    if collective is not None and collective.get("world_size") != ranks:
+        raise ValueError(f"the collective probe ran on {collective.get('world_size')} ranks, the floor is for {ranks}")
+    reduce_s = (allreduce_term([u.numel for u in plan.units], collective, grad_bytes)
+                if ranks > 1 and collective is not None else 0.0)
     terms = {
-        "compute_s": comp["compute_s"] + device_update_s,
+        "compute_s": comp["compute_s"] + device_update_s + reduce_s,
         "h2d_s": 2 * plan.upload_params() / (copy["h2d_gib_s"] * gib),
-        "d2h_s": 2 * host_params / (copy["d2h_gib_s"] * gib),
+        "d2h_s": 2 * largest_shard(plan, ranks) / (copy["d2h_gib_s"] * gib),
         "adamw_s": host_params / adamw["adamw_params_per_s"],
     }
+    if reduce_s:
+        terms["allreduce_s"] = reduce_s
+    dram_s = host_dram_term(plan, adamw, ranks) if ranks > 1 else None
+    if dram_s:
+        terms["host_dram_s"] = dram_s
     disk_io_s = disk_term(disk_params, disk) if disk_params and disk else 0.0
     if disk_io_s:
         terms["disk_s"] = disk_io_s
@@ -361,7 +429,7 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
         sweep_rate = (adamw.get("adamw_weights_pass_params_per_s") if split_sweep else None) \
             or adamw["adamw_params_per_s"]
         backward = L * comp["layer_recompute_backward_s"] + comp["head_s"] + comp["embed_s"]
-        terms["clip_sweep_s"] = (backward + device_update_s + max(ram_params / sweep_rate, disk_io_s)
+        terms["clip_sweep_s"] = (backward + reduce_s + device_update_s + max(ram_params / sweep_rate, disk_io_s)
                                  + comp["layer_forward_s"])
         if split_sweep and adamw.get("adamw_moments_pass_params_per_s"):
             # the host's AdamW a step is both passes (each reads the gradient and the moments)

@@ -8,5 +8,6 @@ from .measure import MeasureSpec
 
 
 def run_isolated(spec: MeasureSpec, timeout_s: float = 1800, env: dict | None = None) -> dict:
-    """One slidetune configuration in a fresh process (`python -m slidetune.bench.measure`)."""
-    return run_worker("slidetune.bench.measure", asdict(spec), timeout_s=timeout_s, env=env)
+    """One slidetune configuration in a fresh process (`python -m slidetune.bench.measure`); with
+    spec.ranks > 1, that many processes of this host under torchrun (data parallel), rank 0's result."""
+    return run_worker("slidetune.bench.measure", asdict(spec), timeout_s=timeout_s, env=env, ranks=spec.ranks)

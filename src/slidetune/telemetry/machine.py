@@ -65,3 +65,37 @@ def peak_rss_bytes() -> int:
     except OSError:
         pass
     return psutil.Process().memory_info().rss
+
+
+def _kib_fields(path: str, keys: tuple[str, ...]) -> dict[str, int]:
+    """Bytes of the `Key:   N kB` lines of a /proc file (missing keys: absent)."""
+    out = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in keys:
+                    out[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def memory_parts() -> dict[str, int]:
+    """This process's peak RSS and its shared parts, bytes: VmHWM (peak RSS), RssShmem (resident pages
+    of shared memory: /dev/shm mappings such as data parallel's host state, engine/distributed.py)
+    and Pss (each shared page divided among the processes that map it; smaps_rollup, Linux >= 4.14).
+    Zeros where /proc is not there."""
+    status = _kib_fields("/proc/self/status", ("VmHWM", "RssShmem"))
+    rollup = _kib_fields("/proc/self/smaps_rollup", ("Pss",))
+    return {"peak_rss": status.get("VmHWM", 0), "rss_shmem": status.get("RssShmem", 0),
+            "pss": rollup.get("Pss", 0)}
+
+
+def host_peak_rss(parts: list[dict[str, int]]) -> int:
+    """The peak RSS of the ranks of one host together, counting their shared memory once: each rank's
+    peak less its resident shared pages, plus the largest of those (the ranks map one host state;
+    memory_parts). An upper bound where the ranks' private peaks fall at different moments."""
+    if not parts:
+        return 0
+    return sum(p["peak_rss"] - p["rss_shmem"] for p in parts) + max(p["rss_shmem"] for p in parts)

@@ -4,6 +4,8 @@ A worker module exposes `main(argv)` via `worker_main(fn)`: fn(spec: dict) -> di
 become status "error", torch.OutOfMemoryError becomes status "oom" with the size the
 allocator asked for (parsed from the message), and a process that dies without writing
 (host OOM killer, segfault) becomes status "crashed" with its exit code.
+`run_worker(..., ranks=N)` runs the module on N ranks of this host under torchrun (data-parallel
+slide, the collective probe): rank 0 writes the result, a failing rank its reason beside it.
 """
 from __future__ import annotations
 
@@ -50,10 +52,15 @@ def is_oom(exc: BaseException) -> bool:
     return "out of memory" in str(exc).lower()
 
 
-def run_worker(module: str, spec: dict, timeout_s: float = 3600, env: dict | None = None) -> dict:
+def run_worker(module: str, spec: dict, timeout_s: float = 3600, env: dict | None = None, ranks: int = 1) -> dict:
+    """`python -m MODULE SPEC.json OUT.json` in a fresh process; ranks > 1: under torchrun on that many
+    ranks of this host (launch.torchrun_prefix), each rank running the module, rank 0 writing OUT.json
+    (rank_output)."""
     with tempfile.TemporaryDirectory() as d:
         spec_path, out_path = Path(d) / "spec.json", Path(d) / "result.json"
         spec_path.write_text(json.dumps(spec))
+        if ranks > 1:
+            return _run_ranks(module, spec, spec_path, out_path, ranks, timeout_s, env)
         cmd = [sys.executable, "-m", module, str(spec_path), str(out_path)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
@@ -66,10 +73,49 @@ def run_worker(module: str, spec: dict, timeout_s: float = 3600, env: dict | Non
                 "error": (proc.stderr or "")[-2000:]}
 
 
+def rank_output(out: Path, rank: int) -> Path:
+    """Where a rank's worker writes: OUT.json for rank 0 (the run's result), OUT.json.rankR for the
+    others (only when they fail: their reason, where rank 0 may be killed before it writes)."""
+    return out if rank == 0 else out.with_name(f"{out.name}.rank{rank}")
+
+
+def _run_ranks(module: str, spec: dict, spec_path: Path, out_path: Path, ranks: int, timeout_s: float,
+               env: dict | None) -> dict:
+    """The worker on `ranks` ranks under torchrun in a session of its own: a timeout ends torchrun
+    and every rank (killpg), not torchrun alone. The result is rank 0's; a failing rank's message is
+    added (or is the result, when rank 0 wrote none: torchrun ends the others when one fails)."""
+    from ...launch import rank_threads_env, torchrun_prefix
+    cmd = [*torchrun_prefix(ranks), "-m", module, str(spec_path), str(out_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=rank_threads_env(ranks, {**os.environ, **(env or {})}), start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        return {"spec": spec, "status": "timeout", "error": f"exceeded {timeout_s} s", "world_size": ranks}
+    failed = {}
+    for r in range(1, ranks):
+        path = rank_output(out_path, r)
+        if path.exists():
+            failed[r] = json.loads(path.read_text())
+    if out_path.exists():
+        result = json.loads(out_path.read_text())
+    elif failed:
+        r, first = next(iter(failed.items()))
+        result = {**first, "error": f"rank {r}: {first.get('error')}"}
+    else:
+        result = {"spec": spec, "status": "crashed", "returncode": proc.returncode, "error": (log or "")[-2000:]}
+    if failed:
+        result["rank_errors"] = {str(r): f"{v.get('status')}: {v.get('error')}" for r, v in failed.items()}
+    return result
+
+
 def worker_main(fn, argv: list[str] | None = None) -> int:
     argv = argv if argv is not None else sys.argv[1:]
     spec = json.loads(Path(argv[0]).read_text())
-    out = Path(argv[1])
+    rank = int(os.environ.get("RANK", "0"))      # under torchrun (run_worker(ranks=N)): rank 0 writes OUT
+    out = rank_output(Path(argv[1]), rank)
     try:
         result = fn(spec)
     except BaseException as e:  # noqa: BLE001 - every failure is a result
@@ -87,7 +133,9 @@ def worker_main(fn, argv: list[str] | None = None) -> int:
         else:
             result = {"spec": spec, "status": "error", "error": f"{type(e).__name__}: {e}",
                       "traceback": traceback.format_exc()[-4000:]}
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1, default=float))
-    os.replace(tmp, out)
-    return 0 if result.get("status") == "ok" else 1
+    ok = result.get("status") == "ok"
+    if rank == 0 or not ok:
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(result, indent=1, default=float))
+        os.replace(tmp, out)
+    return 0 if ok else 1

@@ -14,6 +14,12 @@ clips at X. FSDP2 and DeepSpeed rows run their plain step once per workload.
 Model TFLOPS use telemetry/flops.py: 6 N_matmul + 6 L S d_att per token (causal half of
 attention), recomputation not counted. step/floor uses bench.roofline.floor for the same
 workload (one probe process per workload).
+Scaling (--gpus 1,2,...): each count N runs slide on N data-parallel ranks of this host (one
+process per rank under torchrun, bench.measure with ranks=N; docs/data_parallel.md), the batch
+per GPU fixed: global and per-GPU tokens/s, scaling efficiency against the N=1 row of the same
+call, the host's RSS over its ranks (the shared host state once). Each N > 1 row's floor adds
+the gradient all-reduce at the bus bandwidth bench.collective probed on N ranks in the same call
+(bench.roofline.floor_terms, `ranks`). The other systems run at N=1 only.
 """
 from __future__ import annotations
 
@@ -50,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipes", default="clip",
                    help="comma list of recipes for slide and gpu-ckpt: plain | clip[X] | accumN | clip+accumN "
                         "(clip: max_grad_norm 1.0, the default recipe; accumN: N micro-batches of batch/N)")
+    p.add_argument("--gpus", default="1",
+                   help="comma list of data-parallel rank counts for slide, e.g. 1,2 (the batch is per GPU; "
+                        "each N > 1 also probes the all-reduce on N ranks for its floor); with --device cpu, "
+                        "N CPU processes over gloo (testing)")
     p.add_argument("--no-floor", action="store_true")
     p.add_argument("--max-seq", action="store_true",
                    help="also find the longest trainable sequence at batch 1 (slide with --runtime): doubling "
@@ -111,7 +121,8 @@ def run(args: argparse.Namespace) -> Path:
         models = ["tiny-qwen3", "tiny-llama"] if args.models == "qwen3-8b,llama-3.1-8b" else models
         batches, seqs, steps, warmup, dev = [2], [32], 2, 1, "cpu"
         cuda = False
-    rows, raw, floors = [], [], {}
+    gpus = parse_gpus(getattr(args, "gpus", "1"), "cpu" if args.smoke else args.device)
+    rows, raw, floors, collectives = [], [], {}, {}
     per_run: list[dict] = []      # every run in bench.measure's form, for the common tables and plots
     adamw_probe = None
     # The floor times the layers as slide runs them (compiled or not).
@@ -134,33 +145,100 @@ def run(args: argparse.Namespace) -> Path:
                     if fl.get("status") == "ok":
                         adamw_probe = fl.get("adamw")
                     floors[key] = fl
-                for system in systems:
-                    # the baselines' workers run a plain step: once per workload
-                    for rec in (recipes if system in ("slide", "gpu-ckpt") else [parse_recipe("plain")]):
-                        r = _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, args,
-                                        profile=args.profile, recipe=rec)
-                        per_run.append(_as_measured(r, system, model, batch, seq, warmup,
-                                                    rec["name"] if len(recipes) > 1 else ""))
-                        raw.append({"key": key, "system": system, "recipe": rec["name"],
-                                    **{k: v for k, v in r.items() if k != "steps"}})
-                        rows.append(_row(system, model, batch, seq, r, fpt, fl, recipe=rec))
-                        print(f"[throughput] {key} {system} {rec['name']}: {rows[-1]['status']} "
-                              f"{O.fmt(rows[-1].get('tokens_per_s'), 0)} tok/s "
-                              f"step/floor {O.fmt(rows[-1].get('step_over_floor'))}", flush=True)
+                for n in gpus:
+                    coll = None
+                    if n > 1 and not args.no_floor:
+                        ckey = f"{model}/n{n}"
+                        if ckey not in collectives:
+                            collectives[ckey] = probe_collective_for(model, layers, n, dev, args.timeout)
+                            _print_collective(ckey, collectives[ckey])
+                        coll = collectives[ckey]
+                    for system in (systems if n == 1 else [s for s in systems if s == "slide"]):
+                        # the baselines' workers run a plain step: once per workload
+                        for rec in (recipes if system in ("slide", "gpu-ckpt") else [parse_recipe("plain")]):
+                            r = _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, args,
+                                            profile=args.profile, recipe=rec, ranks=n)
+                            per_run.append(_as_measured(r, system, model, batch, seq, warmup,
+                                                        rec["name"] if len(recipes) > 1 else "", gpus=n))
+                            raw.append({"key": key, "system": system, "recipe": rec["name"], "gpus": n,
+                                        **{k: v for k, v in r.items() if k != "steps"}})
+                            rows.append(_row(system, model, batch, seq, r, fpt, fl, recipe=rec, collective=coll,
+                                             ranks=n))
+                            print(f"[throughput] {key} {system} {rec['name']} x{n}: {rows[-1]['status']} "
+                                  f"{O.fmt(rows[-1].get('tokens_per_s'), 0)} tok/s "
+                                  f"step/floor {O.fmt(rows[-1].get('step_over_floor'))}", flush=True)
     if args.max_seq:
         granule, start = (16, 32) if args.smoke else (args.seq_granule, args.max_seq_start)
         for model in models:
             # the sweep's own slide runs at batch 1 answer the search's question for their lengths
             measured = {int(row["seq_len"]): run for row, run in zip(rows, raw)
-                        if row["model"] == model and row["system"] == "slide" and int(row["batch_size"]) == 1}
+                        if row["model"] == model and row["system"] == "slide" and int(row["batch_size"]) == 1
+                        and row.get("gpus", 1) == 1}
             found = longest_sequence(model, layers, dev, args, granule, start, probe_log=out / "max_seq_probes.jsonl",
                                      known_log=Path(args.max_seq_known) if args.max_seq_known else None,
                                      measured=measured)
             raw.append({"key": f"{model}/max-seq", "system": "slide", **found})
             print(f"[throughput] {model} longest trainable sequence at batch 1: {found['max_seq']} tokens "
                   f"(probes: {found['probes']})", flush=True)
-    _write(out, rows, raw, floors, cuda, slide_runtime=args.runtime, per_run=per_run)
+    add_scaling(rows)
+    _write(out, rows, raw, floors, cuda, slide_runtime=args.runtime, per_run=per_run, collectives=collectives)
     return out
+
+
+def parse_gpus(text: str, device: str) -> list[int]:
+    """'1,2' -> [1, 2], each count checked against this machine (launch.check_gpus: more ranks than
+    visible GPUs is refused, naming the fix; --device cpu starts CPU processes over gloo)."""
+    from ... import launch
+    counts = list(dict.fromkeys(int(g) for g in str(text).split(",") if g.strip()))
+    if not counts:
+        raise ValueError("--gpus: give at least one rank count, e.g. 1,2")
+    visible = launch.visible_gpus() if device != "cpu" else 0
+    for n in counts:
+        if n != 1:
+            launch.check_gpus(n, device, visible)
+    return counts
+
+
+def _grad_bytes(runtime: dict | None, default: int) -> int:
+    """Bytes per parameter of a slide run's gradient slots, what its all-reduce moves: FP32 slots
+    (grad_slot_dtype=fp32) or FP32 compute 4, else the compute dtype's 2; `default` without a runtime."""
+    if runtime:
+        return 4 if runtime.get("grad_slot_dtype") == "fp32" or runtime.get("dtype") == "fp32" else 2
+    return default
+
+
+def probe_collective_for(model: str, layers: int | None, n: int, dev: str, timeout_s: float) -> dict:
+    """bench.collective's probe on n ranks at this model's message sizes (each unit's gradient, in the
+    gradient slots' default dtype, and the latency size), its units recorded for the floor."""
+    from ...models.load import load_model
+    from ..collective import measure_collective, message_sizes
+    split = load_model(model, num_layers=layers, with_tokenizer=False).split
+    numels = [u.numel for u in split.units]
+    grad_bytes = 2 if dev == "cuda" else 4         # the slots' default: BF16 on the GPU, FP32 on the CPU
+    return measure_collective(n, message_sizes(numels, grad_bytes), device=dev, timeout_s=timeout_s,
+                              sizes_from={"model": model, "unit_numels": numels, "grad_bytes": grad_bytes})
+
+
+def _print_collective(key: str, c: dict) -> None:
+    if c.get("status") != "ok":
+        print(f"[throughput] collective probe {key}: {c.get('status')}: {str(c.get('error'))[:300]}", flush=True)
+        return
+    for r in c["allreduce"]:
+        print(f"[throughput] collective probe {key}: all-reduce {r['bytes'] / 2**20:.2f} MiB "
+              f"{r['time_s'] * 1e3:.2f} ms, algbw {r['algbw_gib_s']:.2f} GiB/s, busbw {r['busbw_gib_s']:.2f} GiB/s",
+              flush=True)
+
+
+def add_scaling(rows: list[dict]) -> None:
+    """Each row's scaling efficiency: its per-GPU tokens/s over that of the one-rank row of the same
+    system, model, batch (per GPU), sequence and recipe in the same call (None without one)."""
+    def key(r):
+        return (r["model"], int(r["seq_len"]), int(r["batch_size"]), r["system"], r.get("recipe"))
+    base = {key(r): r["tokens_per_s"] for r in rows if int(r.get("gpus") or 1) == 1 and r.get("tokens_per_s")}
+    for r in rows:
+        one = base.get(key(r))
+        per_gpu = r.get("tokens_per_s_per_gpu")
+        r["scaling_efficiency"] = per_gpu / one if one and per_gpu else None
 
 
 def rewrite_report(out: Path) -> Path:
@@ -169,7 +247,7 @@ def rewrite_report(out: Path) -> Path:
     floor for the placement it resolved to). per_run/ is kept as the run wrote it."""
     out = Path(out)
     doc = json.loads((out / "throughput.json").read_text())
-    raw, floors = doc["runs"], doc.get("floors") or {}
+    raw, floors, collectives = doc["runs"], doc.get("floors") or {}, doc.get("collectives") or {}
     # rows and runs were appended together, in the same order (the max-seq probes after them);
     # a run's own "system" may be the worker's longer name, so the row's is kept
     runs = [r for r in raw if not str(r.get("key", "")).endswith("/max-seq")]
@@ -178,23 +256,28 @@ def rewrite_report(out: Path) -> Path:
         system, model, batch, seq = old["system"], old["model"], int(old["batch_size"]), int(old["seq_len"])
         fpt = r.get("flops_per_token") or (old["model_tflops"] * 1e12 / old["tokens_per_s"]
                                            if old.get("model_tflops") and old.get("tokens_per_s") else None)
+        n = int(old.get("gpus") or 1)
         rows.append(_row(system, model, batch, seq, r, fpt, floors.get(f"{model}/b{batch}/s{seq}"),
-                         recipe=parse_recipe(old.get("recipe") or "plain")))
+                         recipe=parse_recipe(old.get("recipe") or "plain"), collective=collectives.get(f"{model}/n{n}"),
+                         ranks=n))
         if system == "slide" and not overrides:
             given = {k: v for k, v in ((r.get("spec") or {}).get("runtime") or {}).items()
                      if k not in ("mode", "device", "head_impl", "dtype")}
             overrides = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in given.items())
-    _write(out, rows, raw, floors, cuda=doc.get("machine", {}).get("gpu") is not None, slide_runtime=overrides)
+    add_scaling(rows)
+    _write(out, rows, raw, floors, cuda=doc.get("machine", {}).get("gpu") is not None, slide_runtime=overrides,
+           collectives=collectives)
     return out / "report.md"
 
 
 def _as_measured(r: dict, system: str, model: str, batch: int, seq: int, warmup: int,
-                 recipe: str = "") -> dict:
+                 recipe: str = "", gpus: int = 1) -> dict:
     """A run in bench.measure's result form (spec, steps, peaks), so the scenarios' common
     tables and plots cover it. slide and gpu-ckpt runs are measure results already (with
     per-layer spans, host timeline and memory points); the FSDP2 and DeepSpeed workers give
     per-step wall times and peaks only, so only their step curves and peaks are drawn."""
-    name = f"{system}-{model}-b{batch}-s{seq}" + (f"-{recipe}" if recipe else "")   # recipe: where several ran
+    # recipe: where several ran; gpus: data-parallel ranks, where more than one
+    name = f"{system}-{model}-b{batch}-s{seq}" + (f"-{recipe}" if recipe else "") + (f"-x{gpus}" if gpus > 1 else "")
     if "steps" in r:
         return {**r, "spec": {**r.get("spec", {}), "name": name}}
     walls = r.get("step_s") or []
@@ -298,9 +381,10 @@ def _runtime_overrides(text: str) -> dict:
 
 
 def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, args, profile: bool = False,
-                recipe: dict | None = None) -> dict:
-    """One run of `system` at `batch` sequences of `seq` tokens a step; `recipe` (parse_recipe;
-    slide and gpu-ckpt) sets clipping and splits the batch into its micro-batches."""
+                recipe: dict | None = None, ranks: int = 1) -> dict:
+    """One run of `system` at `batch` sequences of `seq` tokens a step (per rank); `recipe`
+    (parse_recipe; slide and gpu-ckpt) sets clipping and splits the batch into its micro-batches;
+    `ranks` (slide): data-parallel ranks of this host."""
     gib = args.gpu_memory_limit
     recipe = recipe or parse_recipe("plain")
     if system in ("slide", "gpu-ckpt"):
@@ -313,7 +397,7 @@ def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, arg
         spec = MeasureSpec(name=f"{system}-{model}-b{batch}-s{seq}", model=model, num_layers=layers,
                            batch_size=batch // accum, grad_accum=accum, max_grad_norm=recipe["max_grad_norm"],
                            seq_len=seq, steps=steps, warmup=warmup, runtime=rt, per_layer=True,
-                           gpu_memory_limit_gib=gib, profile=profile and system == "slide")
+                           gpu_memory_limit_gib=gib, profile=profile and system == "slide", ranks=ranks)
         r = run_isolated(spec, timeout_s=args.timeout)
         if r.get("status") == "oom":
             r.update({f"oom_{k}": v for k, v in parse_oom(r.get("error", "")).items()})
@@ -336,8 +420,10 @@ def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, arg
     raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
 
 
-COLUMNS = ["model", "seq_len", "batch_size", "system", "recipe", "status", "step_s_mean", "step_s_std", "tokens_per_s",
-           "model_tflops", "gpu_peak_alloc_gib", "gpu_peak_reserved_gib", "cpu_peak_rss_gib", "floor_s",
+COLUMNS = ["model", "seq_len", "batch_size", "system", "recipe", "gpus", "status", "step_s_mean", "step_s_std",
+           "tokens_per_s", "tokens_per_s_per_gpu", "scaling_efficiency", "model_tflops", "gpu_peak_alloc_gib",
+           "gpu_peak_reserved_gib", "cpu_peak_rss_gib", "host_rss_gib", "allreduce_s", "allreduce_busbw_gib_s",
+           "floor_s",
            "floor_bound_by", "floor_partial", "step_over_floor", "oom_requested_gib", "call_s_mean",
            "host_adamw_s", "host_wait_d2h_s", "fwd_wait_upload_s", "bwd_wait_grad_slot_s", "device_layers",
            "gpu_checkpoints", "host_threads", "error"]
@@ -348,13 +434,20 @@ HOST_COLUMNS = {"host_adamw_s": ("host.adamw", "host.adamw_moments"),
                 "fwd_wait_upload_s": "compute.wait_upload", "bwd_wait_grad_slot_s": "compute.wait_grad_slot"}
 
 
-def _row(system, model, batch, seq, r, fpt, fl, recipe: dict | None = None) -> dict:
+def _row(system, model, batch, seq, r, fpt, fl, recipe: dict | None = None, collective: dict | None = None,
+         ranks: int = 1) -> dict:
+    """One row of throughput.csv. batch is per rank; tokens_per_s the step's over every rank (the
+    per-GPU rate beside it); host_rss_gib the host's RSS over its ranks (the shared state once)."""
     recipe = recipe or parse_recipe("plain")
-    row = dict(model=model, seq_len=seq, batch_size=batch, system=system, recipe=recipe["name"], status=r.get("status"),
-               step_s_mean=r.get("step_s_mean"), step_s_std=r.get("step_s_std"), tokens_per_s=r.get("tokens_per_s"),
+    row = dict(model=model, seq_len=seq, batch_size=batch, system=system, recipe=recipe["name"], gpus=ranks,
+               status=r.get("status"), step_s_mean=r.get("step_s_mean"), step_s_std=r.get("step_s_std"),
+               tokens_per_s=r.get("tokens_per_s"),
+               tokens_per_s_per_gpu=r.get("tokens_per_s_per_gpu") or (r["tokens_per_s"] / ranks
+                                                                      if r.get("tokens_per_s") else None),
                gpu_peak_alloc_gib=r.get("gpu_peak_alloc_gib"), gpu_peak_reserved_gib=r.get("gpu_peak_reserved_gib"),
-               cpu_peak_rss_gib=r.get("cpu_peak_rss_gib"), oom_requested_gib=r.get("oom_requested_gib"),
-               error=(r.get("error") or "")[:200] or None)
+               cpu_peak_rss_gib=r.get("cpu_peak_rss_gib"),
+               host_rss_gib=r.get("host_rss_gib", r.get("cpu_peak_rss_gib")),
+               oom_requested_gib=r.get("oom_requested_gib"), error=(r.get("error") or "")[:200] or None)
     if row["tokens_per_s"] and fpt:
         row["model_tflops"] = row["tokens_per_s"] * fpt / 1e12
     row["call_s_mean"] = r.get("call_s_mean")
@@ -365,32 +458,98 @@ def _row(system, model, batch, seq, r, fpt, fl, recipe: dict | None = None) -> d
     for col, keys in HOST_COLUMNS.items():
         found = [host[k] for k in ((keys,) if isinstance(keys, str) else keys) if host.get(k) is not None]
         row[col] = sum(found) if found else None
+    usable = collective if collective and collective.get("status") == "ok" and ranks > 1 else None
+    if usable:
+        from ..collective import allreduce_busbw
+        numels = usable["sizes_from"].get("unit_numels") or [0]
+        layer_bytes = max(numels[1:-1] or numels) * _grad_bytes(r.get("runtime"),           # a decoder layer's
+                                                                usable["sizes_from"].get("grad_bytes", 2))
+        row["allreduce_busbw_gib_s"] = allreduce_busbw(layer_bytes, usable) if layer_bytes else None
     if fl and fl.get("status") == "ok":
-        floor_s, bound = fl.get("floor_s"), fl.get("bound_by")
-        if system == "slide" and r.get("runtime") and not fl.get("partial"):
-            # the floor of the placement this run resolved to: units updated on the GPU cost the
-            # host neither AdamW nor copies (the probe's floor assumes every unit on the host)
-            plan = plan_of_runtime(fl["compute"], r["runtime"], clipped=bool(recipe["max_grad_norm"]))
-            terms = floor_terms(fl["compute"], fl["copy"], fl["adamw"], plan, device_adamw=fl.get("device_adamw"),
-                                disk=fl.get("disk"), split_sweep=r["runtime"].get("clip_sweep") != "whole")
-            bound = max(terms, key=terms.get)
-            floor_s = terms[bound]
-        row.update(floor_s=floor_s, floor_bound_by=bound, floor_partial=fl.get("partial"))
+        floor_s, bound, terms = _floor(system, r, fl, recipe, usable, ranks)
+        row.update(floor_s=floor_s, floor_bound_by=bound, floor_partial=fl.get("partial"),
+                   allreduce_s=terms.get("allreduce_s"))
         if row["step_s_mean"] and floor_s:
             row["step_over_floor"] = row["step_s_mean"] / floor_s
     return row
 
 
-def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", per_run: list[dict] | None = None) -> None:
+def _floor(system: str, r: dict, fl: dict, recipe: dict, collective: dict | None, ranks: int
+           ) -> tuple[float | None, str | None, dict]:
+    """(floor seconds, its largest term, the terms) of one run. A slide run: the floor of the placement
+    it resolved to (units updated on the GPU cost the host neither AdamW nor copies; the probe's floor
+    assumes every unit on the host), on `ranks` data-parallel ranks with the all-reduce term from
+    `collective` (bench.roofline.floor_terms). Without CUDA the floor is partial (the AdamW term):
+    the all-reduce term joins it, at the units' sizes the probe recorded."""
+    floor_s, bound, terms = fl.get("floor_s"), fl.get("bound_by"), dict(fl.get("terms") or {})
+    rt = r.get("runtime")
+    if system == "slide" and rt and not fl.get("partial"):
+        plan = plan_of_runtime(fl["compute"], rt, clipped=bool(recipe["max_grad_norm"]))
+        terms = floor_terms(fl["compute"], fl["copy"], fl["adamw"], plan, device_adamw=fl.get("device_adamw"),
+                            disk=fl.get("disk"), split_sweep=rt.get("clip_sweep") != "whole",
+                            collective=collective, ranks=ranks,
+                            grad_bytes=_grad_bytes(rt, 2))
+    elif system == "slide" and collective and collective.get("sizes_from", {}).get("unit_numels"):
+        from ..collective import allreduce_term
+        terms = {k: v for k, v in terms.items() if v is not None}
+        terms["allreduce_s"] = allreduce_term(collective["sizes_from"]["unit_numels"], collective,
+                                              _grad_bytes(rt, collective["sizes_from"].get("grad_bytes", 4)))
+    else:
+        return floor_s, bound, terms
+    known = {k: v for k, v in terms.items() if v is not None}
+    bound = max(known, key=known.get)
+    return known[bound], bound, terms
+
+
+def _scaling_lines(rows: list[dict], collectives: dict) -> list[str]:
+    """The report's scaling section: slide on N ranks beside N=1, and the collective probes."""
+    slide = [r for r in rows if r["system"] == "slide"]
+    lines = ["## Scaling: slide on N GPUs of one host (data parallel)", "",
+             "batch_size is per GPU; tokens_per_s is every rank's tokens over the step (rank 0's interval "
+             "timing), tokens_per_s_per_gpu that over N, scaling_efficiency the per-GPU rate over the N=1 row's. "
+             "host_rss_gib: the host's peak RSS over its ranks, the shared host state (one /dev/shm mapping) "
+             "counted once. The N > 1 floors add allreduce_s: every unit's gradient all-reduced as its backward "
+             "ends, 2 (N-1)/N x its bytes at the bus bandwidth probed on N ranks in this call "
+             "(allreduce_busbw_gib_s, at a decoder layer's size), on the compute stream (in compute_s); D2H is "
+             "the busiest rank's shard, and host_dram_s counts N uploads of each unit from the shared master "
+             "beside AdamW's DRAM traffic (bench.roofline.floor_terms).", ""]
+    lines += O.md_table(slide, ["model", "seq_len", "batch_size", "recipe", "gpus", "status", "step_s_mean",
+                                "tokens_per_s", "tokens_per_s_per_gpu", "scaling_efficiency", "host_rss_gib",
+                                "allreduce_s", "allreduce_busbw_gib_s", "floor_s", "floor_bound_by", "step_over_floor"],
+                        {"step_s_mean": 3, "tokens_per_s": 0, "tokens_per_s_per_gpu": 0, "allreduce_s": 4,
+                         "floor_s": 3})
+    probes = [dict(probe=key, op=op, bytes=r["bytes"], time_ms=r["time_s"] * 1e3, algbw_gib_s=r["algbw_gib_s"],
+                   busbw_gib_s=r["busbw_gib_s"])
+              for key, c in collectives.items() if c.get("status") == "ok"
+              for op in ("allreduce", "allgather") for r in c.get(op) or []]
+    failed = [f"{key}: {c.get('status')}: {str(c.get('error'))[:200]}" for key, c in collectives.items()
+              if c.get("status") != "ok"]
+    if probes or failed:
+        lines += ["", "Collective probes (bench.collective: NCCL on CUDA, gloo on CPU; median of reps, the slowest "
+                  "rank; algbw = bytes / time, busbw = algbw x 2(N-1)/N for all-reduce, x (N-1)/N for all-gather "
+                  "of the gathered bytes, as nccl-tests defines them). all-gather is the alternative upload: each "
+                  "rank uploads a shard and the ranks gather the rest.", ""]
+        lines += O.md_table(probes, ["probe", "op", "bytes", "time_ms", "algbw_gib_s", "busbw_gib_s"],
+                            {"time_ms": 3, "algbw_gib_s": 3, "busbw_gib_s": 3})
+        lines += [f"- probe failed: {f}" for f in failed]
+    return lines + [""]
+
+
+def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", per_run: list[dict] | None = None,
+           collectives: dict | None = None) -> None:
     machine = next((r["machine"] for r in raw if "machine" in r), {})
+    collectives = collectives or {}
     O.write_csv(out / "throughput.csv", rows, COLUMNS, machine)
-    O.write_json(out / "throughput.json", {"machine": machine, "rows": rows, "floors": floors, "runs": raw})
+    O.write_json(out / "throughput.json", {"machine": machine, "rows": rows, "floors": floors, "runs": raw,
+                                           "collectives": collectives})
     labels = [f"{r['model']} b{r['batch_size']} s{r['seq_len']}" for r in rows]
     keys = list(dict.fromkeys(labels))
-    # a series per system, and per recipe where a system ran several
+    # a series per system, and per recipe where a system ran several, and per rank count where several
     several = {s for s in {r["system"] for r in rows}
                if len({r.get("recipe", "plain") for r in rows if r["system"] == s}) > 1}
-    series = [r["system"] + (f" {r.get('recipe', 'plain')}" if r["system"] in several else "") for r in rows]
+    scaled = len({int(r.get("gpus") or 1) for r in rows}) > 1
+    series = [r["system"] + (f" {r.get('recipe', 'plain')}" if r["system"] in several else "")
+              + (f" x{r.get('gpus') or 1}" if scaled else "") for r in rows]
     systems = list(dict.fromkeys(series))
     by = {(lab, s): r for lab, s, r in zip(labels, series, rows)}
     ser = lambda k: {s: [by.get((lab, s), {}).get(k) for lab in keys] for s in systems}  # noqa: E731
@@ -417,10 +576,18 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
               "recipe of `slidetune train`); accumN = N micro-batches of batch/N (batch_size is the sequences per "
               "step). A clipped slide step updates only once its backward has ended, so its floor gains the term "
               "clip_sweep_s (bench.roofline.floor_terms).", ""]
-    lines += O.md_table(rows, ["model", "seq_len", "batch_size", "system", "recipe", "status", "step_s_mean", "tokens_per_s",
+    lines += O.md_table(rows, ["model", "seq_len", "batch_size", "system", "recipe", "gpus", "status", "step_s_mean",
+                               "tokens_per_s",
                                "model_tflops", "gpu_peak_alloc_gib", "cpu_peak_rss_gib", "step_over_floor",
                                "floor_bound_by", "oom_requested_gib"],
                         {"step_s_mean": 3, "tokens_per_s": 0, "model_tflops": 1})
+    if scaled:
+        lines += _scaling_lines(rows, collectives)
+        O.bar_plot(out / "scaling.png", keys, {f"x{n}": [next((r.get("tokens_per_s") for r, lab in zip(rows, labels)
+                                                               if lab == k and r["system"] == "slide"
+                                                               and int(r.get("gpus") or 1) == n), None) for k in keys]
+                                               for n in sorted({int(r.get("gpus") or 1) for r in rows})},
+                   "tokens/s (all GPUs)", "slide on N GPUs of one host (batch per GPU fixed)")
     timed = [r for r in rows if r.get("host_adamw_s") is not None]
     if timed:
         lines += ["", "Where a slide step goes (host timeline, seconds per step): the host worker's AdamW and its "
@@ -433,7 +600,7 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
                                     "device_layers", "gpu_checkpoints", "host_threads"],
                             {k: 3 for k in ["step_s_mean", "call_s_mean", *HOST_COLUMNS]})
     lines += ["", "Plots: tokens_per_s.png, model_tflops.png, gpu_peak.png, cpu_peak.png, step_over_floor.png, "
-              "pareto.png", ""]
+              "pareto.png" + (", scaling.png" if scaled else ""), ""]
     if per_run:
         slide = next((common.config_name(r) for r in per_run if r.get("status") == "ok"
                       and r["spec"].get("runtime", {}).get("mode") == "slide"), None)

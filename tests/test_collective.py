@@ -1,0 +1,198 @@
+"""The collective probe (bench/collective.py), the floor's data-parallel terms (bench/roofline.py)
+and `bench throughput --gpus` (bench/scenarios/throughput.py), on CPU: 2 gloo ranks under torchrun."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+
+from slidetune.bench.collective import (LATENCY_BYTES, allgather_bus_factor, allreduce_bus_factor, allreduce_term,
+                                        measure_collective, message_sizes)
+from slidetune.bench.roofline import ADAMW_BYTES, UPLOAD_READ_BYTES, floor_terms, largest_shard, plan_of_runtime
+from slidetune.engine.distributed import shard_units
+from slidetune.telemetry.machine import host_peak_rss
+
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def probe():
+    """One probe run on 2 gloo ranks (two processes under torchrun): a latency size and 1 MiB."""
+    return measure_collective(2, sizes=(LATENCY_BYTES, 2**20), device="cpu", reps=3, warmup=1, timeout_s=300)
+
+
+def test_probe_on_two_gloo_ranks_gives_positive_bandwidths_by_the_nccl_tests_definitions(probe):
+    assert probe["status"] == "ok", probe.get("error")
+    assert (probe["world_size"], probe["backend"], probe["dtype"]) == (2, "gloo", "float32")
+    for op, factor in (("allreduce", allreduce_bus_factor(2)), ("allgather", allgather_bus_factor(2))):
+        rows = probe[op]
+        assert [r["bytes"] for r in rows] == [LATENCY_BYTES, 2**20]       # whole elements, 2 equal shards
+        for r in rows:
+            assert len(r["rank_time_s"]) == 2 and r["time_s"] == max(r["rank_time_s"]) > 0
+            assert math.isfinite(r["algbw_gib_s"]) and r["algbw_gib_s"] > 0
+            assert r["algbw_gib_s"] == pytest.approx(r["bytes"] / r["time_s"] / GIB)
+            assert r["busbw_gib_s"] == pytest.approx(r["algbw_gib_s"] * factor)
+    # 2 ranks: a ring all-reduce moves 2 (N-1)/N = 1 x the message per rank, an all-gather 1/2
+    assert allreduce_bus_factor(2) == 1.0 and allgather_bus_factor(2) == 0.5
+    assert allreduce_bus_factor(8) == pytest.approx(1.75)
+
+
+def test_probe_needs_two_ranks():
+    one = measure_collective(1, sizes=(LATENCY_BYTES,), device="cpu", timeout_s=120)
+    assert one["status"] == "error" and "at least 2 ranks" in one["error"]
+
+
+# ------------------------------------------------------------------ the floor on N ranks
+_COMP = {"num_layers": 4, "layer_params": 100 * 2**20, "vocab_params": 50 * 2**20, "embed_params": 30 * 2**20,
+         "compute_s": 1.0, "layer_recompute_backward_s": 0.15, "layer_forward_s": 0.05, "head_s": 0.1,
+         "embed_s": 0.05}
+_COPY = {"h2d_gib_s": 50.0, "d2h_gib_s": 50.0}
+_ADAMW = {"adamw_params_per_s": 1e9, "adamw_bf16_grad_params_per_s": 1e9, "grad_dtype": "bf16",
+          "dram_gib_s": 20.0}
+
+
+def _collective(world: int, small_bw: float, large_bw: float) -> dict:
+    """A probe result in bench.collective's form: the latency size and 128 MiB (their bus bandwidths given)."""
+    rows = [{"bytes": LATENCY_BYTES, "busbw_gib_s": small_bw}, {"bytes": 128 * 2**20, "busbw_gib_s": large_bw}]
+    return {"status": "ok", "world_size": world, "bytes_per_elem": 2, "allreduce": rows, "allgather": []}
+
+
+def test_floor_on_two_ranks_adds_the_allreduce_on_the_compute_stream_and_splits_the_downloads():
+    plan = plan_of_runtime(_COMP)
+    numels = [u.numel for u in plan.units]          # embed 30M, 4 layers of 100M, head 20M
+    coll = _collective(2, small_bw=1.0, large_bw=40.0)
+    one = floor_terms(_COMP, _COPY, _ADAMW, plan)
+    two = floor_terms(_COMP, _COPY, _ADAMW, plan, collective=coll, ranks=2)
+    # every unit's BF16 gradient, 2 (N-1)/N x its bytes at the bus bandwidth probed nearest its size
+    # (all of these units are nearer 128 MiB than 4 KiB on a log scale)
+    want = sum(allreduce_bus_factor(2) * 2 * n / (40.0 * GIB) for n in numels)
+    assert two["allreduce_s"] == pytest.approx(want) == pytest.approx(allreduce_term(numels, coll))
+    assert two["compute_s"] == pytest.approx(one["compute_s"] + want)
+    # only the owner downloads: the busiest rank's shard (shard_units' balance), over its own link
+    owners = shard_units(numels, 2)
+    shard = max(sum(n for n, o in zip(numels, owners) if o == r) for r in range(2))
+    assert largest_shard(plan, 2) == shard < sum(numels)
+    assert two["d2h_s"] == pytest.approx(2 * shard / (50 * GIB))
+    # units updated on the GPU have no owner: 3 host layers of 100M over 2 ranks, the busiest holds 2
+    placed = plan_of_runtime(_COMP, {"vocab_update": "device", "device_layers": 1})
+    assert largest_shard(placed, 2) == 2 * _COMP["layer_params"]
+    # every rank uploads every unit over its own link; the host's AdamW is the host's
+    assert two["h2d_s"] == one["h2d_s"] and two["adamw_s"] == one["adamw_s"]
+    # the shared master read by both ranks' uploads, beside AdamW's traffic, at the probes' best DRAM rate
+    seen = max(20.0, 1e9 * ADAMW_BYTES["adamw_bf16_grad_params_per_s"] / GIB)
+    dram = (2 * UPLOAD_READ_BYTES * plan.upload_params() + 26 * plan.host_updated_params) / (seen * GIB)
+    assert two["host_dram_s"] == pytest.approx(dram)
+    # fp32 gradient slots move twice the bytes
+    assert floor_terms(_COMP, _COPY, _ADAMW, plan, collective=coll, ranks=2, grad_bytes=4)["allreduce_s"] == \
+        pytest.approx(2 * want)
+    # clipped: the sweep waits for the whole backward, all-reduces included
+    clipped = plan_of_runtime(_COMP, clipped=True)
+    c1 = floor_terms(_COMP, _COPY, _ADAMW, clipped)
+    c2 = floor_terms(_COMP, _COPY, _ADAMW, clipped, collective=coll, ranks=2)
+    assert c2["clip_sweep_s"] == pytest.approx(c1["clip_sweep_s"] + want)
+
+
+def test_floor_on_one_rank_is_unchanged_and_the_probe_must_match_the_ranks():
+    plan = plan_of_runtime(_COMP)
+    base = floor_terms(_COMP, _COPY, _ADAMW, plan)
+    assert floor_terms(_COMP, _COPY, _ADAMW, plan, ranks=1) == base
+    assert set(base) == {"compute_s", "h2d_s", "d2h_s", "adamw_s"}
+    with pytest.raises(ValueError, match="2 ranks, the floor is for 4"):
+        floor_terms(_COMP, _COPY, _ADAMW, plan, collective=_collective(2, 1.0, 40.0), ranks=4)
+
+
+def test_small_messages_take_the_latency_sizes_bandwidth():
+    coll = _collective(2, small_bw=0.5, large_bw=40.0)
+    assert allreduce_term([1024], coll) == pytest.approx(2 * 1024 / (0.5 * GIB))
+    assert allreduce_term([64 * 2**20], coll) == pytest.approx(2 * 64 * 2**20 / (40.0 * GIB))
+    assert allreduce_term([64 * 2**20], _collective(1, 1.0, 1.0) | {"world_size": 1}) == 0.0
+    assert message_sizes([10, 10, 3000], 2) == (20, LATENCY_BYTES, 6000)
+
+
+def test_host_rss_counts_the_shared_state_once():
+    gib = 2**30
+    ranks = [{"peak_rss": 5 * gib, "rss_shmem": 3 * gib}, {"peak_rss": 4 * gib, "rss_shmem": 3 * gib}]
+    assert host_peak_rss(ranks) == (2 + 1 + 3) * gib
+    assert host_peak_rss([{"peak_rss": 5 * gib, "rss_shmem": 0}]) == 5 * gib
+
+
+# ------------------------------------------------------------------ bench throughput --gpus
+def _args(module, argv):
+    p = argparse.ArgumentParser()
+    module.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_gpus_beyond_the_visible_count_are_refused():
+    from slidetune.bench.scenarios.throughput import parse_gpus
+    assert parse_gpus("1,2", "cpu") == [1, 2]
+    assert parse_gpus("2,2,1", "cpu") == [2, 1]
+    with pytest.raises(ValueError, match="--gpus 2 with --device cuda: this machine has 0 visible GPUs"):
+        parse_gpus("1,2", "cuda")
+    with pytest.raises(ValueError, match="at least 1"):
+        parse_gpus("0", "cpu")
+
+
+def test_ranks_share_the_hosts_cores():
+    """torchrun would give each of several ranks one OpenMP thread (the host AdamW's threads)."""
+    from slidetune import launch
+    cores = launch.host_cores()
+    assert launch.rank_threads_env(2, {})["OMP_NUM_THREADS"] == str(max(1, cores // 2))
+    assert launch.rank_threads_env(2, {"OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3"     # the user's
+    assert "OMP_NUM_THREADS" not in launch.rank_threads_env(1, {})
+
+
+def test_rows_on_two_ranks_carry_the_allreduce_term_and_the_scaling():
+    """The row logic alone (a partial CPU floor, as a CPU run gets): the N=2 row's floor adds the
+    all-reduce of the probe's units; efficiency is per-GPU tokens/s over the N=1 row's."""
+    from slidetune.bench.scenarios import throughput
+    fl = {"status": "ok", "partial": True, "floor_s": 0.01, "bound_by": "adamw_s",
+          "terms": {"compute_s": None, "h2d_s": None, "d2h_s": None, "adamw_s": 0.01}}
+    numels = [300, 2000, 2000, 200]
+    coll = {**_collective(2, small_bw=1e-4, large_bw=1e-3), "bytes_per_elem": 4,
+            "sizes_from": {"unit_numels": numels, "grad_bytes": 4}}
+    rt = {"mode": "slide", "dtype": "fp32"}
+    one = throughput._row("slide", "m", 2, 32, {"status": "ok", "step_s_mean": 1.0, "tokens_per_s": 64.0,
+                                                "runtime": rt}, None, fl, ranks=1)
+    two = throughput._row("slide", "m", 2, 32, {"status": "ok", "step_s_mean": 1.6, "tokens_per_s": 80.0,
+                                                "tokens_per_s_per_gpu": 40.0, "runtime": rt}, None, fl,
+                          collective=coll, ranks=2)
+    throughput.add_scaling([one, two])
+    want = allreduce_term(numels, coll, 4)
+    assert one["allreduce_s"] is None and one["floor_s"] == 0.01
+    assert two["allreduce_s"] == pytest.approx(want) and two["floor_s"] == pytest.approx(max(0.01, want))
+    assert two["scaling_efficiency"] == pytest.approx(40.0 / 64.0) and one["scaling_efficiency"] == 1.0
+
+
+@pytest.mark.slow
+def test_bench_throughput_gpus_1_2_on_cpu(tmp_path):
+    """`bench throughput --gpus 1,2 --device cpu` (--smoke: a tiny Qwen3, 2 steps after 1 warm-up):
+    a row per rank count, the 2-rank one on 2 gloo processes with its floor's all-reduce term from
+    the probe run in the same call, its scaling efficiency and the host's RSS over both ranks."""
+    from slidetune.bench.scenarios import throughput
+    from slidetune.bench.scenarios.common import read_csv
+    out = throughput.run(_args(throughput, ["--smoke", "--out", str(tmp_path), "--models", "tiny-qwen3",
+                                            "--systems", "slide", "--recipes", "clip", "--gpus", "1,2"]))
+    rows = {int(r["gpus"]): r for r in read_csv(out / "throughput.csv")}
+    assert set(rows) == {1, 2} and {r["status"] for r in rows.values()} == {"ok"}, rows
+    one, two = rows[1], rows[2]
+    assert float(two["tokens_per_s_per_gpu"]) == pytest.approx(float(two["tokens_per_s"]) / 2)
+    assert float(two["scaling_efficiency"]) == pytest.approx(float(two["tokens_per_s_per_gpu"])
+                                                             / float(one["tokens_per_s"]))
+    assert float(one["scaling_efficiency"]) == 1.0 and one["allreduce_s"] == ""
+    doc = json.loads((out / "throughput.json").read_text())
+    coll = doc["collectives"]["tiny-qwen3/n2"]
+    assert coll["status"] == "ok" and coll["world_size"] == 2 and coll["backend"] == "gloo"
+    want = allreduce_term(coll["sizes_from"]["unit_numels"], coll, 4)          # fp32 slots on the CPU
+    assert want > 0 and float(two["allreduce_s"]) == pytest.approx(want)
+    assert float(two["floor_s"]) >= want and two["floor_bound_by"] in ("adamw_s", "allreduce_s")
+    # two processes: more than rank 0's own peak, less than two of the larger
+    run2 = next(r for r in doc["runs"] if r.get("gpus") == 2)
+    assert run2["world_size"] == 2 and len(run2["rank_results"]) == 2
+    assert float(two["cpu_peak_rss_gib"]) < float(two["host_rss_gib"])
+    assert float(two["host_rss_gib"]) <= sum(r["peak_rss"] for r in run2["rank_results"]) / GIB
+    report = (out / "report.md").read_text()
+    assert "## Scaling: slide on N GPUs of one host" in report and "| tiny-qwen3/n2 | allreduce |" in report
+    assert (out / "scaling.png").stat().st_size > 1000
