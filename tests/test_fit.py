@@ -862,3 +862,22 @@ def test_auto_settings_count_every_rank_of_the_host():
     check_fit(split, got2, gpu_free_bytes=gpu, host_available_bytes=host, **shm, **kw)
     with pytest.raises(InsufficientMemoryError, match="host RAM"):
         check_fit(split, got1, gpu_free_bytes=gpu, host_available_bytes=host, **shm, **kw)
+
+
+def test_plan_for_several_ranks_counts_the_host_once_and_checks_shared_memory(capsys):
+    """`slidetune plan --gpus 2`: the auto settings for two ranks on the host, the host's RAM for
+    both (the shared state once), and the shared state against /dev/shm (--shm-gib)."""
+    from slidetune.cli import main
+    args = ["plan", "--model", "qwen3-8b", "--batch-size", "16", "--seq-len", "1024", "--device", "cuda",
+            "--gpu-free-gib", "78.5", "--host-gib", "250", "--gpus", "2"]
+    assert main(args + ["--shm-gib", "125"]) == 0
+    out = capsys.readouterr().out
+    m = re.search(r"resolved on 2 ranks on one host, each on a GPU with 78.5 GiB free and 250.0 GiB of host RAM: "
+                  r".*: GPU ([\d.]+) GiB per rank, host ([\d.]+) GiB for its 2 ranks \(the shared state, ([\d.]+) GiB "
+                  r"in /dev/shm, once\)\nfits", out)
+    assert m, out
+    assert float(m[1]) <= 0.9 * 78.5 and float(m[2]) <= 0.9 * 250 and float(m[3]) <= 125
+    # a container's default /dev/shm (64 MB) cannot hold it: said, with the fix
+    assert main(args + ["--shm-gib", "0.0625"]) == 0
+    assert "does not fit: data parallel keeps one copy of the training state per host" in (out := capsys.readouterr().out)
+    assert "--shm-size" in out

@@ -81,6 +81,9 @@ def _plan(ns) -> int:
         print("placement:\n" + "\n".join(plan.summary_lines()))
     if ns.terms:
         _plan_terms(cfg, plan)
+        if ns.gpus > 1:
+            print(f"(the terms above are one rank's; under {ns.gpus} ranks the gradient all-reduce adds a term "
+                  f"probed on {ns.gpus} GPUs: slidetune bench throughput --gpus 1,{ns.gpus})")
     # the slot choices engine.fit.choose_auto_settings tries for cache_units
     cache_options = [0, 3] if cfg.runtime.cache_units == -1 else [cfg.runtime.cache_units]
     if cfg.runtime.cache_units == -1:
@@ -172,8 +175,9 @@ def _plan_resolved(ns, cfg, split):
 
     import torch
 
+    from .engine.distributed import SharedMemoryError
     from .engine.fit import InsufficientMemoryError, check_fit, choose_auto_settings, estimate_memory
-    from .engine.fit import query_host_available_bytes
+    from .engine.fit import query_host_available_bytes, shared_state_bytes
     gib = 2**30
     if cfg.runtime.device == "cpu" or (ns.gpu_free_gib is None and not torch.cuda.is_available()):
         if cfg.runtime.device == "cuda":
@@ -184,9 +188,13 @@ def _plan_resolved(ns, cfg, split):
     host = int(ns.host_gib * gib) if ns.host_gib is not None else query_host_available_bytes()
     kw = dict(batch_size=cfg.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
               max_grad_norm=cfg.max_grad_norm, padded=not cfg.data.packed)
-    resolved = choose_auto_settings(split, rt, gpu_free_bytes=free, host_available_bytes=host, **kw)
+    ranks = max(1, ns.gpus)
+    resolved = choose_auto_settings(split, rt, gpu_free_bytes=free, host_available_bytes=host, ranks_per_host=ranks,
+                                    **kw)
     est = estimate_memory(split, resolved, **kw)
     where = f"a GPU with {free / gib:.1f} GiB free" if free is not None else "this machine's GPU"
+    if ranks > 1:
+        where = f"{ranks} ranks on one host, each on {where}"
     plan = est.plan
     print(f"resolved on {where} and {host / gib:.1f} GiB of host RAM: cache_units={resolved.cache_units} "
           + (f"resident_layers={plan.resident_layers} " if resolved.cache_units else "")
@@ -194,12 +202,17 @@ def _plan_resolved(ns, cfg, split):
           f"device_layers={plan.device_layers}"
           + (f" disk_units={len(plan.indices('disk'))}" if resolved.disk_dir else "")
           + (f" gpu_checkpoints={plan.gpu_checkpoints}" if resolved.offload_activations else "")
-          + f": GPU {est.gpu_bytes / gib:.2f} GiB, host {est.host_bytes / gib:.2f} GiB"
+          + f": GPU {est.gpu_bytes / gib:.2f} GiB"
+          + (f" per rank, host {est.host_bytes_per_host(ranks) / gib:.2f} GiB for its {ranks} ranks "
+             f"(the shared state, {shared_state_bytes(plan) / gib:.2f} GiB in /dev/shm, once)" if ranks > 1
+             else f", host {est.host_bytes / gib:.2f} GiB")
           + (f", disk tier {est.disk_bytes / gib:.2f} GiB" if est.disk_bytes else ""))
+    shm = int(ns.shm_gib * gib) if ns.shm_gib is not None else None
     try:
-        check_fit(split, resolved, gpu_free_bytes=free, host_available_bytes=host, **kw)
+        check_fit(split, resolved, gpu_free_bytes=free, host_available_bytes=host, ranks_per_host=ranks,
+                  shm_free_bytes=shm, **kw)
         print("fits (90% of each)")
-    except InsufficientMemoryError as e:
+    except (InsufficientMemoryError, SharedMemoryError) as e:
         print(f"does not fit: {str(e).removeprefix('slidetune: ')}")
     print("placement:\n" + "\n".join(plan.summary_lines()))
     return plan
@@ -276,6 +289,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: this machine's GPU, if it has one) and say whether it fits")
     p_plan.add_argument("--host-gib", type=float, default=None,
                         help="with --gpu-free-gib: the host RAM available (default: this machine's)")
+    p_plan.add_argument("--gpus", type=int, default=1, metavar="N",
+                        help="data parallel: N ranks on this host (train --gpus N): the auto settings and the "
+                             "host check count them all (one shared state, each rank's own buffers), and the "
+                             "shared state must fit /dev/shm (--shm-gib)")
+    p_plan.add_argument("--shm-gib", type=float, default=None,
+                        help="with --gpus N > 1: the free space of /dev/shm (default: this machine's)")
     p_plan.add_argument("--terms", action="store_true",
                         help="also probe this machine (GPU compute, PCIe, host AdamW, the disk tier's directory; "
                              "about a minute) and print the seconds a step each term of the floor costs")
