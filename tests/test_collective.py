@@ -196,3 +196,24 @@ def test_bench_throughput_gpus_1_2_on_cpu(tmp_path):
     report = (out / "report.md").read_text()
     assert "## Scaling: slide on N GPUs of one host" in report and "| tiny-qwen3/n2 | allreduce |" in report
     assert (out / "scaling.png").stat().st_size > 1000
+
+
+def test_floor_of_gathered_weights_uploads_a_shard_and_broadcasts_the_rest():
+    """dp_weights=gather: each rank uploads its owners' share, the master is read once, and every
+    upload crosses the GPUs' links at the all-gather bus bandwidth ((N-1)/N of its bytes)."""
+    plan = plan_of_runtime(_COMP)
+    rows = [{"bytes": LATENCY_BYTES, "busbw_gib_s": 1.0}, {"bytes": 128 * 2**20, "busbw_gib_s": 100.0}]
+    coll = _collective(2, small_bw=1.0, large_bw=40.0) | {"allgather": rows}
+    upload = floor_terms(_COMP, _COPY, _ADAMW, plan, collective=coll, ranks=2)
+    gather = floor_terms(_COMP, _COPY, _ADAMW, plan, collective=coll, ranks=2, dp_weights="gather")
+    share = largest_shard(plan, 2) / plan.host_updated_params
+    assert 0.5 <= share < 1
+    assert gather["h2d_s"] == pytest.approx(upload["h2d_s"] * share)
+    layer_uploads, _ = plan.uploads_per_step()
+    messages = [_COMP["layer_params"]] * layer_uploads + [plan.units[0].numel, plan.units[-1].numel]
+    assert gather["gather_s"] == pytest.approx(sum(0.5 * 2 * n / (100.0 * GIB) for n in messages))
+    seen = max(20.0, 1e9 * ADAMW_BYTES["adamw_bf16_grad_params_per_s"] / GIB)
+    assert gather["host_dram_s"] == pytest.approx(
+        (UPLOAD_READ_BYTES * plan.upload_params() + 26 * plan.host_updated_params) / (seen * GIB))
+    assert gather["host_dram_s"] < upload["host_dram_s"]
+    assert gather["allreduce_s"] == upload["allreduce_s"] and "gather_s" not in upload

@@ -45,6 +45,13 @@ RUNS = {
     # checkpoint-less run's optimizer state is read back through rank 0's tier
     "deferred-disk": ("llama", "deferred", 2, CLIP, {"disk_units": 2, "disk_dir": DISK_DIR, "disk_block_mb": 0.0625,
                                                      "cache_units": 2}),
+    # dp_weights=gather: each host unit's owner uploads it and broadcasts it to the other rank
+    # (with resident layers, a window, the vocabulary on the device, and the disk tier)
+    "deferred-gather": ("llama", "deferred", 2, CLIP, {"dp_weights": "gather", "cache_units": 2, "resident_layers": 1,
+                                                       "disk_units": 1, "disk_dir": DISK_DIR,
+                                                       "disk_block_mb": 0.0625}),
+    "eager-gather": ("qwen3-tied-qknorm", "eager", 1, None, {"dp_weights": "gather", "cache_units": 2,
+                                                             "vocab_update": "device", "offload_activations": True}),
     "eager-disk": ("llama", "eager", 1, None, {"disk_units": 2, "disk_dir": DISK_DIR, "disk_block_mb": 0.0625,
                                                "cache_units": 2}),
 }
@@ -131,7 +138,8 @@ def _rank_main(rank: int, port: int, out: str, ckpt_1rank: str) -> None:
                                "optimizer": optimizer_state(engine),
                                "on_device": [i for i, u in enumerate(engine.units) if u.on_device],
                                "owned": [i for i, u in enumerate(engine.units) if u.owned],
-                               "disk": sorted(engine.disk.units) if engine.disk is not None else []}
+                               "disk": sorted(engine.disk.units) if engine.disk is not None else [],
+                               "uploaded": engine.uploader.bytes}
                 if run == RESUMED:
                     record["sharing"] = _sharing_probe(engine, dp, rank)
             finally:
@@ -223,7 +231,7 @@ def results(tmp_path_factory):
             else:
                 losses, norms = train(engine, run, range(STEPS))
             one[run] = {"losses": losses, "norms": norms, "masters": masters(engine),
-                        "optimizer": optimizer_state(engine)}
+                        "optimizer": optimizer_state(engine), "uploaded": engine.uploader.bytes}
         finally:
             engine.close()
     mp.spawn(_rank_main, args=(_free_port(), str(tmp), str(tmp / "ckpt-1rank")), nprocs=WORLD, join=True)
@@ -260,6 +268,14 @@ def test_two_ranks_follow_one_rank_at_twice_the_batch(results, run):
         worst, where = _worst_rel(got["optimizer"], optimizer)
         assert worst < 1e-5, f"rank {rank} optimizer {where}: relative difference {worst:.2e}"
     extra = RUNS[run][4]
+    uploaded = [rec[run]["uploaded"] for rec in results["ranks"]]
+    if extra.get("dp_weights") == "gather":
+        # each host unit crossed a host link once, from its owner: the ranks' uploads together are
+        # one rank's, and neither rank uploaded everything
+        assert sum(uploaded) == want["uploaded"] and all(0 < u < want["uploaded"] for u in uploaded), \
+            (uploaded, want["uploaded"])
+    elif run != RESUMED:      # (the reference of the resumed run restarted: its first uploads twice)
+        assert all(u == want["uploaded"] for u in uploaded), (uploaded, want["uploaded"])
     if extra.get("disk_units"):
         disk = [rec[run]["disk"] for rec in results["ranks"]]
         assert len(disk[0]) == extra["disk_units"] and disk[1:] == [[]] * (WORLD - 1), disk

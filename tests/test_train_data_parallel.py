@@ -241,7 +241,7 @@ def test_two_ranks_with_every_tier_train_like_one_rank(tmp_path):
     disk = tmp_path / "disk"
     disk.mkdir()
     args = [*common_args(data), "--disk-dir", str(disk), "--tuning.disk_units", "1", "--tuning.device_layers", "1",
-            "--tuning.vocab_update", "device"]
+            "--tuning.vocab_update", "device", "--tuning.dp_weights", "gather"]
     two = run_launcher(*args, "--batch-size", str(PER_RANK), "--gpus", "2", "--output-dir", str(tmp_path / "two"))
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-5000:]
     assert "disk tier (moments; master in host RAM): layer 2" in two.stdout

@@ -31,7 +31,7 @@ from ..engine.placement import PlacementPlan, shapes_from_counts
 from ..models.load import RandomInit, load_model
 from ..models.units import run_layer
 from ..telemetry.flops import train_flops_per_token
-from .collective import allreduce_term
+from .collective import allgather_seconds, allreduce_term
 
 
 def _time_cuda(fn, reps: int = 5, warmup: int = 2) -> float:
@@ -352,7 +352,8 @@ def host_dram_term(plan: PlacementPlan, adamw: dict, ranks: int) -> float | None
 
 def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None = None,
                 device_adamw: dict | None = None, disk: dict | None = None, split_sweep: bool = True,
-                collective: dict | None = None, ranks: int = 1, grad_bytes: int | None = None) -> dict:
+                collective: dict | None = None, ranks: int = 1, grad_bytes: int | None = None,
+                dp_weights: str = "upload") -> dict:
     """The floor's terms (seconds) for a placement plan (engine/placement.py; None: the design's,
     every unit on the host, a 3-slot window), from the probes' results.
 
@@ -394,6 +395,12 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
       updates its own copy, so device AdamW and the disk tier's I/O (rank 0's) stay per host.
     - host_dram_s: the N uploads of each unit all read the one shared master from the same DRAM,
       beside AdamW's traffic (host_dram_term).
+    - dp_weights="gather" (RuntimeConfig.dp_weights): a unit's owner alone uploads it and
+      broadcasts it to the host's other GPUs on a stream of its own: h2d_s is the busiest rank's
+      share of the uploads (its share of the host-updated parameters: the owners are balanced by
+      size), host_dram_s reads the master once, and gather_s is every upload's bytes at the
+      probed all-gather bus bandwidth ((N - 1) / N of them cross each GPU's NVLink), beside the
+      step like the uploads.
     One rank gives exactly the one-rank terms."""
     plan = plan or plan_of_runtime(comp)
     L = comp["num_layers"]
@@ -407,15 +414,22 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
         raise ValueError(f"the collective probe ran on {collective.get('world_size')} ranks, the floor is for {ranks}")
     reduce_s = (allreduce_term([u.numel for u in plan.units], collective, grad_bytes)
                 if ranks > 1 and collective is not None else 0.0)
+    gathering = ranks > 1 and dp_weights == "gather"
+    upload_share = largest_shard(plan, ranks) / host_params if gathering and host_params else 1.0
     terms = {
         "compute_s": comp["compute_s"] + device_update_s + reduce_s,
-        "h2d_s": 2 * plan.upload_params() / (copy["h2d_gib_s"] * gib),
+        "h2d_s": 2 * plan.upload_params() * upload_share / (copy["h2d_gib_s"] * gib),
         "d2h_s": 2 * largest_shard(plan, ranks) / (copy["d2h_gib_s"] * gib),
         "adamw_s": host_params / adamw["adamw_params_per_s"],
     }
     if reduce_s:
         terms["allreduce_s"] = reduce_s
-    dram_s = host_dram_term(plan, adamw, ranks) if ranks > 1 else None
+    if gathering and collective is not None:
+        layer_uploads, _ = plan.uploads_per_step()
+        layer = max((u.numel for u in plan.layers), default=0)
+        messages = [layer] * layer_uploads + [u.numel for u in (plan.units[0], plan.units[-1]) if u.host_updated]
+        terms["gather_s"] = sum(allgather_seconds(2 * n, collective) for n in messages)   # BF16 weights
+    dram_s = host_dram_term(plan, adamw, 1 if gathering else ranks) if ranks > 1 else None
     if dram_s:
         terms["host_dram_s"] = dram_s
     disk_io_s = disk_term(disk_params, disk) if disk_params and disk else 0.0

@@ -140,6 +140,16 @@ class RuntimeConfig:
     upload_cast_stream: str = tuning_field(
         "copy", help="where GPU casts run: copy (a kernel on the copy stream) or compute (whole unit, FP32 slots)",
         when="compute where copy-stream casts stall behind the GEMMs (H2D gaps in a profile) and the GPU has room")
+    # Data parallel: how the host units' updated weights reach the host's GPUs. upload: every
+    # rank uploads every unit from the shared master over its own PCIe link (N reads of the
+    # master from DRAM, N x the H2D bytes). gather: the unit's owner uploads it and broadcasts it
+    # to the host's other GPUs (NVLink under NCCL): the master is read once and each link carries
+    # its shard (benchmarks/NOTES.md 25-26). One rank: ignored.
+    dp_weights: str = tuning_field(
+        "upload", help="data parallel: upload (every rank uploads every host unit) or gather (its owner uploads "
+                       "it and broadcasts it to the host's other GPUs)",
+        when="gather where the uploads' DRAM reads or PCIe bind with several GPUs a host (many GPUs, a slow "
+             "host DRAM); measure with bench throughput --gpus --runtime dp_weights=gather")
     # Gradient slots in FP32: the backward's gradient copy into the slot is the cast, and the
     # D2H copy stream moves bytes only (no cast kernel waiting for SMs). 2 B/param more per
     # slot; Llama-3.1-8B b16: 2.38 -> 2.16 s a step (NOTES.md 14). auto: fp32 where the
@@ -277,6 +287,8 @@ class RuntimeConfig:
             raise ValueError(f"schedule must be auto, eager or deferred, not {self.schedule!r}")
         if self.cast_on not in ("auto", "cpu", "gpu"):
             raise ValueError(f"cast_on must be auto, cpu or gpu, not {self.cast_on!r}")
+        if self.dp_weights not in ("upload", "gather"):
+            raise ValueError(f"dp_weights must be upload or gather, not {self.dp_weights!r}")
         if self.upload_cast_stream not in ("copy", "compute"):
             raise ValueError(f"upload_cast_stream must be copy or compute, not {self.upload_cast_stream!r}")
         if self.grad_slot_dtype not in ("auto", "compute", "fp32"):

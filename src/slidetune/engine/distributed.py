@@ -255,6 +255,31 @@ class DataParallel:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t
 
+    def weights_group(self):
+        """The process group of this host's ranks that carries updated weights (dp_weights=gather):
+        NCCL on GPUs (NVLink between a host's GPUs), gloo on CPUs. Its own group, so its
+        broadcasts, issued by a thread of their own, never interleave with the gradient
+        all-reduces or the CPU-side agreements. A collective: every rank creates every host's
+        group, in the same order, on its first call."""
+        if getattr(self, "_weights_group", None) is None:
+            hosts = range(self.cfg.num_hosts)
+            for h in hosts:
+                ranks = list(range(h * self.cfg.local_world_size, (h + 1) * self.cfg.local_world_size))
+                group = dist.new_group(ranks=ranks, backend=self.cfg.backend)
+                if h == self.cfg.host:
+                    self._weights_group = group
+        return self._weights_group
+
+    def global_rank(self, local_rank: int) -> int:
+        """The global rank of this host's local rank `local_rank`."""
+        return self.cfg.host * self.cfg.local_world_size + local_rank
+
+    def broadcast_weights_(self, t: torch.Tensor, owner_local_rank: int) -> None:
+        """Overwrite `t` on this host's ranks with the owner's (one unit's compute-dtype weights; with
+        NCCL it is queued on the current stream's order and this returns at once)."""
+        work = dist.broadcast(t, src=self.global_rank(owner_local_rank), group=self.weights_group(), async_op=True)
+        work.wait()          # NCCL: the current stream waits for it; gloo: the copy is done
+
     def sum_scalars(self, values: list[float]) -> list[float]:
         """Sum a few host scalars over every rank (FP64: token counts are exact)."""
         t = torch.tensor(values, dtype=torch.float64)

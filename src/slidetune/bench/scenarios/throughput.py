@@ -468,7 +468,7 @@ def _row(system, model, batch, seq, r, fpt, fl, recipe: dict | None = None, coll
     if fl and fl.get("status") == "ok":
         floor_s, bound, terms = _floor(system, r, fl, recipe, usable, ranks)
         row.update(floor_s=floor_s, floor_bound_by=bound, floor_partial=fl.get("partial"),
-                   allreduce_s=terms.get("allreduce_s"))
+                   allreduce_s=terms.get("allreduce_s"), gather_s=terms.get("gather_s"))
         if row["step_s_mean"] and floor_s:
             row["step_over_floor"] = row["step_s_mean"] / floor_s
     return row
@@ -488,7 +488,7 @@ def _floor(system: str, r: dict, fl: dict, recipe: dict, collective: dict | None
         terms = floor_terms(fl["compute"], fl["copy"], fl["adamw"], plan, device_adamw=fl.get("device_adamw"),
                             disk=fl.get("disk"), split_sweep=rt.get("clip_sweep") != "whole",
                             collective=collective, ranks=ranks,
-                            grad_bytes=_grad_bytes(rt, 2))
+                            grad_bytes=_grad_bytes(rt, 2), dp_weights=rt.get("dp_weights", "upload"))
     elif system == "slide" and collective and collective.get("sizes_from", {}).get("unit_numels"):
         from ..collective import allreduce_term
         terms = {k: v for k, v in terms.items() if v is not None}

@@ -170,7 +170,14 @@ class SlideEngine:
                               if r == self.dp.local_rank or not self.plan.units[i].host_updated)
             shared = self.dp.share_host_state(numels, no_moments=frozenset(disk_units))
             disk_units = [i for i in disk_units if i in owned]
+            self.owner_of = owners          # unit -> the local rank that updates (and, gathering, uploads) it
         self.shared = shared
+        # dp_weights=gather: a host unit's owner alone uploads it; a thread of its own broadcasts it
+        # to the host's other GPUs, in the order the compute thread asked for the units (the same
+        # on every rank), on a stream of its own (_submit_gather)
+        self.gather = self.dp is not None and rt.dp_weights == "gather" and self.dp.cfg.local_world_size > 1
+        if self.gather:
+            self.dp.weights_group()         # a collective: every rank creates it here
         self.disk_released = False      # release_disk_tier(): the run is over, its moments are gone
         self.disk = (DiskTier(rt.disk_dir, {i: self.split.units[i].numel for i in disk_units},
                               block_mb=rt.disk_block_mb, buffers=rt.disk_buffers, io_threads=rt.disk_io_threads,
@@ -250,6 +257,8 @@ class SlideEngine:
         self.uploader = Uploader(device, self.dtype, chunk, rt.upload_ring, gpu_cast=self.gpu_cast,
                                  stages=rt.upload_stages)
         self.upload_worker = Worker("upload", self._on_worker_error)
+        self.gather_worker = Worker("gather", self._on_worker_error) if self.gather else None
+        self.gather_stream = device.new_stream() if self.gather else None
         # Eager updates run earliest-deadline-first (rt.update_order; workers.DeadlineWorker).
         self.host_worker = DeadlineWorker("host", self._on_worker_error)
         # OpenMP's thread count is per calling thread: this sets the worker's own pool
@@ -321,7 +330,8 @@ class SlideEngine:
                 self.watchdog.check(time.monotonic() - t0, what, self._workers())
 
     def _workers(self) -> list:
-        return [self.upload_worker, self.d2h_worker, self.host_worker] + ([self.follower] if self.follower else [])
+        return ([self.upload_worker, self.d2h_worker, self.host_worker] + ([self.follower] if self.follower else [])
+                + ([self.gather_worker] if self.gather_worker else []))
 
     def _raise_if_aborted(self) -> None:
         if self._abort.is_set():
@@ -359,6 +369,9 @@ class SlideEngine:
         """
         unit = self.units[unit_index]
         version = self.step_index if version is None else version
+        if self.gather and unit.on_host:
+            self._submit_gather(unit_index, slot, version, when_update_starts)
+            return
         after = done_future(slot.last_use)
         slot.content = (unit_index, version)
         # With a landing buffer the upload only moves FP32 bytes; _acquire casts them.
@@ -374,6 +387,47 @@ class SlideEngine:
         def release() -> None:
             self.upload_worker.submit(*job).add_done_callback(lambda f: _chain(f, ready))
         unit.when_update_starts(version, release)
+
+    def _submit_gather(self, unit_index: int, slot: _Slot, version: int, when_update_starts: bool) -> None:
+        """dp_weights=gather: the unit's weights after its `version`-th update reach this rank's slot
+        by a broadcast from its owner, which uploads them (as _submit_upload does, the cast included)
+        before sending. Every rank queues its broadcasts here, on the compute thread, in the same
+        order, so the collectives match; a rank that is not the owner uploads nothing."""
+        unit = self.units[unit_index]
+        after = done_future(slot.last_use)
+        slot.content = (unit_index, version)
+        slot.cast_pending = False               # the owner casts before it sends
+        uploaded = None
+        if unit.owned:
+            dst = slot.landing if slot.landing is not None else slot.flat
+            job = (self._timed, "upload", "upload", unit.spec.name, self.uploader.upload, unit, dst, version, after)
+            if when_update_starts:
+                uploaded = Future()
+                unit.when_update_starts(version, lambda: self.upload_worker.submit(*job).add_done_callback(
+                    lambda f: _chain(f, uploaded)))
+            else:
+                uploaded = self.upload_worker.submit(*job)
+        slot.ready = self.gather_worker.submit(self._timed, "gather", "gather", unit.spec.name, self._gather,
+                                               unit_index, slot, uploaded, after)
+
+    def _gather(self, unit_index: int, slot: _Slot, uploaded: Future | None, after: Future) -> object:
+        """Gather thread: the owner's upload (then its cast into the compute dtype) or, elsewhere, the
+        slot's last reader, then the broadcast into the slot; the event the compute stream waits on."""
+        unit = self.units[unit_index]
+        n = unit.spec.numel
+        with self.device.stream_ctx(self.gather_stream):
+            if uploaded is not None:
+                ev = wait_or_abort(uploaded, self._abort, f"the upload of {unit.spec.name} to broadcast")
+                if ev is not None:
+                    self.gather_stream.wait_event(ev)
+                if slot.landing is not None:
+                    slot.flat[:n].copy_(slot.landing[:n])      # FP32 -> compute dtype, sent as such
+            else:
+                ev = after.result()
+                if ev is not None:
+                    self.gather_stream.wait_event(ev)          # the slot's last reader is done with it
+            self.dp.broadcast_weights_(slot.flat[:n], self.owner_of[unit_index])
+            return self.device.record(self.gather_stream)
 
     def _prefetch_next_step(self, unit_index: int, slot: _Slot) -> None:
         """Upload the unit's next-step weights into `slot` as its update is written.
@@ -952,6 +1006,8 @@ class SlideEngine:
             self.upload_worker.drain()
             if self.follower is not None:
                 self.follower.drain()
+            if self.gather_worker is not None:
+                self.gather_worker.drain()
             if self.disk is not None:
                 self.disk.drain()
             if self.dp is not None:
@@ -1044,6 +1100,8 @@ class SlideEngine:
             self.d2h_worker.close()
             if self.follower is not None:
                 self.follower.close()
+            if self.gather_worker is not None:
+                self.gather_worker.close()
             sys.setswitchinterval(self._switch_interval)
             self.acts.close()
             if self.disk is not None:
