@@ -38,9 +38,9 @@ DISK = dict(disk_block_mb=0.1, disk_buffers=3)   # several blocks a tiny layer, 
 def state(eng) -> dict[str, torch.Tensor]:
     """Masters and optimizer state, the disk tier's read back through it."""
     eng.synchronize()
-    out = {k: v.clone() for k, v in eng.named_master_params()}
+    out = {k: v.materialize() if isinstance(v, StreamedTensor) else v.clone() for k, v in eng.named_master_params()}
     for k, t in eng.optimizer_tensors().items():
-        out[k] = torch.cat(list(t.chunks())) if isinstance(t, StreamedTensor) else t.clone()
+        out[k] = t.materialize() if isinstance(t, StreamedTensor) else t.clone()
     return out
 
 
@@ -132,12 +132,17 @@ def test_disk_units_are_bit_exact_against_the_ram_store(tmp_path, recipe):
         shut(disk)
 
 
-@pytest.mark.parametrize("saved,resumed", [("disk", "disk"), ("disk", "ram"), ("ram", "disk")])
+@pytest.mark.parametrize("saved,resumed", [("disk", "disk"), ("disk", "ram"), ("ram", "disk"), ("master", "master"),
+                                           ("disk", "master"), ("master", "disk"), ("master", "ram")])
 def test_resume_across_the_disk_tier_is_exact(tmp_path, saved, resumed):
-    """A checkpoint taken while units live on disk reads their moments from there and writes them
-    like any other tensor: it resumes exactly, with or without the tier, and the other way."""
+    """A checkpoint taken while units live on disk reads their moments (and masters, "master":
+    --tuning.disk_master on) from there and writes them like any other tensor: it resumes
+    exactly, with or without the tier or the masters on it, and the other way."""
     def runtime(where):
-        return dict(disk_units=2, disk_dir=str(tmp_path / "scratch"), **DISK) if where == "disk" else {}
+        if where == "ram":
+            return {}
+        return dict(disk_units=2, disk_dir=str(tmp_path / "scratch"), disk_master="on" if where == "master" else "off",
+                    **DISK)
     (tmp_path / "scratch").mkdir()
     ref = make_engine(max_grad_norm=0.5, runtime=runtime(saved))
     ref_losses = train(ref, range(4))

@@ -437,9 +437,12 @@ def _disk_master(value) -> str:
     text = str(value).strip().lower()
     if isinstance(value, int) and not isinstance(value, bool) or text.isdigit():
         if int(text) < 0:
-            raise ValueError(f"disk_master must be off, on, auto or a count >= 0, not {value!r}")
+            raise ValueError(f"disk_master must be off, on, auto or a count of disk units, not {value!r}")
         return str(int(text)) if int(text) else "off"
-    return _on_off_auto(value, "disk_master")
+    try:
+        return _on_off_auto(value, "disk_master")
+    except ValueError:
+        raise ValueError(f"disk_master must be off, on, auto or a count of disk units, not {value!r}") from None
 
 
 def recompute_set(spec: str, num_layers: int) -> set[int]:
