@@ -19,11 +19,13 @@ from slidetune.checkpoint import load_checkpoint, save_checkpoint
 from slidetune.data import Batch
 from slidetune.engine import AdamWConfig, RuntimeConfig, build_engine
 from slidetune.engine.distributed import DataParallel, DistConfig, close_process_group, shard_units
-from slidetune.engine.placement import PlacementPlan, unit_shapes
-from slidetune.engine.slide.engine import _check_data_parallel
+from slidetune.engine.slide.disk_tier import StreamedTensor
 from test_equivalence import FAMILIES, LR, make_batches, make_loaded
 
 WORLD = 2
+# the disk tier's directory: every process of the test (the spawned ranks import this module
+# again) takes it from the environment the fixture sets
+DISK_DIR = "$SLIDETUNE_TEST_DISK_DIR"
 STEPS = 3
 CKPT_STEP = 2          # the checkpoint is written after this many steps
 CLIP = 0.05            # below every step's gradient norm here: the clipped path runs (asserted)
@@ -34,11 +36,24 @@ RUNS = {
     # eager updates as each unit's gradient lands, tied embedding (the head's share reduced with
     # it), checkpoints offloaded (per rank: nothing shared)
     "eager-tied-offload": ("qwen3-tied-qknorm", "eager", 1, None, {"offload_activations": True, "cache_units": 2}),
+    # units updated on the device (the vocabulary and a layer): every rank updates its own copy
+    # from the all-reduced gradient, clipped, with accumulation; the rest shared and sharded
+    "deferred-device-units": ("llama", "deferred", 2, CLIP, {"vocab_update": "device", "device_layers": 1,
+                                                              "cache_units": 2}),
+    "eager-device-layer": ("qwen3-tied-qknorm", "eager", 1, None, {"device_layers": 1, "cache_units": 2}),
+    # the disk tier's units (head and top layer) on local rank 0, moments in its files; the
+    # checkpoint-less run's optimizer state is read back through rank 0's tier
+    "deferred-disk": ("llama", "deferred", 2, CLIP, {"disk_units": 2, "disk_dir": DISK_DIR, "disk_block_mb": 0.0625,
+                                                     "cache_units": 2}),
+    "eager-disk": ("llama", "eager", 1, None, {"disk_units": 2, "disk_dir": DISK_DIR, "disk_block_mb": 0.0625,
+                                               "cache_units": 2}),
 }
 RESUMED = "deferred-accum2-clip"
 
 
 def runtime(schedule: str, extra: dict) -> RuntimeConfig:
+    if extra.get("disk_dir") == DISK_DIR:
+        extra = {**extra, "disk_dir": os.environ["SLIDETUNE_TEST_DISK_DIR"]}
     return RuntimeConfig(mode="slide", dtype="fp32", device="cpu", schedule=schedule, head_chunk_tokens=16,
                          chunk_mb=1, **{"offload_activations": False, **extra})
 
@@ -74,7 +89,18 @@ def masters(engine) -> dict[str, torch.Tensor]:
 
 
 def optimizer_state(engine) -> dict[str, torch.Tensor]:
-    return {k: t.clone() for k, t in engine.optimizer_tensors().items()}
+    """Every AdamW tensor this engine can read (a disk unit's moments streamed from its tier);
+    without the disk units' moments on a rank that does not keep the tier (they are rank 0's)."""
+    out = {}
+    for k, t in engine.optimizer_tensors().items():
+        if isinstance(t, StreamedTensor):
+            try:
+                t = torch.cat(list(t.chunks()))
+            except RuntimeError as e:
+                assert "local rank 0's disk tier" in str(e)
+                continue
+        out[k] = t.clone()
+    return out
 
 
 # ---------------------------------------------------------------------------- the ranks
@@ -97,8 +123,15 @@ def _rank_main(rank: int, port: int, out: str, ckpt_1rank: str) -> None:
                     losses, norms = losses + more[0], norms + more[1]
                 else:
                     losses, norms = train(engine, run, range(STEPS), rank, WORLD)
+                if run == "deferred-disk":
+                    if rank == 0:                  # the disk units' moments come from rank 0's tier
+                        save_checkpoint(engine, os.path.join(out, "ckpt-disk-2ranks"), step=STEPS)
+                    dp.barrier()
                 record[run] = {"losses": losses, "norms": norms, "masters": masters(engine),
-                               "optimizer": optimizer_state(engine)}
+                               "optimizer": optimizer_state(engine),
+                               "on_device": [i for i, u in enumerate(engine.units) if u.on_device],
+                               "owned": [i for i, u in enumerate(engine.units) if u.owned],
+                               "disk": sorted(engine.disk.units) if engine.disk is not None else []}
                 if run == RESUMED:
                     record["sharing"] = _sharing_probe(engine, dp, rank)
             finally:
@@ -168,10 +201,12 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dp")
+    os.environ["SLIDETUNE_TEST_DISK_DIR"] = str(tmp_path_factory.mktemp("disk"))
     torch.manual_seed(0)
     one: dict = {}
     for run in RUNS:
         engine = engine_for(run)
+        one["unit_names"] = [u.spec.name for u in engine.units]
         try:
             if run == RESUMED:
                 # the run is checkpointed and resumed at one rank too (exact: test_checkpoint.py)
@@ -208,6 +243,7 @@ def _worst_rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> t
 @pytest.mark.parametrize("run", list(RUNS))
 def test_two_ranks_follow_one_rank_at_twice_the_batch(results, run):
     want = results["one"][run]
+    engine_units = results["one"]["unit_names"]
     for rank, rec in enumerate(results["ranks"]):
         got = rec[run]
         for step in range(STEPS):
@@ -215,8 +251,28 @@ def test_two_ranks_follow_one_rank_at_twice_the_batch(results, run):
             assert _close(got["norms"][step], want["norms"][step]), (rank, step, got["norms"], want["norms"])
         worst, where = _worst_rel(got["masters"], want["masters"])
         assert worst < 1e-5, f"rank {rank} {where}: relative difference {worst:.2e}"
-        worst, where = _worst_rel(got["optimizer"], want["optimizer"])
+        optimizer = want["optimizer"]
+        if RUNS[run][4].get("disk_units") and rank:
+            # the disk units' moments are in local rank 0's tier alone
+            names = {f"{engine_units[i]}.{k}" for i in results["ranks"][0][run]["disk"] for k in ("exp_avg", "exp_avg_sq")}
+            assert set(optimizer) - set(got["optimizer"]) == names
+            optimizer = {k: v for k, v in optimizer.items() if k not in names}
+        worst, where = _worst_rel(got["optimizer"], optimizer)
         assert worst < 1e-5, f"rank {rank} optimizer {where}: relative difference {worst:.2e}"
+    extra = RUNS[run][4]
+    if extra.get("disk_units"):
+        disk = [rec[run]["disk"] for rec in results["ranks"]]
+        assert len(disk[0]) == extra["disk_units"] and disk[1:] == [[]] * (WORLD - 1), disk
+        assert set(disk[0]) <= set(results["ranks"][0][run]["owned"])
+        assert not set(disk[0]) & set(results["ranks"][1][run]["owned"])
+    if extra.get("device_layers") or extra.get("vocab_update") == "device":
+        on_device = results["ranks"][0][run]["on_device"]
+        assert on_device and all(rec[run]["on_device"] == on_device for rec in results["ranks"])
+        # every rank updates its own copy of each device unit; the host units have one owner
+        for rec in results["ranks"]:
+            assert set(on_device) <= set(rec[run]["owned"])
+        host_owned = [set(rec[run]["owned"]) - set(on_device) for rec in results["ranks"]]
+        assert all(host_owned) and not host_owned[0] & host_owned[1]
     if RUNS[run][3] is not None:
         assert min(want["norms"]) > RUNS[run][3], "the clip threshold must clip every step"
     # the weights moved: a no-op engine on both sides would pass the comparisons above
@@ -299,16 +355,13 @@ def test_shards_balance_parameters():
     assert shard_units([3, 3, 3], 1) == [0, 0, 0]
 
 
-@pytest.mark.parametrize("extra, named", [
-    ({"device_layers": 1}, "device_layers"),
-    ({"vocab_update": "device"}, "vocab_update"),
-    ({"disk_units": 1, "disk_dir": "/tmp"}, "disk tier"),
-])
-def test_unsupported_combinations_are_refused(extra, named):
-    rt = RuntimeConfig(mode="slide", dtype="fp32", device="cpu", **{"offload_activations": False, **extra})
-    plan = PlacementPlan.build(unit_shapes(make_loaded("llama", tied=False).split), rt)
-    with pytest.raises(ValueError, match=named):
-        _check_data_parallel(plan, rt)
+def test_pinned_units_keep_their_owner_and_count_towards_its_load():
+    # the disk tier's units (the head and the top layer here) on part 0; the rest balance around them
+    numels = [5] + [1] * 8 + [5]
+    owners = shard_units(numels, 2, pinned={9: 0, 8: 0})
+    assert owners[9] == owners[8] == 0
+    loads = [sum(n for n, o in zip(numels, owners) if o == r) for r in range(2)]
+    assert abs(loads[0] - loads[1]) <= 1 and owners[0] == 1
 
 
 def test_dist_config_from_torchrun_env(monkeypatch):
@@ -318,3 +371,98 @@ def test_dist_config_from_torchrun_env(monkeypatch):
     assert (cfg.world_size, cfg.rank, cfg.local_rank, cfg.host, cfg.num_hosts) == (4, 3, 1, 1, 2)
     with pytest.raises(ValueError, match="mod"):
         DistConfig(world_size=4, rank=3, local_rank=0, local_world_size=2)
+
+
+def test_checkpoint_with_the_disk_tier_written_at_two_ranks_loads_at_one(results):
+    """Rank 0 wrote the whole state, its tier's moments included; one rank with the same disk
+    placement loads it and holds what the one-rank run ended with."""
+    engine = engine_for("deferred-disk")
+    try:
+        assert engine.disk is not None and len(engine.disk.units) == 2
+        load_checkpoint(engine, results["tmp"] / "ckpt-disk-2ranks")
+        got_masters, got_optimizer = masters(engine), optimizer_state(engine)
+    finally:
+        engine.close()
+    want = results["one"]["deferred-disk"]
+    worst, where = _worst_rel(got_masters, want["masters"])
+    assert worst < 1e-5, f"{where}: relative difference {worst:.2e}"
+    worst, where = _worst_rel(got_optimizer, want["optimizer"])
+    assert worst < 1e-5, f"optimizer {where}: relative difference {worst:.2e}"
+
+
+# ---------------------------------------------------------------------------- shared memory
+def test_shared_state_layout_size_is_what_the_mapping_takes(tmp_path):
+    from slidetune.engine.distributed import SharedHostState
+    numels, disk = [10, 20, 3], frozenset({1})
+    state = SharedHostState(numels, str(tmp_path / "state"), create=True, no_moments=disk)
+    assert state.nbytes == SharedHostState.layout_bytes(numels, disk) == (tmp_path / "state").stat().st_size
+    assert state.units[1].exp_avg.numel() == 0 and state.units[1].master.numel() == 20
+
+
+def test_too_small_shared_memory_is_refused_naming_the_fix(tmp_path):
+    import shutil as sh
+    from slidetune.engine.distributed import SharedMemoryError, check_shared_memory
+    free = sh.disk_usage(tmp_path).free
+    with pytest.raises(SharedMemoryError, match=r"--shm-size .*remount,size="):
+        check_shared_memory(free + 2**30, str(tmp_path))
+    with pytest.raises(SharedMemoryError, match="does not exist"):
+        check_shared_memory(1, str(tmp_path / "missing"))
+    check_shared_memory(1, str(tmp_path))
+
+
+def test_stale_shared_states_of_dead_runs_are_removed(tmp_path):
+    import subprocess
+    import sys
+    from slidetune.engine.distributed import SHM_PREFIX, remove_stale_states
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for pid in (dead.pid, 1, os.getpid()):          # gone, alive, this process
+        (tmp_path / f"{SHM_PREFIX}{pid}-abc").write_bytes(b"x")
+    (tmp_path / "other-file").write_bytes(b"x")
+    assert remove_stale_states(str(tmp_path)) == [f"{SHM_PREFIX}{dead.pid}-abc"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["other-file", f"{SHM_PREFIX}1-abc", f"{SHM_PREFIX}{os.getpid()}-abc"])
+
+
+def _shm_refusal_main(rank: int, port: int, out: str) -> None:
+    """Both ranks of a host whose shared-memory directory is missing: each raises the same error."""
+    import slidetune.engine.distributed as distributed
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
+    distributed.SHM_DIR = os.path.join(out, "no-shm")
+    dp = DataParallel(DistConfig.from_env(backend="gloo", timeout_s=60))
+    try:
+        dp.share_host_state([16, 16])
+        message = "no error"
+    except distributed.SharedMemoryError as e:
+        message = str(e)
+    finally:
+        close_process_group()
+    with open(os.path.join(out, f"shm{rank}.txt"), "w") as f:
+        f.write(message)
+
+
+def test_every_rank_gets_the_shared_memory_refusal(tmp_path):
+    mp.spawn(_shm_refusal_main, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    messages = [(tmp_path / f"shm{r}.txt").read_text() for r in range(WORLD)]
+    assert messages[0] == messages[1] and "does not exist" in messages[0] and "no-shm" in messages[0]
+
+
+def test_fit_check_refuses_a_shared_memory_too_small_before_anything_is_allocated(tmp_path, monkeypatch):
+    import slidetune.engine.distributed as distributed
+    from slidetune.engine.fit import check_fit, shared_state_bytes
+    split = make_loaded("llama", tied=False).split
+    rt = runtime("deferred", {"cache_units": 2})
+    kw = dict(batch_size=2, seq_len=16, max_grad_norm=1.0, host_available_bytes=1 << 40)
+    est = check_fit(split, rt, ranks_per_host=2, **kw)     # this machine's /dev/shm holds a tiny model
+    engine = engine_for("deferred-accum2-clip")
+    try:        # the size checked is the mapping's size for this placement (one rank: no mapping)
+        numels = [u.numel if u.host_updated else 0 for u in est.plan.units]
+        assert shared_state_bytes(est.plan) == distributed.SharedHostState.layout_bytes(numels)
+        assert shared_state_bytes(est.plan) >= 12 * sum(u.spec.numel for u in engine.units)
+    finally:
+        engine.close()
+    monkeypatch.setattr(distributed, "SHM_DIR", str(tmp_path / "no-shm"))
+    with pytest.raises(distributed.SharedMemoryError, match="no-shm and needs .* but it does not exist"):
+        check_fit(split, rt, ranks_per_host=2, **kw)
+    check_fit(split, rt, ranks_per_host=1, **kw)           # one rank shares nothing

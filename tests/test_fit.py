@@ -836,3 +836,29 @@ def test_auto_resident_layers_fill_a_gpu_too_small_for_all():
     assert estimate_memory(split, more, **kw).gpu_bytes > 0.9 * 24 * GiB
     explicit = auto_with_ample_host(split, cuda_rt(mode="slide", cache_units=3), gpu_free_bytes=24 * GiB, **kw)
     assert PlacementPlan.build(unit_shapes(split), explicit).resident_layers == 0
+
+
+def test_auto_settings_count_every_rank_of_the_host():
+    """Data parallel: two ranks on one host share the state but each has its own rings and
+    offloaded checkpoints. On a host with RAM for one rank's speed-first placement only, the
+    two-rank choice gives the GPUs more of the host's load (checkpoints, vocabulary, device
+    layers) so the host's two ranks fit; check_fit agrees for both counts."""
+    from slidetune.engine.fit import check_fit, choose_auto_settings
+    split = split_of("llama-3.1-8b")
+    kw = dict(batch_size=1, seq_len=65536, max_grad_norm=1.0, padded=False)
+    rt = cuda_rt(mode="slide", offload_activations=True)
+    gpu = 80 * GiB
+    fastest = auto_with_ample_host(split, rt, gpu_free_bytes=gpu, **kw)
+    one_rank = estimate_memory(split, fastest, **kw)
+    host = int(one_rank.host_bytes / 0.9) + GiB          # room for one rank's speed-first placement
+    assert one_rank.host_bytes_per_host(2) > 0.9 * host  # not for two of them
+    got1 = choose_auto_settings(split, rt, gpu_free_bytes=gpu, host_available_bytes=host, **kw)
+    assert got1 == fastest
+    got2 = choose_auto_settings(split, rt, gpu_free_bytes=gpu, host_available_bytes=host, ranks_per_host=2, **kw)
+    assert got2 != fastest
+    est2 = estimate_memory(split, got2, **kw)
+    assert est2.host_bytes_per_host(2) <= 0.9 * host and est2.gpu_bytes <= 0.9 * gpu
+    shm = dict(ranks_per_host=2, shm_free_bytes=host)      # /dev/shm enlarged to the RAM
+    check_fit(split, got2, gpu_free_bytes=gpu, host_available_bytes=host, **shm, **kw)
+    with pytest.raises(InsufficientMemoryError, match="host RAM"):
+        check_fit(split, got1, gpu_free_bytes=gpu, host_available_bytes=host, **shm, **kw)

@@ -228,3 +228,46 @@ def test_sigint_to_the_launcher_stops_every_rank_after_one_step_with_one_checkpo
     assert out.count(f"stopped by SIGINT after step {done} of 500") == 1, out[-5000:]
     assert sorted(step_rows(run)) == list(range(1, done + 1)), "both ranks stopped after the same step"
     assert json.loads((run / "summary.json").read_text())["interrupted"] is True
+
+
+@pytest.mark.slow
+def test_two_ranks_with_every_tier_train_like_one_rank(tmp_path):
+    """The three tiers under data parallel, as a user launches it: the vocabulary and layer 0
+    updated on each rank's device, layer 1 on the host (shared), layer 2's moments in local rank
+    0's disk tier. 2 ranks x 2 rows end where 1 rank x 4 rows ends, with the same placement; the
+    disk tier's scratch directories are gone afterwards."""
+    data = tmp_path / "small.jsonl"
+    data.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in builtin_corpus()[:40]))
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    args = [*common_args(data), "--disk-dir", str(disk), "--tuning.disk_units", "1", "--tuning.device_layers", "1",
+            "--tuning.vocab_update", "device"]
+    two = run_launcher(*args, "--batch-size", str(PER_RANK), "--gpus", "2", "--output-dir", str(tmp_path / "two"))
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-5000:]
+    assert "disk tier (moments; master in host RAM): layer 2" in two.stdout
+    assert "GPU (master + moments, updated on the GPU): embed, layer 0, head" in two.stdout
+    code, out, err = run_in_process(*args, "--batch-size", str(2 * PER_RANK), "--output-dir", str(tmp_path / "one"))
+    assert code == 0, out[-3000:] + err[-3000:]
+    two_rows, one_rows = step_rows(tmp_path / "two"), step_rows(tmp_path / "one")
+    for step in one_rows:
+        for key in ("loss", "grad_norm"):
+            assert close(float(two_rows[step][key]), float(one_rows[step][key])), (step, key)
+    worst, where = worst_rel(weights(tmp_path / "two" / "final"), weights(tmp_path / "one" / "final"))
+    assert worst < 1e-5, f"{where}: relative difference {worst:.2e}"
+    # the end-of-run resumable checkpoint holds the disk unit's moments (read from rank 0's tier)
+    optim = load_file(tmp_path / "two" / "checkpoints" / f"checkpoint-{STEPS}" / "trainer_state" / "optimizer.safetensors")
+    want = load_file(tmp_path / "one" / "checkpoints" / f"checkpoint-{STEPS}" / "trainer_state" / "optimizer.safetensors")
+    worst, where = worst_rel(optim, want)
+    assert worst < 1e-5, f"optimizer {where}: relative difference {worst:.2e}"
+    # the 2-rank step-2 checkpoint resumed at 2 ranks (every rank checks the shapes; rank 0's tier
+    # takes the disk unit's moments back) ends where the uninterrupted run ends
+    (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "two" / "checkpoints" / f"checkpoint-{SAVE_EVERY}",
+                    tmp_path / "resumed" / "checkpoints" / f"checkpoint-{SAVE_EVERY}")
+    resumed = run_launcher(*args, "--batch-size", str(PER_RANK), "--gpus", "2", "--resume", "auto",
+                           "--output-dir", str(tmp_path / "resumed"))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
+    assert "resumed from" in resumed.stdout
+    worst, where = worst_rel(weights(tmp_path / "resumed" / "final"), weights(tmp_path / "one" / "final"))
+    assert worst < 1e-5, f"resumed {where}: relative difference {worst:.2e}"
+    assert not list(disk.iterdir()), "the disk tier's scratch directories must be removed at the end"

@@ -186,22 +186,11 @@ def _refuse_under_data_parallel(cfg: TrainConfig, ranks: Ranks) -> None:
     bad = []
     if rt.mode != "slide":
         bad.append(f"--mode {rt.mode} (data parallel runs in slide mode only)")
-    if rt.vocab_update == "device":
-        bad.append("--tuning.vocab_update device (use host or auto)")
-    if rt.device_layers > 0:
-        bad.append("--tuning.device_layers > 0 (use 0 or auto)")
-    if rt.disk_dir:
-        bad.append("--disk-dir (the disk tier)")
+    if rt.disk_master not in ("off", "auto"):
+        bad.append("--tuning.disk_master (the masters of disk units on disk; use off or auto)")
     if bad:
         raise TrainingError(f"{ranks.world_size} ranks (data parallel) do not support yet: " + "; ".join(bad)
                             + ". Drop these settings, or run on one rank")
-
-
-def _data_parallel_runtime(rt):
-    """The autos data parallel cannot take resolved to what it runs: the vocabulary units and every
-    layer updated on the host (one shared state, updated by the units' owners)."""
-    return dataclasses.replace(rt, vocab_update="host" if rt.vocab_update == "auto" else rt.vocab_update,
-                               device_layers=0 if rt.device_layers == -1 else rt.device_layers)
 
 
 def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: float) -> TrainSummary:
@@ -220,16 +209,16 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
         raise TrainingError(f"--seq-len {cfg.data.seq_len} exceeds the context of model {cfg.model!r}: "
                             f"{max_pos} tokens (max_position_embeddings); use --seq-len {max_pos} or less")
     runtime = cfg.runtime if cfg.runtime.device != "auto" else _with_device(cfg, device)
-    if ranks.world_size > 1:
-        runtime = _data_parallel_runtime(runtime)
     # packed rows are full windows: no batch carries padding, so no [B,1,S,S] padding masks
     # (masked packing builds its document mask as a FlexAttention BlockMask on CUDA)
     padded = not cfg.data.packed
     # chosen on rank 0 from its GPU and shared: every rank runs the same placement (check_fit below
-    # verifies each rank's GPU, and the host for all of its ranks)
+    # verifies each rank's GPU, and the host for all of its ranks); the host's RAM is counted for
+    # all of its ranks (one shared state, each rank's own buffers)
     runtime = ranks.on_main(lambda: choose_auto_settings(
         loaded.split, runtime, batch_size=cfg.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
-        max_grad_norm=cfg.max_grad_norm, padded=padded, gpu_free_bytes=gpu_free))
+        max_grad_norm=cfg.max_grad_norm, padded=padded, gpu_free_bytes=gpu_free,
+        ranks_per_host=ranks.cfg.local_world_size))
     plan = (PlacementPlan.build(unit_shapes(loaded.split), runtime,
                                 runtime.resolved_schedule(cfg.grad_accum, cfg.max_grad_norm))
             if runtime.mode == "slide" else None)

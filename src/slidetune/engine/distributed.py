@@ -15,6 +15,7 @@ checkpoint may read them).
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 import uuid
@@ -24,8 +25,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..processes import pid_alive
+
 BACKENDS = ("gloo", "nccl")
 SHM_DIR = "/dev/shm"
+SHM_PREFIX = "slidetune-"          # + <local rank 0's pid>-<random>
 _ALIGN = 64                 # bytes: every tensor of the shared file starts on a cache line
 _POLL_S = 0.0005            # how often a rank re-reads another rank's counter while waiting
 
@@ -70,14 +74,19 @@ class DistConfig:
         return self.world_size // self.local_world_size
 
 
-def shard_units(numels: list[int], parts: int) -> list[int]:
+def shard_units(numels: list[int], parts: int, pinned: dict[int, int] | None = None) -> list[int]:
     """The owner (0 .. parts-1) of each unit, balanced by parameter count: units largest first,
     each to the least-loaded part (ties: the lower part, then the lower unit index), so every rank
     computes the same answer. Greedy is within 4/3 of the best balance; with L equal layers and two
-    vocabulary matrices it is near even."""
+    vocabulary matrices it is near even.
+    pinned: unit -> part for units whose owner is fixed (the disk tier's, on local rank 0); they
+    count towards their part's load before the others are placed."""
     load = [0] * parts
     owner = [0] * len(numels)
-    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+    for i, p in (pinned or {}).items():
+        owner[i] = p
+        load[p] += numels[i]
+    for i in sorted((i for i in range(len(numels)) if i not in (pinned or {})), key=lambda i: (-numels[i], i)):
         p = min(range(parts), key=lambda p: (load[p], p))
         owner[i] = p
         load[p] += numels[i]
@@ -111,15 +120,23 @@ class SharedHostState:
 
     Layout, unit after unit: master, exp_avg, exp_avg_sq ([numel] fp32 each), step ([1] fp32),
     each 64-byte aligned; then the versions, [units, 2] int64. A new file reads as zeros: moments,
-    steps and versions start at 0 as AdamW's do."""
+    steps and versions start at 0 as AdamW's do. Units in `no_moments` (the disk tier's: their
+    moments are in its files) have zero-length moments here."""
 
-    def __init__(self, numels: list[int], path: str, create: bool):
+    @staticmethod
+    def layout_bytes(numels: list[int], no_moments: frozenset[int] = frozenset()) -> int:
+        """The mapping's size: every unit's master, moments and step, aligned, then the versions."""
+        return sum(_aligned(4 * n) + 2 * _aligned(0 if i in no_moments else 4 * n) + _aligned(4)
+                   for i, n in enumerate(numels)) + _aligned(16 * len(numels))
+
+    def __init__(self, numels: list[int], path: str, create: bool, no_moments: frozenset[int] = frozenset()):
         self.numels = list(numels)
         self.path = path
         offsets, at = [], 0
-        for n in self.numels:
+        for i, n in enumerate(self.numels):
             unit = []
-            for size in (4 * n, 4 * n, 4 * n, 4):
+            m = 0 if i in no_moments else n
+            for size in (4 * n, 4 * m, 4 * m, 4):
                 unit.append(at)
                 at += _aligned(size)
             offsets.append(unit)
@@ -127,14 +144,22 @@ class SharedHostState:
         self.nbytes = at + _aligned(16 * len(self.numels))
         if create:
             with open(path, "wb") as f:
-                f.truncate(self.nbytes)                    # sparse zeros; pages appear as written
+                f.truncate(self.nbytes)                    # zeros
+                try:
+                    # Reserved now: a tmpfs too small fails here with ENOSPC, where a sparse file
+                    # would kill the run with SIGBUS at the first page written past its limit.
+                    os.posix_fallocate(f.fileno(), 0, self.nbytes)
+                except OSError as e:
+                    os.unlink(path)
+                    raise SharedMemoryError(_shm_message(self.nbytes, os.path.dirname(path), str(e))) from e
         self.buffer = torch.from_file(path, shared=True, size=self.nbytes, dtype=torch.uint8)   # [nbytes]
         versions = self.buffer[versions_at:versions_at + 16 * len(self.numels)].view(torch.int64).view(-1, 2)
         self.units = []
         for n, (m, a, s, st) in zip(self.numels, offsets):
             f32 = lambda lo, k: self.buffer[lo:lo + 4 * k].view(torch.float32)  # noqa: E731
             i = len(self.units)
-            self.units.append(SharedUnit(master=f32(m, n), exp_avg=f32(a, n), exp_avg_sq=f32(s, n),
+            k = 0 if i in no_moments else n
+            self.units.append(SharedUnit(master=f32(m, n), exp_avg=f32(a, k), exp_avg_sq=f32(s, k),
                                          step=f32(st, 1).view(()), weights_version=versions[i, 0],
                                          state_version=versions[i, 1]))
 
@@ -144,6 +169,50 @@ class SharedHostState:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+class SharedMemoryError(RuntimeError):
+    """The host's shared-memory filesystem cannot hold the state its ranks share."""
+
+
+def _shm_message(need: int, directory: str, why: str) -> str:
+    gib = 2**30
+    return (f"data parallel keeps one copy of the training state per host in {directory} and needs "
+            f"{need / gib:.1f} GiB there, but {why}. Enlarge it (a container: docker run --shm-size "
+            f"{-(-need // gib) + 1}g ...; a host: mount -o remount,size={-(-need // gib) + 1}G {directory}), "
+            f"or train on one rank")
+
+
+def check_shared_memory(need: int, directory: str = SHM_DIR, free: int | None = None) -> None:
+    """SharedMemoryError where `directory` (a tmpfs) has less than `need` bytes free (`free`: given,
+    for planning another machine; default: asked of the filesystem). Docker gives containers 64 MB
+    of /dev/shm and a host mounts it at half its RAM by default: both are below an 8B model's 96 GB
+    of state."""
+    if free is None and not os.path.isdir(directory):
+        raise SharedMemoryError(_shm_message(need, directory, "it does not exist"))
+    free = shutil.disk_usage(directory).free if free is None else free
+    if free < need:
+        raise SharedMemoryError(_shm_message(need, directory, f"only {free / 2**30:.1f} GiB are free"))
+
+
+def remove_stale_states(directory: str = SHM_DIR) -> list[str]:
+    """Remove the shared states of runs that died between creating and mapping them (their local
+    rank 0's pid, in the name, is gone); a mapped state's name is removed at once."""
+    removed = []
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        if not name.startswith(SHM_PREFIX):
+            continue
+        try:
+            pid = int(name[len(SHM_PREFIX):].split("-")[0])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not pid_alive(pid):
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
 
 
 class DataParallel:
@@ -177,9 +246,9 @@ class DataParallel:
     def local_rank(self) -> int:
         return self.cfg.local_rank
 
-    def owners(self, numels: list[int]) -> list[int]:
-        """The local rank that owns (updates) each unit on this host."""
-        return shard_units(numels, self.cfg.local_world_size)
+    def owners(self, numels: list[int], pinned: dict[int, int] | None = None) -> list[int]:
+        """The local rank that owns (updates) each unit on this host (`pinned`: shard_units')."""
+        return shard_units(numels, self.cfg.local_world_size, pinned)
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over every rank in place (a gradient slot: on the compute stream with NCCL)."""
@@ -198,18 +267,26 @@ class DataParallel:
     def host_barrier(self) -> None:
         dist.barrier(group=self.host_group)
 
-    def share_host_state(self, numels: list[int]) -> SharedHostState:
+    def share_host_state(self, numels: list[int], no_moments: frozenset[int] = frozenset()) -> SharedHostState:
         """Collective over the host: local rank 0 creates the file, every local rank maps it, and
         the name is removed once all have (the memory then goes with the last rank's exit; only a
         crash in the seconds before that leaves a /dev/shm/slidetune-* file behind)."""
-        state = None
+        state, error = None, None
         if self.cfg.local_rank == 0:
-            state = SharedHostState(numels, f"{SHM_DIR}/slidetune-{os.getpid()}-{uuid.uuid4().hex[:12]}",
-                                    create=True)
-        name = [state.path if state is not None else None]
+            try:
+                remove_stale_states(SHM_DIR)
+                check_shared_memory(SharedHostState.layout_bytes(numels, no_moments), SHM_DIR)
+                state = SharedHostState(numels, f"{SHM_DIR}/{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}",
+                                        create=True, no_moments=no_moments)
+            except SharedMemoryError as e:
+                error = str(e)
+        # the name, or why there is none: every local rank raises the same error instead of waiting
+        name = [state.path if state is not None else None, error]
         dist.broadcast_object_list(name, src=self.cfg.host * self.cfg.local_world_size, group=self.host_group)
+        if name[1] is not None:
+            raise SharedMemoryError(name[1])
         if state is None:
-            state = SharedHostState(numels, name[0], create=False)
+            state = SharedHostState(numels, name[0], create=False, no_moments=no_moments)
         self.host_barrier()               # every local rank has mapped it
         if self.cfg.local_rank == 0:
             state.unlink()

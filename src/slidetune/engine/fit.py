@@ -77,8 +77,9 @@ ENV_HOST_MEMORY = "SLIDETUNE_HOST_MEMORY_BYTES"
 # ----------------------------------------------------------------------------- results
 
 
-# host parts held once per host under data parallel (the shared state; the owners' held gradients)
-SHARED_PER_HOST = ("master + Adam moments", "held gradients")
+# host parts held once per host under data parallel (the shared state; the owners' held gradients;
+# the disk tier, which local rank 0 alone keeps)
+SHARED_PER_HOST = ("master + Adam moments", "held gradients", "disk units' masters", "disk tier block buffers")
 
 
 @dataclass
@@ -556,11 +557,12 @@ class _Budget:
 def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int, grad_accum: int = 1,
               max_grad_norm: float | None = None, gpu_free_bytes: int | None = None,
               host_available_bytes: int | None = None, safety: float = 0.9, padded: bool = True,
-              ranks_per_host: int = 1) -> MemoryEstimate:
+              ranks_per_host: int = 1, shm_free_bytes: int | None = None) -> MemoryEstimate:
     """The estimate if it fits in `safety` x the available memory, else InsufficientMemoryError.
 
     ranks_per_host: data-parallel ranks on this host; the GPU check is per rank (each has its own
-    GPU), the host check counts the shared state once and each rank's own buffers per rank.
+    GPU), the host check counts the shared state once and each rank's own buffers per rank, and
+    the shared state must fit the host's /dev/shm (`shm_free_bytes`, default: its free space).
 
     gpu_free_bytes: default torch.cuda.mem_get_info()[0] (device cuda); ignored on device cpu,
     where model state and activations count against host RAM.
@@ -573,6 +575,11 @@ def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len:
     if est.disk_bytes:
         # the disk tier's directory: there, writable, with room for its files (DiskTierError)
         check_directory(rt.disk_dir, est.disk_bytes)
+    if ranks_per_host > 1 and est.plan is not None:
+        # the host's ranks share the state through a tmpfs file (SharedMemoryError, naming the fix;
+        # a container's /dev/shm is 64 MB unless it is given more)
+        from . import distributed
+        distributed.check_shared_memory(shared_state_bytes(est.plan), distributed.SHM_DIR, shm_free_bytes)
     if est.device_type == "cuda" and gpu_free_bytes is None:
         gpu_free_bytes = query_gpu_free_bytes(rt)
     if host_available_bytes is None:
@@ -589,6 +596,14 @@ def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len:
                                            disk_note), est, options)
 
 
+def shared_state_bytes(plan: PlacementPlan) -> int:
+    """Data parallel: the bytes of the host's shared state file for a placement (its layout:
+    master, moments and step of every host-updated unit, a disk unit's master only)."""
+    from .distributed import SharedHostState
+    numels = [u.numel if u.host_updated else 0 for u in plan.units]
+    return SharedHostState.layout_bytes(numels, frozenset(plan.indices("disk")))
+
+
 def _disk_tier_note(split: SplitModel, rt: RuntimeConfig, budget: _Budget, short, **kw) -> str:
     """Where host RAM is what does not fit and no disk tier was given: what the disk tier would take
     (the auto placement with a disk directory), or "" where it would not help."""
@@ -597,7 +612,7 @@ def _disk_tier_note(split: SplitModel, rt: RuntimeConfig, budget: _Budget, short
         return ""
     trial = dataclasses.replace(rt, disk_dir="PATH", disk_units=-1)
     placed = choose_auto_settings(split, trial, gpu_free_bytes=budget.gpu_free, host_available_bytes=budget.host_avail,
-                                  safety=budget.safety, **kw)
+                                  safety=budget.safety, ranks_per_host=budget.ranks_per_host, **kw)
     est = estimate_memory(split, placed, **kw)
     if not budget.fits(est):
         return ""
@@ -613,7 +628,7 @@ def _disk_tier_note(split: SplitModel, rt: RuntimeConfig, budget: _Budget, short
 def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int,
                          grad_accum: int = 1, max_grad_norm: float | None = None,
                          gpu_free_bytes: int | None = None, host_available_bytes: int | None = None,
-                         safety: float = 0.9, padded: bool = True) -> RuntimeConfig:
+                         safety: float = 0.9, padded: bool = True, ranks_per_host: int = 1) -> RuntimeConfig:
     """Resolve slide mode's memory-dependent autos: cache_units=-1 (with resident_layers=-1),
     vocab_update=auto, grad_slot_dtype=auto, device_layers=-1, gpu_checkpoints=-1, and with a
     disk directory disk_units=-1 and disk_master=auto.
@@ -642,6 +657,11 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
     that, the configuration that needs the least host RAM is returned and check_fit reports
     it. On the CPU (nothing to hide) the lean choices (disk_master auto: off).
     Settings given explicitly are kept; with nothing on auto, `rt` itself is returned.
+
+    ranks_per_host: data-parallel ranks on this host, each with a GPU like this one. The GPU
+    checks are per rank; the host check counts the shared state once and each rank's own
+    buffers per rank (MemoryEstimate.host_bytes_per_host), so N ranks may need the GPU to take
+    more off the host than one rank would.
     """
     if rt.mode != "slide":
         return rt
@@ -684,8 +704,11 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
     def fits(c: RuntimeConfig) -> bool:
         return estimate(c).gpu_bytes <= safety * free
 
+    def host_bytes(c: RuntimeConfig) -> int:
+        return estimate(c).host_bytes_per_host(ranks_per_host)
+
     def host_fits(c: RuntimeConfig) -> bool:
-        return estimate(c).host_bytes <= safety * host
+        return host_bytes(c) <= safety * host
 
     def fill(c: RuntimeConfig, order: list[str]) -> RuntimeConfig:
         for name in (n for n in order if n in fillable):
@@ -737,8 +760,9 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
         more through the disk). Every disk unit on disk first, moments only, then masters: the
         same RAM for the least disk traffic (moving a unit's moments saves 8 B/param for 16 of
         I/O a step, its master then 2 more for 8 more). None fitting: all of them, where that
-        helps at all (a compute dtype of 4 bytes saves nothing)."""
-        if rt.disk_master != "auto" or host_fits(c):
+        helps at all (a compute dtype of 4 bytes saves nothing). Not under data parallel (the
+        engine refuses it there)."""
+        if rt.disk_master != "auto" or ranks_per_host > 1 or host_fits(c):
             return c
         n = len(PlacementPlan.build(unit_shapes(split), c).indices("disk"))
         for m in range(1, n + 1):
@@ -746,9 +770,9 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
             if host_fits(t) and fits(t):
                 return t
         every = dataclasses.replace(c, disk_master="on")
-        return every if n and estimate(every).host_bytes < estimate(c).host_bytes else c
+        return every if n and host_bytes(every) < host_bytes(c) else c
 
-    least = min([fastest, *leanest], key=lambda c: estimate(c).host_bytes)
+    least = min([fastest, *leanest], key=host_bytes)
     if rt.disk_units == -1 and rt.disk_dir:
         # RAM and GPU cannot hold the state: the disk tier takes the moments of as few units as
         # make the host fit (the head, then layers from the top down; each 8 B/param off the host)

@@ -156,14 +156,26 @@ class SlideEngine:
         # units it owns and follows the others' owners.
         self.dp = dist if dist is not None and dist.world_size > 1 else None
         shared, owned = None, None
-        if self.dp is not None:
-            _check_data_parallel(self.plan, rt)
-            numels = [u.numel for u in self.plan.units]
-            owners = self.dp.owners(numels)
-            owned = frozenset(i for i, r in enumerate(owners) if r == self.dp.local_rank)
-            shared = self.dp.share_host_state(numels)
-        self.shared = shared
         disk_units = self.plan.indices("disk")
+        if self.dp is not None and self.plan.master_params("disk"):
+            # the other ranks upload a disk unit's weights from the shared mapping, which holds masters
+            raise ValueError("data parallel over several ranks does not support --tuning.disk_master yet (the masters "
+                             "of disk units on disk); use --tuning.disk_master off, or run on one rank")
+        if self.dp is not None:
+            # Host-updated units (host and disk) are shared and sharded over the host's ranks. Units
+            # updated on the GPU are every rank's own: each rank applies the same all-reduced
+            # gradient to its own device copy (GPU memory is per rank anyway), so they have no
+            # owner, take no room in the shared mapping and are never followed.
+            # The disk units are local rank 0's: the host has one disk, which more ranks' I/O would
+            # not make faster, and the checkpoint writer (rank 0) then reads their moments from its
+            # own tier. Their masters are shared like any other; their moments are not in RAM.
+            numels = [u.numel if u.host_updated else 0 for u in self.plan.units]
+            owners = self.dp.owners(numels, pinned={i: 0 for i in disk_units})
+            owned = frozenset(i for i, r in enumerate(owners)
+                              if r == self.dp.local_rank or not self.plan.units[i].host_updated)
+            shared = self.dp.share_host_state(numels, no_moments=frozenset(disk_units))
+            disk_units = [i for i in disk_units if i in owned]
+        self.shared = shared
         self.disk_released = False      # release_disk_tier(): the run is over, its moments are gone
         self.disk = (DiskTier(rt.disk_dir, {i: self.split.units[i].numel for i in disk_units},
                               block_mb=rt.disk_block_mb, buffers=rt.disk_buffers, io_threads=rt.disk_io_threads,
@@ -1061,20 +1073,6 @@ class SlideEngine:
                     if unit.on_host and unit.master is not None:
                         self.device.unregister_host(unit.master)
                 self.gpu_cast = False
-
-
-def _check_data_parallel(plan: PlacementPlan, rt: RuntimeConfig) -> None:
-    """What data parallel does not make exact yet is refused, naming it (docs/data_parallel.md)."""
-    unsupported = []
-    if plan.vocab_on_device:
-        unsupported.append("--tuning.vocab_update device (the vocabulary units updated on the GPU)")
-    if plan.device_layers:
-        unsupported.append("--tuning.device_layers > 0 (layers updated on the GPU)")
-    if plan.indices("disk"):
-        unsupported.append("--tuning.disk_units > 0 (the disk tier)")
-    if unsupported:
-        raise ValueError("data parallel over several ranks does not support yet: " + "; ".join(unsupported)
-                         + ". Run it on one rank, or without these settings")
 
 
 def _chain(src: Future, dst: Future) -> None:

@@ -127,6 +127,15 @@ class HostUnit:
 
     def state_tensors(self) -> dict[str, torch.Tensor | StreamedTensor]:
         """AdamW's state by name; a disk unit's moments as StreamedTensors read from the disk tier."""
+        index, shape = self.spec.index, (self.spec.numel,)
+        if self.disk is None and self.shared is not None and self.shared.exp_avg.numel() != self.spec.numel:
+            # data parallel: a disk unit of another rank (local rank 0 keeps the tier); its shape is
+            # known here (a resume checks it on every rank), its values only in the owner's tier
+            def elsewhere():
+                raise RuntimeError(f"the AdamW moments of {self.spec.name} are in local rank 0's disk tier; "
+                                   f"only that rank reads them")
+            return {"exp_avg": StreamedTensor(shape, torch.float32, elsewhere),
+                    "exp_avg_sq": StreamedTensor(shape, torch.float32, elsewhere), "step": self.opt.step_count}
         if self.disk is None:
             return self.opt.state_tensors()
         return {name: self._streamed((self.spec.numel,), name, 0, self.spec.numel) for name in MOMENTS} \
@@ -277,7 +286,8 @@ class HostStore:
                 lambda i: HostUnit(split.units[i], source, optim, held_dtype, kernel,
                                    device=device if i in device_units else None,
                                    disk=disk if disk is not None and i in disk.units else None,
-                                   shared=shared.units[i] if shared is not None else None,
+                                   # a unit updated on the device is each rank's own copy
+                                   shared=shared.units[i] if shared is not None and i not in device_units else None,
                                    owned=owned is None or i in owned, compute_dtype=compute_dtype),
                 range(len(split.units))))
         self.shared = shared
