@@ -255,3 +255,21 @@ def test_train_with_masters_on_disk_end_to_end(tmp_path):
     ckpt = load_file(d / "checkpoints" / "checkpoint-3" / "model.safetensors")
     final = load_file(d / "final" / "model.safetensors")
     assert ckpt.keys() == final.keys() and all(torch.equal(ckpt[k].to(final[k].dtype), final[k]) for k in final)
+
+
+def test_data_parallel_refuses_masters_on_disk_by_name():
+    """Several ranks upload a disk unit from the shared mapping, which holds masters: the masters on
+    disk are refused there, by name, and auto leaves them off (docs/data_parallel.md)."""
+    from types import SimpleNamespace as NS
+
+    from slidetune.config import TrainConfig
+    from slidetune.train import TrainingError, _refuse_under_data_parallel
+    cfg = TrainConfig(runtime=RuntimeConfig(disk_dir="/x", disk_units=2, disk_master="on"))
+    with pytest.raises(TrainingError, match="--tuning.disk_master"):
+        _refuse_under_data_parallel(cfg, NS(world_size=2))
+    _refuse_under_data_parallel(TrainConfig(runtime=RuntimeConfig(disk_dir="/x", disk_units=2)), NS(world_size=2))
+    split = split_of("qwen3-14b")
+    kw = dict(batch_size=4, seq_len=1024, max_grad_norm=1.0)
+    two = choose_auto_settings(split, cuda_rt(disk_dir="/x"), gpu_free_bytes=78 * GiB, host_available_bytes=1 * GiB,
+                               ranks_per_host=2, **kw)
+    assert two.disk_master == "off"
