@@ -64,8 +64,8 @@ def test_the_split_follows_the_issue():
     for user in ("mode", "dtype", "device", "offload_activations", "compile_layers", "disk_dir"):
         assert user not in knobs
     for knob in ("cache_units", "chunk_mb", "upload_ring", "download_ring", "upload_cast_stream", "cast_on",
-                 "cuda_waits", "gil_switch_ms", "update_order", "disk_units", "disk_block_mb", "disk_buffers",
-                 "disk_io_threads"):
+                 "cuda_waits", "gil_switch_ms", "update_order", "disk_units", "disk_master", "disk_block_mb",
+                 "disk_buffers", "disk_io_threads"):
         assert knob in knobs
     assert "runtime.disk_dir" in FLAG_GROUPS["memory"][1]
     assert "max_grad_norm" in FLAG_GROUPS["clipping"][1]

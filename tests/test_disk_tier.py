@@ -38,9 +38,9 @@ DISK = dict(disk_block_mb=0.1, disk_buffers=3)   # several blocks a tiny layer, 
 def state(eng) -> dict[str, torch.Tensor]:
     """Masters and optimizer state, the disk tier's read back through it."""
     eng.synchronize()
-    out = {k: v.clone() for k, v in eng.named_master_params()}
+    out = {k: v.materialize() if isinstance(v, StreamedTensor) else v.clone() for k, v in eng.named_master_params()}
     for k, t in eng.optimizer_tensors().items():
-        out[k] = torch.cat(list(t.chunks())) if isinstance(t, StreamedTensor) else t.clone()
+        out[k] = t.materialize() if isinstance(t, StreamedTensor) else t.clone()
     return out
 
 
@@ -63,7 +63,8 @@ def test_ring_serves_any_order_and_keeps_every_write(tmp_path):
                 tier.prefetch(u)
             for u in (1, 3, 2):                          # not the prefetch order
                 for b in range(tier.blocks(u)):
-                    m, v = tier.acquire(u, b)
+                    blk = tier.acquire(u, b)
+                    m, v = blk.exp_avg, blk.exp_avg_sq
                     lo, hi = tier.block_range(u, b)
                     assert torch.equal(m, torch.full((hi - lo,), float(rnd * 100 + u))) or rnd == 0
                     assert rnd > 0 or (m == 0).all() and (v == 0).all()       # AdamW's moments start at zero
@@ -71,8 +72,8 @@ def test_ring_serves_any_order_and_keeps_every_write(tmp_path):
                     v.fill_(-u)
                     tier.release(u, b)
         tier.drain()
-        assert torch.equal(torch.cat(list(tier.read_moment(2, 0))), torch.full((30000,), 302.0))
-        assert torch.equal(torch.cat(list(tier.read_moment(3, 1))), torch.full((5000,), -3.0))
+        assert torch.equal(torch.cat(list(tier.read_range(2, "exp_avg", 0, 30000))), torch.full((30000,), 302.0))
+        assert torch.equal(torch.cat(list(tier.read_range(3, "exp_avg_sq", 0, 5000))), torch.full((5000,), -3.0))
         assert tier.bytes_written >= 3 * sum(8 * tier.block * tier.blocks(u) for u in units)
     finally:
         tier.close()
@@ -131,12 +132,17 @@ def test_disk_units_are_bit_exact_against_the_ram_store(tmp_path, recipe):
         shut(disk)
 
 
-@pytest.mark.parametrize("saved,resumed", [("disk", "disk"), ("disk", "ram"), ("ram", "disk")])
+@pytest.mark.parametrize("saved,resumed", [("disk", "disk"), ("disk", "ram"), ("ram", "disk"), ("master", "master"),
+                                           ("disk", "master"), ("master", "disk"), ("master", "ram")])
 def test_resume_across_the_disk_tier_is_exact(tmp_path, saved, resumed):
-    """A checkpoint taken while units live on disk reads their moments from there and writes them
-    like any other tensor: it resumes exactly, with or without the tier, and the other way."""
+    """A checkpoint taken while units live on disk reads their moments (and masters, "master":
+    --tuning.disk_master on) from there and writes them like any other tensor: it resumes
+    exactly, with or without the tier or the masters on it, and the other way."""
     def runtime(where):
-        return dict(disk_units=2, disk_dir=str(tmp_path / "scratch"), **DISK) if where == "disk" else {}
+        if where == "ram":
+            return {}
+        return dict(disk_units=2, disk_dir=str(tmp_path / "scratch"), disk_master="on" if where == "master" else "off",
+                    **DISK)
     (tmp_path / "scratch").mkdir()
     ref = make_engine(max_grad_norm=0.5, runtime=runtime(saved))
     ref_losses = train(ref, range(4))

@@ -14,6 +14,7 @@ import torch
 from reference import ReferenceTrainer, build_reference
 from slidetune.data import Batch
 from slidetune.engine import AdamWConfig, RuntimeConfig, build_engine
+from slidetune.engine.slide.disk_tier import StreamedTensor
 from slidetune.models.load import LoadedModel, RandomInit, skeleton
 from slidetune.models.presets import tiny_config
 from slidetune.models.units import SplitModel
@@ -80,6 +81,11 @@ RUNS = {
         "slide", "deferred", 2, 0.5, True,
         {"disk_units": 2, "device_layers": 1, "vocab_update": "device", "cache_units": 2, "resident_layers": 1,
          **DISK}),
+    # ... and the masters of the disk units there too (--tuning.disk_master): RAM holds their weights
+    "slide-eager-disk-master": ("slide", "eager", 1, None, False, {"disk_units": 3, "disk_master": "on", **DISK}),
+    "slide-deferred-accum2-clip-disk-master-device-layers": (
+        "slide", "deferred", 2, 0.5, False,
+        {"disk_units": 2, "disk_master": "on", "device_layers": 1, "cache_units": 2, **DISK}),
     "gpu-accum2-clip": ("gpu", "auto", 2, 0.5, False, {}),
     "ckpt-every2": ("ckpt", "auto", 1, None, False, {"recompute": "every:2"}),
 }
@@ -108,6 +114,8 @@ def max_param_rel_diff(engine, reference_model) -> tuple[float, str]:
     ref = dict(reference_model.named_parameters())
     worst, where = 0.0, ""
     for name, t in engine.named_master_params():
+        if isinstance(t, StreamedTensor):       # a master on disk (--tuning.disk_master)
+            t = t.materialize()
         r = ref[name].detach()
         rel = float((t.float() - r).norm() / r.norm())
         if rel > worst:

@@ -142,7 +142,7 @@ def _plan_terms(cfg, plan) -> None:
     if fl.get("partial"):       # no GPU here: the host's terms only
         terms = {"adamw_s": plan.host_updated_params / fl["adamw"]["adamw_params_per_s"]}
         if disk and plan.params("disk"):
-            terms["disk_s"] = disk_term(plan.params("disk"), disk)
+            terms["disk_s"] = disk_term(plan, disk)
     else:
         terms = floor_terms(fl["compute"], fl["copy"], fl["adamw"], plan, device_adamw=fl.get("device_adamw"),
                             disk=disk, split_sweep=rt.clip_sweep != "whole")
@@ -153,7 +153,9 @@ def _plan_terms(cfg, plan) -> None:
             "h2d_s": f"PCIe H2D: {count(plan.upload_params())} params of BF16 weights uploaded",
             "d2h_s": f"PCIe D2H: BF16 gradients of {count(plan.host_updated_params)} host-updated params",
             "adamw_s": f"host AdamW over {count(plan.host_updated_params)} params",
-            "disk_s": f"disk: moments of {count(plan.params('disk'))} params read and written (16 B/param)",
+            "disk_s": (f"disk: moments of {count(plan.params('disk'))} params read and written (16 B/param)"
+                       + (f", masters of {count(plan.master_params('disk'))} of them too (+8 B/param)"
+                          if plan.master_params("disk") else "")),
             "clip_sweep_s": "clipped: the backward, then the update sweep the next forward waits for"}
     print("floor terms (seconds a step, from this machine's probes):")
     for k, v in terms.items():
@@ -200,7 +202,7 @@ def _plan_resolved(ns, cfg, split):
           + (f"resident_layers={plan.resident_layers} " if resolved.cache_units else "")
           + f"vocab_update={resolved.vocab_update} grad_slot_dtype={resolved.grad_slot_dtype} "
           f"device_layers={plan.device_layers}"
-          + (f" disk_units={len(plan.indices('disk'))}" if resolved.disk_dir else "")
+          + (f" disk_units={len(plan.indices('disk'))} disk_master={resolved.disk_master}" if resolved.disk_dir else "")
           + (f" gpu_checkpoints={plan.gpu_checkpoints}" if resolved.offload_activations else "")
           + f": GPU {est.gpu_bytes / gib:.2f} GiB"
           + (f" per rank, host {est.host_bytes_per_host(ranks) / gib:.2f} GiB for its {ranks} ranks "

@@ -131,7 +131,8 @@ _HELP = {
     "runtime.disk_dir": "a directory on a local disk (NVMe ideally) where the AdamW moments of some units live, "
                         "read ahead of their update and written behind it: 4 instead of 12 B/param of host RAM for "
                         "each, 16 B/param through the disk a step (how many: --tuning.disk_units, auto: as few as "
-                        "make host RAM fit)",
+                        "make host RAM fit); with --tuning.disk_master their FP32 masters too: 2 B/param of RAM "
+                        "(the BF16 weights the uploads read), 24 B/param through the disk a step",
 }
 
 

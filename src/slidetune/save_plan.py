@@ -84,13 +84,15 @@ def _device_id(path: Path) -> int:
 
 def plan_saves(num_params: int, *, save_dtype: str, output_dir: Path, checkpoint_dir: Path, save_every: int,
                keep_last: int, output_free: int | None = None, checkpoint_free: int | None = None,
-               same_disk: bool | None = None, scratch: tuple[Path, int] | None = None) -> SavePlan:
+               same_disk: bool | None = None, scratch: tuple[Path, int] | None = None,
+               scratch_holds_weights: bool = False) -> SavePlan:
     """The run's writes against the free space; raises DiskSpaceError with options where the run
     cannot keep its promise (final/ must fit; periodic checkpoints asked for must fit).
     output_free, checkpoint_free, same_disk: as measured here unless given.
     scratch: (directory, bytes) the run takes before it saves anything (the disk tier's files,
     allocated in full when the engine starts): off the free space of whichever of the two
-    directories shares its disk."""
+    directories shares its disk. scratch_holds_weights: the tier holds FP32 masters
+    (--tuning.disk_master), which final/ is written from: its files cannot go first."""
     final = num_params * SAVE_DTYPE_BYTES[save_dtype] + FILES_MARGIN
     ckpt = num_params * 12 + FILES_MARGIN
     if same_disk is None:
@@ -118,7 +120,8 @@ def plan_saves(num_params: int, *, save_dtype: str, output_dir: Path, checkpoint
     out_usable = int(out_free * (1 - FREE_MARGIN))
     ck_usable = int(ck_free * (1 - FREE_MARGIN))
 
-    if final > out_usable and on_out and not save_every and final <= int(out_free_alone * (1 - FREE_MARGIN)):
+    if final > out_usable and on_out and not save_every and not scratch_holds_weights \
+            and final <= int(out_free_alone * (1 - FREE_MARGIN)):
         # final/ fits once the tier's files are gone: remove them first (the moments die with
         # them, so no resumable state can follow final/)
         return SavePlan(final, ckpt, False, [
@@ -134,6 +137,10 @@ def plan_saves(num_params: int, *, save_dtype: str, output_dir: Path, checkpoint
             if bf16 <= out_usable:
                 options.append(f"--save-dtype bf16 (final/ {gib(bf16)})")
         options.append(f"--output-dir on a disk with at least {gib(math.ceil(final / (1 - FREE_MARGIN)))} free")
+        if scratch_holds_weights and on_out and final <= int(out_free_alone * (1 - FREE_MARGIN)):
+            # it would fit once the tier's files were gone, but they hold masters final/ is written from
+            options.append("--tuning.disk_master off (the tier's files then hold only AdamW moments, removed "
+                           "before final/ is written)")
         raise DiskSpaceError(f"slidetune: final/ ({gib(final)} in {save_dtype}) does not fit the {gib(out_free)} "
                              f"free for {output_dir}{taken}. Options: " + "; ".join(options))
     # what the checkpoints' disk has left once final/ is written there too

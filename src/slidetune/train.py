@@ -186,6 +186,8 @@ def _refuse_under_data_parallel(cfg: TrainConfig, ranks: Ranks) -> None:
     bad = []
     if rt.mode != "slide":
         bad.append(f"--mode {rt.mode} (data parallel runs in slide mode only)")
+    if rt.disk_master not in ("off", "auto"):
+        bad.append("--tuning.disk_master (the masters of disk units on disk; use off or auto)")
     if bad:
         raise TrainingError(f"{ranks.world_size} ranks (data parallel) do not support yet: " + "; ".join(bad)
                             + ". Drop these settings, or run on one rank")
@@ -242,6 +244,10 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
         print(f"disk_units auto -> {len(plan.indices('disk'))}"
               + (f" ({plan.ranges(lambda u: u.state == 'disk')}: AdamW moments in {runtime.disk_dir})"
                  if plan.indices("disk") else " (host RAM holds the state)"))
+    if cfg.runtime.disk_master == "auto" and runtime.disk_dir and cfg.runtime.mode == "slide":
+        print(f"disk_master auto -> {runtime.disk_master}"
+              + (f" ({plan.ranges(lambda u: u.master == 'disk')}: FP32 masters on disk too, their compute-dtype "
+                 f"weights in host RAM)" if plan.master_params("disk") else ""))
     if plan is not None:
         print("placement:\n" + "\n".join(plan.summary_lines()))
     if cfg.check_memory:
@@ -302,7 +308,8 @@ def _prepare_output(cfg: TrainConfig, loaded: LoadedModel, plan: PlacementPlan |
         tier = (Path(runtime.disk_dir), tier_bytes(plan, runtime.disk_block_mb)) \
             if plan is not None and plan.indices("disk") else None
         saves = plan_saves(loaded.split.num_params(), save_dtype=save_dtype, output_dir=out, checkpoint_dir=ckpt_dir,
-                           save_every=cfg.save_every, keep_last=cfg.keep_last, scratch=tier)
+                           save_every=cfg.save_every, keep_last=cfg.keep_last, scratch=tier,
+                           scratch_holds_weights=plan is not None and plan.master_params("disk") > 0)
     except DiskSpaceError as e:
         raise TrainingError(str(e)) from e
     for note in saves.notes:

@@ -305,14 +305,16 @@ def plan_of_runtime(comp: dict, runtime: dict | None = None, clipped: bool = Fal
     return PlacementPlan.build(shapes, rt, schedule)
 
 
-def disk_term(disk_params: int, disk: dict) -> float:
-    """Seconds a step the disk tier's I/O takes (probe_disk's result): the moments of `disk_params`
-    are read and written once a step, 16 B/param. The tier reads ahead while it writes behind: at
-    the probe's mixed rate (reads and writes at once); a probe without it, one after the other."""
+def disk_term(plan: PlacementPlan, disk: dict) -> float:
+    """Seconds a step the disk tier's I/O takes (probe_disk's result): each disk unit's block is read
+    and written once a step (PlacementPlan.disk_io_bytes: 16 B/param, 24 with its master on disk).
+    The tier reads ahead while it writes behind: at the probe's mixed rate (reads and writes at
+    once); a probe without it, one after the other."""
     gib = 2**30
+    io = plan.disk_io_bytes()
     if disk.get("mixed_gib_s"):
-        return 16 * disk_params / (disk["mixed_gib_s"] * gib)
-    return 8 * disk_params / (disk["read_gib_s"] * gib) + 8 * disk_params / (disk["write_gib_s"] * gib)
+        return io / (disk["mixed_gib_s"] * gib)
+    return io / 2 / (disk["read_gib_s"] * gib) + io / 2 / (disk["write_gib_s"] * gib)
 
 
 # Bytes of host DRAM an upload reads per parameter: the FP32 master (the GPU-cast path page-locks it
@@ -361,8 +363,9 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
     and uploads (BF16 weights). Uploads: resident host layers once a step; a window twice
     (forward and backward) except the slots still holding layers at the turn
     (PlacementPlan.uploads_per_step); host vocabulary units once.
-    Disk units (with `disk`, probe_disk's result): their moments are read and written once a
-    step (16 B/param through the disk, at the probe's mixed rate): disk_s. Unclipped, that I/O runs beside the whole step
+    Disk units (with `disk`, probe_disk's result): their moments (and masters, where they live
+    there) are read and written once a step (16 B/param through the disk, 24 with the master,
+    at the probe's mixed rate): disk_s (disk_term). Unclipped, that I/O runs beside the whole step
     (the backward releases the disk units first, the next forward needs them last). Clipped,
     it cannot start before the norm is known (the reads can, but only as far as the block
     buffers reach): it runs beside the host's weights pass over the RAM units, and the next
@@ -432,7 +435,7 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
     dram_s = host_dram_term(plan, adamw, 1 if gathering else ranks) if ranks > 1 else None
     if dram_s:
         terms["host_dram_s"] = dram_s
-    disk_io_s = disk_term(disk_params, disk) if disk_params and disk else 0.0
+    disk_io_s = disk_term(plan, disk) if disk_params and disk else 0.0
     if disk_io_s:
         terms["disk_s"] = disk_io_s
     clipped = plan.schedule == "deferred"

@@ -36,13 +36,16 @@ class AdamWConfig:
 class FlatAdamW:
     """AdamW state (moments, step) for one flat master tensor with a decay range [0, n_decay)."""
 
-    def __init__(self, master: torch.Tensor, n_decay: int, cfg: AdamWConfig, kernel: str = "dynamic",
+    def __init__(self, master: torch.Tensor | None, n_decay: int, cfg: AdamWConfig, kernel: str = "dynamic",
                  moments_here: bool = True, state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
         """moments_here=False: the moments live elsewhere (the disk tier) and every update() is given
         the moments of its range.
+        master None: the master lives elsewhere too (the disk tier's blocks, --tuning.disk_master)
+        and every update() is given the master of its range (`params`); host only.
         state: (exp_avg, exp_avg_sq, step) to use instead of new zeros: the views of the host state
         the ranks of a host share (engine/distributed.py); they hold zeros or a state to go on from."""
-        assert master.dim() == 1 and master.dtype == torch.float32
+        assert master is None or (master.dim() == 1 and master.dtype == torch.float32)
+        assert master is not None or not moments_here, "a master elsewhere needs the moments elsewhere too"
         assert kernel in KERNELS, f"kernel must be one of {KERNELS}, not {kernel!r}"
         self.master = master                                 # [numel] fp32, updated in place
         self.n_decay = n_decay
@@ -54,7 +57,7 @@ class FlatAdamW:
         self.exp_avg = torch.zeros_like(master) if moments_here else None      # [numel] fp32
         self.exp_avg_sq = torch.zeros_like(master) if moments_here else None   # [numel] fp32
         # The kernel reads the step from a tensor on the parameters' device.
-        self.step_count = torch.zeros((), dtype=torch.float32, device=master.device)
+        self.step_count = torch.zeros((), dtype=torch.float32, device=master.device if master is not None else "cpu")
 
     def begin_step(self) -> None:
         """Count one optimizer step; call once before the ranges of this step are updated."""
@@ -62,7 +65,8 @@ class FlatAdamW:
 
     def update(self, grad: torch.Tensor, lr: float, start: int = 0,
                grad_scale: float | torch.Tensor = 1.0, part: str = "all",
-               moments: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+               moments: tuple[torch.Tensor, torch.Tensor] | None = None,
+               params: torch.Tensor | None = None) -> None:
         """Apply AdamW to master[start:start+len(grad)] with `grad` times `grad_scale`.
 
         grad_scale: the clip coefficient, a float (host) or a 0-dim FP32 tensor on the master's
@@ -79,13 +83,20 @@ class FlatAdamW:
         by "params" and left alone by "moments".
 
         moments: (exp_avg, exp_avg_sq) of master[start:start+len(grad)], [len(grad)] FP32 each, where
-        they do not live in this object (the disk tier's block buffers)."""
+        they do not live in this object (the disk tier's block buffers).
+        params: master[start:start+len(grad)], [len(grad)] FP32, where the master does not live here
+        (a disk unit's master in its block buffer); updated in place."""
         end = start + grad.numel()
+        if self.master is None and params is None:
+            raise ValueError("this master lives elsewhere: update() needs its range (params)")
 
         def moment_views(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
             if moments is None:
                 return self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi]
             return moments[0][lo - start:hi - start], moments[1][lo - start:hi - start]
+
+        def param_view(lo: int, hi: int) -> torch.Tensor:
+            return self.master[lo:hi] if params is None else params[lo - start:hi - start]
         scaled = isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0
         for lo, hi, wd in ((start, min(end, self.n_decay), self.cfg.weight_decay),
                            (max(start, self.n_decay), end, 0.0)):
@@ -93,21 +104,22 @@ class FlatAdamW:
                 continue
             g = grad[lo - start:hi - start]
             m, v = moment_views(lo, hi)
+            p = param_view(lo, hi)
             if (self.kernel != "torch" and not isinstance(grad_scale, torch.Tensor)
-                    and native_adamw.takes(g, self.master)):
-                native_adamw.update(self.master[lo:hi], m, v, g, lr=lr,
+                    and native_adamw.takes(g, p)):
+                native_adamw.update(p, m, v, g, lr=lr,
                                     beta1=self.cfg.beta1, beta2=self.cfg.beta2, eps=self.cfg.eps,
                                     weight_decay=wd, step=int(self.step_count), schedule=self.kernel,
                                     grad_scale=float(grad_scale), part=part)
                 continue
             if part == "moments":
                 continue                                  # written in full by the "params" call
-            if g.dtype != self.master.dtype:
+            if g.dtype != p.dtype:
                 g = g.float()                             # torch's kernel wants the parameters' dtype
             if scaled:
                 g.mul_(grad_scale)
             torch._fused_adamw_(
-                [self.master[lo:hi]], [g], [m], [v], [],
+                [p], [g], [m], [v], [],
                 [self.step_count], lr=lr, beta1=self.cfg.beta1, beta2=self.cfg.beta2,
                 weight_decay=wd, eps=self.cfg.eps, amsgrad=False, maximize=False)
 

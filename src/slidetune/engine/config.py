@@ -260,6 +260,16 @@ class RuntimeConfig:
     disk_units: float = tuning_field(
         -1, help="units whose AdamW moments live under --disk-dir: a count, a fraction, or -1 auto (fewest that fit)",
         when="more to leave host RAM to other work; fewer where the disk's bandwidth binds the step")
+    # The FP32 masters of disk units on disk too (the tier's block then holds master, m and v,
+    # 12 B/param), with only the unit's compute-dtype weights in host RAM for its uploads (2 B/param
+    # for BF16, instead of the 4 B/param master): 10 instead of 8 B/param off the host, for 24
+    # instead of 16 B/param through the disk a step. off | on (every disk unit) | auto: off where the
+    # moments alone make host RAM fit, else the masters of as few disk units as make it fit
+    # (engine.fit.choose_auto_settings; resolved, a count N: the first N disk units, in the order
+    # units go to disk); left unresolved (an engine built directly), off.
+    disk_master: str = tuning_field(
+        "auto", help="the FP32 masters of disk units on disk too: off, on, auto (only where RAM needs it) or a count",
+        when="on to leave host RAM ~2 B/param of a disk unit; off where the disk's bandwidth binds (24 vs 16 B/param)")
     disk_block_mb: float = tuning_field(
         64, help="disk I/O block in MiB: one block's moments (m and v) per pinned buffer",
         when="raise for disks that want larger requests; lower to save pinned RAM (buffers x block)")
@@ -330,9 +340,19 @@ class RuntimeConfig:
         if self.disk_units > 0 and not self.disk_dir:
             raise ValueError("--tuning.disk_units needs a disk directory: --disk-dir PATH (a local disk with room "
                              "for 8 bytes per parameter of those units)")
+        self.disk_master = _disk_master(self.disk_master)
         if self.disk_block_mb <= 0 or self.disk_buffers < 3 or self.disk_io_threads < 1:
             raise ValueError("--tuning.disk_block_mb must be > 0, --tuning.disk_buffers >= 3 (one read ahead, "
                              "one in AdamW, one written behind) and --tuning.disk_io_threads >= 1")
+
+    def disk_master_units(self, disk_units: int) -> int:
+        """How many of `disk_units` disk units keep their master on disk (the first ones in disk
+        order): every one for on, none for off or an unresolved auto, else the count."""
+        if self.disk_master == "on":
+            return disk_units
+        if self.disk_master in ("off", "auto"):
+            return 0
+        return min(disk_units, int(self.disk_master))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -422,6 +442,19 @@ def _on_off_auto(value, name: str) -> str:
     if text == "auto":
         return "auto"
     raise ValueError(f"{name} must be auto, on or off, not {value!r}")
+
+
+def _disk_master(value) -> str:
+    """disk_master: off | on | auto, or a count of disk units ("2", 2); on/off also from booleans."""
+    text = str(value).strip().lower()
+    if isinstance(value, int) and not isinstance(value, bool) or text.isdigit():
+        if int(text) < 0:
+            raise ValueError(f"disk_master must be off, on, auto or a count of disk units, not {value!r}")
+        return str(int(text)) if int(text) else "off"
+    try:
+        return _on_off_auto(value, "disk_master")
+    except ValueError:
+        raise ValueError(f"disk_master must be off, on, auto or a count of disk units, not {value!r}") from None
 
 
 def recompute_set(spec: str, num_layers: int) -> set[int]:

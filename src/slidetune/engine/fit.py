@@ -23,6 +23,8 @@ What each engine allocates (see slide/engine.py and plain.py):
                of a layer, the head, the embedding backward).
          host: 12 B/param (FP32 master + two moments), + the compute dtype's size (2 B/param for
                BF16) with the deferred schedule (clipping): the held gradients, page-locked;
+               disk units (the disk tier) 4 B/param (the master), or b with their master on disk
+               too (the compute-dtype weights the uploads copy, page-locked), + its block buffers;
                pinned upload/download rings of chunk_mb each, one FP32 scratch chunk, and with
                offload A*N*d*b pinned for each offloaded checkpoint.
   gpu/ckpt   : per param FP32 master 4 + moments 8 + FP32 grad 4 + compute copy b + compute
@@ -41,7 +43,7 @@ import torch
 from ..models.units import SplitModel
 from .config import RuntimeConfig, cli_flag, recompute_set
 from .placement import PlacementPlan, unit_shapes
-from .slide.disk_tier import block_elems, check_directory, tier_bytes
+from .slide.disk_tier import buffer_bytes, check_directory, tier_bytes
 from .slide.host_store import BUILD_WORKERS
 
 GiB = 2**30
@@ -411,12 +413,16 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         gpu_cast = rt.casts_on_gpu(dev == "cuda")
         P_host = P - (P_E + P_H if vocab_device else 0) - P_dev
         P_disk = plan.params("disk")
+        P_disk_master = plan.master_params("disk")
         host["master + Adam moments (12 B/param)"] = 12 * (P_host - P_disk)
         if P_disk:
-            # the disk tier: masters here, moments in its files, through a few pinned block buffers
-            block = block_elems(rt.disk_block_mb)
-            host["disk units' masters (4 B/param; moments on disk)"] = 4 * P_disk
-            host["disk tier block buffers"] = rt.disk_buffers * 8 * block
+            # the disk tier: moments (and the masters of disk-master units) in its files, through a
+            # few pinned block buffers; masters here, or those units' compute-dtype weights
+            if P_disk > P_disk_master:
+                host["disk units' masters (4 B/param; moments on disk)"] = 4 * (P_disk - P_disk_master)
+            if P_disk_master:
+                host[f"disk-master units' weights ({b} B/param; master + moments on disk)"] = b * P_disk_master
+            host["disk tier block buffers"] = buffer_bytes(plan, rt.disk_block_mb, rt.disk_buffers)
             disk_bytes = tier_bytes(plan, rt.disk_block_mb)
         held = b * P_host if schedule == "deferred" else 0
         if held:
@@ -441,10 +447,12 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         if kept < L:
             host["offloaded checkpoints"] = (L - kept) * ckpt
         if dev == "cuda":
-            pinned = rings + (L - kept) * ckpt + held + host.get("disk tier block buffers", 0)
-        # units kept on the device pass through a host buffer (4 B/param) while they are built,
-        # up to BUILD_WORKERS at once, beside the host units (HostStore)
-        building = sorted(device_units, reverse=True)[:BUILD_WORKERS]
+            # ... and a disk-master unit's weights, registered for one async H2D each upload
+            pinned = rings + (L - kept) * ckpt + held + host.get("disk tier block buffers", 0) + b * P_disk_master
+        # units kept on the device, and disk-master units, pass through a host buffer (4 B/param)
+        # while they are built, up to BUILD_WORKERS at once, beside the host units (HostStore)
+        passing = device_units + [u.numel for u in plan.units if u.master == "disk"]
+        building = sorted(passing, reverse=True)[:BUILD_WORKERS]
         # freed before the first step, when the offloaded checkpoints' slots are allocated (in
         # the first forward): the two never coexist, so only what the transient takes beyond
         # them raises the peak
@@ -609,10 +617,12 @@ def _disk_tier_note(split: SplitModel, rt: RuntimeConfig, budget: _Budget, short
     if not budget.fits(est):
         return ""
     n = len(est.plan.indices("disk"))
+    masters = est.plan.ranges(lambda u: u.master == "disk") if est.plan.master_params("disk") else ""
     return (f"With a local disk: --disk-dir PATH (the disk tier: AdamW moments of {n} units, "
-            f"{est.plan.ranges(lambda u: u.state == 'disk')}, {_gib(est.disk_bytes)} GiB of files there; "
-            f"GPU {_gib(est.gpu_bytes)} GiB, host {_gib(est.host_bytes)} GiB; each step moves "
-            f"{_gib(2 * est.disk_bytes)} GiB through the disk)")
+            f"{est.plan.ranges(lambda u: u.state == 'disk')}"
+            + (f", and the FP32 masters of {masters} (--tuning.disk_master)" if masters else "")
+            + f", {_gib(est.disk_bytes)} GiB of files there; GPU {_gib(est.gpu_bytes)} GiB, host "
+            f"{_gib(est.host_bytes)} GiB; each step moves {_gib(est.plan.disk_io_bytes())} GiB through the disk)")
 
 
 def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int,
@@ -620,7 +630,8 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
                          gpu_free_bytes: int | None = None, host_available_bytes: int | None = None,
                          safety: float = 0.9, padded: bool = True, ranks_per_host: int = 1) -> RuntimeConfig:
     """Resolve slide mode's memory-dependent autos: cache_units=-1 (with resident_layers=-1),
-    vocab_update=auto, grad_slot_dtype=auto, device_layers=-1 and gpu_checkpoints=-1.
+    vocab_update=auto, grad_slot_dtype=auto, device_layers=-1, gpu_checkpoints=-1, and with a
+    disk directory disk_units=-1 and disk_master=auto.
 
     For speed, in order of what they bought on the H100: one slot per layer (the forward stops
     waiting on PCIe; Qwen3-8B b16 2.65 -> 2.36 s, benchmarks/NOTES.md 8), then the vocabulary
@@ -640,8 +651,11 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
     (a GPU byte for each host byte), then the fewest device layers (12 host bytes for 14 GPU
     bytes) that make the host fit; the room left goes to resident layers (Qwen3-14B on an H200:
     the window alone left its b8 step bound by uploads, NOTES.md 20), then more device layers.
-    If even that does not fit, the configuration that needs the least host RAM is returned and
-    check_fit reports it. On the CPU (nothing to hide) the lean choices.
+    If even that does not fit, the disk tier (with a disk directory): the moments of as few
+    units as make the host fit, then, where every unit that may go there is not enough, the
+    masters of as few of them (disk_master auto; off wherever the moments suffice). Failing
+    that, the configuration that needs the least host RAM is returned and check_fit reports
+    it. On the CPU (nothing to hide) the lean choices (disk_master auto: off).
     Settings given explicitly are kept; with nothing on auto, `rt` itself is returned.
 
     ranks_per_host: data-parallel ranks on this host, each with a GPU like this one. The GPU
@@ -668,13 +682,14 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
                 if auto]
     if len(cache_options) == 1 and rt.grad_slot_dtype != "auto" and rt.vocab_update != "auto" \
             and rt.device_layers != -1 and "gpu_checkpoints" not in fillable \
-            and (rt.disk_units != -1 or not rt.disk_dir):
+            and (rt.disk_units != -1 or not rt.disk_dir) and (rt.disk_master != "auto" or not rt.disk_dir):
         return rt
 
     def candidate(cache_units: int, vocab: str, grad_dtype: str) -> RuntimeConfig:
         return dataclasses.replace(rt, cache_units=cache_units, grad_slot_dtype=grad_dtype, vocab_update=vocab,
                                    device_layers=max(0, rt.device_layers), gpu_checkpoints=max(0, rt.gpu_checkpoints),
-                                   resident_layers=max(0, rt.resident_layers), disk_units=max(0, rt.disk_units))
+                                   resident_layers=max(0, rt.resident_layers), disk_units=max(0, rt.disk_units),
+                                   disk_master="off" if rt.disk_master == "auto" else rt.disk_master)
 
     lean = candidate(cache_options[-1], vocab_options[-1], dtype_options[-1])
     if _device_type(rt) != "cuda":
@@ -739,6 +754,24 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
     fitting = next((c for c in leanest if host_fits(c)), None)
     if fitting is not None:
         return fitting
+    def with_disk_masters(c: RuntimeConfig) -> RuntimeConfig:
+        """disk_master auto, where the moments on disk do not make the host fit: the masters of as
+        few of `c`'s disk units as do (in disk order; each 4 - b B/param more off the host, for 8
+        more through the disk). Every disk unit on disk first, moments only, then masters: the
+        same RAM for the least disk traffic (moving a unit's moments saves 8 B/param for 16 of
+        I/O a step, its master then 2 more for 8 more). None fitting: all of them, where that
+        helps at all (a compute dtype of 4 bytes saves nothing). Not under data parallel (the
+        engine refuses it there)."""
+        if rt.disk_master != "auto" or ranks_per_host > 1 or host_fits(c):
+            return c
+        n = len(PlacementPlan.build(unit_shapes(split), c).indices("disk"))
+        for m in range(1, n + 1):
+            t = dataclasses.replace(c, disk_master="on" if m == n else str(m))
+            if host_fits(t) and fits(t):
+                return t
+        every = dataclasses.replace(c, disk_master="on")
+        return every if n and host_bytes(every) < host_bytes(c) else c
+
     least = min([fastest, *leanest], key=host_bytes)
     if rt.disk_units == -1 and rt.disk_dir:
         # RAM and GPU cannot hold the state: the disk tier takes the moments of as few units as
@@ -748,8 +781,8 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
             c = dataclasses.replace(least, disk_units=k)
             if host_fits(c) and fits(c):
                 return c
-        return dataclasses.replace(least, disk_units=host_units)
-    return least
+        least = dataclasses.replace(least, disk_units=host_units)
+    return with_disk_masters(least)
 
 
 def _gib(n: int) -> str:

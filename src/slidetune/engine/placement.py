@@ -5,8 +5,11 @@ Every unit (0 the embedding, 1..L the decoder layers, L+1 the head) gets:
     "gpu"  - master and moments on the GPU, updated on the compute stream (vocab_update=device,
              device_layers); its weights never cross PCIe;
     "host" - master and moments in host RAM, updated by the host's AdamW;
-    "disk" - master in host RAM, moments in a file of the disk tier (engine/slide/disk_tier.py),
-             read ahead of the unit's host update and written behind it;
+    "disk" - moments in a file of the disk tier (engine/slide/disk_tier.py), read ahead of the
+             unit's host update and written behind it;
+  master: where a unit's FP32 master lives: with its state ("gpu", "host"), or for a disk unit
+    "host" (RAM; the uploads cast it) or "disk" (in the tier's block beside the moments; RAM
+    keeps only the compute-dtype weights the uploads copy: --tuning.disk_master);
   slot: how its compute-dtype weights are held on the GPU
     "own"    - a slot of its own (vocabulary units, device layers, resident host layers): uploaded
                once a step (or cast from the GPU master), as its update lands;
@@ -27,6 +30,9 @@ from dataclasses import dataclass
 from .config import RuntimeConfig
 
 STATES = ("gpu", "host", "disk")
+# Bytes a parameter of a disk unit takes in the tier's files: the two FP32 moments, and the FP32
+# master where it lives there too.
+DISK_BYTES = {"host": 8, "disk": 12}
 SLOTS = ("own", "window")
 
 
@@ -55,6 +61,18 @@ class UnitPlace:
     numel: int
     state: str        # gpu | host | disk (STATES)
     slot: str         # own | window (SLOTS)
+    master: str = ""  # gpu | host | disk: where its FP32 master lives ("": with its state, or RAM for a disk unit)
+
+    def __post_init__(self):
+        if not self.master:
+            object.__setattr__(self, "master", "host" if self.state == "disk" else self.state)
+        if self.master == "disk" and self.state != "disk":
+            raise ValueError(f"{self.name}: only a disk unit's master can live on disk")
+
+    @property
+    def disk_bytes_per_param(self) -> int:
+        """Bytes a parameter takes in the disk tier's files: 0, 8 (moments) or 12 (master too)."""
+        return DISK_BYTES[self.master] if self.state == "disk" else 0
 
     @property
     def host_updated(self) -> bool:
@@ -108,8 +126,11 @@ class PlacementPlan:
                              f"the host-updated decoder layers; the others are on the GPU)")
         for i in candidates[:n_disk]:
             state[i] = "disk"
+        # Masters on disk: the first disk units in the same order (the most slack first).
+        disk_masters = set(candidates[:rt.disk_master_units(n_disk)])
         own = {0, L + 1} | set(range(1, n_dev + resident + 1))
-        units = tuple(UnitPlace(i, s.name, s.numel, state[i], "own" if i in own else "window")
+        units = tuple(UnitPlace(i, s.name, s.numel, state[i], "own" if i in own else "window",
+                                master="disk" if i in disk_masters else "")
                       for i, s in enumerate(shapes))
         kept = L if not rt.offload_activations else min(L, max(0, rt.gpu_checkpoints))
         return cls(units=units, window_slots=window_slots, gpu_checkpoints=kept, schedule=schedule)
@@ -153,6 +174,15 @@ class PlacementPlan:
     def params(self, state: str) -> int:
         return sum(u.numel for u in self.units if u.state == state)
 
+    def master_params(self, where: str) -> int:
+        """Parameters whose FP32 master lives `where` (gpu, host, disk)."""
+        return sum(u.numel for u in self.units if u.master == where)
+
+    def disk_io_bytes(self) -> int:
+        """Bytes through the disk a step: each disk unit's block read ahead of its update and
+        written behind it (16 B/param, 24 with its master there)."""
+        return sum(2 * u.disk_bytes_per_param * u.numel for u in self.units)
+
     @property
     def host_updated_params(self) -> int:
         """Parameters the host's AdamW updates (host and disk units)."""
@@ -177,10 +207,13 @@ class PlacementPlan:
         return layer_uploads * layer + sum(u.numel for u in (self.units[0], self.units[-1]) if u.host_updated)
 
     # State bytes of each tier: GPU 12 B/param (master, moments), host 12 B/param of its units and
-    # the 4 B/param master of the disk units, disk 8 B/param (the moments).
+    # the 4 B/param master of the disk units that keep it in RAM, disk 8 B/param (the moments) or
+    # 12 (the master too). Not state: a disk-master unit's compute-dtype weights in RAM (engine.fit
+    # counts them, with the dtype).
     def state_bytes(self) -> dict[str, int]:
-        return {"gpu": 12 * self.params("gpu"), "host": 12 * self.params("host") + 4 * self.params("disk"),
-                "disk": 8 * self.params("disk")}
+        ram_masters = sum(u.numel for u in self.units if u.state == "disk" and u.master == "host")
+        return {"gpu": 12 * self.params("gpu"), "host": 12 * self.params("host") + 4 * ram_masters,
+                "disk": sum(u.disk_bytes_per_param * u.numel for u in self.units)}
 
     # ------------------------------------------------------------------ reporting
     def ranges(self, pred) -> str:
@@ -209,9 +242,16 @@ class PlacementPlan:
         gib = 2**30
         b = self.state_bytes()
         lines = []
+        if not self.master_params("disk"):
+            disk = "disk tier (moments; master in host RAM)"
+        elif self.master_params("disk") == self.params("disk"):
+            disk = "disk tier (master + moments; compute-dtype weights in host RAM)"
+        else:
+            disk = (f"disk tier (moments; the masters of {self.ranges(lambda u: u.master == 'disk')} too, "
+                    f"the others' in host RAM)")
         for state, what in (("gpu", "GPU (master + moments, updated on the GPU)"),
                             ("host", "host RAM (master + moments, host AdamW)"),
-                            ("disk", "disk tier (moments; master in host RAM)")):
+                            ("disk", disk)):
             n = self.params(state)
             if n or state == "host":
                 size = (f"{n / 1e9:.2f} B params, {b[state] / gib:.1f} GiB state" if n >= 1e8 else
@@ -228,11 +268,12 @@ class PlacementPlan:
         """A compact record for results files (bench.measure) and Placement-free floors."""
         return {"schedule": self.schedule, "window_slots": self.window_slots,
                 "gpu_checkpoints": self.gpu_checkpoints,
-                "units": [[u.name, u.numel, u.state, u.slot] for u in self.units]}
+                "units": [[u.name, u.numel, u.state, u.slot, u.master] for u in self.units]}
 
     @classmethod
     def from_dict(cls, d: dict) -> PlacementPlan:
-        units = tuple(UnitPlace(i, name, int(numel), state, slot) for i, (name, numel, state, slot)
+        """A plan from to_dict's record (or an older one without the masters' tier: masters in RAM)."""
+        units = tuple(UnitPlace(i, name, int(numel), state, slot, *rest) for i, (name, numel, state, slot, *rest)
                       in enumerate(d["units"]))
         return cls(units=units, window_slots=int(d["window_slots"]), gpu_checkpoints=int(d["gpu_checkpoints"]),
                    schedule=d["schedule"])

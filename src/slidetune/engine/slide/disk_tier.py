@@ -1,13 +1,18 @@
-"""The disk tier: the AdamW moments of some units in files on a local disk.
+"""The disk tier: the AdamW moments (and, as an option, the FP32 master) of some units in files
+on a local disk.
 
-Which units: engine/placement.py (state "disk"). Their FP32 masters stay in host RAM (the
-uploads read them twice a step); their moments (8 B/param, two thirds of the host's state)
-live here and pass through a few page-locked block buffers:
+Which units: engine/placement.py (state "disk"; master "disk" where the master lives here too).
+Their moments (8 B/param, two thirds of the host's state) live here; their FP32 masters stay in
+host RAM (the uploads read them twice a step), or with --tuning.disk_master live here too, and
+RAM keeps only the compute-dtype weights the uploads copy (2 B/param for BF16; host_store.py
+writes them as each block's update lands). Blocks pass through a few page-locked buffers:
 
   file layout   one file per unit in a scratch directory made for the run; block b holds the
-                moments of elements [b*B, (b+1)*B): exp_avg (B FP32) then exp_avg_sq (B FP32),
-                at offset b * 8B (a unit's last block is padded), so each block is one read
-                and one write of a fixed, aligned size;
+                state of elements [b*B, (b+1)*B): exp_avg (B FP32) then exp_avg_sq (B FP32) at
+                offset b * 8B, or for a unit whose master lives here master, exp_avg, exp_avg_sq
+                at offset b * 12B (a unit's last block is padded), so each block is one read
+                and one write of a fixed, aligned size (the master rides in the read AdamW
+                makes anyway: +8 B/param of I/O a step, not a separate pass);
   I/O           os.preadv / os.pwritev from a pool of threads (each call releases the GIL, so the
                 compute thread keeps launching), on files opened with O_DIRECT where the
                 filesystem allows it: no page cache, which would take back the RAM the tier
@@ -56,21 +61,34 @@ class DiskTierError(RuntimeError):
     """The disk tier cannot be set up or has failed (a missing, read-only or full directory, I/O)."""
 
 
+MOMENTS = ("exp_avg", "exp_avg_sq")               # a block's fields, in file order
+WITH_MASTER = ("master", "exp_avg", "exp_avg_sq")  # ... where the unit's master lives here too
+
+
 def block_elems(block_mb: float) -> int:
-    """Elements per block: block_mb MiB hold a block's two FP32 moments, rounded to ALIGN."""
+    """Elements per block: block_mb MiB hold a block's two FP32 moments, rounded to ALIGN (a block
+    with the master too is half as large again: the same elements, so one layout of blocks)."""
     per = int(block_mb * 2**20) // 8
     return max(ALIGN // 4, per - per % (ALIGN // 4))
 
 
-def file_bytes(numel: int, block: int) -> int:
-    """Bytes a unit of `numel` parameters takes on disk (whole blocks)."""
-    return -(-numel // block) * 8 * block
+def file_bytes(numel: int, block: int, fields: int = 2) -> int:
+    """Bytes a unit of `numel` parameters takes on disk (whole blocks of `fields` FP32 fields)."""
+    return -(-numel // block) * 4 * fields * block
 
 
 def tier_bytes(plan, block_mb: float) -> int:
-    """Bytes the disk tier's files take for a placement plan's disk units (engine/placement.py)."""
+    """Bytes the disk tier's files take for a placement plan's disk units (engine/placement.py):
+    8 B/param, 12 where the master lives there too, in whole blocks."""
     block = block_elems(block_mb)
-    return sum(file_bytes(u.numel, block) for u in plan.units if u.state == "disk")
+    return sum(file_bytes(u.numel, block, u.disk_bytes_per_param // 4) for u in plan.units if u.state == "disk")
+
+
+def buffer_bytes(plan, block_mb: float, buffers: int) -> int:
+    """Page-locked bytes of the tier's block buffers for a plan: each holds a block of the widest
+    layout its units use (with a master: 12 B/param, else 8)."""
+    widest = max((u.disk_bytes_per_param for u in plan.units), default=0)
+    return buffers * widest * block_elems(block_mb)
 
 
 def check_directory(path: str | os.PathLike, need_bytes: int) -> Path:
@@ -90,7 +108,8 @@ def check_directory(path: str | os.PathLike, need_bytes: int) -> Path:
     if need_bytes > free:
         gib = 2**30
         raise DiskTierError(f"--disk-dir {p} has {free / gib:.1f} GiB free but the disk tier needs "
-                            f"{need_bytes / gib:.1f} GiB (8 bytes per parameter of the units placed there); "
+                            f"{need_bytes / gib:.1f} GiB (8 bytes per parameter of the units placed there, 12 "
+                            f"with their masters); "
                             f"free space there, give a larger disk, or put fewer units on disk (--tuning.disk_units)")
     return p
 
@@ -125,8 +144,19 @@ def _aligned_empty(n_floats: int, pinned: bool) -> torch.Tensor:
 
 
 @dataclass
+class Block:
+    """A block of a unit in a buffer, for AdamW: views [hi - lo] FP32 each."""
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    master: torch.Tensor | None = None    # where the unit's master lives on disk
+
+    def field(self, name: str) -> torch.Tensor:
+        return getattr(self, name)
+
+
+@dataclass
 class _Buffer:
-    data: torch.Tensor            # [2 * block] FP32: exp_avg then exp_avg_sq
+    data: torch.Tensor            # [fields * block] FP32: (master,) exp_avg, exp_avg_sq
     key: tuple[int, int] | None = None   # (unit index, block) it holds or is loading
     state: str = "free"           # free | reading | ready | busy | writing
     unconsumed: bool = False      # read for AdamW and not yet taken (a clean, written-back block is not)
@@ -136,30 +166,38 @@ class _Buffer:
 class DiskTier:
     def __init__(self, directory: str | os.PathLike, units: dict[int, int], *, block_mb: float = 64,
                  buffers: int = 8, io_threads: int = 4, pinned: bool = False, names: dict[int, str] | None = None,
-                 timeline: HostTimeline | None = None):
+                 timeline: HostTimeline | None = None, masters: frozenset[int] = frozenset()):
         """units: unit index -> numel of each unit whose moments live here (zero at start, as
-        AdamW's). The files are allocated in full now (fallocate), so a full disk shows here,
-        not mid-run."""
+        AdamW's). masters: those of them whose FP32 master lives here too (written by the store
+        before the first step). The files are allocated in full now (fallocate), so a full disk
+        shows here, not mid-run."""
         self.block = block_elems(block_mb)
         self.units = dict(units)
+        self.masters = frozenset(masters)
+        if not self.masters <= set(self.units):
+            raise ValueError("a master on disk needs its unit's moments there too")
         self.names = names or {i: f"unit {i}" for i in units}
-        need = sum(file_bytes(n, self.block) for n in self.units.values())
+        need = sum(file_bytes(n, self.block, len(self.fields(i))) for i, n in self.units.items())
         root = check_directory(directory, need)
         self.dir = root / f"{SCRATCH_PREFIX}{os.getpid()}-{time.time_ns()}"
         self.dir.mkdir()
         (self.dir / SCRATCH_NOTE).write_text(
-            "Scratch space of a running slidetune job (the disk tier's AdamW moments). Not a checkpoint: "
+            "Scratch space of a running slidetune job (the disk tier's AdamW moments, and masters with "
+            "--tuning.disk_master). Not a checkpoint: "
             "it is removed when the run ends, and by the next run here if this one was killed.\n")
         self.timeline = timeline or HostTimeline(enabled=False)
         self.direct = True
         self._fds: dict[int, int] = {}
         try:
             for i, n in self.units.items():
-                self._fds[i] = self._open(self.dir / f"unit-{i:04d}.moments", file_bytes(n, self.block))
+                fields = self.fields(i)
+                self._fds[i] = self._open(self.dir / f"unit-{i:04d}.{'state' if len(fields) == 3 else 'moments'}",
+                                          file_bytes(n, self.block, len(fields)))
         except BaseException:
             self.close()
             raise
-        self._buffers = [_Buffer(_aligned_empty(2 * self.block, pinned)) for _ in range(buffers)]
+        widest = max((len(self.fields(i)) for i in self.units), default=2)
+        self._buffers = [_Buffer(_aligned_empty(widest * self.block, pinned)) for _ in range(buffers)]
         self._where: dict[tuple[int, int], _Buffer] = {}
         self._queue: deque[tuple[int, int]] = deque()     # blocks to prefetch, in order
         self._cond = threading.Condition()
@@ -193,6 +231,10 @@ class DiskTier:
                                 f"disk or put fewer units there (--tuning.disk_units)") from e
         return fd
 
+    def fields(self, unit: int) -> tuple[str, ...]:
+        """The unit's fields in a block, in file order."""
+        return WITH_MASTER if unit in self.masters else MOMENTS
+
     def blocks(self, unit: int) -> int:
         return -(-self.units[unit] // self.block)
 
@@ -204,8 +246,9 @@ class DiskTier:
     # ------------------------------------------------------------------ I/O threads
     def _io(self, buf: _Buffer, key: tuple[int, int], write: bool) -> None:
         unit, b = key
-        view = memoryview(buf.data.numpy()).cast("B")
-        offset = b * 8 * self.block
+        width = len(self.fields(unit)) * self.block             # FP32 elements of this unit's block
+        view = memoryview(buf.data[:width].numpy()).cast("B")
+        offset = b * 4 * width
         try:
             with self.timeline.span("disk", "write" if write else "read", self.names.get(unit, "")):
                 done = 0
@@ -278,8 +321,10 @@ class DiskTier:
             self._queue.extend(k for b in range(self.blocks(unit)) if (k := (unit, b)) not in queued)
             self._pump()
 
-    def acquire(self, unit: int, b: int, abort: threading.Event | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block b's moments (exp_avg, exp_avg_sq views [hi - lo] each) for AdamW; waits for its read."""
+    def acquire(self, unit: int, b: int, abort: threading.Event | None = None, fresh: bool = False) -> Block:
+        """Block b of the unit (views [hi - lo] of each field) for AdamW; waits for its read.
+        fresh: the caller overwrites every field of the block (initial state, a checkpoint's): no
+        read, the buffer comes as it is."""
         abort = abort or self.abort
         key = (unit, b)
         n = self.block_range(unit, b)[1] - b * self.block
@@ -289,15 +334,23 @@ class DiskTier:
                 buf = self._where.get(key)
                 if buf is not None and buf.state == "ready":
                     buf.state, buf.unconsumed = "busy", False
-                    return buf.data[:n], buf.data[self.block:self.block + n]
+                    return self._block(unit, buf, n)
                 if buf is not None and buf.state == "busy":
                     raise DiskTierError(f"{self.names.get(unit)} block {b} acquired twice")
                 if buf is None:
                     buf = self._take(key, demand=True)
+                    if buf is not None and fresh:
+                        buf.state = "busy"
+                        return self._block(unit, buf, n)
                     if buf is not None:
                         buf.unconsumed = True          # the pump must not take it back before we do
                         self._start(buf, key, write=False)
                 self._cond.wait(timeout=0.5)
+
+    def _block(self, unit: int, buf: _Buffer, n: int) -> Block:
+        """The unit's fields in `buf`, [n] each."""
+        views = {f: buf.data[k * self.block:k * self.block + n] for k, f in enumerate(self.fields(unit))}
+        return Block(**views)
 
     def release(self, unit: int, b: int, dirty: bool = True) -> None:
         """AdamW is done with block b: written behind (dirty) or kept as it was read."""
@@ -326,21 +379,33 @@ class DiskTier:
             raise DiskTierError("gave up waiting for the disk tier: another pipeline thread failed")
 
     # ------------------------------------------------------------------ whole units (checkpoints)
-    def read_moment(self, unit: int, which: int):
-        """exp_avg (which=0) or exp_avg_sq (1) of a unit, block by block (CPU tensors, copies)."""
-        for b in range(self.blocks(unit)):
-            m, v = self.acquire(unit, b)
-            out = (m if which == 0 else v).clone()
+    def read_range(self, unit: int, field: str, lo: int, hi: int):
+        """Elements [lo, hi) of a field ("master", "exp_avg", "exp_avg_sq") of a unit, block by block
+        (CPU tensors, copies): a checkpoint streams a parameter or a moment without holding it."""
+        for b in range(lo // self.block, -(-hi // self.block)):
+            base = b * self.block
+            blk = self.acquire(unit, b)
+            out = blk.field(field)[max(lo, base) - base:min(hi, base + self.block) - base].clone()
             self.release(unit, b, dirty=False)
             yield out
 
-    def write_unit(self, unit: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-        """Overwrite a unit's moments (loading a checkpoint)."""
+    def write_unit(self, unit: int, **fields) -> None:
+        """Overwrite fields of a unit, block by block (the initial master, a checkpoint's state).
+        Each value: a [numel] tensor, a float (every element), or a callable (lo, hi) -> [hi - lo]
+        tensor (what is not in memory whole). Blocks whose every field is given are not read."""
+        unknown = set(fields) - set(self.fields(unit))
+        if unknown:
+            raise ValueError(f"{self.names.get(unit)} has no {sorted(unknown)} on disk")
+        fresh = set(fields) == set(self.fields(unit))
         for b in range(self.blocks(unit)):
             lo, hi = self.block_range(unit, b)
-            m, v = self.acquire(unit, b)
-            m.copy_(exp_avg[lo:hi])
-            v.copy_(exp_avg_sq[lo:hi])
+            blk = self.acquire(unit, b, fresh=fresh)
+            for name, value in fields.items():
+                view = blk.field(name)
+                if isinstance(value, float):
+                    view.fill_(value)
+                else:
+                    view.copy_(value(lo, hi) if callable(value) else value[lo:hi])
             self.release(unit, b)
         self.drain()
 
@@ -380,3 +445,7 @@ class StreamedTensor:
 
     def chunks(self):
         return self.source()
+
+    def materialize(self) -> torch.Tensor:
+        """The whole tensor in memory (tests, small tensors; a checkpoint streams chunks())."""
+        return torch.cat([c.reshape(-1) for c in self.chunks()]).to(self.dtype).view(self.shape)

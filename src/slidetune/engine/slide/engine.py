@@ -144,7 +144,8 @@ class SlideEngine:
         # GPU units (vocab_update=device, device_layers) are updated on the compute stream
         # (_update_on_device), each with a weight slot of their own; their masters and moments are
         # built on the device and never held by the host. Disk units keep their moments in the
-        # disk tier's files.
+        # disk tier's files, and those with master "disk" their FP32 masters too (the host keeps
+        # their compute-dtype weights for the uploads).
         self.plan = PlacementPlan.build(unit_shapes(self.split), rt, self.schedule)
         self.vocab_on_device = self.plan.vocab_on_device
         self.device_layers = self.plan.device_layers
@@ -156,6 +157,10 @@ class SlideEngine:
         self.dp = dist if dist is not None and dist.world_size > 1 else None
         shared, owned = None, None
         disk_units = self.plan.indices("disk")
+        if self.dp is not None and self.plan.master_params("disk"):
+            # the other ranks upload a disk unit's weights from the shared mapping, which holds masters
+            raise ValueError("data parallel over several ranks does not support --tuning.disk_master yet (the masters "
+                             "of disk units on disk); use --tuning.disk_master off, or run on one rank")
         if self.dp is not None:
             # Host-updated units (host and disk) are shared and sharded over the host's ranks. Units
             # updated on the GPU are every rank's own: each rank applies the same all-reduced
@@ -182,7 +187,8 @@ class SlideEngine:
         self.disk = (DiskTier(rt.disk_dir, {i: self.split.units[i].numel for i in disk_units},
                               block_mb=rt.disk_block_mb, buffers=rt.disk_buffers, io_threads=rt.disk_io_threads,
                               pinned=device.is_cuda, names={i: self.split.units[i].name for i in disk_units},
-                              timeline=self.timeline)
+                              timeline=self.timeline,
+                              masters=frozenset(u.index for u in self.plan.units if u.master == "disk"))
                      if disk_units else None)
         if self.disk is not None:
             self.disk.abort = self._abort
@@ -190,7 +196,7 @@ class SlideEngine:
             self.store = HostStore(self.split, loaded.source, optim,
                                    held_dtype=self.dtype if self.deferred else None, kernel=rt.host_adamw,
                                    device_units=device_units, device=device.device, disk=self.disk,
-                                   shared=shared, owned=owned)
+                                   shared=shared, owned=owned, compute_dtype=self.dtype)
             if self.dp is not None:
                 self.dp.host_barrier()      # every owner has filled its units before anyone uploads
         except BaseException:
@@ -250,9 +256,11 @@ class SlideEngine:
             for unit in self.units:
                 if unit.held is not None:
                     device.register_host(unit.held)     # one D2H copy straight into it
+                if unit.weights is not None:
+                    device.register_host(unit.weights)  # a disk-master unit's: one async H2D, no cast
         if self.gpu_cast:
             for unit in self.units:
-                if unit.on_host:
+                if unit.on_host and unit.master is not None:
                     device.register_host(unit.master)   # page-locked in place: async FP32 H2D, no copy
         self.uploader = Uploader(device, self.dtype, chunk, rt.upload_ring, gpu_cast=self.gpu_cast,
                                  stages=rt.upload_stages)
@@ -374,9 +382,11 @@ class SlideEngine:
             return
         after = done_future(slot.last_use)
         slot.content = (unit_index, version)
-        # With a landing buffer the upload only moves FP32 bytes; _acquire casts them.
-        dst = slot.landing if slot.landing is not None else slot.flat
-        slot.cast_pending = slot.landing is not None
+        # With a landing buffer the upload only moves FP32 bytes; _acquire casts them. A disk-master
+        # unit's weights are in the compute dtype already: straight into the slot.
+        landing = slot.landing is not None and unit.weights is None
+        dst = slot.landing if landing else slot.flat
+        slot.cast_pending = landing
         job = (self._timed, "upload", "upload", unit.spec.name, self.uploader.upload, unit, dst, version, after)
         if not when_update_starts:
             slot.ready = self.upload_worker.submit(*job)
@@ -1021,7 +1031,8 @@ class SlideEngine:
 
     def named_master_params(self):
         """(HF name, FP32 host tensor) for every parameter; call after synchronize(). Units kept
-        on the device (vocab_update=device) are copied to the host."""
+        on the device (vocab_update=device) are copied to the host; a disk-master unit's come as
+        StreamedTensors read from the disk tier when consumed (checkpoint.write_safetensors)."""
         for unit in self.units:
             for name, t in unit.params().items():
                 yield name, (t if unit.on_host else t.cpu())
@@ -1046,9 +1057,7 @@ class SlideEngine:
             if not unit.owned:
                 unit.set_version(step)
                 continue
-            for name, view in unit.params().items():
-                view.copy_(masters[name])
-            unit.load_state_tensors({k: optim[f"{unit.spec.name}.{k}"] for k in ("exp_avg", "exp_avg_sq", "step")})
+            unit.load(masters, {k: optim[f"{unit.spec.name}.{k}"] for k in ("exp_avg", "exp_avg_sq", "step")})
             unit.set_version(step)
         self.step_index = step
         for slot in self.layer_slots + list(self.own_slots.values()):
@@ -1068,7 +1077,7 @@ class SlideEngine:
         out = {"gpu_buffers": gpu_buffers, "pinned": pinned, "host_state": self.store.state_bytes() + shared,
                "device_state": device_state}
         if self.disk is not None:
-            out.update(disk_state=sum(8 * n for n in self.disk.units.values()), disk_read=self.disk.bytes_read,
+            out.update(disk_state=self.plan.state_bytes()["disk"], disk_read=self.disk.bytes_read,
                        disk_written=self.disk.bytes_written)
         return out
 
@@ -1083,6 +1092,10 @@ class SlideEngine:
         no further step or optimizer-state checkpoint is possible."""
         if self.disk is None:
             return
+        if self.disk.masters:
+            raise RuntimeError("the disk tier holds the FP32 masters of "
+                               f"{self.plan.ranges(lambda u: u.master == 'disk')} (--tuning.disk_master): "
+                               f"its files are the model's weights until final/ is written")
         self.synchronize()
         self.disk.close()
         self.disk_released = True
@@ -1111,9 +1124,11 @@ class SlideEngine:
                 for unit in self.units:
                     if unit.held is not None:
                         self.device.unregister_host(unit.held)
+                    if unit.weights is not None:
+                        self.device.unregister_host(unit.weights)
             if self.gpu_cast:
                 for unit in self.units:
-                    if unit.on_host:
+                    if unit.on_host and unit.master is not None:
                         self.device.unregister_host(unit.master)
                 self.gpu_cast = False
 

@@ -1,6 +1,8 @@
 """The host store: per unit one flat FP32 master tensor and its AdamW state.
 
-About 12 bytes per parameter (master 4 + two moments 8); the deferred schedule
+About 12 bytes per parameter (master 4 + two moments 8; a disk unit's moments, and with
+--tuning.disk_master its master, live in the disk tier instead, and RAM keeps only that unit's
+weights in the compute dtype, which its uploads copy as they are); the deferred schedule
 adds the step's gradient in the compute dtype, held until the global norm is known (2 more
 for BF16; engine.py says why not FP32). The unit's parameters are views of the
 flat master, so saving, loading and updating never copy the model. Each unit
@@ -16,10 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ...models.load import WeightSource
-from ...models.units import SplitModel, UnitSpec
+from ...models.units import ParamSlot, SplitModel, UnitSpec
 from ..adamw import AdamWConfig, FlatAdamW
 from ..distributed import SharedHostState, SharedUnit
-from .disk_tier import DiskTier, StreamedTensor
+from .disk_tier import MOMENTS, Block, DiskTier, StreamedTensor
 
 # Units materialized at once (threads); each unit kept on the device holds a host buffer of
 # 4 B/param while it is built (engine.fit counts them).
@@ -30,13 +32,15 @@ class HostUnit:
     def __init__(self, spec: UnitSpec, source: WeightSource, optim: AdamWConfig,
                  held_dtype: torch.dtype | None = None, kernel: str = "dynamic",
                  device: torch.device | None = None, disk: DiskTier | None = None,
-                 shared: SharedUnit | None = None, owned: bool = True):
+                 shared: SharedUnit | None = None, owned: bool = True, compute_dtype: torch.dtype | None = None):
         """held_dtype: the deferred schedule's held gradient [numel] in this dtype (host units only;
         a unit on the device holds its gradient there, in the engine).
         device: keep this unit's master and AdamW state there from the start (vocab_update=device,
         device_layers): the weights pass through a transient host buffer (4 B/param) on the way,
         and the moments are never allocated in host RAM.
-        disk: the disk tier holding this unit's moments (placement "disk"); the master stays here.
+        disk: the disk tier holding this unit's moments (placement "disk"); the master stays here,
+        unless the tier holds it too (disk.masters): then this unit keeps `weights` [numel] in
+        `compute_dtype` (what its uploads copy, rewritten as each block's update lands) and no master.
         shared: data parallel: the unit's views of the host state its ranks share (master, moments,
         step, versions); `owned`: this rank fills and updates it (and holds its gradient), else it
         follows the owner's weights version (follow())."""
@@ -47,13 +51,24 @@ class HostUnit:
         if owned:
             source.fill(spec, master)
         self.on_device = device is not None       # True: the compute stream updates it, on the device
-        self.master = master.to(device) if self.on_device else master  # the host buffer goes with `master`
-        del master
         self.disk = disk
+        self.master_on_disk = disk is not None and spec.index in disk.masters
+        self.weights: torch.Tensor | None = None  # [numel] compute dtype: a disk-master unit's upload source
+        if self.master_on_disk:
+            if shared is not None or compute_dtype is None:
+                raise ValueError(f"{spec.name}: a master on disk needs the compute dtype and no shared host state")
+            # the FP32 master goes to its blocks; RAM keeps the compute-dtype weights (in FP32 the
+            # transient buffer itself becomes them)
+            disk.write_unit(spec.index, master=master, exp_avg=0.0, exp_avg_sq=0.0)
+            self.weights = master.to(compute_dtype)
+            self.master = None
+        else:
+            self.master = master.to(device) if self.on_device else master  # the host buffer goes with `master`
+        del master
         self.opt = FlatAdamW(self.master, spec.n_decay, optim, kernel, moments_here=disk is None,
                              state=(shared.exp_avg, shared.exp_avg_sq, shared.step) if shared is not None else None)
         self._open_block: int | None = None          # disk: the block this update holds
-        self._open_moments: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._open_view: Block | None = None         # ... and its fields in the tier's buffer
         # [numel] the step's gradient as the GPU computed it (compute dtype), written by one D2H
         # copy and read by the clipped update sweep (deferred schedule)
         self.held = (torch.empty(spec.numel, dtype=held_dtype)
@@ -65,6 +80,12 @@ class HostUnit:
         self._cond = threading.Condition()
 
     @property
+    def upload_source(self) -> torch.Tensor:
+        """[numel] what the uploads copy: the FP32 master (cast on the way), or a disk-master unit's
+        compute-dtype weights (copied as they are)."""
+        return self.weights if self.weights is not None else self.master
+
+    @property
     def on_host(self) -> bool:
         """Whether the host worker updates this unit (False: the compute stream does, on the device)."""
         return not self.on_device
@@ -73,7 +94,9 @@ class HostUnit:
                      part: str = "all") -> None:
         """AdamW on master[start:start+len(grad)] (FlatAdamW.update), with the moments of a disk unit
         taken from the disk tier block by block: a block is held from the first range that
-        touches it until its last element is written, then written behind."""
+        touches it until its last element is written, then written behind. A disk-master unit's
+        master comes in the same block, and the range's new weights are written into `weights`
+        (the compute dtype) before the caller advances the progress the uploads trail."""
         if self.disk is None:
             self.opt.update(grad, lr, start, grad_scale=grad_scale, part=part)
             return
@@ -88,14 +111,18 @@ class HostUnit:
             if self._open_block != b:
                 if self._open_block is not None:       # an update that skipped a block's tail
                     self.disk.release(index, self._open_block)
-                self._open_moments = self.disk.acquire(index, b, self.disk.abort)
+                self._open_view = self.disk.acquire(index, b, self.disk.abort)
                 self._open_block = b
-            m, v = self._open_moments                 # [block_hi - block_lo] each
+            blk = self._open_view                     # [block_hi - block_lo] each field
+            a, z = lo - block_lo, hi - block_lo
+            params = blk.master[a:z] if self.master_on_disk else None
             self.opt.update(grad[lo - start:hi - start], lr, lo, grad_scale=grad_scale,
-                            moments=(m[lo - block_lo:hi - block_lo], v[lo - block_lo:hi - block_lo]))
+                            moments=(blk.exp_avg[a:z], blk.exp_avg_sq[a:z]), params=params)
+            if params is not None:
+                self.weights[lo:hi].copy_(params)     # FP32 -> compute dtype: the next upload's source
             if hi == block_hi:
                 self.disk.release(index, b)
-                self._open_block = self._open_moments = None
+                self._open_block = self._open_view = None
             lo = hi
 
     def state_tensors(self) -> dict[str, torch.Tensor | StreamedTensor]:
@@ -111,19 +138,45 @@ class HostUnit:
                     "exp_avg_sq": StreamedTensor(shape, torch.float32, elsewhere), "step": self.opt.step_count}
         if self.disk is None:
             return self.opt.state_tensors()
-        return {"exp_avg": StreamedTensor(shape, torch.float32, lambda: self.disk.read_moment(index, 0)),
-                "exp_avg_sq": StreamedTensor(shape, torch.float32, lambda: self.disk.read_moment(index, 1)),
-                "step": self.opt.step_count}
+        return {name: self._streamed((self.spec.numel,), name, 0, self.spec.numel) for name in MOMENTS} \
+            | {"step": self.opt.step_count}
+
+    def _streamed(self, shape: tuple[int, ...], field: str, lo: int, hi: int) -> StreamedTensor:
+        """Elements [lo, hi) of a field of this unit in the disk tier, read when consumed."""
+        index = self.spec.index
+        return StreamedTensor(shape, torch.float32, lambda: self.disk.read_range(index, field, lo, hi))
+
+    def load(self, masters, state: dict[str, torch.Tensor]) -> None:
+        """A checkpoint's weights (`masters`: HF name -> FP32 tensor, read on demand) and AdamW state
+        into this unit. A disk-master unit's go block by block into the tier, the weights' compute-
+        dtype copy with them, holding one parameter of the checkpoint at a time."""
+        if not self.master_on_disk:
+            for name, view in self.params().items():
+                view.copy_(masters[name])
+            self.load_state_tensors(state)
+            return
+        ranges = _ParamRanges(self.spec.params, masters)
+
+        def master(lo: int, hi: int) -> torch.Tensor:
+            flat = ranges(lo, hi)                     # [hi - lo] fp32
+            self.weights[lo:hi].copy_(flat)
+            return flat
+        self.disk.write_unit(self.spec.index, master=master, exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"])
+        self.opt.step_count.copy_(state["step"])
 
     def load_state_tensors(self, state: dict[str, torch.Tensor]) -> None:
         if self.disk is None:
             self.opt.load_state_tensors(state)
             return
-        self.disk.write_unit(self.spec.index, state["exp_avg"], state["exp_avg_sq"])
+        self.disk.write_unit(self.spec.index, exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"])
         self.opt.step_count.copy_(state["step"])
 
-    def params(self) -> dict[str, torch.Tensor]:
-        """Full HF name -> FP32 view of the master."""
+    def params(self) -> dict[str, torch.Tensor | StreamedTensor]:
+        """Full HF name -> FP32 view of the master; a disk-master unit's parameters as StreamedTensors
+        read block by block from the tier (a checkpoint writes them without holding the unit)."""
+        if self.master_on_disk:
+            return {p.full_name: self._streamed(p.shape, "master", p.offset, p.offset + p.numel)
+                    for p in self.spec.params}
         return {p.full_name: self.master[p.offset:p.offset + p.numel].view(p.shape) for p in self.spec.params}
 
     def begin_update(self) -> None:
@@ -214,11 +267,12 @@ class HostStore:
                  held_dtype: torch.dtype | None = None, kernel: str = "dynamic",
                  device_units: frozenset[int] = frozenset(), device: torch.device | None = None,
                  disk: DiskTier | None = None, shared: SharedHostState | None = None,
-                 owned: frozenset[int] | None = None):
+                 owned: frozenset[int] | None = None, compute_dtype: torch.dtype | None = None):
         """held_dtype: the deferred schedule's held gradients' dtype (None: eager, none held).
         kernel: the host AdamW kernel of every unit (FlatAdamW's; RuntimeConfig.host_adamw).
         device_units: indices of the units whose state lives on `device` (HostUnit's device).
-        disk: the disk tier; the units it holds (disk.units) keep their moments there.
+        disk: the disk tier; the units it holds (disk.units) keep their moments there, and those of
+        disk.masters their masters too, with their weights here in `compute_dtype`.
         shared: data parallel: the host state this host's ranks share, in place of this store's own
         allocations; `owned`: the indices of the units this rank fills and updates (None: all)."""
         # Each unit is materialized straight from the source into its own master (no second
@@ -234,7 +288,7 @@ class HostStore:
                                    disk=disk if disk is not None and i in disk.units else None,
                                    # a unit updated on the device is each rank's own copy
                                    shared=shared.units[i] if shared is not None and i not in device_units else None,
-                                   owned=owned is None or i in owned),
+                                   owned=owned is None or i in owned, compute_dtype=compute_dtype),
                 range(len(split.units))))
         self.shared = shared
 
@@ -248,4 +302,35 @@ class HostStore:
         held = sum(u.held.numel() * u.held.element_size() for u in self.units if u.held is not None)
         if self.shared is not None:
             return held
-        return held + sum((4 if u.disk is not None else 12) * u.spec.numel for u in self.units if u.on_host)
+        return held + sum(_unit_host_bytes(u) for u in self.units if u.on_host)
+
+
+def _unit_host_bytes(unit: HostUnit) -> int:
+    """A host unit's RAM: master + moments (12 B/param), a disk unit's master (4), or a disk-master
+    unit's compute-dtype weights (2 for BF16)."""
+    if unit.weights is not None:
+        return unit.weights.numel() * unit.weights.element_size()
+    return (4 if unit.disk is not None else 12) * unit.spec.numel
+
+
+class _ParamRanges:
+    """master[lo:hi] of a unit from its parameters' tensors (a checkpoint's, read by name), asked for
+    in increasing ranges: one parameter's tensor is held at a time, so a unit is never whole."""
+
+    def __init__(self, params: list[ParamSlot], tensors):
+        self.params = sorted(params, key=lambda p: p.offset)
+        self.tensors = tensors
+        self._held: tuple[str, torch.Tensor] | None = None
+
+    def _flat(self, p: ParamSlot) -> torch.Tensor:
+        if self._held is None or self._held[0] != p.full_name:
+            self._held = (p.full_name, self.tensors[p.full_name].reshape(-1))
+        return self._held[1]
+
+    def __call__(self, lo: int, hi: int) -> torch.Tensor:
+        out = torch.zeros(hi - lo, dtype=torch.float32)                     # [hi - lo]
+        for p in self.params:
+            a, z = max(lo, p.offset), min(hi, p.offset + p.numel)
+            if a < z:
+                out[a - lo:z - lo].copy_(self._flat(p)[a - p.offset:z - p.offset])
+        return out

@@ -54,11 +54,12 @@ class Uploader:
         self.bytes = 0
 
     def upload(self, unit: HostUnit, dst: torch.Tensor, version: int, after: Future | None):
-        """Copy unit.master (after its `version`-th update) into `dst` once `after`'s event passed.
+        """Copy the unit's weights (after its `version`-th update) into `dst` once `after`'s event passed:
+        its FP32 master, or a disk-master unit's compute-dtype weights (HostUnit.upload_source).
 
         Runs on the uploader thread; returns the event that marks `dst` ready.
         """
-        src = unit.master
+        src = unit.upload_source                     # [numel] fp32 master, or compute-dtype weights
         n = src.numel()
         slot_free = after.result() if after is not None else None
         with self.device.stream_ctx(self.stream):
@@ -66,12 +67,13 @@ class Uploader:
                 self.stream.wait_event(slot_free)
             if dst.dtype == src.dtype:
                 # An FP32 landing buffer (upload_cast_stream=compute): DMA only, the compute
-                # stream casts it. On the CPU this is a plain copy.
+                # stream casts it; or a disk-master unit's compute-dtype weights straight into its
+                # slot (page-locked on CUDA: async). On the CPU this is a plain copy.
                 for lo in range(0, n, self.chunk):
                     hi = min(n, lo + self.chunk)
                     self._wait_update(unit, version, hi)
                     dst[lo:hi].copy_(src[lo:hi], non_blocking=True)
-                self.bytes += n * 4
+                self.bytes += n * src.element_size()
                 return self.device.record(self.stream)
             if self.gpu_cast:
                 for c, lo in enumerate(range(0, n, self.chunk)):
@@ -99,7 +101,7 @@ class Uploader:
 
 
     def _wait_update(self, unit: HostUnit, version: int, hi: int) -> None:
-        """master[:hi] must hold the weights after `version` updates before it is copied."""
+        """The source's [:hi] must hold the weights after `version` updates before it is copied."""
         if unit.version >= version:
             return
         with self.timeline.span("upload", "wait_update", unit.spec.name):
