@@ -408,8 +408,9 @@ class SlideEngine:
         slot.content = (unit_index, version)
         slot.cast_pending = False               # the owner casts before it sends
         uploaded = None
+        landing = slot.landing is not None and unit.weights is None     # as _submit_upload
         if unit.owned:
-            dst = slot.landing if slot.landing is not None else slot.flat
+            dst = slot.landing if landing else slot.flat
             job = (self._timed, "upload", "upload", unit.spec.name, self.uploader.upload, unit, dst, version, after)
             if when_update_starts:
                 uploaded = Future()
@@ -418,9 +419,10 @@ class SlideEngine:
             else:
                 uploaded = self.upload_worker.submit(*job)
         slot.ready = self.gather_worker.submit(self._timed, "gather", "gather", unit.spec.name, self._gather,
-                                               unit_index, slot, uploaded, after)
+                                               unit_index, slot, uploaded, after, landing)
 
-    def _gather(self, unit_index: int, slot: _Slot, uploaded: Future | None, after: Future) -> object:
+    def _gather(self, unit_index: int, slot: _Slot, uploaded: Future | None, after: Future,
+                landing: bool) -> object:
         """Gather thread: the owner's upload (then its cast into the compute dtype) or, elsewhere, the
         slot's last reader, then the broadcast into the slot; the event the compute stream waits on."""
         unit = self.units[unit_index]
@@ -430,7 +432,7 @@ class SlideEngine:
                 ev = wait_or_abort(uploaded, self._abort, f"the upload of {unit.spec.name} to broadcast")
                 if ev is not None:
                     self.gather_stream.wait_event(ev)
-                if slot.landing is not None:
+                if landing:
                     slot.flat[:n].copy_(slot.landing[:n])      # FP32 -> compute dtype, sent as such
             else:
                 ev = after.result()
