@@ -520,9 +520,10 @@ def test_auto_vocab_update_takes_the_device_where_it_fits_under_either_schedule(
     assert dev_fp32.gpu_bytes - host_fp32.gpu_bytes == 12 * vocab
     state = "master + Adam moments (12 B/param)"
     assert host_fp32.host_parts[state] - dev_fp32.host_parts[state] == 12 * vocab
-    # built on the device through a host buffer each: both vocabulary units at once, at most
+    # built on the device a parameter at a time: both vocabulary matrices at once, at most
+    matrices = [max(p.numel for p in u.params) for u in (split.embed_unit, split.head_unit)]
     assert dev_fp32.host_parts["weight loading transient"] == 4 * max(
-        vocab if BUILD_WORKERS >= 2 else max(split.embed_unit.numel, split.head_unit.numel),
+        sum(matrices) if BUILD_WORKERS >= 2 else max(matrices),
         max(p.numel for u in split.units for p in u.params))
     assert dev_fp32.gpu_bytes > dev_bf16.gpu_bytes > host_fp32.gpu_bytes     # Llama-8B's numbers order them so
     for free, want in [(dev_fp32.gpu_bytes / 0.9 + 1, ("device", "fp32")),
@@ -881,3 +882,31 @@ def test_plan_for_several_ranks_counts_the_host_once_and_checks_shared_memory(ca
     assert main(args + ["--shm-gib", "0.0625"]) == 0
     assert "does not fit: data parallel keeps one copy of the training state per host" in (out := capsys.readouterr().out)
     assert "--shm-size" in out
+
+
+def test_units_kept_on_the_device_are_built_a_parameter_at_a_time():
+    """fill_on_device gives the values fill() gives, and the build's host transient counts the
+    largest matrix of each device unit, not the unit (Qwen3-8B: a layer's largest projection is
+    about a quarter of the layer)."""
+    from slidetune.models.load import RandomInit, fill_on_device
+    from test_equivalence import make_loaded
+    loaded = make_loaded("llama", tied=False)
+    for unit in loaded.split.units:
+        host = torch.empty(unit.numel, dtype=torch.float32)
+        loaded.source.fill(unit, host)
+        assert torch.equal(fill_on_device(loaded.source, unit, torch.device("cpu")), host)
+        rnd = torch.empty(unit.numel)
+        RandomInit(seed=3).fill(unit, rnd)
+        assert torch.equal(fill_on_device(RandomInit(seed=3), unit, torch.device("cpu")), rnd)
+    split = split_of("qwen3-8b")
+    kw = dict(batch_size=16, seq_len=1024, max_grad_norm=1.0)
+    rt = cuda_rt(mode="slide", cache_units=0, vocab_update="device", device_layers=8, resident_layers=0,
+                 grad_slot_dtype="compute", offload_activations=False)
+    est = estimate_memory(split, rt, **kw)
+    layer_largest = max(p.numel for p in split.layer_units[0].params)
+    vocab_largest = max(p.numel for p in split.units[0].params)
+    assert layer_largest * 3 < split.layer_units[0].numel
+    from slidetune.engine.slide.host_store import BUILD_WORKERS          # builds at once: min(8, cores)
+    building = sorted([vocab_largest] * 2 + [layer_largest] * 8, reverse=True)[:BUILD_WORKERS]
+    want = max(vocab_largest, sum(building)) * 4
+    assert est.host_parts["weight loading transient"] == want

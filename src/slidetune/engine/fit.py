@@ -449,9 +449,13 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         if dev == "cuda":
             # ... and a disk-master unit's weights, registered for one async H2D each upload
             pinned = rings + (L - kept) * ckpt + held + host.get("disk tier block buffers", 0) + b * P_disk_master
-        # units kept on the device, and disk-master units, pass through a host buffer (4 B/param)
-        # while they are built, up to BUILD_WORKERS at once, beside the host units (HostStore)
-        passing = device_units + [u.numel for u in plan.units if u.master == "disk"]
+        # units kept on the device are built a parameter at a time (models.load.fill_on_device:
+        # their largest matrix passes through RAM), disk-master units through a host buffer of the
+        # whole unit (4 B/param), up to BUILD_WORKERS at once, beside the host units (HostStore)
+        def largest(unit) -> int:
+            return max((p.numel for p in unit.params), default=0)
+        passing = ([largest(split.units[0]), largest(split.units[-1])] if vocab_device else []) \
+            + [largest(u) for u in split.layer_units[:n_dev]] + [u.numel for u in plan.units if u.master == "disk"]
         building = sorted(passing, reverse=True)[:BUILD_WORKERS]
         # freed before the first step, when the offloaded checkpoints' slots are allocated (in
         # the first forward): the two never coexist, so only what the transient takes beyond

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..device import Device
 from ..faults import maybe_oom, maybe_poison
-from ..models.load import LoadedModel
+from ..models.load import LoadedModel, fill_on_device
 from ..telemetry.events import EventTimer
 from ..telemetry.host_timeline import HostTimeline
 from ..telemetry.memory_timeline import MemoryTimeline
@@ -29,10 +29,7 @@ from .slide.transfer import clip_coefficient
 class _DeviceUnit:
     def __init__(self, spec, source, optim: AdamWConfig, dtype: torch.dtype, device: torch.device):
         self.spec = spec
-        host = torch.empty(spec.numel, dtype=torch.float32)
-        source.fill(spec, host)
-        self.master = host.to(device)                                  # [numel] fp32
-        del host
+        self.master = fill_on_device(source, spec, device)             # [numel] fp32
         self.opt = FlatAdamW(self.master, spec.n_decay, optim)
         self.grad = torch.zeros_like(self.master)                      # [numel] fp32
         self.compute = self.master.to(dtype)                           # [numel] compute dtype

@@ -32,6 +32,21 @@ class WeightSource(Protocol):
     def fill(self, unit: UnitSpec, flat: torch.Tensor) -> None:
         """Write the unit's parameters, in FP32, into `flat` laid out as `unit.params`."""
 
+    def param_tensors(self, unit: UnitSpec):
+        """(ParamSpec, tensor of its shape) for each of the unit's parameters, in order, each made
+        when it is reached: what fill() writes, one parameter at a time."""
+
+
+def fill_on_device(source: WeightSource, unit: UnitSpec, device: torch.device) -> torch.Tensor:
+    """The unit's FP32 master [numel] built on `device` a parameter at a time: host RAM holds one
+    parameter on the way (the largest matrix), not the whole unit, so a GPU-updated unit's build
+    does not take its size again in RAM (the vocabulary: 2.5 GB for a 152K x 4096 matrix instead of
+    the unit; a decoder layer: its largest projection instead of the layer)."""
+    flat = torch.empty(unit.numel, dtype=torch.float32, device=device)      # [numel]
+    for p, t in source.param_tensors(unit):
+        flat[p.offset:p.offset + p.numel].view(p.shape).copy_(t)
+    return flat
+
 
 @dataclass
 class RandomInit:
@@ -44,12 +59,22 @@ class RandomInit:
     def fill(self, unit: UnitSpec, flat: torch.Tensor) -> None:
         gen = torch.Generator().manual_seed(self.seed * 100_003 + unit.index)
         for p, view in zip(unit.params, unit.views(flat).values()):
-            if len(p.shape) >= 2:
-                view.normal_(0.0, self.std, generator=gen)
-            elif p.local_name.endswith("bias"):
-                view.normal_(0.0, self.bias_std, generator=gen) if self.bias_std else view.zero_()
-            else:
-                view.fill_(1.0)
+            self._draw(p, view, gen)
+
+    def param_tensors(self, unit: UnitSpec):
+        # the same generator, in the same order, over the same element counts: fill()'s values
+        gen = torch.Generator().manual_seed(self.seed * 100_003 + unit.index)
+        for p in unit.params:
+            yield p, self._draw(p, torch.empty(p.shape, dtype=torch.float32), gen)
+
+    def _draw(self, p, view: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        if len(p.shape) >= 2:
+            view.normal_(0.0, self.std, generator=gen)
+        elif p.local_name.endswith("bias"):
+            view.normal_(0.0, self.bias_std, generator=gen) if self.bias_std else view.zero_()
+        else:
+            view.fill_(1.0)
+        return view
 
 
 @dataclass
@@ -74,6 +99,11 @@ class SafetensorsSource:
                 self.weight_map = {k: "model.safetensors" for k in f.keys()}
 
     def fill(self, unit: UnitSpec, flat: torch.Tensor) -> None:
+        for p, t in self.param_tensors(unit):
+            flat[p.offset:p.offset + p.numel].view(p.shape).copy_(t)
+
+    def param_tensors(self, unit: UnitSpec):
+        """Each parameter as stored (its file's dtype), read when it is reached, file by file."""
         from safetensors import safe_open
         by_file: dict[str, list] = {}
         for p in unit.params:
@@ -86,7 +116,7 @@ class SafetensorsSource:
                     t = f.get_tensor(p.full_name)
                     if tuple(t.shape) != p.shape:
                         raise ValueError(f"{p.full_name}: checkpoint shape {tuple(t.shape)} != model {p.shape}")
-                    flat[p.offset:p.offset + p.numel].view(p.shape).copy_(t)
+                    yield p, t
 
 
 @dataclass
@@ -96,8 +126,12 @@ class StateDictSource:
     state: dict[str, torch.Tensor]
 
     def fill(self, unit: UnitSpec, flat: torch.Tensor) -> None:
+        for p, t in self.param_tensors(unit):
+            flat[p.offset:p.offset + p.numel].view(p.shape).copy_(t)
+
+    def param_tensors(self, unit: UnitSpec):
         for p in unit.params:
-            flat[p.offset:p.offset + p.numel].view(p.shape).copy_(self.state[p.full_name])
+            yield p, self.state[p.full_name]
 
 
 @dataclass

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ...models.load import WeightSource
+from ...models.load import WeightSource, fill_on_device
 from ...models.units import ParamSlot, SplitModel, UnitSpec
 from ..adamw import AdamWConfig, FlatAdamW
 from ..distributed import SharedHostState, SharedUnit
@@ -47,10 +47,13 @@ class HostUnit:
         self.spec = spec
         self.shared = shared
         self.owned = owned
-        master = torch.empty(spec.numel, dtype=torch.float32) if shared is None else shared.master   # [numel] fp32
-        if owned:
-            source.fill(spec, master)
         self.on_device = device is not None       # True: the compute stream updates it, on the device
+        if self.on_device and shared is None and disk is None:
+            master = fill_on_device(source, spec, device)   # [numel] fp32 there; RAM holds one parameter
+        else:
+            master = torch.empty(spec.numel, dtype=torch.float32) if shared is None else shared.master  # [numel]
+            if owned:
+                source.fill(spec, master)
         self.disk = disk
         self.master_on_disk = disk is not None and spec.index in disk.masters
         self.weights: torch.Tensor | None = None  # [numel] compute dtype: a disk-master unit's upload source
