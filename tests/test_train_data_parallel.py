@@ -241,7 +241,8 @@ def test_two_ranks_with_every_tier_train_like_one_rank(tmp_path):
     disk = tmp_path / "disk"
     disk.mkdir()
     args = [*common_args(data), "--disk-dir", str(disk), "--tuning.disk_units", "1", "--tuning.device_layers", "1",
-            "--tuning.vocab_update", "device", "--tuning.dp_weights", "gather"]
+            "--tuning.vocab_update", "device", "--tuning.dp_weights", "gather",
+            "--eval-batches", "0"]       # every held-out batch: the last leaves rank 1 no row (10 rows, 4 a batch)
     two = run_launcher(*args, "--batch-size", str(PER_RANK), "--gpus", "2", "--output-dir", str(tmp_path / "two"))
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-5000:]
     assert "disk tier (moments; master in host RAM): layer 2" in two.stdout
@@ -254,6 +255,11 @@ def test_two_ranks_with_every_tier_train_like_one_rank(tmp_path):
             assert close(float(two_rows[step][key]), float(one_rows[step][key])), (step, key)
     worst, where = worst_rel(weights(tmp_path / "two" / "final"), weights(tmp_path / "one" / "final"))
     assert worst < 1e-5, f"{where}: relative difference {worst:.2e}"
+    evals = [(float(a["eval_loss"]), float(b["eval_loss"]))
+             for a, b in zip(metrics(tmp_path / "two"), metrics(tmp_path / "one")) if b["eval_loss"]]
+    assert len(evals) == 2 and all(close(a, b) for a, b in evals), evals
+    held = json.loads((tmp_path / "two" / "summary.json").read_text())["heldout_sequences"]
+    assert 0 < held % (2 * PER_RANK) <= PER_RANK, held       # the last held-out batch leaves rank 1 no row
     # the end-of-run resumable checkpoint holds the disk unit's moments (read from rank 0's tier)
     optim = load_file(tmp_path / "two" / "checkpoints" / f"checkpoint-{STEPS}" / "trainer_state" / "optimizer.safetensors")
     want = load_file(tmp_path / "one" / "checkpoints" / f"checkpoint-{STEPS}" / "trainer_state" / "optimizer.safetensors")

@@ -33,7 +33,7 @@ import torch
 from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, prune_checkpoints, recover_leftovers,
                          save_checkpoint)
 from .config import TrainConfig, config_to_dict, group_tuning
-from .data import BatchSampler, TokenDataset, build_datasets, collate, default_pad_id
+from .data import IGNORE_INDEX, BatchSampler, TokenDataset, build_datasets, collate, default_pad_id
 from .device import Device
 from .engine import StepResult, build_engine
 from .engine.compile_policy import choose_compile_layers, resolve_compile_layers
@@ -151,9 +151,15 @@ def evaluate(engine, heldout, batch_size: int, pad_id: int, max_batches: int,
         if max_batches and i >= max_batches:
             break
         mine = ranks.rows(range(start, min(start + global_batch, len(heldout))), batch_size)
-        if not mine:                     # the last, shorter batch may leave this rank none
-            continue
-        s, n = engine.eval_loss(collate(heldout, mine, pad_id))
+        if mine:
+            batch = collate(heldout, mine, pad_id)
+        else:
+            # The last, shorter batch may leave this rank none. It still runs a forward, of a row with
+            # every label ignored (it adds nothing): every rank must run the same forwards, as the
+            # collectives a forward may issue (dp_weights=gather's broadcasts) match across ranks.
+            batch = collate(heldout, [start], pad_id)
+            batch = dataclasses.replace(batch, labels=torch.full_like(batch.labels, IGNORE_INDEX))
+        s, n = engine.eval_loss(batch)
         total += s
         count += n
     total, count = ranks.sum([total, float(count)])
