@@ -140,7 +140,7 @@ def test_seed_ratios_for_recompute_and_head():
 
 
 # ---------------------------------------------------------------- recompute attribution
-SLEEP_S = 0.15          # far above a tiny layer's compute, so misattribution cannot hide in noise
+SLEEP_S = 0.3           # far above a tiny layer's compute (and a loaded 2-core machine's stalls), so misattribution cannot hide in noise
 
 
 def _ckpt_step_spans(recompute: str):
