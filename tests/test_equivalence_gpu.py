@@ -55,6 +55,13 @@ GPU_RUNS = {
     "slide-eager-disk": ("slide", "eager", 1, None, False, {"disk_units": 3, **DISK}),
     "slide-deferred-accum2-clip-disk-device-layers-vocab": (
         "slide", "deferred", 2, 0.5, False, {"disk_units": 2, "device_layers": 1, "vocab_update": "device", **DISK}),
+    # the masters of disk units on disk too: their compute-dtype weights in page-locked RAM, one
+    # async H2D each upload (no cast), rewritten as each block's update lands (untested on a GPU
+    # before session 14)
+    "slide-eager-disk-master": ("slide", "eager", 1, None, False, {"disk_units": 2, "disk_master": "on", **DISK}),
+    "slide-deferred-accum2-clip-disk-master-vocab": (
+        "slide", "deferred", 2, 0.5, False, {"disk_units": 2, "disk_master": "on", "vocab_update": "device",
+                                              "cache_units": 2, "resident_layers": 1, **DISK}),
     "ckpt": ("ckpt", "auto", 4, 0.5, False, {}),
 }
 
