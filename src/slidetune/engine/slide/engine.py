@@ -47,8 +47,11 @@ pipeline on its own micro-batches; each unit's gradient slot is all-reduced as i
 ends (each rank scaled by 1 / the step's tokens over all ranks), so the norm and the clip
 coefficient are global; the host state is one shared mapping per host, and only a unit's
 owner holds its gradient and runs its AdamW, while a fifth thread (follower) waits for the
-other owners' versions and releases this rank's uploads of their units. train_step's loss
-and token count are the step's over all ranks.
+other owners' versions and releases this rank's uploads of their units. Units updated on the
+GPU are every rank's own copy (no owner); the disk tier's units are local rank 0's. With
+dp_weights=gather a sixth thread (gather) broadcasts each host unit from its owner, the only
+rank that uploads it, in the order the compute thread queued them (the same on every rank).
+train_step's loss and token count are the step's over all ranks.
 """
 from __future__ import annotations
 
