@@ -47,7 +47,8 @@ RUNS = {
                                                      "cache_units": 2}),
     # dp_weights=gather: each host unit's owner uploads it and broadcasts it to the other rank
     # (with resident layers, a window, the vocabulary on the device, and the disk tier)
-    "deferred-gather": ("llama", "deferred", 2, CLIP, {"dp_weights": "gather", "cache_units": 2, "resident_layers": 1,
+    "deferred-gather": ("llama", "deferred", 2, CLIP, {"dp_weights": "gather", "held_buffers": 2, "cache_units": 2,
+                                                       "resident_layers": 1,
                                                        "disk_units": 1, "disk_dir": DISK_DIR,
                                                        "disk_block_mb": 0.0625}),
     "eager-gather": ("qwen3-tied-qknorm", "eager", 1, None, {"dp_weights": "gather", "cache_units": 2,

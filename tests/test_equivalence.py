@@ -8,6 +8,8 @@ amplifies rounding noise in near-zero gradients, which tests chaos, not the engi
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -68,6 +70,12 @@ RUNS = {
         "slide", "deferred", 4, 0.5, True,
         {"device_layers": 1, "vocab_update": "device", "cache_units": 2, "resident_layers": 1,
          "gpu_checkpoints": 1}),
+    # two held gradient buffers per host unit, on alternate steps (held_buffers=2: the backward
+    # writes one while the last step's moments pass reads the other), with a window, a resident
+    # layer, a device layer and the disk tier
+    "slide-deferred-accum2-clip-held2": ("slide", "deferred", 2, 0.5, True,
+                                         {"held_buffers": 2, "cache_units": 2, "resident_layers": 1,
+                                          "device_layers": 1, "disk_units": 1, **DISK}),
     # the clipped sweep in one pass (clip_sweep=whole: the host binds)
     "slide-deferred-accum2-clip-whole-sweep": ("slide", "deferred", 2, 0.5, False,
                                                {"clip_sweep": "whole", "device_layers": 1, "cache_units": 2}),
@@ -236,6 +244,49 @@ def test_eager_refuses_clipping_and_auto_defers_only_for_it():
     assert rt.resolved_schedule(1, 1.0) == "deferred"
 
 
+@pytest.mark.parametrize("buffers", [1, 2])
+def test_two_held_buffers_let_the_backward_go_down_while_the_moments_pass_runs(monkeypatch, buffers):
+    """held_buffers=2: a step's gradients go down into the buffers the last step's moments pass is
+    not reading, so no hold waits for it; with one buffer each hold waits for that unit's moments
+    (the wait the H100's clipped step spent 0.43 s in, NOTES.md 21). The moments pass is slowed
+    here (0.4 s a unit) so the order shows; which order, not how long, is what is checked."""
+    from slidetune.engine.slide import transfer
+    loaded = make_loaded("llama", tied=False, layers=3)
+    rt = RuntimeConfig(mode="slide", dtype="fp32", device="cpu", head_chunk_tokens=16, chunk_mb=1,
+                       offload_activations=False, held_buffers=buffers)
+    engine = build_engine(loaded, rt, AdamWConfig(lr=LR, eps=1e-6), max_grad_norm=1.0)
+    moments_end: dict[str, list[float]] = {}       # unit -> when each of its moments passes ended
+    hold_start: dict[str, list[float]] = {}        # unit -> when each of its holds started
+    slow_moments = transfer.GradDrain.deferred_moments
+
+    def moments(unit, held, coef, chunk):
+        time.sleep(0.4)
+        slow_moments(unit, held, coef, chunk)
+        moments_end.setdefault(unit.spec.name, []).append(time.monotonic())
+
+    copy = engine.drainer.hold              # the copy itself, once whatever it waits for is done
+    owner = {h.data_ptr(): u.spec.name for u in engine.units for h in u.held}
+
+    def hold(held, *a):
+        hold_start.setdefault(owner[held.data_ptr()], []).append(time.monotonic())
+        return copy(held, *a)
+    monkeypatch.setattr(transfer.GradDrain, "deferred_moments", staticmethod(moments))
+    monkeypatch.setattr(engine.drainer, "hold", hold)
+    try:
+        for step in range(2):
+            engine.train_step(make_batches(step, 1), LR)
+        engine.synchronize()
+    finally:
+        engine.close()
+    names = [u.spec.name for u in engine.units if u.on_host]
+    # step 2's hold of a unit against the end of step 1's moments pass of that unit
+    early = [n for n in names if hold_start[n][1] < moments_end[n][0]]
+    if buffers == 1:
+        assert early == []
+    else:
+        assert early, (hold_start, moments_end)
+
+
 def test_deferred_holds_gradients_in_the_compute_dtype_and_updates_after_the_norm(monkeypatch):
     """The deferred schedule: no unit is updated before the backward has ended (the global norm
     is known); host units hold their gradient in the compute dtype (no FP32 copy: 12 + 2 B/param
@@ -257,9 +308,9 @@ def test_deferred_holds_gradients_in_the_compute_dtype_and_updates_after_the_nor
     try:
         assert engine.schedule == "deferred"
         held = [u.held for u in engine.units]
-        assert [h is None for h in held] == [True, True, False, False, False, True]   # device: embed, layer 0, head
-        assert all(h.dtype == torch.bfloat16 and h.numel() == u.spec.numel
-                   for h, u in zip(held, engine.units) if h is not None)
+        assert [len(h) for h in held] == [0, 0, 1, 1, 1, 0]   # device: embed, layer 0, head; one buffer each
+        assert all(h[0].dtype == torch.bfloat16 and h[0].numel() == u.spec.numel
+                   for h, u in zip(held, engine.units) if h)
         assert set(engine.device_grad_slots) == {1}
         host_params = sum(u.spec.numel for u in engine.units if u.on_host)
         assert engine.store.state_bytes() == 14 * host_params

@@ -62,6 +62,10 @@ GPU_RUNS = {
     "slide-deferred-accum2-clip-disk-master-vocab": (
         "slide", "deferred", 2, 0.5, False, {"disk_units": 2, "disk_master": "on", "vocab_update": "device",
                                               "cache_units": 2, "resident_layers": 1, **DISK}),
+    # two held gradient buffers on alternate steps (held_buffers=2, both page-locked)
+    "slide-deferred-accum2-clip-held2-vocab-partly-resident": (
+        "slide", "deferred", 2, 0.5, False, {"held_buffers": 2, "vocab_update": "device", "cache_units": 2,
+                                              "resident_layers": 1}),
     "ckpt": ("ckpt", "auto", 4, 0.5, False, {}),
 }
 

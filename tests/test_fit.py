@@ -108,6 +108,11 @@ def test_slide_8b_host_is_12_bytes_per_param_plus_buffers():
     assert deferred.host_bytes - eager.host_bytes == (2 * P - eager.host_parts["upload/download rings"]
                                                       - eager.host_parts["fp32 drain scratch"])
     assert deferred.pinned_bytes == 2 * P
+    # two held buffers on alternate steps (held_buffers=2): twice the held bytes, page-locked too
+    two = estimate_memory(split, dataclasses.replace(rt, held_buffers=2), batch_size=8, seq_len=1024,
+                          max_grad_norm=1.0)
+    assert two.host_parts["held gradients (deferred schedule, 4 B/param)"] == 4 * P
+    assert two.host_bytes - deferred.host_bytes == two.pinned_bytes - deferred.pinned_bytes == 2 * P
     # the 8B state is ~92 GiB: fits a 128 GiB host with eager updates, and with clipping
     check_fit(split, rt, batch_size=8, seq_len=1024, **H100)
     check_fit(split, rt, batch_size=8, seq_len=1024, max_grad_norm=1.0, **H100)
@@ -910,3 +915,28 @@ def test_units_kept_on_the_device_are_built_a_parameter_at_a_time():
     building = sorted([vocab_largest] * 2 + [layer_largest] * 8, reverse=True)[:BUILD_WORKERS]
     want = max(vocab_largest, sum(building)) * 4
     assert est.host_parts["weight loading transient"] == want
+
+
+def test_auto_held_buffers_take_two_where_the_host_has_room():
+    """held_buffers=-1: the clipped schedule's second held buffer (2 B/param of host RAM) where it
+    fits beside the auto placement (Qwen3-8B b16 on the H100 host), one where it does not
+    (Llama-3.1-8B on a 24 GB GPU: the host holds nearly everything) or nothing is held
+    (unclipped); the placement itself is the same as with one buffer."""
+    from slidetune.engine.fit import choose_auto_settings
+    host = 123 * GiB
+    rt = cuda_rt(mode="slide", held_buffers=-1)
+    kw = dict(seq_len=1024, host_available_bytes=host)
+    big = choose_auto_settings(split_of("qwen3-8b"), rt, batch_size=16, max_grad_norm=1.0, gpu_free_bytes=int(78.5 * GiB),
+                               **kw)
+    assert big.held_buffers == 2
+    one = choose_auto_settings(split_of("qwen3-8b"), dataclasses.replace(rt, held_buffers=1), batch_size=16,
+                               max_grad_norm=1.0, gpu_free_bytes=int(78.5 * GiB), **kw)
+    assert dataclasses.replace(big, held_buffers=1) == one
+    est = estimate_memory(split_of("qwen3-8b"), big, batch_size=16, seq_len=1024, max_grad_norm=1.0)
+    assert est.host_bytes <= 0.9 * host and "held gradients (deferred schedule, 4 B/param)" in est.host_parts
+    small = choose_auto_settings(split_of("llama-3.1-8b"), rt, batch_size=8, max_grad_norm=1.0,
+                                 gpu_free_bytes=int(23.5 * GiB), **kw)
+    assert small.held_buffers == 1
+    plain = choose_auto_settings(split_of("qwen3-8b"), rt, batch_size=16, max_grad_norm=0.0,
+                                 gpu_free_bytes=int(78.5 * GiB), **kw)
+    assert plain.held_buffers == 1

@@ -235,6 +235,10 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
                  else "every host-updated layer stays on the GPU between steps"))
     if cfg.runtime.grad_slot_dtype == "auto" and cfg.runtime.mode == "slide":
         print(f"grad_slot_dtype auto -> {runtime.grad_slot_dtype}")
+    if cfg.runtime.held_buffers == -1 and cfg.runtime.mode == "slide":
+        print(f"held_buffers auto -> {runtime.held_buffers}"
+              + (" (the clipped schedule's gradients alternate between two host buffers)"
+                 if runtime.held_buffers == 2 else ""))
     if cfg.runtime.vocab_update == "auto" and cfg.runtime.mode == "slide":
         print(f"vocab_update auto -> {runtime.vocab_update}"
               + (" (embedding and head updated on the GPU)" if runtime.vocab_update == "device" else ""))

@@ -249,6 +249,19 @@ class RuntimeConfig:
     clip_sweep: str = tuning_field(
         "split", help="the clipped schedule's host sweep: split (weights first, moments under the next step) or whole",
         when="whole only to A/B: split was as fast or faster everywhere measured")
+    # The clipped schedule's held gradients, per host unit: 1 buffer, or 2 used on alternate
+    # steps. With one, a layer's next gradient can only go down once the moments pass has read
+    # its buffer: on the H100 the moments pass paced the next backward (0.43 s of gradient-slot
+    # waits a step, NOTES.md 21). With two the backward writes one buffer while the moments pass
+    # reads the other, for 2 more B/param of host RAM (BF16).
+    # auto (-1): 2 where host RAM has room for them beside the auto placement
+    # (engine.fit.choose_auto_settings); left unresolved, 1. The default stays 1 until a GPU run
+    # measures what 2 buys (NOTES.md 27 has the prediction).
+    held_buffers: int = tuning_field(
+        1, help="the clipped schedule's held gradient buffers per host unit: 1, 2 (on alternate steps) or -1 "
+                "(auto: 2 where host RAM has room)",
+        when="2 where the compute thread waits for gradient slots in a clipped step (wait_grad_slot in a "
+             "profile) and host RAM has 2 B/param to spare")
     # The disk tier (engine/slide/disk_tier.py): the AdamW moments of `disk_units` host-updated
     # units (the head, then decoder layers from the top down: those the next forward needs last)
     # live in files under `disk_dir`, read ahead of each unit's update and written behind it.
@@ -319,6 +332,8 @@ class RuntimeConfig:
             raise ValueError(f"host_adamw must be dynamic, static or torch, not {self.host_adamw!r}")
         if self.cuda_waits not in ("block", "spin"):
             raise ValueError(f"cuda_waits must be block or spin, not {self.cuda_waits!r}")
+        if self.held_buffers not in (-1, 1, 2):
+            raise ValueError(f"held_buffers must be 1, 2 or -1 (auto), not {self.held_buffers!r}")
         if self.clip_sweep not in ("split", "whole"):
             raise ValueError(f"clip_sweep must be split or whole, not {self.clip_sweep!r}")
         if self.update_order not in ("deadline", "fifo"):

@@ -424,9 +424,10 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
                 host[f"disk-master units' weights ({b} B/param; master + moments on disk)"] = b * P_disk_master
             host["disk tier block buffers"] = buffer_bytes(plan, rt.disk_block_mb, rt.disk_buffers)
             disk_bytes = tier_bytes(plan, rt.disk_block_mb)
-        held = b * P_host if schedule == "deferred" else 0
+        buffers = max(1, rt.held_buffers)        # auto (-1) left unresolved: what the engine does, one
+        held = buffers * b * P_host if schedule == "deferred" else 0
         if held:
-            host[f"held gradients (deferred schedule, {b} B/param)"] = held
+            host[f"held gradients (deferred schedule, {buffers * b} B/param)"] = held
         deferred = schedule == "deferred"          # gradients straight into the held buffers: no ring
         down_chunks = 0 if deferred else rt.download_chunks(P_L)
         downloads_fp32 = rt.downloads_fp32(dev == "cuda")
@@ -633,6 +634,27 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
                          grad_accum: int = 1, max_grad_norm: float | None = None,
                          gpu_free_bytes: int | None = None, host_available_bytes: int | None = None,
                          safety: float = 0.9, padded: bool = True, ranks_per_host: int = 1) -> RuntimeConfig:
+    """_choose_placement's autos, then held_buffers=-1 (auto): 2 where the clipped schedule runs and
+    host RAM has room for the second buffer beside the chosen placement, else 1 (it costs no GPU
+    memory, so it never displaces a placement choice)."""
+    kw = dict(batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
+              padded=padded)
+    placed = _choose_placement(split, rt, gpu_free_bytes=gpu_free_bytes, host_available_bytes=host_available_bytes,
+                               safety=safety, ranks_per_host=ranks_per_host, **kw)
+    if placed.mode != "slide" or placed.held_buffers != -1:
+        return placed
+    two = dataclasses.replace(placed, held_buffers=2)
+    if placed.resolved_schedule(grad_accum, max_grad_norm) == "deferred":
+        host = query_host_available_bytes() if host_available_bytes is None else host_available_bytes
+        if estimate_memory(split, two, **kw).host_bytes_per_host(ranks_per_host) <= safety * host:
+            return two
+    return dataclasses.replace(placed, held_buffers=1)
+
+
+def _choose_placement(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int,
+                      grad_accum: int = 1, max_grad_norm: float | None = None,
+                      gpu_free_bytes: int | None = None, host_available_bytes: int | None = None,
+                      safety: float = 0.9, padded: bool = True, ranks_per_host: int = 1) -> RuntimeConfig:
     """Resolve slide mode's memory-dependent autos: cache_units=-1 (with resident_layers=-1),
     vocab_update=auto, grad_slot_dtype=auto, device_layers=-1, gpu_checkpoints=-1, and with a
     disk directory disk_units=-1 and disk_master=auto.

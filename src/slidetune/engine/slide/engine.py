@@ -197,7 +197,9 @@ class SlideEngine:
             self.disk.abort = self._abort
         try:
             self.store = HostStore(self.split, loaded.source, optim,
-                                   held_dtype=self.dtype if self.deferred else None, kernel=rt.host_adamw,
+                                   held_dtype=self.dtype if self.deferred else None,
+                                   held_buffers=max(1, rt.held_buffers),     # auto left unresolved: one
+                                   kernel=rt.host_adamw,
                                    device_units=device_units, device=device.device, disk=self.disk,
                                    shared=shared, owned=owned, compute_dtype=self.dtype)
             if self.dp is not None:
@@ -257,8 +259,8 @@ class SlideEngine:
         ring = 0 if self.deferred else rt.download_chunks(layer_numel)
         if device.is_cuda:
             for unit in self.units:
-                if unit.held is not None:
-                    device.register_host(unit.held)     # one D2H copy straight into it
+                for held in unit.held:
+                    device.register_host(held)          # one D2H copy straight into it
                 if unit.weights is not None:
                     device.register_host(unit.weights)  # a disk-master unit's: one async H2D, no cast
         if self.gpu_cast:
@@ -307,7 +309,9 @@ class SlideEngine:
         self.step_index = 0
         self._views_cache: dict = {}
         self._held_landed: dict[int, Future] = {}     # deferred: unit -> event of its held gradient's copy
-        self._held_free: dict[int, Future] = {}       # deferred: unit -> its last step's moment pass is done
+        self._held_buf: dict[int, torch.Tensor] = {}  # deferred: unit -> the held buffer of this step
+        # deferred: (unit, held buffer) -> the moment pass that last read that buffer is done
+        self._held_free: dict[tuple[int, int], Future] = {}
         self.watchdog = Watchdog()                    # bounds every wait of the compute thread (watchdog.py)
         self._last_step_t: float | None = None
 
@@ -597,21 +601,25 @@ class SlideEngine:
             self._submit_drain(unit_index, slot, lr)
 
     def _submit_hold(self, unit_index: int, slot: _Slot) -> None:
-        """Deferred: one D2H copy of the unit's gradient slot into its held host buffer."""
+        """Deferred: one D2H copy of the unit's gradient slot into its held host buffer of this
+        step (held_buffers=2: the one the last step's moment pass is not reading)."""
         unit = self.units[unit_index]
+        k = self.step_index % len(unit.held)
         ready = self.device.record()
         slot.free = Future()
         landed: Future = Future()
         self._held_landed[unit_index] = landed
-        self.d2h_worker.submit(self._issue_hold, unit, slot.flat[: unit.spec.numel], ready, slot.free, landed,
-                               self._held_free.get(unit_index, done_future(None)))
+        self._held_buf[unit_index] = unit.held[k]
+        self.d2h_worker.submit(self._issue_hold, unit, unit.held[k], slot.flat[: unit.spec.numel], ready, slot.free,
+                               landed, self._held_free.get((unit_index, k), done_future(None)))
 
-    def _issue_hold(self, unit: HostUnit, src: torch.Tensor, ready, free: Future, landed: Future,
-                    held_free: Future) -> None:
-        # the previous step's moment pass must have read the held gradient first
-        wait_or_abort(held_free, self._abort, f"the previous step's moments of {unit.spec.name}")
+    def _issue_hold(self, unit: HostUnit, held: torch.Tensor, src: torch.Tensor, ready, free: Future,
+                    landed: Future, held_free: Future) -> None:
+        # the moment pass that last read this buffer (the previous step's, or with two buffers the
+        # one before) must be done with it first
+        wait_or_abort(held_free, self._abort, f"the previous moments of {unit.spec.name}")
         with self.timeline.span("d2h", "hold", unit.spec.name):
-            event = self.drainer.hold(unit, src, ready)
+            event = self.drainer.hold(held, src, ready)
         free.set_result(event)
         landed.set_result(event)
 
@@ -702,6 +710,7 @@ class SlideEngine:
             self.watchdog.record_step(now - self._last_step_t)       # the interval between steps
         self._last_step_t = now
         self._held_landed = {}
+        self._held_buf = {}
         self._sq_device = torch.zeros((), dtype=torch.float32, device=self.device.device)
         if self.disk is not None:
             # the disk units' moments, read ahead in the order their updates will run: as the
@@ -729,9 +738,11 @@ class SlideEngine:
         sq_ready = self.device.record()
         if self.deferred:
             self._update_device_units(lr)
-            self._held_free = {i: Future() for i in self._held_landed}
+            k = self.step_index % max(1, self.rt.held_buffers)  # the held buffers this step wrote
+            frees = {i: Future() for i in self._held_landed}
+            self._held_free.update({(i, k): f for i, f in frees.items()})
             norm_fut = self.host_worker.submit(self._finish_deferred, sq_host, sq_ready, dict(self._held_landed),
-                                               dict(self._held_free), lr)
+                                               frees, dict(self._held_buf), lr)
             if self.dp is not None:
                 for index, unit in enumerate(self.units):     # in the owners' sweep order
                     if not unit.owned:
@@ -791,7 +802,7 @@ class SlideEngine:
                 self._update_on_device(unit_index, self._grad_slot(unit_index), lr, coef)
 
     def _finish_deferred(self, sq_host: torch.Tensor, sq_ready, landed: dict[int, Future],
-                         held_free: dict[int, Future], lr: float) -> float:
+                         held_free: dict[int, Future], held: dict[int, torch.Tensor], lr: float) -> float:
         """Host worker, once the backward is queued: the global norm, then the clipped update sweep
         of the host units from the embedding up, each as soon as its held gradient has landed;
         then their moments, from the head down (the order the next backward needs the held
@@ -817,7 +828,8 @@ class SlideEngine:
                 event.synchronize()
                 split = self.split_sweep and unit.disk is None
                 with self.timeline.span("host", "adamw", unit.spec.name):
-                    GradDrain.deferred_update(unit, lr, coef, self.chunk, part="params" if split else "all")
+                    GradDrain.deferred_update(unit, held[index], lr, coef, self.chunk,
+                                              part="params" if split else "all")
                 if not split:
                     unit.publish_state()
                     held_free[index].set_result(None)
@@ -825,7 +837,7 @@ class SlideEngine:
                 if unit.disk is not None:
                     continue
                 with self.timeline.span("host", "adamw_moments", unit.spec.name):
-                    GradDrain.deferred_moments(unit, coef, self.chunk)
+                    GradDrain.deferred_moments(unit, held[index], coef, self.chunk)
                 unit.publish_state()
                 held_free[index].set_result(None)
             return total
@@ -1127,8 +1139,8 @@ class SlideEngine:
             self.gc_freeze.release()
             if self.device.is_cuda:
                 for unit in self.units:
-                    if unit.held is not None:
-                        self.device.unregister_host(unit.held)
+                    for held in unit.held:
+                        self.device.unregister_host(held)
                     if unit.weights is not None:
                         self.device.unregister_host(unit.weights)
             if self.gpu_cast:

@@ -32,9 +32,10 @@ class HostUnit:
     def __init__(self, spec: UnitSpec, source: WeightSource, optim: AdamWConfig,
                  held_dtype: torch.dtype | None = None, kernel: str = "dynamic",
                  device: torch.device | None = None, disk: DiskTier | None = None,
-                 shared: SharedUnit | None = None, owned: bool = True, compute_dtype: torch.dtype | None = None):
+                 shared: SharedUnit | None = None, owned: bool = True, compute_dtype: torch.dtype | None = None,
+                 held_buffers: int = 1):
         """held_dtype: the deferred schedule's held gradient [numel] in this dtype (host units only;
-        a unit on the device holds its gradient there, in the engine).
+        a unit on the device holds its gradient there, in the engine), `held_buffers` of them.
         device: keep this unit's master and AdamW state there from the start (vocab_update=device,
         device_layers): the weights pass through a transient host buffer (4 B/param) on the way,
         and the moments are never allocated in host RAM.
@@ -74,8 +75,9 @@ class HostUnit:
         self._open_view: Block | None = None         # ... and its fields in the tier's buffer
         # [numel] the step's gradient as the GPU computed it (compute dtype), written by one D2H
         # copy and read by the clipped update sweep (deferred schedule)
-        self.held = (torch.empty(spec.numel, dtype=held_dtype)
-                     if held_dtype is not None and not self.on_device and owned else None)
+        # (held_buffers of them, used on alternate steps: RuntimeConfig.held_buffers)
+        self.held: list[torch.Tensor] = ([torch.empty(spec.numel, dtype=held_dtype) for _ in range(held_buffers)]
+                                         if held_dtype is not None and not self.on_device and owned else [])
         self.version = 0              # updates applied in full
         self.progress = 0             # elements of the update in progress already written
         self.started = 0              # updates begun (version, or version + 1 while one runs)
@@ -270,8 +272,10 @@ class HostStore:
                  held_dtype: torch.dtype | None = None, kernel: str = "dynamic",
                  device_units: frozenset[int] = frozenset(), device: torch.device | None = None,
                  disk: DiskTier | None = None, shared: SharedHostState | None = None,
-                 owned: frozenset[int] | None = None, compute_dtype: torch.dtype | None = None):
-        """held_dtype: the deferred schedule's held gradients' dtype (None: eager, none held).
+                 owned: frozenset[int] | None = None, compute_dtype: torch.dtype | None = None,
+                 held_buffers: int = 1):
+        """held_dtype: the deferred schedule's held gradients' dtype (None: eager, none held), and
+        `held_buffers` per unit (used on alternate steps).
         kernel: the host AdamW kernel of every unit (FlatAdamW's; RuntimeConfig.host_adamw).
         device_units: indices of the units whose state lives on `device` (HostUnit's device).
         disk: the disk tier; the units it holds (disk.units) keep their moments there, and those of
@@ -291,7 +295,8 @@ class HostStore:
                                    disk=disk if disk is not None and i in disk.units else None,
                                    # a unit updated on the device is each rank's own copy
                                    shared=shared.units[i] if shared is not None and i not in device_units else None,
-                                   owned=owned is None or i in owned, compute_dtype=compute_dtype),
+                                   owned=owned is None or i in owned, compute_dtype=compute_dtype,
+                                   held_buffers=held_buffers),
                 range(len(split.units))))
         self.shared = shared
 
@@ -302,7 +307,7 @@ class HostStore:
         """Host bytes of masters, moments and held gradients (units kept on the device excluded);
         with a shared host state, only the held gradients this rank allocated (the shared mapping
         is counted once per host, by the engine of its local rank 0)."""
-        held = sum(u.held.numel() * u.held.element_size() for u in self.units if u.held is not None)
+        held = sum(h.numel() * h.element_size() for u in self.units for h in u.held)
         if self.shared is not None:
             return held
         return held + sum(_unit_host_bytes(u) for u in self.units if u.on_host)

@@ -209,23 +209,24 @@ class GradDrain:
             self.give_back(r)
         unit.bump_version()
 
-    def hold(self, unit: HostUnit, src: torch.Tensor, ready) -> object:
-        """D2H issuer (deferred): copy the unit's whole gradient slot `src` into its held host
-        buffer (page-locked on CUDA) after `ready`, in one copy, cast on the GPU first where the
-        slot is FP32 and the held buffer narrower. Returns the copy's event (the slot is free
-        again after it, and the held gradient is there)."""
+    def hold(self, held: torch.Tensor, src: torch.Tensor, ready) -> object:
+        """D2H issuer (deferred): copy a unit's whole gradient slot `src` into one of its held host
+        buffers, `held` (page-locked on CUDA), after `ready`, in one copy, cast on the GPU first
+        where the slot is FP32 and the held buffer narrower. Returns the copy's event (the slot is
+        free again after it, and the held gradient is there)."""
         with self.device.stream_ctx(self.stream):
             self.stream.wait_event(ready)
-            if src.dtype != unit.held.dtype:
-                src = src.to(unit.held.dtype)                 # on the D2H stream, a temporary
-            unit.held.copy_(src, non_blocking=True)
+            if src.dtype != held.dtype:
+                src = src.to(held.dtype)                      # on the D2H stream, a temporary
+            held.copy_(src, non_blocking=True)
             event = self.device.record(self.stream)
         self.bytes += src.numel() * src.element_size()
         return event
 
     @staticmethod
-    def deferred_update(unit: HostUnit, lr: float, clip_coef: float, chunk: int, part: str = "params") -> None:
-        """The new weights from the step's held gradient, scaled by the clip coefficient, chunk by
+    def deferred_update(unit: HostUnit, held: torch.Tensor, lr: float, clip_coef: float, chunk: int,
+                        part: str = "params") -> None:
+        """The new weights from the step's held gradient `held` [numel], scaled by the clip coefficient, chunk by
         chunk (the next step's upload trails it chunk by chunk). part="params": only the
         parameters are written (18 of AdamW's 26 B/param of host DRAM), the next forward waits
         for them, and the moments follow in deferred_moments, where nothing waits
@@ -236,19 +237,19 @@ class GradDrain:
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
             with record_function("slidetune.adamw"):
-                unit.update_range(unit.held[lo:hi], lr, lo, grad_scale=clip_coef, part=part)
+                unit.update_range(held[lo:hi], lr, lo, grad_scale=clip_coef, part=part)
             unit.advance(hi)
         unit.bump_version()
 
     @staticmethod
-    def deferred_moments(unit: HostUnit, clip_coef: float, chunk: int) -> None:
-        """The moments of the update deferred_update wrote the weights of (same gradient, same
-        coefficient); after it the held gradient may be overwritten."""
+    def deferred_moments(unit: HostUnit, held: torch.Tensor, clip_coef: float, chunk: int) -> None:
+        """The moments of the update deferred_update wrote the weights of (same gradient `held`,
+        same coefficient); after it that held buffer may be overwritten."""
         n = unit.spec.numel
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
             with record_function("slidetune.adamw"):        # AdamW work to the profile summary too
-                unit.update_range(unit.held[lo:hi], 0.0, lo, grad_scale=clip_coef, part="moments")
+                unit.update_range(held[lo:hi], 0.0, lo, grad_scale=clip_coef, part="moments")
 
 
 def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
