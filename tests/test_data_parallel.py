@@ -121,6 +121,14 @@ def _rank_main(rank: int, port: int, out: str, ckpt_1rank: str) -> None:
     try:
         for run in RUNS:
             engine = engine_for(run, dp)
+            gathers: list[tuple[int, int]] = []        # dp_weights=gather: (unit, version) as broadcast
+            if engine.gather:
+                broadcast = engine._gather
+
+                def logged(unit_index, slot, *a, broadcast=broadcast, gathers=gathers):
+                    gathers.append((unit_index, slot.content[1]))
+                    return broadcast(unit_index, slot, *a)
+                engine._gather = logged
             try:
                 if run == RESUMED:
                     losses, norms = train(engine, run, range(CKPT_STEP), rank, WORLD)
@@ -140,7 +148,7 @@ def _rank_main(rank: int, port: int, out: str, ckpt_1rank: str) -> None:
                                "on_device": [i for i, u in enumerate(engine.units) if u.on_device],
                                "owned": [i for i, u in enumerate(engine.units) if u.owned],
                                "disk": sorted(engine.disk.units) if engine.disk is not None else [],
-                               "uploaded": engine.uploader.bytes}
+                               "uploaded": engine.uploader.bytes, "gathers": gathers}
                 if run == RESUMED:
                     record["sharing"] = _sharing_probe(engine, dp, rank)
             finally:
@@ -232,7 +240,8 @@ def results(tmp_path_factory):
             else:
                 losses, norms = train(engine, run, range(STEPS))
             one[run] = {"losses": losses, "norms": norms, "masters": masters(engine),
-                        "optimizer": optimizer_state(engine), "uploaded": engine.uploader.bytes}
+                        "optimizer": optimizer_state(engine), "uploaded": engine.uploader.bytes,
+                        "embed_upload_bytes": engine.units[0].spec.numel * 4}      # FP32 on the CPU
         finally:
             engine.close()
     mp.spawn(_rank_main, args=(_free_port(), str(tmp), str(tmp / "ckpt-1rank")), nprocs=WORLD, join=True)
@@ -271,10 +280,24 @@ def test_two_ranks_follow_one_rank_at_twice_the_batch(results, run):
     extra = RUNS[run][4]
     uploaded = [rec[run]["uploaded"] for rec in results["ranks"]]
     if extra.get("dp_weights") == "gather":
+        # broadcast in the order they are needed: a step's own weights before the next step's, and
+        # the next step's from the embedding up (the gather thread runs them in queue order)
+        for rec in results["ranks"]:
+            seq = rec[run]["gathers"]
+            assert seq == results["ranks"][0][run]["gathers"]          # the same collectives on every rank
+            versions = [v for _, v in seq]
+            # (the last step registers the weights of a step that never runs: version STEPS)
+            assert versions == sorted(versions) and set(range(STEPS)) <= set(versions) <= set(range(STEPS + 1)), seq
+            for v in set(versions) - {0}:
+                units = [u for u, w in seq if w == v]
+                assert units[0] == min(units), (v, units)       # the next step's from the embedding up
         # each host unit crossed a host link once, from its owner: the ranks' uploads together are
-        # one rank's, and neither rank uploaded everything
-        assert sum(uploaded) == want["uploaded"] and all(0 < u < want["uploaded"] for u in uploaded), \
-            (uploaded, want["uploaded"])
+        # one rank's (clipped with the embedding on the host: and its next-step weights after the
+        # last step, registered in order ahead of the resident layers'), and neither rank
+        # uploaded everything
+        tail = want["embed_upload_bytes"] if RUNS[run][1] == "deferred" and not extra.get("vocab_update") else 0
+        assert sum(uploaded) == want["uploaded"] + tail and all(0 < u < want["uploaded"] for u in uploaded), \
+            (uploaded, want["uploaded"], tail)
     elif run != RESUMED:      # (the reference of the resumed run restarted: its first uploads twice)
         assert all(u == want["uploaded"] for u in uploaded), (uploaded, want["uploaded"])
     if extra.get("disk_units"):

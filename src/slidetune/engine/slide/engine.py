@@ -186,6 +186,9 @@ class SlideEngine:
         self.gather = self.dp is not None and rt.dp_weights == "gather" and self.dp.cfg.local_world_size > 1
         if self.gather:
             self.dp.weights_group()         # a collective: every rank creates it here
+        # gather: the broadcasts of the next step's weights registered during a step (_prefetch_next_step),
+        # queued at its end in the order the next forward needs them (_flush_gathers)
+        self._pending_gathers: list[tuple] = []
         self.disk_released = False      # release_disk_tier(): the run is over, its moments are gone
         self.disk = (DiskTier(rt.disk_dir, {i: self.split.units[i].numel for i in disk_units},
                               block_mb=rt.disk_block_mb, buffers=rt.disk_buffers, io_threads=rt.disk_io_threads,
@@ -408,8 +411,15 @@ class SlideEngine:
     def _submit_gather(self, unit_index: int, slot: _Slot, version: int, when_update_starts: bool) -> None:
         """dp_weights=gather: the unit's weights after its `version`-th update reach this rank's slot
         by a broadcast from its owner, which uploads them (as _submit_upload does, the cast included)
-        before sending. Every rank queues its broadcasts here, on the compute thread, in the same
-        order, so the collectives match; a rank that is not the owner uploads nothing."""
+        before sending. Every rank queues its broadcasts on the compute thread, in the same order,
+        so the collectives match; a rank that is not the owner uploads nothing.
+
+        The gather thread runs them in that order, so the order must be the one they are needed
+        in: a broadcast whose owner waits for a late update holds back every one behind it. The
+        next step's weights (version > this step's) are registered in the middle of a step
+        (resident layers as their gradient completes, the vocabulary units): their broadcasts
+        are kept aside and queued once the step's own are (_flush_gathers), the owner's upload
+        starting at once all the same."""
         unit = self.units[unit_index]
         after = done_future(slot.last_use)
         slot.content = (unit_index, version)
@@ -418,15 +428,28 @@ class SlideEngine:
         landing = slot.landing is not None and unit.weights is None     # as _submit_upload
         if unit.owned:
             dst = slot.landing if landing else slot.flat
-            job = (self._timed, "upload", "upload", unit.spec.name, self.uploader.upload, unit, dst, version, after)
+            upload = (self._timed, "upload", "upload", unit.spec.name, self.uploader.upload, unit, dst, version, after)
             if when_update_starts:
                 uploaded = Future()
-                unit.when_update_starts(version, lambda: self.upload_worker.submit(*job).add_done_callback(
+                unit.when_update_starts(version, lambda: self.upload_worker.submit(*upload).add_done_callback(
                     lambda f: _chain(f, uploaded)))
             else:
-                uploaded = self.upload_worker.submit(*job)
-        slot.ready = self.gather_worker.submit(self._timed, "gather", "gather", unit.spec.name, self._gather,
-                                               unit_index, slot, uploaded, after, landing)
+                uploaded = self.upload_worker.submit(*upload)
+        gather = (self._timed, "gather", "gather", unit.spec.name, self._gather, unit_index, slot, uploaded, after,
+                  landing)
+        if version > self.step_index:
+            slot.ready = Future()
+            self._pending_gathers.append((unit_index, slot.ready, gather))
+        else:
+            slot.ready = self.gather_worker.submit(*gather)
+
+    def _flush_gathers(self) -> None:
+        """Queue the next step's broadcasts kept aside during this one, in the order the next
+        forward needs them: the embedding, the decoder layers from the bottom up, the head
+        (the unit indices' order; the same on every rank)."""
+        pending, self._pending_gathers = sorted(self._pending_gathers, key=lambda e: e[0]), []
+        for _, ready, job in pending:
+            self.gather_worker.submit(*job).add_done_callback(lambda f, ready=ready: _chain(f, ready))
 
     def _gather(self, unit_index: int, slot: _Slot, uploaded: Future | None, after: Future,
                 landing: bool) -> object:
@@ -748,11 +771,16 @@ class SlideEngine:
                     if not unit.owned:
                         self._follow(index)
             # The sweep updates layers 0..L-1 in order: the resident layers' uploads follow it.
+            if self.gather and self.units[0].on_host:
+                # gathering: the embedding's broadcast must not queue behind the resident layers'
+                self._prefetch_next_step(0, self.own_slots[0])
             for i in range(self.split.num_layers):
                 if self._resident(i):
                     self._prefetch_next_step(i + 1, self.own_slots[i + 1])
         else:
             norm_fut = self.host_worker.submit(lambda: math.sqrt(self._read_device_norm(sq_host, sq_ready)))
+        if self.gather:
+            self._flush_gathers()
         self.step_index += 1
         if self._compiled_layer is not None:
             # Every graph of this step is compiled by now (compilation runs on this thread at
