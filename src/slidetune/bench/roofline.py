@@ -26,7 +26,7 @@ import torch
 from ..engine import native_adamw
 from ..engine.adamw import AdamWConfig, FlatAdamW
 from ..engine.config import RuntimeConfig
-from ..engine.distributed import shard_units
+from ..engine.distributed import plan_owners, shared_layout
 from ..engine.placement import PlacementPlan, shapes_from_counts
 from ..models.load import RandomInit, load_model
 from ..models.units import run_layer
@@ -325,13 +325,13 @@ UPLOAD_READ_BYTES = 4
 def largest_shard(plan: PlacementPlan, ranks: int) -> int:
     """Parameters of the host-updated units the busiest of `ranks` local ranks owns: only a unit's
     owner copies its gradient down and runs its AdamW. The owners as SlideEngine assigns them
-    (distributed.shard_units over the host-updated units, the disk tier's pinned to local rank 0);
+    (distributed.plan_owners: the host-updated units balanced, the disk tier's on local rank 0);
     units updated on the GPU have no owner (every rank updates its own copy). One rank: every
     host-updated parameter."""
     if ranks <= 1:
         return plan.host_updated_params
-    numels = [u.numel if u.host_updated else 0 for u in plan.units]
-    owners = shard_units(numels, ranks, pinned={i: 0 for i in plan.indices("disk")})
+    numels, _ = shared_layout(plan)
+    owners = plan_owners(plan, ranks)
     load = [0] * ranks
     for n, r in zip(numels, owners):
         load[r] += n

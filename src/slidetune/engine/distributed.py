@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..processes import pid_alive
+from ..processes import dead_runs
 
 BACKENDS = ("gloo", "nccl")
 SHM_DIR = "/dev/shm"
@@ -91,6 +91,23 @@ def shard_units(numels: list[int], parts: int, pinned: dict[int, int] | None = N
         owner[i] = p
         load[p] += numels[i]
     return owner
+
+
+def shared_layout(plan) -> tuple[list[int], frozenset[int]]:
+    """What the host's shared state holds for a placement plan (engine/placement.py): each unit's
+    parameters (0 for units updated on the GPU: every rank's own copy), and the units whose moments
+    are not there (the disk tier's). SharedHostState's arguments; its size is layout_bytes(*...)."""
+    return [u.numel if u.host_updated else 0 for u in plan.units], frozenset(plan.indices("disk"))
+
+
+def plan_owners(plan, parts: int) -> list[int]:
+    """The local rank (0 .. parts-1) that updates each unit of a placement plan: the host-updated
+    units balanced by size (shard_units), the disk tier's pinned to local rank 0 (the host has one
+    disk, which more ranks' I/O would not make faster, and the checkpoint writer, rank 0, then
+    reads their moments from its own tier). Units updated on the GPU are every rank's; their entry
+    is meaningless."""
+    numels, disk = shared_layout(plan)
+    return shard_units(numels, parts, pinned={i: 0 for i in disk})
 
 
 @dataclass
@@ -199,19 +216,12 @@ def remove_stale_states(directory: str = SHM_DIR) -> list[str]:
     """Remove the shared states of runs that died between creating and mapping them (their local
     rank 0's pid, in the name, is gone); a mapped state's name is removed at once."""
     removed = []
-    for name in os.listdir(directory) if os.path.isdir(directory) else []:
-        if not name.startswith(SHM_PREFIX):
-            continue
+    for path in dead_runs(directory, SHM_PREFIX):
         try:
-            pid = int(name[len(SHM_PREFIX):].split("-")[0])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not pid_alive(pid):
-            try:
-                os.unlink(os.path.join(directory, name))
-                removed.append(name)
-            except OSError:
-                pass
+            path.unlink()
+            removed.append(path.name)
+        except OSError:
+            pass
     return removed
 
 
@@ -230,13 +240,21 @@ class DataParallel:
         self.world_cpu = dist.new_group(backend="gloo") if cfg.backend != "gloo" else None
         self.host_group = None            # None: the world (one host)
         if cfg.num_hosts > 1:
-            for h in range(cfg.num_hosts):       # every rank creates every group, in the same order
-                ranks = list(range(h * cfg.local_world_size, (h + 1) * cfg.local_world_size))
-                group = dist.new_group(ranks=ranks, backend="gloo")
-                if h == cfg.host:
-                    self.host_group = group
+            self.host_group = self._host_groups("gloo")
         elif self.world_cpu is not None:
             self.host_group = self.world_cpu
+        self._weights_group = None        # dp_weights=gather's, made on first use (weights_group)
+
+    def _host_groups(self, backend: str):
+        """A group of `backend` per host, made by every rank in the same order (a collective);
+        this rank's host's."""
+        mine = None
+        for h in range(self.cfg.num_hosts):
+            group = dist.new_group(ranks=[self.global_rank(r, host=h) for r in range(self.cfg.local_world_size)],
+                                   backend=backend)
+            if h == self.cfg.host:
+                mine = group
+        return mine
 
     @property
     def world_size(self) -> int:
@@ -246,9 +264,9 @@ class DataParallel:
     def local_rank(self) -> int:
         return self.cfg.local_rank
 
-    def owners(self, numels: list[int], pinned: dict[int, int] | None = None) -> list[int]:
-        """The local rank that owns (updates) each unit on this host (`pinned`: shard_units')."""
-        return shard_units(numels, self.cfg.local_world_size, pinned)
+    def owners(self, plan) -> list[int]:
+        """The local rank that owns (updates) each unit of a placement plan on this host."""
+        return plan_owners(plan, self.cfg.local_world_size)
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over every rank in place (a gradient slot: on the compute stream with NCCL)."""
@@ -261,18 +279,13 @@ class DataParallel:
         broadcasts, issued by a thread of their own, never interleave with the gradient
         all-reduces or the CPU-side agreements. A collective: every rank creates every host's
         group, in the same order, on its first call."""
-        if getattr(self, "_weights_group", None) is None:
-            hosts = range(self.cfg.num_hosts)
-            for h in hosts:
-                ranks = list(range(h * self.cfg.local_world_size, (h + 1) * self.cfg.local_world_size))
-                group = dist.new_group(ranks=ranks, backend=self.cfg.backend)
-                if h == self.cfg.host:
-                    self._weights_group = group
+        if self._weights_group is None:
+            self._weights_group = self._host_groups(self.cfg.backend)
         return self._weights_group
 
-    def global_rank(self, local_rank: int) -> int:
-        """The global rank of this host's local rank `local_rank`."""
-        return self.cfg.host * self.cfg.local_world_size + local_rank
+    def global_rank(self, local_rank: int, host: int | None = None) -> int:
+        """The global rank of local rank `local_rank` of `host` (default: this rank's host)."""
+        return (self.cfg.host if host is None else host) * self.cfg.local_world_size + local_rank
 
     def broadcast_weights_(self, t: torch.Tensor, owner_local_rank: int) -> None:
         """Overwrite `t` on this host's ranks with the owner's (one unit's compute-dtype weights; with
@@ -307,7 +320,7 @@ class DataParallel:
                 error = str(e)
         # the name, or why there is none: every local rank raises the same error instead of waiting
         name = [state.path if state is not None else None, error]
-        dist.broadcast_object_list(name, src=self.cfg.host * self.cfg.local_world_size, group=self.host_group)
+        dist.broadcast_object_list(name, src=self.global_rank(0), group=self.host_group)
         if name[1] is not None:
             raise SharedMemoryError(name[1])
         if state is None:

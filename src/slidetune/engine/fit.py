@@ -604,9 +604,8 @@ def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len:
 def shared_state_bytes(plan: PlacementPlan) -> int:
     """Data parallel: the bytes of the host's shared state file for a placement (its layout:
     master, moments and step of every host-updated unit, a disk unit's master only)."""
-    from .distributed import SharedHostState
-    numels = [u.numel if u.host_updated else 0 for u in plan.units]
-    return SharedHostState.layout_bytes(numels, frozenset(plan.indices("disk")))
+    from .distributed import SharedHostState, shared_layout
+    return SharedHostState.layout_bytes(*shared_layout(plan))
 
 
 def _disk_tier_note(split: SplitModel, rt: RuntimeConfig, budget: _Budget, short, **kw) -> str:

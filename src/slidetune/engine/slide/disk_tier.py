@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from ...device import PINNED
-from ...processes import pid_alive
+from ...processes import dead_runs
 from ...telemetry.host_timeline import HostTimeline
 
 ALIGN = 4096                      # O_DIRECT: buffer address, size and offset aligned to this
@@ -116,15 +116,9 @@ def check_directory(path: str | os.PathLike, need_bytes: int) -> Path:
 
 def remove_stale(directory: Path) -> list[Path]:
     """Remove the scratch directories of runs that are no longer alive (killed mid-run)."""
-    removed = []
-    for d in directory.glob(f"{SCRATCH_PREFIX}*"):
-        try:
-            pid = int(d.name[len(SCRATCH_PREFIX):].split("-")[0])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not pid_alive(pid):
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
+    removed = dead_runs(directory, SCRATCH_PREFIX)
+    for d in removed:
+        shutil.rmtree(d, ignore_errors=True)
     return removed
 
 

@@ -77,7 +77,7 @@ from .. import native_adamw
 from ..adamw import AdamWConfig
 from ..compile_workers import release_compile_workers
 from ..config import RuntimeConfig
-from ..distributed import DataParallel
+from ..distributed import DataParallel, shared_layout
 from ..gc_policy import GCFreeze
 from ..placement import PlacementPlan, unit_shapes
 from ..result import StepResult
@@ -154,6 +154,9 @@ class SlideEngine:
         self.device_layers = self.plan.device_layers
         device_units = frozenset(self.plan.indices("gpu"))
         self.deferred = self.schedule == "deferred"
+        # the clipped schedule's held buffers per host unit, used on alternate steps (auto left
+        # unresolved: one); step s writes buffer s % held_buffers (_held_index)
+        self.held_buffers = max(1, rt.held_buffers)
         self.split_sweep = rt.clip_sweep == "split"
         # Data parallel: the host state lives once per host in shared memory; this rank updates the
         # units it owns and follows the others' owners.
@@ -169,14 +172,13 @@ class SlideEngine:
             # updated on the GPU are every rank's own: each rank applies the same all-reduced
             # gradient to its own device copy (GPU memory is per rank anyway), so they have no
             # owner, take no room in the shared mapping and are never followed.
-            # The disk units are local rank 0's: the host has one disk, which more ranks' I/O would
-            # not make faster, and the checkpoint writer (rank 0) then reads their moments from its
-            # own tier. Their masters are shared like any other; their moments are not in RAM.
-            numels = [u.numel if u.host_updated else 0 for u in self.plan.units]
-            owners = self.dp.owners(numels, pinned={i: 0 for i in disk_units})
+            # The disk units are local rank 0's (distributed.plan_owners says why). Their masters
+            # are shared like any other; their moments are not in RAM.
+            owners = self.dp.owners(self.plan)
             owned = frozenset(i for i, r in enumerate(owners)
                               if r == self.dp.local_rank or not self.plan.units[i].host_updated)
-            shared = self.dp.share_host_state(numels, no_moments=frozenset(disk_units))
+            numels, no_moments = shared_layout(self.plan)
+            shared = self.dp.share_host_state(numels, no_moments=no_moments)
             disk_units = [i for i in disk_units if i in owned]
             self.owner_of = owners          # unit -> the local rank that updates (and, gathering, uploads) it
         self.shared = shared
@@ -201,7 +203,7 @@ class SlideEngine:
         try:
             self.store = HostStore(self.split, loaded.source, optim,
                                    held_dtype=self.dtype if self.deferred else None,
-                                   held_buffers=max(1, rt.held_buffers),     # auto left unresolved: one
+                                   held_buffers=self.held_buffers,
                                    kernel=rt.host_adamw,
                                    device_units=device_units, device=device.device, disk=self.disk,
                                    shared=shared, owned=owned, compute_dtype=self.dtype)
@@ -312,7 +314,6 @@ class SlideEngine:
         self.step_index = 0
         self._views_cache: dict = {}
         self._held_landed: dict[int, Future] = {}     # deferred: unit -> event of its held gradient's copy
-        self._held_buf: dict[int, torch.Tensor] = {}  # deferred: unit -> the held buffer of this step
         # deferred: (unit, held buffer) -> the moment pass that last read that buffer is done
         self._held_free: dict[tuple[int, int], Future] = {}
         self.watchdog = Watchdog()                    # bounds every wait of the compute thread (watchdog.py)
@@ -627,14 +628,17 @@ class SlideEngine:
         """Deferred: one D2H copy of the unit's gradient slot into its held host buffer of this
         step (held_buffers=2: the one the last step's moment pass is not reading)."""
         unit = self.units[unit_index]
-        k = self.step_index % len(unit.held)
+        k = self._held_index()
         ready = self.device.record()
         slot.free = Future()
         landed: Future = Future()
         self._held_landed[unit_index] = landed
-        self._held_buf[unit_index] = unit.held[k]
         self.d2h_worker.submit(self._issue_hold, unit, unit.held[k], slot.flat[: unit.spec.numel], ready, slot.free,
                                landed, self._held_free.get((unit_index, k), done_future(None)))
+
+    def _held_index(self) -> int:
+        """Which of each host unit's held buffers the step being issued writes."""
+        return self.step_index % self.held_buffers
 
     def _issue_hold(self, unit: HostUnit, held: torch.Tensor, src: torch.Tensor, ready, free: Future,
                     landed: Future, held_free: Future) -> None:
@@ -733,7 +737,6 @@ class SlideEngine:
             self.watchdog.record_step(now - self._last_step_t)       # the interval between steps
         self._last_step_t = now
         self._held_landed = {}
-        self._held_buf = {}
         self._sq_device = torch.zeros((), dtype=torch.float32, device=self.device.device)
         if self.disk is not None:
             # the disk units' moments, read ahead in the order their updates will run: as the
@@ -761,11 +764,11 @@ class SlideEngine:
         sq_ready = self.device.record()
         if self.deferred:
             self._update_device_units(lr)
-            k = self.step_index % max(1, self.rt.held_buffers)  # the held buffers this step wrote
+            k = self._held_index()                              # the held buffers this step wrote
             frees = {i: Future() for i in self._held_landed}
             self._held_free.update({(i, k): f for i, f in frees.items()})
             norm_fut = self.host_worker.submit(self._finish_deferred, sq_host, sq_ready, dict(self._held_landed),
-                                               frees, dict(self._held_buf), lr)
+                                               frees, k, lr)
             if self.dp is not None:
                 for index, unit in enumerate(self.units):     # in the owners' sweep order
                     if not unit.owned:
@@ -830,11 +833,11 @@ class SlideEngine:
                 self._update_on_device(unit_index, self._grad_slot(unit_index), lr, coef)
 
     def _finish_deferred(self, sq_host: torch.Tensor, sq_ready, landed: dict[int, Future],
-                         held_free: dict[int, Future], held: dict[int, torch.Tensor], lr: float) -> float:
+                         held_free: dict[int, Future], k: int, lr: float) -> float:
         """Host worker, once the backward is queued: the global norm, then the clipped update sweep
         of the host units from the embedding up, each as soon as its held gradient has landed;
         then their moments, from the head down (the order the next backward needs the held
-        buffers back in).
+        buffers back in). `k`: which of each unit's held buffers the step wrote (_held_index).
 
         Why two passes: no update can start before the norm is known, at the end of the
         backward, and the next forward waits for each host layer's new weights, so the sweep is
@@ -856,7 +859,7 @@ class SlideEngine:
                 event.synchronize()
                 split = self.split_sweep and unit.disk is None
                 with self.timeline.span("host", "adamw", unit.spec.name):
-                    GradDrain.deferred_update(unit, held[index], lr, coef, self.chunk,
+                    GradDrain.deferred_update(unit, unit.held[k], lr, coef, self.chunk,
                                               part="params" if split else "all")
                 if not split:
                     unit.publish_state()
@@ -865,7 +868,7 @@ class SlideEngine:
                 if unit.disk is not None:
                     continue
                 with self.timeline.span("host", "adamw_moments", unit.spec.name):
-                    GradDrain.deferred_moments(unit, held[index], coef, self.chunk)
+                    GradDrain.deferred_moments(unit, unit.held[k], coef, self.chunk)
                 unit.publish_state()
                 held_free[index].set_result(None)
             return total
