@@ -12,6 +12,7 @@ import torch
 
 from reference import ReferenceTrainer, build_reference
 from slidetune.engine import AdamWConfig, RuntimeConfig, build_engine
+from slidetune.engine.slide.disk_tier import StreamedTensor
 from test_equivalence import DISK, FAMILIES, LR, STEPS, make_batches, make_loaded, max_param_rel_diff
 
 pytestmark = pytest.mark.gpu
@@ -117,4 +118,6 @@ class _cpu:
 
     def named_master_params(self):
         for n, t in self.eng.named_master_params():
+            if isinstance(t, StreamedTensor):       # a master on disk (--tuning.disk_master)
+                t = t.materialize()
             yield n, t.cuda()

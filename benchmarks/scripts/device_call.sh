@@ -80,7 +80,8 @@ run_job() {
            ls -la /tmp/train_gpu /tmp/train_gpu/final > $R/train_${tag}_gpu/files.txt 2>&1; df -h /tmp >> $R/train_${tag}_gpu/files.txt
            python -c "import sys, torch; from transformers import AutoModelForCausalLM as M; m = M.from_pretrained('/tmp/train_gpu/final'); print('final/ loads:', type(m).__name__, m.dtype, sum(p.numel() for p in m.parameters()), 'params')" > $R/train_${tag}_gpu/final_loads.txt 2>&1
            tail -5 $R/train_${tag}_gpu.log; cat $R/train_${tag}_gpu/final_loads.txt ;;
-    equivalence) timeout 240 python -m pytest -q tests/test_equivalence_gpu.py ${EQ_ARGS:-} > $R/gpu_equivalence_tests.txt 2>&1
+    equivalence) # bash -c parses EQ_ARGS' quotes (EQ_ARGS="-k 'disk or held2'")
+           timeout 240 bash -c "python -m pytest -q tests/test_equivalence_gpu.py ${EQ_ARGS:-}" > $R/gpu_equivalence_tests.txt 2>&1
            tail -3 $R/gpu_equivalence_tests.txt ;;
     runtime) python -m slidetune.cli bench runtime --out $R/runtime --parts ${RUNTIME_PARTS:-memory,big} ;;
     throughput) python -m slidetune.cli bench throughput --out $R/throughput ${THROUGHPUT_ARGS:-} ;;
