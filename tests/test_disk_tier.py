@@ -294,6 +294,9 @@ def test_probe_measures_the_directory(tmp_path):
     assert r["first_write_gib_s"] > 0 and r["warm_passes"] == 1      # the untimed first touch, reported
     cold = probe_disk(str(tmp_path), total_bytes=8 * 2**20, block_mb=1, threads=2, warm_passes=0)
     assert cold["first_write_gib_s"] is None and cold["write_gib_s"] > 0
+    best = probe_disk(str(tmp_path), total_bytes=8 * 2**20, block_mb=1, threads=2, repeats=3)   # the fastest of 3
+    assert all(len(best["passes"][k]) == 3 and best[f"{k}_gib_s"] == max(best["passes"][k])
+               for k in ("read", "write", "mixed"))
 
 
 def test_plan_terms_prints_the_three_tiers_and_each_term(tmp_path, capsys):

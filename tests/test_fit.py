@@ -464,7 +464,8 @@ def test_auto_cache_units_keeps_every_layer_resident_only_when_it_fits():
     assert auto_with_ample_host(split, cpu, **kw).grad_slot_dtype == "compute"
     ckpt = cuda_rt(mode="ckpt")
     assert auto_with_ample_host(split, ckpt, gpu_free_bytes=80 * GiB, **kw) is ckpt
-    pinned = cuda_rt(mode="slide", cache_units=4, grad_slot_dtype="compute", vocab_update="host", device_layers=0)
+    pinned = cuda_rt(mode="slide", cache_units=4, grad_slot_dtype="compute", vocab_update="host", device_layers=0,
+                     held_buffers=1)
     assert auto_with_ample_host(split, pinned, gpu_free_bytes=80 * GiB, **kw) is pinned
 
 

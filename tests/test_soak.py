@@ -106,3 +106,52 @@ def test_a_soak_cut_short_keeps_its_samples(tmp_path):
     assert got["status"] == "partial" and got["steps_done"] == 4 and len(got["samples"]) == 5
     assert "exceeded 60 s" in got["error"]
     assert recover_partial(timed_out, path, warmup=3)["status"] == "timeout"      # 1 step past warm-up: no fit
+
+
+def test_cpu_time_shares_are_percentages_of_all_cores_between_calls():
+    """CpuTimesSampler: busy, stolen and I/O-wait shares of the cores' time since the last call,
+    each within [0, 100], busy rising while this process spins a core."""
+    import time
+    from slidetune.telemetry.resources import CONTEXT, CpuTimesSampler
+    sampler = CpuTimesSampler()
+    end = time.perf_counter() + 0.3
+    while time.perf_counter() < end:       # one core busy for 0.3 s
+        pass
+    got = sampler.sample()
+    assert set(got) == set(CONTEXT)
+    assert all(0.0 <= v <= 100.0 for v in got.values()), got
+    assert got["cpu_busy_pct"] > 0.0
+
+
+def test_the_soak_loop_finishes_each_step_after_issuing_the_next_as_the_trainer_does(monkeypatch):
+    """bench.soak's loop is train.Trainer.advance's: step k is issued before step k-1's norm is
+    read, every step is sampled once, in order, the last one after one more step is issued (and
+    finished, not sampled); samples carry the wall-clock time and the CPU context."""
+    from slidetune.bench import soak as soak_mod
+    from slidetune.engine.slide.engine import SlideEngine
+    from slidetune.telemetry.resources import CONTEXT
+    events = []
+    real_step = SlideEngine.train_step
+
+    def traced_step(self, *a, **kw):
+        res = real_step(self, *a, **kw)
+        k = len([e for e in events if e[0] == "issue"]) + 1
+        events.append(("issue", k))
+        real_norm = res.grad_norm
+
+        def norm():
+            events.append(("finish", k))
+            return real_norm()
+        res.grad_norm = norm
+        return res
+    monkeypatch.setattr(SlideEngine, "train_step", traced_step)
+    spec = soak_mod.SoakSpec(name="loop", model="tiny-qwen3", seq_len=16, batch_size=1, steps=4, warmup=1,
+                             runtime={"device": "cpu"}, progress_every=0)
+    result = soak_mod.soak(spec)
+    assert result["status"] == "ok" and result["stopped_after_steps"] is None
+    assert events == [("issue", 1), ("issue", 2), ("finish", 1), ("issue", 3), ("finish", 2),
+                      ("issue", 4), ("finish", 3), ("issue", 5), ("finish", 4), ("finish", 5)]
+    samples = result["samples"]
+    assert [s["step"] for s in samples] == [0, 1, 2, 3, 4]
+    assert all(set(CONTEXT) <= set(s) and s["time"] > 1.7e9 for s in samples)
+    assert all(s["step_s"] > 0 for s in samples[1:])

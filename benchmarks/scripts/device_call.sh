@@ -104,8 +104,15 @@ run_job() {
     diskprobe) mkdir -p ${DISK_DIR:-/var/tmp/slidetune_disk}; python benchmarks/scripts/disk_probe.py $R/disk_probe.json --dir ${DISK_DIR:-/var/tmp/slidetune_disk} ${DISKPROBE_ARGS:-} ;;
     soak) # issue 22: 250 steps of the default recipe (clip 1.0) on Qwen3-8B b8 x 1024, every step sampled;
           # SOAK_ARGS adds variants, e.g. --variants "default:;offload:offload_activations=true" or --disk-dir DIR
+          # beside it, the GPU's clocks, temperature, power and throttle reasons every 2 s (a separate
+          # process: a step-time drift with flat resources is the GPU's, the host's or the engine's)
+          mkdir -p $R/soak
+          nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,temperature.gpu,power.draw,utilization.gpu,clocks_throttle_reasons.active \
+            --format=csv -l 2 > $R/soak/gpu_clocks.csv 2>&1 &
+          smi=$!
           python -m slidetune.cli bench soak --out $R/soak --model qwen3-8b --batch-size 8 --seq-len 1024 \
             --steps 250 --warmup 20 --max-minutes ${SOAK_MINUTES:-25} ${SOAK_ARGS:-}
+          kill $smi 2>/dev/null
           cat $R/soak/report.md ;;
     faults) # issue 22: what a user sees when the GPU runs out of memory (real and injected) or a step goes NaN
           install_smol; mkdir -p $R/faults; rm -rf /tmp/faults

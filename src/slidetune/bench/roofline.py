@@ -153,7 +153,7 @@ def probe_adamw(n: int = 128 * 2**20, steps: int = 11, grad_download: str = "com
 
 
 def probe_disk(directory: str, total_bytes: int = 4 * 2**30, block_mb: int = 64, threads: int = 4,
-               warm_passes: int = 1) -> dict:
+               warm_passes: int = 1, repeats: int = 1) -> dict:
     """Read and write bandwidth of `directory` as the disk tier uses it (engine/slide/disk_tier.py):
     O_DIRECT where the filesystem allows it, blocks of `block_mb` MiB (a block's two moments), at a
     queue depth of `threads` (its I/O threads), over a file of `total_bytes`: written, then read,
@@ -162,7 +162,12 @@ def probe_disk(directory: str, total_bytes: int = 4 * 2**30, block_mb: int = 64,
     warm_passes: untimed writes of the whole file first. The tier rewrites the same blocks every
     step, and a first write into fresh extents (ext4's unwritten extents, a thin-provisioned
     virtual disk's first touch) can be several times slower than a rewrite: the steady state
-    is what a step sees. The first pass's rate is reported too (first_write_gib_s)."""
+    is what a step sees. The first pass's rate is reported too (first_write_gib_s).
+
+    repeats: each timed pass (write, read, mixed) that many times, the fastest kept (all in
+    `passes`). A virtual disk's rate varies from one pass to the next (the H100 machine's mixed
+    rate read 1.15 and 1.88 GiB/s in one session, NOTES.md 28), and a floor needs the disk's
+    best: a step measured below a floor built on a slow pass (0.79x) showed the floor wrong."""
     from ..engine.slide.disk_tier import ALIGN, _aligned_empty, block_elems, check_directory
     block_bytes = 8 * block_elems(block_mb)
     n_blocks = max(threads, total_bytes // block_bytes)
@@ -196,14 +201,17 @@ def probe_disk(directory: str, total_bytes: int = 4 * 2**30, block_mb: int = 64,
         first_write = run([True]) if warm_passes > 0 else None
         for _ in range(warm_passes - 1):
             run([True])
-        write = run([True])
-        read = run([False])
-        mixed = run([False, True])
+        passes = {"write": [], "read": [], "mixed": []}
+        for _ in range(max(1, repeats)):
+            passes["write"].append(run([True]))
+            passes["read"].append(run([False]))
+            passes["mixed"].append(run([False, True]))
+        write, read, mixed = (max(passes[k]) for k in ("write", "read", "mixed"))
     finally:
         os.close(fd)
         os.unlink(fd_path)
     return {"read_gib_s": read, "write_gib_s": write, "mixed_gib_s": mixed, "first_write_gib_s": first_write,
-            "warm_passes": warm_passes, "direct_io": direct,
+            "warm_passes": warm_passes, "passes": passes, "direct_io": direct,
             "block_mib": block_bytes / 2**20, "threads": threads, "bytes": n_blocks * block_bytes,
             "directory": str(root)}
 

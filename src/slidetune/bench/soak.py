@@ -5,9 +5,14 @@ one process per variant, so one variant's page-locked or GPU memory cannot show 
 another's series). The recipe is `slidetune train`'s default (TrainConfig: AdamW settings,
 global-norm clipping at 1.0, which makes the slide engine's update schedule the deferred
 one); the data are synthetic token ids, a fresh batch every step as the trainer's sampler
-builds one, so the loop allocates what a real run allocates. Each step is complete (its
-gradient norm read, i.e. every update of it applied) before the resources are sampled, so
-the step time is the interval between completed steps.
+builds one, so the loop allocates what a real run allocates. The loop is the trainer's
+(train.Trainer.advance): step k is issued, then step k-1 is finished (its gradient norm read,
+i.e. every update of it applied), so a step's host work overlaps the next one's start as in a
+real run. Sample k is taken once step k is finished; its step time is the interval between
+successive finished steps (one more step is issued, not sampled, so the last sampled one is
+finished as every other). Beside the resources, each
+sample has the wall-clock time and what the machine's CPUs did during the step
+(telemetry.resources.CONTEXT: busy, stolen by the hypervisor, waiting on I/O).
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from ..device import Device
 from ..engine import RuntimeConfig, build_engine
 from ..models.load import load_model
 from ..telemetry.machine import machine_info
-from ..telemetry.resources import sample_resources
+from ..telemetry.resources import CpuTimesSampler, sample_resources
 from .baselines.proc import worker_main
 
 _RECIPE = TrainConfig()      # the default recipe: its optimizer settings and clipping
@@ -96,26 +101,42 @@ def soak(spec: SoakSpec) -> dict:
             log.flush()
 
     samples: list[dict] = []
-    keep({"step": 0, "step_s": 0.0, "loss": None, **sample_resources(device, proc)})     # before step 1
+    cpu = CpuTimesSampler()
+    keep({"step": 0, "step_s": 0.0, "loss": None, "time": time.time(), **sample_resources(device, proc),
+          **cpu.sample()})     # before step 1
     deadline = t0 + 60 * spec.max_minutes if spec.max_minutes else None
     stopped_at = None
+
+    def finish(step: int, res) -> float:
+        """Step `step` is done (every update applied): its sample; returns when it finished."""
+        nonlocal last
+        res.grad_norm()
+        now = time.perf_counter()
+        keep({"step": step, "step_s": now - last, "loss": res.loss, "time": time.time(),
+              **sample_resources(device, proc), **cpu.sample()})
+        last = now
+        if spec.progress_every and step % spec.progress_every == 0:
+            s = samples[-1]
+            print(f"[soak {spec.name}] step {step}/{spec.steps}: {s['step_s']:.3f} s, rss "
+                  f"{s['rss_bytes'] / 2**30:.2f} GiB, pinned {s['pinned_bytes'] / 2**30:.2f} GiB, gpu reserved "
+                  f"{s['gpu_reserved_bytes'] / 2**30:.2f} GiB, fds {s['open_fds']}, threads {s['threads']}, "
+                  f"cpu steal {s['cpu_steal_pct']:.1f}%", file=sys.stderr, flush=True)
+        return now
+
     try:
         last = time.perf_counter()
-        for step in range(1, spec.steps + 1):
+        pending = None                        # (step, result): issued, not yet finished
+        # one step more than sampled: the last sampled step is finished after the next is issued,
+        # as every other (finished alone, its interval would lack the next step's start)
+        for step in range(1, spec.steps + 2):
             res = engine.train_step([_batch(gen, vocab, spec.batch_size, spec.seq_len)], spec.lr)
-            res.grad_norm()                   # the step is complete: every update applied
-            now = time.perf_counter()
-            keep({"step": step, "step_s": now - last, "loss": res.loss, **sample_resources(device, proc)})
-            last = now
-            if deadline is not None and now > deadline and step < spec.steps:
-                stopped_at = step
-                break
-            if spec.progress_every and step % spec.progress_every == 0:
-                s = samples[-1]
-                print(f"[soak {spec.name}] step {step}/{spec.steps}: {s['step_s']:.3f} s, rss "
-                      f"{s['rss_bytes'] / 2**30:.2f} GiB, pinned {s['pinned_bytes'] / 2**30:.2f} GiB, gpu reserved "
-                      f"{s['gpu_reserved_bytes'] / 2**30:.2f} GiB, fds {s['open_fds']}, threads {s['threads']}",
-                      file=sys.stderr, flush=True)
+            if pending is not None:
+                now = finish(*pending)
+                if deadline is not None and now > deadline and pending[0] < spec.steps:
+                    stopped_at = pending[0]
+                    break
+            pending = (step, res)
+        res.grad_norm()                       # the step issued last completes; it is not sampled
     finally:
         engine.close()
         if log is not None:

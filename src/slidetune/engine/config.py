@@ -255,10 +255,10 @@ class RuntimeConfig:
     # waits a step, NOTES.md 21). With two the backward writes one buffer while the moments pass
     # reads the other, for 2 more B/param of host RAM (BF16).
     # auto (-1): 2 where host RAM has room for them beside the auto placement
-    # (engine.fit.choose_auto_settings); left unresolved, 1. The default stays 1 until a GPU run
-    # measures what 2 buys (NOTES.md 27 has the prediction).
+    # (engine.fit.choose_auto_settings); left unresolved, 1. Measured (NOTES.md 28): Qwen3-8B b16
+    # clipped on the H100, 2.221 -> 2.146 s (1.10x -> 1.05x its floor) for +9.7 GiB of RSS.
     held_buffers: int = tuning_field(
-        1, help="the clipped schedule's held gradient buffers per host unit: 1, 2 (on alternate steps) or -1 "
+        -1, help="the clipped schedule's held gradient buffers per host unit: 1, 2 (on alternate steps) or -1 "
                 "(auto: 2 where host RAM has room)",
         when="2 where the compute thread waits for gradient slots in a clipped step (wait_grad_slot in a "
              "profile) and host RAM has 2 B/param to spare")

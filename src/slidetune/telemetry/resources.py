@@ -30,6 +30,34 @@ SERIES = {
 }
 
 
+# Context sampled beside them, not held to a growth target: what the machine did during the step.
+# A step-time drift with flat resources is the machine's (a VM's stolen CPU, I/O waits) or the
+# engine's; these tell which.
+CONTEXT = {
+    "cpu_busy_pct": "every core's non-idle time during the step, % of all cores",
+    "cpu_steal_pct": "time the hypervisor gave this VM's cores to others during the step, % of all cores",
+    "cpu_iowait_pct": "cores idle waiting on I/O during the step, % of all cores",
+}
+
+
+class CpuTimesSampler:
+    """System-wide CPU time shares between successive calls (psutil.cpu_times deltas, /proc/stat):
+    busy, stolen and I/O-wait, each in % of all cores' time. ~0.05 ms a call."""
+
+    def __init__(self):
+        self.last = psutil.cpu_times()
+
+    def sample(self) -> dict[str, float]:
+        now = psutil.cpu_times()
+        d = {k: getattr(now, k) - getattr(self.last, k) for k in now._fields}
+        self.last = now
+        total = sum(d.values()) or 1.0
+        idle = d.get("idle", 0.0) + d.get("iowait", 0.0)
+        return {"cpu_busy_pct": 100.0 * (total - idle) / total,
+                "cpu_steal_pct": 100.0 * d.get("steal", 0.0) / total,
+                "cpu_iowait_pct": 100.0 * d.get("iowait", 0.0) / total}
+
+
 def sample_resources(device: Device, proc: psutil.Process | None = None) -> dict[str, float]:
     """The process's resources now (every key of SERIES but step_s)."""
     proc = proc or psutil.Process()

@@ -3,7 +3,10 @@
 Each variant (default: slide mode as `slidetune train` resolves it, with the default recipe,
 clipping at 1.0) runs --steps steps in its own process (bench/soak.py), sampling after every
 step: host RSS, page-locked bytes the engine holds (device.PINNED) and the CUDA caching host
-allocator's, GPU allocated and reserved, open file descriptors, threads, step time. After
+allocator's, GPU allocated and reserved, open file descriptors, threads, step time; and, as
+context held to no target, the machine's CPU time during the step (busy, stolen by the
+hypervisor, waiting on I/O: telemetry.resources.CONTEXT), which tells a step-time drift of the
+machine's from one of the engine's. After
 --warmup steps each series' least-squares slope is its growth, reported in % of its mean
 per 100 steps against --target-pct (0.5: a run of 10,000 steps would grow by 50%).
 
@@ -19,7 +22,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from ...telemetry.resources import SERIES, Growth, growth_per_100_steps
+from ...telemetry.resources import CONTEXT, SERIES, Growth, growth_per_100_steps
 from ..baselines.proc import run_worker
 from ..soak import SoakSpec
 from . import common, parse_gib
@@ -28,7 +31,7 @@ from .pipeline import parse_variants
 NAME = "soak"
 TARGET_PCT = 0.5          # issue 22: no resource grows by more than 0.5% per 100 steps after warm-up
 SMOKE = dict(model="tiny-qwen3", seq_len=32, batch_size=1, steps=30, warmup=5, device="cpu")
-SAMPLE_COLUMNS = ["variant", "step", "step_s", "loss", *[k for k in SERIES if k != "step_s"]]
+SAMPLE_COLUMNS = ["variant", "step", "time", "step_s", "loss", *[k for k in SERIES if k != "step_s"], *CONTEXT]
 GROWTH_COLUMNS = ["variant", "series", "what", "n", "mean", "first", "last", "slope_per_step",
                   "growth_pct_per_100", "target_pct", "within_target"]
 # plotted per panel: (title, series, scale to the plotted unit)
@@ -37,7 +40,8 @@ PANELS = [("host RSS (GiB)", ("rss_bytes",), 2**-30),
           ("GPU (GiB)", ("gpu_allocated_bytes", "gpu_reserved_bytes"), 2**-30),
           ("open file descriptors", ("open_fds",), 1.0),
           ("threads", ("threads",), 1.0),
-          ("step time (s)", ("step_s",), 1.0)]
+          ("step time (s)", ("step_s",), 1.0),
+          ("CPU time during the step (% of all cores)", tuple(CONTEXT), 1.0)]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -110,12 +114,17 @@ def plot(path: Path, results: list[dict], growth: list[dict], warmup: int) -> Pa
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5))
+    fig, axes = plt.subplots(3, 3, figsize=(15, 11))
     fits = {(g["variant"], g["series"]): g for g in growth}
     for ax, (title, names, scale) in zip(axes.flat, PANELS):
         for r in results:
             steps = [s["step"] for s in r["samples"] if s["step"] > 0]
             for name in names:
+                if name in CONTEXT:           # context: plotted as is, no fit (older samples lack it)
+                    pts = [(s["step"], s[name]) for s in r["samples"] if s["step"] > 0 and s.get(name) is not None]
+                    if pts:
+                        ax.plot(*zip(*pts), lw=1, alpha=0.8, label=f"{r['spec']['name']} {name}")
+                    continue
                 ys = [s[name] * scale for s in r["samples"] if s["step"] > 0]
                 g = fits[(r["spec"]["name"], name)]
                 line, = ax.plot(steps, ys, lw=1, alpha=0.8,
@@ -128,7 +137,10 @@ def plot(path: Path, results: list[dict], growth: list[dict], warmup: int) -> Pa
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(PANELS):]:
+        ax.axis("off")
     fig.suptitle(f"soak: each series per step; dashed: least-squares fit after {warmup} warm-up steps")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -154,6 +166,12 @@ def report(out: Path, args, results: list[dict], growth: list[dict], machine: di
         lines.append(f"| {g['variant']} | {g['series']} | {g['mean'] * scale:.4g} {unit} | "
                      f"{g['first'] * scale:.4g} -> {g['last'] * scale:.4g} | {g['growth_pct_per_100']:+.4f} | "
                      f"{'yes' if g['within_target'] else '**no**'} |")
+    context = [(r["spec"]["name"], k, [s[k] for s in r["samples"] if s["step"] > warmup and s.get(k) is not None])
+               for r in results if r.get("status") in ("ok", "partial") for k in CONTEXT]
+    if any(v for _, _, v in context):
+        lines += ["", f"Context after {warmup} warm-up steps (the machine's CPUs during each step; no target):", "",
+                  "| variant | series | mean | max |", "|---|---|---|---|"]
+        lines += [f"| {name} | {k} | {sum(v) / len(v):.2f} | {max(v):.2f} |" for name, k, v in context if v]
     lines += ["", "![soak](soak.png)", "", "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items())]
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")
