@@ -148,3 +148,34 @@ def test_stream_reads_across_segments():
     ids = stream.read(3, 9)
     assert stream.doc_starts(3, ids, eos_id=None).tolist() == [False, False, True, False, False, False]
     assert torch.equal(torch.from_numpy(stream.read(0, 12)), torch.arange(12))
+
+
+def test_a_pretokenized_corpus_trains_without_a_tokenizer(tmp_path, monkeypatch):
+    """A model without a tokenizer (here: a preset whose embedded tokenizer is unavailable, as on
+    a machine without the SmolLM2 package) trains on token ids; text data is still refused, and
+    the message names the pre-tokenized way."""
+    import contextlib
+    import io
+    from slidetune.cli import main
+    from slidetune.models import load as load_mod
+
+    def no_tokenizer():
+        raise load_mod.ModelNotFoundError("the embedded SmolLM2 GGUF is not installed")
+    monkeypatch.setattr(load_mod, "embedded_tokenizer", no_tokenizer)
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint32))
+    text = tmp_path / "text.txt"
+    text.write_text("A short document.\n\nAnother one.\n")
+    base = ["train", "--model", "tiny-llama", "--seq-len", "32", "--batch-size", "2", "--max-steps", "2",
+            "--eval-batches", "1", "--progress", "false", "--device", "cpu"]
+
+    def run(*args):
+        err = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            return main([*base, *args]), err.getvalue()
+    code, err = run("--data", str(tokens), "--output-dir", str(tmp_path / "tok"))
+    assert code == 0, err
+    assert (tmp_path / "tok" / "final" / "config.json").exists()
+    assert not (tmp_path / "tok" / "final" / "tokenizer.json").exists()
+    code, err = run("--data", str(text), "--output-dir", str(tmp_path / "text_run"))
+    assert code != 0 and "has no tokenizer" in err and "pre-tokenized corpus" in err, err

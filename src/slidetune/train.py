@@ -34,6 +34,7 @@ from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, pr
                          save_checkpoint)
 from .config import TrainConfig, config_to_dict, group_tuning
 from .data import IGNORE_INDEX, BatchSampler, TokenDataset, build_datasets, collate, default_pad_id
+from .data.token_arrays import is_token_source
 from .device import Device
 from .engine import StepResult, build_engine
 from .engine.compile_policy import choose_compile_layers, resolve_compile_layers
@@ -207,9 +208,13 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
     gpu_free = _apply_gpu_memory_limit(cfg, device)
     loaded = load_model(cfg.model, num_layers=cfg.num_layers, seed=cfg.seed)
     _reference_check(cfg, loaded)
-    if loaded.tokenizer is None:
+    # a pre-tokenized corpus needs no tokenizer (its documents then split only where the data say:
+    # token_arrays.py, EOS unknown); text data does
+    pretokenized = is_token_source(cfg.data.path)
+    if loaded.tokenizer is None and not pretokenized:
         raise TrainingError(f"model {cfg.model!r} has no tokenizer, so text data cannot be tokenized; "
-                            f"use a model directory with tokenizer files or a preset with a >= 49152 vocabulary")
+                            f"use a model directory with tokenizer files, a preset with a >= 49152 vocabulary, "
+                            f"or a pre-tokenized corpus (--data tokens.npy / .bin)")
     max_pos = getattr(loaded.split.config, "max_position_embeddings", None)
     if max_pos is not None and cfg.data.seq_len > max_pos:
         raise TrainingError(f"--seq-len {cfg.data.seq_len} exceeds the context of model {cfg.model!r}: "
@@ -273,7 +278,9 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
     train_ds, heldout = ranks.on_each(lambda: build_datasets(cfg.data, loaded.tokenizer, min_rows=global_batch))
     if train_ds.document_mask:
         use_packed_attention(loaded.split.model)   # packing "masked": attention per document
-    pad_id = default_pad_id(loaded.tokenizer)
+    # without a tokenizer (pre-tokenized rows, full windows) any id pads: padding is never
+    # attended to nor trained on
+    pad_id = default_pad_id(loaded.tokenizer) if loaded.tokenizer is not None else 0
     sampler = BatchSampler(train_ds, global_batch, cfg.seed, pad_id)
     total_steps = cfg.resolved_max_steps(device.is_cuda)
     if cfg.epochs is not None:
