@@ -120,8 +120,9 @@ run_job() {
           python -c "import numpy as np; np.save('/tmp/faults_tokens.npy', np.random.default_rng(0).integers(0, 151936, 4_000_000).astype(np.uint32))"
           tok="--data /tmp/faults_tokens.npy"
           # a real CUDA OOM: batch 64 needs ~47 GiB of GPU by the estimate; the fit check (off here) would refuse it
+          # (--save-every 0: an 8B's resumable checkpoints do not fit this disk, and the disk check is not the memory one)
           fault_case real_oom - $tok --model qwen3-8b --batch-size ${FAULTS_OOM_BATCH:-64} --seq-len 1024 \
-            --gpu-memory-limit 24 --check-memory false --max-steps 3 --save-every 1 --eval-batches 1
+            --gpu-memory-limit 24 --check-memory false --max-steps 3 --save-every 0 --eval-batches 1
           rm -rf /tmp/faults
           # injected: an OOM in the compute path of step 3 (after checkpoint 2), then the same command resumes
           # (a 4-layer Qwen3-1.7B: its checkpoints, 6 GB, take seconds on this disk, not a 4-layer 8B's 24 GB)

@@ -375,9 +375,11 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
     there) are read and written once a step (16 B/param through the disk, 24 with the master,
     at the probe's mixed rate): disk_s (disk_term). Unclipped, that I/O runs beside the whole step
     (the backward releases the disk units first, the next forward needs them last). Clipped,
-    it cannot start before the norm is known (the reads can, but only as far as the block
-    buffers reach): it runs beside the host's weights pass over the RAM units, and the next
-    forward's disk units wait for it: clip_sweep_s takes the larger of the two.
+    disk_s stands alone too and is not added to clip_sweep_s: the step's reads and writes need
+    the disk for at least disk_s a step whatever overlaps them, and how much of them must follow
+    the norm is not modelled. (Until session 15 clip_sweep_s took the larger of the weights pass
+    and the whole disk_s after the backward; both machines' clipped disk4 steps ran below that:
+    0.79x on the H100, 0.94x on the H200 with the fastest of 3 probe passes, NOTES.md 28.)
     Units updated on the GPU run their AdamW on the compute stream: with `device_adamw` (the
     probe_device_adamw rate) it is added to compute_s (~26 B/param at HBM speed; the engine's
     optimizer_device spans were 38 ms a step for a Qwen3-4B with every unit there).
@@ -450,12 +452,13 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
     ram_params = host_params - disk_params
     if clipped and host_params:
         # the sweep writes the weights only (the moments follow under the next step): its rate
-        # where probed, else the whole AdamW's; disk units are updated whole, at the disk's pace
+        # where probed, else the whole AdamW's; disk units: their I/O is disk_s, a term of its own
         sweep_rate = (adamw.get("adamw_weights_pass_params_per_s") if split_sweep else None) \
             or adamw["adamw_params_per_s"]
         backward = L * comp["layer_recompute_backward_s"] + comp["head_s"] + comp["embed_s"]
-        terms["clip_sweep_s"] = (backward + reduce_s + device_update_s + max(ram_params / sweep_rate, disk_io_s)
-                                 + comp["layer_forward_s"])
+        # (the disk units' AdamW, whole, on the same host threads after the norm)
+        terms["clip_sweep_s"] = (backward + reduce_s + device_update_s + ram_params / sweep_rate
+                                 + disk_params / adamw["adamw_params_per_s"] + comp["layer_forward_s"])
         if split_sweep and adamw.get("adamw_moments_pass_params_per_s"):
             # the host's AdamW a step is both passes (each reads the gradient and the moments)
             terms["adamw_s"] = (ram_params / sweep_rate + ram_params / adamw["adamw_moments_pass_params_per_s"]
