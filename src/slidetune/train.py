@@ -208,8 +208,8 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
     gpu_free = _apply_gpu_memory_limit(cfg, device)
     loaded = load_model(cfg.model, num_layers=cfg.num_layers, seed=cfg.seed)
     _reference_check(cfg, loaded)
-    # a pre-tokenized corpus needs no tokenizer (its documents then split only where the data say:
-    # token_arrays.py, EOS unknown); text data does
+    # a pre-tokenized corpus needs no tokenizer (with no EOS known, each row is one document:
+    # token_arrays.py); text data does
     pretokenized = is_token_source(cfg.data.path)
     if loaded.tokenizer is None and not pretokenized:
         raise TrainingError(f"model {cfg.model!r} has no tokenizer, so text data cannot be tokenized; "
