@@ -130,27 +130,19 @@ def test_the_soak_loop_finishes_each_step_after_issuing_the_next_as_the_trainer_
     from slidetune.bench import soak as soak_mod
     from slidetune.engine.slide.engine import SlideEngine
     from slidetune.telemetry.resources import CONTEXT
-    events = []
-    real_step = SlideEngine.train_step
+    from test_train_e2e import norm_read_spy
+    events: list[tuple[str, int]] = []
+    real_step, spy = SlideEngine.train_step, norm_read_spy(events)
 
     def traced_step(self, *a, **kw):
-        res = real_step(self, *a, **kw)
-        k = len([e for e in events if e[0] == "issue"]) + 1
-        events.append(("issue", k))
-        real_norm = res.grad_norm
-
-        def norm():
-            events.append(("finish", k))
-            return real_norm()
-        res.grad_norm = norm
-        return res
+        return spy(self, real_step(self, *a, **kw))
     monkeypatch.setattr(SlideEngine, "train_step", traced_step)
     spec = soak_mod.SoakSpec(name="loop", model="tiny-qwen3", seq_len=16, batch_size=1, steps=4, warmup=1,
                              runtime={"device": "cpu"}, progress_every=0)
     result = soak_mod.soak(spec)
     assert result["status"] == "ok" and result["stopped_after_steps"] is None
-    assert events == [("issue", 1), ("issue", 2), ("finish", 1), ("issue", 3), ("finish", 2),
-                      ("issue", 4), ("finish", 3), ("issue", 5), ("finish", 4), ("finish", 5)]
+    assert events == [("issued", 0), ("issued", 1), ("norm", 0), ("issued", 2), ("norm", 1),
+                      ("issued", 3), ("norm", 2), ("issued", 4), ("norm", 3), ("norm", 4)]      # steps 1-5
     samples = result["samples"]
     assert [s["step"] for s in samples] == [0, 1, 2, 3, 4]
     assert all(set(CONTEXT) <= set(s) and s["time"] > 1.7e9 for s in samples)

@@ -64,6 +64,22 @@ def weights(directory: Path) -> dict[str, torch.Tensor]:
     return load_file(str(directory / "model.safetensors"))
 
 
+def norm_read_spy(events: list[tuple[str, int]]):
+    """An after_each_step hook recording ("issued", n) as step n (0-based) is issued and ("norm", n)
+    when its gradient norm is read (the step is then complete: every update applied)."""
+    def spy(engine, res):
+        n = sum(1 for kind, _ in events if kind == "issued")
+        events.append(("issued", n))
+        real_norm = res.grad_norm
+
+        def norm():
+            events.append(("norm", n))
+            return real_norm()
+        res.grad_norm = norm
+        return res
+    return spy
+
+
 @contextlib.contextmanager
 def after_each_step(hook):
     """Wrap every engine built by the trainer: `hook(engine, result)` runs after each of its

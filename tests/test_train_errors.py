@@ -28,7 +28,7 @@ from slidetune import train as train_mod
 from slidetune.cli import main
 from slidetune.engine.result import StepResult
 from slidetune.data.corpus import builtin_corpus
-from test_train_e2e import after_each_step
+from test_train_e2e import after_each_step, norm_read_spy
 
 BASE = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "2",
         "--progress", "false", "--device", "cpu"]
@@ -317,20 +317,8 @@ def test_next_step_is_issued_before_the_last_steps_norm_is_awaited(tmp_path):
     the next step is issued, so those updates overlap the next forward (benchmarks/NOTES.md 12).
     Steps that must be complete at once (here the last) are checked right away."""
     events: list[tuple[str, int]] = []
-
-    def spy(engine, res):
-        n = sum(1 for kind, _ in events if kind == "issued")
-        events.append(("issued", n))
-        real_norm = res.grad_norm
-
-        def norm():
-            events.append(("norm", n))
-            return real_norm()
-        res.grad_norm = norm
-        return res
-
     run = tmp_path / "run"
-    with after_each_step(spy):
+    with after_each_step(norm_read_spy(events)):
         code, out, err = run_cli(*COMMON, "--max-steps", "4", "--eval-every", "0", "--save-every", "0",
                                  "--output-dir", str(run))
     assert code == 0, err

@@ -57,7 +57,8 @@ def resolve_save_dtype(save_dtype: str, config, compute_dtype: str) -> str:
     (a preset shape with random weights), the run's compute dtype (fp16 -> fp32)."""
     if save_dtype != "auto":
         return save_dtype
-    own = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    # transformers 5 names it `dtype` (reading the old `torch_dtype` alias only prints a deprecation)
+    own = getattr(config, "dtype", None)
     if isinstance(own, str):
         own = getattr(torch, own, None)
     if own == torch.bfloat16:
