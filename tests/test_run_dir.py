@@ -21,7 +21,8 @@ from pathlib import Path
 from slidetune import train as train_mod
 from slidetune.checkpoint import recover_leftovers
 from slidetune.config import TrainConfig, config_to_dict
-from test_train_errors import (COMMON, assert_loads, metric_steps, patched_steps, prev, run_cli,  # noqa: F401
+from test_train_e2e import after_each_step
+from test_train_errors import (COMMON, assert_loads, metric_steps, prev, run_cli,  # noqa: F401
                                small_corpus, snapshot)
 
 
@@ -131,7 +132,7 @@ def test_resume_is_compared_with_the_checkpoints_own_config(prev, tmp_path):
             os.kill(os.getpid(), signal.SIGINT)
         return res
 
-    with patched_steps(killed):
+    with after_each_step(killed):
         code, out, err = run_cli(*COMMON, *flags, "--lr", "2e-5", "--output-dir", str(d))
     assert code == 130 and "interrupted twice" in err
     assert json.loads((d / "config.json").read_text())["optim"]["lr"] == 2e-5

@@ -71,26 +71,6 @@ def assert_loads(ckpt: Path) -> None:
     assert torch.isfinite(logits).all()
 
 
-@contextlib.contextmanager
-def patched_steps(fn):
-    """Every engine the trainer builds calls fn(engine, result) after each real step (may replace the result)."""
-    real = train_mod.build_engine
-
-    def build(*args, **kwargs):
-        engine = real(*args, **kwargs)
-        inner = engine.train_step
-
-        def train_step(mbs, lr):
-            return fn(engine, inner(mbs, lr))
-
-        engine.train_step = train_step
-        return engine
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(train_mod, "build_engine", build)
-        yield
-
-
 @pytest.fixture(scope="module")
 def prev(tmp_path_factory):
     """A finished 2-step run with a checkpoint per step: the earlier output that must survive."""
@@ -217,7 +197,7 @@ def test_non_finite_step_stops_naming_the_step(tmp_path, what):
             return StepResult(loss=res.loss, n_tokens=res.n_tokens, grad_norm_value=float("inf"))
         return res
 
-    with patched_steps(poison):
+    with after_each_step(poison):
         code, out, err = run_cli(*COMMON, "--max-steps", "4", "--save-every", "1", "--output-dir", str(d))
     assert code == 2, err[-2000:]
     assert "TrainingError" in err and "at step 3" in err and "non-finite" in err
@@ -281,7 +261,7 @@ def test_ctrl_c_writes_a_resumable_checkpoint_and_exits_130(tmp_path):
         return res
 
     handler = signal.getsignal(signal.SIGINT)
-    with patched_steps(ctrl_c):
+    with after_each_step(ctrl_c):
         code, out, err = run_cli(*COMMON, "--max-steps", "3", "--output-dir", str(d))
     assert signal.getsignal(signal.SIGINT) == handler
     assert code == 130, err[-2000:]
@@ -303,7 +283,7 @@ def test_second_ctrl_c_stops_at_once_keeping_the_last_checkpoint(tmp_path):
             os.kill(os.getpid(), signal.SIGINT)
         return res
 
-    with patched_steps(ctrl_c_twice):
+    with after_each_step(ctrl_c_twice):
         code, out, err = run_cli(*COMMON, "--max-steps", "3", "--save-every", "1", "--output-dir", str(d))
     assert code == 130
     assert "interrupted twice" in err and "checkpoint-1" in err and "intact" in err

@@ -40,7 +40,7 @@ from .engine import StepResult, build_engine
 from .engine.compile_policy import choose_compile_layers, resolve_compile_layers
 from .faults import maybe_fail
 from .save_plan import DiskSpaceError, SavePlan, plan_saves, resolve_save_dtype
-from .engine.fit import check_fit, choose_auto_settings
+from .engine.fit import Workload, check_fit_on_ranks, place_on_ranks
 from .engine.placement import PlacementPlan, unit_shapes
 from .engine.slide.disk_tier import tier_bytes
 from .models.load import LoadedModel, load_model
@@ -226,10 +226,10 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
     # chosen on rank 0 from its GPU and shared: every rank runs the same placement (check_fit below
     # verifies each rank's GPU, and the host for all of its ranks); the host's RAM is counted for
     # all of its ranks (one shared state, each rank's own buffers)
-    runtime = ranks.on_main(lambda: choose_auto_settings(
-        loaded.split, runtime, batch_size=cfg.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
-        max_grad_norm=cfg.max_grad_norm, padded=padded, gpu_free_bytes=gpu_free,
-        ranks_per_host=ranks.cfg.local_world_size))
+    work = Workload(batch_size=cfg.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
+                    max_grad_norm=cfg.max_grad_norm, padded=padded, gpu_free_bytes=gpu_free,
+                    ranks_per_host=ranks.cfg.local_world_size)
+    runtime = place_on_ranks(loaded.split, runtime, work, ranks)
     plan = (PlacementPlan.build(unit_shapes(loaded.split), runtime,
                                 runtime.resolved_schedule(cfg.grad_accum, cfg.max_grad_norm))
             if runtime.mode == "slide" else None)
@@ -268,10 +268,7 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
     if cfg.check_memory:
         # Before the data is tokenized and before the engine allocates anything. Per rank: its own
         # GPU; the host with its local ranks (the shared state once, each rank's buffers each).
-        ranks.on_each(lambda: check_fit(
-            loaded.split, runtime, batch_size=cfg.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
-            max_grad_norm=cfg.max_grad_norm, padded=padded, ranks_per_host=ranks.cfg.local_world_size,
-            gpu_free_bytes=gpu_free))
+        check_fit_on_ranks(loaded.split, runtime, work, ranks)
     # the sampler draws global batches (--batch-size rows per rank) from (seed, step); each rank
     # takes its rows of each (Trainer.micro_batch): N ranks train on one rank's data at N x the batch
     global_batch = cfg.batch_size * ranks.world_size

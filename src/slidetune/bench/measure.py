@@ -154,27 +154,21 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
     t0 = time.perf_counter()
     loaded = load_model(spec.model, num_layers=spec.num_layers, seed=spec.seed, with_tokenizer=False)
     if rt.mode == "slide":
-        from ..engine.fit import choose_auto_settings
+        from ..engine.fit import InsufficientMemoryError, Workload, check_fit_on_ranks, place_on_ranks
         free = None
         if device.is_cuda:
             free = torch.cuda.mem_get_info(device.device)[0]
             if spec.gpu_memory_limit_gib:           # an emulated smaller card: auto must plan for it
                 free = min(free, int(spec.gpu_memory_limit_gib * 2**30))
-        # synthetic batches are full rows: never padded (no [B,1,S,S] masks)
-        # several ranks: chosen on rank 0 and shared, as training does (every rank the same placement;
-        # the host's RAM counted for all of its ranks)
-        rt = ranks.on_main(lambda: choose_auto_settings(
-            loaded.split, rt, batch_size=spec.batch_size, seq_len=spec.seq_len, grad_accum=spec.grad_accum,
-            max_grad_norm=spec.max_grad_norm, gpu_free_bytes=free, padded=False,
-            ranks_per_host=ranks.cfg.local_world_size))
+        # synthetic batches are full rows: never padded (no [B,1,S,S] masks); several ranks: placed
+        # and checked as training does (engine.fit.place_on_ranks, check_fit_on_ranks)
+        work = Workload(batch_size=spec.batch_size, seq_len=spec.seq_len, grad_accum=spec.grad_accum,
+                        max_grad_norm=spec.max_grad_norm, padded=False, gpu_free_bytes=free,
+                        ranks_per_host=ranks.cfg.local_world_size)
+        rt = place_on_ranks(loaded.split, rt, work, ranks)
         if spec.check_memory:
-            from ..engine.fit import InsufficientMemoryError, check_fit
             try:
-                # per rank its GPU; the host with all its ranks (the shared state once)
-                ranks.on_each(lambda: check_fit(
-                    loaded.split, rt, batch_size=spec.batch_size, seq_len=spec.seq_len, grad_accum=spec.grad_accum,
-                    max_grad_norm=spec.max_grad_norm, gpu_free_bytes=free, padded=False,
-                    ranks_per_host=ranks.cfg.local_world_size))
+                check_fit_on_ranks(loaded.split, rt, work, ranks)
             except (InsufficientMemoryError, RankFailure) as e:
                 return {"spec": asdict(spec), "machine": machine_info(), "runtime": asdict(rt),
                         "status": "refused", "error": str(e)}

@@ -559,6 +559,35 @@ class _Budget:
         return not self.shortfalls(est)
 
 
+@dataclass(frozen=True)
+class Workload:
+    """A run's shape as the fit estimate and the auto settings read it, beside the model and the
+    runtime: one value that `slidetune train`, the benchmarks and the soak build once and pass to
+    choose_auto_settings and check_fit (place_on_ranks / check_fit_on_ranks under data parallel)."""
+    batch_size: int                    # rows per rank and micro-batch x grad_accum
+    seq_len: int
+    grad_accum: int = 1
+    max_grad_norm: float | None = None
+    padded: bool = True                # rows may carry padding ([B,1,S,S] masks); packed or synthetic: False
+    gpu_free_bytes: int | None = None  # None: this GPU's free memory now
+    ranks_per_host: int = 1
+
+    def fit_kwargs(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def place_on_ranks(split: SplitModel, rt: RuntimeConfig, work: Workload, ranks) -> RuntimeConfig:
+    """The auto settings, chosen on rank 0 from its GPU and shared (`ranks`: slidetune.ranks.Ranks):
+    every rank runs the same placement, the host's RAM counted for all of its ranks."""
+    return ranks.on_main(lambda: choose_auto_settings(split, rt, **work.fit_kwargs()))
+
+
+def check_fit_on_ranks(split: SplitModel, rt: RuntimeConfig, work: Workload, ranks) -> None:
+    """check_fit on every rank (its own GPU; the host with all of its ranks, the shared state once);
+    a refusal anywhere stops every rank."""
+    ranks.on_each(lambda: check_fit(split, rt, **work.fit_kwargs()))
+
+
 def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int, grad_accum: int = 1,
               max_grad_norm: float | None = None, gpu_free_bytes: int | None = None,
               host_available_bytes: int | None = None, safety: float = 0.9, padded: bool = True,
