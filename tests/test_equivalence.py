@@ -76,6 +76,10 @@ RUNS = {
     "slide-deferred-accum2-clip-held2": ("slide", "deferred", 2, 0.5, True,
                                          {"held_buffers": 2, "cache_units": 2, "resident_layers": 1,
                                           "device_layers": 1, "disk_units": 1, **DISK}),
+    # the second buffer for the lowest host units only (held_second_units: the embedding and
+    # layer 0), one for the rest: the two kinds of unit alternate differently in one step
+    "slide-deferred-accum2-clip-held2-lowest": ("slide", "deferred", 2, 0.5, False,
+                                                {"held_buffers": 2, "held_second_units": 2, "cache_units": 2}),
     # the clipped sweep in one pass (clip_sweep=whole: the host binds)
     "slide-deferred-accum2-clip-whole-sweep": ("slide", "deferred", 2, 0.5, False,
                                                {"clip_sweep": "whole", "device_layers": 1, "cache_units": 2}),
@@ -244,16 +248,18 @@ def test_eager_refuses_clipping_and_auto_defers_only_for_it():
     assert rt.resolved_schedule(1, 1.0) == "deferred"
 
 
-@pytest.mark.parametrize("buffers", [1, 2])
+@pytest.mark.parametrize("buffers", [1, 2, "lowest"])
 def test_two_held_buffers_let_the_backward_go_down_while_the_moments_pass_runs(monkeypatch, buffers):
     """held_buffers=2: a step's gradients go down into the buffers the last step's moments pass is
     not reading, so no hold waits for it; with one buffer each hold waits for that unit's moments
-    (the wait the H100's clipped step spent 0.43 s in, NOTES.md 21). The moments pass is slowed
-    here (0.4 s a unit) so the order shows; which order, not how long, is what is checked."""
+    (the wait the H100's clipped step spent 0.43 s in, NOTES.md 21); with the second buffer for the
+    lowest two units only (held_second_units=2), only those go down early. The moments pass is
+    slowed here (0.4 s a unit) so the order shows; which order, not how long, is what is checked."""
     from slidetune.engine.slide import transfer
     loaded = make_loaded("llama", tied=False, layers=3)
     rt = RuntimeConfig(mode="slide", dtype="fp32", device="cpu", head_chunk_tokens=16, chunk_mb=1,
-                       offload_activations=False, held_buffers=buffers)
+                       offload_activations=False, held_buffers=1 if buffers == 1 else 2,
+                       held_second_units=2 if buffers == "lowest" else -1)
     engine = build_engine(loaded, rt, AdamWConfig(lr=LR, eps=1e-6), max_grad_norm=1.0)
     moments_end: dict[str, list[float]] = {}       # unit -> when each of its moments passes ended
     hold_start: dict[str, list[float]] = {}        # unit -> when each of its holds started
@@ -283,6 +289,9 @@ def test_two_held_buffers_let_the_backward_go_down_while_the_moments_pass_runs(m
     early = [n for n in names if hold_start[n][1] < moments_end[n][0]]
     if buffers == 1:
         assert early == []
+    elif buffers == "lowest":
+        assert [len(u.held) for u in engine.units if u.on_host] == [2, 2, 1, 1, 1]
+        assert early and set(early) <= set(names[:2]), (early, hold_start, moments_end)
     else:
         assert early, (hold_start, moments_end)
 

@@ -920,9 +920,10 @@ def test_units_kept_on_the_device_are_built_a_parameter_at_a_time():
 
 def test_auto_held_buffers_take_two_where_the_host_has_room():
     """held_buffers=-1: the clipped schedule's second held buffer (2 B/param of host RAM) where it
-    fits beside the auto placement (Qwen3-8B b16 on the H100 host), one where it does not
-    (Llama-3.1-8B on a 24 GB GPU: the host holds nearly everything) or nothing is held
-    (unclipped); the placement itself is the same as with one buffer."""
+    fits beside the auto placement (Qwen3-8B b16 on the H100 host); where only some fit
+    (Llama-3.1-8B on a 24 GB GPU: the host holds nearly everything), the lowest host units' only,
+    as many as fit; one where none fits or nothing is held (unclipped); the placement itself is
+    the same as with one buffer."""
     from slidetune.engine.fit import choose_auto_settings
     host = 123 * GiB
     rt = cuda_rt(mode="slide", held_buffers=-1)
@@ -937,7 +938,38 @@ def test_auto_held_buffers_take_two_where_the_host_has_room():
     assert est.host_bytes <= 0.9 * host and "held gradients (deferred schedule, 4 B/param)" in est.host_parts
     small = choose_auto_settings(split_of("llama-3.1-8b"), rt, batch_size=8, max_grad_norm=1.0,
                                  gpu_free_bytes=int(23.5 * GiB), **kw)
-    assert small.held_buffers == 1
+    host_units = len(split_of("llama-3.1-8b").units)          # all on the host here
+    assert small.held_buffers == 2 and 0 < small.held_second_units < host_units
+    est = estimate_memory(split_of("llama-3.1-8b"), small, batch_size=8, seq_len=1024, max_grad_norm=1.0)
+    assert est.host_bytes <= 0.9 * host
+    more = dataclasses.replace(small, held_second_units=small.held_second_units + 1)      # the next does not fit
+    assert estimate_memory(split_of("llama-3.1-8b"), more, batch_size=8, seq_len=1024,
+                           max_grad_norm=1.0).host_bytes > 0.9 * host
+    plan = PlacementPlan.build(unit_shapes(split_of("llama-3.1-8b")), small, "deferred")
+    assert [u.held for u in plan.units] == [2] * small.held_second_units + [1] * (host_units - small.held_second_units)
+    tight = choose_auto_settings(split_of("llama-3.1-8b"), rt, batch_size=8, max_grad_norm=1.0,
+                                 gpu_free_bytes=int(23.5 * GiB), seq_len=1024, host_available_bytes=120 * GiB)
+    assert (tight.held_buffers, tight.held_second_units) == (1, -1)
     plain = choose_auto_settings(split_of("qwen3-8b"), rt, batch_size=16, max_grad_norm=0.0,
                                  gpu_free_bytes=int(78.5 * GiB), **kw)
     assert plain.held_buffers == 1
+
+
+def test_the_plan_places_held_buffers_on_host_units_of_the_clipped_schedule_only():
+    """UnitPlace.held: none for the eager schedule or units updated on the GPU; one per host unit
+    when clipped; the second (held_buffers 2) for all, or for the lowest held_second_units host
+    units (the embedding up, device layers skipped); the plan's record keeps them."""
+    shapes = shapes_from_counts(4, 10, 5, 5)
+    rt = RuntimeConfig(mode="slide", device="cpu", device_layers=1, held_buffers=2, held_second_units=2)
+    assert [u.held for u in PlacementPlan.build(shapes, rt, "eager").units] == [0] * 6
+    plan = PlacementPlan.build(shapes, rt, "deferred")
+    assert [u.held for u in plan.units] == [2, 0, 2, 1, 1, 1]       # embed, (layer 0 on the GPU), layer 1, ...
+    assert plan.held_numel() == 2 * 5 + 2 * 10 + 10 + 10 + 5
+    assert [u.held for u in PlacementPlan.build(shapes, dataclasses.replace(rt, held_second_units=-1),
+                                                "deferred").units] == [2, 0, 2, 2, 2, 2]
+    assert [u.held for u in PlacementPlan.build(shapes, dataclasses.replace(rt, held_buffers=1),
+                                                "deferred").units] == [1, 0, 1, 1, 1, 1]
+    assert PlacementPlan.from_dict(plan.to_dict()) == plan
+    assert any("two buffers for embed, layer 1, one for layers 2-3, head" in line for line in plan.summary_lines())
+    with pytest.raises(ValueError, match="held_second_units"):
+        RuntimeConfig(held_second_units=-2)

@@ -242,8 +242,11 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
         print(f"grad_slot_dtype auto -> {runtime.grad_slot_dtype}")
     if cfg.runtime.held_buffers == -1 and cfg.runtime.mode == "slide":
         print(f"held_buffers auto -> {runtime.held_buffers}"
-              + (" (the clipped schedule's gradients alternate between two host buffers)"
-                 if runtime.held_buffers == 2 else ""))
+              + ("" if runtime.held_buffers == 1 else
+                 " (the clipped schedule's gradients alternate between two host buffers)"
+                 if runtime.held_second_units == -1 else
+                 f" for the lowest {runtime.held_second_units} host units "
+                 f"({plan.ranges(lambda u: u.held == 2)}: as many as host RAM has room for), one for the rest"))
     if cfg.runtime.vocab_update == "auto" and cfg.runtime.mode == "slide":
         print(f"vocab_update auto -> {runtime.vocab_update}"
               + (" (embedding and head updated on the GPU)" if runtime.vocab_update == "device" else ""))

@@ -259,9 +259,18 @@ class RuntimeConfig:
     # clipped on the H100, 2.221 -> 2.146 s (1.10x -> 1.05x its floor) for +9.7 GiB of RSS.
     held_buffers: int = tuning_field(
         -1, help="the clipped schedule's held gradient buffers per host unit: 1, 2 (on alternate steps) or -1 "
-                "(auto: 2 where host RAM has room)",
+                "(auto: 2 where host RAM has room, for every host unit or the lowest that fit)",
         when="2 where the compute thread waits for gradient slots in a clipped step (wait_grad_slot in a "
              "profile) and host RAM has 2 B/param to spare")
+    # With held_buffers 2: how many host-updated units get the second buffer, counted from the
+    # embedding up (-1: all). The backward and the moments pass both run from the head down and
+    # at small batches the backward is the faster, so it catches the pass and follows it; a
+    # second buffer frees it only below the last unit that has one buffer, so the units it
+    # reaches last (the lowest) are the ones worth the RAM (NOTES.md, "Next (after session 15)").
+    held_second_units: int = tuning_field(
+        -1, help="with --tuning.held_buffers 2: host-updated units with the second buffer, from the embedding up "
+                 "(-1: all)",
+        when="set by held_buffers auto where host RAM has room for some units' second buffer, not all")
     # The disk tier (engine/slide/disk_tier.py): the AdamW moments of `disk_units` host-updated
     # units (the head, then decoder layers from the top down: those the next forward needs last)
     # live in files under `disk_dir`, read ahead of each unit's update and written behind it.
@@ -334,6 +343,8 @@ class RuntimeConfig:
             raise ValueError(f"cuda_waits must be block or spin, not {self.cuda_waits!r}")
         if self.held_buffers not in (-1, 1, 2):
             raise ValueError(f"held_buffers must be 1, 2 or -1 (auto), not {self.held_buffers!r}")
+        if not isinstance(self.held_second_units, int) or self.held_second_units < -1:
+            raise ValueError(f"held_second_units must be a count >= 0, or -1 for all, not {self.held_second_units!r}")
         if self.clip_sweep not in ("split", "whole"):
             raise ValueError(f"clip_sweep must be split or whole, not {self.clip_sweep!r}")
         if self.update_order not in ("deadline", "fifo"):

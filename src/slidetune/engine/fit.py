@@ -424,10 +424,14 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
                 host[f"disk-master units' weights ({b} B/param; master + moments on disk)"] = b * P_disk_master
             host["disk tier block buffers"] = buffer_bytes(plan, rt.disk_block_mb, rt.disk_buffers)
             disk_bytes = tier_bytes(plan, rt.disk_block_mb)
-        buffers = max(1, rt.held_buffers)        # auto (-1) left unresolved: what the engine does, one
-        held = buffers * b * P_host if schedule == "deferred" else 0
+        # one buffer per host-updated unit, and the plan's second buffers (auto left unresolved:
+        # one, what the engine does)
+        held = b * plan.held_numel() if schedule == "deferred" else 0
         if held:
-            host[f"held gradients (deferred schedule, {buffers * b} B/param)"] = held
+            two = sum(u.numel for u in plan.units if u.held == 2)
+            what = (f"{b} B/param" if not two else f"{2 * b} B/param" if two == P_host else
+                    f"{b} B/param, {2 * b} for {plan.ranges(lambda u: u.held == 2)}")
+            host[f"held gradients (deferred schedule, {what})"] = held
         deferred = schedule == "deferred"          # gradients straight into the held buffers: no ring
         down_chunks = 0 if deferred else rt.download_chunks(P_L)
         downloads_fp32 = rt.downloads_fp32(dev == "cuda")
@@ -671,12 +675,35 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
                                safety=safety, ranks_per_host=ranks_per_host, **kw)
     if placed.mode != "slide" or placed.held_buffers != -1:
         return placed
-    two = dataclasses.replace(placed, held_buffers=2)
-    if placed.resolved_schedule(grad_accum, max_grad_norm) == "deferred":
-        host = query_host_available_bytes() if host_available_bytes is None else host_available_bytes
-        if estimate_memory(split, two, **kw).host_bytes_per_host(ranks_per_host) <= safety * host:
-            return two
-    return dataclasses.replace(placed, held_buffers=1)
+    one = dataclasses.replace(placed, held_buffers=1, held_second_units=-1)
+    schedule = placed.resolved_schedule(grad_accum, max_grad_norm)
+    if schedule != "deferred":
+        return one
+    host = query_host_available_bytes() if host_available_bytes is None else host_available_bytes
+    budget = safety * host
+
+    def host_bytes(c: RuntimeConfig) -> int:
+        return estimate_memory(split, c, **kw).host_bytes_per_host(ranks_per_host)
+    two = dataclasses.replace(one, held_buffers=2)
+    if host_bytes(two) <= budget:
+        return two
+    # Room for some: the lowest host-updated units first (the backward reaches them last, so a
+    # second buffer there frees it for the rest of its way down; held_second_units' note).
+    room = budget - host_bytes(one)
+    held_bytes = placed.torch_dtype.itemsize
+    plan = PlacementPlan.build(unit_shapes(split), one, schedule)
+    count = 0
+    for u in (u for u in plan.units if u.host_updated):
+        room -= held_bytes * u.numel          # a host's held buffers are its owners', counted once
+        if room < 0:
+            break
+        count += 1
+    while count:
+        some = dataclasses.replace(two, held_second_units=count)
+        if host_bytes(some) <= budget:
+            return some
+        count -= 1
+    return one
 
 
 def _choose_placement(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int,

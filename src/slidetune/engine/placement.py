@@ -10,6 +10,9 @@ Every unit (0 the embedding, 1..L the decoder layers, L+1 the head) gets:
   master: where a unit's FP32 master lives: with its state ("gpu", "host"), or for a disk unit
     "host" (RAM; the uploads cast it) or "disk" (in the tier's block beside the moments; RAM
     keeps only the compute-dtype weights the uploads copy: --tuning.disk_master);
+  held: the clipped (deferred) schedule's held gradient buffers of a host-updated unit in host
+    RAM: 1, or 2 used on alternate steps (--tuning.held_buffers; with held_second_units, only
+    the lowest units get the second); 0 for units updated on the GPU and for the eager schedule;
   slot: how its compute-dtype weights are held on the GPU
     "own"    - a slot of its own (vocabulary units, device layers, resident host layers): uploaded
                once a step (or cast from the GPU master), as its update lands;
@@ -62,6 +65,7 @@ class UnitPlace:
     state: str        # gpu | host | disk (STATES)
     slot: str         # own | window (SLOTS)
     master: str = ""  # gpu | host | disk: where its FP32 master lives ("": with its state, or RAM for a disk unit)
+    held: int = 0     # held gradient buffers in host RAM (deferred schedule, host-updated units): 0, 1, 2
 
     def __post_init__(self):
         if not self.master:
@@ -129,11 +133,27 @@ class PlacementPlan:
         # Masters on disk: the first disk units in the same order (the most slack first).
         disk_masters = set(candidates[:rt.disk_master_units(n_disk)])
         own = {0, L + 1} | set(range(1, n_dev + resident + 1))
+        # Held gradient buffers (deferred only): one per host-updated unit; the second (held_buffers
+        # 2) for all of them, or the lowest held_second_units: the units the backward reaches last.
+        held = [0] * len(shapes)
+        if schedule == "deferred":
+            host_updated = [i for i in range(len(shapes)) if state[i] != "gpu"]
+            second = host_updated if rt.held_second_units == -1 else host_updated[:rt.held_second_units]
+            for i in host_updated:
+                held[i] = 1
+            if rt.held_buffers == 2:
+                for i in second:
+                    held[i] = 2
         units = tuple(UnitPlace(i, s.name, s.numel, state[i], "own" if i in own else "window",
-                                master="disk" if i in disk_masters else "")
+                                master="disk" if i in disk_masters else "", held=held[i])
                       for i, s in enumerate(shapes))
         kept = L if not rt.offload_activations else min(L, max(0, rt.gpu_checkpoints))
         return cls(units=units, window_slots=window_slots, gpu_checkpoints=kept, schedule=schedule)
+
+    def held_numel(self) -> int:
+        """Elements of held gradient buffers in host RAM (deferred schedule): a buffer per
+        host-updated unit, and a second for those that have one."""
+        return sum(u.held * u.numel for u in self.units)
 
     def disk_capacity(self) -> int:
         """How many units could go to disk in this plan: the head and the decoder layers not on the
@@ -257,6 +277,10 @@ class PlacementPlan:
                 size = (f"{n / 1e9:.2f} B params, {b[state] / gib:.1f} GiB state" if n >= 1e8 else
                         f"{n / 1e6:.1f} M params, {b[state] / 2**20:.1f} MiB state")
                 lines.append(f"  {what}: {self.ranges(lambda u, s=state: u.state == s)} ({size})")
+        if any(u.held == 2 for u in self.units):
+            one = [u for u in self.units if u.held == 1]
+            lines.append(f"  held gradients (clipped schedule): two buffers for {self.ranges(lambda u: u.held == 2)}"
+                         + (f", one for {self.ranges(lambda u: u.held == 1)}" if one else ""))
         lines.append(f"  GPU weight slots: own for {self.ranges(lambda u: u.slot == 'own')}; "
                      f"window of {self.window_slots} for {self.ranges(lambda u: u.slot == 'window')}")
         layer_uploads, vocab_uploads = self.uploads_per_step()
@@ -268,11 +292,12 @@ class PlacementPlan:
         """A compact record for results files (bench.measure) and Placement-free floors."""
         return {"schedule": self.schedule, "window_slots": self.window_slots,
                 "gpu_checkpoints": self.gpu_checkpoints,
-                "units": [[u.name, u.numel, u.state, u.slot, u.master] for u in self.units]}
+                "units": [[u.name, u.numel, u.state, u.slot, u.master, u.held] for u in self.units]}
 
     @classmethod
     def from_dict(cls, d: dict) -> PlacementPlan:
-        """A plan from to_dict's record (or an older one without the masters' tier: masters in RAM)."""
+        """A plan from to_dict's record (or an older one without the masters' tier: masters in RAM;
+        or without held buffers: none)."""
         units = tuple(UnitPlace(i, name, int(numel), state, slot, *rest) for i, (name, numel, state, slot, *rest)
                       in enumerate(d["units"]))
         return cls(units=units, window_slots=int(d["window_slots"]), gpu_checkpoints=int(d["gpu_checkpoints"]),

@@ -154,9 +154,6 @@ class SlideEngine:
         self.device_layers = self.plan.device_layers
         device_units = frozenset(self.plan.indices("gpu"))
         self.deferred = self.schedule == "deferred"
-        # the clipped schedule's held buffers per host unit, used on alternate steps (auto left
-        # unresolved: one); step s writes buffer s % held_buffers (_held_index)
-        self.held_buffers = max(1, rt.held_buffers)
         self.split_sweep = rt.clip_sweep == "split"
         # Data parallel: the host state lives once per host in shared memory; this rank updates the
         # units it owns and follows the others' owners.
@@ -203,7 +200,9 @@ class SlideEngine:
         try:
             self.store = HostStore(self.split, loaded.source, optim,
                                    held_dtype=self.dtype if self.deferred else None,
-                                   held_buffers=self.held_buffers,
+                                   # the clipped schedule's held buffers per host unit (the plan's:
+                                   # one, or two used on alternate steps, _held_index)
+                                   held_buffers=[max(1, u.held) for u in self.plan.units],
                                    kernel=rt.host_adamw,
                                    device_units=device_units, device=device.device, disk=self.disk,
                                    shared=shared, owned=owned, compute_dtype=self.dtype)
@@ -628,7 +627,7 @@ class SlideEngine:
         """Deferred: one D2H copy of the unit's gradient slot into its held host buffer of this
         step (held_buffers=2: the one the last step's moment pass is not reading)."""
         unit = self.units[unit_index]
-        k = self._held_index()
+        k = self._held_index(unit_index)
         ready = self.device.record()
         slot.free = Future()
         landed: Future = Future()
@@ -636,9 +635,10 @@ class SlideEngine:
         self.d2h_worker.submit(self._issue_hold, unit, unit.held[k], slot.flat[: unit.spec.numel], ready, slot.free,
                                landed, self._held_free.get((unit_index, k), done_future(None)))
 
-    def _held_index(self) -> int:
-        """Which of each host unit's held buffers the step being issued writes."""
-        return self.step_index % self.held_buffers
+    def _held_index(self, unit_index: int) -> int:
+        """Which of a host unit's held buffers the step being issued writes: step s writes buffer
+        s % its count (PlacementPlan: 1, or 2 on alternate steps)."""
+        return self.step_index % len(self.units[unit_index].held)
 
     def _issue_hold(self, unit: HostUnit, held: torch.Tensor, src: torch.Tensor, ready, free: Future,
                     landed: Future, held_free: Future) -> None:
@@ -764,11 +764,11 @@ class SlideEngine:
         sq_ready = self.device.record()
         if self.deferred:
             self._update_device_units(lr)
-            k = self._held_index()                              # the held buffers this step wrote
+            ks = {i: self._held_index(i) for i in self._held_landed}    # the held buffers this step wrote
             frees = {i: Future() for i in self._held_landed}
-            self._held_free.update({(i, k): f for i, f in frees.items()})
+            self._held_free.update({(i, ks[i]): f for i, f in frees.items()})
             norm_fut = self.host_worker.submit(self._finish_deferred, sq_host, sq_ready, dict(self._held_landed),
-                                               frees, k, lr)
+                                               frees, ks, lr)
             if self.dp is not None:
                 for index, unit in enumerate(self.units):     # in the owners' sweep order
                     if not unit.owned:
@@ -833,11 +833,11 @@ class SlideEngine:
                 self._update_on_device(unit_index, self._grad_slot(unit_index), lr, coef)
 
     def _finish_deferred(self, sq_host: torch.Tensor, sq_ready, landed: dict[int, Future],
-                         held_free: dict[int, Future], k: int, lr: float) -> float:
+                         held_free: dict[int, Future], ks: dict[int, int], lr: float) -> float:
         """Host worker, once the backward is queued: the global norm, then the clipped update sweep
         of the host units from the embedding up, each as soon as its held gradient has landed;
         then their moments, from the head down (the order the next backward needs the held
-        buffers back in). `k`: which of each unit's held buffers the step wrote (_held_index).
+        buffers back in). `ks`: which of each unit's held buffers the step wrote (_held_index).
 
         Why two passes: no update can start before the norm is known, at the end of the
         backward, and the next forward waits for each host layer's new weights, so the sweep is
@@ -859,7 +859,7 @@ class SlideEngine:
                 event.synchronize()
                 split = self.split_sweep and unit.disk is None
                 with self.timeline.span("host", "adamw", unit.spec.name):
-                    GradDrain.deferred_update(unit, unit.held[k], lr, coef, self.chunk,
+                    GradDrain.deferred_update(unit, unit.held[ks[index]], lr, coef, self.chunk,
                                               part="params" if split else "all")
                 if not split:
                     unit.publish_state()
@@ -868,7 +868,7 @@ class SlideEngine:
                 if unit.disk is not None:
                     continue
                 with self.timeline.span("host", "adamw_moments", unit.spec.name):
-                    GradDrain.deferred_moments(unit, unit.held[k], coef, self.chunk)
+                    GradDrain.deferred_moments(unit, unit.held[ks[index]], coef, self.chunk)
                 unit.publish_state()
                 held_free[index].set_result(None)
             return total

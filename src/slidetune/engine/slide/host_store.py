@@ -273,9 +273,9 @@ class HostStore:
                  device_units: frozenset[int] = frozenset(), device: torch.device | None = None,
                  disk: DiskTier | None = None, shared: SharedHostState | None = None,
                  owned: frozenset[int] | None = None, compute_dtype: torch.dtype | None = None,
-                 held_buffers: int = 1):
+                 held_buffers: int | list[int] = 1):
         """held_dtype: the deferred schedule's held gradients' dtype (None: eager, none held), and
-        `held_buffers` per unit (used on alternate steps).
+        `held_buffers` per unit (used on alternate steps): one count for all, or one per unit index.
         kernel: the host AdamW kernel of every unit (FlatAdamW's; RuntimeConfig.host_adamw).
         device_units: indices of the units whose state lives on `device` (HostUnit's device).
         disk: the disk tier; the units it holds (disk.units) keep their moments there, and those of
@@ -296,7 +296,7 @@ class HostStore:
                                    # a unit updated on the device is each rank's own copy
                                    shared=shared.units[i] if shared is not None and i not in device_units else None,
                                    owned=owned is None or i in owned, compute_dtype=compute_dtype,
-                                   held_buffers=held_buffers),
+                                   held_buffers=held_buffers if isinstance(held_buffers, int) else held_buffers[i]),
                 range(len(split.units))))
         self.shared = shared
 
