@@ -10,9 +10,9 @@ builds one, so the loop allocates what a real run allocates. The loop is the tra
 i.e. every update of it applied), so a step's host work overlaps the next one's start as in a
 real run. Sample k is taken once step k is finished; its step time is the interval between
 successive finished steps (one more step is issued, not sampled, so the last sampled one is
-finished as every other). Beside the resources, each
-sample has the wall-clock time and what the machine's CPUs did during the step
-(telemetry.resources.CONTEXT: busy, stolen by the hypervisor, waiting on I/O).
+finished as every other). Beside the resources, each sample has the wall-clock time and what
+the machine's CPUs did during the step (telemetry.resources.CONTEXT: busy, stolen by the
+hypervisor, waiting on I/O).
 """
 from __future__ import annotations
 

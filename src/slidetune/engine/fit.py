@@ -688,22 +688,16 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
     if host_bytes(two) <= budget:
         return two
     # Room for some: the lowest host-updated units first (the backward reaches them last, so a
-    # second buffer there frees it for the rest of its way down; held_second_units' note).
-    room = budget - host_bytes(one)
-    held_bytes = placed.torch_dtype.itemsize
-    plan = PlacementPlan.build(unit_shapes(split), one, schedule)
-    count = 0
-    for u in (u for u in plan.units if u.host_updated):
-        room -= held_bytes * u.numel          # a host's held buffers are its owners', counted once
-        if room < 0:
-            break
-        count += 1
-    while count:
+    # second buffer there frees it for the rest of its way down; held_second_units' note), as
+    # many as the estimate fits (~1 ms an estimate, once at start-up)
+    fits = one
+    host_units = sum(u.host_updated for u in PlacementPlan.build(unit_shapes(split), one, schedule).units)
+    for count in range(1, host_units):
         some = dataclasses.replace(two, held_second_units=count)
-        if host_bytes(some) <= budget:
-            return some
-        count -= 1
-    return one
+        if host_bytes(some) > budget:
+            break
+        fits = some
+    return fits
 
 
 def _choose_placement(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int,
