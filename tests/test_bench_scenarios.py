@@ -230,3 +230,14 @@ def test_pipeline_variants_parse_and_reject_bad_fields():
         parse_variants("x:chunk=3")
     with pytest.raises(ValueError, match="grad_slot_dtype"):
         parse_variants("x:grad_slot_dtype=fp16")
+
+
+def test_a_machine_value_with_line_breaks_stays_one_comment_line(tmp_path):
+    """nvidia-smi's driver query answers one line per GPU: on a 2-GPU host a raw value with a line
+    break ended the comment block, and its second line became the CSV's header (the scaling run's
+    memory-timeline plot then failed with KeyError 'config')."""
+    from slidetune.bench.scenarios.common import read_csv, read_csv_machine, write_csv
+    path = write_csv(tmp_path / "t.csv", [{"config": "a", "n": 1}], ["config", "n"],
+                     {"driver": "580.159.04\n580.159.04", "gpu": "H100"})
+    assert read_csv(path) == [{"config": "a", "n": "1"}]
+    assert read_csv_machine(path) == {"driver": "580.159.04 / 580.159.04", "gpu": "H100"}

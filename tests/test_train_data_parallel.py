@@ -168,6 +168,9 @@ def test_launcher_command_drops_gpus_and_refuses_nesting(monkeypatch):
     cmd = launch.torchrun_command(4, ["--model", "m"])
     assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "--shutdown-timeout",
                        str(launch.SHUTDOWN_TIMEOUT_S), "-m", "slidetune.cli", "--model", "m"]
+    # torch 2.11's torchrun (the GPU machine's) has no --shutdown-timeout: the flag is left out there
+    monkeypatch.setattr(launch, "torchrun_has_shutdown_timeout", lambda: False)
+    assert "--shutdown-timeout" not in launch.torchrun_command(4, ["--model", "m"])
     with pytest.raises(ValueError, match="fewer"):
         launch.check_gpus(4, "cuda", visible=2)
     launch.check_gpus(2, "cuda", visible=2)

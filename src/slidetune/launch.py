@@ -56,10 +56,19 @@ def check_gpus(n: int, device: str, visible: int) -> None:
                          f"{'' if visible == 1 else 's'} ({where}); {fix}")
 
 
+def torchrun_has_shutdown_timeout() -> bool:
+    """Whether this torch's torchrun takes --shutdown-timeout (torch 2.13 does; 2.11, the GPU
+    machine's, rejects it and its ranks get torchrun's fixed 30 s after a forwarded signal)."""
+    from torch.distributed.run import get_args_parser
+    return any("--shutdown-timeout" in a.option_strings for a in get_args_parser()._actions)
+
+
 def torchrun_prefix(n: int) -> list[str]:
     """torchrun on n ranks of this host, up to the module it runs (`-m MODULE ARGS...` follows)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)]
+    if torchrun_has_shutdown_timeout():
+        cmd += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
+    return cmd
 
 
 def torchrun_command(n: int, argv: list[str]) -> list[str]:

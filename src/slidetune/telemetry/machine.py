@@ -29,7 +29,7 @@ def machine_info() -> dict:
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), gpu_sms=p.multi_processor_count,
-                    driver=_driver())
+                    gpu_count=torch.cuda.device_count(), driver=_driver())
     else:
         info["gpu"] = None
     return info
@@ -50,7 +50,9 @@ def _driver() -> str | None:
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or None
+        # one line per GPU (the same driver on all of a host's GPUs): the first
+        lines = out.stdout.strip().splitlines()
+        return lines[0].strip() if lines else None
     except (OSError, subprocess.SubprocessError):
         return None
 

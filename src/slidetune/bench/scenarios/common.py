@@ -220,8 +220,8 @@ def _local_machine() -> dict:
 
 def write_csv(path: Path, rows: list[dict], columns: list[str], machine: dict) -> Path:
     with path.open("w", newline="") as fh:
-        for k, v in machine.items():
-            fh.write(f"# machine.{k}: {v}\n")
+        for k, v in machine.items():      # one line each: a value with line breaks would end the comments
+            fh.write(f"# machine.{k}: {' / '.join(str(v).splitlines())}\n")
         w = csv.DictWriter(fh, fieldnames=columns, extrasaction="ignore")
         w.writeheader()
         for row in rows:
