@@ -116,6 +116,9 @@ def test_host_rss_counts_the_shared_state_once():
     ranks = [{"peak_rss": 5 * gib, "rss_shmem": 3 * gib}, {"peak_rss": 4 * gib, "rss_shmem": 3 * gib}]
     assert host_peak_rss(ranks) == (2 + 1 + 3) * gib
     assert host_peak_rss([{"peak_rss": 5 * gib, "rss_shmem": 0}]) == 5 * gib
+    # each rank has touched 3 GiB of a 5 GiB shared file (its shard, the masters it uploads): the
+    # whole file is host memory (reserved with posix_fallocate), counted once
+    assert host_peak_rss(ranks, shared_bytes=5 * gib) == (2 + 1 + 5) * gib
 
 
 # ------------------------------------------------------------------ bench throughput --gpus

@@ -32,10 +32,13 @@ CLIP = 0.05            # below every step's gradient norm here: the clipped path
 # name -> (model family, schedule, accumulation, max_grad_norm, extra runtime options)
 RUNS = {
     # the recipe: clipping (deferred sweep) with accumulation; a resident layer and a 2-slot window
-    "deferred-accum2-clip": ("llama", "deferred", 2, CLIP, {"cache_units": 2, "resident_layers": 1}),
+    # (dp_weights=upload: every rank uploads every host unit; the default, gather, runs below)
+    "deferred-accum2-clip": ("llama", "deferred", 2, CLIP, {"cache_units": 2, "resident_layers": 1,
+                                                            "dp_weights": "upload"}),
     # eager updates as each unit's gradient lands, tied embedding (the head's share reduced with
     # it), checkpoints offloaded (per rank: nothing shared)
-    "eager-tied-offload": ("qwen3-tied-qknorm", "eager", 1, None, {"offload_activations": True, "cache_units": 2}),
+    "eager-tied-offload": ("qwen3-tied-qknorm", "eager", 1, None, {"offload_activations": True, "cache_units": 2,
+                                                                   "dp_weights": "upload"}),
     # units updated on the device (the vocabulary and a layer): every rank updates its own copy
     # from the all-reduced gradient, clipped, with accumulation; the rest shared and sharded
     "deferred-device-units": ("llama", "deferred", 2, CLIP, {"vocab_update": "device", "device_layers": 1,
@@ -279,7 +282,7 @@ def test_two_ranks_follow_one_rank_at_twice_the_batch(results, run):
         assert worst < 1e-5, f"rank {rank} optimizer {where}: relative difference {worst:.2e}"
     extra = RUNS[run][4]
     uploaded = [rec[run]["uploaded"] for rec in results["ranks"]]
-    if extra.get("dp_weights") == "gather":
+    if extra.get("dp_weights", RuntimeConfig.dp_weights) == "gather":      # (gather: the default)
         # broadcast in the order they are needed: a step's own weights before the next step's, and
         # the next step's from the embedding up (the gather thread runs them in queue order)
         for rec in results["ranks"]:

@@ -128,14 +128,15 @@ def start_ranks(spec: MeasureSpec, rt: RuntimeConfig) -> tuple[Ranks, Device]:
     return ranks, device
 
 
-def rank_summary(ranks: Ranks, result: dict) -> dict:
+def rank_summary(ranks: Ranks, result: dict, shared_bytes: int) -> dict:
     """Every rank's peaks and step time, gathered (a collective: every rank calls it), and the
-    host's peak RSS with the shared host state counted once (telemetry.machine.host_peak_rss)."""
+    host's peak RSS with the shared host state (`shared_bytes`, its /dev/shm file) counted once
+    (telemetry.machine.host_peak_rss)."""
     mine = {"rank": ranks.rank, **memory_parts(), "step_s_mean": result.get("step_s_mean"),
             "gpu_peak_alloc_gib": result.get("gpu_peak_alloc_gib")}
     every = ranks.gather(mine)
-    return {"world_size": ranks.world_size, "rank_results": every,
-            "host_rss_gib": host_peak_rss(every) / 2**30,
+    return {"world_size": ranks.world_size, "rank_results": every, "shared_state_gib": shared_bytes / 2**30,
+            "host_rss_gib": host_peak_rss(every, shared_bytes) / 2**30,
             "host_pss_gib": sum(r["pss"] for r in every) / 2**30}
 
 
@@ -283,7 +284,7 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
             result["model_tflops"] = tokens * result["flops_per_token"] / mean / 1e12
         result["steps"] = steps
         if ranks.world_size > 1:
-            result.update(rank_summary(ranks, result))
+            result.update(rank_summary(ranks, result, engine.shared.nbytes if engine.shared is not None else 0))
         else:
             result.update(world_size=1, host_rss_gib=result["cpu_peak_rss_gib"])
         result["status"] = "ok"

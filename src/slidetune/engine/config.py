@@ -140,16 +140,17 @@ class RuntimeConfig:
     upload_cast_stream: str = tuning_field(
         "copy", help="where GPU casts run: copy (a kernel on the copy stream) or compute (whole unit, FP32 slots)",
         when="compute where copy-stream casts stall behind the GEMMs (H2D gaps in a profile) and the GPU has room")
-    # Data parallel: how the host units' updated weights reach the host's GPUs. upload: every
-    # rank uploads every unit from the shared master over its own PCIe link (N reads of the
-    # master from DRAM, N x the H2D bytes). gather: the unit's owner uploads it and broadcasts it
-    # to the host's other GPUs (NVLink under NCCL): the master is read once and each link carries
-    # its shard (benchmarks/NOTES.md 25-26). One rank: ignored.
+    # Data parallel: how the host units' updated weights reach the host's GPUs. gather: the unit's
+    # owner uploads it and broadcasts it to the host's other GPUs (NVLink under NCCL): the master
+    # is read once and each link carries its shard. upload: every rank uploads every unit from the
+    # shared master over its own PCIe link (N reads of the master from DRAM, N x the H2D bytes).
+    # Measured on 2x H100 (NV18), Qwen3-8B b16/GPU clip 1.0: gather 2.267 s a step (1.88x one
+    # GPU), upload 2.327 s (1.83x) (benchmarks/NOTES.md 29). One rank: ignored.
     dp_weights: str = tuning_field(
-        "upload", help="data parallel: upload (every rank uploads every host unit) or gather (its owner uploads "
-                       "it and broadcasts it to the host's other GPUs)",
-        when="gather where the uploads' DRAM reads or PCIe bind with several GPUs a host (many GPUs, a slow "
-             "host DRAM); measure with bench throughput --gpus --runtime dp_weights=gather")
+        "gather", help="data parallel: gather (a host unit's owner uploads it and broadcasts it to the host's "
+                       "other GPUs) or upload (every rank uploads every host unit)",
+        when="upload where the host's GPUs have no NVLink between them (the broadcasts then cross PCIe "
+             "beside the uploads); measure with bench throughput --gpus --runtime dp_weights=upload")
     # Gradient slots in FP32: the backward's gradient copy into the slot is the cast, and the
     # D2H copy stream moves bytes only (no cast kernel waiting for SMs). 2 B/param more per
     # slot; Llama-3.1-8B b16: 2.38 -> 2.16 s a step (NOTES.md 14). auto: fp32 where the

@@ -94,10 +94,15 @@ def memory_parts() -> dict[str, int]:
             "pss": rollup.get("Pss", 0)}
 
 
-def host_peak_rss(parts: list[dict[str, int]]) -> int:
+def host_peak_rss(parts: list[dict[str, int]], shared_bytes: int = 0) -> int:
     """The peak RSS of the ranks of one host together, counting their shared memory once: each rank's
-    peak less its resident shared pages, plus the largest of those (the ranks map one host state;
-    memory_parts). An upper bound where the ranks' private peaks fall at different moments."""
+    peak less its resident shared pages, plus the shared state's whole size (`shared_bytes`: the
+    /dev/shm file, reserved in full with posix_fallocate, so every page of it is host memory) or,
+    where larger, the most shared pages one rank has resident. Each rank touches only part of the
+    file (its shard's moments, the masters it uploads), so the largest rank's shared pages alone
+    undercount it: on 2x H100 with Qwen3-8B that read 63.5 GiB for a host using 82.1.
+    An upper bound where the ranks' private peaks fall at different moments (memory_parts)."""
     if not parts:
         return 0
-    return sum(p["peak_rss"] - p["rss_shmem"] for p in parts) + max(p["rss_shmem"] for p in parts)
+    return (sum(p["peak_rss"] - p["rss_shmem"] for p in parts)
+            + max(shared_bytes, max(p["rss_shmem"] for p in parts)))

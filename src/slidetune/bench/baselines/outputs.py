@@ -40,7 +40,7 @@ def md_table(rows: list[dict], columns: list[str], digits: dict | None = None) -
 
 
 def machine_lines(machine: dict) -> list[str]:
-    keys = ["gpu", "gpu_memory_gib", "driver", "cuda_runtime", "torch", "transformers", "cpu",
+    keys = ["gpu", "gpu_count", "gpu_memory_gib", "driver", "cuda_runtime", "torch", "transformers", "cpu",
             "cpu_cores_physical", "cpu_cores_logical", "ram_total_gib", "torch_threads", "hostname"]
     return ["| machine | |", "|---|---|"] + [f"| {k} | {machine.get(k)} |" for k in keys if k in machine]
 

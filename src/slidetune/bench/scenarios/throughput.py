@@ -241,6 +241,17 @@ def add_scaling(rows: list[dict]) -> None:
         r["scaling_efficiency"] = per_gpu / one if one and per_gpu else None
 
 
+def _host_rss_gib(r: dict) -> float | None:
+    """The host's peak RSS of a run: one process's, or a data-parallel run's over its ranks with the
+    shared state file counted once (telemetry.machine.host_peak_rss), recounted from the ranks'
+    parts where the run recorded the file's size (runs before that undercounted it)."""
+    from ...telemetry.machine import host_peak_rss
+    parts, shared = r.get("rank_results"), r.get("shared_state_gib")
+    if parts and shared is not None:
+        return host_peak_rss(parts, int(shared * 2**30)) / 2**30
+    return r.get("host_rss_gib", r.get("cpu_peak_rss_gib"))
+
+
 def rewrite_report(out: Path) -> Path:
     """`slidetune report DIR` for a throughput directory: rows, CSV, JSON, report and plots again
     from throughput.json's runs and floors, with the current row logic (e.g. each slide run's
@@ -446,7 +457,7 @@ def _row(system, model, batch, seq, r, fpt, fl, recipe: dict | None = None, coll
                                                                       if r.get("tokens_per_s") else None),
                gpu_peak_alloc_gib=r.get("gpu_peak_alloc_gib"), gpu_peak_reserved_gib=r.get("gpu_peak_reserved_gib"),
                cpu_peak_rss_gib=r.get("cpu_peak_rss_gib"),
-               host_rss_gib=r.get("host_rss_gib", r.get("cpu_peak_rss_gib")),
+               host_rss_gib=_host_rss_gib(r),
                oom_requested_gib=r.get("oom_requested_gib"), error=(r.get("error") or "")[:200] or None)
     if row["tokens_per_s"] and fpt:
         row["model_tflops"] = row["tokens_per_s"] * fpt / 1e12
@@ -488,6 +499,7 @@ def _floor(system: str, r: dict, fl: dict, recipe: dict, collective: dict | None
         terms = floor_terms(fl["compute"], fl["copy"], fl["adamw"], plan, device_adamw=fl.get("device_adamw"),
                             disk=fl.get("disk"), split_sweep=rt.get("clip_sweep") != "whole",
                             collective=collective, ranks=ranks,
+                            # a run recorded before dp_weights existed uploaded from every rank
                             grad_bytes=_grad_bytes(rt, 2), dp_weights=rt.get("dp_weights", "upload"))
     elif system == "slide" and collective and collective.get("sizes_from", {}).get("unit_numels"):
         from ..collective import allreduce_term
