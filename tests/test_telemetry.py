@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,3 +182,43 @@ def test_request_blocking_sync_reports_instead_of_raising():
         assert got == "blocking_sync" or got.startswith("spin (")
     else:
         assert got.startswith("spin (") and ("libcuda" in got or "cuInit" in got)
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir() or not Path("/proc/self/status").exists(),
+                    reason="needs /dev/shm and /proc (Linux)")
+def test_host_rss_counts_the_shared_state_file_once_however_the_ranks_touched_it(tmp_path):
+    """Two processes map one /dev/shm file (data parallel's host state) and each touches its half:
+    each one's RssShmem is half the file, and the host's memory is both private parts plus the
+    whole file once (not the larger half, what rank 0 alone would show)."""
+    import mmap
+    import subprocess
+    import sys
+
+    from slidetune.telemetry.machine import HostRss, _kib_fields
+    size, half = 64 * 2**20, 32 * 2**20
+    path = Path("/dev/shm") / f"slidetune_test_hostrss_{os.getpid()}"
+    with open(path, "wb") as f:
+        f.truncate(size)
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import mmap, sys, time\n"
+        f"f = open({str(path)!r}, 'r+b'); m = mmap.mmap(f.fileno(), {size})\n"
+        f"m[{half}:{size}] = b'x' * {half}\n"
+        "print('ready', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    try:
+        with open(path, "r+b") as f, mmap.mmap(f.fileno(), size) as m:
+            m[:half] = b"y" * half                                   # this process: the first half
+            assert child.stdout.readline().strip() == "ready"          # the child: the second half
+            time.sleep(0.1)
+            pids = [os.getpid(), child.pid]
+            parts = [_kib_fields(f"/proc/{p}/status", ("VmRSS", "RssShmem")) for p in pids]
+            private = sum(p["VmRSS"] - p["RssShmem"] for p in parts)
+            assert all(p["RssShmem"] >= half * 0.9 and p["RssShmem"] < size for p in parts), parts
+            got = HostRss(pids, shared_bytes=size).bytes()
+            # the processes' private memory moves a little between the two reads
+            assert abs(got - (private + size)) < 8 * 2**20, (got, private, size)
+            assert got > private + max(p["RssShmem"] for p in parts) + half * 0.9
+            assert HostRss().bytes() > 0                                # one rank: this process's RSS
+    finally:
+        child.kill()
+        child.wait()
+        path.unlink()

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
-import psutil
 import torch
 
 from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, prune_checkpoints, recover_leftovers,
@@ -40,6 +39,7 @@ from .engine import StepResult, build_engine
 from .engine.compile_policy import choose_compile_layers, resolve_compile_layers
 from .faults import maybe_fail
 from .save_plan import DiskSpaceError, SavePlan, plan_saves, resolve_save_dtype
+from .telemetry.machine import HostRss
 from .engine.fit import Workload, check_fit_on_ranks, place_on_ranks
 from .engine.placement import PlacementPlan, unit_shapes
 from .engine.slide.disk_tier import tier_bytes
@@ -488,7 +488,7 @@ class Trainer:
         self.saved_step: int | None = None   # step of the newest checkpoint in ckpt_dir written or loaded
         self.rows: list[dict] = []
         self.flops_tok = train_flops_per_token(loaded.split, cfg.data.seq_len)
-        self.proc = psutil.Process()
+        self.host_rss = self._host_rss_meter(engine)
         self.before: tuple[float, float] | None = None
         self.after: tuple[float, float] | None = None
         self.first_loss: float | None = None
@@ -603,6 +603,19 @@ class Trainer:
         tokens = sum(int(mb.input_ids.numel()) for mb in mbs) * self.ranks.world_size
         return _IssuedStep(step=step, res=res, lr=lr, tokens=tokens, dt=dt)
 
+    def _host_rss_meter(self, engine) -> HostRss:
+        """metrics.csv's cpu_rss_gib: this host's memory, not one rank's. With several ranks the
+        pids of this host's ranks are gathered once (a collective: every rank builds its Trainer
+        at the same point) and the shared state is counted once (rank 0 alone would show its own
+        private memory and the part of the shared state it touched: 51.8 GiB of a host using 82
+        on 2x H100, benchmarks/NOTES.md 29)."""
+        if self.ranks.world_size == 1:
+            return HostRss()
+        host = self.ranks.dp.cfg.host
+        every = self.ranks.gather((host, os.getpid()))
+        shared = getattr(engine, "shared", None)
+        return HostRss([pid for h, pid in every if h == host], shared.nbytes if shared is not None else 0)
+
     def micro_batch(self, index: int):
         """This rank's rows of the sampler's global batch `index` (all of it on one rank)."""
         if self.ranks.world_size == 1:
@@ -627,7 +640,7 @@ class Trainer:
                    tflops=tps * self.flops_tok / 1e12, step_s=s.dt,
                    gpu_peak_alloc_gib=self.device.max_memory_allocated() / 2**30,
                    gpu_peak_reserved_gib=self.device.max_memory_reserved() / 2**30,
-                   cpu_rss_gib=self.proc.memory_info().rss / 2**30)
+                   cpu_rss_gib=self.host_rss.bytes() / 2**30)
         self.rows.append(row)
         if self.bar is not None:
             self.bar.update(1)

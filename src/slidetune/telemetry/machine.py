@@ -94,6 +94,23 @@ def memory_parts() -> dict[str, int]:
             "pss": rollup.get("Pss", 0)}
 
 
+class HostRss:
+    """The current RSS of one host's ranks together, the shared host state (its /dev/shm file,
+    `shared_bytes`) counted once: what `slidetune train --gpus N` logs as cpu_rss_gib. One rank
+    (no other pids): this process's RSS. The ranks' pids are gathered once at start; reading their
+    /proc/<pid>/status needs no collective per step (the same user runs every rank)."""
+
+    def __init__(self, pids: list[int] | None = None, shared_bytes: int = 0):
+        self.pids, self.shared_bytes = list(pids or []), shared_bytes
+
+    def bytes(self) -> int:
+        if len(self.pids) < 2:
+            return psutil.Process().memory_info().rss
+        parts = [_kib_fields(f"/proc/{pid}/status", ("VmRSS", "RssShmem")) for pid in self.pids]
+        parts = [{"peak_rss": p.get("VmRSS", 0), "rss_shmem": p.get("RssShmem", 0)} for p in parts]
+        return host_peak_rss(parts, self.shared_bytes)
+
+
 def host_peak_rss(parts: list[dict[str, int]], shared_bytes: int = 0) -> int:
     """The peak RSS of the ranks of one host together, counting their shared memory once: each rank's
     peak less its resident shared pages, plus the shared state's whole size (`shared_bytes`: the
