@@ -8,7 +8,8 @@
 #         | soak (SOAK_ARGS; ~20 min for 250 8B steps: run it with --detach) | faults (random token ids: no carry)
 # Extra arguments per job come from PIPELINE_ARGS, THROUGHPUT_ARGS (THROUGHPUT_ARGS_TAG for throughput@TAG,
 # written to throughput_TAG/), SCALING_ARGS (scaling: bench throughput --gpus on this host's GPUs, e.g.
-# "--gpus 1,2 --models qwen3-8b --batches 16 --seq-lens 1024 --recipes clip": needs a 2-GPU kind),
+# "--gpus 1,2 --models qwen3-8b --batches 16 --seq-lens 1024 --recipes clip --steps 8 --warmup 3 --runtime
+# compile_layers=on", the default: needs a 2-GPU kind; ~5 min on 2x H100, results/scaling/README.md),
 # TECHNIQUES_ARGS, EQ_ARGS, RUNTIME_PARTS, BENCH_ARGS.
 # The embedded SmolLM2 GGUF (98 MB) is over one call's 64 MiB carry limit (with the tree's ~25 MB):
 # `stash` keeps the leading parts (carried as .smol_a/part_a0, and in a second call .smol_a2/part_a1)
@@ -95,7 +96,7 @@ run_job() {
            python -m slidetune.cli bench throughput --out $R/throughput_$tag ${!var:-} ;;
     scaling) # slide on 1..N GPUs of this host (data parallel), each N>1 floor with the probed all-reduce
            python -m slidetune.cli bench throughput --out $R/scaling --systems slide \
-             ${SCALING_ARGS:---gpus 1,2 --models qwen3-8b --batches 16 --seq-lens 1024 --recipes clip} ;;
+             ${SCALING_ARGS:---gpus 1,2 --models qwen3-8b --batches 16 --seq-lens 1024 --recipes clip --steps 8 --warmup 3 --runtime compile_layers=on} ;;
     scaling@*) tag=${job#scaling@}; var=SCALING_ARGS_$tag       # e.g. SCALING_ARGS_gather="... --runtime dp_weights=gather"
            python -m slidetune.cli bench throughput --out $R/scaling_$tag --systems slide ${!var:-} ;;
     hostinfo) # what a multi-GPU result depends on: GPU links, NUMA, cores, RAM, /dev/shm (the shared state's home)
