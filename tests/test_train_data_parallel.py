@@ -207,11 +207,16 @@ def test_a_failing_rank_ends_every_rank_naming_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigint_to_the_launcher_stops_every_rank_after_one_step_with_one_checkpoint(tmp_path):
+@pytest.mark.parametrize("supervised", [False, True], ids=["exec", "supervised"])
+def test_sigint_to_the_launcher_stops_every_rank_after_one_step_with_one_checkpoint(tmp_path, supervised):
+    """exec: the launcher becomes torchrun, which forwards the signal (torch >= 2.13 with
+    --shutdown-timeout); supervised: the launcher stays, torchrun runs in a session of its own and
+    the signal goes to the ranks alone (what older torchrun, the GPU machine's 2.11, gets)."""
     args = launcher_args(tmp_path, steps=500)
     run = tmp_path / "run"
+    env = {**os.environ, launch.SUPERVISE_ENV: "1"} if supervised else None
     proc = subprocess.Popen([sys.executable, "-m", "slidetune.cli", "train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, env=env)
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and proc.poll() is None:
@@ -219,8 +224,12 @@ def test_sigint_to_the_launcher_stops_every_rank_after_one_step_with_one_checkpo
                 break
             time.sleep(0.5)
         assert proc.poll() is None, "the run ended before it could be interrupted"
-        proc.send_signal(signal.SIGINT)       # the launcher is torchrun now (exec): it forwards the signal
+        proc.send_signal(signal.SIGINT)       # torchrun (exec) or the supervising launcher forwards it
         out, _ = proc.communicate(timeout=180)
+        if supervised:       # torchrun never got the signal: no forwarding and no kill timer of its own
+            assert proc.returncode == 130 and "death signal" not in out, (proc.returncode, out[-3000:])
+        else:
+            assert "death signal" in out, out[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,6 +1,7 @@
 """`slidetune train --gpus N`: the same command on N data-parallel ranks (docs/data_parallel.md).
 
-The process re-executes itself through torch.distributed.run (torchrun), one host, N processes:
+The process re-executes itself through torch.distributed.run (torchrun), one host, N processes
+(or, where torchrun lacks --shutdown-timeout, starts it as a child and supervises it: relaunch):
 
     python -m torch.distributed.run --standalone --nproc-per-node N -m slidetune.cli train <args without --gpus>
 
@@ -11,7 +12,10 @@ starts N CPU processes over gloo instead (for tests: the same code paths without
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
+from typing import NoReturn
 
 FLAG = "--gpus"
 # On a signal torchrun forwards it to the ranks and kills them this many seconds later: the ranks
@@ -95,10 +99,64 @@ def rank_threads_env(n: int, env: dict | None = None) -> dict:
     return env
 
 
-def relaunch(n: int, argv: list[str]) -> None:
-    """Replace this process by torchrun running n ranks (never returns): a signal to the command
-    goes to torchrun, which forwards it to every rank."""
+# Test hook (not a user flag): supervise the ranks even where torchrun has --shutdown-timeout, so
+# the CPU tests (torch 2.13) run the path the GPU machine's torch 2.11 takes.
+SUPERVISE_ENV = "SLIDETUNE_SUPERVISE_RANKS"
+
+
+def relaunch(n: int, argv: list[str]) -> NoReturn:
+    """Run `slidetune <argv>` on n ranks through torchrun (never returns).
+
+    Where this torch's torchrun takes --shutdown-timeout, this process becomes torchrun (exec): a
+    signal to the command reaches torchrun, which forwards it to every rank and waits that long for
+    the stop checkpoint. Older torchrun (2.11) kills the ranks 30 s after forwarding a signal, too
+    soon for a large model's checkpoint, so there this process stays and supervises (supervise)."""
     cmd = torchrun_command(n, without_gpus_flag(argv))
     print(f"slidetune: starting {n} ranks: {' '.join(cmd)}", flush=True)
     sys.stderr.flush()
-    os.execve(sys.executable, cmd, rank_threads_env(n))
+    env = rank_threads_env(n)
+    if torchrun_has_shutdown_timeout() and not os.environ.get(SUPERVISE_ENV):
+        os.execve(sys.executable, cmd, env)
+    sys.exit(supervise(cmd, env))
+
+
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the parent dies (a kill -9 of the command
+    then still stops torchrun, which forwards it to the ranks)."""
+    try:
+        import ctypes
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def supervise(cmd: list[str], env: dict) -> int:
+    """torchrun as a child in a session of its own, so a terminal's Ctrl-C reaches this process
+    only; SIGINT/SIGTERM here go straight to the ranks (torchrun's children, each in its own
+    session), never to torchrun, whose forwarded signal would start its 30 s kill timer. The ranks
+    stop after the same step, rank 0 writes the checkpoint while the others wait for it, and all
+    exit; torchrun then ends. A third signal kills torchrun and the ranks at once.
+    Returns torchrun's exit status, or 130 once a signal was forwarded (an interrupted run's)."""
+    import psutil
+
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+    received: list[int] = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        ranks = psutil.Process(proc.pid).children()
+        if not ranks:                 # torchrun has not started them yet: nothing to checkpoint
+            proc.send_signal(signum)
+        for rank in ranks:
+            try:
+                rank.send_signal(signal.SIGKILL if len(received) >= 3 else signum)
+            except psutil.NoSuchProcess:
+                pass
+        if len(received) >= 3:
+            proc.kill()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    status = proc.wait()
+    return 130 if received else status

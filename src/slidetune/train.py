@@ -833,8 +833,9 @@ class Trainer:
             data_source=cfg.data.path or f"built-in corpus (Python {platform.python_version()} docs)",
             train_sequences=len(self.sampler.dataset), heldout_sequences=len(heldout) if heldout is not None else 0,
             device=torch.cuda.get_device_name() if self.device.is_cuda else "cpu")
-        if self.ranks.is_main:
-            _write_text(self.out / "summary.json", json.dumps(summary.__dict__, indent=2) + "\n")
+        # rank 0 writes it and the other ranks wait for it (on_main): a rank that ended first would
+        # make torchrun stop the others (SIGTERM), rank 0 perhaps before this file is written
+        self.ranks.on_main(lambda: _write_text(self.out / "summary.json", json.dumps(summary.__dict__, indent=2) + "\n"))
         return summary
 
     # ------------------------------------------------------------------ files (rank 0 only)
