@@ -320,3 +320,28 @@ def test_plan_terms_prints_the_three_tiers_and_each_term(tmp_path, capsys):
     assert re.search(r"disk probe: read [\d.]+, write [\d.]+, both at once [\d.]+ GiB/s", out)
     assert re.search(r"floor [\d.]+ s a step \(bound by (adamw_s|disk_s)\)", out)
     assert list(tmp_path.iterdir()) == []          # the probe's file is gone
+
+
+def test_floor_takes_the_upload_copies_weights_pass_at_its_own_rate():
+    """clip_sweep=weights: every host-RAM unit has an upload copy; the clipped sweep runs its
+    BF16-writing pass (adamw_weights_copy_pass_params_per_s) where the forward waits, and the host's
+    AdamW a step is that pass plus the whole update; a disk unit keeps its one-pass update."""
+    from slidetune.bench.roofline import floor_terms, plan_of_runtime
+    comp = {"num_layers": 4, "layer_params": 100 * 2**20, "vocab_params": 50 * 2**20, "compute_s": 1.0,
+            "layer_recompute_backward_s": 0.15, "head_s": 0.05, "embed_s": 0.01, "layer_forward_s": 0.05}
+    copy = {"h2d_gib_s": 50.0, "d2h_gib_s": 50.0}
+    adamw = {"adamw_params_per_s": 1e9, "adamw_weights_pass_params_per_s": 2e9,
+             "adamw_moments_pass_params_per_s": 3e9, "adamw_weights_copy_pass_params_per_s": 4e9}
+    disk = {"read_gib_s": 1.0, "write_gib_s": 2.0}
+    rt = {"disk_dir": "/x", "disk_units": 1, "clip_sweep": "weights"}                   # the head on disk
+    plan = plan_of_runtime(comp, rt, clipped=True)
+    head = 25 * 2**20
+    ram = 4 * 100 * 2**20 + 25 * 2**20                   # the embedding and the 4 layers: all copies
+    assert plan.upload_copy_numel() == ram
+    terms = floor_terms(comp, copy, adamw, plan, disk=disk)
+    backward = 4 * 0.15 + 0.05 + 0.01
+    assert terms["clip_sweep_s"] == pytest.approx(backward + ram / 4e9 + head / 1e9 + 0.05)
+    assert terms["adamw_s"] == pytest.approx(ram / 4e9 + ram / 1e9 + head / 1e9)
+    split = floor_terms(comp, copy, adamw, plan_of_runtime(comp, dict(rt, clip_sweep="split"), clipped=True),
+                        disk=disk)
+    assert split["clip_sweep_s"] == pytest.approx(backward + ram / 2e9 + head / 1e9 + 0.05)

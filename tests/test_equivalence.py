@@ -265,9 +265,9 @@ def test_two_held_buffers_let_the_backward_go_down_while_the_moments_pass_runs(m
     hold_start: dict[str, list[float]] = {}        # unit -> when each of its holds started
     slow_moments = transfer.GradDrain.deferred_moments
 
-    def moments(unit, held, coef, chunk):
+    def moments(unit, held, coef, chunk, **kw):
         time.sleep(0.4)
-        slow_moments(unit, held, coef, chunk)
+        slow_moments(unit, held, coef, chunk, **kw)
         moments_end.setdefault(unit.spec.name, []).append(time.monotonic())
 
     copy = engine.drainer.hold              # the copy itself, once whatever it waits for is done
@@ -479,3 +479,68 @@ def test_compiled_layers_match_the_reference(monkeypatch):
         assert worst < 1e-4, f"{where}: relative difference {worst:.2e}"
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3-tied-qknorm"])
+def test_clip_sweep_weights_trains_exactly_as_split(family, tmp_path):
+    """clip_sweep=weights (the weights pass writes BF16 upload copies; master and moments in the
+    second pass) against split, both BF16 on the CPU, clipped with accumulation, a 2-slot window,
+    a resident layer, the vocabulary and a layer on the host and one decoder layer's moments on
+    disk (a disk unit keeps its one-pass update and no copy): the same losses and norms, masters
+    and moments bit for bit, the uploads' copies equal to the masters' BF16 casts; then a state
+    loaded into a fresh engine refreshes the copies, and a step after it is still the same."""
+    loaded = make_loaded(**FAMILIES[family], layers=4)
+    base = dict(mode="slide", dtype="bf16", device="cpu", cache_units=2, resident_layers=1, held_buffers=2,
+                disk_units=1, **DISK)
+    opt = AdamWConfig(lr=LR, eps=1e-6)
+    for d in ("split", "weights", "fresh"):
+        (tmp_path / d).mkdir()
+    engines = {sweep: build_engine(loaded, RuntimeConfig(**{**base, "disk_dir": str(tmp_path / sweep)}, clip_sweep=sweep),
+                                   opt, grad_accum=2, max_grad_norm=0.05) for sweep in ("split", "weights")}
+    try:
+        weights = engines["weights"]
+        copies = [u for u in weights.units if u.weights is not None]
+        assert copies and all(u.disk is None and u.on_host for u in copies)
+        assert engines["split"].store.state_bytes() + 2 * sum(u.spec.numel for u in copies) \
+            == weights.store.state_bytes()
+        out = {}
+        for sweep, engine in engines.items():
+            results = [engine.train_step(make_batches(step, 2), LR) for step in range(3)]
+            out[sweep] = [(r.loss, r.grad_norm()) for r in results]
+            engine.synchronize()
+        assert out["weights"] == out["split"] and all(n > 0.05 for _, n in out["split"])   # clipped
+        masters = {sweep: dict(e.named_master_params()) for sweep, e in engines.items()}
+        for name, t in masters["split"].items():
+            assert torch.equal(t, masters["weights"][name]), name
+        state = {sweep: e.optimizer_tensors() for sweep, e in engines.items()}
+        for name, t in state["split"].items():
+            got = state["weights"][name]
+            assert torch.equal(t.materialize() if isinstance(t, StreamedTensor) else t,
+                               got.materialize() if isinstance(got, StreamedTensor) else got), name
+        for u in copies:
+            assert torch.equal(u.weights, u.master.to(torch.bfloat16)), u.spec.name
+        # resume: the split run's state into a fresh weights engine
+        fresh = build_engine(loaded, RuntimeConfig(**{**base, "disk_dir": str(tmp_path / "fresh")}, clip_sweep="weights"),
+                             opt, grad_accum=2, max_grad_norm=0.05)
+        try:
+            fresh.load_state({k: v.clone() for k, v in masters["split"].items()},
+                             {k: (v.materialize() if isinstance(v, StreamedTensor) else v).clone()
+                              for k, v in state["split"].items()}, 3)
+            for u in fresh.units:
+                if u.weights is not None:
+                    assert torch.equal(u.weights, u.master.to(torch.bfloat16)), u.spec.name
+            after = [e.train_step(make_batches(3, 2), LR) for e in (engines["split"], fresh)]
+            assert (after[0].loss, after[0].grad_norm()) == (after[1].loss, after[1].grad_norm())
+        finally:
+            fresh.close()
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
+def test_clip_sweep_weights_refuses_a_compute_dtype_other_than_bf16():
+    """The upload copies are BF16 (the kernel's store): an FP32 run with clip_sweep=weights is
+    refused when the engine is built, naming the setting to use instead."""
+    rt = RuntimeConfig(mode="slide", dtype="fp32", device="cpu", clip_sweep="weights")
+    with pytest.raises(ValueError, match="clip_sweep weights writes BF16 upload copies.*use split"):
+        build_engine(make_loaded("llama", tied=False, layers=2), rt, AdamWConfig(lr=LR), max_grad_norm=1.0)

@@ -67,6 +67,11 @@ GPU_RUNS = {
     "slide-deferred-accum2-clip-held2-vocab-partly-resident": (
         "slide", "deferred", 2, 0.5, False, {"held_buffers": 2, "vocab_update": "device", "cache_units": 2,
                                               "resident_layers": 1}),
+    # clip_sweep=weights: the weights pass writes page-locked BF16 upload copies (one async H2D each,
+    # no cast) and the second pass master and moments; a window, a resident layer, a disk unit
+    "slide-deferred-accum2-clip-weights-copy-partly-resident-disk": (
+        "slide", "deferred", 2, 0.5, False, {"clip_sweep": "weights", "held_buffers": 2, "cache_units": 2,
+                                              "resident_layers": 1, "disk_units": 1, **DISK}),
     "ckpt": ("ckpt", "auto", 4, 0.5, False, {}),
 }
 

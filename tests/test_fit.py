@@ -973,3 +973,28 @@ def test_the_plan_places_held_buffers_on_host_units_of_the_clipped_schedule_only
     assert any("two buffers for embed, layer 1, one for layers 2-3, head" in line for line in plan.summary_lines())
     with pytest.raises(ValueError, match="held_second_units"):
         RuntimeConfig(held_second_units=-2)
+
+
+def test_clip_sweep_weights_counts_its_upload_copies_in_host_and_pinned_ram():
+    """clip_sweep=weights keeps a BF16 copy of every host-RAM unit's weights (the plan's
+    upload_copy; not the GPU's units, not the disk tier's): 2 B/param more host RAM, page-locked,
+    where the clip runs the deferred schedule; an eager run keeps none."""
+    split = split_of("qwen3-8b")
+    rt = dataclasses.replace(cuda_rt(), device_layers=8, vocab_update="device", disk_units=2, disk_dir="/tmp")
+    kw = dict(batch_size=16, seq_len=1024, max_grad_norm=1.0)
+    split_est = estimate_memory(split, rt, **kw)
+    weights_rt = dataclasses.replace(rt, clip_sweep="weights")
+    weights_est = estimate_memory(split, weights_rt, **kw)
+    plan = PlacementPlan.build(unit_shapes(split), weights_rt, "deferred")
+    copied = [u for u in plan.units if u.upload_copy]
+    assert copied and all(u.state == "host" for u in copied)
+    assert {u.index for u in copied} == set(plan.indices("host"))         # 26 layers: not the 2 on disk
+    assert len(copied) == 36 - 8 - 2
+    extra = 2 * sum(u.numel for u in copied)
+    assert weights_est.host_parts["upload copies (clip_sweep weights, 2 B/param)"] == extra
+    assert weights_est.host_bytes - split_est.host_bytes == extra
+    assert weights_est.pinned_bytes - split_est.pinned_bytes == extra
+    eager = estimate_memory(split, weights_rt, batch_size=16, seq_len=1024)
+    assert not any(k.startswith("upload copies") for k in eager.host_parts)
+    assert any("upload copies" in line for line in plan.summary_lines())
+    assert PlacementPlan.from_dict(plan.to_dict()) == plan

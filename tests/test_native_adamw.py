@@ -243,3 +243,63 @@ def test_split_update_writes_exactly_what_the_full_one_does(grad_dtype, kernel):
         assert torch.equal(a, b)
     if kernel != "torch":
         assert torch.equal(grad, kept)
+
+
+def test_weights_kernel_rounds_to_bf16_as_torch_does():
+    """The weights pass's BF16 store (round to nearest even) against torch's cast, on values that
+    sit on ties, near the overflow, subnormal, infinite and NaN: the parameters written as BF16
+    by the kernel equal the FP32 parameters of the full update cast by torch."""
+    n = native_adamw.BLOCK + 333
+    g0 = torch.Generator().manual_seed(5)
+    master = torch.randn(n, generator=g0)
+    # exact ties and their neighbours (low 16 bits 0x8000, 0x7fff, 0x8001), extremes, specials
+    bits = torch.randint(0, 0x7F00, (n,), generator=g0, dtype=torch.int32) << 16     # finite, both signs below
+    bits[::2] |= -2**31
+    bits[:300] |= 0x8000
+    bits[300:600] |= 0x7FFF
+    bits[600:900] |= 0x8001
+    master = torch.where(torch.arange(n) < 900, bits.view(torch.float32), master)
+    master[900:905] = torch.tensor([3.3e38, -3.3e38, 1e-40, float("inf"), -float("inf")])
+    grad = torch.zeros(n)              # lr 0 and no decay: the new parameters are the old ones
+    grad[905] = float("nan")           # ... but one NaN
+    opt = FlatAdamW(master.clone(), 0, CFG, "dynamic")
+    opt.begin_step()
+    weights = torch.empty(n, dtype=torch.bfloat16)
+    opt.update(grad, 0.0, part="weights", weights=weights)
+    assert torch.equal(opt.master, master)                             # the master is not written
+    want = master.clone()
+    want[905] = float("nan")
+    got, ref = weights.view(torch.int16), want.to(torch.bfloat16).view(torch.int16)
+    finite = ~torch.isnan(want)
+    assert torch.equal(got[finite], ref[finite])
+    assert int(got[905]) == 0x7FC0                                     # torch's canonical NaN
+
+
+@pytest.mark.parametrize("kernel", ["dynamic", "torch"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_weights_then_rest_writes_what_the_full_update_does(grad_dtype, kernel):
+    """clip_sweep=weights' pair: "weights" writes only the BF16 parameters (master and moments as
+    they were), then "rest" the whole update; master and moments end bit for bit as one "all"
+    update leaves them, and the BF16 weights are exactly the new master's cast, over decay and
+    no-decay ranges and a tail too small for the kernel (updated in full by "weights")."""
+    n, n_decay = 3 * native_adamw.BLOCK + 777, 2 * native_adamw.BLOCK + 5
+    g0 = torch.Generator().manual_seed(6)
+    master = torch.randn(n, generator=g0)
+    grad = torch.randn(n, generator=g0).to(grad_dtype)
+    full, pair = (FlatAdamW(master.clone(), n_decay, CFG, kernel) for _ in range(2))
+    for opt in (full, pair):
+        opt.begin_step()
+        opt.update(torch.randn(n, generator=torch.Generator().manual_seed(7)).to(grad_dtype), 1e-3)
+    before = pair.master.clone()
+    full.begin_step()
+    full.update(grad.clone(), 1e-3, grad_scale=0.37)
+    pair.begin_step()
+    weights = torch.empty(n, dtype=torch.bfloat16)
+    pair.update(grad, 1e-3, grad_scale=0.37, part="weights", weights=weights)
+    if kernel != "torch":
+        tail = n - native_adamw.MIN_NATIVE                         # the kernel's ranges: not written yet
+        assert torch.equal(pair.master[:n_decay], before[:n_decay]) and tail > 0
+    pair.update(grad, 1e-3, grad_scale=0.37, part="rest")
+    for a, b in [(pair.master, full.master), (pair.exp_avg, full.exp_avg), (pair.exp_avg_sq, full.exp_avg_sq)]:
+        assert torch.equal(a, b)
+    assert torch.equal(weights, full.master.to(torch.bfloat16))

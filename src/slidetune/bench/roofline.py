@@ -84,21 +84,28 @@ def _adamw_rate(n: int, steps: int, grad_dtype: torch.dtype, kernel: str, part: 
     master = torch.randn(n)
     grad = torch.randn(n).to(grad_dtype)
     opt = FlatAdamW(master, n, AdamWConfig(weight_decay=0.1), kernel)
+    # clip_sweep=weights' first pass writes BF16 weights (the upload copy) instead of the master
+    weights = torch.empty(n, dtype=torch.bfloat16) if part == "weights" else None
     opt.begin_step()
     opt.update(grad, 1e-5)              # first touch of the moments, outside the timing
+    if weights is not None:
+        weights.zero_()                 # ... and of the copy
     times = []
     for _ in range(steps):
         t = time.perf_counter()
         opt.begin_step()
-        opt.update(grad, 1e-5, part=part)
+        opt.update(grad, 1e-5, part=part, weights=weights)
         times.append(time.perf_counter() - t)
     return n / statistics.median(times)
 
 
 # Host DRAM bytes per parameter of the AdamW passes (FP32 master and moments, BF16 gradient):
 # read p, m, v, g and write p, m, v (one pass); the clipped sweep's pair writes p, then m and v.
+# clip_sweep=weights' first pass reads p, m, v, g and writes the BF16 weights (16 B/param); its
+# second is the whole update (26).
 ADAMW_BYTES = {"adamw_bf16_grad_params_per_s": 26, "adamw_fp32_grad_params_per_s": 28,
-               "adamw_weights_pass_params_per_s": 18, "adamw_moments_pass_params_per_s": 18}
+               "adamw_weights_pass_params_per_s": 18, "adamw_moments_pass_params_per_s": 18,
+               "adamw_weights_copy_pass_params_per_s": 16}
 
 
 def probe_host_dram(n: int = 256 * 2**20, reps: int = 5) -> dict:
@@ -143,6 +150,9 @@ def probe_adamw(n: int = 128 * 2**20, steps: int = 11, grad_download: str = "com
         # the clipped sweep's weights-only pass (deferred schedule): BF16 held gradients
         out["adamw_weights_pass_params_per_s"] = _adamw_rate(n, steps, torch.bfloat16, host_adamw, part="params")
         out["adamw_moments_pass_params_per_s"] = _adamw_rate(n, steps, torch.bfloat16, host_adamw, part="moments")
+        # clip_sweep=weights: the first pass writes the BF16 upload copy (the second is the whole update)
+        out["adamw_weights_copy_pass_params_per_s"] = _adamw_rate(n, steps, torch.bfloat16, host_adamw,
+                                                                  part="weights")
     out["kernel"] = f"native ({host_adamw})" if native else "torch"
     dram = probe_host_dram()
     out.update(dram, **adamw_dram_use(out, dram))
@@ -389,7 +399,9 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
     backward, the device units' AdamW, the host's weights pass over its units (at the probed
     rate of that pass: it writes the weights only, the moments follow where nothing waits) and
     one layer's forward: clip_sweep_s. (The forward runs in the sweep's shadow; nothing else of
-    the host's sweep can overlap.)
+    the host's sweep can overlap.) Units with an upload copy (clip_sweep=weights) take that pass
+    at the probed rate of the BF16-writing pass (adamw_weights_copy_pass_params_per_s), their
+    second pass being the whole update.
 
     `ranks` data-parallel ranks on this host (docs/data_parallel.md), a rank's terms:
     - allreduce_s (with `collective`, bench.collective's probe at that rank count): every unit's
@@ -455,13 +467,20 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
         # where probed, else the whole AdamW's; disk units: their I/O is disk_s, a term of its own
         sweep_rate = (adamw.get("adamw_weights_pass_params_per_s") if split_sweep else None) \
             or adamw["adamw_params_per_s"]
+        # clip_sweep=weights: the units with an upload copy (the plan's) write BF16 weights first
+        # (16 B/param, its probed rate), then the whole update (the moments pass's place)
+        copy_params = plan.upload_copy_numel() if split_sweep else 0
+        copy_rate = adamw.get("adamw_weights_copy_pass_params_per_s") or sweep_rate
         backward = L * comp["layer_recompute_backward_s"] + comp["head_s"] + comp["embed_s"]
         # (the disk units' AdamW, whole, on the same host threads after the norm)
-        terms["clip_sweep_s"] = (backward + reduce_s + device_update_s + ram_params / sweep_rate
-                                 + disk_params / adamw["adamw_params_per_s"] + comp["layer_forward_s"])
+        terms["clip_sweep_s"] = (backward + reduce_s + device_update_s + (ram_params - copy_params) / sweep_rate
+                                 + copy_params / copy_rate + disk_params / adamw["adamw_params_per_s"]
+                                 + comp["layer_forward_s"])
         if split_sweep and adamw.get("adamw_moments_pass_params_per_s"):
             # the host's AdamW a step is both passes (each reads the gradient and the moments)
-            terms["adamw_s"] = (ram_params / sweep_rate + ram_params / adamw["adamw_moments_pass_params_per_s"]
+            split_params = ram_params - copy_params
+            terms["adamw_s"] = (split_params / sweep_rate + split_params / adamw["adamw_moments_pass_params_per_s"]
+                                + copy_params / copy_rate + copy_params / adamw["adamw_params_per_s"]
                                 + disk_params / adamw["adamw_params_per_s"])
     return terms
 

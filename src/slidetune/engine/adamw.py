@@ -66,7 +66,7 @@ class FlatAdamW:
     def update(self, grad: torch.Tensor, lr: float, start: int = 0,
                grad_scale: float | torch.Tensor = 1.0, part: str = "all",
                moments: tuple[torch.Tensor, torch.Tensor] | None = None,
-               params: torch.Tensor | None = None) -> None:
+               params: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> None:
         """Apply AdamW to master[start:start+len(grad)] with `grad` times `grad_scale`.
 
         grad_scale: the clip coefficient, a float (host) or a 0-dim FP32 tensor on the master's
@@ -80,7 +80,11 @@ class FlatAdamW:
         part: "all"; or the split pair "params" (the new parameters only) then "moments" (the new
         moments only, with the same gradient and scale), which together write exactly what "all"
         does (native_adamw.update's part). Ranges native_adamw does not take are updated in full
-        by "params" and left alone by "moments".
+        by "params" and left alone by "moments". The pair "weights" then "rest" (clip_sweep=weights):
+        "weights" writes only the new parameters in BF16 into `weights` ([len(grad)] BF16, the
+        upload's source) and "rest" the whole update (master and moments), from the same inputs;
+        ranges native_adamw does not take are updated in full by "weights" (their BF16 copy cast
+        from the new master) and left alone by "rest".
 
         moments: (exp_avg, exp_avg_sq) of master[start:start+len(grad)], [len(grad)] FP32 each, where
         they do not live in this object (the disk tier's block buffers).
@@ -105,15 +109,17 @@ class FlatAdamW:
             g = grad[lo - start:hi - start]
             m, v = moment_views(lo, hi)
             p = param_view(lo, hi)
+            w = weights[lo - start:hi - start] if weights is not None else None
             if (self.kernel != "torch" and not isinstance(grad_scale, torch.Tensor)
                     and native_adamw.takes(g, p)):
                 native_adamw.update(p, m, v, g, lr=lr,
                                     beta1=self.cfg.beta1, beta2=self.cfg.beta2, eps=self.cfg.eps,
                                     weight_decay=wd, step=int(self.step_count), schedule=self.kernel,
-                                    grad_scale=float(grad_scale), part=part)
+                                    grad_scale=float(grad_scale), part="all" if part == "rest" else part,
+                                    weights=w)
                 continue
-            if part == "moments":
-                continue                                  # written in full by the "params" call
+            if part in ("moments", "rest"):
+                continue                                  # written in full by the "params"/"weights" call
             if g.dtype != p.dtype:
                 g = g.float()                             # torch's kernel wants the parameters' dtype
             if scaled:
@@ -122,6 +128,8 @@ class FlatAdamW:
                 [p], [g], [m], [v], [],
                 [self.step_count], lr=lr, beta1=self.cfg.beta1, beta2=self.cfg.beta2,
                 weight_decay=wd, eps=self.cfg.eps, amsgrad=False, maximize=False)
+            if part == "weights":
+                w.copy_(p)                                # FP32 -> BF16, round to nearest even
 
     def update_widened(self, grad: torch.Tensor, lr: float, scratch: torch.Tensor,
                        grad_scale: float | torch.Tensor = 1.0) -> None:

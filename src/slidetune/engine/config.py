@@ -247,9 +247,17 @@ class RuntimeConfig:
     # writes all of AdamW's state in one pass (28% less host DRAM traffic, all of it waited for).
     # Split was as fast or faster everywhere measured, even where the host's AdamW binds
     # (Llama-3.1-8B b8, 24 GiB GPU, one machine: 2.54 s against 2.61; NOTES.md 21).
+    # weights: the weights pass writes each host unit's new weights in the compute dtype (BF16)
+    # into a page-locked copy the upload reads (2 B/param of DMA instead of the FP32 master's 4,
+    # and no master write: 16 B/param where the next forward waits instead of 18 + 4), and the
+    # second pass writes master and moments; 2 B/param more page-locked host RAM (NOTES.md 29,
+    # predicted 2.146 -> ~2.0 s for Qwen3-8B b16 clip on the H100, not yet measured).
     clip_sweep: str = tuning_field(
-        "split", help="the clipped schedule's host sweep: split (weights first, moments under the next step) or whole",
-        when="whole only to A/B: split was as fast or faster everywhere measured")
+        "split", help="the clipped schedule's host sweep: split (weights first, moments under the next step), "
+                      "weights (BF16 weights for the upload first, master and moments under the next step; "
+                      "2 B/param more host RAM) or whole",
+        when="weights to A/B on a host whose DRAM the weights pass binds (BF16 compute, one rank); whole only "
+             "to A/B: split was as fast or faster everywhere measured")
     # The clipped schedule's held gradients, per host unit: 1 buffer, or 2 used on alternate
     # steps. With one, a layer's next gradient can only go down once the moments pass has read
     # its buffer: on the H100 the moments pass paced the next backward (0.43 s of gradient-slot
@@ -346,8 +354,8 @@ class RuntimeConfig:
             raise ValueError(f"held_buffers must be 1, 2 or -1 (auto), not {self.held_buffers!r}")
         if not isinstance(self.held_second_units, int) or self.held_second_units < -1:
             raise ValueError(f"held_second_units must be a count >= 0, or -1 for all, not {self.held_second_units!r}")
-        if self.clip_sweep not in ("split", "whole"):
-            raise ValueError(f"clip_sweep must be split or whole, not {self.clip_sweep!r}")
+        if self.clip_sweep not in ("split", "weights", "whole"):
+            raise ValueError(f"clip_sweep must be split, weights or whole, not {self.clip_sweep!r}")
         if self.update_order not in ("deadline", "fifo"):
             raise ValueError(f"update_order must be deadline or fifo, not {self.update_order!r}")
         if self.upload_stages < 1:

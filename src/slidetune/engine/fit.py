@@ -432,6 +432,10 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
             what = (f"{b} B/param" if not two else f"{2 * b} B/param" if two == P_host else
                     f"{b} B/param, {2 * b} for {plan.ranges(lambda u: u.held == 2)}")
             host[f"held gradients (deferred schedule, {what})"] = held
+        # clip_sweep=weights: the compute-dtype weights the uploads read, written by the weights pass
+        copies = b * plan.upload_copy_numel() if schedule == "deferred" else 0
+        if copies:
+            host[f"upload copies (clip_sweep weights, {b} B/param)"] = copies
         deferred = schedule == "deferred"          # gradients straight into the held buffers: no ring
         down_chunks = 0 if deferred else rt.download_chunks(P_L)
         downloads_fp32 = rt.downloads_fp32(dev == "cuda")
@@ -453,7 +457,8 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
             host["offloaded checkpoints"] = (L - kept) * ckpt
         if dev == "cuda":
             # ... and a disk-master unit's weights, registered for one async H2D each upload
-            pinned = rings + (L - kept) * ckpt + held + host.get("disk tier block buffers", 0) + b * P_disk_master
+            pinned = (rings + (L - kept) * ckpt + held + host.get("disk tier block buffers", 0) + b * P_disk_master
+                      + copies)
         # units kept on the device are built a parameter at a time (models.load.fill_on_device:
         # their largest matrix passes through RAM), disk-master units through a host buffer of the
         # whole unit (4 B/param), up to BUILD_WORKERS at once, beside the host units (HostStore)

@@ -63,9 +63,8 @@ static inline float from_f32(float x) { return x; }
 #define STORE_PARAMS p[i] = p[i] * decay - step_size * mi / denom;
 #define STORE_MOMENTS m[i] = mi; v[i] = vi;
 
-#define ADAMW_KERNEL(NAME, GRAD_T, WIDEN, STORE)                                                 \
-void NAME(float *restrict p, float *restrict m, float *restrict v, const GRAD_T *restrict g,    \
-          int64_t n, const float *s, int threads, int dynamic) {                                \
+/* The OpenMP loop over blocks every kernel shares (its arguments: p, m, v, g, n, s, threads, dynamic). */
+#define ADAMW_LOOP(WIDEN, STORE)                                                                 \
     const float decay = s[0], beta1 = s[1], c1 = s[2], beta2 = s[3], c2 = s[4];                 \
     const float step_size = s[5], bc2_sqrt = s[6], eps = s[7], gscale = s[8];                   \
     const int64_t nblocks = (n + BLOCK - 1) / BLOCK;                                            \
@@ -78,8 +77,11 @@ void NAME(float *restrict p, float *restrict m, float *restrict v, const GRAD_T 
             _Pragma("omp for schedule(static)")                                                 \
             for (int64_t b = 0; b < nblocks; b++) BODY(WIDEN, STORE)                            \
         }                                                                                       \
-    }                                                                                           \
-}
+    }
+
+#define ADAMW_KERNEL(NAME, GRAD_T, WIDEN, STORE)                                                 \
+void NAME(float *restrict p, float *restrict m, float *restrict v, const GRAD_T *restrict g,    \
+          int64_t n, const float *s, int threads, int dynamic) { ADAMW_LOOP(WIDEN, STORE) }
 
 #define BODY(WIDEN, STORE) {                                                                    \
     const int64_t lo = b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;                         \
@@ -92,12 +94,31 @@ void NAME(float *restrict p, float *restrict m, float *restrict v, const GRAD_T 
     }                                                                                           \
 }
 
+/* The weights pass of clip_sweep=weights: the new parameters rounded to BF16 (round to nearest
+   even, as torch's and the GPU's casts; NaN -> 0x7FC0 as torch's) into w, the upload's source;
+   the master and the moments stay as they were, for the "all" pass that follows with the same
+   inputs (so the master it writes rounds to exactly these BF16 values). */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+#define STORE_WEIGHTS w[i] = to_bf16(p[i] * decay - step_size * mi / denom);
+
+#define ADAMW_WEIGHTS_KERNEL(NAME, GRAD_T, WIDEN)                                                \
+void NAME(float *restrict p, float *restrict m, float *restrict v, const GRAD_T *restrict g,    \
+          uint16_t *restrict w, int64_t n, const float *s, int threads, int dynamic) {          \
+    ADAMW_LOOP(WIDEN, STORE_WEIGHTS) }
+
 ADAMW_KERNEL(adamw_f32, float, from_f32, STORE_ALL)
 ADAMW_KERNEL(adamw_bf16, uint16_t, from_bf16, STORE_ALL)
 ADAMW_KERNEL(adamw_params_f32, float, from_f32, STORE_PARAMS)
 ADAMW_KERNEL(adamw_params_bf16, uint16_t, from_bf16, STORE_PARAMS)
 ADAMW_KERNEL(adamw_moments_f32, float, from_f32, STORE_MOMENTS)
 ADAMW_KERNEL(adamw_moments_bf16, uint16_t, from_bf16, STORE_MOMENTS)
+ADAMW_WEIGHTS_KERNEL(adamw_weights_f32, float, from_f32)
+ADAMW_WEIGHTS_KERNEL(adamw_weights_bf16, uint16_t, from_bf16)
 """
 
 # -ffp-contract=off: no fused multiply-adds, so each element rounds as torch's elementwise
@@ -113,7 +134,8 @@ class Kernel:
     compiler: str
 
     def fn(self, grad_dtype: torch.dtype, part: str = "all"):
-        prefix = {"all": "adamw", "params": "adamw_params", "moments": "adamw_moments"}[part]
+        prefix = {"all": "adamw", "params": "adamw_params", "moments": "adamw_moments",
+                  "weights": "adamw_weights"}[part]
         return getattr(self.lib, f"{prefix}_{GRAD_TYPES[grad_dtype]}")
 
 
@@ -150,6 +172,10 @@ def _build() -> Kernel:
         fn = getattr(lib, name)
         fn.argtypes = [ctypes.c_void_p] * 4 + [c_int64, f32_ptr, c_int, c_int]
         fn.restype = None
+    for name in (f"adamw_weights_{g}" for g in ("f32", "bf16")):     # one more pointer: the BF16 weights
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.c_void_p] * 5 + [c_int64, f32_ptr, c_int, c_int]
+        fn.restype = None
     return Kernel(lib, cc)
 
 
@@ -176,7 +202,8 @@ def takes(grad: torch.Tensor, master: torch.Tensor) -> bool:
 
 def update(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, *,
            lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
-           schedule: str = "dynamic", threads: int = 0, grad_scale: float = 1.0, part: str = "all") -> None:
+           schedule: str = "dynamic", threads: int = 0, grad_scale: float = 1.0, part: str = "all",
+           weights: torch.Tensor | None = None) -> None:
     """One AdamW step over equal-length contiguous 1-D CPU ranges (master and moments FP32,
     updated in place; grad FP32 or BF16, read only), on `threads` OpenMP threads (0: the calling
     thread's torch.get_num_threads()). Only for ranges that takes() accepts.
@@ -190,7 +217,10 @@ def update(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
     "params" writes only the parameters (18 B/param: the new moments stay in registers) and
     "moments" only the moments (18 B/param), from the same inputs, so "params" then "moments"
     leaves exactly what "all" does. The deferred schedule runs "params" where the next forward
-    waits for it and "moments" later, where the host is idle (engine/slide/engine.py)."""
+    waits for it and "moments" later, where the host is idle (engine/slide/engine.py).
+    "weights" (clip_sweep=weights) writes only the new parameters rounded to BF16 into `weights`
+    ([n] BF16, the upload's source; 16 B/param) and leaves master and moments alone: "all" then
+    writes them from the same inputs, and the master's BF16 rounding is exactly `weights`."""
     kernel = load()
     assert kernel is not None and schedule in SCHEDULES
     n = grad.numel()
@@ -202,5 +232,9 @@ def update(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
     bc2 = 1 - beta2 ** step
     scalars = (ctypes.c_float * 9)(1 - lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2,
                                    lr / bc1, math.sqrt(bc2), eps, grad_scale)
-    kernel.fn(grad.dtype, part)(master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(),
-                          n, scalars, threads or torch.get_num_threads(), int(schedule == "dynamic"))
+    pointers = [master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr()]
+    if part == "weights":
+        assert weights is not None and weights.dtype == torch.bfloat16 and weights.is_contiguous() \
+            and weights.numel() == n
+        pointers.append(weights.data_ptr())
+    kernel.fn(grad.dtype, part)(*pointers, n, scalars, threads or torch.get_num_threads(), int(schedule == "dynamic"))

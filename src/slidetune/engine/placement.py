@@ -66,6 +66,9 @@ class UnitPlace:
     slot: str         # own | window (SLOTS)
     master: str = ""  # gpu | host | disk: where its FP32 master lives ("": with its state, or RAM for a disk unit)
     held: int = 0     # held gradient buffers in host RAM (deferred schedule, host-updated units): 0, 1, 2
+    # clip_sweep=weights (deferred, units in host RAM): a compute-dtype copy of the weights in
+    # host RAM, written by the weights pass, which the uploads read instead of the FP32 master
+    upload_copy: bool = False
 
     def __post_init__(self):
         if not self.master:
@@ -144,8 +147,12 @@ class PlacementPlan:
             if rt.held_buffers == 2:
                 for i in second:
                     held[i] = 2
+        # Upload copies (clip_sweep=weights): the units whose update the weights pass splits, those
+        # with master and moments in RAM (a disk unit's update is one pass: its moments are read once)
+        copies = schedule == "deferred" and rt.clip_sweep == "weights"
         units = tuple(UnitPlace(i, s.name, s.numel, state[i], "own" if i in own else "window",
-                                master="disk" if i in disk_masters else "", held=held[i])
+                                master="disk" if i in disk_masters else "", held=held[i],
+                                upload_copy=copies and state[i] == "host")
                       for i, s in enumerate(shapes))
         kept = L if not rt.offload_activations else min(L, max(0, rt.gpu_checkpoints))
         return cls(units=units, window_slots=window_slots, gpu_checkpoints=kept, schedule=schedule)
@@ -154,6 +161,10 @@ class PlacementPlan:
         """Elements of held gradient buffers in host RAM (deferred schedule): a buffer per
         host-updated unit, and a second for those that have one."""
         return sum(u.held * u.numel for u in self.units)
+
+    def upload_copy_numel(self) -> int:
+        """Elements of the compute-dtype upload copies in host RAM (clip_sweep=weights)."""
+        return sum(u.numel for u in self.units if u.upload_copy)
 
     def disk_capacity(self) -> int:
         """How many units could go to disk in this plan: the head and the decoder layers not on the
@@ -281,6 +292,9 @@ class PlacementPlan:
             one = [u for u in self.units if u.held == 1]
             lines.append(f"  held gradients (clipped schedule): two buffers for {self.ranges(lambda u: u.held == 2)}"
                          + (f", one for {self.ranges(lambda u: u.held == 1)}" if one else ""))
+        if any(u.upload_copy for u in self.units):
+            lines.append(f"  upload copies (clip_sweep weights: compute-dtype weights the uploads read): "
+                         f"{self.ranges(lambda u: u.upload_copy)}")
         lines.append(f"  GPU weight slots: own for {self.ranges(lambda u: u.slot == 'own')}; "
                      f"window of {self.window_slots} for {self.ranges(lambda u: u.slot == 'window')}")
         layer_uploads, vocab_uploads = self.uploads_per_step()
@@ -292,12 +306,12 @@ class PlacementPlan:
         """A compact record for results files (bench.measure) and Placement-free floors."""
         return {"schedule": self.schedule, "window_slots": self.window_slots,
                 "gpu_checkpoints": self.gpu_checkpoints,
-                "units": [[u.name, u.numel, u.state, u.slot, u.master, u.held] for u in self.units]}
+                "units": [[u.name, u.numel, u.state, u.slot, u.master, u.held, u.upload_copy] for u in self.units]}
 
     @classmethod
     def from_dict(cls, d: dict) -> PlacementPlan:
         """A plan from to_dict's record (or an older one without the masters' tier: masters in RAM;
-        or without held buffers: none)."""
+        or without held buffers or upload copies: none)."""
         units = tuple(UnitPlace(i, name, int(numel), state, slot, *rest) for i, (name, numel, state, slot, *rest)
                       in enumerate(d["units"]))
         return cls(units=units, window_slots=int(d["window_slots"]), gpu_checkpoints=int(d["gpu_checkpoints"]),

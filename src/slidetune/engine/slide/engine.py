@@ -154,7 +154,9 @@ class SlideEngine:
         self.device_layers = self.plan.device_layers
         device_units = frozenset(self.plan.indices("gpu"))
         self.deferred = self.schedule == "deferred"
-        self.split_sweep = rt.clip_sweep == "split"
+        # the clipped sweep's first pass: "params" (split), "weights" (the units with an upload copy
+        # write their compute-dtype weights, clip_sweep=weights) or the whole update (whole)
+        self.split_sweep = rt.clip_sweep in ("split", "weights")
         # Data parallel: the host state lives once per host in shared memory; this rank updates the
         # units it owns and follows the others' owners.
         self.dp = dist if dist is not None and dist.world_size > 1 else None
@@ -164,6 +166,14 @@ class SlideEngine:
             # the other ranks upload a disk unit's weights from the shared mapping, which holds masters
             raise ValueError("data parallel over several ranks does not support --tuning.disk_master yet (the masters "
                              "of disk units on disk); use --tuning.disk_master off, or run on one rank")
+        if any(u.upload_copy for u in self.plan.units):
+            if self.dp is not None:
+                raise ValueError("--tuning.clip_sweep weights runs on one rank for now (the host's other ranks "
+                                 "would upload the shared master before its second pass); use split under data "
+                                 "parallel")
+            if self.dtype != torch.bfloat16:
+                raise ValueError(f"--tuning.clip_sweep weights writes BF16 upload copies, but the compute dtype is "
+                                 f"{self.dtype}; use split")
         if self.dp is not None:
             # Host-updated units (host and disk) are shared and sharded over the host's ranks. Units
             # updated on the GPU are every rank's own: each rank applies the same all-reduced
@@ -205,7 +215,8 @@ class SlideEngine:
                                    held_buffers=[max(1, u.held) for u in self.plan.units],
                                    kernel=rt.host_adamw,
                                    device_units=device_units, device=device.device, disk=self.disk,
-                                   shared=shared, owned=owned, compute_dtype=self.dtype)
+                                   shared=shared, owned=owned, compute_dtype=self.dtype,
+                                   upload_copies=frozenset(u.index for u in self.plan.units if u.upload_copy))
             if self.dp is not None:
                 self.dp.host_barrier()      # every owner has filled its units before anyone uploads
         except BaseException:
@@ -269,7 +280,7 @@ class SlideEngine:
                     device.register_host(unit.weights)  # a disk-master unit's: one async H2D, no cast
         if self.gpu_cast:
             for unit in self.units:
-                if unit.on_host and unit.master is not None:
+                if unit.on_host and unit.master is not None and unit.weights is None:
                     device.register_host(unit.master)   # page-locked in place: async FP32 H2D, no copy
         self.uploader = Uploader(device, self.dtype, chunk, rt.upload_ring, gpu_cast=self.gpu_cast,
                                  stages=rt.upload_stages)
@@ -858,9 +869,9 @@ class SlideEngine:
                 event = wait_or_abort(landed[index], self._abort, f"the held gradient of {unit.spec.name}")
                 event.synchronize()
                 split = self.split_sweep and unit.disk is None
+                first = ("weights" if unit.weights is not None else "params") if split else "all"
                 with self.timeline.span("host", "adamw", unit.spec.name):
-                    GradDrain.deferred_update(unit, unit.held[ks[index]], lr, coef, self.chunk,
-                                              part="params" if split else "all")
+                    GradDrain.deferred_update(unit, unit.held[ks[index]], lr, coef, self.chunk, part=first)
                 if not split:
                     unit.publish_state()
                     held_free[index].set_result(None)
@@ -868,7 +879,8 @@ class SlideEngine:
                 if unit.disk is not None:
                     continue
                 with self.timeline.span("host", "adamw_moments", unit.spec.name):
-                    GradDrain.deferred_moments(unit, unit.held[ks[index]], coef, self.chunk)
+                    GradDrain.deferred_moments(unit, unit.held[ks[index]], coef, self.chunk,
+                                               lr=lr if unit.weights is not None else 0.0)
                 unit.publish_state()
                 held_free[index].set_result(None)
             return total
@@ -1176,7 +1188,7 @@ class SlideEngine:
                         self.device.unregister_host(unit.weights)
             if self.gpu_cast:
                 for unit in self.units:
-                    if unit.on_host and unit.master is not None:
+                    if unit.on_host and unit.master is not None and unit.weights is None:   # as registered
                         self.device.unregister_host(unit.master)
                 self.gpu_cast = False
 

@@ -33,7 +33,7 @@ class HostUnit:
                  held_dtype: torch.dtype | None = None, kernel: str = "dynamic",
                  device: torch.device | None = None, disk: DiskTier | None = None,
                  shared: SharedUnit | None = None, owned: bool = True, compute_dtype: torch.dtype | None = None,
-                 held_buffers: int = 1):
+                 held_buffers: int = 1, upload_copy: bool = False):
         """held_dtype: the deferred schedule's held gradient [numel] in this dtype (host units only;
         a unit on the device holds its gradient there, in the engine), `held_buffers` of them.
         device: keep this unit's master and AdamW state there from the start (vocab_update=device,
@@ -44,7 +44,10 @@ class HostUnit:
         `compute_dtype` (what its uploads copy, rewritten as each block's update lands) and no master.
         shared: data parallel: the unit's views of the host state its ranks share (master, moments,
         step, versions); `owned`: this rank fills and updates it (and holds its gradient), else it
-        follows the owner's weights version (follow())."""
+        follows the owner's weights version (follow()).
+        upload_copy: keep `weights` [numel] in `compute_dtype` beside the master (clip_sweep=weights):
+        the clipped sweep's weights pass writes them (part "weights") and the uploads copy them; the
+        master and moments follow in the second pass (part "rest")."""
         self.spec = spec
         self.shared = shared
         self.owned = owned
@@ -68,6 +71,11 @@ class HostUnit:
             self.master = None
         else:
             self.master = master.to(device) if self.on_device else master  # the host buffer goes with `master`
+            if upload_copy:
+                if self.on_device or disk is not None or shared is not None or compute_dtype != torch.bfloat16:
+                    raise ValueError(f"{spec.name}: an upload copy (clip_sweep=weights) is for a unit in this "
+                                     f"process's host RAM with a BF16 compute dtype")
+                self.weights = master.to(compute_dtype)
         del master
         self.opt = FlatAdamW(self.master, spec.n_decay, optim, kernel, moments_here=disk is None,
                              state=(shared.exp_avg, shared.exp_avg_sq, shared.step) if shared is not None else None)
@@ -103,7 +111,8 @@ class HostUnit:
         master comes in the same block, and the range's new weights are written into `weights`
         (the compute dtype) before the caller advances the progress the uploads trail."""
         if self.disk is None:
-            self.opt.update(grad, lr, start, grad_scale=grad_scale, part=part)
+            weights = self.weights[start:start + grad.numel()] if part == "weights" else None
+            self.opt.update(grad, lr, start, grad_scale=grad_scale, part=part, weights=weights)
             return
         if part != "all":
             raise ValueError("a disk unit's update reads and writes its moments once: part must be 'all'")
@@ -158,6 +167,8 @@ class HostUnit:
         if not self.master_on_disk:
             for name, view in self.params().items():
                 view.copy_(masters[name])
+            if self.weights is not None:          # an upload copy: the loaded master's cast
+                self.weights.copy_(self.master)
             self.load_state_tensors(state)
             return
         ranges = _ParamRanges(self.spec.params, masters)
@@ -273,7 +284,7 @@ class HostStore:
                  device_units: frozenset[int] = frozenset(), device: torch.device | None = None,
                  disk: DiskTier | None = None, shared: SharedHostState | None = None,
                  owned: frozenset[int] | None = None, compute_dtype: torch.dtype | None = None,
-                 held_buffers: int | list[int] = 1):
+                 held_buffers: int | list[int] = 1, upload_copies: frozenset[int] = frozenset()):
         """held_dtype: the deferred schedule's held gradients' dtype (None: eager, none held), and
         `held_buffers` per unit (used on alternate steps): one count for all, or one per unit index.
         kernel: the host AdamW kernel of every unit (FlatAdamW's; RuntimeConfig.host_adamw).
@@ -281,7 +292,9 @@ class HostStore:
         disk: the disk tier; the units it holds (disk.units) keep their moments there, and those of
         disk.masters their masters too, with their weights here in `compute_dtype`.
         shared: data parallel: the host state this host's ranks share, in place of this store's own
-        allocations; `owned`: the indices of the units this rank fills and updates (None: all)."""
+        allocations; `owned`: the indices of the units this rank fills and updates (None: all).
+        upload_copies: the units that keep a compute-dtype copy of their weights for the uploads
+        (the plan's upload_copy: clip_sweep=weights)."""
         # Each unit is materialized straight from the source into its own master (no second
         # copy), several units at once: torch's normal_ with a generator runs on one core
         # (~150 M values/s), so a random 8B model took ~55 s unit by unit. Every unit seeds
@@ -296,7 +309,8 @@ class HostStore:
                                    # a unit updated on the device is each rank's own copy
                                    shared=shared.units[i] if shared is not None and i not in device_units else None,
                                    owned=owned is None or i in owned, compute_dtype=compute_dtype,
-                                   held_buffers=held_buffers if isinstance(held_buffers, int) else held_buffers[i]),
+                                   held_buffers=held_buffers if isinstance(held_buffers, int) else held_buffers[i],
+                                   upload_copy=i in upload_copies),
                 range(len(split.units))))
         self.shared = shared
 
@@ -315,10 +329,11 @@ class HostStore:
 
 def _unit_host_bytes(unit: HostUnit) -> int:
     """A host unit's RAM: master + moments (12 B/param), a disk unit's master (4), or a disk-master
-    unit's compute-dtype weights (2 for BF16)."""
-    if unit.weights is not None:
-        return unit.weights.numel() * unit.weights.element_size()
-    return (4 if unit.disk is not None else 12) * unit.spec.numel
+    unit's compute-dtype weights (2 for BF16); an upload copy's weights (2) beside a master."""
+    copy = unit.weights.numel() * unit.weights.element_size() if unit.weights is not None else 0
+    if unit.master_on_disk:
+        return copy
+    return (4 if unit.disk is not None else 12) * unit.spec.numel + copy
 
 
 class _ParamRanges:

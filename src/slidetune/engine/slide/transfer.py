@@ -230,7 +230,9 @@ class GradDrain:
         chunk (the next step's upload trails it chunk by chunk). part="params": only the
         parameters are written (18 of AdamW's 26 B/param of host DRAM), the next forward waits
         for them, and the moments follow in deferred_moments, where nothing waits
-        (FlatAdamW.update's split pair); part="all": the whole update at once (clip_sweep)."""
+        (FlatAdamW.update's split pair); part="weights": only the unit's compute-dtype upload copy
+        (16 B/param; master and moments in deferred_moments); part="all": the whole update at once
+        (clip_sweep)."""
         unit.begin_update()
         unit.opt.begin_step()
         n = unit.spec.numel
@@ -242,14 +244,17 @@ class GradDrain:
         unit.bump_version()
 
     @staticmethod
-    def deferred_moments(unit: HostUnit, held: torch.Tensor, clip_coef: float, chunk: int) -> None:
+    def deferred_moments(unit: HostUnit, held: torch.Tensor, clip_coef: float, chunk: int, lr: float = 0.0) -> None:
         """The moments of the update deferred_update wrote the weights of (same gradient `held`,
-        same coefficient); after it that held buffer may be overwritten."""
+        same coefficient); after it that held buffer may be overwritten. A unit with an upload copy
+        (clip_sweep=weights, whose first pass wrote only the compute-dtype weights) gets its master
+        here too, with the same `lr` ("rest")."""
         n = unit.spec.numel
+        part = "rest" if unit.weights is not None else "moments"
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
             with record_function("slidetune.adamw"):        # AdamW work to the profile summary too
-                unit.update_range(held[lo:hi], 0.0, lo, grad_scale=clip_coef, part="moments")
+                unit.update_range(held[lo:hi], lr, lo, grad_scale=clip_coef, part=part)
 
 
 def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
