@@ -77,13 +77,14 @@ def soak(spec: SoakSpec) -> dict:
     loaded = load_model(spec.model, num_layers=spec.num_layers, seed=spec.seed, with_tokenizer=False)
     base = dict(spec=asdict(spec), machine=machine_info())
     if rt.mode == "slide":
-        from ..engine.fit import InsufficientMemoryError, Workload, check_fit, choose_auto_settings
+        from ..engine.fit import InsufficientMemoryError, Workload, check_fit_on_ranks, place_on_ranks
+        from ..ranks import Ranks
         work = Workload(batch_size=spec.batch_size, seq_len=spec.seq_len, max_grad_norm=spec.max_grad_norm,
                         gpu_free_bytes=free, padded=False)       # synthetic rows are full: never padded
-        rt = choose_auto_settings(loaded.split, rt, **work.fit_kwargs())
+        rt = place_on_ranks(loaded.split, rt, work, Ranks.single())
         if spec.check_memory:
             try:
-                check_fit(loaded.split, rt, **work.fit_kwargs())
+                check_fit_on_ranks(loaded.split, rt, work, Ranks.single())
             except InsufficientMemoryError as e:
                 return {**base, "runtime": asdict(rt), "status": "refused", "error": str(e)}
     t0 = time.perf_counter()

@@ -280,7 +280,7 @@ class SlideEngine:
                     device.register_host(unit.weights)  # a disk-master unit's: one async H2D, no cast
         if self.gpu_cast:
             for unit in self.units:
-                if unit.on_host and unit.master is not None and unit.weights is None:
+                if unit.on_host and unit.master is not None and not unit.upload_copy:
                     device.register_host(unit.master)   # page-locked in place: async FP32 H2D, no copy
         self.uploader = Uploader(device, self.dtype, chunk, rt.upload_ring, gpu_cast=self.gpu_cast,
                                  stages=rt.upload_stages)
@@ -869,7 +869,7 @@ class SlideEngine:
                 event = wait_or_abort(landed[index], self._abort, f"the held gradient of {unit.spec.name}")
                 event.synchronize()
                 split = self.split_sweep and unit.disk is None
-                first = ("weights" if unit.weights is not None else "params") if split else "all"
+                first = ("weights" if unit.upload_copy else "params") if split else "all"
                 with self.timeline.span("host", "adamw", unit.spec.name):
                     GradDrain.deferred_update(unit, unit.held[ks[index]], lr, coef, self.chunk, part=first)
                 if not split:
@@ -879,8 +879,7 @@ class SlideEngine:
                 if unit.disk is not None:
                     continue
                 with self.timeline.span("host", "adamw_moments", unit.spec.name):
-                    GradDrain.deferred_moments(unit, unit.held[ks[index]], coef, self.chunk,
-                                               lr=lr if unit.weights is not None else 0.0)
+                    GradDrain.deferred_moments(unit, unit.held[ks[index]], coef, self.chunk, lr=lr)
                 unit.publish_state()
                 held_free[index].set_result(None)
             return total
@@ -1188,7 +1187,7 @@ class SlideEngine:
                         self.device.unregister_host(unit.weights)
             if self.gpu_cast:
                 for unit in self.units:
-                    if unit.on_host and unit.master is not None and unit.weights is None:   # as registered
+                    if unit.on_host and unit.master is not None and not unit.upload_copy:   # as registered
                         self.device.unregister_host(unit.master)
                 self.gpu_cast = False
 

@@ -93,6 +93,12 @@ class HostUnit:
         self._cond = threading.Condition()
 
     @property
+    def upload_copy(self) -> bool:
+        """Whether this unit keeps a compute-dtype copy beside its master (clip_sweep=weights; a
+        disk-master unit's `weights` stand in for a master it does not hold)."""
+        return self.weights is not None and self.master is not None
+
+    @property
     def upload_source(self) -> torch.Tensor:
         """[numel] what the uploads copy: the FP32 master (cast on the way), or a disk-master unit's
         compute-dtype weights (copied as they are)."""
@@ -167,7 +173,7 @@ class HostUnit:
         if not self.master_on_disk:
             for name, view in self.params().items():
                 view.copy_(masters[name])
-            if self.weights is not None:          # an upload copy: the loaded master's cast
+            if self.upload_copy:                  # the loaded master's cast
                 self.weights.copy_(self.master)
             self.load_state_tensors(state)
             return

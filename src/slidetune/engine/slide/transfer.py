@@ -244,13 +244,13 @@ class GradDrain:
         unit.bump_version()
 
     @staticmethod
-    def deferred_moments(unit: HostUnit, held: torch.Tensor, clip_coef: float, chunk: int, lr: float = 0.0) -> None:
+    def deferred_moments(unit: HostUnit, held: torch.Tensor, clip_coef: float, chunk: int, lr: float) -> None:
         """The moments of the update deferred_update wrote the weights of (same gradient `held`,
         same coefficient); after it that held buffer may be overwritten. A unit with an upload copy
         (clip_sweep=weights, whose first pass wrote only the compute-dtype weights) gets its master
-        here too, with the same `lr` ("rest")."""
+        here too, with the same `lr` ("rest"; the moments alone do not depend on it)."""
         n = unit.spec.numel
-        part = "rest" if unit.weights is not None else "moments"
+        part = "rest" if unit.upload_copy else "moments"
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
             with record_function("slidetune.adamw"):        # AdamW work to the profile summary too
