@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import pytest
 
 from slidetune.bench.measure import MeasureSpec, measure
 from slidetune.bench.scenarios.common import read_csv, read_csv_machine
@@ -161,3 +162,28 @@ def test_measure_refuses_what_does_not_fit_before_building(monkeypatch):
     assert r["status"] == "refused" and "host RAM" in r["error"] and not built
     monkeypatch.delenv(ENV_HOST_MEMORY)
     assert measure(spec)["status"] == "ok" and built
+
+
+def test_a_disk_tier_run_warms_up_past_its_first_sweep_and_reports_its_disk_rate(tmp_path):
+    # The tier's files start as unwritten extents: the first sweep reads zeros the disk never
+    # serves, so one warm-up step measured a fast step then a slow one (session 17's 14B: 22 s,
+    # 65 s). The bench keeps at least two warm-up steps there, and says so.
+    from slidetune.bench.scenarios.throughput import _row
+    spec = MeasureSpec(model="tiny-llama", seq_len=16, batch_size=2, steps=1, warmup=1, per_layer=False,
+                       max_grad_norm=1.0,
+                       runtime=dict(device="cpu", mode="slide", disk_units=1, disk_dir=str(tmp_path),
+                                    disk_block_mb=0.1, disk_buffers=3))
+    r = measure(spec)
+    assert r["status"] == "ok"
+    assert r["warmup_raised"]["asked"] == 1 and r["warmup_raised"]["used"] == 2
+    assert [s["warmup"] for s in r["steps"]] == [True, True, False]
+    # one disk unit (the head, then the top layers): its moments read and written once a step
+    assert r["disk_io_bytes_per_step"] > 0
+    assert r["engine_memory"]["disk_state"] * 2 == r["disk_io_bytes_per_step"]
+    row = _row("slide", "tiny-llama", 2, 16, r, None, None)
+    assert row["disk_gib_s"] == pytest.approx(r["disk_io_bytes_per_step"] / 2**30 / r["step_s_mean"])
+    # without a disk tier the warm-up is the one asked for
+    r = measure(MeasureSpec(model="tiny-llama", seq_len=16, batch_size=2, steps=1, warmup=1, per_layer=False,
+                            runtime=dict(device="cpu", mode="slide")))
+    assert "warmup_raised" not in r and [s["warmup"] for s in r["steps"]] == [True, False]
+    assert "disk_io_bytes_per_step" not in r

@@ -437,7 +437,7 @@ COLUMNS = ["model", "seq_len", "batch_size", "system", "recipe", "gpus", "status
            "floor_s",
            "floor_bound_by", "floor_partial", "step_over_floor", "oom_requested_gib", "call_s_mean",
            "host_adamw_s", "host_wait_d2h_s", "fwd_wait_upload_s", "bwd_wait_grad_slot_s", "device_layers",
-           "gpu_checkpoints", "host_threads", "error"]
+           "gpu_checkpoints", "host_threads", "disk_io_gib", "disk_gib_s", "error"]
 # slide's host timeline, seconds per step (bench.measure host_s_mean): where a step goes
 # (host_adamw_s: AdamW's time; under clipping the weights pass and the moments pass)
 HOST_COLUMNS = {"host_adamw_s": ("host.adamw", "host.adamw_moments"),
@@ -462,6 +462,11 @@ def _row(system, model, batch, seq, r, fpt, fl, recipe: dict | None = None, coll
     if row["tokens_per_s"] and fpt:
         row["model_tflops"] = row["tokens_per_s"] * fpt / 1e12
     row["call_s_mean"] = r.get("call_s_mean")
+    if r.get("disk_io_bytes_per_step") and row["step_s_mean"]:
+        # the disk tier's reads and writes a step over the step: the rate the run drew from the
+        # disk (its floor's disk_s used the probe's mixed rate; a run below it lost time elsewhere)
+        row["disk_io_gib"] = r["disk_io_bytes_per_step"] / 2**30
+        row["disk_gib_s"] = row["disk_io_gib"] / row["step_s_mean"]
     # slide: decoder layers whose state stayed on the GPU, and the host AdamW's threads (resolved autos)
     row["device_layers"], row["host_threads"] = r.get("device_layers"), r.get("host_threads")
     row["gpu_checkpoints"] = _placement(r).get("gpu_checkpoints")
