@@ -542,3 +542,42 @@ def test_throughput_rows_use_the_floor_of_the_runs_placement(tmp_path):
     assert float(rows["deepspeed"]["step_over_floor"]) == pytest.approx(1.5)
     assert float(rows["deepspeed"]["model_tflops"]) == pytest.approx(30.0 * 1e9 / 1e12)
     assert "`compile_layers=true`" in report and "| compute_s |" in report
+
+
+def test_throughput_variants_alternate_and_pair_in_one_call(tmp_path):
+    """--variants a:...;b:... --rounds 2: slide runs a, b, a, b (one floor probe), each row says its
+    variant and round, and the report pairs each b with the a of its round."""
+    from slidetune.bench.scenarios import throughput
+    from slidetune.bench.scenarios.throughput import rewrite_report
+    out = throughput.run(_args(throughput, ["--smoke", "--out", str(tmp_path), "--models", "tiny-llama",
+                                            "--systems", "slide", "--recipes", "clip", "--rounds", "2",
+                                            "--variants", "one:held_buffers=1;two:held_buffers=2"]))
+    rows = read_csv(out / "throughput.csv")
+    assert [(r["variant"], r["round"]) for r in rows] == [("one", "1"), ("two", "1"), ("one", "2"), ("two", "2")]
+    assert all(r["status"] == "ok" and float(r["step_s_mean"]) > 0 for r in rows)
+    runs = json.loads((out / "throughput.json").read_text())["runs"]
+    assert [r["runtime"]["held_buffers"] for r in runs] == [1, 2, 1, 2]       # each run got its variant
+    table = {t["variant"]: t for t in throughput.ab_table(json.loads((out / "throughput.json").read_text())["rows"])}
+    steps = {(r["variant"], r["round"]): float(r["step_s_mean"]) for r in rows}
+    assert table["one"]["paired_ratio_mean"] == pytest.approx(1.0)
+    expect = (steps["two", "1"] / steps["one", "1"] + steps["two", "2"] / steps["one", "2"]) / 2
+    assert table["two"]["paired_ratio_mean"] == pytest.approx(expect)
+    report = (out / "report.md").read_text()
+    assert "## A/B: variants run alternately in this call" in report
+    summary = {r["config"] for r in read_csv(out / "per_run" / "summary.csv")}
+    assert "slide-tiny-llama-b2-s32-two-r2" in summary
+    # the report rewritten from its JSON keeps the variants
+    rewrite_report(out)
+    assert [r["variant"] for r in read_csv(out / "throughput.csv")] == ["one", "two", "one", "two"]
+
+
+def test_throughput_variants_are_named_and_leave_the_floor_alone():
+    from slidetune.bench.scenarios.throughput import parse_ab_variants
+    assert parse_ab_variants("") == [("", {})]
+    assert parse_ab_variants("a:;b:clip_sweep=weights") == [("a", {}), ("b", {"clip_sweep": "weights"})]
+    with pytest.raises(ValueError, match="its own name"):
+        parse_ab_variants("a:;a:held_buffers=1")
+    with pytest.raises(ValueError, match="compile_layers also sets how the floor is probed"):
+        parse_ab_variants("a:;b:compile_layers=on")
+    with pytest.raises(ValueError, match="RuntimeConfig field"):
+        parse_ab_variants("a:;b:no_such_knob=1")

@@ -20,6 +20,11 @@ per GPU fixed: global and per-GPU tokens/s, scaling efficiency against the N=1 r
 call, the host's RSS over its ranks (the shared host state once). Each N > 1 row's floor adds
 the gradient all-reduce at the bus bandwidth bench.collective probed on N ranks in the same call
 (bench.roofline.floor_terms, `ranks`). The other systems run at N=1 only.
+A/B (--variants 'a:;b:key=value', --rounds N): slide runs each variant's RuntimeConfig overrides
+on top of --runtime, alternating (a b a b ...) for N rounds against one floor probe, and the
+report pairs each run with its neighbour of the first variant: a VM's memory bandwidth can move
+by a quarter between two invocations minutes apart (NOTES.md 30), which a pair of separate
+calls cannot tell from the change under test.
 """
 from __future__ import annotations
 
@@ -56,6 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipes", default="clip",
                    help="comma list of recipes for slide and gpu-ckpt: plain | clip[X] | accumN | clip+accumN "
                         "(clip: max_grad_norm 1.0, the default recipe; accumN: N micro-batches of batch/N)")
+    p.add_argument("--variants", default="",
+                   help="slide only: 'name:key=value,...;name2:...' RuntimeConfig overrides on top of --runtime, "
+                        "run side by side in one call (an A/B), e.g. 'split:;copy:clip_sweep=weights'")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with --variants: run every variant this many times, alternating (A B A B ...), so a "
+                        "change in the machine between runs hits each variant alike; the report pairs them")
     p.add_argument("--gpus", default="1",
                    help="comma list of data-parallel rank counts for slide, e.g. 1,2 (the batch is per GPU; "
                         "each N > 1 also probes the all-reduce on N ranks for its floor); with --device cpu, "
@@ -127,6 +138,8 @@ def run(args: argparse.Namespace) -> Path:
     adamw_probe = None
     # The floor times the layers as slide runs them (compiled or not).
     slide_over = _runtime_overrides(args.runtime)
+    variants = parse_ab_variants(getattr(args, "variants", ""))
+    rounds = max(1, int(getattr(args, "rounds", 1)))
     for model in models:
         for seq in seqs:
             fpt = _flops_per_token(model, layers, seq)
@@ -155,18 +168,26 @@ def run(args: argparse.Namespace) -> Path:
                         coll = collectives[ckey]
                     for system in (systems if n == 1 else [s for s in systems if s == "slide"]):
                         # the baselines' workers run a plain step: once per workload
-                        for rec in (recipes if system in ("slide", "gpu-ckpt") else [parse_recipe("plain")]):
-                            r = _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, args,
-                                            profile=args.profile, recipe=rec, ranks=n)
-                            per_run.append(_as_measured(r, system, model, batch, seq, warmup,
-                                                        rec["name"] if len(recipes) > 1 else "", gpus=n))
-                            raw.append({"key": key, "system": system, "recipe": rec["name"], "gpus": n,
-                                        **{k: v for k, v in r.items() if k != "steps"}})
-                            rows.append(_row(system, model, batch, seq, r, fpt, fl, recipe=rec, collective=coll,
-                                             ranks=n))
-                            print(f"[throughput] {key} {system} {rec['name']} x{n}: {rows[-1]['status']} "
-                                  f"{O.fmt(rows[-1].get('tokens_per_s'), 0)} tok/s "
-                                  f"step/floor {O.fmt(rows[-1].get('step_over_floor'))}", flush=True)
+                        recs = recipes if system in ("slide", "gpu-ckpt") else [parse_recipe("plain")]
+                        # an A/B: each round runs every recipe's variants back to back (slide only)
+                        vs = variants if system == "slide" else [("", {})]
+                        for rnd in range(1, (rounds if system == "slide" else 1) + 1):
+                            for rec in recs:
+                                for vname, vover in vs:
+                                    r = _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda,
+                                                    args, profile=args.profile, recipe=rec, ranks=n, variant=vover)
+                                    tag = "-".join(t for t in (rec["name"] if len(recipes) > 1 else "", vname,
+                                                               f"r{rnd}" if rounds > 1 else "") if t)
+                                    per_run.append(_as_measured(r, system, model, batch, seq, warmup, tag, gpus=n))
+                                    raw.append({"key": key, "system": system, "recipe": rec["name"], "gpus": n,
+                                                "variant": vname or None, "round": rnd if vname else None,
+                                                **{k: v for k, v in r.items() if k != "steps"}})
+                                    rows.append(_row(system, model, batch, seq, r, fpt, fl, recipe=rec,
+                                                     collective=coll, ranks=n, variant=vname, round_=rnd))
+                                    print(f"[throughput] {key} {system} {rec['name']}"
+                                          + (f" {vname} round {rnd}" if vname else "") + f" x{n}: "
+                                          f"{rows[-1]['status']} {O.fmt(rows[-1].get('tokens_per_s'), 0)} tok/s "
+                                          f"step/floor {O.fmt(rows[-1].get('step_over_floor'))}", flush=True)
     if args.max_seq:
         granule, start = (16, 32) if args.smoke else (args.seq_granule, args.max_seq_start)
         for model in models:
@@ -233,7 +254,7 @@ def add_scaling(rows: list[dict]) -> None:
     """Each row's scaling efficiency: its per-GPU tokens/s over that of the one-rank row of the same
     system, model, batch (per GPU), sequence and recipe in the same call (None without one)."""
     def key(r):
-        return (r["model"], int(r["seq_len"]), int(r["batch_size"]), r["system"], r.get("recipe"))
+        return (r["model"], int(r["seq_len"]), int(r["batch_size"]), r["system"], r.get("recipe"), r.get("variant"))
     base = {key(r): r["tokens_per_s"] for r in rows if int(r.get("gpus") or 1) == 1 and r.get("tokens_per_s")}
     for r in rows:
         one = base.get(key(r))
@@ -270,7 +291,7 @@ def rewrite_report(out: Path) -> Path:
         n = int(old.get("gpus") or 1)
         rows.append(_row(system, model, batch, seq, r, fpt, floors.get(f"{model}/b{batch}/s{seq}"),
                          recipe=parse_recipe(old.get("recipe") or "plain"), collective=collectives.get(f"{model}/n{n}"),
-                         ranks=n))
+                         ranks=n, variant=old.get("variant") or "", round_=int(old.get("round") or 1)))
         if system == "slide" and not overrides:
             given = {k: v for k, v in ((r.get("spec") or {}).get("runtime") or {}).items()
                      if k not in ("mode", "device", "head_impl", "dtype")}
@@ -391,17 +412,42 @@ def _runtime_overrides(text: str) -> dict:
     return over
 
 
+# Settings the floor is probed with (measure_floor's arguments, from --runtime): a variant that
+# changed one would be held against another machine's floor, so variants may not.
+FLOOR_SETTINGS = ("compile_layers", "grad_download", "host_adamw", "disk_dir", "disk_block_mb", "disk_io_threads")
+
+
+def parse_ab_variants(text: str) -> list[tuple[str, dict]]:
+    """--variants 'a:;b:clip_sweep=weights' -> [("a", {}), ("b", {"clip_sweep": "weights"})]; none
+    given: one unnamed variant. Names must differ, and no variant may change a FLOOR_SETTINGS field."""
+    if not text.strip():
+        return [("", {})]
+    from .pipeline import parse_variants
+    out = parse_variants(text)
+    names = [name for name, _ in out]
+    if any(not n for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"--variants: give each variant its own name ('name:key=value,...'), got {names}")
+    for name, over in out:
+        probed = sorted(set(over) & set(FLOOR_SETTINGS))
+        if probed:
+            raise ValueError(f"--variants {name}: {', '.join(probed)} also sets how the floor is probed; put it in "
+                             f"--runtime (one call per setting), so every variant's floor is its own machine's")
+    return out
+
+
 def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, args, profile: bool = False,
-                recipe: dict | None = None, ranks: int = 1) -> dict:
+                recipe: dict | None = None, ranks: int = 1, variant: dict | None = None) -> dict:
     """One run of `system` at `batch` sequences of `seq` tokens a step (per rank); `recipe`
     (parse_recipe; slide and gpu-ckpt) sets clipping and splits the batch into its micro-batches;
-    `ranks` (slide): data-parallel ranks of this host."""
+    `ranks` (slide): data-parallel ranks of this host; `variant` (slide): an A/B variant's
+    RuntimeConfig overrides, on top of --runtime."""
     gib = args.gpu_memory_limit
     recipe = recipe or parse_recipe("plain")
     if system in ("slide", "gpu-ckpt"):
         rt = dict(mode="slide" if system == "slide" else "ckpt", device=dev, head_impl="chunked")
         if system == "slide":
             rt.update(_runtime_overrides(args.runtime))
+            rt.update(variant or {})
         if dev == "cpu":
             rt["dtype"] = "fp32"
         accum = recipe["grad_accum"]
@@ -431,7 +477,7 @@ def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, arg
     raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
 
 
-COLUMNS = ["model", "seq_len", "batch_size", "system", "recipe", "gpus", "status", "step_s_mean", "step_s_std",
+COLUMNS = ["model", "seq_len", "batch_size", "system", "recipe", "variant", "round", "gpus", "status", "step_s_mean", "step_s_std",
            "tokens_per_s", "tokens_per_s_per_gpu", "scaling_efficiency", "model_tflops", "gpu_peak_alloc_gib",
            "gpu_peak_reserved_gib", "cpu_peak_rss_gib", "host_rss_gib", "allreduce_s", "allreduce_busbw_gib_s",
            "floor_s",
@@ -446,11 +492,12 @@ HOST_COLUMNS = {"host_adamw_s": ("host.adamw", "host.adamw_moments"),
 
 
 def _row(system, model, batch, seq, r, fpt, fl, recipe: dict | None = None, collective: dict | None = None,
-         ranks: int = 1) -> dict:
+         ranks: int = 1, variant: str = "", round_: int = 1) -> dict:
     """One row of throughput.csv. batch is per rank; tokens_per_s the step's over every rank (the
     per-GPU rate beside it); host_rss_gib the host's RSS over its ranks (the shared state once)."""
     recipe = recipe or parse_recipe("plain")
-    row = dict(model=model, seq_len=seq, batch_size=batch, system=system, recipe=recipe["name"], gpus=ranks,
+    row = dict(model=model, seq_len=seq, batch_size=batch, system=system, recipe=recipe["name"],
+               variant=variant or None, round=round_ if variant else None, gpus=ranks,
                status=r.get("status"), step_s_mean=r.get("step_s_mean"), step_s_std=r.get("step_s_std"),
                tokens_per_s=r.get("tokens_per_s"),
                tokens_per_s_per_gpu=r.get("tokens_per_s_per_gpu") or (r["tokens_per_s"] / ranks
@@ -518,6 +565,48 @@ def _floor(system: str, r: dict, fl: dict, recipe: dict, collective: dict | None
     return known[bound], bound, terms
 
 
+def ab_table(rows: list[dict]) -> list[dict]:
+    """The A/B of a call with --variants: per workload (model, seq, batch, recipe, gpus) and variant,
+    the step of each round, their mean, and the step over the first variant's of the same round
+    (paired: a run against its neighbour, not against a run minutes away)."""
+    groups: dict[tuple, dict[str, dict[int, dict]]] = {}
+    for r in rows:
+        if r.get("variant") and r["system"] == "slide":
+            w = (r["model"], int(r["seq_len"]), int(r["batch_size"]), r.get("recipe"), int(r.get("gpus") or 1))
+            groups.setdefault(w, {}).setdefault(r["variant"], {})[int(r.get("round") or 1)] = r
+    out = []
+    for (model, seq, batch, recipe, gpus), by_variant in groups.items():
+        first = next(iter(by_variant.values()))
+        for variant, by_round in by_variant.items():
+            steps = {k: r.get("step_s_mean") for k, r in sorted(by_round.items())}
+            ratios = [steps[k] / first[k]["step_s_mean"] for k in steps
+                      if steps[k] and k in first and first[k].get("step_s_mean")]
+            ok = [v for v in steps.values() if v]
+            floors = [r.get("step_over_floor") for r in by_round.values() if r.get("step_over_floor")]
+            out.append(dict(model=model, seq_len=seq, batch_size=batch, recipe=recipe, gpus=gpus, variant=variant,
+                            steps_s=", ".join(O.fmt(v, 3) for v in steps.values()),
+                            step_s_mean=sum(ok) / len(ok) if ok else None,
+                            step_over_floor_mean=sum(floors) / len(floors) if floors else None,
+                            paired_ratios=", ".join(O.fmt(x, 3) for x in ratios),
+                            paired_ratio_mean=sum(ratios) / len(ratios) if ratios else None))
+    return out
+
+
+def ab_lines(rows: list[dict]) -> list[str]:
+    """The report's A/B section (--variants, --rounds)."""
+    table = ab_table(rows)
+    if not table:
+        return []
+    return ["## A/B: variants run alternately in this call", "",
+            "Each round runs every variant once, back to back (A B A B ...), against one floor probe per "
+            "workload, so a change in the machine between runs (this VM's DRAM rate moved by a quarter "
+            "within minutes, NOTES.md 30) reaches each variant alike. paired_ratios: a variant's step over "
+            "the first variant's in the same round; below 1 is faster.", "",
+            *O.md_table(table, ["model", "seq_len", "batch_size", "recipe", "gpus", "variant", "steps_s",
+                                "step_s_mean", "step_over_floor_mean", "paired_ratios", "paired_ratio_mean"],
+                        {"step_s_mean": 3, "step_over_floor_mean": 3, "paired_ratio_mean": 3}), ""]
+
+
 def _scaling_lines(rows: list[dict], collectives: dict) -> list[str]:
     """The report's scaling section: slide on N ranks beside N=1, and the collective probes."""
     slide = [r for r in rows if r["system"] == "slide"]
@@ -565,7 +654,9 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
     several = {s for s in {r["system"] for r in rows}
                if len({r.get("recipe", "plain") for r in rows if r["system"] == s}) > 1}
     scaled = len({int(r.get("gpus") or 1) for r in rows}) > 1
+    # an A/B's variants are series of their own (several rounds: the plots show the last)
     series = [r["system"] + (f" {r.get('recipe', 'plain')}" if r["system"] in several else "")
+              + (f" {r['variant']}" if r.get("variant") else "")
               + (f" x{r.get('gpus') or 1}" if scaled else "") for r in rows]
     systems = list(dict.fromkeys(series))
     by = {(lab, s): r for lab, s, r in zip(labels, series, rows)}
@@ -593,11 +684,14 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
               "recipe of `slidetune train`); accumN = N micro-batches of batch/N (batch_size is the sequences per "
               "step). A clipped slide step updates only once its backward has ended, so its floor gains the term "
               "clip_sweep_s (bench.roofline.floor_terms).", ""]
-    lines += O.md_table(rows, ["model", "seq_len", "batch_size", "system", "recipe", "gpus", "status", "step_s_mean",
-                               "tokens_per_s",
-                               "model_tflops", "gpu_peak_alloc_gib", "cpu_peak_rss_gib", "step_over_floor",
-                               "floor_bound_by", "oom_requested_gib"],
+    ab = any(r.get("variant") for r in rows)
+    lines += O.md_table(rows, ["model", "seq_len", "batch_size", "system", "recipe"] + (["variant", "round"] if ab else [])
+                        + ["gpus", "status", "step_s_mean", "tokens_per_s",
+                           "model_tflops", "gpu_peak_alloc_gib", "cpu_peak_rss_gib", "step_over_floor",
+                           "floor_bound_by", "oom_requested_gib"],
                         {"step_s_mean": 3, "tokens_per_s": 0, "model_tflops": 1})
+    if ab:
+        lines += ab_lines(rows)
     if scaled:
         lines += _scaling_lines(rows, collectives)
         O.bar_plot(out / "scaling.png", keys, {f"x{n}": [next((r.get("tokens_per_s") for r, lab in zip(rows, labels)
