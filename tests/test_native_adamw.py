@@ -303,3 +303,27 @@ def test_weights_then_rest_writes_what_the_full_update_does(grad_dtype, kernel):
     for a, b in [(pair.master, full.master), (pair.exp_avg, full.exp_avg), (pair.exp_avg_sq, full.exp_avg_sq)]:
         assert torch.equal(a, b)
     assert torch.equal(weights, full.master.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("offset", [0, 5, 31, 32])
+def test_weights_pass_streams_whole_lines_and_stores_the_ragged_ends(offset):
+    """The weights pass stores whole 64-byte lines of its BF16 copy with non-temporal stores and
+    the ends of a block that are not whole lines plainly: a copy that starts off a line (offset
+    elements into a line-aligned buffer) and ends mid-line gets every element, equal to torch's
+    cast of the full update's master, and not one element past its end."""
+    if native_adamw.load() is None:
+        pytest.skip("no C compiler: torch's kernel has no weights pass of its own")
+    n = 2 * native_adamw.BLOCK + 77
+    g0 = torch.Generator().manual_seed(11)
+    master, grad = torch.randn(n, generator=g0), torch.randn(n, generator=g0).to(torch.bfloat16)
+    m, v = torch.randn(n, generator=g0) * 0.1, torch.rand(n, generator=g0) * 0.01
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3, grad_scale=0.5)
+    full = [t.clone() for t in (master, m, v)]
+    native_adamw.update(*full, grad, **kw)
+    # a 64-byte-aligned buffer with room on both sides; the copy is the view at `offset`
+    raw = torch.full((n + 128,), -7.0, dtype=torch.bfloat16)
+    skip = (-raw.data_ptr() % 64) // 2
+    weights = raw[skip + offset:skip + offset + n]
+    native_adamw.update(master.clone(), m.clone(), v.clone(), grad, part="weights", weights=weights, **kw)
+    assert torch.equal(weights.view(torch.int16), full[0].to(torch.bfloat16).view(torch.int16))
+    assert bool((raw[:skip + offset] == -7.0).all()) and bool((raw[skip + offset + n:] == -7.0).all())
