@@ -20,10 +20,18 @@ writes them as each block's update lands). Blocks pass through a few page-locked
                 buffered and the tier says so;
   buffers       `disk_buffers` page-aligned (page-locked on CUDA) buffers of one block each:
                 blocks are read ahead in the order the engine expects to update them
-                (prefetch), handed to AdamW (acquire), written behind (release). A written
-                block stays readable in its buffer until the buffer is needed again. A demand
-                for a block nobody prefetched may take back a prefetched buffer, so an update
-                order the prefetch did not foresee (earliest-deadline-first) never deadlocks.
+                (prefetch: one ticketed entry a block, which the block's next acquire
+                consumes), handed to AdamW (acquire), written behind (release). Reads run at
+                most a ring's width of tickets past the last block consumed: the engine's
+                prefetch for step k comes before step k-1's sweep has run, and the next
+                sweep's blocks must not take the buffers the current one waits for. A written
+                block stays readable in its buffer until the buffer is needed again (a later
+                entry for it takes it without a read). A block AdamW waits for goes first; only
+                when every buffer holds a block kept for another entry (an update order the
+                prefetch did not foresee, earliest-deadline-first) is the one furthest ahead
+                dropped and queued again at its turn, so nothing deadlocks and nothing is read
+                over and over (session 17: the old rule, "take back a prefetched block and read
+                it again first", read one unit ~20 times a step on a slow disk).
 
 The directory is scratch space for one run: made at start (with a SCRATCH note saying so),
 removed at close, never named or marked like a checkpoint. Stale directories of runs that
@@ -149,11 +157,21 @@ class Block:
 
 
 @dataclass
+class _Entry:
+    """One foreseen read of a block: prefetch() queues one per block in the order the engine will
+    update them; the block's next acquire consumes the earliest of its key's entries."""
+    ticket: int                    # position in the order of every entry queued (demands: the front)
+    key: tuple[int, int]           # (unit index, block)
+    buf: "_Buffer | None" = None   # the buffer its block is read into, or held in; None: not started
+    demanded: bool = False         # acquire() waits for it: read next, whatever the window
+
+
+@dataclass
 class _Buffer:
     data: torch.Tensor            # [fields * block] FP32: (master,) exp_avg, exp_avg_sq
     key: tuple[int, int] | None = None   # (unit index, block) it holds or is loading
     state: str = "free"           # free | reading | ready | busy | writing
-    unconsumed: bool = False      # read for AdamW and not yet taken (a clean, written-back block is not)
+    entry: _Entry | None = None   # the entry its block is kept for; None when ready: clean, reusable
     error: BaseException | None = None
 
 
@@ -193,7 +211,14 @@ class DiskTier:
         widest = max((len(self.fields(i)) for i in self.units), default=2)
         self._buffers = [_Buffer(_aligned_empty(widest * self.block, pinned)) for _ in range(buffers)]
         self._where: dict[tuple[int, int], _Buffer] = {}
-        self._queue: deque[tuple[int, int]] = deque()     # blocks to prefetch, in order
+        # Foreseen reads (prefetch), in ticket order: the not yet started ones, and every key's
+        # not yet consumed ones (started or not). The pump reads at most a ring's width of
+        # tickets past the last one consumed (`_pos`), so blocks the next sweep needs are not
+        # read while the current sweep still waits for its own.
+        self._pending: deque[_Entry] = deque()
+        self._by_key: dict[tuple[int, int], deque[_Entry]] = {}
+        self._ticket = 0
+        self._pos = -1
         self._cond = threading.Condition()
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="slidetune-disk")
         self._error: BaseException | None = None
@@ -264,7 +289,7 @@ class DiskTier:
                 self.bytes_written += len(view)
             else:
                 self.bytes_read += len(view)
-            buf.state = "ready"             # written: still holds the block, clean
+            buf.state = "ready"     # read: kept for its entry; written: clean (or kept for a later entry)
             self._cond.notify_all()
             self._pump()
 
@@ -273,72 +298,161 @@ class DiskTier:
         buf.state = "writing" if write else "reading"
         self._pool.submit(self._io, buf, key, write)
 
-    def _take(self, key: tuple[int, int], demand: bool) -> _Buffer | None:
-        """(lock held) A buffer for `key`: a free one, else one holding a block already written back
-        (clean, consumed), else, for a demand, a prefetched block nobody has consumed yet (it goes
-        back to the queue's front). None when all are in flight or in use."""
+    def _reusable(self) -> _Buffer | None:
+        """(lock held) A buffer to load another block into: a free one, else a clean one (ready,
+        kept for no entry: a block written back or released unchanged)."""
         pick = next((x for x in self._buffers if x.state == "free"), None)
-        if pick is None:
-            pick = next((x for x in self._buffers if x.state == "ready" and not x.unconsumed), None)
-        if pick is None and demand:
-            ready = [x for x in self._buffers if x.state == "ready"]
-            if ready:
-                pick = ready[-1]
-                self._queue.appendleft(pick.key)
-        if pick is None:
-            return None
-        if pick.key is not None:
-            self._where.pop(pick.key, None)
-        pick.key, pick.state, pick.unconsumed, pick.error = key, "free", False, None
-        self._where[key] = pick
-        return pick
+        return pick or next((x for x in self._buffers if x.state == "ready" and x.entry is None), None)
+
+    def _assign(self, buf: _Buffer, entry: _Entry) -> None:
+        """(lock held) Load entry's block into `buf` (a free or clean buffer): its read starts."""
+        if buf.key is not None:
+            self._where.pop(buf.key, None)
+        buf.key, buf.entry, buf.error = entry.key, entry, None
+        self._where[entry.key] = buf
+        entry.buf = buf
+        self._start(buf, entry.key, write=False)
 
     def _pump(self) -> None:
-        """(lock held) Start prefetch reads while buffers are free."""
-        while self._queue and not self._closed:
-            key = self._queue[0]
-            if key in self._where:
-                self._queue.popleft()
-                continue
-            buf = self._take(key, demand=False)
+        """(lock held) Start the reads of pending entries, in ticket order (demanded ones first),
+        while buffers are free and within the window: at most one ring's width of tickets past the
+        last consumed. A block already in a buffer (clean, or being written back) is kept for its
+        entry without a read; one still held for an earlier entry or in use waits for it."""
+        width = len(self._buffers)
+        while self._pending and not self._closed:
+            entry = self._pending[0]
+            if not entry.demanded and entry.ticket > self._pos + width:
+                return
+            held = self._where.get(entry.key)
+            if held is not None:
+                if held.entry is None and held.state in ("ready", "writing"):
+                    held.entry, entry.buf = entry, held           # its data is this block's latest
+                    self._pending.popleft()
+                    continue
+                return                  # held for an earlier entry or in use: in order, after it
+            buf = self._reusable()
             if buf is None:
                 return
-            self._queue.popleft()
-            buf.unconsumed = True
-            self._start(buf, key, write=False)
+            self._pending.popleft()
+            self._assign(buf, entry)
+
+    def _enqueue(self, key: tuple[int, int], demanded: bool = False) -> _Entry:
+        """(lock held) A new entry for `key`: last in ticket order, or, demanded, first."""
+        if demanded:
+            entry = _Entry(ticket=self._pos, key=key, demanded=True)
+            self._pending.appendleft(entry)
+            self._by_key.setdefault(key, deque()).appendleft(entry)
+        else:
+            entry = _Entry(ticket=self._ticket, key=key)
+            self._ticket += 1
+            self._pending.append(entry)
+            self._by_key.setdefault(key, deque()).append(entry)
+        return entry
+
+    def _promote(self, entry: _Entry) -> None:
+        """(lock held) A not yet started entry that acquire() waits for goes to the pending front."""
+        if not entry.demanded:
+            entry.demanded = True
+            self._pending.remove(entry)
+            self._pending.appendleft(entry)
+
+    def _take_back(self, entry: _Entry) -> None:
+        """(lock held) No buffer will come free by itself (none is free, clean or being written
+        back) while `entry` waits, every one holding a block kept for another entry (an update
+        order the prefetch did not foresee, earliest-deadline-first): the block kept for the entry
+        furthest ahead is dropped, its entry pending again in ticket order (not first: read again
+        at its turn, not at once), and the buffer reused. Never while a buffer will free itself."""
+        if any(x.state in ("free", "writing") or (x.state in ("ready", "reading") and x.entry is None)
+               for x in self._buffers):
+            return
+        kept = [x for x in self._buffers if x.state == "ready" and x.entry is not None and x.entry is not entry]
+        if not kept:
+            return
+        victim = max(kept, key=lambda x: x.entry.ticket)
+        dropped = victim.entry
+        dropped.buf, victim.entry = None, None          # the buffer is clean now (its data stays valid)
+        at = next((i for i, e in enumerate(self._pending) if not e.demanded and e.ticket > dropped.ticket),
+                  len(self._pending))
+        self._pending.insert(at, dropped)
+
+    def _drop(self, entry: _Entry) -> None:
+        """(lock held) Forget an entry nobody will consume: pending no more, its buffer (if its read
+        started) clean once the read lands."""
+        if entry.buf is None:
+            self._pending.remove(entry)
+        elif entry.buf.entry is entry:
+            entry.buf.entry = None
+        dq = self._by_key[entry.key]
+        dq.remove(entry)
+        if not dq:
+            del self._by_key[entry.key]
+
+    def _consume(self, entry: _Entry) -> None:
+        """(lock held) acquire() has the entry's block: the entry is done, the window moves on."""
+        dq = self._by_key[entry.key]
+        dq.remove(entry)
+        if not dq:
+            del self._by_key[entry.key]
+        if not entry.demanded:
+            self._pos = max(self._pos, entry.ticket)
 
     # ------------------------------------------------------------------ the engine's side
     def prefetch(self, unit: int) -> None:
-        """Read the unit's blocks ahead, in order, as buffers free up."""
+        """Read the unit's blocks ahead, in order, as buffers free up: one entry a block, which
+        the block's next acquire consumes (each call foresees one more update of the unit)."""
         with self._cond:
-            queued = set(self._queue)
-            self._queue.extend(k for b in range(self.blocks(unit)) if (k := (unit, b)) not in queued)
+            for b in range(self.blocks(unit)):
+                key = (unit, b)
+                # The engine foresees one update ahead: the step's prefetch comes before the previous
+                # step's sweep has run. An entry older than that was never consumed (a step that
+                # did not update the unit): dropped, so it holds no buffer for good.
+                while len(self._by_key.get(key, ())) >= 2:
+                    self._drop(self._by_key[key][0])
+                self._enqueue(key)
             self._pump()
 
     def acquire(self, unit: int, b: int, abort: threading.Event | None = None, fresh: bool = False) -> Block:
         """Block b of the unit (views [hi - lo] of each field) for AdamW; waits for its read.
-        fresh: the caller overwrites every field of the block (initial state, a checkpoint's): no
-        read, the buffer comes as it is."""
+        Consumes the block's earliest prefetch entry; a block nobody prefetched is read on demand,
+        first. fresh: the caller overwrites every field of the block (initial state, a
+        checkpoint's): no read, the buffer comes as it is."""
         abort = abort or self.abort
         key = (unit, b)
         n = self.block_range(unit, b)[1] - b * self.block
         with self._cond:
+            if self._where.get(key) is not None and self._where[key].state == "busy":
+                raise DiskTierError(f"{self.names.get(unit)} block {b} acquired twice")
+            entry = (self._by_key.get(key) or [None])[0] or self._enqueue(key, demanded=True)
             while True:
                 self._raise_if_failed(abort)
-                buf = self._where.get(key)
+                buf = entry.buf
                 if buf is not None and buf.state == "ready":
-                    buf.state, buf.unconsumed = "busy", False
+                    self._consume(entry)
+                    buf.state, buf.entry = "busy", None
+                    self._pump()
                     return self._block(unit, buf, n)
-                if buf is not None and buf.state == "busy":
-                    raise DiskTierError(f"{self.names.get(unit)} block {b} acquired twice")
-                if buf is None:
-                    buf = self._take(key, demand=True)
-                    if buf is not None and fresh:
-                        buf.state = "busy"
-                        return self._block(unit, buf, n)
+                if buf is None and fresh:
+                    held = self._where.get(key)
+                    if held is not None and held.entry is None and held.state == "ready":
+                        buf = held
+                    else:
+                        buf = self._reusable() if held is None else None
                     if buf is not None:
-                        buf.unconsumed = True          # the pump must not take it back before we do
-                        self._start(buf, key, write=False)
+                        self._pending.remove(entry)
+                        self._consume(entry)
+                        if buf.key is not None:
+                            self._where.pop(buf.key, None)
+                        buf.key, buf.entry, buf.state, buf.error = key, None, "busy", None
+                        self._where[key] = buf
+                        return self._block(unit, buf, n)
+                if buf is None:
+                    self._promote(entry)
+                    self._pump()
+                    if entry.buf is None:
+                        self._take_back(entry)
+                        self._pump()
+                    if entry.buf is not None and entry.buf.state == "ready":
+                        continue
                 self._cond.wait(timeout=0.5)
 
     def _block(self, unit: int, buf: _Buffer, n: int) -> Block:
@@ -355,7 +469,7 @@ class DiskTier:
             else:
                 buf.state = "ready"
                 self._cond.notify_all()
-                self._pump()
+            self._pump()
 
     def drain(self, abort: threading.Event | None = None) -> None:
         """Wait until every write has reached the file (a checkpoint reads the files after this)."""
