@@ -208,7 +208,7 @@ def test_longest_sequence_search_reports_the_largest_that_trains(tmp_path, monke
     profiled = []
 
     def fake_run(system, model, layers, batch, seq, steps, warmup, dev, cuda, args, profile=False, recipe=None,
-                 ranks=1):
+                 ranks=1, variant=None):
         seen.append((system, batch, seq))
         profiled.append((batch, profile))
         fits = seq <= 100
@@ -260,7 +260,7 @@ def test_longest_sequence_search_counts_the_sweeps_own_batch_1_rows(tmp_path, mo
     seen = []
 
     def fake_run(system, model, layers, batch, seq, steps, warmup, dev, cuda, args, profile=False, recipe=None,
-                 ranks=1):
+                 ranks=1, variant=None):
         seen.append((batch, seq, steps))
         return {"status": "ok", "step_s_mean": 2.0, "tokens_per_s": seq / 2.0,
                 "runtime": {"mode": "slide", "offload_activations": True, "gpu_checkpoints": 1}}
