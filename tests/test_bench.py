@@ -182,6 +182,10 @@ def test_a_disk_tier_run_warms_up_past_its_first_sweep_and_reports_its_disk_rate
     assert r["engine_memory"]["disk_state"] * 2 == r["disk_io_bytes_per_step"]
     row = _row("slide", "tiny-llama", 2, 16, r, None, None)
     assert row["disk_gib_s"] == pytest.approx(r["disk_io_bytes_per_step"] / 2**30 / r["step_s_mean"])
+    # what the tier moved in the measured interval: one read and one write of each block (a
+    # block still in a buffer from its last write may skip its read; a unit's last block is
+    # padded, so whole blocks move a little more than the plan's bytes)
+    assert 0.5 <= row["disk_io_ratio"] <= 1.05
     # without a disk tier the warm-up is the one asked for
     r = measure(MeasureSpec(model="tiny-llama", seq_len=16, batch_size=2, steps=1, warmup=1, per_layer=False,
                             runtime=dict(device="cpu", mode="slide")))

@@ -483,7 +483,7 @@ COLUMNS = ["model", "seq_len", "batch_size", "system", "recipe", "variant", "rou
            "floor_s",
            "floor_bound_by", "floor_partial", "step_over_floor", "oom_requested_gib", "call_s_mean",
            "host_adamw_s", "host_wait_d2h_s", "fwd_wait_upload_s", "bwd_wait_grad_slot_s", "device_layers",
-           "gpu_checkpoints", "host_threads", "disk_io_gib", "disk_gib_s", "error"]
+           "gpu_checkpoints", "host_threads", "disk_io_gib", "disk_gib_s", "disk_io_ratio", "error"]
 # slide's host timeline, seconds per step (bench.measure host_s_mean): where a step goes
 # (host_adamw_s: AdamW's time; under clipping the weights pass and the moments pass)
 HOST_COLUMNS = {"host_adamw_s": ("host.adamw", "host.adamw_moments"),
@@ -514,6 +514,11 @@ def _row(system, model, batch, seq, r, fpt, fl, recipe: dict | None = None, coll
         # disk (its floor's disk_s used the probe's mixed rate; a run below it lost time elsewhere)
         row["disk_io_gib"] = r["disk_io_bytes_per_step"] / 2**30
         row["disk_gib_s"] = row["disk_io_gib"] / row["step_s_mean"]
+        if r.get("disk_io_bytes_measured"):
+            # what the tier moved a step over the plan's bytes: ~1 when each block is read and
+            # written once a step (a block a later entry took from a buffer is not read again; a
+            # unit's last block is padded to a whole one)
+            row["disk_io_ratio"] = r["disk_io_bytes_measured"] / r["disk_io_bytes_per_step"]
     # slide: decoder layers whose state stayed on the GPU, and the host AdamW's threads (resolved autos)
     row["device_layers"], row["host_threads"] = r.get("device_layers"), r.get("host_threads")
     row["gpu_checkpoints"] = _placement(r).get("gpu_checkpoints")
