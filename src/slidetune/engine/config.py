@@ -251,7 +251,9 @@ class RuntimeConfig:
     # into a page-locked copy the upload reads (2 B/param of DMA instead of the FP32 master's 4,
     # and no master write: 16 B/param where the next forward waits instead of 18 + 4), and the
     # second pass writes master and moments; 2 B/param more page-locked host RAM (NOTES.md 29,
-    # predicted 2.146 -> ~2.0 s for Qwen3-8B b16 clip on the H100, not yet measured).
+    # predicted 2.146 -> ~2.0 s for Qwen3-8B b16 clip on the H100). Measured in session 17 (NOTES.md
+    # 30): no gain (2.398 vs 2.164 s, in a slower DRAM phase; a wash against each run's floor);
+    # the copy now streams its stores, to be A/B'd in one call with bench throughput --variants.
     clip_sweep: str = tuning_field(
         "split", help="the clipped schedule's host sweep: split (weights first, moments under the next step), "
                       "weights (BF16 weights for the upload first, master and moments under the next step; "
