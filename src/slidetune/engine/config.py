@@ -260,6 +260,17 @@ class RuntimeConfig:
                       "2 B/param more host RAM) or whole",
         when="weights to A/B on a host whose DRAM the weights pass binds (BF16 compute, one rank); whole only "
              "to A/B: split was as fast or faster everywhere measured")
+    # How a layer's gradients are summed over a step's micro-batches on the GPU (engine/slide/
+    # grad_sum.py): torch (an FP32 copy, a _foreach_add_ a micro-batch, a cast into the slot: 42
+    # B/param of HBM traffic for 4 micro-batches) or fused (one Triton pass over up to 4 held
+    # micro-batch gradients, straight into the slot: 10 B/param, the same bits; 2 B/param more of
+    # one layer held at 4 micro-batches). auto: fused on CUDA with Triton, checked bit for bit
+    # against torch at its first use. Predicted ~75 ms a step of Qwen3-8B clip+accum4 on the H100
+    # (NOTES.md 30), not yet measured.
+    grad_sum: str = tuning_field(
+        "auto", help="how a layer's micro-batch gradients are summed on the GPU: auto (fused on CUDA with "
+                     "Triton), fused or torch",
+        when="torch to A/B the fused sum, or where Triton misbehaves; only matters with gradient accumulation")
     # The clipped schedule's held gradients, per host unit: 1 buffer, or 2 used on alternate
     # steps. With one, a layer's next gradient can only go down once the moments pass has read
     # its buffer: on the H100 the moments pass paced the next backward (0.43 s of gradient-slot
@@ -352,6 +363,8 @@ class RuntimeConfig:
             raise ValueError(f"host_adamw must be dynamic, static or torch, not {self.host_adamw!r}")
         if self.cuda_waits not in ("block", "spin"):
             raise ValueError(f"cuda_waits must be block or spin, not {self.cuda_waits!r}")
+        if self.grad_sum not in ("auto", "fused", "torch"):
+            raise ValueError(f"grad_sum must be auto, fused or torch, not {self.grad_sum!r}")
         if self.held_buffers not in (-1, 1, 2):
             raise ValueError(f"held_buffers must be 1, 2 or -1 (auto), not {self.held_buffers!r}")
         if not isinstance(self.held_second_units, int) or self.held_second_units < -1:

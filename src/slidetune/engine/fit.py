@@ -322,6 +322,14 @@ def head_bytes(split: SplitModel, n_tokens: int, dtype: torch.dtype, impl: str, 
 # ----------------------------------------------------------------------------- the estimate
 
 
+def summing_bytes(grad_sum: str, micro_batches: int, params: int) -> int:
+    """Device bytes one layer's micro-batch gradient sum holds (engine/slide/grad_sum.py's rule);
+    auto, resolved on the GPU machine, counts the larger of its two ways."""
+    from .slide.grad_sum import accumulation_bytes
+    ways = ("torch", "fused") if grad_sum == "auto" else (grad_sum,)
+    return max(accumulation_bytes(w, micro_batches, params) for w in ways)
+
+
 def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int,
                     grad_accum: int = 1, max_grad_norm: float | None = None, padded: bool = True) -> MemoryEstimate:
     """Bytes of GPU, host and pinned memory the configuration needs (nothing is allocated).
@@ -388,7 +396,7 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
             # and the layer's gradient sums in FP32 (a compute-dtype sum would round each add)
             "layer working set": int(ACTIVATION_MARGIN * layer_activation_bytes(split, B, S, dtype,
                                                                                masked=masks > 0)["peak"])
-            + (grad_accum - 1) * ckpt_micro + (4 * P_L if grad_accum > 1 else 0),
+            + (grad_accum - 1) * ckpt_micro + summing_bytes(rt.grad_sum, grad_accum, P_L),
             # the head phase (head_bytes counts the last layer's output and its gradient)
             "head/logits": head,
             # embedding backward: a dense [V, d] gradient, and the incoming gradient

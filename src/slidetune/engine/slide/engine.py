@@ -55,6 +55,7 @@ train_step's loss and token count are the step's over all ranks.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -78,6 +79,8 @@ from ..adamw import AdamWConfig
 from ..compile_workers import release_compile_workers
 from ..config import RuntimeConfig
 from ..distributed import DataParallel, shared_layout
+from . import grad_sum as grad_sum_mod
+from .grad_sum import MAX_HELD, GradSum
 from ..gc_policy import GCFreeze
 from ..placement import PlacementPlan, unit_shapes
 from ..result import StepResult
@@ -90,6 +93,7 @@ from ...faults import maybe_fail, maybe_oom, maybe_poison
 from .watchdog import Watchdog
 from .workers import DeadlineWorker, Worker, WorkerError, done_future, wait_or_abort
 
+log = logging.getLogger(__name__)
 _WAIT_S = 1.0   # poll period while waiting on a worker future (to surface worker errors)
 
 
@@ -157,6 +161,9 @@ class SlideEngine:
         # the clipped sweep's first pass: "params" (split), "weights" (the units with an upload copy
         # write their compute-dtype weights, clip_sweep=weights) or the whole update (whole)
         self.split_sweep = rt.clip_sweep in ("split", "weights")
+        # how a layer's micro-batch gradients are summed (grad_sum.py): fused (Triton) or torch
+        self.grad_sum = grad_sum_mod.resolve(rt.grad_sum, self.device.device)
+        self._grad_sum_checked = False
         # Data parallel: the host state lives once per host in shared memory; this rank updates the
         # units it owns and follows the others' owners.
         self.dp = dist if dist is not None and dist.world_size > 1 else None
@@ -726,6 +733,21 @@ class SlideEngine:
             last = self.drainer.issue(unit, src, ready, futs=chunks)
         free.set_result(last)
 
+    def _write_summed(self, unit: UnitSpec, slot: _Slot, summed: GradSum) -> None:
+        """A layer's micro-batch gradient sum into its slot. The fused sum's first use with several
+        micro-batches is checked bit for bit against torch's; a difference is logged and the
+        run goes on with torch's sum (the slot gets torch's values either way)."""
+        views = list(self._views(unit, slot.flat).values())
+        check = (self.grad_sum == "fused" and not self._grad_sum_checked and 1 < summed.k <= MAX_HELD)
+        same = summed.write(views, check=check)
+        if check:
+            self._grad_sum_checked = True
+            if not same:
+                log.warning("slidetune: the fused micro-batch gradient sum differs from torch's on %s; "
+                            "summing with torch from now on (--tuning.grad_sum torch says so up front)",
+                            unit.name)
+                self.grad_sum = "torch"
+
     def _write_grads(self, unit: UnitSpec, slot: _Slot, grads: list[torch.Tensor], accumulate: bool = False):
         views = list(self._views(unit, slot.flat).values())
         if accumulate:
@@ -1001,7 +1023,7 @@ class SlideEngine:
             self.acts.prefetch(i, 0)
             self._acquire(slot)
             params = self._leaves(self._views(split.layer_units[i], slot.flat))
-            acc = None
+            summed = GradSum(k, self.grad_sum)
             for m in range(k):
                 # the next checkpoint the backward reads: this layer's next micro-batch, or the
                 # layer below's first
@@ -1014,19 +1036,19 @@ class SlideEngine:
                         res = torch.autograd.grad(out, [x_in] + list(params.values()), gs[m],
                                                   materialize_grads=True)
                 gs[m] = res[0]
-                acc = self._sum_grads(acc, res[1:], k)
+                summed.add(res[1:])
                 del out, res, x_in
             self._release(slot)
             gslot = self._grad_slot(i + 1)
             self._claim_grad_slot(gslot)
-            self._write_grads(split.layer_units[i], gslot, acc)
+            self._write_summed(split.layer_units[i], gslot, summed)
             self._gradient_complete(i + 1, gslot, lr)
             if not self.deferred:
                 if self._resident(i):
                     self._prefetch_next_step(i + 1, slot)
                 if i == L // 2 and not self.vocab_on_device:
                     self._prefetch_next_step(L + 1, head_slot)
-            del acc, params
+            del summed, params
             self.memory.mark("backward", i)
 
         # ---- embedding gradient, a micro-batch at a time, summed
