@@ -104,6 +104,23 @@ def test_the_first_use_check_catches_a_wrong_pass_and_keeps_torchs_values(monkey
         assert torch.equal(bits(got), bits(want))
 
 
+def test_a_pass_that_raises_leaves_torchs_sum_and_says_why(monkeypatch):
+    def broken(out, parts, acc=None):
+        raise RuntimeError("triton: no compiler")
+    stub = types.ModuleType("slidetune.ops.triton_grad_sum")
+    stub.sum_into = broken
+    monkeypatch.setitem(sys.modules, "slidetune.ops.triton_grad_sum", stub)
+    micro = micro_batches(6, seed=4)              # a fold into the running sum, then the write
+    summed = GradSum(6, "fused")
+    for grads in micro:
+        summed.add(grads)
+    slot = [torch.empty(g.shape, dtype=torch.bfloat16) for g in micro[0]]
+    summed.write(slot)
+    assert "no compiler" in summed.failed
+    for got, want in zip(slot, reference(micro, torch.bfloat16)):
+        assert torch.equal(bits(got), bits(want))
+
+
 def test_fewer_or_more_micro_batches_than_declared_are_refused():
     summed = GradSum(2, "torch")
     summed.add([torch.zeros(3, dtype=torch.bfloat16)])
@@ -146,3 +163,26 @@ def test_the_triton_pass_sums_as_torch_does(parts, out_dtype, with_acc):
     if with_acc:                                        # in place into the running sum
         sum_into(acc, xs, acc=acc)
         assert torch.equal(bits(acc), bits(want))
+
+
+def test_an_engine_summing_fused_trains_bit_for_bit_as_with_torch(monkeypatch, torch_pass):
+    """The engine's backward through the fused way (its pass a torch stand-in here), with three
+    micro-batches, clipped and not: the same masters and moments as summing with torch."""
+    from test_checkpoint import batches, make_engine, masters, optim
+
+    def run(how: str, clip):
+        monkeypatch.setattr(grad_sum, "resolve", lambda choice, device: how)
+        eng = make_engine(grad_accum=3, max_grad_norm=clip, layers=2)
+        assert eng.grad_sum == how
+        for s in range(2):
+            eng.train_step(batches(s, n_micro=3), 1e-3)
+        out = {**masters(eng), **optim(eng)}
+        eng.close()
+        return out
+    for clip in (None, 1.0):
+        torch_pass.clear()
+        want, got = run("torch", clip), run("fused", clip)
+        assert torch_pass, "the fused way was not used"
+        assert want.keys() == got.keys()
+        for k in want:
+            assert torch.equal(want[k], got[k]), (clip, k)

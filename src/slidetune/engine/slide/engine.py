@@ -742,11 +742,11 @@ class SlideEngine:
         same = summed.write(views, check=check)
         if check:
             self._grad_sum_checked = True
-            if not same:
-                log.warning("slidetune: the fused micro-batch gradient sum differs from torch's on %s; "
-                            "summing with torch from now on (--tuning.grad_sum torch says so up front)",
-                            unit.name)
-                self.grad_sum = "torch"
+        why = summed.failed or (None if same else "its sums differ from torch's")
+        if why and self.grad_sum == "fused":
+            log.warning("slidetune: the fused micro-batch gradient sum failed on %s (%s); summing with "
+                        "torch from now on (--tuning.grad_sum torch says so up front)", unit.name, why)
+            self.grad_sum = "torch"
 
     def _write_grads(self, unit: UnitSpec, slot: _Slot, grads: list[torch.Tensor], accumulate: bool = False):
         views = list(self._views(unit, slot.flat).values())

@@ -66,6 +66,7 @@ class GradSum:
         self.added = 0
         self.held: list[list[torch.Tensor]] = []     # fused: micro-batches not yet folded
         self.acc: list[torch.Tensor] | None = None   # the FP32 running sum
+        self.failed: str | None = None               # the Triton pass's error, if it raised (torch did it)
 
     def add(self, grads) -> None:
         grads = list(grads)
@@ -117,13 +118,17 @@ class GradSum:
             acc_in = self.acc or [None] * len(parts)
         for j, p in enumerate(parts):
             target = out[j] if out is not None else self.acc[j]
-            if all(t.is_contiguous() for t in (target, *p)):
-                sum_into(target, list(p), acc=acc_in[j])
-            else:           # a strided view: the same additions with torch ops
-                s = acc_in[j].clone() if acc_in[j] is not None else p[0].to(torch.float32, copy=True)
-                for g in p[0 if acc_in[j] is not None else 1:]:
-                    s.add_(g)
-                target.copy_(s)
+            if self.failed is None and all(t.is_contiguous() for t in (target, *p)):
+                try:
+                    sum_into(target, list(p), acc=acc_in[j])
+                    continue
+                except Exception as e:  # noqa: BLE001 - a Triton that cannot compile or launch here
+                    self.failed = repr(e)
+            # a strided view, or no working pass: the same additions with torch ops
+            s = acc_in[j].clone() if acc_in[j] is not None else p[0].to(torch.float32, copy=True)
+            for g in p[0 if acc_in[j] is not None else 1:]:
+                s.add_(g)
+            target.copy_(s)
         self.held = []
 
 
