@@ -94,6 +94,8 @@ run_job() {
            tail -5 $R/train_${tag}_gpu.log; cat $R/train_${tag}_gpu/final_loads.txt ;;
     equivalence) # bash -c parses EQ_ARGS' quotes (EQ_ARGS="-k 'disk or held2'")
            timeout 240 bash -c "python -m pytest -q tests/test_equivalence_gpu.py ${EQ_ARGS:-}" > $R/gpu_equivalence_tests.txt 2>&1
+           # the CUDA-only kernel tests (the fused gradient sum's Triton pass against torch)
+           timeout 120 python -m pytest -q tests/test_grad_sum.py >> $R/gpu_equivalence_tests.txt 2>&1
            tail -3 $R/gpu_equivalence_tests.txt ;;
     runtime) python -m slidetune.cli bench runtime --out $R/runtime --parts ${RUNTIME_PARTS:-memory,big} ;;
     throughput) python -m slidetune.cli bench throughput --out $R/throughput ${THROUGHPUT_ARGS:-} ;;
