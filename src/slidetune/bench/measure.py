@@ -280,7 +280,7 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
         result["cpu_peak_rss_gib"] = peak_rss_bytes() / 2**30
         if hasattr(engine, "memory_report"):
             result["engine_memory"] = engine.memory_report()
-        if getattr(engine, "disk", None) is not None:
+        if disk is not None:
             # what the plan moves through the disk a step; over the step time, the rate the run got
             # (bench throughput's disk_gib_s), beside the probe's rate in its floor
             result["disk_io_bytes_per_step"] = engine.plan.disk_io_bytes()

@@ -304,12 +304,16 @@ class DiskTier:
         pick = next((x for x in self._buffers if x.state == "free"), None)
         return pick or next((x for x in self._buffers if x.state == "ready" and x.entry is None), None)
 
-    def _assign(self, buf: _Buffer, entry: _Entry) -> None:
-        """(lock held) Load entry's block into `buf` (a free or clean buffer): its read starts."""
+    def _bind(self, buf: _Buffer, key: tuple[int, int], entry: _Entry | None) -> None:
+        """(lock held) `buf` (a free or clean buffer) holds `key` from now on, kept for `entry`."""
         if buf.key is not None:
             self._where.pop(buf.key, None)
-        buf.key, buf.entry, buf.error = entry.key, entry, None
-        self._where[entry.key] = buf
+        buf.key, buf.entry, buf.error = key, entry, None
+        self._where[key] = buf
+
+    def _assign(self, buf: _Buffer, entry: _Entry) -> None:
+        """(lock held) Load entry's block into `buf` (a free or clean buffer): its read starts."""
+        self._bind(buf, entry.key, entry)
         entry.buf = buf
         self._start(buf, entry.key, write=False)
 
@@ -382,6 +386,10 @@ class DiskTier:
             self._pending.remove(entry)
         elif entry.buf.entry is entry:
             entry.buf.entry = None
+        self._forget(entry)
+
+    def _forget(self, entry: _Entry) -> None:
+        """(lock held) The entry leaves its key's list of not yet consumed entries."""
         dq = self._by_key[entry.key]
         dq.remove(entry)
         if not dq:
@@ -389,10 +397,7 @@ class DiskTier:
 
     def _consume(self, entry: _Entry) -> None:
         """(lock held) acquire() has the entry's block: the entry is done, the window moves on."""
-        dq = self._by_key[entry.key]
-        dq.remove(entry)
-        if not dq:
-            del self._by_key[entry.key]
+        self._forget(entry)
         if not entry.demanded:
             self._pos = max(self._pos, entry.ticket)
 
@@ -440,10 +445,8 @@ class DiskTier:
                     if buf is not None:
                         self._pending.remove(entry)
                         self._consume(entry)
-                        if buf.key is not None:
-                            self._where.pop(buf.key, None)
-                        buf.key, buf.entry, buf.state, buf.error = key, None, "busy", None
-                        self._where[key] = buf
+                        self._bind(buf, key, None)
+                        buf.state = "busy"
                         return self._block(unit, buf, n)
                 if buf is None:
                     self._promote(entry)

@@ -79,13 +79,13 @@ from ..adamw import AdamWConfig
 from ..compile_workers import release_compile_workers
 from ..config import RuntimeConfig
 from ..distributed import DataParallel, shared_layout
-from . import grad_sum as grad_sum_mod
-from .grad_sum import MAX_HELD, GradSum
 from ..gc_policy import GCFreeze
 from ..placement import PlacementPlan, unit_shapes
 from ..result import StepResult
 from .activations import ActivationStore
 from .disk_tier import DiskTier
+from . import grad_sum as grad_sum_mod
+from .grad_sum import MAX_HELD, GradSum, accumulate
 from .host_store import HostStore, HostUnit
 from .transfer import GradDrain, Uploader, clip_coefficient
 from ...faults import ENV as FAULT_ENV
@@ -956,16 +956,6 @@ class SlideEngine:
             head_slot = self._use_own_slot(L + 1)
         return xs, ids, labels, kwargs, embed_slot, head_slot
 
-    def _sum_grads(self, acc: list[torch.Tensor] | None, grads, n_micro: int) -> list[torch.Tensor]:
-        """Sum of the micro-batches' parameter gradients, on the device: FP32 when there are several
-        (the reference accumulates FP32 gradients), the backward's own tensors when one."""
-        if acc is None:
-            if n_micro == 1:
-                return list(grads)
-            return [g.to(torch.float32, copy=True) for g in grads]
-        torch._foreach_add_(acc, list(grads))
-        return acc
-
     def _forward_backward(self, mbs: list, scale: float, lr: float):
         """Queue the step's forward, head and backward over all micro-batches; returns (the summed
         loss in a [1] host tensor, the event after which that tensor holds it)."""
@@ -997,7 +987,7 @@ class SlideEngine:
                 loss = maybe_poison(loss, self.step_index + 1)       # tests only (faults.py)
                 grads = torch.autograd.grad(loss * scale, [xh] + wrt, materialize_grads=True)
             gs.append(grads[0])
-            acc = self._sum_grads(acc, grads[1:], k)
+            acc = accumulate(acc, grads[1:], k)
             loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             xs[m] = None
             del xh, loss, grads
@@ -1059,7 +1049,7 @@ class SlideEngine:
             with torch.enable_grad(), self.timer.span("embed_backward", -1):
                 e = split.embed_forward(w, ids[m])
                 grads = torch.autograd.grad(e, [w["weight"]], gs[m], materialize_grads=True)
-            acc = self._sum_grads(acc, grads, k)
+            acc = accumulate(acc, grads, k)
             gs[m] = None
             del e, grads
         self._release(embed_slot)

@@ -14,11 +14,7 @@ the step's gradient slot gets that sum cast to its dtype. Two ways to the same b
 """
 from __future__ import annotations
 
-import logging
-
 import torch
-
-log = logging.getLogger(__name__)
 
 MAX_HELD = 4          # micro-batch gradients held before they fold into an FP32 running sum
 
@@ -57,6 +53,17 @@ def accumulation_bytes(how: str, micro_batches: int, params: int) -> int:
     return 2 * held * params + (4 * params if micro_batches > MAX_HELD else 0)
 
 
+def accumulate(acc: list[torch.Tensor] | None, grads, micro_batches: int) -> list[torch.Tensor]:
+    """The torch way, one micro-batch at a time: the running sum after `grads` (FP32 when there are
+    several micro-batches, the reference's; the backward's own tensors when one)."""
+    if acc is None:
+        if micro_batches == 1:
+            return list(grads)
+        return [g.to(torch.float32, copy=True) for g in grads]
+    torch._foreach_add_(acc, list(grads))
+    return acc
+
+
 class GradSum:
     """One unit's gradients over `micro_batches` micro-batches: add() each micro-batch's list (in
     parameter order), then write() the sum into the slot's views."""
@@ -65,21 +72,15 @@ class GradSum:
         self.k, self.how = micro_batches, how
         self.added = 0
         self.held: list[list[torch.Tensor]] = []     # fused: micro-batches not yet folded
-        self.acc: list[torch.Tensor] | None = None   # the FP32 running sum
+        self.acc: list[torch.Tensor] | None = None   # the running sum (FP32 past one micro-batch)
         self.failed: str | None = None               # the Triton pass's error, if it raised (torch did it)
 
     def add(self, grads) -> None:
-        grads = list(grads)
         self.added += 1
-        if self.k == 1:
-            self.held = [grads]
-        elif self.how == "torch":
-            if self.acc is None:
-                self.acc = [g.to(torch.float32, copy=True) for g in grads]
-            else:
-                torch._foreach_add_(self.acc, grads)
+        if self.k == 1 or self.how == "torch":
+            self.acc = accumulate(self.acc, grads, self.k)
         else:
-            self.held.append(grads)
+            self.held.append(list(grads))
             if len(self.held) == MAX_HELD and self.added < self.k:
                 self._fold(None)
 
@@ -90,12 +91,13 @@ class GradSum:
         if self.added != self.k:
             raise RuntimeError(f"GradSum: {self.added} of {self.k} micro-batches added")
         same = True
-        if self.k == 1:
-            torch._foreach_copy_(views, self.held[0])
-        elif self.how == "torch":
+        if self.k == 1 or self.how == "torch":
             torch._foreach_copy_(views, self.acc)
         else:
-            ref = _torch_sum(self.held) if check and self.acc is None else None
+            ref = None
+            if check and self.acc is None:       # the torch way's sums of the same held gradients
+                for grads in self.held:
+                    ref = accumulate(ref, grads, self.k)
             self._fold(views)
             if ref is not None:
                 want = [r.to(v.dtype) for r, v in zip(ref, views)]
@@ -130,11 +132,3 @@ class GradSum:
                 s.add_(g)
             target.copy_(s)
         self.held = []
-
-
-def _torch_sum(held: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-    """The reference's FP32 sums of held micro-batch gradients (per parameter, in order)."""
-    acc = [g.to(torch.float32, copy=True) for g in held[0]]
-    for grads in held[1:]:
-        torch._foreach_add_(acc, list(grads))
-    return acc
