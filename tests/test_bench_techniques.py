@@ -581,3 +581,8 @@ def test_throughput_variants_are_named_and_leave_the_floor_alone():
         parse_ab_variants("a:;b:compile_layers=on")
     with pytest.raises(ValueError, match="RuntimeConfig field"):
         parse_ab_variants("a:;b:no_such_knob=1")
+    # a variant is checked with --runtime's settings: disk units need the disk directory given there
+    with pytest.raises(ValueError, match="disk directory"):
+        parse_ab_variants("ram:disk_units=0;disk4:disk_units=4")
+    assert parse_ab_variants("ram:disk_units=0;disk4:disk_units=4", {"disk_dir": "/d"}) == [
+        ("ram", {"disk_units": 0}), ("disk4", {"disk_units": 4})]

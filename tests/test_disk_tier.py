@@ -411,6 +411,13 @@ def test_probe_measures_the_directory(tmp_path):
     best = probe_disk(str(tmp_path), total_bytes=8 * 2**20, block_mb=1, threads=2, repeats=3)   # the fastest of 3
     assert all(len(best["passes"][k]) == 3 and best[f"{k}_gib_s"] == max(best["passes"][k])
                for k in ("read", "write", "mixed"))
+    # the tier's pattern: several files (one per unit), the mixed pass from one pool; and the old split pass
+    for mixed in ("pool", "split"):
+        r = probe_disk(str(tmp_path), total_bytes=8 * 2**20, block_mb=1, threads=2, files=3, mixed=mixed)
+        assert r["files"] == 3 and r["mixed"] == mixed and r["mixed_gib_s"] > 0 and r["read_gib_s"] > 0
+        assert r["bytes"] == 8 * 2**20 and list(Path(tmp_path).iterdir()) == []     # every file removed
+    with pytest.raises(ValueError, match="pool or split"):
+        probe_disk(str(tmp_path), total_bytes=8 * 2**20, block_mb=1, threads=2, mixed="both")
 
 
 def test_plan_terms_prints_the_three_tiers_and_each_term(tmp_path, capsys):

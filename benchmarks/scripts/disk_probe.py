@@ -5,7 +5,12 @@
 3. warm under load: the same while the host AdamW loop runs on every other core, as during a
    slide step (the tier's I/O threads then share the cores and the memory bus with it).
 
-    PYTHONPATH=src python benchmarks/scripts/disk_probe.py OUT.json [--dir D] [--gib 4]
+--grid instead: the warm probe's patterns side by side (NOTES.md 31: the floor's mixed rate read
+1.45 GiB/s where the tier drew 1.79): how the mixed pass shares its threads (split: half read,
+half write; pool: one queue, as the tier's pool), one file or several (the tier has one per
+unit), 4 or 8 threads.
+
+    PYTHONPATH=src python benchmarks/scripts/disk_probe.py OUT.json [--dir D] [--gib 4] [--grid]
 """
 from __future__ import annotations
 
@@ -34,9 +39,25 @@ def main() -> None:
     ap.add_argument("--block-mb", type=int, default=64)
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--adamw-params", type=int, default=128 * 2**20)
+    ap.add_argument("--grid", action="store_true", help="the warm probe's patterns side by side, nothing else")
+    ap.add_argument("--repeats", type=int, default=2)
     a = ap.parse_args()
     size = int(a.gib * 2**30)
     out = {"machine": machine_info(), "gib": a.gib, "block_mb": a.block_mb, "threads": a.threads}
+    if a.grid:
+        out["grid"] = []
+        for mixed in ("split", "pool"):
+            for files in (1, 8):
+                for threads in (4, 8):
+                    r = probe_disk(a.dir, size, a.block_mb, threads, warm_passes=1, repeats=a.repeats,
+                                   files=files, mixed=mixed)
+                    out["grid"].append(r)
+                    print(f"mixed={mixed:5s} files={files} threads={threads}: write {r['write_gib_s']:.2f}  "
+                          f"read {r['read_gib_s']:.2f}  mixed {r['mixed_gib_s']:.2f} GiB/s  "
+                          f"(passes {r['passes']['mixed']})", flush=True)
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+        return
     out["cold"] = probe_disk(a.dir, size, a.block_mb, a.threads, warm_passes=0)
     out["warm"] = probe_disk(a.dir, size, a.block_mb, a.threads, warm_passes=1)
     out["adamw_alone_params_per_s"] = _adamw_rate(a.adamw_params, 5, torch.bfloat16, "dynamic")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import queue
 import statistics
 import tempfile
 import time
@@ -163,11 +164,19 @@ def probe_adamw(n: int = 128 * 2**20, steps: int = 11, grad_download: str = "com
 
 
 def probe_disk(directory: str, total_bytes: int = 4 * 2**30, block_mb: int = 64, threads: int = 4,
-               warm_passes: int = 1, repeats: int = 1) -> dict:
+               warm_passes: int = 1, repeats: int = 1, files: int = 1, mixed: str = "pool") -> dict:
     """Read and write bandwidth of `directory` as the disk tier uses it (engine/slide/disk_tier.py):
     O_DIRECT where the filesystem allows it, blocks of `block_mb` MiB (a block's two moments), at a
-    queue depth of `threads` (its I/O threads), over a file of `total_bytes`: written, then read,
-    then both at once (the tier reads ahead while it writes behind). GiB/s each.
+    queue depth of `threads` (its I/O threads), over `files` files of `total_bytes` in all (block k
+    in file k % files): written, then read, then both at once (the tier reads ahead while it writes
+    behind). GiB/s each.
+
+    mixed: how the "both at once" pass shares the threads.
+      pool  (the tier's way): one pool of `threads` threads takes reads and writes, alternating, from
+            one queue, so the slower kind holds more of the threads. On the H100 machine's disk, where
+            reads are the slow kind, this is what the tier drew (NOTES.md 31).
+      split half the threads only read and half only write: the reads get half the queue depth. It
+            read 1.45 GiB/s where the tier moved 1.79 (a floor above the step, NOTES.md 31).
 
     warm_passes: untimed writes of the whole file first. The tier rewrites the same blocks every
     step, and a first write into fresh extents (ext4's unwritten extents, a thin-provisioned
@@ -179,33 +188,55 @@ def probe_disk(directory: str, total_bytes: int = 4 * 2**30, block_mb: int = 64,
     rate read 1.15 and 1.88 GiB/s in one session, NOTES.md 28), and a floor needs the disk's
     best: a step measured below a floor built on a slow pass (0.79x) showed the floor wrong."""
     from ..engine.slide.disk_tier import ALIGN, _aligned_empty, block_elems, check_directory
+    if mixed not in ("pool", "split"):
+        raise ValueError(f"mixed must be pool or split, not {mixed!r}")
     block_bytes = 8 * block_elems(block_mb)
-    n_blocks = max(threads, total_bytes // block_bytes)
-    root = check_directory(directory, n_blocks * block_bytes)
-    fd_path = tempfile.mktemp(prefix="slidetune-disk-probe-", dir=root)
+    files = max(1, files)
+    n_blocks = max(threads, files, total_bytes // block_bytes)
+    per_file = -(-n_blocks // files)                       # blocks in each file (the last may hold fewer)
+    root = check_directory(directory, files * per_file * block_bytes)
     direct = hasattr(os, "O_DIRECT")
+    fds: list[int] = []
+    paths = [tempfile.mktemp(prefix="slidetune-disk-probe-", dir=root) for _ in range(files)]
     try:
-        fd = os.open(fd_path, os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0), 0o600)
-    except OSError:
-        direct = False
-        fd = os.open(fd_path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, n_blocks * block_bytes)
-        bufs = [memoryview(_aligned_empty(block_bytes // 4, pinned=False).numpy()).cast("B") for _ in range(threads)]
-        for b in bufs:
+        for path in paths:
+            try:
+                fds.append(os.open(path, os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0), 0o600))
+            except OSError:
+                direct = False
+                fds.append(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+        for fd in fds:
+            os.posix_fallocate(fd, 0, per_file * block_bytes)
+        bufs: queue.SimpleQueue = queue.SimpleQueue()      # one aligned block buffer per thread
+        for _ in range(threads):
+            b = memoryview(_aligned_empty(block_bytes // 4, pinned=False).numpy()).cast("B")
             b[:] = os.urandom(ALIGN) * (len(b) // ALIGN)
+            bufs.put(b)
 
-        def io(write: bool, worker: int, blocks: range) -> None:
-            for k in blocks:
-                (os.pwritev if write else os.preadv)(fd, [bufs[worker]], k * block_bytes)
+        def op(write: bool, k: int) -> None:
+            buf = bufs.get()
+            try:
+                (os.pwritev if write else os.preadv)(fds[k % files], [buf], (k // files) * block_bytes)
+            finally:
+                bufs.put(buf)
 
         def run(kinds: list[bool]) -> float:
+            """Every block once, op k of kind kinds[k % len(kinds)]: queued to one pool (pool), or
+            each thread its own share (split: thread w takes blocks w, w + threads, ..., all of one
+            kind where threads is even)."""
             t0 = time.perf_counter()
             with ThreadPoolExecutor(threads) as pool:
-                futs = [pool.submit(io, kinds[w % len(kinds)], w, range(w, n_blocks, threads)) for w in range(threads)]
+                if mixed == "pool" or len(kinds) == 1:
+                    futs = [pool.submit(op, kinds[k % len(kinds)], k) for k in range(n_blocks)]
+                else:
+                    def share(w: int) -> None:
+                        for k in range(w, n_blocks, threads):
+                            op(kinds[w % len(kinds)], k)
+                    futs = [pool.submit(share, w) for w in range(threads)]
                 for f in futs:
                     f.result()
-            os.fsync(fd)
+            for fd in fds:
+                os.fsync(fd)
             return n_blocks * block_bytes / (time.perf_counter() - t0) / 2**30
 
         first_write = run([True]) if warm_passes > 0 else None
@@ -216,12 +247,15 @@ def probe_disk(directory: str, total_bytes: int = 4 * 2**30, block_mb: int = 64,
             passes["write"].append(run([True]))
             passes["read"].append(run([False]))
             passes["mixed"].append(run([False, True]))
-        write, read, mixed = (max(passes[k]) for k in ("write", "read", "mixed"))
+        write, read, mixed_rate = (max(passes[k]) for k in ("write", "read", "mixed"))
     finally:
-        os.close(fd)
-        os.unlink(fd_path)
-    return {"read_gib_s": read, "write_gib_s": write, "mixed_gib_s": mixed, "first_write_gib_s": first_write,
-            "warm_passes": warm_passes, "passes": passes, "direct_io": direct,
+        for fd in fds:
+            os.close(fd)
+        for path in paths:
+            if os.path.exists(path):
+                os.unlink(path)
+    return {"read_gib_s": read, "write_gib_s": write, "mixed_gib_s": mixed_rate, "first_write_gib_s": first_write,
+            "warm_passes": warm_passes, "passes": passes, "direct_io": direct, "mixed": mixed, "files": files,
             "block_mib": block_bytes / 2**20, "threads": threads, "bytes": n_blocks * block_bytes,
             "directory": str(root)}
 

@@ -37,8 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-chunk-tokens", type=int, default=4096)
 
 
-def parse_variants(text: str) -> list[tuple[str, dict]]:
-    """'a:chunk_mb=256,cache_units=4;b:' -> [("a", {"chunk_mb": 256, "cache_units": 4}), ("b", {})]."""
+def parse_variants(text: str, base: dict | None = None) -> list[tuple[str, dict]]:
+    """'a:chunk_mb=256,cache_units=4;b:' -> [("a", {"chunk_mb": 256, "cache_units": 4}), ("b", {})].
+    base: settings every variant runs with (e.g. --runtime's), checked together with each variant's."""
     fields = RuntimeConfig.__dataclass_fields__
     out = []
     for part in [p.strip() for p in text.split(";") if p.strip()]:
@@ -52,7 +53,7 @@ def parse_variants(text: str) -> list[tuple[str, dict]]:
             typ = fields[key].type
             over[key] = (int(value) if typ in ("int", int) else float(value) if typ in ("float", float) else
                          value.lower() in ("1", "true", "yes") if typ in ("bool", bool) else value)
-        RuntimeConfig(**over)        # reject bad values here, not in a worker process
+        RuntimeConfig(**{**(base or {}), **over})        # reject bad values here, not in a worker process
         out.append((name.strip(), over))
     if not out:
         raise ValueError("--variants names no variant")

@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> Path:
     adamw_probe = None
     # The floor times the layers as slide runs them (compiled or not).
     slide_over = _runtime_overrides(args.runtime)
-    variants = parse_ab_variants(getattr(args, "variants", ""))
+    variants = parse_ab_variants(getattr(args, "variants", ""), slide_over)
     rounds = max(1, int(getattr(args, "rounds", 1)))
     for model in models:
         for seq in seqs:
@@ -417,13 +417,13 @@ def _runtime_overrides(text: str) -> dict:
 FLOOR_SETTINGS = ("compile_layers", "grad_download", "host_adamw", "disk_dir", "disk_block_mb", "disk_io_threads")
 
 
-def parse_ab_variants(text: str) -> list[tuple[str, dict]]:
+def parse_ab_variants(text: str, base: dict | None = None) -> list[tuple[str, dict]]:
     """--variants 'a:;b:clip_sweep=weights' -> [("a", {}), ("b", {"clip_sweep": "weights"})]; none
     given: one unnamed variant. Names must differ, and no variant may change a FLOOR_SETTINGS field."""
     if not text.strip():
         return [("", {})]
     from .pipeline import parse_variants
-    out = parse_variants(text)
+    out = parse_variants(text, base)       # each variant checked with --runtime's settings (base)
     names = [name for name, _ in out]
     if any(not n for n in names) or len(set(names)) != len(names):
         raise ValueError(f"--variants: give each variant its own name ('name:key=value,...'), got {names}")
