@@ -955,6 +955,47 @@ def test_auto_held_buffers_take_two_where_the_host_has_room():
     assert plain.held_buffers == 1
 
 
+def test_auto_disk_buffers_read_ahead_as_deep_as_host_ram_has_room_for():
+    """disk_buffers=-1: the disk tier's block buffers (its read-ahead) fill host RAM's room beside
+    the placement, before the held buffers take any: at most one per block of the disk units, at
+    least 8 (what the fit counted when it placed the units). Qwen3-8B b16 clipped, 4 layers on
+    disk, on the H100 host: every block gets a buffer; a host with less room: as many as fit, the
+    estimate within its budget and one more over it; nothing on disk: 8; a count given: kept."""
+    from slidetune.engine.fit import choose_auto_settings
+    from slidetune.engine.placement import DISK_BUFFERS_UNRESOLVED
+    from slidetune.engine.slide.disk_tier import block_elems, tier_blocks
+    split = split_of("qwen3-8b")
+    rt = cuda_rt(mode="slide", disk_dir="/tmp", disk_units=4)
+    kw = dict(batch_size=16, seq_len=1024, max_grad_norm=1.0, gpu_free_bytes=int(78.5 * GiB))
+    roomy = choose_auto_settings(split, rt, host_available_bytes=123 * GiB, **kw)
+    plan = PlacementPlan.build(unit_shapes(split), roomy, "deferred")
+    blocks = tier_blocks(plan, rt.disk_block_mb)
+    assert blocks == sum(-(-u.numel // block_elems(64)) for u in plan.units if u.state == "disk") > 8
+    assert roomy.disk_buffers == plan.disk_buffers == blocks
+    est = estimate_memory(split, roomy, batch_size=16, seq_len=1024, max_grad_norm=1.0)
+    assert est.host_parts["disk tier block buffers"] == blocks * 8 * block_elems(64)
+    assert est.host_bytes <= 0.9 * 123 * GiB
+    # less room: the buffers take what is left beside the placement and the held buffers get none
+    least = estimate_memory(split, dataclasses.replace(roomy, disk_buffers=8, held_buffers=1),
+                            batch_size=16, seq_len=1024, max_grad_norm=1.0).host_bytes
+    host = int((least + 20 * 8 * block_elems(64) + 2**20) / 0.9)          # room for 20 more buffers
+    tight = choose_auto_settings(split, rt, host_available_bytes=host, **kw)
+    assert (tight.disk_units, tight.disk_buffers, tight.held_buffers) == (4, 28, 1)
+    assert estimate_memory(split, tight, batch_size=16, seq_len=1024, max_grad_norm=1.0).host_bytes <= 0.9 * host
+    assert estimate_memory(split, dataclasses.replace(tight, disk_buffers=29), batch_size=16, seq_len=1024,
+                           max_grad_norm=1.0).host_bytes > 0.9 * host
+    # nothing on disk (left at auto: moot), or a count given
+    none = choose_auto_settings(split, cuda_rt(mode="slide"), host_available_bytes=123 * GiB, **kw)
+    assert none.disk_buffers == -1
+    given = choose_auto_settings(split, dataclasses.replace(rt, disk_buffers=12), host_available_bytes=123 * GiB, **kw)
+    assert given.disk_buffers == 12
+    # unresolved (an engine built directly): the old 8; the plan's record keeps the count
+    assert PlacementPlan.build(unit_shapes(split), rt, "deferred").disk_buffers == DISK_BUFFERS_UNRESOLVED
+    assert PlacementPlan.from_dict(plan.to_dict()) == plan
+    with pytest.raises(ValueError, match="disk_buffers"):
+        RuntimeConfig(disk_buffers=2)
+
+
 def test_the_plan_places_held_buffers_on_host_units_of_the_clipped_schedule_only():
     """UnitPlace.held: none for the eager schedule or units updated on the GPU; one per host unit
     when clipped; the second (held_buffers 2) for all, or for the lowest held_second_units host

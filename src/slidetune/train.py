@@ -42,7 +42,7 @@ from .save_plan import DiskSpaceError, SavePlan, plan_saves, resolve_save_dtype
 from .telemetry.machine import HostRss
 from .engine.fit import Workload, check_fit_on_ranks, place_on_ranks
 from .engine.placement import PlacementPlan, unit_shapes
-from .engine.slide.disk_tier import tier_bytes
+from .engine.slide.disk_tier import buffer_bytes, tier_bytes
 from .models.load import LoadedModel, load_model
 from .models.reference_check import require_faithful
 from .ops.packed_attention import use_packed_attention
@@ -240,6 +240,10 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
                  else "every host-updated layer stays on the GPU between steps"))
     if cfg.runtime.grad_slot_dtype == "auto" and cfg.runtime.mode == "slide":
         print(f"grad_slot_dtype auto -> {runtime.grad_slot_dtype}")
+    if cfg.runtime.disk_buffers == -1 and cfg.runtime.mode == "slide" and plan.indices("disk"):
+        print(f"disk_buffers auto -> {runtime.disk_buffers}: {buffer_bytes(plan, runtime.disk_block_mb) / 2**30:.1f} GiB "
+              f"of page-locked blocks, the disk tier's read-ahead (as deep as host RAM has room for, at most "
+              f"the disk units' {tier_bytes(plan, runtime.disk_block_mb) / 2**30:.1f} GiB)")
     if cfg.runtime.held_buffers == -1 and cfg.runtime.mode == "slide":
         print(f"held_buffers auto -> {runtime.held_buffers}"
               + ("" if runtime.held_buffers == 1 else

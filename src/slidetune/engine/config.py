@@ -317,9 +317,16 @@ class RuntimeConfig:
     disk_block_mb: float = tuning_field(
         64, help="disk I/O block in MiB: one block's moments (m and v) per pinned buffer",
         when="raise for disks that want larger requests; lower to save pinned RAM (buffers x block)")
+    # The tier's read-ahead is as deep as its buffers. In a clipped step a disk unit's update waits
+    # for the clip coefficient, so with 8 buffers the tier read 512 MiB ahead and then idled until
+    # the update sweep reached its units: 1.5 s of a 7.0 s Qwen3-8B step (4 layers on disk, H100).
+    # 64 buffers kept the disk busy the whole step: 7.03 -> 5.53 s (NOTES.md 31).
+    # auto (-1): as many as host RAM has room for beside the placement, up to one per block of the
+    # disk units (fit.choose_auto_settings), at least 8; left unresolved, 8.
     disk_buffers: int = tuning_field(
-        8, help="pinned block buffers: reads ahead, the block in AdamW, writes behind (>= 3)",
-        when="raise when AdamW waits for disk reads on a fast disk; each costs disk_block_mb of pinned RAM")
+        -1, help="pinned block buffers: reads ahead, the block in AdamW, writes behind (>= 3, or -1: auto, "
+                 "as many as host RAM has room for, up to one per block of the disk units)",
+        when="lower to leave pinned RAM to something else; each costs disk_block_mb of pinned RAM")
     disk_io_threads: int = tuning_field(
         4, help="threads issuing preadv/pwritev (each releases the GIL)",
         when="raise for NVMe with deep queues or striped disks; lower on one slow disk")
@@ -391,9 +398,9 @@ class RuntimeConfig:
             raise ValueError("--tuning.disk_units needs a disk directory: --disk-dir PATH (a local disk with room "
                              "for 8 bytes per parameter of those units)")
         self.disk_master = _disk_master(self.disk_master)
-        if self.disk_block_mb <= 0 or self.disk_buffers < 3 or self.disk_io_threads < 1:
+        if self.disk_block_mb <= 0 or (self.disk_buffers < 3 and self.disk_buffers != -1) or self.disk_io_threads < 1:
             raise ValueError("--tuning.disk_block_mb must be > 0, --tuning.disk_buffers >= 3 (one read ahead, "
-                             "one in AdamW, one written behind) and --tuning.disk_io_threads >= 1")
+                             "one in AdamW, one written behind; or -1, auto) and --tuning.disk_io_threads >= 1")
 
     def disk_master_units(self, disk_units: int) -> int:
         """How many of `disk_units` disk units keep their master on disk (the first ones in disk

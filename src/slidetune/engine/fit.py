@@ -42,8 +42,8 @@ import torch
 
 from ..models.units import SplitModel
 from .config import RuntimeConfig, cli_flag, recompute_set
-from .placement import PlacementPlan, unit_shapes
-from .slide.disk_tier import buffer_bytes, check_directory, tier_bytes
+from .placement import DISK_BUFFERS_UNRESOLVED, PlacementPlan, unit_shapes
+from .slide.disk_tier import buffer_bytes, check_directory, tier_blocks, tier_bytes
 from .slide.host_store import BUILD_WORKERS
 
 GiB = 2**30
@@ -430,7 +430,7 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
                 host["disk units' masters (4 B/param; moments on disk)"] = 4 * (P_disk - P_disk_master)
             if P_disk_master:
                 host[f"disk-master units' weights ({b} B/param; master + moments on disk)"] = b * P_disk_master
-            host["disk tier block buffers"] = buffer_bytes(plan, rt.disk_block_mb, rt.disk_buffers)
+            host["disk tier block buffers"] = buffer_bytes(plan, rt.disk_block_mb)
             disk_bytes = tier_bytes(plan, rt.disk_block_mb)
         # one buffer per host-updated unit, and the plan's second buffers (auto left unresolved:
         # one, what the engine does)
@@ -679,24 +679,33 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
                          grad_accum: int = 1, max_grad_norm: float | None = None,
                          gpu_free_bytes: int | None = None, host_available_bytes: int | None = None,
                          safety: float = 0.9, padded: bool = True, ranks_per_host: int = 1) -> RuntimeConfig:
-    """_choose_placement's autos, then held_buffers=-1 (auto): 2 where the clipped schedule runs and
-    host RAM has room for the second buffer beside the chosen placement, else 1 (it costs no GPU
-    memory, so it never displaces a placement choice)."""
+    """_choose_placement's autos, then the host-RAM-only autos beside the chosen placement (they
+    cost no GPU memory, so they never displace a placement choice), in this order:
+      disk_buffers=-1: the disk tier's block buffers, as many as host RAM has room for, at least 8
+        (DISK_BUFFERS_UNRESOLVED) and at most one per block of the disk units. First: an idle disk
+        cost a disk-tier step far more than a gradient slot wait (NOTES.md 31).
+      held_buffers=-1: 2 where the clipped schedule runs and host RAM has room for the second
+        buffer, else 1."""
     kw = dict(batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
               padded=padded)
     placed = _choose_placement(split, rt, gpu_free_bytes=gpu_free_bytes, host_available_bytes=host_available_bytes,
                                safety=safety, ranks_per_host=ranks_per_host, **kw)
-    if placed.mode != "slide" or placed.held_buffers != -1:
+    if placed.mode != "slide":
         return placed
-    one = dataclasses.replace(placed, held_buffers=1, held_second_units=-1)
-    schedule = placed.resolved_schedule(grad_accum, max_grad_norm)
-    if schedule != "deferred":
-        return one
     host = query_host_available_bytes() if host_available_bytes is None else host_available_bytes
     budget = safety * host
+    schedule = placed.resolved_schedule(grad_accum, max_grad_norm)
 
     def host_bytes(c: RuntimeConfig) -> int:
         return estimate_memory(split, c, **kw).host_bytes_per_host(ranks_per_host)
+    buffers = _disk_buffers(split, placed, schedule, budget, host_bytes) if placed.disk_buffers == -1 else -1
+    if buffers != -1:
+        placed = dataclasses.replace(placed, disk_buffers=buffers)
+    if placed.held_buffers != -1:
+        return placed
+    one = dataclasses.replace(placed, held_buffers=1, held_second_units=-1)
+    if schedule != "deferred":
+        return one
     two = dataclasses.replace(one, held_buffers=2)
     if host_bytes(two) <= budget:
         return two
@@ -711,6 +720,21 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
             break
         fits = some
     return fits
+
+
+def _disk_buffers(split: SplitModel, rt: RuntimeConfig, schedule: str, budget: float, host_bytes) -> int:
+    """disk_buffers auto (choose_auto_settings): the tier's read-ahead as deep as host RAM's room
+    (`budget` over host_bytes(rt) at the least count) allows, at most a block's buffer per block
+    of the disk units, at least DISK_BUFFERS_UNRESOLVED (the fit counted that many already).
+    Nothing on disk: -1, left at auto (moot)."""
+    least = dataclasses.replace(rt, disk_buffers=DISK_BUFFERS_UNRESOLVED)
+    plan = PlacementPlan.build(unit_shapes(split), least, schedule)
+    per_buffer = buffer_bytes(plan, rt.disk_block_mb, 1)
+    if not per_buffer:
+        return -1
+    room = int(budget - host_bytes(least))
+    most = max(DISK_BUFFERS_UNRESOLVED, tier_blocks(plan, rt.disk_block_mb))
+    return max(DISK_BUFFERS_UNRESOLVED, min(most, DISK_BUFFERS_UNRESOLVED + max(0, room) // per_buffer))
 
 
 def _choose_placement(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int,

@@ -36,6 +36,9 @@ STATES = ("gpu", "host", "disk")
 # Bytes a parameter of a disk unit takes in the tier's files: the two FP32 moments, and the FP32
 # master where it lives there too.
 DISK_BYTES = {"host": 8, "disk": 12}
+# The disk tier's block buffers where --tuning.disk_buffers is left at auto (-1) unresolved: the
+# count before the auto existed (fit.choose_auto_settings resolves it from host RAM's room).
+DISK_BUFFERS_UNRESOLVED = 8
 SLOTS = ("own", "window")
 
 
@@ -93,6 +96,7 @@ class PlacementPlan:
     window_slots: int             # interchangeable GPU slots for the "window" layers
     gpu_checkpoints: int          # the last decoder layers whose input checkpoint stays on the GPU
     schedule: str                 # eager | deferred (RuntimeConfig.resolved_schedule)
+    disk_buffers: int = DISK_BUFFERS_UNRESOLVED   # the disk tier's pinned block buffers (its read-ahead)
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -155,7 +159,9 @@ class PlacementPlan:
                                 upload_copy=copies and state[i] == "host")
                       for i, s in enumerate(shapes))
         kept = L if not rt.offload_activations else min(L, max(0, rt.gpu_checkpoints))
-        return cls(units=units, window_slots=window_slots, gpu_checkpoints=kept, schedule=schedule)
+        buffers = DISK_BUFFERS_UNRESOLVED if rt.disk_buffers == -1 else rt.disk_buffers
+        return cls(units=units, window_slots=window_slots, gpu_checkpoints=kept, schedule=schedule,
+                   disk_buffers=buffers)
 
     def held_numel(self) -> int:
         """Elements of held gradient buffers in host RAM (deferred schedule): a buffer per
@@ -305,17 +311,17 @@ class PlacementPlan:
     def to_dict(self) -> dict:
         """A compact record for results files (bench.measure) and Placement-free floors."""
         return {"schedule": self.schedule, "window_slots": self.window_slots,
-                "gpu_checkpoints": self.gpu_checkpoints,
+                "gpu_checkpoints": self.gpu_checkpoints, "disk_buffers": self.disk_buffers,
                 "units": [[u.name, u.numel, u.state, u.slot, u.master, u.held, u.upload_copy] for u in self.units]}
 
     @classmethod
     def from_dict(cls, d: dict) -> PlacementPlan:
         """A plan from to_dict's record (or an older one without the masters' tier: masters in RAM;
-        or without held buffers or upload copies: none)."""
+        or without held buffers or upload copies: none; without the disk buffers: the old 8)."""
         units = tuple(UnitPlace(i, name, int(numel), state, slot, *rest) for i, (name, numel, state, slot, *rest)
                       in enumerate(d["units"]))
         return cls(units=units, window_slots=int(d["window_slots"]), gpu_checkpoints=int(d["gpu_checkpoints"]),
-                   schedule=d["schedule"])
+                   schedule=d["schedule"], disk_buffers=int(d.get("disk_buffers", DISK_BUFFERS_UNRESOLVED)))
 
 
 def _disk_order(state: list[str]) -> list[int]:

@@ -92,11 +92,19 @@ def tier_bytes(plan, block_mb: float) -> int:
     return sum(file_bytes(u.numel, block, u.disk_bytes_per_param // 4) for u in plan.units if u.state == "disk")
 
 
-def buffer_bytes(plan, block_mb: float, buffers: int) -> int:
-    """Page-locked bytes of the tier's block buffers for a plan: each holds a block of the widest
-    layout its units use (with a master: 12 B/param, else 8)."""
+def tier_blocks(plan, block_mb: float) -> int:
+    """Blocks of all the plan's disk units: a step reads and writes each once (read-ahead deeper
+    than this has nothing left to read)."""
+    block = block_elems(block_mb)
+    return sum(-(-u.numel // block) for u in plan.units if u.state == "disk")
+
+
+def buffer_bytes(plan, block_mb: float, buffers: int | None = None) -> int:
+    """Page-locked bytes of the tier's block buffers for a plan (`buffers` of them; None: the
+    plan's count): each holds a block of the widest layout its units use (with a master: 12
+    B/param, else 8)."""
     widest = max((u.disk_bytes_per_param for u in plan.units), default=0)
-    return buffers * widest * block_elems(block_mb)
+    return (plan.disk_buffers if buffers is None else buffers) * widest * block_elems(block_mb)
 
 
 def check_directory(path: str | os.PathLike, need_bytes: int) -> Path:

@@ -207,7 +207,7 @@ class SlideEngine:
         self._pending_gathers: list[tuple] = []
         self.disk_released = False      # release_disk_tier(): the run is over, its moments are gone
         self.disk = (DiskTier(rt.disk_dir, {i: self.split.units[i].numel for i in disk_units},
-                              block_mb=rt.disk_block_mb, buffers=rt.disk_buffers, io_threads=rt.disk_io_threads,
+                              block_mb=rt.disk_block_mb, buffers=self.plan.disk_buffers, io_threads=rt.disk_io_threads,
                               pinned=device.is_cuda, names={i: self.split.units[i].name for i in disk_units},
                               timeline=self.timeline,
                               masters=frozenset(u.index for u in self.plan.units if u.master == "disk"))
