@@ -243,7 +243,7 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
     if cfg.runtime.disk_buffers == -1 and cfg.runtime.mode == "slide" and plan.indices("disk"):
         print(f"disk_buffers auto -> {runtime.disk_buffers}: {buffer_bytes(plan, runtime.disk_block_mb) / 2**30:.1f} GiB "
               f"of page-locked blocks, the disk tier's read-ahead (as deep as host RAM has room for, at most "
-              f"the disk units' {tier_bytes(plan, runtime.disk_block_mb) / 2**30:.1f} GiB)")
+              f"half the disk units' {tier_bytes(plan, runtime.disk_block_mb) / 2**30:.1f} GiB)")
     if cfg.runtime.held_buffers == -1 and cfg.runtime.mode == "slide":
         print(f"held_buffers auto -> {runtime.held_buffers}"
               + ("" if runtime.held_buffers == 1 else

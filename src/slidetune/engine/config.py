@@ -321,11 +321,11 @@ class RuntimeConfig:
     # for the clip coefficient, so with 8 buffers the tier read 512 MiB ahead and then idled until
     # the update sweep reached its units: 1.5 s of a 7.0 s Qwen3-8B step (4 layers on disk, H100).
     # 64 buffers kept the disk busy the whole step: 7.03 -> 5.53 s (NOTES.md 31).
-    # auto (-1): as many as host RAM has room for beside the placement, up to one per block of the
+    # auto (-1): as many as host RAM has room for beside the placement, up to half the blocks of the
     # disk units (fit.choose_auto_settings), at least 8; left unresolved, 8.
     disk_buffers: int = tuning_field(
         -1, help="pinned block buffers: reads ahead, the block in AdamW, writes behind (>= 3, or -1: auto, "
-                 "as many as host RAM has room for, up to one per block of the disk units)",
+                 "as many as host RAM has room for, up to half the disk units' blocks)",
         when="lower to leave pinned RAM to something else; each costs disk_block_mb of pinned RAM")
     disk_io_threads: int = tuning_field(
         4, help="threads issuing preadv/pwritev (each releases the GIL)",

@@ -682,7 +682,7 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
     """_choose_placement's autos, then the host-RAM-only autos beside the chosen placement (they
     cost no GPU memory, so they never displace a placement choice), in this order:
       disk_buffers=-1: the disk tier's block buffers, as many as host RAM has room for, at least 8
-        (DISK_BUFFERS_UNRESOLVED) and at most one per block of the disk units. First: an idle disk
+        (DISK_BUFFERS_UNRESOLVED) and at most half the disk units' blocks. First: an idle disk
         cost a disk-tier step far more than a gradient slot wait (NOTES.md 31).
       held_buffers=-1: 2 where the clipped schedule runs and host RAM has room for the second
         buffer, else 1."""
@@ -724,8 +724,12 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
 
 def _disk_buffers(split: SplitModel, rt: RuntimeConfig, schedule: str, budget: float, host_bytes) -> int:
     """disk_buffers auto (choose_auto_settings): the tier's read-ahead as deep as host RAM's room
-    (`budget` over host_bytes(rt) at the least count) allows, at most a block's buffer per block
-    of the disk units, at least DISK_BUFFERS_UNRESOLVED (the fit counted that many already).
+    (`budget` over host_bytes(rt) at the least count) allows, at least DISK_BUFFERS_UNRESOLVED (the
+    fit counted that many already), at most half the disk units' blocks: half a step read ahead.
+    Not more: buffers for every block keep each written block until the next step needs it, so the
+    tier stops reading and becomes an in-RAM store of the same size that also writes to disk (a
+    Qwen3-8B step with 4 layers on disk then moved 46% of its bytes, at 2.41 s; NOTES.md 31). Where
+    host RAM could hold that, the moments belong in RAM, which the fit's disk_units auto decides.
     Nothing on disk: -1, left at auto (moot)."""
     least = dataclasses.replace(rt, disk_buffers=DISK_BUFFERS_UNRESOLVED)
     plan = PlacementPlan.build(unit_shapes(split), least, schedule)
@@ -733,7 +737,7 @@ def _disk_buffers(split: SplitModel, rt: RuntimeConfig, schedule: str, budget: f
     if not per_buffer:
         return -1
     room = int(budget - host_bytes(least))
-    most = max(DISK_BUFFERS_UNRESOLVED, tier_blocks(plan, rt.disk_block_mb))
+    most = max(DISK_BUFFERS_UNRESOLVED, tier_blocks(plan, rt.disk_block_mb) // 2)
     return max(DISK_BUFFERS_UNRESOLVED, min(most, DISK_BUFFERS_UNRESOLVED + max(0, room) // per_buffer))
 
 
