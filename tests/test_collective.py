@@ -80,10 +80,13 @@ def test_floor_on_two_ranks_adds_the_allreduce_on_the_compute_stream_and_splits_
     assert largest_shard(placed, 2) == 2 * _COMP["layer_params"]
     # every rank uploads every unit over its own link; the host's AdamW is the host's
     assert two["h2d_s"] == one["h2d_s"] and two["adamw_s"] == one["adamw_s"]
-    # the shared master read by both ranks' uploads, beside AdamW's traffic, at the probes' best DRAM rate
+    # the shared master read by both ranks' uploads, beside AdamW's traffic and the gradients' DMA
+    # writes (2 B/param, each unit once), at the probes' best DRAM rate; one rank: one upload read
     seen = max(20.0, 1e9 * ADAMW_BYTES["adamw_bf16_grad_params_per_s"] / GIB)
-    dram = (2 * UPLOAD_READ_BYTES * plan.upload_params() + 26 * plan.host_updated_params) / (seen * GIB)
+    dram = (2 * UPLOAD_READ_BYTES * plan.upload_params() + (26 + 2) * plan.host_updated_params) / (seen * GIB)
     assert two["host_dram_s"] == pytest.approx(dram)
+    assert one["host_dram_s"] == pytest.approx(
+        (UPLOAD_READ_BYTES * plan.upload_params() + (26 + 2) * plan.host_updated_params) / (seen * GIB))
     # fp32 gradient slots move twice the bytes
     assert floor_terms(_COMP, _COPY, _ADAMW, plan, collective=coll, ranks=2, grad_bytes=4)["allreduce_s"] == \
         pytest.approx(2 * want)
@@ -98,7 +101,10 @@ def test_floor_on_one_rank_is_unchanged_and_the_probe_must_match_the_ranks():
     plan = plan_of_runtime(_COMP)
     base = floor_terms(_COMP, _COPY, _ADAMW, plan)
     assert floor_terms(_COMP, _COPY, _ADAMW, plan, ranks=1) == base
-    assert set(base) == {"compute_s", "h2d_s", "d2h_s", "adamw_s"}
+    # one rank has no collective terms; its host DRAM term is AdamW's and the DMA's traffic
+    assert set(base) == {"compute_s", "h2d_s", "d2h_s", "adamw_s", "host_dram_s"}
+    no_dram = {k: v for k, v in _ADAMW.items() if k != "dram_gib_s"}
+    assert set(floor_terms(_COMP, _COPY, no_dram, plan)) == {"compute_s", "h2d_s", "d2h_s", "adamw_s"}
     with pytest.raises(ValueError, match="2 ranks, the floor is for 4"):
         floor_terms(_COMP, _COPY, _ADAMW, plan, collective=_collective(2, 1.0, 40.0), ranks=4)
 
@@ -217,6 +223,34 @@ def test_floor_of_gathered_weights_uploads_a_shard_and_broadcasts_the_rest():
     assert gather["gather_s"] == pytest.approx(sum(0.5 * 2 * n / (100.0 * GIB) for n in messages))
     seen = max(20.0, 1e9 * ADAMW_BYTES["adamw_bf16_grad_params_per_s"] / GIB)
     assert gather["host_dram_s"] == pytest.approx(
-        (UPLOAD_READ_BYTES * plan.upload_params() + 26 * plan.host_updated_params) / (seen * GIB))
+        (UPLOAD_READ_BYTES * plan.upload_params() + (26 + 2) * plan.host_updated_params) / (seen * GIB))
     assert gather["host_dram_s"] < upload["host_dram_s"]
     assert gather["allreduce_s"] == upload["allreduce_s"] and "gather_s" not in upload
+
+
+def test_host_dram_counts_the_clipped_sweeps_two_passes_and_the_dma():
+    """One rank, clipped with the split sweep: the host DRAM term is both AdamW passes over the RAM
+    units (18 + 18 B/param), a whole pass over the disk units (26) and the upload copies' copy pass
+    and whole update (16 + 26), the uploads' master reads (4 B per uploaded parameter) and the
+    gradients' DMA writes (2 B/param), at the best DRAM rate the probes saw (here the moments
+    pass's own traffic, above the a += b probe's)."""
+    from slidetune.bench.roofline import adamw_dram_bytes
+    adamw = dict(_ADAMW, adamw_weights_pass_params_per_s=8e9, adamw_moments_pass_params_per_s=9e9,
+                 adamw_weights_copy_pass_params_per_s=7e9)
+    seen = 9e9 * 18 / GIB                                  # 150.9 GiB/s against the probe's 20
+    clipped = plan_of_runtime(_COMP, clipped=True)
+    P = clipped.host_updated_params
+    assert adamw_dram_bytes(clipped, adamw) == 36 * P
+    terms = floor_terms(_COMP, _COPY, adamw, clipped)
+    assert terms["host_dram_s"] == pytest.approx((36 * P + 2 * P + UPLOAD_READ_BYTES * clipped.upload_params())
+                                                 / (seen * GIB))
+    # no split sweep (its passes not probed, or not split): one whole pass
+    assert adamw_dram_bytes(clipped, _ADAMW) == 26 * P
+    assert adamw_dram_bytes(clipped, adamw, split_sweep=False) == 26 * P
+    # disk units a whole pass; upload copies (clip_sweep=weights) the copy pass and the whole update
+    mixed = plan_of_runtime(_COMP, {"disk_units": 1, "disk_dir": "/d", "clip_sweep": "weights"}, clipped=True)
+    disk, copies = mixed.params("disk"), mixed.upload_copy_numel()
+    assert disk and copies == mixed.params("host")
+    assert adamw_dram_bytes(mixed, adamw) == 26 * disk + (16 + 26) * copies
+    # unclipped: one pass
+    assert adamw_dram_bytes(plan_of_runtime(_COMP), adamw) == 26 * P

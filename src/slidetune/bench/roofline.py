@@ -390,17 +390,38 @@ def largest_shard(plan: PlacementPlan, ranks: int) -> int:
     return max(load)
 
 
-def host_dram_term(plan: PlacementPlan, adamw: dict, ranks: int) -> float | None:
-    """Seconds a step of the host DRAM's traffic when `ranks` ranks share one host: every rank
-    uploads every unit from the one shared master (N x UPLOAD_READ_BYTES per uploaded parameter)
-    while the host's AdamW streams its state (ADAMW_BYTES per parameter), at the largest DRAM
-    bandwidth the probes saw (probe_host_dram's a += b, or the AdamW loop's own traffic). None where
-    probe_adamw measured no DRAM bandwidth."""
+def adamw_dram_bytes(plan: PlacementPlan, adamw: dict, split_sweep: bool = True) -> int:
+    """Host DRAM bytes of the host's AdamW a step (ADAMW_BYTES): one pass over each host-updated
+    unit (26 B/param, 28 with FP32 gradients); clipped with the split sweep (probed), the units
+    with master and moments in RAM take both passes (18 + 18), those with an upload copy the
+    copy pass and the whole update (16 + 26); disk units one whole pass."""
+    key = "adamw_bf16_grad_params_per_s" if adamw.get("grad_dtype") == "bf16" else "adamw_fp32_grad_params_per_s"
+    whole = ADAMW_BYTES[key] * plan.host_updated_params
+    if plan.schedule != "deferred" or not split_sweep or not adamw.get("adamw_moments_pass_params_per_s"):
+        return whole
+    copies = plan.upload_copy_numel()
+    split = plan.params("host") - copies
+    passes = ADAMW_BYTES["adamw_weights_pass_params_per_s"] + ADAMW_BYTES["adamw_moments_pass_params_per_s"]
+    return (passes * split + (ADAMW_BYTES["adamw_weights_copy_pass_params_per_s"] + ADAMW_BYTES[key]) * copies
+            + ADAMW_BYTES[key] * plan.params("disk"))
+
+
+def host_dram_term(plan: PlacementPlan, adamw: dict, ranks: int, split_sweep: bool = True,
+                   grad_bytes: int = 2) -> float | None:
+    """Seconds a step of the host DRAM's traffic: the host's AdamW streams its state
+    (adamw_dram_bytes), the uploads' DMA reads the master (UPLOAD_READ_BYTES per uploaded
+    parameter; `ranks` ranks sharing one host each read every unit from the one shared master),
+    and the gradients' DMA writes `grad_bytes` per host-updated parameter (each unit once, by its
+    owner); at the largest DRAM bandwidth the probes saw (probe_host_dram's a += b, or an AdamW
+    pass's own traffic). None where probe_adamw measured no DRAM bandwidth.
+    One rank too: on a 24 GiB GPU (Llama-3.1-8B clipped, every unit on the host) the AdamW
+    passes' probed rates gave 1.9 s a step and the engine's took 2.3-2.4 s, the DMA's 5 B/param
+    beside their 36 on the same DRAM (NOTES.md 31)."""
     if not adamw.get("dram_gib_s"):
         return None
-    key = "adamw_bf16_grad_params_per_s" if adamw.get("grad_dtype") == "bf16" else "adamw_fp32_grad_params_per_s"
     seen = [adamw["dram_gib_s"]] + [adamw[k] * b / 2**30 for k, b in ADAMW_BYTES.items() if adamw.get(k)]
-    nbytes = ranks * UPLOAD_READ_BYTES * plan.upload_params() + ADAMW_BYTES[key] * plan.host_updated_params
+    nbytes = (ranks * UPLOAD_READ_BYTES * plan.upload_params() + grad_bytes * plan.host_updated_params
+              + adamw_dram_bytes(plan, adamw, split_sweep))
     return nbytes / (max(seen) * 2**30)
 
 
@@ -453,7 +474,7 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
       e.g. the disk units all on rank 0, ends later). Units updated on the GPU: every rank
       updates its own copy, so device AdamW and the disk tier's I/O (rank 0's) stay per host.
     - host_dram_s: the N uploads of each unit all read the one shared master from the same DRAM,
-      beside AdamW's traffic (host_dram_term).
+      beside AdamW's traffic and the gradients' DMA (host_dram_term; one rank has the term too).
     - dp_weights="gather" (RuntimeConfig.dp_weights): a unit's owner alone uploads it and
       broadcasts it to the host's other GPUs on a stream of its own: h2d_s is the busiest rank's
       share of the uploads (its share of the host-updated parameters: the owners are balanced by
@@ -488,7 +509,7 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
         layer = max((u.numel for u in plan.layers), default=0)
         messages = [layer] * layer_uploads + [u.numel for u in (plan.units[0], plan.units[-1]) if u.host_updated]
         terms["gather_s"] = sum(allgather_seconds(2 * n, collective) for n in messages)   # BF16 weights
-    dram_s = host_dram_term(plan, adamw, 1 if gathering else ranks) if ranks > 1 else None
+    dram_s = host_dram_term(plan, adamw, 1 if gathering else ranks, split_sweep)
     if dram_s:
         terms["host_dram_s"] = dram_s
     disk_io_s = disk_term(plan, disk) if disk_params and disk else 0.0
