@@ -254,3 +254,29 @@ def test_host_dram_counts_the_clipped_sweeps_two_passes_and_the_dma():
     assert adamw_dram_bytes(mixed, adamw) == 26 * disk + (16 + 26) * copies
     # unclipped: one pass
     assert adamw_dram_bytes(plan_of_runtime(_COMP), adamw) == 26 * P
+
+
+def test_the_clipped_sweep_shares_the_dram_with_the_uploads_that_follow_it():
+    """Clipped, split sweep: the weights pass over the RAM units runs while the next forward
+    uploads each swept unit (its master read, 4 B/param; 2 ranks on one host, twice), so the sweep
+    takes at least (18 + 4 x uploads) B/param at the best DRAM rate the probes saw, where that
+    exceeds the pass alone at its probed rate; with a fast DRAM the pass's own rate binds."""
+    clipped = plan_of_runtime(_COMP, clipped=True)
+    ram = clipped.params("host")
+    backward = 4 * 0.15 + 0.1 + 0.05
+    slow = dict(_ADAMW, adamw_weights_pass_params_per_s=8e9, adamw_moments_pass_params_per_s=8e9)
+    best = 8e9 * 18 / GIB                                  # the passes' own traffic, above the probe's 20 GiB/s
+    swept = (18 + UPLOAD_READ_BYTES) * ram / (best * GIB)  # > ram / 8e9: the DRAM binds
+    assert swept > ram / 8e9
+    assert floor_terms(_COMP, _COPY, slow, clipped)["clip_sweep_s"] == pytest.approx(backward + swept + 0.05)
+    coll = _collective(2, small_bw=1.0, large_bw=1e6)
+    two = floor_terms(_COMP, _COPY, slow, clipped, collective=coll, ranks=2)
+    reduce_s = allreduce_term([u.numel for u in clipped.units], coll)
+    assert two["clip_sweep_s"] == pytest.approx(backward + reduce_s + (18 + 2 * UPLOAD_READ_BYTES) * ram / (best * GIB)
+                                                + 0.05)
+    # a DRAM far faster than the pass: the pass's probed rate
+    fast = dict(slow, dram_gib_s=10_000.0)
+    assert floor_terms(_COMP, _COPY, fast, clipped)["clip_sweep_s"] == pytest.approx(backward + ram / 8e9 + 0.05)
+    # no DRAM probe: the pass's rate
+    no_dram = {k: v for k, v in slow.items() if k != "dram_gib_s"}
+    assert floor_terms(_COMP, _COPY, no_dram, clipped)["clip_sweep_s"] == pytest.approx(backward + ram / 8e9 + 0.05)

@@ -417,12 +417,20 @@ def host_dram_term(plan: PlacementPlan, adamw: dict, ranks: int, split_sweep: bo
     One rank too: on a 24 GiB GPU (Llama-3.1-8B clipped, every unit on the host) the AdamW
     passes' probed rates gave 1.9 s a step and the engine's took 2.3-2.4 s, the DMA's 5 B/param
     beside their 36 on the same DRAM (NOTES.md 31)."""
-    if not adamw.get("dram_gib_s"):
+    best = best_dram_gib_s(adamw)
+    if not best:
         return None
-    seen = [adamw["dram_gib_s"]] + [adamw[k] * b / 2**30 for k, b in ADAMW_BYTES.items() if adamw.get(k)]
     nbytes = (ranks * UPLOAD_READ_BYTES * plan.upload_params() + grad_bytes * plan.host_updated_params
               + adamw_dram_bytes(plan, adamw, split_sweep))
-    return nbytes / (max(seen) * 2**30)
+    return nbytes / (best * 2**30)
+
+
+def best_dram_gib_s(adamw: dict) -> float | None:
+    """The largest host DRAM bandwidth the probes saw: probe_host_dram's a += b, or an AdamW pass's
+    own traffic (ADAMW_BYTES at its probed rate). None where probe_adamw measured no DRAM bandwidth."""
+    if not adamw.get("dram_gib_s"):
+        return None
+    return max([adamw["dram_gib_s"]] + [adamw[k] * b / 2**30 for k, b in ADAMW_BYTES.items() if adamw.get(k)])
 
 
 def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None = None,
@@ -527,10 +535,22 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
         copy_params = plan.upload_copy_numel() if split_sweep else 0
         copy_rate = adamw.get("adamw_weights_copy_pass_params_per_s") or sweep_rate
         backward = L * comp["layer_recompute_backward_s"] + comp["head_s"] + comp["embed_s"]
+        sweep_s = (ram_params - copy_params) / sweep_rate + copy_params / copy_rate
+        best = best_dram_gib_s(adamw) if split_sweep else None
+        if best:
+            # The forward that follows the sweep uploads each swept unit as its update lands, so
+            # the sweep shares the DRAM with those uploads' reads (the master, 4 B/param; an
+            # upload copy, 2): the sweep takes at least all those bytes at the best DRAM rate.
+            # Llama-3.1-8B b16 on a 24 GiB GPU: the weights pass ran at 6.94 G params/s in the
+            # step against 8.11 alone, 142 GiB/s of DRAM with the uploads (NOTES.md 31).
+            uploads = (1 if gathering else ranks)
+            swept = ((ADAMW_BYTES["adamw_weights_pass_params_per_s"] + uploads * UPLOAD_READ_BYTES)
+                     * (ram_params - copy_params)
+                     + (ADAMW_BYTES["adamw_weights_copy_pass_params_per_s"] + uploads * 2) * copy_params)
+            sweep_s = max(sweep_s, swept / (best * gib))
         # (the disk units' AdamW, whole, on the same host threads after the norm)
-        terms["clip_sweep_s"] = (backward + reduce_s + device_update_s + (ram_params - copy_params) / sweep_rate
-                                 + copy_params / copy_rate + disk_params / adamw["adamw_params_per_s"]
-                                 + comp["layer_forward_s"])
+        terms["clip_sweep_s"] = (backward + reduce_s + device_update_s + sweep_s
+                                 + disk_params / adamw["adamw_params_per_s"] + comp["layer_forward_s"])
         if split_sweep and adamw.get("adamw_moments_pass_params_per_s"):
             # the host's AdamW a step is both passes (each reads the gradient and the moments)
             split_params = ram_params - copy_params
