@@ -415,8 +415,8 @@ def host_dram_term(plan: PlacementPlan, adamw: dict, ranks: int, split_sweep: bo
     owner); at the largest DRAM bandwidth the probes saw (probe_host_dram's a += b, or an AdamW
     pass's own traffic). None where probe_adamw measured no DRAM bandwidth.
     One rank too: on a 24 GiB GPU (Llama-3.1-8B clipped, every unit on the host) the AdamW
-    passes' probed rates gave 1.9 s a step and the engine's took 2.3-2.4 s, the DMA's 5 B/param
-    beside their 36 on the same DRAM (NOTES.md 31)."""
+    passes' probed rates gave 1.9 s a step and the engine's took 2.3-2.4 s, the DMA's 8 B/param
+    (uploads 6, gradients 2) beside their 36 on the same DRAM (NOTES.md 31)."""
     best = best_dram_gib_s(adamw)
     if not best:
         return None
@@ -462,7 +462,8 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
     backward, the device units' AdamW, the host's weights pass over its units (at the probed
     rate of that pass: it writes the weights only, the moments follow where nothing waits) and
     one layer's forward: clip_sweep_s. (The forward runs in the sweep's shadow; nothing else of
-    the host's sweep can overlap.) Units with an upload copy (clip_sweep=weights) take that pass
+    the host's sweep can overlap.) The weights pass takes at least its bytes and the following
+    uploads' master reads at the best DRAM rate the probes saw, where that is the longer. Units with an upload copy (clip_sweep=weights) take that pass
     at the probed rate of the BF16-writing pass (adamw_weights_copy_pass_params_per_s), their
     second pass being the whole update.
 
@@ -543,7 +544,7 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
             # upload copy, 2): the sweep takes at least all those bytes at the best DRAM rate.
             # Llama-3.1-8B b16 on a 24 GiB GPU: the weights pass ran at 6.94 G params/s in the
             # step against 8.11 alone, 142 GiB/s of DRAM with the uploads (NOTES.md 31).
-            uploads = (1 if gathering else ranks)
+            uploads = 1 if gathering else ranks
             swept = ((ADAMW_BYTES["adamw_weights_pass_params_per_s"] + uploads * UPLOAD_READ_BYTES)
                      * (ram_params - copy_params)
                      + (ADAMW_BYTES["adamw_weights_copy_pass_params_per_s"] + uploads * 2) * copy_params)
