@@ -186,6 +186,7 @@ def test_a_disk_tier_run_warms_up_past_its_first_sweep_and_reports_its_disk_rate
     # block still in a buffer from its last write may skip its read; a unit's last block is
     # padded, so whole blocks move a little more than the plan's bytes)
     assert 0.5 <= row["disk_io_ratio"] <= 1.05
+    assert row["disk_buffers"] == 3                           # the run's resolved read-ahead
     # without a disk tier the warm-up is the one asked for
     r = measure(MeasureSpec(model="tiny-llama", seq_len=16, batch_size=2, steps=1, warmup=1, per_layer=False,
                             runtime=dict(device="cpu", mode="slide")))

@@ -4,7 +4,8 @@
 #   jobs: stash | pipeline | train | equivalence | runtime | throughput | throughput@TAG | scaling | scaling@TAG
 #         | hostinfo | techniques
 #         | modes | recompute | head | roofline | contention | gil | packing (PACKING_ARGS) | disk (DISK_DIR, DISK_PLAN_ARGS)
-#         | diskprobe (DISK_DIR, DISKPROBE_ARGS: cold, warm and under-AdamW-load disk bandwidth)
+#         | diskprobe (DISK_DIR, DISKPROBE_ARGS: cold, warm and under-AdamW-load disk bandwidth; "--grid --gib 2":
+#           the probe's patterns side by side, split or pool mixed pass, 1 or 8 files, 4 or 8 threads)
 #         | soak (SOAK_ARGS; ~20 min for 250 8B steps: run it with --detach) | faults (random token ids: no carry)
 # Extra arguments per job come from PIPELINE_ARGS, THROUGHPUT_ARGS (THROUGHPUT_ARGS_TAG for throughput@TAG,
 # written to throughput_TAG/), SCALING_ARGS (scaling: bench throughput --gpus on this host's GPUs, e.g.

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from ...engine.placement import DISK_BUFFERS_UNRESOLVED
 from ..baselines import outputs as O
 from ..baselines.deepspeed_zero3 import availability as ds_availability
 from ..baselines.fsdp2 import FSDP2Spec
@@ -483,7 +484,8 @@ COLUMNS = ["model", "seq_len", "batch_size", "system", "recipe", "variant", "rou
            "floor_s",
            "floor_bound_by", "floor_partial", "step_over_floor", "oom_requested_gib", "call_s_mean",
            "host_adamw_s", "host_wait_d2h_s", "fwd_wait_upload_s", "bwd_wait_grad_slot_s", "device_layers",
-           "gpu_checkpoints", "host_threads", "disk_io_gib", "disk_gib_s", "disk_io_ratio", "error"]
+           "gpu_checkpoints", "host_threads", "disk_io_gib", "disk_gib_s", "disk_io_ratio", "disk_buffers",
+           "error"]
 # slide's host timeline, seconds per step (bench.measure host_s_mean): where a step goes
 # (host_adamw_s: AdamW's time; under clipping the weights pass and the moments pass)
 HOST_COLUMNS = {"host_adamw_s": ("host.adamw", "host.adamw_moments"),
@@ -519,6 +521,9 @@ def _row(system, model, batch, seq, r, fpt, fl, recipe: dict | None = None, coll
             # written once a step (a block a later entry took from a buffer is not read again; a
             # unit's last block is padded to a whole one)
             row["disk_io_ratio"] = r["disk_io_bytes_measured"] / r["disk_io_bytes_per_step"]
+        # the tier's block buffers as the run resolved them (its read-ahead; auto left unresolved: 8)
+        buffers = int((r.get("runtime") or {}).get("disk_buffers", -1))
+        row["disk_buffers"] = DISK_BUFFERS_UNRESOLVED if buffers == -1 else buffers
     # slide: decoder layers whose state stayed on the GPU, and the host AdamW's threads (resolved autos)
     row["device_layers"], row["host_threads"] = r.get("device_layers"), r.get("host_threads")
     row["gpu_checkpoints"] = _placement(r).get("gpu_checkpoints")
