@@ -16,6 +16,7 @@ unit's weights in the compute dtype, which its uploads copy as they are.
 from __future__ import annotations
 
 import dataclasses
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -249,6 +250,8 @@ def test_train_with_masters_on_disk_end_to_end(tmp_path):
                              "--tuning.disk_master", "on")
     assert code == 0, err[-2000:]
     assert "disk tier (master + moments; compute-dtype weights in host RAM)" in out
+    # disk_buffers auto: the read-ahead the fit chose, said before step 1 (the tier's blocks and buffers)
+    assert re.search(r"disk_buffers auto -> \d+: \d+ MiB of block buffers, the disk tier's read-ahead", out)
     assert_loads(d / "final")
     assert metric_steps(d)[-1] == 3 and (d / "checkpoints" / "checkpoint-3" / "COMPLETE").exists()
     assert list(tier.iterdir()) == []                    # the scratch files went at close

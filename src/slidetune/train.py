@@ -241,9 +241,11 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
     if cfg.runtime.grad_slot_dtype == "auto" and cfg.runtime.mode == "slide":
         print(f"grad_slot_dtype auto -> {runtime.grad_slot_dtype}")
     if cfg.runtime.disk_buffers == -1 and cfg.runtime.mode == "slide" and plan.indices("disk"):
-        print(f"disk_buffers auto -> {runtime.disk_buffers}: {buffer_bytes(plan, runtime.disk_block_mb) / 2**30:.1f} GiB "
-              f"of page-locked blocks, the disk tier's read-ahead (as deep as host RAM has room for, at most "
-              f"half the disk units' {tier_bytes(plan, runtime.disk_block_mb) / 2**30:.1f} GiB)")
+        def size(n: int) -> str:
+            return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+        print(f"disk_buffers auto -> {runtime.disk_buffers}: {size(buffer_bytes(plan, runtime.disk_block_mb))} of "
+              f"block buffers, the disk tier's read-ahead (as deep as host RAM has room for, at most half the "
+              f"disk units' {size(tier_bytes(plan, runtime.disk_block_mb))})")
     if cfg.runtime.held_buffers == -1 and cfg.runtime.mode == "slide":
         print(f"held_buffers auto -> {runtime.held_buffers}"
               + ("" if runtime.held_buffers == 1 else
