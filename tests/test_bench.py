@@ -187,8 +187,20 @@ def test_a_disk_tier_run_warms_up_past_its_first_sweep_and_reports_its_disk_rate
     # padded, so whole blocks move a little more than the plan's bytes)
     assert 0.5 <= row["disk_io_ratio"] <= 1.05
     assert row["disk_buffers"] == 3                           # the run's resolved read-ahead
+    # the disk lane's busy share of the timed step (the Gantt chart's disk lanes, their union)
+    assert 0 < row["disk_busy_frac"] <= 1
     # without a disk tier the warm-up is the one asked for
     r = measure(MeasureSpec(model="tiny-llama", seq_len=16, batch_size=2, steps=1, warmup=1, per_layer=False,
                             runtime=dict(device="cpu", mode="slide")))
     assert "warmup_raised" not in r and [s["warmup"] for s in r["steps"]] == [True, False]
     assert "disk_io_bytes_per_step" not in r
+
+
+def test_lane_busy_fraction_is_the_union_of_a_lanes_spans_over_the_step():
+    from slidetune.bench.measure import lane_busy_fraction
+    timeline = {"step": 3, "step_ms": 100.0,
+                "rows": [["disk", "read", "layer.3", 0.0, 30.0], ["disk", "write", "layer.2", 20.0, 50.0],
+                         ["disk", "read", "layer.4", 70.0, 80.0], ["gpu", "forward", "layer.0", 0.0, 100.0]]}
+    assert lane_busy_fraction(timeline, "disk") == pytest.approx(0.6)     # [0, 50] and [70, 80]
+    assert lane_busy_fraction(timeline, "gpu") == pytest.approx(1.0)
+    assert lane_busy_fraction(timeline, "upload") is None and lane_busy_fraction(None, "disk") is None

@@ -81,6 +81,19 @@ def step_timeline(gpu_spans, host_spans, t0: float, t1: float) -> list[list]:
     return rows
 
 
+def lane_busy_fraction(timeline: dict | None, lane: str) -> float | None:
+    """The share of a step_timeline's step (its "step_ms") in which the lane had a span open: e.g.
+    "disk", the disk tier's reads and writes (its I/O threads), whose union is its busy time. None
+    where the timeline has no such lane."""
+    from ..telemetry.host_timeline import union
+    if not timeline or not timeline.get("step_ms"):
+        return None
+    spans = [(float(row[3]), float(row[4])) for row in timeline.get("rows") or [] if row[0] == lane]
+    if not spans:
+        return None
+    return sum(e - s for s, e in union(spans)) / float(timeline["step_ms"])
+
+
 def _mean_by_key(dicts: list[dict[str, float]]) -> dict[str, float]:
     """Per key, the mean over `dicts` (a key missing from one counts as 0 there)."""
     keys = sorted({k for d in dicts for k in d})

@@ -40,7 +40,7 @@ from ..baselines import outputs as O
 from ..baselines.deepspeed_zero3 import availability as ds_availability
 from ..baselines.fsdp2 import FSDP2Spec
 from ..baselines.proc import parse_oom, run_worker
-from ..measure import MeasureSpec
+from ..measure import MeasureSpec, lane_busy_fraction
 from ..roofline import floor_terms, plan_of_runtime
 from ..report import pipeline_rows
 from ..runner import run_isolated
@@ -485,7 +485,7 @@ COLUMNS = ["model", "seq_len", "batch_size", "system", "recipe", "variant", "rou
            "floor_bound_by", "floor_partial", "step_over_floor", "oom_requested_gib", "call_s_mean",
            "host_adamw_s", "host_wait_d2h_s", "fwd_wait_upload_s", "bwd_wait_grad_slot_s", "device_layers",
            "gpu_checkpoints", "host_threads", "disk_io_gib", "disk_gib_s", "disk_io_ratio", "disk_buffers",
-           "error"]
+           "disk_busy_frac", "error"]
 # slide's host timeline, seconds per step (bench.measure host_s_mean): where a step goes
 # (host_adamw_s: AdamW's time; under clipping the weights pass and the moments pass)
 HOST_COLUMNS = {"host_adamw_s": ("host.adamw", "host.adamw_moments"),
@@ -524,6 +524,9 @@ def _row(system, model, batch, seq, r, fpt, fl, recipe: dict | None = None, coll
         # the tier's block buffers as the run resolved them (its read-ahead; auto left unresolved: 8)
         buffers = int((r.get("runtime") or {}).get("disk_buffers", -1))
         row["disk_buffers"] = DISK_BUFFERS_UNRESOLVED if buffers == -1 else buffers
+        # the share of the timed step the tier's I/O threads had a read or write open (the Gantt
+        # chart's disk lanes): ~1 where the disk binds the step
+        row["disk_busy_frac"] = lane_busy_fraction(r.get("step_timeline"), "disk")
     # slide: decoder layers whose state stayed on the GPU, and the host AdamW's threads (resolved autos)
     row["device_layers"], row["host_threads"] = r.get("device_layers"), r.get("host_threads")
     row["gpu_checkpoints"] = _placement(r).get("gpu_checkpoints")
@@ -720,6 +723,17 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
         lines += O.md_table(timed, ["model", "seq_len", "batch_size", "step_s_mean", "call_s_mean", *HOST_COLUMNS,
                                     "device_layers", "gpu_checkpoints", "host_threads"],
                             {k: 3 for k in ["step_s_mean", "call_s_mean", *HOST_COLUMNS]})
+    on_disk = [r for r in rows if r.get("disk_io_gib") is not None]
+    if on_disk:
+        lines += ["", "The disk tier (per step): disk_io_gib, the plan's reads and writes (each disk unit's block "
+                  "once); disk_gib_s, that over the step; disk_io_ratio, what the tier moved over the plan's bytes "
+                  "(~1: each block once; below: blocks still in a buffer were not read again); disk_buffers, its "
+                  "block buffers (the read-ahead); disk_busy_frac, the share of the timed step with a read or "
+                  "write open (the Gantt chart's disk lanes: ~1 where the disk binds).", ""]
+        lines += O.md_table(on_disk, ["model", "seq_len", "batch_size", "variant", "step_s_mean", "disk_io_gib",
+                                      "disk_gib_s", "disk_io_ratio", "disk_buffers", "disk_busy_frac"],
+                            {"step_s_mean": 3, "disk_io_gib": 1, "disk_gib_s": 2, "disk_io_ratio": 3,
+                             "disk_busy_frac": 3})
     lines += ["", "Plots: tokens_per_s.png, model_tflops.png, gpu_peak.png, cpu_peak.png, step_over_floor.png, "
               "pareto.png" + (", scaling.png" if scaled else ""), ""]
     if per_run:
