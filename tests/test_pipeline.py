@@ -395,3 +395,34 @@ def test_long_lived_objects_are_frozen_after_the_first_step_until_close(mode, mo
         assert gc.get_freeze_count() == 0
     finally:
         off.close()
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_the_heads_upload_is_queued_where_its_update_will_be_ready(clip):
+    """Eager: the backward releases the head first, so its upload for the next step is queued ahead
+    of the last layers' (it hides under theirs). Clipped: the sweep updates a host head last, and the
+    uploader runs in order, so the head's upload is queued behind every layer's: queued earlier it
+    would hold back the layers behind it until the sweep's end (NOTES.md 31)."""
+    # 8 layers: 2 resident (0-1, a slot each), a 2-slot window over 2-7; the forward plans 2 visits
+    # ahead, so an early head is queued before layers 6 and 7
+    loaded = make_loaded("llama", tied=False, layers=8)
+    eng = build_engine(loaded, RuntimeConfig(mode="slide", dtype="fp32", device="cpu", cache_units=2,
+                                             resident_layers=2), AdamWConfig(lr=1e-3), max_grad_norm=clip)
+    try:
+        assert eng.resident_layers == 2
+        uploads = _spy_uploads(eng)
+        for step in range(2):
+            eng.train_step(make_batches(step, 1), 1e-3)
+        eng.synchronize()
+        # step 0's forward (version 0: the initial weights), in the order the uploads were queued
+        forward = [name for name, v in uploads if v == 0 and (name == "head" or name.startswith("layer."))]
+        if clip:
+            assert forward.index("head") > forward.index("layer.7")
+        else:
+            assert forward.index("head") < forward.index("layer.6")
+        # clipped, the next step's too (the weights the sweep wrote, version 1)
+        if clip:
+            forward = [name for name, v in uploads if v == 1 and (name == "head" or name.startswith("layer."))]
+            assert forward.index("head") > forward.index("layer.7")
+    finally:
+        eng.close()
