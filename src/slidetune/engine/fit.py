@@ -698,9 +698,8 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
 
     def host_bytes(c: RuntimeConfig) -> int:
         return estimate_memory(split, c, **kw).host_bytes_per_host(ranks_per_host)
-    buffers = _disk_buffers(split, placed, schedule, budget, host_bytes) if placed.disk_buffers == -1 else -1
-    if buffers != -1:
-        placed = dataclasses.replace(placed, disk_buffers=buffers)
+    if placed.disk_buffers == -1:
+        placed = _with_disk_buffers(split, placed, schedule, budget, host_bytes)
     if placed.held_buffers != -1:
         return placed
     one = dataclasses.replace(placed, held_buffers=1, held_second_units=-1)
@@ -722,7 +721,8 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
     return fits
 
 
-def _disk_buffers(split: SplitModel, rt: RuntimeConfig, schedule: str, budget: float, host_bytes) -> int:
+def _with_disk_buffers(split: SplitModel, rt: RuntimeConfig, schedule: str, budget: float,
+                       host_bytes) -> RuntimeConfig:
     """disk_buffers auto (choose_auto_settings): the tier's read-ahead as deep as host RAM's room
     (`budget` over host_bytes(rt) at the least count) allows, at least DISK_BUFFERS_UNRESOLVED (the
     fit counted that many already), at most half the disk units' blocks: half a step read ahead.
@@ -730,15 +730,16 @@ def _disk_buffers(split: SplitModel, rt: RuntimeConfig, schedule: str, budget: f
     tier stops reading and becomes an in-RAM store of the same size that also writes to disk (a
     Qwen3-8B step with 4 layers on disk then moved 46% of its bytes, at 2.41 s; NOTES.md 31). Where
     host RAM could hold that, the moments belong in RAM, which the fit's disk_units auto decides.
-    Nothing on disk: -1, left at auto (moot)."""
+    Nothing on disk: `rt` itself, left at auto (moot)."""
     least = dataclasses.replace(rt, disk_buffers=DISK_BUFFERS_UNRESOLVED)
     plan = PlacementPlan.build(unit_shapes(split), least, schedule)
     per_buffer = buffer_bytes(plan, rt.disk_block_mb, 1)
     if not per_buffer:
-        return -1
+        return rt
     room = int(budget - host_bytes(least))
     most = max(DISK_BUFFERS_UNRESOLVED, tier_blocks(plan, rt.disk_block_mb) // 2)
-    return max(DISK_BUFFERS_UNRESOLVED, min(most, DISK_BUFFERS_UNRESOLVED + max(0, room) // per_buffer))
+    count = max(DISK_BUFFERS_UNRESOLVED, min(most, DISK_BUFFERS_UNRESOLVED + max(0, room) // per_buffer))
+    return dataclasses.replace(rt, disk_buffers=count)
 
 
 def _choose_placement(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int,

@@ -39,6 +39,11 @@ DISK_BYTES = {"host": 8, "disk": 12}
 # The disk tier's block buffers where --tuning.disk_buffers is left at auto (-1) unresolved: the
 # count before the auto existed (fit.choose_auto_settings resolves it from host RAM's room).
 DISK_BUFFERS_UNRESOLVED = 8
+
+
+def resolved_disk_buffers(disk_buffers: int) -> int:
+    """The disk tier's block buffers for --tuning.disk_buffers (-1, auto left unresolved: the old 8)."""
+    return DISK_BUFFERS_UNRESOLVED if disk_buffers == -1 else disk_buffers
 SLOTS = ("own", "window")
 
 
@@ -159,9 +164,8 @@ class PlacementPlan:
                                 upload_copy=copies and state[i] == "host")
                       for i, s in enumerate(shapes))
         kept = L if not rt.offload_activations else min(L, max(0, rt.gpu_checkpoints))
-        buffers = DISK_BUFFERS_UNRESOLVED if rt.disk_buffers == -1 else rt.disk_buffers
         return cls(units=units, window_slots=window_slots, gpu_checkpoints=kept, schedule=schedule,
-                   disk_buffers=buffers)
+                   disk_buffers=resolved_disk_buffers(rt.disk_buffers))
 
     def held_numel(self) -> int:
         """Elements of held gradient buffers in host RAM (deferred schedule): a buffer per

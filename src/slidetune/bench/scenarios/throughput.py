@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from ...engine.placement import DISK_BUFFERS_UNRESOLVED
+from ...engine.placement import resolved_disk_buffers
 from ..baselines import outputs as O
 from ..baselines.deepspeed_zero3 import availability as ds_availability
 from ..baselines.fsdp2 import FSDP2Spec
@@ -522,8 +522,7 @@ def _row(system, model, batch, seq, r, fpt, fl, recipe: dict | None = None, coll
             # unit's last block is padded to a whole one)
             row["disk_io_ratio"] = r["disk_io_bytes_measured"] / r["disk_io_bytes_per_step"]
         # the tier's block buffers as the run resolved them (its read-ahead; auto left unresolved: 8)
-        buffers = int((r.get("runtime") or {}).get("disk_buffers", -1))
-        row["disk_buffers"] = DISK_BUFFERS_UNRESOLVED if buffers == -1 else buffers
+        row["disk_buffers"] = resolved_disk_buffers(int((r.get("runtime") or {}).get("disk_buffers", -1)))
         # the share of the timed step the tier's I/O threads had a read or write open (the Gantt
         # chart's disk lanes): ~1 where the disk binds the step
         row["disk_busy_frac"] = lane_busy_fraction(r.get("step_timeline"), "disk")
