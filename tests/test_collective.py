@@ -202,6 +202,14 @@ def test_bench_throughput_gpus_1_2_on_cpu(tmp_path):
     assert run2["world_size"] == 2 and len(run2["rank_results"]) == 2
     assert float(two["cpu_peak_rss_gib"]) < float(two["host_rss_gib"])
     assert float(two["host_rss_gib"]) <= sum(r["peak_rss"] for r in run2["rank_results"]) / GIB
+    # each rank's host memory by kind at start, built and stepped (a rank's fixed cost read apart)
+    for r in run2["rank_results"]:
+        snaps = r["host_memory"]
+        assert list(snaps) == ["start", "built", "stepped"]
+        assert all(s["rss_anon"] > 0 and s["rss"] >= s["rss_anon"] for s in snaps.values())
+        assert snaps["stepped"]["peak_rss"] >= snaps["built"]["rss"] >= snaps["start"]["rss_anon"]
+    run1 = next(r for r in doc["runs"] if r.get("gpus") == 1)
+    assert set(run1["host_memory"]) == {"start", "built", "stepped"}
     report = (out / "report.md").read_text()
     assert "## Scaling: slide on N GPUs of one host" in report and "| tiny-qwen3/n2 | allreduce |" in report
     assert (out / "scaling.png").stat().st_size > 1000

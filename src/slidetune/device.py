@@ -75,6 +75,14 @@ def pinned_bytes() -> int:
     return PINNED.current
 
 
+def cuda_host_cache_bytes() -> int:
+    """Bytes of torch's CUDA caching host allocator, its blocks in use or cached (pin_memory()
+    anywhere, the engine's Device.host_empty among them); 0 before CUDA is initialized."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return 0
+    return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+
+
 class _NullEvent:
     """Stands in for torch.cuda.Event on the CPU: always complete."""
 

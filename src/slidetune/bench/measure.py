@@ -23,7 +23,7 @@ from ..models.load import load_model
 from ..ranks import RankFailure, Ranks
 from ..telemetry.events import EventTimer
 from ..telemetry.flops import train_flops_per_token
-from ..telemetry.machine import host_peak_rss, machine_info, memory_parts, peak_rss_bytes
+from ..telemetry.machine import host_memory_snapshot, host_peak_rss, machine_info, memory_parts, peak_rss_bytes
 
 
 @dataclass
@@ -146,7 +146,7 @@ def rank_summary(ranks: Ranks, result: dict, shared_bytes: int) -> dict:
     host's peak RSS with the shared host state (`shared_bytes`, its /dev/shm file) counted once
     (telemetry.machine.host_peak_rss)."""
     mine = {"rank": ranks.rank, **memory_parts(), "step_s_mean": result.get("step_s_mean"),
-            "gpu_peak_alloc_gib": result.get("gpu_peak_alloc_gib")}
+            "gpu_peak_alloc_gib": result.get("gpu_peak_alloc_gib"), "host_memory": result.get("host_memory")}
     every = ranks.gather(mine)
     return {"world_size": ranks.world_size, "rank_results": every, "shared_state_gib": shared_bytes / 2**30,
             "host_rss_gib": host_peak_rss(every, shared_bytes) / 2**30,
@@ -176,6 +176,10 @@ def measure(spec: MeasureSpec) -> dict:
 def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device) -> dict:
     if spec.gpu_memory_limit_gib:
         device.limit_memory(spec.gpu_memory_limit_gib)
+    # the process's host memory by kind at its start, after the build and after the steps: a rank's
+    # fixed cost (CUDA context, libraries, communicators) apart from the state (data parallel's
+    # host RSS against one GPU's, NOTES 32)
+    host_memory = {"start": host_memory_snapshot()}
     t0 = time.perf_counter()
     loaded = load_model(spec.model, num_layers=spec.num_layers, seed=spec.seed, with_tokenizer=False)
     if rt.mode == "slide":
@@ -201,6 +205,7 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
     engine = build_engine(loaded, rt, AdamWConfig(lr=spec.lr), device, grad_accum=spec.grad_accum,
                           max_grad_norm=spec.max_grad_norm, timer=timer, dist=ranks.dp)
     init_s = time.perf_counter() - t0
+    host_memory["built"] = host_memory_snapshot()
     timeline = getattr(engine, "timeline", None)
     if timeline is not None:
         timeline.enabled = True
@@ -291,6 +296,7 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
         result["gpu_peak_alloc_gib"] = device.max_memory_allocated() / 2**30
         result["gpu_peak_reserved_gib"] = device.max_memory_reserved() / 2**30
         result["cpu_peak_rss_gib"] = peak_rss_bytes() / 2**30
+        result["host_memory"] = {**host_memory, "stepped": host_memory_snapshot()}
         if hasattr(engine, "memory_report"):
             result["engine_memory"] = engine.memory_report()
         if disk is not None:

@@ -94,6 +94,25 @@ def memory_parts() -> dict[str, int]:
             "pss": rollup.get("Pss", 0)}
 
 
+def host_memory_snapshot() -> dict[str, int]:
+    """Where this process's host memory is now, bytes: its resident set split by kind (RssAnon:
+    private heap and page-locked buffers; RssFile: pages of mapped files, the shared libraries
+    among them, one physical copy however many processes map them; RssShmem: /dev/shm mappings such
+    as data parallel's host state), the peak so far (VmHWM), what the engine holds page-locked
+    (device.PINNED) and what torch's CUDA caching host allocator holds (pin_memory() outside the
+    engine). Taken at a run's start, after its build and after its steps (bench.measure), so a
+    rank's fixed cost (CUDA context, libraries, communicators) reads apart from its share of the
+    state. Zeros where /proc is not there."""
+    from ..device import cuda_host_cache_bytes, pinned_bytes
+    status = _kib_fields("/proc/self/status", ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"))
+    out = {"rss": status.get("VmRSS", 0), "peak_rss": status.get("VmHWM", 0), "rss_anon": status.get("RssAnon", 0),
+           "rss_file": status.get("RssFile", 0), "rss_shmem": status.get("RssShmem", 0),
+           "engine_pinned": pinned_bytes(), "cuda_host_cache": 0}
+    if torch.cuda.is_available() and torch.cuda.is_initialized() and hasattr(torch.cuda, "host_memory_stats"):
+        out["cuda_host_cache"] = int(torch.cuda.host_memory_stats().get("reserved_bytes.current", 0))
+    return out
+
+
 class HostRss:
     """The current RSS of one host's ranks together, the shared host state (its /dev/shm file,
     `shared_bytes`) counted once: what `slidetune train --gpus N` logs as cpu_rss_gib. One rank

@@ -15,7 +15,7 @@ import numpy as np
 import psutil
 import torch
 
-from ..device import Device, pinned_bytes
+from ..device import Device, cuda_host_cache_bytes, pinned_bytes
 
 # The series sampled each step (bytes or counts) and the unit each is reported in.
 SERIES = {
@@ -67,7 +67,7 @@ def sample_resources(device: Device, proc: psutil.Process | None = None) -> dict
     if device.is_cuda:
         out["gpu_allocated_bytes"] = torch.cuda.memory_allocated(device.device)
         out["gpu_reserved_bytes"] = torch.cuda.memory_reserved(device.device)
-        out["pinned_cache_bytes"] = int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+        out["pinned_cache_bytes"] = cuda_host_cache_bytes()
     return out
 
 
