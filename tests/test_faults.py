@@ -90,6 +90,19 @@ def test_out_of_memory_mid_step_names_the_oom_the_step_the_limit_and_the_fix(mod
     assert "at step 2 of 4" in out and metric_steps(d)[-1] == 4
 
 
+def test_out_of_memory_in_the_first_step_says_no_step_had_finished(tmp_path, monkeypatch):
+    """An OOM before any step of the run finished (a batch that never fits, as the GPU machine's
+    real OOM case): the message does not point at metrics the run never wrote."""
+    d = tmp_path / "first"
+    monkeypatch.setenv(ENV, "oom:1")
+    code, out, err = run_cli(*COMMON, "--mode", "gpu", "--max-steps", "2", "--save-every", "0",
+                             "--output-dir", str(d))
+    assert code == 2, err[-2000:]
+    assert "GPU out of memory during step 1: training stopped" in err, err[-2000:]
+    assert "no checkpoint had been written yet; no step of this run had finished" in err
+    assert "finished steps' metrics" not in err and "Traceback" not in err
+
+
 def test_the_fault_hook_refuses_an_unknown_kind(monkeypatch):
     from slidetune.faults import maybe_fail
     monkeypatch.setenv(ENV, "gpu:3")

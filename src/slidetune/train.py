@@ -696,9 +696,11 @@ class Trainer:
         fixes.append("a larger --gpu-memory-limit, or a GPU with more free memory (other processes on it?)")
         where = "" if isinstance(error, torch.OutOfMemoryError) else f" ({str(error).split(':')[0]})"
         first_line = str(oom).strip().splitlines()[0] if str(oom).strip() else type(oom).__name__
+        metrics = (f"the finished steps' metrics are in {self.metrics_path}" if self.first_loss is not None
+                   else "no step of this run had finished")
         raise TrainingError(
-            f"GPU out of memory during {self.where}{where}: training stopped; {budget}; {last}; the finished steps' "
-            f"metrics are in {self.metrics_path}. Fix: {'; '.join(fixes)}. (torch: {first_line[:300]})"
+            f"GPU out of memory during {self.where}{where}: training stopped; {budget}; {last}; {metrics}. "
+            f"Fix: {'; '.join(fixes)}. (torch: {first_line[:300]})"
         ) from error
 
     def stop_due(self, done: int) -> bool:
