@@ -3,6 +3,7 @@ whose memory, page-locked buffers, file descriptors and threads stay flat after 
 from __future__ import annotations
 
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -23,6 +24,48 @@ def test_growth_is_the_least_squares_slope_in_percent_of_the_mean_per_100_steps(
     assert growth_per_100_steps("gpu", steps, [0.0] * len(steps)).growth_pct_per_100 == 0.0
     with pytest.raises(ValueError, match="more --steps or a shorter --warmup"):
         growth_per_100_steps("x", [1], [1.0])
+
+
+def test_growth_carries_a_95pct_interval_from_block_means_and_a_three_way_verdict():
+    """A leak under noise is shown ("no"), flat noise rules growth out ("yes"), and a series that
+    wanders slowly (a host-bound step time: a sine of 150 steps over 230) is "unresolved": its
+    point slope is above the target but the interval from 10-step block means spans it. (A wander
+    as long as the run itself can still read as growth: one run cannot tell them apart.)"""
+    import math
+    rng = np.random.default_rng(0)
+    steps = list(range(21, 251))
+    noise = rng.normal(0.0, 2.0, len(steps))
+    leak = [1000.0 + 0.2 * (s - 136) + e for s, e in zip(steps, noise)]           # +2% per 100 steps
+    g = growth_per_100_steps("x", steps, leak)
+    assert g.ci_low_pct < g.growth_pct_per_100 < g.ci_high_pct and g.ci_low_pct > 0.5
+    assert g.verdict(0.5) == "no" and not g.within(0.5)
+    flat = growth_per_100_steps("x", steps, [1000.0 + e for e in noise])
+    assert flat.ci_high_pct < 0.5 and flat.verdict(0.5) == "yes" and flat.within(0.5)
+    wander = [1.4 * (1 + 0.04 * math.sin(2 * math.pi * s / 150 + 3.5)) + 0.01 * e for s, e in zip(steps, noise)]
+    w = growth_per_100_steps("step_s", steps, wander)
+    assert w.growth_pct_per_100 > 0.5 and w.ci_low_pct < 0.5 < w.ci_high_pct, w
+    assert w.verdict(0.5) == "unresolved"
+    exact = growth_per_100_steps("x", steps, [5.0] * len(steps))            # a constant: no interval to widen
+    assert abs(exact.ci_low_pct) < 1e-9 and abs(exact.ci_high_pct) < 1e-9 and exact.verdict(0.5) == "yes"
+    short = growth_per_100_steps("x", list(range(30)), [float(k) for k in range(30)])   # 3 blocks: the point
+    assert short.ci_low_pct == short.ci_high_pct == short.growth_pct_per_100
+
+
+def test_report_refits_a_soak_directory_from_its_samples(tmp_path):
+    """`slidetune report DIR` on a soak's results: the same fit from results.json's samples, the
+    report with each series' interval and verdict."""
+    out = tmp_path / "soak"
+    assert main(["bench", "soak", "--smoke", "--out", str(out)]) == 0
+    before = read_csv(out / "growth.csv")
+    (out / "report.md").unlink()
+    (out / "growth.csv").unlink()
+    assert main(["report", str(out)]) == 0
+    after = read_csv(out / "growth.csv")
+    assert [(r["series"], r["growth_pct_per_100"], r["verdict"]) for r in after] == \
+           [(r["series"], r["growth_pct_per_100"], r["verdict"]) for r in before]
+    assert {r["verdict"] for r in after} <= {"yes", "no", "unresolved"}
+    report = (out / "report.md").read_text()
+    assert "| 95% interval | within |" in report and "| default | threads |" in report
 
 
 def test_the_pinned_counter_follows_a_buffer_until_its_last_view_is_freed():

@@ -130,6 +130,9 @@ def write_report(out_dir: Path, compare_seeds: bool = False) -> Path:
     if (out_dir / "throughput.json").exists():       # its own format: rows per model, batch and system
         from .scenarios.throughput import rewrite_report as rewrite_throughput
         return rewrite_throughput(out_dir)
+    if (out_dir / "results.json").exists() and json.loads((out_dir / "results.json").read_text()).get("scenario") == "soak":
+        from .scenarios.soak import rewrite_report as rewrite_soak      # its own format: refit its samples
+        return rewrite_soak(out_dir)
     if (out_dir / "techniques.json").exists():       # its own format: rows per technique and regime
         from .scenarios.techniques import rewrite_report
         return rewrite_report(out_dir, compare_seeds=compare_seeds)

@@ -9,6 +9,7 @@ as a steady slope, while a one-off allocation or noise does not.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +17,7 @@ import psutil
 import torch
 
 from ..device import Device, cuda_host_cache_bytes, pinned_bytes
+from .stats import t_quantile_975
 
 # The series sampled each step (bytes or counts) and the unit each is reported in.
 SERIES = {
@@ -71,6 +73,9 @@ def sample_resources(device: Device, proc: psutil.Process | None = None) -> dict
     return out
 
 
+GROWTH_BLOCK = 10      # steps a block: the interval on the slope is fitted to block means (below)
+
+
 @dataclass
 class Growth:
     series: str
@@ -80,13 +85,35 @@ class Growth:
     growth_pct_per_100: float  # 100 steps' growth as a % of the mean (0 for an all-zero series)
     first: float
     last: float
+    # the 95% interval of growth_pct_per_100 (bounds equal to it where the series is exactly linear
+    # or too short for blocks): least squares on the means of GROWTH_BLOCK-step blocks, whose
+    # residuals give the slope's standard error with Student's t at (blocks - 2) degrees of freedom.
+    # Blocks, not steps: a step time wanders (a host-bound step follows the host's memory rate for
+    # tens of steps), so neighbouring steps are not independent and a per-step error would be far
+    # too narrow; block means of 10 steps are close to independent at the wander seen on the GPU
+    # machine (NOTES 33).
+    ci_low_pct: float = 0.0
+    ci_high_pct: float = 0.0
 
     def within(self, target_pct: float) -> bool:
-        return self.growth_pct_per_100 <= target_pct
+        """Growth ruled out: the interval's upper end at or below the target."""
+        return self.ci_high_pct <= target_pct
+
+    def verdict(self, target_pct: float) -> str:
+        """'yes' (growth above the target ruled out at 95%), 'no' (growth above it shown: the interval's
+        lower end above the target) or 'unresolved' (the series' noise allows either over this run)."""
+        if self.within(target_pct):
+            return "yes"
+        return "no" if self.ci_low_pct > target_pct else "unresolved"
 
 
-def growth_per_100_steps(series: str, steps: list[int], values: list[float]) -> Growth:
-    """Least-squares slope of `values` over `steps`, as % of their mean per 100 steps.
+def _pct_per_100(slope: float, mean: float) -> float:
+    return 100.0 * slope * 100.0 / mean if mean else 0.0
+
+
+def growth_per_100_steps(series: str, steps: list[int], values: list[float], block: int = GROWTH_BLOCK) -> Growth:
+    """Least-squares slope of `values` over `steps`, as % of their mean per 100 steps, with its 95%
+    interval from block means (Growth.ci_low_pct / ci_high_pct).
 
     Growth only: a shrinking series (memory given back) reads negative and passes any target.
     """
@@ -97,5 +124,16 @@ def growth_per_100_steps(series: str, steps: list[int], values: list[float]) -> 
     y = np.asarray(values, dtype=np.float64)
     slope = float(np.polyfit(x, y, 1)[0])
     mean = float(y.mean())
-    pct = 100.0 * slope * 100.0 / mean if mean else 0.0
-    return Growth(series, len(y), mean, slope, pct, float(y[0]), float(y[-1]))
+    pct = _pct_per_100(slope, mean)
+    lo = hi = pct
+    nb = len(y) // block
+    if nb >= 4:                        # at least 2 degrees of freedom for the residuals
+        xb = x[: nb * block].reshape(nb, block).mean(axis=1)
+        yb = y[: nb * block].reshape(nb, block).mean(axis=1)
+        b_slope, b_icpt = np.polyfit(xb, yb, 1)
+        resid = yb - (b_slope * xb + b_icpt)
+        sxx = float(((xb - xb.mean()) ** 2).sum())
+        se = math.sqrt(float((resid ** 2).sum()) / (nb - 2) / sxx) if sxx > 0 else 0.0
+        half = abs(_pct_per_100(t_quantile_975(nb - 2) * se, mean))
+        lo, hi = min(pct, pct - half), max(pct, pct + half)
+    return Growth(series, len(y), mean, slope, pct, float(y[0]), float(y[-1]), lo, hi)

@@ -8,11 +8,14 @@ context held to no target, the machine's CPU time during the step (busy, stolen 
 hypervisor, waiting on I/O: telemetry.resources.CONTEXT), which tells a step-time drift of the
 machine's from one of the engine's. After
 --warmup steps each series' least-squares slope is its growth, reported in % of its mean
-per 100 steps against --target-pct (0.5: a run of 10,000 steps would grow by 50%).
+per 100 steps against --target-pct (0.5: a run of 10,000 steps would grow by 50%), with its 95%
+interval from 10-step block means (telemetry.resources.growth_per_100_steps). The verdict: yes
+(growth above the target ruled out), no (growth above it shown) or unresolved (the series wanders
+too much over this run to tell: a host-bound step time does; NOTES 33).
 
 Files: samples.csv (every step), growth.csv (per variant and series), results.json (args,
 machine, raw samples), soak.png (each series over the steps, the fit after warm-up) and
-report.md. Variants: --variants "name:key=value,...;name2:..." (RuntimeConfig fields, as
+report.md. `slidetune report DIR` fits and renders a soak directory again from its results.json. Variants: --variants "name:key=value,...;name2:..." (RuntimeConfig fields, as
 `bench pipeline`); --disk-dir and --offload-activations apply to every variant.
 """
 from __future__ import annotations
@@ -22,7 +25,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from ...telemetry.resources import CONTEXT, SERIES, Growth, growth_per_100_steps
+from ...telemetry.resources import CONTEXT, GROWTH_BLOCK, SERIES, Growth, growth_per_100_steps
 from ..baselines.proc import run_worker
 from ..soak import SoakSpec
 from . import common, parse_gib
@@ -33,7 +36,7 @@ TARGET_PCT = 0.5          # issue 22: no resource grows by more than 0.5% per 10
 SMOKE = dict(model="tiny-qwen3", seq_len=32, batch_size=1, steps=30, warmup=5, device="cpu")
 SAMPLE_COLUMNS = ["variant", "step", "time", "step_s", "loss", *[k for k in SERIES if k != "step_s"], *CONTEXT]
 GROWTH_COLUMNS = ["variant", "series", "what", "n", "mean", "first", "last", "slope_per_step",
-                  "growth_pct_per_100", "target_pct", "within_target"]
+                  "growth_pct_per_100", "ci_low_pct", "ci_high_pct", "target_pct", "verdict", "within_target"]
 # plotted per panel: (title, series, scale to the plotted unit)
 PANELS = [("host RSS (GiB)", ("rss_bytes",), 2**-30),
           ("page-locked host (GiB)", ("pinned_bytes", "pinned_cache_bytes"), 2**-30),
@@ -106,7 +109,8 @@ def fit_growth(result: dict, warmup: int, target_pct: float) -> list[dict]:
     for series, what in SERIES.items():
         g: Growth = growth_per_100_steps(series, [s["step"] for s in fitted], [s[series] for s in fitted])
         rows.append({"variant": result["spec"]["name"], "series": series, "what": what, **asdict(g),
-                     "target_pct": target_pct, "within_target": g.within(target_pct)})
+                     "target_pct": target_pct, "verdict": g.verdict(target_pct),
+                     "within_target": g.within(target_pct)})
     return rows
 
 
@@ -159,13 +163,20 @@ def report(out: Path, args, results: list[dict], growth: list[dict], machine: di
                         f"{r['num_layers']} layers, {r['params'] / 1e9:.3f} B params, clip {sp['max_grad_norm']}, "
                         f"runtime {json.dumps(sp['runtime'])}"))
     lines += ["", f"Growth after {warmup} warm-up steps, least squares, in % of the mean per 100 steps "
-                  f"(target: at most {args.target_pct}%):", "",
-              "| variant | series | mean | first -> last | %/100 steps | within |", "|---|---|---|---|---|---|"]
+                  f"(target: at most {args.target_pct}%), with its 95% interval (least squares on "
+                  f"{GROWTH_BLOCK}-step block means, Student's t). within: yes where the interval rules out "
+                  f"growth above the target, **no** where it shows it, unresolved where the series wanders "
+                  f"too much over this run to tell.", "",
+              "| variant | series | mean | first -> last | %/100 steps | 95% interval | within |",
+              "|---|---|---|---|---|---|---|"]
     for g in growth:
         unit, scale = ("GiB", 2**-30) if g["series"].endswith("bytes") else ("", 1.0)
+        verdict = g.get("verdict") or ("yes" if g["within_target"] else "no")
         lines.append(f"| {g['variant']} | {g['series']} | {g['mean'] * scale:.4g} {unit} | "
                      f"{g['first'] * scale:.4g} -> {g['last'] * scale:.4g} | {g['growth_pct_per_100']:+.4f} | "
-                     f"{'yes' if g['within_target'] else '**no**'} |")
+                     f"{g.get('ci_low_pct', g['growth_pct_per_100']):+.3f} .. "
+                     f"{g.get('ci_high_pct', g['growth_pct_per_100']):+.3f} | "
+                     f"{'**no**' if verdict == 'no' else verdict} |")
     context = [(r["spec"]["name"], k, [s[k] for s in r["samples"] if s["step"] > warmup and s.get(k) is not None])
                for r in results if r.get("status") in ("ok", "partial") for k in CONTEXT]
     if any(v for _, _, v in context):
@@ -189,7 +200,13 @@ def run(args: argparse.Namespace) -> Path:
                                        Path(spec.samples_path), spec.warmup))
         if results[-1].get("status") != "ok":
             print(f"[{NAME}] {spec.name}: {results[-1].get('status')}: {str(results[-1].get('error'))[:500]}")
-    warmup = todo[0].warmup
+    write_outputs(out, args, results, todo[0].warmup)
+    return out
+
+
+def write_outputs(out: Path, args: argparse.Namespace, results: list[dict], warmup: int) -> list[dict]:
+    """samples.csv, growth.csv, results.json, soak.png and report.md of the variants' results; the
+    growth rows, whose verdicts are printed where a series is not within the target."""
     ok = [r for r in results if r.get("status") in ("ok", "partial")]
     growth = [row for r in ok for row in fit_growth(r, warmup, args.target_pct)]
     machine = common.machine_of(results)
@@ -205,7 +222,20 @@ def run(args: argparse.Namespace) -> Path:
         plot(out / "soak.png", ok, growth, warmup)
     report(out, args, results, growth, machine, warmup)
     for g in growth:
-        if not g["within_target"]:
-            print(f"[{NAME}] {g['variant']}: {g['series']} grows {g['growth_pct_per_100']:+.3f}% per 100 steps "
-                  f"(target {args.target_pct}%)")
-    return out
+        if g["verdict"] != "yes":
+            print(f"[{NAME}] {g['variant']}: {g['series']} {g['growth_pct_per_100']:+.3f}% per 100 steps "
+                  f"(95% interval {g['ci_low_pct']:+.3f} .. {g['ci_high_pct']:+.3f}; target {args.target_pct}%): "
+                  f"{'grows' if g['verdict'] == 'no' else 'unresolved over this run'}")
+    return growth
+
+
+def rewrite_report(out: Path) -> Path:
+    """Fit and render a soak directory again from its results.json (its raw samples), with this code's
+    fit: `slidetune report DIR`."""
+    out = Path(out)
+    doc = json.loads((out / "results.json").read_text())
+    args = argparse.Namespace(**{**doc["args"], "target_pct": doc["target_pct"]})
+    results = doc["results"]
+    warmup = results[0]["spec"]["warmup"] if results else int(doc["args"]["warmup"])
+    write_outputs(out, args, results, warmup)
+    return out / "report.md"
