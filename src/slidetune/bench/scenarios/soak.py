@@ -15,8 +15,9 @@ too much over this run to tell: a host-bound step time does; NOTES 33).
 
 Files: samples.csv (every step), growth.csv (per variant and series), results.json (args,
 machine, raw samples), soak.png (each series over the steps, the fit after warm-up) and
-report.md. `slidetune report DIR` fits and renders a soak directory again from its results.json. Variants: --variants "name:key=value,...;name2:..." (RuntimeConfig fields, as
-`bench pipeline`); --disk-dir and --offload-activations apply to every variant.
+report.md; `slidetune report DIR` fits and renders a soak directory again from its results.json.
+Variants: --variants "name:key=value,...;name2:..." (RuntimeConfig fields, as `bench pipeline`);
+--disk-dir and --offload-activations apply to every variant.
 """
 from __future__ import annotations
 
@@ -171,12 +172,10 @@ def report(out: Path, args, results: list[dict], growth: list[dict], machine: di
               "|---|---|---|---|---|---|---|"]
     for g in growth:
         unit, scale = ("GiB", 2**-30) if g["series"].endswith("bytes") else ("", 1.0)
-        verdict = g.get("verdict") or ("yes" if g["within_target"] else "no")
         lines.append(f"| {g['variant']} | {g['series']} | {g['mean'] * scale:.4g} {unit} | "
                      f"{g['first'] * scale:.4g} -> {g['last'] * scale:.4g} | {g['growth_pct_per_100']:+.4f} | "
-                     f"{g.get('ci_low_pct', g['growth_pct_per_100']):+.3f} .. "
-                     f"{g.get('ci_high_pct', g['growth_pct_per_100']):+.3f} | "
-                     f"{'**no**' if verdict == 'no' else verdict} |")
+                     f"{g['ci_low_pct']:+.3f} .. {g['ci_high_pct']:+.3f} | "
+                     f"{'**no**' if g['verdict'] == 'no' else g['verdict']} |")
     context = [(r["spec"]["name"], k, [s[k] for s in r["samples"] if s["step"] > warmup and s.get(k) is not None])
                for r in results if r.get("status") in ("ok", "partial") for k in CONTEXT]
     if any(v for _, _, v in context):
