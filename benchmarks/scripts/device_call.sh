@@ -2,7 +2,7 @@
 # Run on the GPU machine (device tool) from the repo root: each argument is one job.
 # Results go to $OUT/results.tar.gz (the device tool returns at most 8 files).
 #   jobs: stash | pipeline | train | equivalence | runtime | throughput | throughput@TAG | scaling | scaling@TAG
-#         | hostinfo | techniques
+#         | hostinfo | rankmem (RANKMEM_ARGS: a rank's host memory by stage, 1 and N processes) | techniques
 #         | modes | recompute | head | roofline | contention | gil | packing (PACKING_ARGS) | disk (DISK_DIR, DISK_PLAN_ARGS)
 #         | diskprobe (DISK_DIR, DISKPROBE_ARGS: cold, warm and under-AdamW-load disk bandwidth; "--grid --gib 2":
 #           the probe's patterns side by side, split or pool mixed pass, 1 or 8 files, 4 or 8 threads)
@@ -107,6 +107,12 @@ run_job() {
              ${SCALING_ARGS:---gpus 1,2 --models qwen3-8b --batches 16 --seq-lens 1024 --recipes clip --steps 8 --warmup 3 --runtime compile_layers=on} ;;
     scaling@*) tag=${job#scaling@}; var=SCALING_ARGS_$tag       # e.g. SCALING_ARGS_gather="... --runtime dp_weights=gather"
            python -m slidetune.cli bench throughput --out $R/scaling_$tag --systems slide ${!var:-} ;;
+    rankmem) # issue 21: a rank's own host memory stage by stage (context, cuBLAS, NCCL, a layer, compiled);
+          # one process, then one per GPU of this host (RANKMEM_ARGS, default: Qwen3-8B's layer, b16 x 1024, --compile)
+          n=$(nvidia-smi -L | wc -l)
+          python benchmarks/scripts/rank_memory.py $R/rank_memory_n1.json ${RANKMEM_ARGS:---compile}
+          [ "$n" -gt 1 ] && python -m torch.distributed.run --nproc-per-node $n benchmarks/scripts/rank_memory.py \
+            $R/rank_memory_n$n.json ${RANKMEM_ARGS:---compile} ;;
     hostinfo) # what a multi-GPU result depends on: GPU links, NUMA, cores, RAM, /dev/shm (the shared state's home)
            { nvidia-smi topo -m; echo; nvidia-smi --query-gpu=index,name,pci.bus_id,pcie.link.gen.max,pcie.link.width.max --format=csv
              echo; lscpu | grep -E "^CPU\(s\)|Model name|NUMA|Socket|Thread"; echo; free -g; echo; df -h /dev/shm /tmp
