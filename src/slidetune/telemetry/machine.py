@@ -86,12 +86,13 @@ def _kib_fields(path: str, keys: tuple[str, ...]) -> dict[str, int]:
 def memory_parts() -> dict[str, int]:
     """This process's peak RSS and its shared parts, bytes: VmHWM (peak RSS), RssShmem (resident pages
     of shared memory: /dev/shm mappings such as data parallel's host state, engine/distributed.py)
-    and Pss (each shared page divided among the processes that map it; smaps_rollup, Linux >= 4.14).
-    Zeros where /proc is not there."""
-    status = _kib_fields("/proc/self/status", ("VmHWM", "RssShmem"))
+    RssFile (resident pages of mapped files: the shared libraries, one page-cache copy whatever
+    the number of processes) and Pss (each shared page divided among the processes that map it;
+    smaps_rollup, Linux >= 4.14). Zeros where /proc is not there."""
+    status = _kib_fields("/proc/self/status", ("VmHWM", "RssShmem", "RssFile"))
     rollup = _kib_fields("/proc/self/smaps_rollup", ("Pss",))
     return {"peak_rss": status.get("VmHWM", 0), "rss_shmem": status.get("RssShmem", 0),
-            "pss": rollup.get("Pss", 0)}
+            "rss_file": status.get("RssFile", 0), "pss": rollup.get("Pss", 0)}
 
 
 def host_memory_snapshot() -> dict[str, int]:
@@ -125,9 +126,18 @@ class HostRss:
     def bytes(self) -> int:
         if len(self.pids) < 2:
             return psutil.Process().memory_info().rss
-        parts = [_kib_fields(f"/proc/{pid}/status", ("VmRSS", "RssShmem")) for pid in self.pids]
-        parts = [{"peak_rss": p.get("VmRSS", 0), "rss_shmem": p.get("RssShmem", 0)} for p in parts]
+        parts = [_kib_fields(f"/proc/{pid}/status", ("VmRSS", "RssShmem", "RssFile")) for pid in self.pids]
+        parts = [{"peak_rss": p.get("VmRSS", 0), "rss_shmem": p.get("RssShmem", 0), "rss_file": p.get("RssFile", 0)}
+                 for p in parts]
         return host_peak_rss(parts, self.shared_bytes)
+
+
+def _file_bytes(part: dict) -> int:
+    """A rank's resident file pages: its own record, or (runs of session 19 that recorded them only
+    there) its last host-memory snapshot (bench.measure's host_memory)."""
+    if "rss_file" in part:
+        return part["rss_file"]
+    return (part.get("host_memory") or {}).get("stepped", {}).get("rss_file", 0)
 
 
 def host_peak_rss(parts: list[dict[str, int]], shared_bytes: int = 0) -> int:
@@ -137,8 +147,12 @@ def host_peak_rss(parts: list[dict[str, int]], shared_bytes: int = 0) -> int:
     where larger, the most shared pages one rank has resident. Each rank touches only part of the
     file (its shard's moments, the masters it uploads), so the largest rank's shared pages alone
     undercount it: on 2x H100 with Qwen3-8B that read 63.5 GiB for a host using 82.1.
+    Mapped files' pages (RssFile: torch's and CUDA's libraries, ~0.5 GiB a rank) are one page-cache
+    copy however many ranks map them: counted once, as the largest rank's (every rank maps the
+    same libraries).
     An upper bound where the ranks' private peaks fall at different moments (memory_parts)."""
     if not parts:
         return 0
-    return (sum(p["peak_rss"] - p["rss_shmem"] for p in parts)
+    files = [_file_bytes(p) for p in parts]
+    return (sum(p["peak_rss"] - p["rss_shmem"] - f for p, f in zip(parts, files)) + max(files)
             + max(shared_bytes, max(p["rss_shmem"] for p in parts)))

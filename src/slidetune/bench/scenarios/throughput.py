@@ -626,7 +626,7 @@ def _scaling_lines(rows: list[dict], collectives: dict) -> list[str]:
              "batch_size is per GPU; tokens_per_s is every rank's tokens over the step (rank 0's interval "
              "timing), tokens_per_s_per_gpu that over N, scaling_efficiency the per-GPU rate over the N=1 row's. "
              "host_rss_gib: the host's peak RSS over its ranks, the shared host state (one /dev/shm mapping) "
-             "counted once. The N > 1 floors add allreduce_s: every unit's gradient all-reduced as its backward "
+             "and the libraries' file pages (one page-cache copy) counted once. The N > 1 floors add allreduce_s: every unit's gradient all-reduced as its backward "
              "ends, 2 (N-1)/N x its bytes at the bus bandwidth probed on N ranks in this call "
              "(allreduce_busbw_gib_s, at a decoder layer's size), on the compute stream (in compute_s); D2H is "
              "the busiest rank's shard, and host_dram_s counts N uploads of each unit from the shared master "
