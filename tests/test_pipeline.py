@@ -426,3 +426,25 @@ def test_the_heads_upload_is_queued_where_its_update_will_be_ready(clip):
             assert forward.index("head") > forward.index("layer.7")
     finally:
         eng.close()
+
+
+def test_synchronize_waits_for_uploads_the_follower_releases():
+    """Data parallel: the follower thread counts another rank's update of a unit, and that releases
+    the uploads registered on it (HostUnit.begin_update). synchronize() drains the follower before
+    the uploader, so an upload the follower submits late is finished when it returns (drained the
+    other way, it was not: test_data_parallel's upload count once read one unit short)."""
+    import time
+    from slidetune.engine.slide.workers import Worker
+    eng = _engine()
+    try:
+        eng.follower = Worker("follow", eng._on_worker_error)      # as a data-parallel engine has
+        done: list[int] = []
+
+        def late_release():
+            time.sleep(0.3)                                          # the owner's update lands late
+            eng.upload_worker.submit(lambda: (time.sleep(0.05), done.append(1)))
+        eng.follower.submit(late_release)
+        eng.synchronize()
+        assert done == [1]
+    finally:
+        eng.close()

@@ -1089,11 +1089,16 @@ class SlideEngine:
     def synchronize(self) -> None:
         """Wait until every submitted update and copy has finished (not used on the hot path)."""
         try:
+            # in the order work hands on: copies -> updates -> (an update's start releases the uploads
+            # registered on it, HostUnit.begin_update: an owner's on the host worker, another rank's
+            # unit on the follower) -> uploads -> broadcasts. The follower drained after the uploader
+            # could still submit an upload once synchronize() had returned (test_data_parallel's
+            # upload count read one unit short on a loaded CI machine).
             self.d2h_worker.drain()
             self.host_worker.drain()
-            self.upload_worker.drain()
             if self.follower is not None:
                 self.follower.drain()
+            self.upload_worker.drain()
             if self.gather_worker is not None:
                 self.gather_worker.drain()
             if self.disk is not None:
