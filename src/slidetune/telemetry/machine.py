@@ -108,9 +108,7 @@ def host_memory_snapshot() -> dict[str, int]:
     status = _kib_fields("/proc/self/status", ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"))
     out = {"rss": status.get("VmRSS", 0), "peak_rss": status.get("VmHWM", 0), "rss_anon": status.get("RssAnon", 0),
            "rss_file": status.get("RssFile", 0), "rss_shmem": status.get("RssShmem", 0),
-           "engine_pinned": pinned_bytes(), "cuda_host_cache": 0}
-    if torch.cuda.is_available() and torch.cuda.is_initialized() and hasattr(torch.cuda, "host_memory_stats"):
-        out["cuda_host_cache"] = int(torch.cuda.host_memory_stats().get("reserved_bytes.current", 0))
+           "engine_pinned": pinned_bytes(), "cuda_host_cache": cuda_host_cache_bytes()}
     return out
 
 
