@@ -98,6 +98,10 @@ RUNS = {
     "slide-deferred-accum2-clip-disk-master-device-layers": (
         "slide", "deferred", 2, 0.5, False,
         {"disk_units": 2, "disk_master": "on", "device_layers": 1, "cache_units": 2, **DISK}),
+    # slide mode runs the lean layer by default (models/lean_layer.py); here HF's own layer, and
+    # the lean one with its MLP in tiles of 20 tokens (48 a micro-batch: 20, 20 and a ragged 8)
+    "slide-deferred-accum2-clip-hf-layer": ("slide", "deferred", 2, 0.5, False, {"lean_layer": "off"}),
+    "slide-deferred-accum2-clip-mlp-tiles": ("slide", "deferred", 2, 0.5, True, {"mlp_tile_tokens": 20}),
     "gpu-accum2-clip": ("gpu", "auto", 2, 0.5, False, {}),
     "ckpt-every2": ("ckpt", "auto", 1, None, False, {"recompute": "every:2"}),
 }
@@ -457,19 +461,23 @@ def test_eval_between_steps_sees_the_updated_weights(cache_units, schedule):
         engine.close()
 
 
-def test_compiled_layers_match_the_reference(monkeypatch):
+@pytest.mark.parametrize("lean", ["off", "on"])
+def test_compiled_layers_match_the_reference(monkeypatch, lean):
     """compile_layers: torch.compile'd decoder layers (one graph per kind of layer, here one
-    for all four) follow the reference like the eager ones; inductor may reorder sums. Each
-    step ends by releasing inductor's compile workers (compile_workers.py)."""
+    for all four; the lean layer's attention half and MLP tiles, a full and a ragged tile) follow
+    the reference like the eager ones; inductor may reorder sums. Each step ends by releasing
+    inductor's compile workers (compile_workers.py)."""
     import slidetune.engine.slide.engine as slide_engine
     released = []
     monkeypatch.setattr(slide_engine, "release_compile_workers", lambda: released.append(True) or False)
     loaded = make_loaded("qwen3", tied=True)
     ref = ReferenceTrainer(build_reference(loaded), lr=LR, eps=1e-6)
-    rt = RuntimeConfig(mode="slide", dtype="fp32", device="cpu", compile_layers=True, chunk_mb=1)
+    rt = RuntimeConfig(mode="slide", dtype="fp32", device="cpu", compile_layers=True, chunk_mb=1, lean_layer=lean,
+                       mlp_tile_tokens=20)
     engine = build_engine(loaded, rt, AdamWConfig(lr=LR, eps=1e-6))
     try:
-        assert len({id(m) for m in engine._templates}) == 1
+        assert len({id(m) for m in engine.layers._templates}) == 1
+        assert (engine.layers.lean is not None) == (lean == "on")
         for step in range(2):
             mbs = make_batches(step, 1)
             assert engine.train_step(mbs, LR).loss == pytest.approx(ref.step(mbs, LR)[0], rel=1e-5)

@@ -331,6 +331,17 @@ class RuntimeConfig:
         4, help="threads issuing preadv/pwritev (each releases the GIL)",
         when="raise for NVMe with deep queues or striped disks; lower on one slow disk")
     # output layer
+    # The lean decoder layer (models/lean_layer.py): RMSNorms that save only their input and
+    # 1/rms, and the MLP half run in token tiles, each recomputed and differentiated before the
+    # next, so one layer's recompute + backward no longer holds the MLP's intermediates for every
+    # token. The same arithmetic as HF's layer (Llama-style families, checked from the source);
+    # others keep HF's layer. auto: on in slide mode where the family allows it.
+    lean_layer: str = tuning_field(
+        "auto", help="lean decoder layer (lean RMSNorm backward, MLP in token tiles): auto, on or off",
+        when="off to compare with HF's own layer; on refuses a family whose layer is not Llama's")
+    mlp_tile_tokens: int = tuning_field(
+        8192, help="tokens per MLP tile of the lean layer's recompute + backward",
+        when="lower when one layer's working set does not fit; tiles under ~2K tokens cost GEMM efficiency")
     head_impl: str = tuning_field(
         "chunked", help="output layer: full logits, chunked (head_chunk_tokens at a time) or fused",
         when="full only for small vocabularies and short sequences; chunked keeps the logits' peak bounded")
@@ -340,6 +351,9 @@ class RuntimeConfig:
 
     def __post_init__(self):
         self.compile_layers = _on_off_auto(self.compile_layers, "compile_layers")
+        self.lean_layer = _on_off_auto(self.lean_layer, "lean_layer")
+        if self.mlp_tile_tokens < 1:
+            raise ValueError(f"mlp_tile_tokens must be >= 1, not {self.mlp_tile_tokens}")
         if self.mode not in ("gpu", "ckpt", "slide"):
             raise ValueError(f"mode must be gpu, ckpt or slide, not {self.mode!r}")
         if self.dtype not in DTYPES:

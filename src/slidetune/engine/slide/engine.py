@@ -70,7 +70,7 @@ from torch.profiler import record_function
 
 from ...device import Device
 from ...models.load import LoadedModel
-from ...models.units import UnitSpec, run_layer
+from ...models.units import UnitSpec
 from ...telemetry.events import EventTimer
 from ...telemetry.host_timeline import HostTimeline
 from ...telemetry.memory_timeline import MemoryTimeline
@@ -87,6 +87,7 @@ from .disk_tier import DiskTier
 from . import grad_sum as grad_sum_mod
 from .grad_sum import MAX_HELD, GradSum, accumulate
 from .host_store import HostStore, HostUnit
+from .layer_runner import LayerRunner
 from .transfer import GradDrain, Uploader, clip_coefficient
 from ...faults import ENV as FAULT_ENV
 from ...faults import maybe_fail, maybe_oom, maybe_poison
@@ -324,10 +325,7 @@ class SlideEngine:
         sys.setswitchinterval(rt.gil_switch_ms / 1e3)
         self.acts = ActivationStore(device, L, rt.offload_activations, keep_on_gpu=self.plan.gpu_checkpoints)
         self.gc_freeze = GCFreeze(rt.gc_freeze)
-        # compile_layers: one compiled graph per kind of layer, keyed on a template module
-        # (dynamo guards on the module object; one per layer would recompile L times).
-        self._compiled_layer = torch.compile(run_layer, dynamic=False) if rt.compiles_layers() else None
-        self._templates = [self.split.layer_template(i) for i in range(L)] if rt.compiles_layers() else []
+        self.layers = LayerRunner(self.split, rt)      # HF's or the lean layer, eager or compiled
         self.step_index = 0
         self._views_cache: dict = {}
         self._held_landed: dict[int, Future] = {}     # deferred: unit -> event of its held gradient's copy
@@ -379,11 +377,6 @@ class SlideEngine:
         if key not in self._views_cache:
             self._views_cache[key] = unit.views(flat)
         return self._views_cache[key]
-
-    def _layer_forward(self, i: int, params: dict, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        if self._compiled_layer is not None:
-            return self._compiled_layer(self._templates[i], params, x, kwargs)
-        return self.split.layer_forward(i, params, x, kwargs)
 
     def _timed(self, thread: str, what: str, unit: str, fn, *args, **kwargs):
         with self.timeline.span(thread, what, unit):
@@ -818,7 +811,7 @@ class SlideEngine:
         if self.gather:
             self._flush_gathers()
         self.step_index += 1
-        if self._compiled_layer is not None:
+        if self.layers.compiled:
             # Every graph of this step is compiled by now (compilation runs on this thread at
             # issue time): free the compile workers' cores for AdamW (compile_workers.py).
             release_compile_workers()
@@ -956,7 +949,7 @@ class SlideEngine:
                 if save_inputs:
                     self.acts.save(i, xs[m], m)
                 with torch.no_grad(), self.timer.span("forward", i):
-                    xs[m] = self._layer_forward(i, params, xs[m], kwargs[m][i])
+                    xs[m] = self.layers.forward(i, params, xs[m], kwargs[m][i])
             self._release(slot)
             self.memory.mark("forward", i)
         if head_slot is None:
@@ -1025,16 +1018,11 @@ class SlideEngine:
                 # the next checkpoint the backward reads: this layer's next micro-batch, or the
                 # layer below's first
                 self.acts.prefetch(*((i, m + 1) if m + 1 < k else (i - 1, 0)))
-                x_in = self.acts.load(i, m).detach().requires_grad_(True)
-                with torch.enable_grad():
-                    with self.timer.span("recompute", i):
-                        out = self._layer_forward(i, params, x_in, kwargs[m][i])
-                    with self.timer.span("backward", i):
-                        res = torch.autograd.grad(out, [x_in] + list(params.values()), gs[m],
-                                                  materialize_grads=True)
+                res = self.layers.recompute_backward(i, params, self.acts.load(i, m), gs[m], kwargs[m][i],
+                                                     self.timer)
                 gs[m] = res[0]
                 summed.add(res[1:])
-                del out, res, x_in
+                del res
             self._release(slot)
             gslot = self._grad_slot(i + 1)
             self._claim_grad_slot(gslot)

@@ -1,0 +1,75 @@
+"""How the slide engine runs a decoder layer: HF's layer or the lean one, eager or compiled.
+
+Two entry points, the only two ways the engine runs a layer:
+  forward(i, params, x, kwargs)                      no autograd: the forward pass, evaluation;
+  recompute_backward(i, params, x, dy, kwargs, timer) the backward pass: recompute layer i from
+      its checkpoint x and differentiate it against dy; returns (dx, one gradient per param),
+      with "recompute" and "backward" timer spans around the two kinds of work.
+
+HF's layer: one autograd graph of the whole layer (`run_layer`, torch.compile'd per kind of
+layer with compile_layers). The lean layer (models/lean_layer.py): the attention half and the
+MLP tiles, each compiled on its own where compile_layers is on.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...models.lean_layer import LeanLayers, lean_support
+from ...models.units import SplitModel, run_layer
+from ..config import RuntimeConfig
+
+
+def resolve_lean_layer(split: SplitModel, rt: RuntimeConfig) -> str:
+    """lean_layer auto -> on where every decoder layer is Llama's arithmetic (slide mode), else off."""
+    if rt.lean_layer != "auto":
+        return rt.lean_layer
+    if rt.mode != "slide":
+        return "off"
+    return "on" if all(lean_support(m) is None for m in split.layer_modules) else "off"
+
+
+class LayerRunner:
+    def __init__(self, split: SplitModel, rt: RuntimeConfig):
+        self.split = split
+        self.lean = (LeanLayers(split.layer_modules, rt.mlp_tile_tokens)
+                     if resolve_lean_layer(split, rt) == "on" else None)
+        self.compiled = rt.compiles_layers()
+        L = split.num_layers
+        # one compiled graph per kind of layer, keyed on a template module (dynamo guards on the
+        # module object; one per layer would recompile L times)
+        self._templates = [split.layer_template(i) for i in range(L)] if self.compiled else []
+        self._layer = torch.compile(run_layer, dynamic=False) if self.compiled and self.lean is None else None
+        # the lean halves: the MLP tile compiles for the full tile and the last, ragged one
+        self._attention = torch.compile(LeanLayers.attention, dynamic=False) \
+            if self.compiled and self.lean is not None else None
+        self._mlp = torch.compile(LeanLayers.mlp, dynamic=False) if self.compiled and self.lean is not None else None
+
+    def _module_of(self, i: int):
+        return self._templates[i] if self.compiled else self.split.layer_modules[i]
+
+    def forward(self, i: int, params: dict, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """Layer i's output [B, S, d] on the given parameter views (call under no_grad)."""
+        if self.lean is not None:
+            return self.lean.forward(i, params, x, kwargs, attention=self._attention, mlp=self._mlp,
+                                     layer=self._module_of(i))
+        if self._layer is not None:
+            return self._layer(self._templates[i], params, x, kwargs)
+        return self.split.layer_forward(i, params, x, kwargs)
+
+    def recompute_backward(self, i: int, params: dict, x: torch.Tensor, grad_out: torch.Tensor, kwargs: dict,
+                           timer) -> tuple[torch.Tensor, ...]:
+        """(d x, one gradient per entry of `params`) of layer i at input x against grad_out
+        (consumed). `params` are autograd leaves over the slot's memory."""
+        if self.lean is not None:
+            return self.lean.recompute_backward(i, params, x, grad_out, kwargs, timer=timer,
+                                                attention=self._attention, mlp=self._mlp,
+                                                layer=self._module_of(i))
+        xi = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            with timer.span("recompute", i):
+                if self._layer is not None:
+                    out = self._layer(self._templates[i], params, xi, kwargs)
+                else:
+                    out = self.split.layer_forward(i, params, xi, kwargs)
+            with timer.span("backward", i):
+                return torch.autograd.grad(out, [xi] + list(params.values()), grad_out, materialize_grads=True)

@@ -1,0 +1,250 @@
+"""A lean decoder layer: the same arithmetic as the family's HF layer, holding less at once.
+
+What one decoder layer's recompute + backward holds is what binds a small GPU (DESIGN.md 6):
+HF's Llama-style layer keeps, per token, about 13 d of compute-dtype values for its MLP
+(the norm's FP32 input, its output, gate, up, SiLU(gate), the product) and about 12 d for
+the attention half, so one Qwen3-8B layer at 64K tokens needs ~20 GiB. Two changes, each
+exact (the equivalence tests compare against the HF layer, FP32 on the CPU):
+
+- **RMSNorm that saves only its input and the per-row 1/rms** (`rms_norm`). HF's keeps the
+  FP32 upcast of its input (4 B/element) and the normalized value (b B/element) besides;
+  the backward here recomputes them, in row chunks so its FP32 temporaries stay bounded.
+  Applied to every RMSNorm of the layer whose forward is Llama's (input, post-attention,
+  and Qwen3's per-head q/k norms), by giving the module instance a lean `forward`.
+- **The MLP half in token tiles.** `y = h + mlp(norm(h))` acts on each token alone, so the
+  recompute + backward runs it a tile of `tile_tokens` tokens at a time: each tile is
+  recomputed and differentiated at once, before the next (the MLP's intermediates exist for
+  one tile only; no extra forward: the MLP's recompute is its tile's). The weight gradients
+  of the tiles are summed in FP32 and rounded once, as one GEMM over all tokens rounds once.
+  The forward (no grad) runs the MLP in the same tiles.
+
+Attention stays HF's own module (SDPA: flash / memory-efficient kernels, or FlexAttention
+for packed documents), called with the layer's recorded kwargs.
+
+Faithful or refused: a layer is run lean only where its class's `forward`, its MLP's and
+its RMSNorms' are Llama's, statement for statement (`lean_support` compares the source, so
+a family that changes any of them - Gemma's (1 + w) norm, sandwich norms, an MoE block -
+keeps HF's layer; no family list to keep in step with transformers).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+import textwrap
+import types
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+# Row chunk of the RMSNorm backward: bounds its FP32 temporaries (x upcast, x_hat, their
+# product) to ~3 x 4 B x rows x d: 16K rows of a 4096-wide layer = 0.75 GiB.
+_NORM_BACKWARD_ROWS = 16384
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+class _RMSNorm(torch.autograd.Function):
+    """y = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), the normalization in FP32 (LlamaRMSNorm).
+
+    Saves x (usually alive anyway: the layer input, the residual stream, a projection's
+    output) and rstd [..., 1] FP32; HF's autograd keeps x in FP32 and x_hat besides."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.to(torch.float32)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)        # [..., 1]
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        d = x.shape[-1]
+        xs, gs, rs = x.reshape(-1, d), grad.reshape(-1, d), rstd.reshape(-1, 1)
+        dx = torch.empty_like(xs) if ctx.needs_input_grad[0] else None
+        dw = torch.zeros(d, dtype=torch.float32, device=x.device) if ctx.needs_input_grad[1] else None
+        for s in range(0, xs.shape[0], _NORM_BACKWARD_ROWS):
+            e = min(s + _NORM_BACKWARD_ROWS, xs.shape[0])
+            x_hat = xs[s:e].to(torch.float32) * rs[s:e]                   # [r, d] FP32
+            g = gs[s:e]
+            if dw is not None:
+                # HF: the gradient of `weight * h` (h = x_hat in x's dtype) summed over rows
+                dw += (g * x_hat.to(x.dtype)).to(torch.float32).sum(0)
+            if dx is not None:
+                dh = (g * weight).to(torch.float32)                        # d/d x_hat
+                dx[s:e] = (rs[s:e] * (dh - x_hat * (dh * x_hat).mean(-1, keepdim=True))).to(x.dtype)
+        return (dx.view_as(x) if dx is not None else None,
+                dw.to(weight.dtype) if dw is not None else None, None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm's forward, with the lean backward above."""
+    return _RMSNorm.apply(x, weight, eps)
+
+
+def _lean_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+# ----------------------------------------------------------------------------- faithfulness
+def _body(fn) -> str:
+    """A function's statements without its signature, docstring, comments and blank lines."""
+    src = textwrap.dedent(inspect.getsource(fn))
+    src = src.split(":\n", 1)[1] if re.match(r"\s*def ", src) else src
+    src = re.sub(r'"""[\s\S]*?"""', "", src)
+    lines = [ln.split("#", 1)[0].strip() for ln in src.splitlines()]
+    return "\n".join(ln for ln in lines if ln)
+
+
+def _llama_bodies() -> dict[str, str]:
+    from transformers.models.llama import modeling_llama as m
+    return {"layer": _body(m.LlamaDecoderLayer.forward), "mlp": _body(m.LlamaMLP.forward),
+            "norm": _body(m.LlamaRMSNorm.forward)}
+
+
+def _is_llama_norm(module: nn.Module, bodies: dict[str, str]) -> bool:
+    return (hasattr(module, "weight") and hasattr(module, "variance_epsilon")
+            and _body(type(module).forward) == bodies["norm"])
+
+
+def lean_support(layer: nn.Module) -> str | None:
+    """None if `layer` computes exactly what LlamaDecoderLayer does (so the lean layer is the
+    same arithmetic), else why not."""
+    bodies = _llama_bodies()
+    if _body(type(layer).forward) != bodies["layer"]:
+        return f"{type(layer).__name__}.forward is not Llama's decoder layer"
+    for name in ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp"):
+        if not isinstance(getattr(layer, name, None), nn.Module):
+            return f"{type(layer).__name__} has no {name}"
+    if _body(type(layer.mlp).forward) != bodies["mlp"]:
+        return f"{type(layer.mlp).__name__}.forward is not Llama's SwiGLU MLP"
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        if not _is_llama_norm(getattr(layer, name), bodies):
+            return f"{type(getattr(layer, name)).__name__}.forward is not Llama's RMSNorm"
+    return None
+
+
+# ----------------------------------------------------------------------------- the layer
+@dataclass
+class _Parts:
+    """One layer's parameters by the sub-module that takes them (local names within it)."""
+    norm1: dict[str, torch.Tensor]
+    attn: dict[str, torch.Tensor]
+    norm2: dict[str, torch.Tensor]
+    mlp: dict[str, torch.Tensor]
+
+
+def _parts(params: dict[str, torch.Tensor]) -> _Parts:
+    groups: dict[str, dict[str, torch.Tensor]] = {"input_layernorm": {}, "self_attn": {},
+                                                   "post_attention_layernorm": {}, "mlp": {}}
+    for name, t in params.items():
+        head, _, rest = name.partition(".")
+        groups[head][rest] = t
+    return _Parts(groups["input_layernorm"], groups["self_attn"], groups["post_attention_layernorm"], groups["mlp"])
+
+
+class LeanLayers:
+    """The lean forward and recompute + backward of a model's decoder layers (module docstring).
+
+    Built once per engine from the skeleton's layer modules; `lean_norms()` gives their
+    RMSNorm instances the lean forward (the same values, a smaller backward). A layer whose
+    class is not Llama's arithmetic is refused here (`lean_support`)."""
+
+    def __init__(self, layers: list[nn.Module], tile_tokens: int):
+        if tile_tokens < 1:
+            raise ValueError(f"tile_tokens must be >= 1, not {tile_tokens}")
+        for i, layer in enumerate(layers):
+            why = lean_support(layer)
+            if why is not None:
+                raise ValueError(f"decoder layer {i} cannot run lean: {why}")
+        self.layers = layers
+        self.tile_tokens = tile_tokens
+        self.lean_norms()
+
+    def lean_norms(self) -> None:
+        bodies = _llama_bodies()
+        for layer in self.layers:
+            for m in layer.modules():
+                if _is_llama_norm(m, bodies) and not getattr(m, "_slidetune_lean", False):
+                    m.forward = types.MethodType(_lean_norm_forward, m)
+                    m._slidetune_lean = True
+
+    # -- the two halves, on the layer's own modules ---------------------------------------
+    @staticmethod
+    def attention(layer: nn.Module, p: _Parts, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """h = x + self_attn(input_layernorm(x)), as LlamaDecoderLayer's first half: [B, S, d]."""
+        n = functional_call(layer.input_layernorm, p.norm1, (x,))
+        a = functional_call(layer.self_attn, p.attn, (), {"hidden_states": n, **kwargs})
+        return x + (a[0] if isinstance(a, tuple) else a)
+
+    @staticmethod
+    def mlp(layer: nn.Module, p: _Parts, h: torch.Tensor) -> torch.Tensor:
+        """mlp(post_attention_layernorm(h)) for a tile of tokens: [T, d] -> [T, d]."""
+        return functional_call(layer.mlp, p.mlp, (functional_call(layer.post_attention_layernorm, p.norm2, (h,)),))
+
+    def _tiles(self, n: int):
+        return [(s, min(s + self.tile_tokens, n)) for s in range(0, n, self.tile_tokens)]
+
+    # -- entry points ------------------------------------------------------------------
+    def forward(self, i: int, params: dict[str, torch.Tensor], x: torch.Tensor, kwargs: dict,
+                attention=None, mlp=None, layer: nn.Module | None = None) -> torch.Tensor:
+        """The layer's output without autograd (the forward pass and evaluation): [B, S, d].
+        `attention` / `mlp`: compiled versions of the two halves (same signatures); `layer`: a
+        module built like layer i to run its parameters through (a compiled graph's template)."""
+        layer, p = layer if layer is not None else self.layers[i], _parts(params)
+        attention, mlp = attention or self.attention, mlp or self.mlp
+        with torch.no_grad():
+            h = attention(layer, p, x, kwargs)                              # [B, S, d]
+            hf = h.view(-1, h.shape[-1])                                    # [N, d]
+            for s, e in self._tiles(hf.shape[0]):
+                hf[s:e] += mlp(layer, p, hf[s:e])
+        return h
+
+    def recompute_backward(self, i: int, params: dict[str, torch.Tensor], x: torch.Tensor, grad_out: torch.Tensor,
+                           kwargs: dict, timer=None, attention=None, mlp=None,
+                           layer: nn.Module | None = None) -> tuple[torch.Tensor, ...]:
+        """Recompute layer i from its input `x` and differentiate it against `grad_out` (the
+        gradient of its output; consumed: it becomes the MLP half's input gradient in place).
+        Returns (d x, then one gradient per entry of `params`, in its order), as
+        `torch.autograd.grad(layer(x), [x, *params.values()], grad_out)` would.
+
+        `timer`: an EventTimer; the attention half's recompute and each tile's are "recompute"
+        spans, the differentiations "backward" spans (several per layer; they add up)."""
+        layer, p = layer if layer is not None else self.layers[i], _parts(params)
+        attention, mlp = attention or self.attention, mlp or self.mlp
+        span = timer.span if timer is not None else (lambda *_: contextlib.nullcontext())
+        xi = x.detach().requires_grad_(True)
+        with torch.enable_grad(), span("recompute", i):
+            h = attention(layer, p, xi, kwargs)                             # [B, S, d], holds the attention's saved tensors
+        d = h.shape[-1]
+        hf = h.detach().view(-1, d)                                         # [N, d]
+        dh = grad_out.reshape(-1, d)                                        # [N, d]: dy, then dy + d mlp/dh
+        mlp_leaves = list(p.norm2.values()) + list(p.mlp.values())
+        tiles = self._tiles(hf.shape[0])
+        sums: list[torch.Tensor] | None = None
+        for s, e in tiles:
+            ht = hf[s:e].requires_grad_(True)
+            with torch.enable_grad(), span("recompute", i):
+                out = mlp(layer, p, ht)                                     # [T, d]
+            with span("backward", i):
+                g = torch.autograd.grad(out, [ht] + mlp_leaves, dh[s:e], materialize_grads=True)
+            dh[s:e] += g[0]
+            if len(tiles) == 1:
+                sums = list(g[1:])
+            elif sums is None:
+                sums = [t.to(torch.float32) for t in g[1:]]
+            else:
+                for acc, t in zip(sums, g[1:]):
+                    acc += t
+            del out, g, ht
+        mlp_grads = [t.to(leaf.dtype) for t, leaf in zip(sums, mlp_leaves)]
+        attn_leaves = list(p.norm1.values()) + list(p.attn.values())
+        with span("backward", i):
+            g = torch.autograd.grad(h, [xi] + attn_leaves, dh.view_as(h), materialize_grads=True)
+        by_name = dict(zip([f"input_layernorm.{k}" for k in p.norm1] + [f"self_attn.{k}" for k in p.attn]
+                           + [f"post_attention_layernorm.{k}" for k in p.norm2] + [f"mlp.{k}" for k in p.mlp],
+                           list(g[1:]) + mlp_grads))
+        return (g[0],) + tuple(by_name[k] for k in params)
+
