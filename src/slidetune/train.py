@@ -177,6 +177,8 @@ def train(cfg: TrainConfig) -> TrainSummary:
     Everything that can be refused is checked before the output directory is touched (but for
     what killed saves left there) or anything large is allocated: the model, the sequence
     length against its context, the memory estimate, the data, the checkpoint to resume from.
+    First of all the output directory (and a --checkpoint-dir) is locked for this run: a second
+    run on it is refused at once (run_lock.py).
     """
     t_start = time.perf_counter()
     out = Path(cfg.output_dir)
