@@ -414,7 +414,7 @@ def _resolve_resume(cfg: TrainConfig, ckpt_dir: Path, total_steps: int) -> Path 
     if not cfg.resume:
         return None
     if cfg.resume == "auto":
-        candidates = [p for _, p in reversed(_checkpoints_by_step(ckpt_dir))]
+        candidates = _complete_checkpoints(ckpt_dir)[::-1]        # newest first
         if not candidates:
             print(f"--resume auto: no complete checkpoint in {ckpt_dir}; starting from step 0")
             return None
@@ -953,11 +953,6 @@ def _checkpoint(cfg, engine, loaded, ckpt_dir: Path, step: int, stale: list[Path
         stale.clear()
     prune_checkpoints(ckpt_dir, cfg.keep_last, verified=path)
     return path
-
-
-def _checkpoints_by_step(ckpt_dir: Path) -> list[tuple[int, Path]]:
-    from .checkpoint import _complete_checkpoints as complete
-    return complete(ckpt_dir)
 
 
 def _complete_checkpoints(ckpt_dir: Path) -> list[Path]:
