@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from slidetune.checkpoint import (CheckpointError, checkpoint_dir, latest_checkpoint, load_checkpoint,
+from slidetune.checkpoint import (CheckpointCorrupt, CheckpointError, checkpoint_dir, latest_checkpoint, load_checkpoint,
                                   prune_checkpoints, save_checkpoint)
 from slidetune.data import Batch
 from slidetune.engine import AdamWConfig, RuntimeConfig, build_engine
@@ -393,6 +393,9 @@ def test_load_errors(tmp_path, engines):
     name = "model.layers.1.mlp.up_proj.weight"
     del weights[name]
     safetensors.torch.save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointCorrupt, match="model.safetensors: .* MANIFEST.json records"):
+        load_checkpoint(eng, d)
+    (d / "MANIFEST.json").unlink()          # as an older slidetune wrote it: the structure is still checked
     with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
         load_checkpoint(eng, d)
 
@@ -406,7 +409,7 @@ def test_load_errors(tmp_path, engines):
         load_checkpoint(other, d2)
 
     (d2 / "trainer_state" / "optimizer.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="cannot be resumed exactly"):
+    with pytest.raises(CheckpointCorrupt, match="optimizer.safetensors: missing"):
         load_checkpoint(engines(family="qwen3", tied=True), d2)
 
 

@@ -10,7 +10,8 @@ Layout of one checkpoint (`<run_dir>/checkpoint-<step>/`):
     trainer_state/optimizer.safetensors   the engine's AdamW state (FP32 moments + step per unit)
     trainer_state/state.json         step, trainer state, slidetune and format versions
     trainer_state/rng.pt             torch CPU (+ CUDA), python `random` and numpy RNG states
-    COMPLETE                         written last: the directory is whole
+    MANIFEST.json                    every file above: size and xxh3-128 digest
+    COMPLETE                         written last: the directory is whole (and the manifest's digest)
 
 so `AutoModelForCausalLM.from_pretrained(dir)` loads it as is.
 
@@ -21,6 +22,18 @@ one is first renamed to `<name>.old-<pid>` and deleted after). A crash or an err
 When an existing directory of the same name is overwritten, a crash between its two
 renames leaves the old checkpoint whole in `<name>.old-<pid>` and the new one whole in
 `<name>.tmp-<pid>` (both with COMPLETE): never a mix of the two.
+
+Integrity: each file's digest is computed as it is written (the weights and moments as their
+bytes pass to write(), no second read; the small files after writing) and recorded in
+MANIFEST.json. Before the rename the new directory is read back from the disk (its pages were
+dropped from the page cache after the fsync) and checked against the manifest: a checkpoint that
+does not read back as written is set aside as `<name>.corrupt-<time>` and the save fails, so a
+pruning never follows an unverified save. `check_checkpoint` verifies a directory before a resume
+uses it (sizes, digests, then the type, dtype and structure of every file it reads):
+`CheckpointCorrupt` names the file and what is wrong; `set_aside` renames such a checkpoint
+(never deletes it). Checkpoints written before the manifest existed load with a note that they
+cannot be verified. benchmarks/NOTES.md "Checkpoint digests" has the digest's and the
+read-back's cost.
 
 Memory: tensors are written one at a time straight from the engine's FP32 masters and
 moments (views, no copy; write_safetensors streams a safetensors file, where
@@ -40,17 +53,21 @@ import shutil
 import struct
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import xxhash
 
 from . import __version__
 from .engine.slide.disk_tier import StreamedTensor
-from .faults import maybe_fail
+from .faults import maybe_corrupt, maybe_fail
 from .processes import pid_alive
 
 FORMAT_VERSION = 1
 COMPLETE = "COMPLETE"
+MANIFEST = "MANIFEST.json"
+DIGEST = "xxh3_128"        # xxhash's XXH3 128-bit: 11 GB/s on one core (NOTES "Checkpoint digests")
 STATE_DIR = "trainer_state"
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -59,6 +76,39 @@ _LEFTOVER_RE = re.compile(r"^(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; the message says what and where."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint's own files are damaged or inconsistent (a digest, a size, a type): `file` is the
+    one that failed. Not raised for a checkpoint that is whole but of another model or format."""
+
+    def __init__(self, ckpt: Path, file: Path | str, what: str):
+        self.ckpt, self.file, self.what = Path(ckpt), Path(file), what
+        super().__init__(f"checkpoint {ckpt} is damaged: {file}: {what}")
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    size: int
+    digest: str                # hex, of algorithm DIGEST
+
+    def record(self) -> dict:
+        return {"size": self.size, "digest": self.digest}
+
+
+class _DigestingWriter:
+    """A binary file whose bytes are hashed as they are written (no second read)."""
+
+    def __init__(self, f):
+        self.f, self.hash, self.size = f, xxhash.xxh3_128(), 0
+
+    def write(self, data) -> None:
+        self.f.write(data)
+        self.hash.update(data)
+        self.size += memoryview(data).nbytes
+
+    def digest(self) -> FileDigest:
+        return FileDigest(self.size, self.hash.hexdigest())
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -110,34 +160,49 @@ def save_checkpoint(engine, out_dir: Path, *, step: int, tokenizer=None, trainer
     tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
     aside = out_dir.with_name(f"{out_dir.name}.old-{os.getpid()}")
     previous = out_dir if _is_complete(out_dir) else latest_checkpoint(out_dir.parent)
+    streamed: dict[str, FileDigest] = {}      # relative path -> digest taken while writing
     try:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
         engine.synchronize()     # the deferred schedule's update sweep may still be running
         _write_config(engine, tmp, SAVE_DTYPES[save_dtype])
-        _write_weights(engine, tmp, SAVE_DTYPES[save_dtype], max_shard_bytes)
+        streamed.update(_write_weights(engine, tmp, SAVE_DTYPES[save_dtype], max_shard_bytes))
         maybe_fail("checkpoint", int(step))          # tests only (faults.py): a writer failing mid-save
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         sdir = tmp / STATE_DIR
         sdir.mkdir()
         if with_optimizer:
-            _save_tensors(engine.optimizer_tensors(on_host=False), sdir / "optimizer.safetensors")
+            streamed[f"{STATE_DIR}/optimizer.safetensors"] = _save_tensors(engine.optimizer_tensors(on_host=False),
+                                                                            sdir / "optimizer.safetensors")
         torch.save(_rng_state(), sdir / "rng.pt")
         (sdir / "state.json").write_text(state_text)
         _fsync_tree(tmp)
-        _write_synced(tmp / COMPLETE, json.dumps({"step": int(step), "time": state["time"]}) + "\n")
+        manifest = _write_manifest(tmp, streamed)
+        maybe_corrupt(tmp, int(step))                # tests only (faults.py): a disk that corrupts a write
+        _write_synced(tmp / COMPLETE, json.dumps({"step": int(step), "time": state["time"],
+                                                  MANIFEST: manifest.record()}) + "\n")
         _fsync_dir(tmp)
+        # Read back from the disk before the rename: a save counts (and an older checkpoint may be
+        # pruned) only once what is on the disk is what was written.
+        verify_files(tmp)
         _swap_in(tmp, out_dir, aside)
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        kept = None
+        if isinstance(e, CheckpointCorrupt) and tmp.exists():
+            kept = set_aside(tmp, out_dir.name)          # evidence of a bad disk: never deleted
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(e, Exception):
             raise
         if previous is not None:
             where = f"the previous checkpoint {previous} is intact"
         else:
             where = f"no previous checkpoint existed in {out_dir.parent}, and nothing was left behind"
+        if kept is not None:
+            where = (f"it did not read back as it was written (the disk or filesystem changed it), and is set aside "
+                     f"as {kept}; {where.replace(', and nothing was left behind', '')}")
         raise CheckpointError(f"saving the checkpoint {out_dir} failed ({type(e).__name__}: {e}); "
                               f"{where}") from e
     shutil.rmtree(aside, ignore_errors=True)
@@ -163,9 +228,11 @@ def _write_config(engine, directory: Path, dtype: torch.dtype) -> None:
     cfg.save_pretrained(str(directory))
 
 
-def _write_weights(engine, directory: Path, dtype: torch.dtype, max_shard_bytes: int) -> None:
-    """Shard by shard: accumulate views up to max_shard_bytes, cast only the shard being written."""
+def _write_weights(engine, directory: Path, dtype: torch.dtype, max_shard_bytes: int) -> dict[str, FileDigest]:
+    """Shard by shard: accumulate views up to max_shard_bytes, cast only the shard being written.
+    Returns each shard's digest by its final name."""
     shards: list[list[str]] = []
+    digests: list[FileDigest] = []
     total = 0
     pending: dict[str, torch.Tensor] = {}
     pending_bytes = 0
@@ -176,7 +243,7 @@ def _write_weights(engine, directory: Path, dtype: torch.dtype, max_shard_bytes:
         if not pending:
             return
         part = directory / f"model-{len(shards) + 1:05d}.partial.safetensors"
-        _save_tensors(pending, part, dtype=dtype)
+        digests.append(_save_tensors(pending, part, dtype=dtype))
         shards.append(list(pending))
         pending, pending_bytes = {}, 0
 
@@ -195,19 +262,48 @@ def _write_weights(engine, directory: Path, dtype: torch.dtype, max_shard_bytes:
     n = len(shards)
     if n == 1:
         os.replace(directory / "model-00001.partial.safetensors", directory / "model.safetensors")
-        return
-    weight_map = {}
+        return {"model.safetensors": digests[0]}
+    weight_map, finals = {}, {}
     for i, names in enumerate(shards, 1):
         final = f"model-{i:05d}-of-{n:05d}.safetensors"
         os.replace(directory / f"model-{i:05d}.partial.safetensors", directory / final)
         weight_map.update({k: final for k in names})
+        finals[final] = digests[i - 1]
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+    return finals
 
 
-def _save_tensors(tensors: Mapping[str, torch.Tensor], path: Path, dtype: torch.dtype | None = None) -> None:
+def _save_tensors(tensors: Mapping[str, torch.Tensor], path: Path, dtype: torch.dtype | None = None) -> FileDigest:
     # Looked up at call time (tests replace write_safetensors to simulate a full disk).
-    write_safetensors(tensors, path, dtype=dtype)
+    return write_safetensors(tensors, path, dtype=dtype)
+
+
+def _write_manifest(directory: Path, streamed: dict[str, FileDigest]) -> FileDigest:
+    """MANIFEST.json: every file of `directory` with its size and digest (those in `streamed` as
+    taken while writing; the others, all small, read once now), written and fsynced; its own digest."""
+    files = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        rel = path.relative_to(directory).as_posix()
+        files[rel] = (streamed.get(rel) or file_digest(path)).record()
+    text = json.dumps({"algorithm": DIGEST, "files": files}, indent=1, sort_keys=True) + "\n"
+    _write_synced(directory / MANIFEST, text)
+    return FileDigest(len(text.encode()), xxhash.xxh3_128(text.encode()).hexdigest())
+
+
+_READ_BYTES = 64 * 2**20        # one read() of a verification
+
+
+def file_digest(path: Path) -> FileDigest:
+    """The size and digest of a file on disk, read in chunks."""
+    h, size = xxhash.xxh3_128(), 0
+    buf = bytearray(_READ_BYTES)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+            size += n
+    return FileDigest(size, h.hexdigest())
 
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
@@ -216,12 +312,13 @@ _WRITE_BYTES = 256 * 2**20      # one write() call at most: bounded kernel buffe
 
 
 def write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path, dtype: torch.dtype | None = None,
-                      metadata: dict[str, str] | None = None) -> None:
+                      metadata: dict[str, str] | None = None) -> FileDigest:
     """A safetensors file written tensor by tensor from where the tensors are (format: a little-
     endian u64 header length, the JSON header padded to 8 bytes, then the tensors' bytes in
     header order), so the file never exists in RAM. `dtype`: each tensor converted as it is
     written (one tensor's copy at a time); a tensor on another device comes to the host one
-    at a time. Readable by safetensors (safe_open, load_file) and HF from_pretrained."""
+    at a time. Readable by safetensors (safe_open, load_file) and HF from_pretrained. Returns the
+    file's size and digest, hashed as the bytes are written."""
     entries, offset = [], 0
     for name, t in tensors.items():
         dt = dtype or t.dtype
@@ -235,7 +332,8 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path, dtype: to
     header["__metadata__"] = dict(metadata or {"format": "pt"})
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
+    with open(path, "wb") as raw_file:
+        f = _DigestingWriter(raw_file)
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
         for name, t, dt, lo, hi in entries:
@@ -251,6 +349,7 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path, dtype: to
             raw = src.contiguous().reshape(-1).view(torch.uint8).numpy()
             for start in range(0, raw.size, _WRITE_BYTES):
                 f.write(memoryview(raw[start:start + _WRITE_BYTES]))
+    return f.digest()
 
 
 def _swap_in(tmp: Path, final: Path, aside: Path) -> None:
@@ -291,10 +390,15 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _fsync_tree(root: Path) -> None:
+    """fsync every file and directory; then drop the files' pages from the page cache (they are
+    clean now): the read-back that verifies the save reads the disk, not RAM, and a checkpoint of
+    ~100 GB does not evict what the run still uses."""
     for dirpath, _, files in os.walk(root):
         for name in files:
             with open(os.path.join(dirpath, name), "rb") as f:
                 os.fsync(f.fileno())
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         _fsync_dir(Path(dirpath))
 
 
@@ -362,11 +466,14 @@ class _LazyTensors(Mapping):
 def _weight_files(ckpt: Path) -> dict[str, Path]:
     index = ckpt / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = _read_json(ckpt, index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+            raise CheckpointCorrupt(ckpt, index, "has no \"weight_map\" object of tensor name -> file name")
         files = {k: ckpt / v for k, v in weight_map.items()}
         missing = sorted({str(p) for p in files.values() if not p.exists()})
         if missing:
-            raise CheckpointError(f"checkpoint {ckpt}: shard(s) {missing} listed in {index.name} are missing")
+            raise CheckpointCorrupt(ckpt, index, f"lists shard(s) that are missing: {missing}")
         return files
     single = ckpt / "model.safetensors"
     if not single.exists():
@@ -375,42 +482,30 @@ def _weight_files(ckpt: Path) -> dict[str, Path]:
 
 
 def _file_keys(path: Path) -> dict[str, Path]:
+    """Tensor name -> `path` for every tensor of a safetensors file (its header parsed and checked
+    against the file's size by safetensors: a truncated or garbled file is CheckpointCorrupt)."""
     from safetensors import safe_open
-    with safe_open(str(path), "pt") as f:
-        return {k: path for k in f.keys()}
+    try:
+        with safe_open(str(path), "pt") as f:
+            return {k: path for k in f.keys()}
+    except Exception as e:  # noqa: BLE001 - SafetensorError (not an OSError) or an OSError
+        ckpt = path.parent.parent if path.parent.name == STATE_DIR else path.parent
+        raise CheckpointCorrupt(ckpt, path, f"not a readable safetensors file ({e})") from None
 
 
-def load_checkpoint(engine, ckpt_dir: Path) -> dict:
+def load_checkpoint(engine, ckpt_dir: Path, *, checked: bool = False) -> dict:
     """Restore weights, optimizer state, step and RNG states from a checkpoint into `engine`.
 
-    Validates everything before touching the engine: the directory and its COMPLETE
-    marker, the format version, every engine parameter (present, right shape), the
-    optimizer state (present: a checkpoint saved without it, e.g. a BF16 export, cannot
-    be resumed exactly and is refused). Returns the `trainer_state` dict given to
-    `save_checkpoint` plus "step"; the torch/CUDA/python/numpy RNG states are already restored.
+    Validates everything before touching the engine: the checkpoint itself (`check_checkpoint`:
+    its files against the manifest, then the type of each; skipped when `checked`, i.e. the caller
+    has just run it), then every engine parameter and optimizer tensor against the engine's
+    (present, right shape and dtype). Returns the `trainer_state` dict given to `save_checkpoint`
+    plus "step"; the torch/CUDA/python/numpy RNG states are already restored.
     """
     ckpt = Path(ckpt_dir)
-    if not ckpt.is_dir():
-        raise CheckpointError(f"checkpoint directory {ckpt} does not exist")
-    if not (ckpt / COMPLETE).exists():
-        raise CheckpointError(f"checkpoint {ckpt} has no {COMPLETE} marker: it was not finished "
-                              f"(interrupted save) or is not a slidetune checkpoint")
-    state_file = ckpt / STATE_DIR / "state.json"
-    if not state_file.exists():
-        raise CheckpointError(f"checkpoint {ckpt} has no {STATE_DIR}/state.json: it is a model export, "
-                              f"not a resumable checkpoint")
-    state = json.loads(state_file.read_text())
-    if state.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {ckpt} has format version {state.get('format_version')}, "
-                              f"this slidetune reads version {FORMAT_VERSION}")
-    optim_file = ckpt / STATE_DIR / "optimizer.safetensors"
-    if not state.get("with_optimizer", False) or not optim_file.exists():
-        why = ("it was saved without optimizer state "
-               f"(save_dtype={state.get('save_dtype')!r}, with_optimizer={state.get('with_optimizer')})"
-               if not state.get("with_optimizer", False) else f"{optim_file} is missing")
-        raise CheckpointError(f"checkpoint {ckpt} cannot be resumed exactly: {why}. Load it as a model "
-                              f"directory (weights only) to start a new run from it")
-
+    if not checked:
+        check_checkpoint(ckpt)
+    state = _read_state(ckpt)
     engine.synchronize()
     masters = _LazyTensors(_weight_files(ckpt))
     want = {}
@@ -422,28 +517,206 @@ def load_checkpoint(engine, ckpt_dir: Path) -> dict:
         if masters.shape(name) != shape:
             raise CheckpointError(f"checkpoint {ckpt}: tensor {name!r} has shape {masters.shape(name)}, "
                                   f"the model expects {shape}")
-        if masters.dtype(name) != "F32":
-            raise CheckpointError(f"checkpoint {ckpt}: tensor {name!r} is {masters.dtype(name)}, not F32: "
-                                  f"it cannot be resumed exactly")
     extra = sorted(set(masters) - set(want))
     if extra:
         raise CheckpointError(f"checkpoint {ckpt} holds tensors the model does not have (another model?): "
                               f"{extra[:5]}{' ...' if len(extra) > 5 else ''}")
+    optim_file = ckpt / STATE_DIR / "optimizer.safetensors"
     optim = _LazyTensors(_file_keys(optim_file))
-    for key, t in engine.optimizer_tensors().items():
+    for key, t in engine.optimizer_tensors(on_host=False).items():
         if key not in optim:
             raise CheckpointError(f"checkpoint {ckpt}: optimizer tensor {key!r} is missing")
         if optim.shape(key) != tuple(t.shape):
             raise CheckpointError(f"checkpoint {ckpt}: optimizer tensor {key!r} has shape {optim.shape(key)}, "
                                   f"the engine expects {tuple(t.shape)}")
+        if optim.dtype(key) != _ST_DTYPES.get(t.dtype):
+            raise CheckpointError(f"checkpoint {ckpt}: optimizer tensor {key!r} is {optim.dtype(key)}, the engine "
+                                  f"keeps {_ST_DTYPES.get(t.dtype, t.dtype)}: it cannot be resumed exactly")
+    rng = _read_rng(ckpt)
 
     engine.load_state(masters, optim, int(state["step"]))
-    rng_file = ckpt / STATE_DIR / "rng.pt"
-    if rng_file.exists():
-        _restore_rng(torch.load(rng_file, weights_only=True))
+    if rng is not None:
+        _restore_rng(rng)
     out = dict(state.get("trainer_state") or {})
     out.setdefault("step", int(state["step"]))
     return out
+
+
+# --------------------------------------------------------------------------- verification
+@dataclass(frozen=True)
+class CheckedCheckpoint:
+    """What `check_checkpoint` found: a checkpoint a resume can load."""
+    path: Path
+    step: int
+    verified: bool                 # its files matched MANIFEST.json (False: none, an older slidetune's)
+
+
+def check_checkpoint(ckpt_dir: Path) -> CheckedCheckpoint:
+    """Everything about a checkpoint that needs no engine, before a resume touches any state: the
+    COMPLETE marker; every file's size and digest against MANIFEST.json (`verify_files`); then
+    what each file a resume reads holds: state.json (an object with the right types), config.json,
+    the weights' and the optimizer's safetensors headers (every tensor F32), rng.pt (the RNG states'
+    types and sizes). CheckpointCorrupt names the file and what is wrong; a CheckpointError a
+    checkpoint that is whole but cannot be resumed (a model export, another format version)."""
+    ckpt = Path(ckpt_dir)
+    if not ckpt.is_dir():
+        raise CheckpointError(f"checkpoint directory {ckpt} does not exist")
+    if not (ckpt / COMPLETE).exists():
+        raise CheckpointError(f"checkpoint {ckpt} has no {COMPLETE} marker: it was not finished "
+                              f"(interrupted save) or is not a slidetune checkpoint")
+    verified = verify_files(ckpt)
+    state = _read_state(ckpt)
+    optim_file = ckpt / STATE_DIR / "optimizer.safetensors"
+    if not state.get("with_optimizer", False):
+        raise CheckpointError(f"checkpoint {ckpt} cannot be resumed exactly: it was saved without optimizer state "
+                              f"(save_dtype={state.get('save_dtype')!r}, with_optimizer={state.get('with_optimizer')})"
+                              f". Load it as a model directory (weights only) to start a new run from it")
+    if not optim_file.exists():
+        raise CheckpointCorrupt(ckpt, optim_file, "missing (state.json says the optimizer state was saved)")
+    config = ckpt / "config.json"
+    if not isinstance(_read_json(ckpt, config), dict):
+        raise CheckpointCorrupt(ckpt, config, "not a JSON object")
+    for what, files in (("weights", set(_weight_files(ckpt).values())), ("optimizer", {optim_file})):
+        for path in sorted(files):
+            tensors = _LazyTensors(_file_keys(path))
+            for name in tensors:
+                if tensors.dtype(name) != "F32":
+                    raise CheckpointCorrupt(ckpt, path, f"{what} tensor {name!r} is {tensors.dtype(name)}, not F32: "
+                                                        f"a resumable checkpoint holds FP32 {what}")
+    _read_rng(ckpt)
+    return CheckedCheckpoint(ckpt, int(state["step"]), verified)
+
+
+def verify_files(ckpt_dir: Path) -> bool:
+    """Every file MANIFEST.json lists has its recorded size and digest (the manifest itself the one
+    COMPLETE records); CheckpointCorrupt names the first that does not. False when there is no
+    manifest (a checkpoint of a slidetune older than it): nothing could be verified."""
+    ckpt = Path(ckpt_dir)
+    path = ckpt / MANIFEST
+    if not path.exists():
+        return False
+    text = path.read_bytes()
+    complete = _read_json(ckpt, ckpt / COMPLETE)
+    recorded = complete.get(MANIFEST) if isinstance(complete, dict) else None
+    if isinstance(recorded, dict):
+        got = FileDigest(len(text), xxhash.xxh3_128(text).hexdigest())
+        if got.record() != recorded:
+            raise CheckpointCorrupt(ckpt, path, f"{got.size} bytes of digest {got.digest}, {COMPLETE} records "
+                                                f"{recorded.get('size')} bytes of digest {recorded.get('digest')}")
+    manifest = _read_json(ckpt, path)
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        raise CheckpointCorrupt(ckpt, path, "not a JSON object with a \"files\" object")
+    if manifest.get("algorithm") != DIGEST:
+        raise CheckpointError(f"checkpoint {ckpt}: {MANIFEST} uses digest {manifest.get('algorithm')!r}; this "
+                              f"slidetune knows {DIGEST!r}")
+    for rel, entry in sorted(files.items()):
+        file = ckpt / rel
+        if not (isinstance(entry, dict) and type(entry.get("size")) is int and isinstance(entry.get("digest"), str)):
+            raise CheckpointCorrupt(ckpt, path, f"the entry of {rel!r} is not {{size, digest}}: {entry!r}")
+        if not file.is_file():
+            raise CheckpointCorrupt(ckpt, file, f"missing (listed in {MANIFEST})")
+        size = file.stat().st_size
+        if size != entry["size"]:
+            raise CheckpointCorrupt(ckpt, file, f"{size} bytes, {MANIFEST} records {entry['size']} "
+                                                f"({'truncated' if size < entry['size'] else 'grown'} since it was "
+                                                f"written)")
+        got = file_digest(file)
+        if got.digest != entry["digest"]:
+            raise CheckpointCorrupt(ckpt, file, f"its {DIGEST} digest is {got.digest}, {MANIFEST} records "
+                                                f"{entry['digest']}: its bytes changed after it was written")
+    return True
+
+
+def set_aside(ckpt_dir: Path, name: str | None = None) -> Path:
+    """Rename a damaged checkpoint to `<name>.corrupt-<time>` beside it (kept for inspection, never
+    deleted; no run directory helper matches that name) and return the new path."""
+    ckpt = Path(ckpt_dir)
+    stem = f"{name or ckpt.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}"
+    target, n = ckpt.with_name(stem), 1
+    while target.exists():
+        n += 1
+        target = ckpt.with_name(f"{stem}-{n}")
+    os.replace(ckpt, target)
+    _fsync_dir(target.parent)
+    return target
+
+
+def _read_json(ckpt: Path, path: Path):
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointCorrupt(ckpt, path, "missing") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointCorrupt(ckpt, path, f"not valid JSON ({e})") from None
+
+
+def _read_state(ckpt: Path) -> dict:
+    """trainer_state/state.json, with the type of every field a resume reads checked."""
+    path = ckpt / STATE_DIR / "state.json"
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {ckpt} has no {STATE_DIR}/state.json: it is a model export, "
+                              f"not a resumable checkpoint")
+    state = _read_json(ckpt, path)
+    if not isinstance(state, dict):
+        raise CheckpointCorrupt(ckpt, path, f"holds a JSON {type(state).__name__}, not an object")
+    version = state.get("format_version")
+    if type(version) is not int:
+        raise CheckpointCorrupt(ckpt, path, f"format_version is {version!r}, not an integer")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {ckpt} has format version {version}, this slidetune reads version "
+                              f"{FORMAT_VERSION}")
+    for key, kind, ok in (("step", "a non-negative integer", lambda v: type(v) is int and v >= 0),
+                          ("with_optimizer", "a boolean", lambda v: isinstance(v, bool)),
+                          ("trainer_state", "an object", lambda v: isinstance(v, dict))):
+        if key not in state and key != "step":
+            continue
+        if not ok(state.get(key)):
+            raise CheckpointCorrupt(ckpt, path, f"{key} is {state.get(key)!r}, not {kind}")
+    return state
+
+
+def _read_rng(ckpt: Path) -> dict | None:
+    """trainer_state/rng.pt (None if absent: it is optional), every RNG state's type and size checked."""
+    path = ckpt / STATE_DIR / "rng.pt"
+    if not path.exists():
+        return None
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch.load raises many kinds on a damaged file
+        raise CheckpointCorrupt(ckpt, path, f"unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]})") \
+            from None
+    problem = _rng_problem(state)
+    if problem:
+        raise CheckpointCorrupt(ckpt, path, problem)
+    return state
+
+
+def _rng_problem(state) -> str | None:
+    """What is wrong with a loaded rng.pt (None: it restores as _restore_rng expects)."""
+    def byte_state(t, n):
+        return isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 and (n is None or t.numel() == n)
+    if not isinstance(state, dict):
+        return f"holds a {type(state).__name__}, not a dict of RNG states"
+    cpu = state.get("torch_cpu")
+    n_cpu = torch.get_rng_state().numel()
+    if not byte_state(cpu, n_cpu):
+        got = f"a {cpu.dtype} tensor of shape {tuple(cpu.shape)}" if isinstance(cpu, torch.Tensor) else repr(type(cpu))
+        return f"torch_cpu is {got}, not a uint8 tensor of {n_cpu} bytes"
+    py = state.get("python")
+    if not (isinstance(py, (tuple, list)) and len(py) == 3 and type(py[0]) is int
+            and isinstance(py[1], (tuple, list)) and len(py[1]) == 625 and all(type(v) is int for v in py[1])
+            and (py[2] is None or isinstance(py[2], float))):
+        return "python is not a `random.getstate()` tuple (version, 625 ints, gauss)"
+    n = state.get("numpy")
+    if not (isinstance(n, dict) and isinstance(n.get("kind"), str) and isinstance(n.get("keys"), torch.Tensor)
+            and n["keys"].dtype == torch.int64 and n["keys"].shape == (624,) and type(n.get("pos")) is int
+            and type(n.get("has_gauss")) is int and isinstance(n.get("cached_gaussian"), float)):
+        return "numpy is not a numpy RNG state (kind, 624 int64 keys, pos, has_gauss, cached_gaussian)"
+    cuda = state.get("torch_cuda")
+    if cuda is not None and not (isinstance(cuda, (list, tuple)) and all(byte_state(t, None) for t in cuda)):
+        return "torch_cuda is not a list of uint8 tensors"
+    return None
 
 
 # --------------------------------------------------------------------------- run directories
@@ -472,17 +745,23 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
+def prune_checkpoints(run_dir: Path, keep_last: int, verified: Path | None = None) -> None:
     """Delete all but the `keep_last` newest complete checkpoints, and leftovers of dead savers.
 
+    `verified`: the newest checkpoint known good (the one just written and read back, or the one
+    a resume checked): never deleted, whatever its rank. Call this only after the newest save
+    was verified (save_checkpoint reads each one back before it counts).
     Leftovers are `.tmp-<pid>` / `.old-<pid>` directories of processes that no longer run.
-    Other directories (a `final` export, unfinished checkpoints of a live run) are left alone.
+    Other directories (a `final` export, unfinished checkpoints of a live run, checkpoints set
+    aside as `.corrupt-<time>`) are left alone.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 (got {keep_last}); pruning never deletes the newest checkpoint")
     run_dir = Path(run_dir)
+    keep = Path(verified).resolve() if verified is not None else None
     for _, p in _complete_checkpoints(run_dir)[:-keep_last]:
-        shutil.rmtree(p, ignore_errors=True)
+        if p.resolve() != keep:
+            shutil.rmtree(p, ignore_errors=True)
     for _, p in _dead_leftovers(run_dir):
         shutil.rmtree(p, ignore_errors=True)
 

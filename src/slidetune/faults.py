@@ -8,7 +8,10 @@ optimizer step, 1-based, during which it happens) with KIND one of
   oom                                   the compute thread raises torch.OutOfMemoryError in
                                         the middle of the step (after the forward, before the
                                         head: where a real one usually strikes);
-  nan                                   the step's loss, hence every gradient, becomes NaN.
+  nan                                   the step's loss, hence every gradient, becomes NaN;
+  bitrot                                the checkpoint of that step has a byte of its largest
+                                        file flipped on the disk after it was written and
+                                        synced (a disk that corrupts a write).
 Tests use it to prove that each fault ends the run promptly with a message naming what
 failed and the step, and leaves the newest complete checkpoint intact and resumable.
 KIND:STEP:RANK fails on that data-parallel rank only (RANK from torchrun's environment);
@@ -17,12 +20,13 @@ without it, on every rank.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
 ENV = "SLIDETUNE_INJECT_FAULT"
 THREADS = ("upload", "d2h", "host", "checkpoint", "data")
-KINDS = THREADS + ("oom", "nan")
+KINDS = THREADS + ("oom", "nan", "bitrot")
 
 
 class InjectedFault(RuntimeError):
@@ -66,3 +70,18 @@ def maybe_oom(step: int) -> None:
 def maybe_poison(loss: torch.Tensor, step: int) -> torch.Tensor:
     """`loss` made NaN (and so every gradient of it) when asked for at `step` (1-based)."""
     return loss * float("nan") if due("nan", step) else loss
+
+
+def maybe_corrupt(directory: Path, step: int) -> None:
+    """Flip one byte in the middle of the largest file under `directory`, on the disk, when asked
+    for at `step` (1-based): what a disk that corrupts a write leaves."""
+    if not due("bitrot", step):
+        return
+    path = max((p for p in Path(directory).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+        f.flush()
+        os.fsync(f.fileno())

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, NoReturn
 import numpy as np
 import torch
 
-from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, prune_checkpoints, recover_leftovers,
-                         save_checkpoint)
+from .checkpoint import (CheckpointCorrupt, CheckpointError, check_checkpoint, latest_checkpoint, load_checkpoint,
+                         prune_checkpoints, recover_leftovers, save_checkpoint, set_aside)
 from .config import TrainConfig, config_to_dict, group_tuning
 from .data import IGNORE_INDEX, BatchSampler, TokenDataset, build_datasets, collate, default_pad_id
 from .data.token_arrays import is_token_source
@@ -47,6 +47,7 @@ from .models.load import LoadedModel, load_model
 from .models.reference_check import require_faithful
 from .ops.packed_attention import use_packed_attention
 from .ranks import Ranks
+from .run_lock import RunLock, lock_run_directories
 from .telemetry.flops import train_flops_per_token
 
 if TYPE_CHECKING:
@@ -176,14 +177,24 @@ def train(cfg: TrainConfig) -> TrainSummary:
     Everything that can be refused is checked before the output directory is touched (but for
     what killed saves left there) or anything large is allocated: the model, the sequence
     length against its context, the memory estimate, the data, the checkpoint to resume from.
+    First of all the output directory (and a --checkpoint-dir) is locked for this run: a second
+    run on it is refused at once (run_lock.py).
     """
     t_start = time.perf_counter()
     out = Path(cfg.output_dir)
     seed_everything(cfg.seed)
     ranks, device = Ranks.start(cfg.runtime.device, waits=cfg.runtime.cuda_waits)
+    held: list[RunLock] = []
     try:
+        # One run per directory (run_lock.py), held until the run ends. Taken first: a second run is
+        # refused before it loads anything, and the lock costs an open and a flock. Rank 0 writes
+        # the run's files, so rank 0 alone holds it; the other ranks learn of a refusal (on_main).
+        ranks.on_main(lambda: held.extend(
+            lock_run_directories(out, Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None)))
         return _train(cfg, ranks, device, out, t_start)
     finally:
+        for lock in held:
+            lock.release()
         ranks.close()
 
 
@@ -394,27 +405,53 @@ def _with_device(cfg: TrainConfig, device: Device):
 
 
 def _resolve_resume(cfg: TrainConfig, ckpt_dir: Path, total_steps: int) -> Path | None:
-    """The checkpoint to continue from (None: a fresh start), checked before anything is allocated."""
+    """The checkpoint to continue from (None: a fresh start), checked before anything is allocated.
+
+    Every file of it is verified (check_checkpoint: digests, then types) before the engine exists.
+    With --resume auto a damaged checkpoint is set aside (renamed, never deleted) with a message
+    naming the file and what is wrong, and the next older one is tried; with --resume PATH the
+    damage is the error."""
     if not cfg.resume:
         return None
     if cfg.resume == "auto":
-        ckpt = latest_checkpoint(ckpt_dir)
-        if ckpt is None:
+        candidates = _complete_checkpoints(ckpt_dir)[::-1]        # newest first
+        if not candidates:
             print(f"--resume auto: no complete checkpoint in {ckpt_dir}; starting from step 0")
             return None
+        checked, set_apart = None, []
+        for ckpt in candidates:
+            try:
+                checked = check_checkpoint(ckpt)
+                break
+            except CheckpointCorrupt as e:
+                aside = set_aside(ckpt)
+                set_apart.append(aside)
+                print(f"note: --resume auto: {e}. Set aside as {aside} (kept, not deleted); trying the next "
+                      f"older checkpoint", file=sys.stderr)
+            except CheckpointError as e:
+                raise TrainingError(f"--resume auto: {e}") from e
+        if checked is None:
+            raise TrainingError(f"--resume auto: no checkpoint in {ckpt_dir} passed verification; each was set "
+                                f"aside: {', '.join(p.name for p in set_apart)}. Start over without --resume "
+                                f"(nothing was deleted)")
     else:
         ckpt = Path(cfg.resume)
         if not ckpt.is_dir():
             raise TrainingError(f"--resume {cfg.resume}: no such checkpoint directory (use --resume auto for the "
                                 f"newest complete checkpoint in {ckpt_dir})")
-    try:
-        step = int(json.loads((ckpt / "trainer_state" / "state.json").read_text())["step"])
-    except (OSError, ValueError, KeyError):
-        return ckpt                      # load_checkpoint says what is wrong with it
-    if step > total_steps:
-        raise TrainingError(f"checkpoint {ckpt} is at step {step}, beyond this run's {total_steps} steps "
-                            f"(--max-steps/--epochs); resume with the run's original length")
-    return ckpt
+        try:
+            checked = check_checkpoint(ckpt)
+        except CheckpointError as e:
+            raise TrainingError(f"--resume {cfg.resume}: {e}" + (
+                f". Resume from an older checkpoint instead (--resume auto sets a damaged one aside and takes the "
+                f"next older one)" if isinstance(e, CheckpointCorrupt) else "")) from e
+    if not checked.verified:
+        print(f"note: {checked.path} has no MANIFEST.json (written by an older slidetune): its files cannot "
+              f"be verified against digests, only their structure was checked", file=sys.stderr)
+    if checked.step > total_steps:
+        raise TrainingError(f"checkpoint {checked.path} is at step {checked.step}, beyond this run's {total_steps} "
+                            f"steps (--max-steps/--epochs); resume with the run's original length")
+    return checked.path
 
 
 def _warn_changed_config(ckpt: Path, run_config: Path, cfg: TrainConfig, world_size: int = 1) -> None:
@@ -492,6 +529,7 @@ class Trainer:
         self.stale = list(stale or [])   # an earlier run's checkpoints, deleted by the first save
         self.start_step = 0
         self.saved_step: int | None = None   # step of the newest checkpoint in ckpt_dir written or loaded
+        self.written_step: int | None = None  # step of the newest checkpoint this invocation wrote
         self.rows: list[dict] = []
         self.flops_tok = train_flops_per_token(loaded.split, cfg.data.seq_len)
         self.host_rss = self._host_rss_meter(engine)
@@ -576,7 +614,9 @@ class Trainer:
     def resume(self) -> None:
         """Load the checkpoint to continue from, if any, and this run's metrics rows up to it."""
         if self.resume_from is not None:
-            state = load_checkpoint(self.engine, self.resume_from)
+            # verified by _resolve_resume before the engine existed; what is left is checking each
+            # tensor against this engine, before its state is touched
+            state = load_checkpoint(self.engine, self.resume_from, checked=True)
             self.start_step = int(state.get("step", self.engine.step_index))
             if self.resume_from.parent.resolve() == self.ckpt_dir.resolve():
                 self.saved_step = self.start_step
@@ -659,8 +699,18 @@ class Trainer:
         cfg = self.cfg
         self.flush()
         newest = latest_checkpoint(self.ckpt_dir)
-        last = (f"the newest checkpoint, {newest}, is intact (resume from it with --resume auto "
-                f"after changing the settings)" if newest else "no checkpoint had been written yet")
+        if self.resume_from is not None and self.written_step is None:
+            # no save since the resume: the state it loaded may itself be what diverges
+            last = (f"this run resumed from {self.resume_from} (at step {self.start_step}) and failed "
+                    f"{step + 1 - self.start_step} step(s) after it, so that checkpoint's weights or optimizer "
+                    f"state may be the cause (its files matched the digests written with them: what was saved "
+                    f"may already have been diverging); resuming from it again will likely fail the same way: "
+                    f"resume from an older checkpoint with --resume PATH, or change the settings")
+        elif newest:
+            last = (f"the newest checkpoint, {newest}, is intact (read back against its digests after writing; "
+                    f"resume from it with --resume auto after changing the settings)")
+        else:
+            last = "no checkpoint had been written yet"
         hints = [f"lower the learning rate (--lr, now {cfg.optim.lr:g})"]
         if cfg.max_grad_norm is None:
             hints.append("clip gradients (--max-grad-norm 1.0)")
@@ -750,7 +800,7 @@ class Trainer:
         host state (its synchronize() waits for every owner's updates; the other ranks cannot change
         the state meanwhile, as their next step waits for rank 0) and the others wait for the outcome."""
         path = self.ranks.on_main(lambda: self._write_checkpoint(step))
-        self.saved_step = step
+        self.saved_step = self.written_step = step
         return path
 
     def _write_checkpoint(self, step: int) -> Path:
@@ -895,12 +945,13 @@ def _checkpoint(cfg, engine, loaded, ckpt_dir: Path, step: int, stale: list[Path
     """
     path = save_checkpoint(engine, ckpt_dir / f"checkpoint-{step}", step=step, tokenizer=loaded.tokenizer,
                            trainer_state={"step": step, "config": _run_record(cfg, world_size)})
+    # save_checkpoint has read `path` back against its digests: only now may older ones go
     for old in stale or []:
         if old.resolve() != path.resolve():
             shutil.rmtree(old, ignore_errors=True)
     if stale:
         stale.clear()
-    prune_checkpoints(ckpt_dir, cfg.keep_last)
+    prune_checkpoints(ckpt_dir, cfg.keep_last, verified=path)
     return path
 
 

@@ -1,0 +1,86 @@
+"""One run per directory (run_lock.py): a second run on an output directory, or on a checkpoint
+directory shared by two output directories, is refused at once naming the holder; the first run
+is untouched; a lock file left by a killed run is taken over with a note."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import slidetune
+import slidetune.train  # noqa: F401 - imported before the clock starts: the refusal is timed, not the imports
+from slidetune.run_lock import LOCK_NAME
+from test_train_errors import COMMON, assert_loads, metric_steps, run_cli, small_corpus  # noqa: F401
+
+SRC = str(Path(slidetune.__file__).resolve().parents[1])
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
+
+
+def wait_for_lock(directory: Path, proc: subprocess.Popen, timeout_s: float = 120.0) -> dict:
+    """The lock record the running `proc` wrote in `directory`."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        try:
+            record = json.loads((directory / LOCK_NAME).read_text())
+            if record.get("pid") == proc.pid:
+                return record
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.01)
+    raise AssertionError("the first run never took its lock")
+
+
+def test_a_second_run_on_a_directory_in_use_is_refused_and_the_first_finishes_intact(tmp_path):
+    first, shared_ckpts = tmp_path / "first", tmp_path / "ckpts"
+    # it loads its model after taking the lock: seconds in which the others are refused
+    proc = subprocess.Popen([sys.executable, "-m", "slidetune.cli", "train", *COMMON, "--max-steps", "6",
+                             "--save-every", "2", "--lr", "1e-5", "--output-dir", str(first),
+                             "--checkpoint-dir", str(shared_ckpts)],
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_lock(first, proc)
+        wait_for_lock(shared_ckpts, proc)
+        t0 = time.monotonic()
+        code, out, err = run_cli(*COMMON, "--max-steps", "2", "--lr", "3e-3", "--output-dir", str(first))
+        refused_s = time.monotonic() - t0
+        assert code == 2 and "Traceback" not in err, err[-2000:]
+        assert f"the output directory {first} is in use by another run (pid {proc.pid}" in err, err
+        assert "started 20" in err                    # its start time, as a date
+        assert refused_s < 2.0, f"refused after {refused_s:.1f} s: not at once"
+        # another output directory, the same --checkpoint-dir: refused just the same
+        other = tmp_path / "other"
+        code, out, err = run_cli(*COMMON, "--max-steps", "2", "--output-dir", str(other),
+                                 "--checkpoint-dir", str(shared_ckpts))
+        assert code == 2 and f"the checkpoint directory {shared_ckpts} is in use" in err, err[-2000:]
+        assert f"pid {proc.pid}" in err
+        assert not other.exists(), "a refused run left its output directory behind"
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    # the first run's files are its own: its config, every step's metrics, its checkpoints
+    assert json.loads((first / "config.json").read_text())["optim"]["lr"] == 1e-5
+    assert metric_steps(first) == [0, *range(1, 7), 6]
+    assert sorted(p.name for p in shared_ckpts.iterdir()) == ["checkpoint-4", "checkpoint-6"]
+    assert_loads(first / "final")
+    assert not (first / LOCK_NAME).exists() and not (shared_ckpts / LOCK_NAME).exists()
+
+
+def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_note(tmp_path):
+    d = tmp_path / "run"
+    # a process that takes the lock and dies without releasing it (as kill -9 leaves it)
+    holder = subprocess.run([sys.executable, "-c", "import os, sys\nfrom slidetune.run_lock import lock_directory\n"
+                             "lock_directory(sys.argv[1], 'output directory')\nos._exit(0)", str(d)],
+                            env=ENV, capture_output=True, text=True)
+    assert holder.returncode == 0, holder.stderr
+    dead = json.loads((d / LOCK_NAME).read_text())["pid"]
+    code, out, err = run_cli(*COMMON, "--max-steps", "1", "--output-dir", str(d))
+    assert code == 0, err[-2000:]
+    assert f"took over the lock {d / LOCK_NAME} left by a run that no longer holds it (pid {dead}" in err, err
+    assert_loads(d / "final")
+    assert not (d / LOCK_NAME).exists()
