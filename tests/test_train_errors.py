@@ -130,6 +130,53 @@ def test_dataset_empty_after_tokenization(prev, tmp_path):
     assert str(path) in err and "empty after tokenization" in err and "no usable training examples" in err
 
 
+# ----------------------------------------------------------------------------- optimizer settings, YAML types
+def refused_before_the_model(tmp_path, monkeypatch, *args: str) -> str:
+    """The run is refused (exit 2, no traceback) before the model loads and the output dir is made."""
+    def forbidden(*a, **k):
+        raise AssertionError("must be refused before the model loads")
+
+    monkeypatch.setattr(train_mod, "load_model", forbidden)
+    code, out, err = run_cli(*COMMON, "--max-steps", "2", "--output-dir", str(tmp_path / "never"), *args)
+    assert code == 2, (out[-2000:], err[-2000:])
+    assert "slidetune: error:" in err and "Traceback" not in err
+    assert not (tmp_path / "never").exists()
+    return err
+
+
+@pytest.mark.parametrize("flag, value, rule", [
+    ("--lr", "-1", ">= 0"), ("--lr", "nan", ">= 0"), ("--lr", "inf", ">= 0"),
+    ("--beta1", "2", "[0, 1)"), ("--beta1", "-0.1", "[0, 1)"), ("--beta2", "1", "[0, 1)"),
+    ("--eps", "0", "> 0"), ("--eps", "-1", "> 0"), ("--weight-decay", "-0.1", ">= 0"),
+    ("--epochs", "nan", "> 0"), ("--max-grad-norm", "nan", "not nan")])
+def test_bad_optimizer_settings_are_refused_naming_the_flag(tmp_path, monkeypatch, flag, value, rule):
+    err = refused_before_the_model(tmp_path, monkeypatch, flag, value)
+    assert flag in err and rule in err and value in err, err
+
+
+@pytest.mark.parametrize("yaml_text, words", [
+    ("lr: -1\n", ["--lr", ">= 0", "-1"]),
+    ("lr: .nan\n", ["--lr", "nan"]),
+    ("optim: {beta1: 1.5}\n", ["--beta1", "[0, 1)", "1.5"]),
+    ("optim:\n  eps: 0\n", ["--eps", "> 0"]),
+    ("max_steps: true\n", ["c.yaml", "max_steps", "expected int", "True"]),     # a bool is not an int
+    ("tuning: {chunk_mb: yes}\n", ["c.yaml", "runtime.chunk_mb", "expected int"]),
+    ("warmup_steps: 1.5\n", ["c.yaml", "warmup_steps", "expected int"]),
+    ("min_lr_ratio: false\n", ["c.yaml", "min_lr_ratio", "expected float"])])
+def test_bad_yaml_values_are_refused_as_the_flags_are(tmp_path, monkeypatch, yaml_text, words):
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml_text)
+    err = refused_before_the_model(tmp_path, monkeypatch, "--config", str(f))
+    assert all(w in err for w in words), (yaml_text, err)
+
+
+def test_yaml_that_is_not_utf8_names_the_file(tmp_path, monkeypatch):
+    f = tmp_path / "latin1.yaml"
+    f.write_bytes("model: tiny-llama\n# r\u00e9glages\n".encode("latin-1"))
+    err = refused_before_the_model(tmp_path, monkeypatch, "--config", str(f))
+    assert str(f) in err and "not UTF-8" in err, err
+
+
 # ----------------------------------------------------------------------------- model
 @pytest.mark.parametrize("model", ["no-such-model", "/no/such/hf_dir"])
 def test_unknown_model_lists_presets(prev, model):
