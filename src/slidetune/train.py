@@ -281,7 +281,9 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
     # the sampler draws global batches (--batch-size rows per rank) from (seed, step); each rank
     # takes its rows of each (Trainer.micro_batch): N ranks train on one rank's data at N x the batch
     global_batch = cfg.batch_size * ranks.world_size
-    train_ds, heldout = ranks.on_each(lambda: build_datasets(cfg.data, loaded.tokenizer, min_rows=global_batch))
+    # a pre-tokenized corpus's ids are checked against the model's vocabulary here, before step 1
+    train_ds, heldout = ranks.on_each(lambda: build_datasets(cfg.data, loaded.tokenizer, min_rows=global_batch,
+                                                             vocab_size=loaded.split.config.vocab_size))
     if train_ds.document_mask:
         use_packed_attention(loaded.split.model)   # packing "masked": attention per document
     # without a tokenizer (pre-tokenized rows, full windows) any id pads: padding is never

@@ -175,14 +175,14 @@ def _build_heldout(examples: list[Example], padded: bool, source: Source, cfg: D
                                   document_mask=cfg.packing == "masked" and not padded, **info)
 
 
-def _build_token_arrays(cfg: DataConfig, tokenizer: Any,
-                        min_rows: int) -> tuple[TokenArrayDataset, TokenArrayDataset]:
+def _build_token_arrays(cfg: DataConfig, tokenizer: Any, min_rows: int,
+                        vocab_size: int | None) -> tuple[TokenArrayDataset, TokenArrayDataset]:
     """A pre-tokenized corpus: memory-mapped windows, no tokenization (token_arrays.py)."""
     assert cfg.path is not None
     eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
     train, heldout = build_token_datasets(cfg.path, cfg.seq_len, cfg.token_dtype, cfg.heldout_fraction,
                                           eos_id=eos, document_mask=cfg.packing == "masked",
-                                          min_rows=min_rows)
+                                          min_rows=min_rows, vocab_size=vocab_size)
     if cfg.packing == "off":
         _note(f"{cfg.path}: a pre-tokenized corpus is always packed (its documents are not stored "
               f"apart); --packing off has no effect, masked keeps documents apart, causal does not")
@@ -193,8 +193,8 @@ def _build_token_arrays(cfg: DataConfig, tokenizer: Any,
     return train, heldout
 
 
-def build_datasets(cfg: DataConfig, tokenizer: Any,
-                   min_rows: int = 1) -> tuple[TokenDataset | TokenArrayDataset,
+def build_datasets(cfg: DataConfig, tokenizer: Any, min_rows: int = 1,
+                   vocab_size: int | None = None) -> tuple[TokenDataset | TokenArrayDataset,
                                                TokenDataset | TokenArrayDataset]:
     """(train, heldout) for ``cfg``. The held-out split is empty when heldout_fraction == 0, when
     there are fewer than `split.MIN_HELDOUT_EXAMPLES` examples, or when no held-out example has a
@@ -204,7 +204,8 @@ def build_datasets(cfg: DataConfig, tokenizer: Any,
     batch_size); packed rows fewer than that fall back to one example per row (see the module
     docstring). The notes are printed once both splits are built (an error comes alone).
     A pre-tokenized corpus (.bin/.npy, or a save_to_disk directory of input_ids) gives
-    memory-mapped `TokenArrayDataset`s instead (token_arrays.py).
+    memory-mapped `TokenArrayDataset`s instead (token_arrays.py), each id checked to be below
+    ``vocab_size`` (the model's) when given.
     Raises `DataError` (naming the file and 1-based line where it applies) for missing,
     malformed or too little data, and ImportError for a datasets directory without
     ``datasets`` installed.
@@ -212,7 +213,7 @@ def build_datasets(cfg: DataConfig, tokenizer: Any,
     if min_rows < 1:
         raise ValueError(f"min_rows must be >= 1, got {min_rows}")
     if is_token_source(cfg.path):
-        return _build_token_arrays(cfg, tokenizer, min_rows)
+        return _build_token_arrays(cfg, tokenizer, min_rows, vocab_size)
     source = load_source(cfg)
     special_ids(tokenizer, source.name)  # fail on a tokenizer without EOS before any work
     train_idx, heldout_idx, note = plan_heldout(len(source.examples), cfg.heldout_fraction,
