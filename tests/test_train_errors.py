@@ -298,6 +298,88 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypa
     assert_loads(d / "final")
 
 
+class _FullDisk:
+    """A file on a disk that fills up: a write gets half its data through, then fails with ENOSPC
+    (a partial file is left behind, as on a real full disk)."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data):
+        self.f.write(data[:len(data) // 2])
+        self.f.flush()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+@pytest.mark.parametrize("name, nth", [("metrics.csv", 3), ("config.json", 1), ("summary.json", 1)])
+def test_disk_full_writing_a_run_file_names_it_and_leaves_no_tmp(tmp_path, monkeypatch, name, nth):
+    """ENOSPC while metrics.csv (at step 3: step 2's is on disk), config.json (before step 1) or
+    summary.json (at the end) is written: the message names the file, no `<name>.tmp` is left and
+    the previous version of the file is unchanged."""
+    d = tmp_path / "full"
+    real_open, opened, before = Path.open, [], {}
+
+    def open_(self, mode="r", *a, **k):
+        if self.name == f"{name}.tmp" and "w" in mode:
+            opened.append(self)
+            if len(opened) == nth:
+                target = self.with_name(name)
+                before["bytes"] = target.read_bytes() if target.exists() else None
+                return _FullDisk(real_open(self, mode, *a, **k))
+        return real_open(self, mode, *a, **k)
+    monkeypatch.setattr(Path, "open", open_)
+    code, out, err = run_cli(*COMMON, "--max-steps", "3", "--output-dir", str(d))
+    assert len(opened) == nth, "the failing write was not reached"
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    assert f"could not write {d / name}: No space left on device" in err, err[-2000:]
+    assert not [p.name for p in d.rglob("*.tmp*")]
+    after = (d / name).read_bytes() if (d / name).exists() else None
+    assert after == before["bytes"]                      # the previous version, as it was
+    if name == "metrics.csv":
+        assert metric_steps(d) == [0, 1]                 # the rows written at step 2
+
+
+def test_disk_full_drawing_loss_png_is_a_note(tmp_path, monkeypatch):
+    """loss.png is best effort: a full disk is a note naming it, the run succeeds, no temporary left."""
+    from matplotlib.figure import Figure
+    d = tmp_path / "png"
+
+    def savefig(self, fname, **kw):
+        Path(fname).write_bytes(b"\x89PNG partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    code, out, err = run_cli(*COMMON, "--max-steps", "1", "--output-dir", str(d))
+    assert code == 0, err[-2000:]
+    assert f"could not write {d / 'loss.png'}: No space left on device" in err
+    assert not [p.name for p in d.rglob("*.tmp*")] and not (d / "loss.png").exists()
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", "{not json", b"\xff\xfe"])
+def test_invalid_run_config_on_resume_is_named(tmp_path, capsys, content):
+    """A checkpoint without its own config record is compared with the run's config.json: one that is
+    not a JSON object of settings is named in a note, and the resume goes on."""
+    from slidetune.config import TrainConfig
+    ckpt = tmp_path / "checkpoints" / "checkpoint-1"
+    ckpt.mkdir(parents=True)
+    run_config = tmp_path / "config.json"
+    if isinstance(content, bytes):
+        run_config.write_bytes(content)
+    else:
+        run_config.write_text(content)
+    train_mod._warn_changed_config(ckpt, run_config, TrainConfig())
+    err = capsys.readouterr().err
+    assert f"note: {run_config} cannot be read as the run's config" in err, err
+
+
 # ----------------------------------------------------------------------------- Ctrl-C / SIGTERM
 def test_ctrl_c_writes_a_resumable_checkpoint_and_exits_130(tmp_path):
     d = tmp_path / "sigint"
