@@ -204,8 +204,8 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, min_rows: int = 1,
     batch_size); packed rows fewer than that fall back to one example per row (see the module
     docstring). The notes are printed once both splits are built (an error comes alone).
     A pre-tokenized corpus (.bin/.npy, or a save_to_disk directory of input_ids) gives
-    memory-mapped `TokenArrayDataset`s instead (token_arrays.py), each id checked to be below
-    ``vocab_size`` (the model's) when given.
+    memory-mapped `TokenArrayDataset`s instead (token_arrays.py). With ``vocab_size`` (the
+    model's) every token id, the tokenizer's or the corpus's, is checked to be below it.
     Raises `DataError` (naming the file and 1-based line where it applies) for missing,
     malformed or too little data, and ImportError for a datasets directory without
     ``datasets`` installed.
@@ -227,7 +227,20 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, min_rows: int = 1,
     else:
         heldout = TokenDataset.empty(cfg.seq_len, cfg.packed, split="heldout",
                                      source=source.name, format=source.format)
+    if vocab_size is not None:
+        _check_tokenizer_ids((train, heldout), vocab_size, source)
     for note in notes:
         _note(note)
     log.info("data: %r; %r", train, heldout)
     return train, heldout
+
+
+def _check_tokenizer_ids(splits: tuple[TokenDataset, ...], vocab_size: int, source: Source) -> None:
+    """A tokenizer with tokens added past the model's embedding (a special token added without
+    resizing the embeddings) gives ids the model has no row for: an IndexError when a batch first
+    holds one. The splits' tokens are in RAM: one max each."""
+    top = max((int(ds.tokens.max()) for ds in splits if ds.tokens.numel()), default=-1)
+    if top >= vocab_size:
+        raise DataError(f"{source.name}: the tokenizer gives token id {top}, beyond the model's vocabulary of "
+                        f"{vocab_size} ids (0..{vocab_size - 1}): it has tokens the model's embedding has no row "
+                        f"for; use the model's own tokenizer, or resize the model's embeddings to the tokenizer")
