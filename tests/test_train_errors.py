@@ -155,10 +155,10 @@ def test_bad_optimizer_settings_are_refused_naming_the_flag(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("yaml_text, words", [
-    ("lr: -1\n", ["--lr", ">= 0", "-1"]),
-    ("lr: .nan\n", ["--lr", "nan"]),
-    ("optim: {beta1: 1.5}\n", ["--beta1", "[0, 1)", "1.5"]),
-    ("optim:\n  eps: 0\n", ["--eps", "> 0"]),
+    ("lr: -1\n", ["c.yaml", "--lr", ">= 0", "-1"]),
+    ("lr: .nan\n", ["c.yaml", "--lr", "nan"]),
+    ("optim: {beta1: 1.5}\n", ["c.yaml", "--beta1", "[0, 1)", "1.5"]),
+    ("optim:\n  eps: 0\n", ["c.yaml", "--eps", "> 0"]),
     ("max_steps: true\n", ["c.yaml", "max_steps", "expected int", "True"]),     # a bool is not an int
     ("tuning: {chunk_mb: yes}\n", ["c.yaml", "runtime.chunk_mb", "expected int"]),
     ("warmup_steps: 1.5\n", ["c.yaml", "warmup_steps", "expected int"]),
@@ -168,6 +168,17 @@ def test_bad_yaml_values_are_refused_as_the_flags_are(tmp_path, monkeypatch, yam
     f.write_text(yaml_text)
     err = refused_before_the_model(tmp_path, monkeypatch, "--config", str(f))
     assert all(w in err for w in words), (yaml_text, err)
+
+
+def test_a_flag_replaces_a_bad_yaml_value_and_a_bad_flag_is_not_blamed_on_the_file(tmp_path, monkeypatch):
+    from slidetune.cli import build_parser
+    from slidetune.config import config_from_args
+    f = tmp_path / "c.yaml"
+    f.write_text("lr: -1\neps: 1e-6\n")
+    cfg = config_from_args(build_parser().parse_args(["train", "--config", str(f), "--lr", "2e-5"]))
+    assert cfg.optim.lr == 2e-5 and cfg.optim.eps == 1e-6            # explicit flags win, as always
+    err = refused_before_the_model(tmp_path, monkeypatch, "--config", str(f), "--lr", "2e-5", "--beta2", "1")
+    assert "--beta2" in err and "c.yaml" not in err, err
 
 
 def test_yaml_that_is_not_utf8_names_the_file(tmp_path, monkeypatch):

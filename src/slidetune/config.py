@@ -20,6 +20,7 @@ input for `--config`.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import functools
 import inspect
@@ -472,11 +473,26 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     raw: dict = {}
     if getattr(ns, "config", None):
         raw = load_yaml(ns.config)
+    from_file = copy.deepcopy(raw)
     known = {p for p, _ in _leaf_fields(TrainConfig)}
     for key, value in vars(ns).items():
         if key in known:
             _apply(raw, key, value)
-    return build_config(raw)
+    try:
+        return build_config(raw)
+    except ValueError as e:
+        if from_file and _refuses(from_file, str(e)):    # the file's own value (no flag replaced it)
+            raise ValueError(f"config file {ns.config}: {e}") from None
+        raise
+
+
+def _refuses(raw: dict, message: str) -> bool:
+    """Whether `build_config(raw)` fails with this message."""
+    try:
+        build_config(raw)
+    except ValueError as e:
+        return str(e) == message
+    return False
 
 
 def load_yaml(path) -> dict:
