@@ -198,13 +198,15 @@ def test_bin_id_beyond_the_vocabulary_is_refused_with_its_position(tmp_path, mon
     build_datasets(DataConfig(path=str(path), seq_len=16), TOKENIZER, vocab_size=bad + 1)   # fits a larger one
 
 
-def test_npy_negative_id_is_refused_with_its_position(tmp_path):
-    tokens = corpus().astype(np.int32)
-    tokens[123] = -7
+@pytest.mark.parametrize("dtype, bad, vocab", [("int32", -7, 1000), ("int64", -1, 1000),
+                                               ("int16", -30000, 40000)])    # -30000 reads 35536 unsigned
+def test_npy_negative_id_is_refused_with_its_position(tmp_path, dtype, bad, vocab):
+    tokens = corpus().astype(dtype)
+    tokens[123] = bad
     path = tmp_path / "train.npy"
     np.save(path, tokens)
-    with pytest.raises(DataError, match=r"token id -7 at token 123 \(0-based\) of [\d,]+ is negative"):
-        build(path, seq_len=16, vocab_size=1000)
+    with pytest.raises(DataError, match=rf"token id {bad} at token 123 \(0-based\) of [\d,]+ is negative"):
+        build(path, seq_len=16, vocab_size=vocab)
 
 
 def test_save_to_disk_directory_bad_id_names_the_arrow_file_and_row(tmp_path):

@@ -105,13 +105,15 @@ class TokenStream:
         value. One pass over the memory map in chunks of `CHECK_CHUNK_TOKENS` (nothing of the size
         of the corpus in RAM); benchmarks/NOTES.md "Token-id check" has its rate."""
         for i, seg in enumerate(self.segments):
-            # as unsigned integers of the same width: negative ids read as >= 2**(bits-1) > vocab_size
+            # as unsigned integers of the same width a negative id reads as >= 2**(bits-1): above any
+            # vocabulary for int32/int64; int8/int16 ids may wrap below a large one, so their min too
             as_unsigned = seg.view(np.dtype(f"u{seg.dtype.itemsize}"))
+            wraps = seg.dtype.kind == "i" and 2 ** (8 * seg.dtype.itemsize - 1) <= vocab_size
             for lo in range(0, seg.shape[0], CHECK_CHUNK_TOKENS):
                 hi = min(seg.shape[0], lo + CHECK_CHUNK_TOKENS)
-                bad = int(as_unsigned[lo:hi].max()) >= vocab_size
-                if bad:
-                    at = lo + int(np.flatnonzero(as_unsigned[lo:hi] >= vocab_size)[0])
+                if int(as_unsigned[lo:hi].max()) >= vocab_size or (wraps and int(seg[lo:hi].min()) < 0):
+                    chunk = seg[lo:hi]
+                    at = lo + int(np.flatnonzero((chunk < 0) | (chunk >= vocab_size))[0])
                     raise self._bad_id(i, at, int(seg[at]), vocab_size)
                 _unmap(seg, lo, hi)
 
