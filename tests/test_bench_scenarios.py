@@ -115,6 +115,59 @@ def test_report_regenerates_from_results_dir(modes_dir, tmp_path):
     assert read_csv(d / "summary.csv") == read_csv(modes_dir / "summary.csv")
 
 
+def _report_cli(d) -> tuple[int, str]:
+    import contextlib
+    import io
+    from slidetune.cli import main
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = main(["report", str(d)])
+    return code, err.getvalue()
+
+
+@pytest.mark.parametrize("files, named, words", [
+    ({}, "", "no benchmark results in it"),
+    (None, "", "no such directory"),
+    ({"results.json": "[1, 2]"}, "results.json", "expected a JSON object"),
+    ({"results.json": "{bad"}, "results.json", "not valid JSON"),
+    ({"results.json": b"\xff\xfe"}, "results.json", "not valid JSON"),
+    ({"results.json": '{"scenario": "modes"}'}, "results.json", "no configuration to report"),
+    ({"results.json": '{"scenario": "modes", "results": []}'}, "results.json", "no configuration to report"),
+    ({"results.json": '{"results": "none"}'}, "results.json", "'results' must be a JSON array of objects"),
+    ({"results.json": '{"results": [1]}'}, "results.json", "'results' must be a JSON array of objects"),
+    ({"results.json": '{"scenario": "soak", "args": {}}'}, "results.json", "lacks 'target_pct', 'results'"),
+    ({"throughput.json": '{"runs": []}'}, "throughput.json", "lacks 'rows'"),
+    ({"techniques.json": "[]"}, "techniques.json", "expected a JSON object"),
+    ({"summary.csv": "config,status\n"}, "summary.csv", "no configuration to report")])
+def test_report_refuses_a_malformed_directory_naming_the_file(tmp_path, files, named, words):
+    """`slidetune report` on what no bench run wrote: exit 2, the file (or directory) and what is
+    wrong, no traceback, no report.md."""
+    d = tmp_path / "results"
+    if files is not None:
+        d.mkdir()
+        for name, content in files.items():
+            (d / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    code, err = _report_cli(d)
+    assert code == 2 and "Traceback" not in err, err
+    assert f"{d / named if named else d}: " in err and words in err, err
+    assert not (d / "report.md").exists()
+
+
+def test_report_names_the_file_of_an_entry_it_cannot_read(modes_dir, tmp_path):
+    """A results entry of another shape (a step without its wall time): the file is named, no traceback."""
+    import shutil
+    d = tmp_path / "copy"
+    shutil.copytree(modes_dir, d)
+    for f in [*CSVS, "report.md"]:
+        (d / f).unlink()
+    doc = json.loads((d / "results.json").read_text())
+    del doc["results"][0]["steps"][0]["wall_s"]
+    (d / "results.json").write_text(json.dumps(doc))
+    code, err = _report_cli(d)
+    assert code == 2 and "Traceback" not in err, err
+    assert f"{d / 'results.json'}: cannot be reported" in err and "wall_s" in err, err
+
+
 def test_compare_seeds_ratio_tables(modes_dir):
     assert main_report(modes_dir, compare_seeds=True) == 0
     text = (modes_dir / "report.md").read_text()

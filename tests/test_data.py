@@ -596,3 +596,14 @@ def test_datasets_dir_errors_name_row(tmp_path, tok, monkeypatch):
     with pytest.raises(DataError, match=r"DatasetDict without a 'train' split "
                                         r"\(splits: \['a', 'b'\]"):
         build(str(tmp_path), tok)
+
+
+def test_tokenizer_ids_beyond_the_models_vocabulary_are_refused(tmp_path, tok):
+    """A tokenizer with more ids than the model's embedding has rows (added tokens, embeddings not
+    resized): refused when the data is built, naming the file, not an IndexError at some batch."""
+    p = write_jsonl(tmp_path / "t.jsonl", [{"text": "a b c"}, {"text": "d"}] * 3)
+    top = max(max(e.ids) for e in tokenized(p, tok))
+    build_datasets(DataConfig(path=p, heldout_fraction=0.0, seq_len=8), tok, vocab_size=top + 1)
+    with pytest.raises(DataError, match=rf"t.jsonl: the tokenizer gives token id {top}, beyond the model's "
+                                        rf"vocabulary of {top} ids"):
+        build_datasets(DataConfig(path=p, heldout_fraction=0.0, seq_len=8), tok, vocab_size=top)

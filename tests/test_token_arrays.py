@@ -26,8 +26,8 @@ def corpus(n_docs: int = 40, seed: int = 0) -> np.ndarray:
     return np.concatenate(docs)
 
 
-def build(path, **kw):
-    return build_datasets(DataConfig(path=str(path), **kw), TOKENIZER)
+def build(path, vocab_size=None, **kw):
+    return build_datasets(DataConfig(path=str(path), **kw), TOKENIZER, vocab_size=vocab_size)
 
 
 @pytest.mark.parametrize("dtype", ["uint16", "uint32"])
@@ -179,3 +179,74 @@ def test_a_pretokenized_corpus_trains_without_a_tokenizer(tmp_path, monkeypatch)
     assert not (tmp_path / "tok" / "final" / "tokenizer.json").exists()
     code, err = run("--data", str(text), "--output-dir", str(tmp_path / "text_run"))
     assert code != 0 and "has no tokenizer" in err and "pre-tokenized corpus" in err, err
+
+
+# ----------------------------------------------------------------------------- ids against the vocabulary
+@pytest.mark.parametrize("bad", [1000, 65535])
+def test_bin_id_beyond_the_vocabulary_is_refused_with_its_position(tmp_path, monkeypatch, bad):
+    from slidetune.data import token_arrays
+    monkeypatch.setattr(token_arrays, "CHECK_CHUNK_TOKENS", 64)      # the bad id several chunks in
+    tokens = corpus(n_docs=60) % 1000
+    tokens[437] = bad
+    path = tmp_path / "train.bin"
+    tokens.astype(np.uint16).tofile(path)
+    with pytest.raises(DataError) as e:
+        build_datasets(DataConfig(path=str(path), seq_len=16), TOKENIZER, vocab_size=1000)
+    msg = str(e.value)
+    assert str(path) in msg and f"token id {bad} at token 437 " in msg and "vocabulary size 1000" in msg, msg
+    assert "--token-dtype" in msg                   # a uint32 file read as uint16 gives such ids
+    build_datasets(DataConfig(path=str(path), seq_len=16), TOKENIZER, vocab_size=bad + 1)   # fits a larger one
+
+
+@pytest.mark.parametrize("dtype, bad, vocab", [("int32", -7, 1000), ("int64", -1, 1000),
+                                               ("int16", -30000, 40000)])    # -30000 reads 35536 unsigned
+def test_npy_negative_id_is_refused_with_its_position(tmp_path, dtype, bad, vocab):
+    tokens = corpus().astype(dtype)
+    tokens[123] = bad
+    path = tmp_path / "train.npy"
+    np.save(path, tokens)
+    with pytest.raises(DataError, match=rf"token id {bad} at token 123 \(0-based\) of [\d,]+ is negative"):
+        build(path, seq_len=16, vocab_size=vocab)
+
+
+def test_save_to_disk_directory_bad_id_names_the_arrow_file_and_row(tmp_path):
+    docs = [[3, 4, 5], [6, 7, 8, 9], [10, 11], [12, 13, 14], [15, 16, 5000, 17]] * 4
+    d = _save_to_disk_dir(tmp_path, docs)
+    with pytest.raises(DataError) as e:
+        build(d, seq_len=4, heldout_fraction=0.0, vocab_size=1000)
+    msg = str(e.value)
+    assert str(d / "data-00000-of-00001.arrow") in msg and "token id 5000 at token 14 " in msg, msg
+    assert "row 4 token 2" in msg, msg
+    docs[4][2] = -1
+    (tmp_path / "neg").mkdir()
+    d2 = _save_to_disk_dir(tmp_path / "neg", docs)
+    with pytest.raises(DataError, match="token id -1 at token 14 .* is negative"):
+        build(d2, seq_len=4, heldout_fraction=0.0, vocab_size=1000)
+
+
+def test_train_refuses_an_out_of_range_id_before_step_1(tmp_path, monkeypatch):
+    """`slidetune train --data x.npy`: one id past tiny-llama's vocabulary at position 5000 (a 2-step
+    run never reads it, a long one would fail there) is refused before the engine is built."""
+    import contextlib
+    import io
+    from slidetune import train as train_mod
+    from slidetune.cli import main
+    from slidetune.models.presets import TINY_VOCAB
+
+    def forbidden(*a, **k):
+        raise AssertionError("must be refused before the engine is built")
+    monkeypatch.setattr(train_mod, "build_engine", forbidden)
+    tokens = np.random.default_rng(0).integers(0, 256, 20_000).astype(np.int32)
+    for bad, what in ((TINY_VOCAB, f"vocabulary size {TINY_VOCAB}"), (-3, "negative")):
+        tokens[5000] = bad
+        path = tmp_path / "tokens.npy"
+        np.save(path, tokens)
+        err = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            code = main(["train", "--model", "tiny-llama", "--seq-len", "32", "--batch-size", "2", "--max-steps", "2",
+                         "--progress", "false", "--device", "cpu", "--data", str(path),
+                         "--output-dir", str(tmp_path / "never")])
+        msg = err.getvalue()
+        assert code == 2 and "Traceback" not in msg, msg
+        assert str(path) in msg and f"token id {bad} at token 5,000 " in msg and what in msg, msg
+        assert not (tmp_path / "never").exists()

@@ -130,6 +130,64 @@ def test_dataset_empty_after_tokenization(prev, tmp_path):
     assert str(path) in err and "empty after tokenization" in err and "no usable training examples" in err
 
 
+# ----------------------------------------------------------------------------- optimizer settings, YAML types
+def refused_before_the_model(tmp_path, monkeypatch, *args: str) -> str:
+    """The run is refused (exit 2, no traceback) before the model loads and the output dir is made."""
+    def forbidden(*a, **k):
+        raise AssertionError("must be refused before the model loads")
+
+    monkeypatch.setattr(train_mod, "load_model", forbidden)
+    code, out, err = run_cli(*COMMON, "--max-steps", "2", "--output-dir", str(tmp_path / "never"), *args)
+    assert code == 2, (out[-2000:], err[-2000:])
+    assert "slidetune: error:" in err and "Traceback" not in err
+    assert not (tmp_path / "never").exists()
+    return err
+
+
+@pytest.mark.parametrize("flag, value, rule", [
+    ("--lr", "-1", ">= 0"), ("--lr", "nan", ">= 0"), ("--lr", "inf", ">= 0"),
+    ("--beta1", "2", "[0, 1)"), ("--beta1", "-0.1", "[0, 1)"), ("--beta2", "1", "[0, 1)"),
+    ("--eps", "0", "> 0"), ("--eps", "-1", "> 0"), ("--weight-decay", "-0.1", ">= 0"),
+    ("--epochs", "nan", "> 0"), ("--max-grad-norm", "nan", "not nan")])
+def test_bad_optimizer_settings_are_refused_naming_the_flag(tmp_path, monkeypatch, flag, value, rule):
+    err = refused_before_the_model(tmp_path, monkeypatch, flag, value)
+    assert flag in err and rule in err and value in err, err
+
+
+@pytest.mark.parametrize("yaml_text, words", [
+    ("lr: -1\n", ["c.yaml", "--lr", ">= 0", "-1"]),
+    ("lr: .nan\n", ["c.yaml", "--lr", "nan"]),
+    ("optim: {beta1: 1.5}\n", ["c.yaml", "--beta1", "[0, 1)", "1.5"]),
+    ("optim:\n  eps: 0\n", ["c.yaml", "--eps", "> 0"]),
+    ("max_steps: true\n", ["c.yaml", "max_steps", "expected int", "True"]),     # a bool is not an int
+    ("tuning: {chunk_mb: yes}\n", ["c.yaml", "runtime.chunk_mb", "expected int"]),
+    ("warmup_steps: 1.5\n", ["c.yaml", "warmup_steps", "expected int"]),
+    ("min_lr_ratio: false\n", ["c.yaml", "min_lr_ratio", "expected float"])])
+def test_bad_yaml_values_are_refused_as_the_flags_are(tmp_path, monkeypatch, yaml_text, words):
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml_text)
+    err = refused_before_the_model(tmp_path, monkeypatch, "--config", str(f))
+    assert all(w in err for w in words), (yaml_text, err)
+
+
+def test_a_flag_replaces_a_bad_yaml_value_and_a_bad_flag_is_not_blamed_on_the_file(tmp_path, monkeypatch):
+    from slidetune.cli import build_parser
+    from slidetune.config import config_from_args
+    f = tmp_path / "c.yaml"
+    f.write_text("lr: -1\neps: 1e-6\n")
+    cfg = config_from_args(build_parser().parse_args(["train", "--config", str(f), "--lr", "2e-5"]))
+    assert cfg.optim.lr == 2e-5 and cfg.optim.eps == 1e-6            # explicit flags win, as always
+    err = refused_before_the_model(tmp_path, monkeypatch, "--config", str(f), "--lr", "2e-5", "--beta2", "1")
+    assert "--beta2" in err and "c.yaml" not in err, err
+
+
+def test_yaml_that_is_not_utf8_names_the_file(tmp_path, monkeypatch):
+    f = tmp_path / "latin1.yaml"
+    f.write_bytes("model: tiny-llama\n# r\u00e9glages\n".encode("latin-1"))
+    err = refused_before_the_model(tmp_path, monkeypatch, "--config", str(f))
+    assert str(f) in err and "not UTF-8" in err, err
+
+
 # ----------------------------------------------------------------------------- model
 @pytest.mark.parametrize("model", ["no-such-model", "/no/such/hf_dir"])
 def test_unknown_model_lists_presets(prev, model):
@@ -249,6 +307,88 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypa
     assert "resumed from" in out and "at step 1 of 3" in out
     assert metric_steps(d) == [0, 1, 2, 3, 3]
     assert_loads(d / "final")
+
+
+class _FullDisk:
+    """A file on a disk that fills up: a write gets half its data through, then fails with ENOSPC
+    (a partial file is left behind, as on a real full disk)."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data):
+        self.f.write(data[:len(data) // 2])
+        self.f.flush()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+@pytest.mark.parametrize("name, nth", [("metrics.csv", 3), ("config.json", 1), ("summary.json", 1)])
+def test_disk_full_writing_a_run_file_names_it_and_leaves_no_tmp(tmp_path, monkeypatch, name, nth):
+    """ENOSPC while metrics.csv (at step 3: step 2's is on disk), config.json (before step 1) or
+    summary.json (at the end) is written: the message names the file, no `<name>.tmp` is left and
+    the previous version of the file is unchanged."""
+    d = tmp_path / "full"
+    real_open, opened, before = Path.open, [], {}
+
+    def open_(self, mode="r", *a, **k):
+        if self.name == f"{name}.tmp" and "w" in mode:
+            opened.append(self)
+            if len(opened) == nth:
+                target = self.with_name(name)
+                before["bytes"] = target.read_bytes() if target.exists() else None
+                return _FullDisk(real_open(self, mode, *a, **k))
+        return real_open(self, mode, *a, **k)
+    monkeypatch.setattr(Path, "open", open_)
+    code, out, err = run_cli(*COMMON, "--max-steps", "3", "--output-dir", str(d))
+    assert len(opened) == nth, "the failing write was not reached"
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    assert f"could not write {d / name}: No space left on device" in err, err[-2000:]
+    assert not [p.name for p in d.rglob("*.tmp*")]
+    after = (d / name).read_bytes() if (d / name).exists() else None
+    assert after == before["bytes"]                      # the previous version, as it was
+    if name == "metrics.csv":
+        assert metric_steps(d) == [0, 1]                 # the rows written at step 2
+
+
+def test_disk_full_drawing_loss_png_is_a_note(tmp_path, monkeypatch):
+    """loss.png is best effort: a full disk is a note naming it, the run succeeds, no temporary left."""
+    from matplotlib.figure import Figure
+    d = tmp_path / "png"
+
+    def savefig(self, fname, **kw):
+        Path(fname).write_bytes(b"\x89PNG partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    code, out, err = run_cli(*COMMON, "--max-steps", "1", "--output-dir", str(d))
+    assert code == 0, err[-2000:]
+    assert f"could not write {d / 'loss.png'}: No space left on device" in err
+    assert not [p.name for p in d.rglob("*.tmp*")] and not (d / "loss.png").exists()
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", "{not json", b"\xff\xfe"])
+def test_invalid_run_config_on_resume_is_named(tmp_path, capsys, content):
+    """A checkpoint without its own config record is compared with the run's config.json: one that is
+    not a JSON object of settings is named in a note, and the resume goes on."""
+    from slidetune.config import TrainConfig
+    ckpt = tmp_path / "checkpoints" / "checkpoint-1"
+    ckpt.mkdir(parents=True)
+    run_config = tmp_path / "config.json"
+    if isinstance(content, bytes):
+        run_config.write_bytes(content)
+    else:
+        run_config.write_text(content)
+    train_mod._warn_changed_config(ckpt, run_config, TrainConfig())
+    err = capsys.readouterr().err
+    assert f"note: {run_config} cannot be read as the run's config" in err, err
 
 
 # ----------------------------------------------------------------------------- Ctrl-C / SIGTERM

@@ -20,9 +20,11 @@ input for `--config`.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import functools
 import inspect
+import math
 import re
 import sys
 import textwrap
@@ -84,8 +86,8 @@ class TrainConfig:
             raise ValueError("batch_size and grad_accum must be >= 1")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, not {self.max_steps}")
-        if self.epochs is not None and self.epochs <= 0:
-            raise ValueError(f"epochs must be > 0, not {self.epochs}")
+        if self.epochs is not None and not (math.isfinite(self.epochs) and self.epochs > 0):
+            raise ValueError(f"epochs (--epochs) must be a finite number > 0, not {self.epochs}")
         if self.stop_after is not None and self.stop_after < 1:
             raise ValueError(f"stop_after must be >= 1 (or None), not {self.stop_after}")
         if self.keep_last < 1:
@@ -101,8 +103,10 @@ class TrainConfig:
             raise ValueError(f"lr_schedule must be cosine, linear or constant, not {self.lr_schedule!r}")
         if self.save_dtype not in ("auto", "fp32", "bf16"):
             raise ValueError("save_dtype must be auto, fp32 or bf16")
-        if self.gpu_memory_limit is not None and self.gpu_memory_limit <= 0:
+        if self.gpu_memory_limit is not None and not self.gpu_memory_limit > 0:      # NaN too
             raise ValueError(f"gpu_memory_limit must be > 0 GiB (or None: the whole GPU), not {self.gpu_memory_limit}")
+        if self.max_grad_norm is not None and math.isnan(self.max_grad_norm):
+            raise ValueError("max_grad_norm (--max-grad-norm) must be a number (0 or None: no clipping), not nan")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             self.max_grad_norm = None
 
@@ -358,21 +362,29 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
-def _coerce(value, tp, path: str):
-    """A YAML value converted to the field's type; ValueError naming the field when impossible."""
+def _coerce(value, tp, path: str, source: str | None = None):
+    """A YAML value converted to the field's type, by the flags' rules; ValueError naming the field
+    (and `source`, the file it came from) when impossible."""
     base, optional = _base_type(tp)
+    where = f"{source}: " if source else ""
     if value is None:
         if optional:
             return None
-        raise ValueError(f"config field {path} cannot be null")
+        raise ValueError(f"{where}config field {path} cannot be null")
     try:
         if isinstance(value, str):
             return _parse_value(value, tp)
         if base is bool:
             if isinstance(value, bool):
                 return value
-            if value in (0, 1):
-                return bool(value)
+            if type(value) is int and value in (0, 1):     # as the flag takes 1 and 0
+                return value == 1
+            raise ValueError
+        if base is str and isinstance(value, bool):
+            return str(value).lower()     # YAML reads `packing: off` as false: the field maps it
+        if isinstance(value, bool):
+            # YAML's true/yes/on where a number belongs (`max_steps: true` ran one step): Python's
+            # bool is an int, so the checks below would take it; the flag refuses "true" too
             raise ValueError
         if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -382,14 +394,12 @@ def _coerce(value, tp, path: str):
             return int(value)
         if base is str and isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
-        if base is str and isinstance(value, bool):
-            return str(value).lower()     # YAML reads `packing: off` as false: the field maps it
         if isinstance(base, type) and isinstance(value, base):
             return value
     except (ValueError, TypeError, argparse.ArgumentTypeError):
         pass
     name = base.__name__ if isinstance(base, type) else str(base)
-    raise ValueError(f"config field {path}: expected {name}{' or null' if optional else ''}, got {value!r}")
+    raise ValueError(f"{where}config field {path}: expected {name}{' or null' if optional else ''}, got {value!r}")
 
 
 def _flatten_yaml(loaded: dict, source: str) -> dict:
@@ -463,11 +473,26 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     raw: dict = {}
     if getattr(ns, "config", None):
         raw = load_yaml(ns.config)
+    from_file = copy.deepcopy(raw)
     known = {p for p, _ in _leaf_fields(TrainConfig)}
     for key, value in vars(ns).items():
         if key in known:
             _apply(raw, key, value)
-    return build_config(raw)
+    try:
+        return build_config(raw)
+    except ValueError as e:
+        if from_file and _refuses(from_file, str(e)):    # the file's own value (no flag replaced it)
+            raise ValueError(f"config file {ns.config}: {e}") from None
+        raise
+
+
+def _refuses(raw: dict, message: str) -> bool:
+    """Whether `build_config(raw)` fails with this message."""
+    try:
+        build_config(raw)
+    except ValueError as e:
+        return str(e) == message
+    return False
 
 
 def load_yaml(path) -> dict:
@@ -476,7 +501,14 @@ def load_yaml(path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
     try:
-        loaded = yaml.safe_load(path.read_text())
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config file {path} is not UTF-8 text (byte {e.start}: {e.reason}); save it as "
+                         f"UTF-8") from None
+    except OSError as e:
+        raise OSError(e.errno, f"config file {path} cannot be read: {e.strerror}") from None
+    try:
+        loaded = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ValueError(f"config file {path} is not valid YAML: {e}") from None
     if loaded is None:
@@ -484,8 +516,9 @@ def load_yaml(path) -> dict:
     if not isinstance(loaded, dict):
         raise ValueError(f"config file {path}: expected a mapping of config fields, got {type(loaded).__name__}")
     raw: dict = {}
+    types_ = {p: f.type for p, f in _leaf_fields(TrainConfig)}
     for p, value in _flatten_yaml(loaded, str(path)).items():
-        _apply(raw, p, value)
+        _apply(raw, p, _coerce(value, types_[p], p, source=str(path)))     # here, where the file is known
     return raw
 
 

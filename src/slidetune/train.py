@@ -292,7 +292,9 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
     # the sampler draws global batches (--batch-size rows per rank) from (seed, step); each rank
     # takes its rows of each (Trainer.micro_batch): N ranks train on one rank's data at N x the batch
     global_batch = cfg.batch_size * ranks.world_size
-    train_ds, heldout = ranks.on_each(lambda: build_datasets(cfg.data, loaded.tokenizer, min_rows=global_batch))
+    # a pre-tokenized corpus's ids are checked against the model's vocabulary here, before step 1
+    train_ds, heldout = ranks.on_each(lambda: build_datasets(cfg.data, loaded.tokenizer, min_rows=global_batch,
+                                                             vocab_size=loaded.split.config.vocab_size))
     if train_ds.document_mask:
         use_packed_attention(loaded.split.model)   # packing "masked": attention per document
     # without a tokenizer (pre-tokenized rows, full windows) any id pads: padding is never
@@ -462,12 +464,21 @@ def _warn_changed_config(ckpt: Path, run_config: Path, cfg: TrainConfig, world_s
     try:
         old = json.loads((ckpt / "trainer_state" / "state.json").read_text())["trainer_state"]["config"]
         source = f"those {ckpt.name} was saved with"
+        if not isinstance(old, dict):
+            raise TypeError
     except (OSError, ValueError, KeyError, TypeError):
+        if not run_config.exists():
+            return
         try:
             old = json.loads(run_config.read_text())
-        except (OSError, ValueError):
+            if not isinstance(old, dict):
+                raise ValueError(f"a JSON {type(old).__name__}, not an object of settings")
+        except (OSError, ValueError) as e:
+            # only read to compare settings, and rewritten below: the resume goes on, and says so
+            print(f"note: {run_config} cannot be read as the run's config ({e}); the settings of this resume "
+                  f"are not compared with the earlier run's", file=sys.stderr)
             return
-        source = "the run's saved config.json"
+        source = f"the run's saved {run_config}"
     ignore = {"resume", "stop_after", "progress", "log_every", "output_dir", "gpu_memory_limit", "world_size"}
     old = group_tuning(old)             # one saved before the tuning knobs had their group compares the same
     new = config_to_dict(cfg)
@@ -930,9 +941,20 @@ def _flush(metrics: Path, rows: list[dict], out: Path) -> None:
 
 
 def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    _write_atomically(path, lambda tmp: tmp.write_text(text))
+
+
+def _write_atomically(path: Path, write, tmp: Path | None = None) -> None:
+    """`write(tmp)`, then rename tmp (default `<path>.tmp`) over `path`: a reader sees the old file
+    or the new one. An OSError (a full disk) removes tmp and is raised again naming `path`."""
+    tmp = tmp or path.with_name(path.name + ".tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, f"could not write {path}: {e.strerror or e} (the previous {path.name}, if any, "
+                               f"is unchanged)") from e
 
 
 def _checkpoint(cfg, engine, loaded, ckpt_dir: Path, step: int, stale: list[Path] | None = None,
@@ -980,13 +1002,13 @@ def _read_rows(path: Path, upto: int) -> list[dict]:
 
 
 def _write_rows(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_suffix(".csv.tmp")
-    with tmp.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: _fmt(k, v) for k, v in r.items()})
-    os.replace(tmp, path)
+    def write(tmp: Path) -> None:
+        with tmp.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
+            w.writeheader()
+            for r in rows:
+                w.writerow({k: _fmt(k, v) for k, v in r.items()})
+    _write_atomically(path, write)
 
 
 _PRECISE = {"loss", "lr", "grad_norm", "eval_loss"}     # enough digits to round-trip an FP32 value
@@ -1023,7 +1045,8 @@ def _plot(metrics: Path, png: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = png.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, png)
+    try:
+        # matplotlib takes the format from the name's suffix: the temporary name keeps .png
+        _write_atomically(png, lambda tmp: fig.savefig(tmp, dpi=120), tmp=png.with_suffix(".tmp.png"))
+    finally:
+        plt.close(fig)

@@ -175,14 +175,14 @@ def _build_heldout(examples: list[Example], padded: bool, source: Source, cfg: D
                                   document_mask=cfg.packing == "masked" and not padded, **info)
 
 
-def _build_token_arrays(cfg: DataConfig, tokenizer: Any,
-                        min_rows: int) -> tuple[TokenArrayDataset, TokenArrayDataset]:
+def _build_token_arrays(cfg: DataConfig, tokenizer: Any, min_rows: int,
+                        vocab_size: int | None) -> tuple[TokenArrayDataset, TokenArrayDataset]:
     """A pre-tokenized corpus: memory-mapped windows, no tokenization (token_arrays.py)."""
     assert cfg.path is not None
     eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
     train, heldout = build_token_datasets(cfg.path, cfg.seq_len, cfg.token_dtype, cfg.heldout_fraction,
                                           eos_id=eos, document_mask=cfg.packing == "masked",
-                                          min_rows=min_rows)
+                                          min_rows=min_rows, vocab_size=vocab_size)
     if cfg.packing == "off":
         _note(f"{cfg.path}: a pre-tokenized corpus is always packed (its documents are not stored "
               f"apart); --packing off has no effect, masked keeps documents apart, causal does not")
@@ -193,8 +193,8 @@ def _build_token_arrays(cfg: DataConfig, tokenizer: Any,
     return train, heldout
 
 
-def build_datasets(cfg: DataConfig, tokenizer: Any,
-                   min_rows: int = 1) -> tuple[TokenDataset | TokenArrayDataset,
+def build_datasets(cfg: DataConfig, tokenizer: Any, min_rows: int = 1,
+                   vocab_size: int | None = None) -> tuple[TokenDataset | TokenArrayDataset,
                                                TokenDataset | TokenArrayDataset]:
     """(train, heldout) for ``cfg``. The held-out split is empty when heldout_fraction == 0, when
     there are fewer than `split.MIN_HELDOUT_EXAMPLES` examples, or when no held-out example has a
@@ -204,7 +204,8 @@ def build_datasets(cfg: DataConfig, tokenizer: Any,
     batch_size); packed rows fewer than that fall back to one example per row (see the module
     docstring). The notes are printed once both splits are built (an error comes alone).
     A pre-tokenized corpus (.bin/.npy, or a save_to_disk directory of input_ids) gives
-    memory-mapped `TokenArrayDataset`s instead (token_arrays.py).
+    memory-mapped `TokenArrayDataset`s instead (token_arrays.py). With ``vocab_size`` (the
+    model's) every token id, the tokenizer's or the corpus's, is checked to be below it.
     Raises `DataError` (naming the file and 1-based line where it applies) for missing,
     malformed or too little data, and ImportError for a datasets directory without
     ``datasets`` installed.
@@ -212,7 +213,7 @@ def build_datasets(cfg: DataConfig, tokenizer: Any,
     if min_rows < 1:
         raise ValueError(f"min_rows must be >= 1, got {min_rows}")
     if is_token_source(cfg.path):
-        return _build_token_arrays(cfg, tokenizer, min_rows)
+        return _build_token_arrays(cfg, tokenizer, min_rows, vocab_size)
     source = load_source(cfg)
     special_ids(tokenizer, source.name)  # fail on a tokenizer without EOS before any work
     train_idx, heldout_idx, note = plan_heldout(len(source.examples), cfg.heldout_fraction,
@@ -226,7 +227,20 @@ def build_datasets(cfg: DataConfig, tokenizer: Any,
     else:
         heldout = TokenDataset.empty(cfg.seq_len, cfg.packed, split="heldout",
                                      source=source.name, format=source.format)
+    if vocab_size is not None:
+        _check_tokenizer_ids((train, heldout), vocab_size, source)
     for note in notes:
         _note(note)
     log.info("data: %r; %r", train, heldout)
     return train, heldout
+
+
+def _check_tokenizer_ids(splits: tuple[TokenDataset, ...], vocab_size: int, source: Source) -> None:
+    """A tokenizer with tokens added past the model's embedding (a special token added without
+    resizing the embeddings) gives ids the model has no row for: an IndexError when a batch first
+    holds one. The splits' tokens are in RAM: one max each."""
+    top = max((int(ds.tokens.max()) for ds in splits if ds.tokens.numel()), default=-1)
+    if top >= vocab_size:
+        raise DataError(f"{source.name}: the tokenizer gives token id {top}, beyond the model's vocabulary of "
+                        f"{vocab_size} ids (0..{vocab_size - 1}): it has tokens the model's embedding has no row "
+                        f"for; use the model's own tokenizer, or resize the model's embeddings to the tokenizer")

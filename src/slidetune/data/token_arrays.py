@@ -16,6 +16,11 @@ first is a label once. Documents: in .bin/.npy a token following EOS starts a do
 format has no other marker); in an Arrow directory each row is one. With packing "masked"
 `batch.collate` restarts positions there and masks attention per document.
 
+Every token id is checked against the model's vocabulary when the corpus is opened (`check_ids`):
+an id the embedding has no row for would otherwise end the run with an IndexError whenever a
+batch first reached it, perhaps hours in. The check reads the file once, in chunks, as unsigned
+integers (a negative id becomes a huge one, so one max per chunk finds both kinds).
+
 The held-out split is the last ``heldout_fraction`` of the windows (a contiguous tail:
 documents of a token stream cannot be picked without reading it); from
 `split.MIN_HELDOUT_EXAMPLES` windows up. Batch k is a pure function of (seed, k) as for
@@ -48,6 +53,11 @@ TOKEN_COLUMN = "input_ids"
 UNMAP_ALIGN = 2 * 2**20
 
 
+# Tokens per chunk of the id check: 64 MiB of uint32, a few hundred of them for a 1 B-token
+# corpus; small enough that the chunk's pages are released as the scan moves on (_unmap).
+CHECK_CHUNK_TOKENS = 2**24
+
+
 def _unmap(seg: np.ndarray, lo: int, hi: int) -> None:
     """Drop this process's mapping of the folios that held seg[lo:hi] (MADV_DONTNEED on a shared
     file mapping: a later read faults them back from the page cache; nothing is written)."""
@@ -69,6 +79,7 @@ class TokenStream:
     name: str
     doc_offsets: np.ndarray | None = None  # [D] int64 token index of each document's start
                                            #   (Arrow rows); None: documents end at EOS
+    segment_files: list[str] | None = None  # the file each segment was read from (None: `name`)
 
     def __post_init__(self) -> None:
         sizes = np.array([s.shape[0] for s in self.segments], dtype=np.int64)
@@ -88,6 +99,36 @@ class TokenStream:
             _unmap(seg, start - base, end - base)
             start, first = end, first + 1
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def check_ids(self, vocab_size: int) -> None:
+        """Raise `DataError` at the first token id outside [0, vocab_size): its file, position and
+        value. One pass over the memory map in chunks of `CHECK_CHUNK_TOKENS` (nothing of the size
+        of the corpus in RAM); benchmarks/NOTES.md "Token-id check" has its rate."""
+        for i, seg in enumerate(self.segments):
+            # as unsigned integers of the same width a negative id reads as >= 2**(bits-1): above any
+            # vocabulary for int32/int64; int8/int16 ids may wrap below a large one, so their min too
+            as_unsigned = seg.view(np.dtype(f"u{seg.dtype.itemsize}"))
+            wraps = seg.dtype.kind == "i" and 2 ** (8 * seg.dtype.itemsize - 1) <= vocab_size
+            for lo in range(0, seg.shape[0], CHECK_CHUNK_TOKENS):
+                hi = min(seg.shape[0], lo + CHECK_CHUNK_TOKENS)
+                if int(as_unsigned[lo:hi].max()) >= vocab_size or (wraps and int(seg[lo:hi].min()) < 0):
+                    chunk = seg[lo:hi]
+                    at = lo + int(np.flatnonzero((chunk < 0) | (chunk >= vocab_size))[0])
+                    raise self._bad_id(i, at, int(seg[at]), vocab_size)
+                _unmap(seg, lo, hi)
+
+    def _bad_id(self, segment: int, at: int, value: int, vocab_size: int) -> DataError:
+        index = int(self.seg_starts[segment]) + at
+        file = self.segment_files[segment] if self.segment_files else self.name
+        where = f"token {index:,} (0-based) of {len(self):,}"
+        if self.doc_offsets is not None:
+            row = int(np.searchsorted(self.doc_offsets, index, side="right")) - 1
+            where += f", row {row} token {index - int(self.doc_offsets[row])}"
+        what = "negative" if value < 0 else f"not below the model's vocabulary size {vocab_size}"
+        return DataError(f"{file}: token id {value} at {where} is {what}: the model has ids 0..{vocab_size - 1}; "
+                         f"was the corpus tokenized for another model"
+                         + (f", or written with another --token-dtype than {self.segments[0].dtype}?"
+                            if file.lower().endswith(".bin") else "?"))
 
     def doc_starts(self, start: int, ids: np.ndarray, eos_id: int | None) -> np.ndarray | None:
         """[L] bool for tokens [start, start+L): True where a document begins (None: unknown)."""
@@ -202,19 +243,21 @@ def _open_arrow(path: str) -> TokenStream:
                         f"as a .bin/.npy file)") from e
     split_dir = _arrow_dir(Path(path))
     state = json.loads((split_dir / "state.json").read_text())
-    segments, doc_offsets, total = [], [], 0
+    segments, doc_offsets, files, total = [], [], [], 0
     for entry in state["_data_files"]:
         # save_to_disk writes Arrow IPC streams; a memory map makes the buffers views of the file
-        table = pa.ipc.open_stream(pa.memory_map(str(split_dir / entry["filename"]))).read_all()
+        file = str(split_dir / entry["filename"])
+        table = pa.ipc.open_stream(pa.memory_map(file)).read_all()
         for chunk in table.column(TOKEN_COLUMN).chunks:
             offsets = chunk.offsets.to_numpy().astype(np.int64)       # [rows + 1]
             values = chunk.flatten().to_numpy(zero_copy_only=True)    # [tokens of this chunk]
             doc_offsets.append(offsets[:-1] - offsets[0] + total)
             segments.append(values)
+            files.append(file)
             total += values.shape[0]
     if not segments:
         raise DataError(f"{path}: no rows in its {TOKEN_COLUMN} column")
-    return TokenStream(segments, path, np.concatenate(doc_offsets))
+    return TokenStream(segments, path, np.concatenate(doc_offsets), segment_files=files)
 
 
 def open_token_stream(path: str, token_dtype: str) -> TokenStream:
@@ -227,14 +270,17 @@ def open_token_stream(path: str, token_dtype: str) -> TokenStream:
 
 
 def build_token_datasets(path: str, seq_len: int, token_dtype: str, heldout_fraction: float,
-                         eos_id: int | None, document_mask: bool,
-                         min_rows: int = 1) -> tuple[TokenArrayDataset, TokenArrayDataset]:
-    """(train, heldout) windows of a pre-tokenized corpus; the held-out split is the tail."""
+                         eos_id: int | None, document_mask: bool, min_rows: int = 1,
+                         vocab_size: int | None = None) -> tuple[TokenArrayDataset, TokenArrayDataset]:
+    """(train, heldout) windows of a pre-tokenized corpus; the held-out split is the tail.
+    vocab_size: every id is checked to be below it (`TokenStream.check_ids`); None: not checked."""
     stream = open_token_stream(path, token_dtype)
     n = (len(stream) - 1) // seq_len
     if n < min_rows:
         raise DataError(f"{path}: {len(stream)} tokens make {n} rows of seq_len+1 = {seq_len + 1} tokens, "
                         f"fewer than batch_size={min_rows}; use a smaller --seq-len or --batch-size")
+    if vocab_size is not None:
+        stream.check_ids(vocab_size)
     n_heldout = 0
     if heldout_fraction > 0 and n >= MIN_HELDOUT_EXAMPLES:
         n_heldout = min(max(int(n * heldout_fraction + 0.5), 1), n - min_rows)

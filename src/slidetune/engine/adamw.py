@@ -15,6 +15,7 @@ compiler, keeps torch's fused kernel.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,22 @@ class AdamWConfig:
     beta2: float = 0.95          # 0.95 rather than 0.999: the usual LLM fine-tuning choice, stabler with bf16
     eps: float = 1e-8
     weight_decay: float = 0.0    # applied to matrices only (norms and biases never decay)
+
+    def __post_init__(self) -> None:
+        """torch.optim.AdamW's own rules, checked here so that a bad value is refused before the
+        model loads (the kernels take NaN or a negative lr without a word: `--lr -1` diverged).
+        lr 0 is allowed, as torch allows it: an update that moves no weight (the moments still
+        advance), a run that measures throughput or held-out loss without changing the model."""
+        rules = (("lr", math.isfinite(self.lr) and self.lr >= 0, "a finite number >= 0"),
+                 ("beta1", 0.0 <= self.beta1 < 1.0, "in [0, 1)"),
+                 ("beta2", 0.0 <= self.beta2 < 1.0, "in [0, 1)"),
+                 ("eps", math.isfinite(self.eps) and self.eps > 0, "a finite number > 0"),
+                 ("weight_decay", math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+                  "a finite number >= 0"))
+        for name, ok, rule in rules:
+            if not ok:
+                raise ValueError(f"optimizer setting {name} (--{name.replace('_', '-')}) must be {rule}, "
+                                 f"got {getattr(self, name)!r}")
 
 
 class FlatAdamW:
