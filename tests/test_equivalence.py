@@ -98,10 +98,11 @@ RUNS = {
     "slide-deferred-accum2-clip-disk-master-device-layers": (
         "slide", "deferred", 2, 0.5, False,
         {"disk_units": 2, "disk_master": "on", "device_layers": 1, "cache_units": 2, **DISK}),
-    # slide mode runs the lean layer by default (models/lean_layer.py); here HF's own layer, and
-    # the lean one with its MLP in tiles of 20 tokens (48 a micro-batch: 20, 20 and a ragged 8)
-    "slide-deferred-accum2-clip-hf-layer": ("slide", "deferred", 2, 0.5, False, {"lean_layer": "off"}),
-    "slide-deferred-accum2-clip-mlp-tiles": ("slide", "deferred", 2, 0.5, True, {"mlp_tile_tokens": 20}),
+    # the lean layer (models/lean_layer.py), its MLP in one tile, and in tiles of 20 tokens (48 a
+    # micro-batch: 20, 20 and a ragged 8)
+    "slide-eager-lean": ("slide", "eager", 1, None, False, {"lean_layer": "on"}),
+    "slide-deferred-accum2-clip-lean-mlp-tiles": ("slide", "deferred", 2, 0.5, True,
+                                                  {"lean_layer": "on", "mlp_tile_tokens": 20}),
     "gpu-accum2-clip": ("gpu", "auto", 2, 0.5, False, {}),
     "ckpt-every2": ("ckpt", "auto", 1, None, False, {"recompute": "every:2"}),
 }

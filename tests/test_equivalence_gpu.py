@@ -72,6 +72,12 @@ GPU_RUNS = {
     "slide-deferred-accum2-clip-weights-copy-partly-resident-disk": (
         "slide", "deferred", 2, 0.5, False, {"clip_sweep": "weights", "held_buffers": 2, "cache_units": 2,
                                               "resident_layers": 1, "disk_units": 1, **DISK}),
+    # the lean layer (lean RMSNorms, the MLP in tiles of 20 tokens), eager and compiled
+    "slide-deferred-accum2-clip-lean-mlp-tiles": ("slide", "deferred", 2, 0.5, True,
+                                                  {"lean_layer": "on", "mlp_tile_tokens": 20}),
+    "slide-eager-resident-lean-compiled": ("slide", "eager", 1, None, False,
+                                           {"cache_units": 0, "lean_layer": "on", "mlp_tile_tokens": 20,
+                                            "compile_layers": True}),
     "ckpt": ("ckpt", "auto", 4, 0.5, False, {}),
 }
 

@@ -2,7 +2,7 @@
 
 FP32 on the CPU: the output, the input gradient and every parameter gradient of one layer's
 recompute + backward within relative 1e-6 of `torch.autograd.grad` through the HF layer, per
-family, for tiles of several sizes (one tile, a ragged last tile, one token a tile), with and
+family, for tiles of several sizes (one tile, a ragged last tile, one token a tile), causal,
 with a padding mask and with packed documents' masks; the lean RMSNorm's forward is bit-identical to HF's in FP32 and BF16.
 """
 from __future__ import annotations

@@ -3,6 +3,7 @@
 # Results go to $OUT/results.tar.gz (the device tool returns at most 8 files).
 #   jobs: stash | pipeline | train | equivalence | runtime | throughput | throughput@TAG | scaling | scaling@TAG
 #         | hostinfo | rankmem (RANKMEM_ARGS: a rank's host memory by stage, 1 and N processes) | techniques
+#         | layermem (LAYERMEM_ARGS: one layer's time and peak GPU memory, HF's and the lean layer)
 #         | modes | recompute | head | roofline | contention | gil | packing (PACKING_ARGS) | disk (DISK_DIR, DISK_PLAN_ARGS)
 #         | diskprobe (DISK_DIR, DISKPROBE_ARGS: cold, warm and under-AdamW-load disk bandwidth; "--grid --gib 2":
 #           the probe's patterns side by side, split or pool mixed pass, 1 or 8 files, 4 or 8 threads)
@@ -113,6 +114,9 @@ run_job() {
           python benchmarks/scripts/rank_memory.py $R/rank_memory_n1.json ${RANKMEM_ARGS:---compile}
           [ "$n" -gt 1 ] && python -m torch.distributed.run --nproc-per-node $n benchmarks/scripts/rank_memory.py \
             $R/rank_memory_n$n.json ${RANKMEM_ARGS:---compile} ;;
+    layermem) # one decoder layer's forward and recompute + backward, HF's layer and the lean one, eager and
+          # compiled: time, peak GPU memory, the hardware's limit (LAYERMEM_ARGS, e.g. --shapes qwen3-8b:64x1024)
+          python benchmarks/scripts/layer_memory.py $R/layer_memory ${LAYERMEM_ARGS:-} ;;
     hostinfo) # what a multi-GPU result depends on: GPU links, NUMA, cores, RAM, /dev/shm (the shared state's home)
            { nvidia-smi topo -m; echo; nvidia-smi --query-gpu=index,name,pci.bus_id,pcie.link.gen.max,pcie.link.width.max --format=csv
              echo; lscpu | grep -E "^CPU\(s\)|Model name|NUMA|Socket|Thread"; echo; free -g; echo; df -h /dev/shm /tmp

@@ -1,0 +1,175 @@
+"""One decoder layer as the slide engine runs it: time and peak GPU memory of its forward and of
+its recompute + backward, HF's layer against the lean one (models/lean_layer.py), eager and
+compiled, at the shapes that bind a 24 GiB GPU; beside it the hardware's limit for the same work.
+
+Each variant goes through `engine.slide.layer_runner.LayerRunner`, the engine's only way of
+running a layer, on a layer built on the GPU in BF16 (random weights) with the engine's layer
+kwargs (SDPA, causal, no padding mask: full rows). Measured per variant and shape:
+
+    fwd_ms / rb_ms       median of `--reps` CUDA-event-timed calls (after 2 warm-up calls, the
+                         compile's included) of the no-grad forward and of recompute + backward
+    fwd_peak_gib /       the allocator's peak during one call above what was allocated before it
+    rb_peak_gib          (the layer's input, its gradient, the weights): the working set the fit
+                         check's "layer working set" phase stands for
+    hw_rb_ms             the recompute + backward's FLOPs at the probed BF16 GEMM rate (matmuls:
+                         3 x 2 x P_layer a token; causal attention: 3 x 2 x S x hq a token, the
+                         backward counted at twice the forward): what the GPU could do
+    rb_over_hw           rb_ms / hw_rb_ms
+
+    PYTHONPATH=src python benchmarks/scripts/layer_memory.py OUT_DIR [--shapes qwen3-8b:16x1024,...]
+
+Writes OUT_DIR/layer_memory.json (rows + machine) and layer_memory.md (a table).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from slidetune.engine.config import RuntimeConfig
+from slidetune.engine.slide.layer_runner import LayerRunner
+from slidetune.models.load import RandomInit, fill_on_device, load_model
+from slidetune.telemetry.machine import machine_info
+
+GIB = 2**30
+DEFAULT_SHAPES = "qwen3-8b:16x1024,qwen3-8b:64x1024,llama-3.1-8b:1x65536"
+VARIANTS = {"hf": dict(lean_layer="off", compile_layers="off"),
+            "hf-compiled": dict(lean_layer="off", compile_layers="on"),
+            "lean": dict(lean_layer="on", compile_layers="off"),
+            "lean-compiled": dict(lean_layer="on", compile_layers="on")}
+
+
+class _Timer:
+    """The engine's EventTimer interface, spans dropped (the script times whole calls)."""
+
+    @staticmethod
+    def span(*_args):
+        import contextlib
+        return contextlib.nullcontext()
+
+
+def probe_gemm_tflops(n: int = 8192, reps: int = 20) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        a @ b
+    end.record()
+    end.synchronize()
+    return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
+
+
+def _timed(fn, reps: int) -> tuple[float, float]:
+    """(median ms, peak GiB above the allocation before the call) over `reps` calls after 2 warm-ups."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    times, peaks = [], []
+    for _ in range(reps):
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+        peaks.append((torch.cuda.max_memory_allocated() - base) / GIB)
+    return statistics.median(times), max(peaks)
+
+
+def measure(model: str, batch: int, seq: int, variants: list[str], reps: int, gemm_tflops: float,
+            save=lambda rows: None) -> list[dict]:
+    dev = torch.device("cuda")
+    loaded = load_model(model, num_layers=1, with_tokenizer=False)
+    split = loaded.split
+    unit = split.layer_units[0]
+    flat = fill_on_device(RandomInit(0), unit, dev).to(torch.bfloat16)       # [numel]
+    kwargs = split.layer_kwargs(batch, seq, torch.bfloat16, dev)[0]
+    x = torch.randn(batch, seq, split.hidden_size, device=dev, dtype=torch.bfloat16)    # [B, S, d]
+    dy = torch.randn_like(x)
+    c = split.config
+    hq = int(c.num_attention_heads) * int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    flops_rb = 3 * batch * seq * (2 * unit.numel + 2 * seq * hq)             # causal: half of 4 S hq
+    rows = []
+    for name in variants:
+        runner = LayerRunner(split, RuntimeConfig(mode="slide", dtype="bf16", device="cuda",
+                                                  mlp_tile_tokens=ARGS.tile, **VARIANTS[name]))
+        views = unit.views(flat)
+        leaves = {k: v.detach().requires_grad_(True) for k, v in views.items()}
+        row = {"model": model, "batch": batch, "seq": seq, "tokens": batch * seq, "variant": name,
+               "mlp_tile_tokens": ARGS.tile if runner.lean is not None else None}
+        try:
+            with torch.no_grad():
+                row["fwd_ms"], row["fwd_peak_gib"] = _timed(lambda: runner.forward(0, views, x, kwargs), reps)
+            row["rb_ms"], row["rb_peak_gib"] = _timed(
+                lambda: runner.recompute_backward(0, leaves, x, dy.clone(), kwargs, _Timer()), reps)
+            row["hw_rb_ms"] = flops_rb / (gemm_tflops * 1e12) * 1e3
+            row["rb_over_hw"] = row["rb_ms"] / row["hw_rb_ms"]
+            row["rb_tflops"] = flops_rb / (row["rb_ms"] / 1e3) / 1e12
+        except torch.OutOfMemoryError as e:
+            row["error"] = f"OOM: {str(e).splitlines()[0][:200]}"
+        rows.append(row)
+        save(rows)                                 # each row as it comes: a call cut short keeps them
+        print(json.dumps(row), flush=True)
+        del runner, leaves
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()                   # between variants, outside the timed calls
+    return rows
+
+
+def _table(rows: list[dict], gemm: float) -> str:
+    out = [f"BF16 GEMM (8192^3) probed at {gemm:.0f} TFLOP/s.", "",
+           "| model | B x S | variant | fwd ms | fwd peak GiB | rb ms | rb peak GiB | hw rb ms | rb / hw | rb TFLOP/s |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['model']} | {r['batch']} x {r['seq']} | {r['variant']} | {r['error']} |||||||")
+            continue
+        out.append(f"| {r['model']} | {r['batch']} x {r['seq']} | {r['variant']} | {r['fwd_ms']:.1f} | "
+                   f"{r['fwd_peak_gib']:.2f} | {r['rb_ms']:.1f} | {r['rb_peak_gib']:.2f} | {r['hw_rb_ms']:.1f} | "
+                   f"{r['rb_over_hw']:.2f} | {r['rb_tflops']:.0f} |")
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    global ARGS
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out_dir")
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="MODEL:BxS,... (default %(default)s)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="of " + ", ".join(VARIANTS))
+    p.add_argument("--tile", type=int, default=RuntimeConfig().mlp_tile_tokens, help="the lean layer's MLP tile")
+    p.add_argument("--reps", type=int, default=5)
+    ARGS = p.parse_args()
+    if not torch.cuda.is_available():
+        print("layer_memory.py needs CUDA", file=sys.stderr)
+        return 2
+    out = Path(ARGS.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    gemm = probe_gemm_tflops()
+    machine, rows = machine_info(), []
+
+    def save(more: list[dict]) -> None:
+        (out / "layer_memory.json").write_text(json.dumps({"machine": machine, "gemm_tflops": gemm,
+                                                           "args": vars(ARGS), "rows": rows + more}, indent=2))
+    for shape in ARGS.shapes.split(","):
+        model, bs = shape.split(":")
+        b, s = (int(v) for v in bs.split("x"))
+        rows += measure(model, b, s, ARGS.variants.split(","), ARGS.reps, gemm, save)
+    (out / "layer_memory.md").write_text(_table(rows, gemm))
+    print(_table(rows, gemm))
+    return 0
+
+
+ARGS: argparse.Namespace
+
+
+if __name__ == "__main__":
+    sys.exit(main())
