@@ -128,6 +128,10 @@ _HELP = {
     "optim.eps": "AdamW epsilon",
     "runtime.recompute": 'ckpt mode: the decoder layers that recompute their activations in the backward: '
                          'all | none | a comma list "0,3,7" | "every:k"',
+    "runtime.dtype": "compute precision of weights and activations: auto | bf16 | fp32 | fp16. auto: bf16 where the "
+                     "device computes it natively (a CUDA GPU with bf16; a CPU with AMX-BF16 or AVX512-BF16), else "
+                     "fp32 (on a CPU without them bf16 is emulated, many times slower); the run prints which and why. "
+                     "Master weights and AdamW moments are FP32 whatever this is",
     "runtime.disk_dir": "a directory on a local disk (NVMe ideally) where the AdamW moments of some units live, "
                         "read ahead of their update and written behind it: 4 instead of 12 B/param of host RAM for "
                         "each, 16 B/param through the disk a step (how many: --tuning.disk_units, auto: as few as "

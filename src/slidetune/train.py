@@ -34,7 +34,7 @@ from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, pr
 from .config import TrainConfig, config_to_dict, group_tuning
 from .data import IGNORE_INDEX, BatchSampler, TokenDataset, build_datasets, collate, default_pad_id
 from .data.token_arrays import is_token_source
-from .device import Device
+from .device import Device, resolve_dtype
 from .engine import StepResult, build_engine
 from .engine.compile_policy import choose_compile_layers, resolve_compile_layers
 from .faults import maybe_fail
@@ -136,6 +136,7 @@ class TrainSummary:
     train_sequences: int = 0
     heldout_sequences: int = 0
     device: str = ""
+    dtype: str = ""                      # the compute dtype the run used (--dtype auto resolved)
 
 
 def evaluate(engine, heldout, batch_size: int, pad_id: int, max_batches: int,
@@ -182,9 +183,22 @@ def train(cfg: TrainConfig) -> TrainSummary:
     seed_everything(cfg.seed)
     ranks, device = Ranks.start(cfg.runtime.device, waits=cfg.runtime.cuda_waits)
     try:
+        cfg = _resolve_dtype(cfg, device)
         return _train(cfg, ranks, device, out, t_start)
     finally:
         ranks.close()
+
+
+def _resolve_dtype(cfg: TrainConfig, device: Device) -> TrainConfig:
+    """The config with --dtype auto resolved for `device` (device.resolve_dtype), said on the console:
+    everything after this (the fit, the engine, the save dtype, config.json) sees the dtype that runs."""
+    dtype, why = resolve_dtype(cfg.runtime.dtype, device.device.type)
+    if cfg.runtime.dtype == "auto":
+        print(f"dtype auto -> {dtype}: {why}")
+    elif dtype == "bf16" and not device.is_cuda and resolve_dtype("auto", "cpu")[0] == "fp32":
+        print(f"note: --dtype bf16 on a CPU without bf16 instructions is emulated and many times slower than "
+              f"fp32 ({resolve_dtype('auto', 'cpu')[1]}); --dtype auto picks fp32 here", file=sys.stderr)
+    return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, dtype=dtype))
 
 
 def _refuse_under_data_parallel(cfg: TrainConfig, ranks: Ranks) -> None:
@@ -840,7 +854,7 @@ class Trainer:
             stopped_early=self.stopped_early,
             data_source=cfg.data.path or f"built-in corpus (Python {platform.python_version()} docs)",
             train_sequences=len(self.sampler.dataset), heldout_sequences=len(heldout) if heldout is not None else 0,
-            device=torch.cuda.get_device_name() if self.device.is_cuda else "cpu")
+            device=torch.cuda.get_device_name() if self.device.is_cuda else "cpu", dtype=cfg.runtime.dtype)
         # rank 0 writes it and the other ranks wait for it (on_main): a rank that ended first would
         # make torchrun stop the others (SIGTERM), rank 0 perhaps before this file is written
         self.ranks.on_main(lambda: _write_text(self.out / "summary.json", json.dumps(summary.__dict__, indent=2) + "\n"))
