@@ -33,6 +33,7 @@ from .checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, pr
                          save_checkpoint)
 from .config import TrainConfig, config_to_dict, group_tuning
 from .data import IGNORE_INDEX, BatchSampler, TokenDataset, build_datasets, collate, default_pad_id
+from .data.build import load_source
 from .data.token_arrays import is_token_source
 from .device import Device, resolve_dtype
 from .engine import StepResult, build_engine
@@ -219,6 +220,10 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
         _refuse_under_data_parallel(cfg, ranks)
         print(f"data parallel: rank {ranks.rank} of {ranks.world_size} on {device.device}; global batch "
               f"{cfg.batch_size * ranks.world_size} ({cfg.batch_size} rows per rank)")
+    # the data first, read and parsed (a missing file, a malformed line: refused in seconds), then
+    # the model, then the reference check on it; a pre-tokenized corpus is opened once the
+    # tokenizer's EOS is known (build_datasets below)
+    source = None if is_token_source(cfg.data.path) else ranks.on_each(lambda: load_source(cfg.data))
     gpu_free = _apply_gpu_memory_limit(cfg, device)
     loaded = load_model(cfg.model, num_layers=cfg.num_layers, seed=cfg.seed)
     _reference_check(cfg, loaded)
@@ -295,7 +300,8 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
     # the sampler draws global batches (--batch-size rows per rank) from (seed, step); each rank
     # takes its rows of each (Trainer.micro_batch): N ranks train on one rank's data at N x the batch
     global_batch = cfg.batch_size * ranks.world_size
-    train_ds, heldout = ranks.on_each(lambda: build_datasets(cfg.data, loaded.tokenizer, min_rows=global_batch))
+    train_ds, heldout = ranks.on_each(lambda: build_datasets(cfg.data, loaded.tokenizer, min_rows=global_batch,
+                                                                   source=source))
     if train_ds.document_mask:
         use_packed_attention(loaded.split.model)   # packing "masked": attention per document
     # without a tokenizer (pre-tokenized rows, full windows) any id pads: padding is never
