@@ -46,8 +46,22 @@ def _plan(ns) -> int:
     import dataclasses
 
     from .engine.fit import estimate_memory
+    from .engine.placement import AUTO_WINDOW, cache_unit_options
     from .models.load import load_model
     cfg = config_from_args(ns)
+    import torch
+
+    from .device import resolve_dtype
+    from .engine.fit import FIT_SAFETY
+    # the device planned for: a GPU (this machine's, or one described by --gpu-free-gib), else the CPU
+    on_gpu = cfg.runtime.device.startswith("cuda") or (
+        cfg.runtime.device == "auto" and (ns.gpu_free_gib is not None or torch.cuda.is_available()))
+    dtype, why = resolve_dtype(cfg.runtime.dtype, "cuda" if on_gpu else "cpu")
+    if cfg.runtime.dtype == "auto":
+        print(f"dtype auto -> {dtype}: {why}")
+    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(
+        cfg.runtime, dtype=dtype, device=cfg.runtime.device if cfg.runtime.device != "auto" else
+        ("cuda" if on_gpu else "cpu")))
     loaded = load_model(cfg.model, num_layers=cfg.num_layers, with_tokenizer=False)
 
     def estimate(**changes):
@@ -73,23 +87,23 @@ def _plan(ns) -> int:
                     bytes_per_param=2)
     if note:
         print(note)
+    plan = _plan_resolved(ns, cfg, loaded.split)
     if cfg.runtime.mode != "slide":
         return 0
-    plan = _plan_resolved(ns, cfg, loaded.split)
-    if plan is None:        # nothing resolved for a GPU here: the placement of the settings as given
-        plan = est.plan
-        print("placement:\n" + "\n".join(plan.summary_lines()))
+    plan = plan or est.plan         # no GPU described: the placement of the settings as given
     if ns.terms:
         _plan_terms(cfg, plan)
         if ns.gpus > 1:
             print(f"(the terms above are one rank's; under {ns.gpus} ranks the gradient all-reduce adds a term "
                   f"probed on {ns.gpus} GPUs: slidetune bench throughput --gpus 1,{ns.gpus})")
+    if not on_gpu:
+        return 0
     # the slot choices engine.fit.choose_auto_settings tries for cache_units
-    cache_options = [0, 3] if cfg.runtime.cache_units == -1 else [cfg.runtime.cache_units]
+    cache_options = cache_unit_options(cfg.runtime.cache_units)
     if cfg.runtime.cache_units == -1:
         resident = estimate(cache_units=0)
-        print(f"cache_units auto: the estimate above is the 3-slot window; on a GPU with at least "
-              f"{resident.gpu_bytes / 0.9 / gib:.1f} GiB free every layer stays resident "
+        print(f"cache_units auto: the estimate above is the {AUTO_WINDOW}-slot window; on a GPU with at least "
+              f"{resident.gpu_bytes / FIT_SAFETY / gib:.1f} GiB free every layer stays resident "
               f"(GPU {resident.gpu_bytes / gib:.2f} GiB; faster: the forward no longer waits on PCIe)")
     if cfg.runtime.grad_slot_dtype == "auto" and cfg.runtime.grad_download == "compute":
         print("grad_slot_dtype auto: compute (gradients cross PCIe in the compute dtype and the host's AdamW "
@@ -98,14 +112,14 @@ def _plan(ns) -> int:
         for cache_units in cache_options:
             fp32 = estimate(cache_units=cache_units, grad_slot_dtype="fp32")
             print(f"grad_slot_dtype auto: with cache_units {cache_units}, FP32 gradient slots need a GPU with "
-                  f"{fp32.gpu_bytes / 0.9 / gib:.1f} GiB free (GPU {fp32.gpu_bytes / gib:.2f} GiB; the gradient "
+                  f"{fp32.gpu_bytes / FIT_SAFETY / gib:.1f} GiB free (GPU {fp32.gpu_bytes / gib:.2f} GiB; the gradient "
                   f"copies then need no cast kernel); below that the slots keep the compute dtype")
     if cfg.runtime.device_layers == -1:
         one = estimate(device_layers=1).gpu_bytes - estimate(device_layers=0).gpu_bytes
         every = estimate(device_layers=loaded.split.num_layers).gpu_bytes
         print(f"device_layers auto: each layer kept and updated on the GPU adds about {one / gib:.2f} GiB "
               f"to the estimate above and takes its share off the host's AdamW; all "
-              f"{loaded.split.num_layers} need a GPU with {every / 0.9 / gib:.1f} GiB free")
+              f"{loaded.split.num_layers} need a GPU with {every / FIT_SAFETY / gib:.1f} GiB free")
     if cfg.runtime.offload_activations and cfg.runtime.gpu_checkpoints == -1:
         one = estimate(gpu_checkpoints=1).host_bytes - estimate(gpu_checkpoints=0).host_bytes
         print(f"gpu_checkpoints auto: the estimate above offloads every checkpoint; each one kept on the GPU "
@@ -115,7 +129,7 @@ def _plan(ns) -> int:
         for cache_units in cache_options:
             dev = estimate(cache_units=cache_units, vocab_update="device")
             print(f"vocab_update auto: with cache_units {cache_units}, the embedding and head are updated on "
-                  f"the GPU on one with {dev.gpu_bytes / 0.9 / gib:.1f} GiB free (GPU {dev.gpu_bytes / gib:.2f} "
+                  f"the GPU on one with {dev.gpu_bytes / FIT_SAFETY / gib:.1f} GiB free (GPU {dev.gpu_bytes / gib:.2f} "
                   f"GiB; less host AdamW per step); below that on the host")
     return 0
 
@@ -170,23 +184,24 @@ def _plan_terms(cfg, plan) -> None:
 
 
 def _plan_resolved(ns, cfg, split):
-    """What the auto settings resolve to on a given GPU and host (as train would resolve them
-    there), the estimate of that placement, and whether check_fit lets it run. Returns that
-    placement plan (None where nothing is resolved: no GPU here and none described)."""
-    import dataclasses
-
+    """The verdict: what the auto settings resolve to on the machine planned for (as train would
+    resolve them there: a GPU, this machine's or one described by --gpu-free-gib, or the CPU), the
+    estimate of that placement, and whether check_fit lets it run ("fits", or "does not fit" with
+    the options that do). Returns that placement plan (None outside slide mode)."""
     import torch
 
     from .engine.distributed import SharedMemoryError
-    from .engine.fit import InsufficientMemoryError, check_fit, choose_auto_settings, estimate_memory
+    from .engine.slide.disk_tier import DiskTierError
+    from .engine.fit import FIT_SAFETY, InsufficientMemoryError, check_fit, choose_auto_settings, estimate_memory
     from .engine.fit import query_host_available_bytes, shared_state_bytes
     gib = 2**30
-    if cfg.runtime.device == "cpu" or (ns.gpu_free_gib is None and not torch.cuda.is_available()):
-        if cfg.runtime.device == "cuda":
-            print("(pass --gpu-free-gib [--host-gib] to see what the auto settings resolve to on such a GPU)")
-        return
-    rt = cfg.runtime if cfg.runtime.device == "cuda" else dataclasses.replace(cfg.runtime, device="cuda")
-    free = int(ns.gpu_free_gib * gib) if ns.gpu_free_gib is not None else None
+    rt = cfg.runtime
+    on_gpu = rt.device.startswith("cuda")
+    if on_gpu and ns.gpu_free_gib is None and not torch.cuda.is_available():
+        print("no GPU here to plan for: pass --gpu-free-gib GIB (and --host-gib GIB) to see what the auto settings "
+              "resolve to on such a GPU and host, and whether it fits")
+        return None
+    free = int(ns.gpu_free_gib * gib) if ns.gpu_free_gib is not None and on_gpu else None
     host = int(ns.host_gib * gib) if ns.host_gib is not None else query_host_available_bytes()
     kw = dict(batch_size=cfg.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
               max_grad_norm=cfg.max_grad_norm, padded=not cfg.data.packed)
@@ -194,29 +209,37 @@ def _plan_resolved(ns, cfg, split):
     resolved = choose_auto_settings(split, rt, gpu_free_bytes=free, host_available_bytes=host, ranks_per_host=ranks,
                                     **kw)
     est = estimate_memory(split, resolved, **kw)
-    where = f"a GPU with {free / gib:.1f} GiB free" if free is not None else "this machine's GPU"
+    if not on_gpu:
+        where = "the CPU (no GPU: weights, activations and optimizer state all in host RAM)"
+    else:
+        where = f"a GPU with {free / gib:.1f} GiB free" if free is not None else "this machine's GPU"
     if ranks > 1:
         where = f"{ranks} ranks on one host, each on {where}"
     plan = est.plan
-    print(f"resolved on {where} and {host / gib:.1f} GiB of host RAM: cache_units={resolved.cache_units} "
-          + (f"resident_layers={plan.resident_layers} " if resolved.cache_units else "")
-          + f"vocab_update={resolved.vocab_update} grad_slot_dtype={resolved.grad_slot_dtype} "
-          f"device_layers={plan.device_layers}"
-          + (f" disk_units={len(plan.indices('disk'))} disk_master={resolved.disk_master}" if resolved.disk_dir else "")
-          + (f" gpu_checkpoints={plan.gpu_checkpoints}" if resolved.offload_activations else "")
-          + f": GPU {est.gpu_bytes / gib:.2f} GiB"
-          + (f" per rank, host {est.host_bytes_per_host(ranks) / gib:.2f} GiB for its {ranks} ranks "
-             f"(the shared state, {shared_state_bytes(plan) / gib:.2f} GiB in /dev/shm, once)" if ranks > 1
-             else f", host {est.host_bytes / gib:.2f} GiB")
+    host_words = (f"host {est.host_bytes_per_host(ranks) / gib:.2f} GiB for its {ranks} ranks (the shared state, "
+                  f"{shared_state_bytes(plan) / gib:.2f} GiB in /dev/shm, once)" if ranks > 1 and plan is not None
+                  else f"host {est.host_bytes / gib:.2f} GiB")
+    settings = ""
+    if plan is not None and on_gpu:
+        settings = (f"cache_units={resolved.cache_units} "
+                    + (f"resident_layers={plan.resident_layers} " if resolved.cache_units else "")
+                    + f"vocab_update={resolved.vocab_update} grad_slot_dtype={resolved.grad_slot_dtype} "
+                    f"device_layers={plan.device_layers}"
+                    + (f" gpu_checkpoints={plan.gpu_checkpoints}" if resolved.offload_activations else ""))
+    if plan is not None and resolved.disk_dir:
+        settings += f" disk_units={len(plan.indices('disk'))} disk_master={resolved.disk_master}"
+    print(f"resolved on {where} and {host / gib:.1f} GiB of host RAM{': ' + settings.strip() if settings else ''}: "
+          + (f"GPU {est.gpu_bytes / gib:.2f} GiB{' per rank' if ranks > 1 else ''}, " if on_gpu else "") + host_words
           + (f", disk tier {est.disk_bytes / gib:.2f} GiB" if est.disk_bytes else ""))
     shm = int(ns.shm_gib * gib) if ns.shm_gib is not None else None
     try:
         check_fit(split, resolved, gpu_free_bytes=free, host_available_bytes=host, ranks_per_host=ranks,
                   shm_free_bytes=shm, **kw)
-        print("fits (90% of each)")
-    except (InsufficientMemoryError, SharedMemoryError) as e:
+        print(f"fits ({FIT_SAFETY:.0%} of each)")
+    except (InsufficientMemoryError, SharedMemoryError, DiskTierError) as e:
         print(f"does not fit: {str(e).removeprefix('slidetune: ')}")
-    print("placement:\n" + "\n".join(plan.summary_lines()))
+    if plan is not None:
+        print("placement:\n" + "\n".join(plan.summary_lines()))
     return plan
 
 
