@@ -73,6 +73,6 @@ def test_train_resolves_auto_for_the_cpu_it_runs_on(tmp_path, monkeypatch, flags
     out = tmp_path / "run"
     code, stdout, err = run_cli(*BASE, "--data", str(data), "--max-steps", "1", "--output-dir", str(out))
     assert code == 0, err
-    assert f"dtype auto -> {expected}: " in stdout
+    assert f", {expected} (--dtype auto: " in stdout
     assert json.loads((out / "config.json").read_text())["runtime"]["dtype"] == expected
     assert json.loads((out / "summary.json").read_text())["dtype"] == expected

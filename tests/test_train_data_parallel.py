@@ -148,7 +148,7 @@ def test_only_rank_zero_writes(runs):
     assert state["trainer_state"]["config"]["world_size"] == 2
     # rank 1 prints nothing but errors: the run's report appears once
     stdout = runs["two"].stdout
-    for once in ("resolved config:", "final model:", '"eval_loss_before"'):
+    for once in ("slidetune train: ", "final model:", "held-out perplexity"):
         assert stdout.count(once) == 1, (once, stdout[-3000:])
     assert "torch.distributed.run --standalone --nproc-per-node 2" in stdout
 

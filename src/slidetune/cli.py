@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from .config import ConfigArgumentParser, add_config_flags, config_from_args, config_to_dict
+from .config import ConfigArgumentParser, add_config_flags, config_from_args
 
 
 def _train(ns) -> int:
@@ -30,10 +30,19 @@ def _train(ns) -> int:
     quiet = _rank()[0] > 0
     with open(os.devnull, "w") if quiet else contextlib.nullcontext(sys.stdout) as out, \
             contextlib.redirect_stdout(out):
-        print("resolved config:\n" + json.dumps(config_to_dict(cfg), indent=2), flush=True)
-        summary = train(cfg)
-        print(json.dumps(summary.__dict__, indent=2))
+        summary = train(cfg, verbose=ns.verbose)
+        print(json.dumps(summary.__dict__, indent=2) if ns.verbose else _summary_line(summary))
     return 130 if summary.interrupted else 0
+
+
+def _summary_line(summary) -> str:
+    """The end of a run in one line (summary.json holds all of it)."""
+    minutes, seconds = divmod(round(summary.wall_s), 60)
+    held_out = (f"; held-out perplexity {summary.ppl_before:.2f} -> {summary.ppl_after:.2f}"
+                if summary.ppl_before is not None and summary.ppl_after is not None else "")
+    return (f"{'stopped' if summary.interrupted or summary.stopped_early else 'done'}: {summary.steps} steps in "
+            f"{minutes}:{seconds:02d}{held_out}; {summary.output_dir}/ holds metrics.csv, loss.png, summary.json"
+            + ("" if summary.interrupted or summary.stopped_early else " and final/"))
 
 
 def _rank() -> tuple[int, int]:
@@ -265,7 +274,7 @@ def _report(ns) -> int:
 
 
 def _add_bench(sub) -> None:
-    from .bench.scenarios import SCENARIOS, scenario_module
+    from .bench.scenarios import SCENARIO_HELP, SCENARIOS, scenario_module
     p_bench = sub.add_parser("bench", help="run a benchmark scenario (each configuration in its own process)")
     scen = p_bench.add_subparsers(dest="scenario", required=True)
     p_rt = scen.add_parser("runtime", help="the runtime's GPU acceptance checks (memory ratios, depth, 8B)")
@@ -279,8 +288,7 @@ def _add_bench(sub) -> None:
         if name == "runtime":
             continue
         mod = scenario_module(name)
-        doc = (mod.__doc__ or name).strip().splitlines()[0]
-        p = scen.add_parser(name, help=doc, description=mod.__doc__,
+        p = scen.add_parser(name, help=SCENARIO_HELP[name], description=mod.__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(func=_bench_scenario, scenario_module=mod)
@@ -305,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "(torch.distributed.run) with N ranks, --batch-size rows each (the global batch is "
                               "N x --batch-size); with --device cpu, N CPU processes over gloo (testing). "
                               "docs/data_parallel.md")
+    p_train.add_argument("--verbose", action="store_true",
+                         help="print the whole resolved config at the start (config.json in the output directory "
+                              "holds it either way), what every auto setting chose, and the summary at the end")
     p_train.set_defaults(func=_train)
     p_plan = sub.add_parser("plan", help="print the memory a configuration needs, allocating nothing",
                             description=_TRAIN_DESCRIPTION.replace("Fine-tune", "Plan the memory of fine-tuning"))
