@@ -281,40 +281,40 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
     if cfg.runtime.cache_units == -1 and cfg.runtime.mode == "slide":
         resident, window = plan.resident_layers, plan.window_slots
         say(f"cache_units auto -> {runtime.cache_units}: "
-              + (f"a {window}-slot window" + (f" and {resident} resident layers" if resident else "") if window
-                 else "every host-updated layer stays on the GPU between steps"))
+            + (f"a {window}-slot window" + (f" and {resident} resident layers" if resident else "") if window
+               else "every host-updated layer stays on the GPU between steps"))
     if cfg.runtime.grad_slot_dtype == "auto" and cfg.runtime.mode == "slide":
         say(f"grad_slot_dtype auto -> {runtime.grad_slot_dtype}")
     if cfg.runtime.disk_buffers == -1 and cfg.runtime.mode == "slide" and plan.indices("disk"):
         def size(n: int) -> str:
             return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
-        say(f"disk_buffers auto -> {runtime.disk_buffers}: {size(buffer_bytes(plan, runtime.disk_block_mb))} of "
+        print(f"disk_buffers auto -> {runtime.disk_buffers}: {size(buffer_bytes(plan, runtime.disk_block_mb))} of "
               f"block buffers, the disk tier's read-ahead (as deep as host RAM has room for, at most half the "
               f"disk units' {size(tier_bytes(plan, runtime.disk_block_mb))})")
     if cfg.runtime.held_buffers == -1 and cfg.runtime.mode == "slide":
         say(f"held_buffers auto -> {runtime.held_buffers}"
-              + ("" if runtime.held_buffers == 1 else
-                 " (the clipped schedule's gradients alternate between two host buffers)"
-                 if runtime.held_second_units == -1 else
-                 f" for the lowest {runtime.held_second_units} host units "
-                 f"({plan.ranges(lambda u: u.held == 2)}: as many as host RAM has room for), one for the rest"))
+            + ("" if runtime.held_buffers == 1 else
+               " (the clipped schedule's gradients alternate between two host buffers)"
+               if runtime.held_second_units == -1 else
+               f" for the lowest {runtime.held_second_units} host units "
+               f"({plan.ranges(lambda u: u.held == 2)}: as many as host RAM has room for), one for the rest"))
     if cfg.runtime.vocab_update == "auto" and cfg.runtime.mode == "slide":
         say(f"vocab_update auto -> {runtime.vocab_update}"
-              + (" (embedding and head updated on the GPU)" if runtime.vocab_update == "device" else ""))
+            + (" (embedding and head updated on the GPU)" if runtime.vocab_update == "device" else ""))
     if cfg.runtime.device_layers == -1 and cfg.runtime.mode == "slide":
         say(f"device_layers auto -> {max(0, runtime.device_layers)}"
-              + (f" (decoder layers 0-{runtime.device_layers - 1} kept and updated on the GPU)"
-                 if runtime.device_layers > 0 else ""))
+            + (f" (decoder layers 0-{runtime.device_layers - 1} kept and updated on the GPU)"
+               if runtime.device_layers > 0 else ""))
     if cfg.runtime.gpu_checkpoints == -1 and cfg.runtime.offload_activations and cfg.runtime.mode == "slide":
         kept = plan.gpu_checkpoints
         say(f"gpu_checkpoints auto -> {kept}"
-              + (f" (the input checkpoints of the last {kept} decoder layers stay on the GPU)" if kept else ""))
+            + (f" (the input checkpoints of the last {kept} decoder layers stay on the GPU)" if kept else ""))
     if cfg.runtime.disk_units == -1 and runtime.disk_dir and cfg.runtime.mode == "slide":
-        say(f"disk_units auto -> {len(plan.indices('disk'))}"
+        print(f"disk_units auto -> {len(plan.indices('disk'))}"
               + (f" ({plan.ranges(lambda u: u.state == 'disk')}: AdamW moments in {runtime.disk_dir})"
                  if plan.indices("disk") else " (host RAM holds the state)"))
     if cfg.runtime.disk_master == "auto" and runtime.disk_dir and cfg.runtime.mode == "slide":
-        say(f"disk_master auto -> {runtime.disk_master}"
+        print(f"disk_master auto -> {runtime.disk_master}"
               + (f" ({plan.ranges(lambda u: u.master == 'disk')}: FP32 masters on disk too, their compute-dtype "
                  f"weights in host RAM)" if plan.master_params("disk") else ""))
     if plan is not None:
