@@ -1028,7 +1028,8 @@ def _plot(metrics: Path, png: Path) -> None:
             smooth = [float(np.mean(losses[max(0, i - half):i + half + 1])) for i in range(len(losses))]
             ax.plot(steps, smooth, color="tab:blue", label=f"train loss (mean of {2 * half + 1} steps around each)")
     if eval_pts:
-        ax.plot(*zip(*eval_pts), "o-", color="tab:red", lw=2.5, ms=7, label="held-out loss")
+        change = f" ({eval_pts[0][1]:.3f} -> {eval_pts[-1][1]:.3f})" if len(eval_pts) > 1 else ""
+        ax.plot(*zip(*eval_pts), "o-", color="tab:red", lw=2.5, ms=7, label=f"held-out loss{change}")
     title = png.parent.name
     try:
         title += f": {json.loads((png.parent / 'config.json').read_text())['model']}"
