@@ -227,7 +227,7 @@ def _print_config(cfg: TrainConfig, device: Device, dtype_why: str, verbose: boo
     steps = (f"{cfg.epochs:g} epochs" if cfg.epochs is not None
              else f"{cfg.resolved_max_steps(device.is_cuda)} steps")
     data = cfg.data.path or "the built-in corpus"
-    clip = f"clipping at {cfg.max_grad_norm:g}" if cfg.max_grad_norm else "no clipping"
+    clip = f"gradient clipping at {cfg.max_grad_norm:g}" if cfg.max_grad_norm else "no gradient clipping"
     evals = "held-out loss before and after" + (f", every {cfg.eval_every} steps" if cfg.eval_every else "")
     print(f"slidetune train: {cfg.model} on {data}, {cfg.runtime.mode} mode on {device.device}, {cfg.runtime.dtype} "
           f"({dtype_why})\n"
@@ -417,7 +417,8 @@ def _reference_check(cfg: TrainConfig, loaded: LoadedModel) -> None:
               f"{loaded.split.config.model_type!r} is not verified against transformers")
         return
     result = require_faithful(loaded.split.config, seed=cfg.seed)
-    print(f"reference check passed: {result.summary()}")
+    print(f"reference check passed (the model's layers as slidetune runs them, against transformers on a tiny "
+          f"random copy): {result.summary()}")
 
 
 def _apply_gpu_memory_limit(cfg: TrainConfig, device: Device) -> int | None:
