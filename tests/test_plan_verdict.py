@@ -12,8 +12,9 @@ import pytest
 
 from slidetune.cli import main
 
+# a described machine: a 24 GiB GPU, 64 GiB of host RAM and a disk with 200 GiB free (whatever this one has)
 GPU_24G = ["--model", "qwen3-8b", "--batch-size", "16", "--seq-len", "1024", "--device", "cuda",
-           "--gpu-free-gib", "24", "--host-gib", "64"]
+           "--gpu-free-gib", "24", "--host-gib", "64", "--disk-free-gib", "200"]
 
 
 def plan(*args: str) -> str:
@@ -65,10 +66,15 @@ def test_disk_tier_offered_where_it_makes_a_gpu_configuration_fit(tmp_path):
 @pytest.mark.parametrize("host_gib, expected", [("64", "fits"), ("20", "does not fit")])
 def test_cpu_machine_gets_a_verdict(tmp_path, host_gib, expected):
     """On a CPU (--device cpu, a host of --host-gib): a verdict, and where host RAM is short the disk tier."""
-    base = ["--model", "qwen3-1.7b", "--device", "cpu", "--host-gib", host_gib]
+    base = ["--model", "qwen3-1.7b", "--device", "cpu", "--host-gib", host_gib, "--disk-free-gib", "200"]
     text = plan(*base)
     assert verdict(text) == expected
     assert not re.search(r"GPU [\d.]+ GiB", text.split("resolved on")[1].splitlines()[0])   # no GPU figures
     if expected == "does not fit":
         assert re.search(r"With a local disk: --disk-dir PATH \(the disk tier: AdamW moments of \d+ units", text)
         assert verdict(plan(*base, "--disk-dir", str(tmp_path))) == "fits"
+
+
+def test_a_disk_too_small_for_the_tier_is_the_verdict(tmp_path):
+    text = plan(*GPU_24G[:-2], "--disk-free-gib", "20", "--disk-dir", str(tmp_path))
+    assert "does not fit: --disk-dir" in text and "has 20.0 GiB free but the disk tier needs" in text

@@ -241,9 +241,10 @@ def _plan_resolved(ns, cfg, split):
           + (f"GPU {est.gpu_bytes / gib:.2f} GiB{' per rank' if ranks > 1 else ''}, " if on_gpu else "") + host_words
           + (f", disk tier {est.disk_bytes / gib:.2f} GiB" if est.disk_bytes else ""))
     shm = int(ns.shm_gib * gib) if ns.shm_gib is not None else None
+    disk = int(ns.disk_free_gib * gib) if ns.disk_free_gib is not None else None
     try:
         check_fit(split, resolved, gpu_free_bytes=free, host_available_bytes=host, ranks_per_host=ranks,
-                  shm_free_bytes=shm, **kw)
+                  shm_free_bytes=shm, disk_free_bytes=disk, **kw)
         print(f"fits ({FIT_SAFETY:.0%} of each)")
     except (InsufficientMemoryError, SharedMemoryError, DiskTierError) as e:
         print(f"does not fit: {str(e).removeprefix('slidetune: ')}")
@@ -331,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "shared state must fit /dev/shm (--shm-gib)")
     p_plan.add_argument("--shm-gib", type=float, default=None,
                         help="with --gpus N > 1: the free space of /dev/shm (default: this machine's)")
+    p_plan.add_argument("--disk-free-gib", type=float, default=None,
+                        help="with --disk-dir: the free space of its disk (default: what it has here), as "
+                             "--host-gib describes the host")
     p_plan.add_argument("--terms", action="store_true",
                         help="also probe this machine (GPU compute, PCIe, host AdamW, the disk tier's directory; "
                              "about a minute) and print the seconds a step each term of the floor costs")

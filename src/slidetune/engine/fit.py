@@ -611,12 +611,14 @@ def check_fit_on_ranks(split: SplitModel, rt: RuntimeConfig, work: Workload, ran
 def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int, grad_accum: int = 1,
               max_grad_norm: float | None = None, gpu_free_bytes: int | None = None,
               host_available_bytes: int | None = None, safety: float = FIT_SAFETY, padded: bool = True,
-              ranks_per_host: int = 1, shm_free_bytes: int | None = None) -> MemoryEstimate:
+              ranks_per_host: int = 1, shm_free_bytes: int | None = None,
+              disk_free_bytes: int | None = None) -> MemoryEstimate:
     """The estimate if it fits in `safety` x the available memory, else InsufficientMemoryError.
 
     ranks_per_host: data-parallel ranks on this host; the GPU check is per rank (each has its own
     GPU), the host check counts the shared state once and each rank's own buffers per rank, and
-    the shared state must fit the host's /dev/shm (`shm_free_bytes`, default: its free space).
+    the shared state must fit the host's /dev/shm (`shm_free_bytes`, default: its free space), and
+    the disk tier's files the disk of its directory (`disk_free_bytes`, default: its free space).
 
     gpu_free_bytes: default torch.cuda.mem_get_info()[0] (device cuda); ignored on device cpu,
     where model state and activations count against host RAM.
@@ -628,7 +630,7 @@ def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len:
                           max_grad_norm=max_grad_norm, padded=padded)
     if est.disk_bytes:
         # the disk tier's directory: there, writable, with room for its files (DiskTierError)
-        check_directory(rt.disk_dir, est.disk_bytes)
+        check_directory(rt.disk_dir, est.disk_bytes, disk_free_bytes)
     if ranks_per_host > 1 and est.plan is not None:
         # the host's ranks share the state through a tmpfs file (SharedMemoryError, naming the fix;
         # a container's /dev/shm is 64 MB unless it is given more)
