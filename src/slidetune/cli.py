@@ -51,17 +51,17 @@ def _rank() -> tuple[int, int]:
 
 
 def _plan(ns) -> int:
-    """Print the memory estimate of a configuration without allocating anything."""
+    """Print the memory estimate of a configuration and the verdict (fits, or does not with the options
+    that do) for this machine or the one the flags describe, allocating nothing."""
     import dataclasses
 
-    from .engine.fit import estimate_memory
-    from .engine.placement import AUTO_WINDOW, cache_unit_options
-    from .models.load import load_model
-    cfg = config_from_args(ns)
     import torch
 
     from .device import resolve_dtype
-    from .engine.fit import FIT_SAFETY
+    from .engine.fit import FIT_SAFETY, estimate_memory
+    from .engine.placement import AUTO_WINDOW, cache_unit_options
+    from .models.load import load_model
+    cfg = config_from_args(ns)
     # the device planned for: a GPU (this machine's, or one described by --gpu-free-gib), else the CPU
     on_gpu = cfg.runtime.device.startswith("cuda") or (
         cfg.runtime.device == "auto" and (ns.gpu_free_gib is not None or torch.cuda.is_available()))
@@ -85,7 +85,8 @@ def _plan(ns) -> int:
     est = estimate()
     gib = 2**30
     print(f"model {cfg.model}: {loaded.split.num_params() / 1e9:.3f} B parameters, mode {cfg.runtime.mode}")
-    print(f"GPU  {est.gpu_bytes / gib:8.2f} GiB")
+    # on the CPU the device's buffers are host RAM too (the verdict below counts them there)
+    print(f"{'GPU ' if on_gpu else 'device buffers (host RAM on the CPU)'} {est.gpu_bytes / gib:8.2f} GiB")
     for k, v in est.gpu_parts.items():
         print(f"   {k:<28} {v / gib:8.2f}")
     print(f"host {est.host_bytes / gib:8.2f} GiB (pinned {est.pinned_bytes / gib:.2f})")
@@ -245,10 +246,11 @@ def _plan_resolved(ns, cfg, split):
     try:
         check_fit(split, resolved, gpu_free_bytes=free, host_available_bytes=host, ranks_per_host=ranks,
                   shm_free_bytes=shm, disk_free_bytes=disk, **kw)
-        print(f"fits ({FIT_SAFETY:.0%} of each)")
+        print(f"fits ({FIT_SAFETY:.0%} of each)" if on_gpu else f"fits ({FIT_SAFETY:.0%} of the host's RAM)")
     except (InsufficientMemoryError, SharedMemoryError, DiskTierError) as e:
         print(f"does not fit: {str(e).removeprefix('slidetune: ')}")
-    if plan is not None:
+    # the placement is the GPU's (slots, uploads); on the CPU only where the disk tier takes units
+    if plan is not None and (on_gpu or plan.indices("disk")):
         print("placement:\n" + "\n".join(plan.summary_lines()))
     return plan
 
