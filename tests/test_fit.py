@@ -549,7 +549,8 @@ def test_plan_prints_the_estimate_and_the_resident_alternative(capsys):
     """`slidetune plan`: the estimate by part, and with cache_units auto the GPU memory from
     which every layer would stay resident."""
     from slidetune.cli import main
-    assert main(["plan", "--model", "qwen3-1.7b", "--batch-size", "8", "--seq-len", "1024", "--max-grad-norm", "0"]) == 0
+    assert main(["plan", "--model", "qwen3-1.7b", "--batch-size", "8", "--seq-len", "1024", "--max-grad-norm", "0",
+                 "--device", "cuda"]) == 0
     out = capsys.readouterr().out
     assert "GPU " in out and "layer weight slots" in out and "master + Adam moments" in out
     m = re.search(r"at least ([\d.]+) GiB free every layer stays resident \(GPU ([\d.]+) GiB", out)
@@ -558,7 +559,7 @@ def test_plan_prints_the_estimate_and_the_resident_alternative(capsys):
     assert "grad_slot_dtype auto: compute (gradients cross PCIe in the compute dtype" in out
     # ... and with FP32 downloads, the memory from which FP32 slots are taken, for both slot choices
     assert main(["plan", "--model", "qwen3-1.7b", "--batch-size", "8", "--seq-len", "1024", "--max-grad-norm", "0",
-                 "--tuning.grad_download", "fp32"]) == 0
+                 "--device", "cuda", "--tuning.grad_download", "fp32"]) == 0
     out = capsys.readouterr().out
     fp32 = re.findall(r"with cache_units (\d+), FP32 gradient slots need a GPU with ([\d.]+) GiB free "
                       r"\(GPU ([\d.]+) GiB", out)

@@ -17,7 +17,10 @@ import pytest
 
 from test_train_errors import run_cli
 
-DEFAULTS = ["--model", "tiny-llama", "--max-steps", "2", "--device", "cpu", "--progress", "false"]
+# the job's shape as TrainConfig's defaults (the GPU job's: 4 x 256 tokens; the CPU default job is
+# smaller, config.CPU_DEFAULT_JOB), so the fallbacks below happen at the same sizes on every machine
+DEFAULTS = ["--model", "tiny-llama", "--max-steps", "2", "--device", "cpu", "--progress", "false",
+            "--batch-size", "4", "--seq-len", "256", "--eval-batches", "8"]
 TOPICS = ["the moon", "a river", "fresh bread", "an old violin", "winter mornings", "the ocean",
           "a small library", "honey bees"]
 

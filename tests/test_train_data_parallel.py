@@ -148,7 +148,7 @@ def test_only_rank_zero_writes(runs):
     assert state["trainer_state"]["config"]["world_size"] == 2
     # rank 1 prints nothing but errors: the run's report appears once
     stdout = runs["two"].stdout
-    for once in ("resolved config:", "final model:", '"eval_loss_before"'):
+    for once in ("slidetune train: ", "final model:", "held-out perplexity"):
         assert stdout.count(once) == 1, (once, stdout[-3000:])
     assert "torch.distributed.run --standalone --nproc-per-node 2" in stdout
 
@@ -255,7 +255,9 @@ def test_two_ranks_with_every_tier_train_like_one_rank(tmp_path):
     args = [*common_args(data), "--disk-dir", str(disk), "--tuning.disk_units", "1", "--tuning.device_layers", "1",
             "--tuning.vocab_update", "device", "--tuning.dp_weights", "gather",
             "--eval-batches", "0"]       # every held-out batch: the last leaves rank 1 no row (10 rows, 4 a batch)
-    two = run_launcher(*args, "--batch-size", str(PER_RANK), "--gpus", "2", "--output-dir", str(tmp_path / "two"))
+    # --verbose: the placement (the GPU's slots and tiers) is printed on the CPU only then
+    two = run_launcher(*args, "--batch-size", str(PER_RANK), "--gpus", "2", "--output-dir", str(tmp_path / "two"),
+                       "--verbose")
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-5000:]
     assert "disk tier (moments; master in host RAM): layer 2" in two.stdout
     assert "GPU (master + moments, updated on the GPU): embed, layer 0, head" in two.stdout

@@ -24,7 +24,7 @@ import torch
 
 from slidetune import train as train_mod
 from slidetune.cli import build_parser, main
-from slidetune.config import TrainConfig, _FLAG_NAMES, _leaf_fields, config_from_args, config_to_dict, tuning_paths
+from slidetune.config import CPU_DEFAULT_JOB, TrainConfig, _FLAG_NAMES, _leaf_fields, config_from_args, config_to_dict, tuning_paths
 from slidetune.data.corpus import builtin_corpus
 
 BASE = ["--model", "tiny-llama", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "2",
@@ -161,7 +161,7 @@ def test_runs_succeed(runs):
     for key in ("A_run", "B_first", "B_second", "C_second"):
         code, out, err = runs[key]
         assert code == 0, (key, out[-2000:], err[-2000:])
-    assert "resolved config:" in runs["A_run"][1]
+    assert "slidetune train: tiny-llama on " in runs["A_run"][1]
     assert "held-out before training" in runs["A_run"][1] and "held-out after training" in runs["A_run"][1]
 
 
@@ -361,6 +361,12 @@ def test_no_arguments_is_the_readme_default_job():
     """`slidetune train` alone: SmolLM2-135M on the built-in corpus, slide mode, GPU if any else CPU,
     a short run with held-out evaluation before and after, written to runs/default/."""
     cfg = config_from_args(build_parser().parse_args(["train"]))
+    # on a CPU the default job's shape is CPU_DEFAULT_JOB's (where no flag sets it), else TrainConfig's own
+    if not torch.cuda.is_available():
+        assert (cfg.batch_size, cfg.data.seq_len, cfg.eval_batches) == (
+            CPU_DEFAULT_JOB["batch_size"], CPU_DEFAULT_JOB["data.seq_len"], CPU_DEFAULT_JOB["eval_batches"])
+        cfg = config_from_args(build_parser().parse_args(["train", "--batch-size", "4", "--seq-len", "256",
+                                                          "--eval-batches", "8"]))
     assert cfg == TrainConfig()
     assert cfg.model == "smollm2-135m"
     assert cfg.data.path is None                         # the built-in corpus

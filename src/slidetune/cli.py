@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from .config import ConfigArgumentParser, add_config_flags, config_from_args, config_to_dict
+from .config import ConfigArgumentParser, add_config_flags, config_from_args
 
 
 def _train(ns) -> int:
@@ -30,10 +30,19 @@ def _train(ns) -> int:
     quiet = _rank()[0] > 0
     with open(os.devnull, "w") if quiet else contextlib.nullcontext(sys.stdout) as out, \
             contextlib.redirect_stdout(out):
-        print("resolved config:\n" + json.dumps(config_to_dict(cfg), indent=2), flush=True)
-        summary = train(cfg)
-        print(json.dumps(summary.__dict__, indent=2))
+        summary = train(cfg, verbose=ns.verbose)
+        print(json.dumps(summary.__dict__, indent=2) if ns.verbose else _summary_line(summary))
     return 130 if summary.interrupted else 0
+
+
+def _summary_line(summary) -> str:
+    """The end of a run in one line (summary.json holds all of it)."""
+    minutes, seconds = divmod(round(summary.wall_s), 60)
+    held_out = (f"; held-out perplexity {summary.ppl_before:.2f} -> {summary.ppl_after:.2f}"
+                if summary.ppl_before is not None and summary.ppl_after is not None else "")
+    return (f"{'stopped' if summary.interrupted or summary.stopped_early else 'done'}: {summary.steps} steps in "
+            f"{minutes}:{seconds:02d}{held_out}; {summary.output_dir}/ holds metrics.csv, loss.png, summary.json"
+            + ("" if summary.interrupted or summary.stopped_early else " and final/"))
 
 
 def _rank() -> tuple[int, int]:
@@ -42,12 +51,26 @@ def _rank() -> tuple[int, int]:
 
 
 def _plan(ns) -> int:
-    """Print the memory estimate of a configuration without allocating anything."""
+    """Print the memory estimate of a configuration and the verdict (fits, or does not with the options
+    that do) for this machine or the one the flags describe, allocating nothing."""
     import dataclasses
 
-    from .engine.fit import estimate_memory
+    import torch
+
+    from .device import resolve_dtype
+    from .engine.fit import FIT_SAFETY, estimate_memory
+    from .engine.placement import AUTO_WINDOW, cache_unit_options
     from .models.load import load_model
     cfg = config_from_args(ns)
+    # the device planned for: a GPU (this machine's, or one described by --gpu-free-gib), else the CPU
+    on_gpu = cfg.runtime.device.startswith("cuda") or (
+        cfg.runtime.device == "auto" and (ns.gpu_free_gib is not None or torch.cuda.is_available()))
+    dtype, why = resolve_dtype(cfg.runtime.dtype, "cuda" if on_gpu else "cpu")
+    if cfg.runtime.dtype == "auto":
+        print(f"dtype auto -> {dtype}: {why}")
+    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(
+        cfg.runtime, dtype=dtype, device=cfg.runtime.device if cfg.runtime.device != "auto" else
+        ("cuda" if on_gpu else "cpu")))
     loaded = load_model(cfg.model, num_layers=cfg.num_layers, with_tokenizer=False)
 
     def estimate(**changes):
@@ -62,7 +85,8 @@ def _plan(ns) -> int:
     est = estimate()
     gib = 2**30
     print(f"model {cfg.model}: {loaded.split.num_params() / 1e9:.3f} B parameters, mode {cfg.runtime.mode}")
-    print(f"GPU  {est.gpu_bytes / gib:8.2f} GiB")
+    # on the CPU the device's buffers are host RAM too (the verdict below counts them there)
+    print(f"{'GPU ' if on_gpu else 'device buffers (host RAM on the CPU)'} {est.gpu_bytes / gib:8.2f} GiB")
     for k, v in est.gpu_parts.items():
         print(f"   {k:<28} {v / gib:8.2f}")
     print(f"host {est.host_bytes / gib:8.2f} GiB (pinned {est.pinned_bytes / gib:.2f})")
@@ -73,23 +97,23 @@ def _plan(ns) -> int:
                     bytes_per_param=2)
     if note:
         print(note)
+    plan = _plan_resolved(ns, cfg, loaded.split)
     if cfg.runtime.mode != "slide":
         return 0
-    plan = _plan_resolved(ns, cfg, loaded.split)
-    if plan is None:        # nothing resolved for a GPU here: the placement of the settings as given
-        plan = est.plan
-        print("placement:\n" + "\n".join(plan.summary_lines()))
+    plan = plan or est.plan         # no GPU described: the placement of the settings as given
     if ns.terms:
         _plan_terms(cfg, plan)
         if ns.gpus > 1:
             print(f"(the terms above are one rank's; under {ns.gpus} ranks the gradient all-reduce adds a term "
                   f"probed on {ns.gpus} GPUs: slidetune bench throughput --gpus 1,{ns.gpus})")
+    if not on_gpu:
+        return 0
     # the slot choices engine.fit.choose_auto_settings tries for cache_units
-    cache_options = [0, 3] if cfg.runtime.cache_units == -1 else [cfg.runtime.cache_units]
+    cache_options = cache_unit_options(cfg.runtime.cache_units)
     if cfg.runtime.cache_units == -1:
         resident = estimate(cache_units=0)
-        print(f"cache_units auto: the estimate above is the 3-slot window; on a GPU with at least "
-              f"{resident.gpu_bytes / 0.9 / gib:.1f} GiB free every layer stays resident "
+        print(f"cache_units auto: the estimate above is the {AUTO_WINDOW}-slot window; on a GPU with at least "
+              f"{resident.gpu_bytes / FIT_SAFETY / gib:.1f} GiB free every layer stays resident "
               f"(GPU {resident.gpu_bytes / gib:.2f} GiB; faster: the forward no longer waits on PCIe)")
     if cfg.runtime.grad_slot_dtype == "auto" and cfg.runtime.grad_download == "compute":
         print("grad_slot_dtype auto: compute (gradients cross PCIe in the compute dtype and the host's AdamW "
@@ -98,14 +122,14 @@ def _plan(ns) -> int:
         for cache_units in cache_options:
             fp32 = estimate(cache_units=cache_units, grad_slot_dtype="fp32")
             print(f"grad_slot_dtype auto: with cache_units {cache_units}, FP32 gradient slots need a GPU with "
-                  f"{fp32.gpu_bytes / 0.9 / gib:.1f} GiB free (GPU {fp32.gpu_bytes / gib:.2f} GiB; the gradient "
+                  f"{fp32.gpu_bytes / FIT_SAFETY / gib:.1f} GiB free (GPU {fp32.gpu_bytes / gib:.2f} GiB; the gradient "
                   f"copies then need no cast kernel); below that the slots keep the compute dtype")
     if cfg.runtime.device_layers == -1:
         one = estimate(device_layers=1).gpu_bytes - estimate(device_layers=0).gpu_bytes
         every = estimate(device_layers=loaded.split.num_layers).gpu_bytes
         print(f"device_layers auto: each layer kept and updated on the GPU adds about {one / gib:.2f} GiB "
               f"to the estimate above and takes its share off the host's AdamW; all "
-              f"{loaded.split.num_layers} need a GPU with {every / 0.9 / gib:.1f} GiB free")
+              f"{loaded.split.num_layers} need a GPU with {every / FIT_SAFETY / gib:.1f} GiB free")
     if cfg.runtime.offload_activations and cfg.runtime.gpu_checkpoints == -1:
         one = estimate(gpu_checkpoints=1).host_bytes - estimate(gpu_checkpoints=0).host_bytes
         print(f"gpu_checkpoints auto: the estimate above offloads every checkpoint; each one kept on the GPU "
@@ -115,7 +139,7 @@ def _plan(ns) -> int:
         for cache_units in cache_options:
             dev = estimate(cache_units=cache_units, vocab_update="device")
             print(f"vocab_update auto: with cache_units {cache_units}, the embedding and head are updated on "
-                  f"the GPU on one with {dev.gpu_bytes / 0.9 / gib:.1f} GiB free (GPU {dev.gpu_bytes / gib:.2f} "
+                  f"the GPU on one with {dev.gpu_bytes / FIT_SAFETY / gib:.1f} GiB free (GPU {dev.gpu_bytes / gib:.2f} "
                   f"GiB; less host AdamW per step); below that on the host")
     return 0
 
@@ -170,23 +194,24 @@ def _plan_terms(cfg, plan) -> None:
 
 
 def _plan_resolved(ns, cfg, split):
-    """What the auto settings resolve to on a given GPU and host (as train would resolve them
-    there), the estimate of that placement, and whether check_fit lets it run. Returns that
-    placement plan (None where nothing is resolved: no GPU here and none described)."""
-    import dataclasses
-
+    """The verdict: what the auto settings resolve to on the machine planned for (as train would
+    resolve them there: a GPU, this machine's or one described by --gpu-free-gib, or the CPU), the
+    estimate of that placement, and whether check_fit lets it run ("fits", or "does not fit" with
+    the options that do). Returns that placement plan (None outside slide mode)."""
     import torch
 
     from .engine.distributed import SharedMemoryError
-    from .engine.fit import InsufficientMemoryError, check_fit, choose_auto_settings, estimate_memory
+    from .engine.slide.disk_tier import DiskTierError
+    from .engine.fit import FIT_SAFETY, InsufficientMemoryError, check_fit, choose_auto_settings, estimate_memory
     from .engine.fit import query_host_available_bytes, shared_state_bytes
     gib = 2**30
-    if cfg.runtime.device == "cpu" or (ns.gpu_free_gib is None and not torch.cuda.is_available()):
-        if cfg.runtime.device == "cuda":
-            print("(pass --gpu-free-gib [--host-gib] to see what the auto settings resolve to on such a GPU)")
-        return
-    rt = cfg.runtime if cfg.runtime.device == "cuda" else dataclasses.replace(cfg.runtime, device="cuda")
-    free = int(ns.gpu_free_gib * gib) if ns.gpu_free_gib is not None else None
+    rt = cfg.runtime
+    on_gpu = rt.device.startswith("cuda")
+    if on_gpu and ns.gpu_free_gib is None and not torch.cuda.is_available():
+        print("no GPU here to plan for: pass --gpu-free-gib GIB (and --host-gib GIB) to see what the auto settings "
+              "resolve to on such a GPU and host, and whether it fits")
+        return None
+    free = int(ns.gpu_free_gib * gib) if ns.gpu_free_gib is not None and on_gpu else None
     host = int(ns.host_gib * gib) if ns.host_gib is not None else query_host_available_bytes()
     kw = dict(batch_size=cfg.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
               max_grad_norm=cfg.max_grad_norm, padded=not cfg.data.packed)
@@ -194,29 +219,39 @@ def _plan_resolved(ns, cfg, split):
     resolved = choose_auto_settings(split, rt, gpu_free_bytes=free, host_available_bytes=host, ranks_per_host=ranks,
                                     **kw)
     est = estimate_memory(split, resolved, **kw)
-    where = f"a GPU with {free / gib:.1f} GiB free" if free is not None else "this machine's GPU"
+    if not on_gpu:
+        where = "the CPU (no GPU: weights, activations and optimizer state all in host RAM)"
+    else:
+        where = f"a GPU with {free / gib:.1f} GiB free" if free is not None else "this machine's GPU"
     if ranks > 1:
         where = f"{ranks} ranks on one host, each on {where}"
     plan = est.plan
-    print(f"resolved on {where} and {host / gib:.1f} GiB of host RAM: cache_units={resolved.cache_units} "
-          + (f"resident_layers={plan.resident_layers} " if resolved.cache_units else "")
-          + f"vocab_update={resolved.vocab_update} grad_slot_dtype={resolved.grad_slot_dtype} "
-          f"device_layers={plan.device_layers}"
-          + (f" disk_units={len(plan.indices('disk'))} disk_master={resolved.disk_master}" if resolved.disk_dir else "")
-          + (f" gpu_checkpoints={plan.gpu_checkpoints}" if resolved.offload_activations else "")
-          + f": GPU {est.gpu_bytes / gib:.2f} GiB"
-          + (f" per rank, host {est.host_bytes_per_host(ranks) / gib:.2f} GiB for its {ranks} ranks "
-             f"(the shared state, {shared_state_bytes(plan) / gib:.2f} GiB in /dev/shm, once)" if ranks > 1
-             else f", host {est.host_bytes / gib:.2f} GiB")
+    host_words = (f"host {est.host_bytes_per_host(ranks) / gib:.2f} GiB for its {ranks} ranks (the shared state, "
+                  f"{shared_state_bytes(plan) / gib:.2f} GiB in /dev/shm, once)" if ranks > 1 and plan is not None
+                  else f"host {est.host_bytes / gib:.2f} GiB")
+    settings = ""
+    if plan is not None and on_gpu:
+        settings = (f"cache_units={resolved.cache_units} "
+                    + (f"resident_layers={plan.resident_layers} " if resolved.cache_units else "")
+                    + f"vocab_update={resolved.vocab_update} grad_slot_dtype={resolved.grad_slot_dtype} "
+                    f"device_layers={plan.device_layers}"
+                    + (f" gpu_checkpoints={plan.gpu_checkpoints}" if resolved.offload_activations else ""))
+    if plan is not None and resolved.disk_dir:
+        settings += f" disk_units={len(plan.indices('disk'))} disk_master={resolved.disk_master}"
+    print(f"resolved on {where} and {host / gib:.1f} GiB of host RAM{': ' + settings.strip() if settings else ''}: "
+          + (f"GPU {est.gpu_bytes / gib:.2f} GiB{' per rank' if ranks > 1 else ''}, " if on_gpu else "") + host_words
           + (f", disk tier {est.disk_bytes / gib:.2f} GiB" if est.disk_bytes else ""))
     shm = int(ns.shm_gib * gib) if ns.shm_gib is not None else None
+    disk = int(ns.disk_free_gib * gib) if ns.disk_free_gib is not None else None
     try:
         check_fit(split, resolved, gpu_free_bytes=free, host_available_bytes=host, ranks_per_host=ranks,
-                  shm_free_bytes=shm, **kw)
-        print("fits (90% of each)")
-    except (InsufficientMemoryError, SharedMemoryError) as e:
+                  shm_free_bytes=shm, disk_free_bytes=disk, **kw)
+        print(f"fits ({FIT_SAFETY:.0%} of each)" if on_gpu else f"fits ({FIT_SAFETY:.0%} of the host's RAM)")
+    except (InsufficientMemoryError, SharedMemoryError, DiskTierError) as e:
         print(f"does not fit: {str(e).removeprefix('slidetune: ')}")
-    print("placement:\n" + "\n".join(plan.summary_lines()))
+    # the placement is the GPU's (slots, uploads); on the CPU only where the disk tier takes units
+    if plan is not None and (on_gpu or plan.indices("disk")):
+        print("placement:\n" + "\n".join(plan.summary_lines()))
     return plan
 
 
@@ -242,7 +277,7 @@ def _report(ns) -> int:
 
 
 def _add_bench(sub) -> None:
-    from .bench.scenarios import SCENARIOS, scenario_module
+    from .bench.scenarios import SCENARIO_HELP, SCENARIOS, scenario_module
     p_bench = sub.add_parser("bench", help="run a benchmark scenario (each configuration in its own process)")
     scen = p_bench.add_subparsers(dest="scenario", required=True)
     p_rt = scen.add_parser("runtime", help="the runtime's GPU acceptance checks (memory ratios, depth, 8B)")
@@ -256,8 +291,7 @@ def _add_bench(sub) -> None:
         if name == "runtime":
             continue
         mod = scenario_module(name)
-        doc = (mod.__doc__ or name).strip().splitlines()[0]
-        p = scen.add_parser(name, help=doc, description=mod.__doc__,
+        p = scen.add_parser(name, help=SCENARIO_HELP[name], description=mod.__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(func=_bench_scenario, scenario_module=mod)
@@ -282,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "(torch.distributed.run) with N ranks, --batch-size rows each (the global batch is "
                               "N x --batch-size); with --device cpu, N CPU processes over gloo (testing). "
                               "docs/data_parallel.md")
+    p_train.add_argument("--verbose", action="store_true",
+                         help="print the whole resolved config at the start (config.json in the output directory "
+                              "holds it either way), what every auto setting chose, and the summary at the end")
     p_train.set_defaults(func=_train)
     p_plan = sub.add_parser("plan", help="print the memory a configuration needs, allocating nothing",
                             description=_TRAIN_DESCRIPTION.replace("Fine-tune", "Plan the memory of fine-tuning"))
@@ -297,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "shared state must fit /dev/shm (--shm-gib)")
     p_plan.add_argument("--shm-gib", type=float, default=None,
                         help="with --gpus N > 1: the free space of /dev/shm (default: this machine's)")
+    p_plan.add_argument("--disk-free-gib", type=float, default=None,
+                        help="with --disk-dir: the free space of its disk (default: what it has here), as "
+                             "--host-gib describes the host")
     p_plan.add_argument("--terms", action="store_true",
                         help="also probe this machine (GPU compute, PCIe, host AdamW, the disk tier's directory; "
                              "about a minute) and print the seconds a step each term of the floor costs")

@@ -40,8 +40,13 @@ from .engine.adamw import AdamWConfig
 from .engine.config import TUNING_SECTION, RuntimeConfig, tuning_docs
 
 
-DEFAULT_CPU_STEPS = 20     # the default job on 2 CPU cores: about two and a half minutes
-DEFAULT_GPU_STEPS = 300    # on a GPU the same job is seconds per 20 steps: fine-tune for real
+DEFAULT_CPU_STEPS = 20     # the default job on a CPU (with CPU_DEFAULT_JOB's shape): minutes on 2 cores
+DEFAULT_GPU_STEPS = 300    # on a GPU the job is seconds per 20 steps: fine-tune for real
+# The default job's shape on a CPU, where the user sets none of these (config_from_args): a quarter
+# of the GPU job's tokens a step, so that 20 steps, both evaluations, the model's load and the export
+# finish in minutes on 2 cores of a CPU without bf16 instructions too (fp32: a 2-core AVX2-only EPYC
+# took 15-25 s a step at 4 x 256 tokens; benchmarks/results/train_default_cpu)
+CPU_DEFAULT_JOB = {"batch_size": 2, "data.seq_len": 128, "eval_batches": 4}
 
 
 @dataclass
@@ -132,6 +137,10 @@ _HELP = {
     "optim.eps": "AdamW epsilon",
     "runtime.recompute": 'ckpt mode: the decoder layers that recompute their activations in the backward: '
                          'all | none | a comma list "0,3,7" | "every:k"',
+    "runtime.dtype": "compute precision of weights and activations: auto | bf16 | fp32 | fp16. auto: bf16 where the "
+                     "device computes it natively (a CUDA GPU with bf16; a CPU with AMX-BF16 or AVX512-BF16), else "
+                     "fp32 (on a CPU without them bf16 is emulated, many times slower); the run prints which and why. "
+                     "Master weights and AdamW moments are FP32 whatever this is",
     "runtime.disk_dir": "a directory on a local disk (NVMe ideally) where the AdamW moments of some units live, "
                         "read ahead of their update and written behind it: 4 instead of 12 B/param of host RAM for "
                         "each, 16 B/param through the disk a step (how many: --tuning.disk_units, auto: as few as "
@@ -478,6 +487,12 @@ def config_from_args(ns: argparse.Namespace) -> TrainConfig:
     for key, value in vars(ns).items():
         if key in known:
             _apply(raw, key, value)
+    if _runs_on_cpu(raw):
+        given = {f"{k}.{sub}" if isinstance(v, dict) else k for k, v in raw.items()
+                 for sub in (v if isinstance(v, dict) else [None])}
+        for path, value in CPU_DEFAULT_JOB.items():
+            if path not in given:
+                _apply(raw, path, value)
     try:
         return build_config(raw)
     except ValueError as e:
@@ -493,6 +508,14 @@ def _refuses(raw: dict, message: str) -> bool:
     except ValueError as e:
         return str(e) == message
     return False
+
+
+def _runs_on_cpu(raw: dict) -> bool:
+    """Whether a config (build_config's nested dict) runs on the CPU: --device cpu, or auto here
+    without a GPU."""
+    import torch
+    device = str((raw.get("runtime") or {}).get("device") or "auto")
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
 
 
 def load_yaml(path) -> dict:

@@ -33,8 +33,9 @@ from .checkpoint import (CheckpointCorrupt, CheckpointError, check_checkpoint, l
                          prune_checkpoints, recover_leftovers, save_checkpoint, set_aside)
 from .config import TrainConfig, config_to_dict, group_tuning
 from .data import IGNORE_INDEX, BatchSampler, TokenDataset, build_datasets, collate, default_pad_id
+from .data.build import load_source
 from .data.token_arrays import is_token_source
-from .device import Device
+from .device import Device, resolve_dtype
 from .engine import StepResult, build_engine
 from .engine.compile_policy import choose_compile_layers, resolve_compile_layers
 from .faults import maybe_fail
@@ -137,6 +138,7 @@ class TrainSummary:
     train_sequences: int = 0
     heldout_sequences: int = 0
     device: str = ""
+    dtype: str = ""                      # the compute dtype the run used (--dtype auto resolved)
 
 
 def evaluate(engine, heldout, batch_size: int, pad_id: int, max_batches: int,
@@ -171,7 +173,7 @@ def evaluate(engine, heldout, batch_size: int, pad_id: int, max_batches: int,
     return loss, math.exp(min(loss, 50.0))
 
 
-def train(cfg: TrainConfig) -> TrainSummary:
+def train(cfg: TrainConfig, verbose: bool = False) -> TrainSummary:
     """Run (or continue) the training job `cfg`; see the module docstring.
 
     Everything that can be refused is checked before the output directory is touched (but for
@@ -191,11 +193,25 @@ def train(cfg: TrainConfig) -> TrainSummary:
         # the run's files, so rank 0 alone holds it; the other ranks learn of a refusal (on_main).
         ranks.on_main(lambda: held.extend(
             lock_run_directories(out, Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None)))
-        return _train(cfg, ranks, device, out, t_start)
+        cfg, dtype_why = _resolve_dtype(cfg, device)
+        _print_config(cfg, device, dtype_why, verbose)
+        return _train(cfg, ranks, device, out, t_start, verbose)
     finally:
         for lock in held:
             lock.release()
         ranks.close()
+
+
+def _resolve_dtype(cfg: TrainConfig, device: Device) -> tuple[TrainConfig, str]:
+    """The config with --dtype auto resolved for `device` (device.resolve_dtype), and why: everything
+    after this (the fit, the engine, the save dtype, config.json) sees the dtype that runs."""
+    dtype, why = resolve_dtype(cfg.runtime.dtype, device.device.type)
+    if cfg.runtime.dtype == "auto":
+        why = f"--dtype auto: {why}"
+    elif dtype == "bf16" and not device.is_cuda and resolve_dtype("auto", "cpu")[0] == "fp32":
+        print(f"note: --dtype bf16 on a CPU without bf16 instructions is emulated and many times slower than "
+              f"fp32 ({resolve_dtype('auto', 'cpu')[1]}); --dtype auto picks fp32 here", file=sys.stderr)
+    return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, dtype=dtype)), why
 
 
 def _refuse_under_data_parallel(cfg: TrainConfig, ranks: Ranks) -> None:
@@ -211,11 +227,38 @@ def _refuse_under_data_parallel(cfg: TrainConfig, ranks: Ranks) -> None:
                             + ". Drop these settings, or run on one rank")
 
 
-def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: float) -> TrainSummary:
+def _silent(*args, **kwargs) -> None:
+    pass
+
+
+def _print_config(cfg: TrainConfig, device: Device, dtype_why: str, verbose: bool) -> None:
+    """The run in a few lines (every setting: config.json, or the whole of it here with --verbose)."""
+    if verbose:
+        print("resolved config:\n" + json.dumps(config_to_dict(cfg), indent=2), flush=True)
+    steps = (f"{cfg.epochs:g} epochs" if cfg.epochs is not None
+             else f"{cfg.resolved_max_steps(device.is_cuda)} steps")
+    data = cfg.data.path or "the built-in corpus"
+    clip = f"gradient clipping at {cfg.max_grad_norm:g}" if cfg.max_grad_norm else "no gradient clipping"
+    evals = "held-out loss before and after" + (f", every {cfg.eval_every} steps" if cfg.eval_every else "")
+    print(f"slidetune train: {cfg.model} on {data}, {cfg.runtime.mode} mode on {device.device}, {cfg.runtime.dtype} "
+          f"({dtype_why})\n"
+          f"  {steps} of {cfg.batch_size} x {cfg.data.seq_len} tokens"
+          + (f" x {cfg.grad_accum} micro-batches" if cfg.grad_accum > 1 else "")
+          + f", AdamW lr {cfg.optim.lr:g} ({cfg.lr_schedule}, {cfg.warmup_steps} warmup steps), {clip}; {evals}\n"
+          f"  output: {cfg.output_dir}/ (every setting in config.json" + ("" if verbose else ", --verbose prints them")
+          + ")", flush=True)
+
+
+def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: float,
+           verbose: bool = False) -> TrainSummary:
     if ranks.world_size > 1:
         _refuse_under_data_parallel(cfg, ranks)
         print(f"data parallel: rank {ranks.rank} of {ranks.world_size} on {device.device}; global batch "
               f"{cfg.batch_size * ranks.world_size} ({cfg.batch_size} rows per rank)")
+    # the data first, read and parsed (a missing file, a malformed line: refused in seconds), then
+    # the model, then the reference check on it; a pre-tokenized corpus is opened once the
+    # tokenizer's EOS is known (build_datasets below)
+    source = None if is_token_source(cfg.data.path) else ranks.on_each(lambda: load_source(cfg.data))
     gpu_free = _apply_gpu_memory_limit(cfg, device)
     loaded = load_model(cfg.model, num_layers=cfg.num_layers, seed=cfg.seed)
     _reference_check(cfg, loaded)
@@ -244,13 +287,15 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
     plan = (PlacementPlan.build(unit_shapes(loaded.split), runtime,
                                 runtime.resolved_schedule(cfg.grad_accum, cfg.max_grad_norm))
             if runtime.mode == "slide" else None)
+    # what the auto settings chose: the GPU's placement (on the CPU only with --verbose: no GPU there)
+    say = print if device.is_cuda or verbose else _silent
     if cfg.runtime.cache_units == -1 and cfg.runtime.mode == "slide":
         resident, window = plan.resident_layers, plan.window_slots
-        print(f"cache_units auto -> {runtime.cache_units}: "
-              + (f"a {window}-slot window" + (f" and {resident} resident layers" if resident else "") if window
-                 else "every host-updated layer stays on the GPU between steps"))
+        say(f"cache_units auto -> {runtime.cache_units}: "
+            + (f"a {window}-slot window" + (f" and {resident} resident layers" if resident else "") if window
+               else "every host-updated layer stays on the GPU between steps"))
     if cfg.runtime.grad_slot_dtype == "auto" and cfg.runtime.mode == "slide":
-        print(f"grad_slot_dtype auto -> {runtime.grad_slot_dtype}")
+        say(f"grad_slot_dtype auto -> {runtime.grad_slot_dtype}")
     if cfg.runtime.disk_buffers == -1 and cfg.runtime.mode == "slide" and plan.indices("disk"):
         def size(n: int) -> str:
             return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
@@ -258,23 +303,23 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
               f"block buffers, the disk tier's read-ahead (as deep as host RAM has room for, at most half the "
               f"disk units' {size(tier_bytes(plan, runtime.disk_block_mb))})")
     if cfg.runtime.held_buffers == -1 and cfg.runtime.mode == "slide":
-        print(f"held_buffers auto -> {runtime.held_buffers}"
-              + ("" if runtime.held_buffers == 1 else
-                 " (the clipped schedule's gradients alternate between two host buffers)"
-                 if runtime.held_second_units == -1 else
-                 f" for the lowest {runtime.held_second_units} host units "
-                 f"({plan.ranges(lambda u: u.held == 2)}: as many as host RAM has room for), one for the rest"))
+        say(f"held_buffers auto -> {runtime.held_buffers}"
+            + ("" if runtime.held_buffers == 1 else
+               " (the clipped schedule's gradients alternate between two host buffers)"
+               if runtime.held_second_units == -1 else
+               f" for the lowest {runtime.held_second_units} host units "
+               f"({plan.ranges(lambda u: u.held == 2)}: as many as host RAM has room for), one for the rest"))
     if cfg.runtime.vocab_update == "auto" and cfg.runtime.mode == "slide":
-        print(f"vocab_update auto -> {runtime.vocab_update}"
-              + (" (embedding and head updated on the GPU)" if runtime.vocab_update == "device" else ""))
+        say(f"vocab_update auto -> {runtime.vocab_update}"
+            + (" (embedding and head updated on the GPU)" if runtime.vocab_update == "device" else ""))
     if cfg.runtime.device_layers == -1 and cfg.runtime.mode == "slide":
-        print(f"device_layers auto -> {max(0, runtime.device_layers)}"
-              + (f" (decoder layers 0-{runtime.device_layers - 1} kept and updated on the GPU)"
-                 if runtime.device_layers > 0 else ""))
+        say(f"device_layers auto -> {max(0, runtime.device_layers)}"
+            + (f" (decoder layers 0-{runtime.device_layers - 1} kept and updated on the GPU)"
+               if runtime.device_layers > 0 else ""))
     if cfg.runtime.gpu_checkpoints == -1 and cfg.runtime.offload_activations and cfg.runtime.mode == "slide":
         kept = plan.gpu_checkpoints
-        print(f"gpu_checkpoints auto -> {kept}"
-              + (f" (the input checkpoints of the last {kept} decoder layers stay on the GPU)" if kept else ""))
+        say(f"gpu_checkpoints auto -> {kept}"
+            + (f" (the input checkpoints of the last {kept} decoder layers stay on the GPU)" if kept else ""))
     if cfg.runtime.disk_units == -1 and runtime.disk_dir and cfg.runtime.mode == "slide":
         print(f"disk_units auto -> {len(plan.indices('disk'))}"
               + (f" ({plan.ranges(lambda u: u.state == 'disk')}: AdamW moments in {runtime.disk_dir})"
@@ -284,7 +329,7 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
               + (f" ({plan.ranges(lambda u: u.master == 'disk')}: FP32 masters on disk too, their compute-dtype "
                  f"weights in host RAM)" if plan.master_params("disk") else ""))
     if plan is not None:
-        print("placement:\n" + "\n".join(plan.summary_lines()))
+        say("placement:\n" + "\n".join(plan.summary_lines()))
     if cfg.check_memory:
         # Before the data is tokenized and before the engine allocates anything. Per rank: its own
         # GPU; the host with its local ranks (the shared state once, each rank's buffers each).
@@ -294,7 +339,8 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
     global_batch = cfg.batch_size * ranks.world_size
     # a pre-tokenized corpus's ids are checked against the model's vocabulary here, before step 1
     train_ds, heldout = ranks.on_each(lambda: build_datasets(cfg.data, loaded.tokenizer, min_rows=global_batch,
-                                                             vocab_size=loaded.split.config.vocab_size))
+                                                             vocab_size=loaded.split.config.vocab_size,
+                                                             source=source))
     if train_ds.document_mask:
         use_packed_attention(loaded.split.model)   # packing "masked": attention per document
     # without a tokenizer (pre-tokenized rows, full windows) any id pads: padding is never
@@ -309,7 +355,7 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
                                      seq_len=cfg.data.seq_len)
     runtime = resolve_compile_layers(runtime, compiled)
     if cfg.runtime.mode == "slide":
-        print(f"compile_layers {cfg.runtime.compile_layers} -> {compiled.compile_layers} ({compiled.reason})")
+        say(f"compile_layers {cfg.runtime.compile_layers} -> {compiled.compile_layers} ({compiled.reason})")
 
     ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else out / "checkpoints"
     save_dtype = resolve_save_dtype(cfg.save_dtype, loaded.split.config, runtime.dtype)
@@ -384,7 +430,8 @@ def _reference_check(cfg: TrainConfig, loaded: LoadedModel) -> None:
               f"{loaded.split.config.model_type!r} is not verified against transformers")
         return
     result = require_faithful(loaded.split.config, seed=cfg.seed)
-    print(f"reference check passed: {result.summary()}")
+    print(f"reference check passed (the model's layers as slidetune runs them, against transformers on a tiny "
+          f"random copy): {result.summary()}")
 
 
 def _apply_gpu_memory_limit(cfg: TrainConfig, device: Device) -> int | None:
@@ -699,10 +746,16 @@ class Trainer:
                    gpu_peak_reserved_gib=self.device.max_memory_reserved() / 2**30,
                    cpu_rss_gib=self.host_rss.bytes() / 2**30)
         self.rows.append(row)
+        gpu = (dict(tflops=f"{row['tflops']:.1f}", gpu=f"{row['gpu_peak_alloc_gib']:.1f}G") if self.device.is_cuda
+               else {})
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{res.loss:.4f}", tok_s=f"{tps:,.0f}", tflops=f"{row['tflops']:.1f}",
-                                 gpu=f"{row['gpu_peak_alloc_gib']:.1f}G", rss=f"{row['cpu_rss_gib']:.1f}G")
+            self.bar.set_postfix(loss=f"{res.loss:.4f}", tok_s=f"{tps:,.0f}", **gpu, rss=f"{row['cpu_rss_gib']:.1f}G")
+        elif self.ranks.is_main and (s.step + 1) % self.cfg.log_every == 0:
+            # no bar (--progress false, a log file): one short line per logging step
+            print(f"step {s.step + 1}/{self.total_steps}  loss {res.loss:.4f}  lr {s.lr:.2e}  {s.dt:.2f} s  "
+                  f"{tps:,.0f} tok/s" + "".join(f"  {k} {v}" for k, v in gpu.items())
+                  + f"  rss {row['cpu_rss_gib']:.1f}G", flush=True)
         return row
 
     def fail_non_finite(self, step: int, bad: str) -> NoReturn:
@@ -901,7 +954,7 @@ class Trainer:
             stopped_early=self.stopped_early,
             data_source=cfg.data.path or f"built-in corpus (Python {platform.python_version()} docs)",
             train_sequences=len(self.sampler.dataset), heldout_sequences=len(heldout) if heldout is not None else 0,
-            device=torch.cuda.get_device_name() if self.device.is_cuda else "cpu")
+            device=torch.cuda.get_device_name() if self.device.is_cuda else "cpu", dtype=cfg.runtime.dtype)
         # rank 0 writes it and the other ranks wait for it (on_main): a rank that ended first would
         # make torchrun stop the others (SIGTERM), rank 0 perhaps before this file is written
         self.ranks.on_main(lambda: _write_text(self.out / "summary.json", json.dumps(summary.__dict__, indent=2) + "\n"))
@@ -1020,30 +1073,48 @@ def _fmt(key: str, v):
     return "" if v is None else v
 
 
+# A smoothed training loss from this many steps: each step's batch is different text, and in the CPU
+# default job (20 steps) the batches' own difficulty moved the per-step loss by 2.7-3.9 while the
+# held-out loss fell 3.17 -> 3.12; a mean of 5 of those steps still rose (and the EMA, weight 0.8,
+# rose 2.54 -> 3.09): it showed the batches, not the learning
+SMOOTHED_FROM_STEPS = 50
+
+
 def _plot(metrics: Path, png: Path) -> None:
+    """loss.png: the held-out loss (the headline: the same rows before and after, so its change is the
+    run's learning), the per-step training loss, and from SMOOTHED_FROM_STEPS steps that smoothed by a
+    centred running mean over a fifth of the run. Titled with the run's directory and model (from
+    config.json beside it), integer step ticks."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
     with metrics.open() as f:
         rows = list(csv.DictReader(f))
     train_pts = [(int(r["step"]), float(r["loss"])) for r in rows if r["loss"]]
     eval_pts = [(int(r["step"]), float(r["eval_loss"])) for r in rows if r["eval_loss"]]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
     if train_pts:
-        ax.plot(*zip(*train_pts), label="train loss (per step)", alpha=0.45)
-        # Per-step losses are noisy (each batch is different text): an exponential moving
-        # average (weight 0.8 on the past) shows the trend.
-        ema, smooth = None, []
-        for step, loss in train_pts:
-            ema = loss if ema is None else 0.8 * ema + 0.2 * loss
-            smooth.append((step, ema))
-        ax.plot(*zip(*smooth), label="train loss (EMA 0.8)")
+        steps, losses = zip(*train_pts)
+        ax.plot(steps, losses, ".-", color="tab:blue", alpha=0.3, label="train loss (each step: a different batch)")
+        half = len(losses) // 10                          # window 2 x half + 1: about a fifth of the run
+        if len(losses) >= SMOOTHED_FROM_STEPS:
+            smooth = [float(np.mean(losses[max(0, i - half):i + half + 1])) for i in range(len(losses))]
+            ax.plot(steps, smooth, color="tab:blue", label=f"train loss (mean of {2 * half + 1} steps around each)")
     if eval_pts:
-        ax.plot(*zip(*eval_pts), "o--", label="held-out loss")
+        change = f" ({eval_pts[0][1]:.3f} -> {eval_pts[-1][1]:.3f})" if len(eval_pts) > 1 else ""
+        ax.plot(*zip(*eval_pts), "o-", color="tab:red", lw=2.5, ms=7, label=f"held-out loss{change}")
+    title = png.parent.name
+    try:
+        title += f": {json.loads((png.parent / 'config.json').read_text())['model']}"
+    except (OSError, ValueError, KeyError):
+        pass
+    ax.set_title(title)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     try:
         # matplotlib takes the format from the name's suffix: the temporary name keeps .png

@@ -193,9 +193,9 @@ def _build_token_arrays(cfg: DataConfig, tokenizer: Any, min_rows: int,
     return train, heldout
 
 
-def build_datasets(cfg: DataConfig, tokenizer: Any, min_rows: int = 1,
-                   vocab_size: int | None = None) -> tuple[TokenDataset | TokenArrayDataset,
-                                               TokenDataset | TokenArrayDataset]:
+def build_datasets(cfg: DataConfig, tokenizer: Any, min_rows: int = 1, vocab_size: int | None = None,
+                   source: Source | None = None) -> tuple[TokenDataset | TokenArrayDataset,
+                                                         TokenDataset | TokenArrayDataset]:
     """(train, heldout) for ``cfg``. The held-out split is empty when heldout_fraction == 0, when
     there are fewer than `split.MIN_HELDOUT_EXAMPLES` examples, or when no held-out example has a
     token to evaluate (both with a note).
@@ -206,6 +206,8 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, min_rows: int = 1,
     A pre-tokenized corpus (.bin/.npy, or a save_to_disk directory of input_ids) gives
     memory-mapped `TokenArrayDataset`s instead (token_arrays.py). With ``vocab_size`` (the
     model's) every token id, the tokenizer's or the corpus's, is checked to be below it.
+    ``source``: the examples of ``cfg`` already read (load_source: train reads them before it loads
+    the model, so bad data is refused in seconds); None reads them here.
     Raises `DataError` (naming the file and 1-based line where it applies) for missing,
     malformed or too little data, and ImportError for a datasets directory without
     ``datasets`` installed.
@@ -214,7 +216,7 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, min_rows: int = 1,
         raise ValueError(f"min_rows must be >= 1, got {min_rows}")
     if is_token_source(cfg.path):
         return _build_token_arrays(cfg, tokenizer, min_rows, vocab_size)
-    source = load_source(cfg)
+    source = source if source is not None else load_source(cfg)
     special_ids(tokenizer, source.name)  # fail on a tokenizer without EOS before any work
     train_idx, heldout_idx, note = plan_heldout(len(source.examples), cfg.heldout_fraction,
                                                 cfg.seed, source.name)

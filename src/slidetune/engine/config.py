@@ -53,7 +53,9 @@ def cli_flag(name: str) -> str:
 @dataclass
 class RuntimeConfig:
     mode: str = "slide"             # gpu | ckpt | slide
-    dtype: str = "bf16"             # compute precision; fp32 for exactness checks
+    # compute precision: auto | bf16 | fp32 | fp16. auto (device.resolve_dtype): bf16 where the device
+    # computes it natively (a CUDA GPU with bf16, a CPU with AMX-BF16 or AVX512-BF16), else fp32
+    dtype: str = "auto"
     device: str = "auto"            # auto -> cuda if available else cpu
     # ckpt mode: which decoder layers recompute their activations in backward
     recompute: str = "all"          # all | none | comma list "0,3,7" | "every:k"
@@ -357,8 +359,8 @@ class RuntimeConfig:
             raise ValueError(f"mlp_tile_tokens must be >= 1, not {self.mlp_tile_tokens}")
         if self.mode not in ("gpu", "ckpt", "slide"):
             raise ValueError(f"mode must be gpu, ckpt or slide, not {self.mode!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, not {self.dtype!r}")
         if self.schedule not in ("auto", "eager", "deferred"):
             raise ValueError(f"schedule must be auto, eager or deferred, not {self.schedule!r}")
         if self.cast_on not in ("auto", "cpu", "gpu"):
@@ -428,6 +430,12 @@ class RuntimeConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """The compute dtype; auto, unresolved (an engine built directly), as train resolves it on
+        this config's device (device.resolve_dtype)."""
+        if self.dtype == "auto":
+            from ..device import resolve_dtype
+            device = self.device if self.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+            return DTYPES[resolve_dtype("auto", torch.device(device).type)[0]]
         return DTYPES[self.dtype]
 
     def compiles_layers(self) -> bool:

@@ -42,11 +42,14 @@ import torch
 
 from ..models.units import SplitModel
 from .config import RuntimeConfig, cli_flag, recompute_set
-from .placement import DISK_BUFFERS_UNRESOLVED, PlacementPlan, unit_shapes
+from .placement import DISK_BUFFERS_UNRESOLVED, PlacementPlan, cache_unit_options, unit_shapes
 from .slide.disk_tier import buffer_bytes, check_directory, tier_blocks, tier_bytes
 from .slide.host_store import BUILD_WORKERS
 
 GiB = 2**30
+# the share of the GPU's free memory and of the host's available RAM a run plans to use (the rest:
+# fragmentation, the allocator's caching, other processes' growth)
+FIT_SAFETY = 0.9
 MiB = 2**20
 
 # CUDA context + allocator slack. mem_get_info() is read after the context exists, but
@@ -607,13 +610,15 @@ def check_fit_on_ranks(split: SplitModel, rt: RuntimeConfig, work: Workload, ran
 
 def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int, grad_accum: int = 1,
               max_grad_norm: float | None = None, gpu_free_bytes: int | None = None,
-              host_available_bytes: int | None = None, safety: float = 0.9, padded: bool = True,
-              ranks_per_host: int = 1, shm_free_bytes: int | None = None) -> MemoryEstimate:
+              host_available_bytes: int | None = None, safety: float = FIT_SAFETY, padded: bool = True,
+              ranks_per_host: int = 1, shm_free_bytes: int | None = None,
+              disk_free_bytes: int | None = None) -> MemoryEstimate:
     """The estimate if it fits in `safety` x the available memory, else InsufficientMemoryError.
 
     ranks_per_host: data-parallel ranks on this host; the GPU check is per rank (each has its own
     GPU), the host check counts the shared state once and each rank's own buffers per rank, and
-    the shared state must fit the host's /dev/shm (`shm_free_bytes`, default: its free space).
+    the shared state must fit the host's /dev/shm (`shm_free_bytes`, default: its free space), and
+    the disk tier's files the disk of its directory (`disk_free_bytes`, default: its free space).
 
     gpu_free_bytes: default torch.cuda.mem_get_info()[0] (device cuda); ignored on device cpu,
     where model state and activations count against host RAM.
@@ -625,7 +630,7 @@ def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len:
                           max_grad_norm=max_grad_norm, padded=padded)
     if est.disk_bytes:
         # the disk tier's directory: there, writable, with room for its files (DiskTierError)
-        check_directory(rt.disk_dir, est.disk_bytes)
+        check_directory(rt.disk_dir, est.disk_bytes, disk_free_bytes)
     if ranks_per_host > 1 and est.plan is not None:
         # the host's ranks share the state through a tmpfs file (SharedMemoryError, naming the fix;
         # a container's /dev/shm is 64 MB unless it is given more)
@@ -658,27 +663,39 @@ def _disk_tier_note(split: SplitModel, rt: RuntimeConfig, budget: _Budget, short
     """Where host RAM is what does not fit and no disk tier was given: what the disk tier would take
     (the auto placement with a disk directory), or "" where it would not help."""
     if rt.mode != "slide" or rt.disk_dir or not any(what == "host RAM" for what, *_ in short) \
-            or budget.device_type != "cuda" or budget.gpu_free is None:
+            or (budget.device_type == "cuda" and budget.gpu_free is None):
         return ""
     trial = dataclasses.replace(rt, disk_dir="PATH", disk_units=-1)
     placed = choose_auto_settings(split, trial, gpu_free_bytes=budget.gpu_free, host_available_bytes=budget.host_avail,
                                   safety=budget.safety, ranks_per_host=budget.ranks_per_host, **kw)
     est = estimate_memory(split, placed, **kw)
+    options = []
     if not budget.fits(est):
-        return ""
+        if any(what == "host RAM" for what, *_ in budget.shortfalls(est)):
+            return ""
+        # the tier makes host RAM fit and the GPU is what is left: the tier with one of the changes
+        # that make the GPU fit
+        options = suggest(split, placed, budget, **kw)
+        if not options:
+            return ""
     n = len(est.plan.indices("disk"))
     masters = est.plan.ranges(lambda u: u.master == "disk") if est.plan.master_params("disk") else ""
-    return (f"With a local disk: --disk-dir PATH (the disk tier: AdamW moments of {n} units, "
+    note = (f"With a local disk: --disk-dir PATH (the disk tier: AdamW moments of {n} units, "
             f"{est.plan.ranges(lambda u: u.state == 'disk')}"
             + (f", and the FP32 masters of {masters} (--tuning.disk_master)" if masters else "")
-            + f", {_gib(est.disk_bytes)} GiB of files there; GPU {_gib(est.gpu_bytes)} GiB, host "
-            f"{_gib(est.host_bytes)} GiB; each step moves {_gib(est.plan.disk_io_bytes())} GiB through the disk)")
+            + f", {_gib(est.disk_bytes)} GiB of files there; "
+            + (f"GPU {_gib(est.gpu_bytes)} GiB, " if est.device_type == "cuda" else "")
+            + f"host {_gib(est.host_bytes_per_host(budget.ranks_per_host))} GiB; each step moves "
+              f"{_gib(est.plan.disk_io_bytes())} GiB through the disk)")
+    if options:
+        note += ", with one of:\n" + "\n".join(f"  --disk-dir PATH {o}" for o in options)
+    return note
 
 
 def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int,
                          grad_accum: int = 1, max_grad_norm: float | None = None,
                          gpu_free_bytes: int | None = None, host_available_bytes: int | None = None,
-                         safety: float = 0.9, padded: bool = True, ranks_per_host: int = 1) -> RuntimeConfig:
+                         safety: float = FIT_SAFETY, padded: bool = True, ranks_per_host: int = 1) -> RuntimeConfig:
     """_choose_placement's autos, then the host-RAM-only autos beside the chosen placement (they
     cost no GPU memory, so they never displace a placement choice), in this order:
       disk_buffers=-1: the disk tier's block buffers, as many as host RAM has room for, at least 8
@@ -745,7 +762,7 @@ def _with_disk_buffers(split: SplitModel, rt: RuntimeConfig, schedule: str, budg
 def _choose_placement(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int,
                       grad_accum: int = 1, max_grad_norm: float | None = None,
                       gpu_free_bytes: int | None = None, host_available_bytes: int | None = None,
-                      safety: float = 0.9, padded: bool = True, ranks_per_host: int = 1) -> RuntimeConfig:
+                      safety: float = FIT_SAFETY, padded: bool = True, ranks_per_host: int = 1) -> RuntimeConfig:
     """Resolve slide mode's memory-dependent autos: cache_units=-1 (with resident_layers=-1),
     vocab_update=auto, grad_slot_dtype=auto, device_layers=-1, gpu_checkpoints=-1, and with a
     disk directory disk_units=-1 and disk_master=auto.
@@ -783,7 +800,7 @@ def _choose_placement(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, 
     if rt.mode != "slide":
         return rt
     L = split.num_layers
-    cache_options = [0, 3] if rt.cache_units == -1 else [rt.cache_units]
+    cache_options = cache_unit_options(rt.cache_units)
     # FP32 slots help the GPU cast path (no cast kernel on the D2H stream); with compute-dtype
     # downloads or cast_on=cpu the host widens the gradients anyway
     fp32_useful = rt.casts_on_gpu(_device_type(rt) == "cuda") and rt.grad_download == "fp32"
@@ -809,9 +826,10 @@ def _choose_placement(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, 
                                    disk_master="off" if rt.disk_master == "auto" else rt.disk_master)
 
     lean = candidate(cache_options[-1], vocab_options[-1], dtype_options[-1])
-    if _device_type(rt) != "cuda":
+    on_gpu = _device_type(rt) == "cuda"
+    if not on_gpu and not (rt.disk_units == -1 and rt.disk_dir):
         return lean
-    free = query_gpu_free_bytes(rt) if gpu_free_bytes is None else gpu_free_bytes
+    free = (query_gpu_free_bytes(rt) if gpu_free_bytes is None else gpu_free_bytes) if on_gpu else 0
     host = query_host_available_bytes() if host_available_bytes is None else host_available_bytes
 
     def estimate(c: RuntimeConfig) -> MemoryEstimate:
@@ -819,7 +837,7 @@ def _choose_placement(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, 
                                max_grad_norm=max_grad_norm, padded=padded)
 
     def fits(c: RuntimeConfig) -> bool:
-        return estimate(c).gpu_bytes <= safety * free
+        return not on_gpu or estimate(c).gpu_bytes <= safety * free
 
     def host_bytes(c: RuntimeConfig) -> int:
         return estimate(c).host_bytes_per_host(ranks_per_host)
@@ -849,28 +867,36 @@ def _choose_placement(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, 
                 return t
         return None
 
-    # For speed: the resident layers (each saves a layer's upload per step), then the device
-    # layers (each takes its AdamW off the host), then the checkpoints.
-    fastest = fill(next((c for cache_units in cache_options for vocab in vocab_options for grad_dtype in dtype_options
-                         if fits(c := candidate(cache_units, vocab, grad_dtype))), lean),
-                   ["resident_layers", "device_layers", "gpu_checkpoints"])
-    if host_fits(fastest):
-        return fastest
-    # Host RAM binds: the GPU's room first to what takes the most off the host per GPU byte
-    # (checkpoints, then device layers), but only as many device layers as the host needs;
-    # what is left goes to speed again (resident layers, then more device layers).
-    leanest = []
-    for cache_units in sorted(cache_options, reverse=True):
-        for vocab in vocab_options:
-            if not fits(c := candidate(cache_units, vocab, dtype_options[-1])):
-                continue
-            c = fill(c, ["gpu_checkpoints"])
-            enough = fewest_device_layers(c)
-            leanest.append(fill(enough, ["resident_layers", "device_layers"]) if enough
-                           else fill(c, ["device_layers"]))
-    fitting = next((c for c in leanest if host_fits(c)), None)
-    if fitting is not None:
-        return fitting
+    if not on_gpu:
+        # the CPU (nothing to hide, nothing on a GPU): the lean choices, and where host RAM does not
+        # hold them, the disk tier below
+        if host_fits(lean):
+            return lean
+        fastest, leanest = lean, []
+    else:
+        # For speed: the resident layers (each saves a layer's upload per step), then the device
+        # layers (each takes its AdamW off the host), then the checkpoints.
+        fastest = fill(next((c for cache_units in cache_options for vocab in vocab_options
+                             for grad_dtype in dtype_options if fits(c := candidate(cache_units, vocab, grad_dtype))),
+                            lean), ["resident_layers", "device_layers", "gpu_checkpoints"])
+        if host_fits(fastest):
+            return fastest
+        # Host RAM binds: the GPU's room first to what takes the most off the host per GPU byte
+        # (checkpoints, then device layers), but only as many device layers as the host needs;
+        # what is left goes to speed again (resident layers, then more device layers).
+        leanest = []
+        for cache_units in sorted(cache_options, reverse=True):
+            for vocab in vocab_options:
+                if not fits(c := candidate(cache_units, vocab, dtype_options[-1])):
+                    continue
+                c = fill(c, ["gpu_checkpoints"])
+                enough = fewest_device_layers(c)
+                leanest.append(fill(enough, ["resident_layers", "device_layers"]) if enough
+                               else fill(c, ["device_layers"]))
+        fitting = next((c for c in leanest if host_fits(c)), None)
+        if fitting is not None:
+            return fitting
+
     def with_disk_masters(c: RuntimeConfig) -> RuntimeConfig:
         """disk_master auto, where the moments on disk do not make the host fit: the masters of as
         few of `c`'s disk units as do (in disk order; each 4 - b B/param more off the host, for 8
@@ -1032,10 +1058,14 @@ def suggest(split: SplitModel, rt: RuntimeConfig, budget: _Budget, *, batch_size
     # GPU and host (which turns to the host's RAM where that is what does not fit)
     if rt.mode == "slide" and budget.device_type == "cuda" and budget.gpu_free is not None:
         fields = ["cache_units", "vocab_update", "grad_slot_dtype", "device_layers"] + \
-            (["gpu_checkpoints"] if rt.offload_activations else [])
+            (["gpu_checkpoints"] if rt.offload_activations else []) + \
+            (["disk_units", "disk_master"] if rt.disk_dir else [])
+        # the disk tier re-resolved with the rest: disk units counted for one placement (the head on
+        # the host) are one too many for another (the head on the GPU)
+        disk = dict(disk_units=-1, disk_master="auto") if rt.disk_dir else {}
         placed = choose_auto_settings(
             split, dataclasses.replace(rt, cache_units=-1, vocab_update="auto", grad_slot_dtype="auto",
-                                       device_layers=-1, gpu_checkpoints=-1),
+                                       device_layers=-1, gpu_checkpoints=-1, **disk),
             batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
             gpu_free_bytes=budget.gpu_free, host_available_bytes=budget.host_avail, safety=budget.safety,
             padded=padded)

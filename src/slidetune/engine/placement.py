@@ -41,6 +41,15 @@ DISK_BYTES = {"host": 8, "disk": 12}
 DISK_BUFFERS_UNRESOLVED = 8
 
 
+AUTO_WINDOW = 3     # cache_units auto, where not every layer gets a slot of its own: a window of 3
+
+
+def cache_unit_options(cache_units: int) -> list[int]:
+    """The slot counts cache_units auto chooses between, the preferred first (0: a slot per layer,
+    then the AUTO_WINDOW window); an explicit count alone."""
+    return [0, AUTO_WINDOW] if cache_units == -1 else [cache_units]
+
+
 def resolved_disk_buffers(disk_buffers: int) -> int:
     """The disk tier's block buffers for --tuning.disk_buffers (-1, auto left unresolved: the old 8)."""
     return DISK_BUFFERS_UNRESOLVED if disk_buffers == -1 else disk_buffers
@@ -117,7 +126,7 @@ class PlacementPlan:
         n_dev = max(0, rt.device_layers)
         vocab_dev = rt.vocab_update == "device"
         host_layers = L - n_dev
-        window = 3 if rt.cache_units == -1 else rt.cache_units
+        window = AUTO_WINDOW if rt.cache_units == -1 else rt.cache_units
         # Resident layers: the lowest host layers get a slot of their own; all of them with
         # cache_units=0, or where the window would hold every layer left to it.
         if rt.cache_units == 0:

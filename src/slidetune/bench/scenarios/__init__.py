@@ -31,6 +31,18 @@ SCENARIOS = {
     "soak": "soak",
 }
 
+# one line each for `slidetune bench --help` (each scenario's own --help has its whole docstring)
+SCENARIO_HELP = {
+    "modes": "gpu vs ckpt vs slide mode: time and memory per layer, a memory timeline (Qwen3-1.7B shape)",
+    "recompute": "activation recomputation in ckpt mode: off, all, a list of layers, every k-th",
+    "head": "the output layer's cross-entropy: full, chunked or fused, seq 1024 and longer",
+    "techniques": "the memory-technique study: FP32, AMP, flash and local attention, ... layer by layer",
+    "throughput": "slide mode's tokens/s beside gpu mode, FSDP2 CPU offload and DeepSpeed ZeRO-3",
+    "roofline": "the floor of a slide step and each of its terms, probed on this machine",
+    "pipeline": "A/B the slide pipeline's tuning knobs on one workload, profiled (busy time per stream, a Gantt)",
+    "soak": "a long run's host and GPU memory, descriptors, threads and step time: does anything grow?",
+}
+
 
 def parse_gib(text: str | None) -> float | None:
     """'24GiB' / '24G' / '24' -> 24.0 (GiB)."""

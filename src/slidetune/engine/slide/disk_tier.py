@@ -107,9 +107,10 @@ def buffer_bytes(plan, block_mb: float, buffers: int | None = None) -> int:
     return (plan.disk_buffers if buffers is None else buffers) * widest * block_elems(block_mb)
 
 
-def check_directory(path: str | os.PathLike, need_bytes: int) -> Path:
+def check_directory(path: str | os.PathLike, need_bytes: int, free_bytes: int | None = None) -> Path:
     """The disk tier's directory, checked before anything is allocated: it exists, is writable and
-    has `need_bytes` free. DiskTierError names the problem and the fix."""
+    has `need_bytes` free (`free_bytes`: a disk described, as `slidetune plan --disk-free-gib` does;
+    default: what the directory's filesystem has). DiskTierError names the problem and the fix."""
     p = Path(path).expanduser()
     if not p.exists():
         raise DiskTierError(f"--disk-dir {p} does not exist; create it (on a local disk, ideally NVMe) "
@@ -120,7 +121,7 @@ def check_directory(path: str | os.PathLike, need_bytes: int) -> Path:
         raise DiskTierError(f"--disk-dir {p} is not writable (read-only filesystem or permissions); "
                             f"give a directory you can write to")
     remove_stale(p)
-    free = shutil.disk_usage(p).free
+    free = shutil.disk_usage(p).free if free_bytes is None else free_bytes
     if need_bytes > free:
         gib = 2**30
         raise DiskTierError(f"--disk-dir {p} has {free / gib:.1f} GiB free but the disk tier needs "
