@@ -525,7 +525,7 @@ def _warn_changed_config(ckpt: Path, run_config: Path, cfg: TrainConfig, world_s
             print(f"note: {run_config} cannot be read as the run's config ({e}); the settings of this resume "
                   f"are not compared with the earlier run's", file=sys.stderr)
             return
-        source = f"the run's saved {run_config}"
+        source = f"the run's saved config.json ({run_config})"
     ignore = {"resume", "stop_after", "progress", "log_every", "output_dir", "gpu_memory_limit", "world_size"}
     old = group_tuning(old)             # one saved before the tuning knobs had their group compares the same
     new = config_to_dict(cfg)
