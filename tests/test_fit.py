@@ -12,7 +12,8 @@ import torch
 from slidetune.engine.config import RuntimeConfig
 from slidetune.engine.placement import PlacementPlan, shapes_from_counts, unit_shapes
 from slidetune.engine.fit import (ACTIVATION_MARGIN, ENV_HOST_MEMORY, GiB, MiB, InsufficientMemoryError,
-                                  check_fit, estimate_memory, head_bytes, layer_activation_bytes)
+                                  check_fit, choose_auto_settings, estimate_memory, head_bytes,
+                                  layer_activation_bytes)
 from slidetune.models.load import skeleton
 from slidetune.models.presets import preset_config, tiny_config
 from slidetune.models.units import SplitModel
@@ -465,8 +466,11 @@ def test_auto_cache_units_keeps_every_layer_resident_only_when_it_fits():
     ckpt = cuda_rt(mode="ckpt")
     assert auto_with_ample_host(split, ckpt, gpu_free_bytes=80 * GiB, **kw) is ckpt
     pinned = cuda_rt(mode="slide", cache_units=4, grad_slot_dtype="compute", vocab_update="host", device_layers=0,
-                     held_buffers=1)
+                     held_buffers=1, lean_layer="off")
     assert auto_with_ample_host(split, pinned, gpu_free_bytes=80 * GiB, **kw) is pinned
+    # lean_layer auto is resolved too: HF's layer, which fits here
+    assert auto_with_ample_host(split, dataclasses.replace(pinned, lean_layer="auto"), gpu_free_bytes=80 * GiB,
+                                **kw) == pinned
 
 
 def test_auto_grad_slot_dtype_takes_fp32_after_resident_layers_where_it_fits():
@@ -741,11 +745,16 @@ def test_plan_resolves_the_auto_settings_for_a_given_gpu_and_host(capsys):
     out = capsys.readouterr().out
     m = re.search(r"resolved on a GPU with 78.5 GiB free and 123.0 GiB of host RAM: cache_units=3 "
                   r"resident_layers=(\d+) vocab_update=device grad_slot_dtype=compute device_layers=0 "
-                  r"gpu_checkpoints=(\d+): GPU ([\d.]+) GiB, host ([\d.]+) GiB\nfits", out)
+                  r"gpu_checkpoints=(\d+) lean_layer=off: GPU ([\d.]+) GiB, host ([\d.]+) GiB\nfits", out)
     assert m and int(m[2]) > 0 and float(m[3]) <= 0.9 * 78.5 and float(m[4]) <= 0.9 * 123
     # the checkpoints take the GPU's room first (each frees a host byte); what is left is a layer
     # slot or a few, which go to resident layers (int(m[1]) may be 0)
+    # with less host RAM, the lean layer's smaller working set leaves the GPU room for more checkpoints
+    # (HF's layer alone no longer fits 100 GiB: NOTES.md 37), and with less still nothing fits
     assert main(args + ["--host-gib", "100"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"gpu_checkpoints=\d+ lean_layer=on: GPU [\d.]+ GiB, host [\d.]+ GiB\nfits", out), out
+    assert main(args + ["--host-gib", "80"]) == 0
     out = capsys.readouterr().out
     assert "does not fit: mode slide, batch 1 x 131072 tokens" in out and "host RAM too small" in out
     # --device auto (the default) plans for CUDA when a GPU size is given
@@ -1041,3 +1050,51 @@ def test_clip_sweep_weights_counts_its_upload_copies_in_host_and_pinned_ram():
     assert not any(k.startswith("upload copies") for k in eager.host_parts)
     assert any("upload copies" in line for line in plan.summary_lines())
     assert PlacementPlan.from_dict(plan.to_dict()) == plan
+
+
+# --------------------------------------------------------------------------- the lean layer
+# One layer's recompute + backward measured on the H200 (benchmarks/results/lean_layer/, the lean
+# layer with 8192-token MLP tiles, eager): (model, batch, seq) -> the allocator's peak in GiB.
+LEAN_MEASURED_GIB = {("llama-3.1-8b", 1, 65536): 7.14, ("qwen3-8b", 64, 1024): 7.62, ("qwen3-8b", 16, 1024): 2.75}
+
+
+@pytest.mark.parametrize("shape", list(LEAN_MEASURED_GIB))
+def test_lean_layer_estimate_is_above_its_measured_peak_and_close(shape):
+    """The fit's lean working set never under the H200's measured peak (the run would fail), and
+    within 20% above it (the GPU's room would be wasted)."""
+    model, batch, seq = shape
+    from slidetune.engine.fit import lean_layer_bytes
+    est = lean_layer_bytes(split_of(model), batch, seq, torch.bfloat16, tile_tokens=8192, masked=False)["peak"] / GiB
+    assert LEAN_MEASURED_GIB[shape] <= est <= 1.2 * LEAN_MEASURED_GIB[shape], est
+
+
+def test_the_estimate_counts_the_layer_the_runtime_runs():
+    split = split_of("qwen3-8b")
+    kw = dict(batch_size=32, seq_len=1024, max_grad_norm=1.0, padded=False)
+    hf = estimate_memory(split, cuda_rt(lean_layer="off"), **kw).phases["layer working set"]
+    lean = estimate_memory(split, cuda_rt(lean_layer="on"), **kw).phases["layer working set"]
+    assert lean < 0.5 * hf
+    # auto, unresolved (an engine built directly): HF's layer, as layer_runner.resolve_lean_layer
+    assert estimate_memory(split, cuda_rt(), **kw).phases["layer working set"] == hf
+
+
+def test_auto_picks_the_lean_layer_only_where_it_makes_the_run_fit(tmp_path):
+    """Qwen3-8B clipped on a 24 GiB GPU and a 125 GiB host, fused head, offloaded checkpoints: b32
+    fits only with the lean layer (its room keeps 20 checkpoints on the GPU, out of host RAM); b64
+    fits with it and the disk tier; on an 80 GiB GPU at b16 HF's layer fits and stays."""
+    split = split_of("qwen3-8b")
+    rt = cuda_rt(head_impl="fused", offload_activations=True)
+    small = dict(gpu_free_bytes=24 * GiB, host_available_bytes=125 * GiB, seq_len=1024, max_grad_norm=1.0,
+                 padded=False)
+    b32 = choose_auto_settings(split, rt, batch_size=32, **small)
+    assert b32.lean_layer == "on"
+    check_fit(split, b32, batch_size=32, **small)
+    with pytest.raises(InsufficientMemoryError):
+        check_fit(split, dataclasses.replace(b32, lean_layer="off"), batch_size=32, **small)
+    disk = dataclasses.replace(rt, disk_dir=str(tmp_path))
+    b64 = choose_auto_settings(split, disk, batch_size=64, **small)
+    assert b64.lean_layer == "on" and b64.disk_units > 0
+    check_fit(split, b64, batch_size=64, disk_free_bytes=60 * GiB, **small)
+    roomy = choose_auto_settings(split, cuda_rt(), batch_size=16, gpu_free_bytes=80 * GiB,
+                                 host_available_bytes=125 * GiB, seq_len=1024, max_grad_norm=1.0)
+    assert roomy.lean_layer == "off"

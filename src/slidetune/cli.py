@@ -235,7 +235,8 @@ def _plan_resolved(ns, cfg, split):
                     + (f"resident_layers={plan.resident_layers} " if resolved.cache_units else "")
                     + f"vocab_update={resolved.vocab_update} grad_slot_dtype={resolved.grad_slot_dtype} "
                     f"device_layers={plan.device_layers}"
-                    + (f" gpu_checkpoints={plan.gpu_checkpoints}" if resolved.offload_activations else ""))
+                    + (f" gpu_checkpoints={plan.gpu_checkpoints}" if resolved.offload_activations else "")
+                    + f" lean_layer={resolved.lean_layer}")
     if plan is not None and resolved.disk_dir:
         settings += f" disk_units={len(plan.indices('disk'))} disk_master={resolved.disk_master}"
     print(f"resolved on {where} and {host / gib:.1f} GiB of host RAM{': ' + settings.strip() if settings else ''}: "

@@ -296,6 +296,10 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
                else "every host-updated layer stays on the GPU between steps"))
     if cfg.runtime.grad_slot_dtype == "auto" and cfg.runtime.mode == "slide":
         say(f"grad_slot_dtype auto -> {runtime.grad_slot_dtype}")
+    if cfg.runtime.lean_layer == "auto" and cfg.runtime.mode == "slide":
+        say(f"lean_layer auto -> {runtime.lean_layer}"
+            + (" (only the lean layer's smaller working set fits the GPU: lean RMSNorms, the MLP in tiles of "
+               f"{runtime.mlp_tile_tokens} tokens)" if runtime.lean_layer == "on" else " (HF's layer: it fits)"))
     if cfg.runtime.disk_buffers == -1 and cfg.runtime.mode == "slide" and plan.indices("disk"):
         def size(n: int) -> str:
             return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"

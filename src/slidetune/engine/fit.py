@@ -35,6 +35,7 @@ On device "cpu" the "GPU" parts live in host RAM and are checked against it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -285,6 +286,64 @@ def layer_activation_bytes(split: SplitModel, batch_size: int, seq_len: int, dty
             "peak_no_param_grads": max(a for a, _ in phases) + workspace}
 
 
+def lean_layer_bytes(split: SplitModel, batch_size: int, seq_len: int, dtype: torch.dtype, tile_tokens: int,
+                     masked: bool = True) -> dict[str, int]:
+    """layer_activation_bytes for the lean layer (models/lean_layer.py): its recompute + backward,
+    the same keys. Per token, b = compute-dtype bytes (d, hq, hk: hidden, query and key widths):
+      the attention half's saved tensors (the lean RMSNorm saves only its input, alive anyway, and
+          1/rms): the normed input (q/k/v's input) b*d; rotated q and k, v (SDPA's inputs), SDPA's
+          output and its transposed copy (o_proj's input) b*(3 hq + 2 hk); Qwen3's per-head norms
+          keep the q/k projections b*(hq + hk); the logsumexp 4*heads; with a padding mask k and v
+          repeated to q's width (HF's repeat_kv), and the mask's copy b*S;
+      the residual stream between the halves: h and its gradient (the output gradient, consumed
+          in place), 2 b*d;
+      the attention backward's transients: the gradients of o_proj's input, SDPA's output and
+          inputs and rotary's temporaries b*(5 hq + 2 hk), flash attention's FP32 dq accumulator
+          4*hq, the normed input's gradient b*d.
+    Two phases; the peak is the larger:
+      MLP tiles: the attention half's saved tensors and the stream for all tokens, plus one tile
+          (T = min(tile_tokens, N) tokens) of HF's MLP run with autograd (norm output, gate, up,
+          act, act*up saved; two I-wide gradients and 3 d-wide at once), the tiles' FP32 weight-
+          gradient sums and one tile's compute-dtype weight gradients (6 B a MLP parameter);
+      attention backward: saved + stream + transients for all tokens, the MLP's gradients (b).
+    Against the H200 (benchmarks/results/lean_layer/, NOTES.md 37; tests/test_fit.py): 7.9 GiB for
+    Llama-3.1-8B at 1 x 65536 (measured 7.14), 8.5 for Qwen3-8B at 64 x 1024 (7.62), 3.2 at 16 x 1024
+    (2.75): 11-16% above, on the safe side, before ACTIVATION_MARGIN."""
+    sh = _shape(split)
+    b = torch.empty((), dtype=dtype).element_size()
+    d, inter, hq, hk, heads, S = sh.d, sh.inter, sh.hq, sh.hk, sh.heads, seq_len
+    N = batch_size * seq_len
+    kv = hq if masked else hk                                   # repeat_kv under a padding mask
+    saved = b * (d + 3 * hq + 2 * kv) + 4 * heads
+    if sh.qk_norm:
+        saved += b * (hq + hk)
+    if masked:
+        saved += b * S
+    stream = 2 * b * d
+    transients = b * (5 * hq + 2 * kv) + 4 * hq + b * d
+    p_layer = max((u.numel for u in split.layer_units), default=0)
+    p_mlp = min(3 * d * inter, p_layer)
+    T = min(tile_tokens, N)
+    tile = T * (b * d + 4 * b * inter + 2 * b * inter + 3 * b * d)
+    mlp_grads = (4 if N > T else 0) * p_mlp + b * p_mlp
+    phases = [(N * (saved + stream) + tile, mlp_grads),
+              (N * (saved + stream + transients), b * p_layer)]
+    workspace = 128 * 2**10                                     # as in layer_activation_bytes
+    return {"saved": N * saved,
+            "peak": max(a + g for a, g in phases) + workspace,
+            "peak_no_param_grads": max(a for a, _ in phases) + workspace}
+
+
+def working_set_bytes(split: SplitModel, rt: RuntimeConfig, batch_size: int, seq_len: int, dtype: torch.dtype,
+                      masked: bool) -> dict[str, int]:
+    """One layer's recompute + backward as the slide engine runs it: the lean layer's where the
+    runtime resolves it on (engine/slide/layer_runner.resolve_lean_layer), else HF's."""
+    from .slide.layer_runner import resolve_lean_layer
+    if resolve_lean_layer(split, rt) == "on":
+        return lean_layer_bytes(split, batch_size, seq_len, dtype, rt.mlp_tile_tokens, masked=masked)
+    return layer_activation_bytes(split, batch_size, seq_len, dtype, masked=masked)
+
+
 def head_bytes(split: SplitModel, n_tokens: int, dtype: torch.dtype, impl: str, chunk_tokens: int) -> int:
     """Peak of the output layer's loss + gradients, for n_tokens (all assumed not ignored).
 
@@ -397,8 +456,8 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
             # parameter gradients as fresh tensors before they are copied into a grad slot
             # with several micro-batches, the other micro-batches' output gradients wait beside it,
             # and the layer's gradient sums in FP32 (a compute-dtype sum would round each add)
-            "layer working set": int(ACTIVATION_MARGIN * layer_activation_bytes(split, B, S, dtype,
-                                                                               masked=masks > 0)["peak"])
+            "layer working set": int(ACTIVATION_MARGIN * working_set_bytes(split, rt, B, S, dtype,
+                                                                           masked=masks > 0)["peak"])
             + (grad_accum - 1) * ckpt_micro + summing_bytes(rt.grad_sum, grad_accum, P_L),
             # the head phase (head_bytes counts the last layer's output and its gradient)
             "head/logits": head,
@@ -705,6 +764,23 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
         buffer, else 1."""
     kw = dict(batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
               padded=padded)
+    if rt.mode == "slide" and rt.lean_layer == "auto":
+        # HF's layer where the run fits with it (the lean layer costs 1-8% of layer time, NOTES.md
+        # 37); the lean layer where only its smaller working set makes the run fit: the GPU, or the
+        # host, whose offloaded checkpoints the GPU's freed room then keeps
+        choose = functools.partial(choose_auto_settings, split, gpu_free_bytes=gpu_free_bytes,
+                                   host_available_bytes=host_available_bytes, safety=safety,
+                                   ranks_per_host=ranks_per_host, **kw)
+        # (where neither fits, the one short of less, so that the refusal and its options start there)
+        def short(c: RuntimeConfig) -> tuple[int, int]:
+            miss = _shortfalls(split, c, gpu_free_bytes, host_available_bytes, safety, ranks_per_host, **kw)
+            return len(miss), sum(need - usable for _, need, usable, _, _ in miss)
+        hf = choose(dataclasses.replace(rt, lean_layer="off"))
+        hf_short = short(hf)
+        if hf_short[0] == 0 or lean_support_reason(split) is not None:
+            return hf
+        lean = choose(dataclasses.replace(rt, lean_layer="on"))
+        return lean if short(lean) < hf_short else hf
     placed = _choose_placement(split, rt, gpu_free_bytes=gpu_free_bytes, host_available_bytes=host_available_bytes,
                                safety=safety, ranks_per_host=ranks_per_host, **kw)
     if placed.mode != "slide":
@@ -736,6 +812,22 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
             break
         fits = some
     return fits
+
+
+def _shortfalls(split: SplitModel, rt: RuntimeConfig, gpu_free_bytes: int | None, host_available_bytes: int | None,
+                safety: float, ranks_per_host: int, **kw) -> list:
+    """_Budget.shortfalls of the configuration's estimate against the GPU's and the host's free memory."""
+    est = estimate_memory(split, rt, **kw)
+    if est.device_type == "cuda" and gpu_free_bytes is None:
+        gpu_free_bytes = query_gpu_free_bytes(rt)
+    host = query_host_available_bytes() if host_available_bytes is None else host_available_bytes
+    return _Budget(est.device_type, gpu_free_bytes, int(host), safety, ranks_per_host).shortfalls(est)
+
+
+def lean_support_reason(split: SplitModel) -> str | None:
+    """None where every decoder layer can run lean (models/lean_layer.lean_support), else why not."""
+    from ..models.lean_layer import lean_support
+    return next((why for why in map(lean_support, split.layer_modules) if why is not None), None)
 
 
 def _with_disk_buffers(split: SplitModel, rt: RuntimeConfig, schedule: str, budget: float,
