@@ -30,9 +30,11 @@ from pathlib import Path
 
 import torch
 
+from slidetune.device import Device
 from slidetune.engine.config import RuntimeConfig
 from slidetune.engine.slide.layer_runner import LayerRunner
 from slidetune.models.load import RandomInit, fill_on_device, load_model
+from slidetune.telemetry.events import EventTimer
 from slidetune.telemetry.machine import machine_info
 
 GIB = 2**30
@@ -41,15 +43,6 @@ VARIANTS = {"hf": dict(lean_layer="off", compile_layers="off"),
             "hf-compiled": dict(lean_layer="off", compile_layers="on"),
             "lean": dict(lean_layer="on", compile_layers="off"),
             "lean-compiled": dict(lean_layer="on", compile_layers="on")}
-
-
-class _Timer:
-    """The engine's EventTimer interface, spans dropped (the script times whole calls)."""
-
-    @staticmethod
-    def span(*_args):
-        import contextlib
-        return contextlib.nullcontext()
 
 
 def probe_gemm_tflops(n: int = 8192, reps: int = 20) -> float:
@@ -98,6 +91,7 @@ def measure(model: str, batch: int, seq: int, variants: list[str], reps: int, ge
     c = split.config
     hq = int(c.num_attention_heads) * int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
     flops_rb = 3 * batch * seq * (2 * unit.numel + 2 * seq * hq)             # causal: half of 4 S hq
+    no_spans = EventTimer(Device(dev), enabled=False)       # the script times whole calls
     rows = []
     for name in variants:
         runner = LayerRunner(split, RuntimeConfig(mode="slide", dtype="bf16", device="cuda",
@@ -110,7 +104,7 @@ def measure(model: str, batch: int, seq: int, variants: list[str], reps: int, ge
             with torch.no_grad():
                 row["fwd_ms"], row["fwd_peak_gib"] = _timed(lambda: runner.forward(0, views, x, kwargs), reps)
             row["rb_ms"], row["rb_peak_gib"] = _timed(
-                lambda: runner.recompute_backward(0, leaves, x, dy.clone(), kwargs, _Timer()), reps)
+                lambda: runner.recompute_backward(0, leaves, x, dy.clone(), kwargs, no_spans), reps)
             row["hw_rb_ms"] = flops_rb / (gemm_tflops * 1e12) * 1e3
             row["rb_over_hw"] = row["rb_ms"] / row["hw_rb_ms"]
             row["rb_tflops"] = flops_rb / (row["rb_ms"] / 1e3) / 1e12
