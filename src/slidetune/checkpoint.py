@@ -736,6 +736,12 @@ def _complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """The complete `checkpoint-<step>` directories of a run, oldest step first (leftovers, set-aside
+    and unfinished directories are not among them, as in latest_checkpoint)."""
+    return [p for _, p in _complete_checkpoints(run_dir)]
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The highest-step complete `checkpoint-<step>` directory of a run (None if there is none).
 

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, NoReturn
 import numpy as np
 import torch
 
-from .checkpoint import (CheckpointCorrupt, CheckpointError, check_checkpoint, latest_checkpoint, load_checkpoint,
-                         prune_checkpoints, recover_leftovers, save_checkpoint, set_aside)
+from .checkpoint import (CheckpointCorrupt, CheckpointError, check_checkpoint, complete_checkpoints, latest_checkpoint,
+                         load_checkpoint, prune_checkpoints, recover_leftovers, save_checkpoint, set_aside)
 from .config import TrainConfig, config_to_dict, group_tuning
 from .data import IGNORE_INDEX, BatchSampler, TokenDataset, build_datasets, collate, default_pad_id
 from .data.build import load_source
@@ -403,7 +403,7 @@ def _prepare_output(cfg: TrainConfig, loaded: LoadedModel, plan: PlacementPlan |
     resume_from = _resolve_resume(cfg, ckpt_dir, total_steps)
     stale = []
     if resume_from is None:
-        stale = _complete_checkpoints(ckpt_dir)
+        stale = complete_checkpoints(ckpt_dir)
         if stale:
             print(f"note: {ckpt_dir} holds checkpoints of an earlier run (newest: {stale[-1].name}); this new run "
                   f"replaces them once it saves its first checkpoint (use --resume auto to continue that run "
@@ -467,7 +467,7 @@ def _resolve_resume(cfg: TrainConfig, ckpt_dir: Path, total_steps: int) -> Path 
     if not cfg.resume:
         return None
     if cfg.resume == "auto":
-        candidates = _complete_checkpoints(ckpt_dir)[::-1]        # newest first
+        candidates = complete_checkpoints(ckpt_dir)[::-1]        # newest first
         if not candidates:
             print(f"--resume auto: no complete checkpoint in {ckpt_dir}; starting from step 0")
             return None
@@ -1032,18 +1032,6 @@ def _checkpoint(cfg, engine, loaded, ckpt_dir: Path, step: int, stale: list[Path
         stale.clear()
     prune_checkpoints(ckpt_dir, cfg.keep_last, verified=path)
     return path
-
-
-def _complete_checkpoints(ckpt_dir: Path) -> list[Path]:
-    """The complete `checkpoint-<step>` directories in ckpt_dir, oldest step first."""
-    if not ckpt_dir.is_dir():
-        return []
-    found = []
-    for p in ckpt_dir.iterdir():
-        name = p.name
-        if name.startswith("checkpoint-") and name[len("checkpoint-"):].isdigit() and (p / "COMPLETE").exists():
-            found.append((int(name[len("checkpoint-"):]), p))
-    return [p for _, p in sorted(found)]
 
 
 def _row(**kw) -> dict:

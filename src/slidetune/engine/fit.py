@@ -695,11 +695,7 @@ def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len:
         # a container's /dev/shm is 64 MB unless it is given more)
         from . import distributed
         distributed.check_shared_memory(shared_state_bytes(est.plan), distributed.SHM_DIR, shm_free_bytes)
-    if est.device_type == "cuda" and gpu_free_bytes is None:
-        gpu_free_bytes = query_gpu_free_bytes(rt)
-    if host_available_bytes is None:
-        host_available_bytes = query_host_available_bytes()
-    budget = _Budget(est.device_type, gpu_free_bytes, int(host_available_bytes), safety, ranks_per_host)
+    budget = _budget(est, rt, gpu_free_bytes, host_available_bytes, safety, ranks_per_host)
     short = budget.shortfalls(est)
     if not short:
         return est
@@ -814,14 +810,21 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
     return fits
 
 
+def _budget(est: MemoryEstimate, rt: RuntimeConfig, gpu_free_bytes: int | None, host_available_bytes: int | None,
+            safety: float, ranks_per_host: int) -> _Budget:
+    """The memory an estimate is checked against: the given sizes, else this machine's free GPU
+    memory (on CUDA) and available host RAM."""
+    if est.device_type == "cuda" and gpu_free_bytes is None:
+        gpu_free_bytes = query_gpu_free_bytes(rt)
+    host = query_host_available_bytes() if host_available_bytes is None else host_available_bytes
+    return _Budget(est.device_type, gpu_free_bytes, int(host), safety, ranks_per_host)
+
+
 def _shortfalls(split: SplitModel, rt: RuntimeConfig, gpu_free_bytes: int | None, host_available_bytes: int | None,
                 safety: float, ranks_per_host: int, **kw) -> list:
     """_Budget.shortfalls of the configuration's estimate against the GPU's and the host's free memory."""
     est = estimate_memory(split, rt, **kw)
-    if est.device_type == "cuda" and gpu_free_bytes is None:
-        gpu_free_bytes = query_gpu_free_bytes(rt)
-    host = query_host_available_bytes() if host_available_bytes is None else host_available_bytes
-    return _Budget(est.device_type, gpu_free_bytes, int(host), safety, ranks_per_host).shortfalls(est)
+    return _budget(est, rt, gpu_free_bytes, host_available_bytes, safety, ranks_per_host).shortfalls(est)
 
 
 def lean_support_reason(split: SplitModel) -> str | None:

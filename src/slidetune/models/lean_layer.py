@@ -29,6 +29,7 @@ keeps HF's layer; no family list to keep in step with transformers).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import re
 import textwrap
@@ -98,6 +99,7 @@ def _body(fn) -> str:
     return "\n".join(ln for ln in lines if ln)
 
 
+@functools.cache
 def _llama_bodies() -> dict[str, str]:
     from transformers.models.llama import modeling_llama as m
     return {"layer": _body(m.LlamaDecoderLayer.forward), "mlp": _body(m.LlamaMLP.forward),
