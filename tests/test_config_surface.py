@@ -116,7 +116,7 @@ def test_tuning_flags_and_yaml_section_with_precedence(tmp_path):
     assert parse().runtime.chunk_mb == RuntimeConfig().chunk_mb                         # default
     cfg = parse("--config", str(f))                                                     # YAML over default
     assert (cfg.runtime.chunk_mb, cfg.runtime.upload_ring, cfg.runtime.gc_freeze) == (64, 6, False)
-    assert cfg.batch_size == 3 and cfg.runtime.offload_activations is True
+    assert cfg.batch_size == 3 and cfg.runtime.offload_activations == "on"
     cfg = parse("--config", str(f), "--tuning.chunk_mb", "32", "--tuning.upload-ring=2", "--tuning.gc_freeze",
                 "--batch-size", "5")                                                    # flags over YAML
     assert (cfg.runtime.chunk_mb, cfg.runtime.upload_ring, cfg.runtime.gc_freeze, cfg.batch_size) == (32, 2, True, 5)
@@ -162,7 +162,7 @@ def test_config_json_groups_the_knobs_and_reads_back(tmp_path):
     saved = config_to_dict(cfg)
     assert list(saved).index("tuning") == list(saved).index("runtime") + 1
     assert set(saved["tuning"]) == set(tuning_docs()) and saved["tuning"]["chunk_mb"] == 64
-    assert not set(saved["runtime"]) & set(tuning_docs()) and saved["runtime"]["offload_activations"] is True
+    assert not set(saved["runtime"]) & set(tuning_docs()) and saved["runtime"]["offload_activations"] == "on"
     f = tmp_path / "config.json"
     f.write_text(json.dumps(saved))
     assert parse("--config", str(f)) == cfg                       # valid --config input, same config

@@ -343,7 +343,7 @@ def test_yaml_values_are_converted_and_checked(tmp_path):
     cfg = config_from_args(build_parser().parse_args(["train", "--config", str(f)]))
     assert cfg.optim.lr == 1e-4 and isinstance(cfg.optim.lr, float)   # YAML reads 1e-4 as a string
     assert cfg.max_grad_norm is None and cfg.data.seq_len == 64 and cfg.data.path == "corpus.txt"
-    assert cfg.runtime.offload_activations is True
+    assert cfg.runtime.offload_activations == "on"
     for bad, words in (("batch_size: lots\n", ["batch_size", "lots"]),
                        ("no_such_field: 1\n", ["no_such_field", "known fields"]),
                        ("runtime: {bogus: 1}\n", ["bogus", "runtime"]),

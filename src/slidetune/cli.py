@@ -130,7 +130,7 @@ def _plan(ns) -> int:
         print(f"device_layers auto: each layer kept and updated on the GPU adds about {one / gib:.2f} GiB "
               f"to the estimate above and takes its share off the host's AdamW; all "
               f"{loaded.split.num_layers} need a GPU with {every / FIT_SAFETY / gib:.1f} GiB free")
-    if cfg.runtime.offload_activations and cfg.runtime.gpu_checkpoints == -1:
+    if cfg.runtime.offloads_activations and cfg.runtime.gpu_checkpoints == -1:
         one = estimate(gpu_checkpoints=1).host_bytes - estimate(gpu_checkpoints=0).host_bytes
         print(f"gpu_checkpoints auto: the estimate above offloads every checkpoint; each one kept on the GPU "
               f"moves {-one / gib:.2f} GiB from pinned host RAM to the GPU (as many as fit after device_layers, "
@@ -235,8 +235,10 @@ def _plan_resolved(ns, cfg, split):
                     + (f"resident_layers={plan.resident_layers} " if resolved.cache_units else "")
                     + f"vocab_update={resolved.vocab_update} grad_slot_dtype={resolved.grad_slot_dtype} "
                     f"device_layers={plan.device_layers}"
-                    + (f" gpu_checkpoints={plan.gpu_checkpoints}" if resolved.offload_activations else "")
-                    + f" lean_layer={resolved.lean_layer}")
+                    + f" offload_activations={resolved.offload_activations}"
+                    + (f" gpu_checkpoints={plan.gpu_checkpoints}" if resolved.offloads_activations else "")
+                    + f" lean_layer={resolved.lean_layer} head_impl={resolved.resolved_head_impl}"
+                    + (f" held_buffers={resolved.held_buffers}" if est.schedule == "deferred" else ""))
     if plan is not None and resolved.disk_dir:
         settings += f" disk_units={len(plan.indices('disk'))} disk_master={resolved.disk_master}"
     print(f"resolved on {where} and {host / gib:.1f} GiB of host RAM{': ' + settings.strip() if settings else ''}: "

@@ -119,7 +119,7 @@ class TrainConfig:
 # flag name overrides (field path -> flag); None hides a field (it follows another one)
 _FLAG_NAMES = {"data.path": "data", "data.seed": None}
 # string fields whose flag alone means a value, as a boolean flag alone means true
-_BARE_FLAG = {"runtime.compile_layers": "on"}
+_BARE_FLAG = {"runtime.compile_layers": "on", "runtime.offload_activations": "on"}
 _SECTIONS = ("data", "runtime", "optim")
 _SECTION_CLASSES = {"data": DataConfig, "runtime": RuntimeConfig, "optim": AdamWConfig}
 # help text where the field's own comment is missing or too terse for --help
@@ -232,7 +232,7 @@ def _value_spec(path: str, f: dataclasses.Field) -> dict:
     spec = {"type": lambda s, t=f.type: _parse_value(s, t),
             "metavar": base.__name__.upper() if isinstance(base, type) else "VALUE"}
     if base is bool:
-        spec.update(nargs="?", const=True)                       # `--offload-activations` alone means true
+        spec.update(nargs="?", const=True)                       # a bool flag alone means true
     if path in _BARE_FLAG:
         spec.update(nargs="?", const=_BARE_FLAG[path])           # `--compile-layers` alone means on
     return spec

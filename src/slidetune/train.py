@@ -320,7 +320,7 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
         say(f"device_layers auto -> {max(0, runtime.device_layers)}"
             + (f" (decoder layers 0-{runtime.device_layers - 1} kept and updated on the GPU)"
                if runtime.device_layers > 0 else ""))
-    if cfg.runtime.gpu_checkpoints == -1 and cfg.runtime.offload_activations and cfg.runtime.mode == "slide":
+    if cfg.runtime.gpu_checkpoints == -1 and cfg.runtime.offloads_activations and cfg.runtime.mode == "slide":
         kept = plan.gpu_checkpoints
         say(f"gpu_checkpoints auto -> {kept}"
             + (f" (the input checkpoints of the last {kept} decoder layers stay on the GPU)" if kept else ""))
@@ -807,7 +807,7 @@ class Trainer:
             budget = "no GPU memory limit was set"
         fixes = [f"a smaller --batch-size (now {cfg.batch_size}; --grad-accum keeps the tokens per step)",
                  f"a shorter --seq-len (now {cfg.data.seq_len})"]
-        if cfg.runtime.mode == "slide" and not cfg.runtime.offload_activations:
+        if cfg.runtime.mode == "slide" and not cfg.runtime.offloads_activations:
             fixes.append("--offload-activations (layer inputs kept in host RAM)")
         if cfg.runtime.mode == "slide":
             fixes.append("--tuning.cache_units 3 --tuning.device_layers 0 (a window of layers, none kept on the GPU)")

@@ -88,7 +88,10 @@ class RuntimeConfig:
     grad_slots: int = tuning_field(
         0, help="GPU gradient slots (0 auto: 3, or 16 under deadline order with every layer resident)",
         when="raise when a profile shows the backward waiting for a free gradient slot; lower to save GPU memory")
-    offload_activations: bool = False  # layer-input checkpoints in pinned host memory
+    # Layer-input checkpoints in pinned host memory (on), on the GPU (off), or auto: off where the
+    # run fits with every checkpoint on the GPU, else on, with gpu_checkpoints auto keeping as many
+    # there as fit (engine.fit.choose_auto_settings); left unresolved, off.
+    offload_activations: str = "auto"
     # With offload_activations: the input checkpoints of the last `gpu_checkpoints` decoder
     # layers stay on the GPU. The backward reads those first, so it starts without waiting
     # for a prefetch, and each is B x S x d compute-dtype bytes less of pinned host RAM and
@@ -345,8 +348,11 @@ class RuntimeConfig:
     mlp_tile_tokens: int = tuning_field(
         8192, help="tokens per MLP tile of the lean layer's recompute + backward",
         when="lower when one layer's working set does not fit; each tile more costs time (2 vs 1 at 16K: +8%, NOTES 37)")
+    # auto: fused on CUDA where Triton imports (Qwen3-8B's head at 16K tokens: 73 ms and 6.2 GiB vs
+    # chunked's 104 ms and 8.3 GiB on the H100, ops/cross_entropy.py), chunked elsewhere.
     head_impl: str = tuning_field(
-        "chunked", help="output layer: full logits, chunked (head_chunk_tokens at a time) or fused",
+        "auto", help="output layer: full logits, chunked (head_chunk_tokens at a time), fused (Triton), or auto "
+                     "(fused on CUDA, else chunked)",
         when="full only for small vocabularies and short sequences; chunked keeps the logits' peak bounded")
     head_chunk_tokens: int = tuning_field(
         4096, help="tokens per logits chunk (4096 x 152k vocab x 2 B = 1.2 GB)",
@@ -355,6 +361,9 @@ class RuntimeConfig:
     def __post_init__(self):
         self.compile_layers = _on_off_auto(self.compile_layers, "compile_layers")
         self.lean_layer = _on_off_auto(self.lean_layer, "lean_layer")
+        self.offload_activations = _on_off_auto(self.offload_activations, "offload_activations")
+        if self.head_impl not in ("auto", "full", "chunked", "fused"):
+            raise ValueError(f"head_impl must be auto, full, chunked or fused, not {self.head_impl!r}")
         if self.mlp_tile_tokens < 1:
             raise ValueError(f"mlp_tile_tokens must be >= 1, not {self.mlp_tile_tokens}")
         if self.mode not in ("gpu", "ckpt", "slide"):
@@ -482,6 +491,21 @@ class RuntimeConfig:
         """Whether gradients land in host memory as FP32: FP32 slots, or a cast on the GPU's D2H
         stream (grad_download=fp32 with GPU casts). Otherwise in the compute dtype."""
         return self.grad_slots_fp32() or (self.casts_on_gpu(is_cuda) and self.grad_download == "fp32")
+
+    @property
+    def offloads_activations(self) -> bool:
+        """Whether layer-input checkpoints go to pinned host memory (auto left unresolved: no)."""
+        return self.offload_activations == "on"
+
+    @property
+    def resolved_head_impl(self) -> str:
+        """The output layer's implementation, auto resolved for this config's device."""
+        if self.head_impl != "auto":
+            return self.head_impl
+        from ..ops.cross_entropy import auto_impl
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if self.device in (None, "auto") \
+            else torch.device(self.device).type
+        return auto_impl(device)
 
     def grad_slots_fp32(self) -> bool:
         """Whether the gradient slots are FP32 (auto, unresolved, means the compute dtype)."""

@@ -48,9 +48,14 @@ from .slide.disk_tier import buffer_bytes, check_directory, tier_blocks, tier_by
 from .slide.host_store import BUILD_WORKERS
 
 GiB = 2**30
-# the share of the GPU's free memory and of the host's available RAM a run plans to use (the rest:
-# fragmentation, the allocator's caching, other processes' growth)
-FIT_SAFETY = 0.9
+# The share of the GPU's free memory and of the host's available RAM a run plans to use (the rest:
+# fragmentation, the allocator's caching, other processes' growth). Against the H200's runs of
+# Qwen3-8B under a 24 GiB budget (NOTES.md 38): the GPU estimate, which carries its own margins
+# (CUDA_OVERHEAD_BYTES, ACTIVATION_MARGIN, HEAD_MARGIN), was 1.17x the allocator's reserved peak at
+# b16 (21.46 vs 18.38 GiB); the host estimate was within 1% of the process's RSS (b16 110.1 vs
+# 110.0 GiB; b32 with the lean layer 114.3 vs 115.5). 0.95 leaves 6 GiB of a 123 GiB host and
+# 1.2 GiB of a 24 GiB GPU for what the estimate misses.
+FIT_SAFETY = 0.95
 MiB = 2**20
 
 # CUDA context + allocator slack. mem_get_info() is read after the context exists, but
@@ -334,6 +339,14 @@ def lean_layer_bytes(split: SplitModel, batch_size: int, seq_len: int, dtype: to
             "peak_no_param_grads": max(a for a, _ in phases) + workspace}
 
 
+def _working_set_margin(split: SplitModel, rt: RuntimeConfig) -> float:
+    """The margin on one layer's working set: ACTIVATION_MARGIN on HF's layer (a count of saved
+    tensors); none on the lean layer's, whose count is fitted to the H200's measured peaks and sits
+    11-16% above them (lean_layer_bytes)."""
+    from .slide.layer_runner import resolve_lean_layer
+    return 1.0 if resolve_lean_layer(split, rt) == "on" else ACTIVATION_MARGIN
+
+
 def working_set_bytes(split: SplitModel, rt: RuntimeConfig, batch_size: int, seq_len: int, dtype: torch.dtype,
                       masked: bool) -> dict[str, int]:
     """One layer's recompute + backward as the slide engine runs it: the lean layer's where the
@@ -401,8 +414,6 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
     batches have none; the default assumes they may."""
     if batch_size < 1 or seq_len < 1 or grad_accum < 1:
         raise ValueError("batch_size, seq_len and grad_accum must be >= 1")
-    if rt.head_impl not in ("full", "chunked", "fused"):
-        raise ValueError(f"head_impl must be full, chunked or fused, not {rt.head_impl!r}")
     dev = _device_type(rt)
     dtype = rt.torch_dtype
     b = torch.empty((), dtype=dtype).element_size()
@@ -426,7 +437,7 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
     # materializes (materialized_masks), rotary cos/sin [1,S,hd] fp32
     masks = materialized_masks(split, S, padded)
     layer_inputs = masks * B * S * S + 2 * S * sh.head_dim * 4 + 2 * N * 8   # + ids, labels
-    head = int(HEAD_MARGIN * head_bytes(split, N, dtype, rt.head_impl, rt.head_chunk_tokens))
+    head = int(HEAD_MARGIN * head_bytes(split, N, dtype, rt.resolved_head_impl, rt.head_chunk_tokens))
 
     if rt.mode == "slide":
         if grad_accum > 1:
@@ -456,8 +467,8 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
             # parameter gradients as fresh tensors before they are copied into a grad slot
             # with several micro-batches, the other micro-batches' output gradients wait beside it,
             # and the layer's gradient sums in FP32 (a compute-dtype sum would round each add)
-            "layer working set": int(ACTIVATION_MARGIN * working_set_bytes(split, rt, B, S, dtype,
-                                                                           masked=masks > 0)["peak"])
+            "layer working set": int(_working_set_margin(split, rt) * working_set_bytes(split, rt, B, S, dtype,
+                                                                                      masked=masks > 0)["peak"])
             + (grad_accum - 1) * ckpt_micro + summing_bytes(rt.grad_sum, grad_accum, P_L),
             # the head phase (head_bytes counts the last layer's output and its gradient)
             "head/logits": head,
@@ -760,23 +771,31 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
         buffer, else 1."""
     kw = dict(batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
               padded=padded)
-    if rt.mode == "slide" and rt.lean_layer == "auto":
-        # HF's layer where the run fits with it (the lean layer costs 1-8% of layer time, NOTES.md
-        # 37); the lean layer where only its smaller working set makes the run fit: the GPU, or the
-        # host, whose offloaded checkpoints the GPU's freed room then keeps
+    recipes = _memory_recipes(split, rt)
+    if len(recipes) > 1:
+        # the first recipe with which the run fits (GPU and host) without the disk tier, else the
+        # first that fits with it (the tier binds a step at the disk's rate: Qwen3-8B b32 with the
+        # head's moments on disk 7.15 s, with the lean layer and none there 4.30 s; NOTES.md 37),
+        # each chosen through the rest of this function; where none fits, the one short of least,
+        # so that the refusal and its options start there
         choose = functools.partial(choose_auto_settings, split, gpu_free_bytes=gpu_free_bytes,
                                    host_available_bytes=host_available_bytes, safety=safety,
                                    ranks_per_host=ranks_per_host, **kw)
-        # (where neither fits, the one short of less, so that the refusal and its options start there)
+
         def short(c: RuntimeConfig) -> tuple[int, int]:
             miss = _shortfalls(split, c, gpu_free_bytes, host_available_bytes, safety, ranks_per_host, **kw)
             return len(miss), sum(need - usable for _, need, usable, _, _ in miss)
-        hf = choose(dataclasses.replace(rt, lean_layer="off"))
-        hf_short = short(hf)
-        if hf_short[0] == 0 or lean_support_reason(split) is not None:
-            return hf
-        lean = choose(dataclasses.replace(rt, lean_layer="on"))
-        return lean if short(lean) < hf_short else hf
+        best, best_short, with_disk = None, None, None
+        for recipe in recipes:
+            placed = choose(recipe)
+            missing = short(placed)
+            if missing[0] == 0:
+                if not placed.disk_dir or placed.disk_units == 0:
+                    return placed
+                with_disk = with_disk or placed
+            if best is None or missing < best_short:
+                best, best_short = placed, missing
+        return with_disk or best
     placed = _choose_placement(split, rt, gpu_free_bytes=gpu_free_bytes, host_available_bytes=host_available_bytes,
                                safety=safety, ranks_per_host=ranks_per_host, **kw)
     if placed.mode != "slide":
@@ -825,6 +844,23 @@ def _shortfalls(split: SplitModel, rt: RuntimeConfig, gpu_free_bytes: int | None
     """_Budget.shortfalls of the configuration's estimate against the GPU's and the host's free memory."""
     est = estimate_memory(split, rt, **kw)
     return _budget(est, rt, gpu_free_bytes, host_available_bytes, safety, ranks_per_host).shortfalls(est)
+
+
+def _memory_recipes(split: SplitModel, rt: RuntimeConfig) -> list[RuntimeConfig]:
+    """Slide mode's memory-saving choices left on auto, resolved into configurations from the
+    cheapest in step time to the dearest: every checkpoint on the GPU before offloading some (their
+    PCIe traffic shares the link with the uploads; with gpu_checkpoints auto only those that do not
+    fit leave), HF's layer before the lean one (1-12% slower a layer, NOTES.md 37; it also frees
+    GPU room for checkpoints where the host is what binds). One configuration where nothing is on
+    auto; on the CPU (no GPU to leave) offload is off."""
+    if rt.mode != "slide":
+        return [rt]
+    on_gpu = _device_type(rt) == "cuda"
+    offloads = (["off", "on"] if on_gpu else ["off"]) if rt.offload_activations == "auto" \
+        else [rt.offload_activations]
+    leans = (["off", "on"] if lean_support_reason(split) is None else ["off"]) if rt.lean_layer == "auto" \
+        else [rt.lean_layer]
+    return [dataclasses.replace(rt, offload_activations=o, lean_layer=lean) for lean in leans for o in offloads]
 
 
 def lean_support_reason(split: SplitModel) -> str | None:
@@ -907,7 +943,7 @@ def _choose_placement(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, 
     # the small-window placement
     fillable = [name for name, auto in (("resident_layers", rt.resident_layers == -1 and rt.cache_units == -1),
                                         ("device_layers", rt.device_layers == -1),
-                                        ("gpu_checkpoints", rt.gpu_checkpoints == -1 and rt.offload_activations))
+                                        ("gpu_checkpoints", rt.gpu_checkpoints == -1 and rt.offloads_activations))
                 if auto]
     if len(cache_options) == 1 and rt.grad_slot_dtype != "auto" and rt.vocab_update != "auto" \
             and rt.device_layers != -1 and "gpu_checkpoints" not in fillable \
@@ -1153,7 +1189,7 @@ def suggest(split: SplitModel, rt: RuntimeConfig, budget: _Budget, *, batch_size
     # GPU and host (which turns to the host's RAM where that is what does not fit)
     if rt.mode == "slide" and budget.device_type == "cuda" and budget.gpu_free is not None:
         fields = ["cache_units", "vocab_update", "grad_slot_dtype", "device_layers"] + \
-            (["gpu_checkpoints"] if rt.offload_activations else []) + \
+            (["gpu_checkpoints"] if rt.offloads_activations else []) + \
             (["disk_units", "disk_master"] if rt.disk_dir else [])
         # the disk tier re-resolved with the rest: disk units counted for one placement (the head on
         # the host) are one too many for another (the head on the GPU)
@@ -1169,15 +1205,15 @@ def suggest(split: SplitModel, rt: RuntimeConfig, budget: _Budget, *, batch_size
             consider(changes)
     # 3. single changes, cheapest first
     if rt.mode == "slide":
-        if not rt.offload_activations:
-            consider({"offload_activations": True})
+        if not rt.offloads_activations:
+            consider({"offload_activations": "on"})
         if rt.cache_units == 0:
             consider({"cache_units": 3})
         if rt.cache_units != 2:
             consider({"cache_units": 2})
         if rt.resolved_grad_slots(split.num_layers) > 1:
             consider({"grad_slots": 1})
-    head_base = {"head_impl": "chunked"} if rt.head_impl == "full" else {}
+    head_base = {"head_impl": "chunked"} if rt.resolved_head_impl == "full" else {}
     if not (head_base and consider(head_base)):
         # smaller logits chunks: the largest chunk that fits at the current batch
         chunk = min(rt.head_chunk_tokens, batch_size * seq_len) // 2
@@ -1192,11 +1228,11 @@ def suggest(split: SplitModel, rt: RuntimeConfig, budget: _Budget, *, batch_size
         consider({"recompute": "all"})
     if rt.mode in ("gpu", "ckpt"):
         if not consider({"mode": "slide"}):
-            consider({"mode": "slide", "offload_activations": True})
+            consider({"mode": "slide", "offload_activations": "on"})
     # 3. everything that saves GPU memory at once, when no single change is enough
     if not out:
-        lean = {"mode": "slide", "offload_activations": True, "cache_units": 2, "grad_slots": 1,
-                "head_impl": "chunked" if rt.head_impl == "full" else rt.head_impl,
+        lean = {"mode": "slide", "offload_activations": "on", "cache_units": 2, "grad_slots": 1,
+                "head_impl": "chunked" if rt.resolved_head_impl == "full" else rt.resolved_head_impl,
                 "head_chunk_tokens": min(rt.head_chunk_tokens, 1024)}
         lean = {k: v for k, v in lean.items() if getattr(rt, k) != v}
         if lean:

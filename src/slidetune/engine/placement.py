@@ -172,7 +172,7 @@ class PlacementPlan:
                                 master="disk" if i in disk_masters else "", held=held[i],
                                 upload_copy=copies and state[i] == "host")
                       for i, s in enumerate(shapes))
-        kept = L if not rt.offload_activations else min(L, max(0, rt.gpu_checkpoints))
+        kept = L if not rt.offloads_activations else min(L, max(0, rt.gpu_checkpoints))
         return cls(units=units, window_slots=window_slots, gpu_checkpoints=kept, schedule=schedule,
                    disk_buffers=resolved_disk_buffers(rt.disk_buffers))
 

@@ -92,7 +92,7 @@ class PlainEngine:
         tied = self.units[0].leaves["weight"] if split.tied else None
         with self.timer.span("head", -1):
             return split.head_loss(self.units[-1].leaves, x, labels, lm_weight=tied,
-                                   impl=self.rt.head_impl, chunk_tokens=self.rt.head_chunk_tokens)
+                                   impl=self.rt.resolved_head_impl, chunk_tokens=self.rt.head_chunk_tokens)
 
     # ------------------------------------------------------------ timing hooks
     # Recompute attribution (DESIGN.md section 3): a checkpointed layer's function runs twice,

@@ -25,11 +25,12 @@ dtype of b bytes (2 for bf16), c = chunk_tokens:
   logits is alive at a time. Kept for backward: grad_hidden (N*d*b), grad_weight
   (V*d*b), grad_bias (V*b): the same as the parameters and activations themselves.
   Backward only scales them by the incoming scalar (one more grad-sized tensor).
-- ``fused``: liger-kernel's fused linear cross-entropy when it is installed (on the
-  valid rows only); otherwise the chunked path with a Triton kernel
+- ``fused``: the chunked path with a Triton kernel
   (``triton_ce.py``) that computes logsumexp and loss in one online sweep over the
   vocabulary and writes softmax - onehot in place over the compute-dtype logits
-  buffer: per chunk only c*V*b bytes, no fp32 copy. Needs CUDA; elsewhere it raises.
+  buffer: per chunk only c*V*b bytes, no fp32 copy; liger-kernel's fused linear
+  cross-entropy (on the valid rows only) where Triton alone does not import. Needs CUDA;
+  elsewhere it raises.
 
 Selecting the valid rows needs their count on the host: one device sync per call.
 
@@ -324,15 +325,28 @@ def _has_out_dtype_addmm(device_type: str) -> bool:
 # ---------------------------------------------------------------------------- fused
 
 
+def auto_impl(device_type: str) -> str:
+    """head_impl auto: fused on CUDA (faster and smaller than chunked, the figures above) where its
+    kernel can run, chunked elsewhere. Planning for a GPU from a machine without one takes the GPU
+    to have Triton (every CUDA build of torch on Linux ships it)."""
+    if device_type != "cuda":
+        return "chunked"
+    if torch.cuda.is_available() and _fused_backend() is None:
+        return "chunked"
+    return "fused"
+
+
 @functools.cache
 def _fused_backend() -> str | None:
-    """"liger" if liger-kernel imports, else "triton" if Triton is installed; CUDA required."""
+    """"triton" (this module's kernel, the one measured above) if Triton is installed, else
+    "liger" if liger-kernel imports; CUDA required. Triton first: liger-kernel may be installed for
+    the lean layer's kernels (models/lean_layer.py) without changing the head's."""
     if not torch.cuda.is_available():
         return None
-    if _liger_fn() is not None:
-        return "liger"
     if importlib.util.find_spec("triton") is not None:
         return "triton"
+    if _liger_fn() is not None:
+        return "liger"
     return None
 
 

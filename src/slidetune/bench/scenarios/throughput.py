@@ -393,7 +393,7 @@ def _placement(r: dict) -> dict:
     out.update({k: rt.get(k) for k in ("vocab_update", "device_layers")})
     if rt.get("disk_dir"):
         out["disk_units"] = max(0, int(rt.get("disk_units") or 0))
-    if rt.get("offload_activations"):
+    if rt.get("offload_activations") in (True, "on"):
         out["gpu_checkpoints"] = max(0, int(rt.get("gpu_checkpoints") or 0))
     return out
 

@@ -323,7 +323,7 @@ class SlideEngine:
         # thread runs Python; the default 5 ms switch interval would stall each hand-off.
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(rt.gil_switch_ms / 1e3)
-        self.acts = ActivationStore(device, L, rt.offload_activations, keep_on_gpu=self.plan.gpu_checkpoints)
+        self.acts = ActivationStore(device, L, rt.offloads_activations, keep_on_gpu=self.plan.gpu_checkpoints)
         self.gc_freeze = GCFreeze(rt.gc_freeze)
         self.layers = LayerRunner(self.split, rt)      # HF's or the lean layer, eager or compiled
         self.step_index = 0
@@ -982,7 +982,7 @@ class SlideEngine:
         for m in range(k):
             with torch.enable_grad(), self.timer.span("head", -1):
                 xh = xs[m].detach().requires_grad_(True)            # [B, S, d]
-                loss = split.head_loss(head_params, xh, labels[m], lm_weight=tied_w, impl=self.rt.head_impl,
+                loss = split.head_loss(head_params, xh, labels[m], lm_weight=tied_w, impl=self.rt.resolved_head_impl,
                                        chunk_tokens=self.rt.head_chunk_tokens)
                 loss = maybe_poison(loss, self.step_index + 1)       # tests only (faults.py)
                 grads = torch.autograd.grad(loss * scale, [xh] + wrt, materialize_grads=True)
@@ -1068,7 +1068,7 @@ class SlideEngine:
         self._acquire(head_slot)
         tied_w = self._views(split.embed_unit, embed_slot.flat)["weight"] if split.tied else None
         loss = split.head_loss(self._views(split.head_unit, head_slot.flat), xs[0], labels[0], lm_weight=tied_w,
-                               impl=self.rt.head_impl, chunk_tokens=self.rt.head_chunk_tokens)
+                               impl=self.rt.resolved_head_impl, chunk_tokens=self.rt.head_chunk_tokens)
         self._release(embed_slot)
         self._release(head_slot)
         return float(loss), batch.num_target_tokens()
