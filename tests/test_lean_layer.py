@@ -266,7 +266,7 @@ def _bf16_noise_case(family: str, tile: int, B: int = 2, S: int = 24):
     kw16 = split.layer_kwargs(B, S, torch.bfloat16, dev)[1]
 
     def hf(params, kw, dtype):
-        xi = x.to(dtype).requires_grad_(True)
+        xi = x.clone().to(dtype).requires_grad_(True)
         out = run_layer(split.layer_modules[1], params, xi, kw)
         return [out.detach()] + list(torch.autograd.grad(out, [xi] + list(params.values()), dy.to(dtype)))
     ref, hf16 = hf(params32, kw32, torch.float32), hf(params16, kw16, torch.bfloat16)
@@ -298,6 +298,17 @@ def test_liger_kernels_within_bf16_noise(family, tile):
     lean = LeanLayers(split.layer_modules, tile_tokens=tile, kernels=liger_kernels())
     assert lean.ops == {"rms_norm": "liger", "silu_mul": "liger", "rope": "liger"}
     _within_bf16_noise(run(lean), ref, hf16, f"{family} tile {tile} liger")
+
+
+@pytest.mark.gpu
+def test_liger_block_kernels_within_bf16_noise():
+    """8192 tokens: Qwen3's q/k norms cover 32768 rows of 16, where Liger's RMSNorm switches to
+    its row-block kernels (rows >= 32768, width <= 256), as at Qwen3-8B's shapes."""
+    pytest.importorskip("liger_kernel")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    split, ref, hf16, run = _bf16_noise_case("qwen3", 3000, B=4, S=2048)
+    _within_bf16_noise(run(LeanLayers(split.layer_modules, tile_tokens=3000, kernels=liger_kernels())),
+                       ref, hf16, "qwen3 8192 tokens liger")
 
 
 @pytest.mark.gpu
