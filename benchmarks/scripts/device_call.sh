@@ -3,7 +3,9 @@
 # Results go to $OUT/results.tar.gz (the device tool returns at most 8 files).
 #   jobs: stash | pipeline | train | equivalence | runtime | throughput | throughput@TAG | scaling | scaling@TAG
 #         | hostinfo | rankmem (RANKMEM_ARGS: a rank's host memory by stage, 1 and N processes) | techniques
-#         | layermem (LAYERMEM_ARGS: one layer's time and peak GPU memory, HF's and the lean layer)
+#         | layermem (LAYERMEM_ARGS: one layer's time and peak GPU memory, HF's and the lean layer, torch's or
+#           Liger's kernels (a liger-kernel wheel in .whl/); --profile: GPU time by kernel class)
+#         | leankernels (the lean layer's GPU tests: Liger's kernels against the reference; the wheel in .whl/)
 #         | modes | recompute | head | roofline | contention | gil | packing (PACKING_ARGS) | disk (DISK_DIR, DISK_PLAN_ARGS)
 #         | diskprobe (DISK_DIR, DISKPROBE_ARGS: cold, warm and under-AdamW-load disk bandwidth; "--grid --gib 2":
 #           the probe's patterns side by side, split or pool mixed pass, 1 or 8 files, 4 or 8 threads)
@@ -94,6 +96,10 @@ run_job() {
            ls -la /tmp/train_gpu /tmp/train_gpu/final > $R/train_${tag}_gpu/files.txt 2>&1; df -h /tmp >> $R/train_${tag}_gpu/files.txt
            python -c "import sys, torch; from transformers import AutoModelForCausalLM as M; m = M.from_pretrained('/tmp/train_gpu/final'); print('final/ loads:', type(m).__name__, m.dtype, sum(p.numel() for p in m.parameters()), 'params')" > $R/train_${tag}_gpu/final_loads.txt 2>&1
            tail -5 $R/train_${tag}_gpu.log; cat $R/train_${tag}_gpu/final_loads.txt ;;
+    leankernels) # the lean layer's GPU tests: Liger's kernels within BF16 noise, eager and compiled (a
+           # liger-kernel wheel in .whl/; without it they skip)
+           timeout 400 python -m pytest -q -rs tests/test_lean_layer.py -m gpu > $R/lean_kernels_tests.txt 2>&1
+           tail -5 $R/lean_kernels_tests.txt ;;
     equivalence) # bash -c parses EQ_ARGS' quotes (EQ_ARGS="-k 'disk or held2'")
            timeout 240 bash -c "python -m pytest -q tests/test_equivalence_gpu.py ${EQ_ARGS:-}" > $R/gpu_equivalence_tests.txt 2>&1
            # the CUDA-only kernel tests (the fused gradient sum's Triton pass against torch)
@@ -115,7 +121,8 @@ run_job() {
           [ "$n" -gt 1 ] && python -m torch.distributed.run --nproc-per-node $n benchmarks/scripts/rank_memory.py \
             $R/rank_memory_n$n.json ${RANKMEM_ARGS:---compile} ;;
     layermem) # one decoder layer's forward and recompute + backward, HF's layer and the lean one, eager and
-          # compiled: time, peak GPU memory, the hardware's limit (LAYERMEM_ARGS, e.g. --shapes qwen3-8b:64x1024)
+          # compiled, torch's or Liger's kernels: time, peak GPU memory, the hardware's limit, and with
+          # --profile the GPU time by kernel class (LAYERMEM_ARGS, e.g. --shapes qwen3-8b:64x1024 --profile)
           python benchmarks/scripts/layer_memory.py $R/layer_memory ${LAYERMEM_ARGS:-} ;;
     hostinfo) # what a multi-GPU result depends on: GPU links, NUMA, cores, RAM, /dev/shm (the shared state's home)
            { nvidia-smi topo -m; echo; nvidia-smi --query-gpu=index,name,pci.bus_id,pcie.link.gen.max,pcie.link.width.max --format=csv

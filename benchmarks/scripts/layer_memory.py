@@ -1,6 +1,7 @@
 """One decoder layer as the slide engine runs it: time and peak GPU memory of its forward and of
 its recompute + backward, HF's layer against the lean one (models/lean_layer.py), eager and
-compiled, at the shapes that bind a 24 GiB GPU; beside it the hardware's limit for the same work.
+compiled, on torch's or Liger's kernels, at the shapes that bind a 24 GiB GPU; beside it the
+hardware's limit for the same work, and with --profile where the GPU's time goes.
 
 Each variant goes through `engine.slide.layer_runner.LayerRunner`, the engine's only way of
 running a layer, on a layer built on the GPU in BF16 (random weights) with the engine's layer
@@ -15,26 +16,49 @@ kwargs (SDPA, causal, no padding mask: full rows). Measured per variant and shap
                          3 x 2 x P_layer a token; causal attention: 3 x 2 x S x hq a token, the
                          backward counted at twice the forward): what the GPU could do
     rb_over_hw           rb_ms / hw_rb_ms
+    lean_ops             what ran the lean layer's RMSNorm, SwiGLU product and rotary
+    compiled_graphs /    compiled variants: dynamo's graphs and its graph breaks by reason
+    graph_breaks         (a Liger call under lean-liger-compiled is one, by design)
+    profile              --profile: torch.profiler over one more recompute + backward: the GPU
+                         time summed by kernel class (telemetry/kernel_classes.py: gemm,
+                         attention, triton, elementwise, copy, other), the GEMMs' time over the
+                         GEMM limit for the matmuls alone (gemm_over_hw), attention's TFLOP/s,
+                         and the top kernels by time
+
+Variants: hf / lean (eager) and -compiled (compile_layers on); lean-liger*: the lean layer on
+Liger's RMSNorm, SwiGLU and rotary (lean_kernels liger, models/lean_kernels.py), compiled with
+a graph break around each Liger call, or -traced with dynamo tracing into them; hf-liger*: HF's
+layer with Liger's modules patched in by liger_kernel.transformers' own function for the family
+(SlideFormer's way). The Liger variants need liger-kernel (pip install 'slidetune[liger]'); a
+variant that fails (not installed, a compile error, OOM) leaves a row with its error.
 
     PYTHONPATH=src python benchmarks/scripts/layer_memory.py OUT_DIR [--shapes qwen3-8b:16x1024,...]
+        [--variants hf-compiled,lean-compiled,lean-liger-compiled,...] [--profile]
 
-Writes OUT_DIR/layer_memory.json (rows + machine) and layer_memory.md (a table).
+Writes OUT_DIR/layer_memory.json (rows + machine) and layer_memory.md (the tables).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import statistics
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 
 import torch
 
+import slidetune.models.lean_kernels as lean_kernels
 from slidetune.device import Device
 from slidetune.engine.config import RuntimeConfig
 from slidetune.engine.slide.layer_runner import LayerRunner
 from slidetune.models.load import RandomInit, fill_on_device, load_model
+from slidetune.models.units import SplitModel
 from slidetune.telemetry.events import EventTimer
+from slidetune.telemetry.kernel_classes import KERNEL_CLASSES, kernel_breakdown, trace_kernels
 from slidetune.telemetry.machine import machine_info
 
 GIB = 2**30
@@ -42,7 +66,14 @@ DEFAULT_SHAPES = "qwen3-8b:16x1024,qwen3-8b:64x1024,llama-3.1-8b:1x65536"
 VARIANTS = {"hf": dict(lean_layer="off", compile_layers="off"),
             "hf-compiled": dict(lean_layer="off", compile_layers="on"),
             "lean": dict(lean_layer="on", compile_layers="off"),
-            "lean-compiled": dict(lean_layer="on", compile_layers="on")}
+            "lean-compiled": dict(lean_layer="on", compile_layers="on"),
+            "lean-liger": dict(lean_layer="on", lean_kernels="liger", compile_layers="off"),
+            "lean-liger-compiled": dict(lean_layer="on", lean_kernels="liger", compile_layers="on"),
+            "lean-liger-traced": dict(lean_layer="on", lean_kernels="liger", compile_layers="on"),
+            "hf-liger": dict(lean_layer="off", compile_layers="off"),
+            "hf-liger-compiled": dict(lean_layer="off", compile_layers="on")}
+HF_LIGER = ("hf-liger", "hf-liger-compiled")
+LIGER_TRACED = ("lean-liger-traced",)
 
 
 def probe_gemm_tflops(n: int = 8192, reps: int = 20) -> float:
@@ -78,11 +109,67 @@ def _timed(fn, reps: int) -> tuple[float, float]:
     return statistics.median(times), max(peaks)
 
 
+def _profile(fn, top: int) -> dict:
+    """torch.profiler over one call of `fn`: its GPU time by kernel class and its `top` kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        trace = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        return kernel_breakdown(trace_kernels(trace), top=top)
+
+
+@contextlib.contextmanager
+def _hf_with_liger(split: SplitModel):
+    """HF's layer with Liger's RMSNorm, SwiGLU MLP and rotary, as liger_kernel.transformers' own
+    function for the family patches them in (the modules' forwards, and the modeling module's
+    apply_rotary_pos_emb and classes); the modeling module gets its names back after."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    modeling = sys.modules[type(split.layer_modules[0]).__module__]
+    saved = dict(vars(modeling))
+    try:
+        _apply_liger_kernel_to_instance(split.model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                        fused_linear_cross_entropy=False)
+        if "forward" not in vars(split.layer_modules[0].input_layernorm):
+            raise RuntimeError(f"liger_kernel.transformers patches no {split.config.model_type} model")
+        yield
+    finally:
+        for name in set(vars(modeling)) - set(saved):
+            delattr(modeling, name)
+        for name, value in saved.items():
+            if getattr(modeling, name, None) is not value:
+                setattr(modeling, name, value)
+
+
+@contextlib.contextmanager
+def _kernels_of(variant: str, split: SplitModel):
+    """What a variant changes beside its RuntimeConfig, for the time it runs."""
+    if variant in HF_LIGER:
+        with _hf_with_liger(split):
+            yield
+    elif variant in LIGER_TRACED:
+        saved, lean_kernels.LIGER_UNDER_COMPILE = lean_kernels.LIGER_UNDER_COMPILE, "trace"
+        try:
+            yield
+        finally:
+            lean_kernels.LIGER_UNDER_COMPILE = saved
+    else:
+        yield
+
+
+def _compile_stats(row: dict) -> None:
+    counters = torch._dynamo.utils.counters
+    row["compiled_graphs"] = counters["stats"]["unique_graphs"]
+    row["graph_breaks"] = {reason.splitlines()[0][:160]: n for reason, n in counters["graph_break"].most_common(5)}
+
+
 def measure(model: str, batch: int, seq: int, variants: list[str], reps: int, gemm_tflops: float,
             save=lambda rows: None) -> list[dict]:
     dev = torch.device("cuda")
-    loaded = load_model(model, num_layers=1, with_tokenizer=False)
-    split = loaded.split
+    split = load_model(model, num_layers=1, with_tokenizer=False).split
     unit = split.layer_units[0]
     flat = fill_on_device(RandomInit(0), unit, dev).to(torch.bfloat16)       # [numel]
     kwargs = split.layer_kwargs(batch, seq, torch.bfloat16, dev)[0]
@@ -90,30 +177,55 @@ def measure(model: str, batch: int, seq: int, variants: list[str], reps: int, ge
     dy = torch.randn_like(x)
     c = split.config
     hq = int(c.num_attention_heads) * int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
-    flops_rb = 3 * batch * seq * (2 * unit.numel + 2 * seq * hq)             # causal: half of 4 S hq
+    flops_gemm = 3 * batch * seq * 2 * unit.numel                            # the matmuls (the norms' weights: noise)
+    flops_attn = 3 * batch * seq * 2 * seq * hq                              # causal: half of 4 S hq
+    flops_rb = flops_gemm + flops_attn
     no_spans = EventTimer(Device(dev), enabled=False)       # the script times whole calls
+    liger_installed = importlib.util.find_spec("liger_kernel") is not None
     rows = []
     for name in variants:
-        runner = LayerRunner(split, RuntimeConfig(mode="slide", dtype="bf16", device="cuda",
-                                                  mlp_tile_tokens=ARGS.tile, **VARIANTS[name]))
-        views = unit.views(flat)
-        leaves = {k: v.detach().requires_grad_(True) for k, v in views.items()}
+        rt = RuntimeConfig(mode="slide", dtype="bf16", device="cuda", mlp_tile_tokens=ARGS.tile, **VARIANTS[name])
         row = {"model": model, "batch": batch, "seq": seq, "tokens": batch * seq, "variant": name,
-               "mlp_tile_tokens": ARGS.tile if runner.lean is not None else None}
-        try:
-            with torch.no_grad():
-                row["fwd_ms"], row["fwd_peak_gib"] = _timed(lambda: runner.forward(0, views, x, kwargs), reps)
-            row["rb_ms"], row["rb_peak_gib"] = _timed(
-                lambda: runner.recompute_backward(0, leaves, x, dy.clone(), kwargs, no_spans), reps)
-            row["hw_rb_ms"] = flops_rb / (gemm_tflops * 1e12) * 1e3
-            row["rb_over_hw"] = row["rb_ms"] / row["hw_rb_ms"]
-            row["rb_tflops"] = flops_rb / (row["rb_ms"] / 1e3) / 1e12
-        except torch.OutOfMemoryError as e:
-            row["error"] = f"OOM: {str(e).splitlines()[0][:200]}"
+               "mlp_tile_tokens": ARGS.tile if rt.lean_layer == "on" else None}
+        if "liger" in name and not liger_installed:
+            row["error"] = "liger-kernel is not installed (pip install 'slidetune[liger]')"
+        else:
+            # fresh modules: a variant's kernels go onto its own layer's instances
+            fresh = load_model(model, num_layers=1, with_tokenizer=False).split
+            views = fresh.layer_units[0].views(flat)
+            leaves = {k: v.detach().requires_grad_(True) for k, v in views.items()}
+            torch._dynamo.utils.counters.clear()
+            try:
+                with _kernels_of(name, fresh):
+                    runner = LayerRunner(fresh, rt, dev)
+                    row["lean_ops"] = runner.lean.ops if runner.lean is not None else None
+                    with torch.no_grad():
+                        row["fwd_ms"], row["fwd_peak_gib"] = _timed(lambda: runner.forward(0, views, x, kwargs), reps)
+
+                    def rb():
+                        return runner.recompute_backward(0, leaves, x, dy.clone(), kwargs, no_spans)
+                    row["rb_ms"], row["rb_peak_gib"] = _timed(rb, reps)
+                    row["hw_rb_ms"] = flops_rb / (gemm_tflops * 1e12) * 1e3
+                    row["rb_over_hw"] = row["rb_ms"] / row["hw_rb_ms"]
+                    row["rb_tflops"] = flops_rb / (row["rb_ms"] / 1e3) / 1e12
+                    if rt.compile_layers == "on":
+                        _compile_stats(row)
+                    if ARGS.profile:
+                        prof = _profile(rb, ARGS.profile_top)
+                        cls = prof["classes"]
+                        prof["gemm_hw_ms"] = flops_gemm / (gemm_tflops * 1e12) * 1e3
+                        prof["gemm_over_hw"] = cls["gemm"] / prof["gemm_hw_ms"]
+                        prof["attention_tflops"] = flops_attn / (cls["attention"] / 1e3) / 1e12 \
+                            if cls["attention"] else None
+                        prof["kernel_over_rb"] = prof["kernel_ms"] / row["rb_ms"]
+                        row["profile"] = prof
+            except Exception as e:  # noqa: BLE001 - the row records it; the other variants still run
+                row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+                traceback.print_exc()
+            runner = leaves = None
         rows.append(row)
         save(rows)                                 # each row as it comes: a call cut short keeps them
         print(json.dumps(row), flush=True)
-        del runner, leaves
         torch._dynamo.reset()
         torch.cuda.empty_cache()                   # between variants, outside the timed calls
     return rows
@@ -133,6 +245,37 @@ def _table(rows: list[dict], gemm: float) -> str:
     return "\n".join(out) + "\n"
 
 
+CLASS_HEADS = {"gemm": "GEMM", "attention": "attention", "triton": "Triton", "elementwise": "aten elementwise",
+               "copy": "copy/memset", "other": "other"}
+
+
+def _profile_tables(rows: list[dict]) -> str:
+    """The --profile rows: GPU time by kernel class, then each variant's top kernels."""
+    profiled = [r for r in rows if "profile" in r]
+    if not profiled:
+        return ""
+    out = ["", "GPU time of one profiled recompute + backward by kernel class, ms (telemetry/kernel_classes.py); "
+           "GEMM / hw: the GEMMs' time over the matmuls' FLOPs at the probed rate; kernels / rb: the kernels' "
+           "summed time over the timed call's (below 1: the GPU idles between kernels).", "",
+           "| model | B x S | variant | rb ms | kernels ms | kernels / rb | "
+           + " | ".join(CLASS_HEADS[c] for c in KERNEL_CLASSES) + " | GEMM / hw | attention TFLOP/s | graphs / breaks |",
+           "|---|---|---|---|---|---|" + "---|" * len(KERNEL_CLASSES) + "---|---|---|"]
+    for r in profiled:
+        p = r["profile"]
+        graphs = (f"{r['compiled_graphs']} / {sum(r['graph_breaks'].values())}" if "compiled_graphs" in r else "")
+        attn = f"{p['attention_tflops']:.0f}" if p["attention_tflops"] else ""
+        out.append(f"| {r['model']} | {r['batch']} x {r['seq']} | {r['variant']} | {r['rb_ms']:.1f} | "
+                   f"{p['kernel_ms']:.1f} | {p['kernel_over_rb']:.2f} | "
+                   + " | ".join(f"{p['classes'][c]:.1f}" for c in KERNEL_CLASSES)
+                   + f" | {p['gemm_over_hw']:.2f} | {attn} | {graphs} |")
+    for r in profiled:
+        out += ["", f"Top kernels: {r['model']} {r['batch']} x {r['seq']} {r['variant']}", "",
+                "| ms | calls | class | kernel |", "|---|---|---|---|"]
+        out += [f"| {k['ms']:.2f} | {k['calls']} | {k['class']} | `{k['name'].replace('|', '/')}` |"
+                for k in r["profile"]["top"]]
+    return "\n".join(out) + "\n"
+
+
 def main() -> int:
     global ARGS
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -141,7 +284,14 @@ def main() -> int:
     p.add_argument("--variants", default=",".join(VARIANTS), help="of " + ", ".join(VARIANTS))
     p.add_argument("--tile", type=int, default=RuntimeConfig().mlp_tile_tokens, help="the lean layer's MLP tile")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--profile", action="store_true",
+                   help="torch.profiler over one more recompute + backward per variant: GPU time by kernel class")
+    p.add_argument("--profile-top", type=int, default=15, help="kernels listed per profiled variant")
     ARGS = p.parse_args()
+    unknown = set(ARGS.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        print(f"unknown variants {sorted(unknown)}; of {', '.join(VARIANTS)}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("layer_memory.py needs CUDA", file=sys.stderr)
         return 2
@@ -157,8 +307,9 @@ def main() -> int:
         model, bs = shape.split(":")
         b, s = (int(v) for v in bs.split("x"))
         rows += measure(model, b, s, ARGS.variants.split(","), ARGS.reps, gemm, save)
-    (out / "layer_memory.md").write_text(_table(rows, gemm))
-    print(_table(rows, gemm))
+    text = _table(rows, gemm) + _profile_tables(rows)
+    (out / "layer_memory.md").write_text(text)
+    print(text)
     return 0
 
 

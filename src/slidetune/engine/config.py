@@ -348,6 +348,14 @@ class RuntimeConfig:
     mlp_tile_tokens: int = tuning_field(
         8192, help="tokens per MLP tile of the lean layer's recompute + backward",
         when="lower when one layer's working set does not fit; each tile more costs time (2 vs 1 at 16K: +8%, NOTES 37)")
+    # The lean layer's RMSNorm, SwiGLU product and rotary (models/lean_kernels.py): torch (the
+    # lean RMSNorm, HF's product and rotary) or Liger's Triton kernels (liger-kernel, an optional
+    # extra; CUDA), which save less for the backward. auto: torch until Liger's measure faster on
+    # the GPU (benchmarks/scripts/layer_memory.py's lean-liger variants, with --profile).
+    lean_kernels: str = tuning_field(
+        "auto", help="the lean layer's RMSNorm, SwiGLU and rotary kernels: auto (torch for now), torch or liger "
+                     "(Liger's Triton kernels: CUDA, pip install 'slidetune[liger]')",
+        when="liger to A/B Liger's kernels against torch on a GPU; auto takes them once measured faster")
     # auto: fused on CUDA where Triton imports (Qwen3-8B's head at 16K tokens: 73 ms and 6.2 GiB vs
     # chunked's 104 ms and 8.3 GiB on the H100, ops/cross_entropy.py), chunked elsewhere.
     head_impl: str = tuning_field(
@@ -366,6 +374,8 @@ class RuntimeConfig:
             raise ValueError(f"head_impl must be auto, full, chunked or fused, not {self.head_impl!r}")
         if self.mlp_tile_tokens < 1:
             raise ValueError(f"mlp_tile_tokens must be >= 1, not {self.mlp_tile_tokens}")
+        if self.lean_kernels not in ("auto", "torch", "liger"):
+            raise ValueError(f"lean_kernels must be auto, torch or liger, not {self.lean_kernels!r}")
         if self.mode not in ("gpu", "ckpt", "slide"):
             raise ValueError(f"mode must be gpu, ckpt or slide, not {self.mode!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:

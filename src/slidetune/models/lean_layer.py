@@ -21,6 +21,12 @@ exact (the equivalence tests compare against the HF layer, FP32 on the CPU):
 Attention stays HF's own module (SDPA: flash / memory-efficient kernels, or FlexAttention
 for packed documents), called with the layer's recorded kwargs.
 
+**Kernels** (`LeanKernels`): the RMSNorm, the SwiGLU product `act(gate) * up` and the rotary
+application are swappable, per module instance (the norms' and the MLP's `forward`, and the
+attention's forward with another `apply_rotary_pos_emb`), so one HF layer runs other kernels
+without touching its class or its modeling module. `TORCH`: the lean RMSNorm below and HF's
+own product and rotary; `models/lean_kernels.py`: Liger's Triton kernels on CUDA.
+
 Faithful or refused: a layer is run lean only where its class's `forward`, its MLP's and
 its RMSNorms' are Llama's, statement for statement (`lean_support` compares the source, so
 a family that changes any of them - Gemma's (1 + w) norm, sandwich norms, an MoE block -
@@ -34,6 +40,7 @@ import inspect
 import re
 import textwrap
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -85,8 +92,43 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _RMSNorm.apply(x, weight, eps)
 
 
-def _lean_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+# ----------------------------------------------------------------------------- kernels
+@dataclass(frozen=True)
+class LeanKernels:
+    """The lean layer's three elementwise ops; None: HF's own code for that op.
+
+    rms_norm(x [..., d], weight [d], eps) -> [..., d]: LlamaRMSNorm's forward.
+    silu_mul(gate [..., I], up [..., I]) -> silu(gate) * up: LlamaMLP's product (SiLU MLPs only).
+    rope(q [B, hq, S, hd], k [B, hk, S, hd], cos [B, S, hd], sin, unsqueeze_dim=1) -> (q, k):
+        Llama's apply_rotary_pos_emb (rotate_half convention); it may write into q and k."""
+    name: str
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+TORCH = LeanKernels("torch", rms_norm=rms_norm)
+
+
+def _norm_forward(op):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return op(hidden_states, self.weight, self.variance_epsilon)
+    return forward
+
+
+def _mlp_forward(op):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:       # LlamaMLP.forward, act(gate) * up as one op
+        return self.down_proj(op(self.gate_proj(x), self.up_proj(x)))
+    return forward
+
+
+def _with_global(fn, name: str, value):
+    """A copy of function `fn` that sees `value` for its global `name`; its module is untouched
+    (a model of the same family elsewhere in the process keeps HF's function)."""
+    scope = {**fn.__globals__, name: value}
+    copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    return copy
 
 
 # ----------------------------------------------------------------------------- faithfulness
@@ -103,7 +145,8 @@ def _body(fn) -> str:
 def _llama_bodies() -> dict[str, str]:
     from transformers.models.llama import modeling_llama as m
     return {"layer": _body(m.LlamaDecoderLayer.forward), "mlp": _body(m.LlamaMLP.forward),
-            "norm": _body(m.LlamaRMSNorm.forward)}
+            "norm": _body(m.LlamaRMSNorm.forward), "rope": _body(m.apply_rotary_pos_emb),
+            "rotate_half": _body(m.rotate_half)}
 
 
 def _is_llama_norm(module: nn.Module, bodies: dict[str, str]) -> bool:
@@ -128,6 +171,27 @@ def lean_support(layer: nn.Module) -> str | None:
     return None
 
 
+def rope_support(attn: nn.Module) -> str | None:
+    """None if `attn`'s forward applies the rotary embedding by calling its module's
+    `apply_rotary_pos_emb`, and that function (and its rotate_half) is Llama's: then swapping
+    that name swaps the rotary application and nothing else. Else why not."""
+    fn = type(attn).forward
+    scope, bodies = fn.__globals__, _llama_bodies()
+    if "apply_rotary_pos_emb" not in fn.__code__.co_names:
+        return f"{type(attn).__name__}.forward does not call apply_rotary_pos_emb"
+    if "apply_rotary_pos_emb" not in scope or _body(scope["apply_rotary_pos_emb"]) != bodies["rope"] \
+            or "rotate_half" not in scope or _body(scope["rotate_half"]) != bodies["rotate_half"]:
+        return f"{type(attn).__name__}'s apply_rotary_pos_emb is not Llama's"
+    return None
+
+
+def silu_mul_support(mlp: nn.Module) -> str | None:
+    """None if `mlp`'s act_fn is SiLU (a layer lean_support accepts computes act(gate) * up)."""
+    from transformers.activations import SiLUActivation
+    act = getattr(mlp, "act_fn", None)
+    return None if isinstance(act, (nn.SiLU, SiLUActivation)) else f"the MLP's activation is {type(act).__name__}"
+
+
 # ----------------------------------------------------------------------------- the layer
 @dataclass
 class _Parts:
@@ -150,11 +214,13 @@ def _parts(params: dict[str, torch.Tensor]) -> _Parts:
 class LeanLayers:
     """The lean forward and recompute + backward of a model's decoder layers (module docstring).
 
-    Built once per engine from the skeleton's layer modules; `lean_norms()` gives their
-    RMSNorm instances the lean forward (the same values, a smaller backward). A layer whose
-    class is not Llama's arithmetic is refused here (`lean_support`)."""
+    Built once per engine from the skeleton's layer modules, whose RMSNorms (and, where the
+    kernels have them, MLPs and attentions) get `kernels`' ops as their instance's forward:
+    the same values, less held for the backward. A layer whose class is not Llama's
+    arithmetic is refused here (`lean_support`). `ops`: what runs each op, for the record
+    ("torch", "liger", or "hf: why" where a module keeps HF's code for it)."""
 
-    def __init__(self, layers: list[nn.Module], tile_tokens: int):
+    def __init__(self, layers: list[nn.Module], tile_tokens: int, kernels: LeanKernels = TORCH):
         if tile_tokens < 1:
             raise ValueError(f"tile_tokens must be >= 1, not {tile_tokens}")
         for i, layer in enumerate(layers):
@@ -163,15 +229,37 @@ class LeanLayers:
                 raise ValueError(f"decoder layer {i} cannot run lean: {why}")
         self.layers = layers
         self.tile_tokens = tile_tokens
-        self.lean_norms()
+        self.kernels = kernels
+        self.ops = self._install_kernels()
 
-    def lean_norms(self) -> None:
-        bodies = _llama_bodies()
+    def _install_kernels(self) -> dict[str, str]:
+        k, bodies = self.kernels, _llama_bodies()
+        ops = {"rms_norm": k.name, "silu_mul": k.name if k.silu_mul else "hf", "rope": k.name if k.rope else "hf"}
+
+        def install(m: nn.Module, forward) -> None:
+            m.forward = types.MethodType(forward, m)
+            m._slidetune_kernels = k.name
         for layer in self.layers:
             for m in layer.modules():
-                if _is_llama_norm(m, bodies) and not getattr(m, "_slidetune_lean", False):
-                    m.forward = types.MethodType(_lean_norm_forward, m)
-                    m._slidetune_lean = True
+                if getattr(m, "_slidetune_kernels", None) is not None:   # an earlier LeanLayers' ops
+                    del m.forward, m._slidetune_kernels
+            for m in layer.modules():
+                if _is_llama_norm(m, bodies):
+                    install(m, _norm_forward(k.rms_norm))
+            if k.silu_mul is not None:
+                why = silu_mul_support(layer.mlp)
+                if why is None:
+                    install(layer.mlp, _mlp_forward(k.silu_mul))
+                else:
+                    ops["silu_mul"] = f"hf: {why}"
+            if k.rope is not None:
+                why = rope_support(layer.self_attn)
+                if why is None:
+                    forward = type(layer.self_attn).forward
+                    install(layer.self_attn, _with_global(forward, "apply_rotary_pos_emb", k.rope))
+                else:
+                    ops["rope"] = f"hf: {why}"
+        return ops
 
     # -- the two halves, on the layer's own modules ---------------------------------------
     @staticmethod

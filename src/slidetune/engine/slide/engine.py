@@ -325,7 +325,7 @@ class SlideEngine:
         sys.setswitchinterval(rt.gil_switch_ms / 1e3)
         self.acts = ActivationStore(device, L, rt.offloads_activations, keep_on_gpu=self.plan.gpu_checkpoints)
         self.gc_freeze = GCFreeze(rt.gc_freeze)
-        self.layers = LayerRunner(self.split, rt)      # HF's or the lean layer, eager or compiled
+        self.layers = LayerRunner(self.split, rt, device.device)   # HF's or the lean layer, eager or compiled
         self.step_index = 0
         self._views_cache: dict = {}
         self._held_landed: dict[int, Future] = {}     # deferred: unit -> event of its held gradient's copy

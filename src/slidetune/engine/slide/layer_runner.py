@@ -8,12 +8,14 @@ Two entry points, the only two ways the engine runs a layer:
 
 HF's layer: one autograd graph of the whole layer (`run_layer`, torch.compile'd per kind of
 layer with compile_layers). The lean layer (models/lean_layer.py): the attention half and the
-MLP tiles, each compiled on its own where compile_layers is on.
+MLP tiles, each compiled on its own where compile_layers is on, with the RMSNorm, SwiGLU and
+rotary kernels lean_kernels picks (models/lean_kernels.py).
 """
 from __future__ import annotations
 
 import torch
 
+from ...models.lean_kernels import resolve_lean_kernels
 from ...models.lean_layer import LeanLayers
 from ...models.units import SplitModel, run_layer
 from ..config import RuntimeConfig
@@ -30,10 +32,13 @@ def resolve_lean_layer(split: SplitModel, rt: RuntimeConfig) -> str:
 
 
 class LayerRunner:
-    def __init__(self, split: SplitModel, rt: RuntimeConfig):
+    def __init__(self, split: SplitModel, rt: RuntimeConfig, device: torch.device):
+        """device: where the layers run (the lean layer's Liger kernels need CUDA)."""
         self.split = split
-        self.lean = (LeanLayers(split.layer_modules, rt.mlp_tile_tokens)
-                     if resolve_lean_layer(split, rt) == "on" else None)
+        self.lean = None
+        if resolve_lean_layer(split, rt) == "on":
+            kernels = resolve_lean_kernels(rt.lean_kernels, device)
+            self.lean = LeanLayers(split.layer_modules, rt.mlp_tile_tokens, kernels)
         self.compiled = rt.compiles_layers()
         L = split.num_layers
         # one compiled graph per kind of layer, keyed on a template module (dynamo guards on the
