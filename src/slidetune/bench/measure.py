@@ -182,6 +182,7 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
     host_memory = {"start": host_memory_snapshot()}
     t0 = time.perf_counter()
     loaded = load_model(spec.model, num_layers=spec.num_layers, seed=spec.seed, with_tokenizer=False)
+    fit_estimate = None
     if rt.mode == "slide":
         from ..engine.fit import InsufficientMemoryError, Workload, check_fit_on_ranks, place_on_ranks
         free = None
@@ -195,6 +196,14 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
                         max_grad_norm=spec.max_grad_norm, padded=False, gpu_free_bytes=free,
                         ranks_per_host=ranks.cfg.local_world_size)
         rt = place_on_ranks(loaded.split, rt, work, ranks)
+        # the fit's estimate of the placement that runs, beside the measured peaks below (the fit
+        # margin's calibration, engine/fit.py FIT_SAFETY)
+        from ..engine.fit import estimate_memory
+        est = estimate_memory(loaded.split, rt, batch_size=spec.batch_size, seq_len=spec.seq_len,
+                              grad_accum=spec.grad_accum, max_grad_norm=spec.max_grad_norm, padded=False)
+        fit_estimate = {"gpu": est.gpu_bytes / 2**30,
+                        "host": est.host_bytes_per_host(ranks.cfg.local_world_size) / 2**30,
+                        "gpu_free": (free or 0) / 2**30}
         if spec.check_memory:
             try:
                 check_fit_on_ranks(loaded.split, rt, work, ranks)
@@ -225,6 +234,8 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
                     "host_threads": getattr(engine, "host_threads", None),
                     "device_layers": getattr(engine, "device_layers", None),
                     "params": split.num_params(), "num_layers": split.num_layers}
+    if fit_estimate is not None:
+        result["fit_estimate_gib"] = fit_estimate
     warmup = disk_tier_warmup(spec.warmup, engine)
     if warmup != spec.warmup:
         result["warmup_raised"] = {"asked": spec.warmup, "used": warmup, "why": DISK_WARMUP_WHY}
