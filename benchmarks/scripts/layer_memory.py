@@ -11,10 +11,13 @@ kwargs (SDPA, causal, no padding mask: full rows). Measured per variant and shap
     fwd_peak_gib /       the allocator's peak during one call above what was allocated before it
     rb_peak_gib          (the layer's input, its gradient, the weights): the working set the fit
                          check's "layer working set" phase stands for
-    hw_rb_ms             the recompute + backward's FLOPs at the probed BF16 GEMM rate (matmuls:
-                         3 x 2 x P_layer a token; causal attention: 3 x 2 x S x hq a token, the
-                         backward counted at twice the forward): what the GPU could do
+    hw_rb_ms             the recompute + backward's FLOPs (telemetry.flops.StepFlops: the layer's
+                         matmuls once forward and twice backward, its causal attention once forward
+                         and 2.5x backward) at the rates bench.roofline.probe_hardware measures at
+                         this shape (BF16 GEMMs on the layer's own shapes, SDPA causal), priced by
+                         bench.roofline.hardware_compute: what the GPU could do
     rb_over_hw           rb_ms / hw_rb_ms
+    gemm_*/sdpa_*_tflops the probed rates (forward, backward)
 
     PYTHONPATH=src python benchmarks/scripts/layer_memory.py OUT_DIR [--shapes qwen3-8b:16x1024,...]
 
@@ -30,11 +33,13 @@ from pathlib import Path
 
 import torch
 
+from slidetune.bench.roofline import hardware_compute, probe_hardware
 from slidetune.device import Device
 from slidetune.engine.config import RuntimeConfig
 from slidetune.engine.slide.layer_runner import LayerRunner
 from slidetune.models.load import RandomInit, fill_on_device, load_model
 from slidetune.telemetry.events import EventTimer
+from slidetune.telemetry.flops import StepFlops
 from slidetune.telemetry.machine import machine_info
 
 GIB = 2**30
@@ -43,20 +48,6 @@ VARIANTS = {"hf": dict(lean_layer="off", compile_layers="off"),
             "hf-compiled": dict(lean_layer="off", compile_layers="on"),
             "lean": dict(lean_layer="on", compile_layers="off"),
             "lean-compiled": dict(lean_layer="on", compile_layers="on")}
-
-
-def probe_gemm_tflops(n: int = 8192, reps: int = 20) -> float:
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        a @ b
-    end.record()
-    end.synchronize()
-    return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
 
 
 def _timed(fn, reps: int) -> tuple[float, float]:
@@ -78,7 +69,7 @@ def _timed(fn, reps: int) -> tuple[float, float]:
     return statistics.median(times), max(peaks)
 
 
-def measure(model: str, batch: int, seq: int, variants: list[str], reps: int, gemm_tflops: float,
+def measure(model: str, batch: int, seq: int, variants: list[str], reps: int,
             save=lambda rows: None) -> list[dict]:
     dev = torch.device("cuda")
     loaded = load_model(model, num_layers=1, with_tokenizer=False)
@@ -88,9 +79,12 @@ def measure(model: str, batch: int, seq: int, variants: list[str], reps: int, ge
     kwargs = split.layer_kwargs(batch, seq, torch.bfloat16, dev)[0]
     x = torch.randn(batch, seq, split.hidden_size, device=dev, dtype=torch.bfloat16)    # [B, S, d]
     dy = torch.randn_like(x)
-    c = split.config
-    hq = int(c.num_attention_heads) * int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
-    flops_rb = 3 * batch * seq * (2 * unit.numel + 2 * seq * hq)             # causal: half of 4 S hq
+    hw = probe_hardware(split, batch, seq)              # the GPU's rates at this layer's shapes
+    rates = {k: v for k, v in hw.items() if k.endswith("_tflops")}
+    flops = StepFlops.from_dict(hw["flops"])
+    # recompute (one forward) + backward (2x the matmuls, 2.5x the attention) of the one layer
+    flops_rb = 3 * flops.layer_matmul[0] + 3.5 * flops.layer_attention[0]
+    hw_rb_s = hardware_compute(hw, {0})["layer_recompute_backward_s"]
     no_spans = EventTimer(Device(dev), enabled=False)       # the script times whole calls
     rows = []
     for name in variants:
@@ -99,13 +93,13 @@ def measure(model: str, batch: int, seq: int, variants: list[str], reps: int, ge
         views = unit.views(flat)
         leaves = {k: v.detach().requires_grad_(True) for k, v in views.items()}
         row = {"model": model, "batch": batch, "seq": seq, "tokens": batch * seq, "variant": name,
-               "mlp_tile_tokens": ARGS.tile if runner.lean is not None else None}
+               "mlp_tile_tokens": ARGS.tile if runner.lean is not None else None, **rates}
         try:
             with torch.no_grad():
                 row["fwd_ms"], row["fwd_peak_gib"] = _timed(lambda: runner.forward(0, views, x, kwargs), reps)
             row["rb_ms"], row["rb_peak_gib"] = _timed(
                 lambda: runner.recompute_backward(0, leaves, x, dy.clone(), kwargs, no_spans), reps)
-            row["hw_rb_ms"] = flops_rb / (gemm_tflops * 1e12) * 1e3
+            row["hw_rb_ms"] = hw_rb_s * 1e3
             row["rb_over_hw"] = row["rb_ms"] / row["hw_rb_ms"]
             row["rb_tflops"] = flops_rb / (row["rb_ms"] / 1e3) / 1e12
         except torch.OutOfMemoryError as e:
@@ -119,17 +113,21 @@ def measure(model: str, batch: int, seq: int, variants: list[str], reps: int, ge
     return rows
 
 
-def _table(rows: list[dict], gemm: float) -> str:
-    out = [f"BF16 GEMM (8192^3) probed at {gemm:.0f} TFLOP/s.", "",
-           "| model | B x S | variant | fwd ms | fwd peak GiB | rb ms | rb peak GiB | hw rb ms | rb / hw | rb TFLOP/s |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+def _table(rows: list[dict]) -> str:
+    out = ["hw rb ms: the recompute + backward's FLOPs at the BF16 GEMM and SDPA rates probed at each shape "
+           "(gemm / sdpa: forward, backward TFLOP/s).", "",
+           "| model | B x S | variant | fwd ms | fwd peak GiB | rb ms | rb peak GiB | hw rb ms | rb / hw | rb TFLOP/s "
+           "| gemm | sdpa |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['model']} | {r['batch']} x {r['seq']} | {r['variant']} | {r['error']} |||||||")
+            out.append(f"| {r['model']} | {r['batch']} x {r['seq']} | {r['variant']} | {r['error']} |||||||||")
             continue
         out.append(f"| {r['model']} | {r['batch']} x {r['seq']} | {r['variant']} | {r['fwd_ms']:.1f} | "
                    f"{r['fwd_peak_gib']:.2f} | {r['rb_ms']:.1f} | {r['rb_peak_gib']:.2f} | {r['hw_rb_ms']:.1f} | "
-                   f"{r['rb_over_hw']:.2f} | {r['rb_tflops']:.0f} |")
+                   f"{r['rb_over_hw']:.2f} | {r['rb_tflops']:.0f} | {r['gemm_forward_tflops']:.0f}, "
+                   f"{r['gemm_backward_tflops']:.0f} | {r['sdpa_forward_tflops']:.0f}, "
+                   f"{r['sdpa_backward_tflops']:.0f} |")
     return "\n".join(out) + "\n"
 
 
@@ -147,18 +145,17 @@ def main() -> int:
         return 2
     out = Path(ARGS.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    gemm = probe_gemm_tflops()
     machine, rows = machine_info(), []
 
     def save(more: list[dict]) -> None:
-        (out / "layer_memory.json").write_text(json.dumps({"machine": machine, "gemm_tflops": gemm,
-                                                           "args": vars(ARGS), "rows": rows + more}, indent=2))
+        (out / "layer_memory.json").write_text(json.dumps({"machine": machine, "args": vars(ARGS),
+                                                           "rows": rows + more}, indent=2))
     for shape in ARGS.shapes.split(","):
         model, bs = shape.split(":")
         b, s = (int(v) for v in bs.split("x"))
-        rows += measure(model, b, s, ARGS.variants.split(","), ARGS.reps, gemm, save)
-    (out / "layer_memory.md").write_text(_table(rows, gemm))
-    print(_table(rows, gemm))
+        rows += measure(model, b, s, ARGS.variants.split(","), ARGS.reps, save)
+    (out / "layer_memory.md").write_text(_table(rows))
+    print(_table(rows))
     return 0
 
 
