@@ -148,6 +148,8 @@ def test_throughput_smoke(tmp_path):
     assert by["slide"]["status"] == "ok" and by["gpu-ckpt"]["status"] == "ok"
     assert float(by["slide"]["tokens_per_s"]) > 0 and float(by["slide"]["step_over_floor"]) > 0
     assert by["fsdp2"]["status"] == "needs CUDA"
+    # the CPU's floor is partial (no GPU rates): the hardware floor stays empty, the column there
+    assert by["slide"]["hw_floor_s"] == by["slide"]["step_over_hw_floor"] == ""
     assert by["deepspeed"]["status"] in ("not installed", "needs CUDA")
     json.loads((out / "throughput.json").read_text())
     _pngs(out, ["tokens_per_s.png", "model_tflops.png", "gpu_peak.png", "step_over_floor.png"])
@@ -183,7 +185,26 @@ def test_roofline_smoke(tmp_path):
         assert by["compute_s"]["note"] == "needs CUDA"
     data = json.loads((out / "roofline.json").read_text())
     assert data["status"] == "ok" and data["adamw"]["adamw_params_per_s"] > 0
+    if not torch.cuda.is_available():
+        # no GPU rates to price the FLOPs at: no hardware floor, rather than a partial one
+        assert "hardware" not in data and "hw_floor_s" not in by
     _pngs(out, ["roofline.png"])
+
+
+@pytest.mark.gpu
+def test_probe_hardware_rates_on_the_gpu():
+    """The GEMM and SDPA probes at a tiny model's shapes give finite rates, and the hardware compute
+    is the step's FLOPs at them (every rate positive, the head a matmul)."""
+    from slidetune.bench.roofline import hardware_compute, probe_gemm, probe_hardware
+    from slidetune.models.load import load_model
+    split = load_model("tiny-llama", with_tokenizer=False).split
+    hw = probe_hardware(split, 2, 128)
+    for k in ("gemm_forward_tflops", "gemm_backward_tflops", "sdpa_forward_tflops", "sdpa_backward_tflops"):
+        assert 0 < hw[k] < 1e4, k
+    assert {(g["in"], g["out"]) for g in hw["gemm_shapes"]} == {(64, 64), (64, 32), (64, 128), (128, 64)}
+    priced = hardware_compute(hw, range(split.num_layers))
+    assert priced["compute_s"] > priced["head_s"] > 0
+    assert probe_gemm([{"rows": 1024, "in": 1024, "out": 1024}])["gemm_tflops"] > 0
 
 
 def test_fsdp2_one_rank_gloo_cpu():
@@ -512,6 +533,33 @@ def test_floor_terms_count_only_what_the_host_updates():
     assert uploads(20, cache_units=3, resident_layers=17) == 20      # the window would hold the rest
 
 
+# The hardware probes of a 4-layer model, by hand: each layer's forward matmuls 1 TFLOP, its
+# attention 0.1 TFLOP, the head's logits 1 TFLOP; GEMMs at 50 TFLOP/s, SDPA at 10, both ways.
+_HW = {"gemm_forward_tflops": 50.0, "gemm_backward_tflops": 50.0, "sdpa_forward_tflops": 10.0,
+       "sdpa_backward_tflops": 10.0,
+       "flops": {"tokens": 8192, "layer_matmul": [1e12] * 4, "layer_attention": [1e11] * 4, "head_matmul": 1e12}}
+
+
+def test_hardware_compute_prices_each_flop_at_its_rate():
+    """Every layer recomputed: matmuls forward 4 + 4 (recompute) + 1 (head) = 9 TFLOP, backward
+    2 x (4 + 1) = 10, 19 TFLOP at 50 TFLOP/s = 0.38 s; attention forward 0.4 + 0.4, backward
+    2.5 x 0.4 = 1.0, 1.8 TFLOP at 10 = 0.18 s: 0.56 s. None recomputed: 15 TFLOP = 0.30 s and
+    1.4 TFLOP = 0.14 s. Rates apart: forward GEMMs at 100, backward at 25, SDPA 20 and 5."""
+    from slidetune.bench.roofline import hardware_compute
+    every = hardware_compute(_HW, range(4))
+    assert every["compute_s"] == pytest.approx(0.56)
+    assert every["matmul_flops"] == pytest.approx(19e12) and every["attention_flops"] == pytest.approx(1.8e12)
+    assert every["head_s"] == pytest.approx(3e12 / 50e12) and every["embed_s"] == 0
+    # the probe's decomposition holds: L x (forward + recompute and backward) + head = the step
+    assert every["layer_forward_s"] == pytest.approx(1e12 / 50e12 + 1e11 / 10e12)
+    assert 4 * (every["layer_forward_s"] + every["layer_recompute_backward_s"]) + every["head_s"] == \
+        pytest.approx(0.56)
+    assert hardware_compute(_HW, set())["compute_s"] == pytest.approx(0.44)
+    apart = dict(_HW, gemm_forward_tflops=100.0, gemm_backward_tflops=25.0, sdpa_forward_tflops=20.0,
+                 sdpa_backward_tflops=5.0)
+    assert hardware_compute(apart, range(4))["compute_s"] == pytest.approx(9 / 100 + 10 / 25 + 0.8 / 20 + 1.0 / 5)
+
+
 def test_throughput_rows_use_the_floor_of_the_runs_placement(tmp_path):
     """A slide run that updated layers on the GPU is held to the floor of that placement, not to
     the all-on-host probe floor (which it can beat); `slidetune report` rewrites an existing
@@ -542,6 +590,68 @@ def test_throughput_rows_use_the_floor_of_the_runs_placement(tmp_path):
     assert float(rows["deepspeed"]["step_over_floor"]) == pytest.approx(1.5)
     assert float(rows["deepspeed"]["model_tflops"]) == pytest.approx(30.0 * 1e9 / 1e12)
     assert "`compile_layers=true`" in report and "| compute_s |" in report
+
+
+def test_throughput_rows_hold_each_run_to_its_hardware_floor(tmp_path):
+    """step/hw-floor beside step/floor in every row: the floor's terms with compute_s the step's FLOPs
+    at the probed rates (_HW), each system's own recomputation counted. slide (every layer
+    recomputed, 3 layers and the vocabulary updated on the GPU): compute 0.56 s binds (the one host
+    layer's AdamW is 0.44 s). deepspeed (the probe's placement, every unit on the host: AdamW 2.0 s
+    binds); a baseline without recomputation costs 0.44 s of compute, not 0.56. `slidetune report`
+    rebuilds the columns from throughput.json's floors; a file from before the probes leaves them
+    empty."""
+    from slidetune.bench.report import write_report
+    from slidetune.bench.roofline import floor_terms
+    from slidetune.bench.scenarios import throughput
+    adamw = {"adamw_params_per_s": (4 * 100 + 50) * 2**20 / 2.0}
+    terms = floor_terms(_COMP, _COPY, adamw)
+    fl = {"status": "ok", "partial": False, "floor_s": 2.0, "bound_by": "adamw_s", "terms": terms,
+          "compute": _COMP, "copy": _COPY, "adamw": adamw, "hardware": _HW}
+    slide = {"status": "ok", "step_s_mean": 1.1, "tokens_per_s": 100.0, "flops_per_token": 1e9,
+             "runtime": {"mode": "slide", "device_layers": 3, "vocab_update": "device", "cache_units": 0},
+             "spec": {"runtime": {"mode": "slide", "device": "cuda"}}}
+    row = throughput._row("slide", "m", 8, 1024, slide, 1e9, fl)
+    assert row["floor_bound_by"] == "compute_s" and row["step_over_floor"] == pytest.approx(1.1)
+    assert row["hw_floor_bound_by"] == "compute_s" and row["hw_floor_s"] == pytest.approx(0.56)
+    assert row["step_over_hw_floor"] == pytest.approx(1.1 / 0.56)
+    # clipped: the sweep's GPU part (every layer's recompute + backward, the head, one layer's forward:
+    # 0.56 - 3 x 0.03 s) at the hardware's rates too, then the one host layer's AdamW, 200/450 s
+    clipped = throughput._hardware_floor("slide", slide, fl, throughput.parse_recipe("clip"), None, 1)
+    assert clipped[1] == "clip_sweep_s" and clipped[0] == pytest.approx(0.56 - 3 * 0.03 + 200 / 450)
+    ds = {"status": "ok", "step_s_mean": 3.0, "tokens_per_s": 30.0, "spec": {"recompute": True}}
+    ds_row = throughput._row("deepspeed", "m", 8, 1024, ds, 1e9, fl)
+    assert ds_row["hw_floor_bound_by"] == "adamw_s" and ds_row["step_over_hw_floor"] == pytest.approx(1.5)
+    plain = throughput.parse_recipe("plain")
+    assert throughput._hardware_floor("deepspeed", ds, fl, plain, None, 1)[2]["compute_s"] == pytest.approx(0.56)
+    no_recompute = dict(ds, spec={"recompute": False})
+    assert throughput._hardware_floor("fsdp2", no_recompute, fl, plain, None, 1)[2]["compute_s"] == pytest.approx(0.44)
+    ckpt = {"status": "ok", "step_s_mean": 0.5, "runtime": {"mode": "ckpt", "recompute": "none"}}
+    assert throughput._hardware_floor("gpu-ckpt", ckpt, fl, plain, None, 1)[2]["compute_s"] == pytest.approx(0.44)
+    # the CPU's partial floor: no hardware floor, the columns empty
+    cpu = {"status": "ok", "partial": True, "floor_s": 0.5, "bound_by": "adamw_s", "adamw": adamw,
+           "terms": {"compute_s": None, "adamw_s": 0.5}}
+    cpu_row = throughput._row("slide", "m", 8, 1024, slide, 1e9, cpu)
+    assert cpu_row["step_over_floor"] == pytest.approx(2.2)
+    assert cpu_row["hw_floor_s"] is None and cpu_row.get("step_over_hw_floor") is None
+
+    def rewritten(floor: dict) -> dict:
+        rows = [throughput._row("slide", "m", 8, 1024, slide, 1e9, floor),
+                throughput._row("deepspeed", "m", 8, 1024, ds, 1e9, floor)]
+        doc = {"machine": {"gpu": "test"}, "rows": rows, "floors": {"m/b8/s1024": floor},
+               "runs": [{"key": "m/b8/s1024", "system": "slide", **slide}, {"key": "m/b8/s1024", **ds}]}
+        (tmp_path / "throughput.json").write_text(json.dumps(doc))
+        report = write_report(tmp_path).read_text()
+        assert "step_over_hw_floor" in report
+        return {r["system"]: r for r in read_csv(tmp_path / "throughput.csv")}, report
+    rows, report = rewritten(fl)
+    assert float(rows["slide"]["step_over_hw_floor"]) == pytest.approx(1.1 / 0.56)
+    assert float(rows["deepspeed"]["step_over_hw_floor"]) == pytest.approx(1.5)
+    assert "The hardware floor's inputs" in report and "| m/b8/s1024 | 50.000 | 50.000 | 10.000 | 10.000 |" in report
+    old = {k: v for k, v in fl.items() if k != "hardware"}         # a throughput.json from before the probes
+    rows, report = rewritten(old)
+    assert float(rows["slide"]["step_over_floor"]) == pytest.approx(1.1)
+    assert rows["slide"]["hw_floor_s"] == rows["slide"]["step_over_hw_floor"] == ""
+    assert rows["deepspeed"]["step_over_hw_floor"] == "" and "The hardware floor's inputs" not in report
 
 
 def test_throughput_variants_alternate_and_pair_in_one_call(tmp_path):

@@ -52,6 +52,62 @@ def test_flops_formula_llama8b():
     assert per_tok == pytest.approx(6 * n + 6 * 32 * 1024 * 4096)
 
 
+def _tiny_split(**kw):
+    """Hidden 64, 4 heads of 16 (2 KV heads), FFN 128, 3 layers, vocabulary 100, untied."""
+    from slidetune.models.presets import tiny_config
+    return SplitModel(skeleton(tiny_config("llama", vocab_size=100, **kw)))
+
+
+def test_step_flops_by_hand_tiny_llama():
+    """A step's FLOPs worked out by hand for a tiny Llama, 2 sequences of 8 tokens (T = 16).
+    A layer's matrices: q 64x64 (4096), k and v 32x64 (2048 each), o 64x64 (4096), gate and up
+    128x64 and down 64x128 (8192 each): 36864 parameters, forward 2 x 16 x 36864 = 1,179,648.
+    Causal attention, a forward: QK^T is B x H x (S^2 / 2) x dh = 2 x 4 x 32 x 16 = 4096 MACs,
+    PV as many: 2 x 8192 = 16384 FLOPs. Head: 2 x 16 x 100 x 64 = 204,800 forward."""
+    from slidetune.engine.config import RuntimeConfig
+    from slidetune.telemetry.flops import step_flops
+    f = step_flops(_tiny_split(), batch=2, seq=8)
+    assert f.tokens == 16
+    assert f.layer_matmul == (1_179_648,) * 3 and f.layer_attention == (16_384,) * 3
+    assert f.head_matmul == 204_800
+    # slide recomputes every layer: 2 forwards + a backward of 2 forwards' worth = 4 x each layer's
+    # matmuls, the head 3 x (no recompute: its gradients come with its forward, chunk by chunk)
+    every = RuntimeConfig(mode="slide").recomputed_layers(3)
+    assert every == {0, 1, 2}
+    assert f.matmul(every) == 4 * 3 * 1_179_648 + 3 * 204_800 == 14_770_176
+    # attention: forward, recompute, backward 2.5 forwards (flash's 5 matmuls against 2)
+    assert f.attention(every) == 3 * 16_384 * 4.5 == 221_184
+    # gpu mode recomputes nothing; ckpt's every:2 recomputes layers 0 and 2
+    assert RuntimeConfig(mode="gpu").recomputed_layers(3) == set()
+    none = set()
+    assert f.matmul(none) == 3 * 3 * 1_179_648 + 3 * 204_800 == 11_231_232
+    assert f.attention(none) == 3 * 16_384 * 3.5 == 172_032
+    some = RuntimeConfig(mode="ckpt", recompute="every:2").recomputed_layers(3)
+    assert some == {0, 2}
+    assert f.total(some) == 11_231_232 + 2 * 1_179_648 + 172_032 + 2 * 16_384 == 13_795_328
+    # the dict a floor records round-trips
+    from slidetune.telemetry.flops import StepFlops
+    assert StepFlops.from_dict(json.loads(json.dumps(f.as_dict()))) == f
+
+
+def test_step_flops_tied_head_and_moe_experts_by_hand():
+    """A tied head multiplies by the embedding [V, d] (same FLOPs as an lm_head); an MoE layer's
+    expert banks count k of E experts a token: Qwen3-MoE, 8 experts, 2 a token, expert FFN 32.
+    Per layer: q and o 64x64 (4096 each), k and v 32x64 (2048 each): 12288; router 8x64 = 512;
+    gate_up [8, 64, 64] = 32768 x 2/8 = 8192, down [8, 64, 32] = 16384 x 2/8 = 4096: 25088
+    parameters a token, 2 x 16 x 25088 = 802,816 FLOPs forward at T = 16."""
+    from transformers import Qwen3MoeConfig
+
+    from slidetune.telemetry.flops import step_flops
+    tied = step_flops(_tiny_split(tied=True), batch=2, seq=8)
+    assert tied.head_matmul == 204_800 and tied.layer_matmul == (1_179_648,) * 3
+    moe = Qwen3MoeConfig(vocab_size=100, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         num_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)
+    f = step_flops(SplitModel(skeleton(moe)), batch=2, seq=8)
+    assert f.layer_matmul == (802_816,) * 2 and f.layer_attention == (16_384,) * 2
+
+
 def test_overlap_report_intersects_host_and_gpu_spans():
     from slidetune.telemetry.host_timeline import overlap_report
     gpu = [(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]                 # union: 0-2, 3-4 -> 3 of 5 s

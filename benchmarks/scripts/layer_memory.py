@@ -12,10 +12,13 @@ kwargs (SDPA, causal, no padding mask: full rows). Measured per variant and shap
     fwd_peak_gib /       the allocator's peak during one call above what was allocated before it
     rb_peak_gib          (the layer's input, its gradient, the weights): the working set the fit
                          check's "layer working set" phase stands for
-    hw_rb_ms             the recompute + backward's FLOPs at the probed BF16 GEMM rate (matmuls:
-                         3 x 2 x P_layer a token; causal attention: 3 x 2 x S x hq a token, the
-                         backward counted at twice the forward): what the GPU could do
+    hw_rb_ms             the recompute + backward's FLOPs (telemetry.flops.StepFlops: the layer's
+                         matmuls once forward and twice backward, its causal attention once forward
+                         and 2.5x backward) at the rates bench.roofline.probe_hardware measures at
+                         this shape (BF16 GEMMs on the layer's own shapes, SDPA causal), priced by
+                         bench.roofline.hardware_compute: what the GPU could do
     rb_over_hw           rb_ms / hw_rb_ms
+    gemm_*/sdpa_*_tflops the probed rates (forward, backward)
     lean_ops             what ran the lean layer's RMSNorm, SwiGLU product and rotary
     compiled_graphs /    compiled variants: dynamo's graphs and its graph breaks by reason
     graph_breaks         (a Liger call under lean-liger-compiled is one, by design)
@@ -52,6 +55,7 @@ from pathlib import Path
 import torch
 
 import slidetune.models.lean_kernels as lean_kernels
+from slidetune.bench.roofline import hardware_compute, probe_hardware
 from slidetune.device import Device
 from slidetune.engine.config import RuntimeConfig
 from slidetune.engine.slide.layer_runner import LayerRunner
@@ -59,6 +63,7 @@ from slidetune.models.load import RandomInit, fill_on_device, load_model
 from slidetune.models.units import SplitModel
 from slidetune.telemetry.events import EventTimer
 from slidetune.telemetry.kernel_classes import KERNEL_CLASSES, kernel_breakdown, trace_kernels
+from slidetune.telemetry.flops import StepFlops
 from slidetune.telemetry.machine import machine_info
 
 GIB = 2**30
@@ -74,20 +79,6 @@ VARIANTS = {"hf": dict(lean_layer="off", compile_layers="off"),
             "hf-liger-compiled": dict(lean_layer="off", compile_layers="on")}
 HF_LIGER = ("hf-liger", "hf-liger-compiled")
 LIGER_TRACED = ("lean-liger-traced",)
-
-
-def probe_gemm_tflops(n: int = 8192, reps: int = 20) -> float:
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        a @ b
-    end.record()
-    end.synchronize()
-    return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
 
 
 def _timed(fn, reps: int) -> tuple[float, float]:
@@ -109,64 +100,7 @@ def _timed(fn, reps: int) -> tuple[float, float]:
     return statistics.median(times), max(peaks)
 
 
-def _profile(fn, top: int) -> dict:
-    """torch.profiler over one call of `fn`: its GPU time by kernel class and its `top` kernels."""
-    from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as d:
-        trace = Path(d) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        return kernel_breakdown(trace_kernels(trace), top=top)
-
-
-@contextlib.contextmanager
-def _hf_with_liger(split: SplitModel):
-    """HF's layer with Liger's RMSNorm, SwiGLU MLP and rotary, as liger_kernel.transformers' own
-    function for the family patches them in (the modules' forwards, and the modeling module's
-    apply_rotary_pos_emb and classes); the modeling module gets its names back after."""
-    from liger_kernel.transformers import _apply_liger_kernel_to_instance
-    modeling = sys.modules[type(split.layer_modules[0]).__module__]
-    saved = dict(vars(modeling))
-    try:
-        _apply_liger_kernel_to_instance(split.model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                        fused_linear_cross_entropy=False)
-        if "forward" not in vars(split.layer_modules[0].input_layernorm):
-            raise RuntimeError(f"liger_kernel.transformers patches no {split.config.model_type} model")
-        yield
-    finally:
-        for name in set(vars(modeling)) - set(saved):
-            delattr(modeling, name)
-        for name, value in saved.items():
-            if getattr(modeling, name, None) is not value:
-                setattr(modeling, name, value)
-
-
-@contextlib.contextmanager
-def _kernels_of(variant: str, split: SplitModel):
-    """What a variant changes beside its RuntimeConfig, for the time it runs."""
-    if variant in HF_LIGER:
-        with _hf_with_liger(split):
-            yield
-    elif variant in LIGER_TRACED:
-        saved, lean_kernels.LIGER_UNDER_COMPILE = lean_kernels.LIGER_UNDER_COMPILE, "trace"
-        try:
-            yield
-        finally:
-            lean_kernels.LIGER_UNDER_COMPILE = saved
-    else:
-        yield
-
-
-def _compile_stats(row: dict) -> None:
-    counters = torch._dynamo.utils.counters
-    row["compiled_graphs"] = counters["stats"]["unique_graphs"]
-    row["graph_breaks"] = {reason.splitlines()[0][:160]: n for reason, n in counters["graph_break"].most_common(5)}
-
-
-def measure(model: str, batch: int, seq: int, variants: list[str], reps: int, gemm_tflops: float,
+def measure(model: str, batch: int, seq: int, variants: list[str], reps: int,
             save=lambda rows: None) -> list[dict]:
     dev = torch.device("cuda")
     split = load_model(model, num_layers=1, with_tokenizer=False).split
@@ -175,18 +109,23 @@ def measure(model: str, batch: int, seq: int, variants: list[str], reps: int, ge
     kwargs = split.layer_kwargs(batch, seq, torch.bfloat16, dev)[0]
     x = torch.randn(batch, seq, split.hidden_size, device=dev, dtype=torch.bfloat16)    # [B, S, d]
     dy = torch.randn_like(x)
-    c = split.config
-    hq = int(c.num_attention_heads) * int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
-    flops_gemm = 3 * batch * seq * 2 * unit.numel                            # the matmuls (the norms' weights: noise)
-    flops_attn = 3 * batch * seq * 2 * seq * hq                              # causal: half of 4 S hq
-    flops_rb = flops_gemm + flops_attn
+    hw = probe_hardware(split, batch, seq)              # the GPU's rates at this layer's shapes
+    rates = {k: v for k, v in hw.items() if k.endswith("_tflops")}
+    flops = StepFlops.from_dict(hw["flops"])
+    # recompute (one forward) + backward (2x the matmuls, 2.5x the attention) of the one layer
+    flops_rb = 3 * flops.layer_matmul[0] + 3.5 * flops.layer_attention[0]
+    hw_rb_s = hardware_compute(hw, {0})["layer_recompute_backward_s"]
+    flops_gemm = 3 * flops.layer_matmul[0]                  # recompute (1x) + backward (2x)
+    flops_attn = 3.5 * flops.layer_attention[0]             # recompute (1x) + backward (2.5x)
+    gemm_hw_ms = (flops.layer_matmul[0] / hw["gemm_forward_tflops"]
+                  + 2 * flops.layer_matmul[0] / hw["gemm_backward_tflops"]) / 1e9
     no_spans = EventTimer(Device(dev), enabled=False)       # the script times whole calls
     liger_installed = importlib.util.find_spec("liger_kernel") is not None
     rows = []
     for name in variants:
         rt = RuntimeConfig(mode="slide", dtype="bf16", device="cuda", mlp_tile_tokens=ARGS.tile, **VARIANTS[name])
         row = {"model": model, "batch": batch, "seq": seq, "tokens": batch * seq, "variant": name,
-               "mlp_tile_tokens": ARGS.tile if rt.lean_layer == "on" else None}
+               "mlp_tile_tokens": ARGS.tile if rt.lean_layer == "on" else None, **rates}
         if "liger" in name and not liger_installed:
             row["error"] = "liger-kernel is not installed (pip install 'slidetune[liger]')"
         else:
@@ -205,7 +144,7 @@ def measure(model: str, batch: int, seq: int, variants: list[str], reps: int, ge
                     def rb():
                         return runner.recompute_backward(0, leaves, x, dy.clone(), kwargs, no_spans)
                     row["rb_ms"], row["rb_peak_gib"] = _timed(rb, reps)
-                    row["hw_rb_ms"] = flops_rb / (gemm_tflops * 1e12) * 1e3
+                    row["hw_rb_ms"] = hw_rb_s * 1e3
                     row["rb_over_hw"] = row["rb_ms"] / row["hw_rb_ms"]
                     row["rb_tflops"] = flops_rb / (row["rb_ms"] / 1e3) / 1e12
                     if rt.compile_layers == "on":
@@ -213,7 +152,7 @@ def measure(model: str, batch: int, seq: int, variants: list[str], reps: int, ge
                     if ARGS.profile:
                         prof = _profile(rb, ARGS.profile_top)
                         cls = prof["classes"]
-                        prof["gemm_hw_ms"] = flops_gemm / (gemm_tflops * 1e12) * 1e3
+                        prof["gemm_hw_ms"] = gemm_hw_ms
                         prof["gemm_over_hw"] = cls["gemm"] / prof["gemm_hw_ms"]
                         prof["attention_tflops"] = flops_attn / (cls["attention"] / 1e3) / 1e12 \
                             if cls["attention"] else None
@@ -231,17 +170,21 @@ def measure(model: str, batch: int, seq: int, variants: list[str], reps: int, ge
     return rows
 
 
-def _table(rows: list[dict], gemm: float) -> str:
-    out = [f"BF16 GEMM (8192^3) probed at {gemm:.0f} TFLOP/s.", "",
-           "| model | B x S | variant | fwd ms | fwd peak GiB | rb ms | rb peak GiB | hw rb ms | rb / hw | rb TFLOP/s |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+def _table(rows: list[dict]) -> str:
+    out = ["hw rb ms: the recompute + backward's FLOPs at the BF16 GEMM and SDPA rates probed at each shape "
+           "(gemm / sdpa: forward, backward TFLOP/s).", "",
+           "| model | B x S | variant | fwd ms | fwd peak GiB | rb ms | rb peak GiB | hw rb ms | rb / hw | rb TFLOP/s "
+           "| gemm | sdpa |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['model']} | {r['batch']} x {r['seq']} | {r['variant']} | {r['error']} |||||||")
+            out.append(f"| {r['model']} | {r['batch']} x {r['seq']} | {r['variant']} | {r['error']} |||||||||")
             continue
         out.append(f"| {r['model']} | {r['batch']} x {r['seq']} | {r['variant']} | {r['fwd_ms']:.1f} | "
                    f"{r['fwd_peak_gib']:.2f} | {r['rb_ms']:.1f} | {r['rb_peak_gib']:.2f} | {r['hw_rb_ms']:.1f} | "
-                   f"{r['rb_over_hw']:.2f} | {r['rb_tflops']:.0f} |")
+                   f"{r['rb_over_hw']:.2f} | {r['rb_tflops']:.0f} | {r['gemm_forward_tflops']:.0f}, "
+                   f"{r['gemm_backward_tflops']:.0f} | {r['sdpa_forward_tflops']:.0f}, "
+                   f"{r['sdpa_backward_tflops']:.0f} |")
     return "\n".join(out) + "\n"
 
 
@@ -297,17 +240,16 @@ def main() -> int:
         return 2
     out = Path(ARGS.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    gemm = probe_gemm_tflops()
     machine, rows = machine_info(), []
 
     def save(more: list[dict]) -> None:
-        (out / "layer_memory.json").write_text(json.dumps({"machine": machine, "gemm_tflops": gemm,
-                                                           "args": vars(ARGS), "rows": rows + more}, indent=2))
+        (out / "layer_memory.json").write_text(json.dumps({"machine": machine, "args": vars(ARGS),
+                                                           "rows": rows + more}, indent=2))
     for shape in ARGS.shapes.split(","):
         model, bs = shape.split(":")
         b, s = (int(v) for v in bs.split("x"))
-        rows += measure(model, b, s, ARGS.variants.split(","), ARGS.reps, gemm, save)
-    text = _table(rows, gemm) + _profile_tables(rows)
+        rows += measure(model, b, s, ARGS.variants.split(","), ARGS.reps, save)
+    text = _table(rows) + _profile_tables(rows)
     (out / "layer_memory.md").write_text(text)
     print(text)
     return 0

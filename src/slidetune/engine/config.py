@@ -461,6 +461,14 @@ class RuntimeConfig:
         """Whether the slide engine compiles its layers (auto, unresolved: no)."""
         return self.compile_layers == "on"
 
+    def recomputed_layers(self, num_layers: int) -> set[int]:
+        """The decoder layers whose forward runs again in the backward: every layer in slide mode
+        (the engine keeps a layer's input only, and recomputes the layer before its backward),
+        the `recompute` selection in ckpt mode (plain.py checkpoints those), none in gpu mode."""
+        if self.mode == "slide":
+            return set(range(num_layers))
+        return recompute_set(self.recompute, num_layers) if self.mode == "ckpt" else set()
+
     # Buffer sizing shared by the slide engine and the fit estimate (engine/fit.py).
     def chunk_elems(self, layer_numel: int) -> int:
         """Elements per transfer chunk: chunk_mb MiB of FP32 (the host-side element size), but

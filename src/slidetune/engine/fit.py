@@ -554,7 +554,7 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         host["weight loading transient"] = max(0, max(largest_param, sum(building)) * 4
                                                - host.get("offloaded checkpoints", 0))
     else:
-        recomputed = recompute_set(rt.recompute, L) if rt.mode == "ckpt" else set()
+        recomputed = rt.recomputed_layers(L)
         gpu["fp32 master"] = 4 * P
         gpu["Adam moments"] = 8 * P
         gpu["fp32 grad accumulator"] = 4 * P

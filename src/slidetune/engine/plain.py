@@ -20,7 +20,7 @@ from ..telemetry.events import EventTimer
 from ..telemetry.host_timeline import HostTimeline
 from ..telemetry.memory_timeline import MemoryTimeline
 from .adamw import AdamWConfig, FlatAdamW
-from .config import RuntimeConfig, recompute_set
+from .config import RuntimeConfig
 from .gc_policy import GCFreeze
 from .result import StepResult
 from .slide.transfer import clip_coefficient
@@ -52,7 +52,7 @@ class PlainEngine:
         # (GPU idle = step wall time minus the union of compute spans)
         self.timeline = HostTimeline(enabled=False)
         L = self.split.num_layers
-        self.recompute = recompute_set(rt.recompute, L) if rt.mode == "ckpt" else set()
+        self.recompute = rt.recomputed_layers(L)
         self.units = [_DeviceUnit(s, loaded.source, optim, self.dtype, device.device) for s in self.split.units]
         self.step_index = 0
         self.gc_freeze = GCFreeze(rt.gc_freeze)

@@ -146,13 +146,18 @@ def require_supported_family(config: PretrainedConfig) -> None:
             f"does by default")
 
 
+def experts_per_token(config: PretrainedConfig) -> int | None:
+    """Routed experts each token uses in an MoE layer (k of top-k), where the config says."""
+    return next((getattr(config, a) for a in ("num_experts_per_tok", "moe_k", "top_k")
+                 if isinstance(getattr(config, a, None), int)), None)
+
+
 def moe_note(config: PretrainedConfig, layer_params: int, bytes_per_param: int = 2) -> str | None:
     """What sliding one MoE layer moves: all its experts, though a token uses k of them."""
     experts = num_experts(config)
     if not experts:
         return None
-    k = next((getattr(config, a) for a in ("num_experts_per_tok", "moe_k", "top_k")
-              if isinstance(getattr(config, a, None), int)), None)
+    k = experts_per_token(config)
     used = f"; each token uses {k} of them" if k else ""
     return (f"mixture of experts: sliding a layer moves all {experts} experts "
             f"({layer_params * bytes_per_param / 2**30:.2f} GiB per layer upload at {bytes_per_param} B/param){used}")

@@ -81,6 +81,10 @@ def run(args: argparse.Namespace) -> Path:
             for k, v in terms.items()]
     rows.append(dict(term="floor_s", seconds=r.get("floor_s"),
                      note=("partial: AdamW term only (no CUDA)" if r.get("partial") else f"bound by {r.get('bound_by')}")))
+    if r.get("hw_floor_s") is not None:
+        rows.append(dict(term="hw_floor_s", seconds=r["hw_floor_s"],
+                         note=f"hardware floor: compute_s {O.fmt(r['hw_terms']['compute_s'], 4)} at the probed GEMM / "
+                              f"SDPA rates; bound by {r['hw_bound_by']}"))
     O.write_json(out / "roofline.json", r)
     O.write_csv(out / "roofline.csv", [dict(model=model, batch_size=batch, seq_len=seq, **row) for row in rows], None,
                 r.get("machine", {}))
@@ -89,12 +93,18 @@ def run(args: argparse.Namespace) -> Path:
     lines = [f"# Roofline: {model}, batch {batch}, seq {seq}", "", *O.machine_lines(r.get("machine", {})), "",
              "floor = max(GPU compute [L x (fwd + recompute + bwd) of one resident layer + head + embedding], "
              "weight bytes H2D / pinned H2D bandwidth, gradient bytes D2H / D2H bandwidth, "
-             "parameters / host AdamW rate (the engine's kernel)); each term measured by a probe (bench/roofline.py).", "",
+             "parameters / host AdamW rate (the engine's kernel)); each term measured by a probe (bench/roofline.py). "
+             "hw_floor_s: the same with compute at the step's FLOPs (every layer recomputed) over the probed BF16 "
+             "GEMM and SDPA rates (GPU only).", "",
              f"status: {r.get('status')} {r.get('error') or ''}", ""]
     lines += O.md_table(rows, ["term", "seconds", "note"], {"seconds": 4})
     for key in ("copy", "adamw"):
         if r.get(key):
             lines += ["", f"{key}: " + ", ".join(f"{k}={O.fmt(v, 3)}" for k, v in r[key].items())]
+    hw = r.get("hardware")
+    if hw:
+        lines += ["", "hardware: " + ", ".join(f"{k}={O.fmt(v, 1)}" for k, v in hw.items() if k.endswith("_tflops"))
+                  + " (TFLOP/s; bench.roofline.probe_hardware)"]
     comp = r.get("compute")
     if comp:
         lines += ["", "compute: " + ", ".join(f"{k}={O.fmt(v, 4)}" for k, v in comp.items())]

@@ -13,7 +13,9 @@ b/N each, the same sequences per step), combined with "+" (e.g. clip+accum4); "c
 clips at X. FSDP2 and DeepSpeed rows run their plain step once per workload.
 Model TFLOPS use telemetry/flops.py: 6 N_matmul + 6 L S d_att per token (causal half of
 attention), recomputation not counted. step/floor uses bench.roofline.floor for the same
-workload (one probe process per workload).
+workload (one probe process per workload); step/hw-floor the same floor with its GPU compute at
+the step's FLOPs (each run's recomputation counted) over the GEMM and SDPA rates that probe
+measured on this GPU (bench.roofline.hardware_compute): how far the layer itself is from the GPU.
 Scaling (--gpus 1,2,...): each count N runs slide on N data-parallel ranks of this host (one
 process per rank under torchrun, bench.measure with ranks=N; docs/data_parallel.md), the batch
 per GPU fixed: global and per-GPU tokens/s, scaling efficiency against the N=1 row of the same
@@ -36,12 +38,13 @@ from pathlib import Path
 import torch
 
 from ...engine.placement import resolved_disk_buffers
+from ...telemetry.flops import StepFlops
 from ..baselines import outputs as O
 from ..baselines.deepspeed_zero3 import availability as ds_availability
 from ..baselines.fsdp2 import FSDP2Spec
 from ..baselines.proc import parse_oom, run_worker
 from ..measure import MeasureSpec, lane_busy_fraction
-from ..roofline import floor_terms, plan_of_runtime
+from ..roofline import floor_terms, hardware_compute, plan_of_runtime
 from ..report import pipeline_rows
 from ..runner import run_isolated
 from . import add_common_arguments, common
@@ -188,7 +191,8 @@ def run(args: argparse.Namespace) -> Path:
                                     print(f"[throughput] {key} {system} {rec['name']}"
                                           + (f" {vname} round {rnd}" if vname else "") + f" x{n}: "
                                           f"{rows[-1]['status']} {O.fmt(rows[-1].get('tokens_per_s'), 0)} tok/s "
-                                          f"step/floor {O.fmt(rows[-1].get('step_over_floor'))}", flush=True)
+                                          f"step/floor {O.fmt(rows[-1].get('step_over_floor'))} "
+                                          f"step/hw-floor {O.fmt(rows[-1].get('step_over_hw_floor'))}", flush=True)
     if args.max_seq:
         granule, start = (16, 32) if args.smoke else (args.seq_granule, args.max_seq_start)
         for model in models:
@@ -482,7 +486,8 @@ COLUMNS = ["model", "seq_len", "batch_size", "system", "recipe", "variant", "rou
            "tokens_per_s", "tokens_per_s_per_gpu", "scaling_efficiency", "model_tflops", "gpu_peak_alloc_gib",
            "gpu_peak_reserved_gib", "cpu_peak_rss_gib", "host_rss_gib", "allreduce_s", "allreduce_busbw_gib_s",
            "floor_s",
-           "floor_bound_by", "floor_partial", "step_over_floor", "oom_requested_gib", "call_s_mean",
+           "floor_bound_by", "floor_partial", "step_over_floor", "hw_floor_s", "hw_floor_bound_by",
+           "step_over_hw_floor", "oom_requested_gib", "call_s_mean",
            "host_adamw_s", "host_wait_d2h_s", "fwd_wait_upload_s", "bwd_wait_grad_slot_s", "device_layers",
            "gpu_checkpoints", "host_threads", "disk_io_gib", "disk_gib_s", "disk_io_ratio", "disk_buffers",
            "disk_busy_frac", "error"]
@@ -546,7 +551,47 @@ def _row(system, model, batch, seq, r, fpt, fl, recipe: dict | None = None, coll
                    allreduce_s=terms.get("allreduce_s"), gather_s=terms.get("gather_s"))
         if row["step_s_mean"] and floor_s:
             row["step_over_floor"] = row["step_s_mean"] / floor_s
+        hw_s, hw_bound, _ = _hardware_floor(system, r, fl, recipe, usable, ranks)
+        row.update(hw_floor_s=hw_s, hw_floor_bound_by=hw_bound)
+        if row["step_s_mean"] and hw_s:
+            row["step_over_hw_floor"] = row["step_s_mean"] / hw_s
     return row
+
+
+def recomputed_layers_of(system: str, r: dict, num_layers: int) -> set[int]:
+    """The decoder layers a run recomputed in its backward. slide and gpu-ckpt: as their runtime
+    resolves it (RuntimeConfig.recomputed_layers; the spec's where the run recorded none). The
+    baselines: their spec's `recompute` (HF gradient checkpointing of every decoder layer, or of
+    none); a result without one (a worker that failed before writing its spec) as this scenario runs
+    them, FSDP2Spec's default."""
+    from ...engine.config import RuntimeConfig
+    from ..baselines.fsdp2 import FSDP2Spec
+    spec = r.get("spec") or {}
+    if system in ("slide", "gpu-ckpt"):
+        rt = r.get("runtime") or spec.get("runtime") or {}
+        mode = rt.get("mode") or ("slide" if system == "slide" else "ckpt")
+        return RuntimeConfig(mode=mode, recompute=str(rt.get("recompute", "all"))).recomputed_layers(num_layers)
+    return set(range(num_layers)) if spec.get("recompute", FSDP2Spec.recompute) else set()
+
+
+def _hardware_floor(system: str, r: dict, fl: dict, recipe: dict, collective: dict | None, ranks: int
+                    ) -> tuple[float | None, str | None, dict]:
+    """(hardware floor seconds, its largest term, the terms) of one run: _floor's terms with the
+    compute probe replaced by the step's FLOPs at the probed GEMM and SDPA rates
+    (bench.roofline.hardware_compute, the run's own recomputation), its GPU AdamW and all-reduce
+    kept. (None, None, {}) without the probes: a CPU floor (partial) or a floor recorded before them."""
+    hw = fl.get("hardware")
+    if not hw or fl.get("partial") or not fl.get("compute"):
+        return None, None, {}
+    rc = recomputed_layers_of(system, r, len(hw["flops"]["layer_matmul"]))
+    comp = {**fl["compute"], **hardware_compute(hw, rc)}
+    if system == "slide" and r.get("runtime"):
+        return _floor(system, r, {**fl, "compute": comp}, recipe, collective, ranks)
+    # the probe's own placement (every unit on the host): its compute term, replaced
+    terms = {k: v for k, v in (fl.get("terms") or {}).items() if v is not None}
+    terms["compute_s"] = comp["compute_s"]
+    bound = max(terms, key=terms.get)
+    return terms[bound], bound, terms
 
 
 def _floor(system: str, r: dict, fl: dict, recipe: dict, collective: dict | None, ranks: int
@@ -595,10 +640,12 @@ def ab_table(rows: list[dict]) -> list[dict]:
                       if steps[k] and k in first and first[k].get("step_s_mean")]
             ok = [v for v in steps.values() if v]
             floors = [r.get("step_over_floor") for r in by_round.values() if r.get("step_over_floor")]
+            hw = [r.get("step_over_hw_floor") for r in by_round.values() if r.get("step_over_hw_floor")]
             out.append(dict(model=model, seq_len=seq, batch_size=batch, recipe=recipe, gpus=gpus, variant=variant,
                             steps_s=", ".join(O.fmt(v, 3) for v in steps.values()),
                             step_s_mean=sum(ok) / len(ok) if ok else None,
                             step_over_floor_mean=sum(floors) / len(floors) if floors else None,
+                            step_over_hw_floor_mean=sum(hw) / len(hw) if hw else None,
                             paired_ratios=", ".join(O.fmt(x, 3) for x in ratios),
                             paired_ratio_mean=sum(ratios) / len(ratios) if ratios else None))
     return out
@@ -615,8 +662,45 @@ def ab_lines(rows: list[dict]) -> list[str]:
             "within minutes, NOTES.md 30) reaches each variant alike. paired_ratios: a variant's step over "
             "the first variant's in the same round; below 1 is faster.", "",
             *O.md_table(table, ["model", "seq_len", "batch_size", "recipe", "gpus", "variant", "steps_s",
-                                "step_s_mean", "step_over_floor_mean", "paired_ratios", "paired_ratio_mean"],
-                        {"step_s_mean": 3, "step_over_floor_mean": 3, "paired_ratio_mean": 3}), ""]
+                                "step_s_mean", "step_over_floor_mean", "step_over_hw_floor_mean", "paired_ratios",
+                                "paired_ratio_mean"],
+                        {"step_s_mean": 3, "step_over_floor_mean": 3, "step_over_hw_floor_mean": 3,
+                         "paired_ratio_mean": 3}), ""]
+
+
+def hardware_table(floors: dict) -> list[dict]:
+    """Per workload, the hardware floor's inputs as its floor probe recorded them: the GEMM and SDPA
+    rates (TFLOP/s, forward and backward) and the step's FLOPs with every layer recomputed (slide's
+    recomputation; TFLOP a step), enough to redo compute_s (bench.roofline.hardware_compute)."""
+    out = []
+    for key, fl in floors.items():
+        hw = (fl or {}).get("hardware")
+        if not hw:
+            continue
+        f = StepFlops.from_dict(hw["flops"])
+        every = range(f.num_layers)
+        out.append(dict(workload=key, **{k: hw.get(k) for k in ("gemm_forward_tflops", "gemm_backward_tflops",
+                                                                "sdpa_forward_tflops", "sdpa_backward_tflops")},
+                        matmul_fwd_tflop=f.matmul_forward(every) / 1e12, matmul_bwd_tflop=f.matmul_backward() / 1e12,
+                        attention_fwd_tflop=f.attention_forward(every) / 1e12,
+                        attention_bwd_tflop=f.attention_backward() / 1e12,
+                        hw_compute_s=hardware_compute(hw, every)["compute_s"],
+                        probe_compute_s=(fl.get("compute") or {}).get("compute_s")))
+    return out
+
+
+def _hardware_lines(floors: dict) -> list[str]:
+    table = hardware_table(floors)
+    if not table:
+        return []
+    cols = list(table[0])
+    return ["", "The hardware floor's inputs (each workload's floor probe): GEMM rates on the decoder layer's own "
+            "shapes (forward y = x W^T; backward dX = dY W and dW = dY^T X), SDPA's causal at the workload's "
+            "(batch, heads, seq, head_dim), TFLOP/s; the step's FLOPs with every layer recomputed (slide), TFLOP "
+            "(telemetry.flops.StepFlops: attention's backward 2.5x its forward, as flash's five matmuls against "
+            "two). hw_compute_s = matmul_fwd / gemm_fwd + matmul_bwd / gemm_bwd + attention_fwd / sdpa_fwd + "
+            "attention_bwd / sdpa_bwd; probe_compute_s: slidetune's own layer timed, the floor's compute term.", "",
+            *O.md_table(table, cols, {c: 3 for c in cols if c != "workload"}), ""]
 
 
 def _scaling_lines(rows: list[dict], collectives: dict) -> list[str]:
@@ -633,9 +717,10 @@ def _scaling_lines(rows: list[dict], collectives: dict) -> list[str]:
              "beside AdamW's DRAM traffic (bench.roofline.floor_terms).", ""]
     lines += O.md_table(slide, ["model", "seq_len", "batch_size", "recipe", "gpus", "status", "step_s_mean",
                                 "tokens_per_s", "tokens_per_s_per_gpu", "scaling_efficiency", "host_rss_gib",
-                                "allreduce_s", "allreduce_busbw_gib_s", "floor_s", "floor_bound_by", "step_over_floor"],
+                                "allreduce_s", "allreduce_busbw_gib_s", "floor_s", "floor_bound_by", "step_over_floor",
+                                "hw_floor_s", "step_over_hw_floor"],
                         {"step_s_mean": 3, "tokens_per_s": 0, "tokens_per_s_per_gpu": 0, "allreduce_s": 4,
-                         "floor_s": 3})
+                         "floor_s": 3, "hw_floor_s": 3})
     probes = [dict(probe=key, op=op, bytes=r["bytes"], time_ms=r["time_s"] * 1e3, algbw_gib_s=r["algbw_gib_s"],
                    busbw_gib_s=r["busbw_gib_s"])
               for key, c in collectives.items() if c.get("status") == "ok"
@@ -691,7 +776,14 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
              "terms, each probed on this machine), with the terms of the placement the slide run resolved to "
              "(bench.roofline.floor_terms: layers and vocabulary updated on the GPU cost the host neither AdamW "
              "nor copies; floor_bound_by names the largest term)" + ("" if cuda else "; CPU run: only the AdamW term is measurable, "
-                                                       "so the floor is partial") + ".", ""]
+                                                       "so the floor is partial") + ".", "",
+             "step/hw-floor: the same floor with the GPU's work at what this GPU can do instead of slidetune's "
+             "layer timed: the step's FLOPs, each run's recomputation counted, matmuls at the BF16 GEMM rate "
+             "probed on the layer's own shapes and attention at SDPA's rate probed at the workload's shape "
+             "(bench.roofline.hardware_compute; the rates and FLOPs below); the GPU's AdamW and the all-reduce "
+             "kept (hw_floor_bound_by names its largest term). step/floor near 1 with step/hw-floor well above "
+             "it is a slow layer, not a saturated machine" + ("" if cuda else "; CPU run: none (no GPU rates)")
+             + ".", ""]
     lines += ["Recipes: plain = no clipping, one micro-batch; clip = global-norm clipping at 1.0 (the default "
               "recipe of `slidetune train`); accumN = N micro-batches of batch/N (batch_size is the sequences per "
               "step). A clipped slide step updates only once its backward has ended, so its floor gains the term "
@@ -700,8 +792,9 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
     lines += O.md_table(rows, ["model", "seq_len", "batch_size", "system", "recipe"] + (["variant", "round"] if ab else [])
                         + ["gpus", "status", "step_s_mean", "tokens_per_s",
                            "model_tflops", "gpu_peak_alloc_gib", "cpu_peak_rss_gib", "step_over_floor",
-                           "floor_bound_by", "oom_requested_gib"],
+                           "floor_bound_by", "step_over_hw_floor", "hw_floor_bound_by", "oom_requested_gib"],
                         {"step_s_mean": 3, "tokens_per_s": 0, "model_tflops": 1})
+    lines += _hardware_lines(floors)
     if ab:
         lines += ab_lines(rows)
     if scaled:
