@@ -100,6 +100,63 @@ def _timed(fn, reps: int) -> tuple[float, float]:
     return statistics.median(times), max(peaks)
 
 
+def _profile(fn, top: int) -> dict:
+    """torch.profiler over one call of `fn`: its GPU time by kernel class and its `top` kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        trace = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        return kernel_breakdown(trace_kernels(trace), top=top)
+
+
+@contextlib.contextmanager
+def _hf_with_liger(split: SplitModel):
+    """HF's layer with Liger's RMSNorm, SwiGLU MLP and rotary, as liger_kernel.transformers' own
+    function for the family patches them in (the modules' forwards, and the modeling module's
+    apply_rotary_pos_emb and classes); the modeling module gets its names back after."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    modeling = sys.modules[type(split.layer_modules[0]).__module__]
+    saved = dict(vars(modeling))
+    try:
+        _apply_liger_kernel_to_instance(split.model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                        fused_linear_cross_entropy=False)
+        if "forward" not in vars(split.layer_modules[0].input_layernorm):
+            raise RuntimeError(f"liger_kernel.transformers patches no {split.config.model_type} model")
+        yield
+    finally:
+        for name in set(vars(modeling)) - set(saved):
+            delattr(modeling, name)
+        for name, value in saved.items():
+            if getattr(modeling, name, None) is not value:
+                setattr(modeling, name, value)
+
+
+@contextlib.contextmanager
+def _kernels_of(variant: str, split: SplitModel):
+    """What a variant changes beside its RuntimeConfig, for the time it runs."""
+    if variant in HF_LIGER:
+        with _hf_with_liger(split):
+            yield
+    elif variant in LIGER_TRACED:
+        saved, lean_kernels.LIGER_UNDER_COMPILE = lean_kernels.LIGER_UNDER_COMPILE, "trace"
+        try:
+            yield
+        finally:
+            lean_kernels.LIGER_UNDER_COMPILE = saved
+    else:
+        yield
+
+
+def _compile_stats(row: dict) -> None:
+    counters = torch._dynamo.utils.counters
+    row["compiled_graphs"] = counters["stats"]["unique_graphs"]
+    row["graph_breaks"] = {reason.splitlines()[0][:160]: n for reason, n in counters["graph_break"].most_common(5)}
+
+
 def measure(model: str, batch: int, seq: int, variants: list[str], reps: int,
             save=lambda rows: None) -> list[dict]:
     dev = torch.device("cuda")
@@ -115,7 +172,6 @@ def measure(model: str, batch: int, seq: int, variants: list[str], reps: int,
     # recompute (one forward) + backward (2x the matmuls, 2.5x the attention) of the one layer
     flops_rb = 3 * flops.layer_matmul[0] + 3.5 * flops.layer_attention[0]
     hw_rb_s = hardware_compute(hw, {0})["layer_recompute_backward_s"]
-    flops_gemm = 3 * flops.layer_matmul[0]                  # recompute (1x) + backward (2x)
     flops_attn = 3.5 * flops.layer_attention[0]             # recompute (1x) + backward (2.5x)
     gemm_hw_ms = (flops.layer_matmul[0] / hw["gemm_forward_tflops"]
                   + 2 * flops.layer_matmul[0] / hw["gemm_backward_tflops"]) / 1e9
