@@ -1,13 +1,18 @@
 """engine.limits: the largest batch and the longest sequence that fit a machine, per recipe, found by
-search over the fit check.
+search over the fit check; `slidetune plan` states them.
 
 Every limit is checked from outside the search, the way `slidetune train` would take it: the auto
 settings resolved at the size (choose_auto_settings), then check_fit; the limit passes, one step
 past it is refused. No limit number is asserted beyond sanity ranges (the fit margins move)."""
 from __future__ import annotations
 
+import contextlib
+import io
+import re
+
 import pytest
 
+from slidetune.cli import main
 from slidetune.engine.config import RuntimeConfig
 from slidetune.engine.distributed import SharedMemoryError
 from slidetune.engine.fit import InsufficientMemoryError, check_fit, choose_auto_settings
@@ -157,3 +162,57 @@ def test_tiny_configs_fit_exactly_up_to_their_limits(family, device, gpu_gib, ho
         assert step == 128            # the tiny presets' 2048-token context
         fits = [trains(split, rt, budget, 1, k * step, r.recipe, True) for k in range(1, 2048 // step + 1)]
         assert fits == [k * step <= s for k in range(1, 2048 // step + 1)]
+
+
+# ----------------------------------------------------------------------------- slidetune plan
+
+
+def plan(*args: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = main(["plan", *args])
+    assert code == 0, out.getvalue()
+    return out.getvalue()
+
+
+GPU_24G = ["--model", "qwen3-8b", "--batch-size", "16", "--seq-len", "1024", "--device", "cuda",
+           "--offload-activations", "--gpu-free-gib", "24", "--host-gib", "123"]
+
+
+def test_plan_states_the_limits_after_its_verdict():
+    text = plan(*GPU_24G)
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("limits ("))
+    assert any(line.startswith(("fits", "does not fit")) for line in lines[:at])
+    block = lines[at + 1:at + 5]
+    assert block[0].lstrip().startswith("largest batch at seq 1,024:") and "clip 1.0 -> " in block[0]
+    assert "no clip  -> " in block[1]
+    assert block[2].lstrip().startswith("longest sequence at batch 1:") and "clip 1.0 -> " in block[2]
+    assert "no clip  -> " in block[3]
+    # the numbers are find_limits' for the machine described (packed rows, train's default data: no padding)
+    split = load_model("qwen3-8b", with_tokenizer=False).split
+    rt = RuntimeConfig(device="cuda", dtype="bf16", offload_activations=True)
+    limits = find_limits(split, rt, MachineBudget(24 * GiB, 123 * GiB), seq_len=1024, batch_size=16,
+                         max_grad_norm=1.0, padded=False)
+    clip, plain = limits.recipes
+    expected = [clip.largest_batch, plain.largest_batch, clip.longest_seq, plain.longest_seq]
+    assert [line.split(" -> ")[1] for line in block] == [limit_words(lim) for lim in expected]
+    assert f"-> {clip.largest_batch.value:,} (" in block[0]
+    assert re.search(r"at [\d,]+: host RAM binds", text)
+    assert "plan again with --disk-dir PATH" in text          # host RAM binds and no disk tier was given
+    assert "limits (" not in plan(*GPU_24G, "--no-limits")
+
+
+def test_plan_on_the_cpu_states_limits_against_host_ram():
+    text = plan("--model", "tiny-llama", "--device", "cpu", "--host-gib", "1", "--seq-len", "64")
+    assert re.search(r"largest batch at seq 64: +clip 1.0 -> \d+ \(at \d+: host RAM binds\)", text)
+
+
+def test_plan_caps_the_gpu_at_gpu_memory_limit():
+    text = plan("--model", "qwen3-8b", "--device", "cuda", "--gpu-free-gib", "80", "--gpu-memory-limit", "24",
+                "--host-gib", "123", "--no-limits")
+    assert "resolved on a GPU with 24.0 GiB free (--gpu-memory-limit 24)" in text
+    # without --gpu-free-gib on a machine without a GPU, the limit describes the GPU planned for
+    if not __import__("torch").cuda.is_available():
+        text = plan("--model", "qwen3-8b", "--gpu-memory-limit", "24", "--host-gib", "123", "--no-limits")
+        assert "resolved on a GPU with 24.0 GiB free (--gpu-memory-limit 24)" in text
