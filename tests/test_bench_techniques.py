@@ -220,8 +220,45 @@ def test_fsdp2_one_rank_gloo_cpu():
     assert math.isfinite(r["final_loss"]) and r["tokens_per_s"] > 0
 
 
+def test_throughput_max_seq_and_max_batch_run_at_the_planned_limits(tmp_path, monkeypatch):
+    """--max-seq / --max-batch (no --batches: those workloads alone): slide runs at batch 1 and the
+    longest sequence, and at the largest batch at --seq-lens, that engine.limits finds on the budget a
+    run reads here (a 1 GiB host, SLIDETUNE_HOST_MEMORY_BYTES, which the runs' own fit check reads too);
+    each row says it was chosen so, and each run passes its fit check and trains."""
+    from slidetune.bench.scenarios import throughput
+    from slidetune.engine.config import RuntimeConfig
+    from slidetune.engine.fit import ENV_HOST_MEMORY
+    from slidetune.engine.limits import MachineBudget, Recipe, find_limits
+    from slidetune.models.load import load_model
+    monkeypatch.setenv(ENV_HOST_MEMORY, "1G")
+    out = throughput.run(_args(throughput, ["--out", str(tmp_path), "--models", "tiny-llama", "--device", "cpu",
+                                            "--systems", "slide", "--no-floor", "--steps", "1", "--warmup", "0",
+                                            "--seq-lens", "32", "--max-seq", "--max-batch"]))
+    split = load_model("tiny-llama", with_tokenizer=False).split
+    rt = RuntimeConfig(mode="slide", device="cpu", dtype="fp32", head_impl="chunked")
+    (planned,) = find_limits(split, rt, MachineBudget(None, 2**30), seq_len=32, padded=False,
+                             recipes=(Recipe("clip", 1.0),)).recipes
+    assert 64 <= planned.longest_seq.value < 2048 and 2 <= planned.largest_batch.value < 4096   # host RAM binds
+    rows = read_csv(out / "throughput.csv")
+    assert [(r["batch_size"], r["seq_len"], r["status"]) for r in rows] == \
+        [("1", str(planned.longest_seq.value), "ok"), (str(planned.largest_batch.value), "32", "ok")]
+    assert rows[0]["chosen_by"].startswith("longest sequence at batch 1 (plan: host 1.0 GiB")
+    assert rows[1]["chosen_by"].startswith("largest batch at seq 32 (plan: host 1.0 GiB")
+    assert all(float(r["tokens_per_s"]) > 0 for r in rows)
+    limits = json.loads((out / "throughput.json").read_text())["limits"]["tiny-llama"]
+    assert [f["limit"]["value"] for f in limits] == [planned.longest_seq.value, planned.largest_batch.value]
+    assert limits[0]["limit"]["over"]["binds"] == ["host RAM"]
+    report = (out / "report.md").read_text()
+    assert "## At the planned limits (--max-seq, --max-batch)" in report
+    assert f"| 1 x {planned.longest_seq.value} |" in report and f"{planned.longest_seq.value + 128}: host RAM" in report
+    # `slidetune report` rewrites it from throughput.json: the rows keep how they were chosen
+    throughput.rewrite_report(out)
+    assert "## At the planned limits" in (out / "report.md").read_text()
+    assert read_csv(out / "throughput.csv")[0]["chosen_by"] == rows[0]["chosen_by"]
+
+
 def test_longest_sequence_search_reports_the_largest_that_trains(tmp_path, monkeypatch):
-    """--max-seq: doubling then bisection over multiples of the granule, each probe a run;
+    """--max-seq-search: doubling then bisection over multiples of the granule, each probe a run;
     here a stand-in run "fits" up to 100 tokens, so the answer is 96 (granule 16)."""
     from slidetune.bench.scenarios import throughput
     seen = []
@@ -241,7 +278,7 @@ def test_longest_sequence_search_reports_the_largest_that_trains(tmp_path, monke
 
     monkeypatch.setattr(throughput, "_run_system", fake_run)
     out = throughput.run(_args(throughput, ["--smoke", "--out", str(tmp_path), "--models", "tiny-llama",
-                                            "--systems", "slide", "--no-floor", "--max-seq", "--profile"]))
+                                            "--systems", "slide", "--no-floor", "--max-seq-search", "--profile"]))
     # --profile profiles the sweep's runs (batch 2 here), never the search's one-step probes
     assert {p for b, p in profiled if b == 2} == {True} and {p for b, p in profiled if b == 1} == {False}
     probes = [s for s in seen if s[1] == 1]
@@ -263,7 +300,7 @@ def test_longest_sequence_search_reports_the_largest_that_trains(tmp_path, monke
     partial.write_text("\n".join(json.dumps(r) for r in logged[:3]) + "\n")
     seen.clear()
     out2 = throughput.run(_args(throughput, ["--smoke", "--out", str(tmp_path / "again"), "--models", "tiny-llama",
-                                             "--systems", "slide", "--no-floor", "--max-seq",
+                                             "--systems", "slide", "--no-floor", "--max-seq-search",
                                              "--max-seq-known", str(partial)]))
     assert [s for _, b, s in seen if b == 1] == [96, 112]
     (row,) = read_csv(out2 / "max_seq.csv")
@@ -291,7 +328,7 @@ def test_longest_sequence_search_counts_the_sweeps_own_batch_1_rows(tmp_path, mo
     monkeypatch.setattr("slidetune.models.presets.preset_config",
                         lambda model, layers: type("C", (), {"max_position_embeddings": 128})())
     args = _args(throughput, ["--out", str(tmp_path), "--models", "tiny-llama", "--systems", "slide", "--no-floor",
-                              "--device", "cpu", "--batches", "1", "--seq-lens", "128", "--max-seq",
+                              "--device", "cpu", "--batches", "1", "--seq-lens", "128", "--max-seq-search",
                               "--max-seq-start", "128", "--seq-granule", "16", "--steps", "2", "--warmup", "1"])
     out = throughput.run(args)
     assert seen == [(1, 128, 2)]                  # the sweep row only: no probe

@@ -62,9 +62,10 @@ def _plan(ns) -> int:
     from .engine.placement import AUTO_WINDOW, cache_unit_options
     from .models.load import load_model
     cfg = config_from_args(ns)
-    # the device planned for: a GPU (this machine's, or one described by --gpu-free-gib), else the CPU
-    on_gpu = cfg.runtime.device.startswith("cuda") or (
-        cfg.runtime.device == "auto" and (ns.gpu_free_gib is not None or torch.cuda.is_available()))
+    # the device planned for: a GPU (this machine's, or one described by --gpu-free-gib or
+    # --gpu-memory-limit), else the CPU
+    on_gpu = cfg.runtime.device.startswith("cuda") or (cfg.runtime.device == "auto" and (
+        ns.gpu_free_gib is not None or cfg.gpu_memory_limit is not None or torch.cuda.is_available()))
     dtype, why = resolve_dtype(cfg.runtime.dtype, "cuda" if on_gpu else "cpu")
     if cfg.runtime.dtype == "auto":
         print(f"dtype auto -> {dtype}: {why}")
@@ -201,17 +202,24 @@ def _plan_resolved(ns, cfg, split):
     import torch
 
     from .engine.distributed import SharedMemoryError
+    from .engine.limits import MachineBudget
     from .engine.slide.disk_tier import DiskTierError
     from .engine.fit import FIT_SAFETY, InsufficientMemoryError, check_fit, choose_auto_settings, estimate_memory
-    from .engine.fit import query_host_available_bytes, shared_state_bytes
+    from .engine.fit import query_gpu_free_bytes, query_host_available_bytes, shared_state_bytes
     gib = 2**30
     rt = cfg.runtime
     on_gpu = rt.device.startswith("cuda")
-    if on_gpu and ns.gpu_free_gib is None and not torch.cuda.is_available():
+    limit = int(cfg.gpu_memory_limit * gib) if cfg.gpu_memory_limit is not None and on_gpu else None
+    if on_gpu and ns.gpu_free_gib is None and limit is None and not torch.cuda.is_available():
         print("no GPU here to plan for: pass --gpu-free-gib GIB (and --host-gib GIB) to see what the auto settings "
               "resolve to on such a GPU and host, and whether it fits")
         return None
     free = int(ns.gpu_free_gib * gib) if ns.gpu_free_gib is not None and on_gpu else None
+    if limit is not None:
+        # --gpu-memory-limit caps the GPU planned for, as train caps its own (the GPU described, this
+        # machine's, or without either a GPU of that size)
+        here = free if free is not None else query_gpu_free_bytes(rt) if torch.cuda.is_available() else limit
+        free = min(here, limit)
     host = int(ns.host_gib * gib) if ns.host_gib is not None else query_host_available_bytes()
     kw = dict(batch_size=cfg.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
               max_grad_norm=cfg.max_grad_norm, padded=not cfg.data.packed)
@@ -223,6 +231,8 @@ def _plan_resolved(ns, cfg, split):
         where = "the CPU (no GPU: weights, activations and optimizer state all in host RAM)"
     else:
         where = f"a GPU with {free / gib:.1f} GiB free" if free is not None else "this machine's GPU"
+        if limit is not None:
+            where += f" (--gpu-memory-limit {cfg.gpu_memory_limit:g})"
     if ranks > 1:
         where = f"{ranks} ranks on one host, each on {where}"
     plan = est.plan
@@ -255,7 +265,34 @@ def _plan_resolved(ns, cfg, split):
     # the placement is the GPU's (slots, uploads); on the CPU only where the disk tier takes units
     if plan is not None and (on_gpu or plan.indices("disk")):
         print("placement:\n" + "\n".join(plan.summary_lines()))
+    if not ns.no_limits:
+        budget = MachineBudget.resolved(rt, gpu_free_bytes=free, host_available_bytes=host, disk_free_bytes=disk,
+                                        shm_free_bytes=shm, ranks_per_host=ranks)
+        _plan_limits(cfg, split, budget)
     return plan
+
+
+def _plan_limits(cfg, split, budget) -> None:
+    """The largest batch at the run's sequence and the longest sequence at batch 1 that fit the machine
+    planned for, with and without clipping (engine.limits: each size resolved and checked as above)."""
+    from .engine.limits import find_limits, limit_words
+    limits = find_limits(split, cfg.runtime, budget, seq_len=cfg.data.seq_len, batch_size=cfg.batch_size,
+                         grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm, padded=not cfg.data.packed)
+    if not limits.recipes:
+        return
+    batch = "micro-batch" if cfg.grad_accum > 1 else "batch"
+    rows = [(f"largest {batch} at seq {limits.seq_len:,}:", lambda r: r.largest_batch),
+            ("longest sequence at batch 1:", lambda r: r.longest_seq)]
+    title_width = max(len(title) for title, _ in rows)
+    name_width = max(len(r.recipe.name) for r in limits.recipes)
+    print("limits (each size's auto settings resolved and checked as above; --no-limits skips this):")
+    for title, pick in rows:
+        for i, r in enumerate(limits.recipes):
+            print(f"  {title if i == 0 else '':<{title_width}} {r.recipe.name:<{name_width}} -> {limit_words(pick(r))}")
+    host_binds = any("host RAM" in (lim.over.binds if lim.over else ())
+                     for r in limits.recipes for lim in (r.largest_batch, r.longest_seq))
+    if host_binds and cfg.runtime.mode == "slide" and not cfg.runtime.disk_dir:
+        print("  (where host RAM binds, the disk tier may go further: plan again with --disk-dir PATH on a local disk)")
 
 
 def _bench_runtime(ns) -> int:
@@ -340,6 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_plan.add_argument("--disk-free-gib", type=float, default=None,
                         help="with --disk-dir: the free space of its disk (default: what it has here), as "
                              "--host-gib describes the host")
+    p_plan.add_argument("--no-limits", action="store_true",
+                        help="skip the largest batch and the longest sequence that fit (a search of a few "
+                             "seconds over the same estimate)")
     p_plan.add_argument("--terms", action="store_true",
                         help="also probe this machine (GPU compute, PCIe, host AdamW, the disk tier's directory; "
                              "about a minute) and print the seconds a step each term of the floor costs")

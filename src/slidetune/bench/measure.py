@@ -185,11 +185,10 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
     fit_estimate = None
     if rt.mode == "slide":
         from ..engine.fit import InsufficientMemoryError, Workload, check_fit_on_ranks, place_on_ranks
+        from .budget import planned_gpu_free
         free = None
-        if device.is_cuda:
-            free = torch.cuda.mem_get_info(device.device)[0]
-            if spec.gpu_memory_limit_gib:           # an emulated smaller card: auto must plan for it
-                free = min(free, int(spec.gpu_memory_limit_gib * 2**30))
+        if device.is_cuda:                          # an emulated smaller card: auto must plan for it
+            free = planned_gpu_free(torch.cuda.mem_get_info(device.device)[0], spec.gpu_memory_limit_gib)
         # synthetic batches are full rows: never padded (no [B,1,S,S] masks); several ranks: placed
         # and checked as training does (engine.fit.place_on_ranks, check_fit_on_ranks)
         work = Workload(batch_size=spec.batch_size, seq_len=spec.seq_len, grad_accum=spec.grad_accum,

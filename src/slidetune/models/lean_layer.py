@@ -132,8 +132,11 @@ def _with_global(fn, name: str, value):
 
 
 # ----------------------------------------------------------------------------- faithfulness
+@functools.cache
 def _body(fn) -> str:
-    """A function's statements without its signature, docstring, comments and blank lines."""
+    """A function's statements without its signature, docstring, comments and blank lines (read once
+    per function: lean_support runs per layer each time the auto settings weigh the lean layer, and
+    inspect.getsource re-tokenizes the whole source file, ~1 ms)."""
     src = textwrap.dedent(inspect.getsource(fn))
     src = src.split(":\n", 1)[1] if re.match(r"\s*def ", src) else src
     src = re.sub(r'"""[\s\S]*?"""', "", src)

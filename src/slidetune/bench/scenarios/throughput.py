@@ -34,6 +34,7 @@ import argparse
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -52,12 +53,15 @@ from .roofline import measure_floor
 
 NAME = "throughput"
 SYSTEMS = ("slide", "gpu-ckpt", "fsdp2", "deepspeed")
+DEFAULT_BATCHES = "8,16,32,64"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common_arguments(p, model="qwen3-8b", seq_len=1024, batch_size=16, steps=5, warmup=2)
     p.add_argument("--models", default="qwen3-8b,llama-3.1-8b")
-    p.add_argument("--batches", default="8,16,32,64")
+    p.add_argument("--batches", default=None,
+                   help=f"comma list (default: {DEFAULT_BATCHES}; with --max-seq or --max-batch, none: the "
+                        f"planned workloads alone)")
     p.add_argument("--seq-lens", default=None, help="comma list (default: --seq-len)")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--runtime", default="", help="slide's RuntimeConfig overrides, e.g. "
@@ -77,8 +81,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "N CPU processes over gloo (testing)")
     p.add_argument("--no-floor", action="store_true")
     p.add_argument("--max-seq", action="store_true",
-                   help="also find the longest trainable sequence at batch 1 (slide with --runtime): doubling "
-                        "then bisection over multiples of --seq-granule, each probe its own process, OOM caught")
+                   help="slide (--runtime) at batch 1 and the longest sequence that fits this machine, per recipe: "
+                        "the limit `slidetune plan` states, found by the same search (engine.limits) on the budget "
+                        "a run reads here (--gpu-memory-limit, the host's available RAM); the row says so")
+    p.add_argument("--max-batch", action="store_true",
+                   help="slide (--runtime) at the largest batch that fits this machine at each --seq-lens, per "
+                        "recipe, as --max-seq plans it")
+    p.add_argument("--max-seq-search", action="store_true",
+                   help="find the longest sequence that trains at batch 1 by running it (slide with --runtime): "
+                        "doubling then bisection over multiples of --seq-granule, each probe its own process, OOM "
+                        "caught (a run the fit check refuses counts as one that does not train)")
     p.add_argument("--seq-granule", type=int, default=1024)
     p.add_argument("--max-seq-known", default=None,
                    help="max_seq_probes.jsonl of an earlier search (e.g. a device call that ran out of time): "
@@ -124,7 +136,9 @@ def run(args: argparse.Namespace) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available() and args.device != "cpu"
     models = [m.strip() for m in args.models.split(",")]
-    batches = [int(b) for b in args.batches.split(",")]
+    # --max-seq / --max-batch without --batches: the planned workloads alone
+    planned_only = args.batches is None and (args.max_seq or args.max_batch)
+    batches = [] if planned_only else [int(b) for b in (args.batches or DEFAULT_BATCHES).split(",")]
     seqs = [int(s) for s in (args.seq_lens or str(args.seq_len)).split(",")]
     systems = [s.strip() for s in args.systems.split(",")]
     recipes = [parse_recipe(t) for t in getattr(args, "recipes", "plain").split(",") if t.strip()]
@@ -134,34 +148,62 @@ def run(args: argparse.Namespace) -> Path:
     steps, warmup, layers, dev = args.steps, args.warmup, args.num_layers, "cuda" if cuda else "cpu"
     if args.smoke:
         models = ["tiny-qwen3", "tiny-llama"] if args.models == "qwen3-8b,llama-3.1-8b" else models
-        batches, seqs, steps, warmup, dev = [2], [32], 2, 1, "cpu"
+        batches, seqs, steps, warmup, dev = ([] if planned_only else [2]), [32], 2, 1, "cpu"
         cuda = False
     gpus = parse_gpus(getattr(args, "gpus", "1"), "cpu" if args.smoke else args.device)
-    rows, raw, floors, collectives = [], [], {}, {}
+    rows, raw, floors, collectives, limits = [], [], {}, {}, {}
     per_run: list[dict] = []      # every run in bench.measure's form, for the common tables and plots
     adamw_probe = None
     # The floor times the layers as slide runs them (compiled or not).
     slide_over = _runtime_overrides(args.runtime)
     variants = parse_ab_variants(getattr(args, "variants", ""), slide_over)
     rounds = max(1, int(getattr(args, "rounds", 1)))
+
+    def floor_of(model: str, batch: int, seq: int) -> dict | None:
+        """The floor probe of a workload (one per workload and call)."""
+        nonlocal adamw_probe
+        key = f"{model}/b{batch}/s{seq}"
+        if args.no_floor:
+            return None
+        if key not in floors:
+            floors[key] = measure_floor(model, batch, seq, layers, dev,
+                                        adamw_n=(4 * 2**20 if args.smoke else 128 * 2**20),
+                                        adamw=adamw_probe, timeout_s=args.timeout,
+                                        compile_layers=_compiles(slide_over),
+                                        grad_download=str(slide_over.get("grad_download", "compute")),
+                                        host_adamw=str(slide_over.get("host_adamw", "dynamic")),
+                                        disk_dir=slide_over.get("disk_dir"),
+                                        disk_block_mb=int(slide_over.get("disk_block_mb", 64)),
+                                        disk_io_threads=int(slide_over.get("disk_io_threads", 4)))
+            if floors[key].get("status") == "ok":
+                adamw_probe = floors[key].get("adamw")
+        return floors[key]
+
+    def measure_one(system, model, batch, seq, fpt, fl, rec, n=1, coll=None, vname="", vover=None, rnd=1,
+                    planned: Planned | None = None) -> None:
+        """Run one configuration and record it (per_run, raw, rows) and a line on stdout."""
+        key = f"{model}/b{batch}/s{seq}"
+        chosen_by = planned.chosen_by if planned else None
+        r = _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, args, profile=args.profile,
+                        recipe=rec, ranks=n, variant=vover)
+        tag = "-".join(t for t in (rec["name"] if len(recipes) > 1 else "", vname,
+                                   f"r{rnd}" if rounds > 1 else "", planned.kind if planned else "") if t)
+        per_run.append(_as_measured(r, system, model, batch, seq, warmup, tag, gpus=n))
+        raw.append({"key": key, "system": system, "recipe": rec["name"], "gpus": n,
+                    "variant": vname or None, "round": rnd if vname else None, "chosen_by": chosen_by,
+                    **{k: v for k, v in r.items() if k != "steps"}})
+        rows.append(_row(system, model, batch, seq, r, fpt, fl, recipe=rec, collective=coll, ranks=n,
+                         variant=vname, round_=rnd, chosen_by=chosen_by))
+        print(f"[throughput] {key} {system} {rec['name']}" + (f" {vname} round {rnd}" if vname else "")
+              + f" x{n}" + (f" ({chosen_by})" if chosen_by else "") + f": {rows[-1]['status']} "
+              f"{O.fmt(rows[-1].get('tokens_per_s'), 0)} tok/s step/floor {O.fmt(rows[-1].get('step_over_floor'))} "
+              f"step/hw-floor {O.fmt(rows[-1].get('step_over_hw_floor'))}", flush=True)
+
     for model in models:
         for seq in seqs:
             fpt = _flops_per_token(model, layers, seq)
             for batch in batches:
-                key = f"{model}/b{batch}/s{seq}"
-                fl = None
-                if not args.no_floor:
-                    fl = measure_floor(model, batch, seq, layers, dev, adamw_n=(4 * 2**20 if args.smoke else 128 * 2**20),
-                                       adamw=adamw_probe, timeout_s=args.timeout,
-                                       compile_layers=_compiles(slide_over),
-                                       grad_download=str(slide_over.get("grad_download", "compute")),
-                                       host_adamw=str(slide_over.get("host_adamw", "dynamic")),
-                                       disk_dir=slide_over.get("disk_dir"),
-                                       disk_block_mb=int(slide_over.get("disk_block_mb", 64)),
-                                       disk_io_threads=int(slide_over.get("disk_io_threads", 4)))
-                    if fl.get("status") == "ok":
-                        adamw_probe = fl.get("adamw")
-                    floors[key] = fl
+                fl = floor_of(model, batch, seq)
                 for n in gpus:
                     coll = None
                     if n > 1 and not args.no_floor:
@@ -178,22 +220,19 @@ def run(args: argparse.Namespace) -> Path:
                         for rnd in range(1, (rounds if system == "slide" else 1) + 1):
                             for rec in recs:
                                 for vname, vover in vs:
-                                    r = _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda,
-                                                    args, profile=args.profile, recipe=rec, ranks=n, variant=vover)
-                                    tag = "-".join(t for t in (rec["name"] if len(recipes) > 1 else "", vname,
-                                                               f"r{rnd}" if rounds > 1 else "") if t)
-                                    per_run.append(_as_measured(r, system, model, batch, seq, warmup, tag, gpus=n))
-                                    raw.append({"key": key, "system": system, "recipe": rec["name"], "gpus": n,
-                                                "variant": vname or None, "round": rnd if vname else None,
-                                                **{k: v for k, v in r.items() if k != "steps"}})
-                                    rows.append(_row(system, model, batch, seq, r, fpt, fl, recipe=rec,
-                                                     collective=coll, ranks=n, variant=vname, round_=rnd))
-                                    print(f"[throughput] {key} {system} {rec['name']}"
-                                          + (f" {vname} round {rnd}" if vname else "") + f" x{n}: "
-                                          f"{rows[-1]['status']} {O.fmt(rows[-1].get('tokens_per_s'), 0)} tok/s "
-                                          f"step/floor {O.fmt(rows[-1].get('step_over_floor'))} "
-                                          f"step/hw-floor {O.fmt(rows[-1].get('step_over_hw_floor'))}", flush=True)
-    if args.max_seq:
+                                    measure_one(system, model, batch, seq, fpt, fl, rec, n, coll, vname, vover, rnd)
+    if args.max_seq or args.max_batch:
+        # slide at the limits the fit check allows on this machine's budget (engine.limits), per recipe
+        for model in models:
+            for p in planned_workloads(model, layers, dev, args, recipes, seqs):
+                limits.setdefault(model, []).append({"chosen_by": p.chosen_by, **p.record})
+                if p.workload is None:
+                    print(f"[throughput] {model} {p.recipe['name']}: {p.chosen_by}: nothing fits", flush=True)
+                    continue
+                batch, seq = p.workload
+                measure_one("slide", model, batch, seq, _flops_per_token(model, layers, seq),
+                            floor_of(model, batch, seq), p.recipe, planned=p)
+    if args.max_seq_search:
         granule, start = (16, 32) if args.smoke else (args.seq_granule, args.max_seq_start)
         for model in models:
             # the sweep's own slide runs at batch 1 answer the search's question for their lengths
@@ -207,7 +246,58 @@ def run(args: argparse.Namespace) -> Path:
             print(f"[throughput] {model} longest trainable sequence at batch 1: {found['max_seq']} tokens "
                   f"(probes: {found['probes']})", flush=True)
     add_scaling(rows)
-    _write(out, rows, raw, floors, cuda, slide_runtime=args.runtime, per_run=per_run, collectives=collectives)
+    _write(out, rows, raw, floors, cuda, slide_runtime=args.runtime, per_run=per_run, collectives=collectives,
+           limits=limits)
+    return out
+
+
+class Planned(NamedTuple):
+    """A workload --max-seq or --max-batch chose."""
+    recipe: dict                         # parse_recipe's
+    workload: tuple[int, int] | None     # (batch, seq); None where nothing fits
+    kind: str                            # max-seq | max-batch
+    chosen_by: str                       # the row's words: which limit, on what budget
+    record: dict                         # the limit (engine.limits' Limit.to_dict) and the budget
+
+
+def planned_workloads(model: str, layers: int | None, dev: str, args, recipes: list[dict],
+                      seqs: list[int]) -> list[Planned]:
+    """The workloads of --max-seq (batch 1 and the longest sequence) and --max-batch (the largest batch
+    at each of `seqs`), each
+    recipe's own: engine.limits' search with slide's runtime (--runtime) on the budget a run's own
+    process reads here (bench.budget: the GPU's free memory under --gpu-memory-limit, the host's
+    available RAM), for synthetic rows (unpadded) and the recipe's clipping and micro-batches (a limit
+    counts micro-batches; the step's batch is that times the recipe's accumN)."""
+    from ...engine.config import RuntimeConfig
+    from ...engine.limits import Recipe, find_limits
+    from ...models.load import load_model
+    from ..budget import run_budget
+    split = load_model(model, num_layers=layers, with_tokenizer=False).split
+    rt = RuntimeConfig(**_slide_runtime(dev, args))
+    budget = run_budget(model, layers, dev, args.gpu_memory_limit, timeout_s=args.timeout)
+    gib = 2**30
+    where = (f"GPU {budget.gpu_free_bytes / gib:.1f} GiB, " if budget.gpu_free_bytes is not None else "") + \
+        f"host {budget.host_available_bytes / gib:.1f} GiB"
+    out = []
+    for rec in recipes:
+        accum = rec["grad_accum"]
+        for i, seq in enumerate(seqs):
+            found = find_limits(split, rt, budget, seq_len=seq, grad_accum=accum, padded=False,
+                                recipes=(Recipe(rec["name"], rec["max_grad_norm"]),)).recipes
+            if not found:             # a recipe the runtime cannot run (clipping under schedule=eager)
+                continue
+            (lim,) = found
+            record = {"recipe": rec["name"], "budget": where, "grad_accum": accum}
+            if args.max_seq and i == 0:       # the longest sequence is the same at every --seq-lens
+                value = lim.longest_seq.value
+                out.append(Planned(rec, (accum, value) if value else None, "max-seq",
+                                   f"longest sequence at batch 1 (plan: {where})",
+                                   {**record, "limit": lim.longest_seq.to_dict()}))
+            if args.max_batch:
+                value = lim.largest_batch.value
+                out.append(Planned(rec, (value * accum, seq) if value else None, "max-batch",
+                                   f"largest batch at seq {seq} (plan: {where})",
+                                   {**record, "limit": lim.largest_batch.to_dict()}))
     return out
 
 
@@ -296,14 +386,15 @@ def rewrite_report(out: Path) -> Path:
         n = int(old.get("gpus") or 1)
         rows.append(_row(system, model, batch, seq, r, fpt, floors.get(f"{model}/b{batch}/s{seq}"),
                          recipe=parse_recipe(old.get("recipe") or "plain"), collective=collectives.get(f"{model}/n{n}"),
-                         ranks=n, variant=old.get("variant") or "", round_=int(old.get("round") or 1)))
+                         ranks=n, variant=old.get("variant") or "", round_=int(old.get("round") or 1),
+                         chosen_by=old.get("chosen_by")))
         if system == "slide" and not overrides:
             given = {k: v for k, v in ((r.get("spec") or {}).get("runtime") or {}).items()
                      if k not in ("mode", "device", "head_impl", "dtype")}
             overrides = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in given.items())
     add_scaling(rows)
     _write(out, rows, raw, floors, cuda=doc.get("machine", {}).get("gpu") is not None, slide_runtime=overrides,
-           collectives=collectives)
+           collectives=collectives, limits=doc.get("limits"))
     return out / "report.md"
 
 
@@ -440,6 +531,17 @@ def parse_ab_variants(text: str, base: dict | None = None) -> list[tuple[str, di
     return out
 
 
+def _base_runtime(mode: str, dev: str, overrides: dict | None = None) -> dict:
+    """A slide or gpu-ckpt run's RuntimeConfig fields: the scenario's, then `overrides`; FP32 on the CPU."""
+    return {"mode": mode, "device": dev, "head_impl": "chunked", **(overrides or {}),
+            **({"dtype": "fp32"} if dev == "cpu" else {})}
+
+
+def _slide_runtime(dev: str, args, variant: dict | None = None) -> dict:
+    """A slide run's RuntimeConfig fields: --runtime's overrides, then an A/B variant's."""
+    return _base_runtime("slide", dev, {**_runtime_overrides(args.runtime), **(variant or {})})
+
+
 def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, args, profile: bool = False,
                 recipe: dict | None = None, ranks: int = 1, variant: dict | None = None) -> dict:
     """One run of `system` at `batch` sequences of `seq` tokens a step (per rank); `recipe`
@@ -449,12 +551,7 @@ def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, arg
     gib = args.gpu_memory_limit
     recipe = recipe or parse_recipe("plain")
     if system in ("slide", "gpu-ckpt"):
-        rt = dict(mode="slide" if system == "slide" else "ckpt", device=dev, head_impl="chunked")
-        if system == "slide":
-            rt.update(_runtime_overrides(args.runtime))
-            rt.update(variant or {})
-        if dev == "cpu":
-            rt["dtype"] = "fp32"
+        rt = _slide_runtime(dev, args, variant) if system == "slide" else _base_runtime("ckpt", dev)
         accum = recipe["grad_accum"]
         spec = MeasureSpec(name=f"{system}-{model}-b{batch}-s{seq}", model=model, num_layers=layers,
                            batch_size=batch // accum, grad_accum=accum, max_grad_norm=recipe["max_grad_norm"],
@@ -482,7 +579,8 @@ def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, arg
     raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
 
 
-COLUMNS = ["model", "seq_len", "batch_size", "system", "recipe", "variant", "round", "gpus", "status", "step_s_mean", "step_s_std",
+COLUMNS = ["model", "seq_len", "batch_size", "system", "recipe", "variant", "round", "gpus", "chosen_by", "status",
+           "step_s_mean", "step_s_std",
            "tokens_per_s", "tokens_per_s_per_gpu", "scaling_efficiency", "model_tflops", "gpu_peak_alloc_gib",
            "gpu_peak_reserved_gib", "cpu_peak_rss_gib", "host_rss_gib", "allreduce_s", "allreduce_busbw_gib_s",
            "floor_s",
@@ -499,12 +597,13 @@ HOST_COLUMNS = {"host_adamw_s": ("host.adamw", "host.adamw_moments"),
 
 
 def _row(system, model, batch, seq, r, fpt, fl, recipe: dict | None = None, collective: dict | None = None,
-         ranks: int = 1, variant: str = "", round_: int = 1) -> dict:
+         ranks: int = 1, variant: str = "", round_: int = 1, chosen_by: str | None = None) -> dict:
     """One row of throughput.csv. batch is per rank; tokens_per_s the step's over every rank (the
-    per-GPU rate beside it); host_rss_gib the host's RSS over its ranks (the shared state once)."""
+    per-GPU rate beside it); host_rss_gib the host's RSS over its ranks (the shared state once);
+    chosen_by: how the workload was chosen where not given (--max-seq, --max-batch)."""
     recipe = recipe or parse_recipe("plain")
     row = dict(model=model, seq_len=seq, batch_size=batch, system=system, recipe=recipe["name"],
-               variant=variant or None, round=round_ if variant else None, gpus=ranks,
+               variant=variant or None, round=round_ if variant else None, gpus=ranks, chosen_by=chosen_by,
                status=r.get("status"), step_s_mean=r.get("step_s_mean"), step_s_std=r.get("step_s_std"),
                tokens_per_s=r.get("tokens_per_s"),
                tokens_per_s_per_gpu=r.get("tokens_per_s_per_gpu") or (r["tokens_per_s"] / ranks
@@ -703,6 +802,35 @@ def _hardware_lines(floors: dict) -> list[str]:
             *O.md_table(table, cols, {c: 3 for c in cols if c != "workload"}), ""]
 
 
+def _limits_lines(rows: list[dict], limits: dict) -> list[str]:
+    """The report's section on --max-seq / --max-batch: each planned limit beside the run at it."""
+    lines = ["## At the planned limits (--max-seq, --max-batch)", "",
+             "Each workload is the largest batch (at a given sequence) or the longest sequence (at batch 1) that "
+             "fits this machine as `slidetune plan` finds it (engine.limits: every size's auto settings resolved "
+             "and checked as a run resolves and checks them, on the budget a run's process reads here), per "
+             "recipe; the run then trains at it. planned: what the auto settings chose there and the estimate; "
+             "one step past: what the fit check says does not fit there.", "",
+             "| model | recipe | workload | batch x seq | planned | one step past | status | tokens/s | GPU peak / "
+             "host RSS GiB |", "|---|---|---|---|---|---|---|---|---|"]
+    for model, found in limits.items():
+        for f in found:
+            lim = f["limit"]
+            at, over = lim.get("at") or {}, lim.get("over") or {}
+            row = next((r for r in rows if r["model"] == model and r.get("recipe") == f["recipe"]
+                        and r.get("chosen_by") == f["chosen_by"]), {})
+            gpu = f"GPU {O.fmt(at.get('gpu_gib'), 1)}, " if at.get("device_type") == "cuda" else ""
+            planned = (f"{at.get('how') or 'the defaults'}; {gpu}host {O.fmt(at.get('host_gib'), 1)} GiB"
+                       if at else "nothing fits")
+            past = (f"{over.get(lim['axis'])}: {' and '.join(over.get('binds') or [])}" if over
+                    else lim.get("capped_by") or "-")
+            lines.append(f"| {model} | {f['recipe']} | {f['chosen_by']} | "
+                         + (f"{row['batch_size']} x {row['seq_len']}" if row else "-")
+                         + f" | {planned} | {past} | {row.get('status', 'not run')} | "
+                         f"{O.fmt(row.get('tokens_per_s'), 0)} | {O.fmt(row.get('gpu_peak_alloc_gib'), 1)} / "
+                         f"{O.fmt(row.get('cpu_peak_rss_gib'), 1)} |")
+    return lines + [""]
+
+
 def _scaling_lines(rows: list[dict], collectives: dict) -> list[str]:
     """The report's scaling section: slide on N ranks beside N=1, and the collective probes."""
     slide = [r for r in rows if r["system"] == "slide"]
@@ -739,12 +867,12 @@ def _scaling_lines(rows: list[dict], collectives: dict) -> list[str]:
 
 
 def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", per_run: list[dict] | None = None,
-           collectives: dict | None = None) -> None:
+           collectives: dict | None = None, limits: dict | None = None) -> None:
     machine = next((r["machine"] for r in raw if "machine" in r), {})
     collectives = collectives or {}
     O.write_csv(out / "throughput.csv", rows, COLUMNS, machine)
     O.write_json(out / "throughput.json", {"machine": machine, "rows": rows, "floors": floors, "runs": raw,
-                                           "collectives": collectives})
+                                           "collectives": collectives, "limits": limits or {}})
     labels = [f"{r['model']} b{r['batch_size']} s{r['seq_len']}" for r in rows]
     keys = list(dict.fromkeys(labels))
     # a series per system, and per recipe where a system ran several, and per rank count where several
@@ -797,6 +925,8 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
     lines += _hardware_lines(floors)
     if ab:
         lines += ab_lines(rows)
+    if limits:
+        lines += _limits_lines(rows, limits)
     if scaled:
         lines += _scaling_lines(rows, collectives)
         O.bar_plot(out / "scaling.png", keys, {f"x{n}": [next((r.get("tokens_per_s") for r, lab in zip(rows, labels)
