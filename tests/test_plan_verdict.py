@@ -13,8 +13,11 @@ import pytest
 from slidetune.cli import main
 
 # a described machine: a 24 GiB GPU, 64 GiB of host RAM and a disk with 200 GiB free (whatever this one has)
+# the chunked head and no offload given: a GPU configuration that does not fit (the auto settings
+# would fuse the head and offload checkpoints, and fit), so that the options are what is tested
 GPU_24G = ["--model", "qwen3-8b", "--batch-size", "16", "--seq-len", "1024", "--device", "cuda",
-           "--gpu-free-gib", "24", "--host-gib", "64", "--disk-free-gib", "200"]
+           "--tuning.head_impl", "chunked", "--offload-activations", "off",
+           "--gpu-free-gib", "23", "--host-gib", "64", "--disk-free-gib", "200"]
 
 
 def plan(*args: str) -> str:

@@ -169,7 +169,8 @@ def run(args: argparse.Namespace) -> Path:
             floors[key] = measure_floor(model, batch, seq, layers, dev,
                                         adamw_n=(4 * 2**20 if args.smoke else 128 * 2**20),
                                         adamw=adamw_probe, timeout_s=args.timeout,
-                                        compile_layers=_compiles(slide_over),
+                                        compile_layers=_compiles(slide_over, dev),
+                                        head_impl=_head_impl(slide_over, dev),
                                         grad_download=str(slide_over.get("grad_download", "compute")),
                                         host_adamw=str(slide_over.get("host_adamw", "dynamic")),
                                         disk_dir=slide_over.get("disk_dir"),
@@ -493,10 +494,25 @@ def _placement(r: dict) -> dict:
     return out
 
 
-def _compiles(overrides: dict) -> bool:
-    """Whether slide runs with these overrides compile their layers (a benchmark resolves no auto)."""
+def _compiles(overrides: dict, dev: str) -> bool:
+    """Whether slide runs with these overrides compile their layers (_slide_runtime's default)."""
     from ...engine.config import RuntimeConfig
-    return RuntimeConfig(compile_layers=overrides.get("compile_layers", "auto")).compiles_layers()
+    return RuntimeConfig(**_run_defaults(dev, overrides)).compiles_layers()
+
+
+def _head_impl(overrides: dict, dev: str) -> str:
+    """The output layer slide runs with these overrides use (auto resolved on this device)."""
+    from ...engine.config import RuntimeConfig
+    return RuntimeConfig(device=dev, head_impl=overrides.get("head_impl", "auto")).resolved_head_impl
+
+
+def _run_defaults(dev: str, overrides: dict) -> dict:
+    """compile_layers as `slidetune train` resolves it for the runs a benchmark stands for: a step of a
+    long run, which compile_policy compiles on CUDA (the default 8B job earns the compile back ~2.7x);
+    the few steps a benchmark times would not, and would measure the eager layer instead (Qwen3-8B
+    b16 clipped on the H200: 6,997 eager against 9,074 tokens/s compiled, NOTES.md 38)."""
+    given = overrides.get("compile_layers", "auto")
+    return {"compile_layers": ("on" if dev == "cuda" else "off") if given == "auto" else given}
 
 
 def _runtime_overrides(text: str) -> dict:
@@ -532,14 +548,17 @@ def parse_ab_variants(text: str, base: dict | None = None) -> list[tuple[str, di
 
 
 def _base_runtime(mode: str, dev: str, overrides: dict | None = None) -> dict:
-    """A slide or gpu-ckpt run's RuntimeConfig fields: the scenario's, then `overrides`; FP32 on the CPU."""
-    return {"mode": mode, "device": dev, "head_impl": "chunked", **(overrides or {}),
-            **({"dtype": "fp32"} if dev == "cpu" else {})}
+    """A slide or gpu-ckpt run's RuntimeConfig fields: the scenario's, then `overrides`; FP32 on the CPU.
+    The output layer is the runtime's default (head_impl auto), as `slidetune train` runs it."""
+    return {"mode": mode, "device": dev, **(overrides or {}), **({"dtype": "fp32"} if dev == "cpu" else {})}
 
 
 def _slide_runtime(dev: str, args, variant: dict | None = None) -> dict:
-    """A slide run's RuntimeConfig fields: --runtime's overrides, then an A/B variant's."""
-    return _base_runtime("slide", dev, {**_runtime_overrides(args.runtime), **(variant or {})})
+    """A slide run's RuntimeConfig fields: compile_layers as train resolves it for a long run
+    (_run_defaults), then --runtime's overrides, then an A/B variant's."""
+    given = {**_runtime_overrides(args.runtime), **(variant or {})}
+    return _base_runtime("slide", dev, {**_run_defaults(dev, given), **given} if "compile_layers" not in given
+                         else given)
 
 
 def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, args, profile: bool = False,
