@@ -298,7 +298,8 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
         say(f"grad_slot_dtype auto -> {runtime.grad_slot_dtype}")
     if cfg.runtime.lean_layer == "auto" and cfg.runtime.mode == "slide":
         say(f"lean_layer auto -> {runtime.lean_layer}"
-            + (" (only the lean layer's smaller working set fits the GPU: lean RMSNorms, the MLP in tiles of "
+            + (" (only the lean layer's smaller working set makes the run fit, on the GPU or, through the "
+               f"checkpoints the GPU then keeps, the host: lean RMSNorms, the MLP in tiles of "
                f"{runtime.mlp_tile_tokens} tokens)" if runtime.lean_layer == "on" else " (HF's layer: it fits)"))
     if cfg.runtime.disk_buffers == -1 and cfg.runtime.mode == "slide" and plan.indices("disk"):
         def size(n: int) -> str:
@@ -320,7 +321,13 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
         say(f"device_layers auto -> {max(0, runtime.device_layers)}"
             + (f" (decoder layers 0-{runtime.device_layers - 1} kept and updated on the GPU)"
                if runtime.device_layers > 0 else ""))
-    if cfg.runtime.gpu_checkpoints == -1 and cfg.runtime.offloads_activations and cfg.runtime.mode == "slide":
+    if cfg.runtime.offload_activations == "auto" and cfg.runtime.mode == "slide":
+        say(f"offload_activations auto -> {runtime.offload_activations}"
+            + (" (not every layer-input checkpoint fits the GPU: the rest go to pinned host RAM)"
+               if runtime.offloads_activations else " (every layer-input checkpoint stays on the GPU)"))
+    if cfg.runtime.head_impl == "auto":
+        say(f"head_impl auto -> {runtime.resolved_head_impl}")
+    if cfg.runtime.gpu_checkpoints == -1 and runtime.offloads_activations and cfg.runtime.mode == "slide":
         kept = plan.gpu_checkpoints
         say(f"gpu_checkpoints auto -> {kept}"
             + (f" (the input checkpoints of the last {kept} decoder layers stay on the GPU)" if kept else ""))
