@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from slidetune.bench.roofline import disk_term, floor_terms, plan_of_runtime
 from slidetune.checkpoint import save_checkpoint
 from slidetune.engine import AdamWConfig, RuntimeConfig, build_engine
-from slidetune.engine.fit import GiB, check_fit, choose_auto_settings, estimate_memory
+from slidetune.engine.fit import FIT_SAFETY, GiB, check_fit, choose_auto_settings, estimate_memory
 from slidetune.engine.placement import PlacementPlan, shapes_from_counts, unit_shapes
 from slidetune.engine.slide import disk_tier
 from slidetune.engine.slide.disk_tier import StreamedTensor, block_elems, buffer_bytes, tier_bytes
@@ -208,14 +208,14 @@ def test_auto_puts_masters_on_disk_only_where_the_moments_do_not_make_ram_fit(tm
     moments_only = estimate_memory(split, dataclasses.replace(floor_rt, disk_master="off"), **kw).host_bytes
     everything = estimate_memory(split, floor_rt, **kw).host_bytes
     assert moments_only - everything > 10 * GiB          # ~2 B/param of every disk unit
-    host = int((moments_only + everything) / 2 / 0.9)    # between the two
+    host = int((moments_only + everything) / 2 / FIT_SAFETY)    # between the two
     got = choose_auto_settings(split, rt, gpu_free_bytes=gpu, host_available_bytes=host, **kw)
     assert got.disk_units == cap and got.disk_master not in ("off", "on", "auto")
     m = int(got.disk_master)
     est = estimate_memory(split, got, **kw)
-    assert est.host_bytes <= 0.9 * host and est.plan.master_params("disk") > 0
+    assert est.host_bytes <= FIT_SAFETY * host and est.plan.master_params("disk") > 0
     fewer = estimate_memory(split, dataclasses.replace(got, disk_master=str(m - 1)), **kw)
-    assert fewer.host_bytes > 0.9 * host
+    assert fewer.host_bytes > FIT_SAFETY * host
     monkeypatch.setattr(disk_tier.shutil, "disk_usage", lambda p: SimpleNamespace(free=2**40))   # a 1 TiB disk
     assert check_fit(split, got, gpu_free_bytes=gpu, host_available_bytes=host, **kw).disk_bytes > 12 * P_masters(got)
     # explicit disk units: masters only where those units' moments leave the host short

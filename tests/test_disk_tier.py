@@ -24,7 +24,7 @@ import torch
 
 from slidetune.checkpoint import checkpoint_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from slidetune.engine.config import RuntimeConfig
-from slidetune.engine.fit import GiB, InsufficientMemoryError, check_fit, choose_auto_settings, estimate_memory
+from slidetune.engine.fit import FIT_SAFETY, GiB, InsufficientMemoryError, check_fit, choose_auto_settings, estimate_memory
 from slidetune.engine.placement import PlacementPlan, shapes_from_counts, unit_shapes
 from slidetune.engine.slide import disk_tier
 from slidetune.engine.slide.disk_tier import (SCRATCH_NOTE, SCRATCH_PREFIX, DiskTier, DiskTierError,
@@ -363,9 +363,9 @@ def test_auto_places_on_disk_only_what_ram_and_gpu_cannot_hold(tmp_path):
     host = 123 * GiB
     got = choose_auto_settings(split, rt, gpu_free_bytes=78 * GiB, host_available_bytes=host, **kw)
     est = estimate_memory(split, got, **kw)
-    assert got.disk_units > 0 and est.host_bytes <= 0.9 * host and est.gpu_bytes <= 0.9 * 78 * GiB
+    assert got.disk_units > 0 and est.host_bytes <= FIT_SAFETY * host and est.gpu_bytes <= FIT_SAFETY * 78 * GiB
     fewer = estimate_memory(split, dataclasses.replace(got, disk_units=got.disk_units - 1), **kw)
-    assert fewer.host_bytes > 0.9 * host
+    assert fewer.host_bytes > FIT_SAFETY * host
     plan = PlacementPlan.build(unit_shapes(split), got, "deferred")
     # the disk units: the topmost units the GPU does not hold, contiguous
     top = max(u.index for u in plan.units if u.state != "gpu")
