@@ -557,8 +557,7 @@ def _slide_runtime(dev: str, args, variant: dict | None = None) -> dict:
     """A slide run's RuntimeConfig fields: compile_layers as train resolves it for a long run
     (_run_defaults), then --runtime's overrides, then an A/B variant's."""
     given = {**_runtime_overrides(args.runtime), **(variant or {})}
-    return _base_runtime("slide", dev, {**_run_defaults(dev, given), **given} if "compile_layers" not in given
-                         else given)
+    return _base_runtime("slide", dev, {**given, **_run_defaults(dev, given)})
 
 
 def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, args, profile: bool = False,
