@@ -103,6 +103,10 @@ RUNS = {
     "slide-eager-lean": ("slide", "eager", 1, None, False, {"lean_layer": "on"}),
     "slide-deferred-accum2-clip-lean-mlp-tiles": ("slide", "deferred", 2, 0.5, True,
                                                   {"lean_layer": "on", "mlp_tile_tokens": 20}),
+    # ... and in row tiles of one sequence (2 rows of 24 tokens a micro-batch), MLP tiles inside
+    "slide-deferred-accum2-clip-lean-row-tiles": ("slide", "deferred", 2, 0.5, True,
+                                                  {"lean_layer": "on", "mlp_tile_tokens": 20,
+                                                   "layer_row_tokens": 24}),
     "gpu-accum2-clip": ("gpu", "auto", 2, 0.5, False, {}),
     "ckpt-every2": ("ckpt", "auto", 1, None, False, {"recompute": "every:2"}),
 }

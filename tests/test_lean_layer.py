@@ -57,14 +57,19 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("tile", [1000, 7, 1])
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("masking", ["causal", "padded", "documents"])
-def test_recompute_backward_matches_the_hf_layer(family, tile, masking):
+@pytest.mark.parametrize("row_tokens", [None, 24, 48], ids=["rows-all", "rows-1", "rows-2-ragged"])
+def test_recompute_backward_matches_the_hf_layer(family, tile, masking, row_tokens):
+    """The lean layer's recompute + backward against HF's layer (FP32): MLP tiles of several sizes
+    (a ragged last one), row tiles of one sequence and of two (3 rows: a ragged last tile), causal,
+    padded and packed-document masks."""
     torch.manual_seed(0)
     split = _split(family, **FAMILIES[family])
-    B, S = 2, 24
+    B, S = 3, 24
     mask = positions = None
     if masking == "padded":
         mask = torch.ones(B, S, dtype=torch.long)
         mask[1, -5:] = 0
+        mask[2, -11:] = 0
     if masking == "documents":                      # packed rows: attention within each document
         use_packed_attention(split.model)
         starts = torch.zeros(B, S, dtype=torch.bool)
@@ -82,7 +87,9 @@ def test_recompute_backward_matches_the_hf_layer(family, tile, masking):
     ref_out = run_layer(split.layer_modules[1], params, xr, kwargs[1])
     ref = torch.autograd.grad(ref_out, [xr] + list(params.values()), dy)
 
-    lean = LeanLayers(split.layer_modules, tile_tokens=tile)
+    lean = LeanLayers(split.layer_modules, tile_tokens=tile, row_tokens=row_tokens)
+    if row_tokens is not None and masking != "documents":
+        assert len(lean._row_tiles(B, S, kwargs[1])) == -(-B // (row_tokens // S))
     out = lean.forward(1, {k: v.detach() for k, v in params.items()}, x, kwargs[1])
     assert _rel(out, ref_out.detach()) < 1e-6
     got = lean.recompute_backward(1, params, x, dy.clone(), kwargs[1])

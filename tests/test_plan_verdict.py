@@ -17,7 +17,7 @@ from slidetune.cli import main
 # would fuse the head and offload checkpoints, and fit), so that the options are what is tested
 GPU_24G = ["--model", "qwen3-8b", "--batch-size", "16", "--seq-len", "1024", "--device", "cuda",
            "--tuning.head_impl", "chunked", "--offload-activations", "off",
-           "--gpu-free-gib", "23", "--host-gib", "64", "--disk-free-gib", "200"]
+           "--gpu-free-gib", "21", "--host-gib", "64", "--disk-free-gib", "200"]
 
 
 def plan(*args: str) -> str:

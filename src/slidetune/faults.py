@@ -72,6 +72,12 @@ def maybe_poison(loss: torch.Tensor, step: int) -> torch.Tensor:
     return loss * float("nan") if due("nan", step) else loss
 
 
+def poison_scale(scale: float, step: int) -> float:
+    """The gradient scale, NaN when a NaN loss is asked for at `step`: the gradients a NaN loss
+    would give, for a head that computes its gradients without autograd."""
+    return float("nan") if due("nan", step) else scale
+
+
 def maybe_corrupt(directory: Path, step: int) -> None:
     """Flip one byte in the middle of the largest file under `directory`, on the disk, when asked
     for at `step` (1-based): what a disk that corrupts a write leaves."""

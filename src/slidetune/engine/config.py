@@ -348,6 +348,14 @@ class RuntimeConfig:
     mlp_tile_tokens: int = tuning_field(
         8192, help="tokens per MLP tile of the lean layer's recompute + backward",
         when="lower when one layer's working set does not fit; each tile more costs time (2 vs 1 at 16K: +8%, NOTES 37)")
+    # Row tiles bound what the attention half saves to a tile's tokens (Qwen3-8B b64 x 1024: the
+    # lean layer's 8.5 GiB working set at 64K tokens -> ~4.9 in tiles of 16 sequences, the 24 GiB
+    # GPU's room for 7 more checkpoints); each tile more adds an FP32 sum of the layer's
+    # gradients (0.7 GiB a Qwen3-8B layer).
+    layer_row_tokens: int = tuning_field(
+        16384, help="the lean layer's recompute + backward a few sequences at a time: at most this many tokens "
+                    "a row tile (at least one sequence)",
+        when="lower when one layer's working set does not fit at a large batch; 0 runs every row at once")
     # The lean layer's RMSNorm, SwiGLU product and rotary (models/lean_kernels.py): torch (the
     # lean RMSNorm, HF's product and rotary) or Liger's Triton kernels (liger-kernel, an optional
     # extra; CUDA), which save less for the backward. auto: torch until Liger's measure faster on
@@ -374,6 +382,8 @@ class RuntimeConfig:
             raise ValueError(f"head_impl must be auto, full, chunked or fused, not {self.head_impl!r}")
         if self.mlp_tile_tokens < 1:
             raise ValueError(f"mlp_tile_tokens must be >= 1, not {self.mlp_tile_tokens}")
+        if self.layer_row_tokens < 0:
+            raise ValueError(f"layer_row_tokens must be >= 0 (0: no row tiles), not {self.layer_row_tokens}")
         if self.lean_kernels not in ("auto", "torch", "liger"):
             raise ValueError(f"lean_kernels must be auto, torch or liger, not {self.lean_kernels!r}")
         if self.mode not in ("gpu", "ckpt", "slide"):

@@ -339,6 +339,24 @@ def lean_layer_bytes(split: SplitModel, batch_size: int, seq_len: int, dtype: to
             "peak_no_param_grads": max(a for a, _ in phases) + workspace}
 
 
+def lean_row_tiled_bytes(split: SplitModel, batch_size: int, seq_len: int, dtype: torch.dtype, tile_tokens: int,
+                         row_tokens: int, masked: bool = True) -> dict[str, int]:
+    """lean_layer_bytes over row tiles of R = max(1, row_tokens // seq_len) sequences
+    (models/lean_layer.LeanLayers._row_tiles; row_tokens 0: none): one tile's working set, plus
+    what spans every row: the output gradient and the input gradient being filled (2 b*N*d) and
+    the FP32 sums of the layer's weight gradients (4 B a parameter). One tile: untiled. (A
+    FlexAttention mask is not cut, so packed rows run untiled: the estimate is then low; the
+    packed path's masks are 1-D, materialized_masks 0.)"""
+    rows = max(1, row_tokens // max(seq_len, 1)) if row_tokens else batch_size
+    if rows >= batch_size:
+        return lean_layer_bytes(split, batch_size, seq_len, dtype, tile_tokens, masked=masked)
+    tile = lean_layer_bytes(split, rows, seq_len, dtype, tile_tokens, masked=masked)
+    b = torch.empty((), dtype=dtype).element_size()
+    spans = 2 * b * batch_size * seq_len * _shape(split).d + 4 * max((u.numel for u in split.layer_units), default=0)
+    return {"saved": tile["saved"], "peak": tile["peak"] + spans,
+            "peak_no_param_grads": tile["peak_no_param_grads"] + spans}
+
+
 def _working_set_margin(split: SplitModel, rt: RuntimeConfig) -> float:
     """The margin on one layer's working set: ACTIVATION_MARGIN on HF's layer (a count of saved
     tensors); none on the lean layer's, whose count is fitted to the H200's measured peaks and sits
@@ -353,45 +371,66 @@ def working_set_bytes(split: SplitModel, rt: RuntimeConfig, batch_size: int, seq
     runtime resolves it on (engine/slide/layer_runner.resolve_lean_layer), else HF's."""
     from .slide.layer_runner import resolve_lean_layer
     if resolve_lean_layer(split, rt) == "on":
-        return lean_layer_bytes(split, batch_size, seq_len, dtype, rt.mlp_tile_tokens, masked=masked)
+        return lean_row_tiled_bytes(split, batch_size, seq_len, dtype, rt.mlp_tile_tokens, rt.layer_row_tokens,
+                                    masked=masked)
     return layer_activation_bytes(split, batch_size, seq_len, dtype, masked=masked)
 
 
-def head_bytes(split: SplitModel, n_tokens: int, dtype: torch.dtype, impl: str, chunk_tokens: int) -> int:
-    """Peak of the output layer's loss + gradients, for n_tokens (all assumed not ignored).
+def head_bytes(split: SplitModel, n_tokens: int, dtype: torch.dtype, impl: str, chunk_tokens: int,
+               grads_in_place: bool = False) -> int:
+    """Peak of the output layer's loss + gradients, for n_tokens (all assumed not ignored), the final
+    norm included; the head's input (the last layer's output, N*d*b) counted.
 
-    full   : logits N*V*b (kept alive by the caller), their fp32 upcast (an alias in fp32) and
+    full   : HF's norm over all tokens, its FP32 upcast and saved output ((4 + 2b)*N*d); the
+             logits N*V*b (kept alive by the caller), their fp32 upcast (an alias in fp32) and
              the log_softmax output (4 each); backward: the log_softmax output, its gradient
              and the input gradient in fp32 (4 each): 12*N*V at the peak (measured on the CPU
              for bf16 and fp32: 12.1*N*V); plus the weight gradient V*d*b and the hidden
              gradient N*d*b.
-    chunked: one chunk c = min(chunk_tokens, N) of logits c*V*b, its fp32 upcast (4, an alias
-             in fp32) and logsumexp's fp32 temporary (4); an fp32 weight-gradient accumulator
-             4*V*d when there is more than one chunk (rounded into V*d*b after the loop); the
-             hidden gradient N*d*b. Backward scales the saved gradients into new tensors
-             (V*d*b + N*d*b more). Peak = max(loop, final rounding, backward).
-    fused  : our Triton kernel writes the gradient in place over a chunk's logits (c*V*b,
-             no fp32 copy); liger chunks by its own rule and upcasts its chunks. Counted as
-             c*V*(b + 4) per chunk with chunked's accumulators: against the H100 numbers in
-             ops/cross_entropy.py, 5.9 GiB estimated vs 6.2 measured at 16K tokens x 152K
-             vocab (the head margin covers it), 3.9 vs 2.5 at 8K x 128K.
-    Plus the final RMSNorm's saved tensors (4 + 2b)*N*d and the head's input N*d*b.
+    chunked: the norm inside the chunks (ops/cross_entropy.py): per chunk of c = min(chunk_tokens,
+             N) tokens the norm's graph (FP32 upcast and products, (24 + 4b)*c*d with its
+             backward), the logits c*V*b, their fp32 upcast (4, an alias in fp32) and
+             logsumexp's fp32 temporary (4), the chunk's hidden gradient c*d*b; an fp32
+             weight-gradient accumulator 4*V*d when there is more than one chunk (rounded into
+             V*d*b after the loop); the input gradient N*d*b. Through autograd, backward scales
+             the gradients into new tensors (V*d*b + N*d*b more); the engine's path
+             (grads_in_place: models/units.head_loss_and_grads) scales them in place.
+             Peak = max(loop, final rounding, scaling).
+    fused  : our Triton kernel writes the gradient in place over a chunk's logits: c*V*b, no
+             fp32 copy; liger-kernel's (where Triton alone does not import) upcasts its chunks
+             and norms outside them, counted as chunked's with c*V*(b + 4).
+    Against the CPU allocator (tests/test_fit.py) and the H100 figures in ops/cross_entropy.py.
     """
     sh = _shape(split)
     b = torch.empty((), dtype=dtype).element_size()
     V, d, N = sh.vocab, sh.d, n_tokens
-    norm = (4 + 3 * b) * N * d
+    x = N * d * b                                           # the head's input
     if impl == "full":
-        return norm + (8 + max(b, 4)) * N * V + V * d * b + N * d * b
+        norm = (4 + 2 * b) * N * d
+        return x + norm + (8 + max(b, 4)) * N * V + V * d * b + N * d * b
     c = max(1, min(chunk_tokens, N))
     chunks = -(-N // c)
-    per_chunk = c * V * (b + 4 if impl == "fused" else b + 4 + (0 if b >= 4 else 4))
+    liger = impl == "fused" and _fused_head_backend() == "liger"
+    if impl == "fused":
+        per_chunk = c * V * (b + 4 if liger else b)
+    else:
+        per_chunk = c * V * (b + 4 + (0 if b >= 4 else 4))
+    norm_chunk = (24 + 4 * b) * c * d + c * d * b           # the chunk's norm graph, its hidden gradient
+    if liger:                                               # the norm over all tokens, outside the kernel
+        norm_chunk = (4 + 2 * b) * N * d
     acc = 4 * V * d if chunks > 1 else b * V * d
-    g_h = N * d * b
-    loop = per_chunk + acc + g_h
-    final = acc + (b * V * d if chunks > 1 else 0) + g_h
-    backward = 2 * (b * V * d + g_h)
-    return norm + max(loop, final, backward)
+    g_x = N * d * b
+    loop = per_chunk + norm_chunk + acc + g_x
+    final = acc + (b * V * d if chunks > 1 else 0) + g_x
+    scaling = (1 if grads_in_place else 2) * (b * V * d + g_x)
+    return x + max(loop, final, scaling)
+
+
+def _fused_head_backend() -> str | None:
+    """The fused head's kernel on this machine; None on a machine without CUDA (planning for a
+    GPU from elsewhere: every CUDA build of torch on Linux ships Triton, ops/cross_entropy.auto_impl)."""
+    from ..ops.cross_entropy import _fused_backend
+    return _fused_backend()
 
 
 # ----------------------------------------------------------------------------- the estimate
@@ -437,7 +476,9 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
     # materializes (materialized_masks), rotary cos/sin [1,S,hd] fp32
     masks = materialized_masks(split, S, padded)
     layer_inputs = masks * B * S * S + 2 * S * sh.head_dim * 4 + 2 * N * 8   # + ids, labels
-    head = int(HEAD_MARGIN * head_bytes(split, N, dtype, rt.resolved_head_impl, rt.head_chunk_tokens))
+    # slide mode's head computes its gradients without autograd, scaled in place (engine/slide)
+    head = int(HEAD_MARGIN * head_bytes(split, N, dtype, rt.resolved_head_impl, rt.head_chunk_tokens,
+                                        grads_in_place=rt.mode == "slide"))
 
     if rt.mode == "slide":
         if grad_accum > 1:
@@ -451,7 +492,7 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         gb = 4 if rt.grad_slots_fp32() else b
         gpu["layer grad slots"] = rt.resolved_grad_slots(L, eager=schedule == "eager") * P_L * gb
         gpu["vocab weight slots"] = (P_E + P_H) * b
-        gpu["vocab grad slots"] = (P_E + P_H) * gb
+        gpu["vocab grad slots"] = sum(plan.vocab_grad_slot_numels()) * gb
         if rt.upload_cast_stream == "compute" and (rt.casts_on_gpu(dev == "cuda") or dev != "cuda"):
             gpu["fp32 landing buffers (cast on the compute stream)"] = (K * P_L + P_E + P_H) * 4
         ckpt_micro = N * d * b                 # one micro-batch's checkpoint of one layer

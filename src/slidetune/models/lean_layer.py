@@ -214,6 +214,34 @@ def _parts(params: dict[str, torch.Tensor]) -> _Parts:
     return _Parts(groups["input_layernorm"], groups["self_attn"], groups["post_attention_layernorm"], groups["mlp"])
 
 
+def _rows_cuttable(value, batch: int) -> bool:
+    """Whether every tensor among a layer's kwargs is per row ([B, ...] with B = batch, cut with
+    the rows), shared by the rows ([1, ...], or 1-D such as cache_position [S]) or not a tensor;
+    a FlexAttention block mask or anything else is not cut (the layer then runs all rows)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, torch.Tensor):
+        return value.dim() <= 1 or value.shape[0] in (1, batch)
+    if isinstance(value, (tuple, list)):
+        return all(_rows_cuttable(v, batch) for v in value)
+    if isinstance(value, dict):
+        return all(_rows_cuttable(v, batch) for v in value.values())
+    return False
+
+
+def _rows_of(value, r0: int, r1: int, batch: int):
+    """The layer's kwargs for rows [r0, r1) (_rows_cuttable says they can be cut)."""
+    if isinstance(value, torch.Tensor):
+        return value[r0:r1] if value.dim() >= 2 and value.shape[0] == batch and batch > 1 else value
+    if isinstance(value, tuple):
+        return tuple(_rows_of(v, r0, r1, batch) for v in value)
+    if isinstance(value, list):
+        return [_rows_of(v, r0, r1, batch) for v in value]
+    if isinstance(value, dict):
+        return {k: _rows_of(v, r0, r1, batch) for k, v in value.items()}
+    return value
+
+
 class LeanLayers:
     """The lean forward and recompute + backward of a model's decoder layers (module docstring).
 
@@ -223,15 +251,19 @@ class LeanLayers:
     arithmetic is refused here (`lean_support`). `ops`: what runs each op, for the record
     ("torch", "liger", or "hf: why" where a module keeps HF's code for it)."""
 
-    def __init__(self, layers: list[nn.Module], tile_tokens: int, kernels: LeanKernels = TORCH):
-        if tile_tokens < 1:
-            raise ValueError(f"tile_tokens must be >= 1, not {tile_tokens}")
+    def __init__(self, layers: list[nn.Module], tile_tokens: int, kernels: LeanKernels = TORCH,
+                 row_tokens: int | None = None):
+        """tile_tokens: the MLP's token tiles; row_tokens: the recompute + backward's row tiles
+        (sequences of at most this many tokens together; None: all rows at once)."""
+        if tile_tokens < 1 or (row_tokens is not None and row_tokens < 1):
+            raise ValueError(f"tile_tokens and row_tokens must be >= 1, not {tile_tokens}, {row_tokens}")
         for i, layer in enumerate(layers):
             why = lean_support(layer)
             if why is not None:
                 raise ValueError(f"decoder layer {i} cannot run lean: {why}")
         self.layers = layers
         self.tile_tokens = tile_tokens
+        self.row_tokens = row_tokens if row_tokens is not None else 2**62
         self.kernels = kernels
         self.ops = self._install_kernels()
 
@@ -303,8 +335,44 @@ class LeanLayers:
         Returns (d x, then one gradient per entry of `params`, in its order), as
         `torch.autograd.grad(layer(x), [x, *params.values()], grad_out)` would.
 
+        Over row tiles (`row_tokens`): the whole layer a few sequences at a time, each tile
+        recomputed and differentiated before the next, so what the attention half saves exists
+        for one tile's tokens; the tiles' weight gradients are summed in FP32 and rounded once
+        (one tile: exactly the untiled computation).
+
         `timer`: an EventTimer; the attention half's recompute and each tile's are "recompute"
         spans, the differentiations "backward" spans (several per layer; they add up)."""
+        rows = self._row_tiles(x.shape[0], x.shape[1], kwargs)
+        run = functools.partial(self._recompute_backward_rows, i, params, timer=timer, attention=attention, mlp=mlp,
+                                layer=layer)
+        if len(rows) == 1:
+            return tuple(g.to(leaf.dtype) for g, leaf in zip(run(x, grad_out, kwargs), [x, *params.values()]))
+        dx = torch.empty_like(x)                                            # [B, S, d]
+        sums: list[torch.Tensor] | None = None                              # FP32, one per parameter
+        for r0, r1 in rows:
+            g = run(x[r0:r1], grad_out[r0:r1], _rows_of(kwargs, r0, r1, x.shape[0]))
+            dx[r0:r1] = g[0]
+            if sums is None:
+                sums = [t.to(torch.float32, copy=True) for t in g[1:]]
+            else:
+                for acc, t in zip(sums, g[1:]):
+                    acc += t
+            del g
+        return (dx,) + tuple(t.to(leaf.dtype) for t, leaf in zip(sums, params.values()))
+
+    def _row_tiles(self, batch: int, seq: int, kwargs: dict) -> list[tuple[int, int]]:
+        """[r0, r1) row ranges of at most row_tokens tokens (at least one row each); one range
+        where the layer's kwargs cannot be cut by rows (a FlexAttention block mask)."""
+        rows = max(1, self.row_tokens // max(seq, 1))
+        if rows >= batch or not _rows_cuttable(kwargs, batch):
+            return [(0, batch)]
+        return [(r, min(r + rows, batch)) for r in range(0, batch, rows)]
+
+    def _recompute_backward_rows(self, i: int, params: dict[str, torch.Tensor], x: torch.Tensor,
+                                 grad_out: torch.Tensor, kwargs: dict, timer=None, attention=None, mlp=None,
+                                 layer: nn.Module | None = None) -> tuple[torch.Tensor, ...]:
+        """recompute_backward on these rows; the MLP's weight gradients come back as their
+        tiles' FP32 sums where there are several MLP tiles (the caller rounds once)."""
         layer, p = layer if layer is not None else self.layers[i], _parts(params)
         attention, mlp = attention or self.attention, mlp or self.mlp
         span = timer.span if timer is not None else (lambda *_: contextlib.nullcontext())
@@ -332,12 +400,11 @@ class LeanLayers:
                 for acc, t in zip(sums, g[1:]):
                     acc += t
             del out, g, ht
-        mlp_grads = [t.to(leaf.dtype) for t, leaf in zip(sums, mlp_leaves)]
         attn_leaves = list(p.norm1.values()) + list(p.attn.values())
         with span("backward", i):
             g = torch.autograd.grad(h, [xi] + attn_leaves, dh.view_as(h), materialize_grads=True)
         by_name = dict(zip([f"input_layernorm.{k}" for k in p.norm1] + [f"self_attn.{k}" for k in p.attn]
                            + [f"post_attention_layernorm.{k}" for k in p.norm2] + [f"mlp.{k}" for k in p.mlp],
-                           list(g[1:]) + mlp_grads))
+                           list(g[1:]) + sums))
         return (g[0],) + tuple(by_name[k] for k in params)
 

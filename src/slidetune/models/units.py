@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ..ops.cross_entropy import linear_cross_entropy
+from ..ops.cross_entropy import RowNorm, linear_cross_entropy, linear_cross_entropy_grads
 from .transforms import ModelTransforms, model_transforms
 
 
@@ -281,12 +281,36 @@ class SplitModel:
                   chunk_tokens: int = 4096) -> torch.Tensor:
         """Sum of token losses. `lm_weight` is the tied embedding when the head has no weight of its own."""
         norm_params = {k[len("norm."):]: v for k, v in params.items() if k.startswith("norm.")}
-        h = functional_call(self.norm_module, norm_params, (hidden,))           # [B, S, d]
+        # the final norm runs inside the head's chunks (ops/cross_entropy.py: nothing N-sized kept
+        # but the input gradient); each row is normed on its own, so the values are the module's
+        norm = RowNorm(self._final_norm, norm_params)
         weight = lm_weight if self.tied else params["lm_head.weight"]            # [V, d]
         bias = None if self.tied else params.get("lm_head.bias")
-        return linear_cross_entropy(h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1),
+        return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
                                     impl=impl, chunk_tokens=chunk_tokens, bias=bias,
-                                    transform=self.transforms.logits)
+                                    transform=self.transforms.logits, norm=norm)
+
+    def head_loss_and_grads(self, params: dict[str, torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor,
+                            scale: float, lm_weight: torch.Tensor | None = None, impl: str = "chunked",
+                            chunk_tokens: int = 4096) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(the summed loss, d(scale * loss)/d hidden [B, S, d], {parameter name: its gradient}) without
+        an autograd graph (ops.cross_entropy.linear_cross_entropy_grads: the chunked heads scale their
+        gradients in place). A tied head's weight gradient is under "lm_head.weight"."""
+        norm_params = {k[len("norm."):]: v for k, v in params.items() if k.startswith("norm.")}
+        weight = lm_weight if self.tied else params["lm_head.weight"]            # [V, d]
+        bias = None if self.tied else params.get("lm_head.bias")
+        loss, g_h, g_w, g_b, g_n = linear_cross_entropy_grads(
+            hidden, weight, labels, scale, impl=impl, chunk_tokens=chunk_tokens, bias=bias,
+            transform=self.transforms.logits, norm=RowNorm(self._final_norm, norm_params))
+        grads = {f"norm.{k}": g for k, g in g_n.items()}
+        grads["lm_head.weight"] = g_w
+        if g_b is not None:
+            grads["lm_head.bias"] = g_b
+        return loss, g_h, grads
+
+    def _final_norm(self, x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The model's final norm on the given parameters: [..., d] -> [..., d]."""
+        return functional_call(self.norm_module, params, (x,))
 
 
 def run_layer(module: nn.Module, params: dict[str, torch.Tensor], hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:

@@ -34,6 +34,14 @@ dtype of b bytes (2 for bf16), c = chunk_tokens:
 
 Selecting the valid rows needs their count on the host: one device sync per call.
 
+The final norm inside the chunks (``norm=RowNorm(...)``, chunked and fused): the head's
+input is the last layer's raw output; each chunk is normed as it is multiplied, and the
+norm's backward runs on the chunk's hidden gradient at once. Nothing N-sized is kept but
+the input gradient (N*d*b): HF's norm over all N tokens keeps its FP32 upcast, the normed
+output and their gradients (about (4 + 3b)*N*d: 2.5 GiB at 64K tokens x 4096). A row-wise
+norm gives each token the same values chunk by chunk; its weight gradient is summed over
+the chunks in FP32 (one chunk: exactly autograd's).
+
 Logit transforms (``LogitTransform``), applied to the fp32 logits exactly where the
 model family's own forward applies them: z = scale * logits (Granite divides by
 ``logits_scaling``, Cohere multiplies by ``logit_scale``), then, with a softcap c,
@@ -52,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +97,16 @@ class LogitTransform:
 IDENTITY = LogitTransform()
 
 
+@dataclass(frozen=True)
+class RowNorm:
+    """A norm over the last dim applied to the head's input inside the chunks: fn(x, params) -> the
+    normed x, the same shape and dtype, each row on its own (RMSNorm, LayerNorm: the family's own
+    module through functional_call). params: its parameters by name."""
+
+    fn: Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
+    params: dict[str, torch.Tensor]
+
+
 def available_impls() -> list[str]:
     """The impls that can run on this machine ("fused" only with CUDA + Triton or liger)."""
     impls = ["full", "chunked"]
@@ -104,12 +123,13 @@ def linear_cross_entropy(
     chunk_tokens: int = 4096,  # 4096 x 128K vocab x (2 + 4) bytes = 3 GB per chunk in bf16
     bias: torch.Tensor | None = None,  # [V]
     transform: LogitTransform = IDENTITY,  # the family's logit scaling / softcapping
+    norm: RowNorm | None = None,  # the final norm, applied to hidden first (inside the chunks)
 ) -> torch.Tensor:
-    """SUM over non-ignored tokens of the cross-entropy of ``transform(hidden @ weight.T + bias)``.
+    """SUM over non-ignored tokens of the cross-entropy of ``transform(norm(hidden) @ weight.T + bias)``.
 
     Returns a 0-dim float32 tensor (float64 for float64 inputs). Gradients flow to
-    hidden, weight and bias, whichever require grad. Leading dims of hidden/labels
-    beyond [N, d] / [N] are flattened.
+    hidden, weight, bias and the norm's parameters, whichever require grad. Leading dims
+    of hidden/labels beyond [N, d] / [N] are flattened.
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; choose one of {IMPLS}")
@@ -126,10 +146,10 @@ def linear_cross_entropy(
     labels = labels.long()
 
     if impl == "full":
-        return _full(hidden, weight, labels, bias, transform)
+        return _full(_normed(hidden, norm), weight, labels, bias, transform)
     if impl == "chunked" or (not transform.is_identity and hidden.is_cuda):
         # the fused kernels know no transform; the torch kernel applies it exactly
-        return _chunked(hidden, weight, labels, bias, chunk_tokens, kernel="torch", transform=transform)
+        return _chunked(hidden, weight, labels, bias, chunk_tokens, kernel="torch", transform=transform, norm=norm)
 
     backend = _fused_backend() if hidden.is_cuda else None
     if backend is None:
@@ -139,10 +159,60 @@ def linear_cross_entropy(
             f"{where}. Available impls: {available_impls()}"
         )
     if backend == "liger":
-        return _liger(hidden, weight, labels, bias)
+        return _liger(_normed(hidden, norm), weight, labels, bias)
     if hidden.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"impl='fused' supports bf16/fp16/fp32, got {hidden.dtype}; use 'chunked'")
-    return _chunked(hidden, weight, labels, bias, chunk_tokens, kernel="triton")
+    return _chunked(hidden, weight, labels, bias, chunk_tokens, kernel="triton", norm=norm)
+
+
+def linear_cross_entropy_grads(
+    hidden: torch.Tensor,  # [N, d] compute dtype
+    weight: torch.Tensor,  # [V, d]
+    labels: torch.Tensor,  # [N] int64; -100 = ignored
+    scale: float,  # d total / d loss (the engine's 1 / the step's tokens)
+    impl: str = "chunked",
+    chunk_tokens: int = 4096,
+    bias: torch.Tensor | None = None,
+    transform: LogitTransform = IDENTITY,
+    norm: RowNorm | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+    """(loss, d/d hidden, d/d weight, d/d bias or None, {norm parameter: d/d it}) of scale * the
+    loss of linear_cross_entropy, without an autograd graph: the chunked paths compute every
+    gradient in their loop and scale it in place. (Through autograd, backward makes a scaled copy
+    of each: the head's weight gradient V*d*b and the hidden one N*d*b more at the head's peak,
+    1.7 GiB for 152K x 4096 at 64K tokens.) Every gradient is computed; the loss is unscaled."""
+    if impl == "full" or (impl == "fused" and hidden.is_cuda and transform.is_identity
+                          and _fused_backend() == "liger"):
+        leaves = [t.detach().requires_grad_(True) for t in (hidden, weight)]
+        b_leaf = bias.detach().requires_grad_(True) if bias is not None else None
+        n_leaves = RowNorm(norm.fn, {k: p.detach().requires_grad_(True) for k, p in norm.params.items()}) \
+            if norm is not None else None
+        wrt = leaves + ([b_leaf] if b_leaf is not None else []) + (list(n_leaves.params.values()) if norm else [])
+        with torch.enable_grad():
+            loss = linear_cross_entropy(leaves[0], leaves[1], labels, impl, chunk_tokens, b_leaf, transform, n_leaves)
+            grads = list(torch.autograd.grad(loss * scale, wrt))
+        g_h, g_w = grads[0].view_as(hidden), grads[1]
+        g_b = grads[2] if b_leaf is not None else None
+        g_n = dict(zip(norm.params, grads[2 + (b_leaf is not None):])) if norm is not None else {}
+        return loss.detach(), g_h, g_w, g_b, g_n
+    flat_h, flat_y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).long()
+    kernel = "torch" if impl == "chunked" or not transform.is_identity or not hidden.is_cuda else "triton"
+    if kernel == "triton" and _fused_backend() is None:
+        raise RuntimeError(f"impl='fused' needs CUDA tensors and Triton; available impls: {available_impls()}")
+    names = list(norm.params) if norm is not None else []
+    with torch.no_grad():             # as in a Function's forward: only the norm's chunks build graphs
+        loss, g_h, g_w, g_b, *g_n = _chunked_loss_and_grads(flat_h, weight, bias, flat_y, chunk_tokens, kernel,
+                                                           (True, True, True) + (True,) * len(names), transform,
+                                                           norm)
+        for g in (g_h, g_w, g_b, *g_n):     # in place: these tensors are ours alone
+            if g is not None:
+                _scale(g, scale, out=g)
+    return loss, g_h.view_as(hidden), g_w, g_b, dict(zip(names, g_n))
+
+
+def _normed(hidden: torch.Tensor, norm: RowNorm | None) -> torch.Tensor:
+    """The norm over all tokens at once (autograd's graph), for the impls that do not chunk it."""
+    return hidden if norm is None else norm.fn(hidden, norm.params)
 
 
 # ---------------------------------------------------------------------------- full
@@ -163,48 +233,59 @@ def _full(hidden, weight, labels, bias, transform=IDENTITY):
 # ---------------------------------------------------------------------------- chunked
 
 
-def _chunked(hidden, weight, labels, bias, chunk_tokens, kernel, transform=IDENTITY):
+def _chunked(hidden, weight, labels, bias, chunk_tokens, kernel, transform=IDENTITY, norm: RowNorm | None = None):
+    names = list(norm.params) if norm is not None else []
     if not torch.is_grad_enabled():  # a Function's forward can't see grad mode: decide here
-        return _chunked_loss_and_grads(
-            hidden, weight, bias, labels, chunk_tokens, kernel, need=(False, False, False), transform=transform
-        )[0]
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, labels, chunk_tokens, kernel, transform)
+        need = (False,) * (3 + len(names))
+        return _chunked_loss_and_grads(hidden, weight, bias, labels, chunk_tokens, kernel, need, transform, norm)[0]
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, labels, chunk_tokens, kernel, transform,
+                                            norm.fn if norm is not None else None, names,
+                                            *(norm.params[n] for n in names))
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Loss and all gradients in forward, chunk by chunk; backward only scales them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk_tokens, kernel, transform):
-        need = tuple(ctx.needs_input_grad[:3])
-        loss, g_hidden, g_weight, g_bias = _chunked_loss_and_grads(
-            hidden, weight, bias, labels, chunk_tokens, kernel, need, transform
-        )
-        ctx.save_for_backward(g_hidden, g_weight, g_bias)
+    def forward(ctx, hidden, weight, bias, labels, chunk_tokens, kernel, transform, norm_fn, norm_names, *norm_params):
+        need = tuple(ctx.needs_input_grad[:3]) + tuple(ctx.needs_input_grad[9:])
+        norm = RowNorm(norm_fn, dict(zip(norm_names, norm_params))) if norm_fn is not None else None
+        loss, *grads = _chunked_loss_and_grads(hidden, weight, bias, labels, chunk_tokens, kernel, need, transform,
+                                               norm)
+        ctx.save_for_backward(*grads)
         return loss
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):  # grad_loss: 0-dim, the loss dtype
-        scaled = [None if g is None else _scale(g, grad_loss) for g in ctx.saved_tensors]
-        return (*scaled, None, None, None, None)
+        # new tensors: backward may run again on a retained graph (gradcheck does)
+        g_hidden, g_weight, g_bias, *g_norm = (None if g is None else _scale(g, grad_loss, out=torch.empty_like(g))
+                                               for g in ctx.saved_tensors)
+        return (g_hidden, g_weight, g_bias, None, None, None, None, None, None, *g_norm)
 
 
-def _scale(g: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """g * s taken in the wider dtype and rounded once into g's dtype.
+def _scale(g: torch.Tensor, s: torch.Tensor | float, out: torch.Tensor) -> torch.Tensor:
+    """out = g * s, taken in the wider dtype and rounded once into out's dtype (out may be g).
 
     ``g_bf16 * s_fp32`` with a 0-dim s computes in bf16 on CUDA (s, often 1/tokens, is
     rounded to bf16 first: a bias of up to 0.4% on every gradient). A [1]-shaped s
     takes part in type promotion, so the multiply runs in fp32 on the fly.
     """
-    return torch.mul(g, s.reshape(1), out=torch.empty_like(g))
+    if not isinstance(s, torch.Tensor):
+        s = torch.tensor(s, dtype=_loss_dtype(g.dtype), device=g.device)
+    return torch.mul(g, s.reshape(1), out=out)
 
 
-def _chunked_loss_and_grads(hidden, weight, bias, labels, chunk_tokens, kernel, need, transform=IDENTITY):
-    """(loss, grad_hidden | None, grad_weight | None, grad_bias | None) for loss scale 1."""
-    need_h, need_w, need_b = need
+def _chunked_loss_and_grads(hidden, weight, bias, labels, chunk_tokens, kernel, need, transform=IDENTITY,
+                            norm: RowNorm | None = None):
+    """(loss, grad_hidden | None, grad_weight | None, grad_bias | None, *grad of each norm parameter
+    | None) for loss scale 1. need: whether each of hidden, weight, bias and the norm's parameters
+    (in norm.params' order) needs its gradient."""
+    need_h, need_w, need_b = need[:3]
     need_b = need_b and bias is not None
-    any_grad = need_h or need_w or need_b
+    norm_names = list(norm.params) if norm is not None else []
+    need_n = list(need[3:3 + len(norm_names)]) if norm is not None else []
+    any_grad = need_h or need_w or need_b or any(need_n)
     n, dtype, acc = hidden.shape[0], hidden.dtype, _loss_dtype(hidden.dtype)
     if kernel == "torch":
         chunk_ce = functools.partial(_ce_chunk_torch, transform=transform)
@@ -228,35 +309,68 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, chunk_tokens, kernel, 
         g_weight = torch.zeros(weight.shape, dtype=dtype if n_chunks <= 1 else acc, device=weight.device)
     if need_b:
         g_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device)
+    # the norm's parameter gradients: autograd's on each chunk, summed in FP32
+    norm_leaves = {name: p.detach().requires_grad_(need) for (name, p), need in
+                   zip(norm.params.items(), need_n)} if norm is not None else {}
+    norm_wrt = [norm_leaves[name] for name, need in zip(norm_names, need_n) if need]
+    g_norm = [torch.zeros(p.shape, dtype=acc, device=p.device) for p in norm_wrt]
+    need_x = norm is not None and need_h       # the chunk's input gradient, through the norm
+    norm_grad = need_x or bool(norm_wrt)       # the norm's backward runs on each chunk
 
     for start in range(0, n_valid, chunk_tokens):
         stop = min(start + chunk_tokens, n_valid)
         if all_valid:
-            h_c, y_c = hidden[start:stop], labels[start:stop]  # [c, d], [c]
+            x_c, y_c = hidden[start:stop], labels[start:stop]  # [c, d], [c]
         else:
             idx_c = valid_idx[start:stop]
-            h_c, y_c = hidden.index_select(0, idx_c), labels.index_select(0, idx_c)
+            x_c, y_c = hidden.index_select(0, idx_c), labels.index_select(0, idx_c)
+        normed = None                   # the norm's output with its graph, when its backward runs
+        if norm is None:
+            h_c = x_c
+        elif norm_grad:
+            with torch.enable_grad():
+                x_leaf = x_c.detach().requires_grad_(need_x)
+                normed = norm.fn(x_leaf, norm_leaves)                  # [c, d]
+            h_c = normed.detach()
+        else:
+            h_c = norm.fn(x_c, norm.params)
         logits = F.linear(h_c, weight, bias)  # [c, V] compute dtype
         loss_c, g_logits = chunk_ce(logits, y_c, any_grad)  # g_logits reuses logits' memory
         del logits  # never two chunks of logits alive
         loss += loss_c
-        if any_grad:
-            if need_h:
-                if all_valid:
-                    torch.mm(g_logits, weight, out=g_hidden[start:stop])
-                else:
-                    g_hidden.index_copy_(0, idx_c, g_logits @ weight)  # [c, d]
-            if need_w:
-                _addmm_(g_weight, g_logits.t(), h_c)  # [V, d] += [V, c] @ [c, d]
-            if need_b:
-                g_bias += g_logits.sum(0, dtype=acc)
-            del g_logits
+        if not any_grad:
+            continue
+        g_h_c = None                    # d loss / d h_c, [c, d]
+        if need_h and normed is None and all_valid:
+            torch.mm(g_logits, weight, out=g_hidden[start:stop])
+        elif need_h or normed is not None:
+            g_h_c = g_logits @ weight
+        if need_w:
+            _addmm_(g_weight, g_logits.t(), h_c)  # [V, d] += [V, c] @ [c, d]
+        if need_b:
+            g_bias += g_logits.sum(0, dtype=acc)
+        del g_logits
+        if normed is not None:
+            # the norm's backward on this chunk: d loss / d x_c and the norm's parameter gradients
+            got = torch.autograd.grad(normed, ([x_leaf] if need_x else []) + norm_wrt, g_h_c)
+            g_h_c = got[0] if need_x else None
+            for g_sum, g_p in zip(g_norm, got[1:] if need_x else got):
+                g_sum.add_(g_p)
+            del got, normed, x_leaf
+        if g_h_c is not None and need_h:
+            if all_valid:
+                g_hidden[start:stop] = g_h_c
+            else:
+                g_hidden.index_copy_(0, idx_c, g_h_c)
+        del g_h_c
 
+    grads_n = iter(g.to(p.dtype) for g, p in zip(g_norm, norm_wrt))
+    g_norm_all = [next(grads_n) if need else None for need in need_n]
     if g_weight is not None:
         g_weight = g_weight.to(weight.dtype)
     if g_bias is not None:
         g_bias = g_bias.to(bias.dtype)
-    return loss, g_hidden, g_weight, g_bias
+    return (loss, g_hidden, g_weight, g_bias, *g_norm_all)
 
 
 def _ce_chunk_torch(logits: torch.Tensor, labels: torch.Tensor, compute_grad: bool,

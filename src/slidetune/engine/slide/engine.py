@@ -90,7 +90,7 @@ from .host_store import HostStore, HostUnit
 from .layer_runner import LayerRunner
 from .transfer import GradDrain, Uploader, clip_coefficient
 from ...faults import ENV as FAULT_ENV
-from ...faults import maybe_fail, maybe_oom, maybe_poison
+from ...faults import maybe_fail, maybe_oom, maybe_poison, poison_scale
 from .watchdog import Watchdog
 from .workers import DeadlineWorker, Worker, WorkerError, done_future, wait_or_abort
 
@@ -266,8 +266,15 @@ class SlideEngine:
         done = done_future(None)
         n_grad_slots = rt.resolved_grad_slots(L, eager=self.schedule == "eager")
         self.grad_slots = [_Slot(empty(layer_numel, grad_dtype), free=done) for _ in range(n_grad_slots)]
-        self.vocab_grad_slots = {0: _Slot(empty(self.units[0].spec.numel, grad_dtype), free=done),
-                                 L + 1: _Slot(empty(self.units[-1].spec.numel, grad_dtype), free=done)}
+        if self.plan.shared_vocab_grad_slot:
+            # the embedding's gradient reuses the head's slot once its copy to the host is done
+            # (_claim_grad_slot waits for it: long done by the end of the backward)
+            (numel,) = self.plan.vocab_grad_slot_numels()
+            shared = _Slot(empty(numel, grad_dtype), free=done)
+            self.vocab_grad_slots = {0: shared, L + 1: shared}
+        else:
+            self.vocab_grad_slots = {0: _Slot(empty(self.units[0].spec.numel, grad_dtype), free=done),
+                                     L + 1: _Slot(empty(self.units[-1].spec.numel, grad_dtype), free=done)}
         # deferred: each device layer's gradient waits for the clip coefficient in a buffer of its
         # own (the vocabulary units' gradient slots are theirs already)
         self.device_grad_slots = ({i: _Slot(empty(self.units[i].spec.numel, grad_dtype), free=done)
@@ -970,27 +977,26 @@ class SlideEngine:
         # ---- head: loss and its gradients, a micro-batch at a time (the head never holds more
         # than a chunk of logits), their parameter gradients summed as the layers' are
         self._acquire(head_slot)
-        head_params = self._leaves(self._views(split.head_unit, head_slot.flat))
-        tied_w = None
-        if split.tied:
-            tied_w = self._leaves(self._views(split.embed_unit, embed_slot.flat))["weight"]
-        wrt = list(head_params.values()) + ([tied_w] if tied_w is not None else [])
+        head_params = self._views(split.head_unit, head_slot.flat)
+        tied_w = self._views(split.embed_unit, embed_slot.flat)["weight"] if split.tied else None
         gs: list[torch.Tensor] = []       # the gradient reaching each micro-batch's last layer output, [B, S, d]
         acc = None
         loss_sum = None
         maybe_oom(self.step_index + 1)        # tests only (faults.py): an OOM mid-step, past the forward
         for m in range(k):
-            with torch.enable_grad(), self.timer.span("head", -1):
-                xh = xs[m].detach().requires_grad_(True)            # [B, S, d]
-                loss = split.head_loss(head_params, xh, labels[m], lm_weight=tied_w, impl=self.rt.resolved_head_impl,
-                                       chunk_tokens=self.rt.head_chunk_tokens)
+            with self.timer.span("head", -1):
+                # loss and gradients in one pass, no autograd graph (the chunked heads scale their
+                # gradients in place: models/units.head_loss_and_grads)
+                loss, g_x, g = split.head_loss_and_grads(
+                    head_params, xs[m], labels[m], poison_scale(scale, self.step_index + 1),  # NaN: tests only
+                    lm_weight=tied_w, impl=self.rt.resolved_head_impl, chunk_tokens=self.rt.head_chunk_tokens)
                 loss = maybe_poison(loss, self.step_index + 1)       # tests only (faults.py)
-                grads = torch.autograd.grad(loss * scale, [xh] + wrt, materialize_grads=True)
-            gs.append(grads[0])
-            acc = accumulate(acc, grads[1:], k)
-            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+            gs.append(g_x)
+            grads = [g[name] for name in head_params] + ([g["lm_head.weight"]] if tied_w is not None else [])
+            acc = accumulate(acc, grads, k)
+            loss_sum = loss if loss_sum is None else loss_sum + loss
             xs[m] = None
-            del xh, loss, grads
+            del loss, g_x, g, grads
         self._release(head_slot)
         self.memory.mark("head")
         host_loss = self.device.host_empty(1, torch.float32)
@@ -1137,7 +1143,8 @@ class SlideEngine:
             self.dp.host_barrier()      # every owner has written its units
 
     def memory_report(self) -> dict[str, int]:
-        slots = (self.layer_slots + self.grad_slots + list(self.own_slots.values()) + list(self.vocab_grad_slots.values())
+        slots = (self.layer_slots + self.grad_slots + list(self.own_slots.values())
+                 + list({id(s): s for s in self.vocab_grad_slots.values()}.values())     # one, where shared
                  + list(self.device_grad_slots.values()))
         gpu_buffers = sum(t.numel() * t.element_size() for s in slots for t in (s.flat, s.landing) if t is not None)
         pinned = (sum(b.numel() * b.element_size() for b in self.uploader.ring + self.drainer.ring)

@@ -38,7 +38,8 @@ class LayerRunner:
         self.lean = None
         if resolve_lean_layer(split, rt) == "on":
             kernels = resolve_lean_kernels(rt.lean_kernels, device)
-            self.lean = LeanLayers(split.layer_modules, rt.mlp_tile_tokens, kernels)
+            self.lean = LeanLayers(split.layer_modules, rt.mlp_tile_tokens, kernels,
+                                   row_tokens=rt.layer_row_tokens or None)
         self.compiled = rt.compiles_layers()
         L = split.num_layers
         # one compiled graph per kind of layer, keyed on a template module (dynamo guards on the
