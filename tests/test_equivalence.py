@@ -1,6 +1,6 @@
 """slide, gpu and ckpt modes follow the plain PyTorch reference (FP32 compute, CPU).
 
-The contract (DESIGN.md section 2): losses and every parameter within relative 1e-5 of
+The contract (docs/contract.md): losses and every parameter within relative 1e-5 of
 `reference.ReferenceTrainer` after several optimizer steps, per model family, tied and
 untied, both update schedules, accumulation 1 and 4, clipping, activation offload.
 The learning rate is a realistic 1e-3: at 1e-2 tiny random models diverge and Adam

@@ -26,7 +26,7 @@ CFG = AdamWConfig(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
 def _close(got: FlatAdamW, want: FlatAdamW) -> None:
     for a, b in [(got.master, want.master), (got.exp_avg, want.exp_avg), (got.exp_avg_sq, want.exp_avg_sq)]:
-        # rounding level (DESIGN.md's 1e-5), scaled to the tensor: a moment near zero differs in its last bits
+        # rounding level (docs/contract.md's 1e-5), scaled to the tensor: a moment near zero differs in its last bits
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
 
 
