@@ -148,7 +148,7 @@ class _as_module:
 def test_the_kernel_lets_go_of_the_gil():
     """The compute thread must keep running Python (launching kernels) while the host worker's
     AdamW runs: an inductor-compiled kernel held the GIL, and the GPU's backward took twice as
-    long beside it (NOTES.md 17). A Python loop counts while one long kernel call is in flight
+    long beside it (NOTES.md "Host AdamW"). A Python loop counts while one long kernel call is in flight
     on another thread. With the GIL held it gets one switch interval at most (~1-2% of the
     call here, at the engine's 0.5 ms switch interval); released, about its rate alone (2 cores: the loop and the kernel's thread)."""
     n = 1 << 24
