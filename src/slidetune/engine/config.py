@@ -347,7 +347,7 @@ class RuntimeConfig:
         when="off to compare with HF's own layer; on refuses a family whose layer is not Llama's")
     mlp_tile_tokens: int = tuning_field(
         8192, help="tokens per MLP tile of the lean layer's recompute + backward",
-        when="lower when one layer's working set does not fit; each tile more costs time (2 vs 1 at 16K: +8%, NOTES.md "Lean layer")")
+        when="lower when one layer's working set does not fit; each tile more costs time (2 vs 1 at 16K: +8%, NOTES.md \"Lean layer\")")
     # The lean layer's RMSNorm, SwiGLU product and rotary (models/lean_kernels.py): torch (the
     # lean RMSNorm, HF's product and rotary) or Liger's Triton kernels (liger-kernel, an optional
     # extra; CUDA), which save less for the backward. auto: torch until Liger's measure faster on
