@@ -166,7 +166,7 @@ def test_measure_refuses_what_does_not_fit_before_building(monkeypatch):
 
 def test_a_disk_tier_run_warms_up_past_its_first_sweep_and_reports_its_disk_rate(tmp_path):
     # The tier's files start as unwritten extents: the first sweep reads zeros the disk never
-    # serves, so one warm-up step measured a fast step then a slow one (session 17's 14B: 22 s,
+    # serves, so one warm-up step measured a fast step then a slow one (the 2026-11-25 14B: 22 s,
     # 65 s). The bench keeps at least two warm-up steps there, and says so.
     from slidetune.bench.scenarios.throughput import _row
     spec = MeasureSpec(model="tiny-llama", seq_len=16, batch_size=2, steps=1, warmup=1, per_layer=False,

@@ -128,7 +128,7 @@ def test_host_rss_counts_the_shared_state_once():
     # the libraries' file pages (0.5 GiB a rank) are one page-cache copy: counted once
     with_files = [dict(r, rss_file=gib // 2) for r in ranks]
     assert host_peak_rss(with_files, shared_bytes=5 * gib) == (2 + 1 - 0.5 + 5) * gib
-    # a run that recorded them only in its host-memory snapshots (session 19) is read the same way
+    # a run that recorded them only in its host-memory snapshots (2026-11-26) is read the same way
     snapped = [dict(r, host_memory={"stepped": {"rss_file": gib // 2}}) for r in ranks]
     assert host_peak_rss(snapped, shared_bytes=5 * gib) == (2 + 1 - 0.5 + 5) * gib
 

@@ -82,7 +82,7 @@ def test_ring_serves_any_order_and_keeps_every_write(tmp_path):
 
 @pytest.mark.parametrize("seed", [2, 3, 4])
 def test_an_io_bound_sweep_reads_each_block_once(tmp_path, monkeypatch, seed):
-    """The engine's pattern on a slow disk (session 17's Qwen3-14B): step k's prefetch comes
+    """The engine's pattern on a slow disk (the 2026-11-25 Qwen3-14B): step k's prefetch comes
     before step k-1's sweep has run, the sweep runs in another thread and may start before the
     next prefetch, and AdamW outruns the reads. Every block is read at most once a sweep and every
     update sees the last one's values. (The demand path used to take back a prefetched block and
@@ -390,7 +390,7 @@ def test_floor_has_a_disk_term():
                           disk=disk)
     backward = 4 * 0.15 + 0.05 + 0.01
     # the disk's I/O is its own term, clipped too (the step needs the disk that long, whatever
-    # overlaps it): not added after the backward (two GPU runs stepped below that sum, NOTES.md 28)
+    # overlaps it): not added after the backward (two GPU runs stepped below that sum, NOTES.md "Disk tier")
     assert clipped["disk_s"] == pytest.approx(eager["disk_s"])
     ram, on_disk = 3 * 100 * 2**20 + 25 * 2**20, P      # the embedding and layers 0-2; the head and layer 3
     assert clipped["clip_sweep_s"] == pytest.approx(backward + ram / 1e9 + on_disk / 1e9 + 0.05)

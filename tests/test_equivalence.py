@@ -1,6 +1,6 @@
 """slide, gpu and ckpt modes follow the plain PyTorch reference (FP32 compute, CPU).
 
-The contract (DESIGN.md section 2): losses and every parameter within relative 1e-5 of
+The contract (docs/contract.md): losses and every parameter within relative 1e-5 of
 `reference.ReferenceTrainer` after several optimizer steps, per model family, tied and
 untied, both update schedules, accumulation 1 and 4, clipping, activation offload.
 The learning rate is a realistic 1e-3: at 1e-2 tiny random models diverge and Adam
@@ -261,7 +261,7 @@ def test_eager_refuses_clipping_and_auto_defers_only_for_it():
 def test_two_held_buffers_let_the_backward_go_down_while_the_moments_pass_runs(monkeypatch, buffers):
     """held_buffers=2: a step's gradients go down into the buffers the last step's moments pass is
     not reading, so no hold waits for it; with one buffer each hold waits for that unit's moments
-    (the wait the H100's clipped step spent 0.43 s in, NOTES.md 21); with the second buffer for the
+    (the wait the H100's clipped step spent 0.43 s in, NOTES.md "Clipping schedule"); with the second buffer for the
     lowest two units only (held_second_units=2), only those go down early. The moments pass is
     slowed here (0.4 s a unit) so the order shows; which order, not how long, is what is checked."""
     from slidetune.engine.slide import transfer

@@ -58,7 +58,7 @@ GPU_RUNS = {
         "slide", "deferred", 2, 0.5, False, {"disk_units": 2, "device_layers": 1, "vocab_update": "device", **DISK}),
     # the masters of disk units on disk too: their compute-dtype weights in page-locked RAM, one
     # async H2D each upload (no cast), rewritten as each block's update lands (untested on a GPU
-    # before session 14)
+    # before 2026-11-25)
     "slide-eager-disk-master": ("slide", "eager", 1, None, False, {"disk_units": 2, "disk_master": "on", **DISK}),
     "slide-deferred-accum2-clip-disk-master-vocab": (
         "slide", "deferred", 2, 0.5, False, {"disk_units": 2, "disk_master": "on", "vocab_update": "device",

@@ -741,7 +741,7 @@ def test_plan_resolves_the_auto_settings_for_a_given_gpu_and_host(capsys):
     # the checkpoints take the GPU's room first (each frees a host byte); what is left is a layer
     # slot or a few, which go to resident layers (int(m[1]) may be 0)
     # with less host RAM, the lean layer's smaller working set leaves the GPU room for more checkpoints
-    # (HF's layer alone no longer fits 100 GiB: NOTES.md 37), and with less still nothing fits
+    # (HF's layer alone no longer fits 100 GiB: NOTES.md "Lean layer"), and with less still nothing fits
     assert main(args + ["--host-gib", "100"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"gpu_checkpoints=\d+ lean_layer=on head_impl=fused: GPU [\d.]+ GiB, host [\d.]+ GiB\nfits", out), out
@@ -802,7 +802,7 @@ def test_auto_settings_where_host_ram_binds_give_what_is_left_to_resident_layers
     with the most device layers that fit needs more host RAM than that. The auto settings take
     the 3-slot window, the fewest device layers with which the host fits, and give the GPU's room
     left to resident layers (the all-window placement left this step bound by its uploads,
-    benchmarks/NOTES.md 20)."""
+    benchmarks/NOTES.md "PCIe uploads")."""
     from slidetune.engine.fit import choose_auto_settings
     split = split_of("qwen3-14b")
     L = split.num_layers
@@ -824,7 +824,7 @@ def test_auto_settings_where_host_ram_binds_give_what_is_left_to_resident_layers
     assert est(dataclasses.replace(got, device_layers=got.device_layers - 1)).host_bytes > FIT_SAFETY * host
     # as many resident layers as fit
     assert est(dataclasses.replace(got, resident_layers=got.resident_layers + 1)).gpu_bytes > FIT_SAFETY * gpu
-    # fewer layer uploads a step than the window alone with the most device layers (session 11's run)
+    # fewer layer uploads a step than the window alone with the most device layers (the 2026-11-24 Qwen3-14B run)
     window_only = PlacementPlan.build(unit_shapes(split), RuntimeConfig(device_layers=19, cache_units=3))
     assert plan.uploads_per_step()[0] < window_only.uploads_per_step()[0]
 

@@ -26,7 +26,7 @@ CFG = AdamWConfig(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
 def _close(got: FlatAdamW, want: FlatAdamW) -> None:
     for a, b in [(got.master, want.master), (got.exp_avg, want.exp_avg), (got.exp_avg_sq, want.exp_avg_sq)]:
-        # rounding level (DESIGN.md's 1e-5), scaled to the tensor: a moment near zero differs in its last bits
+        # rounding level (docs/contract.md's 1e-5), scaled to the tensor: a moment near zero differs in its last bits
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
 
 
@@ -148,7 +148,7 @@ class _as_module:
 def test_the_kernel_lets_go_of_the_gil():
     """The compute thread must keep running Python (launching kernels) while the host worker's
     AdamW runs: an inductor-compiled kernel held the GIL, and the GPU's backward took twice as
-    long beside it (NOTES.md 17). A Python loop counts while one long kernel call is in flight
+    long beside it (NOTES.md "Host AdamW"). A Python loop counts while one long kernel call is in flight
     on another thread. With the GIL held it gets one switch interval at most (~1-2% of the
     call here, at the engine's 0.5 ms switch interval); released, about its rate alone (2 cores: the loop and the kernel's thread)."""
     n = 1 << 24

@@ -402,7 +402,7 @@ def test_the_heads_upload_is_queued_where_its_update_will_be_ready(clip):
     """Eager: the backward releases the head first, so its upload for the next step is queued ahead
     of the last layers' (it hides under theirs). Clipped: the sweep updates a host head last, and the
     uploader runs in order, so the head's upload is queued behind every layer's: queued earlier it
-    would hold back the layers behind it until the sweep's end (NOTES.md 31)."""
+    would hold back the layers behind it until the sweep's end (NOTES.md "PCIe uploads")."""
     # 8 layers: 2 resident (0-1, a slot each), a 2-slot window over 2-7; the forward plans 2 visits
     # ahead, so an early head is queued before layers 6 and 7
     loaded = make_loaded("llama", tied=False, layers=8)

@@ -434,7 +434,7 @@ def test_second_ctrl_c_stops_at_once_keeping_the_last_checkpoint(tmp_path):
 
 def test_next_step_is_issued_before_the_last_steps_norm_is_awaited(tmp_path):
     """A step's gradient norm waits for all of its host updates: the loop reads it only once
-    the next step is issued, so those updates overlap the next forward (benchmarks/NOTES.md 12).
+    the next step is issued, so those updates overlap the next forward (benchmarks/NOTES.md "Measuring a step").
     Steps that must be complete at once (here the last) are checked right away."""
     events: list[tuple[str, int]] = []
     run = tmp_path / "run"

@@ -1,4 +1,4 @@
-"""Why the roofline's AdamW probe reads slower than the engine's own AdamW (NOTES.md 11-12).
+"""Why the roofline's AdamW probe reads slower than the engine's own AdamW (LOG.md 2026-11-23 "Compiled layers; updates earliest-deadline-first" to 2026-11-23 "Correction: a step is the interval between returns").
 
 Times torch's fused CPU AdamW (engine.adamw.FlatAdamW) several ways and writes one JSON:
   probe        bench.roofline.probe_adamw as the floor uses it (one 128M-element tensor, median of 11 steps)

@@ -16,7 +16,7 @@
 # compile_layers=on", the default: needs a 2-GPU kind; ~5 min on 2x H100, results/scaling/README.md),
 # TECHNIQUES_ARGS, EQ_ARGS, RUNTIME_PARTS, BENCH_ARGS. An A/B of runtime settings belongs in ONE throughput job
 # (--variants NAME:k=v,...;NAME2:... --rounds N: alternated runs, one floor, paired in the report), not in two
-# throughput@TAG jobs: the VM's DRAM rate moved 25% between two such jobs (NOTES 30). No quotes inside the
+# throughput@TAG jobs: the VM's DRAM rate moved 25% between two such jobs (LOG.md 2026-11-25 "On the H100: the upload copies lost"). No quotes inside the
 # variable (it is word-split, not re-parsed): THROUGHPUT_ARGS="... --variants split:;weights:clip_sweep=weights".
 # The embedded SmolLM2 GGUF (98 MB) is over one call's 64 MiB carry limit (with the tree's ~25 MB):
 # `stash` keeps the leading parts (carried as .smol_a/part_a0, and in a second call .smol_a2/part_a1)

@@ -5,7 +5,7 @@
 3. warm under load: the same while the host AdamW loop runs on every other core, as during a
    slide step (the tier's I/O threads then share the cores and the memory bus with it).
 
---grid instead: the warm probe's patterns side by side (NOTES.md 31: the floor's mixed rate read
+--grid instead: the warm probe's patterns side by side (LOG.md 2026-11-26 "On the GPU: the fused gradient sum": the floor's mixed rate read
 1.45 GiB/s where the tier drew 1.79): how the mixed pass shares its threads (split: half read,
 half write; pool: one queue, as the tier's pool), one file or several (the tier has one per
 unit), 4 or 8 threads.

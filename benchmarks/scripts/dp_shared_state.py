@@ -1,8 +1,8 @@
 """Add the shared host state's size to data-parallel runs measured before bench.measure recorded it
-(session 16's first 2x H100 sweep), then rewrite the report: host_rss_gib then counts the whole
+(the 2026-11-25 first 2x H100 sweep), then rewrite the report: host_rss_gib then counts the whole
 /dev/shm file once instead of the largest rank's resident part of it (telemetry.machine.host_peak_rss).
 
-    python benchmarks/scripts/dp_shared_state.py benchmarks/results/scaling/2xh100_s16/upload ...
+    python benchmarks/scripts/dp_shared_state.py benchmarks/results/scaling/2xh100_qwen3_8b_clip/upload ...
 
 The size is what the engine allocates for the run's own resolved placement: PlacementPlan.build from
 the run's runtime and the unit sizes of its floor's compute probe, then fit.shared_state_bytes."""

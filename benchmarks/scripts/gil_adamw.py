@@ -1,4 +1,4 @@
-"""Does the GIL slow the host's AdamW loop? (NOTES.md 14, hypothesis d; runs on any CPU machine.)
+"""Does the GIL slow the host's AdamW loop? (LOG.md 2026-11-23 "The host's AdamW ran 25-50% below its probe", hypothesis d; runs on any CPU machine.)
 
 The slide engine's host worker runs AdamW chunk by chunk from Python: every torch call
 releases the GIL while it computes and must take it back to return. When another Python

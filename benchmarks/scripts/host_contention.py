@@ -1,4 +1,4 @@
-"""Why the slide engine's host AdamW runs slower than the roofline's AdamW probe (NOTES.md 14).
+"""Why the slide engine's host AdamW runs slower than the roofline's AdamW probe (LOG.md 2026-11-23 "The host's AdamW ran 25-50% below its probe").
 
 In the 8B step the host's AdamW took 2.0-2.3 s where the probe predicts 1.54 s (same call,
 same machine). Two suspects, each timed here against AdamW alone:
@@ -7,7 +7,7 @@ same machine). Two suspects, each timed here against AdamW alone:
   spinning CUDA waits (the default for non-blocking events and for .item()) keep a
            core busy; 16 OpenMP AdamW threads on 16 cores then run as slow as the thread
            that shares its core.
-After section 14's fix the engine still ran AdamW at 0.66-0.82 of its probe (NOTES.md 14),
+After the 2026-11-23 "The host's AdamW ran 25-50% below its probe" entry's fix the engine still ran AdamW at 0.66-0.82 of its probe (LOG.md 2026-11-23 "The host's AdamW ran 25-50% below its probe"),
 so three more suspects are timed too (hypotheses a-c there):
   registered  the FP32 masters page-locked with cudaHostRegister, as cast_on=gpu does;
   launch      a thread launching small kernels non-stop, as the compute thread does;
@@ -17,10 +17,10 @@ so three more suspects are timed too (hypotheses a-c there):
 Each variant runs AdamW the engine's way (layer-sized units, 64M-element chunks, FP32
 gradients from a pinned ring) while background threads apply a load, and reports AdamW's
 parameters/s and the DMA's achieved GB/s. Variants named *_bf16 feed AdamW BF16 gradients
-(grad_download=compute, NOTES.md 16) instead of FP32 ones. The kernel is torch's fused one
-(BF16 gradients widened into a scratch chunk first; until session 8 an inductor-compiled
+(grad_download=compute, LOG.md 2026-11-23 "Gradients cross PCIe in BF16") instead of FP32 ones. The kernel is torch's fused one
+(BF16 gradients widened into a scratch chunk first; until 2026-11-23 an inductor-compiled
 kernel, which held the GIL) unless the name has _dynamic or _static in it:
-native_adamw's loop with that OpenMP schedule (NOTES.md 17), beside the same loads:
+native_adamw's loop with that OpenMP schedule (LOG.md 2026-11-23 "The host's AdamW in C"), beside the same loads:
   launch  the compute thread's kind of load (a thread launching small kernels non-stop),
   python  a thread busy in pure Python,
   engine  copies at the engine's rate (blocking waits) plus a launching thread.
@@ -181,7 +181,7 @@ def main() -> None:
         ("dma_both_full_bf16", [("both", 0.0, True)], full),
         ("alone_fp32_again", [], full),
     ]
-    # the schedule A/B (NOTES.md 17): each load with torch's kernel, then the native loop both ways
+    # the schedule A/B (LOG.md 2026-11-23 "The host's AdamW in C"): each load with torch's kernel, then the native loop both ways
     for base, loads in [("alone", []), ("launch", [("launch", 0.0, True)]), ("python", [("python", 0.0, True)]),
                         ("engine", [("both", a.dma_gbs, True), ("launch", 0.0, True)])]:
         for kernel in ("", "_static", "_dynamic"):

@@ -1,7 +1,7 @@
-"""A rank's own host memory, stage by stage (issue 21; NOTES.md 32): what a training process
+"""A rank's own host memory, stage by stage (issue 21; LOG.md 2026-11-26 "Data parallel on 4 GPUs"): what a training process
 holds beside its share of the state, and which stage brings it.
 
-Session 19 measured ~2.3 GiB a data-parallel rank (1.5-1.8 GiB anonymous, 0.5 GiB of mapped
+2026-11-26 measured ~2.3 GiB a data-parallel rank (1.5-1.8 GiB anonymous, 0.5 GiB of mapped
 files), ~1 GiB of it appearing only in the first steps, on 2x H200. This script takes the same
 snapshot (telemetry.machine.host_memory_snapshot) after each stage a rank goes through, so each
 stage's share reads apart:

@@ -28,7 +28,7 @@ def request_blocking_sync(index: int) -> str:
     synchronizing call: `.item()`, `torch.cuda.synchronize`, waits on non-blocking events.
     The slide engine's host runs AdamW on all cores in parallel regions that finish with
     their slowest thread, so one spinning waiter cost 41% of AdamW's rate on the H100 host
-    (benchmarks/scripts/host_contention.py, NOTES.md 14). Sets the primary context's
+    (benchmarks/scripts/host_contention.py, NOTES.md "Pipeline threads"). Sets the primary context's
     scheduling flag through the driver API (torch does not expose it); it must run before
     the context is created to be certain to apply, so Device.resolve calls it first.
     """
@@ -182,7 +182,7 @@ def use_expandable_segments() -> bool:
     PYTORCH_CUDA_ALLOC_CONF says otherwise. A slide step allocates the same working sets layer after
     layer, at sizes that change between forward, recompute, the MLP tiles and the head: with fixed
     segments the reserved peak ran 26% above the allocated one (Qwen3-8B b32 under a 24 GiB budget,
-    15.2 allocated, 19.1 reserved; NOTES.md 38), memory the fit check has to leave free. Takes
+    15.2 allocated, 19.1 reserved; NOTES.md "Memory fit margins"), memory the fit check has to leave free. Takes
     effect for segments allocated after the call; returns whether it was set here."""
     if "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
         return False

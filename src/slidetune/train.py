@@ -723,7 +723,7 @@ class Trainer:
         pids of this host's ranks are gathered once (a collective: every rank builds its Trainer
         at the same point) and the shared state is counted once (rank 0 alone would show its own
         private memory and the part of the shared state it touched: 51.8 GiB of a host using 82
-        on 2x H100, benchmarks/NOTES.md 29)."""
+        on 2x H100, benchmarks/NOTES.md "Data parallel")."""
         if self.ranks.world_size == 1:
             return HostRss()
         host = self.ranks.dp.cfg.host

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 GIB = 2**30
 LATENCY_BYTES = 4 * 2**10          # a small message: its time is mostly the collective's latency
-# One decoder layer's BF16 gradient spans these on the models of DESIGN.md (Qwen3-1.7B 96 MiB,
+# One decoder layer's BF16 gradient spans these on the preset models (Qwen3-1.7B 96 MiB,
 # Llama-3.1-8B / Qwen3-8B 416 / 378 MiB): the probe's sizes where no model is given.
 DEFAULT_SIZES = (LATENCY_BYTES, 64 * 2**20, 128 * 2**20, 256 * 2**20, 512 * 2**20)
 INNER_BYTES = 64 * 2**20           # each rep runs back-to-back calls until this many bytes (at most 20)

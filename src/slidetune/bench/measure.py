@@ -160,7 +160,7 @@ DISK_WARMUP_WHY = ("the disk tier's files start as unwritten extents (posix_fall
 
 def disk_tier_warmup(asked: int, engine) -> int:
     """Warm-up steps for a run: at least 2 where the engine has a disk tier (DISK_WARMUP_WHY; a
-    Qwen3-14B run with one warm-up step measured 22 s then 65 s, session 17)."""
+    Qwen3-14B run with one warm-up step measured 22 s then 65 s, 2026-11-25)."""
     return max(asked, 2) if getattr(engine, "disk", None) is not None else asked
 
 
@@ -178,7 +178,7 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
         device.limit_memory(spec.gpu_memory_limit_gib)
     # the process's host memory by kind at its start, after the build and after the steps: a rank's
     # fixed cost (CUDA context, libraries, communicators) apart from the state (data parallel's
-    # host RSS against one GPU's, NOTES 32)
+    # host RSS against one GPU's, NOTES.md "Data parallel")
     host_memory = {"start": host_memory_snapshot()}
     t0 = time.perf_counter()
     loaded = load_model(spec.model, num_layers=spec.num_layers, seed=spec.seed, with_tokenizer=False)
@@ -315,7 +315,7 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
             result["disk_io_bytes_per_step"] = engine.plan.disk_io_bytes()
             # ... and what the tier moved: each measured interval holds one sweep (the previous
             # step's), so the mean over them is a step's I/O; above the plan's, blocks were read
-            # more than once (session 17's 14B: 1.5x, a defect the tier's prefetch had)
+            # more than once (the 2026-11-25 14B run: 1.5x, a defect the tier's prefetch had)
             moved = [b - a for a, b in zip(disk_io, disk_io[1:])][warmup - 1:]
             if moved:
                 result["disk_io_bytes_measured"] = sum(moved) / len(moved)

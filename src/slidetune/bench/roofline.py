@@ -90,7 +90,7 @@ def probe_copy(nbytes: int = 2**30) -> dict:
 def _adamw_rate(n: int, steps: int, grad_dtype: torch.dtype, kernel: str, part: str = "all") -> float:
     """params/s of the median step: one step that a page fault, a timer tick or a neighbour
     stretched must not set the floor (three-step means ranged 3.8-6.7 G params/s on the H100
-    host, NOTES.md 18)."""
+    host, NOTES.md "Floor probes")."""
     master = torch.randn(n)
     grad = torch.randn(n).to(grad_dtype)
     opt = FlatAdamW(master, n, AdamWConfig(weight_decay=0.1), kernel)
@@ -183,9 +183,9 @@ def probe_disk(directory: str, total_bytes: int = 4 * 2**30, block_mb: int = 64,
     mixed: how the "both at once" pass shares the threads.
       pool  (the tier's way): one pool of `threads` threads takes reads and writes, alternating, from
             one queue, so the slower kind holds more of the threads. On the H100 machine's disk, where
-            reads are the slow kind, this is what the tier drew (NOTES.md 31).
+            reads are the slow kind, this is what the tier drew (NOTES.md "Disk tier").
       split half the threads only read and half only write: the reads get half the queue depth. It
-            read 1.45 GiB/s where the tier moved 1.79 (a floor above the step, NOTES.md 31).
+            read 1.45 GiB/s where the tier moved 1.79 (a floor above the step, NOTES.md "Disk tier").
 
     warm_passes: untimed writes of the whole file first. The tier rewrites the same blocks every
     step, and a first write into fresh extents (ext4's unwritten extents, a thin-provisioned
@@ -194,7 +194,7 @@ def probe_disk(directory: str, total_bytes: int = 4 * 2**30, block_mb: int = 64,
 
     repeats: each timed pass (write, read, mixed) that many times, the fastest kept (all in
     `passes`). A virtual disk's rate varies from one pass to the next (the H100 machine's mixed
-    rate read 1.15 and 1.88 GiB/s in one session, NOTES.md 28), and a floor needs the disk's
+    rate read 1.15 and 1.88 GiB/s in one hour, NOTES.md "Disk tier"), and a floor needs the disk's
     best: a step measured below a floor built on a slow pass (0.79x) showed the floor wrong."""
     from ..engine.slide.disk_tier import ALIGN, _aligned_empty, block_elems, check_directory
     if mixed not in ("pool", "split"):
@@ -539,7 +539,7 @@ def host_dram_term(plan: PlacementPlan, adamw: dict, ranks: int, split_sweep: bo
     pass's own traffic). None where probe_adamw measured no DRAM bandwidth.
     One rank too: on a 24 GiB GPU (Llama-3.1-8B clipped, every unit on the host) the AdamW
     passes' probed rates gave 1.9 s a step and the engine's took 2.3-2.4 s, the DMA's 8 B/param
-    (uploads 6, gradients 2) beside their 36 on the same DRAM (NOTES.md 31)."""
+    (uploads 6, gradients 2) beside their 36 on the same DRAM (NOTES.md "Floor probes")."""
     best = best_dram_gib_s(adamw)
     if not best:
         return None
@@ -573,9 +573,9 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
     (the backward releases the disk units first, the next forward needs them last). Clipped,
     disk_s stands alone too and is not added to clip_sweep_s: the step's reads and writes need
     the disk for at least disk_s a step whatever overlaps them, and how much of them must follow
-    the norm is not modelled. (Until session 15 clip_sweep_s took the larger of the weights pass
+    the norm is not modelled. (Until 2026-11-25 clip_sweep_s took the larger of the weights pass
     and the whole disk_s after the backward; both machines' clipped disk4 steps ran below that:
-    0.79x on the H100, 0.94x on the H200 with the fastest of 3 probe passes, NOTES.md 28.)
+    0.79x on the H100, 0.94x on the H200 with the fastest of 3 probe passes, NOTES.md "Disk tier".)
     Units updated on the GPU run their AdamW on the compute stream: with `device_adamw` (the
     probe_device_adamw rate) it is added to compute_s (~26 B/param at HBM speed; the engine's
     optimizer_device spans were 38 ms a step for a Qwen3-4B with every unit there).
@@ -666,7 +666,7 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
             # the sweep shares the DRAM with those uploads' reads (the master, 4 B/param; an
             # upload copy, 2): the sweep takes at least all those bytes at the best DRAM rate.
             # Llama-3.1-8B b16 on a 24 GiB GPU: the weights pass ran at 6.94 G params/s in the
-            # step against 8.11 alone, 142 GiB/s of DRAM with the uploads (NOTES.md 31).
+            # step against 8.11 alone, 142 GiB/s of DRAM with the uploads (NOTES.md "Floor probes").
             uploads = 1 if gathering else ranks
             swept = ((ADAMW_BYTES["adamw_weights_pass_params_per_s"] + uploads * UPLOAD_READ_BYTES)
                      * (ram_params - copy_params)

@@ -1,7 +1,7 @@
 """compile_layers=auto: compile the decoder layers where the run earns the compile back.
 
 torch.compile'd layers ran 487 model TFLOPS against 401 eager on the H100 (one Llama-3.1-8B
-layer, 16 x 1024 tokens, forward + recompute + backward; DESIGN.md section 1): a compiled
+layer, 16 x 1024 tokens, forward + recompute + backward; docs/contract.md): a compiled
 step spends 18% less time in its layers. The compile costs about 40 s at start-up
 (README, one graph per kind of layer; less when inductor's FX cache has the graphs). So the
 planned run is worth compiling when the time it saves, steps x 18% of the layers' compute,
@@ -20,7 +20,7 @@ from ..models.units import SplitModel
 from ..telemetry.flops import train_flops_per_token
 from .config import RuntimeConfig
 
-EAGER_LAYER_TFLOPS = 401.0      # measured, H100 (DESIGN.md section 1)
+EAGER_LAYER_TFLOPS = 401.0      # measured, H100 (docs/contract.md)
 COMPILED_LAYER_TFLOPS = 487.0   # measured, same layer and batch
 COMPILE_S = 40.0                # start-up compile of an 8B's layers on the H100 host (README)
 # The compile must come back this many times over. 2.5: the default 8B run (300 steps of

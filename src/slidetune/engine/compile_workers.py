@@ -5,7 +5,7 @@ per core; torch._inductor.async_compile.maybe_warm_pool), each importing torch a
 Triton. When the graphs come from the FX cache, compilation ends in seconds while
 those imports go on for several more on every core, and the first steps run beside
 them: on the H100 host the Qwen3-4B b8 step took 1.6-1.7 s for five steps after a
-cache hit and 1.10 s once the pool had settled (benchmarks/NOTES.md section 15),
+cache hit and 1.10 s once the pool had settled (benchmarks/NOTES.md "Compile"),
 because the host's AdamW needs all 16 cores. Idle, the workers still hold host RAM,
 which an 8B run needs. Releasing the pool after a step that compiled frees both; a
 later recompilation (a new shape) starts a fresh pool on its own.

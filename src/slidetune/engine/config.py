@@ -75,7 +75,7 @@ class RuntimeConfig:
     # window. Costs a layer of compute-dtype weights per layer on the GPU, no host RAM. Where
     # host RAM binds, the auto settings put only as many layers' state on the GPU as the host
     # needs and give the rest of the GPU's room to resident layers (Qwen3-14B b8 on an H200:
-    # the all-window placement spent 40% of its H2D time outside compute; benchmarks/NOTES.md 20).
+    # the all-window placement spent 40% of its H2D time outside compute; benchmarks/NOTES.md "PCIe uploads").
     # -1 = auto (engine.fit.choose_auto_settings; unresolved, as in an engine built directly:
     # none). With cache_units=0 every host layer is resident and this is not used.
     resident_layers: int = tuning_field(
@@ -114,7 +114,7 @@ class RuntimeConfig:
     cast_on: str = tuning_field(
         "auto", help="where FP32 <-> compute-dtype casts run: auto (gpu on CUDA), gpu or cpu",
         when="cpu where page-locking the FP32 masters fails (a low `ulimit -l`): small pinned buffers instead")
-    # benchmarks/NOTES.md 7: 256 beat 64 by 4% on 8B layers
+    # benchmarks/NOTES.md "Pipeline threads": 256 beat 64 by 4% on 8B layers
     chunk_mb: int = tuning_field(
         256, help="cast/copy/update granularity in MiB of FP32 (256 beat 64 by 4% on 8B layers)",
         when="lower (64) where pinned host RAM is short; units smaller than a chunk use one chunk anyway")
@@ -129,7 +129,7 @@ class RuntimeConfig:
     # 0 before the upper layers), and the upper layers' updates overlap the next forward;
     # "fifo": in the order the backward releases them (head, L-1, ..., 0, embedding), so
     # the next forward waits for every update. Needs a gradient ring that holds the backlog
-    # (auto: 8 layers; benchmarks/NOTES.md 11).
+    # (auto: 8 layers; benchmarks/NOTES.md "Gradient downloads").
     update_order: str = tuning_field(
         "deadline", help="order of the eager host updates: deadline (the next forward's first units first) or fifo",
         when="fifo only to A/B the deadline order or to shrink the gradient ring to 3 layers")
@@ -150,7 +150,7 @@ class RuntimeConfig:
     # is read once and each link carries its shard. upload: every rank uploads every unit from the
     # shared master over its own PCIe link (N reads of the master from DRAM, N x the H2D bytes).
     # Measured on 2x H100 (NV18), Qwen3-8B b16/GPU clip 1.0: gather 2.267 s a step (1.88x one
-    # GPU), upload 2.327 s (1.83x) (benchmarks/NOTES.md 29). One rank: ignored.
+    # GPU), upload 2.327 s (1.83x) (benchmarks/NOTES.md "Data parallel"). One rank: ignored.
     dp_weights: str = tuning_field(
         "gather", help="data parallel: gather (a host unit's owner uploads it and broadcasts it to the host's "
                        "other GPUs) or upload (every rank uploads every host unit)",
@@ -158,7 +158,7 @@ class RuntimeConfig:
              "beside the uploads); measure with bench throughput --gpus --runtime dp_weights=upload")
     # Gradient slots in FP32: the backward's gradient copy into the slot is the cast, and the
     # D2H copy stream moves bytes only (no cast kernel waiting for SMs). 2 B/param more per
-    # slot; Llama-3.1-8B b16: 2.38 -> 2.16 s a step (NOTES.md 14). auto: fp32 where the
+    # slot; Llama-3.1-8B b16: 2.38 -> 2.16 s a step (NOTES.md "Gradient downloads"). auto: fp32 where the
     # whole configuration then fits in GPU memory (engine.fit.choose_auto_settings), else
     # the compute dtype; left unresolved (an engine built directly) it means compute.
     grad_slot_dtype: str = tuning_field(
@@ -168,7 +168,7 @@ class RuntimeConfig:
     # cast_on=cpu they always come down in the compute dtype). "compute": as the backward
     # made them (2 B/param for BF16), and the host's AdamW widens them inside its own kernel
     # (engine/native_adamw.py): the D2H bytes halve and AdamW reads 26 instead of 28 B/param
-    # of host DRAM, which the two share (benchmarks/NOTES.md 16). Needs a C compiler at run
+    # of host DRAM, which the two share (benchmarks/NOTES.md "Gradient downloads"). Needs a C compiler at run
     # time; without one (or with host_adamw=torch) the host widens into a scratch chunk
     # first. "fp32": widened on the GPU (a cast on the D2H stream). FP32 gradient slots (grad_slot_dtype=fp32) download FP32
     # either way, so auto never picks them with "compute".
@@ -195,7 +195,7 @@ class RuntimeConfig:
     # moments, a weight slot of their own) for each such layer, 2 more under the deferred
     # schedule (the gradient, held there for the clip coefficient). -1 (auto):
     # as many as fit in GPU memory after the other auto choices (engine.fit.choose_auto_settings;
-    # Qwen3-8B b16 on the H100: 8 layers, 2.22 -> 1.75 s a step, NOTES.md 18); left unresolved
+    # Qwen3-8B b16 on the H100: 8 layers, 2.22 -> 1.75 s a step, NOTES.md "GPU-updated units"); left unresolved
     # (an engine built directly) it means 0. 0 keeps every layer's state on the host.
     device_layers: int = tuning_field(
         -1, help="the lowest N layers keep master and AdamW state on the GPU, updated there (-1 auto: as fit)",
@@ -203,8 +203,8 @@ class RuntimeConfig:
     # Intra-op threads of the host worker (AdamW, gradient norms). 0 (auto): on CUDA, one
     # fewer than torch's default (all cores), so the compute thread that launches the GPU's
     # kernels has a core of its own: an AdamW thread preempted mid-block holds the whole
-    # parallel region for milliseconds (NOTES.md 17: 3.30 -> 4.88 G params/s beside a
-    # launching thread; Qwen3-4B b8 1.01 -> 0.90 s, NOTES.md 18); on the CPU, torch's default
+    # parallel region for milliseconds (NOTES.md "Host AdamW": 3.30 -> 4.88 G params/s beside a
+    # launching thread; Qwen3-4B b8 1.01 -> 0.90 s, NOTES.md "Host AdamW"); on the CPU, torch's default
     # (the compute thread computes with the same pool). Set in the worker thread, so the
     # compute thread keeps its own count.
     host_threads: int = tuning_field(
@@ -214,7 +214,7 @@ class RuntimeConfig:
     # run time whose threads claim 32K-element blocks as they go (5.26 G params/s alone on the
     # H100 host, static 4.66; beside a busy thread neither schedule holds up, a free core
     # does: host_threads); reads BF16 gradients as they landed; it releases the GIL while it
-    # runs, so the compute thread keeps launching (NOTES.md 17). "static": the same loop
+    # runs, so the compute thread keeps launching (NOTES.md "Host AdamW"). "static": the same loop
     # split evenly up front (A/B of the schedule).
     # "torch": torch's fused kernel (a static split; BF16 gradients widened into a scratch
     # chunk first). Without a C compiler "dynamic" and "static" fall back to "torch" (logged).
@@ -223,7 +223,7 @@ class RuntimeConfig:
         when="torch to rule the native kernel out; static to A/B the schedule (dynamic measured 13% faster)")
     # How host threads wait on the GPU. "block": they sleep (blocking events, and the
     # context's blocking-sync flag for .item() and synchronize()); "spin": CUDA's default,
-    # a busy core per waiter, which slowed the host's AdamW by up to 41% (NOTES.md 14).
+    # a busy core per waiter, which slowed the host's AdamW by up to 41% (NOTES.md "Pipeline threads").
     cuda_waits: str = tuning_field(
         "block", help="how host threads wait on the GPU: block (sleep) or spin (CUDA's default)",
         when="spin only to A/B: a spinning waiter slowed the host's AdamW by up to 41%")
@@ -237,7 +237,7 @@ class RuntimeConfig:
     # After the first step, move every object then alive into Python's permanent GC generation
     # (engine/gc_policy.py): a full collection no longer walks the model and the compiled graphs
     # and stops the compute thread for a fraction of a second (Qwen3-4B b16: 0.54 s in one step
-    # of 1.06 s, NOTES.md 19). Undone at close().
+    # of 1.06 s, NOTES.md "GC pauses"). Undone at close().
     gc_freeze: bool = tuning_field(
         True, help="after step 1, move every live object into the GC's permanent generation",
         when="off only to debug leaks: a full collection then stops the compute thread (0.54 s in a 1.06 s step)")
@@ -251,13 +251,13 @@ class RuntimeConfig:
     # moments after, under the next step (the next forward waits for the weights only); "whole"
     # writes all of AdamW's state in one pass (28% less host DRAM traffic, all of it waited for).
     # Split was as fast or faster everywhere measured, even where the host's AdamW binds
-    # (Llama-3.1-8B b8, 24 GiB GPU, one machine: 2.54 s against 2.61; NOTES.md 21).
+    # (Llama-3.1-8B b8, 24 GiB GPU, one machine: 2.54 s against 2.61; NOTES.md "Clipping schedule").
     # weights: the weights pass writes each host unit's new weights in the compute dtype (BF16)
     # into a page-locked copy the upload reads (2 B/param of DMA instead of the FP32 master's 4,
     # and no master write: 16 B/param where the next forward waits instead of 18 + 4), and the
-    # second pass writes master and moments; 2 B/param more page-locked host RAM (NOTES.md 29,
-    # predicted 2.146 -> ~2.0 s for Qwen3-8B b16 clip on the H100). Measured in session 17 (NOTES.md
-    # 30): no gain (2.398 vs 2.164 s, in a slower DRAM phase; a wash against each run's floor);
+    # second pass writes master and moments; 2 B/param more page-locked host RAM (LOG.md 2026-11-25 "Next",
+    # predicted 2.146 -> ~2.0 s for Qwen3-8B b16 clip on the H100). Measured 2026-11-25 (NOTES.md
+    # "PCIe uploads"): no gain (2.398 vs 2.164 s, in a slower DRAM phase; a wash against each run's floor);
     # the copy now streams its stores, to be A/B'd in one call with bench throughput --variants.
     clip_sweep: str = tuning_field(
         "split", help="the clipped schedule's host sweep: split (weights first, moments under the next step), "
@@ -271,7 +271,7 @@ class RuntimeConfig:
     # micro-batch gradients, straight into the slot: 10 B/param, the same bits; 2 B/param more of
     # one layer held at 4 micro-batches). auto: fused on CUDA with Triton, checked bit for bit
     # against torch at its first use. Predicted ~75 ms a step of Qwen3-8B clip+accum4 on the H100
-    # (NOTES.md 30), not yet measured.
+    # (NOTES.md "Accumulation"), not yet measured.
     grad_sum: str = tuning_field(
         "auto", help="how a layer's micro-batch gradients are summed on the GPU: auto (fused on CUDA with "
                      "Triton), fused or torch",
@@ -279,10 +279,10 @@ class RuntimeConfig:
     # The clipped schedule's held gradients, per host unit: 1 buffer, or 2 used on alternate
     # steps. With one, a layer's next gradient can only go down once the moments pass has read
     # its buffer: on the H100 the moments pass paced the next backward (0.43 s of gradient-slot
-    # waits a step, NOTES.md 21). With two the backward writes one buffer while the moments pass
+    # waits a step, NOTES.md "Clipping schedule"). With two the backward writes one buffer while the moments pass
     # reads the other, for 2 more B/param of host RAM (BF16).
     # auto (-1): 2 where host RAM has room for them beside the auto placement
-    # (engine.fit.choose_auto_settings); left unresolved, 1. Measured (NOTES.md 28): Qwen3-8B b16
+    # (engine.fit.choose_auto_settings); left unresolved, 1. Measured (NOTES.md "Clipping schedule"): Qwen3-8B b16
     # clipped on the H100, 2.221 -> 2.146 s (1.10x -> 1.05x its floor) for +9.7 GiB of RSS.
     held_buffers: int = tuning_field(
         -1, help="the clipped schedule's held gradient buffers per host unit: 1, 2 (on alternate steps) or -1 "
@@ -293,7 +293,7 @@ class RuntimeConfig:
     # embedding up (-1: all). The backward and the moments pass both run from the head down and
     # at small batches the backward is the faster, so it catches the pass and follows it; a
     # second buffer frees it only below the last unit that has one buffer, so the units it
-    # reaches last (the lowest) are the ones worth the RAM (NOTES.md, "Next (after session 15)").
+    # reaches last (the lowest) are the ones worth the RAM (LOG.md 2026-11-25 "Next").
     held_second_units: int = tuning_field(
         -1, help="with --tuning.held_buffers 2: host-updated units with the second buffer, from the embedding up "
                  "(-1: all)",
@@ -325,7 +325,7 @@ class RuntimeConfig:
     # The tier's read-ahead is as deep as its buffers. In a clipped step a disk unit's update waits
     # for the clip coefficient, so with 8 buffers the tier read 512 MiB ahead and then idled until
     # the update sweep reached its units: 1.5 s of a 7.0 s Qwen3-8B step (4 layers on disk, H100).
-    # 64 buffers kept the disk busy the whole step: 7.03 -> 5.53 s (NOTES.md 31).
+    # 64 buffers kept the disk busy the whole step: 7.03 -> 5.53 s (NOTES.md "Disk tier").
     # auto (-1): as many as host RAM has room for beside the placement, up to half the blocks of the
     # disk units (fit.choose_auto_settings), at least 8; left unresolved, 8.
     disk_buffers: int = tuning_field(
@@ -347,7 +347,7 @@ class RuntimeConfig:
         when="off to compare with HF's own layer; on refuses a family whose layer is not Llama's")
     mlp_tile_tokens: int = tuning_field(
         8192, help="tokens per MLP tile of the lean layer's recompute + backward",
-        when="lower when one layer's working set does not fit; each tile more costs time (2 vs 1 at 16K: +8%, NOTES 37)")
+        when="lower when one layer's working set does not fit; each tile more costs time (2 vs 1 at 16K: +8%, NOTES.md \"Lean layer\")")
     # Row tiles bound what the attention half saves to a tile's tokens (Qwen3-8B b64 x 1024: the
     # lean layer's 8.5 GiB working set at 64K tokens -> ~4.9 in tiles of 16 sequences, the 24 GiB
     # GPU's room for 7 more checkpoints); each tile more adds an FP32 sum of the layer's
@@ -494,7 +494,7 @@ class RuntimeConfig:
     DEADLINE_RING_LAYERS = 8
 
     # GPU gradient slots under deadline order with resident layers: the backlog of updates
-    # at the end of a backward (benchmarks/NOTES.md 11: ~0.5 s of AdamW on an 8B model at
+    # at the end of a backward (benchmarks/NOTES.md "Update order": ~0.5 s of AdamW on an 8B model at
     # b16 with compiled layers, ~18 layers) minus the ring. 16 x 0.39 GB for an 8B layer.
     DEADLINE_GRAD_SLOTS = 16
 

@@ -50,7 +50,7 @@ from .slide.host_store import BUILD_WORKERS
 GiB = 2**30
 # The share of the GPU's free memory and of the host's available RAM a run plans to use (the rest:
 # fragmentation, the allocator's caching, other processes' growth). Against the H200's runs of
-# Qwen3-8B under a 24 GiB budget (NOTES.md 38): the GPU estimate, which carries its own margins
+# Qwen3-8B under a 24 GiB budget (NOTES.md "Memory fit margins"): the GPU estimate, which carries its own margins
 # (CUDA_OVERHEAD_BYTES, ACTIVATION_MARGIN, HEAD_MARGIN), was 1.17x the allocator's reserved peak at
 # b16 (21.46 vs 18.38 GiB); the host estimate was within 1% of the process's RSS (b16 110.1 vs
 # 110.0 GiB; b32 with the lean layer 114.3 vs 115.5). 0.95 leaves 6 GiB of a 123 GiB host and
@@ -311,7 +311,7 @@ def lean_layer_bytes(split: SplitModel, batch_size: int, seq_len: int, dtype: to
           act, act*up saved; two I-wide gradients and 3 d-wide at once), the tiles' FP32 weight-
           gradient sums and one tile's compute-dtype weight gradients (6 B a MLP parameter);
       attention backward: saved + stream + transients for all tokens, the MLP's gradients (b).
-    Against the H200 (benchmarks/results/lean_layer/, NOTES.md 37; tests/test_fit.py): 7.9 GiB for
+    Against the H200 (benchmarks/results/lean_layer/, NOTES.md "Lean layer"; tests/test_fit.py): 7.9 GiB for
     Llama-3.1-8B at 1 x 65536 (measured 7.14), 8.5 for Qwen3-8B at 64 x 1024 (7.62), 3.2 at 16 x 1024
     (2.75): 11-16% above, on the safe side, before ACTIVATION_MARGIN."""
     sh = _shape(split)
@@ -807,7 +807,7 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
     cost no GPU memory, so they never displace a placement choice), in this order:
       disk_buffers=-1: the disk tier's block buffers, as many as host RAM has room for, at least 8
         (DISK_BUFFERS_UNRESOLVED) and at most half the disk units' blocks. First: an idle disk
-        cost a disk-tier step far more than a gradient slot wait (NOTES.md 31).
+        cost a disk-tier step far more than a gradient slot wait (NOTES.md "Disk tier").
       held_buffers=-1: 2 where the clipped schedule runs and host RAM has room for the second
         buffer, else 1."""
     kw = dict(batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
@@ -816,7 +816,7 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
     if len(recipes) > 1:
         # the first recipe with which the run fits (GPU and host) without the disk tier, else the
         # first that fits with it (the tier binds a step at the disk's rate: Qwen3-8B b32 with the
-        # head's moments on disk 7.15 s, with the lean layer and none there 4.30 s; NOTES.md 37),
+        # head's moments on disk 7.15 s, with the lean layer and none there 4.30 s; NOTES.md "Lean layer"),
         # each chosen through the rest of this function; where none fits, the one short of least,
         # so that the refusal and its options start there
         choose = functools.partial(choose_auto_settings, split, gpu_free_bytes=gpu_free_bytes,
@@ -891,7 +891,7 @@ def _memory_recipes(split: SplitModel, rt: RuntimeConfig) -> list[RuntimeConfig]
     """Slide mode's memory-saving choices left on auto, resolved into configurations from the
     cheapest in step time to the dearest: every checkpoint on the GPU before offloading some (their
     PCIe traffic shares the link with the uploads; with gpu_checkpoints auto only those that do not
-    fit leave), HF's layer before the lean one (1-12% slower a layer, NOTES.md 37; it also frees
+    fit leave), HF's layer before the lean one (1-12% slower a layer, NOTES.md "Lean layer"; it also frees
     GPU room for checkpoints where the host is what binds). One configuration where nothing is on
     auto; on the CPU (no GPU to leave) offload is off."""
     if rt.mode != "slide":
@@ -917,7 +917,7 @@ def _with_disk_buffers(split: SplitModel, rt: RuntimeConfig, schedule: str, budg
     fit counted that many already), at most half the disk units' blocks: half a step read ahead.
     Not more: buffers for every block keep each written block until the next step needs it, so the
     tier stops reading and becomes an in-RAM store of the same size that also writes to disk (a
-    Qwen3-8B step with 4 layers on disk then moved 46% of its bytes, at 2.41 s; NOTES.md 31). Where
+    Qwen3-8B step with 4 layers on disk then moved 46% of its bytes, at 2.41 s; NOTES.md "Disk tier"). Where
     host RAM could hold that, the moments belong in RAM, which the fit's disk_units auto decides.
     Nothing on disk: `rt` itself, left at auto (moot)."""
     least = dataclasses.replace(rt, disk_buffers=DISK_BUFFERS_UNRESOLVED)
@@ -940,12 +940,12 @@ def _choose_placement(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, 
     disk directory disk_units=-1 and disk_master=auto.
 
     For speed, in order of what they bought on the H100: one slot per layer (the forward stops
-    waiting on PCIe; Qwen3-8B b16 2.65 -> 2.36 s, benchmarks/NOTES.md 8), then the vocabulary
+    waiting on PCIe; Qwen3-8B b16 2.65 -> 2.36 s, benchmarks/NOTES.md "PCIe uploads"), then the vocabulary
     units updated on the GPU (the host's AdamW, the bound, loses 13% of its work on
-    Llama-3.1-8B; NOTES.md 15), then FP32 gradient slots (the copy stream
-    runs no cast kernels; Llama-3.1-8B b16 2.38 -> 2.16 s, NOTES.md 14), then with
+    Llama-3.1-8B; NOTES.md "GPU-updated units"), then FP32 gradient slots (the copy stream
+    runs no cast kernels; Llama-3.1-8B b16 2.38 -> 2.16 s, NOTES.md "Gradient downloads"), then with
     device_layers=-1 as many of the lowest layers kept and updated on the GPU as still fit
-    (NOTES.md 17), then with offload and gpu_checkpoints=-1 as many checkpoints as still fit.
+    (NOTES.md "Host AdamW"), then with offload and gpu_checkpoints=-1 as many checkpoints as still fit.
     Each is taken only where the whole configuration then fits in `safety` x the GPU's free
     memory, so an auto choice never causes an OOM the lean choice would not; otherwise the
     3-slot window with as many resident layers as fit, and compute-dtype slots.
@@ -956,7 +956,7 @@ def _choose_placement(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, 
     (resident layers save no host RAM), the vocabulary units on the GPU, then checkpoints
     (a GPU byte for each host byte), then the fewest device layers (12 host bytes for 14 GPU
     bytes) that make the host fit; the room left goes to resident layers (Qwen3-14B on an H200:
-    the window alone left its b8 step bound by uploads, NOTES.md 20), then more device layers.
+    the window alone left its b8 step bound by uploads, NOTES.md "PCIe uploads"), then more device layers.
     If even that does not fit, the disk tier (with a disk directory): the moments of as few
     units as make the host fit, then, where every unit that may go there is not enough, the
     masters of as few of them (disk_master auto; off wherever the moments suffice). Failing

@@ -4,7 +4,7 @@ A full (generation 2) collection walks every tracked object of the process: the 
 modules, parameters' Python wrappers, compiled graphs, the engine's bookkeeping. While it runs
 every Python thread stands still, the compute thread that launches the GPU's kernels included,
 so the GPU runs dry. On the H100 host one such collection inside a Qwen3-4B batch-16 step took
-0.54 s of a 1.06 s step (benchmarks/NOTES.md 19). What is alive after the first step (the
+0.54 s of a 1.06 s step (benchmarks/NOTES.md "GC pauses"). What is alive after the first step (the
 model built, graphs compiled, buffers allocated) lives as long as the run: moved to the
 permanent generation (gc.freeze) it is never walked again, and the collections that remain see
 only what the steps themselves create.

@@ -1,6 +1,6 @@
 """The host's AdamW as one C loop, called without the GIL, that threads take blocks of as they go.
 
-Why not torch's fused CPU kernel or an inductor-compiled one (benchmarks/NOTES.md 17):
+Why not torch's fused CPU kernel or an inductor-compiled one (benchmarks/NOTES.md "Host AdamW"):
   - the GIL: ctypes releases it for the call, so the compute thread keeps launching while
     AdamW runs. The inductor kernel held it, and beside it the GPU's backward ran twice as
     long (Qwen3-4B b8 on the H100 host: a step 1.19 s there, 1.08 s here);
@@ -12,7 +12,7 @@ Why not torch's fused CPU kernel or an inductor-compiled one (benchmarks/NOTES.m
     until it runs again; one core left free does, 4.88 with 15 threads: host_threads.)
 
 The same loop reads BF16 gradients as they landed from the GPU (widened in registers):
-26 B/param of host DRAM instead of 28, and half the gradient download (NOTES.md 16).
+26 B/param of host DRAM instead of 28, and half the gradient download (NOTES.md "Gradient downloads").
 
 The C source below is compiled once per process with the system's C compiler (`CC`, else
 gcc, else cc; -O3 -march=native -fopenmp) into a temporary shared library (its libgomp is
@@ -107,7 +107,7 @@ static inline uint16_t to_bf16(float f) {
 }
 /* The copy w is a buffer this pass never reads: a plain store first reads each cache line
    (read for ownership), so 2 B/param written cost 4 of DRAM, and the pass moved 18 B/param like
-   the split's weights pass (session 17's probe: no faster). Whole 64-byte lines go out with
+   the split's weights pass (the 2026-11-25 probe: no faster). Whole 64-byte lines go out with
    non-temporal stores instead (16 B/param); the ragged ends of a block are stored plainly. The
    fence at each block's end orders them before the block's completion is published. */
 #if defined(__x86_64__) || defined(__i386__)

@@ -95,7 +95,7 @@ class PlainEngine:
                                    impl=self.rt.resolved_head_impl, chunk_tokens=self.rt.head_chunk_tokens)
 
     # ------------------------------------------------------------ timing hooks
-    # Recompute attribution (DESIGN.md section 3): a checkpointed layer's function runs twice,
+    # Recompute attribution (docs/contract.md): a checkpointed layer's function runs twice,
     # once in forward (inside the "forward" span) and once when backward unpacks its saved
     # tensors. The second run is timed as "recompute" for that layer, and the layer's
     # "backward" spans are the window between the gradient arriving at its output and

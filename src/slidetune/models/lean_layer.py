@@ -1,6 +1,6 @@
 """A lean decoder layer: the same arithmetic as the family's HF layer, holding less at once.
 
-What one decoder layer's recompute + backward holds is what binds a small GPU (DESIGN.md 6):
+What one decoder layer's recompute + backward holds is what binds a small GPU:
 HF's Llama-style layer keeps, per token, about 13 d of compute-dtype values for its MLP
 (the norm's FP32 input, its output, gate, up, SiLU(gate), the product) and about 12 d for
 the attention half, so one Qwen3-8B layer at 64K tokens needs ~20 GiB. Two changes, each

@@ -131,7 +131,7 @@ class HostRss:
 
 
 def _file_bytes(part: dict) -> int:
-    """A rank's resident file pages: its own record, or (runs of session 19 that recorded them only
+    """A rank's resident file pages: its own record, or (runs of 2026-11-26 that recorded them only
     there) its last host-memory snapshot (bench.measure's host_memory)."""
     if "rss_file" in part:
         return part["rss_file"]

@@ -90,7 +90,7 @@ class Growth:
     # residuals give the slope's standard error with Student's t at (blocks - 2) degrees of freedom.
     # Blocks, not steps: a step time wanders (a host-bound step follows the host's memory rate for
     # tens of steps), so neighbouring steps are not independent and a per-step error would be far
-    # too narrow. A wander longer than the blocks still narrows it: on the H100 (NOTES 33) two
+    # too narrow. A wander longer than the blocks still narrows it: on the H100 (NOTES.md "Soak") two
     # variants of one call read intervals on opposite sides of zero, so a step time's verdict is
     # read beside another variant's, or over a longer run.
     ci_low_pct: float = 0.0

@@ -4,7 +4,7 @@ Every scenario module exposes
     NAME: str
     def add_arguments(parser: argparse.ArgumentParser) -> None   # scenario-specific flags
     def run(args: argparse.Namespace) -> Path                      # writes results, returns the output dir
-and follows DESIGN.md section 3: one process per configuration (bench.runner.run_isolated),
+and follows docs/contract.md's measurement rules: one process per configuration (bench.runner.run_isolated),
 warm-up excluded, CSV + JSON per step and per layer with machine details in every file,
 PNG plots and a Markdown report (bench.report), and a --smoke size that runs on the CPU
 in under a minute.

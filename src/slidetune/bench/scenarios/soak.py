@@ -11,7 +11,7 @@ machine's from one of the engine's. After
 per 100 steps against --target-pct (0.5: a run of 10,000 steps would grow by 50%), with its 95%
 interval from 10-step block means (telemetry.resources.growth_per_100_steps). The verdict: yes
 (growth above the target ruled out), no (growth above it shown) or unresolved (the series wanders
-too much over this run to tell: a host-bound step time does; NOTES 33).
+too much over this run to tell: a host-bound step time does; NOTES.md "Soak").
 
 Files: samples.csv (every step), growth.csv (per variant and series), results.json (args,
 machine, raw samples), soak.png (each series over the steps, the fit after warm-up) and

@@ -25,7 +25,7 @@ the gradient all-reduce at the bus bandwidth bench.collective probed on N ranks 
 A/B (--variants 'a:;b:key=value', --rounds N): slide runs each variant's RuntimeConfig overrides
 on top of --runtime, alternating (a b a b ...) for N rounds against one floor probe, and the
 report pairs each run with its neighbour of the first variant: a VM's memory bandwidth can move
-by a quarter between two invocations minutes apart (NOTES.md 30), which a pair of separate
+by a quarter between two invocations minutes apart (NOTES.md "Measuring a step"), which a pair of separate
 calls cannot tell from the change under test.
 """
 from __future__ import annotations
@@ -510,7 +510,7 @@ def _run_defaults(dev: str, overrides: dict) -> dict:
     """compile_layers as `slidetune train` resolves it for the runs a benchmark stands for: a step of a
     long run, which compile_policy compiles on CUDA (the default 8B job earns the compile back ~2.7x);
     the few steps a benchmark times would not, and would measure the eager layer instead (Qwen3-8B
-    b16 clipped on the H200: 6,997 eager against 9,074 tokens/s compiled, NOTES.md 38)."""
+    b16 clipped on the H200: 6,997 eager against 9,074 tokens/s compiled, NOTES.md "Compile")."""
     given = overrides.get("compile_layers", "auto")
     return {"compile_layers": ("on" if dev == "cuda" else "off") if given == "auto" else given}
 
@@ -776,7 +776,7 @@ def ab_lines(rows: list[dict]) -> list[str]:
     return ["## A/B: variants run alternately in this call", "",
             "Each round runs every variant once, back to back (A B A B ...), against one floor probe per "
             "workload, so a change in the machine between runs (this VM's DRAM rate moved by a quarter "
-            "within minutes, NOTES.md 30) reaches each variant alike. paired_ratios: a variant's step over "
+            "within minutes, benchmarks/NOTES.md \"Measuring a step\") reaches each variant alike. paired_ratios: a variant's step over "
             "the first variant's in the same round; below 1 is faster.", "",
             *O.md_table(table, ["model", "seq_len", "batch_size", "recipe", "gpus", "variant", "steps_s",
                                 "step_s_mean", "step_over_floor_mean", "step_over_hw_floor_mean", "paired_ratios",

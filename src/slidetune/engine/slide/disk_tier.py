@@ -30,7 +30,7 @@ writes them as each block's update lands). Blocks pass through a few page-locked
                 when every buffer holds a block kept for another entry (an update order the
                 prefetch did not foresee, earliest-deadline-first) is the one furthest ahead
                 dropped and queued again at its turn, so nothing deadlocks and nothing is read
-                over and over (session 17: the old rule, "take back a prefetched block and read
+                over and over (2026-11-25: the old rule, "take back a prefetched block and read
                 it again first", read one unit ~20 times a step on a slow disk).
 
 The directory is scratch space for one run: made at start (with a SCRATCH note saying so),

@@ -680,10 +680,10 @@ class SlideEngine:
         # on (so consuming it frees ring buffers). Queued is not enough: the compute thread
         # runs layers ahead of the GPU, so the newest unit's copy waits for a backward the GPU
         # has not run yet, and a host that picked it would idle while older gradients sit
-        # in the ring (benchmarks/NOTES.md 13). Units that are whole (every chunk landed, or
+        # in the ring (benchmarks/NOTES.md "Pipeline threads"). Units that are whole (every chunk landed, or
         # the ring has room, so the rest is on its way) go first: with the ring full, the
         # newest unit's next chunk waits for a buffer that only its own first chunk's AdamW
-        # frees (NOTES.md 17).
+        # frees (NOTES.md "Pipeline threads").
         order = dict(deadline=unit_index, ready=lambda: _landed(chunks[0]),
                      whole=lambda: self.drainer.has_free_buffer() or all(_landed(c) for c in chunks)
                      ) if self.deadline_order else {}
@@ -780,7 +780,7 @@ class SlideEngine:
                 self.disk.prefetch(i)
         # The summed loss is copied out right after the head, with its own event: reading it
         # waits for that head only. (A float() of a GPU scalar at the end would wait for the
-        # whole backward queued behind it, spinning a core the host's AdamW needs; NOTES.md 14.)
+        # whole backward queued behind it, spinning a core the host's AdamW needs; NOTES.md "Pipeline threads".)
         try:
             host_loss, loss_ready = self._forward_backward(micro_batches, 1.0 / n_tokens, lr)
         except BaseException as e:

@@ -5,7 +5,7 @@ the step's gradient slot gets that sum cast to its dtype. Two ways to the same b
   torch   the first micro-batch's gradients copied to FP32, each next one added with
           `_foreach_add_`, the sum copied into the slot: 6 + 10 (k - 1) + 6 B/param of HBM
           traffic (42 for k = 4, ~2.3 ms a Qwen3-8B layer on the H100: the GPU gaps between the
-          micro-batches' recomputes in a clip+accum4 step, NOTES.md 30);
+          micro-batches' recomputes in a clip+accum4 step, NOTES.md "Accumulation");
   fused   the compute-dtype gradients of up to MAX_HELD micro-batches kept as autograd returned
           them and summed by one Triton pass a parameter (ops/triton_grad_sum.py), the last
           straight into the slot: 2k + 2 B/param for k <= MAX_HELD (10 for k = 4); more

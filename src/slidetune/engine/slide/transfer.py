@@ -2,7 +2,7 @@
 
 Two ways to convert between the FP32 host state and the compute dtype:
 
-cast on "cpu" (DESIGN.md's original plan): FP32 master chunk -> cast into a pinned
+cast on "cpu" (the original design): FP32 master chunk -> cast into a pinned
   compute-dtype ring buffer on CPU threads -> H2D into the unit's GPU slot; gradients
   come down in the compute dtype and CPU threads convert them to FP32.
 cast on "gpu" (default on CUDA): the FP32 master is page-locked in place

@@ -100,7 +100,7 @@ class DeadlineWorker(Worker):
     embedding, but the next forward needs the updates in the opposite order. A FIFO host
     thread updates layer 0 and the embedding last, so the next forward starts only once
     every update of the step is done, and the CPU idles through the next forward and the
-    head (benchmarks/NOTES.md 11). Earliest deadline first (deadline = position in the next
+    head (benchmarks/NOTES.md "Update order"). Earliest deadline first (deadline = position in the next
     forward) updates the most recently released unit first and leaves the upper layers,
     needed late in the next forward, to run while that forward computes.
 
@@ -111,7 +111,7 @@ class DeadlineWorker(Worker):
     whose `whole()` is true (the host's: every chunk landed, or the rest is on its way) go
     before the others: a host that took the newest unit while the ring was full would
     free a buffer for its next chunk only by finishing the first, then wait for that copy
-    (~4 ms a Qwen3-4B layer in the backward, NOTES.md 17), while whole units sat in the
+    (~4 ms a Qwen3-4B layer in the backward, NOTES.md "Update order"), while whole units sat in the
     ring. A job without `whole` counts as whole. `whole` only orders ready jobs, so it
     cannot hold the worker up. The D2H issuer,
     itself earliest-deadline-first, issues one unit at a time, so a ready job is either
