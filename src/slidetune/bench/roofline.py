@@ -20,6 +20,7 @@ the layer's own shapes and attention at SDPA's rate at the workload's shape, bot
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import queue
@@ -38,7 +39,7 @@ from ..engine.config import RuntimeConfig
 from ..engine.distributed import plan_owners, shared_layout
 from ..engine.placement import PlacementPlan, shapes_from_counts
 from ..models.load import RandomInit, load_model
-from ..models.units import SplitModel, run_layer
+from ..models.units import SplitModel
 from ..telemetry.flops import (FLASH_BACKWARD_OVER_FORWARD, StepFlops, attention_width, causal_attention_flops,
                                step_flops, train_flops_per_token)
 from .collective import allgather_seconds, allreduce_term
@@ -285,11 +286,17 @@ def probe_device_adamw(n: int = 64 * 2**20, chunk: int = 64 * 2**20) -> dict:
 
 
 def probe_compute(model: str, batch: int, seq: int, num_layers: int | None = None,
-                  head_impl: str = "chunked", head_chunk_tokens: int = 4096, compile_layers: bool = False) -> dict:
-    """Times of one resident layer and of head/embedding, in bf16 on the GPU.
+                  head_impl: str = "chunked", head_chunk_tokens: int = 4096, compile_layers: bool = False,
+                  lean_row_tokens: int = 16384, mlp_tile_tokens: int = 8192) -> dict:
+    """Times of one resident layer and of head/embedding, in bf16 on the GPU, each run as the slide
+    engine runs it: the layer through the engine's LayerRunner, HF's layer and, where the family's
+    layer can run lean, the lean one too (lean_layer_*_s: the floor of a run that resolved
+    lean_layer on takes those, compute_of_run), the head through head_loss_and_grads.
 
-    compile_layers: time the layer as the slide engine runs it with that option
-    (torch.compile'd; the compile itself falls in the untimed warm-up calls)."""
+    compile_layers: the layers torch.compile'd (the compile itself falls in the untimed warm-up
+    calls)."""
+    from ..engine.fit import lean_support_reason
+    from ..engine.slide.layer_runner import LayerRunner
     dev = torch.device("cuda")
     dtype = torch.bfloat16
     loaded = load_model(model, num_layers=num_layers, with_tokenizer=False)
@@ -310,46 +317,60 @@ def probe_compute(model: str, batch: int, seq: int, num_layers: int | None = Non
     g = torch.randn_like(x)
     ids = torch.randint(0, split.config.vocab_size, (batch, seq), device=dev)
     labels = torch.randint(0, split.config.vocab_size, (batch, seq), device=dev)
+    untimed = dataclasses.make_dataclass("Untimed", [])()
+    untimed.span = lambda *_: contextlib.nullcontext()
 
-    run = split.layer_forward
-    if compile_layers:
-        compiled = torch.compile(run_layer, dynamic=False)
-        template = split.layer_template(0)
-        run = lambda i, p, h, kw: compiled(template, p, h, kw)  # noqa: E731
+    def layer_times(lean: str) -> tuple[float, float]:
+        rt = RuntimeConfig(mode="slide", device="cuda", dtype="bf16", compile_layers="on" if compile_layers else "off",
+                           lean_layer=lean, layer_row_tokens=lean_row_tokens, mlp_tile_tokens=mlp_tile_tokens)
+        runner = LayerRunner(split, rt, dev)
 
-    def fwd():
-        with torch.no_grad():
-            run(0, layer, x, kwargs[0])
+        def fwd():
+            with torch.no_grad():
+                runner.forward(0, layer, x, kwargs[0])
 
-    def recompute_backward():
-        xi = x.detach().requires_grad_(True)
-        out = run(0, layer, xi, kwargs[0])
-        torch.autograd.grad(out, [xi] + list(layer.values()), g)
+        def recompute_backward():
+            runner.recompute_backward(0, layer, x, g.clone(), kwargs[0], untimed)     # consumes its dy
+        return _time_cuda(fwd), _time_cuda(recompute_backward)
 
     def head_fb():
-        xh = x.detach().requires_grad_(True)
         tied = embed["weight"] if split.tied else None
-        loss = split.head_loss(head, xh, labels, lm_weight=tied, impl=head_impl, chunk_tokens=head_chunk_tokens)
-        wrt = [xh] + list(head.values()) + ([tied] if tied is not None else [])
-        torch.autograd.grad(loss, wrt)
+        split.head_loss_and_grads(head, x, labels, 1.0 / (batch * seq), lm_weight=tied, impl=head_impl,
+                                  chunk_tokens=head_chunk_tokens)
 
     def embed_fb():
         e = split.embed_forward(embed, ids)
         torch.autograd.grad(e, [embed["weight"]], g)
 
-    t_fwd = _time_cuda(fwd)
-    t_rb = _time_cuda(recompute_backward)
+    t_fwd, t_rb = layer_times("off")
+    lean = {}
+    if lean_support_reason(split) is None:
+        lean_fwd, lean_rb = layer_times("on")
+        lean = {"lean_layer_forward_s": lean_fwd, "lean_layer_recompute_backward_s": lean_rb}
     t_head = _time_cuda(head_fb)
     t_embed = _time_cuda(embed_fb)
     L = split.num_layers
     compute = L * (t_fwd + t_rb) + t_head + t_embed
     flops = train_flops_per_token(split, seq) * batch * seq
-    return {"layer_forward_s": t_fwd, "layer_recompute_backward_s": t_rb, "head_s": t_head, "embed_s": t_embed,
-            "compute_s": compute, "model_tflops_at_floor": flops / compute / 1e12,
+    return {"layer_forward_s": t_fwd, "layer_recompute_backward_s": t_rb, **lean, "head_s": t_head,
+            "embed_s": t_embed, "compute_s": compute, "model_tflops_at_floor": flops / compute / 1e12,
             "params": split.num_params(), "layer_params": split.layer_units[0].numel,
             "vocab_params": split.embed_unit.numel + split.head_unit.numel, "num_layers": L,
             "embed_params": split.embed_unit.numel,
             "compile_layers": compile_layers}
+
+
+def compute_of_run(comp: dict, runtime: dict | None) -> dict:
+    """The compute probe as a run used it: where the run resolved lean_layer on, the lean layer's
+    times in place of HF's (and compute_s with them); else the probe as it is."""
+    if not runtime or runtime.get("lean_layer") != "on" or "lean_layer_recompute_backward_s" not in comp:
+        return comp
+    out = {**comp, "layer_forward_s": comp["lean_layer_forward_s"],
+           "layer_recompute_backward_s": comp["lean_layer_recompute_backward_s"]}
+    out["compute_s"] = comp["compute_s"] + comp["num_layers"] * (
+        out["layer_forward_s"] + out["layer_recompute_backward_s"] - comp["layer_forward_s"]
+        - comp["layer_recompute_backward_s"])
+    return out
 
 
 # ---------------------------------------------------------------- the hardware floor's rates

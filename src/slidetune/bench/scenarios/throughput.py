@@ -45,7 +45,7 @@ from ..baselines.deepspeed_zero3 import availability as ds_availability
 from ..baselines.fsdp2 import FSDP2Spec
 from ..baselines.proc import parse_oom, run_worker
 from ..measure import MeasureSpec, lane_busy_fraction
-from ..roofline import floor_terms, hardware_compute, plan_of_runtime
+from ..roofline import compute_of_run, floor_terms, hardware_compute, plan_of_runtime
 from ..report import pipeline_rows
 from ..runner import run_isolated
 from . import add_common_arguments, common
@@ -701,7 +701,9 @@ def _hardware_floor(system: str, r: dict, fl: dict, recipe: dict, collective: di
     if not hw or fl.get("partial") or not fl.get("compute"):
         return None, None, {}
     rc = recomputed_layers_of(system, r, len(hw["flops"]["layer_matmul"]))
-    comp = {**fl["compute"], **hardware_compute(hw, rc)}
+    # the GPU's rates in place of any layer's timing (the lean layer's too: compute_of_run leaves it)
+    probed = {k: v for k, v in fl["compute"].items() if not k.startswith("lean_layer_")}
+    comp = {**probed, **hardware_compute(hw, rc)}
     if system == "slide" and r.get("runtime"):
         return _floor(system, r, {**fl, "compute": comp}, recipe, collective, ranks)
     # the probe's own placement (every unit on the host): its compute term, replaced
@@ -721,8 +723,9 @@ def _floor(system: str, r: dict, fl: dict, recipe: dict, collective: dict | None
     floor_s, bound, terms = fl.get("floor_s"), fl.get("bound_by"), dict(fl.get("terms") or {})
     rt = r.get("runtime")
     if system == "slide" and rt and not fl.get("partial"):
-        plan = plan_of_runtime(fl["compute"], rt, clipped=bool(recipe["max_grad_norm"]))
-        terms = floor_terms(fl["compute"], fl["copy"], fl["adamw"], plan, device_adamw=fl.get("device_adamw"),
+        comp = compute_of_run(fl["compute"], rt)          # the layer the run ran: HF's or the lean one
+        plan = plan_of_runtime(comp, rt, clipped=bool(recipe["max_grad_norm"]))
+        terms = floor_terms(comp, fl["copy"], fl["adamw"], plan, device_adamw=fl.get("device_adamw"),
                             disk=fl.get("disk"), split_sweep=rt.get("clip_sweep") != "whole",
                             collective=collective, ranks=ranks,
                             # a run recorded before dp_weights existed uploaded from every rank
