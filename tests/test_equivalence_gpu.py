@@ -75,6 +75,10 @@ GPU_RUNS = {
     # the lean layer (lean RMSNorms, the MLP in tiles of 20 tokens), eager and compiled
     "slide-deferred-accum2-clip-lean-mlp-tiles": ("slide", "deferred", 2, 0.5, True,
                                                   {"lean_layer": "on", "mlp_tile_tokens": 20}),
+    # ... in row tiles of one sequence (the whole layer a sequence at a time), compiled
+    "slide-deferred-accum2-clip-lean-row-tiles-compiled": ("slide", "deferred", 2, 0.5, True,
+                                                           {"lean_layer": "on", "mlp_tile_tokens": 20,
+                                                            "layer_row_tokens": 24, "compile_layers": True}),
     "slide-eager-resident-lean-compiled": ("slide", "eager", 1, None, False,
                                            {"cache_units": 0, "lean_layer": "on", "mlp_tile_tokens": 20,
                                             "compile_layers": True}),

@@ -104,6 +104,8 @@ run_job() {
            timeout 240 bash -c "python -m pytest -q tests/test_equivalence_gpu.py ${EQ_ARGS:-}" > $R/gpu_equivalence_tests.txt 2>&1
            # the CUDA-only kernel tests (the fused gradient sum's Triton pass against torch)
            timeout 120 python -m pytest -q tests/test_grad_sum.py >> $R/gpu_equivalence_tests.txt 2>&1
+           # the head's kernels on the GPU (fused and chunked, the final norm inside the chunks)
+           timeout 120 python -m pytest -q -m gpu tests/test_cross_entropy.py >> $R/gpu_equivalence_tests.txt 2>&1
            tail -3 $R/gpu_equivalence_tests.txt ;;
     runtime) python -m slidetune.cli bench runtime --out $R/runtime --parts ${RUNTIME_PARTS:-memory,big} ;;
     throughput) python -m slidetune.cli bench throughput --out $R/throughput ${THROUGHPUT_ARGS:-} ;;
