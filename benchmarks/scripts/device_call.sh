@@ -101,7 +101,7 @@ run_job() {
            timeout 400 python -m pytest -q -rs tests/test_lean_layer.py -m gpu > $R/lean_kernels_tests.txt 2>&1
            tail -5 $R/lean_kernels_tests.txt ;;
     equivalence) # bash -c parses EQ_ARGS' quotes (EQ_ARGS="-k 'disk or held2'")
-           timeout 240 bash -c "python -m pytest -q tests/test_equivalence_gpu.py ${EQ_ARGS:-}" > $R/gpu_equivalence_tests.txt 2>&1
+           timeout 420 bash -c "python -m pytest -q tests/test_equivalence_gpu.py ${EQ_ARGS:-}" > $R/gpu_equivalence_tests.txt 2>&1
            # the CUDA-only kernel tests (the fused gradient sum's Triton pass against torch)
            timeout 120 python -m pytest -q tests/test_grad_sum.py >> $R/gpu_equivalence_tests.txt 2>&1
            # the head's kernels on the GPU (fused and chunked, the final norm inside the chunks)
