@@ -6,7 +6,7 @@ import math
 import pytest
 
 from slidetune.bench.measure import MeasureSpec, measure
-from slidetune.bench.scenarios.common import read_csv, read_csv_machine
+from slidetune.bench.output import read_csv, read_csv_machine
 from slidetune.cli import main
 
 
@@ -58,7 +58,7 @@ def test_steps_record_gc_pauses_and_allocator_events(tmp_path):
     per-run steps.csv carries them. On the CPU the allocator columns stay empty."""
     import gc
     from slidetune.bench.measure import GCPauses
-    from slidetune.bench.scenarios import common
+    from slidetune.bench.tables import write_tables
     pauses = GCPauses()
     try:
         gc.collect()
@@ -73,18 +73,18 @@ def test_steps_record_gc_pauses_and_allocator_events(tmp_path):
     r = measure(spec)
     assert all(s["gc_s"] >= 0 and s["gc_gen2"] >= 0 and s["alloc"] == {} for s in r["steps"])
     assert not any(c.__self__.__class__ is GCPauses for c in gc.callbacks if hasattr(c, "__self__"))
-    common.write_tables(tmp_path, [r], r["machine"])
-    rows = common.read_csv(tmp_path / "steps.csv")
+    write_tables(tmp_path, [r], r["machine"])
+    rows = read_csv(tmp_path / "steps.csv")
     assert len(rows) == 3 and all(float(row["gc_s"]) >= 0 and row["alloc_retries"] in ("", None) for row in rows)
 
 
 def test_step_timeline_table_and_plot(tmp_path):
-    from slidetune.bench.report import draw, load
-    from slidetune.bench.scenarios import common
+    from slidetune.bench.measure_report import draw, load
+    from slidetune.bench.tables import write_tables
     spec = MeasureSpec(model="tiny-llama", seq_len=16, batch_size=2, steps=1, warmup=1,
                        runtime=dict(device="cpu", mode="slide"))
     r = measure(spec)
-    common.write_tables(tmp_path, [r], r["machine"])
+    write_tables(tmp_path, [r], r["machine"])
     data = load(tmp_path)
     assert data["step_timeline"] and {row["lane"] for row in data["step_timeline"]} >= {"gpu", "host"}
     paths = draw(tmp_path, {**data, "doc": {"scenario": "throughput", "results": []}})

@@ -13,7 +13,7 @@ import torch
 
 from slidetune.bench.report import main_report, write_report
 from slidetune.bench.scenarios import add_common_arguments, scenario_module
-from slidetune.bench.scenarios.common import read_csv, read_csv_machine
+from slidetune.bench.output import read_csv, read_csv_machine
 
 CSVS = ("summary.csv", "steps.csv", "layers.csv", "memory_timeline.csv")
 PLOTS = ("time_breakdown.png", "peak_memory.png", "memory_timeline.png", "per_layer_times.png",

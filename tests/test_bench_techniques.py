@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from slidetune.bench.baselines.proc import parse_oom
-from slidetune.bench.scenarios.common import read_csv, read_csv_machine
+from slidetune.bench.output import read_csv, read_csv_machine
 from slidetune.bench.scenarios.techniques import find_max_batch
 from slidetune.ops.attention import band_mask
 

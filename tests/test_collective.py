@@ -187,7 +187,7 @@ def test_bench_throughput_gpus_1_2_on_cpu(tmp_path):
     a row per rank count, the 2-rank one on 2 gloo processes with its floor's all-reduce term from
     the probe run in the same call, its scaling efficiency and the host's RSS over both ranks."""
     from slidetune.bench.scenarios import throughput
-    from slidetune.bench.scenarios.common import read_csv
+    from slidetune.bench.output import read_csv
     out = throughput.run(_args(throughput, ["--smoke", "--out", str(tmp_path), "--models", "tiny-qwen3",
                                             "--systems", "slide", "--recipes", "clip", "--gpus", "1,2"]))
     rows = {int(r["gpus"]): r for r in read_csv(out / "throughput.csv")}

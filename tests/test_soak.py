@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from slidetune.bench.scenarios.common import read_csv
+from slidetune.bench.output import read_csv
 from slidetune.cli import main
 from slidetune.models.presets import tiny_config
 from slidetune.telemetry.resources import growth_per_100_steps

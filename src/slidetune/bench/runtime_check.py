@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from .measure import MeasureSpec
+from .output import fmt, md_table, write_csv
 from .runner import run_isolated
 
 SUMMARY_COLUMNS = ["name", "status", "model", "num_layers", "mode", "batch_size", "seq_len", "offload",
@@ -89,7 +90,6 @@ def run(out_dir: Path, smoke: bool = False, big_model: str = "qwen3-8b", big_bat
     machine = next((r["machine"] for r in results if "machine" in r), {})
     (out_dir / "results.json").write_text(json.dumps({"machine": machine, "checks": checks,
                                                       "results": results}, indent=1, default=float))
-    from .scenarios.common import write_csv
     write_csv(out_dir / "results.csv", [_flat(r) for r in results], SUMMARY_COLUMNS, machine)
     from .plots import plot_pipeline_lanes
     for r in results:
@@ -124,17 +124,16 @@ def evaluate_checks(results: list[dict], smoke: bool) -> dict:
 
 
 def _report(machine: dict, results: list[dict], checks: dict) -> str:
-    lines = ["# Runtime checks", "", "Machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()), "",
-             "| config | status | layers | mode | offload | step s (mean ± std) | tokens/s | model TFLOPS | "
-             "GPU peak alloc GiB | GPU peak reserved GiB | host peak RSS GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        f = _flat(r)
-        fmt = lambda v, p=2: "" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))  # noqa: E731
-        lines.append(f"| {f['name']} | {f['status']} | {fmt(f['num_layers'])} | {f['mode']} | {f['offload']} | "
-                     f"{fmt(f['step_s_mean'], 3)} ± {fmt(f['step_s_std'], 3)} | {fmt(f['tokens_per_s'], 0)} | "
-                     f"{fmt(f['model_tflops'], 1)} | {fmt(f['gpu_peak_alloc_gib'])} | "
-                     f"{fmt(f['gpu_peak_reserved_gib'])} | {fmt(f['cpu_peak_rss_gib'])} |")
+    def cell(v, digits: int = 2) -> str:
+        return fmt(v, digits, missing="")
+
+    rows = [[f["name"], f["status"], cell(f["num_layers"]), f["mode"], f["offload"],
+             f"{cell(f['step_s_mean'], 3)} ± {cell(f['step_s_std'], 3)}", cell(f["tokens_per_s"], 0),
+             cell(f["model_tflops"], 1), cell(f["gpu_peak_alloc_gib"]), cell(f["gpu_peak_reserved_gib"]),
+             cell(f["cpu_peak_rss_gib"])] for f in map(_flat, results)]
+    lines = ["# Runtime checks", "", "Machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()), ""]
+    lines += md_table(rows, ["config", "status", "layers", "mode", "offload", "step s (mean ± std)", "tokens/s",
+                             "model TFLOPS", "GPU peak alloc GiB", "GPU peak reserved GiB", "host peak RSS GiB"])
     lines += ["", "Statistics exclude warm-up steps; each configuration ran in its own process.", "",
               "## Checks", "", "```json", json.dumps(checks, indent=1, default=float), "```", ""]
     ov_rows = [(r["spec"]["name"], r["overlap_mean"]) for r in results if r.get("overlap_mean")]

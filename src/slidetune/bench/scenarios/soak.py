@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ...telemetry.resources import CONTEXT, GROWTH_BLOCK, SERIES, Growth, growth_per_100_steps
 from ..baselines.proc import run_worker
+from ..output import machine_of, write_csv
 from ..soak import SoakSpec
 from . import common, parse_gib
 from .pipeline import parse_variants
@@ -208,10 +209,10 @@ def write_outputs(out: Path, args: argparse.Namespace, results: list[dict], warm
     growth rows, whose verdicts are printed where a series is not within the target."""
     ok = [r for r in results if r.get("status") in ("ok", "partial")]
     growth = [row for r in ok for row in fit_growth(r, warmup, args.target_pct)]
-    machine = common.machine_of(results)
-    common.write_csv(out / "samples.csv", [{"variant": r["spec"]["name"], **s} for r in ok for s in r["samples"]],
+    machine = machine_of(results)
+    write_csv(out / "samples.csv", [{"variant": r["spec"]["name"], **s} for r in ok for s in r["samples"]],
                      SAMPLE_COLUMNS, machine)
-    common.write_csv(out / "growth.csv", growth, GROWTH_COLUMNS, machine)
+    write_csv(out / "growth.csv", growth, GROWTH_COLUMNS, machine)
     argd = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
             if isinstance(v, (str, int, float, bool, type(None), Path))}
     (out / "results.json").write_text(json.dumps({"scenario": NAME, "machine": machine, "args": argd,

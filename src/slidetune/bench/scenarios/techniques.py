@@ -35,9 +35,11 @@ from typing import Callable
 
 import torch
 
-from ..baselines import outputs as O
+from .. import output as O
 from ..baselines.hf_train import TechniqueSpec
 from ..baselines.proc import run_worker
+from ..plots import bar_plot, pareto_front, pareto_plot
+from ..tables import config_name
 from . import add_common_arguments, common
 
 NAME = "techniques"
@@ -497,17 +499,17 @@ def render(out: Path, doc: dict, plots: bool = True, compare_seeds: bool = False
         by = {(r["technique"], r["regime"]): r for r in rows}
         regimes = [g for g in ("same", "max") if any((n, g) in by for n in names)]
         series = lambda key: {g: [by.get((n, g), {}).get(key) for n in names] for g in regimes}  # noqa: E731
-        O.bar_plot(out / "peak_memory.png", names, series("peak_gib"), mem_label, "Peak memory per technique")
-        O.bar_plot(out / "throughput.png", names, series("tokens_per_s"), "tokens/s", "Training throughput")
-        O.bar_plot(out / "perplexity.png", names, series("perplexity"), "held-out perplexity",
-                   f"Perplexity after {S['steps']} steps")
-        O.bar_plot(out / "max_batch.png", names, {"largest batch": [max_batch[n] for n in names]},
-                   "batch size", "Largest batch (doubling + bisection, one process per probe)")
+        bar_plot(out / "peak_memory.png", names, series("peak_gib"), mem_label, "Peak memory per technique")
+        bar_plot(out / "throughput.png", names, series("tokens_per_s"), "tokens/s", "Training throughput")
+        bar_plot(out / "perplexity.png", names, series("perplexity"), "held-out perplexity",
+                 f"Perplexity after {S['steps']} steps")
+        bar_plot(out / "max_batch.png", names, {"largest batch": [max_batch[n] for n in names]},
+                 "batch size", "Largest batch (doubling + bisection, one process per probe)")
     points = [(f"{r['technique']} ({r['regime']})", r["peak_gib"], r["perplexity"]) for r in rows
               if r["status"] == "ok"]
-    front = O.pareto_plot(out / "pareto.png", points, mem_label, "held-out perplexity",
-                          "Memory vs quality (lower-left is better)") if plots else \
-        O.pareto_front(points)
+    front = pareto_plot(out / "pareto.png", points, mem_label, "held-out perplexity",
+                        "Memory vs quality (lower-left is better)") if plots else \
+        pareto_front(points)
     done = [r for r in rows if r["status"] != "pending"]
     pending = [f"{r['technique']} {r['regime']}" + (f" (b={r['batch_size']})" if r["batch_size"] else
                                                     " (largest-batch search)") for r in rows
@@ -565,7 +567,7 @@ def render(out: Path, doc: dict, plots: bool = True, compare_seeds: bool = False
     per_run = _per_run(doc)
     if per_run:
         if plots:
-            base = next((common.config_name(r) for r in per_run if r["spec"]["name"] == "fp32"), None)
+            base = next((config_name(r) for r in per_run if r["spec"]["name"] == "fp32"), None)
             common.write_per_run(out / "per_run", per_run, machine, baseline=base, scenario="techniques")
         lines += ["## Per layer (same-batch runs)", "",
                   "`per_run/`: the scenarios' common CSVs and plots for the same-batch runs: time breakdown, peaks, "

@@ -40,14 +40,15 @@ import torch
 
 from ...engine.placement import resolved_disk_buffers
 from ...telemetry.flops import StepFlops
-from ..baselines import outputs as O
+from .. import output as O
 from ..baselines.deepspeed_zero3 import availability as ds_availability
 from ..baselines.fsdp2 import FSDP2Spec
 from ..baselines.proc import parse_oom, run_worker
 from ..measure import MeasureSpec, lane_busy_fraction
+from ..plots import bar_plot, pareto_plot
 from ..roofline import floor_terms, hardware_compute, plan_of_runtime
-from ..report import pipeline_rows
 from ..runner import run_isolated
+from ..tables import config_name, pipeline_rows
 from . import add_common_arguments, common
 from .roofline import measure_floor
 
@@ -904,14 +905,14 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
     systems = list(dict.fromkeys(series))
     by = {(lab, s): r for lab, s, r in zip(labels, series, rows)}
     ser = lambda k: {s: [by.get((lab, s), {}).get(k) for lab in keys] for s in systems}  # noqa: E731
-    O.bar_plot(out / "tokens_per_s.png", keys, ser("tokens_per_s"), "tokens/s", "Throughput (x = OOM / not run)")
-    O.bar_plot(out / "model_tflops.png", keys, ser("model_tflops"), "model TFLOPS", "Model TFLOPS (6N + attention)")
-    O.bar_plot(out / "gpu_peak.png", keys, ser("gpu_peak_alloc_gib"), "GiB", "Peak GPU allocated")
-    O.bar_plot(out / "cpu_peak.png", keys, ser("cpu_peak_rss_gib"), "GiB", "Peak host RSS")
-    O.bar_plot(out / "step_over_floor.png", keys, ser("step_over_floor"), "step time / floor", "Step time over the floor")
-    O.pareto_plot(out / "pareto.png", [(f"{s} {lab}", by[(lab, s)].get("gpu_peak_alloc_gib") or by[(lab, s)].get(
-        "cpu_peak_rss_gib"), by[(lab, s)].get("tokens_per_s")) for (lab, s) in by], "peak memory GiB", "tokens/s",
-        "Memory vs throughput", lower_y_better=False)
+    bar_plot(out / "tokens_per_s.png", keys, ser("tokens_per_s"), "tokens/s", "Throughput (x = OOM / not run)")
+    bar_plot(out / "model_tflops.png", keys, ser("model_tflops"), "model TFLOPS", "Model TFLOPS (6N + attention)")
+    bar_plot(out / "gpu_peak.png", keys, ser("gpu_peak_alloc_gib"), "GiB", "Peak GPU allocated")
+    bar_plot(out / "cpu_peak.png", keys, ser("cpu_peak_rss_gib"), "GiB", "Peak host RSS")
+    bar_plot(out / "step_over_floor.png", keys, ser("step_over_floor"), "step time / floor", "Step time over the floor")
+    pareto_plot(out / "pareto.png", [(f"{s} {lab}", by[(lab, s)].get("gpu_peak_alloc_gib") or by[(lab, s)].get(
+      "cpu_peak_rss_gib"), by[(lab, s)].get("tokens_per_s")) for (lab, s) in by], "peak memory GiB", "tokens/s",
+      "Memory vs throughput", lower_y_better=False)
     lines = ["# Throughput: slide mode vs the alternatives", "", *O.machine_lines(machine), "",
              "Model TFLOPS = tokens/s x (6 N_matmul + 6 L S d_att) / 1e12 per token (telemetry/flops.py: the "
              "weights' 6N plus the causal half of attention; recomputation not counted). Every row ran in its own "
@@ -947,11 +948,11 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
         lines += _limits_lines(rows, limits)
     if scaled:
         lines += _scaling_lines(rows, collectives)
-        O.bar_plot(out / "scaling.png", keys, {f"x{n}": [next((r.get("tokens_per_s") for r, lab in zip(rows, labels)
-                                                               if lab == k and r["system"] == "slide"
-                                                               and int(r.get("gpus") or 1) == n), None) for k in keys]
-                                               for n in sorted({int(r.get("gpus") or 1) for r in rows})},
-                   "tokens/s (all GPUs)", "slide on N GPUs of one host (batch per GPU fixed)")
+        bar_plot(out / "scaling.png", keys, {f"x{n}": [next((r.get("tokens_per_s") for r, lab in zip(rows, labels)
+                                                             if lab == k and r["system"] == "slide"
+                                                             and int(r.get("gpus") or 1) == n), None) for k in keys]
+                                             for n in sorted({int(r.get("gpus") or 1) for r in rows})},
+                 "tokens/s (all GPUs)", "slide on N GPUs of one host (batch per GPU fixed)")
     timed = [r for r in rows if r.get("host_adamw_s") is not None]
     if timed:
         lines += ["", "Where a slide step goes (host timeline, seconds per step): the host worker's AdamW and its "
@@ -977,7 +978,7 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
     lines += ["", "Plots: tokens_per_s.png, model_tflops.png, gpu_peak.png, cpu_peak.png, step_over_floor.png, "
               "pareto.png" + (", scaling.png" if scaled else ""), ""]
     if per_run:
-        slide = next((common.config_name(r) for r in per_run if r.get("status") == "ok"
+        slide = next((config_name(r) for r in per_run if r.get("status") == "ok"
                       and r["spec"].get("runtime", {}).get("mode") == "slide"), None)
         pngs = common.write_per_run(out / "per_run", per_run, machine, baseline=slide, scenario="throughput")
         lines += ["Per run (`per_run/`: steps, per-layer spans, memory timeline, summary CSVs): time breakdown "
