@@ -289,8 +289,25 @@ def test_a_machine_value_with_line_breaks_stays_one_comment_line(tmp_path):
     """nvidia-smi's driver query answers one line per GPU: on a 2-GPU host a raw value with a line
     break ended the comment block, and its second line became the CSV's header (the scaling run's
     memory-timeline plot then failed with KeyError 'config')."""
-    from slidetune.bench.scenarios.common import read_csv, read_csv_machine, write_csv
+    from slidetune.bench.output import read_csv, read_csv_machine, write_csv
     path = write_csv(tmp_path / "t.csv", [{"config": "a", "n": 1}], ["config", "n"],
                      {"driver": "580.159.04\n580.159.04", "gpu": "H100"})
     assert read_csv(path) == [{"config": "a", "n": "1"}]
     assert read_csv_machine(path) == {"driver": "580.159.04 / 580.159.04", "gpu": "H100"}
+
+
+def test_the_throughput_sweep_lists_its_runs_in_the_order_they_run():
+    """Per workload and rank count: each system; on 2 ranks slide alone; the baselines once (plain),
+    slide every recipe, an A/B's variants back to back within each round."""
+    from slidetune.bench.scenarios.throughput import parse_recipe, sweep
+    plain, clip = parse_recipe("plain"), parse_recipe("clip")
+    runs = sweep(["m"], [64], [2, 4], [1, 2], ["slide", "fsdp2"], [plain, clip], [("a", {"x": 1}), ("b", {})], 2)
+    assert [(r.batch, r.gpus, r.system, r.round, r.recipe["name"], r.variant) for r in runs[:9]] == [
+        (2, 1, "slide", 1, "plain", "a"), (2, 1, "slide", 1, "plain", "b"),
+        (2, 1, "slide", 1, "clip", "a"), (2, 1, "slide", 1, "clip", "b"),
+        (2, 1, "slide", 2, "plain", "a"), (2, 1, "slide", 2, "plain", "b"),
+        (2, 1, "slide", 2, "clip", "a"), (2, 1, "slide", 2, "clip", "b"),
+        (2, 1, "fsdp2", 1, "plain", "")]
+    assert runs[0].overrides == {"x": 1} and runs[8].overrides == {}
+    assert [r.system for r in runs if r.gpus == 2] == ["slide"] * 16
+    assert len(runs) == 2 * (9 + 8) and runs[17].batch == 4

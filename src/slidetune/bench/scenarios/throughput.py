@@ -201,28 +201,24 @@ def run(args: argparse.Namespace) -> Path:
               f"{O.fmt(rows[-1].get('tokens_per_s'), 0)} tok/s step/floor {O.fmt(rows[-1].get('step_over_floor'))} "
               f"step/hw-floor {O.fmt(rows[-1].get('step_over_hw_floor'))}", flush=True)
 
-    for model in models:
-        for seq in seqs:
-            fpt = _flops_per_token(model, layers, seq)
-            for batch in batches:
-                fl = floor_of(model, batch, seq)
-                for n in gpus:
-                    coll = None
-                    if n > 1 and not args.no_floor:
-                        ckey = f"{model}/n{n}"
-                        if ckey not in collectives:
-                            collectives[ckey] = probe_collective_for(model, layers, n, dev, args.timeout)
-                            _print_collective(ckey, collectives[ckey])
-                        coll = collectives[ckey]
-                    for system in (systems if n == 1 else [s for s in systems if s == "slide"]):
-                        # the baselines' workers run a plain step: once per workload
-                        recs = recipes if system in ("slide", "gpu-ckpt") else [parse_recipe("plain")]
-                        # an A/B: each round runs every recipe's variants back to back (slide only)
-                        vs = variants if system == "slide" else [("", {})]
-                        for rnd in range(1, (rounds if system == "slide" else 1) + 1):
-                            for rec in recs:
-                                for vname, vover in vs:
-                                    measure_one(system, model, batch, seq, fpt, fl, rec, n, coll, vname, vover, rnd)
+    def collective_of(model: str, n: int) -> dict | None:
+        """The collective probe of `n` ranks (one per model and rank count), None on one rank."""
+        if n == 1 or args.no_floor:
+            return None
+        ckey = f"{model}/n{n}"
+        if ckey not in collectives:
+            collectives[ckey] = probe_collective_for(model, layers, n, dev, args.timeout)
+            _print_collective(ckey, collectives[ckey])
+        return collectives[ckey]
+
+    flops: dict[tuple[str, int], float | None] = {}
+    for c in sweep(models, seqs, batches, gpus, systems, recipes, variants, rounds):
+        # each probe runs once, just before the first run that needs it
+        if (c.model, c.seq) not in flops:
+            flops[c.model, c.seq] = _flops_per_token(c.model, layers, c.seq)
+        fl = floor_of(c.model, c.batch, c.seq)
+        measure_one(c.system, c.model, c.batch, c.seq, flops[c.model, c.seq], fl, c.recipe, c.gpus,
+                    collective_of(c.model, c.gpus), c.variant, c.overrides, c.round)
     if args.max_seq or args.max_batch:
         # slide at the limits the fit check allows on this machine's budget (engine.limits), per recipe
         for model in models:
@@ -251,6 +247,34 @@ def run(args: argparse.Namespace) -> Path:
     _write(out, rows, raw, floors, cuda, slide_runtime=args.runtime, per_run=per_run, collectives=collectives,
            limits=limits)
     return out
+
+
+class SweepRun(NamedTuple):
+    """One run of the sweep: a system at a workload, on `gpus` ranks, in one recipe, A/B variant and round."""
+    model: str
+    seq: int
+    batch: int
+    gpus: int
+    system: str
+    round: int
+    recipe: dict                 # parse_recipe's
+    variant: str                 # the A/B variant's name; "" outside an A/B
+    overrides: dict              # its RuntimeConfig overrides
+
+
+def sweep(models: list[str], seqs: list[int], batches: list[int], gpus: list[int], systems: list[str],
+          recipes: list[dict], variants: list[tuple[str, dict]], rounds: int) -> list[SweepRun]:
+    """The sweep's runs in the order they run: per model, sequence length, batch and rank count, each
+    system; on more than one rank slide alone. The baselines run a plain step once per workload; slide
+    and gpu-ckpt run every recipe; an A/B (slide only) runs every recipe's variants back to back, each
+    round in turn."""
+    plain = [parse_recipe("plain")]
+    return [SweepRun(model, seq, batch, n, system, rnd, rec, vname, vover)
+            for model in models for seq in seqs for batch in batches for n in gpus
+            for system in (systems if n == 1 else [s for s in systems if s == "slide"])
+            for rnd in range(1, (rounds if system == "slide" else 1) + 1)
+            for rec in (recipes if system in ("slide", "gpu-ckpt") else plain)
+            for vname, vover in (variants if system == "slide" else [("", {})])]
 
 
 class Planned(NamedTuple):
