@@ -311,3 +311,25 @@ def test_the_throughput_sweep_lists_its_runs_in_the_order_they_run():
     assert runs[0].overrides == {"x": 1} and runs[8].overrides == {}
     assert [r.system for r in runs if r.gpus == 2] == ["slide"] * 16
     assert len(runs) == 2 * (9 + 8) and runs[17].batch == 4
+
+
+def test_a_specs_json_form_keeps_the_workload_fields_at_its_top_level():
+    """Workers read SPEC.json and the result files carry "spec" flat, as before the workload was
+    composed: to_dict flattens it, from_dict reads it back, and a workload field it lacks keeps
+    the spec's own default (a soak runs 250 steps, a technique 20)."""
+    from slidetune.bench.baselines.fsdp2 import FSDP2Spec
+    from slidetune.bench.baselines.hf_train import TechniqueSpec
+    from slidetune.bench.measure import MeasureSpec
+    from slidetune.bench.soak import SoakSpec
+    from slidetune.bench.workload import BenchWorkload
+    spec = MeasureSpec(name="a", workload=BenchWorkload("tiny-llama", seq_len=16, batch_size=2), grad_accum=3,
+                       runtime={"mode": "slide"})
+    d = spec.to_dict()
+    assert d["model"] == "tiny-llama" and d["seq_len"] == 16 and d["grad_accum"] == 3 and "workload" not in d
+    assert MeasureSpec.from_dict(json.loads(json.dumps(d))) == spec
+    d["runtime"]["mode"] = "gpu"                 # a copy: the spec's own dict is left alone
+    assert spec.runtime == {"mode": "slide"}
+    assert SoakSpec.from_dict({"model": "tiny-qwen3"}).workload == BenchWorkload("tiny-qwen3", batch_size=8, steps=250,
+                                                                                 warmup=20, lr=1e-5)
+    assert TechniqueSpec.from_dict({"seq_len": 16}).workload.steps == 20
+    assert FSDP2Spec.from_dict({"name": "deepspeed-zero3"}).workload.model == "qwen3-4b"

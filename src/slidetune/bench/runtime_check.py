@@ -6,11 +6,13 @@ report.md into the output directory, with the machine's details.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from .measure import MeasureSpec
 from .output import fmt, md_table, write_csv
 from .runner import run_isolated
+from .workload import BenchWorkload
 
 SUMMARY_COLUMNS = ["name", "status", "model", "num_layers", "mode", "batch_size", "seq_len", "offload",
                    "step_s_mean", "step_s_std", "tokens_per_s", "model_tflops", "gpu_peak_alloc_gib",
@@ -22,27 +24,29 @@ def memory_specs(smoke: bool) -> list[MeasureSpec]:
         model, seq, batch, layers, dev = "tiny-qwen3", 32, 2, (2, 4), "cpu"
     else:
         model, seq, batch, layers, dev = "qwen3-1.7b", 1024, 8, (14, 28), "cuda"
-    common = dict(model=model, seq_len=seq, batch_size=batch, steps=3, warmup=1)
+    work = BenchWorkload(model, seq_len=seq, batch_size=batch, steps=3, warmup=1)
     # cache_units=3: the memory checks are about the small-window configuration (auto would keep
     # every layer resident on a GPU this large, which grows with depth by design)
     rt = dict(device=dev, head_chunk_tokens=2048, cache_units=3)
     return [
-        MeasureSpec(name="gpu", runtime=dict(rt, mode="gpu"), **common),
-        MeasureSpec(name="ckpt", runtime=dict(rt, mode="ckpt"), **common),
-        MeasureSpec(name="slide", runtime=dict(rt, mode="slide"), **common),
-        MeasureSpec(name=f"slide-offload-{layers[0]}L", num_layers=layers[0],
-                    runtime=dict(rt, mode="slide", offload_activations=True), **common),
-        MeasureSpec(name=f"slide-offload-{layers[1]}L", num_layers=layers[1],
-                    runtime=dict(rt, mode="slide", offload_activations=True), **common),
+        MeasureSpec(name="gpu", workload=work, runtime=dict(rt, mode="gpu")),
+        MeasureSpec(name="ckpt", workload=work, runtime=dict(rt, mode="ckpt")),
+        MeasureSpec(name="slide", workload=work, runtime=dict(rt, mode="slide")),
+        MeasureSpec(name=f"slide-offload-{layers[0]}L", workload=replace(work, num_layers=layers[0]),
+                    runtime=dict(rt, mode="slide", offload_activations=True)),
+        MeasureSpec(name=f"slide-offload-{layers[1]}L", workload=replace(work, num_layers=layers[1]),
+                    runtime=dict(rt, mode="slide", offload_activations=True)),
     ]
 
 
 def big_specs(model: str, batch: int, smoke: bool) -> list[MeasureSpec]:
     if smoke:
-        return [MeasureSpec(name="big-slide", model="tiny-llama", seq_len=32, batch_size=2, steps=2, warmup=1, profile=True,
-                            runtime=dict(device="cpu", mode="slide"))]
-    return [MeasureSpec(name=f"{model}-slide-b{batch}", model=model, seq_len=1024, batch_size=batch, steps=3,
-                        warmup=2, profile=True, runtime=dict(device="cuda", mode="slide", head_chunk_tokens=4096))]
+        return [MeasureSpec(name="big-slide", workload=BenchWorkload("tiny-llama", seq_len=32, batch_size=2, steps=2,
+                                                                     warmup=1),
+                            profile=True, runtime=dict(device="cpu", mode="slide"))]
+    return [MeasureSpec(name=f"{model}-slide-b{batch}", workload=BenchWorkload(model, seq_len=1024, batch_size=batch,
+                                                                               steps=3, warmup=2),
+                        profile=True, runtime=dict(device="cuda", mode="slide", head_chunk_tokens=4096))]
 
 
 def _flat(r: dict) -> dict:

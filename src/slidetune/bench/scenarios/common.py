@@ -10,7 +10,7 @@ with bench.output.read_csv):
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import replace
 from pathlib import Path
 
 from ..measure import MeasureSpec
@@ -18,6 +18,7 @@ from ..measure_report import draw, load, write_measure_report
 from ..output import machine_of
 from ..runner import run_isolated
 from ..tables import write_tables
+from ..workload import WORKLOAD_FIELDS, BenchWorkload
 from . import SMOKE, add_common_arguments
 
 
@@ -43,11 +44,12 @@ def base(args) -> dict:
 
 
 def make_spec(name: str, b: dict, args, runtime: dict, **over) -> MeasureSpec:
-    kw = dict(model=b["model"], seq_len=b["seq_len"], batch_size=b["batch_size"], steps=b["steps"],
-              warmup=b["warmup"], num_layers=getattr(args, "num_layers", None),
-              gpu_memory_limit_gib=getattr(args, "gpu_memory_limit", None))
-    kw.update(over)
-    return MeasureSpec(name=name, runtime=dict(device=b["device"], **runtime), **kw)
+    """A run of the sizes `b` (`base`) and the common flags; `over` sets any workload or MeasureSpec field."""
+    workload = BenchWorkload(b["model"], seq_len=b["seq_len"], batch_size=b["batch_size"], steps=b["steps"],
+                             warmup=b["warmup"], num_layers=getattr(args, "num_layers", None),
+                             gpu_memory_limit_gib=getattr(args, "gpu_memory_limit", None))
+    workload = replace(workload, **{k: over.pop(k) for k in WORKLOAD_FIELDS if k in over})
+    return MeasureSpec(name=name, workload=workload, runtime=dict(device=b["device"], **runtime), **over)
 
 
 def run_specs(specs: list[MeasureSpec], tag: str) -> list[dict]:
@@ -65,7 +67,7 @@ def run_specs(specs: list[MeasureSpec], tag: str) -> list[dict]:
 
 
 def unavailable(spec: MeasureSpec, why: str) -> dict:
-    return {"spec": asdict(spec), "status": "unavailable", "error": why}
+    return {"spec": spec.to_dict(), "status": "unavailable", "error": why}
 
 
 # ---------------------------------------------------------------- files

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from ...telemetry.resources import CONTEXT, GROWTH_BLOCK, SERIES, Growth, growth_per_100_steps
@@ -83,9 +83,10 @@ def specs(args) -> list[SoakSpec]:
         shared["disk_dir"] = args.disk_dir
     if args.offload_activations:
         shared["offload_activations"] = True
-    return [SoakSpec(name=name, num_layers=None if args.smoke else args.num_layers, runtime={**shared, **over},
-                     gpu_memory_limit_gib=args.gpu_memory_limit, max_minutes=getattr(args, "max_minutes", None),
-                     **sizes)
+    workload = replace(SoakSpec().workload, num_layers=None if args.smoke else args.num_layers,
+                       gpu_memory_limit_gib=args.gpu_memory_limit, **sizes)
+    return [SoakSpec(name=name, workload=workload, runtime={**shared, **over},
+                     max_minutes=getattr(args, "max_minutes", None))
             for name, over in parse_variants(args.variants)]
 
 
@@ -194,13 +195,13 @@ def run(args: argparse.Namespace) -> Path:
     todo = specs(args)
     results = []
     for spec in todo:
-        print(f"[{NAME}] {spec.name}: {spec.steps} steps ...", flush=True)
+        print(f"[{NAME}] {spec.name}: {spec.workload.steps} steps ...", flush=True)
         spec.samples_path = str(out / f"samples_{spec.name}.jsonl")
-        results.append(recover_partial(run_worker("slidetune.bench.soak", asdict(spec), timeout_s=6 * 3600),
-                                       Path(spec.samples_path), spec.warmup))
+        results.append(recover_partial(run_worker("slidetune.bench.soak", spec.to_dict(), timeout_s=6 * 3600),
+                                       Path(spec.samples_path), spec.workload.warmup))
         if results[-1].get("status") != "ok":
             print(f"[{NAME}] {spec.name}: {results[-1].get('status')}: {str(results[-1].get('error'))[:500]}")
-    write_outputs(out, args, results, todo[0].warmup)
+    write_outputs(out, args, results, todo[0].workload.warmup)
     return out
 
 

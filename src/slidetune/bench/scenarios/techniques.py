@@ -29,7 +29,6 @@ import platform
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -40,6 +39,7 @@ from ..baselines.hf_train import TechniqueSpec
 from ..baselines.proc import run_worker
 from ..plots import bar_plot, pareto_front, pareto_plot
 from ..tables import config_name
+from ..workload import BenchWorkload
 from . import add_common_arguments, common
 
 NAME = "techniques"
@@ -243,15 +243,17 @@ class Study:
     def spec(self, name: str, batch: int, kind: str) -> dict:
         S = self.S
         steps = S["steps"] if kind == "run" else S["probe_steps"]
-        return asdict(TechniqueSpec(
-            name=name, model=S["model"], num_layers=S["num_layers"], seq_len=S["seq_len"], batch_size=batch,
-            steps=steps, warmup=min(S["warmup"], max(0, steps - 1)), lr=S["lr"], lr_warmup_steps=S["lr_warmup"],
+        workload = BenchWorkload(S["model"], num_layers=S["num_layers"], seq_len=S["seq_len"], batch_size=batch,
+                                 steps=steps, warmup=min(S["warmup"], max(0, steps - 1)), lr=S["lr"],
+                                 gpu_memory_limit_gib=S["gpu_memory_limit_gib"])
+        return TechniqueSpec(
+            name=name, workload=workload, lr_warmup_steps=S["lr_warmup"],
             data="corpus" if kind == "run" else S["probe_data"], eval=kind == "run",
             # the same-batch runs also record per-layer spans and memory points (per_run/ plots)
             per_layer=kind == "run" and batch == self.same,
             max_eval_batches=S["eval_batches"],
             dataset_path=str(self.data_path), threads=S["threads"], device=S["device"],
-            gpu_memory_limit_gib=S["gpu_memory_limit_gib"], **self.table[name]))
+            **self.table[name]).to_dict()
 
     def launch(self, name: str, batch: int, probe: bool) -> dict:
         """The result for (name, batch, kind): from this or a resumed run, else from a new process."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -49,6 +49,7 @@ from ..plots import bar_plot, pareto_plot
 from ..roofline import floor_terms, hardware_compute, plan_of_runtime
 from ..runner import run_isolated
 from ..tables import config_name, pipeline_rows
+from ..workload import BenchWorkload
 from . import add_common_arguments, common
 from .roofline import measure_floor
 
@@ -591,15 +592,15 @@ def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, arg
     (parse_recipe; slide and gpu-ckpt) sets clipping and splits the batch into its micro-batches;
     `ranks` (slide): data-parallel ranks of this host; `variant` (slide): an A/B variant's
     RuntimeConfig overrides, on top of --runtime."""
-    gib = args.gpu_memory_limit
+    work = BenchWorkload(model, num_layers=layers, seq_len=seq, batch_size=batch, steps=steps, warmup=warmup,
+                         gpu_memory_limit_gib=args.gpu_memory_limit)
     recipe = recipe or parse_recipe("plain")
     if system in ("slide", "gpu-ckpt"):
         rt = _slide_runtime(dev, args, variant) if system == "slide" else _base_runtime("ckpt", dev)
         accum = recipe["grad_accum"]
-        spec = MeasureSpec(name=f"{system}-{model}-b{batch}-s{seq}", model=model, num_layers=layers,
-                           batch_size=batch // accum, grad_accum=accum, max_grad_norm=recipe["max_grad_norm"],
-                           seq_len=seq, steps=steps, warmup=warmup, runtime=rt, per_layer=True,
-                           gpu_memory_limit_gib=gib, profile=profile and system == "slide", ranks=ranks)
+        spec = MeasureSpec(name=f"{system}-{model}-b{batch}-s{seq}", workload=replace(work, batch_size=batch // accum),
+                           grad_accum=accum, max_grad_norm=recipe["max_grad_norm"], runtime=rt, per_layer=True,
+                           profile=profile and system == "slide", ranks=ranks)
         r = run_isolated(spec, timeout_s=args.timeout)
         if r.get("status") == "oom":
             r.update({f"oom_{k}": v for k, v in parse_oom(r.get("error", "")).items()})
@@ -609,16 +610,14 @@ def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, arg
     if not cuda:
         return {"status": "needs CUDA", "error": "baseline runs only on the GPU machine"}
     if system == "fsdp2":
-        spec = FSDP2Spec(model=model, num_layers=layers, seq_len=seq, batch_size=batch, steps=steps, warmup=warmup,
-                         device="cuda", gpu_memory_limit_gib=gib)
-        return run_worker("slidetune.bench.baselines.fsdp2", asdict(spec), timeout_s=args.timeout)
+        spec = FSDP2Spec(workload=work, device="cuda")
+        return run_worker("slidetune.bench.baselines.fsdp2", spec.to_dict(), timeout_s=args.timeout)
     if system == "deepspeed":
         why = ds_availability()
         if why:
             return {"status": why, "error": why}
-        spec = FSDP2Spec(name="deepspeed-zero3", model=model, num_layers=layers, seq_len=seq, batch_size=batch,
-                         steps=steps, warmup=warmup, device="cuda", gpu_memory_limit_gib=gib)
-        return run_worker("slidetune.bench.baselines.deepspeed_zero3", asdict(spec), timeout_s=args.timeout)
+        spec = FSDP2Spec(name="deepspeed-zero3", workload=work, device="cuda")
+        return run_worker("slidetune.bench.baselines.deepspeed_zero3", spec.to_dict(), timeout_s=args.timeout)
     raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
 
 
