@@ -86,6 +86,49 @@ def top_layers(layers: list[dict], baseline: str, k: int) -> dict[str, list[tupl
     return out
 
 
+def _method_lines(args: dict, ok: list[dict]) -> list[str]:
+    """How the runs were measured: processes, warm-up, statistics, the spans and the memory points."""
+    n_steps = sorted({r.get("n_steps") for r in ok})
+    return ["## Method", "",
+            f"- Each configuration ran in its own process (clean peaks). Warm-up steps "
+            f"({SMOKE['warmup'] if args.get('smoke') else args.get('warmup', 'see results.json')}) are excluded; "
+            f"statistics use the measured steps (n = {', '.join(map(str, n_steps)) or 'n/a'}).",
+            "- Confidence intervals are 95% two-sided Student-t intervals of the mean over the steady-state "
+            "(measured) steps: mean +- t(0.975, n-1) * std / sqrt(n).",
+            "- Per-layer times come from events recorded on the compute stream and read once per step "
+            "(wall clock on the CPU); no per-layer synchronize. Profilers are off during measured steps.",
+            "- Time breakdown: forward = embed + layer forward spans; head = output layer (plain engine: "
+            "head forward + head backward; slide: the head's one fwd+bwd span); backward = per-layer backward "
+            "+ embedding backward + gradient copy; recompute = checkpointed layers re-running in backward (cut out "
+            "of backward); optimizer = the update span (slide: host AdamW thread); transfer = slide's upload + "
+            "D2H spans (host threads, overlapping GPU work); GPU idle = step wall - union of compute spans.",
+            "- Memory timeline: allocator state (GPU) and process RSS sampled at defined points of the step "
+            "(after each layer's forward/backward, head, optimizer), mean +- std over measured steps.", ""]
+
+
+def _versus_lines(ok: list[dict], baseline: str, doc: dict, layers: list[dict], scenario: str) -> list[str]:
+    """Each configuration's step time and peaks against the baseline's, and (recompute, modes) the
+    layers whose time moved most."""
+    base = next(r for r in ok if r["config"] == baseline)
+    rows = []
+    for r in ok:
+        d = number(r["step_s_mean"]) - number(base["step_s_mean"])
+        rows.append([r["config"], _cell(d * 1e3, 2), _cell(100 * d / number(base["step_s_mean"]), 1),
+                     _cell(number(r["gpu_peak_reserved_gib"]) / number(base["gpu_peak_reserved_gib"])
+                           if number(base["gpu_peak_reserved_gib"]) > 0 else math.nan),
+                     _cell(number(r["cpu_peak_rss_gib"]) / number(base["cpu_peak_rss_gib"])
+                           if number(base["cpu_peak_rss_gib"]) > 0 else math.nan)])
+    L = [f"## Versus `{baseline}`", ""] + md_table(
+        rows, ["config", "step delta ms", "step delta %", "peak reserved ratio", "peak RSS ratio"]) + [""]
+    k = int(doc.get("top_k", 3))
+    tops = top_layers(layers, baseline, k)
+    if tops and scenario in ("recompute", "modes"):
+        L += [f"### Top {k} layers by per-layer total (forward + backward + recompute) delta vs `{baseline}`", ""]
+        L += md_table([[n, ", ".join(f"{i} ({_cell(v, 3)})" for i, v in t)] for n, t in tops.items()],
+                      ["config", "layers (delta ms)"]) + [""]
+    return L
+
+
 def write_measure_report(out_dir: Path, data: dict, compare_seeds: bool = False) -> Path:
     """report.md (and the plots) of `out_dir` from its tables (`load`); its path."""
     out_dir = Path(out_dir)
@@ -99,22 +142,7 @@ def write_measure_report(out_dir: Path, data: dict, compare_seeds: bool = False)
     args = doc.get("args", {})
     L: list[str] = [f"# Benchmark `{scenario}`", ""]
     L += ["## Machine", ""] + md_table([[k, v] for k, v in machine.items()], ["key", "value"]) + [""]
-    n_steps = sorted({r.get("n_steps") for r in ok})
-    L += ["## Method", "",
-          f"- Each configuration ran in its own process (clean peaks). Warm-up steps "
-          f"({SMOKE['warmup'] if args.get('smoke') else args.get('warmup', 'see results.json')}) are excluded; "
-          f"statistics use the measured steps (n = {', '.join(map(str, n_steps)) or 'n/a'}).",
-          "- Confidence intervals are 95% two-sided Student-t intervals of the mean over the steady-state "
-          "(measured) steps: mean +- t(0.975, n-1) * std / sqrt(n).",
-          "- Per-layer times come from events recorded on the compute stream and read once per step "
-          "(wall clock on the CPU); no per-layer synchronize. Profilers are off during measured steps.",
-          "- Time breakdown: forward = embed + layer forward spans; head = output layer (plain engine: "
-          "head forward + head backward; slide: the head's one fwd+bwd span); backward = per-layer backward "
-          "+ embedding backward + gradient copy; recompute = checkpointed layers re-running in backward (cut out "
-          "of backward); optimizer = the update span (slide: host AdamW thread); transfer = slide's upload + "
-          "D2H spans (host threads, overlapping GPU work); GPU idle = step wall - union of compute spans.",
-          "- Memory timeline: allocator state (GPU) and process RSS sampled at defined points of the step "
-          "(after each layer's forward/backward, head, optimizer), mean +- std over measured steps.", ""]
+    L += _method_lines(args, ok)
     rows = []
     for r in summary:
         rows.append([r["config"], r["status"], r.get("mode", ""), r.get("recompute", ""), r.get("head_impl", ""),
@@ -133,23 +161,7 @@ def write_measure_report(out_dir: Path, data: dict, compare_seeds: bool = False)
          for r in ok],
         ["config"] + list(BREAKDOWN) + ["wall"]) + [""]
     if baseline and len(ok) > 1:
-        base = next(r for r in ok if r["config"] == baseline)
-        rows = []
-        for r in ok:
-            d = number(r["step_s_mean"]) - number(base["step_s_mean"])
-            rows.append([r["config"], _cell(d * 1e3, 2), _cell(100 * d / number(base["step_s_mean"]), 1),
-                         _cell(number(r["gpu_peak_reserved_gib"]) / number(base["gpu_peak_reserved_gib"])
-                              if number(base["gpu_peak_reserved_gib"]) > 0 else math.nan),
-                         _cell(number(r["cpu_peak_rss_gib"]) / number(base["cpu_peak_rss_gib"])
-                              if number(base["cpu_peak_rss_gib"]) > 0 else math.nan)])
-        L += [f"## Versus `{baseline}`", ""] + md_table(
-            rows, ["config", "step delta ms", "step delta %", "peak reserved ratio", "peak RSS ratio"]) + [""]
-        k = int(doc.get("top_k", 3))
-        tops = top_layers(data["layers"], baseline, k)
-        if tops and scenario in ("recompute", "modes"):
-            L += [f"### Top {k} layers by per-layer total (forward + backward + recompute) delta vs `{baseline}`", ""]
-            L += md_table([[n, ", ".join(f"{i} ({_cell(v, 3)})" for i, v in t)] for n, t in tops.items()],
-                          ["config", "layers (delta ms)"]) + [""]
+        L += _versus_lines(ok, baseline, doc, data["layers"], scenario)
     if doc.get("selections"):
         L += ["Recompute selections: " + "; ".join(f"`{k}` = {v}" for k, v in doc["selections"].items()), ""]
     if scenario == "head":
