@@ -11,6 +11,7 @@ from slidetune.bench.workload import BenchWorkload
 from slidetune.cli import main
 
 
+@pytest.mark.slow
 def test_runtime_smoke_writes_finite_results(tmp_path):
     out = tmp_path / "rt"
     assert main(["bench", "runtime", "--smoke", "--out", str(out)]) == 0

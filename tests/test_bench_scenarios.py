@@ -62,6 +62,7 @@ def modes_dir(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_modes_smoke(modes_dir):
     summary = _check_dir(modes_dir, {"gpu", "ckpt", "slide"})
     assert all(r["status"] == "ok" for r in summary), summary
@@ -73,6 +74,7 @@ def test_modes_smoke(modes_dir):
     assert {("gpu", "forward"), ("gpu", "backward"), ("gpu", "optimizer"), ("ckpt", "recompute")} <= phases
 
 
+@pytest.mark.slow
 def test_recompute_smoke(tmp_path):
     out = tmp_path / "recompute"
     scenario_module("recompute").run(_args("recompute", out))
@@ -88,6 +90,7 @@ def test_recompute_smoke(tmp_path):
     assert "Top 5 layers" in report and "per_layer_delta.png" in report
 
 
+@pytest.mark.slow
 def test_head_smoke(tmp_path):
     from slidetune.ops.cross_entropy import available_impls
     out = tmp_path / "head"
@@ -102,6 +105,7 @@ def test_head_smoke(tmp_path):
     assert "## Output layer" in (out / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_report_regenerates_from_results_dir(modes_dir, tmp_path):
     import shutil
     d = tmp_path / "copy"
@@ -153,6 +157,7 @@ def test_report_refuses_a_malformed_directory_naming_the_file(tmp_path, files, n
     assert not (d / "report.md").exists()
 
 
+@pytest.mark.slow
 def test_report_names_the_file_of_an_entry_it_cannot_read(modes_dir, tmp_path):
     """A results entry of another shape (a step without its wall time): the file is named, no traceback."""
     import shutil
@@ -168,6 +173,7 @@ def test_report_names_the_file_of_an_entry_it_cannot_read(modes_dir, tmp_path):
     assert f"{d / 'results.json'}: cannot be reported" in err and "wall_s" in err, err
 
 
+@pytest.mark.slow
 def test_compare_seeds_ratio_tables(modes_dir):
     assert main_report(modes_dir, compare_seeds=True) == 0
     text = (modes_dir / "report.md").read_text()
@@ -259,6 +265,7 @@ def test_recompute_time_is_attributed_to_recompute_not_backward():
     assert agg_sel[("recompute", 1)] >= SLEEP_S * 0.95 and agg_sel[("backward", 1)] < SLEEP_S / 2
 
 
+@pytest.mark.slow
 def test_pipeline_smoke(tmp_path):
     """Two slide variants, each profiled: the pipeline table and one Gantt chart per variant."""
     out = tmp_path / "pipeline"

@@ -23,6 +23,7 @@ def probe():
     return measure_collective(2, sizes=(LATENCY_BYTES, 2**20), device="cpu", reps=3, warmup=1, timeout_s=300)
 
 
+@pytest.mark.slow
 def test_probe_on_two_gloo_ranks_gives_positive_bandwidths_by_the_nccl_tests_definitions(probe):
     assert probe["status"] == "ok", probe.get("error")
     assert (probe["world_size"], probe["backend"], probe["dtype"]) == (2, "gloo", "float32")

@@ -51,6 +51,7 @@ def test_growth_carries_a_95pct_interval_from_block_means_and_a_three_way_verdic
     assert short.ci_low_pct == short.ci_high_pct == short.growth_pct_per_100
 
 
+@pytest.mark.slow
 def test_report_refits_a_soak_directory_from_its_samples(tmp_path):
     """`slidetune report DIR` on a soak's results: the same fit from results.json's samples, the
     report with each series' interval and verdict."""
