@@ -6,10 +6,12 @@ import math
 import pytest
 
 from slidetune.bench.measure import MeasureSpec, measure
-from slidetune.bench.scenarios.common import read_csv, read_csv_machine
+from slidetune.bench.output import read_csv, read_csv_machine
+from slidetune.bench.workload import BenchWorkload
 from slidetune.cli import main
 
 
+@pytest.mark.slow
 def test_runtime_smoke_writes_finite_results(tmp_path):
     out = tmp_path / "rt"
     assert main(["bench", "runtime", "--smoke", "--out", str(out)]) == 0
@@ -26,7 +28,7 @@ def test_runtime_smoke_writes_finite_results(tmp_path):
 
 
 def test_measure_records_per_layer_phases_and_host_spans():
-    spec = MeasureSpec(model="tiny-llama", seq_len=16, batch_size=2, steps=2, warmup=1,
+    spec = MeasureSpec(workload=BenchWorkload("tiny-llama", seq_len=16, batch_size=2, steps=2, warmup=1),
                        runtime=dict(device="cpu", mode="slide"))
     r = measure(spec)
     assert r["status"] == "ok"
@@ -58,7 +60,7 @@ def test_steps_record_gc_pauses_and_allocator_events(tmp_path):
     per-run steps.csv carries them. On the CPU the allocator columns stay empty."""
     import gc
     from slidetune.bench.measure import GCPauses
-    from slidetune.bench.scenarios import common
+    from slidetune.bench.tables import write_tables
     pauses = GCPauses()
     try:
         gc.collect()
@@ -68,23 +70,23 @@ def test_steps_record_gc_pauses_and_allocator_events(tmp_path):
     finally:
         pauses.close()
     assert pauses._callback not in gc.callbacks
-    spec = MeasureSpec(model="tiny-llama", seq_len=16, batch_size=2, steps=2, warmup=1,
+    spec = MeasureSpec(workload=BenchWorkload("tiny-llama", seq_len=16, batch_size=2, steps=2, warmup=1),
                        runtime=dict(device="cpu", mode="slide"))
     r = measure(spec)
     assert all(s["gc_s"] >= 0 and s["gc_gen2"] >= 0 and s["alloc"] == {} for s in r["steps"])
     assert not any(c.__self__.__class__ is GCPauses for c in gc.callbacks if hasattr(c, "__self__"))
-    common.write_tables(tmp_path, [r], r["machine"])
-    rows = common.read_csv(tmp_path / "steps.csv")
+    write_tables(tmp_path, [r], r["machine"])
+    rows = read_csv(tmp_path / "steps.csv")
     assert len(rows) == 3 and all(float(row["gc_s"]) >= 0 and row["alloc_retries"] in ("", None) for row in rows)
 
 
 def test_step_timeline_table_and_plot(tmp_path):
-    from slidetune.bench.report import draw, load
-    from slidetune.bench.scenarios import common
-    spec = MeasureSpec(model="tiny-llama", seq_len=16, batch_size=2, steps=1, warmup=1,
+    from slidetune.bench.measure_report import draw, load
+    from slidetune.bench.tables import write_tables
+    spec = MeasureSpec(workload=BenchWorkload("tiny-llama", seq_len=16, batch_size=2, steps=1, warmup=1),
                        runtime=dict(device="cpu", mode="slide"))
     r = measure(spec)
-    common.write_tables(tmp_path, [r], r["machine"])
+    write_tables(tmp_path, [r], r["machine"])
     data = load(tmp_path)
     assert data["step_timeline"] and {row["lane"] for row in data["step_timeline"]} >= {"gpu", "host"}
     paths = draw(tmp_path, {**data, "doc": {"scenario": "throughput", "results": []}})
@@ -94,8 +96,8 @@ def test_step_timeline_table_and_plot(tmp_path):
 
 def test_profile_summary_sees_the_worker_threads():
     """The profiler records the host worker's AdamW ranges (profile_all_threads), not only the caller's."""
-    spec = MeasureSpec(model="tiny-llama", seq_len=16, batch_size=2, steps=1, warmup=0, per_layer=False,
-                       profile=True, runtime=dict(device="cpu", mode="slide"))
+    spec = MeasureSpec(workload=BenchWorkload("tiny-llama", seq_len=16, batch_size=2, steps=1, warmup=0),
+                       per_layer=False, profile=True, runtime=dict(device="cpu", mode="slide"))
     r = measure(spec)
     assert r["status"] == "ok", r.get("error")
     ts = r["trace_summary"]
@@ -140,8 +142,8 @@ def test_measured_step_includes_the_work_left_in_the_background(monkeypatch):
             self.synchronize()
 
     monkeypatch.setattr(M, "build_engine", lambda *a, **k: BackgroundEngine())
-    r = measure(MeasureSpec(model="tiny-llama", seq_len=8, batch_size=1, steps=4, warmup=1, per_layer=False,
-                            runtime=dict(device="cpu", mode="slide")))
+    r = measure(MeasureSpec(workload=BenchWorkload("tiny-llama", seq_len=8, batch_size=1, steps=4, warmup=1),
+                            per_layer=False, runtime=dict(device="cpu", mode="slide")))
     measured = [s for s in r["steps"] if not s["warmup"]]
     assert 0.065 < r["step_s_mean"] < 0.2 and all(s["wall_s"] > 0.065 for s in measured)
     assert all(s["wall_s"] >= s["call_s"] for s in r["steps"])
@@ -156,7 +158,7 @@ def test_measure_refuses_what_does_not_fit_before_building(monkeypatch):
     real_build = M.build_engine
     monkeypatch.setattr(M, "build_engine", lambda *a, **k: (built.append(1), real_build(*a, **k))[1])
     monkeypatch.setenv(ENV_HOST_MEMORY, str(64 * 2**20))          # a 64 MiB host
-    spec = MeasureSpec(model="tiny-llama", seq_len=16, batch_size=2, steps=1, warmup=0,
+    spec = MeasureSpec(workload=BenchWorkload("tiny-llama", seq_len=16, batch_size=2, steps=1, warmup=0),
                        runtime=dict(device="cpu", mode="slide"))
     r = measure(spec)
     assert r["status"] == "refused" and "host RAM" in r["error"] and not built
@@ -169,8 +171,8 @@ def test_a_disk_tier_run_warms_up_past_its_first_sweep_and_reports_its_disk_rate
     # serves, so one warm-up step measured a fast step then a slow one (the 2026-11-25 14B: 22 s,
     # 65 s). The bench keeps at least two warm-up steps there, and says so.
     from slidetune.bench.scenarios.throughput import _row
-    spec = MeasureSpec(model="tiny-llama", seq_len=16, batch_size=2, steps=1, warmup=1, per_layer=False,
-                       max_grad_norm=1.0,
+    spec = MeasureSpec(workload=BenchWorkload("tiny-llama", seq_len=16, batch_size=2, steps=1, warmup=1),
+                       per_layer=False, max_grad_norm=1.0,
                        runtime=dict(device="cpu", mode="slide", disk_units=1, disk_dir=str(tmp_path),
                                     disk_block_mb=0.1, disk_buffers=3))
     r = measure(spec)
@@ -190,8 +192,8 @@ def test_a_disk_tier_run_warms_up_past_its_first_sweep_and_reports_its_disk_rate
     # the disk lane's busy share of the timed step (the Gantt chart's disk lanes, their union)
     assert 0 < row["disk_busy_frac"] <= 1
     # without a disk tier the warm-up is the one asked for
-    r = measure(MeasureSpec(model="tiny-llama", seq_len=16, batch_size=2, steps=1, warmup=1, per_layer=False,
-                            runtime=dict(device="cpu", mode="slide")))
+    r = measure(MeasureSpec(workload=BenchWorkload("tiny-llama", seq_len=16, batch_size=2, steps=1, warmup=1),
+                            per_layer=False, runtime=dict(device="cpu", mode="slide")))
     assert "warmup_raised" not in r and [s["warmup"] for s in r["steps"]] == [True, False]
     assert "disk_io_bytes_per_step" not in r
 

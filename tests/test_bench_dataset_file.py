@@ -67,9 +67,9 @@ def test_round_trip_empty_split(tmp_path):
 def test_hf_train_reads_the_file(tmp_path):
     train, heldout, pad = _data()
     path = save_datasets(tmp_path / "c.safetensors", train, heldout, pad)
-    spec = TechniqueSpec(seq_len=16, batch_size=4, dataset_path=str(path))
+    spec = TechniqueSpec.from_dict(dict(seq_len=16, batch_size=4, dataset_path=str(path)))
     batch, heldout_batches = hf_train._data(spec, vocab=49152)
-    g = torch.Generator().manual_seed(spec.seed * 1_000_003 + 3)
+    g = torch.Generator().manual_seed(spec.workload.seed * 1_000_003 + 3)
     rows = torch.randint(0, len(train), (4,), generator=g).tolist()
     want, got = collate(train, rows, pad), batch(3)
     assert torch.equal(want.input_ids, got.input_ids) and torch.equal(want.labels, got.labels)
@@ -116,7 +116,7 @@ def test_pickle_file_refused_without_unpickling(tmp_path, monkeypatch, name):
         load_datasets(path)
     assert ("pickle" in str(e.value)) and ".safetensors" in str(e.value)
     with pytest.raises(DatasetFileError):
-        hf_train._data(TechniqueSpec(seq_len=16, dataset_path=str(path)), vocab=49152)
+        hf_train._data(TechniqueSpec.from_dict(dict(seq_len=16, dataset_path=str(path))), vocab=49152)
     assert not marker.exists()
 
 

@@ -13,7 +13,7 @@ import torch
 
 from slidetune.bench.report import main_report, write_report
 from slidetune.bench.scenarios import add_common_arguments, scenario_module
-from slidetune.bench.scenarios.common import read_csv, read_csv_machine
+from slidetune.bench.output import read_csv, read_csv_machine
 
 CSVS = ("summary.csv", "steps.csv", "layers.csv", "memory_timeline.csv")
 PLOTS = ("time_breakdown.png", "peak_memory.png", "memory_timeline.png", "per_layer_times.png",
@@ -62,6 +62,7 @@ def modes_dir(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_modes_smoke(modes_dir):
     summary = _check_dir(modes_dir, {"gpu", "ckpt", "slide"})
     assert all(r["status"] == "ok" for r in summary), summary
@@ -73,6 +74,7 @@ def test_modes_smoke(modes_dir):
     assert {("gpu", "forward"), ("gpu", "backward"), ("gpu", "optimizer"), ("ckpt", "recompute")} <= phases
 
 
+@pytest.mark.slow
 def test_recompute_smoke(tmp_path):
     out = tmp_path / "recompute"
     scenario_module("recompute").run(_args("recompute", out))
@@ -88,6 +90,7 @@ def test_recompute_smoke(tmp_path):
     assert "Top 5 layers" in report and "per_layer_delta.png" in report
 
 
+@pytest.mark.slow
 def test_head_smoke(tmp_path):
     from slidetune.ops.cross_entropy import available_impls
     out = tmp_path / "head"
@@ -102,6 +105,7 @@ def test_head_smoke(tmp_path):
     assert "## Output layer" in (out / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_report_regenerates_from_results_dir(modes_dir, tmp_path):
     import shutil
     d = tmp_path / "copy"
@@ -153,6 +157,7 @@ def test_report_refuses_a_malformed_directory_naming_the_file(tmp_path, files, n
     assert not (d / "report.md").exists()
 
 
+@pytest.mark.slow
 def test_report_names_the_file_of_an_entry_it_cannot_read(modes_dir, tmp_path):
     """A results entry of another shape (a step without its wall time): the file is named, no traceback."""
     import shutil
@@ -168,6 +173,7 @@ def test_report_names_the_file_of_an_entry_it_cannot_read(modes_dir, tmp_path):
     assert f"{d / 'results.json'}: cannot be reported" in err and "wall_s" in err, err
 
 
+@pytest.mark.slow
 def test_compare_seeds_ratio_tables(modes_dir):
     assert main_report(modes_dir, compare_seeds=True) == 0
     text = (modes_dir / "report.md").read_text()
@@ -259,6 +265,7 @@ def test_recompute_time_is_attributed_to_recompute_not_backward():
     assert agg_sel[("recompute", 1)] >= SLEEP_S * 0.95 and agg_sel[("backward", 1)] < SLEEP_S / 2
 
 
+@pytest.mark.slow
 def test_pipeline_smoke(tmp_path):
     """Two slide variants, each profiled: the pipeline table and one Gantt chart per variant."""
     out = tmp_path / "pipeline"
@@ -289,8 +296,47 @@ def test_a_machine_value_with_line_breaks_stays_one_comment_line(tmp_path):
     """nvidia-smi's driver query answers one line per GPU: on a 2-GPU host a raw value with a line
     break ended the comment block, and its second line became the CSV's header (the scaling run's
     memory-timeline plot then failed with KeyError 'config')."""
-    from slidetune.bench.scenarios.common import read_csv, read_csv_machine, write_csv
+    from slidetune.bench.output import read_csv, read_csv_machine, write_csv
     path = write_csv(tmp_path / "t.csv", [{"config": "a", "n": 1}], ["config", "n"],
                      {"driver": "580.159.04\n580.159.04", "gpu": "H100"})
     assert read_csv(path) == [{"config": "a", "n": "1"}]
     assert read_csv_machine(path) == {"driver": "580.159.04 / 580.159.04", "gpu": "H100"}
+
+
+def test_the_throughput_sweep_lists_its_runs_in_the_order_they_run():
+    """Per workload and rank count: each system; on 2 ranks slide alone; the baselines once (plain),
+    slide every recipe, an A/B's variants back to back within each round."""
+    from slidetune.bench.scenarios.throughput import parse_recipe, sweep
+    plain, clip = parse_recipe("plain"), parse_recipe("clip")
+    runs = sweep(["m"], [64], [2, 4], [1, 2], ["slide", "fsdp2"], [plain, clip], [("a", {"x": 1}), ("b", {})], 2)
+    assert [(r.batch, r.gpus, r.system, r.round, r.recipe["name"], r.variant) for r in runs[:9]] == [
+        (2, 1, "slide", 1, "plain", "a"), (2, 1, "slide", 1, "plain", "b"),
+        (2, 1, "slide", 1, "clip", "a"), (2, 1, "slide", 1, "clip", "b"),
+        (2, 1, "slide", 2, "plain", "a"), (2, 1, "slide", 2, "plain", "b"),
+        (2, 1, "slide", 2, "clip", "a"), (2, 1, "slide", 2, "clip", "b"),
+        (2, 1, "fsdp2", 1, "plain", "")]
+    assert runs[0].overrides == {"x": 1} and runs[8].overrides == {}
+    assert [r.system for r in runs if r.gpus == 2] == ["slide"] * 16
+    assert len(runs) == 2 * (9 + 8) and runs[17].batch == 4
+
+
+def test_a_specs_json_form_keeps_the_workload_fields_at_its_top_level():
+    """Workers read SPEC.json and the result files carry "spec" flat, as before the workload was
+    composed: to_dict flattens it, from_dict reads it back, and a workload field it lacks keeps
+    the spec's own default (a soak runs 250 steps, a technique 20)."""
+    from slidetune.bench.baselines.fsdp2 import FSDP2Spec
+    from slidetune.bench.baselines.hf_train import TechniqueSpec
+    from slidetune.bench.measure import MeasureSpec
+    from slidetune.bench.soak import SoakSpec
+    from slidetune.bench.workload import BenchWorkload
+    spec = MeasureSpec(name="a", workload=BenchWorkload("tiny-llama", seq_len=16, batch_size=2), grad_accum=3,
+                       runtime={"mode": "slide"})
+    d = spec.to_dict()
+    assert d["model"] == "tiny-llama" and d["seq_len"] == 16 and d["grad_accum"] == 3 and "workload" not in d
+    assert MeasureSpec.from_dict(json.loads(json.dumps(d))) == spec
+    d["runtime"]["mode"] = "gpu"                 # a copy: the spec's own dict is left alone
+    assert spec.runtime == {"mode": "slide"}
+    assert SoakSpec.from_dict({"model": "tiny-qwen3"}).workload == BenchWorkload("tiny-qwen3", batch_size=8, steps=250,
+                                                                                 warmup=20, lr=1e-5)
+    assert TechniqueSpec.from_dict({"seq_len": 16}).workload.steps == 20
+    assert FSDP2Spec.from_dict({"name": "deepspeed-zero3"}).workload.model == "qwen3-4b"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from slidetune.bench.baselines.proc import parse_oom
-from slidetune.bench.scenarios.common import read_csv, read_csv_machine
+from slidetune.bench.output import read_csv, read_csv_machine
 from slidetune.bench.scenarios.techniques import find_max_batch
 from slidetune.ops.attention import band_mask
 
@@ -99,6 +99,7 @@ def _pngs(out, names):
         assert (out / n).stat().st_size > 1000, n
 
 
+@pytest.mark.slow
 def test_techniques_smoke(tmp_path):
     from slidetune.bench.scenarios import techniques
     out = techniques.run(_args(techniques, ["--smoke", "--out", str(tmp_path),
@@ -126,6 +127,7 @@ def test_techniques_smoke(tmp_path):
     assert "per_run/per_layer_times.png" in (out / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_throughput_profile_adds_the_profiled_table_and_gantt_charts(tmp_path):
     """--profile: each slide run of the sweep is profiled after its measured steps; the report
     says where the step goes between streams and threads, with a Gantt chart per run."""
@@ -139,6 +141,7 @@ def test_throughput_profile_adds_the_profiled_table_and_gantt_charts(tmp_path):
     _pngs(out / "per_run", ["pipeline_slide-tiny-llama-b2-s32.png"])
 
 
+@pytest.mark.slow
 def test_throughput_smoke(tmp_path):
     from slidetune.bench.scenarios import throughput
     out = throughput.run(_args(throughput, ["--smoke", "--out", str(tmp_path), "--models", "tiny-llama"]))
@@ -175,6 +178,7 @@ def test_throughput_smoke(tmp_path):
     assert "per_run/time_breakdown.png" in (out / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_roofline_smoke(tmp_path):
     from slidetune.bench.scenarios import roofline
     out = roofline.run(_args(roofline, ["--smoke", "--out", str(tmp_path)]))
@@ -207,6 +211,7 @@ def test_probe_hardware_rates_on_the_gpu():
     assert probe_gemm([{"rows": 1024, "in": 1024, "out": 1024}])["gemm_tflops"] > 0
 
 
+@pytest.mark.slow
 def test_fsdp2_one_rank_gloo_cpu():
     """FSDP2's fully_shard on a one-rank gloo group trains on the CPU (no offload policy: nothing to
     offload to); the CUDA path with CPUOffloadPolicy + MixedPrecisionPolicy needs the GPU run."""
@@ -220,6 +225,7 @@ def test_fsdp2_one_rank_gloo_cpu():
     assert math.isfinite(r["final_loss"]) and r["tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_throughput_max_seq_and_max_batch_run_at_the_planned_limits(tmp_path, monkeypatch):
     """--max-seq / --max-batch (no --batches: those workloads alone): slide runs at batch 1 and the
     longest sequence, and at the largest batch at --seq-lens, that engine.limits finds on the budget a
@@ -381,6 +387,7 @@ def _fake_env(monkeypatch, tmp_path, limits, fail=None, run_limits=None):
     return techniques, fake
 
 
+@pytest.mark.slow
 def test_techniques_writes_after_every_process_and_resumes(tmp_path, monkeypatch):
     """Outputs are rewritten after every process; a run stopped by --time-budget leaves valid files
     that list what is pending, and --resume launches only what is missing."""
@@ -455,6 +462,7 @@ def test_techniques_probe_error_is_no_largest_batch(tmp_path, monkeypatch):
     assert rows[("flash", "same")]["status"] == "ok" and rows[("recompute", "max")]["batch_size"] == "16"
 
 
+@pytest.mark.slow
 def test_techniques_report_compares_with_the_seed(tmp_path, monkeypatch):
     from slidetune.bench.report import write_report
     techniques, fake = _fake_env(monkeypatch, tmp_path, {"fp32": 4, "bf16-amp": 4, "flash": 9, "recompute": 17})
@@ -491,6 +499,7 @@ def test_flex_local_attention_casts_to_the_autocast_dtype(monkeypatch):
     assert seen == [(torch.bfloat16,) * 3, (torch.float32,) * 3]
 
 
+@pytest.mark.slow
 def test_techniques_run_oom_searches_below(tmp_path, monkeypatch):
     """A timed run that runs out of memory where its probe fitted: that batch counts as a failure
     and the search goes on below it, so the 'max' row is a batch that trained."""
@@ -511,6 +520,7 @@ def test_techniques_probe_steps_at_least_two(tmp_path, monkeypatch):
     assert not fake.calls
 
 
+@pytest.mark.slow
 def test_techniques_resume_reprobes_when_probe_settings_change(tmp_path, monkeypatch):
     """--resume with other probe settings keeps the timed runs and runs the probes again."""
     limits = {"fp32": 4, "flash": 8, "recompute": 8}
@@ -691,6 +701,7 @@ def test_throughput_rows_hold_each_run_to_its_hardware_floor(tmp_path):
     assert rows["deepspeed"]["step_over_hw_floor"] == "" and "The hardware floor's inputs" not in report
 
 
+@pytest.mark.slow
 def test_throughput_variants_alternate_and_pair_in_one_call(tmp_path):
     """--variants a:...;b:... --rounds 2: slide runs a, b, a, b (one floor probe), each row says its
     variant and round, and the report pairs each b with the a of its round."""

@@ -103,6 +103,7 @@ def shut(eng) -> None:
 
 
 # --------------------------------------------------------------------------- (1) exact resume
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("mode", ["slide", "gpu"], ids=["mode=slide", "mode=gpu"])
 def test_resume_is_exact(tmp_path, engines, mode, variant):

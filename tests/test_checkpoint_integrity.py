@@ -92,6 +92,7 @@ def wrong_type(path: Path, kind: str) -> None:
         path.write_text(json.dumps([json.loads(path.read_text())]))     # a JSON list, not an object
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated", "flipped", "wrong-type"])
 @pytest.mark.parametrize("kind", list(FILES))
 def test_a_damaged_checkpoint_is_set_aside_and_resume_auto_falls_back_bit_exact(runs, tmp_path, kind, damage):
@@ -118,6 +119,7 @@ def test_a_damaged_checkpoint_is_set_aside_and_resume_auto_falls_back_bit_exact(
     assert_bit_exact(d, ref)
 
 
+@pytest.mark.slow
 def test_an_explicit_resume_of_a_damaged_checkpoint_is_a_clear_error(runs, tmp_path):
     _, stopped = runs
     d = tmp_path / "run"
@@ -130,6 +132,7 @@ def test_an_explicit_resume_of_a_damaged_checkpoint_is_a_clear_error(runs, tmp_p
     assert bad.is_dir(), "an explicitly named checkpoint is reported, not moved"
 
 
+@pytest.mark.slow
 def test_a_save_that_does_not_read_back_fails_and_keeps_the_last_verified_checkpoint(runs, tmp_path, monkeypatch):
     """keep-last 1: the save of checkpoint 3 is corrupted on the disk after it was written (the
     bitrot fault). It must not count: checkpoint 2 is not pruned, the damaged one is set aside,
@@ -150,6 +153,7 @@ def test_a_save_that_does_not_read_back_fails_and_keeps_the_last_verified_checkp
     assert_bit_exact(d, ref)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_without_a_manifest_resumes_with_a_note(runs, tmp_path):
     """As an older slidetune wrote it: no MANIFEST.json, a COMPLETE without its digest."""
     ref, stopped = runs
@@ -166,6 +170,7 @@ def test_a_checkpoint_without_a_manifest_resumes_with_a_note(runs, tmp_path):
     assert_bit_exact(d, ref)
 
 
+@pytest.mark.slow
 def test_a_non_finite_loss_right_after_a_resume_names_that_checkpoint(runs, tmp_path, monkeypatch):
     _, stopped = runs
     d = tmp_path / "run"

@@ -23,6 +23,7 @@ def probe():
     return measure_collective(2, sizes=(LATENCY_BYTES, 2**20), device="cpu", reps=3, warmup=1, timeout_s=300)
 
 
+@pytest.mark.slow
 def test_probe_on_two_gloo_ranks_gives_positive_bandwidths_by_the_nccl_tests_definitions(probe):
     assert probe["status"] == "ok", probe.get("error")
     assert (probe["world_size"], probe["backend"], probe["dtype"]) == (2, "gloo", "float32")
@@ -187,7 +188,7 @@ def test_bench_throughput_gpus_1_2_on_cpu(tmp_path):
     a row per rank count, the 2-rank one on 2 gloo processes with its floor's all-reduce term from
     the probe run in the same call, its scaling efficiency and the host's RSS over both ranks."""
     from slidetune.bench.scenarios import throughput
-    from slidetune.bench.scenarios.common import read_csv
+    from slidetune.bench.output import read_csv
     out = throughput.run(_args(throughput, ["--smoke", "--out", str(tmp_path), "--models", "tiny-qwen3",
                                             "--systems", "slide", "--recipes", "clip", "--gpus", "1,2"]))
     rows = {int(r["gpus"]): r for r in read_csv(out / "throughput.csv")}

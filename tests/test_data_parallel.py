@@ -261,6 +261,7 @@ def _worst_rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> t
     return max((float((got[k] - want[k]).norm() / want[k].norm().clamp_min(1e-30)), k) for k in want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", list(RUNS))
 def test_two_ranks_follow_one_rank_at_twice_the_batch(results, run):
     want = results["one"][run]
@@ -323,6 +324,7 @@ def test_two_ranks_follow_one_rank_at_twice_the_batch(results, run):
     assert _worst_rel(want["masters"], start)[0] > 1e-3
 
 
+@pytest.mark.slow
 def test_ranks_share_one_host_state(results):
     probes = [rec["sharing"] for rec in results["ranks"]]
     one = results["one"]
@@ -339,6 +341,7 @@ def test_ranks_share_one_host_state(results):
     assert sum(p["owned_params"] for p in probes) == one["params"]
 
 
+@pytest.mark.slow
 def test_checkpoint_written_at_two_ranks_resumes_at_one(results):
     tmp = results["tmp"]
     two = results["ranks"][0][RESUMED]
@@ -356,6 +359,7 @@ def test_checkpoint_written_at_two_ranks_resumes_at_one(results):
     assert worst < 1e-5, f"{where}: relative difference {worst:.2e}"
 
 
+@pytest.mark.slow
 def test_checkpoint_written_at_one_rank_resumes_at_two(results):
     one = results["one"][RESUMED]
     ckpt_engine = engine_for(RESUMED)
@@ -373,6 +377,7 @@ def test_checkpoint_written_at_one_rank_resumes_at_two(results):
         assert worst < 1e-5, f"rank {rank} {where}: relative difference {worst:.2e}"
 
 
+@pytest.mark.slow
 def test_two_hosts_each_with_its_own_state_copy(results):
     """Issue 21's across-hosts case, emulated by two processes that each are a host of one rank."""
     tmp = results["tmp"]
@@ -416,6 +421,7 @@ def test_dist_config_from_torchrun_env(monkeypatch):
         DistConfig(world_size=4, rank=3, local_rank=0, local_world_size=2)
 
 
+@pytest.mark.slow
 def test_checkpoint_with_the_disk_tier_written_at_two_ranks_loads_at_one(results):
     """Rank 0 wrote the whole state, its tier's moments included; one rank with the same disk
     placement loads it and holds what the one-rank run ended with."""
@@ -485,6 +491,7 @@ def _shm_refusal_main(rank: int, port: int, out: str) -> None:
         f.write(message)
 
 
+@pytest.mark.slow
 def test_every_rank_gets_the_shared_memory_refusal(tmp_path):
     mp.spawn(_shm_refusal_main, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     messages = [(tmp_path / f"shm{r}.txt").read_text() for r in range(WORLD)]

@@ -420,6 +420,7 @@ def test_probe_measures_the_directory(tmp_path):
         probe_disk(str(tmp_path), total_bytes=8 * 2**20, block_mb=1, threads=2, mixed="both")
 
 
+@pytest.mark.slow
 def test_plan_terms_prints_the_three_tiers_and_each_term(tmp_path, capsys):
     """`slidetune plan --terms` on the CPU machine: the placement (disk units included), then the
     terms this machine can probe (the host's AdamW over the host-updated units, the disk's moments

@@ -17,6 +17,7 @@ def warm_tokenizer():
     embedded_tokenizer()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("thread", ["upload", "d2h", "host", "checkpoint", "data"])
 def test_a_thread_failing_at_step_4_leaves_checkpoint_2_resumable(thread, tmp_path, monkeypatch):
     """The pipeline threads fail in their first job of step 4 (the next step's uploads start while
@@ -64,6 +65,7 @@ def test_non_finite_gradient_ends_the_run_naming_the_step_and_checkpoint_2_resum
     assert "at step 2 of 5" in out and metric_steps(d)[-1] == 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["slide", "gpu"])
 def test_out_of_memory_mid_step_names_the_oom_the_step_the_limit_and_the_fix(mode, tmp_path, monkeypatch):
     """oom:3 raises torch.OutOfMemoryError in the compute path of step 3 (past the forward, with the

@@ -48,6 +48,7 @@ def assert_every_option_fits(base: list[str], text: str, disk_dir: str) -> int:
     return len(found)
 
 
+@pytest.mark.slow
 def test_disk_units_chosen_by_auto_are_valid_and_every_option_fits(tmp_path):
     """The case that raised "--tuning.disk_units 37 but only 36 units can go to disk": the suggestions
     re-resolved the disk tier's units for a placement with the head on the GPU."""
@@ -57,6 +58,7 @@ def test_disk_units_chosen_by_auto_are_valid_and_every_option_fits(tmp_path):
     assert assert_every_option_fits(base, text, str(tmp_path)) >= 3
 
 
+@pytest.mark.slow
 def test_disk_tier_offered_where_it_makes_a_gpu_configuration_fit(tmp_path):
     """Without --disk-dir, host RAM too small (and the GPU too): the disk tier with the GPU's options."""
     text = plan(*GPU_24G)

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 import slidetune
 import slidetune.train  # noqa: F401 - imported before the clock starts: the refusal is timed, not the imports
 from slidetune.run_lock import LOCK_NAME
@@ -34,6 +36,7 @@ def wait_for_lock(directory: Path, proc: subprocess.Popen, timeout_s: float = 12
     raise AssertionError("the first run never took its lock")
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_directory_in_use_is_refused_and_the_first_finishes_intact(tmp_path):
     first, shared_ckpts = tmp_path / "first", tmp_path / "ckpts"
     # it loads its model after taking the lock: seconds in which the others are refused

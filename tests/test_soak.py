@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from slidetune.bench.scenarios.common import read_csv
+from slidetune.bench.output import read_csv
 from slidetune.cli import main
 from slidetune.models.presets import tiny_config
 from slidetune.telemetry.resources import growth_per_100_steps
@@ -51,6 +51,7 @@ def test_growth_carries_a_95pct_interval_from_block_means_and_a_three_way_verdic
     assert short.ci_low_pct == short.ci_high_pct == short.growth_pct_per_100
 
 
+@pytest.mark.slow
 def test_report_refits_a_soak_directory_from_its_samples(tmp_path):
     """`slidetune report DIR` on a soak's results: the same fit from results.json's samples, the
     report with each series' interval and verdict."""
@@ -135,8 +136,8 @@ def test_a_soak_cut_short_keeps_its_samples(tmp_path):
     from slidetune.bench.scenarios.soak import recover_partial
     from slidetune.bench.soak import SoakSpec, soak
     path = tmp_path / "samples.jsonl"
-    spec = SoakSpec(name="cut", model="tiny-qwen3", seq_len=16, batch_size=1, steps=50, warmup=1,
-                    runtime={"device": "cpu"}, samples_path=str(path), max_minutes=1e-9)
+    spec = SoakSpec.from_dict(dict(name="cut", model="tiny-qwen3", seq_len=16, batch_size=1, steps=50, warmup=1,
+                                   runtime={"device": "cpu"}, samples_path=str(path), max_minutes=1e-9))
     result = soak(spec)
     assert result["status"] == "ok" and result["stopped_after_steps"] == 1       # the deadline passed at once
     lines = [json.loads(x) for x in path.read_text().splitlines()]
@@ -180,8 +181,8 @@ def test_the_soak_loop_finishes_each_step_after_issuing_the_next_as_the_trainer_
     def traced_step(self, *a, **kw):
         return spy(self, real_step(self, *a, **kw))
     monkeypatch.setattr(SlideEngine, "train_step", traced_step)
-    spec = soak_mod.SoakSpec(name="loop", model="tiny-qwen3", seq_len=16, batch_size=1, steps=4, warmup=1,
-                             runtime={"device": "cpu"}, progress_every=0)
+    spec = soak_mod.SoakSpec.from_dict(dict(name="loop", model="tiny-qwen3", seq_len=16, batch_size=1, steps=4,
+                                            warmup=1, runtime={"device": "cpu"}, progress_every=0))
     result = soak_mod.soak(spec)
     assert result["status"] == "ok" and result["stopped_after_steps"] is None
     assert events == [("issued", 0), ("issued", 1), ("norm", 0), ("issued", 2), ("norm", 1),

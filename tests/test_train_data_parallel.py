@@ -101,6 +101,7 @@ def close(a: float, b: float, rel: float = 1e-5) -> bool:
     return abs(a - b) <= rel * abs(b)
 
 
+@pytest.mark.slow
 def test_two_ranks_train_like_one_rank_at_twice_the_batch(runs):
     tmp = runs["tmp"]
     two, one = step_rows(tmp / "two"), step_rows(tmp / "one")
@@ -120,6 +121,7 @@ def test_two_ranks_train_like_one_rank_at_twice_the_batch(runs):
     assert worst_rel(weights(tmp / "one" / "final"), start)[0] > 1e-7
 
 
+@pytest.mark.slow
 def test_two_rank_checkpoint_resumes_on_one_rank(runs):
     tmp = runs["tmp"]
     assert f"resumed from {tmp / 'resumed' / 'checkpoints' / f'checkpoint-{SAVE_EVERY}'}" in runs["resumed_out"]
@@ -132,6 +134,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank(runs):
     assert worst < 1e-5, f"{where}: relative difference {worst:.2e}"
 
 
+@pytest.mark.slow
 def test_only_rank_zero_writes(runs):
     tmp = runs["tmp"]
     out = tmp / "two"

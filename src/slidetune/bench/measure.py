@@ -24,25 +24,19 @@ from ..ranks import RankFailure, Ranks
 from ..telemetry.events import EventTimer
 from ..telemetry.flops import train_flops_per_token
 from ..telemetry.machine import host_memory_snapshot, host_peak_rss, machine_info, memory_parts, peak_rss_bytes
+from .workload import BenchWorkload, WorkloadSpec
 
 
 @dataclass
-class MeasureSpec:
+class MeasureSpec(WorkloadSpec):
     name: str = "run"
-    model: str = "qwen3-1.7b"
-    num_layers: int | None = None
-    batch_size: int = 1
-    seq_len: int = 256
+    # steps: measured steps, after `warmup` more; batch_size: rows per micro-batch (and per rank)
+    workload: BenchWorkload = field(default_factory=lambda: BenchWorkload("qwen3-1.7b", seq_len=256))
     grad_accum: int = 1
     max_grad_norm: float | None = None
-    steps: int = 5                   # measured steps
-    warmup: int = 2                  # excluded from statistics
-    lr: float = 1e-5
     runtime: dict = field(default_factory=dict)   # RuntimeConfig fields
     per_layer: bool = True
     profile: bool = False            # one extra profiled step -> trace summary
-    gpu_memory_limit_gib: float | None = None
-    seed: int = 0
     # slide: refuse (status "refused", the fit check's message) what engine.fit says does not
     # fit, before anything large is allocated: a host that runs out of RAM may take more than
     # this process with it, and the OOM killer leaves no message
@@ -174,31 +168,32 @@ def measure(spec: MeasureSpec) -> dict:
 
 
 def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device) -> dict:
-    if spec.gpu_memory_limit_gib:
-        device.limit_memory(spec.gpu_memory_limit_gib)
+    wl = spec.workload
+    if wl.gpu_memory_limit_gib:
+        device.limit_memory(wl.gpu_memory_limit_gib)
     # the process's host memory by kind at its start, after the build and after the steps: a rank's
     # fixed cost (CUDA context, libraries, communicators) apart from the state (data parallel's
     # host RSS against one GPU's, NOTES.md "Data parallel")
     host_memory = {"start": host_memory_snapshot()}
     t0 = time.perf_counter()
-    loaded = load_model(spec.model, num_layers=spec.num_layers, seed=spec.seed, with_tokenizer=False)
+    loaded = load_model(wl.model, num_layers=wl.num_layers, seed=wl.seed, with_tokenizer=False)
     fit_estimate = None
     if rt.mode == "slide":
         from ..engine.fit import InsufficientMemoryError, Workload, check_fit_on_ranks, place_on_ranks
         from .budget import planned_gpu_free
         free = None
         if device.is_cuda:                          # an emulated smaller card: auto must plan for it
-            free = planned_gpu_free(torch.cuda.mem_get_info(device.device)[0], spec.gpu_memory_limit_gib)
+            free = planned_gpu_free(torch.cuda.mem_get_info(device.device)[0], wl.gpu_memory_limit_gib)
         # synthetic batches are full rows: never padded (no [B,1,S,S] masks); several ranks: placed
         # and checked as training does (engine.fit.place_on_ranks, check_fit_on_ranks)
-        work = Workload(batch_size=spec.batch_size, seq_len=spec.seq_len, grad_accum=spec.grad_accum,
+        work = Workload(batch_size=wl.batch_size, seq_len=wl.seq_len, grad_accum=spec.grad_accum,
                         max_grad_norm=spec.max_grad_norm, padded=False, gpu_free_bytes=free,
                         ranks_per_host=ranks.cfg.local_world_size)
         rt = place_on_ranks(loaded.split, rt, work, ranks)
         # the fit's estimate of the placement that runs, beside the measured peaks below (the fit
         # margin's calibration, engine/fit.py FIT_SAFETY)
         from ..engine.fit import estimate_memory
-        est = estimate_memory(loaded.split, rt, batch_size=spec.batch_size, seq_len=spec.seq_len,
+        est = estimate_memory(loaded.split, rt, batch_size=wl.batch_size, seq_len=wl.seq_len,
                               grad_accum=spec.grad_accum, max_grad_norm=spec.max_grad_norm, padded=False)
         fit_estimate = {"gpu": est.gpu_bytes / 2**30,
                         "host": est.host_bytes_per_host(ranks.cfg.local_world_size) / 2**30,
@@ -207,10 +202,10 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
             try:
                 check_fit_on_ranks(loaded.split, rt, work, ranks)
             except (InsufficientMemoryError, RankFailure) as e:
-                return {"spec": asdict(spec), "machine": machine_info(), "runtime": asdict(rt),
+                return {"spec": spec.to_dict(), "machine": machine_info(), "runtime": asdict(rt),
                         "status": "refused", "error": str(e)}
     timer = EventTimer(device, enabled=spec.per_layer)
-    engine = build_engine(loaded, rt, AdamWConfig(lr=spec.lr), device, grad_accum=spec.grad_accum,
+    engine = build_engine(loaded, rt, AdamWConfig(lr=wl.lr), device, grad_accum=spec.grad_accum,
                           max_grad_norm=spec.max_grad_norm, timer=timer, dist=ranks.dp)
     init_s = time.perf_counter() - t0
     host_memory["built"] = host_memory_snapshot()
@@ -227,7 +222,7 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
         # the layers with a slot of their own as the engine resolved them (auto left unresolved
         # means none; a window that would hold every other layer makes them all resident)
         runtime["resident_layers"] = engine.resident_layers
-    result: dict = {"spec": asdict(spec), "machine": machine_info(), "init_s": init_s, "runtime": runtime,
+    result: dict = {"spec": spec.to_dict(), "machine": machine_info(), "init_s": init_s, "runtime": runtime,
                     "cuda_context_waits": device.context_waits,
                     # resolved where the runtime left them on auto (host_threads=0)
                     "host_threads": getattr(engine, "host_threads", None),
@@ -235,17 +230,17 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
                     "params": split.num_params(), "num_layers": split.num_layers}
     if fit_estimate is not None:
         result["fit_estimate_gib"] = fit_estimate
-    warmup = disk_tier_warmup(spec.warmup, engine)
-    if warmup != spec.warmup:
-        result["warmup_raised"] = {"asked": spec.warmup, "used": warmup, "why": DISK_WARMUP_WHY}
+    warmup = disk_tier_warmup(wl.warmup, engine)
+    if warmup != wl.warmup:
+        result["warmup_raised"] = {"asked": wl.warmup, "used": warmup, "why": DISK_WARMUP_WHY}
     steps = []
     gc_pauses = GCPauses()               # Python's collections inside each step (a stall the GPU sees)
     try:
-        total_steps = warmup + spec.steps
+        total_steps = warmup + wl.steps
         # All batches before the loop: making synthetic data is not the engine's time.
         # (each rank its own rows)
-        data = [synthetic_batches(vocab, spec.batch_size, spec.seq_len, spec.grad_accum,
-                                  spec.seed * 1000 + k + 10**6 * ranks.rank) for k in range(total_steps)]
+        data = [synthetic_batches(vocab, wl.batch_size, wl.seq_len, spec.grad_accum,
+                                  wl.seed * 1000 + k + 10**6 * ranks.rank) for k in range(total_steps)]
         # A step's time is the interval from the previous step's return to this one's: train_step
         # returns once the step's work is issued, while the GPU tail and the host's D2H and AdamW go
         # on in the background, so the call's own duration ("call_s") under-reads the step, and any
@@ -261,7 +256,7 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
                 device.reset_peak()
                 timer.anchor()             # one synchronize, before the measured steps
             t = time.perf_counter()
-            res = engine.train_step(data[k], spec.lr)
+            res = engine.train_step(data[k], wl.lr)
             t_end = time.perf_counter()
             start = t if prev_end is None else prev_end
             prev_end = t_end
@@ -271,7 +266,7 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
                         device.allocator_counters(), gc_pauses.take()))
             if disk is not None:
                 disk_io.append(disk.bytes_read + disk.bytes_written)
-        last_measured = total_steps - 1 if spec.steps > 0 else -1
+        last_measured = total_steps - 1 if wl.steps > 0 else -1
         before = alloc_before
         prev_spans: list = []
         for k, start, t, t_end, res, pending, host_spans, mem_points, alloc, gcs in raw:
@@ -323,9 +318,9 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
             result["trace_summary"] = _profile(engine, vocab, spec)
         kept = [s for s in steps if not s["warmup"]]
         measured = [s["wall_s"] for s in kept]
-        tokens = spec.batch_size * spec.seq_len * spec.grad_accum * ranks.world_size     # every rank's
+        tokens = wl.batch_size * wl.seq_len * spec.grad_accum * ranks.world_size     # every rank's
         result["tokens_per_step"] = tokens
-        result["flops_per_token"] = train_flops_per_token(split, spec.seq_len)
+        result["flops_per_token"] = train_flops_per_token(split, wl.seq_len)
         ov = [s["overlap"] for s in kept if s.get("overlap")]
         if ov:
             result["overlap_mean"] = _mean_by_key(ov)
@@ -357,7 +352,8 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
 def _profile(engine, vocab: int, spec: MeasureSpec) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
     from ..telemetry.trace_summary import lanes, stream_stats, summarize_trace
-    mbs_list = [synthetic_batches(vocab, spec.batch_size, spec.seq_len, spec.grad_accum, 99_000 + k)
+    wl = spec.workload
+    mbs_list = [synthetic_batches(vocab, wl.batch_size, wl.seq_len, spec.grad_accum, 99_000 + k)
                 for k in range(3)]
     timer_enabled = engine.timer.enabled
     engine.timer.enabled = False         # profile the bare pipeline
@@ -371,7 +367,7 @@ def _profile(engine, vocab: int, spec: MeasureSpec) -> dict:
     with profile(activities=activities, **kwargs) as prof:
         for mbs in mbs_list:
             with record_function("slidetune.step"):
-                engine.train_step(mbs, spec.lr)
+                engine.train_step(mbs, wl.lr)
         engine.synchronize()
     engine.timer.enabled = timer_enabled
     with tempfile.TemporaryDirectory() as d:
@@ -385,7 +381,7 @@ def _profile(engine, vocab: int, spec: MeasureSpec) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from .baselines.proc import worker_main
-    return worker_main(lambda spec: measure(MeasureSpec(**spec)), argv)
+    return worker_main(lambda spec: measure(MeasureSpec.from_dict(spec)), argv)
 
 
 if __name__ == "__main__":

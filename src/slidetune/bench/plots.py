@@ -1,6 +1,7 @@
-"""PNG plots of a results directory's tables (matplotlib, Agg backend).
+"""PNG plots (matplotlib, Agg backend): of a results directory's tables (bench.tables), and the
+grouped bars and Pareto scatters of the techniques, throughput and roofline scenarios.
 
-Every function takes rows as read from the CSVs (values may be strings), writes one
+Every plot_* function takes rows as read from the CSVs (values may be strings), writes one
 PNG and returns its path. Error bars are 95% Student-t CIs over measured steps.
 """
 from __future__ import annotations
@@ -16,21 +17,14 @@ import matplotlib.ticker
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-BREAKDOWN = ("forward", "head", "backward", "recompute", "optimizer", "transfer", "gpu_idle")
+from .output import number
+
 COLORS = {"forward": "#4C72B0", "head": "#8172B3", "backward": "#DD8452", "recompute": "#C44E52",
           "optimizer": "#55A868", "transfer": "#937860", "gpu_idle": "#BBBBBB"}
 
 
-def _f(v) -> float:
-    try:
-        x = float(v)
-    except (TypeError, ValueError):
-        return math.nan
-    return x
-
-
 def _z(v) -> float:
-    x = _f(v)
+    x = number(v)
     return 0.0 if math.isnan(x) else x
 
 
@@ -297,11 +291,11 @@ def plot_step_timeline(rows: list[dict], path: Path, title: str) -> Path:
         if key not in lanes:
             lanes.append(key)
     fig, ax = plt.subplots(figsize=(14, 0.5 * max(4, len(lanes)) + 1.4))
-    end = max((_f(r["end_ms"]) for r in rows), default=1.0)
+    end = max((number(r["end_ms"]) for r in rows), default=1.0)
     for y, (lane, what) in enumerate(lanes):
         mine = [r for r in rows if r["lane"] == lane and (what is None or r["what"] == what)]
         for r in mine:
-            s, e = _f(r["start_ms"]), _f(r["end_ms"])
+            s, e = number(r["start_ms"]), number(r["end_ms"])
             color = (_PHASE_COLORS.get(r["what"], "tab:gray") if lane == "gpu"
                      else "tab:red" if "wait" in r["what"] else "tab:green")
             ax.broken_barh([(s, e - s)], (y - 0.35, 0.7), color=color, edgecolor="white", linewidth=0.3)
@@ -319,3 +313,67 @@ def plot_step_timeline(rows: list[dict], path: Path, title: str) -> Path:
                   "labels: layer index, E = embedding, H = head)")
     ax.set_title(title)
     return _save(fig, path)
+
+
+# ---------------------------------------------------------------- the scenarios' own tables
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def bar_plot(path: Path, labels: list[str], series: dict[str, list], ylabel: str, title: str) -> None:
+    """Grouped bars: one group per label, one bar per series; missing values (OOM, None) drawn as 0 with 'x'."""
+    n = max(1, len(series))
+    width = 0.8 / n
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(labels) + 2), 4))
+    for k, (name, vals) in enumerate(series.items()):
+        xs = [i + (k - (n - 1) / 2) * width for i in range(len(labels))]
+        ys = [v if _finite(v) else 0.0 for v in vals]
+        ax.bar(xs, ys, width, label=name)
+        for x, v in zip(xs, vals):
+            if not _finite(v):
+                ax.text(x, 0, "x", ha="center", va="bottom", color="red")
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, rotation=30, ha="right")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if n > 1:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _front(pts: list[tuple[str, float, float]], lower_x_better: bool, lower_y_better: bool) -> list:
+    sx = 1 if lower_x_better else -1
+    sy = 1 if lower_y_better else -1
+    return [p for p in pts if not any((sx * q[1] <= sx * p[1] and sy * q[2] <= sy * p[2]) and
+                                      (q[1] != p[1] or q[2] != p[2]) for q in pts)]
+
+
+def pareto_front(points: list[tuple[str, float, float]], lower_x_better: bool = True,
+                 lower_y_better: bool = True) -> list[str]:
+    """The names on the Pareto front, without drawing."""
+    pts = [(n, x, y) for n, x, y in points if _finite(x) and _finite(y)]
+    return [p[0] for p in _front(pts, lower_x_better, lower_y_better)]
+
+
+def pareto_plot(path: Path, points: list[tuple[str, float, float]], xlabel: str, ylabel: str, title: str,
+                lower_x_better: bool = True, lower_y_better: bool = True) -> list[str]:
+    """Scatter with the Pareto front drawn; returns the names on the front."""
+    pts = [(n, x, y) for n, x, y in points if _finite(x) and _finite(y)]
+    front = _front(pts, lower_x_better, lower_y_better)
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for n, x, y in pts:
+        ax.scatter([x], [y], color="C1" if (n, x, y) in front else "C0")
+        ax.annotate(n, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    if front:
+        f = sorted(front, key=lambda p: p[1])
+        ax.plot([p[1] for p in f], [p[2] for p in f], "C1--", lw=1, label="Pareto front")
+        ax.legend()
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [p[0] for p in front]

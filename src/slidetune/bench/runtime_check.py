@@ -6,10 +6,13 @@ report.md into the output directory, with the machine's details.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from .measure import MeasureSpec
+from .output import fmt, md_table, write_csv
 from .runner import run_isolated
+from .workload import BenchWorkload
 
 SUMMARY_COLUMNS = ["name", "status", "model", "num_layers", "mode", "batch_size", "seq_len", "offload",
                    "step_s_mean", "step_s_std", "tokens_per_s", "model_tflops", "gpu_peak_alloc_gib",
@@ -21,27 +24,29 @@ def memory_specs(smoke: bool) -> list[MeasureSpec]:
         model, seq, batch, layers, dev = "tiny-qwen3", 32, 2, (2, 4), "cpu"
     else:
         model, seq, batch, layers, dev = "qwen3-1.7b", 1024, 8, (14, 28), "cuda"
-    common = dict(model=model, seq_len=seq, batch_size=batch, steps=3, warmup=1)
+    work = BenchWorkload(model, seq_len=seq, batch_size=batch, steps=3, warmup=1)
     # cache_units=3: the memory checks are about the small-window configuration (auto would keep
     # every layer resident on a GPU this large, which grows with depth by design)
     rt = dict(device=dev, head_chunk_tokens=2048, cache_units=3)
     return [
-        MeasureSpec(name="gpu", runtime=dict(rt, mode="gpu"), **common),
-        MeasureSpec(name="ckpt", runtime=dict(rt, mode="ckpt"), **common),
-        MeasureSpec(name="slide", runtime=dict(rt, mode="slide"), **common),
-        MeasureSpec(name=f"slide-offload-{layers[0]}L", num_layers=layers[0],
-                    runtime=dict(rt, mode="slide", offload_activations=True), **common),
-        MeasureSpec(name=f"slide-offload-{layers[1]}L", num_layers=layers[1],
-                    runtime=dict(rt, mode="slide", offload_activations=True), **common),
+        MeasureSpec(name="gpu", workload=work, runtime=dict(rt, mode="gpu")),
+        MeasureSpec(name="ckpt", workload=work, runtime=dict(rt, mode="ckpt")),
+        MeasureSpec(name="slide", workload=work, runtime=dict(rt, mode="slide")),
+        MeasureSpec(name=f"slide-offload-{layers[0]}L", workload=replace(work, num_layers=layers[0]),
+                    runtime=dict(rt, mode="slide", offload_activations=True)),
+        MeasureSpec(name=f"slide-offload-{layers[1]}L", workload=replace(work, num_layers=layers[1]),
+                    runtime=dict(rt, mode="slide", offload_activations=True)),
     ]
 
 
 def big_specs(model: str, batch: int, smoke: bool) -> list[MeasureSpec]:
     if smoke:
-        return [MeasureSpec(name="big-slide", model="tiny-llama", seq_len=32, batch_size=2, steps=2, warmup=1, profile=True,
-                            runtime=dict(device="cpu", mode="slide"))]
-    return [MeasureSpec(name=f"{model}-slide-b{batch}", model=model, seq_len=1024, batch_size=batch, steps=3,
-                        warmup=2, profile=True, runtime=dict(device="cuda", mode="slide", head_chunk_tokens=4096))]
+        return [MeasureSpec(name="big-slide", workload=BenchWorkload("tiny-llama", seq_len=32, batch_size=2, steps=2,
+                                                                     warmup=1),
+                            profile=True, runtime=dict(device="cpu", mode="slide"))]
+    return [MeasureSpec(name=f"{model}-slide-b{batch}", workload=BenchWorkload(model, seq_len=1024, batch_size=batch,
+                                                                               steps=3, warmup=2),
+                        profile=True, runtime=dict(device="cuda", mode="slide", head_chunk_tokens=4096))]
 
 
 def _flat(r: dict) -> dict:
@@ -89,7 +94,6 @@ def run(out_dir: Path, smoke: bool = False, big_model: str = "qwen3-8b", big_bat
     machine = next((r["machine"] for r in results if "machine" in r), {})
     (out_dir / "results.json").write_text(json.dumps({"machine": machine, "checks": checks,
                                                       "results": results}, indent=1, default=float))
-    from .scenarios.common import write_csv
     write_csv(out_dir / "results.csv", [_flat(r) for r in results], SUMMARY_COLUMNS, machine)
     from .plots import plot_pipeline_lanes
     for r in results:
@@ -124,17 +128,16 @@ def evaluate_checks(results: list[dict], smoke: bool) -> dict:
 
 
 def _report(machine: dict, results: list[dict], checks: dict) -> str:
-    lines = ["# Runtime checks", "", "Machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()), "",
-             "| config | status | layers | mode | offload | step s (mean ± std) | tokens/s | model TFLOPS | "
-             "GPU peak alloc GiB | GPU peak reserved GiB | host peak RSS GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        f = _flat(r)
-        fmt = lambda v, p=2: "" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))  # noqa: E731
-        lines.append(f"| {f['name']} | {f['status']} | {fmt(f['num_layers'])} | {f['mode']} | {f['offload']} | "
-                     f"{fmt(f['step_s_mean'], 3)} ± {fmt(f['step_s_std'], 3)} | {fmt(f['tokens_per_s'], 0)} | "
-                     f"{fmt(f['model_tflops'], 1)} | {fmt(f['gpu_peak_alloc_gib'])} | "
-                     f"{fmt(f['gpu_peak_reserved_gib'])} | {fmt(f['cpu_peak_rss_gib'])} |")
+    def cell(v, digits: int = 2) -> str:
+        return fmt(v, digits, missing="")
+
+    rows = [[f["name"], f["status"], cell(f["num_layers"]), f["mode"], f["offload"],
+             f"{cell(f['step_s_mean'], 3)} ± {cell(f['step_s_std'], 3)}", cell(f["tokens_per_s"], 0),
+             cell(f["model_tflops"], 1), cell(f["gpu_peak_alloc_gib"]), cell(f["gpu_peak_reserved_gib"]),
+             cell(f["cpu_peak_rss_gib"])] for f in map(_flat, results)]
+    lines = ["# Runtime checks", "", "Machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()), ""]
+    lines += md_table(rows, ["config", "status", "layers", "mode", "offload", "step s (mean ± std)", "tokens/s",
+                             "model TFLOPS", "GPU peak alloc GiB", "GPU peak reserved GiB", "host peak RSS GiB"])
     lines += ["", "Statistics exclude warm-up steps; each configuration ran in its own process.", "",
               "## Checks", "", "```json", json.dumps(checks, indent=1, default=float), "```", ""]
     ov_rows = [(r["spec"]["name"], r["overlap_mean"]) for r in results if r.get("overlap_mean")]

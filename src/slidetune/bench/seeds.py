@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 
+from .output import md_table, number
+
 SEEDS = {
     "modes": {
         "title": "T1M1: gpu vs ckpt vs slide (seq 256, batch 1, 28 layers, BF16)",
@@ -74,13 +76,6 @@ SEEDS = {
 }
 
 
-def _num(v) -> float:
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return math.nan
-
-
 def _ratio(a: float, b: float) -> float:
     return a / b if b and not math.isnan(a) and not math.isnan(b) and b != 0 else math.nan
 
@@ -89,8 +84,8 @@ def _our_names(scenario: str, summary: list[dict]) -> dict[str, str]:
     seed = SEEDS[scenario]
     names = dict(seed["ours"])
     if scenario == "head":
-        seqs = sorted({int(_num(r.get("seq_len"))) for r in summary if r.get("status") == "ok"
-                       and not math.isnan(_num(r.get("seq_len")))})
+        seqs = sorted({int(number(r.get("seq_len"))) for r in summary if r.get("status") == "ok"
+                       and not math.isnan(number(r.get("seq_len")))})
         if seqs:
             seq = min(seqs, key=lambda s: abs(s - seed["seq"]))
             names = {k: v.format(seq=seq) for k, v in names.items()}
@@ -109,7 +104,7 @@ def compare(scenario: str, summary: list[dict]) -> list[dict]:
     for label, num, den, metric in seed["ratios"]:
         s = _ratio(seed["rows"][num].get(metric, math.nan), seed["rows"][den].get(metric, math.nan))
         a, b = ours.get(names[num], {}), ours.get(names[den], {})
-        o = _ratio(_num(a.get(metric)), _num(b.get(metric)))
+        o = _ratio(number(a.get(metric)), number(b.get(metric)))
         rows.append({"ratio": label, "seed": s, "ours": o, "ours_over_seed": _ratio(o, s),
                      "ours_configs": f"{names[num]}/{names[den]}"})
     return rows
@@ -118,10 +113,8 @@ def compare(scenario: str, summary: list[dict]) -> list[dict]:
 def seed_table_markdown(scenario: str) -> list[str]:
     seed = SEEDS[scenario]
     metrics = sorted({m for row in seed["rows"].values() for m in row})
-    lines = [f"Seed: {seed['title']} - {seed['source']}; {seed['gpu']}.", "",
-             "| seed config | " + " | ".join(metrics) + " |", "|---" * (len(metrics) + 1) + "|"]
-    for name, row in seed["rows"].items():
-        lines.append(f"| {name} | " + " | ".join(f"{row[m]:g}" if m in row else "" for m in metrics) + " |")
+    rows = [[name] + [f"{row[m]:g}" if m in row else "" for m in metrics] for name, row in seed["rows"].items()]
+    lines = [f"Seed: {seed['title']} - {seed['source']}; {seed['gpu']}.", ""] + md_table(rows, ["seed config"] + metrics)
     if seed.get("notes"):
         lines += ["", seed["notes"]]
     return lines

@@ -32,24 +32,19 @@ from ..models.load import load_model
 from ..telemetry.machine import machine_info
 from ..telemetry.resources import CpuTimesSampler, sample_resources
 from .baselines.proc import worker_main
+from .workload import BenchWorkload, WorkloadSpec
 
 _RECIPE = TrainConfig()      # the default recipe: its optimizer settings and clipping
 
 
 @dataclass
-class SoakSpec:
+class SoakSpec(WorkloadSpec):
     name: str = "slide"
-    model: str = "qwen3-8b"
-    num_layers: int | None = None
-    batch_size: int = 8
-    seq_len: int = 1024
-    steps: int = 250                 # every one is sampled; the first `warmup` are not fitted
-    warmup: int = 20
+    # steps: every one is sampled; the first `warmup` are not fitted
+    workload: BenchWorkload = field(default_factory=lambda: BenchWorkload(
+        "qwen3-8b", batch_size=8, steps=250, warmup=20, lr=_RECIPE.optim.lr))
     runtime: dict = field(default_factory=dict)   # RuntimeConfig fields (mode slide unless given)
     max_grad_norm: float | None = _RECIPE.max_grad_norm
-    lr: float = _RECIPE.optim.lr
-    gpu_memory_limit_gib: float | None = None
-    seed: int = 0
     check_memory: bool = True        # refuse (status "refused") what engine.fit says does not fit
     progress_every: int = 25         # a line on stderr every N steps (0: none)
     # each sample also goes to this JSON-lines file as it is taken (flushed): a run cut short by
@@ -66,20 +61,21 @@ def _batch(gen: torch.Generator, vocab: int, batch: int, seq: int) -> Batch:
 
 
 def soak(spec: SoakSpec) -> dict:
-    """Build the engine as `train` does, run spec.steps steps, sample each; the result as a dict."""
+    """Build the engine as `train` does, run its steps, sample each; the result as a dict."""
+    wl = spec.workload
     rt = RuntimeConfig(**{"mode": "slide", **spec.runtime})
     device = Device.resolve(rt.device, waits=rt.cuda_waits)
     rt = replace(rt, device=device.device.type)       # auto -> cuda | cpu, as train resolves it
     free = None
-    if spec.gpu_memory_limit_gib:
-        limit = device.limit_memory(spec.gpu_memory_limit_gib)
+    if wl.gpu_memory_limit_gib:
+        limit = device.limit_memory(wl.gpu_memory_limit_gib)
         free = min(device.free_and_total()[0], limit) if device.is_cuda else None
-    loaded = load_model(spec.model, num_layers=spec.num_layers, seed=spec.seed, with_tokenizer=False)
-    base = dict(spec=asdict(spec), machine=machine_info())
+    loaded = load_model(wl.model, num_layers=wl.num_layers, seed=wl.seed, with_tokenizer=False)
+    base = dict(spec=spec.to_dict(), machine=machine_info())
     if rt.mode == "slide":
         from ..engine.fit import InsufficientMemoryError, Workload, check_fit_on_ranks, place_on_ranks
         from ..ranks import Ranks
-        work = Workload(batch_size=spec.batch_size, seq_len=spec.seq_len, max_grad_norm=spec.max_grad_norm,
+        work = Workload(batch_size=wl.batch_size, seq_len=wl.seq_len, max_grad_norm=spec.max_grad_norm,
                         gpu_free_bytes=free, padded=False)       # synthetic rows are full: never padded
         rt = place_on_ranks(loaded.split, rt, work, Ranks.single())
         if spec.check_memory:
@@ -88,10 +84,10 @@ def soak(spec: SoakSpec) -> dict:
             except InsufficientMemoryError as e:
                 return {**base, "runtime": asdict(rt), "status": "refused", "error": str(e)}
     t0 = time.perf_counter()
-    engine = build_engine(loaded, rt, replace(_RECIPE.optim, lr=spec.lr), device, max_grad_norm=spec.max_grad_norm)
+    engine = build_engine(loaded, rt, replace(_RECIPE.optim, lr=wl.lr), device, max_grad_norm=spec.max_grad_norm)
     init_s = time.perf_counter() - t0
     proc = psutil.Process()
-    gen = torch.Generator().manual_seed(spec.seed)
+    gen = torch.Generator().manual_seed(wl.seed)
     vocab = loaded.split.config.vocab_size
     log = open(spec.samples_path, "w") if spec.samples_path else None
 
@@ -118,7 +114,7 @@ def soak(spec: SoakSpec) -> dict:
         last = now
         if spec.progress_every and step % spec.progress_every == 0:
             s = samples[-1]
-            print(f"[soak {spec.name}] step {step}/{spec.steps}: {s['step_s']:.3f} s, rss "
+            print(f"[soak {spec.name}] step {step}/{wl.steps}: {s['step_s']:.3f} s, rss "
                   f"{s['rss_bytes'] / 2**30:.2f} GiB, pinned {s['pinned_bytes'] / 2**30:.2f} GiB, gpu reserved "
                   f"{s['gpu_reserved_bytes'] / 2**30:.2f} GiB, fds {s['open_fds']}, threads {s['threads']}, "
                   f"cpu steal {s['cpu_steal_pct']:.1f}%", file=sys.stderr, flush=True)
@@ -129,11 +125,11 @@ def soak(spec: SoakSpec) -> dict:
         pending = None                        # (step, result): issued, not yet finished
         # one step more than sampled: the last sampled step is finished after the next is issued,
         # as every other (finished alone, its interval would lack the next step's start)
-        for step in range(1, spec.steps + 2):
-            res = engine.train_step([_batch(gen, vocab, spec.batch_size, spec.seq_len)], spec.lr)
+        for step in range(1, wl.steps + 2):
+            res = engine.train_step([_batch(gen, vocab, wl.batch_size, wl.seq_len)], wl.lr)
             if pending is not None:
                 now = finish(*pending)
-                if deadline is not None and now > deadline and pending[0] < spec.steps:
+                if deadline is not None and now > deadline and pending[0] < wl.steps:
                     stopped_at = pending[0]
                     break
             pending = (step, res)
@@ -148,7 +144,7 @@ def soak(spec: SoakSpec) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return worker_main(lambda d: soak(SoakSpec(**d)), argv)
+    return worker_main(lambda d: soak(SoakSpec.from_dict(d)), argv)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 throughput scenarios share.
 
   proc       run one worker module per configuration in its own process; OOM parsing
-  outputs    CSV / JSON / PNG / Markdown writers (minimal, matplotlib Agg)
   hf_train   a plain PyTorch training loop over an unchanged HF model with one memory
              technique applied (precision, attention kernel, local window, recompute, head)
   fsdp2      PyTorch FSDP2 (fully_shard + CPUOffloadPolicy) on a one-rank process group

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import asdict
 
 import torch
 
@@ -32,7 +31,7 @@ def availability() -> str | None:
 
 def ds_config(spec: FSDP2Spec) -> dict:
     return {
-        "train_micro_batch_size_per_gpu": spec.batch_size,
+        "train_micro_batch_size_per_gpu": spec.workload.batch_size,
         "gradient_accumulation_steps": 1,
         "bf16": {"enabled": True},
         "zero_optimization": {
@@ -41,7 +40,7 @@ def ds_config(spec: FSDP2Spec) -> dict:
             "offload_optimizer": {"device": "cpu", "pin_memory": True},
             "overlap_comm": True, "contiguous_gradients": True,
         },
-        "optimizer": {"type": "AdamW", "params": {"lr": spec.lr, "weight_decay": 0.1}},
+        "optimizer": {"type": "AdamW", "params": {"lr": spec.workload.lr, "weight_decay": 0.1}},
         "wall_clock_breakdown": False,
     }
 
@@ -49,9 +48,10 @@ def ds_config(spec: FSDP2Spec) -> dict:
 def run_zero3(spec_dict: dict) -> dict:
     from ...telemetry.machine import machine_info
     why = availability()
-    spec = FSDP2Spec(**{**spec_dict, "name": spec_dict.get("name", "deepspeed-zero3")})
+    spec = FSDP2Spec.from_dict({**spec_dict, "name": spec_dict.get("name", "deepspeed-zero3")})
+    wl = spec.workload
     if why:
-        return {"spec": asdict(spec), "status": "unavailable", "error": why}
+        return {"spec": spec.to_dict(), "status": "unavailable", "error": why}
     import deepspeed
     from transformers import AutoModelForCausalLM
     from ...models.presets import preset_config
@@ -61,11 +61,11 @@ def run_zero3(spec_dict: dict) -> dict:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     torch.cuda.set_device(0)
-    if spec.gpu_memory_limit_gib:
+    if wl.gpu_memory_limit_gib:
         total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, spec.gpu_memory_limit_gib * 2**30 / total), 0)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, wl.gpu_memory_limit_gib * 2**30 / total), 0)
     deepspeed.init_distributed()
-    config = preset_config(spec.model, spec.num_layers)
+    config = preset_config(wl.model, wl.num_layers)
     cfg = ds_config(spec)
     # With the DeepSpeed config registered, transformers builds the model under zero.Init
     # itself and still runs its weight init (std 0.02) on the gathered shards; a bare
@@ -82,7 +82,7 @@ def run_zero3(spec_dict: dict) -> dict:
     try:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         return _measure(engine, model, config, spec, result_base={
-            "spec": asdict(spec), "machine": machine_info(), "system": "deepspeed-zero3-cpu-offload",
+            "spec": spec.to_dict(), "machine": machine_info(), "system": "deepspeed-zero3-cpu-offload",
             "params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())})
     finally:
         import deepspeed.comm as ds_comm
@@ -92,12 +92,13 @@ def run_zero3(spec_dict: dict) -> dict:
 def _measure(engine, model, config, spec, result_base: dict) -> dict:
     from ...telemetry.machine import peak_rss_bytes
     from ..measure import synthetic_batches
+    wl = spec.workload
     result = dict(result_base)
     walls = []
-    for k in range(spec.warmup + spec.steps):
-        b = synthetic_batches(config.vocab_size, spec.batch_size, spec.seq_len, 1, spec.seed * 1000 + k)[0]
+    for k in range(wl.warmup + wl.steps):
+        b = synthetic_batches(config.vocab_size, wl.batch_size, wl.seq_len, 1, wl.seed * 1000 + k)[0]
         ids, labels = b.input_ids.cuda(), b.labels.cuda()
-        if k == spec.warmup:
+        if k == wl.warmup:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
@@ -106,13 +107,13 @@ def _measure(engine, model, config, spec, result_base: dict) -> dict:
         engine.step()
         torch.cuda.synchronize()
         walls.append(time.perf_counter() - t)
-    measured = walls[spec.warmup:]
+    measured = walls[wl.warmup:]
     result.update(step_s=walls, step_s_mean=statistics.mean(measured),
                   step_s_std=statistics.stdev(measured) if len(measured) > 1 else 0.0,
                   gpu_peak_alloc_gib=torch.cuda.max_memory_allocated() / 2**30,
                   gpu_peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
                   cpu_peak_rss_gib=peak_rss_bytes() / 2**30, status="ok")
-    result["tokens_per_s"] = spec.batch_size * spec.seq_len / result["step_s_mean"]
+    result["tokens_per_s"] = wl.batch_size * wl.seq_len / result["step_s_mean"]
     return result
 
 

@@ -17,28 +17,22 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
+from ..workload import BenchWorkload, WorkloadSpec
+
 
 @dataclass
-class FSDP2Spec:
+class FSDP2Spec(WorkloadSpec):
     name: str = "fsdp2"
-    model: str = "qwen3-4b"
-    num_layers: int | None = None
-    seq_len: int = 1024
-    batch_size: int = 8
-    steps: int = 5
-    warmup: int = 2
-    lr: float = 1e-5
+    workload: BenchWorkload = field(default_factory=lambda: BenchWorkload("qwen3-4b", batch_size=8))
     recompute: bool = True
     head_chunk_tokens: int = 4096
     device: str = "auto"
     offload: bool = True
-    gpu_memory_limit_gib: float | None = None
-    seed: int = 0
 
 
 class _LossModel(nn.Module):
@@ -63,11 +57,12 @@ def build(spec: FSDP2Spec, dev: torch.device):
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
     from ...models.presets import preset_config
+    wl = spec.workload
     if not dist.is_initialized():
         store = tempfile.NamedTemporaryFile(prefix="slidetune-fsdp2-", delete=False).name
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"file://{store}",
                                 rank=0, world_size=1)
-    config = preset_config(spec.model, spec.num_layers)
+    config = preset_config(wl.model, wl.num_layers)
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     if spec.recompute:
@@ -83,7 +78,7 @@ def build(spec: FSDP2Spec, dev: torch.device):
     fully_shard(model, **kw)
     init_dev = "cpu" if (spec.offload or dev.type == "cpu") else dev
     model.to_empty(device=init_dev)
-    g = torch.Generator(device="cpu").manual_seed(spec.seed)
+    g = torch.Generator(device="cpu").manual_seed(wl.seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             local = p.to_local() if hasattr(p, "to_local") else p
@@ -97,7 +92,7 @@ def build(spec: FSDP2Spec, dev: torch.device):
         for bname, buf in fresh.named_buffers():
             setattr(rot, bname, buf.to(dev))
     params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=wl.lr, weight_decay=0.1)
     return model, opt, params, config.vocab_size
 
 
@@ -105,25 +100,26 @@ def run_fsdp2(spec_dict: dict) -> dict:
     import torch.distributed as dist
     from ...telemetry.machine import machine_info, peak_rss_bytes
     from ..measure import synthetic_batches
-    spec = FSDP2Spec(**spec_dict)
+    spec = FSDP2Spec.from_dict(spec_dict)
+    wl = spec.workload
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if spec.device == "auto" else spec.device)
     if dev.type == "cuda":
         torch.cuda.set_device(0)
-        if spec.gpu_memory_limit_gib:
+        if wl.gpu_memory_limit_gib:
             total = torch.cuda.get_device_properties(0).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, spec.gpu_memory_limit_gib * 2**30 / total), 0)
+            torch.cuda.set_per_process_memory_fraction(min(1.0, wl.gpu_memory_limit_gib * 2**30 / total), 0)
     offloaded = spec.offload and dev.type == "cuda"
-    result: dict = {"spec": asdict(spec), "machine": machine_info(),
+    result: dict = {"spec": spec.to_dict(), "machine": machine_info(),
                     "system": "fsdp2-cpu-offload" if offloaded else f"fsdp2-{dev.type}"}
     model, opt, params, vocab = build(spec, dev)
     result["params"] = params
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     walls = []
     try:
-        for k in range(spec.warmup + spec.steps):
-            b = synthetic_batches(vocab, spec.batch_size, spec.seq_len, 1, spec.seed * 1000 + k)[0]
+        for k in range(wl.warmup + wl.steps):
+            b = synthetic_batches(vocab, wl.batch_size, wl.seq_len, 1, wl.seed * 1000 + k)[0]
             ids, labels = b.input_ids.to(dev), b.labels.to(dev)
-            if k == spec.warmup and dev.type == "cuda":
+            if k == wl.warmup and dev.type == "cuda":
                 sync()
                 torch.cuda.reset_peak_memory_stats()
             t = time.perf_counter()
@@ -133,12 +129,12 @@ def run_fsdp2(spec_dict: dict) -> dict:
             opt.zero_grad(set_to_none=True)
             sync()
             walls.append(time.perf_counter() - t)
-        measured = walls[spec.warmup:]
+        measured = walls[wl.warmup:]
         result.update(step_s=walls, step_s_mean=statistics.mean(measured),
                       step_s_std=statistics.stdev(measured) if len(measured) > 1 else 0.0,
                       final_loss=float(loss.detach()) * b.num_target_tokens() / max(1, b.num_target_tokens()),
                       cpu_peak_rss_gib=peak_rss_bytes() / 2**30, status="ok")
-        result["tokens_per_s"] = spec.batch_size * spec.seq_len / result["step_s_mean"]
+        result["tokens_per_s"] = wl.batch_size * wl.seq_len / result["step_s_mean"]
         if dev.type == "cuda":
             result["gpu_peak_alloc_gib"] = torch.cuda.max_memory_allocated() / 2**30
             result["gpu_peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30

@@ -20,25 +20,23 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from ...device import Device
+from ..workload import BenchWorkload, WorkloadSpec
 
 
 @dataclass
-class TechniqueSpec:
+class TechniqueSpec(WorkloadSpec):
     name: str = "fp32"
-    model: str = "study-12x768"
-    num_layers: int | None = None
-    seq_len: int = 1024
-    batch_size: int = 8
-    steps: int = 20                 # optimizer steps (warm-up steps included: the whole run trains)
-    warmup: int = 2                 # first steps excluded from timing statistics
-    lr: float = 5e-4
+    # steps: optimizer steps, the warm-up's included (the whole run trains); warmup: the first steps
+    # left out of the timing statistics
+    workload: BenchWorkload = field(default_factory=lambda: BenchWorkload("study-12x768", batch_size=8, steps=20,
+                                                                          lr=5e-4))
     lr_warmup_steps: int = 20       # linear LR warm-up, as in the study
     max_grad_norm: float = 1.0
     precision: str = "fp32"
@@ -56,8 +54,6 @@ class TechniqueSpec:
     dataset_path: str | None = None   # save_datasets file (train, heldout, pad_id): tokenized once per scenario
     threads: int | None = None
     device: str = "auto"
-    gpu_memory_limit_gib: float | None = None
-    seed: int = 0
     # per-layer spans and memory points per step (telemetry.module_probe for HF models,
     # the engine's own timer for slide): the common per-layer, breakdown and memory plots
     per_layer: bool = False
@@ -77,19 +73,20 @@ def _data(spec: TechniqueSpec, vocab: int):
     """(train_batch(k) -> Batch, heldout iterator factory). Rows drawn with replacement, so
     any batch size works on the ~1 MB built-in corpus (a 463 x 1024 batch is larger than it)."""
     from ..measure import synthetic_batches
+    wl = spec.workload
     if spec.data == "synthetic":
-        return (lambda k: synthetic_batches(vocab, spec.batch_size, spec.seq_len, 1, spec.seed * 1000 + k)[0]), None
+        return (lambda k: synthetic_batches(vocab, wl.batch_size, wl.seq_len, 1, wl.seed * 1000 + k)[0]), None
     from ...data import collate, eval_batches
     if spec.dataset_path:
         train, heldout, pad = load_datasets(spec.dataset_path)
     else:
-        train, heldout, pad = corpus_datasets(spec.seq_len, spec.seed)
+        train, heldout, pad = corpus_datasets(wl.seq_len, wl.seed)
     if int(train.tokens.max()) >= vocab:
         raise ValueError(f"token ids reach {int(train.tokens.max())}, model vocab {vocab}")
 
     def batch(k: int):
-        g = torch.Generator().manual_seed(spec.seed * 1_000_003 + k)
-        rows = torch.randint(0, len(train), (spec.batch_size,), generator=g).tolist()
+        g = torch.Generator().manual_seed(wl.seed * 1_000_003 + k)
+        rows = torch.randint(0, len(train), (wl.batch_size,), generator=g).tolist()
         return collate(train, rows, pad)
     return batch, (lambda: eval_batches(heldout, spec.eval_batch_size, pad))
 
@@ -226,8 +223,8 @@ def load_datasets(path):
 
 def _lr(spec: TechniqueSpec, step: int) -> float:
     if spec.lr_warmup_steps <= 0:
-        return spec.lr
-    return spec.lr * min(1.0, (step + 1) / spec.lr_warmup_steps)
+        return spec.workload.lr
+    return spec.workload.lr * min(1.0, (step + 1) / spec.lr_warmup_steps)
 
 
 class _HFRunner:
@@ -235,9 +232,9 @@ class _HFRunner:
         from transformers import AutoModelForCausalLM
         from ...models.presets import preset_config
         self.spec, self.dev = spec, dev
-        config = preset_config(spec.model, spec.num_layers)
+        config = preset_config(spec.workload.model, spec.workload.num_layers)
         impl = {"eager": "eager", "sdpa": "sdpa", "local": "sdpa"}[spec.attention]
-        torch.manual_seed(spec.seed)
+        torch.manual_seed(spec.workload.seed)
         self.model = AutoModelForCausalLM.from_config(config, attn_implementation=impl, dtype=torch.float32)
         if spec.attention == "local":
             from ...ops.attention import use_local_attention
@@ -247,7 +244,7 @@ class _HFRunner:
         self.model.to(dev).train()
         if spec.recompute:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=spec.lr, weight_decay=0.1,
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=spec.workload.lr, weight_decay=0.1,
                                      fused=dev.type == "cuda")
         self.vocab = config.vocab_size
         self.params = sum(p.numel() for p in self.model.parameters())
@@ -330,15 +327,15 @@ class _SlideRunner:
         from ...models.load import LoadedModel, StateDictSource, skeleton
         from ...models.presets import preset_config
         from ...models.units import SplitModel
-        config = preset_config(spec.model, spec.num_layers)
-        torch.manual_seed(spec.seed)
+        config = preset_config(spec.workload.model, spec.workload.num_layers)
+        torch.manual_seed(spec.workload.seed)
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         state = {k: v.detach() for k, v in hf.state_dict().items()}
-        loaded = LoadedModel(spec.model, SplitModel(skeleton(config)), StateDictSource(state), None)
+        loaded = LoadedModel(spec.workload.model, SplitModel(skeleton(config)), StateDictSource(state), None)
         dtype = "bf16" if spec.precision == "bf16" else "fp32"
         rt = RuntimeConfig(mode="slide", dtype=dtype, device=device.device.type, head_impl="chunked", cache_units=3,
                            head_chunk_tokens=spec.head_chunk_tokens)
-        self.engine = build_engine(loaded, rt, AdamWConfig(lr=spec.lr, weight_decay=0.1), device,
+        self.engine = build_engine(loaded, rt, AdamWConfig(lr=spec.workload.lr, weight_decay=0.1), device,
                                    grad_accum=1, max_grad_norm=spec.max_grad_norm)
         del hf, state
         self.vocab = config.vocab_size
@@ -377,7 +374,8 @@ def _recorded_steps(recorded: list, walls: list[float], losses: list[float], war
 
 def run_technique(spec_dict: dict) -> dict:
     from ...telemetry.machine import machine_info, peak_rss_bytes
-    spec = TechniqueSpec(**spec_dict)
+    spec = TechniqueSpec.from_dict(spec_dict)
+    wl = spec.workload
     if spec.threads:
         torch.set_num_threads(spec.threads)
     device = None
@@ -386,10 +384,10 @@ def run_technique(spec_dict: dict) -> dict:
         # sleep, so slide's host AdamW does not share its cores with spinning waits
         device = Device.resolve(spec.device)
     dev = device.device if device is not None else _device(spec.device)
-    if dev.type == "cuda" and spec.gpu_memory_limit_gib:
+    if dev.type == "cuda" and wl.gpu_memory_limit_gib:
         total = torch.cuda.get_device_properties(dev).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, spec.gpu_memory_limit_gib * 2**30 / total), dev)
-    result: dict = {"spec": asdict(spec), "machine": machine_info(),
+        torch.cuda.set_per_process_memory_fraction(min(1.0, wl.gpu_memory_limit_gib * 2**30 / total), dev)
+    result: dict = {"spec": spec.to_dict(), "machine": machine_info(),
                     "cuda_context_waits": device.context_waits if device is not None else "n/a"}
     runner = _SlideRunner(spec, device) if device is not None else _HFRunner(spec, dev)
     result["params"] = runner.params
@@ -400,9 +398,9 @@ def run_technique(spec_dict: dict) -> dict:
     recorded = []                 # per step: (unresolved spans, memory points, host spans, start, end)
     prev_end = None
     try:
-        for k in range(spec.steps):
+        for k in range(wl.steps):
             b = batch_fn(k)
-            if k == spec.warmup and dev.type == "cuda":
+            if k == wl.warmup and dev.type == "cuda":
                 sync()
                 torch.cuda.reset_peak_memory_stats(dev)
             t = time.perf_counter()
@@ -428,13 +426,13 @@ def run_technique(spec_dict: dict) -> dict:
         result["cpu_peak_rss_gib"] = peak_rss_bytes() / 2**30
         if timer is not None:
             timer.enabled = memory.enabled = False          # the held-out evaluation is not a step
-            result["steps"] = _recorded_steps(recorded, walls, losses, spec.warmup, timer)
-        measured = walls[spec.warmup:] or walls
+            result["steps"] = _recorded_steps(recorded, walls, losses, wl.warmup, timer)
+        measured = walls[wl.warmup:] or walls
         result["step_s"] = walls
         result["loss"] = losses
         result["step_s_mean"] = statistics.mean(measured)
         result["step_s_std"] = statistics.stdev(measured) if len(measured) > 1 else 0.0
-        result["tokens_per_s"] = spec.batch_size * spec.seq_len / result["step_s_mean"]
+        result["tokens_per_s"] = wl.batch_size * wl.seq_len / result["step_s_mean"]
         result["final_loss"] = losses[-1]
         if spec.eval and heldout is not None:
             tot, n = 0.0, 0

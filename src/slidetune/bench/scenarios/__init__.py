@@ -18,6 +18,9 @@ import argparse
 import importlib
 from pathlib import Path
 
+# --smoke's sizes: a 3-layer tiny Qwen3 on the CPU, 2 measured steps after 1 warm-up step
+SMOKE = dict(model="tiny-qwen3", seq_len=32, batch_size=1, steps=2, warmup=1, device="cpu")
+
 # scenario name -> module (relative to this package)
 SCENARIOS = {
     "runtime": None,          # handled by bench.runtime_check (the runtime's acceptance checks)

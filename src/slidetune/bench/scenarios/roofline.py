@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 
-from ..baselines import outputs as O
+from .. import output as O
 from ..baselines.proc import run_worker
+from ..plots import bar_plot
 from . import add_common_arguments
 
 NAME = "roofline"
@@ -89,8 +90,8 @@ def run(args: argparse.Namespace) -> Path:
     O.write_json(out / "roofline.json", r)
     O.write_csv(out / "roofline.csv", [dict(model=model, batch_size=batch, seq_len=seq, **row) for row in rows], None,
                 r.get("machine", {}))
-    O.bar_plot(out / "roofline.png", [x["term"] for x in rows], {"seconds": [x["seconds"] for x in rows]},
-               "seconds per step", f"Floor terms: {model}, batch {batch}, seq {seq}")
+    bar_plot(out / "roofline.png", [x["term"] for x in rows], {"seconds": [x["seconds"] for x in rows]},
+             "seconds per step", f"Floor terms: {model}, batch {batch}, seq {seq}")
     lines = [f"# Roofline: {model}, batch {batch}, seq {seq}", "", *O.machine_lines(r.get("machine", {})), "",
              "floor = max(GPU compute [L x (fwd + recompute + bwd) of one resident layer + head + embedding], "
              "weight bytes H2D / pinned H2D bandwidth, gradient bytes D2H / D2H bandwidth, "

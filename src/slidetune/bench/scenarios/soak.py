@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from ...telemetry.resources import CONTEXT, GROWTH_BLOCK, SERIES, Growth, growth_per_100_steps
 from ..baselines.proc import run_worker
+from ..output import machine_of, write_csv
 from ..soak import SoakSpec
 from . import common, parse_gib
 from .pipeline import parse_variants
@@ -82,9 +83,10 @@ def specs(args) -> list[SoakSpec]:
         shared["disk_dir"] = args.disk_dir
     if args.offload_activations:
         shared["offload_activations"] = True
-    return [SoakSpec(name=name, num_layers=None if args.smoke else args.num_layers, runtime={**shared, **over},
-                     gpu_memory_limit_gib=args.gpu_memory_limit, max_minutes=getattr(args, "max_minutes", None),
-                     **sizes)
+    workload = replace(SoakSpec().workload, num_layers=None if args.smoke else args.num_layers,
+                       gpu_memory_limit_gib=args.gpu_memory_limit, **sizes)
+    return [SoakSpec(name=name, workload=workload, runtime={**shared, **over},
+                     max_minutes=getattr(args, "max_minutes", None))
             for name, over in parse_variants(args.variants)]
 
 
@@ -193,13 +195,13 @@ def run(args: argparse.Namespace) -> Path:
     todo = specs(args)
     results = []
     for spec in todo:
-        print(f"[{NAME}] {spec.name}: {spec.steps} steps ...", flush=True)
+        print(f"[{NAME}] {spec.name}: {spec.workload.steps} steps ...", flush=True)
         spec.samples_path = str(out / f"samples_{spec.name}.jsonl")
-        results.append(recover_partial(run_worker("slidetune.bench.soak", asdict(spec), timeout_s=6 * 3600),
-                                       Path(spec.samples_path), spec.warmup))
+        results.append(recover_partial(run_worker("slidetune.bench.soak", spec.to_dict(), timeout_s=6 * 3600),
+                                       Path(spec.samples_path), spec.workload.warmup))
         if results[-1].get("status") != "ok":
             print(f"[{NAME}] {spec.name}: {results[-1].get('status')}: {str(results[-1].get('error'))[:500]}")
-    write_outputs(out, args, results, todo[0].warmup)
+    write_outputs(out, args, results, todo[0].workload.warmup)
     return out
 
 
@@ -208,10 +210,10 @@ def write_outputs(out: Path, args: argparse.Namespace, results: list[dict], warm
     growth rows, whose verdicts are printed where a series is not within the target."""
     ok = [r for r in results if r.get("status") in ("ok", "partial")]
     growth = [row for r in ok for row in fit_growth(r, warmup, args.target_pct)]
-    machine = common.machine_of(results)
-    common.write_csv(out / "samples.csv", [{"variant": r["spec"]["name"], **s} for r in ok for s in r["samples"]],
+    machine = machine_of(results)
+    write_csv(out / "samples.csv", [{"variant": r["spec"]["name"], **s} for r in ok for s in r["samples"]],
                      SAMPLE_COLUMNS, machine)
-    common.write_csv(out / "growth.csv", growth, GROWTH_COLUMNS, machine)
+    write_csv(out / "growth.csv", growth, GROWTH_COLUMNS, machine)
     argd = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
             if isinstance(v, (str, int, float, bool, type(None), Path))}
     (out / "results.json").write_text(json.dumps({"scenario": NAME, "machine": machine, "args": argd,

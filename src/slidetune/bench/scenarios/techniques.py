@@ -29,15 +29,17 @@ import platform
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from ..baselines import outputs as O
+from .. import output as O
 from ..baselines.hf_train import TechniqueSpec
 from ..baselines.proc import run_worker
+from ..plots import bar_plot, pareto_front, pareto_plot
+from ..tables import config_name
+from ..workload import BenchWorkload
 from . import add_common_arguments, common
 
 NAME = "techniques"
@@ -241,15 +243,17 @@ class Study:
     def spec(self, name: str, batch: int, kind: str) -> dict:
         S = self.S
         steps = S["steps"] if kind == "run" else S["probe_steps"]
-        return asdict(TechniqueSpec(
-            name=name, model=S["model"], num_layers=S["num_layers"], seq_len=S["seq_len"], batch_size=batch,
-            steps=steps, warmup=min(S["warmup"], max(0, steps - 1)), lr=S["lr"], lr_warmup_steps=S["lr_warmup"],
+        workload = BenchWorkload(S["model"], num_layers=S["num_layers"], seq_len=S["seq_len"], batch_size=batch,
+                                 steps=steps, warmup=min(S["warmup"], max(0, steps - 1)), lr=S["lr"],
+                                 gpu_memory_limit_gib=S["gpu_memory_limit_gib"])
+        return TechniqueSpec(
+            name=name, workload=workload, lr_warmup_steps=S["lr_warmup"],
             data="corpus" if kind == "run" else S["probe_data"], eval=kind == "run",
             # the same-batch runs also record per-layer spans and memory points (per_run/ plots)
             per_layer=kind == "run" and batch == self.same,
             max_eval_batches=S["eval_batches"],
             dataset_path=str(self.data_path), threads=S["threads"], device=S["device"],
-            gpu_memory_limit_gib=S["gpu_memory_limit_gib"], **self.table[name]))
+            **self.table[name]).to_dict()
 
     def launch(self, name: str, batch: int, probe: bool) -> dict:
         """The result for (name, batch, kind): from this or a resumed run, else from a new process."""
@@ -497,17 +501,17 @@ def render(out: Path, doc: dict, plots: bool = True, compare_seeds: bool = False
         by = {(r["technique"], r["regime"]): r for r in rows}
         regimes = [g for g in ("same", "max") if any((n, g) in by for n in names)]
         series = lambda key: {g: [by.get((n, g), {}).get(key) for n in names] for g in regimes}  # noqa: E731
-        O.bar_plot(out / "peak_memory.png", names, series("peak_gib"), mem_label, "Peak memory per technique")
-        O.bar_plot(out / "throughput.png", names, series("tokens_per_s"), "tokens/s", "Training throughput")
-        O.bar_plot(out / "perplexity.png", names, series("perplexity"), "held-out perplexity",
-                   f"Perplexity after {S['steps']} steps")
-        O.bar_plot(out / "max_batch.png", names, {"largest batch": [max_batch[n] for n in names]},
-                   "batch size", "Largest batch (doubling + bisection, one process per probe)")
+        bar_plot(out / "peak_memory.png", names, series("peak_gib"), mem_label, "Peak memory per technique")
+        bar_plot(out / "throughput.png", names, series("tokens_per_s"), "tokens/s", "Training throughput")
+        bar_plot(out / "perplexity.png", names, series("perplexity"), "held-out perplexity",
+                 f"Perplexity after {S['steps']} steps")
+        bar_plot(out / "max_batch.png", names, {"largest batch": [max_batch[n] for n in names]},
+                 "batch size", "Largest batch (doubling + bisection, one process per probe)")
     points = [(f"{r['technique']} ({r['regime']})", r["peak_gib"], r["perplexity"]) for r in rows
               if r["status"] == "ok"]
-    front = O.pareto_plot(out / "pareto.png", points, mem_label, "held-out perplexity",
-                          "Memory vs quality (lower-left is better)") if plots else \
-        O.pareto_front(points)
+    front = pareto_plot(out / "pareto.png", points, mem_label, "held-out perplexity",
+                        "Memory vs quality (lower-left is better)") if plots else \
+        pareto_front(points)
     done = [r for r in rows if r["status"] != "pending"]
     pending = [f"{r['technique']} {r['regime']}" + (f" (b={r['batch_size']})" if r["batch_size"] else
                                                     " (largest-batch search)") for r in rows
@@ -565,7 +569,7 @@ def render(out: Path, doc: dict, plots: bool = True, compare_seeds: bool = False
     per_run = _per_run(doc)
     if per_run:
         if plots:
-            base = next((common.config_name(r) for r in per_run if r["spec"]["name"] == "fp32"), None)
+            base = next((config_name(r) for r in per_run if r["spec"]["name"] == "fp32"), None)
             common.write_per_run(out / "per_run", per_run, machine, baseline=base, scenario="techniques")
         lines += ["## Per layer (same-batch runs)", "",
                   "`per_run/`: the scenarios' common CSVs and plots for the same-batch runs: time breakdown, peaks, "

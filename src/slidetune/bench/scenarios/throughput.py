@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -40,14 +40,16 @@ import torch
 
 from ...engine.placement import resolved_disk_buffers
 from ...telemetry.flops import StepFlops
-from ..baselines import outputs as O
+from .. import output as O
 from ..baselines.deepspeed_zero3 import availability as ds_availability
 from ..baselines.fsdp2 import FSDP2Spec
 from ..baselines.proc import parse_oom, run_worker
 from ..measure import MeasureSpec, lane_busy_fraction
+from ..plots import bar_plot, pareto_plot
 from ..roofline import compute_of_run, floor_terms, hardware_compute, plan_of_runtime
-from ..report import pipeline_rows
 from ..runner import run_isolated
+from ..tables import config_name, pipeline_rows
+from ..workload import BenchWorkload
 from . import add_common_arguments, common
 from .roofline import measure_floor
 
@@ -200,28 +202,24 @@ def run(args: argparse.Namespace) -> Path:
               f"{O.fmt(rows[-1].get('tokens_per_s'), 0)} tok/s step/floor {O.fmt(rows[-1].get('step_over_floor'))} "
               f"step/hw-floor {O.fmt(rows[-1].get('step_over_hw_floor'))}", flush=True)
 
-    for model in models:
-        for seq in seqs:
-            fpt = _flops_per_token(model, layers, seq)
-            for batch in batches:
-                fl = floor_of(model, batch, seq)
-                for n in gpus:
-                    coll = None
-                    if n > 1 and not args.no_floor:
-                        ckey = f"{model}/n{n}"
-                        if ckey not in collectives:
-                            collectives[ckey] = probe_collective_for(model, layers, n, dev, args.timeout)
-                            _print_collective(ckey, collectives[ckey])
-                        coll = collectives[ckey]
-                    for system in (systems if n == 1 else [s for s in systems if s == "slide"]):
-                        # the baselines' workers run a plain step: once per workload
-                        recs = recipes if system in ("slide", "gpu-ckpt") else [parse_recipe("plain")]
-                        # an A/B: each round runs every recipe's variants back to back (slide only)
-                        vs = variants if system == "slide" else [("", {})]
-                        for rnd in range(1, (rounds if system == "slide" else 1) + 1):
-                            for rec in recs:
-                                for vname, vover in vs:
-                                    measure_one(system, model, batch, seq, fpt, fl, rec, n, coll, vname, vover, rnd)
+    def collective_of(model: str, n: int) -> dict | None:
+        """The collective probe of `n` ranks (one per model and rank count), None on one rank."""
+        if n == 1 or args.no_floor:
+            return None
+        ckey = f"{model}/n{n}"
+        if ckey not in collectives:
+            collectives[ckey] = probe_collective_for(model, layers, n, dev, args.timeout)
+            _print_collective(ckey, collectives[ckey])
+        return collectives[ckey]
+
+    flops: dict[tuple[str, int], float | None] = {}
+    for c in sweep(models, seqs, batches, gpus, systems, recipes, variants, rounds):
+        # each probe runs once, just before the first run that needs it
+        if (c.model, c.seq) not in flops:
+            flops[c.model, c.seq] = _flops_per_token(c.model, layers, c.seq)
+        fl = floor_of(c.model, c.batch, c.seq)
+        measure_one(c.system, c.model, c.batch, c.seq, flops[c.model, c.seq], fl, c.recipe, c.gpus,
+                    collective_of(c.model, c.gpus), c.variant, c.overrides, c.round)
     if args.max_seq or args.max_batch:
         # slide at the limits the fit check allows on this machine's budget (engine.limits), per recipe
         for model in models:
@@ -250,6 +248,34 @@ def run(args: argparse.Namespace) -> Path:
     _write(out, rows, raw, floors, cuda, slide_runtime=args.runtime, per_run=per_run, collectives=collectives,
            limits=limits)
     return out
+
+
+class SweepRun(NamedTuple):
+    """One run of the sweep: a system at a workload, on `gpus` ranks, in one recipe, A/B variant and round."""
+    model: str
+    seq: int
+    batch: int
+    gpus: int
+    system: str
+    round: int
+    recipe: dict                 # parse_recipe's
+    variant: str                 # the A/B variant's name; "" outside an A/B
+    overrides: dict              # its RuntimeConfig overrides
+
+
+def sweep(models: list[str], seqs: list[int], batches: list[int], gpus: list[int], systems: list[str],
+          recipes: list[dict], variants: list[tuple[str, dict]], rounds: int) -> list[SweepRun]:
+    """The sweep's runs in the order they run: per model, sequence length, batch and rank count, each
+    system; on more than one rank slide alone. The baselines run a plain step once per workload; slide
+    and gpu-ckpt run every recipe; an A/B (slide only) runs every recipe's variants back to back, each
+    round in turn."""
+    plain = [parse_recipe("plain")]
+    return [SweepRun(model, seq, batch, n, system, rnd, rec, vname, vover)
+            for model in models for seq in seqs for batch in batches for n in gpus
+            for system in (systems if n == 1 else [s for s in systems if s == "slide"])
+            for rnd in range(1, (rounds if system == "slide" else 1) + 1)
+            for rec in (recipes if system in ("slide", "gpu-ckpt") else plain)
+            for vname, vover in (variants if system == "slide" else [("", {})])]
 
 
 class Planned(NamedTuple):
@@ -566,15 +592,15 @@ def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, arg
     (parse_recipe; slide and gpu-ckpt) sets clipping and splits the batch into its micro-batches;
     `ranks` (slide): data-parallel ranks of this host; `variant` (slide): an A/B variant's
     RuntimeConfig overrides, on top of --runtime."""
-    gib = args.gpu_memory_limit
+    work = BenchWorkload(model, num_layers=layers, seq_len=seq, batch_size=batch, steps=steps, warmup=warmup,
+                         gpu_memory_limit_gib=args.gpu_memory_limit)
     recipe = recipe or parse_recipe("plain")
     if system in ("slide", "gpu-ckpt"):
         rt = _slide_runtime(dev, args, variant) if system == "slide" else _base_runtime("ckpt", dev)
         accum = recipe["grad_accum"]
-        spec = MeasureSpec(name=f"{system}-{model}-b{batch}-s{seq}", model=model, num_layers=layers,
-                           batch_size=batch // accum, grad_accum=accum, max_grad_norm=recipe["max_grad_norm"],
-                           seq_len=seq, steps=steps, warmup=warmup, runtime=rt, per_layer=True,
-                           gpu_memory_limit_gib=gib, profile=profile and system == "slide", ranks=ranks)
+        spec = MeasureSpec(name=f"{system}-{model}-b{batch}-s{seq}", workload=replace(work, batch_size=batch // accum),
+                           grad_accum=accum, max_grad_norm=recipe["max_grad_norm"], runtime=rt, per_layer=True,
+                           profile=profile and system == "slide", ranks=ranks)
         r = run_isolated(spec, timeout_s=args.timeout)
         if r.get("status") == "oom":
             r.update({f"oom_{k}": v for k, v in parse_oom(r.get("error", "")).items()})
@@ -584,16 +610,14 @@ def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, arg
     if not cuda:
         return {"status": "needs CUDA", "error": "baseline runs only on the GPU machine"}
     if system == "fsdp2":
-        spec = FSDP2Spec(model=model, num_layers=layers, seq_len=seq, batch_size=batch, steps=steps, warmup=warmup,
-                         device="cuda", gpu_memory_limit_gib=gib)
-        return run_worker("slidetune.bench.baselines.fsdp2", asdict(spec), timeout_s=args.timeout)
+        spec = FSDP2Spec(workload=work, device="cuda")
+        return run_worker("slidetune.bench.baselines.fsdp2", spec.to_dict(), timeout_s=args.timeout)
     if system == "deepspeed":
         why = ds_availability()
         if why:
             return {"status": why, "error": why}
-        spec = FSDP2Spec(name="deepspeed-zero3", model=model, num_layers=layers, seq_len=seq, batch_size=batch,
-                         steps=steps, warmup=warmup, device="cuda", gpu_memory_limit_gib=gib)
-        return run_worker("slidetune.bench.baselines.deepspeed_zero3", asdict(spec), timeout_s=args.timeout)
+        spec = FSDP2Spec(name="deepspeed-zero3", workload=work, device="cuda")
+        return run_worker("slidetune.bench.baselines.deepspeed_zero3", spec.to_dict(), timeout_s=args.timeout)
     raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
 
 
@@ -907,14 +931,14 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
     systems = list(dict.fromkeys(series))
     by = {(lab, s): r for lab, s, r in zip(labels, series, rows)}
     ser = lambda k: {s: [by.get((lab, s), {}).get(k) for lab in keys] for s in systems}  # noqa: E731
-    O.bar_plot(out / "tokens_per_s.png", keys, ser("tokens_per_s"), "tokens/s", "Throughput (x = OOM / not run)")
-    O.bar_plot(out / "model_tflops.png", keys, ser("model_tflops"), "model TFLOPS", "Model TFLOPS (6N + attention)")
-    O.bar_plot(out / "gpu_peak.png", keys, ser("gpu_peak_alloc_gib"), "GiB", "Peak GPU allocated")
-    O.bar_plot(out / "cpu_peak.png", keys, ser("cpu_peak_rss_gib"), "GiB", "Peak host RSS")
-    O.bar_plot(out / "step_over_floor.png", keys, ser("step_over_floor"), "step time / floor", "Step time over the floor")
-    O.pareto_plot(out / "pareto.png", [(f"{s} {lab}", by[(lab, s)].get("gpu_peak_alloc_gib") or by[(lab, s)].get(
-        "cpu_peak_rss_gib"), by[(lab, s)].get("tokens_per_s")) for (lab, s) in by], "peak memory GiB", "tokens/s",
-        "Memory vs throughput", lower_y_better=False)
+    bar_plot(out / "tokens_per_s.png", keys, ser("tokens_per_s"), "tokens/s", "Throughput (x = OOM / not run)")
+    bar_plot(out / "model_tflops.png", keys, ser("model_tflops"), "model TFLOPS", "Model TFLOPS (6N + attention)")
+    bar_plot(out / "gpu_peak.png", keys, ser("gpu_peak_alloc_gib"), "GiB", "Peak GPU allocated")
+    bar_plot(out / "cpu_peak.png", keys, ser("cpu_peak_rss_gib"), "GiB", "Peak host RSS")
+    bar_plot(out / "step_over_floor.png", keys, ser("step_over_floor"), "step time / floor", "Step time over the floor")
+    pareto_plot(out / "pareto.png", [(f"{s} {lab}", by[(lab, s)].get("gpu_peak_alloc_gib") or by[(lab, s)].get(
+      "cpu_peak_rss_gib"), by[(lab, s)].get("tokens_per_s")) for (lab, s) in by], "peak memory GiB", "tokens/s",
+      "Memory vs throughput", lower_y_better=False)
     lines = ["# Throughput: slide mode vs the alternatives", "", *O.machine_lines(machine), "",
              "Model TFLOPS = tokens/s x (6 N_matmul + 6 L S d_att) / 1e12 per token (telemetry/flops.py: the "
              "weights' 6N plus the causal half of attention; recomputation not counted). Every row ran in its own "
@@ -950,11 +974,11 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
         lines += _limits_lines(rows, limits)
     if scaled:
         lines += _scaling_lines(rows, collectives)
-        O.bar_plot(out / "scaling.png", keys, {f"x{n}": [next((r.get("tokens_per_s") for r, lab in zip(rows, labels)
-                                                               if lab == k and r["system"] == "slide"
-                                                               and int(r.get("gpus") or 1) == n), None) for k in keys]
-                                               for n in sorted({int(r.get("gpus") or 1) for r in rows})},
-                   "tokens/s (all GPUs)", "slide on N GPUs of one host (batch per GPU fixed)")
+        bar_plot(out / "scaling.png", keys, {f"x{n}": [next((r.get("tokens_per_s") for r, lab in zip(rows, labels)
+                                                             if lab == k and r["system"] == "slide"
+                                                             and int(r.get("gpus") or 1) == n), None) for k in keys]
+                                             for n in sorted({int(r.get("gpus") or 1) for r in rows})},
+                 "tokens/s (all GPUs)", "slide on N GPUs of one host (batch per GPU fixed)")
     timed = [r for r in rows if r.get("host_adamw_s") is not None]
     if timed:
         lines += ["", "Where a slide step goes (host timeline, seconds per step): the host worker's AdamW and its "
@@ -980,7 +1004,7 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
     lines += ["", "Plots: tokens_per_s.png, model_tflops.png, gpu_peak.png, cpu_peak.png, step_over_floor.png, "
               "pareto.png" + (", scaling.png" if scaled else ""), ""]
     if per_run:
-        slide = next((common.config_name(r) for r in per_run if r.get("status") == "ok"
+        slide = next((config_name(r) for r in per_run if r.get("status") == "ok"
                       and r["spec"].get("runtime", {}).get("mode") == "slide"), None)
         pngs = common.write_per_run(out / "per_run", per_run, machine, baseline=slide, scenario="throughput")
         lines += ["Per run (`per_run/`: steps, per-layer spans, memory timeline, summary CSVs): time breakdown "
