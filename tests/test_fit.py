@@ -1059,6 +1059,40 @@ def test_lean_layer_estimate_is_above_its_measured_peak_and_close(shape):
     assert LEAN_MEASURED_GIB[shape] <= est <= 1.2 * LEAN_MEASURED_GIB[shape], est
 
 
+# The lean layer compiled, one Qwen3-8B layer at 64 x 1024 on the H200 (benchmarks/results/lean_layer/
+# row_tiles_h200/): the allocator's peak in GiB, in row tiles of 16 sequences (the default
+# layer_row_tokens) and untiled.
+LEAN_ROW_TILED_MEASURED_GIB = {16384: 3.97, 0: 7.34}
+
+
+@pytest.mark.parametrize("row_tokens", list(LEAN_ROW_TILED_MEASURED_GIB))
+def test_row_tiled_lean_estimate_is_above_its_measured_peak(row_tokens):
+    """The fit's row-tiled working set (lean_row_tiled_bytes) never under the H200's measured peak,
+    and within 30% above it (the FP32 gradient sums and both full-batch gradients counted apart)."""
+    from slidetune.engine.fit import lean_row_tiled_bytes
+    est = lean_row_tiled_bytes(split_of("qwen3-8b"), 64, 1024, torch.bfloat16, tile_tokens=8192,
+                               row_tokens=row_tokens, masked=False)["peak"] / GiB
+    measured = LEAN_ROW_TILED_MEASURED_GIB[row_tokens]
+    assert measured <= est <= 1.3 * measured, est
+
+
+def test_a_long_sequence_on_the_small_gpu_takes_the_lean_layer_and_keeps_checkpoints_there():
+    """Llama-3.1-8B 1 x 65536 clipped under a 24 GiB budget beside 123 GiB of host RAM (the H200 run
+    of benchmarks/results/throughput/slideformer_shapes_h200/g24_llama_64k/): the lean layer (one
+    sequence: no row tiles), the fused head, offloaded checkpoints with 13 kept on the GPU, and it fits;
+    HF's layer does not."""
+    split = split_of("llama-3.1-8b")
+    kw = dict(batch_size=1, seq_len=65536, max_grad_norm=1.0, padded=False)
+    small = dict(gpu_free_bytes=24 * GiB, host_available_bytes=123 * GiB)
+    got = choose_auto_settings(split, cuda_rt(), **small, **kw)
+    est = estimate_memory(split, got, **kw)
+    assert (got.lean_layer, got.resolved_head_impl, got.offloads_activations) == ("on", "fused", True)
+    assert est.plan.gpu_checkpoints == 13
+    check_fit(split, got, **small, **kw)
+    with pytest.raises(InsufficientMemoryError):
+        check_fit(split, dataclasses.replace(got, lean_layer="off"), **small, **kw)
+
+
 def test_the_estimate_counts_the_layer_the_runtime_runs():
     split = split_of("qwen3-8b")
     kw = dict(batch_size=32, seq_len=1024, max_grad_norm=1.0, padded=False)
