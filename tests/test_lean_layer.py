@@ -345,3 +345,59 @@ def test_liger_kernels_compiled_within_bf16_noise(family, under_compile, monkeyp
         got = run(Compiled)
     _within_bf16_noise(got, ref, hf16, f"{family} compiled, Liger {under_compile}")
     torch._dynamo.reset()
+
+
+def _document_mask_mod(doc: torch.Tensor):
+    def mask_mod(b, h, q, kv):
+        return (q >= kv) & (doc[b, q] == doc[b, kv])
+    return mask_mod
+
+
+def test_a_flex_block_mask_is_cut_by_rows_with_its_own_rows_mask():
+    """Packed documents on CUDA reach the layer as a FlexAttention BlockMask: the row tiles cut its
+    block tables and give it a mask_mod reading the original rows (BlockMask's own slicing leaves
+    one that raises). Checked on the CPU: the sliced mask's blocks and mask_mod against the rows'."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from slidetune.models.lean_layer import _rows_cuttable, _rows_of
+    B, S = 4, 256
+    doc = torch.zeros(B, S, dtype=torch.int32)
+    doc[0, 100:] = 1
+    doc[1, 30:], doc[1, 200:] = 1, 2
+    doc[3, 129:] = 1
+    mask_mod = _document_mask_mod(doc)
+    mask = create_block_mask(mask_mod, B, None, S, S, device="cpu", BLOCK_SIZE=128)
+    assert _rows_cuttable({"attention_mask": mask, "position_ids": torch.zeros(B, S)}, B)
+    q, kv = torch.arange(S)[None, None, :, None], torch.arange(S)[None, None, None, :]
+    for r0, r1 in [(0, 2), (2, 4), (1, 3), (3, 4)]:
+        rows = _rows_of({"attention_mask": mask}, r0, r1, B)["attention_mask"]
+        assert torch.equal(rows.to_dense(), mask.to_dense()[r0:r1])
+        b = torch.arange(r1 - r0)[:, None, None, None]
+        h = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+        assert torch.equal(rows.mask_mod(b, h, q, kv), mask_mod(b + r0, h, q, kv))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_gpu_row_tiles_with_packed_documents_match_all_rows(family):
+    """On CUDA, packed documents' BlockMask cut by rows: the lean layer in row tiles of one sequence
+    gives what it gives over all rows at once (FP32, flex attention)."""
+    torch.manual_seed(0)
+    split = _split(family)
+    use_packed_attention(split.model)
+    B, S = 3, 256
+    starts = torch.zeros(B, S, dtype=torch.bool)
+    starts[:, 0] = starts[0, 100] = starts[1, 30] = starts[1, 200] = starts[2, 129] = True
+    dev = torch.device("cuda")
+    kwargs = split.layer_kwargs(B, S, torch.float32, dev, position_ids=document_positions(starts).to(dev))
+    from torch.nn.attention.flex_attention import BlockMask
+    assert isinstance(kwargs[1]["attention_mask"], BlockMask)
+    params = {k: v.detach().to(dev).requires_grad_(True) for k, v in _params(split, 1).items()}
+    x = torch.randn(B, S, split.hidden_size, device=dev)
+    dy = torch.randn_like(x)
+    got = {}
+    for rows in (None, S):
+        lean = LeanLayers(split.layer_modules, tile_tokens=100, row_tokens=rows)
+        got[rows] = lean.recompute_backward(1, params, x, dy.clone(), kwargs[1])
+    for a, b in zip(got[S], got[None]):
+        assert _rel(a, b) < 1e-5

@@ -344,9 +344,8 @@ def lean_row_tiled_bytes(split: SplitModel, batch_size: int, seq_len: int, dtype
     """lean_layer_bytes over row tiles of R = max(1, row_tokens // seq_len) sequences
     (models/lean_layer.LeanLayers._row_tiles; row_tokens 0: none): one tile's working set, plus
     what spans every row: the output gradient and the input gradient being filled (2 b*N*d) and
-    the FP32 sums of the layer's weight gradients (4 B a parameter). One tile: untiled. (A
-    FlexAttention mask is not cut, so packed rows run untiled: the estimate is then low; the
-    packed path's masks are 1-D, materialized_masks 0.)"""
+    the FP32 sums of the layer's weight gradients (4 B a parameter). One tile: untiled. (Packed
+    documents' FlexAttention mask is cut with the rows: ops/packed_attention.block_mask_rows.)"""
     rows = max(1, row_tokens // max(seq_len, 1)) if row_tokens else batch_size
     if rows >= batch_size:
         return lean_layer_bytes(split, batch_size, seq_len, dtype, tile_tokens, masked=masked)

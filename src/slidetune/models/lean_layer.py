@@ -217,9 +217,12 @@ def _parts(params: dict[str, torch.Tensor]) -> _Parts:
 def _rows_cuttable(value, batch: int) -> bool:
     """Whether every tensor among a layer's kwargs is per row ([B, ...] with B = batch, cut with
     the rows), shared by the rows ([1, ...], or 1-D such as cache_position [S]) or not a tensor;
-    a FlexAttention block mask or anything else is not cut (the layer then runs all rows)."""
+    a FlexAttention block mask (packed documents on CUDA) is cut by ops.packed_attention's
+    block_mask_rows; anything else is not (the layer then runs all rows)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return True
+    if _is_block_mask(value):
+        return getattr(value, "dq_kv_order", None) is None
     if isinstance(value, torch.Tensor):
         return value.dim() <= 1 or value.shape[0] in (1, batch)
     if isinstance(value, (tuple, list)):
@@ -229,8 +232,16 @@ def _rows_cuttable(value, batch: int) -> bool:
     return False
 
 
+def _is_block_mask(value) -> bool:
+    from torch.nn.attention.flex_attention import BlockMask
+    return isinstance(value, BlockMask)
+
+
 def _rows_of(value, r0: int, r1: int, batch: int):
     """The layer's kwargs for rows [r0, r1) (_rows_cuttable says they can be cut)."""
+    if _is_block_mask(value):
+        from ..ops.packed_attention import block_mask_rows
+        return block_mask_rows(value, r0, r1)
     if isinstance(value, torch.Tensor):
         return value[r0:r1] if value.dim() >= 2 and value.shape[0] == batch and batch > 1 else value
     if isinstance(value, tuple):

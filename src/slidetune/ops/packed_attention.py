@@ -58,6 +58,31 @@ def packed_attention(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
+def block_mask_rows(mask, r0: int, r1: int):
+    """The BlockMask of rows [r0, r1) of a batch: its block tables sliced, and a mask_mod that
+    reads the original rows (b + r0). BlockMask's own indexing leaves a mask_mod that raises
+    (the per-row document ids its closure holds are indexed by the full batch's row); a table of
+    one row (shared by every row) is kept. The offset is a tensor, so a compiled layer sees new
+    data for each tile, not a new graph. None where the mask carries a dq_kv_order (no slicing
+    of it is defined)."""
+    from torch.nn.attention.flex_attention import BlockMask
+    if getattr(mask, "dq_kv_order", None) is not None:
+        return None
+    shared = mask.kv_num_blocks.shape[0] == 1
+    rows = slice(None) if shared else slice(r0, r1)
+    full = mask.full_kv_num_blocks is not None
+    offset = torch.tensor(r0, dtype=torch.int32, device=mask.kv_num_blocks.device)
+    original = mask.mask_mod
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return original(b + offset, h, q_idx, kv_idx)
+    return BlockMask.from_kv_blocks(
+        mask.kv_num_blocks[rows], mask.kv_indices[rows],
+        mask.full_kv_num_blocks[rows] if full else None, mask.full_kv_indices[rows] if full else None,
+        BLOCK_SIZE=mask.BLOCK_SIZE, mask_mod=mask_mod, seq_lengths=mask.seq_lengths,
+        compute_q_blocks=mask.q_indices is not None)
+
+
 def register() -> str:
     from transformers import AttentionInterface, AttentionMaskInterface
     AttentionInterface.register(IMPL_NAME, packed_attention)
