@@ -45,3 +45,21 @@ def test_a_disk_unit_holds_the_moments_or_the_whole_state_on_disk():
     assert moments.disk_bytes_per_param == FP32_ADAMW.moment_bytes == 8
     assert everything.disk_bytes_per_param == FP32_ADAMW.bytes_per_param == 12
     assert UnitPlace(1, "layer.0", 10, state="host", slot="window").disk_bytes_per_param == 0
+
+
+def test_the_readers_numbers_are_the_ones_they_wrote_before():
+    """Each reader's figure, built from FP32_ADAMW, is still the number it stated: the roofline's
+    AdamW passes (26/28 B/param, the split pair 18 + 18, the copy pass 16) and upload read (4), the
+    disk probe's moments-only block, the shared host state's layout (master, two moments, step)."""
+    from slidetune.bench.roofline import ADAMW_BYTES, UPLOAD_READ_BYTES
+    from slidetune.engine.distributed import SharedHostState
+    from slidetune.engine.slide.disk_tier import MOMENTS, WITH_MASTER, file_bytes
+    assert ADAMW_BYTES == {"adamw_bf16_grad_params_per_s": 26, "adamw_fp32_grad_params_per_s": 28,
+                           "adamw_weights_pass_params_per_s": 18, "adamw_moments_pass_params_per_s": 18,
+                           "adamw_weights_copy_pass_params_per_s": 16}
+    assert UPLOAD_READ_BYTES == 4
+    assert MOMENTS == ("exp_avg", "exp_avg_sq") and WITH_MASTER == ("master", "exp_avg", "exp_avg_sq")
+    assert file_bytes(1024, 1024, len(MOMENTS)) == 8 * 1024 and file_bytes(1024, 1024, len(WITH_MASTER)) == 12 * 1024
+    # 64-byte aligned pieces: 1024 params -> 4096 B each of master and moments, a step 64, versions 16 -> 64
+    assert SharedHostState.layout_bytes([1024]) == 3 * 4096 + 64 + 64
+    assert SharedHostState.layout_bytes([1024], frozenset({0})) == 4096 + 64 + 64
