@@ -1,8 +1,8 @@
 """What a run will write to disk, checked against the free space before step 1.
 
 A run writes `final/` (the model in HF format, in `save_dtype`) and resumable checkpoints
-(FP32 masters 4 B/param + AdamW moments 8 B/param + a few files): 12 B/param, 98 GB for an
-8B model, more than the GPU machine's 64 GiB disk. While a periodic checkpoint is written
+(FP32 masters 4 B/param + AdamW moments 8 B/param + a few files: engine/adamw.py's FP32_ADAMW):
+12 B/param, 98 GB for an 8B model, more than the GPU machine's 64 GiB disk. While a periodic checkpoint is written
 the previous `keep_last` stay until it is complete (checkpoint.py writes atomically), so
 `keep_last + 1` of them exist at once.
 
@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from .engine.adamw import FP32_ADAMW
 
 GiB = 2**30
 # config, tokenizer, index and state files beside the tensors, and filesystem slack
@@ -95,7 +97,7 @@ def plan_saves(num_params: int, *, save_dtype: str, output_dir: Path, checkpoint
     directories shares its disk. scratch_holds_weights: the tier holds FP32 masters
     (--tuning.disk_master), which final/ is written from: its files cannot go first."""
     final = num_params * SAVE_DTYPE_BYTES[save_dtype] + FILES_MARGIN
-    ckpt = num_params * 12 + FILES_MARGIN
+    ckpt = num_params * FP32_ADAMW.bytes_per_param + FILES_MARGIN
     if same_disk is None:
         same_disk = _device_id(output_dir) == _device_id(checkpoint_dir)
     out_free = free_bytes(output_dir) if output_free is None else output_free
@@ -159,7 +161,8 @@ def plan_saves(num_params: int, *, save_dtype: str, output_dir: Path, checkpoint
                        f"free")
         raise DiskSpaceError(
             f"slidetune: --save-every {save_every} with --keep-last {keep_last} keeps up to {at_once} resumable "
-            f"checkpoints of {gib(ckpt)} (FP32 weights and AdamW moments, 12 B/param) at once beside final/ "
+            f"checkpoints of {gib(ckpt)} (FP32 weights and AdamW moments, {FP32_ADAMW.bytes_per_param} B/param) "
+            f"at once beside final/ "
             f"({gib(final)}), but {checkpoint_dir} has {gib(ck_free)} free{taken}. Options that fit: " + "; ".join(options))
     if ckpt <= room:
         return SavePlan(final, ckpt, True)

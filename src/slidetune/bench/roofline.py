@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine import native_adamw
-from ..engine.adamw import AdamWConfig, FlatAdamW
+from ..engine.adamw import FP32_ADAMW, AdamWConfig, FlatAdamW
 from ..engine.config import RuntimeConfig
 from ..engine.distributed import plan_owners, shared_layout
 from ..engine.placement import PlacementPlan, shapes_from_counts
@@ -110,13 +110,17 @@ def _adamw_rate(n: int, steps: int, grad_dtype: torch.dtype, kernel: str, part: 
     return n / statistics.median(times)
 
 
-# Host DRAM bytes per parameter of the AdamW passes (FP32 master and moments, BF16 gradient):
-# read p, m, v, g and write p, m, v (one pass); the clipped sweep's pair writes p, then m and v.
-# clip_sweep=weights' first pass reads p, m, v, g and writes the BF16 weights (16 B/param); its
-# second is the whole update (26).
-ADAMW_BYTES = {"adamw_bf16_grad_params_per_s": 26, "adamw_fp32_grad_params_per_s": 28,
-               "adamw_weights_pass_params_per_s": 18, "adamw_moments_pass_params_per_s": 18,
-               "adamw_weights_copy_pass_params_per_s": 16}
+# Host DRAM bytes per parameter of the AdamW passes, reads + writes: the optimizer's state
+# (FP32_ADAMW: master p 4, moments m and v 8) and a BF16 gradient g (2; FP32: 4). One pass reads
+# p, m, v, g and writes p, m, v; the clipped sweep's pair reads p, m, v, g and writes p, then reads
+# m, v, g and writes m, v; clip_sweep=weights' first pass reads p, m, v, g and writes the BF16
+# weights, its second is the whole update.
+_P, _MV, _BF16, _FP32 = FP32_ADAMW.master_bytes, FP32_ADAMW.moment_bytes, 2, 4
+ADAMW_BYTES = {"adamw_bf16_grad_params_per_s": (_P + _MV + _BF16) + (_P + _MV),         # 26
+               "adamw_fp32_grad_params_per_s": (_P + _MV + _FP32) + (_P + _MV),         # 28
+               "adamw_weights_pass_params_per_s": (_P + _MV + _BF16) + _P,              # 18
+               "adamw_moments_pass_params_per_s": (_MV + _BF16) + _MV,                  # 18
+               "adamw_weights_copy_pass_params_per_s": (_P + _MV + _BF16) + _BF16}      # 16
 
 
 def probe_host_dram(n: int = 256 * 2**20, reps: int = 5) -> dict:
@@ -200,7 +204,7 @@ def probe_disk(directory: str, total_bytes: int = 4 * 2**30, block_mb: int = 64,
     from ..engine.slide.disk_tier import ALIGN, _aligned_empty, block_elems, check_directory
     if mixed not in ("pool", "split"):
         raise ValueError(f"mixed must be pool or split, not {mixed!r}")
-    block_bytes = 8 * block_elems(block_mb)
+    block_bytes = FP32_ADAMW.moment_bytes * block_elems(block_mb)      # a moments-only block
     files = max(1, files)
     n_blocks = max(threads, files, total_bytes // block_bytes)
     per_file = -(-n_blocks // files)                       # blocks in each file (the last may hold fewer)
@@ -515,7 +519,7 @@ def disk_term(plan: PlacementPlan, disk: dict) -> float:
 
 # Bytes of host DRAM an upload reads per parameter: the FP32 master (the GPU-cast path page-locks it
 # and DMAs it as is; the CPU-cast path reads it too, and writes and re-reads a BF16 copy besides).
-UPLOAD_READ_BYTES = 4
+UPLOAD_READ_BYTES = FP32_ADAMW.master_bytes
 
 
 def largest_shard(plan: PlacementPlan, ranks: int) -> int:

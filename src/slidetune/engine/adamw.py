@@ -25,6 +25,44 @@ from . import native_adamw
 KERNELS = ("dynamic", "static", "torch")
 
 
+@dataclass(frozen=True)
+class OptimizerState:
+    """What the optimizer keeps for each parameter it updates, beside the weights the model computes
+    with: the bytes the fit, the placement, the disk tier, the roofline and the save plan count.
+
+    master: the copy of the weights the update writes ([numel] of master_dtype); moments: tensors
+    of the master's length (moment_names, in state_tensors()' names and the disk tier's file order);
+    step: one 0-dim tensor a unit, not a parameter."""
+    master_dtype: torch.dtype
+    moment_names: tuple[str, ...]
+    moment_dtype: torch.dtype
+    step_dtype: torch.dtype
+
+    @property
+    def master_bytes(self) -> int:
+        return self.master_dtype.itemsize
+
+    @property
+    def moment_bytes(self) -> int:
+        """All the moments of one parameter."""
+        return len(self.moment_names) * self.moment_dtype.itemsize
+
+    @property
+    def bytes_per_param(self) -> int:
+        """Master and moments: what a checkpoint writes and a host unit's RAM holds per parameter."""
+        return self.master_bytes + self.moment_bytes
+
+    @property
+    def step_bytes(self) -> int:
+        """The step count, once a unit."""
+        return self.step_dtype.itemsize
+
+
+# FlatAdamW's state: FP32 master 4 B + exp_avg 4 B + exp_avg_sq 4 B = 12 B/param, and a 4 B step a unit.
+FP32_ADAMW = OptimizerState(master_dtype=torch.float32, moment_names=("exp_avg", "exp_avg_sq"),
+                            moment_dtype=torch.float32, step_dtype=torch.float32)
+
+
 @dataclass
 class AdamWConfig:
     lr: float = 1e-5             # peak learning rate; a scheduler scales it per step
@@ -52,6 +90,8 @@ class AdamWConfig:
 
 class FlatAdamW:
     """AdamW state (moments, step) for one flat master tensor with a decay range [0, n_decay)."""
+
+    STATE = FP32_ADAMW          # what it holds per parameter (master here or elsewhere, moments, step)
 
     def __init__(self, master: torch.Tensor | None, n_decay: int, cfg: AdamWConfig, kernel: str = "dynamic",
                  moments_here: bool = True, state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):

@@ -5,7 +5,7 @@ Ranks come from torchrun's environment (env://: RANK, WORLD_SIZE, LOCAL_RANK, LO
 MASTER_ADDR, MASTER_PORT). Torchrun numbers ranks host by host, so the ranks of host h are
 h * local_world_size .. (h + 1) * local_world_size - 1.
 
-The state of every unit (FP32 master, AdamW moments and step: 12 B/param + 4 B) lives once per host
+The state of every unit (FP32 master, AdamW moments and step, adamw.FP32_ADAMW: 12 B/param + 4 B) lives once per host
 in one file in /dev/shm, mapped by each of the host's ranks; each unit is updated by one of them
 (its owner, `shard_units`), and every host updates its own copy with the same all-reduced gradients.
 Two int64 counters per unit tell the other ranks how far the owner is: the weights version (the
@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..processes import dead_runs
+from .adamw import FP32_ADAMW
 
 BACKENDS = ("gloo", "nccl")
 SHM_DIR = "/dev/shm"
@@ -132,6 +133,13 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+def _unit_sizes(numel: int, moments: bool) -> tuple[int, ...]:
+    """Bytes of a unit's master, each moment (none here where the disk tier holds them) and step,
+    as the optimizer keeps them (FP32_ADAMW: 4 B/param each, a 4 B step)."""
+    moment = FP32_ADAMW.moment_dtype.itemsize * numel if moments else 0
+    return (FP32_ADAMW.master_bytes * numel, *(moment for _ in FP32_ADAMW.moment_names), FP32_ADAMW.step_bytes)
+
+
 class SharedHostState:
     """Every unit's master, moments, step and versions in one mapping of a /dev/shm file.
 
@@ -143,8 +151,8 @@ class SharedHostState:
     @staticmethod
     def layout_bytes(numels: list[int], no_moments: frozenset[int] = frozenset()) -> int:
         """The mapping's size: every unit's master, moments and step, aligned, then the versions."""
-        return sum(_aligned(4 * n) + 2 * _aligned(0 if i in no_moments else 4 * n) + _aligned(4)
-                   for i, n in enumerate(numels)) + _aligned(16 * len(numels))
+        return sum(_aligned(size) for i, n in enumerate(numels)
+                   for size in _unit_sizes(n, i not in no_moments)) + _aligned(16 * len(numels))
 
     def __init__(self, numels: list[int], path: str, create: bool, no_moments: frozenset[int] = frozenset()):
         self.numels = list(numels)
@@ -152,8 +160,7 @@ class SharedHostState:
         offsets, at = [], 0
         for i, n in enumerate(self.numels):
             unit = []
-            m = 0 if i in no_moments else n
-            for size in (4 * n, 4 * m, 4 * m, 4):
+            for size in _unit_sizes(n, i not in no_moments):
                 unit.append(at)
                 at += _aligned(size)
             offsets.append(unit)

@@ -21,7 +21,7 @@ What each engine allocates (see slide/engine.py and plain.py):
                A*N*d*b for each kept there by gpu_checkpoints, plus those in flight), plus the
                largest of the transient working sets (one micro-batch's recompute + backward
                of a layer, the head, the embedding backward).
-         host: 12 B/param (FP32 master + two moments), + the compute dtype's size (2 B/param for
+         host: 12 B/param (FP32 master + two moments: adamw.FP32_ADAMW), + the compute dtype's size (2 B/param for
                BF16) with the deferred schedule (clipping): the held gradients, page-locked;
                disk units (the disk tier) 4 B/param (the master), or b with their master on disk
                too (the compute-dtype weights the uploads copy, page-locked), + its block buffers;
@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.units import SplitModel
+from .adamw import FP32_ADAMW
 from .config import RuntimeConfig, cli_flag, recompute_set
 from .placement import DISK_BUFFERS_UNRESOLVED, PlacementPlan, cache_unit_options, unit_shapes
 from .slide.disk_tier import buffer_bytes, check_directory, tier_blocks, tier_bytes
@@ -486,6 +487,7 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         schedule = rt.resolved_schedule(grad_accum, max_grad_norm)
         plan = PlacementPlan.build(unit_shapes(split), rt, schedule)
         n_dev = plan.device_layers
+        state, master = FP32_ADAMW.bytes_per_param, FP32_ADAMW.master_bytes    # 12 and 4 B/param
         K = plan.layer_slots                              # window slots + resident layers' own
         gpu["layer weight slots"] = K * P_L * b
         gb = 4 if rt.grad_slots_fp32() else b
@@ -519,10 +521,10 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         }
         vocab_device = plan.vocab_on_device
         if vocab_device:
-            gpu["vocab master + Adam moments (vocab_update=device, 12 B/param)"] = 12 * (P_E + P_H)
+            gpu[f"vocab master + Adam moments (vocab_update=device, {state} B/param)"] = state * (P_E + P_H)
         P_dev = sum(u.numel for u in split.layer_units[:n_dev])
         if n_dev:
-            gpu["device layers: master + Adam moments (12 B/param) + own weight slots"] = (12 + b) * P_dev
+            gpu[f"device layers: master + Adam moments ({state} B/param) + own weight slots"] = (state + b) * P_dev
             if schedule == "deferred":
                 gpu["device layers' held gradients (deferred schedule)"] = gb * P_dev
         device_units = ([P_E, P_H] if vocab_device else []) + [u.numel for u in split.layer_units[:n_dev]]
@@ -535,12 +537,12 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
         P_host = P - (P_E + P_H if vocab_device else 0) - P_dev
         P_disk = plan.params("disk")
         P_disk_master = plan.master_params("disk")
-        host["master + Adam moments (12 B/param)"] = 12 * (P_host - P_disk)
+        host[f"master + Adam moments ({state} B/param)"] = state * (P_host - P_disk)
         if P_disk:
             # the disk tier: moments (and the masters of disk-master units) in its files, through a
             # few pinned block buffers; masters here, or those units' compute-dtype weights
             if P_disk > P_disk_master:
-                host["disk units' masters (4 B/param; moments on disk)"] = 4 * (P_disk - P_disk_master)
+                host[f"disk units' masters ({master} B/param; moments on disk)"] = master * (P_disk - P_disk_master)
             if P_disk_master:
                 host[f"disk-master units' weights ({b} B/param; master + moments on disk)"] = b * P_disk_master
             host["disk tier block buffers"] = buffer_bytes(plan, rt.disk_block_mb)
@@ -595,8 +597,8 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
                                                - host.get("offloaded checkpoints", 0))
     else:
         recomputed = rt.recomputed_layers(L)
-        gpu["fp32 master"] = 4 * P
-        gpu["Adam moments"] = 8 * P
+        gpu["fp32 master"] = FP32_ADAMW.master_bytes * P
+        gpu["Adam moments"] = FP32_ADAMW.moment_bytes * P
         gpu["fp32 grad accumulator"] = 4 * P
         gpu["compute weights"] = b * P
         gpu["compute grads"] = b * P

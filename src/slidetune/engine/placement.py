@@ -30,12 +30,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .adamw import FP32_ADAMW
 from .config import RuntimeConfig
 
 STATES = ("gpu", "host", "disk")
-# Bytes a parameter of a disk unit takes in the tier's files: the two FP32 moments, and the FP32
-# master where it lives there too.
-DISK_BYTES = {"host": 8, "disk": 12}
+# Bytes a parameter of a disk unit takes in the tier's files (the optimizer's state, FP32_ADAMW):
+# the two FP32 moments (8), and the FP32 master where it lives there too (12).
+DISK_BYTES = {"host": FP32_ADAMW.moment_bytes, "disk": FP32_ADAMW.bytes_per_param}
 # The disk tier's block buffers where --tuning.disk_buffers is left at auto (-1) unresolved: the
 # count before the auto existed (fit.choose_auto_settings resolves it from host RAM's room).
 DISK_BUFFERS_UNRESOLVED = 8
@@ -269,13 +270,15 @@ class PlacementPlan:
         layer = max((u.numel for u in self.layers), default=0)
         return layer_uploads * layer + sum(u.numel for u in (self.units[0], self.units[-1]) if u.host_updated)
 
-    # State bytes of each tier: GPU 12 B/param (master, moments), host 12 B/param of its units and
+    # State bytes of each tier (FP32_ADAMW): GPU 12 B/param (master, moments), host 12 B/param of its units and
     # the 4 B/param master of the disk units that keep it in RAM, disk 8 B/param (the moments) or
     # 12 (the master too). Not state: a disk-master unit's compute-dtype weights in RAM (engine.fit
     # counts them, with the dtype).
     def state_bytes(self) -> dict[str, int]:
         ram_masters = sum(u.numel for u in self.units if u.state == "disk" and u.master == "host")
-        return {"gpu": 12 * self.params("gpu"), "host": 12 * self.params("host") + 4 * ram_masters,
+        state = FP32_ADAMW
+        return {"gpu": state.bytes_per_param * self.params("gpu"),
+                "host": state.bytes_per_param * self.params("host") + state.master_bytes * ram_masters,
                 "disk": sum(u.disk_bytes_per_param * u.numel for u in self.units)}
 
     # ------------------------------------------------------------------ reporting

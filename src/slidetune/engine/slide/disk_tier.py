@@ -59,6 +59,7 @@ import torch
 from ...device import PINNED
 from ...processes import dead_runs
 from ...telemetry.host_timeline import HostTimeline
+from ..adamw import FP32_ADAMW
 
 ALIGN = 4096                      # O_DIRECT: buffer address, size and offset aligned to this
 SCRATCH_PREFIX = "slidetune-disk-tier-"
@@ -69,27 +70,28 @@ class DiskTierError(RuntimeError):
     """The disk tier cannot be set up or has failed (a missing, read-only or full directory, I/O)."""
 
 
-MOMENTS = ("exp_avg", "exp_avg_sq")               # a block's fields, in file order
-WITH_MASTER = ("master", "exp_avg", "exp_avg_sq")  # ... where the unit's master lives here too
+MOMENTS = FP32_ADAMW.moment_names                 # a block's fields, in file order: exp_avg, exp_avg_sq
+WITH_MASTER = ("master", *MOMENTS)                # ... where the unit's master lives here too
+FIELD_BYTES = FP32_ADAMW.moment_dtype.itemsize    # a field's bytes per element: FP32, as the master's
 
 
 def block_elems(block_mb: float) -> int:
     """Elements per block: block_mb MiB hold a block's two FP32 moments, rounded to ALIGN (a block
     with the master too is half as large again: the same elements, so one layout of blocks)."""
-    per = int(block_mb * 2**20) // 8
+    per = int(block_mb * 2**20) // FP32_ADAMW.moment_bytes
     return max(ALIGN // 4, per - per % (ALIGN // 4))
 
 
 def file_bytes(numel: int, block: int, fields: int = 2) -> int:
     """Bytes a unit of `numel` parameters takes on disk (whole blocks of `fields` FP32 fields)."""
-    return -(-numel // block) * 4 * fields * block
+    return -(-numel // block) * FIELD_BYTES * fields * block
 
 
 def tier_bytes(plan, block_mb: float) -> int:
     """Bytes the disk tier's files take for a placement plan's disk units (engine/placement.py):
     8 B/param, 12 where the master lives there too, in whole blocks."""
     block = block_elems(block_mb)
-    return sum(file_bytes(u.numel, block, u.disk_bytes_per_param // 4) for u in plan.units if u.state == "disk")
+    return sum(file_bytes(u.numel, block, u.disk_bytes_per_param // FIELD_BYTES) for u in plan.units if u.state == "disk")
 
 
 def tier_blocks(plan, block_mb: float) -> int:
@@ -125,8 +127,8 @@ def check_directory(path: str | os.PathLike, need_bytes: int, free_bytes: int | 
     if need_bytes > free:
         gib = 2**30
         raise DiskTierError(f"--disk-dir {p} has {free / gib:.1f} GiB free but the disk tier needs "
-                            f"{need_bytes / gib:.1f} GiB (8 bytes per parameter of the units placed there, 12 "
-                            f"with their masters); "
+                            f"{need_bytes / gib:.1f} GiB ({FP32_ADAMW.moment_bytes} bytes per parameter of the "
+                            f"units placed there, {FP32_ADAMW.bytes_per_param} with their masters); "
                             f"free space there, give a larger disk, or put fewer units on disk (--tuning.disk_units)")
     return p
 
@@ -276,7 +278,7 @@ class DiskTier:
         unit, b = key
         width = len(self.fields(unit)) * self.block             # FP32 elements of this unit's block
         view = memoryview(buf.data[:width].numpy()).cast("B")
-        offset = b * 4 * width
+        offset = b * FIELD_BYTES * width
         try:
             with self.timeline.span("disk", "write" if write else "read", self.names.get(unit, "")):
                 done = 0

@@ -75,7 +75,7 @@ from ...telemetry.events import EventTimer
 from ...telemetry.host_timeline import HostTimeline
 from ...telemetry.memory_timeline import MemoryTimeline
 from .. import native_adamw
-from ..adamw import AdamWConfig
+from ..adamw import FP32_ADAMW, AdamWConfig
 from ..compile_workers import release_compile_workers
 from ..config import RuntimeConfig
 from ..distributed import DataParallel, shared_layout
@@ -1149,7 +1149,7 @@ class SlideEngine:
         gpu_buffers = sum(t.numel() * t.element_size() for s in slots for t in (s.flat, s.landing) if t is not None)
         pinned = (sum(b.numel() * b.element_size() for b in self.uploader.ring + self.drainer.ring)
                   + self.acts.pinned_bytes() + (self.disk.pinned_bytes() if self.disk is not None else 0))
-        device_state = sum(12 * u.spec.numel for u in self.units if u.on_device)   # vocab_update=device, device_layers
+        device_state = sum(FP32_ADAMW.bytes_per_param * u.spec.numel for u in self.units if u.on_device)   # vocab_update=device, device_layers
         # the shared host state is counted once per host, by its local rank 0
         shared = self.shared.nbytes if self.shared is not None and self.dp.local_rank == 0 else 0
         out = {"gpu_buffers": gpu_buffers, "pinned": pinned, "host_state": self.store.state_bytes() + shared,

@@ -19,7 +19,7 @@ import torch
 
 from ...models.load import WeightSource, fill_on_device
 from ...models.units import ParamSlot, SplitModel, UnitSpec
-from ..adamw import AdamWConfig, FlatAdamW
+from ..adamw import FP32_ADAMW, AdamWConfig, FlatAdamW
 from ..distributed import SharedHostState, SharedUnit
 from .disk_tier import MOMENTS, Block, DiskTier, StreamedTensor
 
@@ -339,7 +339,8 @@ def _unit_host_bytes(unit: HostUnit) -> int:
     copy = unit.weights.numel() * unit.weights.element_size() if unit.weights is not None else 0
     if unit.master_on_disk:
         return copy
-    return (4 if unit.disk is not None else 12) * unit.spec.numel + copy
+    state = FP32_ADAMW.master_bytes if unit.disk is not None else FP32_ADAMW.bytes_per_param
+    return state * unit.spec.numel + copy
 
 
 class _ParamRanges:

@@ -1,0 +1,65 @@
+"""The optimizer's own description of its state (engine/adamw.py FP32_ADAMW), which the fit, the
+placement, the disk tier, the roofline and the save plan count, against what FlatAdamW allocates."""
+from __future__ import annotations
+
+import torch
+
+from slidetune.engine.adamw import FP32_ADAMW, AdamWConfig, FlatAdamW
+from slidetune.engine.placement import UnitPlace
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def test_the_state_description_is_what_flat_adamw_allocates():
+    n = 1000
+    master = torch.zeros(n)                                   # [n] fp32
+    opt = FlatAdamW(master, n_decay=600, cfg=AdamWConfig())
+    assert FlatAdamW.STATE is FP32_ADAMW
+    state = opt.state_tensors()
+    moments = {k: v for k, v in state.items() if k != "step"}
+    assert tuple(moments) == FP32_ADAMW.moment_names == ("exp_avg", "exp_avg_sq")
+    assert all(v.numel() == n and v.dtype == FP32_ADAMW.moment_dtype for v in moments.values())
+    assert sum(_nbytes(v) for v in moments.values()) == FP32_ADAMW.moment_bytes * n == 8 * n
+    assert _nbytes(master) == FP32_ADAMW.master_bytes * n == 4 * n
+    assert _nbytes(master) + sum(_nbytes(v) for v in moments.values()) == FP32_ADAMW.bytes_per_param * n == 12 * n
+    assert state["step"].dtype == FP32_ADAMW.step_dtype and _nbytes(state["step"]) == FP32_ADAMW.step_bytes == 4
+    # moments elsewhere (the disk tier): only the step is allocated here
+    away = FlatAdamW(master, n_decay=n, cfg=AdamWConfig(), moments_here=False)
+    assert away.exp_avg is None and away.exp_avg_sq is None and _nbytes(away.step_count) == FP32_ADAMW.step_bytes
+
+
+def test_one_step_moves_the_state_it_describes():
+    """After a step every moment the description names has been written (none is dead weight)."""
+    n = 5000
+    opt = FlatAdamW(torch.ones(n), n_decay=n, cfg=AdamWConfig(lr=1e-3), kernel="torch")
+    opt.begin_step()
+    opt.update(torch.full((n,), 0.5), lr=1e-3)
+    assert all(bool((opt.state_tensors()[name] != 0).all()) for name in FP32_ADAMW.moment_names)
+
+
+def test_a_disk_unit_holds_the_moments_or_the_whole_state_on_disk():
+    moments = UnitPlace(1, "layer.0", 10, state="disk", slot="window")
+    everything = UnitPlace(1, "layer.0", 10, state="disk", slot="window", master="disk")
+    assert moments.disk_bytes_per_param == FP32_ADAMW.moment_bytes == 8
+    assert everything.disk_bytes_per_param == FP32_ADAMW.bytes_per_param == 12
+    assert UnitPlace(1, "layer.0", 10, state="host", slot="window").disk_bytes_per_param == 0
+
+
+def test_the_readers_numbers_are_the_ones_they_wrote_before():
+    """Each reader's figure, built from FP32_ADAMW, is still the number it stated: the roofline's
+    AdamW passes (26/28 B/param, the split pair 18 + 18, the copy pass 16) and upload read (4), the
+    disk probe's moments-only block, the shared host state's layout (master, two moments, step)."""
+    from slidetune.bench.roofline import ADAMW_BYTES, UPLOAD_READ_BYTES
+    from slidetune.engine.distributed import SharedHostState
+    from slidetune.engine.slide.disk_tier import MOMENTS, WITH_MASTER, file_bytes
+    assert ADAMW_BYTES == {"adamw_bf16_grad_params_per_s": 26, "adamw_fp32_grad_params_per_s": 28,
+                           "adamw_weights_pass_params_per_s": 18, "adamw_moments_pass_params_per_s": 18,
+                           "adamw_weights_copy_pass_params_per_s": 16}
+    assert UPLOAD_READ_BYTES == 4
+    assert MOMENTS == ("exp_avg", "exp_avg_sq") and WITH_MASTER == ("master", "exp_avg", "exp_avg_sq")
+    assert file_bytes(1024, 1024, len(MOMENTS)) == 8 * 1024 and file_bytes(1024, 1024, len(WITH_MASTER)) == 12 * 1024
+    # 64-byte aligned pieces: 1024 params -> 4096 B each of master and moments, a step 64, versions 16 -> 64
+    assert SharedHostState.layout_bytes([1024]) == 3 * 4096 + 64 + 64
+    assert SharedHostState.layout_bytes([1024], frozenset({0})) == 4096 + 64 + 64
