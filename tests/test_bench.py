@@ -7,6 +7,7 @@ import pytest
 
 from slidetune.bench.measure import MeasureSpec, measure
 from slidetune.bench.output import read_csv, read_csv_machine
+from slidetune import run_setup
 from slidetune.bench.workload import BenchWorkload
 from slidetune.cli import main
 
@@ -114,7 +115,6 @@ def test_measured_step_includes_the_work_left_in_the_background(monkeypatch):
     import threading
     import time
 
-    from slidetune.bench import measure as M
     from slidetune.engine.result import StepResult
 
     class BackgroundEngine:
@@ -141,7 +141,7 @@ def test_measured_step_includes_the_work_left_in_the_background(monkeypatch):
         def close(self):
             self.synchronize()
 
-    monkeypatch.setattr(M, "build_engine", lambda *a, **k: BackgroundEngine())
+    monkeypatch.setattr(run_setup, "build_engine", lambda *a, **k: BackgroundEngine())
     r = measure(MeasureSpec(workload=BenchWorkload("tiny-llama", seq_len=8, batch_size=1, steps=4, warmup=1),
                             per_layer=False, runtime=dict(device="cpu", mode="slide")))
     measured = [s for s in r["steps"] if not s["warmup"]]
@@ -153,10 +153,9 @@ def test_measure_refuses_what_does_not_fit_before_building(monkeypatch):
     """A slide run the fit check refuses ends as status "refused" with the check's message (what is
     short, the options that fit) before the engine allocates anything; check_memory=False skips it."""
     from slidetune.engine.fit import ENV_HOST_MEMORY
-    import slidetune.bench.measure as M
     built = []
-    real_build = M.build_engine
-    monkeypatch.setattr(M, "build_engine", lambda *a, **k: (built.append(1), real_build(*a, **k))[1])
+    real_build = run_setup.build_engine
+    monkeypatch.setattr(run_setup, "build_engine", lambda *a, **k: (built.append(1), real_build(*a, **k))[1])
     monkeypatch.setenv(ENV_HOST_MEMORY, str(64 * 2**20))          # a 64 MiB host
     spec = MeasureSpec(workload=BenchWorkload("tiny-llama", seq_len=16, batch_size=2, steps=1, warmup=0),
                        runtime=dict(device="cpu", mode="slide"))

@@ -229,13 +229,13 @@ def test_train_refuses_an_out_of_range_id_before_step_1(tmp_path, monkeypatch):
     run never reads it, a long one would fail there) is refused before the engine is built."""
     import contextlib
     import io
-    from slidetune import train as train_mod
+    from slidetune import run_setup
     from slidetune.cli import main
     from slidetune.models.presets import TINY_VOCAB
 
     def forbidden(*a, **k):
         raise AssertionError("must be refused before the engine is built")
-    monkeypatch.setattr(train_mod, "build_engine", forbidden)
+    monkeypatch.setattr(run_setup, "build_engine", forbidden)
     tokens = np.random.default_rng(0).integers(0, 256, 20_000).astype(np.int32)
     for bad, what in ((TINY_VOCAB, f"vocabulary size {TINY_VOCAB}"), (-3, "negative")):
         tokens[5000] = bad

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slidetune import train as train_mod
+from slidetune import run_setup
 from slidetune.cli import build_parser, main
 from slidetune.config import CPU_DEFAULT_JOB, TrainConfig, _FLAG_NAMES, _leaf_fields, config_from_args, config_to_dict, tuning_paths
 from slidetune.data.corpus import builtin_corpus
@@ -84,7 +84,7 @@ def norm_read_spy(events: list[tuple[str, int]]):
 def after_each_step(hook):
     """Wrap every engine built by the trainer: `hook(engine, result)` runs after each of its
     train_step calls and returns the result the trainer gets."""
-    real = train_mod.build_engine
+    real = run_setup.build_engine
 
     def build(*args, **kwargs):
         engine = real(*args, **kwargs)
@@ -97,7 +97,7 @@ def after_each_step(hook):
         return engine
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(train_mod, "build_engine", build)
+        mp.setattr(run_setup, "build_engine", build)
         yield
 
 

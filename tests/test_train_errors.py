@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from slidetune import run_setup
 from slidetune import train as train_mod
 from slidetune.cli import main
 from slidetune.engine.result import StepResult
@@ -136,7 +137,7 @@ def refused_before_the_model(tmp_path, monkeypatch, *args: str) -> str:
     def forbidden(*a, **k):
         raise AssertionError("must be refused before the model loads")
 
-    monkeypatch.setattr(train_mod, "load_model", forbidden)
+    monkeypatch.setattr(run_setup, "load_model", forbidden)
     code, out, err = run_cli(*COMMON, "--max-steps", "2", "--output-dir", str(tmp_path / "never"), *args)
     assert code == 2, (out[-2000:], err[-2000:])
     assert "slidetune: error:" in err and "Traceback" not in err
@@ -207,7 +208,7 @@ def test_configuration_that_does_not_fit_is_refused_before_allocating(prev, monk
     def forbidden(*a, **k):
         raise AssertionError("must not get this far")
 
-    monkeypatch.setattr(train_mod, "build_engine", forbidden)       # nothing allocated
+    monkeypatch.setattr(run_setup, "build_engine", forbidden)       # nothing allocated
     monkeypatch.setattr(train_mod, "build_datasets", forbidden)     # not even the data is tokenized
     monkeypatch.setenv("SLIDETUNE_HOST_MEMORY_BYTES", "3G")
     t0 = time.perf_counter()

@@ -58,7 +58,7 @@ def _plan(ns) -> int:
     import torch
 
     from .device import resolve_dtype
-    from .engine.fit import FIT_SAFETY, estimate_memory
+    from .engine.fit import estimate_memory, free_memory_needed
     from .engine.placement import AUTO_WINDOW, cache_unit_options
     from .models.load import load_model
     cfg = config_from_args(ns)
@@ -114,7 +114,7 @@ def _plan(ns) -> int:
     if cfg.runtime.cache_units == -1:
         resident = estimate(cache_units=0)
         print(f"cache_units auto: the estimate above is the {AUTO_WINDOW}-slot window; on a GPU with at least "
-              f"{resident.gpu_bytes / FIT_SAFETY / gib:.1f} GiB free every layer stays resident "
+              f"{free_memory_needed(resident.gpu_bytes) / gib:.1f} GiB free every layer stays resident "
               f"(GPU {resident.gpu_bytes / gib:.2f} GiB; faster: the forward no longer waits on PCIe)")
     if cfg.runtime.grad_slot_dtype == "auto" and cfg.runtime.grad_download == "compute":
         print("grad_slot_dtype auto: compute (gradients cross PCIe in the compute dtype and the host's AdamW "
@@ -123,14 +123,14 @@ def _plan(ns) -> int:
         for cache_units in cache_options:
             fp32 = estimate(cache_units=cache_units, grad_slot_dtype="fp32")
             print(f"grad_slot_dtype auto: with cache_units {cache_units}, FP32 gradient slots need a GPU with "
-                  f"{fp32.gpu_bytes / FIT_SAFETY / gib:.1f} GiB free (GPU {fp32.gpu_bytes / gib:.2f} GiB; the gradient "
+                  f"{free_memory_needed(fp32.gpu_bytes) / gib:.1f} GiB free (GPU {fp32.gpu_bytes / gib:.2f} GiB; the gradient "
                   f"copies then need no cast kernel); below that the slots keep the compute dtype")
     if cfg.runtime.device_layers == -1:
         one = estimate(device_layers=1).gpu_bytes - estimate(device_layers=0).gpu_bytes
         every = estimate(device_layers=loaded.split.num_layers).gpu_bytes
         print(f"device_layers auto: each layer kept and updated on the GPU adds about {one / gib:.2f} GiB "
               f"to the estimate above and takes its share off the host's AdamW; all "
-              f"{loaded.split.num_layers} need a GPU with {every / FIT_SAFETY / gib:.1f} GiB free")
+              f"{loaded.split.num_layers} need a GPU with {free_memory_needed(every) / gib:.1f} GiB free")
     if cfg.runtime.offloads_activations and cfg.runtime.gpu_checkpoints == -1:
         one = estimate(gpu_checkpoints=1).host_bytes - estimate(gpu_checkpoints=0).host_bytes
         print(f"gpu_checkpoints auto: the estimate above offloads every checkpoint; each one kept on the GPU "
@@ -140,7 +140,7 @@ def _plan(ns) -> int:
         for cache_units in cache_options:
             dev = estimate(cache_units=cache_units, vocab_update="device")
             print(f"vocab_update auto: with cache_units {cache_units}, the embedding and head are updated on "
-                  f"the GPU on one with {dev.gpu_bytes / FIT_SAFETY / gib:.1f} GiB free (GPU {dev.gpu_bytes / gib:.2f} "
+                  f"the GPU on one with {free_memory_needed(dev.gpu_bytes) / gib:.1f} GiB free (GPU {dev.gpu_bytes / gib:.2f} "
                   f"GiB; less host AdamW per step); below that on the host")
     return 0
 
@@ -204,6 +204,7 @@ def _plan_resolved(ns, cfg, split):
     the options that do). Returns that placement plan (None outside slide mode)."""
     import torch
 
+    from .engine.autos import describe_autos
     from .engine.distributed import SharedMemoryError
     from .engine.limits import MachineBudget
     from .engine.slide.disk_tier import DiskTierError
@@ -257,6 +258,9 @@ def _plan_resolved(ns, cfg, split):
     print(f"resolved on {where} and {host / gib:.1f} GiB of host RAM{': ' + settings.strip() if settings else ''}: "
           + (f"GPU {est.gpu_bytes / gib:.2f} GiB{' per rank' if ranks > 1 else ''}, " if on_gpu else "") + host_words
           + (f", disk tier {est.disk_bytes / gib:.2f} GiB" if est.disk_bytes else ""))
+    # why each auto setting resolved as it did: the lines `slidetune train` prints before its run
+    for line in describe_autos(rt, resolved, plan, gpu_lines=on_gpu):
+        print(f"  {line}")
     shm = int(ns.shm_gib * gib) if ns.shm_gib is not None else None
     disk = int(ns.disk_free_gib * gib) if ns.disk_free_gib is not None else None
     try:

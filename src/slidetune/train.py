@@ -36,19 +36,20 @@ from .data import IGNORE_INDEX, BatchSampler, TokenDataset, build_datasets, coll
 from .data.build import load_source
 from .data.token_arrays import is_token_source
 from .device import Device, resolve_dtype
-from .engine import StepResult, build_engine
+from .engine import RuntimeConfig, StepResult
+from .engine.autos import describe_autos
 from .engine.compile_policy import choose_compile_layers, resolve_compile_layers
 from .faults import maybe_fail
 from .save_plan import DiskSpaceError, SavePlan, plan_saves, resolve_save_dtype
 from .telemetry.machine import HostRss
-from .engine.fit import Workload, check_fit_on_ranks, place_on_ranks
-from .engine.placement import PlacementPlan, unit_shapes
-from .engine.slide.disk_tier import buffer_bytes, tier_bytes
-from .models.load import LoadedModel, load_model
+from .engine.placement import PlacementPlan
+from .engine.slide.disk_tier import tier_bytes
+from .models.load import LoadedModel
 from .models.reference_check import require_faithful
 from .ops.packed_attention import use_packed_attention
 from .ranks import Ranks
 from .run_lock import RunLock, lock_run_directories
+from .run_setup import PreparedRun, RunRequest, prepare_run
 from .telemetry.flops import train_flops_per_token
 
 if TYPE_CHECKING:
@@ -249,6 +250,21 @@ def _print_config(cfg: TrainConfig, device: Device, dtype_why: str, verbose: boo
           + ")", flush=True)
 
 
+@dataclass
+class _RunInputs:
+    """What train reads and decides between the fit check and the engine: the data, the steps, the
+    output directory's state (prepare_run's before_build)."""
+    sampler: BatchSampler
+    heldout: TokenDataset | None
+    pad_id: int
+    total_steps: int
+    ckpt_dir: Path
+    save_dtype: str
+    saves: SavePlan
+    resume_from: Path | None
+    stale: list[Path]
+
+
 def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: float,
            verbose: bool = False) -> TrainSummary:
     if ranks.world_size > 1:
@@ -259,13 +275,45 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
     # the model, then the reference check on it; a pre-tokenized corpus is opened once the
     # tokenizer's EOS is known (build_datasets below)
     source = None if is_token_source(cfg.data.path) else ranks.on_each(lambda: load_source(cfg.data))
-    gpu_free = _apply_gpu_memory_limit(cfg, device)
-    loaded = load_model(cfg.model, num_layers=cfg.num_layers, seed=cfg.seed)
+    # what the auto settings chose: the GPU's placement (on the CPU only with --verbose: no GPU there)
+    say = print if device.is_cuda or verbose else _silent
+    inputs: list[_RunInputs] = []
+
+    def before_build(prepared: PreparedRun) -> RuntimeConfig:
+        run_inputs, runtime = _prepare_inputs(cfg, prepared, source, ranks, device, out, say)
+        inputs.append(run_inputs)
+        return runtime
+
+    prepared = prepare_run(
+        _run_request(cfg), device, ranks, after_load=lambda loaded: _check_model(cfg, loaded),
+        on_placed=lambda p: _say_autos(cfg, p, device.is_cuda or verbose, say), before_build=before_build)
+    engine, loaded, (run,) = prepared.engine, prepared.loaded, inputs
+    try:
+        with _StopFlag() as stop:       # from here on a signal means: finish the step, checkpoint, exit
+            return Trainer(cfg, engine, loaded, run.sampler, run.heldout, run.pad_id, run.total_steps, device, out,
+                           t_start, run.resume_from, run.stale if ranks.is_main else [], stop, ckpt_dir=run.ckpt_dir,
+                           saves=run.saves, save_dtype=run.save_dtype, ranks=ranks).run()
+    finally:
+        engine.close()
+
+
+def _run_request(cfg: TrainConfig) -> RunRequest:
+    """The run prepare_run sets up for `cfg`: packed rows are full windows, so no batch carries
+    padding (no [B,1,S,S] padding masks; masked packing builds its document mask as a
+    FlexAttention BlockMask on CUDA)."""
+    return RunRequest(model=cfg.model, runtime=cfg.runtime, optim=cfg.optim, batch_size=cfg.batch_size,
+                      seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm,
+                      padded=not cfg.data.packed, num_layers=cfg.num_layers, seed=cfg.seed,
+                      gpu_memory_limit_gib=cfg.gpu_memory_limit, check_memory=cfg.check_memory, announce=True)
+
+
+def _check_model(cfg: TrainConfig, loaded: LoadedModel) -> None:
+    """The model against the run, before it is placed: the reference check, a tokenizer where the
+    data is text, the sequence length against the model's context."""
     _reference_check(cfg, loaded)
     # a pre-tokenized corpus needs no tokenizer (with no EOS known, each row is one document:
     # token_arrays.py); text data does
-    pretokenized = is_token_source(cfg.data.path)
-    if loaded.tokenizer is None and not pretokenized:
+    if loaded.tokenizer is None and not is_token_source(cfg.data.path):
         raise TrainingError(f"model {cfg.model!r} has no tokenizer, so text data cannot be tokenized; "
                             f"use a model directory with tokenizer files, a preset with a >= 49152 vocabulary, "
                             f"or a pre-tokenized corpus (--data tokens.npy / .bin)")
@@ -273,78 +321,23 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
     if max_pos is not None and cfg.data.seq_len > max_pos:
         raise TrainingError(f"--seq-len {cfg.data.seq_len} exceeds the context of model {cfg.model!r}: "
                             f"{max_pos} tokens (max_position_embeddings); use --seq-len {max_pos} or less")
-    runtime = cfg.runtime if cfg.runtime.device != "auto" else _with_device(cfg, device)
-    # packed rows are full windows: no batch carries padding, so no [B,1,S,S] padding masks
-    # (masked packing builds its document mask as a FlexAttention BlockMask on CUDA)
-    padded = not cfg.data.packed
-    # chosen on rank 0 from its GPU and shared: every rank runs the same placement (check_fit below
-    # verifies each rank's GPU, and the host for all of its ranks); the host's RAM is counted for
-    # all of its ranks (one shared state, each rank's own buffers)
-    work = Workload(batch_size=cfg.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
-                    max_grad_norm=cfg.max_grad_norm, padded=padded, gpu_free_bytes=gpu_free,
-                    ranks_per_host=ranks.cfg.local_world_size)
-    runtime = place_on_ranks(loaded.split, runtime, work, ranks)
-    plan = (PlacementPlan.build(unit_shapes(loaded.split), runtime,
-                                runtime.resolved_schedule(cfg.grad_accum, cfg.max_grad_norm))
-            if runtime.mode == "slide" else None)
-    # what the auto settings chose: the GPU's placement (on the CPU only with --verbose: no GPU there)
-    say = print if device.is_cuda or verbose else _silent
-    if cfg.runtime.cache_units == -1 and cfg.runtime.mode == "slide":
-        resident, window = plan.resident_layers, plan.window_slots
-        say(f"cache_units auto -> {runtime.cache_units}: "
-            + (f"a {window}-slot window" + (f" and {resident} resident layers" if resident else "") if window
-               else "every host-updated layer stays on the GPU between steps"))
-    if cfg.runtime.grad_slot_dtype == "auto" and cfg.runtime.mode == "slide":
-        say(f"grad_slot_dtype auto -> {runtime.grad_slot_dtype}")
-    if cfg.runtime.lean_layer == "auto" and cfg.runtime.mode == "slide":
-        say(f"lean_layer auto -> {runtime.lean_layer}"
-            + (" (only the lean layer's smaller working set makes the run fit, on the GPU or, through the "
-               f"checkpoints the GPU then keeps, the host: lean RMSNorms, the MLP in tiles of "
-               f"{runtime.mlp_tile_tokens} tokens)" if runtime.lean_layer == "on" else " (HF's layer: it fits)"))
-    if cfg.runtime.disk_buffers == -1 and cfg.runtime.mode == "slide" and plan.indices("disk"):
-        def size(n: int) -> str:
-            return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
-        print(f"disk_buffers auto -> {runtime.disk_buffers}: {size(buffer_bytes(plan, runtime.disk_block_mb))} of "
-              f"block buffers, the disk tier's read-ahead (as deep as host RAM has room for, at most half the "
-              f"disk units' {size(tier_bytes(plan, runtime.disk_block_mb))})")
-    if cfg.runtime.held_buffers == -1 and cfg.runtime.mode == "slide":
-        say(f"held_buffers auto -> {runtime.held_buffers}"
-            + ("" if runtime.held_buffers == 1 else
-               " (the clipped schedule's gradients alternate between two host buffers)"
-               if runtime.held_second_units == -1 else
-               f" for the lowest {runtime.held_second_units} host units "
-               f"({plan.ranges(lambda u: u.held == 2)}: as many as host RAM has room for), one for the rest"))
-    if cfg.runtime.vocab_update == "auto" and cfg.runtime.mode == "slide":
-        say(f"vocab_update auto -> {runtime.vocab_update}"
-            + (" (embedding and head updated on the GPU)" if runtime.vocab_update == "device" else ""))
-    if cfg.runtime.device_layers == -1 and cfg.runtime.mode == "slide":
-        say(f"device_layers auto -> {max(0, runtime.device_layers)}"
-            + (f" (decoder layers 0-{runtime.device_layers - 1} kept and updated on the GPU)"
-               if runtime.device_layers > 0 else ""))
-    if cfg.runtime.offload_activations == "auto" and cfg.runtime.mode == "slide":
-        say(f"offload_activations auto -> {runtime.offload_activations}"
-            + (" (not every layer-input checkpoint fits the GPU: the rest go to pinned host RAM)"
-               if runtime.offloads_activations else " (every layer-input checkpoint stays on the GPU)"))
-    if cfg.runtime.head_impl == "auto":
-        say(f"head_impl auto -> {runtime.resolved_head_impl}")
-    if cfg.runtime.gpu_checkpoints == -1 and runtime.offloads_activations and cfg.runtime.mode == "slide":
-        kept = plan.gpu_checkpoints
-        say(f"gpu_checkpoints auto -> {kept}"
-            + (f" (the input checkpoints of the last {kept} decoder layers stay on the GPU)" if kept else ""))
-    if cfg.runtime.disk_units == -1 and runtime.disk_dir and cfg.runtime.mode == "slide":
-        print(f"disk_units auto -> {len(plan.indices('disk'))}"
-              + (f" ({plan.ranges(lambda u: u.state == 'disk')}: AdamW moments in {runtime.disk_dir})"
-                 if plan.indices("disk") else " (host RAM holds the state)"))
-    if cfg.runtime.disk_master == "auto" and runtime.disk_dir and cfg.runtime.mode == "slide":
-        print(f"disk_master auto -> {runtime.disk_master}"
-              + (f" ({plan.ranges(lambda u: u.master == 'disk')}: FP32 masters on disk too, their compute-dtype "
-                 f"weights in host RAM)" if plan.master_params("disk") else ""))
-    if plan is not None:
-        say("placement:\n" + "\n".join(plan.summary_lines()))
-    if cfg.check_memory:
-        # Before the data is tokenized and before the engine allocates anything. Per rank: its own
-        # GPU; the host with its local ranks (the shared state once, each rank's buffers each).
-        check_fit_on_ranks(loaded.split, runtime, work, ranks)
+
+
+def _say_autos(cfg: TrainConfig, prepared: PreparedRun, gpu_lines: bool, say) -> None:
+    """What the auto settings chose (engine.autos), then the placement; the GPU's lines through
+    `say`, the disk tier's always."""
+    for line in describe_autos(cfg.runtime, prepared.runtime, prepared.plan, gpu_lines=gpu_lines):
+        print(line)
+    if prepared.plan is not None:
+        say("placement:\n" + "\n".join(prepared.plan.summary_lines()))
+
+
+def _prepare_inputs(cfg: TrainConfig, prepared: PreparedRun, source, ranks: Ranks, device: Device, out: Path,
+                    say) -> tuple[_RunInputs, RuntimeConfig]:
+    """After the fit check, before the engine allocates anything: the data tokenized, the steps
+    counted, the layers to compile chosen, the output directory prepared. Returns those and the
+    runtime with compile_layers resolved."""
+    loaded, runtime = prepared.loaded, prepared.runtime
     # the sampler draws global batches (--batch-size rows per rank) from (seed, step); each rank
     # takes its rows of each (Trainer.micro_batch): N ranks train on one rank's data at N x the batch
     global_batch = cfg.batch_size * ranks.world_size
@@ -367,22 +360,15 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
     runtime = resolve_compile_layers(runtime, compiled)
     if cfg.runtime.mode == "slide":
         say(f"compile_layers {cfg.runtime.compile_layers} -> {compiled.compile_layers} ({compiled.reason})")
-
     ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else out / "checkpoints"
     save_dtype = resolve_save_dtype(cfg.save_dtype, loaded.split.config, runtime.dtype)
     # Rank 0 alone reads and changes the output directory before the run (leftovers, free space,
     # the checkpoint to resume from, an earlier run's checkpoints) and every rank gets its answer.
-    saves, resume_from, stale = ranks.on_main(lambda: _prepare_output(cfg, loaded, plan, runtime, out, ckpt_dir,
-                                                                      save_dtype, total_steps, ranks.world_size))
-    engine = build_engine(loaded, dataclasses.replace(runtime, device=cfg.runtime.device), cfg.optim, device,
-                          grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm, dist=ranks.dp)
-    try:
-        with _StopFlag() as stop:       # from here on a signal means: finish the step, checkpoint, exit
-            return Trainer(cfg, engine, loaded, sampler, heldout, pad_id, total_steps, device, out, t_start,
-                           resume_from, stale if ranks.is_main else [], stop, ckpt_dir=ckpt_dir, saves=saves,
-                           save_dtype=save_dtype, ranks=ranks).run()
-    finally:
-        engine.close()
+    saves, resume_from, stale = ranks.on_main(lambda: _prepare_output(cfg, loaded, prepared.plan, runtime, out,
+                                                                      ckpt_dir, save_dtype, total_steps,
+                                                                      ranks.world_size))
+    return _RunInputs(sampler, heldout, pad_id, total_steps, ckpt_dir, save_dtype, saves, resume_from,
+                      stale), runtime
 
 
 def _prepare_output(cfg: TrainConfig, loaded: LoadedModel, plan: PlacementPlan | None, runtime, out: Path,
@@ -443,25 +429,6 @@ def _reference_check(cfg: TrainConfig, loaded: LoadedModel) -> None:
     result = require_faithful(loaded.split.config, seed=cfg.seed)
     print(f"reference check passed (the model's layers as slidetune runs them, against transformers on a tiny "
           f"random copy): {result.summary()}")
-
-
-def _apply_gpu_memory_limit(cfg: TrainConfig, device: Device) -> int | None:
-    """Cap the GPU memory at --gpu-memory-limit; returns the free bytes the auto settings and the
-    fit check plan with (None: theirs, the device's own free memory)."""
-    if cfg.gpu_memory_limit is None:
-        return None
-    if not device.is_cuda:
-        print(f"note: --gpu-memory-limit {cfg.gpu_memory_limit:g} has no effect on the CPU", file=sys.stderr)
-        return None
-    limit = device.limit_memory(cfg.gpu_memory_limit)
-    free, total = device.free_and_total()
-    print(f"GPU memory limited to {cfg.gpu_memory_limit:g} GiB of {total / 2**30:.1f} GiB (--gpu-memory-limit)")
-    return min(free, limit)
-
-
-def _with_device(cfg: TrainConfig, device: Device):
-    import dataclasses
-    return dataclasses.replace(cfg.runtime, device=device.device.type)
 
 
 def _resolve_resume(cfg: TrainConfig, ckpt_dir: Path, total_steps: int) -> Path | None:

@@ -18,9 +18,9 @@ import torch
 
 from ..data import Batch
 from ..device import Device
-from ..engine import AdamWConfig, RuntimeConfig, build_engine
-from ..models.load import load_model
-from ..ranks import RankFailure, Ranks
+from ..engine import AdamWConfig, RuntimeConfig
+from ..ranks import Ranks
+from ..run_setup import PreparedRun, RunRequest, prepare_run
 from ..telemetry.events import EventTimer
 from ..telemetry.flops import train_flops_per_token
 from ..telemetry.machine import host_memory_snapshot, host_peak_rss, machine_info, memory_parts, peak_rss_bytes
@@ -158,6 +158,21 @@ def disk_tier_warmup(asked: int, engine) -> int:
     return max(asked, 2) if getattr(engine, "disk", None) is not None else asked
 
 
+def fit_estimate(prepared: PreparedRun, device: Device) -> dict[str, float]:
+    """The fit's estimate of the placement that runs (GiB), beside the measured peaks (the fit
+    margin's calibration, engine/fit.py FIT_SAFETY), and the GPU memory it planned with (read
+    before the engine allocates anything)."""
+    from ..engine.fit import estimate_memory
+    work = prepared.work
+    free = work.gpu_free_bytes
+    if free is None and device.is_cuda:                 # the device's own free memory, as the autos read it
+        free = torch.cuda.mem_get_info(device.device)[0]
+    est = estimate_memory(prepared.loaded.split, prepared.runtime, batch_size=work.batch_size, seq_len=work.seq_len,
+                          grad_accum=work.grad_accum, max_grad_norm=work.max_grad_norm, padded=work.padded)
+    return {"gpu": est.gpu_bytes / 2**30, "host": est.host_bytes_per_host(work.ranks_per_host) / 2**30,
+            "gpu_free": (free or 0) / 2**30}
+
+
 def measure(spec: MeasureSpec) -> dict:
     rt = RuntimeConfig(**spec.runtime)
     ranks, device = start_ranks(spec, rt)
@@ -169,44 +184,26 @@ def measure(spec: MeasureSpec) -> dict:
 
 def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device) -> dict:
     wl = spec.workload
-    if wl.gpu_memory_limit_gib:
-        device.limit_memory(wl.gpu_memory_limit_gib)
     # the process's host memory by kind at its start, after the build and after the steps: a rank's
     # fixed cost (CUDA context, libraries, communicators) apart from the state (data parallel's
     # host RSS against one GPU's, NOTES.md "Data parallel")
     host_memory = {"start": host_memory_snapshot()}
     t0 = time.perf_counter()
-    loaded = load_model(wl.model, num_layers=wl.num_layers, seed=wl.seed, with_tokenizer=False)
-    fit_estimate = None
-    if rt.mode == "slide":
-        from ..engine.fit import InsufficientMemoryError, Workload, check_fit_on_ranks, place_on_ranks
-        from .budget import planned_gpu_free
-        free = None
-        if device.is_cuda:                          # an emulated smaller card: auto must plan for it
-            free = planned_gpu_free(torch.cuda.mem_get_info(device.device)[0], wl.gpu_memory_limit_gib)
-        # synthetic batches are full rows: never padded (no [B,1,S,S] masks); several ranks: placed
-        # and checked as training does (engine.fit.place_on_ranks, check_fit_on_ranks)
-        work = Workload(batch_size=wl.batch_size, seq_len=wl.seq_len, grad_accum=spec.grad_accum,
-                        max_grad_norm=spec.max_grad_norm, padded=False, gpu_free_bytes=free,
-                        ranks_per_host=ranks.cfg.local_world_size)
-        rt = place_on_ranks(loaded.split, rt, work, ranks)
-        # the fit's estimate of the placement that runs, beside the measured peaks below (the fit
-        # margin's calibration, engine/fit.py FIT_SAFETY)
-        from ..engine.fit import estimate_memory
-        est = estimate_memory(loaded.split, rt, batch_size=wl.batch_size, seq_len=wl.seq_len,
-                              grad_accum=spec.grad_accum, max_grad_norm=spec.max_grad_norm, padded=False)
-        fit_estimate = {"gpu": est.gpu_bytes / 2**30,
-                        "host": est.host_bytes_per_host(ranks.cfg.local_world_size) / 2**30,
-                        "gpu_free": (free or 0) / 2**30}
-        if spec.check_memory:
-            try:
-                check_fit_on_ranks(loaded.split, rt, work, ranks)
-            except (InsufficientMemoryError, RankFailure) as e:
-                return {"spec": spec.to_dict(), "machine": machine_info(), "runtime": asdict(rt),
-                        "status": "refused", "error": str(e)}
     timer = EventTimer(device, enabled=spec.per_layer)
-    engine = build_engine(loaded, rt, AdamWConfig(lr=wl.lr), device, grad_accum=spec.grad_accum,
-                          max_grad_norm=spec.max_grad_norm, timer=timer, dist=ranks.dp)
+    estimates: list[dict[str, float]] = []      # the fit's, of the placement that runs (slide mode)
+    # synthetic batches are full rows: never padded (no [B,1,S,S] masks); several ranks: placed
+    # and checked as training does. The fit check refuses slide runs only: a plain baseline
+    # that runs out of memory is measured as such.
+    prepared = prepare_run(RunRequest(
+        model=wl.model, runtime=rt, optim=AdamWConfig(lr=wl.lr), batch_size=wl.batch_size, seq_len=wl.seq_len,
+        grad_accum=spec.grad_accum, max_grad_norm=spec.max_grad_norm, padded=False, num_layers=wl.num_layers,
+        seed=wl.seed, with_tokenizer=False, gpu_memory_limit_gib=wl.gpu_memory_limit_gib,
+        check_memory=spec.check_memory and rt.mode == "slide", refusal_as_result=True), device, ranks, timer=timer,
+        on_placed=lambda placed: estimates.append(fit_estimate(placed, device)) if placed.plan is not None else None)
+    rt, loaded, engine = prepared.runtime, prepared.loaded, prepared.engine
+    if prepared.refusal is not None:
+        return {"spec": spec.to_dict(), "machine": machine_info(), "runtime": asdict(rt),
+                "status": "refused", "error": prepared.refusal}
     init_s = time.perf_counter() - t0
     host_memory["built"] = host_memory_snapshot()
     timeline = getattr(engine, "timeline", None)
@@ -228,8 +225,8 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
                     "host_threads": getattr(engine, "host_threads", None),
                     "device_layers": getattr(engine, "device_layers", None),
                     "params": split.num_params(), "num_layers": split.num_layers}
-    if fit_estimate is not None:
-        result["fit_estimate_gib"] = fit_estimate
+    if estimates:
+        result["fit_estimate_gib"] = estimates[0]
     warmup = disk_tier_warmup(wl.warmup, engine)
     if warmup != wl.warmup:
         result["warmup_raised"] = {"asked": wl.warmup, "used": warmup, "why": DISK_WARMUP_WHY}

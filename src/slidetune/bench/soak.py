@@ -27,8 +27,8 @@ import torch
 from ..config import TrainConfig
 from ..data import Batch
 from ..device import Device
-from ..engine import RuntimeConfig, build_engine
-from ..models.load import load_model
+from ..engine import RuntimeConfig
+from ..run_setup import RunRequest, prepare_run
 from ..telemetry.machine import machine_info
 from ..telemetry.resources import CpuTimesSampler, sample_resources
 from .baselines.proc import worker_main
@@ -65,27 +65,19 @@ def soak(spec: SoakSpec) -> dict:
     wl = spec.workload
     rt = RuntimeConfig(**{"mode": "slide", **spec.runtime})
     device = Device.resolve(rt.device, waits=rt.cuda_waits)
-    rt = replace(rt, device=device.device.type)       # auto -> cuda | cpu, as train resolves it
-    free = None
-    if wl.gpu_memory_limit_gib:
-        limit = device.limit_memory(wl.gpu_memory_limit_gib)
-        free = min(device.free_and_total()[0], limit) if device.is_cuda else None
-    loaded = load_model(wl.model, num_layers=wl.num_layers, seed=wl.seed, with_tokenizer=False)
+    rt = replace(rt, device=device.device.type)       # auto -> cuda | cpu: the result names the device that ran
     base = dict(spec=spec.to_dict(), machine=machine_info())
-    if rt.mode == "slide":
-        from ..engine.fit import InsufficientMemoryError, Workload, check_fit_on_ranks, place_on_ranks
-        from ..ranks import Ranks
-        work = Workload(batch_size=wl.batch_size, seq_len=wl.seq_len, max_grad_norm=spec.max_grad_norm,
-                        gpu_free_bytes=free, padded=False)       # synthetic rows are full: never padded
-        rt = place_on_ranks(loaded.split, rt, work, Ranks.single())
-        if spec.check_memory:
-            try:
-                check_fit_on_ranks(loaded.split, rt, work, Ranks.single())
-            except InsufficientMemoryError as e:
-                return {**base, "runtime": asdict(rt), "status": "refused", "error": str(e)}
-    t0 = time.perf_counter()
-    engine = build_engine(loaded, rt, replace(_RECIPE.optim, lr=wl.lr), device, max_grad_norm=spec.max_grad_norm)
-    init_s = time.perf_counter() - t0
+    # synthetic rows are full: never padded
+    prepared = prepare_run(RunRequest(
+        model=wl.model, runtime=rt, optim=replace(_RECIPE.optim, lr=wl.lr), batch_size=wl.batch_size,
+        seq_len=wl.seq_len, max_grad_norm=spec.max_grad_norm, padded=False, num_layers=wl.num_layers, seed=wl.seed,
+        with_tokenizer=False, gpu_memory_limit_gib=wl.gpu_memory_limit_gib,
+        check_memory=spec.check_memory and rt.mode == "slide", refusal_as_result=True), device)
+    rt, loaded, engine = prepared.runtime, prepared.loaded, prepared.engine
+    if prepared.refusal is not None:
+        return {**base, "runtime": asdict(rt), "status": "refused", "error": prepared.refusal}
+    init_s = prepared.build_s
+    t0 = time.perf_counter() - init_s          # the engine's build began: --max-minutes counts from there
     proc = psutil.Process()
     gen = torch.Generator().manual_seed(wl.seed)
     vocab = loaded.split.config.vocab_size

@@ -59,6 +59,12 @@ GiB = 2**30
 FIT_SAFETY = 0.95
 MiB = 2**20
 
+
+def free_memory_needed(estimate_bytes: int, safety: float = FIT_SAFETY) -> float:
+    """The free memory (GPU or host) an estimate of `estimate_bytes` fits in: check_fit lets a run
+    use `safety` of what is free (_Budget.shortfalls)."""
+    return estimate_bytes / safety
+
 # CUDA context + allocator slack. mem_get_info() is read after the context exists, but
 # cuBLAS handles and workspaces, kernel modules loaded lazily during the first steps,
 # and the caching allocator's rounding and fragmentation (blocks come from 2 MiB /
