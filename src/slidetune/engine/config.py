@@ -340,8 +340,8 @@ class RuntimeConfig:
     # 1/rms, and the MLP half run in token tiles, each recomputed and differentiated before the
     # next, so one layer's recompute + backward no longer holds the MLP's intermediates for every
     # token. The same arithmetic as HF's layer (Llama-style families, checked from the source);
-    # others keep HF's layer. auto: HF's layer for now (the fit check does not count the lean
-    # working set yet; engine/slide/layer_runner.resolve_lean_layer).
+    # others keep HF's layer. auto: the fit's ladder of recipes (engine/fit._memory_recipes) takes
+    # it only where its working set makes the run fit; unresolved (an engine built directly), HF's.
     lean_layer: str = tuning_field(
         "auto", help="lean decoder layer (lean RMSNorm backward, MLP in token tiles): auto, on or off",
         when="off to compare with HF's own layer; on refuses a family whose layer is not Llama's")

@@ -39,7 +39,7 @@ died are removed when the next run starts there. A checkpoint reads the moments 
 tier (StreamedTensor) and writes them into the checkpoint like any other tensor.
 
 Why not a library: kvikio's POSIX backend and the alternatives are compared in
-benchmarks/NOTES.md (section "disk tier"); a pool of preadv/pwritev threads on O_DIRECT files
+benchmarks/NOTES.md "Disk tier"; a pool of preadv/pwritev threads on O_DIRECT files
 needs no compiled extension and measured as fast as the disk.
 """
 from __future__ import annotations
