@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import queue
 import statistics
@@ -201,7 +202,7 @@ def probe_disk(directory: str, total_bytes: int = 4 * 2**30, block_mb: int = 64,
     `passes`). A virtual disk's rate varies from one pass to the next (the H100 machine's mixed
     rate read 1.15 and 1.88 GiB/s in one hour, NOTES.md "Disk tier"), and a floor needs the disk's
     best: a step measured below a floor built on a slow pass (0.79x) showed the floor wrong."""
-    from ..engine.slide.disk_tier import ALIGN, _aligned_empty, block_elems, check_directory
+    from ..engine.slide.disk_tier import block_elems, check_directory
     if mixed not in ("pool", "split"):
         raise ValueError(f"mixed must be pool or split, not {mixed!r}")
     block_bytes = FP32_ADAMW.moment_bytes * block_elems(block_mb)      # a moments-only block
@@ -213,46 +214,12 @@ def probe_disk(directory: str, total_bytes: int = 4 * 2**30, block_mb: int = 64,
     fds: list[int] = []
     paths = [tempfile.mktemp(prefix="slidetune-disk-probe-", dir=root) for _ in range(files)]
     try:
-        for path in paths:
-            try:
-                fds.append(os.open(path, os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0), 0o600))
-            except OSError:
-                direct = False
-                fds.append(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+        direct = _open_probe_files(paths, fds, direct)
         for fd in fds:
             os.posix_fallocate(fd, 0, per_file * block_bytes)
-        bufs: queue.SimpleQueue = queue.SimpleQueue()      # one aligned block buffer per thread
-        for _ in range(threads):
-            b = memoryview(_aligned_empty(block_bytes // 4, pinned=False).numpy()).cast("B")
-            b[:] = os.urandom(ALIGN) * (len(b) // ALIGN)
-            bufs.put(b)
-
-        def op(write: bool, k: int) -> None:
-            buf = bufs.get()
-            try:
-                (os.pwritev if write else os.preadv)(fds[k % files], [buf], (k // files) * block_bytes)
-            finally:
-                bufs.put(buf)
-
-        def run(kinds: list[bool]) -> float:
-            """Every block once, op k of kind kinds[k % len(kinds)]: queued to one pool (pool), or
-            each thread its own share (split: thread w takes blocks w, w + threads, ..., all of one
-            kind where threads is even)."""
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(threads) as pool:
-                if mixed == "pool" or len(kinds) == 1:
-                    futs = [pool.submit(op, kinds[k % len(kinds)], k) for k in range(n_blocks)]
-                else:
-                    def share(w: int) -> None:
-                        for k in range(w, n_blocks, threads):
-                            op(kinds[w % len(kinds)], k)
-                    futs = [pool.submit(share, w) for w in range(threads)]
-                for f in futs:
-                    f.result()
-            for fd in fds:
-                os.fsync(fd)
-            return n_blocks * block_bytes / (time.perf_counter() - t0) / 2**30
-
+        bufs = _probe_buffers(threads, block_bytes)
+        run = functools.partial(_disk_pass, fds=fds, bufs=bufs, block_bytes=block_bytes, n_blocks=n_blocks,
+                                threads=threads, mixed=mixed)
         first_write = run([True]) if warm_passes > 0 else None
         for _ in range(warm_passes - 1):
             run([True])
@@ -272,6 +239,59 @@ def probe_disk(directory: str, total_bytes: int = 4 * 2**30, block_mb: int = 64,
             "warm_passes": warm_passes, "passes": passes, "direct_io": direct, "mixed": mixed, "files": files,
             "block_mib": block_bytes / 2**20, "threads": threads, "bytes": n_blocks * block_bytes,
             "directory": str(root)}
+
+
+def _open_probe_files(paths: list[str], fds: list[int], direct: bool) -> bool:
+    """Open (create) each probe file into `fds`, with O_DIRECT while the filesystem allows it; returns
+    whether O_DIRECT held (a file it refused is opened without it, and so are those after it)."""
+    for path in paths:
+        try:
+            fds.append(os.open(path, os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0), 0o600))
+        except OSError:
+            direct = False
+            fds.append(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    return direct
+
+
+def _probe_buffers(threads: int, block_bytes: int) -> queue.SimpleQueue:
+    """One aligned block buffer per thread, filled with random bytes (nothing a disk could compress)."""
+    from ..engine.slide.disk_tier import ALIGN, _aligned_empty
+    bufs: queue.SimpleQueue = queue.SimpleQueue()
+    for _ in range(threads):
+        b = memoryview(_aligned_empty(block_bytes // 4, pinned=False).numpy()).cast("B")
+        b[:] = os.urandom(ALIGN) * (len(b) // ALIGN)
+        bufs.put(b)
+    return bufs
+
+
+def _disk_pass(kinds: list[bool], *, fds: list[int], bufs: queue.SimpleQueue, block_bytes: int, n_blocks: int,
+               threads: int, mixed: str) -> float:
+    """Every block once, op k of kind kinds[k % len(kinds)] (True: a write): queued to one pool (pool),
+    or each thread its own share (split: thread w takes blocks w, w + threads, ..., all of one kind
+    where threads is even); then fsync. GiB/s."""
+    files = len(fds)
+
+    def op(write: bool, k: int) -> None:
+        buf = bufs.get()
+        try:
+            (os.pwritev if write else os.preadv)(fds[k % files], [buf], (k // files) * block_bytes)
+        finally:
+            bufs.put(buf)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        if mixed == "pool" or len(kinds) == 1:
+            futs = [pool.submit(op, kinds[k % len(kinds)], k) for k in range(n_blocks)]
+        else:
+            def share(w: int) -> None:
+                for k in range(w, n_blocks, threads):
+                    op(kinds[w % len(kinds)], k)
+            futs = [pool.submit(share, w) for w in range(threads)]
+        for f in futs:
+            f.result()
+    for fd in fds:
+        os.fsync(fd)
+    return n_blocks * block_bytes / (time.perf_counter() - t0) / 2**30
 
 
 def probe_device_adamw(n: int = 64 * 2**20, chunk: int = 64 * 2**20) -> dict:
