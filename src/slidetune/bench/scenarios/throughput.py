@@ -918,6 +918,37 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
     O.write_csv(out / "throughput.csv", rows, COLUMNS, machine)
     O.write_json(out / "throughput.json", {"machine": machine, "rows": rows, "floors": floors, "runs": raw,
                                            "collectives": collectives, "limits": limits or {}})
+    labels, keys, scaled = _write_plots(out, rows)
+    lines = _method_lines(machine, cuda, slide_runtime)
+    ab = any(r.get("variant") for r in rows)
+    lines += O.md_table(rows, ["model", "seq_len", "batch_size", "system", "recipe"] + (["variant", "round"] if ab else [])
+                        + ["gpus", "status", "step_s_mean", "tokens_per_s",
+                           "model_tflops", "gpu_peak_alloc_gib", "cpu_peak_rss_gib", "step_over_floor",
+                           "floor_bound_by", "step_over_hw_floor", "hw_floor_bound_by", "oom_requested_gib"],
+                        {"step_s_mean": 3, "tokens_per_s": 0, "model_tflops": 1})
+    lines += _hardware_lines(floors)
+    if ab:
+        lines += ab_lines(rows)
+    if limits:
+        lines += _limits_lines(rows, limits)
+    if scaled:
+        lines += _scaling_lines(rows, collectives)
+        _write_scaling_plot(out, rows, labels, keys)
+    lines += _host_timeline_lines(rows)
+    lines += _disk_tier_lines(rows)
+    lines += ["", "Plots: tokens_per_s.png, model_tflops.png, gpu_peak.png, cpu_peak.png, step_over_floor.png, "
+              "pareto.png" + (", scaling.png" if scaled else ""), ""]
+    lines += _per_run_lines(out, per_run, machine)
+    lines += _max_seq_lines(out, raw, machine)
+    if not cuda:
+        lines += ["**Not yet:** CPU run. FSDP2 / DeepSpeed rows need CUDA; slide and gpu rows are tiny shapes in "
+                  "FP32 on the CPU and say nothing about the GPU targets of issue 5.", ""]
+    (out / "report.md").write_text("\n".join(lines))
+
+
+def _write_plots(out: Path, rows: list[dict]) -> tuple[list[str], list[str], bool]:
+    """The comparison plots (a bar per series and workload, the memory/throughput Pareto); returns
+    each row's workload label, the workloads in order, and whether several rank counts ran."""
     labels = [f"{r['model']} b{r['batch_size']} s{r['seq_len']}" for r in rows]
     keys = list(dict.fromkeys(labels))
     # a series per system, and per recipe where a system ran several, and per rank count where several
@@ -939,6 +970,11 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
     pareto_plot(out / "pareto.png", [(f"{s} {lab}", by[(lab, s)].get("gpu_peak_alloc_gib") or by[(lab, s)].get(
       "cpu_peak_rss_gib"), by[(lab, s)].get("tokens_per_s")) for (lab, s) in by], "peak memory GiB", "tokens/s",
       "Memory vs throughput", lower_y_better=False)
+    return labels, keys, scaled
+
+
+def _method_lines(machine: dict, cuda: bool, slide_runtime: str) -> list[str]:
+    """The report's head: the machine, how each column is measured, the recipes."""
     lines = ["# Throughput: slide mode vs the alternatives", "", *O.machine_lines(machine), "",
              "Model TFLOPS = tokens/s x (6 N_matmul + 6 L S d_att) / 1e12 per token (telemetry/flops.py: the "
              "weights' 6N plus the causal half of attention; recomputation not counted). Every row ran in its own "
@@ -961,24 +997,21 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
               "recipe of `slidetune train`); accumN = N micro-batches of batch/N (batch_size is the sequences per "
               "step). A clipped slide step updates only once its backward has ended, so its floor gains the term "
               "clip_sweep_s (bench.roofline.floor_terms).", ""]
-    ab = any(r.get("variant") for r in rows)
-    lines += O.md_table(rows, ["model", "seq_len", "batch_size", "system", "recipe"] + (["variant", "round"] if ab else [])
-                        + ["gpus", "status", "step_s_mean", "tokens_per_s",
-                           "model_tflops", "gpu_peak_alloc_gib", "cpu_peak_rss_gib", "step_over_floor",
-                           "floor_bound_by", "step_over_hw_floor", "hw_floor_bound_by", "oom_requested_gib"],
-                        {"step_s_mean": 3, "tokens_per_s": 0, "model_tflops": 1})
-    lines += _hardware_lines(floors)
-    if ab:
-        lines += ab_lines(rows)
-    if limits:
-        lines += _limits_lines(rows, limits)
-    if scaled:
-        lines += _scaling_lines(rows, collectives)
-        bar_plot(out / "scaling.png", keys, {f"x{n}": [next((r.get("tokens_per_s") for r, lab in zip(rows, labels)
-                                                             if lab == k and r["system"] == "slide"
-                                                             and int(r.get("gpus") or 1) == n), None) for k in keys]
-                                             for n in sorted({int(r.get("gpus") or 1) for r in rows})},
-                 "tokens/s (all GPUs)", "slide on N GPUs of one host (batch per GPU fixed)")
+    return lines
+
+
+def _write_scaling_plot(out: Path, rows: list[dict], labels: list[str], keys: list[str]) -> None:
+    """slide's tokens/s (all GPUs) per workload, a series per rank count."""
+    bar_plot(out / "scaling.png", keys, {f"x{n}": [next((r.get("tokens_per_s") for r, lab in zip(rows, labels)
+                                                         if lab == k and r["system"] == "slide"
+                                                         and int(r.get("gpus") or 1) == n), None) for k in keys]
+                                         for n in sorted({int(r.get("gpus") or 1) for r in rows})},
+             "tokens/s (all GPUs)", "slide on N GPUs of one host (batch per GPU fixed)")
+
+
+def _host_timeline_lines(rows: list[dict]) -> list[str]:
+    """Where a slide step goes, from the host timeline (rows that have one)."""
+    lines: list[str] = []
     timed = [r for r in rows if r.get("host_adamw_s") is not None]
     if timed:
         lines += ["", "Where a slide step goes (host timeline, seconds per step): the host worker's AdamW and its "
@@ -990,6 +1023,12 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
         lines += O.md_table(timed, ["model", "seq_len", "batch_size", "step_s_mean", "call_s_mean", *HOST_COLUMNS,
                                     "device_layers", "gpu_checkpoints", "host_threads"],
                             {k: 3 for k in ["step_s_mean", "call_s_mean", *HOST_COLUMNS]})
+    return lines
+
+
+def _disk_tier_lines(rows: list[dict]) -> list[str]:
+    """The disk tier's I/O a step (rows that have one)."""
+    lines: list[str] = []
     on_disk = [r for r in rows if r.get("disk_io_gib") is not None]
     if on_disk:
         lines += ["", "The disk tier (per step): disk_io_gib, the plan's reads and writes (each disk unit's block "
@@ -1001,8 +1040,12 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
                                       "disk_gib_s", "disk_io_ratio", "disk_buffers", "disk_busy_frac"],
                             {"step_s_mean": 3, "disk_io_gib": 1, "disk_gib_s": 2, "disk_io_ratio": 3,
                              "disk_busy_frac": 3})
-    lines += ["", "Plots: tokens_per_s.png, model_tflops.png, gpu_peak.png, cpu_peak.png, step_over_floor.png, "
-              "pareto.png" + (", scaling.png" if scaled else ""), ""]
+    return lines
+
+
+def _per_run_lines(out: Path, per_run: list[dict] | None, machine: dict) -> list[str]:
+    """The per-run files (written here; a rewritten report lists those already there) and the profiled table."""
+    lines: list[str] = []
     if per_run:
         slide = next((config_name(r) for r in per_run if r.get("status") == "ok"
                       and r["spec"].get("runtime", {}).get("mode") == "slide"), None)
@@ -1025,6 +1068,12 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
     elif (out / "per_run").is_dir():         # a rewritten report: the per-run files as they were written
         lines += ["Per run: `per_run/` (as the run wrote it).", ""]
         lines += [f"![{p.stem}](per_run/{p.name})" for p in sorted((out / "per_run").glob("*.png"))] + [""]
+    return lines
+
+
+def _max_seq_lines(out: Path, raw: list[dict], machine: dict) -> list[str]:
+    """The longest-sequence searches' table (and max_seq.csv), where any ran."""
+    lines: list[str] = []
     searches = [r for r in raw if str(r.get("key", "")).endswith("/max-seq")]
     if searches:
         lines += ["## Longest trainable sequence (batch 1, slide)", "",
@@ -1045,7 +1094,4 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
         lines.append("")
         O.write_csv(out / "max_seq.csv", [{k: r[k] for k in ("model", "max_seq", "granule", "context_cap")}
                                           for r in searches], None, machine)
-    if not cuda:
-        lines += ["**Not yet:** CPU run. FSDP2 / DeepSpeed rows need CUDA; slide and gpu rows are tiny shapes in "
-                  "FP32 on the CPU and say nothing about the GPU targets of issue 5.", ""]
-    (out / "report.md").write_text("\n".join(lines))
+    return lines
