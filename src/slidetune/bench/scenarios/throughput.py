@@ -153,24 +153,57 @@ def run(args: argparse.Namespace) -> Path:
         batches, seqs, steps, warmup, dev = ([] if planned_only else [2]), [32], 2, 1, "cpu"
         cuda = False
     gpus = parse_gpus(getattr(args, "gpus", "1"), "cpu" if args.smoke else args.device)
-    rows, raw, floors, collectives, limits = [], [], {}, {}, {}
-    per_run: list[dict] = []      # every run in bench.measure's form, for the common tables and plots
-    adamw_probe = None
     # The floor times the layers as slide runs them (compiled or not).
     slide_over = _runtime_overrides(args.runtime)
     variants = parse_ab_variants(getattr(args, "variants", ""), slide_over)
     rounds = max(1, int(getattr(args, "rounds", 1)))
+    runs = _ThroughputRuns(args, cuda=cuda, dev=dev, layers=layers, steps=steps, warmup=warmup, recipes=recipes,
+                           rounds=rounds, slide_over=slide_over)
+    flops: dict[tuple[str, int], float | None] = {}
+    for c in sweep(models, seqs, batches, gpus, systems, recipes, variants, rounds):
+        # each probe runs once, just before the first run that needs it
+        if (c.model, c.seq) not in flops:
+            flops[c.model, c.seq] = _flops_per_token(c.model, layers, c.seq)
+        fl = runs.floor_of(c.model, c.batch, c.seq)
+        runs.measure_one(c.system, c.model, c.batch, c.seq, flops[c.model, c.seq], fl, c.recipe, c.gpus,
+                         runs.collective_of(c.model, c.gpus), c.variant, c.overrides, c.round)
+    if args.max_seq or args.max_batch:
+        runs.run_planned(models, seqs)
+    if args.max_seq_search:
+        runs.search_max_seq(models, out)
+    add_scaling(runs.rows)
+    _write(out, runs.rows, runs.raw, runs.floors, cuda, slide_runtime=args.runtime, per_run=runs.per_run,
+           collectives=runs.collectives, limits=runs.limits)
+    return out
 
-    def floor_of(model: str, batch: int, seq: int) -> dict | None:
+
+class _ThroughputRuns:
+    """One throughput call's runs and what they recorded: the rows, the raw results, every run in
+    bench.measure's form (per_run, for the common tables and plots), and the floor and collective
+    probes, each run once, just before the first run that needs it."""
+
+    def __init__(self, args: argparse.Namespace, *, cuda: bool, dev: str, layers: int | None, steps: int,
+                 warmup: int, recipes: list[dict], rounds: int, slide_over: dict):
+        self.args, self.cuda, self.dev, self.layers = args, cuda, dev, layers
+        self.steps, self.warmup, self.recipes, self.rounds, self.slide_over = steps, warmup, recipes, rounds, slide_over
+        self.rows: list[dict] = []
+        self.raw: list[dict] = []
+        self.floors: dict = {}
+        self.collectives: dict = {}
+        self.limits: dict = {}
+        self.per_run: list[dict] = []
+        self.adamw_probe = None
+
+    def floor_of(self, model: str, batch: int, seq: int) -> dict | None:
         """The floor probe of a workload (one per workload and call)."""
-        nonlocal adamw_probe
+        args, slide_over, dev, floors = self.args, self.slide_over, self.dev, self.floors
         key = f"{model}/b{batch}/s{seq}"
         if args.no_floor:
             return None
         if key not in floors:
-            floors[key] = measure_floor(model, batch, seq, layers, dev,
+            floors[key] = measure_floor(model, batch, seq, self.layers, dev,
                                         adamw_n=(4 * 2**20 if args.smoke else 128 * 2**20),
-                                        adamw=adamw_probe, timeout_s=args.timeout,
+                                        adamw=self.adamw_probe, timeout_s=args.timeout,
                                         compile_layers=_compiles(slide_over, dev),
                                         head_impl=_head_impl(slide_over, dev),
                                         grad_download=str(slide_over.get("grad_download", "compute")),
@@ -179,22 +212,23 @@ def run(args: argparse.Namespace) -> Path:
                                         disk_block_mb=int(slide_over.get("disk_block_mb", 64)),
                                         disk_io_threads=int(slide_over.get("disk_io_threads", 4)))
             if floors[key].get("status") == "ok":
-                adamw_probe = floors[key].get("adamw")
+                self.adamw_probe = floors[key].get("adamw")
         return floors[key]
 
-    def measure_one(system, model, batch, seq, fpt, fl, rec, n=1, coll=None, vname="", vover=None, rnd=1,
+    def measure_one(self, system, model, batch, seq, fpt, fl, rec, n=1, coll=None, vname="", vover=None, rnd=1,
                     planned: Planned | None = None) -> None:
         """Run one configuration and record it (per_run, raw, rows) and a line on stdout."""
+        args, rows = self.args, self.rows
         key = f"{model}/b{batch}/s{seq}"
         chosen_by = planned.chosen_by if planned else None
-        r = _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, args, profile=args.profile,
-                        recipe=rec, ranks=n, variant=vover)
-        tag = "-".join(t for t in (rec["name"] if len(recipes) > 1 else "", vname,
-                                   f"r{rnd}" if rounds > 1 else "", planned.kind if planned else "") if t)
-        per_run.append(_as_measured(r, system, model, batch, seq, warmup, tag, gpus=n))
-        raw.append({"key": key, "system": system, "recipe": rec["name"], "gpus": n,
-                    "variant": vname or None, "round": rnd if vname else None, "chosen_by": chosen_by,
-                    **{k: v for k, v in r.items() if k != "steps"}})
+        r = _run_system(system, model, self.layers, batch, seq, self.steps, self.warmup, self.dev, self.cuda, args,
+                        profile=args.profile, recipe=rec, ranks=n, variant=vover)
+        tag = "-".join(t for t in (rec["name"] if len(self.recipes) > 1 else "", vname,
+                                   f"r{rnd}" if self.rounds > 1 else "", planned.kind if planned else "") if t)
+        self.per_run.append(_as_measured(r, system, model, batch, seq, self.warmup, tag, gpus=n))
+        self.raw.append({"key": key, "system": system, "recipe": rec["name"], "gpus": n,
+                         "variant": vname or None, "round": rnd if vname else None, "chosen_by": chosen_by,
+                         **{k: v for k, v in r.items() if k != "steps"}})
         rows.append(_row(system, model, batch, seq, r, fpt, fl, recipe=rec, collective=coll, ranks=n,
                          variant=vname, round_=rnd, chosen_by=chosen_by))
         print(f"[throughput] {key} {system} {rec['name']}" + (f" {vname} round {rnd}" if vname else "")
@@ -202,52 +236,45 @@ def run(args: argparse.Namespace) -> Path:
               f"{O.fmt(rows[-1].get('tokens_per_s'), 0)} tok/s step/floor {O.fmt(rows[-1].get('step_over_floor'))} "
               f"step/hw-floor {O.fmt(rows[-1].get('step_over_hw_floor'))}", flush=True)
 
-    def collective_of(model: str, n: int) -> dict | None:
+    def collective_of(self, model: str, n: int) -> dict | None:
         """The collective probe of `n` ranks (one per model and rank count), None on one rank."""
-        if n == 1 or args.no_floor:
+        if n == 1 or self.args.no_floor:
             return None
         ckey = f"{model}/n{n}"
-        if ckey not in collectives:
-            collectives[ckey] = probe_collective_for(model, layers, n, dev, args.timeout)
-            _print_collective(ckey, collectives[ckey])
-        return collectives[ckey]
+        if ckey not in self.collectives:
+            self.collectives[ckey] = probe_collective_for(model, self.layers, n, self.dev, self.args.timeout)
+            _print_collective(ckey, self.collectives[ckey])
+        return self.collectives[ckey]
 
-    flops: dict[tuple[str, int], float | None] = {}
-    for c in sweep(models, seqs, batches, gpus, systems, recipes, variants, rounds):
-        # each probe runs once, just before the first run that needs it
-        if (c.model, c.seq) not in flops:
-            flops[c.model, c.seq] = _flops_per_token(c.model, layers, c.seq)
-        fl = floor_of(c.model, c.batch, c.seq)
-        measure_one(c.system, c.model, c.batch, c.seq, flops[c.model, c.seq], fl, c.recipe, c.gpus,
-                    collective_of(c.model, c.gpus), c.variant, c.overrides, c.round)
-    if args.max_seq or args.max_batch:
-        # slide at the limits the fit check allows on this machine's budget (engine.limits), per recipe
+    def run_planned(self, models: list[str], seqs: list[int]) -> None:
+        """slide at the limits the fit check allows on this machine's budget (engine.limits), per recipe."""
+        layers = self.layers
         for model in models:
-            for p in planned_workloads(model, layers, dev, args, recipes, seqs):
-                limits.setdefault(model, []).append({"chosen_by": p.chosen_by, **p.record})
+            for p in planned_workloads(model, layers, self.dev, self.args, self.recipes, seqs):
+                self.limits.setdefault(model, []).append({"chosen_by": p.chosen_by, **p.record})
                 if p.workload is None:
                     print(f"[throughput] {model} {p.recipe['name']}: {p.chosen_by}: nothing fits", flush=True)
                     continue
                 batch, seq = p.workload
-                measure_one("slide", model, batch, seq, _flops_per_token(model, layers, seq),
-                            floor_of(model, batch, seq), p.recipe, planned=p)
-    if args.max_seq_search:
+                self.measure_one("slide", model, batch, seq, _flops_per_token(model, layers, seq),
+                                 self.floor_of(model, batch, seq), p.recipe, planned=p)
+
+    def search_max_seq(self, models: list[str], out: Path) -> None:
+        """The longest trainable sequence at batch 1 of each model (longest_sequence), into raw."""
+        args = self.args
         granule, start = (16, 32) if args.smoke else (args.seq_granule, args.max_seq_start)
         for model in models:
             # the sweep's own slide runs at batch 1 answer the search's question for their lengths
-            measured = {int(row["seq_len"]): run for row, run in zip(rows, raw)
+            measured = {int(row["seq_len"]): run for row, run in zip(self.rows, self.raw)
                         if row["model"] == model and row["system"] == "slide" and int(row["batch_size"]) == 1
                         and row.get("gpus", 1) == 1}
-            found = longest_sequence(model, layers, dev, args, granule, start, probe_log=out / "max_seq_probes.jsonl",
+            found = longest_sequence(model, self.layers, self.dev, args, granule, start,
+                                     probe_log=out / "max_seq_probes.jsonl",
                                      known_log=Path(args.max_seq_known) if args.max_seq_known else None,
                                      measured=measured)
-            raw.append({"key": f"{model}/max-seq", "system": "slide", **found})
+            self.raw.append({"key": f"{model}/max-seq", "system": "slide", **found})
             print(f"[throughput] {model} longest trainable sequence at batch 1: {found['max_seq']} tokens "
                   f"(probes: {found['probes']})", flush=True)
-    add_scaling(rows)
-    _write(out, rows, raw, floors, cuda, slide_runtime=args.runtime, per_run=per_run, collectives=collectives,
-           limits=limits)
-    return out
 
 
 class SweepRun(NamedTuple):
