@@ -160,33 +160,10 @@ def save_checkpoint(engine, out_dir: Path, *, step: int, tokenizer=None, trainer
     tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
     aside = out_dir.with_name(f"{out_dir.name}.old-{os.getpid()}")
     previous = out_dir if _is_complete(out_dir) else latest_checkpoint(out_dir.parent)
-    streamed: dict[str, FileDigest] = {}      # relative path -> digest taken while writing
     try:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        engine.synchronize()     # the deferred schedule's update sweep may still be running
-        _write_config(engine, tmp, SAVE_DTYPES[save_dtype])
-        streamed.update(_write_weights(engine, tmp, SAVE_DTYPES[save_dtype], max_shard_bytes))
-        maybe_fail("checkpoint", int(step))          # tests only (faults.py): a writer failing mid-save
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        sdir = tmp / STATE_DIR
-        sdir.mkdir()
-        if with_optimizer:
-            streamed[f"{STATE_DIR}/optimizer.safetensors"] = _save_tensors(engine.optimizer_tensors(on_host=False),
-                                                                            sdir / "optimizer.safetensors")
-        torch.save(_rng_state(), sdir / "rng.pt")
-        (sdir / "state.json").write_text(state_text)
-        _fsync_tree(tmp)
-        manifest = _write_manifest(tmp, streamed)
-        maybe_corrupt(tmp, int(step))                # tests only (faults.py): a disk that corrupts a write
-        _write_synced(tmp / COMPLETE, json.dumps({"step": int(step), "time": state["time"],
-                                                  MANIFEST: manifest.record()}) + "\n")
-        _fsync_dir(tmp)
-        # Read back from the disk before the rename: a save counts (and an older checkpoint may be
-        # pruned) only once what is on the disk is what was written.
-        verify_files(tmp)
+        _write_complete(engine, tmp, step=int(step), tokenizer=tokenizer, state=state, state_text=state_text,
+                        dtype=SAVE_DTYPES[save_dtype], with_optimizer=with_optimizer,
+                        max_shard_bytes=max_shard_bytes)
         _swap_in(tmp, out_dir, aside)
     except BaseException as e:
         kept = None
@@ -196,17 +173,55 @@ def save_checkpoint(engine, out_dir: Path, *, step: int, tokenizer=None, trainer
             shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(e, Exception):
             raise
-        if previous is not None:
-            where = f"the previous checkpoint {previous} is intact"
-        else:
-            where = f"no previous checkpoint existed in {out_dir.parent}, and nothing was left behind"
-        if kept is not None:
-            where = (f"it did not read back as it was written (the disk or filesystem changed it), and is set aside "
-                     f"as {kept}; {where.replace(', and nothing was left behind', '')}")
         raise CheckpointError(f"saving the checkpoint {out_dir} failed ({type(e).__name__}: {e}); "
-                              f"{where}") from e
+                              f"{_what_remains(out_dir, previous, kept)}") from e
     shutil.rmtree(aside, ignore_errors=True)
     return out_dir
+
+
+def _write_complete(engine, tmp: Path, *, step: int, tokenizer, state: dict, state_text: str,
+                    dtype: torch.dtype, with_optimizer: bool, max_shard_bytes: int) -> None:
+    """Write the whole checkpoint into the fresh directory `tmp`, synced and read back: files, fsync of
+    the tree, manifest, COMPLETE marker, fsync of the directory, then `verify_files`. Raises on any
+    failure; the caller renames `tmp` into place only after this returns."""
+    streamed: dict[str, FileDigest] = {}      # relative path -> digest taken while writing
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    engine.synchronize()     # the deferred schedule's update sweep may still be running
+    _write_config(engine, tmp, dtype)
+    streamed.update(_write_weights(engine, tmp, dtype, max_shard_bytes))
+    maybe_fail("checkpoint", step)          # tests only (faults.py): a writer failing mid-save
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(tmp))
+    sdir = tmp / STATE_DIR
+    sdir.mkdir()
+    if with_optimizer:
+        streamed[f"{STATE_DIR}/optimizer.safetensors"] = _save_tensors(engine.optimizer_tensors(on_host=False),
+                                                                        sdir / "optimizer.safetensors")
+    torch.save(_rng_state(), sdir / "rng.pt")
+    (sdir / "state.json").write_text(state_text)
+    _fsync_tree(tmp)
+    manifest = _write_manifest(tmp, streamed)
+    maybe_corrupt(tmp, step)                # tests only (faults.py): a disk that corrupts a write
+    _write_synced(tmp / COMPLETE, json.dumps({"step": step, "time": state["time"],
+                                              MANIFEST: manifest.record()}) + "\n")
+    _fsync_dir(tmp)
+    # Read back from the disk before the rename: a save counts (and an older checkpoint may be
+    # pruned) only once what is on the disk is what was written.
+    verify_files(tmp)
+
+
+def _what_remains(out_dir: Path, previous: Path | None, kept: Path | None) -> str:
+    """The failed save's message tail: which checkpoint is intact, and where a damaged one was set aside."""
+    if previous is not None:
+        where = f"the previous checkpoint {previous} is intact"
+    else:
+        where = f"no previous checkpoint existed in {out_dir.parent}, and nothing was left behind"
+    if kept is not None:
+        where = (f"it did not read back as it was written (the disk or filesystem changed it), and is set aside "
+                 f"as {kept}; {where.replace(', and nothing was left behind', '')}")
+    return where
 
 
 def _write_config(engine, directory: Path, dtype: torch.dtype) -> None:

@@ -53,51 +53,12 @@ def _rank() -> tuple[int, int]:
 def _plan(ns) -> int:
     """Print the memory estimate of a configuration and the verdict (fits, or does not with the options
     that do) for this machine or the one the flags describe, allocating nothing."""
-    import dataclasses
-
-    import torch
-
-    from .device import resolve_dtype
-    from .engine.fit import estimate_memory, free_memory_needed
-    from .engine.placement import AUTO_WINDOW, cache_unit_options
     from .models.load import load_model
-    cfg = config_from_args(ns)
-    # the device planned for: a GPU (this machine's, or one described by --gpu-free-gib or
-    # --gpu-memory-limit), else the CPU
-    on_gpu = cfg.runtime.device.startswith("cuda") or (cfg.runtime.device == "auto" and (
-        ns.gpu_free_gib is not None or cfg.gpu_memory_limit is not None or torch.cuda.is_available()))
-    dtype, why = resolve_dtype(cfg.runtime.dtype, "cuda" if on_gpu else "cpu")
-    if cfg.runtime.dtype == "auto":
-        print(f"dtype auto -> {dtype}: {why}")
-    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(
-        cfg.runtime, dtype=dtype, device=cfg.runtime.device if cfg.runtime.device != "auto" else
-        ("cuda" if on_gpu else "cpu")))
+    cfg, on_gpu = _plan_config(ns)
     loaded = load_model(cfg.model, num_layers=cfg.num_layers, with_tokenizer=False)
-
-    def estimate(**changes):
-        """The estimate of this configuration with some runtime settings changed (the GPU's hints:
-        without disk units, which a GPU holding more layers may leave no room for)."""
-        if "device_layers" in changes:
-            changes.setdefault("disk_units", 0)
-        return estimate_memory(loaded.split, dataclasses.replace(cfg.runtime, **changes), batch_size=cfg.batch_size,
-                               seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm,
-                               padded=not cfg.data.packed)     # as train: packed rows carry no padding
-
+    estimate = _plan_estimator(cfg, loaded.split)
     est = estimate()
-    gib = 2**30
-    print(f"model {cfg.model}: {loaded.split.num_params() / 1e9:.3f} B parameters, mode {cfg.runtime.mode}")
-    # on the CPU the device's buffers are host RAM too (the verdict below counts them there)
-    print(f"{'GPU ' if on_gpu else 'device buffers (host RAM on the CPU)'} {est.gpu_bytes / gib:8.2f} GiB")
-    for k, v in est.gpu_parts.items():
-        print(f"   {k:<28} {v / gib:8.2f}")
-    print(f"host {est.host_bytes / gib:8.2f} GiB (pinned {est.pinned_bytes / gib:.2f})")
-    for k, v in est.host_parts.items():
-        print(f"   {k:<28} {v / gib:8.2f}")
-    from .models.families import moe_note
-    note = moe_note(loaded.split.config, loaded.split.units[1].numel if loaded.split.num_layers else 0,
-                    bytes_per_param=2)
-    if note:
-        print(note)
+    _print_estimate(cfg, loaded.split, est, on_gpu)
     plan = _plan_resolved(ns, cfg, loaded.split)
     if cfg.runtime.mode != "slide":
         return 0
@@ -109,6 +70,70 @@ def _plan(ns) -> int:
                   f"probed on {ns.gpus} GPUs: slidetune bench throughput --gpus 1,{ns.gpus})")
     if not on_gpu:
         return 0
+    _print_auto_hints(cfg, loaded.split, estimate)
+    return 0
+
+
+def _plan_config(ns):
+    """(config, on_gpu): the configuration of the flags with its dtype and device resolved for the
+    device planned for: a GPU (this machine's, or one described by --gpu-free-gib or
+    --gpu-memory-limit), else the CPU. Prints how an auto dtype was chosen."""
+    import dataclasses
+
+    import torch
+
+    from .device import resolve_dtype
+    cfg = config_from_args(ns)
+    on_gpu = cfg.runtime.device.startswith("cuda") or (cfg.runtime.device == "auto" and (
+        ns.gpu_free_gib is not None or cfg.gpu_memory_limit is not None or torch.cuda.is_available()))
+    dtype, why = resolve_dtype(cfg.runtime.dtype, "cuda" if on_gpu else "cpu")
+    if cfg.runtime.dtype == "auto":
+        print(f"dtype auto -> {dtype}: {why}")
+    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(
+        cfg.runtime, dtype=dtype, device=cfg.runtime.device if cfg.runtime.device != "auto" else
+        ("cuda" if on_gpu else "cpu")))
+    return cfg, on_gpu
+
+
+def _plan_estimator(cfg, split):
+    """estimate(**changes): the estimate of this configuration with some runtime settings changed."""
+    import dataclasses
+
+    from .engine.fit import estimate_memory
+
+    def estimate(**changes):
+        """The estimate of this configuration with some runtime settings changed (the GPU's hints:
+        without disk units, which a GPU holding more layers may leave no room for)."""
+        if "device_layers" in changes:
+            changes.setdefault("disk_units", 0)
+        return estimate_memory(split, dataclasses.replace(cfg.runtime, **changes), batch_size=cfg.batch_size,
+                               seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm,
+                               padded=not cfg.data.packed)     # as train: packed rows carry no padding
+    return estimate
+
+
+def _print_estimate(cfg, split, est, on_gpu: bool) -> None:
+    """The model's size and the estimate's device and host bytes, part by part (and a MoE note)."""
+    from .models.families import moe_note
+    gib = 2**30
+    print(f"model {cfg.model}: {split.num_params() / 1e9:.3f} B parameters, mode {cfg.runtime.mode}")
+    # on the CPU the device's buffers are host RAM too (the verdict below counts them there)
+    print(f"{'GPU ' if on_gpu else 'device buffers (host RAM on the CPU)'} {est.gpu_bytes / gib:8.2f} GiB")
+    for k, v in est.gpu_parts.items():
+        print(f"   {k:<28} {v / gib:8.2f}")
+    print(f"host {est.host_bytes / gib:8.2f} GiB (pinned {est.pinned_bytes / gib:.2f})")
+    for k, v in est.host_parts.items():
+        print(f"   {k:<28} {v / gib:8.2f}")
+    note = moe_note(split.config, split.units[1].numel if split.num_layers else 0, bytes_per_param=2)
+    if note:
+        print(note)
+
+
+def _print_auto_hints(cfg, split, estimate) -> None:
+    """For each runtime setting left on auto, what the GPU would need for the faster choice."""
+    from .engine.fit import free_memory_needed
+    from .engine.placement import AUTO_WINDOW, cache_unit_options
+    gib = 2**30
     # the slot choices engine.fit.choose_auto_settings tries for cache_units
     cache_options = cache_unit_options(cfg.runtime.cache_units)
     if cfg.runtime.cache_units == -1:
@@ -127,10 +152,10 @@ def _plan(ns) -> int:
                   f"copies then need no cast kernel); below that the slots keep the compute dtype")
     if cfg.runtime.device_layers == -1:
         one = estimate(device_layers=1).gpu_bytes - estimate(device_layers=0).gpu_bytes
-        every = estimate(device_layers=loaded.split.num_layers).gpu_bytes
+        every = estimate(device_layers=split.num_layers).gpu_bytes
         print(f"device_layers auto: each layer kept and updated on the GPU adds about {one / gib:.2f} GiB "
               f"to the estimate above and takes its share off the host's AdamW; all "
-              f"{loaded.split.num_layers} need a GPU with {free_memory_needed(every) / gib:.1f} GiB free")
+              f"{split.num_layers} need a GPU with {free_memory_needed(every) / gib:.1f} GiB free")
     if cfg.runtime.offloads_activations and cfg.runtime.gpu_checkpoints == -1:
         one = estimate(gpu_checkpoints=1).host_bytes - estimate(gpu_checkpoints=0).host_bytes
         print(f"gpu_checkpoints auto: the estimate above offloads every checkpoint; each one kept on the GPU "
@@ -142,7 +167,6 @@ def _plan(ns) -> int:
             print(f"vocab_update auto: with cache_units {cache_units}, the embedding and head are updated on "
                   f"the GPU on one with {free_memory_needed(dev.gpu_bytes) / gib:.1f} GiB free (GPU {dev.gpu_bytes / gib:.2f} "
                   f"GiB; less host AdamW per step); below that on the host")
-    return 0
 
 
 def _plan_terms(cfg, plan) -> None:

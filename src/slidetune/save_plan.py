@@ -103,23 +103,11 @@ def plan_saves(num_params: int, *, save_dtype: str, output_dir: Path, checkpoint
     out_free = free_bytes(output_dir) if output_free is None else output_free
     ck_free = (out_free if same_disk else free_bytes(checkpoint_dir)) if checkpoint_free is None else checkpoint_free
 
-    def gib(n: int) -> str:
-        return f"{n / GiB:.1f} GiB"
-
     taken = ""          # said in the refusals: what the scratch files took of that disk
     out_free_alone = out_free       # the output's disk without the scratch files
     on_out = False
     if scratch and scratch[1]:
-        scratch_dev = _device_id(scratch[0])
-        on_out = scratch_dev == _device_id(output_dir)
-        on_ck = scratch_dev == _device_id(checkpoint_dir)
-        if on_out:
-            out_free = max(0, out_free - scratch[1])
-        if on_ck:
-            ck_free = max(0, ck_free - scratch[1])
-        if on_out or on_ck:
-            taken = (f" (after the disk tier's {gib(scratch[1])} of files in {scratch[0]}; --disk-dir on another "
-                     f"disk leaves that room to the saves)")
+        out_free, ck_free, on_out, taken = _after_scratch(scratch, output_dir, checkpoint_dir, out_free, ck_free)
     out_usable = int(out_free * (1 - FREE_MARGIN))
     ck_usable = int(ck_free * (1 - FREE_MARGIN))
 
@@ -128,46 +116,85 @@ def plan_saves(num_params: int, *, save_dtype: str, output_dir: Path, checkpoint
         # final/ fits once the tier's files are gone: remove them first (the moments die with
         # them, so no resumable state can follow final/)
         return SavePlan(final, ckpt, False, [
-            f"note: the disk tier's {gib(scratch[1])} of files and final/ ({gib(final)}, {save_dtype}) do not fit "
-            f"the {gib(out_free_alone)} free for {output_dir} together: the tier's files are removed when training "
+            f"note: the disk tier's {_gib(scratch[1])} of files and final/ ({_gib(final)}, {save_dtype}) do not fit "
+            f"the {_gib(out_free_alone)} free for {output_dir} together: the tier's files are removed when training "
             f"ends, then final/ is written. No resumable checkpoint will be written (it needs the tier's AdamW "
             f"moments), so an interrupted run cannot be resumed; for one, --checkpoint-dir on a disk with at least "
-            f"{gib(math.ceil(ckpt / (1 - FREE_MARGIN)))} free"], release_scratch_first=True)
+            f"{_gib(math.ceil(ckpt / (1 - FREE_MARGIN)))} free"], release_scratch_first=True)
     if final > out_usable:
-        options = []
-        if save_dtype == "fp32":
-            bf16 = num_params * 2 + FILES_MARGIN
-            if bf16 <= out_usable:
-                options.append(f"--save-dtype bf16 (final/ {gib(bf16)})")
-        options.append(f"--output-dir on a disk with at least {gib(math.ceil(final / (1 - FREE_MARGIN)))} free")
-        if scratch_holds_weights and on_out and final <= int(out_free_alone * (1 - FREE_MARGIN)):
-            # it would fit once the tier's files were gone, but they hold masters final/ is written from
-            options.append("--tuning.disk_master off (the tier's files then hold only AdamW moments, removed "
-                           "before final/ is written)")
-        raise DiskSpaceError(f"slidetune: final/ ({gib(final)} in {save_dtype}) does not fit the {gib(out_free)} "
-                             f"free for {output_dir}{taken}. Options: " + "; ".join(options))
+        _refuse_final(num_params, final, save_dtype=save_dtype, output_dir=output_dir, out_free=out_free,
+                      out_usable=out_usable, out_free_alone=out_free_alone, on_out=on_out,
+                      scratch_holds_weights=scratch_holds_weights, taken=taken)
     # what the checkpoints' disk has left once final/ is written there too
     room = ck_usable - (final if same_disk else 0)
     if save_every:
-        at_once = keep_last + 1
-        if at_once * ckpt <= room:
+        if (keep_last + 1) * ckpt <= room:
             return SavePlan(final, ckpt, True)
-        options = ["--save-every 0 (final model only" + (", and a resumable checkpoint at the end)" if ckpt <= room
-                                                          else ")")]
-        fits = room // ckpt - 1
-        if fits >= 1:
-            options.append(f"--keep-last {fits} ({fits + 1} checkpoints of {gib(ckpt)} at once while one is written)")
-        options.append(f"--checkpoint-dir on a disk with at least {gib(math.ceil(at_once * ckpt / (1 - FREE_MARGIN)))} "
-                       f"free")
-        raise DiskSpaceError(
-            f"slidetune: --save-every {save_every} with --keep-last {keep_last} keeps up to {at_once} resumable "
-            f"checkpoints of {gib(ckpt)} (FP32 weights and AdamW moments, {FP32_ADAMW.bytes_per_param} B/param) "
-            f"at once beside final/ "
-            f"({gib(final)}), but {checkpoint_dir} has {gib(ck_free)} free{taken}. Options that fit: " + "; ".join(options))
+        _refuse_checkpoints(final, ckpt, room, save_every=save_every, keep_last=keep_last,
+                            checkpoint_dir=checkpoint_dir, ck_free=ck_free, taken=taken)
     if ckpt <= room:
         return SavePlan(final, ckpt, True)
-    note = (f"note: only final/ ({gib(final)}, {save_dtype}) will be written: a resumable checkpoint "
-            f"({gib(ckpt)}, FP32 weights and AdamW moments) does not fit beside it in the {gib(ck_free)} free for "
+    note = (f"note: only final/ ({_gib(final)}, {save_dtype}) will be written: a resumable checkpoint "
+            f"({_gib(ckpt)}, FP32 weights and AdamW moments) does not fit beside it in the {_gib(ck_free)} free for "
             f"{checkpoint_dir}{taken}, so an interrupted run cannot be resumed; for one, use --checkpoint-dir on a disk "
-            f"with at least {gib(math.ceil((ckpt + (final if same_disk else 0)) / (1 - FREE_MARGIN)))} free")
+            f"with at least {_gib(math.ceil((ckpt + (final if same_disk else 0)) / (1 - FREE_MARGIN)))} free")
     return SavePlan(final, ckpt, False, [note])
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def _after_scratch(scratch: tuple[Path, int], output_dir: Path, checkpoint_dir: Path, out_free: int,
+                   ck_free: int) -> tuple[int, int, bool, str]:
+    """(out_free, ck_free, on_out, taken): the free space left once the disk tier's scratch files are
+    taken from whichever of the two directories shares their disk; `taken` is what the refusals say."""
+    scratch_dev = _device_id(scratch[0])
+    on_out = scratch_dev == _device_id(output_dir)
+    on_ck = scratch_dev == _device_id(checkpoint_dir)
+    if on_out:
+        out_free = max(0, out_free - scratch[1])
+    if on_ck:
+        ck_free = max(0, ck_free - scratch[1])
+    taken = ""
+    if on_out or on_ck:
+        taken = (f" (after the disk tier's {_gib(scratch[1])} of files in {scratch[0]}; --disk-dir on another "
+                 f"disk leaves that room to the saves)")
+    return out_free, ck_free, on_out, taken
+
+
+def _refuse_final(num_params: int, final: int, *, save_dtype: str, output_dir: Path, out_free: int,
+                  out_usable: int, out_free_alone: int, on_out: bool, scratch_holds_weights: bool,
+                  taken: str) -> None:
+    """Raise DiskSpaceError: final/ does not fit the output's disk; the options that would."""
+    options = []
+    if save_dtype == "fp32":
+        bf16 = num_params * 2 + FILES_MARGIN
+        if bf16 <= out_usable:
+            options.append(f"--save-dtype bf16 (final/ {_gib(bf16)})")
+    options.append(f"--output-dir on a disk with at least {_gib(math.ceil(final / (1 - FREE_MARGIN)))} free")
+    if scratch_holds_weights and on_out and final <= int(out_free_alone * (1 - FREE_MARGIN)):
+        # it would fit once the tier's files were gone, but they hold masters final/ is written from
+        options.append("--tuning.disk_master off (the tier's files then hold only AdamW moments, removed "
+                       "before final/ is written)")
+    raise DiskSpaceError(f"slidetune: final/ ({_gib(final)} in {save_dtype}) does not fit the {_gib(out_free)} "
+                         f"free for {output_dir}{taken}. Options: " + "; ".join(options))
+
+
+def _refuse_checkpoints(final: int, ckpt: int, room: int, *, save_every: int, keep_last: int,
+                        checkpoint_dir: Path, ck_free: int, taken: str) -> None:
+    """Raise DiskSpaceError: the periodic checkpoints asked for (keep_last + 1 at once) do not fit
+    `room`, the checkpoints' disk once final/ is there too; the options that would."""
+    at_once = keep_last + 1
+    options = ["--save-every 0 (final model only" + (", and a resumable checkpoint at the end)" if ckpt <= room
+                                                      else ")")]
+    fits = room // ckpt - 1
+    if fits >= 1:
+        options.append(f"--keep-last {fits} ({fits + 1} checkpoints of {_gib(ckpt)} at once while one is written)")
+    options.append(f"--checkpoint-dir on a disk with at least {_gib(math.ceil(at_once * ckpt / (1 - FREE_MARGIN)))} "
+                   f"free")
+    raise DiskSpaceError(
+        f"slidetune: --save-every {save_every} with --keep-last {keep_last} keeps up to {at_once} resumable "
+        f"checkpoints of {_gib(ckpt)} (FP32 weights and AdamW moments, {FP32_ADAMW.bytes_per_param} B/param) "
+        f"at once beside final/ "
+        f"({_gib(final)}), but {checkpoint_dir} has {_gib(ck_free)} free{taken}. Options that fit: " + "; ".join(options))

@@ -213,124 +213,23 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
     if memory is not None:
         memory.enabled = True
     split = loaded.split
-    vocab = split.config.vocab_size
-    runtime = asdict(rt)
-    if hasattr(engine, "resident_layers"):
-        # the layers with a slot of their own as the engine resolved them (auto left unresolved
-        # means none; a window that would hold every other layer makes them all resident)
-        runtime["resident_layers"] = engine.resident_layers
-    result: dict = {"spec": spec.to_dict(), "machine": machine_info(), "init_s": init_s, "runtime": runtime,
-                    "cuda_context_waits": device.context_waits,
-                    # resolved where the runtime left them on auto (host_threads=0)
-                    "host_threads": getattr(engine, "host_threads", None),
-                    "device_layers": getattr(engine, "device_layers", None),
-                    "params": split.num_params(), "num_layers": split.num_layers}
+    result = _result_head(spec, rt, engine, split, device, init_s)
     if estimates:
         result["fit_estimate_gib"] = estimates[0]
     warmup = disk_tier_warmup(wl.warmup, engine)
     if warmup != wl.warmup:
         result["warmup_raised"] = {"asked": wl.warmup, "used": warmup, "why": DISK_WARMUP_WHY}
-    steps = []
     gc_pauses = GCPauses()               # Python's collections inside each step (a stall the GPU sees)
     try:
-        total_steps = warmup + wl.steps
-        # All batches before the loop: making synthetic data is not the engine's time.
-        # (each rank its own rows)
-        data = [synthetic_batches(vocab, wl.batch_size, wl.seq_len, spec.grad_accum,
-                                  wl.seed * 1000 + k + 10**6 * ranks.rank) for k in range(total_steps)]
-        # A step's time is the interval from the previous step's return to this one's: train_step
-        # returns once the step's work is issued, while the GPU tail and the host's D2H and AdamW go
-        # on in the background, so the call's own duration ("call_s") under-reads the step, and any
-        # pause between calls would hide work. Nothing but the engine runs between two calls.
-        prev_end = None
-        raw = []
-        alloc_before = device.allocator_counters()
-        disk = getattr(engine, "disk", None)
-        disk_io = []            # the tier's bytes read + written at each step's return
-        for k in range(total_steps):
-            if k == warmup:
-                device.synchronize()
-                device.reset_peak()
-                timer.anchor()             # one synchronize, before the measured steps
-            t = time.perf_counter()
-            res = engine.train_step(data[k], wl.lr)
-            t_end = time.perf_counter()
-            start = t if prev_end is None else prev_end
-            prev_end = t_end
-            raw.append((k, start, t, t_end, res, timer.cut(),      # resolved after the loop: no GPU wait here
-                        timeline.take() if timeline is not None else [],
-                        memory.take() if memory is not None else [],
-                        device.allocator_counters(), gc_pauses.take()))
-            if disk is not None:
-                disk_io.append(disk.bytes_read + disk.bytes_written)
-        last_measured = total_steps - 1 if wl.steps > 0 else -1
-        before = alloc_before
-        prev_spans: list = []
-        for k, start, t, t_end, res, pending, host_spans, mem_points, alloc, gcs in raw:
-            # allocator events of this step (cumulative counters differenced), and GC pauses
-            alloc_step = {key: v - before.get(key, 0) for key, v in alloc.items()}
-            before = alloc
-            spans = timer.resolve(pending)
-            # train_step returns once its head's loss is out, with its backward still queued on
-            # the GPU: the first part of the next interval is that backward. What the GPU does in
-            # [start, t_end] is this step's spans and the previous step's (both clipped to it).
-            in_interval = prev_spans + spans
-            prev_spans = spans
-            if k == last_measured and (host_spans or spans):
-                # the last measured step, every thread and the GPU on one clock (a Gantt chart)
-                result["step_timeline"] = {"step": k, "step_ms": (t_end - start) * 1e3,
-                                           "rows": step_timeline(in_interval, host_spans, start, t_end)}
-            host, overlap = {}, {}
-            if timeline is not None:
-                from ..telemetry.host_timeline import overlap_report, summarize
-                host = summarize(host_spans, start, t_end)
-                gpu = [(s.start_s, s.end_s) for s in in_interval if s.start_s is not None]
-                if gpu:
-                    overlap = overlap_report(gpu, host_spans, start, t_end)
-            steps.append({"step": k, "warmup": k < warmup, "wall_s": t_end - start, "call_s": t_end - t,
-                          "loss": res.loss,
-                          "memory": [p.row() for p in mem_points],
-                          "grad_norm": res.grad_norm(), "host_s": host, "overlap": overlap,
-                          "alloc": alloc_step, "gc_s": sum(d for _, d in gcs),
-                          "gc_gen2": sum(1 for gen, _ in gcs if gen == 2),
-                          "spans": [(s.phase, s.layer, s.ms) for s in spans]})
+        raw, alloc_before, disk_io = _run_steps(spec, engine, split.config.vocab_size, ranks, device, timer, timeline, memory,
+                                  gc_pauses, warmup)
+        last_measured = warmup + wl.steps - 1 if wl.steps > 0 else -1
+        steps = _step_records(raw, alloc_before, result, timer, timeline, warmup, last_measured)
         engine.synchronize()
-        result["gpu_peak_alloc_gib"] = device.max_memory_allocated() / 2**30
-        result["gpu_peak_reserved_gib"] = device.max_memory_reserved() / 2**30
-        result["cpu_peak_rss_gib"] = peak_rss_bytes() / 2**30
-        result["host_memory"] = {**host_memory, "stepped": host_memory_snapshot()}
-        if hasattr(engine, "memory_report"):
-            result["engine_memory"] = engine.memory_report()
-        if disk is not None:
-            # what the plan moves through the disk a step; over the step time, the rate the run got
-            # (bench throughput's disk_gib_s), beside the probe's rate in its floor
-            result["disk_io_bytes_per_step"] = engine.plan.disk_io_bytes()
-            # ... and what the tier moved: each measured interval holds one sweep (the previous
-            # step's), so the mean over them is a step's I/O; above the plan's, blocks were read
-            # more than once (the 2026-11-25 14B run: 1.5x, a defect the tier's prefetch had)
-            moved = [b - a for a, b in zip(disk_io, disk_io[1:])][warmup - 1:]
-            if moved:
-                result["disk_io_bytes_measured"] = sum(moved) / len(moved)
+        _record_peaks(result, engine, device, host_memory, disk_io, warmup)
         if spec.profile:
-            result["trace_summary"] = _profile(engine, vocab, spec)
-        kept = [s for s in steps if not s["warmup"]]
-        measured = [s["wall_s"] for s in kept]
-        tokens = wl.batch_size * wl.seq_len * spec.grad_accum * ranks.world_size     # every rank's
-        result["tokens_per_step"] = tokens
-        result["flops_per_token"] = train_flops_per_token(split, wl.seq_len)
-        ov = [s["overlap"] for s in kept if s.get("overlap")]
-        if ov:
-            result["overlap_mean"] = _mean_by_key(ov)
-        if measured:
-            import statistics
-            result["call_s_mean"] = statistics.mean(s["call_s"] for s in kept)
-            result["host_s_mean"] = _mean_by_key([s["host_s"] for s in kept])
-            mean = statistics.mean(measured)
-            result["step_s_mean"] = mean
-            result["step_s_std"] = statistics.stdev(measured) if len(measured) > 1 else 0.0
-            result["tokens_per_s"] = tokens / mean
-            result["tokens_per_s_per_gpu"] = tokens / mean / ranks.world_size
-            result["model_tflops"] = tokens * result["flops_per_token"] / mean / 1e12
+            result["trace_summary"] = _profile(engine, split.config.vocab_size, spec)
+        _summarize_steps(result, steps, spec, ranks, split)
         result["steps"] = steps
         if ranks.world_size > 1:
             result.update(rank_summary(ranks, result, engine.shared.nbytes if engine.shared is not None else 0))
@@ -344,6 +243,142 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
         gc_pauses.close()
         engine.close()
     return result
+
+
+def _result_head(spec: MeasureSpec, rt: RuntimeConfig, engine, split, device: Device, init_s: float) -> dict:
+    """The result's first keys: the spec, the machine, the runtime as the engine resolved it."""
+    runtime = asdict(rt)
+    if hasattr(engine, "resident_layers"):
+        # the layers with a slot of their own as the engine resolved them (auto left unresolved
+        # means none; a window that would hold every other layer makes them all resident)
+        runtime["resident_layers"] = engine.resident_layers
+    return {"spec": spec.to_dict(), "machine": machine_info(), "init_s": init_s, "runtime": runtime,
+            "cuda_context_waits": device.context_waits,
+            # resolved where the runtime left them on auto (host_threads=0)
+            "host_threads": getattr(engine, "host_threads", None),
+            "device_layers": getattr(engine, "device_layers", None),
+            "params": split.num_params(), "num_layers": split.num_layers}
+
+
+def _run_steps(spec: MeasureSpec, engine, vocab: int, ranks: Ranks, device: Device, timer: EventTimer, timeline,
+               memory, gc_pauses: GCPauses, warmup: int) -> tuple[list, dict, list[int]]:
+    """Run the warm-up and measured steps with nothing but the engine between two calls; returns each
+    step's raw record (times, result, pending GPU events, host spans, memory points, allocator
+    counters, GC pauses), resolved after the loop; the allocator counters before the first step; and
+    the disk tier's bytes moved at each return."""
+    wl = spec.workload
+    total_steps = warmup + wl.steps
+    # All batches before the loop: making synthetic data is not the engine's time.
+    # (each rank its own rows)
+    data = [synthetic_batches(vocab, wl.batch_size, wl.seq_len, spec.grad_accum,
+                              wl.seed * 1000 + k + 10**6 * ranks.rank) for k in range(total_steps)]
+    # A step's time is the interval from the previous step's return to this one's: train_step
+    # returns once the step's work is issued, while the GPU tail and the host's D2H and AdamW go
+    # on in the background, so the call's own duration ("call_s") under-reads the step, and any
+    # pause between calls would hide work. Nothing but the engine runs between two calls.
+    prev_end = None
+    raw = []
+    alloc_before = device.allocator_counters()
+    disk = getattr(engine, "disk", None)
+    disk_io = []            # the tier's bytes read + written at each step's return
+    for k in range(total_steps):
+        if k == warmup:
+            device.synchronize()
+            device.reset_peak()
+            timer.anchor()             # one synchronize, before the measured steps
+        t = time.perf_counter()
+        res = engine.train_step(data[k], wl.lr)
+        t_end = time.perf_counter()
+        start = t if prev_end is None else prev_end
+        prev_end = t_end
+        raw.append((k, start, t, t_end, res, timer.cut(),      # resolved after the loop: no GPU wait here
+                    timeline.take() if timeline is not None else [],
+                    memory.take() if memory is not None else [],
+                    device.allocator_counters(), gc_pauses.take()))
+        if disk is not None:
+            disk_io.append(disk.bytes_read + disk.bytes_written)
+    return raw, alloc_before, disk_io
+
+
+def _step_records(raw: list, alloc_before: dict, result: dict, timer: EventTimer, timeline, warmup: int,
+                  last_measured: int) -> list[dict]:
+    """Each step's record from its raw one (GPU spans resolved now, allocator counters differenced);
+    puts the last measured step's Gantt chart in `result["step_timeline"]`."""
+    before = alloc_before
+    steps = []
+    prev_spans: list = []
+    for k, start, t, t_end, res, pending, host_spans, mem_points, alloc, gcs in raw:
+        # allocator events of this step (cumulative counters differenced), and GC pauses
+        alloc_step = {key: v - before.get(key, 0) for key, v in alloc.items()}
+        before = alloc
+        spans = timer.resolve(pending)
+        # train_step returns once its head's loss is out, with its backward still queued on
+        # the GPU: the first part of the next interval is that backward. What the GPU does in
+        # [start, t_end] is this step's spans and the previous step's (both clipped to it).
+        in_interval = prev_spans + spans
+        prev_spans = spans
+        if k == last_measured and (host_spans or spans):
+            # the last measured step, every thread and the GPU on one clock (a Gantt chart)
+            result["step_timeline"] = {"step": k, "step_ms": (t_end - start) * 1e3,
+                                       "rows": step_timeline(in_interval, host_spans, start, t_end)}
+        host, overlap = {}, {}
+        if timeline is not None:
+            from ..telemetry.host_timeline import overlap_report, summarize
+            host = summarize(host_spans, start, t_end)
+            gpu = [(s.start_s, s.end_s) for s in in_interval if s.start_s is not None]
+            if gpu:
+                overlap = overlap_report(gpu, host_spans, start, t_end)
+        steps.append({"step": k, "warmup": k < warmup, "wall_s": t_end - start, "call_s": t_end - t,
+                      "loss": res.loss,
+                      "memory": [p.row() for p in mem_points],
+                      "grad_norm": res.grad_norm(), "host_s": host, "overlap": overlap,
+                      "alloc": alloc_step, "gc_s": sum(d for _, d in gcs),
+                      "gc_gen2": sum(1 for gen, _ in gcs if gen == 2),
+                      "spans": [(s.phase, s.layer, s.ms) for s in spans]})
+    return steps
+
+
+def _record_peaks(result: dict, engine, device: Device, host_memory: dict, disk_io: list[int], warmup: int) -> None:
+    """The run's peak memory (GPU, host RSS, host by kind) and the disk tier's I/O a step."""
+    result["gpu_peak_alloc_gib"] = device.max_memory_allocated() / 2**30
+    result["gpu_peak_reserved_gib"] = device.max_memory_reserved() / 2**30
+    result["cpu_peak_rss_gib"] = peak_rss_bytes() / 2**30
+    result["host_memory"] = {**host_memory, "stepped": host_memory_snapshot()}
+    if hasattr(engine, "memory_report"):
+        result["engine_memory"] = engine.memory_report()
+    if getattr(engine, "disk", None) is not None:
+        # what the plan moves through the disk a step; over the step time, the rate the run got
+        # (bench throughput's disk_gib_s), beside the probe's rate in its floor
+        result["disk_io_bytes_per_step"] = engine.plan.disk_io_bytes()
+        # ... and what the tier moved: each measured interval holds one sweep (the previous
+        # step's), so the mean over them is a step's I/O; above the plan's, blocks were read
+        # more than once (the 2026-11-25 14B run: 1.5x, a defect the tier's prefetch had)
+        moved = [b - a for a, b in zip(disk_io, disk_io[1:])][warmup - 1:]
+        if moved:
+            result["disk_io_bytes_measured"] = sum(moved) / len(moved)
+
+
+def _summarize_steps(result: dict, steps: list[dict], spec: MeasureSpec, ranks: Ranks, split) -> None:
+    """The measured steps' means: step time, tokens/s, model TFLOPS, host phases and overlap."""
+    wl = spec.workload
+    kept = [s for s in steps if not s["warmup"]]
+    measured = [s["wall_s"] for s in kept]
+    tokens = wl.batch_size * wl.seq_len * spec.grad_accum * ranks.world_size     # every rank's
+    result["tokens_per_step"] = tokens
+    result["flops_per_token"] = train_flops_per_token(split, wl.seq_len)
+    ov = [s["overlap"] for s in kept if s.get("overlap")]
+    if ov:
+        result["overlap_mean"] = _mean_by_key(ov)
+    if measured:
+        import statistics
+        result["call_s_mean"] = statistics.mean(s["call_s"] for s in kept)
+        result["host_s_mean"] = _mean_by_key([s["host_s"] for s in kept])
+        mean = statistics.mean(measured)
+        result["step_s_mean"] = mean
+        result["step_s_std"] = statistics.stdev(measured) if len(measured) > 1 else 0.0
+        result["tokens_per_s"] = tokens / mean
+        result["tokens_per_s_per_gpu"] = tokens / mean / ranks.world_size
+        result["model_tflops"] = tokens * result["flops_per_token"] / mean / 1e12
 
 
 def _profile(engine, vocab: int, spec: MeasureSpec) -> dict:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import queue
 import statistics
@@ -201,7 +202,7 @@ def probe_disk(directory: str, total_bytes: int = 4 * 2**30, block_mb: int = 64,
     `passes`). A virtual disk's rate varies from one pass to the next (the H100 machine's mixed
     rate read 1.15 and 1.88 GiB/s in one hour, NOTES.md "Disk tier"), and a floor needs the disk's
     best: a step measured below a floor built on a slow pass (0.79x) showed the floor wrong."""
-    from ..engine.slide.disk_tier import ALIGN, _aligned_empty, block_elems, check_directory
+    from ..engine.slide.disk_tier import block_elems, check_directory
     if mixed not in ("pool", "split"):
         raise ValueError(f"mixed must be pool or split, not {mixed!r}")
     block_bytes = FP32_ADAMW.moment_bytes * block_elems(block_mb)      # a moments-only block
@@ -213,46 +214,12 @@ def probe_disk(directory: str, total_bytes: int = 4 * 2**30, block_mb: int = 64,
     fds: list[int] = []
     paths = [tempfile.mktemp(prefix="slidetune-disk-probe-", dir=root) for _ in range(files)]
     try:
-        for path in paths:
-            try:
-                fds.append(os.open(path, os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0), 0o600))
-            except OSError:
-                direct = False
-                fds.append(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+        direct = _open_probe_files(paths, fds, direct)
         for fd in fds:
             os.posix_fallocate(fd, 0, per_file * block_bytes)
-        bufs: queue.SimpleQueue = queue.SimpleQueue()      # one aligned block buffer per thread
-        for _ in range(threads):
-            b = memoryview(_aligned_empty(block_bytes // 4, pinned=False).numpy()).cast("B")
-            b[:] = os.urandom(ALIGN) * (len(b) // ALIGN)
-            bufs.put(b)
-
-        def op(write: bool, k: int) -> None:
-            buf = bufs.get()
-            try:
-                (os.pwritev if write else os.preadv)(fds[k % files], [buf], (k // files) * block_bytes)
-            finally:
-                bufs.put(buf)
-
-        def run(kinds: list[bool]) -> float:
-            """Every block once, op k of kind kinds[k % len(kinds)]: queued to one pool (pool), or
-            each thread its own share (split: thread w takes blocks w, w + threads, ..., all of one
-            kind where threads is even)."""
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(threads) as pool:
-                if mixed == "pool" or len(kinds) == 1:
-                    futs = [pool.submit(op, kinds[k % len(kinds)], k) for k in range(n_blocks)]
-                else:
-                    def share(w: int) -> None:
-                        for k in range(w, n_blocks, threads):
-                            op(kinds[w % len(kinds)], k)
-                    futs = [pool.submit(share, w) for w in range(threads)]
-                for f in futs:
-                    f.result()
-            for fd in fds:
-                os.fsync(fd)
-            return n_blocks * block_bytes / (time.perf_counter() - t0) / 2**30
-
+        bufs = _probe_buffers(threads, block_bytes)
+        run = functools.partial(_disk_pass, fds=fds, bufs=bufs, block_bytes=block_bytes, n_blocks=n_blocks,
+                                threads=threads, mixed=mixed)
         first_write = run([True]) if warm_passes > 0 else None
         for _ in range(warm_passes - 1):
             run([True])
@@ -272,6 +239,59 @@ def probe_disk(directory: str, total_bytes: int = 4 * 2**30, block_mb: int = 64,
             "warm_passes": warm_passes, "passes": passes, "direct_io": direct, "mixed": mixed, "files": files,
             "block_mib": block_bytes / 2**20, "threads": threads, "bytes": n_blocks * block_bytes,
             "directory": str(root)}
+
+
+def _open_probe_files(paths: list[str], fds: list[int], direct: bool) -> bool:
+    """Open (create) each probe file into `fds`, with O_DIRECT while the filesystem allows it; returns
+    whether O_DIRECT held (a file it refused is opened without it, and so are those after it)."""
+    for path in paths:
+        try:
+            fds.append(os.open(path, os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0), 0o600))
+        except OSError:
+            direct = False
+            fds.append(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    return direct
+
+
+def _probe_buffers(threads: int, block_bytes: int) -> queue.SimpleQueue:
+    """One aligned block buffer per thread, filled with random bytes (nothing a disk could compress)."""
+    from ..engine.slide.disk_tier import ALIGN, _aligned_empty
+    bufs: queue.SimpleQueue = queue.SimpleQueue()
+    for _ in range(threads):
+        b = memoryview(_aligned_empty(block_bytes // 4, pinned=False).numpy()).cast("B")
+        b[:] = os.urandom(ALIGN) * (len(b) // ALIGN)
+        bufs.put(b)
+    return bufs
+
+
+def _disk_pass(kinds: list[bool], *, fds: list[int], bufs: queue.SimpleQueue, block_bytes: int, n_blocks: int,
+               threads: int, mixed: str) -> float:
+    """Every block once, op k of kind kinds[k % len(kinds)] (True: a write): queued to one pool (pool),
+    or each thread its own share (split: thread w takes blocks w, w + threads, ..., all of one kind
+    where threads is even); then fsync. GiB/s."""
+    files = len(fds)
+
+    def op(write: bool, k: int) -> None:
+        buf = bufs.get()
+        try:
+            (os.pwritev if write else os.preadv)(fds[k % files], [buf], (k // files) * block_bytes)
+        finally:
+            bufs.put(buf)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        if mixed == "pool" or len(kinds) == 1:
+            futs = [pool.submit(op, kinds[k % len(kinds)], k) for k in range(n_blocks)]
+        else:
+            def share(w: int) -> None:
+                for k in range(w, n_blocks, threads):
+                    op(kinds[w % len(kinds)], k)
+            futs = [pool.submit(share, w) for w in range(threads)]
+        for f in futs:
+            f.result()
+    for fd in fds:
+        os.fsync(fd)
+    return n_blocks * block_bytes / (time.perf_counter() - t0) / 2**30
 
 
 def probe_device_adamw(n: int = 64 * 2**20, chunk: int = 64 * 2**20) -> dict:
@@ -595,25 +615,12 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
     Disk units (with `disk`, probe_disk's result): their moments (and masters, where they live
     there) are read and written once a step (16 B/param through the disk, 24 with the master,
     at the probe's mixed rate): disk_s (disk_term). Unclipped, that I/O runs beside the whole step
-    (the backward releases the disk units first, the next forward needs them last). Clipped,
-    disk_s stands alone too and is not added to clip_sweep_s: the step's reads and writes need
-    the disk for at least disk_s a step whatever overlaps them, and how much of them must follow
-    the norm is not modelled. (Until 2026-11-25 clip_sweep_s took the larger of the weights pass
-    and the whole disk_s after the backward; both machines' clipped disk4 steps ran below that:
-    0.79x on the H100, 0.94x on the H200 with the fastest of 3 probe passes, NOTES.md "Disk tier".)
+    (the backward releases the disk units first, the next forward needs them last); clipped, see
+    _clip_sweep_terms.
     Units updated on the GPU run their AdamW on the compute stream: with `device_adamw` (the
     probe_device_adamw rate) it is added to compute_s (~26 B/param at HBM speed; the engine's
     optimizer_device spans were 38 ms a step for a Qwen3-4B with every unit there).
-    Clipped (the deferred schedule): no update may start before the global norm is known, at
-    the end of the backward, and the next step's last host layer cannot compute before its
-    update; so a step is at least the head, every layer's recompute + backward, the embedding's
-    backward, the device units' AdamW, the host's weights pass over its units (at the probed
-    rate of that pass: it writes the weights only, the moments follow where nothing waits) and
-    one layer's forward: clip_sweep_s. (The forward runs in the sweep's shadow; nothing else of
-    the host's sweep can overlap.) The weights pass takes at least its bytes and the following
-    uploads' master reads at the best DRAM rate the probes saw, where that is the longer. Units with an upload copy (clip_sweep=weights) take that pass
-    at the probed rate of the BF16-writing pass (adamw_weights_copy_pass_params_per_s), their
-    second pass being the whole update.
+    Clipped (the deferred schedule): clip_sweep_s and the two-pass adamw_s, _clip_sweep_terms.
 
     `ranks` data-parallel ranks on this host (docs/data_parallel.md), a rank's terms:
     - allreduce_s (with `collective`, bench.collective's probe at that rank count): every unit's
@@ -633,14 +640,10 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
     - host_dram_s: the N uploads of each unit all read the one shared master from the same DRAM,
       beside AdamW's traffic and the gradients' DMA (host_dram_term; one rank has the term too).
     - dp_weights="gather" (RuntimeConfig.dp_weights): a unit's owner alone uploads it and
-      broadcasts it to the host's other GPUs on a stream of its own: h2d_s is the busiest rank's
-      share of the uploads (its share of the host-updated parameters: the owners are balanced by
-      size), host_dram_s reads the master once, and gather_s is every upload's bytes at the
-      probed all-gather bus bandwidth ((N - 1) / N of them cross each GPU's NVLink), beside the
-      step like the uploads.
+      broadcasts it to the host's other GPUs: h2d_s is the busiest rank's share of the uploads,
+      host_dram_s reads the master once, and gather_s (_gather_term) is beside the step.
     One rank gives exactly the one-rank terms."""
     plan = plan or plan_of_runtime(comp)
-    L = comp["num_layers"]
     host_params = plan.host_updated_params
     device_params = plan.params("gpu")
     disk_params = plan.params("disk")
@@ -662,51 +665,85 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
     if reduce_s:
         terms["allreduce_s"] = reduce_s
     if gathering and collective is not None:
-        layer_uploads, _ = plan.uploads_per_step()
-        layer = max((u.numel for u in plan.layers), default=0)
-        messages = [layer] * layer_uploads + [u.numel for u in (plan.units[0], plan.units[-1]) if u.host_updated]
-        terms["gather_s"] = sum(allgather_seconds(2 * n, collective) for n in messages)   # BF16 weights
+        terms["gather_s"] = _gather_term(plan, collective)
     dram_s = host_dram_term(plan, adamw, 1 if gathering else ranks, split_sweep)
     if dram_s:
         terms["host_dram_s"] = dram_s
     disk_io_s = disk_term(plan, disk) if disk_params and disk else 0.0
     if disk_io_s:
         terms["disk_s"] = disk_io_s
-    clipped = plan.schedule == "deferred"
-    ram_params = host_params - disk_params
-    if clipped and host_params:
-        # the sweep writes the weights only (the moments follow under the next step): its rate
-        # where probed, else the whole AdamW's; disk units: their I/O is disk_s, a term of its own
-        sweep_rate = (adamw.get("adamw_weights_pass_params_per_s") if split_sweep else None) \
-            or adamw["adamw_params_per_s"]
-        # clip_sweep=weights: the units with an upload copy (the plan's) write BF16 weights first
-        # (16 B/param, its probed rate), then the whole update (the moments pass's place)
-        copy_params = plan.upload_copy_numel() if split_sweep else 0
-        copy_rate = adamw.get("adamw_weights_copy_pass_params_per_s") or sweep_rate
-        backward = L * comp["layer_recompute_backward_s"] + comp["head_s"] + comp["embed_s"]
-        sweep_s = (ram_params - copy_params) / sweep_rate + copy_params / copy_rate
-        best = best_dram_gib_s(adamw) if split_sweep else None
-        if best:
-            # The forward that follows the sweep uploads each swept unit as its update lands, so
-            # the sweep shares the DRAM with those uploads' reads (the master, 4 B/param; an
-            # upload copy, 2): the sweep takes at least all those bytes at the best DRAM rate.
-            # Llama-3.1-8B b16 on a 24 GiB GPU: the weights pass ran at 6.94 G params/s in the
-            # step against 8.11 alone, 142 GiB/s of DRAM with the uploads (NOTES.md "Floor probes").
-            uploads = 1 if gathering else ranks
-            swept = ((ADAMW_BYTES["adamw_weights_pass_params_per_s"] + uploads * UPLOAD_READ_BYTES)
-                     * (ram_params - copy_params)
-                     + (ADAMW_BYTES["adamw_weights_copy_pass_params_per_s"] + uploads * 2) * copy_params)
-            sweep_s = max(sweep_s, swept / (best * gib))
-        # (the disk units' AdamW, whole, on the same host threads after the norm)
-        terms["clip_sweep_s"] = (backward + reduce_s + device_update_s + sweep_s
-                                 + disk_params / adamw["adamw_params_per_s"] + comp["layer_forward_s"])
-        if split_sweep and adamw.get("adamw_moments_pass_params_per_s"):
-            # the host's AdamW a step is both passes (each reads the gradient and the moments)
-            split_params = ram_params - copy_params
-            terms["adamw_s"] = (split_params / sweep_rate + split_params / adamw["adamw_moments_pass_params_per_s"]
-                                + copy_params / copy_rate + copy_params / adamw["adamw_params_per_s"]
-                                + disk_params / adamw["adamw_params_per_s"])
+    if plan.schedule == "deferred" and host_params:
+        _clip_sweep_terms(terms, plan, comp, adamw, split_sweep=split_sweep, reduce_s=reduce_s,
+                          device_update_s=device_update_s, uploads=1 if gathering else ranks)
     return terms
+
+
+def _gather_term(plan: PlacementPlan, collective: dict) -> float:
+    """gather_s under dp_weights="gather": each upload's owner broadcasts it to the host's other GPUs
+    on a stream of its own, every upload's bytes (BF16 weights) at the probed all-gather bus
+    bandwidth ((N - 1) / N of them cross each GPU's NVLink); the busiest rank's share of the uploads
+    is its share of the host-updated parameters (the owners are balanced by size)."""
+    layer_uploads, _ = plan.uploads_per_step()
+    layer = max((u.numel for u in plan.layers), default=0)
+    messages = [layer] * layer_uploads + [u.numel for u in (plan.units[0], plan.units[-1]) if u.host_updated]
+    return sum(allgather_seconds(2 * n, collective) for n in messages)   # BF16 weights
+
+
+def _clip_sweep_terms(terms: dict, plan: PlacementPlan, comp: dict, adamw: dict, *, split_sweep: bool,
+                      reduce_s: float, device_update_s: float, uploads: int) -> None:
+    """Set clip_sweep_s (and the two-pass adamw_s) of a clipped step in `terms`.
+
+    Clipped (the deferred schedule): no update may start before the global norm is known, at
+    the end of the backward, and the next step's last host layer cannot compute before its
+    update; so a step is at least the head, every layer's recompute + backward, the embedding's
+    backward, the device units' AdamW, the host's weights pass over its units (at the probed
+    rate of that pass: it writes the weights only, the moments follow where nothing waits) and
+    one layer's forward: clip_sweep_s. (The forward runs in the sweep's shadow; nothing else of
+    the host's sweep can overlap.) The weights pass takes at least its bytes and the following
+    `uploads`' master reads at the best DRAM rate the probes saw, where that is the longer. Units
+    with an upload copy (clip_sweep=weights) take that pass at the probed rate of the BF16-writing
+    pass (adamw_weights_copy_pass_params_per_s), their second pass being the whole update.
+    Disk units: disk_s stands alone and is not added to clip_sweep_s: the step's reads and writes
+    need the disk for at least disk_s a step whatever overlaps them, and how much of them must
+    follow the norm is not modelled. (Until 2026-11-25 clip_sweep_s took the larger of the weights
+    pass and the whole disk_s after the backward; both machines' clipped disk4 steps ran below
+    that: 0.79x on the H100, 0.94x on the H200 with the fastest of 3 probe passes, NOTES.md
+    "Disk tier".)"""
+    gib = 2**30
+    L = comp["num_layers"]
+    host_params = plan.host_updated_params
+    disk_params = plan.params("disk")
+    ram_params = host_params - disk_params
+    # the sweep writes the weights only (the moments follow under the next step): its rate
+    # where probed, else the whole AdamW's; disk units: their I/O is disk_s, a term of its own
+    sweep_rate = (adamw.get("adamw_weights_pass_params_per_s") if split_sweep else None) \
+        or adamw["adamw_params_per_s"]
+    # clip_sweep=weights: the units with an upload copy (the plan's) write BF16 weights first
+    # (16 B/param, its probed rate), then the whole update (the moments pass's place)
+    copy_params = plan.upload_copy_numel() if split_sweep else 0
+    copy_rate = adamw.get("adamw_weights_copy_pass_params_per_s") or sweep_rate
+    backward = L * comp["layer_recompute_backward_s"] + comp["head_s"] + comp["embed_s"]
+    sweep_s = (ram_params - copy_params) / sweep_rate + copy_params / copy_rate
+    best = best_dram_gib_s(adamw) if split_sweep else None
+    if best:
+        # The forward that follows the sweep uploads each swept unit as its update lands, so
+        # the sweep shares the DRAM with those uploads' reads (the master, 4 B/param; an
+        # upload copy, 2): the sweep takes at least all those bytes at the best DRAM rate.
+        # Llama-3.1-8B b16 on a 24 GiB GPU: the weights pass ran at 6.94 G params/s in the
+        # step against 8.11 alone, 142 GiB/s of DRAM with the uploads (NOTES.md "Floor probes").
+        swept = ((ADAMW_BYTES["adamw_weights_pass_params_per_s"] + uploads * UPLOAD_READ_BYTES)
+                 * (ram_params - copy_params)
+                 + (ADAMW_BYTES["adamw_weights_copy_pass_params_per_s"] + uploads * 2) * copy_params)
+        sweep_s = max(sweep_s, swept / (best * gib))
+    # (the disk units' AdamW, whole, on the same host threads after the norm)
+    terms["clip_sweep_s"] = (backward + reduce_s + device_update_s + sweep_s
+                             + disk_params / adamw["adamw_params_per_s"] + comp["layer_forward_s"])
+    if split_sweep and adamw.get("adamw_moments_pass_params_per_s"):
+        # the host's AdamW a step is both passes (each reads the gradient and the moments)
+        split_params = ram_params - copy_params
+        terms["adamw_s"] = (split_params / sweep_rate + split_params / adamw["adamw_moments_pass_params_per_s"]
+                            + copy_params / copy_rate + copy_params / adamw["adamw_params_per_s"]
+                            + disk_params / adamw["adamw_params_per_s"])
 
 
 def floor(model: str, batch: int, seq: int, num_layers: int | None = None, cache_units: int = 3,

@@ -492,11 +492,31 @@ def _tables(doc: dict) -> tuple[list[dict], list[dict]]:
 def render(out: Path, doc: dict, plots: bool = True, compare_seeds: bool = False) -> None:
     """CSVs and report.md (and the PNGs when `plots`) from a techniques.json document."""
     S, names, rows, probes, machine = doc["settings"], doc["names"], doc["rows"], doc["probes"], doc["machine"]
-    same = doc["same_batch"]
     O.write_csv(out / "techniques.csv", rows, COLUMNS, machine)
     O.write_csv(out / "probes.csv", probes, PROBE_COLUMNS, machine)
-    mem_label = "peak GPU allocated GiB" if S["device"] == "cuda" else "peak host RSS GiB (CPU run)"
     max_batch = {n: (doc["searches"].get(n) or {}).get("max_batch") for n in names}
+    front = _write_plots(out, doc, max_batch, plots)
+    lines = _state_lines(doc)
+    lines += _method_lines(doc)
+    lines += _results_lines(rows, probes, front)
+    lines += _per_layer_lines(out, doc, plots)
+    if compare_seeds:
+        from ..seeds import techniques_comparison_markdown
+        lines += techniques_comparison_markdown(rows, max_batch) + [""]
+    if S["device"] == "cpu":
+        lines += ["**Not yet:** this is a CPU run (smoke or no CUDA); the study's numbers need the GPU run "
+                  "(`slidetune bench techniques` on the H100 host).", ""]
+    (out / "report.md").write_text("\n".join(lines))
+
+
+def _memory_label(S: dict) -> str:
+    return "peak GPU allocated GiB" if S["device"] == "cuda" else "peak host RSS GiB (CPU run)"
+
+
+def _write_plots(out: Path, doc: dict, max_batch: dict, plots: bool) -> list[str]:
+    """The bar plots and the memory/perplexity Pareto plot (when `plots`); returns the Pareto front."""
+    S, names, rows = doc["settings"], doc["names"], doc["rows"]
+    mem_label = _memory_label(S)
     if plots:
         by = {(r["technique"], r["regime"]): r for r in rows}
         regimes = [g for g in ("same", "max") if any((n, g) in by for n in names)]
@@ -512,11 +532,16 @@ def render(out: Path, doc: dict, plots: bool = True, compare_seeds: bool = False
     front = pareto_plot(out / "pareto.png", points, mem_label, "held-out perplexity",
                         "Memory vs quality (lower-left is better)") if plots else \
         pareto_front(points)
+    return front
+
+
+def _state_lines(doc: dict) -> list[str]:
+    """The report's head: how far the run got, and what is pending."""
+    rows = doc["rows"]
     done = [r for r in rows if r["status"] != "pending"]
     pending = [f"{r['technique']} {r['regime']}" + (f" (b={r['batch_size']})" if r["batch_size"] else
                                                     " (largest-batch search)") for r in rows
                if r["status"] == "pending"]
-    lim = S.get("gpu_memory_limit_gib")
     lines = ["# Memory-optimization techniques", "",
              f"**State: {doc['state']}** after {doc['elapsed_s']:.0f} s; {len(done)} of {len(rows)} rows "
              f"finished, {len(doc['results'])} processes' results kept. This file, the CSVs and the JSON are "
@@ -524,6 +549,14 @@ def render(out: Path, doc: dict, plots: bool = True, compare_seeds: bool = False
              "`--resume` runs only the rest.", ""]
     if pending:
         lines += ["Pending: " + ", ".join(pending) + ".", ""]
+    return lines
+
+
+def _method_lines(doc: dict) -> list[str]:
+    """The settings, the machine, and how runs, peaks, the largest batch and perplexity are measured."""
+    S, machine, same = doc["settings"], doc["machine"], doc["same_batch"]
+    lim = S.get("gpu_memory_limit_gib")
+    lines: list[str] = []
     lines += [f"Model `{S['model']}`" + (f" ({S['num_layers']} layers)" if S["num_layers"] else "") +
               f", seq {S['seq_len']}, {S['steps']} optimizer steps per run (AdamW lr {S['lr']}, linear warm-up "
               f"{S['lr_warmup']} steps, clip 1.0), same batch = {same}"
@@ -550,6 +583,12 @@ def render(out: Path, doc: dict, plots: bool = True, compare_seeds: bool = False
               "24.8M params with a 30k vocabulary), no dropout, AdamW weight decay 0.1. Local attention is a real "
               "band (ops.attention; block-sparse flex_attention on CUDA), not relabelled full attention.", "",
               "## Results", ""]
+    return lines
+
+
+def _results_lines(rows: list[dict], probes: list[dict], front: list[str]) -> list[str]:
+    """The results and largest-batch probes tables, the failures and the Pareto front."""
+    lines: list[str] = []
     lines += O.md_table(rows, ["technique", "regime", "batch_size", "status", "step_s_mean", "tokens_per_s",
                                "gpu_peak_alloc_gib", "gpu_peak_reserved_gib", "peak_gib", "perplexity",
                                "speedup_vs_fp32", "step_time_ratio_vs_fp32", "memory_reduction_vs_fp32",
@@ -566,6 +605,13 @@ def render(out: Path, doc: dict, plots: bool = True, compare_seeds: bool = False
     lines += O.md_table(probes, ["technique", "batch_size", "ok", "status", "oom_requested_gib", "gpu_peak_alloc_gib"])
     lines += ["", f"Pareto front (memory vs perplexity): {', '.join(front) or '-'}", "",
               "Plots: peak_memory.png, throughput.png, max_batch.png, perplexity.png, pareto.png", ""]
+    return lines
+
+
+def _per_layer_lines(out: Path, doc: dict, plots: bool) -> list[str]:
+    """The same-batch runs' per-layer files (written when `plots`) and their plots' links."""
+    lines: list[str] = []
+    machine = doc["machine"]
     per_run = _per_run(doc)
     if per_run:
         if plots:
@@ -581,13 +627,7 @@ def render(out: Path, doc: dict, plots: bool = True, compare_seeds: bool = False
         lines += [f"![{n}](per_run/{n}.png)" for n in ("time_breakdown", "peak_memory", "memory_timeline",
                                                           "per_layer_times", "step_times", "per_layer_delta")
                   if (out / "per_run" / f"{n}.png").exists()] + [""]
-    if compare_seeds:
-        from ..seeds import techniques_comparison_markdown
-        lines += techniques_comparison_markdown(rows, max_batch) + [""]
-    if S["device"] == "cpu":
-        lines += ["**Not yet:** this is a CPU run (smoke or no CUDA); the study's numbers need the GPU run "
-                  "(`slidetune bench techniques` on the H100 host).", ""]
-    (out / "report.md").write_text("\n".join(lines))
+    return lines
 
 
 PROBE_COLUMNS = ["technique", "batch_size", "ok", "status", "oom_requested_gib", "gpu_peak_alloc_gib", "error"]

@@ -153,24 +153,57 @@ def run(args: argparse.Namespace) -> Path:
         batches, seqs, steps, warmup, dev = ([] if planned_only else [2]), [32], 2, 1, "cpu"
         cuda = False
     gpus = parse_gpus(getattr(args, "gpus", "1"), "cpu" if args.smoke else args.device)
-    rows, raw, floors, collectives, limits = [], [], {}, {}, {}
-    per_run: list[dict] = []      # every run in bench.measure's form, for the common tables and plots
-    adamw_probe = None
     # The floor times the layers as slide runs them (compiled or not).
     slide_over = _runtime_overrides(args.runtime)
     variants = parse_ab_variants(getattr(args, "variants", ""), slide_over)
     rounds = max(1, int(getattr(args, "rounds", 1)))
+    runs = _ThroughputRuns(args, cuda=cuda, dev=dev, layers=layers, steps=steps, warmup=warmup, recipes=recipes,
+                           rounds=rounds, slide_over=slide_over)
+    flops: dict[tuple[str, int], float | None] = {}
+    for c in sweep(models, seqs, batches, gpus, systems, recipes, variants, rounds):
+        # each probe runs once, just before the first run that needs it
+        if (c.model, c.seq) not in flops:
+            flops[c.model, c.seq] = _flops_per_token(c.model, layers, c.seq)
+        fl = runs.floor_of(c.model, c.batch, c.seq)
+        runs.measure_one(c.system, c.model, c.batch, c.seq, flops[c.model, c.seq], fl, c.recipe, c.gpus,
+                         runs.collective_of(c.model, c.gpus), c.variant, c.overrides, c.round)
+    if args.max_seq or args.max_batch:
+        runs.run_planned(models, seqs)
+    if args.max_seq_search:
+        runs.search_max_seq(models, out)
+    add_scaling(runs.rows)
+    _write(out, runs.rows, runs.raw, runs.floors, cuda, slide_runtime=args.runtime, per_run=runs.per_run,
+           collectives=runs.collectives, limits=runs.limits)
+    return out
 
-    def floor_of(model: str, batch: int, seq: int) -> dict | None:
+
+class _ThroughputRuns:
+    """One throughput call's runs and what they recorded: the rows, the raw results, every run in
+    bench.measure's form (per_run, for the common tables and plots), and the floor and collective
+    probes, each run once, just before the first run that needs it."""
+
+    def __init__(self, args: argparse.Namespace, *, cuda: bool, dev: str, layers: int | None, steps: int,
+                 warmup: int, recipes: list[dict], rounds: int, slide_over: dict):
+        self.args, self.cuda, self.dev, self.layers = args, cuda, dev, layers
+        self.steps, self.warmup, self.recipes, self.rounds, self.slide_over = steps, warmup, recipes, rounds, slide_over
+        self.rows: list[dict] = []
+        self.raw: list[dict] = []
+        self.floors: dict = {}
+        self.collectives: dict = {}
+        self.limits: dict = {}
+        self.per_run: list[dict] = []
+        self.adamw_probe = None
+
+    def floor_of(self, model: str, batch: int, seq: int) -> dict | None:
         """The floor probe of a workload (one per workload and call)."""
-        nonlocal adamw_probe
+        args, slide_over, dev, floors = self.args, self.slide_over, self.dev, self.floors
         key = f"{model}/b{batch}/s{seq}"
         if args.no_floor:
             return None
         if key not in floors:
-            floors[key] = measure_floor(model, batch, seq, layers, dev,
+            floors[key] = measure_floor(model, batch, seq, self.layers, dev,
                                         adamw_n=(4 * 2**20 if args.smoke else 128 * 2**20),
-                                        adamw=adamw_probe, timeout_s=args.timeout,
+                                        adamw=self.adamw_probe, timeout_s=args.timeout,
                                         compile_layers=_compiles(slide_over, dev),
                                         head_impl=_head_impl(slide_over, dev),
                                         grad_download=str(slide_over.get("grad_download", "compute")),
@@ -179,22 +212,23 @@ def run(args: argparse.Namespace) -> Path:
                                         disk_block_mb=int(slide_over.get("disk_block_mb", 64)),
                                         disk_io_threads=int(slide_over.get("disk_io_threads", 4)))
             if floors[key].get("status") == "ok":
-                adamw_probe = floors[key].get("adamw")
+                self.adamw_probe = floors[key].get("adamw")
         return floors[key]
 
-    def measure_one(system, model, batch, seq, fpt, fl, rec, n=1, coll=None, vname="", vover=None, rnd=1,
+    def measure_one(self, system, model, batch, seq, fpt, fl, rec, n=1, coll=None, vname="", vover=None, rnd=1,
                     planned: Planned | None = None) -> None:
         """Run one configuration and record it (per_run, raw, rows) and a line on stdout."""
+        args, rows = self.args, self.rows
         key = f"{model}/b{batch}/s{seq}"
         chosen_by = planned.chosen_by if planned else None
-        r = _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, args, profile=args.profile,
-                        recipe=rec, ranks=n, variant=vover)
-        tag = "-".join(t for t in (rec["name"] if len(recipes) > 1 else "", vname,
-                                   f"r{rnd}" if rounds > 1 else "", planned.kind if planned else "") if t)
-        per_run.append(_as_measured(r, system, model, batch, seq, warmup, tag, gpus=n))
-        raw.append({"key": key, "system": system, "recipe": rec["name"], "gpus": n,
-                    "variant": vname or None, "round": rnd if vname else None, "chosen_by": chosen_by,
-                    **{k: v for k, v in r.items() if k != "steps"}})
+        r = _run_system(system, model, self.layers, batch, seq, self.steps, self.warmup, self.dev, self.cuda, args,
+                        profile=args.profile, recipe=rec, ranks=n, variant=vover)
+        tag = "-".join(t for t in (rec["name"] if len(self.recipes) > 1 else "", vname,
+                                   f"r{rnd}" if self.rounds > 1 else "", planned.kind if planned else "") if t)
+        self.per_run.append(_as_measured(r, system, model, batch, seq, self.warmup, tag, gpus=n))
+        self.raw.append({"key": key, "system": system, "recipe": rec["name"], "gpus": n,
+                         "variant": vname or None, "round": rnd if vname else None, "chosen_by": chosen_by,
+                         **{k: v for k, v in r.items() if k != "steps"}})
         rows.append(_row(system, model, batch, seq, r, fpt, fl, recipe=rec, collective=coll, ranks=n,
                          variant=vname, round_=rnd, chosen_by=chosen_by))
         print(f"[throughput] {key} {system} {rec['name']}" + (f" {vname} round {rnd}" if vname else "")
@@ -202,52 +236,45 @@ def run(args: argparse.Namespace) -> Path:
               f"{O.fmt(rows[-1].get('tokens_per_s'), 0)} tok/s step/floor {O.fmt(rows[-1].get('step_over_floor'))} "
               f"step/hw-floor {O.fmt(rows[-1].get('step_over_hw_floor'))}", flush=True)
 
-    def collective_of(model: str, n: int) -> dict | None:
+    def collective_of(self, model: str, n: int) -> dict | None:
         """The collective probe of `n` ranks (one per model and rank count), None on one rank."""
-        if n == 1 or args.no_floor:
+        if n == 1 or self.args.no_floor:
             return None
         ckey = f"{model}/n{n}"
-        if ckey not in collectives:
-            collectives[ckey] = probe_collective_for(model, layers, n, dev, args.timeout)
-            _print_collective(ckey, collectives[ckey])
-        return collectives[ckey]
+        if ckey not in self.collectives:
+            self.collectives[ckey] = probe_collective_for(model, self.layers, n, self.dev, self.args.timeout)
+            _print_collective(ckey, self.collectives[ckey])
+        return self.collectives[ckey]
 
-    flops: dict[tuple[str, int], float | None] = {}
-    for c in sweep(models, seqs, batches, gpus, systems, recipes, variants, rounds):
-        # each probe runs once, just before the first run that needs it
-        if (c.model, c.seq) not in flops:
-            flops[c.model, c.seq] = _flops_per_token(c.model, layers, c.seq)
-        fl = floor_of(c.model, c.batch, c.seq)
-        measure_one(c.system, c.model, c.batch, c.seq, flops[c.model, c.seq], fl, c.recipe, c.gpus,
-                    collective_of(c.model, c.gpus), c.variant, c.overrides, c.round)
-    if args.max_seq or args.max_batch:
-        # slide at the limits the fit check allows on this machine's budget (engine.limits), per recipe
+    def run_planned(self, models: list[str], seqs: list[int]) -> None:
+        """slide at the limits the fit check allows on this machine's budget (engine.limits), per recipe."""
+        layers = self.layers
         for model in models:
-            for p in planned_workloads(model, layers, dev, args, recipes, seqs):
-                limits.setdefault(model, []).append({"chosen_by": p.chosen_by, **p.record})
+            for p in planned_workloads(model, layers, self.dev, self.args, self.recipes, seqs):
+                self.limits.setdefault(model, []).append({"chosen_by": p.chosen_by, **p.record})
                 if p.workload is None:
                     print(f"[throughput] {model} {p.recipe['name']}: {p.chosen_by}: nothing fits", flush=True)
                     continue
                 batch, seq = p.workload
-                measure_one("slide", model, batch, seq, _flops_per_token(model, layers, seq),
-                            floor_of(model, batch, seq), p.recipe, planned=p)
-    if args.max_seq_search:
+                self.measure_one("slide", model, batch, seq, _flops_per_token(model, layers, seq),
+                                 self.floor_of(model, batch, seq), p.recipe, planned=p)
+
+    def search_max_seq(self, models: list[str], out: Path) -> None:
+        """The longest trainable sequence at batch 1 of each model (longest_sequence), into raw."""
+        args = self.args
         granule, start = (16, 32) if args.smoke else (args.seq_granule, args.max_seq_start)
         for model in models:
             # the sweep's own slide runs at batch 1 answer the search's question for their lengths
-            measured = {int(row["seq_len"]): run for row, run in zip(rows, raw)
+            measured = {int(row["seq_len"]): run for row, run in zip(self.rows, self.raw)
                         if row["model"] == model and row["system"] == "slide" and int(row["batch_size"]) == 1
                         and row.get("gpus", 1) == 1}
-            found = longest_sequence(model, layers, dev, args, granule, start, probe_log=out / "max_seq_probes.jsonl",
+            found = longest_sequence(model, self.layers, self.dev, args, granule, start,
+                                     probe_log=out / "max_seq_probes.jsonl",
                                      known_log=Path(args.max_seq_known) if args.max_seq_known else None,
                                      measured=measured)
-            raw.append({"key": f"{model}/max-seq", "system": "slide", **found})
+            self.raw.append({"key": f"{model}/max-seq", "system": "slide", **found})
             print(f"[throughput] {model} longest trainable sequence at batch 1: {found['max_seq']} tokens "
                   f"(probes: {found['probes']})", flush=True)
-    add_scaling(rows)
-    _write(out, rows, raw, floors, cuda, slide_runtime=args.runtime, per_run=per_run, collectives=collectives,
-           limits=limits)
-    return out
 
 
 class SweepRun(NamedTuple):
@@ -918,6 +945,37 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
     O.write_csv(out / "throughput.csv", rows, COLUMNS, machine)
     O.write_json(out / "throughput.json", {"machine": machine, "rows": rows, "floors": floors, "runs": raw,
                                            "collectives": collectives, "limits": limits or {}})
+    labels, keys, scaled = _write_plots(out, rows)
+    lines = _method_lines(machine, cuda, slide_runtime)
+    ab = any(r.get("variant") for r in rows)
+    lines += O.md_table(rows, ["model", "seq_len", "batch_size", "system", "recipe"] + (["variant", "round"] if ab else [])
+                        + ["gpus", "status", "step_s_mean", "tokens_per_s",
+                           "model_tflops", "gpu_peak_alloc_gib", "cpu_peak_rss_gib", "step_over_floor",
+                           "floor_bound_by", "step_over_hw_floor", "hw_floor_bound_by", "oom_requested_gib"],
+                        {"step_s_mean": 3, "tokens_per_s": 0, "model_tflops": 1})
+    lines += _hardware_lines(floors)
+    if ab:
+        lines += ab_lines(rows)
+    if limits:
+        lines += _limits_lines(rows, limits)
+    if scaled:
+        lines += _scaling_lines(rows, collectives)
+        _write_scaling_plot(out, rows, labels, keys)
+    lines += _host_timeline_lines(rows)
+    lines += _disk_tier_lines(rows)
+    lines += ["", "Plots: tokens_per_s.png, model_tflops.png, gpu_peak.png, cpu_peak.png, step_over_floor.png, "
+              "pareto.png" + (", scaling.png" if scaled else ""), ""]
+    lines += _per_run_lines(out, per_run, machine)
+    lines += _max_seq_lines(out, raw, machine)
+    if not cuda:
+        lines += ["**Not yet:** CPU run. FSDP2 / DeepSpeed rows need CUDA; slide and gpu rows are tiny shapes in "
+                  "FP32 on the CPU and say nothing about the GPU targets of issue 5.", ""]
+    (out / "report.md").write_text("\n".join(lines))
+
+
+def _write_plots(out: Path, rows: list[dict]) -> tuple[list[str], list[str], bool]:
+    """The comparison plots (a bar per series and workload, the memory/throughput Pareto); returns
+    each row's workload label, the workloads in order, and whether several rank counts ran."""
     labels = [f"{r['model']} b{r['batch_size']} s{r['seq_len']}" for r in rows]
     keys = list(dict.fromkeys(labels))
     # a series per system, and per recipe where a system ran several, and per rank count where several
@@ -939,6 +997,11 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
     pareto_plot(out / "pareto.png", [(f"{s} {lab}", by[(lab, s)].get("gpu_peak_alloc_gib") or by[(lab, s)].get(
       "cpu_peak_rss_gib"), by[(lab, s)].get("tokens_per_s")) for (lab, s) in by], "peak memory GiB", "tokens/s",
       "Memory vs throughput", lower_y_better=False)
+    return labels, keys, scaled
+
+
+def _method_lines(machine: dict, cuda: bool, slide_runtime: str) -> list[str]:
+    """The report's head: the machine, how each column is measured, the recipes."""
     lines = ["# Throughput: slide mode vs the alternatives", "", *O.machine_lines(machine), "",
              "Model TFLOPS = tokens/s x (6 N_matmul + 6 L S d_att) / 1e12 per token (telemetry/flops.py: the "
              "weights' 6N plus the causal half of attention; recomputation not counted). Every row ran in its own "
@@ -961,24 +1024,21 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
               "recipe of `slidetune train`); accumN = N micro-batches of batch/N (batch_size is the sequences per "
               "step). A clipped slide step updates only once its backward has ended, so its floor gains the term "
               "clip_sweep_s (bench.roofline.floor_terms).", ""]
-    ab = any(r.get("variant") for r in rows)
-    lines += O.md_table(rows, ["model", "seq_len", "batch_size", "system", "recipe"] + (["variant", "round"] if ab else [])
-                        + ["gpus", "status", "step_s_mean", "tokens_per_s",
-                           "model_tflops", "gpu_peak_alloc_gib", "cpu_peak_rss_gib", "step_over_floor",
-                           "floor_bound_by", "step_over_hw_floor", "hw_floor_bound_by", "oom_requested_gib"],
-                        {"step_s_mean": 3, "tokens_per_s": 0, "model_tflops": 1})
-    lines += _hardware_lines(floors)
-    if ab:
-        lines += ab_lines(rows)
-    if limits:
-        lines += _limits_lines(rows, limits)
-    if scaled:
-        lines += _scaling_lines(rows, collectives)
-        bar_plot(out / "scaling.png", keys, {f"x{n}": [next((r.get("tokens_per_s") for r, lab in zip(rows, labels)
-                                                             if lab == k and r["system"] == "slide"
-                                                             and int(r.get("gpus") or 1) == n), None) for k in keys]
-                                             for n in sorted({int(r.get("gpus") or 1) for r in rows})},
-                 "tokens/s (all GPUs)", "slide on N GPUs of one host (batch per GPU fixed)")
+    return lines
+
+
+def _write_scaling_plot(out: Path, rows: list[dict], labels: list[str], keys: list[str]) -> None:
+    """slide's tokens/s (all GPUs) per workload, a series per rank count."""
+    bar_plot(out / "scaling.png", keys, {f"x{n}": [next((r.get("tokens_per_s") for r, lab in zip(rows, labels)
+                                                         if lab == k and r["system"] == "slide"
+                                                         and int(r.get("gpus") or 1) == n), None) for k in keys]
+                                         for n in sorted({int(r.get("gpus") or 1) for r in rows})},
+             "tokens/s (all GPUs)", "slide on N GPUs of one host (batch per GPU fixed)")
+
+
+def _host_timeline_lines(rows: list[dict]) -> list[str]:
+    """Where a slide step goes, from the host timeline (rows that have one)."""
+    lines: list[str] = []
     timed = [r for r in rows if r.get("host_adamw_s") is not None]
     if timed:
         lines += ["", "Where a slide step goes (host timeline, seconds per step): the host worker's AdamW and its "
@@ -990,6 +1050,12 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
         lines += O.md_table(timed, ["model", "seq_len", "batch_size", "step_s_mean", "call_s_mean", *HOST_COLUMNS,
                                     "device_layers", "gpu_checkpoints", "host_threads"],
                             {k: 3 for k in ["step_s_mean", "call_s_mean", *HOST_COLUMNS]})
+    return lines
+
+
+def _disk_tier_lines(rows: list[dict]) -> list[str]:
+    """The disk tier's I/O a step (rows that have one)."""
+    lines: list[str] = []
     on_disk = [r for r in rows if r.get("disk_io_gib") is not None]
     if on_disk:
         lines += ["", "The disk tier (per step): disk_io_gib, the plan's reads and writes (each disk unit's block "
@@ -1001,8 +1067,12 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
                                       "disk_gib_s", "disk_io_ratio", "disk_buffers", "disk_busy_frac"],
                             {"step_s_mean": 3, "disk_io_gib": 1, "disk_gib_s": 2, "disk_io_ratio": 3,
                              "disk_busy_frac": 3})
-    lines += ["", "Plots: tokens_per_s.png, model_tflops.png, gpu_peak.png, cpu_peak.png, step_over_floor.png, "
-              "pareto.png" + (", scaling.png" if scaled else ""), ""]
+    return lines
+
+
+def _per_run_lines(out: Path, per_run: list[dict] | None, machine: dict) -> list[str]:
+    """The per-run files (written here; a rewritten report lists those already there) and the profiled table."""
+    lines: list[str] = []
     if per_run:
         slide = next((config_name(r) for r in per_run if r.get("status") == "ok"
                       and r["spec"].get("runtime", {}).get("mode") == "slide"), None)
@@ -1025,6 +1095,12 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
     elif (out / "per_run").is_dir():         # a rewritten report: the per-run files as they were written
         lines += ["Per run: `per_run/` (as the run wrote it).", ""]
         lines += [f"![{p.stem}](per_run/{p.name})" for p in sorted((out / "per_run").glob("*.png"))] + [""]
+    return lines
+
+
+def _max_seq_lines(out: Path, raw: list[dict], machine: dict) -> list[str]:
+    """The longest-sequence searches' table (and max_seq.csv), where any ran."""
+    lines: list[str] = []
     searches = [r for r in raw if str(r.get("key", "")).endswith("/max-seq")]
     if searches:
         lines += ["## Longest trainable sequence (batch 1, slide)", "",
@@ -1045,7 +1121,4 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
         lines.append("")
         O.write_csv(out / "max_seq.csv", [{k: r[k] for k in ("model", "max_seq", "granule", "context_cap")}
                                           for r in searches], None, machine)
-    if not cuda:
-        lines += ["**Not yet:** CPU run. FSDP2 / DeepSpeed rows need CUDA; slide and gpu rows are tiny shapes in "
-                  "FP32 on the CPU and say nothing about the GPU targets of issue 5.", ""]
-    (out / "report.md").write_text("\n".join(lines))
+    return lines
