@@ -724,6 +724,11 @@ def test_auto_gpu_checkpoints_fill_what_device_layers_leave():
     assert explicit.gpu_checkpoints == 0
 
 
+# what `plan` prints between its "resolved on ..." line and its verdict: describe_autos' lines,
+# indented (engine/autos.py)
+AUTO_LINES = r"(?:  .*\n)*"
+
+
 def test_plan_resolves_the_auto_settings_for_a_given_gpu_and_host(capsys):
     """`slidetune plan --gpu-free-gib G --host-gib H`: the placement the auto settings resolve to
     there (as train would), its estimate, and whether it fits; Llama-3.1-8B at 128K tokens fits
@@ -736,7 +741,7 @@ def test_plan_resolves_the_auto_settings_for_a_given_gpu_and_host(capsys):
     m = re.search(r"resolved on a GPU with 78.5 GiB free and 123.0 GiB of host RAM: cache_units=3 "
                   r"resident_layers=(\d+) vocab_update=device grad_slot_dtype=compute device_layers=0 "
                   r"offload_activations=on gpu_checkpoints=(\d+) lean_layer=off head_impl=fused: GPU ([\d.]+) GiB, "
-                  r"host ([\d.]+) GiB\nfits", out)
+                  r"host ([\d.]+) GiB\n" + AUTO_LINES + "fits", out)
     assert m and int(m[2]) > 0 and float(m[3]) <= FIT_SAFETY * 78.5 and float(m[4]) <= FIT_SAFETY * 123
     # the checkpoints take the GPU's room first (each frees a host byte); what is left is a layer
     # slot or a few, which go to resident layers (int(m[1]) may be 0)
@@ -744,7 +749,8 @@ def test_plan_resolves_the_auto_settings_for_a_given_gpu_and_host(capsys):
     # (HF's layer alone no longer fits 100 GiB: NOTES.md "Lean layer"), and with less still nothing fits
     assert main(args + ["--host-gib", "100"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"gpu_checkpoints=\d+ lean_layer=on head_impl=fused: GPU [\d.]+ GiB, host [\d.]+ GiB\nfits", out), out
+    assert re.search(r"gpu_checkpoints=\d+ lean_layer=on head_impl=fused: GPU [\d.]+ GiB, host [\d.]+ GiB\n"
+                     + AUTO_LINES + "fits", out), out
     assert main(args + ["--host-gib", "80"]) == 0
     out = capsys.readouterr().out
     assert "does not fit: mode slide, batch 1 x 131072 tokens" in out and "host RAM too small" in out
@@ -882,7 +888,7 @@ def test_plan_for_several_ranks_counts_the_host_once_and_checks_shared_memory(ca
     out = capsys.readouterr().out
     m = re.search(r"resolved on 2 ranks on one host, each on a GPU with 78.5 GiB free and 250.0 GiB of host RAM: "
                   r".*: GPU ([\d.]+) GiB per rank, host ([\d.]+) GiB for its 2 ranks \(the shared state, ([\d.]+) GiB "
-                  r"in /dev/shm, once\)\nfits", out)
+                  r"in /dev/shm, once\)\n" + AUTO_LINES + "fits", out)
     assert m, out
     assert float(m[1]) <= FIT_SAFETY * 78.5 and float(m[2]) <= FIT_SAFETY * 250 and float(m[3]) <= 125
     # a container's default /dev/shm (64 MB) cannot hold it: said, with the fix
