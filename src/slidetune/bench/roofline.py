@@ -20,7 +20,6 @@ the layer's own shapes and attention at SDPA's rate at the workload's shape, bot
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import os
@@ -319,8 +318,10 @@ def probe_compute(model: str, batch: int, seq: int, num_layers: int | None = Non
 
     compile_layers: the layers torch.compile'd (the compile itself falls in the untimed warm-up
     calls)."""
+    from ..device import Device
     from ..engine.fit import lean_support_reason
     from ..engine.slide.layer_runner import LayerRunner
+    from ..telemetry.events import EventTimer
     dev = torch.device("cuda")
     dtype = torch.bfloat16
     loaded = load_model(model, num_layers=num_layers, with_tokenizer=False)
@@ -341,8 +342,7 @@ def probe_compute(model: str, batch: int, seq: int, num_layers: int | None = Non
     g = torch.randn_like(x)
     ids = torch.randint(0, split.config.vocab_size, (batch, seq), device=dev)
     labels = torch.randint(0, split.config.vocab_size, (batch, seq), device=dev)
-    untimed = dataclasses.make_dataclass("Untimed", [])()
-    untimed.span = lambda *_: contextlib.nullcontext()
+    untimed = EventTimer(Device(dev), enabled=False)       # the runner's spans, not recorded
 
     def layer_times(lean: str) -> tuple[float, float]:
         rt = RuntimeConfig(mode="slide", device="cuda", dtype="bf16", compile_layers="on" if compile_layers else "off",

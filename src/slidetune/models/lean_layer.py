@@ -214,6 +214,16 @@ def _parts(params: dict[str, torch.Tensor]) -> _Parts:
     return _Parts(groups["input_layernorm"], groups["self_attn"], groups["post_attention_layernorm"], groups["mlp"])
 
 
+def _fp32_sum(sums: list[torch.Tensor] | None, grads) -> list[torch.Tensor]:
+    """The running FP32 sum of tiles' weight gradients after adding `grads` (the first copied into
+    FP32): one rounding into the weights' dtype at the end, as one GEMM over all tokens rounds once."""
+    if sums is None:
+        return [t.to(torch.float32, copy=True) for t in grads]
+    for acc, t in zip(sums, grads):
+        acc += t
+    return sums
+
+
 def _rows_cuttable(value, batch: int) -> bool:
     """Whether every tensor among a layer's kwargs is per row ([B, ...] with B = batch, cut with
     the rows), shared by the rows ([1, ...], or 1-D such as cache_position [S]) or not a tensor;
@@ -274,7 +284,7 @@ class LeanLayers:
                 raise ValueError(f"decoder layer {i} cannot run lean: {why}")
         self.layers = layers
         self.tile_tokens = tile_tokens
-        self.row_tokens = row_tokens if row_tokens is not None else 2**62
+        self.row_tokens = row_tokens
         self.kernels = kernels
         self.ops = self._install_kernels()
 
@@ -363,17 +373,15 @@ class LeanLayers:
         for r0, r1 in rows:
             g = run(x[r0:r1], grad_out[r0:r1], _rows_of(kwargs, r0, r1, x.shape[0]))
             dx[r0:r1] = g[0]
-            if sums is None:
-                sums = [t.to(torch.float32, copy=True) for t in g[1:]]
-            else:
-                for acc, t in zip(sums, g[1:]):
-                    acc += t
+            sums = _fp32_sum(sums, g[1:])
             del g
         return (dx,) + tuple(t.to(leaf.dtype) for t, leaf in zip(sums, params.values()))
 
     def _row_tiles(self, batch: int, seq: int, kwargs: dict) -> list[tuple[int, int]]:
         """[r0, r1) row ranges of at most row_tokens tokens (at least one row each); one range
         where the layer's kwargs cannot be cut by rows (a FlexAttention block mask)."""
+        if self.row_tokens is None:
+            return [(0, batch)]
         rows = max(1, self.row_tokens // max(seq, 1))
         if rows >= batch or not _rows_cuttable(kwargs, batch):
             return [(0, batch)]
@@ -403,13 +411,7 @@ class LeanLayers:
             with span("backward", i):
                 g = torch.autograd.grad(out, [ht] + mlp_leaves, dh[s:e], materialize_grads=True)
             dh[s:e] += g[0]
-            if len(tiles) == 1:
-                sums = list(g[1:])
-            elif sums is None:
-                sums = [t.to(torch.float32) for t in g[1:]]
-            else:
-                for acc, t in zip(sums, g[1:]):
-                    acc += t
+            sums = list(g[1:]) if len(tiles) == 1 else _fp32_sum(sums, g[1:])
             del out, g, ht
         attn_leaves = list(p.norm1.values()) + list(p.attn.values())
         with span("backward", i):

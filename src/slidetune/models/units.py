@@ -280,12 +280,7 @@ class SplitModel:
                   lm_weight: torch.Tensor | None = None, impl: str = "chunked",
                   chunk_tokens: int = 4096) -> torch.Tensor:
         """Sum of token losses. `lm_weight` is the tied embedding when the head has no weight of its own."""
-        norm_params = {k[len("norm."):]: v for k, v in params.items() if k.startswith("norm.")}
-        # the final norm runs inside the head's chunks (ops/cross_entropy.py: nothing N-sized kept
-        # but the input gradient); each row is normed on its own, so the values are the module's
-        norm = RowNorm(self._final_norm, norm_params)
-        weight = lm_weight if self.tied else params["lm_head.weight"]            # [V, d]
-        bias = None if self.tied else params.get("lm_head.bias")
+        norm, weight, bias = self._head_parts(params, lm_weight)
         return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
                                     impl=impl, chunk_tokens=chunk_tokens, bias=bias,
                                     transform=self.transforms.logits, norm=norm)
@@ -296,17 +291,25 @@ class SplitModel:
         """(the summed loss, d(scale * loss)/d hidden [B, S, d], {parameter name: its gradient}) without
         an autograd graph (ops.cross_entropy.linear_cross_entropy_grads: the chunked heads scale their
         gradients in place). A tied head's weight gradient is under "lm_head.weight"."""
-        norm_params = {k[len("norm."):]: v for k, v in params.items() if k.startswith("norm.")}
-        weight = lm_weight if self.tied else params["lm_head.weight"]            # [V, d]
-        bias = None if self.tied else params.get("lm_head.bias")
+        norm, weight, bias = self._head_parts(params, lm_weight)
         loss, g_h, g_w, g_b, g_n = linear_cross_entropy_grads(
             hidden, weight, labels, scale, impl=impl, chunk_tokens=chunk_tokens, bias=bias,
-            transform=self.transforms.logits, norm=RowNorm(self._final_norm, norm_params))
+            transform=self.transforms.logits, norm=norm)
         grads = {f"norm.{k}": g for k, g in g_n.items()}
         grads["lm_head.weight"] = g_w
         if g_b is not None:
             grads["lm_head.bias"] = g_b
         return loss, g_h, grads
+
+    def _head_parts(self, params: dict[str, torch.Tensor], lm_weight: torch.Tensor | None
+                    ) -> tuple[RowNorm, torch.Tensor, torch.Tensor | None]:
+        """(the final norm, the output weight [V, d], its bias or None) of the head's parameters. The
+        norm runs inside the head's chunks (ops/cross_entropy.py: nothing N-sized kept but the input
+        gradient); each row is normed on its own, so the values are the module's."""
+        norm_params = {k[len("norm."):]: v for k, v in params.items() if k.startswith("norm.")}
+        weight = lm_weight if self.tied else params["lm_head.weight"]
+        bias = None if self.tied else params.get("lm_head.bias")
+        return RowNorm(self._final_norm, norm_params), weight, bias
 
     def _final_norm(self, x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
         """The model's final norm on the given parameters: [..., d] -> [..., d]."""
