@@ -744,3 +744,40 @@ def test_throughput_variants_are_named_and_leave_the_floor_alone():
         parse_ab_variants("ram:disk_units=0;disk4:disk_units=4")
     assert parse_ab_variants("ram:disk_units=0;disk4:disk_units=4", {"disk_dir": "/d"}) == [
         ("ram", {"disk_units": 0}), ("disk4", {"disk_units": 4})]
+
+
+def test_throughput_floor_is_probed_for_the_layer_the_run_resolved(tmp_path):
+    """Each run's floor times the decoder layer it ran: a slide run that resolved lean_layer on gets
+    the floor probed with the lean layer alone (its own key), HF's layer otherwise and for the
+    baselines; `slidetune report` finds each run's floor again, and a directory from before (one
+    floor per workload, both layers timed) still reads."""
+    from slidetune.bench.report import write_report
+    from slidetune.bench.scenarios import throughput
+    lean_run = {"status": "ok", "runtime": {"mode": "slide", "lean_layer": "on"}}
+    hf_run = {"status": "ok", "runtime": {"mode": "slide", "lean_layer": "off"}}
+    assert throughput._layer_ran("slide", lean_run) == "lean"
+    assert throughput._layer_ran("slide", hf_run) == "hf"
+    assert throughput._layer_ran("slide", {"status": "refused"}) == "hf"       # ended before it resolved
+    assert throughput._layer_ran("deepspeed", lean_run) == "hf"
+    assert throughput._floor_key("m", 8, 1024, "lean") == "m/b8/s1024/lean"
+    assert throughput._floor_key("m", 8, 1024, "hf") == "m/b8/s1024"
+    slide = {"status": "ok", "step_s_mean": 1.5, "tokens_per_s": 100.0, "flops_per_token": 1e9,
+             "runtime": {"mode": "slide", "lean_layer": "on", "device_layers": 0, "cache_units": 3},
+             "spec": {"runtime": {"mode": "slide", "device": "cuda"}}}
+    adamw = {"adamw_params_per_s": 1e12}          # compute binds: the floor is the layer probed
+    fl_hf = {"status": "ok", "partial": False, "floor_s": 1.0, "bound_by": "compute_s",
+             "compute": dict(_COMP, layer_forward_s=0.05, layer_recompute_backward_s=0.15, head_s=0.2, embed_s=0.0,
+                             compute_s=1.0), "copy": _COPY, "adamw": adamw}
+    lean_comp = dict(_COMP, layer_forward_s=0.1, layer_recompute_backward_s=0.2, head_s=0.2, embed_s=0.0,
+                     compute_s=1.4, lean_layer_forward_s=0.1, lean_layer_recompute_backward_s=0.2,
+                     layer_probed="lean")
+    fl_lean = dict(fl_hf, compute=lean_comp, floor_s=1.4)
+    row = throughput._row("slide", "m", 8, 1024, slide, 1e9, fl_lean)
+    assert row["step_over_floor"] == pytest.approx(1.5 / 1.4)
+    old_row = dict(row, step_over_floor=9.9)
+    doc = {"machine": {"gpu": "test"}, "rows": [old_row], "runs": [{"key": "m/b8/s1024", "system": "slide", **slide}],
+           "floors": {"m/b8/s1024": fl_hf, "m/b8/s1024/lean": fl_lean}}
+    (tmp_path / "throughput.json").write_text(json.dumps(doc))
+    write_report(tmp_path)
+    (rewritten,) = read_csv(tmp_path / "throughput.csv")
+    assert float(rewritten["step_over_floor"]) == pytest.approx(1.5 / 1.4)

@@ -310,14 +310,18 @@ def probe_device_adamw(n: int = 64 * 2**20, chunk: int = 64 * 2**20) -> dict:
 
 def probe_compute(model: str, batch: int, seq: int, num_layers: int | None = None,
                   head_impl: str = "chunked", head_chunk_tokens: int = 4096, compile_layers: bool = False,
-                  lean_row_tokens: int = 16384, mlp_tile_tokens: int = 8192) -> dict:
+                  lean_row_tokens: int = 16384, mlp_tile_tokens: int = 8192, layer: str = "both") -> dict:
     """Times of one resident layer and of head/embedding, in bf16 on the GPU, each run as the slide
-    engine runs it: the layer through the engine's LayerRunner, HF's layer and, where the family's
-    layer can run lean, the lean one too (lean_layer_*_s: the floor of a run that resolved
-    lean_layer on takes those, compute_of_run), the head through head_loss_and_grads.
+    engine runs it: the layer through the engine's LayerRunner, the head through head_loss_and_grads.
 
+    layer: which decoder layer is timed: "hf" (HF's), "lean" (the lean one, where the family's layer
+    can run lean; lean_layer_*_s, which compute_of_run puts in the floor of a run that resolved
+    lean_layer on) or "both". A sweep probes the layer its run resolved: each compiled probe of a
+    64K-token layer costs about a minute of compile and timing.
     compile_layers: the layers torch.compile'd (the compile itself falls in the untimed warm-up
     calls)."""
+    if layer not in ("hf", "lean", "both"):
+        raise ValueError(f"probe_compute: layer must be hf, lean or both, got {layer!r}")
     from ..device import Device
     from ..engine.fit import lean_support_reason
     from ..engine.slide.layer_runner import LayerRunner
@@ -366,11 +370,13 @@ def probe_compute(model: str, batch: int, seq: int, num_layers: int | None = Non
         e = split.embed_forward(embed, ids)
         torch.autograd.grad(e, [embed["weight"]], g)
 
-    t_fwd, t_rb = layer_times("off")
+    lean_runs = layer != "hf" and lean_support_reason(split) is None
     lean = {}
-    if lean_support_reason(split) is None:
+    if lean_runs:
         lean_fwd, lean_rb = layer_times("on")
         lean = {"lean_layer_forward_s": lean_fwd, "lean_layer_recompute_backward_s": lean_rb}
+    # layer_*_s: HF's layer; probed for the lean layer alone, the lean one's (the run's layer either way)
+    t_fwd, t_rb = layer_times("off") if layer != "lean" or not lean_runs else (lean_fwd, lean_rb)
     t_head = _time_cuda(head_fb)
     t_embed = _time_cuda(embed_fb)
     L = split.num_layers
@@ -381,7 +387,7 @@ def probe_compute(model: str, batch: int, seq: int, num_layers: int | None = Non
             "params": split.num_params(), "layer_params": split.layer_units[0].numel,
             "vocab_params": split.embed_unit.numel + split.head_unit.numel, "num_layers": L,
             "embed_params": split.embed_unit.numel,
-            "compile_layers": compile_layers}
+            "compile_layers": compile_layers, "layer_probed": "lean" if layer == "lean" and lean_runs else layer}
 
 
 def compute_of_run(comp: dict, runtime: dict | None) -> dict:
@@ -748,15 +754,15 @@ def _clip_sweep_terms(terms: dict, plan: PlacementPlan, comp: dict, adamw: dict,
 
 def floor(model: str, batch: int, seq: int, num_layers: int | None = None, cache_units: int = 3,
           copy: dict | None = None, adamw: dict | None = None, head_impl: str = "chunked",
-          head_chunk_tokens: int = 4096, compile_layers: bool = False) -> dict:
+          head_chunk_tokens: int = 4096, compile_layers: bool = False, layer: str = "both") -> dict:
     """The design's floor (every unit on the host, a window of `cache_units` slots) with its
     probes; floor_terms() gives the terms of any other placement from the same probes.
     Beside it the hardware floor (hw_*): the same terms with the GPU's work priced at the rates
     probe_hardware measured instead of slidetune's own layer timed (hardware_compute; the slide
-    engine recomputes every layer)."""
+    engine recomputes every layer). layer: the decoder layer timed (probe_compute's)."""
     copy = copy or probe_copy()
     adamw = adamw or probe_adamw()
-    comp = probe_compute(model, batch, seq, num_layers, head_impl, head_chunk_tokens, compile_layers)
+    comp = probe_compute(model, batch, seq, num_layers, head_impl, head_chunk_tokens, compile_layers, layer=layer)
     plan = plan_of_runtime(comp, {"cache_units": cache_units})
     terms = floor_terms(comp, copy, adamw, plan)
     bound = max(terms, key=terms.get)

@@ -37,7 +37,7 @@ def floor_worker(spec: dict) -> dict:
     if torch.cuda.is_available() and spec.get("device", "auto") != "cpu":
         fl = floor(spec["model"], spec["batch_size"], spec["seq_len"], spec.get("num_layers"),
                    copy=spec.get("copy"), adamw=adamw, compile_layers=bool(spec.get("compile_layers")),
-                   head_impl=spec.get("head_impl", "chunked"))
+                   head_impl=spec.get("head_impl", "chunked"), layer=spec.get("layer", "both"))
         out.update(fl, partial=False)
         return out
     from ...models.load import load_model
@@ -54,13 +54,14 @@ def measure_floor(model: str, batch: int, seq: int, num_layers: int | None = Non
                   adamw_n: int = 128 * 2**20, copy: dict | None = None, adamw: dict | None = None,
                   timeout_s: float = 1800, compile_layers: bool = False, grad_download: str = "compute",
                   host_adamw: str = "dynamic", disk_dir: str | None = None, disk_block_mb: int = 64,
-                  disk_io_threads: int = 4, head_impl: str = "chunked") -> dict:
-    """disk_dir: also probe the disk tier's directory (bench.roofline.probe_disk) for the disk term."""
+                  disk_io_threads: int = 4, head_impl: str = "chunked", layer: str = "both") -> dict:
+    """disk_dir: also probe the disk tier's directory (bench.roofline.probe_disk) for the disk term.
+    layer: the decoder layer the compute probe times (hf, lean or both: bench.roofline.probe_compute)."""
     return run_worker(WORKER, dict(model=model, batch_size=batch, seq_len=seq, num_layers=num_layers,
                                    device=device, adamw_n=adamw_n, copy=copy, adamw=adamw,
                                    compile_layers=compile_layers, grad_download=grad_download,
                                    host_adamw=host_adamw, disk_dir=disk_dir, disk_block_mb=disk_block_mb,
-                                   disk_io_threads=disk_io_threads, head_impl=head_impl),
+                                   disk_io_threads=disk_io_threads, head_impl=head_impl, layer=layer),
                       timeout_s=timeout_s)
 
 

@@ -161,11 +161,10 @@ def run(args: argparse.Namespace) -> Path:
                            rounds=rounds, slide_over=slide_over)
     flops: dict[tuple[str, int], float | None] = {}
     for c in sweep(models, seqs, batches, gpus, systems, recipes, variants, rounds):
-        # each probe runs once, just before the first run that needs it
+        # the collective probe runs before the first run on its ranks, the floor after its layer's first run
         if (c.model, c.seq) not in flops:
             flops[c.model, c.seq] = _flops_per_token(c.model, layers, c.seq)
-        fl = runs.floor_of(c.model, c.batch, c.seq)
-        runs.measure_one(c.system, c.model, c.batch, c.seq, flops[c.model, c.seq], fl, c.recipe, c.gpus,
+        runs.measure_one(c.system, c.model, c.batch, c.seq, flops[c.model, c.seq], c.recipe, c.gpus,
                          runs.collective_of(c.model, c.gpus), c.variant, c.overrides, c.round)
     if args.max_seq or args.max_batch:
         runs.run_planned(models, seqs)
@@ -180,7 +179,8 @@ def run(args: argparse.Namespace) -> Path:
 class _ThroughputRuns:
     """One throughput call's runs and what they recorded: the rows, the raw results, every run in
     bench.measure's form (per_run, for the common tables and plots), and the floor and collective
-    probes, each run once, just before the first run that needs it."""
+    probes, each run once: the collective before the first run on its ranks, the floor (of the layer
+    the run resolved) just after it."""
 
     def __init__(self, args: argparse.Namespace, *, cuda: bool, dev: str, layers: int | None, steps: int,
                  warmup: int, recipes: list[dict], rounds: int, slide_over: dict):
@@ -194,10 +194,11 @@ class _ThroughputRuns:
         self.per_run: list[dict] = []
         self.adamw_probe = None
 
-    def floor_of(self, model: str, batch: int, seq: int) -> dict | None:
-        """The floor probe of a workload (one per workload and call)."""
+    def floor_of(self, model: str, batch: int, seq: int, layer: str = "hf") -> dict | None:
+        """The floor probe of a workload with the decoder layer a run ran (hf or lean: one probe per
+        workload, layer and call; probed after the run, which resolves the layer)."""
         args, slide_over, dev, floors = self.args, self.slide_over, self.dev, self.floors
-        key = f"{model}/b{batch}/s{seq}"
+        key = _floor_key(model, batch, seq, layer)
         if args.no_floor:
             return None
         if key not in floors:
@@ -210,19 +211,22 @@ class _ThroughputRuns:
                                         host_adamw=str(slide_over.get("host_adamw", "dynamic")),
                                         disk_dir=slide_over.get("disk_dir"),
                                         disk_block_mb=int(slide_over.get("disk_block_mb", 64)),
-                                        disk_io_threads=int(slide_over.get("disk_io_threads", 4)))
+                                        disk_io_threads=int(slide_over.get("disk_io_threads", 4)),
+                                        layer=layer)
             if floors[key].get("status") == "ok":
                 self.adamw_probe = floors[key].get("adamw")
         return floors[key]
 
-    def measure_one(self, system, model, batch, seq, fpt, fl, rec, n=1, coll=None, vname="", vover=None, rnd=1,
+    def measure_one(self, system, model, batch, seq, fpt, rec, n=1, coll=None, vname="", vover=None, rnd=1,
                     planned: Planned | None = None) -> None:
-        """Run one configuration and record it (per_run, raw, rows) and a line on stdout."""
+        """Run one configuration, then the floor of the layer it ran, and record it (per_run, raw, rows)
+        and a line on stdout."""
         args, rows = self.args, self.rows
         key = f"{model}/b{batch}/s{seq}"
         chosen_by = planned.chosen_by if planned else None
         r = _run_system(system, model, self.layers, batch, seq, self.steps, self.warmup, self.dev, self.cuda, args,
                         profile=args.profile, recipe=rec, ranks=n, variant=vover)
+        fl = self.floor_of(model, batch, seq, _layer_ran(system, r))
         tag = "-".join(t for t in (rec["name"] if len(self.recipes) > 1 else "", vname,
                                    f"r{rnd}" if self.rounds > 1 else "", planned.kind if planned else "") if t)
         self.per_run.append(_as_measured(r, system, model, batch, seq, self.warmup, tag, gpus=n))
@@ -257,7 +261,7 @@ class _ThroughputRuns:
                     continue
                 batch, seq = p.workload
                 self.measure_one("slide", model, batch, seq, _flops_per_token(model, layers, seq),
-                                 self.floor_of(model, batch, seq), p.recipe, planned=p)
+                                 p.recipe, planned=p)
 
     def search_max_seq(self, models: list[str], out: Path) -> None:
         """The longest trainable sequence at batch 1 of each model (longest_sequence), into raw."""
@@ -275,6 +279,18 @@ class _ThroughputRuns:
             self.raw.append({"key": f"{model}/max-seq", "system": "slide", **found})
             print(f"[throughput] {model} longest trainable sequence at batch 1: {found['max_seq']} tokens "
                   f"(probes: {found['probes']})", flush=True)
+
+
+def _floor_key(model: str, batch: int, seq: int, layer: str) -> str:
+    """floors' key: the workload, and /lean where the floor timed the lean layer."""
+    return f"{model}/b{batch}/s{seq}" + ("/lean" if layer == "lean" else "")
+
+
+def _layer_ran(system: str, r: dict) -> str:
+    """The decoder layer a run ran, for its floor's compute probe: "lean" where slide resolved
+    lean_layer on, else HF's ("hf": the baselines, and a run that ended before it resolved)."""
+    rt = r.get("runtime") or {}
+    return "lean" if system == "slide" and rt.get("lean_layer") == "on" else "hf"
 
 
 class SweepRun(NamedTuple):
@@ -438,7 +454,9 @@ def rewrite_report(out: Path) -> Path:
         fpt = r.get("flops_per_token") or (old["model_tflops"] * 1e12 / old["tokens_per_s"]
                                            if old.get("model_tflops") and old.get("tokens_per_s") else None)
         n = int(old.get("gpus") or 1)
-        rows.append(_row(system, model, batch, seq, r, fpt, floors.get(f"{model}/b{batch}/s{seq}"),
+        # a directory written before the floor probed one layer has one floor per workload (both layers)
+        fl = floors.get(_floor_key(model, batch, seq, _layer_ran(system, r))) or floors.get(f"{model}/b{batch}/s{seq}")
+        rows.append(_row(system, model, batch, seq, r, fpt, fl,
                          recipe=parse_recipe(old.get("recipe") or "plain"), collective=collectives.get(f"{model}/n{n}"),
                          ranks=n, variant=old.get("variant") or "", round_=int(old.get("round") or 1),
                          chosen_by=old.get("chosen_by")))
