@@ -338,7 +338,7 @@ def probe_compute(model: str, batch: int, seq: int, num_layers: int | None = Non
         flat = flat.to(dev, dtype)
         return {k: v.requires_grad_(True) for k, v in unit.views(flat).items()}
 
-    layer = params(split.layer_units[0])
+    layer_params = params(split.layer_units[0])
     embed = params(split.embed_unit)
     head = params(split.head_unit)
     kwargs = split.layer_kwargs(batch, seq, dtype, dev)
@@ -355,10 +355,10 @@ def probe_compute(model: str, batch: int, seq: int, num_layers: int | None = Non
 
         def fwd():
             with torch.no_grad():
-                runner.forward(0, layer, x, kwargs[0])
+                runner.forward(0, layer_params, x, kwargs[0])
 
         def recompute_backward():
-            runner.recompute_backward(0, layer, x, g.clone(), kwargs[0], untimed)     # consumes its dy
+            runner.recompute_backward(0, layer_params, x, g.clone(), kwargs[0], untimed)     # consumes its dy
         return _time_cuda(fwd), _time_cuda(recompute_backward)
 
     def head_fb():
