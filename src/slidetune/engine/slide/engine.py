@@ -52,6 +52,11 @@ GPU are every rank's own copy (no owner); the disk tier's units are local rank 0
 dp_weights=gather a sixth thread (gather) broadcasts each host unit from its owner, the only
 rank that uploads it, in the order the compute thread queued them (the same on every rank).
 train_step's loss and token count are the step's over all ranks.
+
+The parts: GpuSlots (slots.py) holds the GPU slots and plans the uploads into them;
+DeferredSweep (deferred.py) the clipped schedule's held gradients and host sweep; StepNorm
+(step_norm.py) the global norm; PipelineThreads (threads.py) the worker threads and their
+shared failure state. SlideEngine builds them and runs a step: _forward, _head, _backward.
 """
 from __future__ import annotations
 
