@@ -126,12 +126,12 @@ def _rank_main(rank: int, port: int, out: str, ckpt_1rank: str) -> None:
             engine = engine_for(run, dp)
             gathers: list[tuple[int, int]] = []        # dp_weights=gather: (unit, version) as broadcast
             if engine.gather:
-                broadcast = engine._gather
+                broadcast = engine.slots._gather
 
                 def logged(unit_index, slot, *a, broadcast=broadcast, gathers=gathers):
                     gathers.append((unit_index, slot.content[1]))
                     return broadcast(unit_index, slot, *a)
-                engine._gather = logged
+                engine.slots._gather = logged
             try:
                 if run == RESUMED:
                     losses, norms = train(engine, run, range(CKPT_STEP), rank, WORLD)

@@ -1049,6 +1049,30 @@ def test_clip_sweep_weights_counts_its_upload_copies_in_host_and_pinned_ram():
     assert PlacementPlan.from_dict(plan.to_dict()) == plan
 
 
+def test_placement_plan_refuses_the_combinations_the_engine_cannot_run():
+    """PlacementPlan.build refuses what the engine could not run, before anything is built (so
+    `slidetune plan` and a run stop there), naming the setting to change: clip_sweep=weights with
+    a compute dtype other than BF16, or under data parallel; the masters of disk units on disk
+    under data parallel. An auto dtype not resolved yet is not judged; one rank, BF16: a plan."""
+    shapes = shapes_from_counts(4, 1000, 500, 500)
+    weights = RuntimeConfig(dtype="fp32", clip_sweep="weights")
+    with pytest.raises(ValueError, match="clip_sweep weights writes BF16 upload copies, but the compute dtype "
+                                         "is torch.float32; use split"):
+        PlacementPlan.build(shapes, weights, "deferred")
+    with pytest.raises(ValueError, match="clip_sweep weights writes BF16 upload copies.*use split"):
+        PlacementPlan.build(shapes, dataclasses.replace(weights, dtype="auto"), "deferred", dtype=torch.float16)
+    assert PlacementPlan.build(shapes, weights, "eager").upload_copy_numel() == 0     # no clipped sweep: no copies
+    assert PlacementPlan.build(shapes, dataclasses.replace(weights, dtype="auto"), "deferred").upload_copy_numel()
+    bf16 = dataclasses.replace(weights, dtype="bf16")
+    assert PlacementPlan.build(shapes, bf16, "deferred").upload_copy_numel() == 4 * 1000 + 1000
+    with pytest.raises(ValueError, match="clip_sweep weights runs on one rank for now.*use split under data"):
+        PlacementPlan.build(shapes, bf16, "deferred", ranks=2)
+    disk_master = RuntimeConfig(disk_units=2, disk_dir="/tmp", disk_master="on")
+    assert PlacementPlan.build(shapes, disk_master).master_params("disk") == 1000 + 500   # the head and layer 3
+    with pytest.raises(ValueError, match="does not support --tuning.disk_master yet.*use --tuning.disk_master off"):
+        PlacementPlan.build(shapes, disk_master, ranks=2)
+
+
 # --------------------------------------------------------------------------- the lean layer
 # One layer's recompute + backward measured on the H200 (benchmarks/results/lean_layer/, the lean
 # layer with 8192-token MLP tiles, eager): (model, batch, seq) -> the allocator's peak in GiB.

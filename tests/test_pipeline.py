@@ -178,7 +178,7 @@ def _hold_host(eng):
     """Block the host worker behind a barrier; returns the event that releases it."""
     import threading
     gate = threading.Event()
-    eng.host_worker.submit(gate.wait)
+    eng.threads.host_worker.submit(gate.wait)
     return gate
 
 
@@ -208,7 +208,7 @@ def test_queued_updates_run_in_the_order_the_next_forward_needs_them(cache_units
             order = _spy_updates(eng)
             gate = _hold_host(eng)
             eng.train_step(make_batches(0, 1), 1e-3)
-            eng.d2h_worker.drain()                         # every gradient copy queued
+            eng.threads.d2h_worker.drain()                         # every gradient copy queued
             gate.set()
             eng.synchronize()
             released = ["head"] + [f"layer.{i}" for i in reversed(range(L))] + ["embed"]
@@ -245,7 +245,7 @@ def test_host_threads_sets_the_host_workers_own_thread_count():
         eng = _engine(cache_units=0, host_threads=threads)
         try:
             if threads:
-                assert eng.host_worker.submit(torch.get_num_threads).result() == threads
+                assert eng.threads.host_worker.submit(torch.get_num_threads).result() == threads
             assert torch.get_num_threads() == caller
             for step in range(2):
                 eng.train_step(make_batches(step, 1), 1e-3)
@@ -437,13 +437,13 @@ def test_synchronize_waits_for_uploads_the_follower_releases():
     from slidetune.engine.slide.workers import Worker
     eng = _engine()
     try:
-        eng.follower = Worker("follow", eng._on_worker_error)      # as a data-parallel engine has
+        eng.threads.follower = Worker("follow", eng.threads.on_error)      # as a data-parallel engine has
         done: list[int] = []
 
         def late_release():
             time.sleep(0.3)                                          # the owner's update lands late
-            eng.upload_worker.submit(lambda: (time.sleep(0.05), done.append(1)))
-        eng.follower.submit(late_release)
+            eng.threads.upload_worker.submit(lambda: (time.sleep(0.05), done.append(1)))
+        eng.threads.follower.submit(late_release)
         eng.synchronize()
         assert done == [1]
     finally:

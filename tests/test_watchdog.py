@@ -40,7 +40,7 @@ def test_a_stalled_upload_thread_ends_the_step_with_the_stacks(capsys):
 
     try:
         engine.train_step(make_batches(0, 1), 1e-3)        # a normal step first
-        engine.watchdog.override_s = 1.0
+        engine.threads.watchdog.override_s = 1.0
         engine.uploader.upload = stalled
         t0 = time.monotonic()
         with pytest.raises(HangError) as e:

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from .adamw import FP32_ADAMW
 from .config import RuntimeConfig
 
@@ -115,10 +117,14 @@ class PlacementPlan:
 
     # ------------------------------------------------------------------ building
     @classmethod
-    def build(cls, shapes: list[UnitShape], rt: RuntimeConfig, schedule: str = "eager") -> PlacementPlan:
+    def build(cls, shapes: list[UnitShape], rt: RuntimeConfig, schedule: str = "eager",
+              ranks: int = 1, dtype: torch.dtype | None = None) -> PlacementPlan:
         """The plan of a resolved (or partly unresolved) RuntimeConfig. Unresolved autos (-1, "auto")
         mean what an engine built directly does: nothing on the GPU, a 3-slot window, no resident
-        layers, nothing on disk, every checkpoint offloaded (with offload_activations)."""
+        layers, nothing on disk, every checkpoint offloaded (with offload_activations). `ranks`:
+        data parallel's world size (a placement some settings cannot run on several ranks);
+        `dtype`: the compute dtype where resolved (an engine's; by default rt's, unless auto).
+        A combination of settings the engine cannot run is refused here, before anything is built."""
         L = len(shapes) - 2
         if L < 0:
             raise ValueError("a plan needs the embedding, the decoder layers and the head")
@@ -173,6 +179,9 @@ class PlacementPlan:
                                 master="disk" if i in disk_masters else "", held=held[i],
                                 upload_copy=copies and state[i] == "host")
                       for i, s in enumerate(shapes))
+        if dtype is None and rt.dtype != "auto":
+            dtype = rt.torch_dtype
+        _check_combination(units, dtype, ranks)
         kept = L if not rt.offloads_activations else min(L, max(0, rt.gpu_checkpoints))
         return cls(units=units, window_slots=window_slots, gpu_checkpoints=kept, schedule=schedule,
                    disk_buffers=resolved_disk_buffers(rt.disk_buffers))
@@ -353,6 +362,23 @@ class PlacementPlan:
                       in enumerate(d["units"]))
         return cls(units=units, window_slots=int(d["window_slots"]), gpu_checkpoints=int(d["gpu_checkpoints"]),
                    schedule=d["schedule"], disk_buffers=int(d.get("disk_buffers", DISK_BUFFERS_UNRESOLVED)))
+
+
+def _check_combination(units: tuple[UnitPlace, ...], dtype: torch.dtype | None, ranks: int) -> None:
+    """Refuse the placements the engine cannot run, naming the setting to change (`dtype` None: an
+    auto compute dtype not resolved yet, unchecked)."""
+    if ranks > 1 and any(u.master == "disk" for u in units):
+        # the other ranks upload a disk unit's weights from the shared mapping, which holds masters
+        raise ValueError("data parallel over several ranks does not support --tuning.disk_master yet (the masters "
+                         "of disk units on disk); use --tuning.disk_master off, or run on one rank")
+    if any(u.upload_copy for u in units):
+        if ranks > 1:
+            raise ValueError("--tuning.clip_sweep weights runs on one rank for now (the host's other ranks "
+                             "would upload the shared master before its second pass); use split under data "
+                             "parallel")
+        if dtype is not None and dtype != torch.bfloat16:
+            raise ValueError(f"--tuning.clip_sweep weights writes BF16 upload copies, but the compute dtype is "
+                             f"{dtype}; use split")
 
 
 def _disk_order(state: list[str]) -> list[int]:

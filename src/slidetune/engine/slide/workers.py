@@ -22,7 +22,7 @@ POLL_S = 0.002     # DeadlineWorker: how often unannounced readiness is re-check
 def _describe(fn, args) -> str:
     """A job as the watchdog reports it: the engine's timed jobs carry (thread, what, unit, fn)."""
     name = getattr(fn, "__name__", repr(fn))
-    if name == "_timed" and len(args) >= 3:
+    if name == "timed" and len(args) >= 3:
         return f"{args[1]} {args[2]}"
     return name
 
