@@ -252,8 +252,10 @@ def test_recompute_time_is_attributed_to_recompute_not_backward():
         # ... once: against the call's own duration, so a stalled sleep on a busy machine does not
         # read as double counting (twice would add another SLEEP_S)
         assert agg[("recompute", i)] < bw_calls[i] + 0.9 * SLEEP_S, (i, agg[("recompute", i)], bw_calls[i])
-        assert agg[("backward", i)] < SLEEP_S / 2, (i, agg[("backward", i)])   # ... and not as backward
-    assert agg[("head_backward", -1)] < SLEEP_S / 2 and agg[("embed_backward", -1)] < SLEEP_S / 2
+        # ... and not as backward: a recompute counted there would add a whole sleep (>= SLEEP_S); the
+        # backward's own few ms may stall on a loaded machine (0.21 s seen on 2 busy cores)
+        assert agg[("backward", i)] < 0.9 * SLEEP_S, (i, agg[("backward", i)])
+    assert agg[("head_backward", -1)] < 0.9 * SLEEP_S and agg[("embed_backward", -1)] < 0.9 * SLEEP_S
 
     agg_none, bw_calls_none, _ = _ckpt_step_spans("none")
     assert bw_calls_none == {} and not any(p == "recompute" for p, _ in agg_none)

@@ -318,8 +318,14 @@ def test_liger_block_kernels_within_bf16_noise():
                        ref, hf16, "qwen3 8192 tokens liger")
 
 
+# dynamo tracing into Liger 0.8.5's Functions fails on torch 2.11 / Triton 3.6 (a Triton CompilationError,
+# "'float' object has no attribute 'to'", then a guard error; H200 runs of 2026-11-26): the engine's
+# default breaks the graph around each Liger call; strict, so a stack where tracing works says so
+_TRACE_FAILS = pytest.mark.xfail(strict=True, reason="dynamo cannot trace Liger 0.8.5's Triton kernels on torch 2.11")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("under_compile", ["around", "trace"])
+@pytest.mark.parametrize("under_compile", ["around", pytest.param("trace", marks=_TRACE_FAILS)])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_liger_kernels_compiled_within_bf16_noise(family, under_compile, monkeypatch):
     """The engine's path: LayerRunner with the lean layer compiled and lean_kernels liger (a graph
