@@ -29,12 +29,13 @@ from .config import DataConfig
 from .corpus import builtin_corpus
 from .dataset import TokenDataset
 from .errors import DataError
-from .formats import Example, Source, read_source, texts_source
+from .formats import Example, Source, texts_source
 from .hf_datasets import StreamingSource, open_streaming, should_stream
 from .packing import Rows, pack, pad_rows
+from .sources import read_source
 from .split import MIN_HELDOUT_EXAMPLES, plan_heldout
-from .token_arrays import TokenArrayDataset, build_token_datasets, is_token_source
 from .streaming import build_streaming
+from .token_arrays import TokenArrayDataset, build_token_datasets, is_token_source
 from .token_cache import tokenize_cached
 from .tokenization import TokenizedExample, special_ids
 

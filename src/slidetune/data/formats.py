@@ -15,9 +15,9 @@ Accepted sources (``DataConfig.path``):
     3. ``prompt`` + ``completion``       prompt-completion; the completion is supervised
     4. ``text``                          plain text, fully supervised
   All lines must share one format.
-* anything else `datasets` reads (hf_datasets.py): a ``.parquet``/``.csv``/``.json``/``.arrow``
-  file, a directory of them, a ``save_to_disk`` directory, a Hub dataset id ``org/name``. The
-  ``train`` split (or the only one) is used; each row is read like a JSONL line.
+* anything else `datasets` reads (hf_datasets.py, chosen by sources.py): a ``.parquet``/``.csv``/
+  ``.json``/``.arrow`` file, a directory of them, a ``save_to_disk`` directory, a Hub dataset id
+  ``org/name``. The ``train`` split (or the only one) is used; each row is read like a JSONL line.
 """
 from __future__ import annotations
 
@@ -214,26 +214,18 @@ def read_text(path: str) -> Source:
     return Source(path, "text", examples)
 
 
-def read_source(path: str, split: str | None = None, subset: str | None = None,
-                for_eval: bool = False) -> Source:
-    """Read ``path`` (a file, a directory or a Hub dataset id) into a `Source`; see the module
-    docstring. ``split`` / ``subset``: of a directory or Hub id (hf_datasets.py); without a split,
-    ``for_eval`` prefers a validation or test split to train."""
-    from .hf_datasets import BUILDERS, EVAL_SPLITS, TRAIN_SPLITS, is_datasets_path, read_datasets_source
-    lower = path.lower()
-    if os.path.isfile(path) and lower.endswith(JSONL_SUFFIXES):
-        return read_jsonl(path)
-    if os.path.isfile(path) and lower.endswith(TEXT_SUFFIXES):
-        return read_text(path)
-    if is_datasets_path(path):
-        return read_datasets_source(path, split, subset, EVAL_SPLITS if for_eval else TRAIN_SPLITS)
+def read_source(path: str) -> Source:
+    """Read a local ``.jsonl`` or ``.txt`` file into a `Source`; see the module docstring
+    (sources.read_source reads every other kind of source, through `datasets`)."""
     if not os.path.exists(path):
         raise DataError(f"data path {path} does not exist")
-    others = sorted(set(BUILDERS) - set(TEXT_SUFFIXES + JSONL_SUFFIXES))
-    raise DataError(f"{path}: unknown data file type; expected {', '.join(TEXT_SUFFIXES)} "
-                    f"(plain text), {', '.join(JSONL_SUFFIXES)} (JSON lines), {', '.join(others)} (read "
-                    f"with datasets), a directory of those or a datasets save_to_disk directory, or a Hub "
-                    f"dataset id org/name")
+    lower = path.lower()
+    if lower.endswith(JSONL_SUFFIXES):
+        return read_jsonl(path)
+    if lower.endswith(TEXT_SUFFIXES):
+        return read_text(path)
+    raise DataError(f"{path}: not a {', '.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} file (sources.read_source reads "
+                    f"the others)")
 
 
 def texts_source(texts: list[str], name: str) -> Source:
