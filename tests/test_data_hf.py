@@ -198,14 +198,20 @@ def hf_available() -> int:
     return psutil.virtual_memory().available
 
 
-def test_streamed_prompt_data_asks_to_train_on_prompts(tokenizer, tmp_path):
+def test_streamed_prompt_data_keeps_its_prompt_mask(tokenizer, tmp_path):
+    """Streamed prompt/completion rows train on the completions only, as the same data read whole."""
     (tmp_path / "pc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records(40)))
-    cfg = DataConfig(path=str(tmp_path / "pc.jsonl"), streaming="on", seq_len=16, cache_dir=str(tmp_path / "c"))
-    with pytest.raises(ValueError, match="--mask-prompt false"):
-        build_datasets(cfg, tokenizer, min_rows=2)
-    cfg.mask_prompt = False
-    train_ds, _ = build_datasets(cfg, tokenizer, min_rows=2)
-    assert len(train_ds) > 2
+    whole, _ = build_datasets(DataConfig(path=str(tmp_path / "pc.jsonl"), streaming="off", seq_len=16,
+                                         heldout_fraction=0), tokenizer, min_rows=2)
+    streamed, _ = build_datasets(DataConfig(path=str(tmp_path / "pc.jsonl"), streaming="on", seq_len=16,
+                                            heldout_fraction=0, cache_dir=str(tmp_path / "c")), tokenizer, min_rows=2)
+    assert isinstance(streamed, streaming.MaskedTokenArrayDataset) and len(streamed) == len(whole)
+    for i in range(len(whole)):
+        ids, targets, starts = streamed.window(i)
+        ids_w, targets_w, starts_w = whole.window(i)
+        assert torch.equal(ids, ids_w) and torch.equal(targets, targets_w)
+        assert torch.equal(starts[1:], starts_w[1:])       # a row's first token starts its positions either way
+    assert 0 < int(sum(streamed.window(i)[1].sum() for i in range(len(streamed)))) < len(streamed) * 17
 
 
 # ----------------------------------------------------------------------------- the tokenization cache

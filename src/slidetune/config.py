@@ -138,7 +138,8 @@ _HELP = {
     "data.subset": "the configuration (subset) of a Hub dataset that has several (load_dataset's name)",
     "data.streaming": "auto | on | off: read --data through datasets streaming, a chunk of records at a time, "
                       "tokenized into a token file in the cache and trained memory-mapped (for corpora larger "
-                      "than RAM; prompts are not masked); auto: when its files exceed 1/20 of the available RAM",
+                      "than RAM); auto: when its files exceed 1/100 of the available RAM (read whole, the "
+                      "build takes ~44x their size)",
     "data.cache_dir": "where tokenized data is kept between runs (None: HF_DATASETS_CACHE/slidetune; off: not "
                       "kept); a second run on the same data and tokenizer does not tokenize again",
     "data.packing": "masked: documents packed into rows of seq_len+1 tokens, each attending only to itself "
