@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slidetune.data import DataConfig, build_datasets
+from slidetune.data import BatchSampler, DataConfig, build_datasets
 from slidetune.data import hf_datasets, streaming, token_cache
 from slidetune.data.build import load_source
 from slidetune.data.hf_datasets import StreamingSource, should_stream
@@ -234,6 +234,11 @@ def test_second_build_reads_the_tokens_from_the_cache(tokenizer, tmp_path, monke
     assert calls == [], "tokenized again"
     for a, b in zip(first, second):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.targets, b.targets) and torch.equal(a.starts, b.starts)
+    # batch k is a function of (seed, k) alone: the same from cached tokens, as a resumed run needs
+    samplers = [BatchSampler(split[0], 2, seed=3, pad_id=0) for split in (first, second)]
+    for k in (0, 5, 40):
+        a, b = (s.batch(k) for s in samplers)
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
     # what the tokens depend on is in the key: the prompt mask, the tokenizer's chat template, the content
     build_datasets(DataConfig(path=str(data), seq_len=16, cache_dir=str(tmp_path / "cache"), mask_prompt=False),
                    tokenizer, min_rows=2)

@@ -78,6 +78,12 @@ def examples_key(examples: list[Example], tokenizer_fp: str, mask_prompt: bool) 
     return h.hexdigest(), chars
 
 
+def _text_chars(examples: list[Example]) -> int:
+    """Characters of text (a conversation's contents), counted before anything is hashed."""
+    return sum(sum(len(m["content"]) for m in ex.messages) if ex.messages is not None
+               else sum(len(seg.text) for seg in ex.segments or ()) for ex in examples)
+
+
 def _load(file: Path, examples: list[Example]) -> list[TokenizedExample] | None:
     try:
         with np.load(file) as z:
@@ -111,9 +117,9 @@ def tokenize_cached(examples: list[Example], tokenizer: Any, mask_prompt: bool, 
     root = cache_root(cache_dir)
     if root is None or not examples:
         return tokenize_examples(examples, tokenizer, mask_prompt, source_name)
-    key, chars = examples_key(examples, tokenizer_fingerprint(tokenizer), mask_prompt)
-    if chars < CACHE_MIN_CHARS:
+    if _text_chars(examples) < CACHE_MIN_CHARS:
         return tokenize_examples(examples, tokenizer, mask_prompt, source_name)
+    key, _ = examples_key(examples, tokenizer_fingerprint(tokenizer), mask_prompt)
     file = root / f"tokens-{key}.npz"
     if file.is_file():
         cached = _load(file, examples)

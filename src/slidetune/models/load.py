@@ -189,8 +189,7 @@ def list_models() -> str:
 
 # what a model's snapshot needs of a Hub repo: config, safetensors weights, tokenizer and chat template
 # (not the .bin/.pth/.gguf/ONNX copies many repos carry as well)
-HUB_MODEL_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja",
-                   "*.py"]
+HUB_MODEL_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 
 
 def load_model(spec: str, *, num_layers: int | None = None, seed: int = 0,
