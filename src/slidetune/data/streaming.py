@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 import torch
 
 from .config import DataConfig
@@ -39,7 +38,10 @@ log = logging.getLogger(__name__)
 class MaskedTokenArrayDataset(TokenArrayDataset):
     """`TokenArrayDataset` windows whose targets come from a memory-mapped mask, not all True."""
 
-    targets: np.ndarray | None = None    # [T] uint8 memmap, 1 where the token is a training target
+    # [T] uint8 memmap, 1 where the token is a training target. Its pages are not released after each
+    # read as the ids' are (token_arrays._unmap): 1 B per token touched, clean and file-backed, so the
+    # kernel reclaims them first
+    targets: np.ndarray | None = None
 
     def window(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Row ``index`` as (ids [S+1] int64, targets [S+1] bool, doc_starts [S+1] bool or None)."""
