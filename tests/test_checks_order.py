@@ -16,7 +16,8 @@ from test_train_e2e import run_cli
 @pytest.mark.parametrize("name, content, expected", [
     ("missing.jsonl", None, "does not exist"),
     ("bad.jsonl", '{"text": "one"}\n{"text": "two"\n', "bad.jsonl:2: malformed JSON"),
-    ("data.csv", "a,b\n", "unknown data file type"),
+    ("data.docx", "a,b\n", "unknown data file type"),
+    ("data.csv", "a,b\n1,2\n", "data.csv row 1: keys ['a', 'b'] match no known format"),   # read with datasets
 ])
 def test_bad_data_is_refused_before_the_model_is_loaded(tmp_path, name, content, expected):
     path = tmp_path / name

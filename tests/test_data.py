@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
@@ -547,7 +546,7 @@ def test_error_tokenizer_without_eos(tmp_path):
 
 
 def test_error_unknown_file_type(tmp_path, tok):
-    p = tmp_path / "data.csv"
+    p = tmp_path / "data.docx"
     p.write_text("a,b\n")
     with pytest.raises(DataError, match=rf"{p}: unknown data file type; expected .txt"):
         build(str(p), tok)
@@ -562,40 +561,30 @@ def test_config_validation():
 
 # --------------------------------------------------------------------------- datasets directory
 
-def test_datasets_dir_needs_datasets_package(tmp_path, tok, monkeypatch):
-    monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
-    with pytest.raises(ImportError, match=rf"{tmp_path} is a directory.*pip install datasets"):
-        build(str(tmp_path), tok)
+def _save_to_disk(path, **splits) -> str:
+    import datasets
+    datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in splits.items()}).save_to_disk(str(path))
+    return str(path)
 
 
-def _fake_datasets(monkeypatch, loaded):
-    class DatasetDict(dict):
-        pass
-
-    mod = types.ModuleType("datasets")
-    mod.DatasetDict = DatasetDict
-    mod.load_from_disk = lambda path: loaded(DatasetDict)
-    monkeypatch.setitem(sys.modules, "datasets", mod)
-
-
-def test_datasets_dir_rows_read_like_jsonl(tmp_path, tok, monkeypatch):
+def test_datasets_dir_rows_read_like_jsonl(tmp_path, tok):
     rows = [{"prompt": "a", "completion": "b", "text": None}, {"prompt": "c", "completion": "d",
                                                                "text": None}]
-    _fake_datasets(monkeypatch, lambda DD: DD(train=rows, test=[]))
-    train, _ = build(str(tmp_path), tok, seq_len=3, packing=False)
+    p = _save_to_disk(tmp_path / "disk", train=rows, test=[{"prompt": "e", "completion": "f", "text": None}])
+    train, _ = build(p, tok, seq_len=3, packing=False)
     assert train.format == "prompt_completion"
     assert [r.ids.tolist() for r in train] == [[BOS, a, b, EOS], [BOS, c, d, EOS]]
     assert [r.targets.tolist() for r in train] == [[False, False, True, True]] * 2
 
 
-def test_datasets_dir_errors_name_row(tmp_path, tok, monkeypatch):
-    _fake_datasets(monkeypatch, lambda DD: [{"text": "a"}, {"text": 3}])
-    with pytest.raises(DataError, match=rf"{tmp_path} row 2: 'text' must be a string"):
-        build(str(tmp_path), tok)
-    _fake_datasets(monkeypatch, lambda DD: DD(a=[], b=[]))
-    with pytest.raises(DataError, match=r"DatasetDict without a 'train' split "
-                                        r"\(splits: \['a', 'b'\]"):
-        build(str(tmp_path), tok)
+def test_datasets_dir_errors_name_row(tmp_path, tok):
+    p = _save_to_disk(tmp_path / "one", train=[{"text": "a"}, {"text": None}])
+    with pytest.raises(DataError, match=rf"{p} row 2: 'text' must be a string"):
+        build(p, tok)
+    p = _save_to_disk(tmp_path / "two", a=[{"text": "a"}], b=[{"text": "b"}])
+    with pytest.raises(DataError, match=r"no 'train' split and several others \(a, b\); choose one with "
+                                        r"--data-split"):
+        build(p, tok)
 
 
 def test_tokenizer_ids_beyond_the_models_vocabulary_are_refused(tmp_path, tok):

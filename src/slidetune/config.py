@@ -51,7 +51,7 @@ CPU_DEFAULT_JOB = {"batch_size": 2, "data.seq_len": 128, "eval_batches": 4}
 
 @dataclass
 class TrainConfig:
-    model: str = "smollm2-135m"          # preset name, the embedded default, a .gguf file or a HF directory
+    model: str = "smollm2-135m"          # preset name, the embedded default, a .gguf file, a HF directory or a Hub id org/name
     num_layers: int | None = None        # presets only: override the depth
     data: DataConfig = field(default_factory=DataConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
@@ -117,17 +117,31 @@ class TrainConfig:
 
 
 # flag name overrides (field path -> flag); None hides a field (it follows another one)
-_FLAG_NAMES = {"data.path": "data", "data.seed": None}
+_FLAG_NAMES = {"data.path": "data", "data.seed": None, "data.eval_path": "eval-data", "data.split": "data-split",
+               "data.subset": "data-subset", "data.streaming": "data-streaming", "data.cache_dir": "data-cache-dir"}
 # string fields whose flag alone means a value, as a boolean flag alone means true
-_BARE_FLAG = {"runtime.compile_layers": "on", "runtime.offload_activations": "on"}
+_BARE_FLAG = {"runtime.compile_layers": "on", "runtime.offload_activations": "on", "data.streaming": "on"}
 _SECTIONS = ("data", "runtime", "optim")
 _SECTION_CLASSES = {"data": DataConfig, "runtime": RuntimeConfig, "optim": AdamWConfig}
 # help text where the field's own comment is missing or too terse for --help
 _HELP = {
     "data.path": "training data: a .txt/.md file, a .jsonl/.ndjson file (text, messages, prompt/completion or "
-                 "alpaca records) or a datasets save_to_disk directory; a pre-tokenized corpus read memory-mapped: "
-                 "a .bin (see --token-dtype) or .npy token-id array, or a save_to_disk directory of input_ids; "
+                 "alpaca records); through `datasets`: a .parquet/.csv/.json/.arrow file or a directory of them, a "
+                 "save_to_disk directory or a Hub dataset id org/name (from the local HF cache; downloaded when "
+                 "not cached and HF_HUB_OFFLINE is unset); a pre-tokenized corpus read memory-mapped: a .bin (see "
+                 "--token-dtype) or .npy token-id array, or a save_to_disk directory of input_ids; "
                  "None: the built-in English corpus",
+    "data.eval_path": "a separate evaluation set (any --data source but a pre-tokenized one), evaluated instead of "
+                      "a held-out split of --data, which then trains whole; a Hub id or directory gives its "
+                      "validation or test split",
+    "data.split": "the split of a Hub dataset or data directory to train on (None: train, or the only split)",
+    "data.subset": "the configuration (subset) of a Hub dataset that has several (load_dataset's name)",
+    "data.streaming": "auto | on | off: read --data through datasets streaming, a chunk of records at a time, "
+                      "tokenized into a token file in the cache and trained memory-mapped (for corpora larger "
+                      "than RAM); auto: when its files exceed 1/100 of the available RAM (read whole, the "
+                      "build takes ~44x their size)",
+    "data.cache_dir": "where tokenized data is kept between runs (None: HF_DATASETS_CACHE/slidetune; off: not "
+                      "kept); a second run on the same data and tokenizer does not tokenize again",
     "data.packing": "masked: documents packed into rows of seq_len+1 tokens, each attending only to itself "
                     "(positions restart per document); causal: packed and unmasked, documents see the ones "
                     "before them in the row (pretraining corpora); off: one example per row, right-padded. "
@@ -189,8 +203,9 @@ def _parse_value(text: str, tp):
 FLAG_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "model": ("what to fine-tune, and the check that it trains as transformers runs it",
               ("model", "num_layers", "skip_reference_check")),
-    "data": ("what to train on", ("data.path", "data.token_dtype", "data.seq_len", "data.packing", "data.mask_prompt",
-                                  "data.heldout_fraction", "data.seed", "seed")),
+    "data": ("what to train on", ("data.path", "data.eval_path", "data.split", "data.subset", "data.streaming",
+                                  "data.cache_dir", "data.token_dtype", "data.seq_len", "data.packing",
+                                  "data.mask_prompt", "data.heldout_fraction", "data.seed", "seed")),
     "batch": ("sequences per step, and how many steps", ("batch_size", "grad_accum", "max_steps", "epochs")),
     "optimizer": ("AdamW and its learning-rate schedule", ("optim.lr", "optim.beta1", "optim.beta2", "optim.eps",
                                                            "optim.weight_decay", "lr_schedule", "warmup_steps",

@@ -11,7 +11,8 @@ from .config import DataConfig
 from .corpus import builtin_corpus
 from .dataset import Row, TokenDataset
 from .errors import DataError
-from .formats import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, read_source
+from .formats import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT
+from .sources import read_source
 from .sampler import BatchSampler, eval_batches
 from .tokenization import default_pad_id
 

@@ -1,7 +1,9 @@
 """`build_datasets`: config + tokenizer -> (train, held-out) `TokenDataset`s.
 
-Pipeline: read the source (formats.py) -> held-out split over examples (split.py) ->
-tokenize each split (tokenization.py) -> pack or pad (packing.py) -> check non-empty.
+Pipeline: read the source (formats.py, hf_datasets.py) -> held-out split over examples (split.py),
+or --eval-data as the held-out set -> tokenize each split (tokenization.py; kept between runs by
+token_cache.py) -> pack or pad (packing.py) -> check non-empty. A streamed source goes to a token
+file instead (streaming.py) and trains memory-mapped, as a pre-tokenized corpus does.
 
 Small data sets (a few dozen short examples, a usual first try) train rather than being
 refused; each fallback prints a ``note:`` line to stderr:
@@ -27,22 +29,43 @@ from .config import DataConfig
 from .corpus import builtin_corpus
 from .dataset import TokenDataset
 from .errors import DataError
-from .formats import Example, Source, read_source, texts_source
+from .formats import Example, Source, texts_source
+from .hf_datasets import StreamingSource, open_streaming, should_stream
 from .packing import Rows, pack, pad_rows
+from .sources import read_source
 from .split import MIN_HELDOUT_EXAMPLES, plan_heldout
+from .streaming import build_streaming
 from .token_arrays import TokenArrayDataset, build_token_datasets, is_token_source
-from .tokenization import TokenizedExample, special_ids, tokenize_examples
+from .token_cache import tokenize_cached
+from .tokenization import TokenizedExample, special_ids
 
 log = logging.getLogger(__name__)
 
 BUILTIN_NAME = "<builtin corpus>"
 
 
-def load_source(cfg: DataConfig) -> Source:
-    """The untokenized examples of ``cfg.path`` (or of the built-in corpus)."""
+def load_source(cfg: DataConfig) -> Source | StreamingSource:
+    """The untokenized examples of ``cfg.path`` (or of the built-in corpus), with those of
+    ``cfg.eval_path`` as ``eval_source``; a `StreamingSource` (its first record read) when streamed."""
+    source: Source | StreamingSource
     if cfg.path is None:
-        return texts_source(builtin_corpus(), BUILTIN_NAME)
-    return read_source(cfg.path)
+        source = texts_source(builtin_corpus(), BUILTIN_NAME)
+    elif should_stream(cfg.path, cfg.streaming):
+        source = open_streaming(cfg.path, cfg.split, cfg.subset)
+    else:
+        source = read_source(cfg.path, cfg.split, cfg.subset)
+    if cfg.eval_path is not None:
+        source.eval_source = load_eval_source(cfg)
+    return source
+
+
+def load_eval_source(cfg: DataConfig) -> Source:
+    """The examples of --eval-data (read whole: an evaluation set is read every evaluation)."""
+    assert cfg.eval_path is not None
+    if is_token_source(cfg.eval_path):
+        raise DataError(f"{cfg.eval_path}: --eval-data takes text or records to tokenize, not a pre-tokenized "
+                        f"corpus; hold out the tail of the training corpus with --heldout-fraction instead")
+    return read_source(cfg.eval_path, subset=cfg.subset, for_eval=True)
 
 
 def _note(message: str) -> None:
@@ -114,7 +137,7 @@ def _too_few_rows(rows: Rows, padded: bool, n_packed: int, n_examples: int, n_he
 
 def _build_train(examples: list[Example], n_heldout: int, source: Source, cfg: DataConfig,
                  tokenizer: Any, min_rows: int, notes: list[str]) -> TokenDataset:
-    tokenized = tokenize_examples(examples, tokenizer, cfg.mask_prompt, source.name)
+    tokenized = tokenize_cached(examples, tokenizer, cfg.mask_prompt, source.name, cfg.cache_dir)
     width = cfg.seq_len + 1
     padded, n_packed, note = not cfg.packed, 0, None
     if cfg.packed:
@@ -152,7 +175,7 @@ def _build_heldout(examples: list[Example], padded: bool, source: Source, cfg: D
     """The held-out rows: packed like the train split unless that gives no row; empty (with a
     note) when not one held-out example has a token to evaluate."""
     info = dict(split="heldout", source=source.name, format=source.format)
-    tokenized = tokenize_examples(examples, tokenizer, cfg.mask_prompt, source.name)
+    tokenized = tokenize_cached(examples, tokenizer, cfg.mask_prompt, source.name, cfg.cache_dir)
     width = cfg.seq_len + 1
     if padded:
         rows = pad_rows(tokenized, cfg.seq_len)
@@ -175,14 +198,42 @@ def _build_heldout(examples: list[Example], padded: bool, source: Source, cfg: D
                                   document_mask=cfg.packing == "masked" and not padded, **info)
 
 
+def _build_eval(evaluation: Source, cfg: DataConfig, tokenizer: Any, vocab_size: int | None) -> TokenDataset:
+    """--eval-data's rows next to a memory-mapped train split (packed, unless too few for a row)."""
+    if tokenizer is None:
+        raise DataError(f"{evaluation.name}: --eval-data is tokenized, and the model has no tokenizer")
+    notes: list[str] = []
+    heldout = _build_heldout(evaluation.examples, False, evaluation, cfg, tokenizer, notes)
+    if vocab_size is not None:
+        _check_tokenizer_ids((heldout,), vocab_size, evaluation)
+    for note in notes:
+        _note(note)
+    return heldout
+
+
+def _build_streamed(source: StreamingSource, cfg: DataConfig, tokenizer: Any, min_rows: int,
+                    vocab_size: int | None) -> tuple[TokenArrayDataset, TokenArrayDataset | TokenDataset]:
+    """A streamed source: tokenized a chunk at a time into a memory-mapped token file (streaming.py)."""
+    train, heldout = build_streaming(source, cfg, tokenizer, min_rows, vocab_size)
+    evaluation = source.eval_source
+    if evaluation is not None:
+        return train, _build_eval(evaluation, cfg, tokenizer, vocab_size)
+    log.info("data: %r; %r", train, heldout)
+    return train, heldout
+
+
 def _build_token_arrays(cfg: DataConfig, tokenizer: Any, min_rows: int,
-                        vocab_size: int | None) -> tuple[TokenArrayDataset, TokenArrayDataset]:
+                        vocab_size: int | None) -> tuple[TokenArrayDataset, TokenArrayDataset | TokenDataset]:
     """A pre-tokenized corpus: memory-mapped windows, no tokenization (token_arrays.py)."""
     assert cfg.path is not None
     eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-    train, heldout = build_token_datasets(cfg.path, cfg.seq_len, cfg.token_dtype, cfg.heldout_fraction,
+    evaluation = load_eval_source(cfg) if cfg.eval_path is not None else None
+    train, heldout = build_token_datasets(cfg.path, cfg.seq_len, cfg.token_dtype,
+                                          0.0 if evaluation is not None else cfg.heldout_fraction,
                                           eos_id=eos, document_mask=cfg.packing == "masked",
                                           min_rows=min_rows, vocab_size=vocab_size)
+    if evaluation is not None:
+        return train, _build_eval(evaluation, cfg, tokenizer, vocab_size)
     if cfg.packing == "off":
         _note(f"{cfg.path}: a pre-tokenized corpus is always packed (its documents are not stored "
               f"apart); --packing off has no effect, masked keeps documents apart, causal does not")
@@ -194,7 +245,7 @@ def _build_token_arrays(cfg: DataConfig, tokenizer: Any, min_rows: int,
 
 
 def build_datasets(cfg: DataConfig, tokenizer: Any, min_rows: int = 1, vocab_size: int | None = None,
-                   source: Source | None = None) -> tuple[TokenDataset | TokenArrayDataset,
+                   source: Source | StreamingSource | None = None) -> tuple[TokenDataset | TokenArrayDataset,
                                                          TokenDataset | TokenArrayDataset]:
     """(train, heldout) for ``cfg``. The held-out split is empty when heldout_fraction == 0, when
     there are fewer than `split.MIN_HELDOUT_EXAMPLES` examples, or when no held-out example has a
@@ -204,26 +255,35 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, min_rows: int = 1, vocab_siz
     batch_size); packed rows fewer than that fall back to one example per row (see the module
     docstring). The notes are printed once both splits are built (an error comes alone).
     A pre-tokenized corpus (.bin/.npy, or a save_to_disk directory of input_ids) gives
-    memory-mapped `TokenArrayDataset`s instead (token_arrays.py). With ``vocab_size`` (the
+    memory-mapped `TokenArrayDataset`s instead (token_arrays.py), as does a streamed source
+    (streaming.py). With ``cfg.eval_path`` the held-out split is that evaluation set, and all of
+    ``cfg.path`` trains. With ``vocab_size`` (the
     model's) every token id, the tokenizer's or the corpus's, is checked to be below it.
     ``source``: the examples of ``cfg`` already read (load_source: train reads them before it loads
     the model, so bad data is refused in seconds); None reads them here.
-    Raises `DataError` (naming the file and 1-based line where it applies) for missing,
-    malformed or too little data, and ImportError for a datasets directory without
-    ``datasets`` installed.
+    Raises `DataError` (naming the file and 1-based line or row where it applies) for missing,
+    malformed or too little data, and for a Hub id that is not cached and cannot be downloaded.
     """
     if min_rows < 1:
         raise ValueError(f"min_rows must be >= 1, got {min_rows}")
     if is_token_source(cfg.path):
         return _build_token_arrays(cfg, tokenizer, min_rows, vocab_size)
     source = source if source is not None else load_source(cfg)
+    if isinstance(source, StreamingSource):
+        return _build_streamed(source, cfg, tokenizer, min_rows, vocab_size)
     special_ids(tokenizer, source.name)  # fail on a tokenizer without EOS before any work
-    train_idx, heldout_idx, note = plan_heldout(len(source.examples), cfg.heldout_fraction,
-                                                cfg.seed, source.name)
+    evaluation = source.eval_source
+    if evaluation is not None:       # --eval-data: evaluated instead of a held-out split; all of it trains
+        train_idx, heldout_idx, note = list(range(len(source.examples))), [], None
+    else:
+        train_idx, heldout_idx, note = plan_heldout(len(source.examples), cfg.heldout_fraction,
+                                                    cfg.seed, source.name)
     notes = [note] if note else []
     train = _build_train([source.examples[i] for i in train_idx], len(heldout_idx), source, cfg,
                          tokenizer, min_rows, notes)
-    if heldout_idx:
+    if evaluation is not None:
+        heldout = _build_heldout(evaluation.examples, not train.packed, evaluation, cfg, tokenizer, notes)
+    elif heldout_idx:
         heldout = _build_heldout([source.examples[i] for i in heldout_idx], not train.packed,
                                  source, cfg, tokenizer, notes)
     else:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PACKING_MODES = ("masked", "causal", "off")
+STREAMING_MODES = ("auto", "on", "off")
+_STREAMING_ALIASES = {"true": "on", "yes": "on", "1": "on", "false": "off", "no": "off", "0": "off"}
 # the boolean spelling of the flag before the modes existed (`--packing true|false`)
 _PACKING_ALIASES = {"true": "masked", "on": "masked", "yes": "masked", "1": "masked",
                     "false": "off", "no": "off", "0": "off"}
@@ -11,11 +13,26 @@ _PACKING_ALIASES = {"true": "masked", "on": "masked", "yes": "masked", "1": "mas
 
 @dataclass
 class DataConfig:
-    # None -> the built-in English corpus (corpus.py, no download); otherwise a .txt file,
-    # a .jsonl file, or a HuggingFace `datasets` save_to_disk directory (formats.py); or a
-    # pre-tokenized corpus read memory-mapped (token_arrays.py): a .bin/.npy token-id array or
-    # a save_to_disk directory with an input_ids column.
+    # None -> the built-in English corpus (corpus.py, no download); otherwise a .txt or .jsonl
+    # file (formats.py); a parquet/JSON/CSV/arrow file or directory of them, a `datasets`
+    # save_to_disk directory or a Hub dataset id `org/name` (hf_datasets.py, through `datasets`);
+    # or a pre-tokenized corpus read memory-mapped (token_arrays.py): a .bin/.npy token-id array
+    # or a save_to_disk directory with an input_ids column.
     path: str | None = None
+    # A separate evaluation set, any source `path` takes but a pre-tokenized one: evaluated instead
+    # of a held-out split of `path` (which then trains whole; heldout_fraction is not used).
+    eval_path: str | None = None
+    # The split of a Hub id or a data directory to train on: None -> "train", or the only split.
+    split: str | None = None
+    # The configuration (subset) of a Hub dataset that has several, as load_dataset's `name`.
+    subset: str | None = None
+    # Read the source through `datasets` streaming (never all of it in RAM): its records are
+    # tokenized a chunk at a time into a token file in the cache, trained on memory-mapped.
+    # auto: when the source's files are large against the available RAM (hf_datasets.py).
+    streaming: str = "auto"
+    # Where tokenized data is kept between runs (token_cache.py): None -> the `datasets`
+    # cache's slidetune/ directory (HF_DATASETS_CACHE); "off": nothing is kept.
+    cache_dir: str | None = None
     # dtype of a raw .bin token file: uint16 (nanoGPT's prepare.py; vocabularies up to 65536)
     # or uint32. A .npy file carries its own.
     token_dtype: str = "uint16"
@@ -51,6 +68,11 @@ class DataConfig:
             raise ValueError(f"DataConfig.packing must be one of {', '.join(PACKING_MODES)} (or the old "
                              f"true/false), got {self.packing!r}: --packing masked keeps documents apart, "
                              f"--packing causal lets them attend to each other, --packing off pads")
+        mode = str(self.streaming).strip().lower()
+        self.streaming = _STREAMING_ALIASES.get(mode, mode)
+        if self.streaming not in STREAMING_MODES:
+            raise ValueError(f"DataConfig.streaming must be one of {', '.join(STREAMING_MODES)}, got "
+                             f"{self.streaming!r}")
         if self.token_dtype not in ("uint16", "uint32"):
             raise ValueError(f"DataConfig.token_dtype must be uint16 or uint32, got {self.token_dtype!r}")
         if self.seq_len < 1:

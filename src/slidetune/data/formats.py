@@ -15,9 +15,9 @@ Accepted sources (``DataConfig.path``):
     3. ``prompt`` + ``completion``       prompt-completion; the completion is supervised
     4. ``text``                          plain text, fully supervised
   All lines must share one format.
-* a directory: a HuggingFace ``datasets`` ``save_to_disk`` directory (needs ``pip install
-  datasets``). A ``DatasetDict`` uses its ``train`` split (or its only split); each row is
-  read like a JSONL line (a ``text`` column, or the keys above).
+* anything else `datasets` reads (hf_datasets.py, chosen by sources.py): a ``.parquet``/``.csv``/
+  ``.json``/``.arrow`` file, a directory of them, a ``save_to_disk`` directory, a Hub dataset id
+  ``org/name``. The ``train`` split (or the only one) is used; each row is read like a JSONL line.
 """
 from __future__ import annotations
 
@@ -86,6 +86,9 @@ class Source:
     name: str            # the path, or "<builtin corpus>"
     format: str          # the one format shared by all examples
     examples: list[Example]
+    # the examples of DataConfig.eval_path, read with these (load_source): evaluated instead of a
+    # held-out split
+    eval_source: "Source | None" = None
 
 
 def detect_format(keys: Iterable[str]) -> str | None:
@@ -147,7 +150,7 @@ def parse_record(record: Any, where: str) -> Example:
     return Example(fmt, where, segments=[Segment(_str_field(record, "text", where), True)])
 
 
-def _check_one_format(examples: list[Example], name: str) -> str:
+def check_one_format(examples: list[Example], name: str) -> str:
     if not examples:
         raise DataError(f"{name}: no examples found (the source is empty)")
     first = examples[0]
@@ -176,8 +179,8 @@ def read_jsonl(path: str) -> Source:
             raise DataError(f"{where}: malformed JSON: {e.msg} (column {e.colno})") from None
         examples.append(parse_record(record, where))
         if examples[-1].format != examples[0].format:
-            _check_one_format(examples, path)  # raises, naming both lines
-    return Source(path, _check_one_format(examples, path), examples)
+            check_one_format(examples, path)  # raises, naming both lines
+    return Source(path, check_one_format(examples, path), examples)
 
 
 _BLANK_LINES = re.compile(r"\n(?:[ \t\r\f\v]*\n)+")
@@ -211,49 +214,18 @@ def read_text(path: str) -> Source:
     return Source(path, "text", examples)
 
 
-def read_hf_dir(path: str) -> Source:
-    try:
-        import datasets  # optional dependency
-    except ImportError as e:
-        raise ImportError(
-            f"{path} is a directory, read as a HuggingFace `datasets` save_to_disk directory; "
-            f"that needs the `datasets` package: pip install datasets"
-        ) from e
-    try:
-        ds = datasets.load_from_disk(path)
-    except Exception as e:  # not a save_to_disk directory, corrupt arrow files, ...
-        raise DataError(f"{path}: cannot load it with datasets.load_from_disk: {e}") from e
-    if isinstance(ds, datasets.DatasetDict):
-        splits = list(ds.keys())
-        if "train" in splits:
-            ds = ds["train"]
-        elif len(splits) == 1:
-            ds = ds[splits[0]]
-        else:
-            raise DataError(f"{path}: a DatasetDict without a 'train' split (splits: {splits}); "
-                            f"save the split to train on")
-    examples: list[Example] = []
-    for i, row in enumerate(ds, start=1):
-        examples.append(parse_record(dict(row), f"{path} row {i}"))
-        if examples[-1].format != examples[0].format:
-            _check_one_format(examples, path)
-    return Source(path, _check_one_format(examples, path), examples)
-
-
 def read_source(path: str) -> Source:
-    """Read ``path`` (file or datasets directory) into a `Source`; see the module docstring."""
+    """Read a local ``.jsonl`` or ``.txt`` file into a `Source`; see the module docstring
+    (sources.read_source reads every other kind of source, through `datasets`)."""
     if not os.path.exists(path):
         raise DataError(f"data path {path} does not exist")
-    if os.path.isdir(path):
-        return read_hf_dir(path)
     lower = path.lower()
     if lower.endswith(JSONL_SUFFIXES):
         return read_jsonl(path)
     if lower.endswith(TEXT_SUFFIXES):
         return read_text(path)
-    raise DataError(f"{path}: unknown data file type; expected {', '.join(TEXT_SUFFIXES)} "
-                    f"(plain text), {', '.join(JSONL_SUFFIXES)} (JSON lines) or a datasets "
-                    f"save_to_disk directory")
+    raise DataError(f"{path}: not a {', '.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} file (sources.read_source reads "
+                    f"the others)")
 
 
 def texts_source(texts: list[str], name: str) -> Source:

@@ -8,7 +8,6 @@ unit straight into the host store (never two copies in RAM).
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -16,6 +15,7 @@ from typing import Protocol
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from ..hf_hub import HubIdNotCached, looks_like_hub_id, snapshot_dir
 from .families import require_supported_family
 from .presets import PRESETS, preset_config
 from .units import SplitModel, UnitSpec
@@ -187,9 +187,15 @@ def list_models() -> str:
     return ", ".join([EMBEDDED_NAME] + sorted(PRESETS))
 
 
+# what a model's snapshot needs of a Hub repo: config, safetensors weights, tokenizer and chat template
+# (not the .bin/.pth/.gguf/ONNX copies many repos carry as well)
+HUB_MODEL_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+
+
 def load_model(spec: str, *, num_layers: int | None = None, seed: int = 0,
                with_tokenizer: bool = True) -> LoadedModel:
-    """`spec` is a preset name, the embedded default's name, a .gguf file or a HF model directory."""
+    """`spec` is a preset name, the embedded default's name, a .gguf file, a HF model directory or
+    a Hub id ``org/name`` (its snapshot in the local HF cache: hf_hub.py)."""
     key = spec.lower()
     if key in PRESETS:
         config = preset_config(key, num_layers)
@@ -209,16 +215,27 @@ def load_model(spec: str, *, num_layers: int | None = None, seed: int = 0,
             raise ModelNotFoundError(f"GGUF file {path} does not exist")
         return _load_gguf(path, num_layers, with_tokenizer, name=path.name)
     if path.is_dir():
-        if not (path / "config.json").exists():
-            raise ModelNotFoundError(f"{path} is a directory without config.json (not a HF model directory)")
-        config = AutoConfig.from_pretrained(str(path))
-        if num_layers is not None:
-            raise ValueError("--num-layers only applies to presets, not to pretrained checkpoints")
-        tok = _maybe_tokenizer(path) if with_tokenizer else None
-        return LoadedModel(path.name, SplitModel(skeleton(config)), SafetensorsSource(path), tok, path)
+        return _load_directory(path, path.name, num_layers, with_tokenizer)
+    if looks_like_hub_id(spec):
+        try:
+            snapshot = snapshot_dir(spec, "model", allow_patterns=HUB_MODEL_FILES)
+        except HubIdNotCached as e:
+            raise ModelNotFoundError(f"model {spec!r} is no preset and no local path, and as a Hub id: {e}") from None
+        return _load_directory(snapshot, spec, num_layers, with_tokenizer)
     raise ModelNotFoundError(
-        f"model {spec!r} is neither a preset, a .gguf file nor a HF model directory (no such path). "
-        f"Presets: {list_models()}")
+        f"model {spec!r} is neither a preset, a .gguf file, a HF model directory (no such path) nor a Hub id "
+        f"org/name. Presets: {list_models()}")
+
+
+def _load_directory(path: Path, name: str, num_layers: int | None, with_tokenizer: bool) -> LoadedModel:
+    """A HF model directory (or a Hub id's snapshot): config, safetensors weights, its tokenizer."""
+    if not (path / "config.json").exists():
+        raise ModelNotFoundError(f"{path} is a directory without config.json (not a HF model directory)")
+    config = AutoConfig.from_pretrained(str(path))
+    if num_layers is not None:
+        raise ValueError("--num-layers only applies to presets, not to pretrained checkpoints")
+    tok = _maybe_tokenizer(path) if with_tokenizer else None
+    return LoadedModel(name, SplitModel(skeleton(config)), SafetensorsSource(path), tok, path)
 
 
 def _maybe_tokenizer(path: Path):

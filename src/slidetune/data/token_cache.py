@@ -1,0 +1,134 @@
+"""Tokenized examples kept between runs, so that a second run on the same data does not tokenize again.
+
+The key is a hash of everything the tokens depend on: the examples' content (each segment's text and
+whether it is supervised, or a conversation's messages), the tokenizer (`tokenizer_fingerprint`: its
+vocabulary, merges, normalizer, special tokens and chat template), ``mask_prompt``, and the versions
+of transformers/tokenizers and of this format. Not the path: a copied file hits, an edited one does
+not. The entry is one ``.npz`` (ids int32, targets bool, lengths int64), written to a temporary name
+and renamed, so an interrupted run leaves no half entry.
+
+Data under `CACHE_MIN_CHARS` is tokenized again each run: that takes well under a second, less than
+a cache file's write, read and place on disk.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..hf_hub import datasets_cache_dir
+from .formats import Example
+from .tokenization import TokenizedExample, tokenize_examples
+
+log = logging.getLogger(__name__)
+
+# bump when tokenization.py's rules (BOS/EOS/targets) change: older entries no longer match
+CACHE_FORMAT = 1
+# ~4M characters are ~1M tokens: a few seconds of tokenizing on 2 cores, where a cache starts paying
+CACHE_MIN_CHARS = 4 * 2**20
+
+
+def cache_root(cache_dir: str | None) -> Path | None:
+    """DataConfig.cache_dir -> the directory of entries, or None when caching is "off"."""
+    if cache_dir is not None and cache_dir.strip().lower() == "off":
+        return None
+    return Path(cache_dir).expanduser() if cache_dir else datasets_cache_dir() / "slidetune"
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A string that changes when the tokenizer's output could: a fast tokenizer's full serialization
+    (vocabulary, merges, normalizer, added tokens), else datasets' hash of the object; plus the
+    special tokens and chat template the rules read."""
+    import tokenizers
+    import transformers
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        body = backend.to_str()
+    else:
+        from datasets.fingerprint import Hasher
+        body = Hasher.hash(tokenizer)
+    parts = [type(tokenizer).__name__, body, repr(getattr(tokenizer, "chat_template", None)),
+             repr(getattr(tokenizer, "bos_token_id", None)), repr(getattr(tokenizer, "eos_token_id", None)),
+             repr(getattr(tokenizer, "eos_token", None)), transformers.__version__, tokenizers.__version__]
+    return "\x00".join(parts)
+
+
+def examples_key(examples: list[Example], tokenizer_fp: str, mask_prompt: bool) -> tuple[str, int]:
+    """(hex key of the examples' tokens, their characters of text)."""
+    import xxhash
+    h = xxhash.xxh3_128()
+    h.update(f"{CACHE_FORMAT}\x00{mask_prompt}\x00".encode())
+    h.update(tokenizer_fp.encode("utf-8", "surrogatepass"))
+    chars = 0
+    for ex in examples:
+        if ex.messages is not None:
+            text = json.dumps(ex.messages, sort_keys=True, ensure_ascii=False)
+            h.update(b"\x01m" + text.encode("utf-8", "surrogatepass"))
+            chars += len(text)
+        else:
+            for seg in ex.segments or ():
+                h.update(b"\x01s1" if seg.supervised else b"\x01s0")
+                h.update(seg.text.encode("utf-8", "surrogatepass"))
+                chars += len(seg.text)
+        h.update(b"\x02")
+    return h.hexdigest(), chars
+
+
+def _text_chars(examples: list[Example]) -> int:
+    """Characters of text (a conversation's contents), counted before anything is hashed."""
+    return sum(sum(len(m["content"]) for m in ex.messages) if ex.messages is not None
+               else sum(len(seg.text) for seg in ex.segments or ()) for ex in examples)
+
+
+def _load(file: Path, examples: list[Example]) -> list[TokenizedExample] | None:
+    try:
+        with np.load(file) as z:
+            ids, targets, lengths = z["ids"], z["targets"], z["lengths"]
+    except (OSError, ValueError, KeyError) as e:     # a damaged entry is tokenized again
+        log.warning("token cache %s unreadable (%s): tokenizing again", file, e)
+        return None
+    if len(lengths) != len(examples):
+        return None
+    ends = np.cumsum(lengths)
+    out = []
+    for ex, end, n in zip(examples, ends.tolist(), lengths.tolist()):
+        out.append(TokenizedExample(ids[end - n:end].tolist(), targets[end - n:end].tolist(), ex.where))
+    return out
+
+
+def _save(file: Path, tokenized: list[TokenizedExample]) -> None:
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_name(f"{file.stem}.{os.getpid()}.tmp.npz")
+    ids = np.fromiter((t for e in tokenized for t in e.ids), dtype=np.int64)
+    np.savez(tmp, ids=ids.astype(np.int32 if ids.size == 0 or ids.max() < 2**31 else np.int64),
+             targets=np.fromiter((t for e in tokenized for t in e.targets), dtype=bool),
+             lengths=np.array([len(e.ids) for e in tokenized], dtype=np.int64))
+    os.replace(tmp, file)
+
+
+def tokenize_cached(examples: list[Example], tokenizer: Any, mask_prompt: bool, source_name: str,
+                    cache_dir: str | None) -> list[TokenizedExample]:
+    """`tokenization.tokenize_examples`, read from the cache when these examples were tokenized the
+    same way before (and written there otherwise). A cache that cannot be written only warns."""
+    root = cache_root(cache_dir)
+    if root is None or not examples:
+        return tokenize_examples(examples, tokenizer, mask_prompt, source_name)
+    if _text_chars(examples) < CACHE_MIN_CHARS:
+        return tokenize_examples(examples, tokenizer, mask_prompt, source_name)
+    key, _ = examples_key(examples, tokenizer_fingerprint(tokenizer), mask_prompt)
+    file = root / f"tokens-{key}.npz"
+    if file.is_file():
+        cached = _load(file, examples)
+        if cached is not None:
+            log.info("%s: %d examples' tokens read from the cache %s", source_name, len(examples), file)
+            return cached
+    tokenized = tokenize_examples(examples, tokenizer, mask_prompt, source_name)
+    try:
+        _save(file, tokenized)
+    except OSError as e:
+        log.warning("token cache %s not written (%s): the next run tokenizes again", file, e)
+    return tokenized
