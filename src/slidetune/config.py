@@ -189,7 +189,8 @@ def _parse_value(text: str, tp):
 FLAG_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "model": ("what to fine-tune, and the check that it trains as transformers runs it",
               ("model", "num_layers", "skip_reference_check")),
-    "data": ("what to train on", ("data.path", "data.token_dtype", "data.seq_len", "data.packing", "data.mask_prompt",
+    "data": ("what to train on", ("data.path", "data.token_dtype", "data.seq_len", "data.packing",
+                                  "data.packing_strategy", "data.chat_template", "data.mask_prompt",
                                   "data.heldout_fraction", "data.seed", "seed")),
     "batch": ("sequences per step, and how many steps", ("batch_size", "grad_accum", "max_steps", "epochs")),
     "optimizer": ("AdamW and its learning-rate schedule", ("optim.lr", "optim.beta1", "optim.beta2", "optim.eps",

@@ -28,7 +28,8 @@ from .corpus import builtin_corpus
 from .dataset import TokenDataset
 from .errors import DataError
 from .formats import Example, Source, read_source, texts_source
-from .packing import Rows, pack, pad_rows
+from .chat_template import load_chat_template
+from .packing import Rows, fill_ratio, pack, pack_whole, pad_rows
 from .split import MIN_HELDOUT_EXAMPLES, plan_heldout
 from .token_arrays import TokenArrayDataset, build_token_datasets, is_token_source
 from .tokenization import TokenizedExample, special_ids, tokenize_examples
@@ -112,13 +113,18 @@ def _too_few_rows(rows: Rows, padded: bool, n_packed: int, n_examples: int, n_he
                      + ", ".join(hints[:-1]) + " or " + hints[-1])
 
 
+def _packer(cfg: DataConfig, source: Source):
+    """pack_whole (bfd: whole examples) or pack (wrapped: windows), as cfg.packing_strategy says."""
+    return pack_whole if cfg.packs_whole_examples(source.format) else pack
+
+
 def _build_train(examples: list[Example], n_heldout: int, source: Source, cfg: DataConfig,
-                 tokenizer: Any, min_rows: int, notes: list[str]) -> TokenDataset:
-    tokenized = tokenize_examples(examples, tokenizer, cfg.mask_prompt, source.name)
+                 tokenizer: Any, min_rows: int, notes: list[str], template: str | None) -> TokenDataset:
+    tokenized = tokenize_examples(examples, tokenizer, cfg.mask_prompt, source.name, template)
     width = cfg.seq_len + 1
     padded, n_packed, note = not cfg.packed, 0, None
     if cfg.packed:
-        rows = pack(tokenized, cfg.seq_len)
+        rows = _packer(cfg, source)(tokenized, cfg.seq_len)
         n_packed = len(rows.starts)
         if n_packed < min_rows:
             per_example = pad_rows(tokenized, cfg.seq_len)
@@ -141,6 +147,11 @@ def _build_train(examples: list[Example], n_heldout: int, source: Source, cfg: D
         raise _too_few_rows(rows, padded, n_packed, len(examples), n_heldout, min_rows, source, cfg)
     if note:
         notes.append(note)
+    if not padded and cfg.packs_whole_examples(source.format):
+        notes.append(f"{source.name}: the {len(examples)} training examples are packed whole into "
+                     f"{len(rows.starts)} rows of up to seq_len+1 = {width} tokens (best-fit decreasing, "
+                     f"--packing-strategy bfd): {100 * fill_ratio(rows, cfg.seq_len):.1f}% of the row "
+                     f"tokens are real, the rest is padding (masked out of the loss)")
     _warn_rows(rows, "train", len(examples), source, cfg)
     return TokenDataset.from_rows(rows, cfg.seq_len, not padded, split="train", source=source.name,
                                   document_mask=cfg.packing == "masked" and not padded,
@@ -148,16 +159,16 @@ def _build_train(examples: list[Example], n_heldout: int, source: Source, cfg: D
 
 
 def _build_heldout(examples: list[Example], padded: bool, source: Source, cfg: DataConfig,
-                   tokenizer: Any, notes: list[str]) -> TokenDataset:
+                   tokenizer: Any, notes: list[str], template: str | None) -> TokenDataset:
     """The held-out rows: packed like the train split unless that gives no row; empty (with a
     note) when not one held-out example has a token to evaluate."""
     info = dict(split="heldout", source=source.name, format=source.format)
-    tokenized = tokenize_examples(examples, tokenizer, cfg.mask_prompt, source.name)
+    tokenized = tokenize_examples(examples, tokenizer, cfg.mask_prompt, source.name, template)
     width = cfg.seq_len + 1
     if padded:
         rows = pad_rows(tokenized, cfg.seq_len)
     else:
-        rows = pack(tokenized, cfg.seq_len)
+        rows = _packer(cfg, source)(tokenized, cfg.seq_len)
         if len(rows.starts) == 0:
             rows, padded = pad_rows(tokenized, cfg.seq_len), True
             if len(rows.starts):
@@ -218,14 +229,15 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, min_rows: int = 1, vocab_siz
         return _build_token_arrays(cfg, tokenizer, min_rows, vocab_size)
     source = source if source is not None else load_source(cfg)
     special_ids(tokenizer, source.name)  # fail on a tokenizer without EOS before any work
+    template = load_chat_template(cfg.chat_template) if source.format == "chat" else None
     train_idx, heldout_idx, note = plan_heldout(len(source.examples), cfg.heldout_fraction,
                                                 cfg.seed, source.name)
     notes = [note] if note else []
     train = _build_train([source.examples[i] for i in train_idx], len(heldout_idx), source, cfg,
-                         tokenizer, min_rows, notes)
+                         tokenizer, min_rows, notes, template)
     if heldout_idx:
         heldout = _build_heldout([source.examples[i] for i in heldout_idx], not train.packed,
-                                 source, cfg, tokenizer, notes)
+                                 source, cfg, tokenizer, notes, template)
     else:
         heldout = TokenDataset.empty(cfg.seq_len, cfg.packed, split="heldout",
                                      source=source.name, format=source.format)
