@@ -29,9 +29,10 @@ class DataConfig:
     # benchmark shape and keeps CPU tests fast; real fine-tuning usually wants 1024-4096.
     seq_len: int = 256
     # How rows are made:
-    #   masked: documents are concatenated and cut into windows of seq_len+1 tokens (no compute
-    #           spent on padding); each token attends only to its own document and position ids
-    #           restart at each document, so a packed row trains like its documents run alone
+    #   masked: several documents share a row of seq_len+1 tokens (packing_strategy: whole
+    #           examples, or windows of the stream); each token attends only to its own document
+    #           and position ids restart at each document, so a packed row trains like its
+    #           documents run alone
     #           (what instruction/chat fine-tuning wants; transformers' packed-sequence mask).
     #   causal: packed the same way but unmasked: documents attend to the documents before
     #           them in the row (the usual trade of packed pretraining corpora).
