@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from reference import build_reference
-from slidetune.data import IGNORE_INDEX, BatchSampler, DataConfig, TokenDataset, build_datasets, collate
+from reference import ReferenceTrainer, build_reference
+from slidetune.data import IGNORE_INDEX, Batch, BatchSampler, DataConfig, TokenDataset, build_datasets, collate
+from slidetune.engine import AdamWConfig, RuntimeConfig, build_engine
 from slidetune.data.packing import best_fit_decreasing, fill_ratio, pack_whole
 from slidetune.data.tokenization import TokenizedExample
 from slidetune.ops.packed_attention import use_packed_attention
 from test_data import make_tokenizer
-from test_packing import VOCAB, alone_losses, make_loaded, per_token_losses
+from test_packing import VOCAB, _reference_step, alone_losses, make_loaded, per_token_losses
 
 
 def random_examples(n: int, max_len: int, seed: int = 0, vocab: int = VOCAB) -> list[TokenizedExample]:
@@ -168,24 +169,62 @@ def test_collate_pads_whole_example_rows_without_an_attention_mask(tmp_path, pac
 
 def test_masked_whole_example_rows_train_like_each_example_alone():
     model = build_reference(make_loaded("llama")).eval()
-    seq_len = 24
+    batch, alone = whole_example_batch(model)
+    assert batch.attention_mask is None and batch.position_ids is not None
+    with torch.no_grad():
+        use_packed_attention(model)
+        packed = per_token_losses(model, batch)                             # [N, S]
+    keep = batch.labels != IGNORE_INDEX
+    assert torch.equal(keep, ~alone.isnan())
+    torch.testing.assert_close(packed[keep], alone[keep], rtol=1e-5, atol=1e-6)
+
+
+def whole_example_batch(model, seq_len: int = 24) -> tuple[Batch, torch.Tensor]:
+    """A collated batch of padded whole-example rows, and [N, S] each example's losses alone
+    under ``model`` (NaN where no label)."""
     examples = [TokenizedExample(e.ids, [True] * len(e.ids), e.where) for e in random_examples(12, 14, seed=3)]
     rows = pack_whole(examples, seq_len)
     ds = TokenDataset.from_rows(rows, seq_len, True, document_mask=True)
     assert int(ds.lengths.min()) < seq_len + 1                             # some rows are padded
-    batch = collate(ds, range(len(ds)), pad_id=0)
     with torch.no_grad():
         alone = []
         for r in range(len(ds)):
             docs = [torch.tensor(p) for p in row_pieces(rows, r)]
             pad = seq_len - sum(len(p) for p in docs)
             alone.append(torch.cat([alone_losses(model, docs)[:seq_len], torch.full((max(pad, 0),), float("nan"))]))
-        alone = torch.stack(alone)                                          # [N, S]
-        use_packed_attention(model)
-        packed = per_token_losses(model, batch)                             # [N, S]
-    keep = batch.labels != IGNORE_INDEX
-    assert torch.equal(keep, ~alone.isnan())
-    torch.testing.assert_close(packed[keep], alone[keep], rtol=1e-5, atol=1e-6)
+    return collate(ds, range(len(ds)), pad_id=0), torch.stack(alone)     # Batch, [N, S]
+
+
+@pytest.mark.slow
+def test_slide_engine_trains_padded_whole_example_rows_like_the_reference():
+    """Slide mode on padded whole-example rows: each example's eval loss is its loss alone, and
+    training steps follow the HF reference with the same mask."""
+    loaded = make_loaded("llama", tied=True)
+    reference = build_reference(loaded)
+    batch, alone = whole_example_batch(reference.eval())
+    use_packed_attention(loaded.split.model)
+    use_packed_attention(reference)
+    rt = RuntimeConfig(mode="slide", dtype="fp32", device="cpu", head_chunk_tokens=16, chunk_mb=1)
+    engine = build_engine(loaded, rt, AdamWConfig(lr=1e-3, eps=1e-6))
+    try:
+        keep = batch.labels != IGNORE_INDEX
+        docs = batch.document_ids()
+        for b in range(batch.labels.shape[0]):
+            for doc in docs[b].unique().tolist():
+                select = keep[b] & (docs[b] == doc)
+                if not select.any():
+                    continue                                              # the padding
+                labels = torch.full_like(batch.labels, IGNORE_INDEX)
+                labels[b] = torch.where(select, batch.labels[b], IGNORE_INDEX)
+                loss, n = engine.eval_loss(Batch(batch.input_ids, labels, None, batch.position_ids))
+                assert n == int(select.sum())
+                assert loss == pytest.approx(float(alone[b][select].sum()), rel=1e-5, abs=1e-6), (b, doc)
+        trainer = ReferenceTrainer(reference.train(), lr=1e-3, eps=1e-6)
+        for step in range(2):
+            want, _ = _reference_step(trainer, batch)
+            assert engine.train_step([batch], 1e-3).loss == pytest.approx(want, rel=1e-5), step
+    finally:
+        engine.close()
 
 
 def test_batches_depend_only_on_seed_and_index(tmp_path):

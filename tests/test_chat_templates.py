@@ -11,6 +11,7 @@ models' special tokens, so every rendered character is a token and decoded runs 
 """
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -224,3 +225,32 @@ def test_chat_template_and_packing_strategy_flags():
     assert cfg.data.chat_template == "qwen3" and cfg.data.packing_strategy == "wrapped"
     with pytest.raises(ValueError, match="packing_strategy must be one of auto, bfd, wrapped"):
         DataConfig(packing_strategy="first-fit")
+
+
+@pytest.mark.slow
+def test_multi_turn_chats_train_end_to_end_with_the_shipped_qwen3_template(tmp_path):
+    """`slidetune train --chat-template qwen3` on two-turn chats (the embedded SmolLM2 tokenizer has
+    Qwen3's ChatML tokens): they train, packed whole, with the loss on both assistant turns."""
+    from test_train_errors import run_cli
+
+    from slidetune.models.load import embedded_tokenizer
+
+    chats = [{"messages": [{"role": "user", "content": f"Name a colour, number {i}."},
+                           {"role": "assistant", "content": f"Blue, number {i}."},
+                           {"role": "user", "content": "Another?"},
+                           {"role": "assistant", "content": f"Green, number {i + 1}."}]} for i in range(40)]
+    data = write_jsonl(tmp_path / "chats.jsonl", chats)
+    src = read_source(data)
+    tok = embedded_tokenizer()
+    (ex,) = tokenize_examples(src.examples[:1], tok, True, data, load_chat_template("qwen3"))
+    runs = [tok.decode([i for i, _ in group]) for target, group in
+            itertools.groupby(zip(ex.ids, ex.targets), key=lambda pair: pair[1]) if target]
+    assert runs == ["Blue, number 0.<|im_end|>", "<think>\n\n</think>\n\nGreen, number 1.<|im_end|>"]
+    out = tmp_path / "run"
+    code, stdout, err = run_cli("--model", "tiny-llama", "--max-steps", "2", "--device", "cpu", "--progress", "false",
+                                "--batch-size", "2", "--seq-len", "128", "--eval-batches", "2", "--data", data,
+                                "--chat-template", "qwen3", "--output-dir", str(out))
+    assert code == 0, (stdout[-2000:], err[-3000:])
+    assert "the 38 training examples are packed whole into" in err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and 2 <= summary["train_sequences"] < 38
