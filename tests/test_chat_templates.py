@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -128,9 +129,29 @@ def test_phi35_training_template_renders_the_published_text(phi35, generation_pr
                 == phi35.apply_chat_template(conversation, **kw))
 
 
-@pytest.mark.parametrize("tok_name", ["qwen3", "phi35"])
-def test_published_templates_are_refused_on_two_turns_with_a_pointer(tmp_path, request, tok_name):
+@pytest.mark.parametrize("tok_name, template, runs", [
+    ("qwen3", "qwen3", ["Hello there.<|im_end|>", "<think>\n\n</think>\n\nGoodbye.<|im_end|>"]),
+    ("phi35", "phi3.5", ["Hello there.<|end|>", "Goodbye.<|end|>"])])
+def test_published_templates_use_the_shipped_masks_with_a_warning(tmp_path, request, tok_name, template, runs):
+    """Without --chat-template the published templates defeat the prefix comparison on two turns;
+    the shipped copy renders the same text, so its masks are used, with a warning naming it."""
     tok = request.getfixturevalue(tok_name)
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": TWO_TURNS}])
+    src = read_source(data)
+    with pytest.warns(UserWarning, match=rf"the shipped template {re.escape(template)} renders these chats to "
+                                         rf"the same text.*--chat-template {re.escape(template)}"):
+        (ex,) = tokenize_examples(src.examples, tok, True, src.name)
+    (marked,) = tokenize_examples(src.examples, tok, True, src.name, load_chat_template(template))
+    assert (ex.ids, ex.targets) == (marked.ids, marked.targets)
+    assert [tok.decode([i for i, _ in g]) for t, g in itertools.groupby(zip(ex.ids, ex.targets),
+                                                                         key=lambda p: p[1]) if t] == runs
+
+
+def test_a_template_that_defeats_the_comparison_and_matches_no_shipped_one_is_refused(tmp_path, qwen3):
+    altered = QWEN3_PUBLISHED.replace("'<|im_start|>' + message.role + '\\n' + content + '<|im_end|>'",
+                                      "'<|im_start|>' + message.role + ':\\n' + content + '<|im_end|>'")
+    assert altered != QWEN3_PUBLISHED
+    tok = byte_tokenizer(altered, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"], eos_token="<|im_end|>")
     data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": TWO_TURNS}])
     src = read_source(data)
     with pytest.raises(DataError, match=r"cannot locate assistant message 2.*--chat-template FILE.*qwen3"):

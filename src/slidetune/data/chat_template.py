@@ -8,10 +8,13 @@ rendering. Templates without the blocks fall back to comparing renderings of the
 prefixes (tokenization.chat_segments), which fails for templates that render earlier turns
 differently once later ones exist (Qwen3 drops the thinking block of earlier replies; Phi-3.5
 writes EOS after the last message). The package ships generation-marked copies of such templates
-(``templates/NAME.jinja``), rendering exactly the text of the published ones.
+(``templates/NAME.jinja``), rendering exactly the text of the published ones; where the fallback
+fails and a shipped template renders the conversation to the very text the tokenizer's renders,
+its blocks mark the tokens (`shipped_equivalent`), with a warning that names it.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 from importlib import resources
@@ -25,10 +28,15 @@ _SHIPPED_DIR = "templates"
 _SUFFIX = ".jinja"
 
 
+@functools.lru_cache(maxsize=None)
+def _shipped_names() -> tuple[str, ...]:
+    folder = resources.files(__package__) / _SHIPPED_DIR
+    return tuple(sorted(p.name[: -len(_SUFFIX)] for p in folder.iterdir() if p.name.endswith(_SUFFIX)))
+
+
 def shipped_templates() -> list[str]:
     """Names of the templates shipped in the package (``--chat-template NAME``)."""
-    folder = resources.files(__package__) / _SHIPPED_DIR
-    return sorted(p.name[: -len(_SUFFIX)] for p in folder.iterdir() if p.name.endswith(_SUFFIX))
+    return list(_shipped_names())
 
 
 def check_chat_template_setting(spec: str | None) -> None:
@@ -37,6 +45,26 @@ def check_chat_template_setting(spec: str | None) -> None:
         return
     raise ValueError(f"DataConfig.chat_template (--chat-template) {spec!r} is neither a file nor a template "
                      f"shipped with slidetune ({', '.join(shipped_templates())})")
+
+
+@functools.lru_cache(maxsize=None)
+def _shipped_text(name: str) -> str:
+    return (resources.files(__package__) / _SHIPPED_DIR / (name + _SUFFIX)).read_text(encoding="utf-8")
+
+
+def shipped_equivalent(tokenizer: Any, own: str, messages: list[dict], tools: list | None) -> str | None:
+    """The name of a shipped template that renders this conversation to exactly the text ``own``
+    renders (so the tokens are the same and its generation blocks mark them), or None."""
+    def render(template: str) -> str | None:
+        try:
+            return tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False)
+        except Exception:  # a template that cannot render this conversation is no match
+            return None
+
+    text = render(own)
+    if text is None:
+        return None
+    return next((name for name in shipped_templates() if render(_shipped_text(name)) == text), None)
 
 
 def load_chat_template(spec: str | None) -> str | None:
@@ -54,7 +82,7 @@ def load_chat_template(spec: str | None) -> str | None:
             raise DataError(f"--chat-template {spec}: the file is empty")
         return text
     if spec in shipped_templates():
-        return (resources.files(__package__) / _SHIPPED_DIR / (spec + _SUFFIX)).read_text(encoding="utf-8")
+        return _shipped_text(spec)
     raise DataError(f"--chat-template {spec}: no such file, nor a template shipped with slidetune "
                     f"({', '.join(shipped_templates())})")
 

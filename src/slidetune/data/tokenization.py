@@ -19,10 +19,12 @@ Rules (one place, so that packing and padding never have to know about formats):
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from .chat_template import effective_template, marks_generation, masked_chat_tokens, shipped_templates
+from .chat_template import (effective_template, load_chat_template, marks_generation, masked_chat_tokens,
+                            shipped_equivalent, shipped_templates)
 from .errors import DataError
 from .formats import Example, Segment
 
@@ -130,8 +132,9 @@ def chat_segments(messages: list[dict], tokenizer: Any, mask_prompt: bool, where
 
 
 def _example_pieces(ex: Example, tokenizer: Any, mask_prompt: bool, source_name: str,
-                    chat_template: str | None) -> list[Segment] | tuple[list[int], list[bool]]:
-    """Segments to encode, or for chat with a generation-marked template its (ids, targets)."""
+                    chat_template: str | None, adopted: set[str]) -> list[Segment] | tuple[list[int], list[bool]]:
+    """Segments to encode, or for chat with a generation-marked template its (ids, targets).
+    ``adopted`` collects the shipped templates whose masks stood in for the tokenizer's template."""
     if ex.messages is None:
         assert ex.segments is not None
         return ex.segments
@@ -143,8 +146,20 @@ def _example_pieces(ex: Example, tokenizer: Any, mask_prompt: bool, source_name:
                         f"data as prompt/completion")
     if mask_prompt and marks_generation(template):
         return masked_chat_tokens(tokenizer, ex.messages, ex.tools, template, ex.where)
-    return chat_segments(ex.messages, tokenizer, mask_prompt, ex.where, chat_template=template,
-                         tools=ex.tools)
+    try:
+        return chat_segments(ex.messages, tokenizer, mask_prompt, ex.where, chat_template=template,
+                             tools=ex.tools)
+    except DataError:
+        # e.g. Qwen3's or Phi-3.5's published template: a shipped copy that renders the same text
+        # marks the assistant turns in it
+        name = None if chat_template is not None else shipped_equivalent(tokenizer, template, ex.messages,
+                                                                          ex.tools)
+        if name is None:
+            raise
+        adopted.add(name)
+        shipped = load_chat_template(name)
+        assert shipped is not None
+        return masked_chat_tokens(tokenizer, ex.messages, ex.tools, shipped, ex.where)
 
 
 def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
@@ -165,7 +180,7 @@ def _ends_with_text(segments: list[Segment], eos_text: str | None) -> bool:
 
 def _ends_with_eos(tokenizer: Any, ids: list[int], eos: int) -> bool:
     """Whether ``ids`` end with EOS followed only by whitespace tokens (``<|im_end|>\\n``)."""
-    tail = ids[-8:]
+    tail = ids[-8:]  # templates put at most a newline or two after a turn's EOS
     if eos not in tail:
         return False
     last = len(tail) - 1 - tail[::-1].index(eos)
@@ -178,8 +193,16 @@ def tokenize_examples(examples: list[Example], tokenizer: Any, mask_prompt: bool
     ``chat_template``: the Jinja text that renders chat examples (None: the tokenizer's)."""
     bos, eos = special_ids(tokenizer, source_name)
     eos_text = getattr(tokenizer, "eos_token", None)
-    per_example = [_example_pieces(ex, tokenizer, mask_prompt, source_name, chat_template)
+    adopted: set[str] = set()
+    per_example = [_example_pieces(ex, tokenizer, mask_prompt, source_name, chat_template, adopted)
                    for ex in examples]
+    if adopted:
+        names = ", ".join(sorted(adopted))
+        warnings.warn(f"{source_name}: the tokenizer's chat template renders earlier turns differently once "
+                      f"later ones exist, so the assistant turns cannot be found by comparing renderings; the "
+                      f"shipped template {names} renders these chats to the same text and marks the assistant "
+                      f"turns: its masks are used (--chat-template {names} says so and skips this check)",
+                      stacklevel=2)
     encoded = iter(_encode(tokenizer, [s.text for p in per_example if isinstance(p, list) for s in p]))
     out: list[TokenizedExample] = []
     for ex, pieces in zip(examples, per_example):
