@@ -199,7 +199,8 @@ def test_packing_keeps_prompt_mask_across_the_shift(tmp_path, tok):
     p = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "a b", "completion": "c"},
                                             {"prompt": "d", "completion": "e f"}])
     # stream: 1 8 9 10 2 | 1 11 12 13 2 (10 tokens), targets: 10 2 | 12 13 2
-    train, _ = build(p, tok, seq_len=4)  # windows: stream[0:5], stream[4:9]
+    # windows: stream[0:5], stream[4:9] (wrapped: instruction data packs whole examples by default)
+    train, _ = build(p, tok, seq_len=4, packing_strategy="wrapped")
     batch = collate(train, range(len(train)), pad_id=PAD)
     X = IGNORE_INDEX
     assert batch.input_ids.tolist() == [[BOS, a, b, c], [EOS, BOS, d, e]]

@@ -63,6 +63,10 @@ def collate(dataset: "TokenDataset | TokenArrayDataset", rows: Sequence[int], pa
     With ``dataset.document_mask`` (packing "masked") the batch also gets ``position_ids`` that
     restart at each document, and the label that would predict a document's first token from
     the previous document's last one is -100: each document trains exactly as if alone.
+
+    Packed rows shorter than S+1 (whole-example packing) are padded on the right without an
+    attention mask: under the causal mask no real token attends to the padding after it, and the
+    padding's labels are -100. With the document mask the padding is a document of its own.
     """
     S = dataset.seq_len
     B = len(rows)
@@ -79,12 +83,14 @@ def collate(dataset: "TokenDataset | TokenArrayDataset", rows: Sequence[int], pa
         real[b, :length] = True
         if masked and starts is not None:
             doc_start[b, :length] = starts
+            if length <= S:
+                doc_start[b, length] = True   # the padding: a document of its own
     if masked:
         is_target &= ~doc_start          # no label across a document boundary
     input_ids = window[:, :-1]                                                    # [B, S]
     labels = torch.where(is_target[:, 1:], window[:, 1:], IGNORE_INDEX)           # [B, S]
     real_in = real[:, :-1]                                                        # [B, S]
-    attention_mask = None if bool(real_in.all()) else real_in.to(torch.int64)
+    attention_mask = None if dataset.packed or bool(real_in.all()) else real_in.to(torch.int64)
     position_ids = None
     if masked and attention_mask is None and bool(doc_start[:, 1:-1].any()):
         position_ids = document_positions(doc_start[:, :-1])                      # [B, S]

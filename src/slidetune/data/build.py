@@ -29,9 +29,10 @@ from .config import DataConfig
 from .corpus import builtin_corpus
 from .dataset import TokenDataset
 from .errors import DataError
+from .chat_template import load_chat_template
 from .formats import Example, Source, texts_source
 from .hf_datasets import StreamingSource, open_streaming, should_stream
-from .packing import Rows, pack, pad_rows
+from .packing import Rows, fill_ratio, pack, pack_whole, pad_rows
 from .sources import read_source
 from .split import MIN_HELDOUT_EXAMPLES, plan_heldout
 from .streaming import build_streaming
@@ -135,13 +136,23 @@ def _too_few_rows(rows: Rows, padded: bool, n_packed: int, n_examples: int, n_he
                      + ", ".join(hints[:-1]) + " or " + hints[-1])
 
 
+def _packer(cfg: DataConfig, source: Source):
+    """pack_whole (bfd: whole examples) or pack (wrapped: windows), as cfg.packing_strategy says."""
+    return pack_whole if cfg.packs_whole_examples(source.format) else pack
+
+
+def _template_of(cfg: DataConfig, source: Source) -> str | None:
+    """--chat-template's Jinja text for a chat source (None: the tokenizer's own, or not chat)."""
+    return load_chat_template(cfg.chat_template) if source.format == "chat" else None
+
+
 def _build_train(examples: list[Example], n_heldout: int, source: Source, cfg: DataConfig,
-                 tokenizer: Any, min_rows: int, notes: list[str]) -> TokenDataset:
-    tokenized = tokenize_cached(examples, tokenizer, cfg.mask_prompt, source.name, cfg.cache_dir)
+                 tokenizer: Any, min_rows: int, notes: list[str], template: str | None) -> TokenDataset:
+    tokenized = tokenize_cached(examples, tokenizer, cfg.mask_prompt, source.name, cfg.cache_dir, template)
     width = cfg.seq_len + 1
     padded, n_packed, note = not cfg.packed, 0, None
     if cfg.packed:
-        rows = pack(tokenized, cfg.seq_len)
+        rows = _packer(cfg, source)(tokenized, cfg.seq_len)
         n_packed = len(rows.starts)
         if n_packed < min_rows:
             per_example = pad_rows(tokenized, cfg.seq_len)
@@ -164,6 +175,11 @@ def _build_train(examples: list[Example], n_heldout: int, source: Source, cfg: D
         raise _too_few_rows(rows, padded, n_packed, len(examples), n_heldout, min_rows, source, cfg)
     if note:
         notes.append(note)
+    if not padded and cfg.packs_whole_examples(source.format):
+        notes.append(f"{source.name}: the {len(examples)} training examples are packed whole into "
+                     f"{len(rows.starts)} rows of up to seq_len+1 = {width} tokens (best-fit decreasing, "
+                     f"--packing-strategy bfd): {100 * fill_ratio(rows, cfg.seq_len):.1f}% of the row "
+                     f"tokens are real, the rest is padding (masked out of the loss)")
     _warn_rows(rows, "train", len(examples), source, cfg)
     return TokenDataset.from_rows(rows, cfg.seq_len, not padded, split="train", source=source.name,
                                   document_mask=cfg.packing == "masked" and not padded,
@@ -171,16 +187,16 @@ def _build_train(examples: list[Example], n_heldout: int, source: Source, cfg: D
 
 
 def _build_heldout(examples: list[Example], padded: bool, source: Source, cfg: DataConfig,
-                   tokenizer: Any, notes: list[str]) -> TokenDataset:
+                   tokenizer: Any, notes: list[str], template: str | None) -> TokenDataset:
     """The held-out rows: packed like the train split unless that gives no row; empty (with a
     note) when not one held-out example has a token to evaluate."""
     info = dict(split="heldout", source=source.name, format=source.format)
-    tokenized = tokenize_cached(examples, tokenizer, cfg.mask_prompt, source.name, cfg.cache_dir)
+    tokenized = tokenize_cached(examples, tokenizer, cfg.mask_prompt, source.name, cfg.cache_dir, template)
     width = cfg.seq_len + 1
     if padded:
         rows = pad_rows(tokenized, cfg.seq_len)
     else:
-        rows = pack(tokenized, cfg.seq_len)
+        rows = _packer(cfg, source)(tokenized, cfg.seq_len)
         if len(rows.starts) == 0:
             rows, padded = pad_rows(tokenized, cfg.seq_len), True
             if len(rows.starts):
@@ -203,7 +219,8 @@ def _build_eval(evaluation: Source, cfg: DataConfig, tokenizer: Any, vocab_size:
     if tokenizer is None:
         raise DataError(f"{evaluation.name}: --eval-data is tokenized, and the model has no tokenizer")
     notes: list[str] = []
-    heldout = _build_heldout(evaluation.examples, False, evaluation, cfg, tokenizer, notes)
+    heldout = _build_heldout(evaluation.examples, False, evaluation, cfg, tokenizer, notes,
+                             _template_of(cfg, evaluation))
     if vocab_size is not None:
         _check_tokenizer_ids((heldout,), vocab_size, evaluation)
     for note in notes:
@@ -272,6 +289,7 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, min_rows: int = 1, vocab_siz
     if isinstance(source, StreamingSource):
         return _build_streamed(source, cfg, tokenizer, min_rows, vocab_size)
     special_ids(tokenizer, source.name)  # fail on a tokenizer without EOS before any work
+    template = _template_of(cfg, source)
     evaluation = source.eval_source
     if evaluation is not None:       # --eval-data: evaluated instead of a held-out split; all of it trains
         train_idx, heldout_idx, note = list(range(len(source.examples))), [], None
@@ -280,12 +298,13 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, min_rows: int = 1, vocab_siz
                                                     cfg.seed, source.name)
     notes = [note] if note else []
     train = _build_train([source.examples[i] for i in train_idx], len(heldout_idx), source, cfg,
-                         tokenizer, min_rows, notes)
+                         tokenizer, min_rows, notes, template)
     if evaluation is not None:
-        heldout = _build_heldout(evaluation.examples, not train.packed, evaluation, cfg, tokenizer, notes)
+        heldout = _build_heldout(evaluation.examples, not train.packed, evaluation, cfg, tokenizer, notes,
+                                 _template_of(cfg, evaluation))
     elif heldout_idx:
         heldout = _build_heldout([source.examples[i] for i in heldout_idx], not train.packed,
-                                 source, cfg, tokenizer, notes)
+                                 source, cfg, tokenizer, notes, template)
     else:
         heldout = TokenDataset.empty(cfg.seq_len, cfg.packed, split="heldout",
                                      source=source.name, format=source.format)

@@ -3,9 +3,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .chat_template import check_chat_template_setting
+
 PACKING_MODES = ("masked", "causal", "off")
 STREAMING_MODES = ("auto", "on", "off")
 _STREAMING_ALIASES = {"true": "on", "yes": "on", "1": "on", "false": "off", "no": "off", "0": "off"}
+# how packed rows are cut (TRL's names): whole examples best-fit (bfd) or windows of the stream
+PACKING_STRATEGIES = ("auto", "bfd", "wrapped")
+# the formats whose examples are a prompt and its reply: packed whole by packing_strategy auto
+INSTRUCTION_FORMATS = ("chat", "prompt_completion", "alpaca")
 # the boolean spelling of the flag before the modes existed (`--packing true|false`)
 _PACKING_ALIASES = {"true": "masked", "on": "masked", "yes": "masked", "1": "masked",
                     "false": "off", "no": "off", "0": "off"}
@@ -40,9 +46,10 @@ class DataConfig:
     # benchmark shape and keeps CPU tests fast; real fine-tuning usually wants 1024-4096.
     seq_len: int = 256
     # How rows are made:
-    #   masked: documents are concatenated and cut into windows of seq_len+1 tokens (no compute
-    #           spent on padding); each token attends only to its own document and position ids
-    #           restart at each document, so a packed row trains like its documents run alone
+    #   masked: several documents share a row of seq_len+1 tokens (packing_strategy: whole
+    #           examples, or windows of the stream); each token attends only to its own document
+    #           and position ids restart at each document, so a packed row trains like its
+    #           documents run alone
     #           (what instruction/chat fine-tuning wants; transformers' packed-sequence mask).
     #   causal: packed the same way but unmasked: documents attend to the documents before
     #           them in the row (the usual trade of packed pretraining corpora).
@@ -51,6 +58,16 @@ class DataConfig:
     # A split too small to fill one batch of packed rows (a few dozen short examples) falls
     # back to one example per row, with a note (build.py).
     packing: str = "masked"
+    # How packed rows are cut: bfd packs whole examples (best-fit decreasing) into rows of up to
+    # seq_len+1 tokens, padded, so no reply is cut from its prompt (an example longer than that is
+    # truncated, with a warning); wrapped cuts the concatenated examples into full windows (a
+    # window may start mid-example). auto: bfd for chat, prompt/completion and alpaca data,
+    # wrapped for plain text. Applies when packing is masked or causal.
+    packing_strategy: str = "auto"
+    # The Jinja chat template that renders chat data: a file, or the name of one shipped with
+    # slidetune (qwen3, phi3.5: the published templates with the assistant's text marked by
+    # {% generation %}, so multi-turn chats train on every assistant turn). None: the tokenizer's.
+    chat_template: str | None = None
     # Fraction of documents/examples held out for evaluation, chosen by a seeded permutation.
     # 5% of the ~1 MB built-in corpus is ~12K tokens: enough for a stable perplexity. Data sets
     # of fewer than 10 examples train without a held-out split (with a note); from 10 up at
@@ -73,6 +90,10 @@ class DataConfig:
         if self.streaming not in STREAMING_MODES:
             raise ValueError(f"DataConfig.streaming must be one of {', '.join(STREAMING_MODES)}, got "
                              f"{self.streaming!r}")
+        if self.packing_strategy not in PACKING_STRATEGIES:
+            raise ValueError(f"DataConfig.packing_strategy must be one of {', '.join(PACKING_STRATEGIES)}, got "
+                             f"{self.packing_strategy!r}: bfd packs whole examples, wrapped cuts windows")
+        check_chat_template_setting(self.chat_template)
         if self.token_dtype not in ("uint16", "uint32"):
             raise ValueError(f"DataConfig.token_dtype must be uint16 or uint32, got {self.token_dtype!r}")
         if self.seq_len < 1:
@@ -84,5 +105,11 @@ class DataConfig:
 
     @property
     def packed(self) -> bool:
-        """Rows are windows of the concatenated documents (masked or causal)."""
+        """Rows hold several documents (masked or causal)."""
         return self.packing != "off"
+
+    def packs_whole_examples(self, data_format: str) -> bool:
+        """Whether packed rows of ``data_format`` data are whole examples (bfd), not windows."""
+        if self.packing_strategy == "auto":
+            return data_format in INSTRUCTION_FORMATS
+        return self.packing_strategy == "bfd"

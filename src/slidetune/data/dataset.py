@@ -18,7 +18,7 @@ class Row:
 @dataclass
 class TokenDataset:
     """The rows of one split. Row r holds L_r <= seq_len+1 tokens (exactly seq_len+1 when
-    packed); `batch.collate` turns rows into a shifted, padded `Batch` of width seq_len.
+    packed in windows); `batch.collate` turns rows into a shifted, padded `Batch` of width seq_len.
 
     Storage is ragged and flat (no padding stored; packed rows share their boundary token),
     so a split costs ~5 bytes per token of RAM.
@@ -34,7 +34,7 @@ class TokenDataset:
     source: str = ""        # the data path, or "<builtin corpus>"
     format: str = "text"    # "text" | "chat" | "prompt_completion" | "alpaca"
     num_examples: int = 0   # documents/examples of this split before packing
-    num_truncated: int = 0  # examples cut to seq_len+1 tokens (packing=False)
+    num_truncated: int = 0  # examples cut to seq_len+1 tokens (one per row, or packed whole)
     num_dropped: int = 0    # rows dropped for having no target token
     doc_starts: torch.Tensor | None = None  # [T] bool, True at each document's first token
     # packing "masked": packed rows keep their documents apart (batch.collate gives position ids

@@ -10,6 +10,8 @@ Accepted sources (``DataConfig.path``):
   detected per line from its keys, first match wins (extra keys are ignored):
     1. ``messages``                      chat: a list of {"role", "content"} rendered with the
                                          tokenizer's chat template; assistant turns supervised
+                                         (``content`` null in a turn with ``tool_calls``; a
+                                         ``tools`` key is passed to the template)
     2. ``instruction`` + ``output``      alpaca (``input`` optional), rendered with
                                          `ALPACA_PROMPT` / `ALPACA_PROMPT_NO_INPUT`
     3. ``prompt`` + ``completion``       prompt-completion; the completion is supervised
@@ -77,6 +79,7 @@ class Example:
     where: str                                    # "file.jsonl:12" (1-based line) for messages
     segments: list[Segment] | None = None
     messages: list[dict[str, Any]] | None = field(default=None)
+    tools: list[dict[str, Any]] | None = None     # chat: the record's tool schemas, for the template
 
 
 @dataclass
@@ -120,10 +123,30 @@ def _parse_messages(value: Any, where: str) -> list[dict[str, Any]]:
             raise DataError(f"{where}: messages[{i}] must be an object with 'role' and "
                             f"'content', got {type(msg).__name__}")
         for key in ("role", "content"):
+            if key == "content" and msg.get(key) is None and msg.get("tool_calls"):
+                continue  # a tool-call turn: {"role": "assistant", "content": null, "tool_calls": [...]}
             if not isinstance(msg.get(key), str):
                 got = "missing" if key not in msg else type(msg[key]).__name__
                 raise DataError(f"{where}: messages[{i}]['{key}'] must be a string, got {got}")
+        if msg.get("tool_calls") is not None and not isinstance(msg["tool_calls"], list):
+            raise DataError(f"{where}: messages[{i}]['tool_calls'] must be a list, "
+                            f"got {type(msg['tool_calls']).__name__}")
     return value
+
+
+def _parse_tools(value: Any, where: str) -> list[dict[str, Any]] | None:
+    """A chat record's ``tools``: a list of tool schemas (objects), or a JSON string of one (as
+    datasets often store them); None when absent."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: 'tools' is a string but not JSON: {e.msg} (column {e.colno})") from None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise DataError(f"{where}: 'tools' must be a list of tool schema objects, got {type(value).__name__}")
+    return value or None
 
 
 def parse_record(record: Any, where: str) -> Example:
@@ -135,7 +158,8 @@ def parse_record(record: Any, where: str) -> Example:
         raise DataError(f"{where}: keys {sorted(record.keys())} match no known format; "
                         f"accepted key sets: {_ACCEPTED}")
     if fmt == "chat":
-        return Example(fmt, where, messages=_parse_messages(record["messages"], where))
+        return Example(fmt, where, messages=_parse_messages(record["messages"], where),
+                       tools=_parse_tools(record.get("tools"), where))
     if fmt == "alpaca":
         instruction = _str_field(record, "instruction", where)
         inp = _str_field(record, "input", where, optional=True)

@@ -29,6 +29,7 @@ from .errors import DataError
 from .hf_datasets import StreamingSource
 from .token_arrays import TokenArrayDataset, build_token_datasets
 from .token_cache import cache_root, examples_key, tokenizer_fingerprint
+from .chat_template import load_chat_template
 from .tokenization import special_ids, tokenize_examples
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,9 @@ def token_file(source: StreamingSource, tokenizer: Any, cfg: DataConfig) -> Path
     if root is None:
         raise DataError(f"{source.name}: streaming writes its tokens to a file in the cache; --data-cache-dir "
                         f"off leaves it nowhere to go: give a directory (--data-cache-dir DIR)")
-    key, _ = examples_key([], f"{tokenizer_fingerprint(tokenizer)}\x00{source.fingerprint}", cfg.mask_prompt)
+    template = load_chat_template(cfg.chat_template)        # None: the tokenizer's own
+    key, _ = examples_key([], f"{tokenizer_fingerprint(tokenizer)}\x00{source.fingerprint}\x00{template or ''}",
+                          cfg.mask_prompt)
     file = root / f"stream-{key}.bin"
     if file.is_file() and file.with_suffix(".targets").is_file():
         log.info("%s: tokens read from the cache %s", source.name, file)
@@ -76,7 +79,7 @@ def token_file(source: StreamingSource, tokenizer: Any, cfg: DataConfig) -> Path
     try:
         with open(tmp, "wb") as f, open(tmp_targets, "wb") as t:
             for chunk in source.chunks():
-                for ex in tokenize_examples(chunk, tokenizer, cfg.mask_prompt, source.name):
+                for ex in tokenize_examples(chunk, tokenizer, cfg.mask_prompt, source.name, template):
                     np.asarray(ex.ids, dtype=np.uint32).tofile(f)
                     np.asarray(ex.targets, dtype=np.uint8).tofile(t)
                     n_tokens += len(ex.ids)

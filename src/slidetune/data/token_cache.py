@@ -65,8 +65,8 @@ def examples_key(examples: list[Example], tokenizer_fp: str, mask_prompt: bool) 
     h.update(tokenizer_fp.encode("utf-8", "surrogatepass"))
     chars = 0
     for ex in examples:
-        if ex.messages is not None:
-            text = json.dumps(ex.messages, sort_keys=True, ensure_ascii=False)
+        if ex.messages is not None:       # a record's tool schemas render into its prompt
+            text = json.dumps([ex.messages, ex.tools], sort_keys=True, ensure_ascii=False)
             h.update(b"\x01m" + text.encode("utf-8", "surrogatepass"))
             chars += len(text)
         else:
@@ -80,7 +80,7 @@ def examples_key(examples: list[Example], tokenizer_fp: str, mask_prompt: bool) 
 
 def _text_chars(examples: list[Example]) -> int:
     """Characters of text (a conversation's contents), counted before anything is hashed."""
-    return sum(sum(len(m["content"]) for m in ex.messages) if ex.messages is not None
+    return sum(sum(len(m.get("content") or "") for m in ex.messages) if ex.messages is not None
                else sum(len(seg.text) for seg in ex.segments or ()) for ex in examples)
 
 
@@ -111,22 +111,23 @@ def _save(file: Path, tokenized: list[TokenizedExample]) -> None:
 
 
 def tokenize_cached(examples: list[Example], tokenizer: Any, mask_prompt: bool, source_name: str,
-                    cache_dir: str | None) -> list[TokenizedExample]:
+                    cache_dir: str | None, chat_template: str | None = None) -> list[TokenizedExample]:
     """`tokenization.tokenize_examples`, read from the cache when these examples were tokenized the
-    same way before (and written there otherwise). A cache that cannot be written only warns."""
+    same way before (and written there otherwise). A cache that cannot be written only warns.
+    chat_template: --chat-template's Jinja text (None: the tokenizer's), part of the key."""
     root = cache_root(cache_dir)
     if root is None or not examples:
-        return tokenize_examples(examples, tokenizer, mask_prompt, source_name)
+        return tokenize_examples(examples, tokenizer, mask_prompt, source_name, chat_template)
     if _text_chars(examples) < CACHE_MIN_CHARS:
-        return tokenize_examples(examples, tokenizer, mask_prompt, source_name)
-    key, _ = examples_key(examples, tokenizer_fingerprint(tokenizer), mask_prompt)
+        return tokenize_examples(examples, tokenizer, mask_prompt, source_name, chat_template)
+    key, _ = examples_key(examples, tokenizer_fingerprint(tokenizer) + f"\x00{chat_template or ''}", mask_prompt)
     file = root / f"tokens-{key}.npz"
     if file.is_file():
         cached = _load(file, examples)
         if cached is not None:
             log.info("%s: %d examples' tokens read from the cache %s", source_name, len(examples), file)
             return cached
-    tokenized = tokenize_examples(examples, tokenizer, mask_prompt, source_name)
+    tokenized = tokenize_examples(examples, tokenizer, mask_prompt, source_name, chat_template)
     try:
         _save(file, tokenized)
     except OSError as e:

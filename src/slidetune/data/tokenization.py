@@ -19,9 +19,12 @@ Rules (one place, so that packing and padding never have to know about formats):
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from .chat_template import (effective_template, load_chat_template, marks_generation, masked_chat_tokens,
+                            shipped_equivalent, shipped_templates)
 from .errors import DataError
 from .formats import Example, Segment
 
@@ -49,10 +52,12 @@ def special_ids(tokenizer: Any, source_name: str) -> tuple[int | None, int]:
     return bos, eos
 
 
-def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool, where: str) -> str:
+def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool, where: str,
+            **template: Any) -> str:
+    """``template``: apply_chat_template's chat_template (None: the tokenizer's) and tools."""
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=generation_prompt)
+                                             add_generation_prompt=generation_prompt, **template)
     except Exception as e:  # template errors (e.g. "roles must alternate") come as many types
         raise DataError(f"{where}: the tokenizer's chat template failed on this conversation: "
                         f"{type(e).__name__}: {e}") from e
@@ -62,7 +67,7 @@ def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool, where
     return text
 
 
-def _opening_prompt(tokenizer: Any, upto: str, where: str) -> str | None:
+def _opening_prompt(tokenizer: Any, upto: str, where: str, **template: Any) -> str | None:
     """The prompt of a conversation's opening assistant turn, or None if not found.
 
     An empty conversation cannot be rendered (transformers refuses it), so the assistant
@@ -72,8 +77,8 @@ def _opening_prompt(tokenizer: Any, upto: str, where: str) -> str | None:
     """
     probe = [{"role": "user", "content": "x"}]
     try:
-        with_header = _render(tokenizer, probe, True, where)
-        without = _render(tokenizer, probe, False, where)
+        with_header = _render(tokenizer, probe, True, where, **template)
+        without = _render(tokenizer, probe, False, where, **template)
     except DataError:
         return None
     header = with_header[len(without):]
@@ -82,8 +87,8 @@ def _opening_prompt(tokenizer: Any, upto: str, where: str) -> str | None:
     return upto[: upto.index(header) + len(header)]
 
 
-def chat_segments(messages: list[dict], tokenizer: Any, mask_prompt: bool,
-                  where: str) -> list[Segment]:
+def chat_segments(messages: list[dict], tokenizer: Any, mask_prompt: bool, where: str,
+                  **template: Any) -> list[Segment]:
     """Render a conversation with the chat template and mark the assistant turns.
 
     Assistant turn i is the text that ``render(messages[:i+1])`` adds after
@@ -91,8 +96,9 @@ def chat_segments(messages: list[dict], tokenizer: Any, mask_prompt: bool,
     end-of-turn marker (e.g. ``Hello<|im_end|>\\n``), the part the model must generate. This
     needs a template whose renderings of a conversation's prefixes are prefixes of the full
     rendering (true of ChatML and Llama-3 templates); otherwise a DataError explains.
+    ``template``: apply_chat_template's chat_template and tools.
     """
-    full = _render(tokenizer, messages, False, where)
+    full = _render(tokenizer, messages, False, where, **template)
     if not mask_prompt:
         return [Segment(full, True)]
     segments: list[Segment] = []
@@ -100,20 +106,22 @@ def chat_segments(messages: list[dict], tokenizer: Any, mask_prompt: bool,
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        upto = _render(tokenizer, messages[: i + 1], False, where)
+        upto = _render(tokenizer, messages[: i + 1], False, where, **template)
         prompt: str | None
         if i > 0:
-            prompt = _render(tokenizer, messages[:i], True, where)
+            prompt = _render(tokenizer, messages[:i], True, where, **template)
         else:
-            prompt = _opening_prompt(tokenizer, upto, where)
+            prompt = _opening_prompt(tokenizer, upto, where, **template)
         locatable = (prompt is not None and upto.startswith(prompt) and full.startswith(upto)
                      and len(prompt) >= cursor)
         if not locatable:
             raise DataError(
                 f"{where}: cannot locate assistant message {i} in the chat template's output: "
                 f"rendering the conversation up to it is not a prefix of the full rendering "
-                f"(the template rewrites earlier turns); use prompt/completion records instead, "
-                f"or mask_prompt=False"
+                f"(the template rewrites earlier turns); give a template that marks the assistant "
+                f"turns with {{% generation %}} blocks (--chat-template FILE, or a shipped one: "
+                f"{', '.join(shipped_templates())}), use prompt/completion records instead, or "
+                f"mask_prompt=False"
             )
         assert prompt is not None
         segments.append(Segment(full[cursor:len(prompt)], False))
@@ -123,16 +131,35 @@ def chat_segments(messages: list[dict], tokenizer: Any, mask_prompt: bool,
     return [s for s in segments if s.text]
 
 
-def _example_segments(ex: Example, tokenizer: Any, mask_prompt: bool,
-                      source_name: str) -> list[Segment]:
+def _example_pieces(ex: Example, tokenizer: Any, mask_prompt: bool, source_name: str,
+                    chat_template: str | None, adopted: set[str]) -> list[Segment] | tuple[list[int], list[bool]]:
+    """Segments to encode, or for chat with a generation-marked template its (ids, targets).
+    ``adopted`` collects the shipped templates whose masks stood in for the tokenizer's template."""
     if ex.messages is None:
         assert ex.segments is not None
         return ex.segments
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError(f"{source_name}: chat data ('messages' at {ex.where}) needs a tokenizer "
-                        f"with a chat template, and this tokenizer has none; set "
-                        f"tokenizer.chat_template, or write the data as prompt/completion")
-    return chat_segments(ex.messages, tokenizer, mask_prompt, ex.where)
+    template = effective_template(tokenizer, chat_template, ex.tools)
+    if template is None:
+        raise DataError(f"{source_name}: chat data ('messages' at {ex.where}) needs a tokenizer with a chat "
+                        f"template, and this tokenizer has none; pass --chat-template FILE|NAME (shipped: "
+                        f"{', '.join(shipped_templates())}), set tokenizer.chat_template, or write the "
+                        f"data as prompt/completion")
+    if mask_prompt and marks_generation(template):
+        return masked_chat_tokens(tokenizer, ex.messages, ex.tools, template, ex.where)
+    try:
+        return chat_segments(ex.messages, tokenizer, mask_prompt, ex.where, chat_template=template,
+                             tools=ex.tools)
+    except DataError:
+        # e.g. Qwen3's or Phi-3.5's published template: a shipped copy that renders the same text
+        # marks the assistant turns in it
+        name = None if chat_template is not None else shipped_equivalent(tokenizer, template, ex.messages,
+                                                                          ex.tools)
+        if name is None:
+            raise
+        adopted.add(name)
+        shipped = load_chat_template(name)
+        assert shipped is not None
+        return masked_chat_tokens(tokenizer, ex.messages, ex.tools, shipped, ex.where)
 
 
 def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
@@ -151,25 +178,49 @@ def _ends_with_text(segments: list[Segment], eos_text: str | None) -> bool:
     return "".join(s.text for s in segments).rstrip().endswith(eos_text)
 
 
-def tokenize_examples(examples: list[Example], tokenizer: Any, mask_prompt: bool,
-                      source_name: str) -> list[TokenizedExample]:
-    """Tokenize examples in order; see the module docstring for BOS/EOS/target rules."""
+def _ends_with_eos(tokenizer: Any, ids: list[int], eos: int) -> bool:
+    """Whether ``ids`` end with EOS followed only by whitespace tokens (``<|im_end|>\\n``)."""
+    tail = ids[-8:]  # templates put at most a newline or two after a turn's EOS
+    if eos not in tail:
+        return False
+    last = len(tail) - 1 - tail[::-1].index(eos)
+    return not tokenizer.decode(tail[last + 1:]).strip()
+
+
+def tokenize_examples(examples: list[Example], tokenizer: Any, mask_prompt: bool, source_name: str,
+                      chat_template: str | None = None) -> list[TokenizedExample]:
+    """Tokenize examples in order; see the module docstring for BOS/EOS/target rules.
+    ``chat_template``: the Jinja text that renders chat examples (None: the tokenizer's)."""
     bos, eos = special_ids(tokenizer, source_name)
     eos_text = getattr(tokenizer, "eos_token", None)
-    per_example = [_example_segments(ex, tokenizer, mask_prompt, source_name) for ex in examples]
-    encoded = iter(_encode(tokenizer, [s.text for segs in per_example for s in segs]))
+    adopted: set[str] = set()
+    per_example = [_example_pieces(ex, tokenizer, mask_prompt, source_name, chat_template, adopted)
+                   for ex in examples]
+    if adopted:
+        names = ", ".join(sorted(adopted))
+        warnings.warn(f"{source_name}: the tokenizer's chat template renders earlier turns differently once "
+                      f"later ones exist, so the assistant turns cannot be found by comparing renderings; the "
+                      f"shipped template {names} renders these chats to the same text and marks the assistant "
+                      f"turns: its masks are used (--chat-template {names} says so and skips this check)",
+                      stacklevel=2)
+    encoded = iter(_encode(tokenizer, [s.text for p in per_example if isinstance(p, list) for s in p]))
     out: list[TokenizedExample] = []
-    for ex, segs in zip(examples, per_example):
+    for ex, pieces in zip(examples, per_example):
         ids: list[int] = []
         targets: list[bool] = []
-        for seg in segs:
-            piece = next(encoded)
-            ids += piece
-            targets += [seg.supervised or not mask_prompt] * len(piece)
+        if isinstance(pieces, tuple):
+            ids, targets = pieces
+            ends_with_eos = bool(ids) and _ends_with_eos(tokenizer, ids, eos)
+        else:
+            for seg in pieces:
+                piece = next(encoded)
+                ids += piece
+                targets += [seg.supervised or not mask_prompt] * len(piece)
+            ends_with_eos = bool(ids) and (ids[-1] == eos or _ends_with_text(pieces, eos_text))
         if bos is not None and (not ids or ids[0] != bos):
             ids.insert(0, bos)
             targets.insert(0, False)
-        if not ids or not (ids[-1] == eos or _ends_with_text(segs, eos_text)):
+        if not ends_with_eos:
             ids.append(eos)
             targets.append(targets[-1] if targets else True)
         if ids[0] == bos:
