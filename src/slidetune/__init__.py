@@ -13,11 +13,12 @@ alone stays light.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-# public name -> the module that defines it (`train` is the module slidetune.train, callable as its function)
+# public name -> the module that defines it (`train` is the module slidetune.train, callable as its function).
+# Imported when first asked for, not here: the package's modules import __version__ from this file, so
+# importing them here would make each a cycle through the package
 _EXPORTS = {
     "train": "slidetune.train",
     "TrainConfig": "slidetune.config",
@@ -29,15 +30,6 @@ _EXPORTS = {
     "AdamWConfig": "slidetune.engine.adamw",
 }
 __all__ = ["__version__", *_EXPORTS]
-
-if TYPE_CHECKING:
-    from . import train
-    from .callbacks import Callback
-    from .config import TrainConfig
-    from .data.config import DataConfig
-    from .engine.adamw import AdamWConfig
-    from .engine.config import RuntimeConfig
-    from .train import TrainingError, TrainSummary
 
 
 def __getattr__(name: str):
