@@ -507,8 +507,8 @@ def _resolve_resume(cfg: TrainConfig, ckpt_dir: Path, total_steps: int) -> Path 
             checked = check_checkpoint(ckpt)
         except CheckpointError as e:
             raise TrainingError(f"--resume {cfg.resume}: {e}" + (
-                f". Resume from an older checkpoint instead (--resume auto sets a damaged one aside and takes the "
-                f"next older one)" if isinstance(e, CheckpointCorrupt) else "")) from e
+                ". Resume from an older checkpoint instead (--resume auto sets a damaged one aside and takes the "
+                "next older one)" if isinstance(e, CheckpointCorrupt) else "")) from e
     if not checked.verified:
         print(f"note: {checked.path} has no MANIFEST.json (written by an older slidetune): its files cannot "
               f"be verified against digests, only their structure was checked", file=sys.stderr)
@@ -953,7 +953,7 @@ class Trainer:
         """A second Ctrl-C / SIGTERM while the first one was being handled: keep the metrics, say what is left."""
         self.flush()
         newest = latest_checkpoint(self.ckpt_dir)
-        print(f"\ninterrupted twice: stopped without saving the current step; "
+        print("\ninterrupted twice: stopped without saving the current step; "
               + (f"the newest checkpoint, {newest}, is intact" if newest else "no checkpoint was written"),
               file=sys.stderr)
 
