@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 from slidetune import launch
 from slidetune.cli import main
 from slidetune.data.corpus import builtin_corpus
+from slidetune.telemetry.trackers import is_installed
 
 STEPS = 3
 SAVE_EVERY = 2
@@ -138,8 +139,12 @@ def test_two_rank_checkpoint_resumes_on_one_rank(runs):
 def test_only_rank_zero_writes(runs):
     tmp = runs["tmp"]
     out = tmp / "two"
-    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (tmp / "one").iterdir()) == [
-        "checkpoints", "config.json", "final", "loss.png", "metrics.csv", "summary.json"]
+    # --report-to auto: TensorBoard's events too where it is installed (the test extra installs it)
+    tensorboard = ["tensorboard"] if is_installed("tensorboard") else []
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (tmp / "one").iterdir()) == sorted([
+        "checkpoints", "config.json", "final", "loss.png", "metrics.csv", "summary.json", *tensorboard])
+    if tensorboard:
+        assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1, "rank 0 alone logs"
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"checkpoint-{SAVE_EVERY}",
                                                                         f"checkpoint-{STEPS}"]
     assert not list(tmp.rglob("*.tmp*")) and not list(tmp.rglob("*.old-*")), "a save left a partial copy"

@@ -38,6 +38,7 @@ import yaml
 from .data.config import DataConfig
 from .engine.adamw import AdamWConfig
 from .engine.config import TUNING_SECTION, RuntimeConfig, tuning_docs
+from .telemetry.trackers import parse_report_to
 
 
 DEFAULT_CPU_STEPS = 20     # the default job on a CPU (with CPU_DEFAULT_JOB's shape): minutes on 2 cores
@@ -75,6 +76,9 @@ class TrainConfig:
     resume: str | None = None            # None | auto | path to a checkpoint directory
     stop_after: int | None = None        # stop after this many steps in this invocation, leaving a resumable checkpoint
     log_every: int = 1                   # write metrics.csv every N steps
+    # where the metrics go besides metrics.csv (always written: loss.png and a resume read it): a comma
+    # list of csv, tensorboard, wandb, mlflow; auto: tensorboard where it is installed
+    report_to: str = "auto"
     check_memory: bool = True            # refuse before allocating when the estimate does not fit
     skip_reference_check: bool = False   # do not verify the split against transformers on a tiny copy of the model (about a second); recorded here when skipped
     gpu_memory_limit: float | None = None  # GiB of GPU memory this run may use (a budget below the card's; None: all of it)
@@ -102,6 +106,7 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
         if self.log_every < 1:
             raise ValueError(f"log_every must be >= 1, not {self.log_every}")
+        parse_report_to(self.report_to)
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], not {self.min_lr_ratio}")
         if self.lr_schedule not in ("cosine", "linear", "constant"):
@@ -221,7 +226,7 @@ FLAG_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "evaluation": ("held-out loss during the run", ("eval_every", "eval_batches")),
     "output": ("where results and checkpoints go, and resuming",
                ("output_dir", "save_every", "keep_last", "save_dtype", "checkpoint_dir", "resume", "stop_after",
-                "log_every", "progress")),
+                "log_every", "report_to", "progress")),
 }
 
 

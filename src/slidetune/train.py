@@ -8,6 +8,10 @@ save (disk full) leaves the previous checkpoint intact and says so. Everything i
 deterministic in (config, seed): the batch of step k is a pure function of k, and the
 checkpoint holds the optimizer and RNG states, so `--resume auto` continues the same
 trajectory (metrics.csv keeps the rows up to the checkpoint, then continues).
+
+The metrics go to the trackers --report-to names (telemetry/trackers.py: metrics.csv, appended, and
+TensorBoard, W&B, MLflow), on rank 0; Python callers get each step, evaluation and save through
+callbacks (callbacks.py, docs/library.md).
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import shutil
 import signal
 import sys
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -29,6 +34,8 @@ from typing import TYPE_CHECKING, NoReturn
 import numpy as np
 import torch
 
+from .atomic_write import write_atomically
+from .callbacks import Callback, CallbackFailed, call_hook
 from .checkpoint import (CheckpointCorrupt, CheckpointError, check_checkpoint, complete_checkpoints, latest_checkpoint,
                          load_checkpoint, prune_checkpoints, recover_leftovers, save_checkpoint, set_aside)
 from .config import TrainConfig, config_to_dict, group_tuning
@@ -50,7 +57,10 @@ from .ops.packed_attention import use_packed_attention
 from .ranks import Ranks
 from .run_lock import RunLock, lock_run_directories
 from .run_setup import PreparedRun, RunRequest, prepare_run
+from .telemetry.csv_tracker import CsvTracker
 from .telemetry.flops import train_flops_per_token
+from .telemetry.tracker import Trackers
+from .telemetry.trackers import TrackerUnavailable, open_dashboards, resolve_report_to
 
 if TYPE_CHECKING:
     from .engine.plain import PlainEngine
@@ -58,6 +68,7 @@ if TYPE_CHECKING:
 
 METRIC_COLUMNS = ["step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "step_s",
                   "gpu_peak_alloc_gib", "gpu_peak_reserved_gib", "cpu_rss_gib", "eval_loss", "eval_ppl"]
+PRECISE_COLUMNS = {"loss", "lr", "grad_norm", "eval_loss"}     # 9 digits in metrics.csv: an FP32 value round-trips
 
 
 class TrainingError(RuntimeError):
@@ -174,8 +185,9 @@ def evaluate(engine, heldout, batch_size: int, pad_id: int, max_batches: int,
     return loss, math.exp(min(loss, 50.0))
 
 
-def train(cfg: TrainConfig, verbose: bool = False) -> TrainSummary:
-    """Run (or continue) the training job `cfg`; see the module docstring.
+def train(cfg: TrainConfig, callbacks: list[Callback] | None = None, *, verbose: bool = False) -> TrainSummary:
+    """Run (or continue) the training job `cfg`; see the module docstring. `callbacks` (callbacks.py)
+    hear of each step, evaluation and save; one that raises stops the run with a TrainingError naming it.
 
     Everything that can be refused is checked before the output directory is touched (but for
     what killed saves left there) or anything large is allocated: the model, the sequence
@@ -185,6 +197,11 @@ def train(cfg: TrainConfig, verbose: bool = False) -> TrainSummary:
     """
     t_start = time.perf_counter()
     out = Path(cfg.output_dir)
+    callbacks = _check_callbacks(callbacks)
+    try:
+        trackers = resolve_report_to(cfg.report_to)      # a tracker asked for but not installed: refused first
+    except TrackerUnavailable as e:
+        raise TrainingError(str(e)) from None
     seed_everything(cfg.seed)
     ranks, device = Ranks.start(cfg.runtime.device, waits=cfg.runtime.cuda_waits)
     held: list[RunLock] = []
@@ -196,11 +213,30 @@ def train(cfg: TrainConfig, verbose: bool = False) -> TrainSummary:
             lock_run_directories(out, Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None)))
         cfg, dtype_why = _resolve_dtype(cfg, device)
         _print_config(cfg, device, dtype_why, verbose)
-        return _train(cfg, ranks, device, out, t_start, verbose)
+        return _train(cfg, ranks, device, out, t_start, verbose, _Reporting(trackers, callbacks))
     finally:
         for lock in held:
             lock.release()
         ranks.close()
+
+
+@dataclass
+class _Reporting:
+    """Where a run reports: the trackers --report-to resolved to (telemetry/trackers.py) and the callbacks."""
+    trackers: list[str]
+    callbacks: list[Callback]
+
+
+def _check_callbacks(callbacks) -> list[Callback]:
+    """`callbacks` as a list, each with the three hooks (a Callback, or an object with on_step, on_eval
+    and on_save); TypeError names one that is not."""
+    callbacks = list(callbacks or [])
+    for cb in callbacks:
+        missing = [h for h in ("on_step", "on_eval", "on_save") if not callable(getattr(cb, h, None))]
+        if missing:
+            raise TypeError(f"train(callbacks=...): {cb!r} is not a slidetune.Callback (it lacks "
+                            f"{', '.join(missing)}); subclass slidetune.Callback and override the hooks you need")
+    return callbacks
 
 
 def _resolve_dtype(cfg: TrainConfig, device: Device) -> tuple[TrainConfig, str]:
@@ -266,7 +302,7 @@ class _RunInputs:
 
 
 def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: float,
-           verbose: bool = False) -> TrainSummary:
+           verbose: bool = False, reporting: _Reporting | None = None) -> TrainSummary:
     if ranks.world_size > 1:
         _refuse_under_data_parallel(cfg, ranks)
         print(f"data parallel: rank {ranks.rank} of {ranks.world_size} on {device.device}; global batch "
@@ -292,7 +328,8 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
         with _StopFlag() as stop:       # from here on a signal means: finish the step, checkpoint, exit
             return Trainer(cfg, engine, loaded, run.sampler, run.heldout, run.pad_id, run.total_steps, device, out,
                            t_start, run.resume_from, run.stale if ranks.is_main else [], stop, ckpt_dir=run.ckpt_dir,
-                           saves=run.saves, save_dtype=run.save_dtype, ranks=ranks).run()
+                           saves=run.saves, save_dtype=run.save_dtype, ranks=ranks,
+                           reporting=reporting or _Reporting(["csv"], [])).run()
     finally:
         engine.close()
 
@@ -470,8 +507,8 @@ def _resolve_resume(cfg: TrainConfig, ckpt_dir: Path, total_steps: int) -> Path 
             checked = check_checkpoint(ckpt)
         except CheckpointError as e:
             raise TrainingError(f"--resume {cfg.resume}: {e}" + (
-                f". Resume from an older checkpoint instead (--resume auto sets a damaged one aside and takes the "
-                f"next older one)" if isinstance(e, CheckpointCorrupt) else "")) from e
+                ". Resume from an older checkpoint instead (--resume auto sets a damaged one aside and takes the "
+                "next older one)" if isinstance(e, CheckpointCorrupt) else "")) from e
     if not checked.verified:
         print(f"note: {checked.path} has no MANIFEST.json (written by an older slidetune): its files cannot "
               f"be verified against digests, only their structure was checked", file=sys.stderr)
@@ -504,7 +541,8 @@ def _warn_changed_config(ckpt: Path, run_config: Path, cfg: TrainConfig, world_s
                   f"are not compared with the earlier run's", file=sys.stderr)
             return
         source = f"the run's saved config.json ({run_config})"
-    ignore = {"resume", "stop_after", "progress", "log_every", "output_dir", "gpu_memory_limit", "world_size"}
+    ignore = {"resume", "stop_after", "progress", "log_every", "report_to", "output_dir", "gpu_memory_limit",
+              "world_size"}
     old = group_tuning(old)             # one saved before the tuning knobs had their group compares the same
     new = config_to_dict(cfg)
     old_world = int(old.get("world_size", 1))
@@ -548,7 +586,8 @@ class Trainer:
                  sampler: BatchSampler, heldout: TokenDataset | None, pad_id: int, total_steps: int,
                  device: Device, out: Path, t_start: float, resume_from: Path | None = None,
                  stale: list[Path] | None = None, stop: _StopFlag | None = None, ckpt_dir: Path | None = None,
-                 saves: SavePlan | None = None, save_dtype: str = "fp32", ranks: Ranks | None = None):
+                 saves: SavePlan | None = None, save_dtype: str = "fp32", ranks: Ranks | None = None,
+                 reporting: _Reporting | None = None):
         self.cfg, self.engine, self.loaded, self.device = cfg, engine, loaded, device
         # data parallel: every rank runs this loop in step; rank 0 alone writes files
         self.ranks = ranks or Ranks.single()
@@ -566,7 +605,10 @@ class Trainer:
         self.start_step = 0
         self.saved_step: int | None = None   # step of the newest checkpoint in ckpt_dir written or loaded
         self.written_step: int | None = None  # step of the newest checkpoint this invocation wrote
-        self.rows: list[dict] = []
+        self.rows: list[dict] = []       # metrics rows not yet handed to the trackers
+        reporting = reporting or _Reporting(["csv"], [])
+        self.report_to, self.callbacks = reporting.trackers, reporting.callbacks
+        self.trackers = Trackers()       # opened by open_trackers once the step to start from is known (rank 0)
         self.flops_tok = train_flops_per_token(loaded.split, cfg.data.seq_len)
         self.host_rss = self._host_rss_meter(engine)
         self.before: tuple[float, float] | None = None
@@ -591,6 +633,14 @@ class Trainer:
     def run(self) -> TrainSummary:
         """Resume (if asked), evaluate, train to the end or a stop, export, write the summary."""
         self.resume()
+        self.open_trackers()
+        try:
+            return self._run()
+        finally:
+            self.close_trackers()
+
+    def _run(self) -> TrainSummary:
+        """run's part between opening the trackers and closing them."""
         try:
             self.where = "the held-out evaluation before step 1"
             self.evaluate_before()
@@ -635,6 +685,7 @@ class Trainer:
             if evaluating:
                 self.where = f"the held-out evaluation after step {done}"
                 row["eval_loss"], row["eval_ppl"] = self.evaluate()
+                self.notify("on_eval", done, {"eval_loss": row["eval_loss"], "eval_ppl": row["eval_ppl"]})
         else:
             self.pending = issued
         if done % self.cfg.log_every == 0:
@@ -657,11 +708,26 @@ class Trainer:
             if self.resume_from.parent.resolve() == self.ckpt_dir.resolve():
                 self.saved_step = self.start_step
             print(f"resumed from {self.resume_from} at step {self.start_step} of {self.total_steps}")
-        # Earlier rows of this run up to the checkpoint (rows after it are recomputed); the held-out
-        # evaluation at the end of an earlier invocation is dropped: the end of this one redoes it.
-        if self.start_step:
-            self.rows = [r for r in _read_rows(self.metrics_path, upto=self.start_step)
-                         if r["loss"] or int(float(r["step"])) == 0]
+
+    def open_trackers(self) -> None:
+        """The trackers of --report-to (rank 0). On a resume they keep the earlier rows of this run up to
+        the checkpoint (rows after it are recomputed); the held-out evaluation at the end of an earlier
+        invocation is dropped: the end of this one redoes it."""
+        if not self.ranks.is_main:
+            return
+        resume_step = self.start_step or None
+        csv_log = CsvTracker(self.metrics_path, METRIC_COLUMNS, PRECISE_COLUMNS, resume_step=resume_step,
+                             drop_at_resume=_end_of_run_eval_row)
+        self.trackers = Trackers([csv_log] + open_dashboards(self.report_to, self.out,
+                                                             _run_record(self.cfg, self.ranks.world_size),
+                                                             resume_step))
+
+    def close_trackers(self) -> None:
+        """Close every tracker at the end of run (best effort on the way out of an error: a note)."""
+        try:
+            self.trackers.close()
+        except Exception as e:  # noqa: BLE001 - the run's result (or its real error) matters more
+            print(f"note: could not close the trackers ({', '.join(self.report_to)}): {e}", file=sys.stderr)
 
     def open_progress(self) -> None:
         """Start the progress bar (when asked for and steps remain) and the step clock."""
@@ -734,6 +800,7 @@ class Trainer:
             print(f"step {s.step + 1}/{self.total_steps}  loss {res.loss:.4f}  lr {s.lr:.2e}  {s.dt:.2f} s  "
                   f"{tps:,.0f} tok/s" + "".join(f"  {k} {v}" for k, v in gpu.items())
                   + f"  rss {row['cpu_rss_gib']:.1f}G", flush=True)
+        self.notify("on_step", s.step + 1, _scalars(row))
         return row
 
     def fail_non_finite(self, step: int, bad: str) -> NoReturn:
@@ -825,6 +892,7 @@ class Trainer:
             self.before = self.evaluate()
             print(f"held-out before training: loss {self.before[0]:.4f}  perplexity {self.before[1]:.2f}")
             self.rows.append(_row(step=0, eval_loss=self.before[0], eval_ppl=self.before[1]))
+            self.notify("on_eval", 0, {"eval_loss": self.before[0], "eval_ppl": self.before[1]})
 
     def evaluate_after(self) -> None:
         """The held-out evaluation of the finished run, once the last updates have landed."""
@@ -833,6 +901,7 @@ class Trainer:
             self.after = self.evaluate()
             print(f"held-out after training: loss {self.after[0]:.4f}  perplexity {self.after[1]:.2f}")
             self.rows.append(_row(step=self.total_steps, eval_loss=self.after[0], eval_ppl=self.after[1]))
+            self.notify("on_eval", self.total_steps, {"eval_loss": self.after[0], "eval_ppl": self.after[1]})
 
     # ------------------------------------------------------------------ saving and stopping
     def save_checkpoint(self, step: int) -> Path:
@@ -843,16 +912,17 @@ class Trainer:
         the state meanwhile, as their next step waits for rank 0) and the others wait for the outcome."""
         path = self.ranks.on_main(lambda: self._write_checkpoint(step))
         self.saved_step = self.written_step = step
+        self.notify("on_save", step, path)
         return path
 
     def _write_checkpoint(self, step: int) -> Path:
         """save_checkpoint's writing (rank 0 alone)."""
-        _write_rows(self.metrics_path, self.rows)      # the rows up to a checkpoint are on disk with it
+        self.log_rows()                                # the rows up to a checkpoint are on disk with it
         try:
             return _checkpoint(self.cfg, self.engine, self.loaded, self.ckpt_dir, step, self.stale,
                                self.ranks.world_size)
         except CheckpointError as e:
-            _flush(self.metrics_path, self.rows, self.out)
+            self.flush_files()
             raise TrainingError(f"{e}. Training stopped after step {step}; metrics up to that step are in "
                                 f"{self.metrics_path}. Free some space (or fix the output directory) and "
                                 f"continue from the intact checkpoint with --output-dir {self.out} "
@@ -883,7 +953,7 @@ class Trainer:
         """A second Ctrl-C / SIGTERM while the first one was being handled: keep the metrics, say what is left."""
         self.flush()
         newest = latest_checkpoint(self.ckpt_dir)
-        print(f"\ninterrupted twice: stopped without saving the current step; "
+        print("\ninterrupted twice: stopped without saving the current step; "
               + (f"the newest checkpoint, {newest}, is intact" if newest else "no checkpoint was written"),
               file=sys.stderr)
 
@@ -897,6 +967,7 @@ class Trainer:
             getattr(self.engine, "release_disk_tier", lambda: None)()
         self.ranks.on_main(self._write_final)
         print(f"final model: {self.out / 'final'} (AutoModelForCausalLM.from_pretrained loads it)")
+        self.notify("on_save", total, self.out / "final")
         if self.resumable and self.saved_step != total:
             self.save_checkpoint(total)
 
@@ -914,7 +985,7 @@ class Trainer:
                             else self.ckpt_dir / f"checkpoint-{total}")
                 except TrainingError:
                     kept = None
-            _flush(self.metrics_path, self.rows, self.out)
+            self.flush_files()
             raise TrainingError(f"{e}. The training itself finished: " + (
                 f"the resumable checkpoint {kept} holds the final weights; run again with --output-dir {self.out} "
                 f"--resume auto to retry the export" if kept else "no checkpoint could be written either")) from e
@@ -938,16 +1009,51 @@ class Trainer:
         self.ranks.on_main(lambda: _write_text(self.out / "summary.json", json.dumps(summary.__dict__, indent=2) + "\n"))
         return summary
 
+    # ------------------------------------------------------------------ callbacks
+    def notify(self, hook: str, step: int, arg) -> None:
+        """The callbacks' `hook(step, arg)` (rank 0 calls them; every rank learns of a failure). One that
+        raises stops the run: the metrics so far are written, then a TrainingError names it."""
+        if not self.callbacks:
+            return
+        try:
+            self.ranks.on_main(lambda: call_hook(self.callbacks, hook, step, arg))
+        except CallbackFailed as e:
+            self.flush()
+            newest = latest_checkpoint(self.ckpt_dir)
+            raise TrainingError(
+                f"{e}: training stopped; metrics so far are in {self.metrics_path}; "
+                + (f"the newest checkpoint, {newest}, is intact (--resume auto continues from it)" if newest
+                   else "no checkpoint had been written yet")) from e.error
+
     # ------------------------------------------------------------------ files (rank 0 only)
     def write_metrics(self) -> None:
-        """metrics.csv as it stands (rank 0 writes; the other ranks keep the same rows unwritten)."""
+        """The rows so far to the trackers (rank 0 logs them; the other ranks drop theirs, the same rows)."""
         if self.ranks.is_main:
-            _write_rows(self.metrics_path, self.rows)
+            self.log_rows()
+        else:
+            self.rows.clear()
+
+    def log_rows(self) -> None:
+        """Each row not yet logged to every tracker, then the trackers flushed (metrics.csv appended)."""
+        for row in self.rows:
+            self.trackers.log_scalars(int(row["step"]), _scalars(row))
+        self.rows.clear()
+        self.trackers.flush()
 
     def flush(self) -> None:
         """metrics.csv and loss.png as they stand (rank 0)."""
         if self.ranks.is_main:
-            _flush(self.metrics_path, self.rows, self.out)
+            self.flush_files()
+        else:
+            self.rows.clear()
+
+    def flush_files(self) -> None:
+        """The rows to the trackers, then loss.png (on the way out of an error: best effort for the plot)."""
+        self.log_rows()
+        try:
+            _plot(self.metrics_path, self.out / "loss.png")
+        except Exception as e:  # noqa: BLE001 - a plot must never hide the real error
+            print(f"note: could not draw {self.out / 'loss.png'}: {e}", file=sys.stderr)
 
 
 def _out_of_memory(error: BaseException) -> BaseException | None:
@@ -962,30 +1068,8 @@ def _out_of_memory(error: BaseException) -> BaseException | None:
     return None
 
 
-def _flush(metrics: Path, rows: list[dict], out: Path) -> None:
-    """metrics.csv and loss.png as they stand (on the way out of an error: best effort for the plot)."""
-    _write_rows(metrics, rows)
-    try:
-        _plot(metrics, out / "loss.png")
-    except Exception as e:  # noqa: BLE001 - a plot must never hide the real error
-        print(f"note: could not draw {out / 'loss.png'}: {e}", file=sys.stderr)
-
-
 def _write_text(path: Path, text: str) -> None:
-    _write_atomically(path, lambda tmp: tmp.write_text(text))
-
-
-def _write_atomically(path: Path, write, tmp: Path | None = None) -> None:
-    """`write(tmp)`, then rename tmp (default `<path>.tmp`) over `path`: a reader sees the old file
-    or the new one. An OSError (a full disk) removes tmp and is raised again naming `path`."""
-    tmp = tmp or path.with_name(path.name + ".tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise OSError(e.errno, f"could not write {path}: {e.strerror or e} (the previous {path.name}, if any, "
-                               f"is unchanged)") from e
+    write_atomically(path, lambda tmp: tmp.write_text(text))
 
 
 def _checkpoint(cfg, engine, loaded, ckpt_dir: Path, step: int, stale: list[Path] | None = None,
@@ -1012,31 +1096,15 @@ def _row(**kw) -> dict:
     return {c: kw.get(c, "") for c in METRIC_COLUMNS}
 
 
-def _read_rows(path: Path, upto: int) -> list[dict]:
-    if not path.exists():
-        return []
-    with path.open(newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("step") and int(float(r["step"])) <= upto]
-    return [{c: r.get(c) or "" for c in METRIC_COLUMNS} for r in rows]
+def _scalars(row: dict) -> dict[str, float]:
+    """A metrics row's values as the trackers and callbacks take them: the columns that have one, less step."""
+    return {k: float(v) for k, v in row.items() if k != "step" and v not in ("", None)}
 
 
-def _write_rows(path: Path, rows: list[dict]) -> None:
-    def write(tmp: Path) -> None:
-        with tmp.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
-            w.writeheader()
-            for r in rows:
-                w.writerow({k: _fmt(k, v) for k, v in r.items()})
-    _write_atomically(path, write)
-
-
-_PRECISE = {"loss", "lr", "grad_norm", "eval_loss"}     # enough digits to round-trip an FP32 value
-
-
-def _fmt(key: str, v):
-    if isinstance(v, float):
-        return f"{v:.9g}" if key in _PRECISE else f"{v:.6g}"
-    return "" if v is None else v
+def _end_of_run_eval_row(row: dict[str, str]) -> bool:
+    """A metrics.csv row holding only a held-out evaluation after step 0: the end of an earlier invocation
+    (a resume drops it; the end of the resumed run evaluates again)."""
+    return not row.get("loss") and row.get("step") not in ("0", "0.0")
 
 
 # A smoothed training loss from this many steps: each step's batch is different text, and in the CPU
@@ -1084,6 +1152,19 @@ def _plot(metrics: Path, png: Path) -> None:
     fig.tight_layout()
     try:
         # matplotlib takes the format from the name's suffix: the temporary name keeps .png
-        _write_atomically(png, lambda tmp: fig.savefig(tmp, dpi=120), tmp=png.with_suffix(".tmp.png"))
+        write_atomically(png, lambda tmp: fig.savefig(tmp, dpi=120), tmp=png.with_suffix(".tmp.png"))
     finally:
         plt.close(fig)
+
+
+class _TrainModule(types.ModuleType):
+    """This module, callable as its `train` function: `slidetune.train(cfg, callbacks=[...])` is the
+    library's entry point (docs/library.md), while `from slidetune import train as train_mod` keeps
+    reaching the module (a package attribute named like its submodule is the submodule once imported)."""
+
+    def __call__(self, cfg: TrainConfig, callbacks: list[Callback] | None = None, *,
+                 verbose: bool = False) -> TrainSummary:
+        return train(cfg, callbacks, verbose=verbose)
+
+
+sys.modules[__name__].__class__ = _TrainModule

@@ -1,0 +1,119 @@
+"""slidetune as a library (docs/library.md): `slidetune.train(slidetune.TrainConfig(...), callbacks=[...])`.
+
+Real tiny runs (tiny-llama on 40 documents of the built-in corpus, CPU): the callbacks hear of every
+step, evaluation and save with the right steps, metrics and paths; a callback that raises stops the
+run with a TrainingError naming it, the metrics so far kept.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+import slidetune
+from slidetune.data.corpus import builtin_corpus
+
+
+class Recorder(slidetune.Callback):
+    def __init__(self):
+        self.events: list[tuple] = []
+
+    def on_step(self, step, metrics):
+        self.events.append(("step", step, dict(metrics)))
+
+    def on_eval(self, step, metrics):
+        self.events.append(("eval", step, dict(metrics)))
+
+    def on_save(self, step, path):
+        self.events.append(("save", step, Path(path)))
+
+
+class StopAtStep(slidetune.Callback):
+    """Raises in on_step at `step` (only on_step is overridden: the other hooks do nothing)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step(self, step, metrics):
+        if step == self.step:
+            raise ValueError(f"loss {metrics['loss']:.3f} is not what I wanted")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "small.jsonl"
+    path.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in builtin_corpus()[:40]))
+    return path
+
+
+def config(corpus: Path, out: Path, **kw) -> slidetune.TrainConfig:
+    return slidetune.TrainConfig(model="tiny-llama", data=slidetune.DataConfig(path=str(corpus), seq_len=32),
+                                 runtime=slidetune.RuntimeConfig(device="cpu"), batch_size=2, eval_batches=2,
+                                 progress=False, output_dir=str(out), report_to="csv", **kw)
+
+
+def test_the_public_names():
+    assert callable(slidetune.train) and slidetune.__version__
+    for name in slidetune.__all__:
+        assert getattr(slidetune, name) is not None, name
+    assert {"train", "TrainConfig", "Callback", "TrainSummary", "TrainingError"} <= set(slidetune.__all__)
+    from slidetune import train as train_module           # the module stays reachable as before
+    assert train_module.train.__module__ == "slidetune.train"
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        slidetune.nope  # noqa: B018
+
+
+def test_an_object_without_the_hooks_is_refused_before_the_run(tmp_path, corpus):
+    with pytest.raises(TypeError, match=r"<built-in function print> is not a slidetune.Callback "
+                                        r"\(it lacks on_step, on_eval, on_save\)"):
+        slidetune.train(config(corpus, tmp_path / "run", max_steps=1), callbacks=[StopAtStep(1), print])
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_callbacks_hear_each_step_evaluation_and_save(tmp_path, corpus):
+    out = tmp_path / "run"
+    rec = Recorder()
+    summary = slidetune.train(config(corpus, out, max_steps=4, eval_every=2, save_every=2, keep_last=3),
+                              callbacks=[rec])
+    assert isinstance(summary, slidetune.TrainSummary) and summary.steps == 4
+    steps = [(step, m) for kind, step, m in rec.events if kind == "step"]
+    assert [s for s, _ in steps] == [1, 2, 3, 4]
+    with (out / "metrics.csv").open(newline="") as f:
+        losses = {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f) if r["loss"]}
+    for step, m in steps:
+        assert {"loss", "lr", "tokens_per_s", "step_s", "cpu_rss_gib"} <= set(m)
+        assert m["loss"] == pytest.approx(losses[step], rel=1e-6)
+    evals = [(step, m) for kind, step, m in rec.events if kind == "eval"]
+    assert [s for s, _ in evals] == [0, 2, 4]
+    assert all(math.isfinite(m["eval_loss"]) and m["eval_ppl"] == pytest.approx(math.exp(m["eval_loss"]))
+               for _, m in evals)
+    assert evals[-1][1]["eval_loss"] == pytest.approx(summary.eval_loss_after)
+    saves = [(step, path) for kind, step, path in rec.events if kind == "save"]
+    assert saves == [(2, out / "checkpoints" / "checkpoint-2"), (4, out / "final"),
+                     (4, out / "checkpoints" / "checkpoint-4")]
+    assert all(path.is_dir() for _, path in saves)
+    # in order: step 2's save follows its evaluation, which follows the step
+    kinds = [(kind, step) for kind, step, _ in rec.events]
+    assert kinds.index(("step", 2)) < kinds.index(("eval", 2)) < kinds.index(("save", 2)) < kinds.index(("step", 3))
+
+
+@pytest.mark.slow
+def test_a_callback_that_raises_stops_the_run_naming_it(tmp_path, corpus):
+    out = tmp_path / "run"
+    rec = Recorder()
+    with pytest.raises(slidetune.TrainingError) as caught:
+        slidetune.train(config(corpus, out, max_steps=4, save_every=1), callbacks=[rec, StopAtStep(2)])
+    message = str(caught.value)
+    assert message.startswith("callback StopAtStep.on_step raised at step 2: ValueError: loss ")
+    assert "is not what I wanted: training stopped" in message
+    assert f"the newest checkpoint, {out / 'checkpoints' / 'checkpoint-1'}, is intact" in message
+    assert isinstance(caught.value.__cause__, ValueError)
+    # the recorder before it heard step 2; nothing after it ran; the metrics so far are on disk
+    assert [(k, s) for k, s, _ in rec.events] == [("eval", 0), ("step", 1), ("save", 1), ("step", 2)]
+    with (out / "metrics.csv").open(newline="") as f:
+        assert [r["step"] for r in csv.DictReader(f)] == ["0", "1", "2"]
+    assert not (out / "final").exists()
