@@ -1108,7 +1108,7 @@ def test_row_tiled_lean_estimate_is_above_its_measured_peak(row_tokens):
 
 def test_a_long_sequence_on_the_small_gpu_takes_the_lean_layer_and_keeps_checkpoints_there():
     """Llama-3.1-8B 1 x 65536 clipped under a 24 GiB budget beside 123 GiB of host RAM (the H200 run
-    of benchmarks/results/throughput/slideformer_shapes_h200/g24_llama_64k/): the lean layer (one
+    of benchmarks/results/throughput/slideformer_shapes_h200/g24_llama_64k_longest/): the lean layer (one
     sequence: no row tiles), the fused head, offloaded checkpoints with 13 kept on the GPU, and it fits;
     HF's layer does not."""
     split = split_of("llama-3.1-8b")
