@@ -72,7 +72,7 @@ def command(inputs, out: Path, *extra: str) -> list[str]:
 ZYGOTE = """
 import json, os, sys
 from slidetune.cli import main
-import slidetune.train          # noqa: F401 - everything a run imports, imported once
+import slidetune.trainer          # noqa: F401 - everything a run imports, imported once
 for line in sys.stdin:
     argv, log = json.loads(line)
     pid = os.fork()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import slidetune
-import slidetune.train  # noqa: F401 - imported before the clock starts: the refusal is timed, not the imports
+import slidetune.trainer  # noqa: F401 - imported before the clock starts: the refusal is timed, not the imports
 from slidetune.run_lock import LOCK_NAME
 from test_train_errors import COMMON, assert_loads, metric_steps, run_cli, small_corpus  # noqa: F401
 

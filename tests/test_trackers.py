@@ -25,7 +25,7 @@ from slidetune.telemetry.csv_tracker import CsvTracker
 from slidetune.telemetry.tracker import Tracker, Trackers
 from slidetune.telemetry.trackers import (TensorBoardTracker, TrackerUnavailable, is_installed, parse_report_to,
                                           resolve_report_to)
-from slidetune.train import METRIC_COLUMNS, PRECISE_COLUMNS, _end_of_run_eval_row, train
+from slidetune.trainer import METRIC_COLUMNS, PRECISE_COLUMNS, _end_of_run_eval_row, train
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402

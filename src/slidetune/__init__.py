@@ -16,14 +16,14 @@ import importlib
 
 __version__ = "0.1.0"
 
-# public name -> the module that defines it (`train` is the module slidetune.train, callable as its function).
+# public name -> the module that defines it (`train`: slidetune.trainer's train function).
 # Imported when first asked for, not here: the package's modules import __version__ from this file, so
 # importing them here would make each a cycle through the package
 _EXPORTS = {
-    "train": "slidetune.train",
+    "train": "slidetune.trainer",
     "TrainConfig": "slidetune.config",
-    "TrainSummary": "slidetune.train",
-    "TrainingError": "slidetune.train",
+    "TrainSummary": "slidetune.trainer",
+    "TrainingError": "slidetune.trainer",
     "Callback": "slidetune.callbacks",
     "DataConfig": "slidetune.data.config",
     "RuntimeConfig": "slidetune.engine.config",
@@ -36,7 +36,7 @@ def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'slidetune' has no attribute {name!r}")
     module = importlib.import_module(_EXPORTS[name])
-    return module if name == "train" else getattr(module, name)
+    return getattr(module, name)
 
 
 def __dir__() -> list[str]:

@@ -25,7 +25,7 @@ def _train(ns) -> int:
                           launch.visible_gpus() if cfg.runtime.device != "cpu" else 0)
         if ns.gpus > 1:
             launch.relaunch(ns.gpus, ns.argv)          # does not return
-    from .train import train
+    from .trainer import train
     # several ranks: rank 0 alone prints the run's progress (errors still come from every rank)
     quiet = _rank()[0] > 0
     with open(os.devnull, "w") if quiet else contextlib.nullcontext(sys.stdout) as out, \

@@ -4,7 +4,7 @@ Not a user flag: the environment variable SLIDETUNE_INJECT_FAULT=KIND:STEP (STEP
 optimizer step, 1-based, during which it happens) with KIND one of
   upload, d2h, host, checkpoint, data   that thread raises InjectedFault at its next piece of
                                         work of that step (engine/slide/workers.py jobs, the
-                                        checkpoint writer, the data loader in train.py);
+                                        checkpoint writer, the data loader in trainer.py);
   oom                                   the compute thread raises torch.OutOfMemoryError in
                                         the middle of the step (after the forward, before the
                                         head: where a real one usually strikes);

@@ -1,6 +1,6 @@
 """The trainer's data-parallel ranks (docs/data_parallel.md): one process, or several under torchrun.
 
-`Ranks` is what train.py needs from torch.distributed beyond the engine's gradient reduction:
+`Ranks` is what trainer.py needs from torch.distributed beyond the engine's gradient reduction:
 which rows of a global batch are this rank's, decisions taken once on rank 0 and shared
 (`on_main`), checks every rank runs that must pass everywhere (`on_each`), and the stop flag
 all ranks agree on. A world of one takes none of the collective paths.

@@ -26,7 +26,6 @@ import shutil
 import signal
 import sys
 import time
-import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -1155,16 +1154,3 @@ def _plot(metrics: Path, png: Path) -> None:
         write_atomically(png, lambda tmp: fig.savefig(tmp, dpi=120), tmp=png.with_suffix(".tmp.png"))
     finally:
         plt.close(fig)
-
-
-class _TrainModule(types.ModuleType):
-    """This module, callable as its `train` function: `slidetune.train(cfg, callbacks=[...])` is the
-    library's entry point (docs/library.md), while `from slidetune import train as train_mod` keeps
-    reaching the module (a package attribute named like its submodule is the submodule once imported)."""
-
-    def __call__(self, cfg: TrainConfig, callbacks: list[Callback] | None = None, *,
-                 verbose: bool = False) -> TrainSummary:
-        return train(cfg, callbacks, verbose=verbose)
-
-
-sys.modules[__name__].__class__ = _TrainModule
