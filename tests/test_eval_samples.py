@@ -17,7 +17,7 @@ from slidetune.config import TrainConfig
 from slidetune.data.config import DataConfig
 from slidetune.data.errors import DataError
 from slidetune.engine.config import RuntimeConfig
-from slidetune.eval_samples import encode_prompt, greedy_completions, read_prompt_file
+from slidetune.eval_samples import decode_completion, encode_prompt, greedy_completions, read_prompt_file
 from slidetune.data.chat_template import load_chat_template
 from slidetune.models.load import embedded_tokenizer
 from slidetune.train import TrainingError, train
@@ -110,7 +110,7 @@ def test_eval_samples_written_for_held_out_chats(tmp_path):
                                pad_token_id=tok.eos_token_id)[0, ids.shape[1]:].tolist()
     if tok.eos_token_id in generated:
         generated = generated[:generated.index(tok.eos_token_id)]
-    assert lines[-1]["completion"] == tok.decode(generated)
+    assert lines[-1]["completion"] == decode_completion(tok, generated)
 
 
 def test_eval_prompts_file_and_a_bad_one(tmp_path):

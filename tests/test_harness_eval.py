@@ -43,7 +43,8 @@ def test_without_lm_eval_the_command_gives_the_install_line(model_dir):
     (["--model", "{empty}", "--tasks", "hellaswag"], "--model {empty}: no config.json there"),
     (["--model", "{model}", "--tasks", " , "], "--tasks ' , ': name at least one"),
     (["--model", "{model}", "--tasks", "hellaswag", "--limit", "0"], "--limit must be > 0"),
-    (["--model", "{model}", "--tasks", "hellaswag", "--batch-size", "big"], "--batch-size must be a number > 0 or auto"),
+    (["--model", "{model}", "--tasks", "hellaswag", "--batch-size", "big"],
+     "--batch-size must be a number > 0 or auto"),
 ])
 def test_bad_arguments_are_named_before_anything_loads(tmp_path, model_dir, args, message):
     (tmp_path / "empty").mkdir()

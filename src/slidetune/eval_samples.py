@@ -10,10 +10,10 @@ logs the text to the trackers.
 
 Decoding is a full forward of the growing rows per new token, without a KV cache: the engines
 train and keep no cache, and a few short samples do not need one. Its cost is max_new_tokens
-forwards of [rows, seq_len] per batch of prompts (the rows are right-padded to the run's seq_len,
-the shape the held-out evaluation runs, so a compiled layer meets no new shape): about
-max_new_tokens / eval_batches of a held-out evaluation at batch_size rows, e.g. 64 forwards where
---eval-batches 8 runs 8.
+forwards of [rows, width] per batch of prompts: rows = min(batch_size, prompts), width = the longest
+prompt plus max_new_tokens rounded up to 64 (at most seq_len). The rows are right-padded to that one
+width at every evaluation, so a compiled layer (dynamic=False) compiles one more shape, once. A slide
+run streams every layer for each forward: 64 forwards cost about 64 forwards' weight traffic.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from .data.split import plan_heldout
 from .data.tokenization import _render
 
 DEFAULT_CHAT_PROMPTS = 3        # held-out conversations sampled when --eval-prompts is not given
+WIDTH_STEP = 64                 # sample rows are padded to a multiple of this (one shape, few padded tokens)
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,11 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     return ids
 
 
+def decode_completion(tokenizer: Any, ids: list[int]) -> str:
+    """A sample's text, as generated: no clean-up of spaces (BPE tokenizers warn that it corrupts theirs)."""
+    return tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+
+
 def greedy_completions(next_token_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                        prompts: list[list[int]], seq_len: int, rows: int, max_new_tokens: int,
                        eos_id: int | None, pad_id: int,
@@ -137,13 +143,18 @@ def greedy_completions(next_token_logits: Callable[[torch.Tensor, torch.Tensor],
     """The greedy continuation ids of each prompt (ending before EOS), `rows` prompts a batch.
 
     Each new token is one full forward (`next_token_logits(ids [rows, seq_len], lengths [rows])
-    -> [rows, V]`): no KV cache. A prompt longer than seq_len - 1 keeps its last tokens; a row
-    stops at EOS, after max_new_tokens, or at seq_len tokens. `agree` makes every rank take the
+    -> [rows, V]`): no KV cache; the rows are right-padded to one width (the module docstring). A
+    prompt longer than seq_len - 1 keeps its last tokens; a row stops at EOS, after max_new_tokens,
+    or at seq_len tokens. `agree` makes every rank take the
     same tokens (rank 0's) under data parallel, so every rank runs the same forwards."""
+    prompts = [p[-(seq_len - 1):] for p in prompts]
+    rows = min(rows, len(prompts))
+    longest = max((len(p) for p in prompts), default=1) + max_new_tokens
+    width = min(seq_len, -(-longest // WIDTH_STEP) * WIDTH_STEP)       # one shape for every evaluation
     out: list[list[int]] = []
     for start in range(0, len(prompts), rows):
-        chunk = [p[-(seq_len - 1):] for p in prompts[start:start + rows]]
-        ids = torch.full((rows, seq_len), pad_id, dtype=torch.long)                # [rows, S]
+        chunk = prompts[start:start + rows]
+        ids = torch.full((rows, width), pad_id, dtype=torch.long)                  # [rows, W]
         lengths = torch.ones(rows, dtype=torch.long)                               # [rows]; filler rows: 1
         for r, p in enumerate(chunk):
             ids[r, :len(p)] = torch.tensor(p, dtype=torch.long)
@@ -163,7 +174,7 @@ def greedy_completions(next_token_logits: Callable[[torch.Tensor, torch.Tensor],
                 new[r].append(picks[r])
                 ids[r, lengths[r]] = picks[r]
                 lengths[r] += 1
-                live[r] = int(lengths[r]) < seq_len
+                live[r] = int(lengths[r]) < width
         out.extend(new)
     return out
 

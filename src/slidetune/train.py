@@ -52,8 +52,8 @@ from .save_plan import DiskSpaceError, SavePlan, plan_saves, resolve_save_dtype
 from .telemetry.machine import HostRss
 from .engine.placement import PlacementPlan
 from .engine.slide.disk_tier import tier_bytes
-from .eval_samples import (EvalPrompt, encode_prompt, greedy_completions, keep_samples_up_to, resolve_eval_prompts,
-                           write_samples)
+from .eval_samples import (EvalPrompt, decode_completion, encode_prompt, greedy_completions, keep_samples_up_to,
+                           resolve_eval_prompts, write_samples)
 from .models.load import LoadedModel
 from .models.reference_check import require_faithful
 from .ops.packed_attention import use_packed_attention
@@ -934,7 +934,7 @@ class Trainer:
             self.engine.next_token_logits, [encode_prompt(tok, p.text) for p in self.eval_prompts],
             self.cfg.data.seq_len, self.cfg.batch_size, self.cfg.eval_max_new_tokens, tok.eos_token_id,
             self.pad_id, agree=lambda picks: self.ranks.on_main(lambda: picks))
-        samples = [(p.text, tok.decode(c)) for p, c in zip(self.eval_prompts, completions)]
+        samples = [(p.text, decode_completion(tok, c)) for p, c in zip(self.eval_prompts, completions)]
         if self.ranks.is_main:
             write_samples(self.out / "eval_samples.jsonl", step, samples)
             for i, (prompt, completion) in enumerate(samples):
