@@ -17,7 +17,8 @@ from slidetune.config import TrainConfig
 from slidetune.data.config import DataConfig
 from slidetune.data.errors import DataError
 from slidetune.engine.config import RuntimeConfig
-from slidetune.eval_samples import decode_completion, encode_prompt, greedy_completions, read_prompt_file
+from slidetune.eval_samples import (decode_completion, encode_prompt, greedy_completions, keep_samples_up_to,
+                                     read_prompt_file, write_samples)
 from slidetune.data.chat_template import load_chat_template
 from slidetune.models.load import embedded_tokenizer
 from slidetune.train import TrainingError, train
@@ -129,3 +130,18 @@ def test_eval_prompts_file_and_a_bad_one(tmp_path):
     bad.write_text(json.dumps({"prompt": 3}) + "\n")
     with pytest.raises(TrainingError, match=r"bad\.jsonl:1: an eval prompt is"):
         train(run_config(data, tmp_path / "run2", eval_prompts=str(bad)))
+
+
+def test_a_resume_keeps_the_samples_up_to_its_checkpoint_and_a_fresh_start_none(tmp_path):
+    path = tmp_path / "eval_samples.jsonl"
+    write_samples(path, 0, [("a", "x")])
+    write_samples(path, 4, [("a", "y"), ("b", "z")])
+    with path.open("a") as f:
+        f.write('{"step": 8, "prom')                              # cut short by a kill
+    keep_samples_up_to(path, 4)
+    assert [json.loads(line)["completion"] for line in path.read_text().splitlines()] == ["x", "y", "z"]
+    keep_samples_up_to(path, 2)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [{"step": 0, "prompt": "a",
+                                                                             "completion": "x"}]
+    keep_samples_up_to(path, None)
+    assert not path.exists()
