@@ -1,4 +1,4 @@
-"""`slidetune train | plan | bench | report` command line.
+"""`slidetune train | plan | eval | bench | report` command line.
 
 Expected failures (bad data, unknown model, a configuration that does not fit, a failed
 save, a non-finite loss, ...) print `slidetune: error: <what and where>` and exit with
@@ -341,6 +341,33 @@ def _bench_scenario(ns) -> int:
     return 0
 
 
+def _eval(ns) -> int:
+    from .harness_eval import HarnessRequest, parse_tasks, run_harness, summary_lines
+    req = HarnessRequest(Path(ns.model), parse_tasks(ns.tasks), batch_size=ns.batch_size, limit=ns.limit,
+                         device=ns.device, dtype=ns.dtype, output=Path(ns.output) if ns.output else None)
+    for line in summary_lines(run_harness(req)):
+        print(line)
+    if req.output is not None:
+        print(f"results: {req.output}")
+    return 0
+
+
+def _add_eval(sub) -> None:
+    p = sub.add_parser("eval", help="run lm-evaluation-harness benchmarks on a saved model (a run's final/)",
+                       description="lm-evaluation-harness (pip install 'slidetune[eval]') on a saved model "
+                                   "directory: slidetune eval --model runs/x/final --tasks hellaswag,arc_easy")
+    p.add_argument("--model", required=True, metavar="DIR", help="the model directory (config.json and safetensors "
+                                                                 "weights: a run's final/)")
+    p.add_argument("--tasks", required=True, help="comma list of lm-evaluation-harness tasks, e.g. hellaswag,arc_easy")
+    p.add_argument("--batch-size", default="auto", help="rows per forward: a number or auto")
+    p.add_argument("--limit", type=float, default=None,
+                   help="examples per task (below 1: a fraction of each); default: all")
+    p.add_argument("--device", default="auto", help="auto (cuda where available) | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (the saved dtype) | float32 | bfloat16 | float16")
+    p.add_argument("--output", default=None, metavar="FILE", help="also write the results as JSON to FILE")
+    p.set_defaults(func=_eval)
+
+
 def _report(ns) -> int:
     from .bench.report import main_report
     main_report(ns.dir, ns.compare_seeds)
@@ -415,6 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also probe this machine (GPU compute, PCIe, host AdamW, the disk tier's directory; "
                              "about a minute) and print the seconds a step each term of the floor costs")
     p_plan.set_defaults(func=_plan)
+    _add_eval(sub)
     _add_bench(sub)
     p_report = sub.add_parser("report", help="turn a results directory into Markdown + PNG plots")
     p_report.add_argument("dir", type=Path)

@@ -68,6 +68,10 @@ class TrainConfig:
     seed: int = 0                        # seeds the weights of presets, the data split and the batch order
     eval_every: int = 0                  # evaluate every N steps (0: only before and after training)
     eval_batches: int = 8                # held-out batches per evaluation (0: all)
+    # a .jsonl of {"prompt"} / {"messages"} records or a .txt of one prompt per line, sampled greedily at
+    # each evaluation (None: the first held-out conversations of chat data, none for other data)
+    eval_prompts: str | None = None
+    eval_max_new_tokens: int = 64        # tokens each eval prompt's greedy sample may add (it stops at EOS)
     save_every: int = 0                  # checkpoint every N steps (0: only at the end)
     keep_last: int = 2                   # checkpoints kept (the final export is separate)
     save_dtype: str = "auto"             # dtype of the exported final/ model: auto (the checkpoint's own: bf16 for a bf16 model) | fp32 | bf16
@@ -104,6 +108,8 @@ class TrainConfig:
         for name in ("warmup_steps", "eval_every", "eval_batches", "save_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
+        if self.eval_max_new_tokens < 1:
+            raise ValueError(f"eval_max_new_tokens must be >= 1, not {self.eval_max_new_tokens}")
         if self.log_every < 1:
             raise ValueError(f"log_every must be >= 1, not {self.log_every}")
         parse_report_to(self.report_to)
@@ -130,6 +136,9 @@ _SECTIONS = ("data", "runtime", "optim")
 _SECTION_CLASSES = {"data": DataConfig, "runtime": RuntimeConfig, "optim": AdamWConfig}
 # help text where the field's own comment is missing or too terse for --help
 _HELP = {
+    "eval_prompts": "prompts sampled greedily at each evaluation, to eval_samples.jsonl and the trackers: a .jsonl of "
+                    "{\"prompt\"} or {\"messages\"} records, or a .txt of one prompt per line (default: the first "
+                    "held-out conversations of chat data; none for other data)",
     "data.path": "training data: a .txt/.md file, a .jsonl/.ndjson file (text, messages, prompt/completion or "
                  "alpaca records); through `datasets`: a .parquet/.csv/.json/.arrow file or a directory of them, a "
                  "save_to_disk directory or a Hub dataset id org/name (from the local HF cache; downloaded when "
@@ -223,7 +232,8 @@ FLAG_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
                ("check_memory", "gpu_memory_limit", "runtime.disk_dir")),
     "offload": ("what leaves the GPU besides the optimizer state", ("runtime.offload_activations",)),
     "compile": ("torch.compile of the decoder layers", ("runtime.compile_layers",)),
-    "evaluation": ("held-out loss during the run", ("eval_every", "eval_batches")),
+    "evaluation": ("held-out loss and greedy samples during the run",
+                   ("eval_every", "eval_batches", "eval_prompts", "eval_max_new_tokens")),
     "output": ("where results and checkpoints go, and resuming",
                ("output_dir", "save_every", "keep_last", "save_dtype", "checkpoint_dir", "resume", "stop_after",
                 "log_every", "report_to", "progress")),

@@ -40,6 +40,7 @@ from .checkpoint import (CheckpointCorrupt, CheckpointError, check_checkpoint, c
 from .config import TrainConfig, config_to_dict, group_tuning
 from .data import IGNORE_INDEX, BatchSampler, TokenDataset, build_datasets, collate, default_pad_id
 from .data.build import load_source
+from .data.errors import DataError
 from .data.token_arrays import is_token_source
 from .device import Device, resolve_dtype
 from .engine import RuntimeConfig, StepResult
@@ -50,6 +51,8 @@ from .save_plan import DiskSpaceError, SavePlan, plan_saves, resolve_save_dtype
 from .telemetry.machine import HostRss
 from .engine.placement import PlacementPlan
 from .engine.slide.disk_tier import tier_bytes
+from .eval_samples import (EvalPrompt, decode_completion, encode_prompt, greedy_completions, keep_samples_up_to,
+                           resolve_eval_prompts, write_samples)
 from .models.load import LoadedModel
 from .models.reference_check import require_faithful
 from .ops.packed_attention import use_packed_attention
@@ -313,8 +316,11 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
     # what the auto settings chose: the GPU's placement (on the CPU only with --verbose: no GPU there)
     say = print if device.is_cuda or verbose else _silent
     inputs: list[_RunInputs] = []
+    prompts: list[list[EvalPrompt]] = []
 
     def before_build(prepared: PreparedRun) -> RuntimeConfig:
+        # the eval prompts read (a bad file refused) before the engine allocates anything
+        prompts.append(ranks.on_each(lambda: _eval_prompts(cfg, source, prepared.loaded)))
         run_inputs, runtime = _prepare_inputs(cfg, prepared, source, ranks, device, out, say)
         inputs.append(run_inputs)
         return runtime
@@ -328,9 +334,17 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
             return Trainer(cfg, engine, loaded, run.sampler, run.heldout, run.pad_id, run.total_steps, device, out,
                            t_start, run.resume_from, run.stale if ranks.is_main else [], stop, ckpt_dir=run.ckpt_dir,
                            saves=run.saves, save_dtype=run.save_dtype, ranks=ranks,
-                           reporting=reporting or _Reporting(["csv"], [])).run()
+                           reporting=reporting or _Reporting(["csv"], []), eval_prompts=prompts[0]).run()
     finally:
         engine.close()
+
+
+def _eval_prompts(cfg: TrainConfig, source, loaded: LoadedModel) -> list[EvalPrompt]:
+    """The prompts sampled at each evaluation (eval_samples.py), a bad --eval-prompts file as a TrainingError."""
+    try:
+        return resolve_eval_prompts(cfg.eval_prompts, source, cfg.data, loaded.tokenizer)
+    except DataError as e:
+        raise TrainingError(str(e)) from e
 
 
 def _run_request(cfg: TrainConfig) -> RunRequest:
@@ -541,7 +555,7 @@ def _warn_changed_config(ckpt: Path, run_config: Path, cfg: TrainConfig, world_s
             return
         source = f"the run's saved config.json ({run_config})"
     ignore = {"resume", "stop_after", "progress", "log_every", "report_to", "output_dir", "gpu_memory_limit",
-              "world_size"}
+              "world_size", "eval_prompts", "eval_max_new_tokens"}
     old = group_tuning(old)             # one saved before the tuning knobs had their group compares the same
     new = config_to_dict(cfg)
     old_world = int(old.get("world_size", 1))
@@ -586,11 +600,12 @@ class Trainer:
                  device: Device, out: Path, t_start: float, resume_from: Path | None = None,
                  stale: list[Path] | None = None, stop: _StopFlag | None = None, ckpt_dir: Path | None = None,
                  saves: SavePlan | None = None, save_dtype: str = "fp32", ranks: Ranks | None = None,
-                 reporting: _Reporting | None = None):
+                 reporting: _Reporting | None = None, eval_prompts: list[EvalPrompt] | None = None):
         self.cfg, self.engine, self.loaded, self.device = cfg, engine, loaded, device
         # data parallel: every rank runs this loop in step; rank 0 alone writes files
         self.ranks = ranks or Ranks.single()
         self.sampler, self.heldout, self.pad_id = sampler, heldout, pad_id
+        self.eval_prompts = list(eval_prompts or [])   # sampled greedily at each evaluation (eval_samples.py)
         self.total_steps, self.out, self.t_start = total_steps, out, t_start
         self.resume_from = resume_from
         self.stop_flag = stop or _StopFlag()
@@ -685,6 +700,7 @@ class Trainer:
                 self.where = f"the held-out evaluation after step {done}"
                 row["eval_loss"], row["eval_ppl"] = self.evaluate()
                 self.notify("on_eval", done, {"eval_loss": row["eval_loss"], "eval_ppl": row["eval_ppl"]})
+                self.sample_prompts(done)
         else:
             self.pending = issued
         if done % self.cfg.log_every == 0:
@@ -717,6 +733,7 @@ class Trainer:
         resume_step = self.start_step or None
         csv_log = CsvTracker(self.metrics_path, METRIC_COLUMNS, PRECISE_COLUMNS, resume_step=resume_step,
                              drop_at_resume=_end_of_run_eval_row)
+        keep_samples_up_to(self.out / "eval_samples.jsonl", resume_step)
         self.trackers = Trackers([csv_log] + open_dashboards(self.report_to, self.out,
                                                              _run_record(self.cfg, self.ranks.world_size),
                                                              resume_step))
@@ -892,6 +909,8 @@ class Trainer:
             print(f"held-out before training: loss {self.before[0]:.4f}  perplexity {self.before[1]:.2f}")
             self.rows.append(_row(step=0, eval_loss=self.before[0], eval_ppl=self.before[1]))
             self.notify("on_eval", 0, {"eval_loss": self.before[0], "eval_ppl": self.before[1]})
+        if self.start_step == 0:
+            self.sample_prompts(0)
 
     def evaluate_after(self) -> None:
         """The held-out evaluation of the finished run, once the last updates have landed."""
@@ -901,6 +920,24 @@ class Trainer:
             print(f"held-out after training: loss {self.after[0]:.4f}  perplexity {self.after[1]:.2f}")
             self.rows.append(_row(step=self.total_steps, eval_loss=self.after[0], eval_ppl=self.after[1]))
             self.notify("on_eval", self.total_steps, {"eval_loss": self.after[0], "eval_ppl": self.after[1]})
+        self.sample_prompts(self.total_steps)
+
+    def sample_prompts(self, step: int) -> None:
+        """The eval prompts' greedy samples with the current weights, after step `step` (eval_samples.py):
+        appended to eval_samples.jsonl and logged to the trackers by rank 0. Every rank runs the same
+        forwards (a forward may issue collectives), taking rank 0's tokens."""
+        if not self.eval_prompts:
+            return
+        tok = self.loaded.tokenizer
+        completions = greedy_completions(
+            self.engine.next_token_logits, [encode_prompt(tok, p.text) for p in self.eval_prompts],
+            self.cfg.data.seq_len, self.cfg.batch_size, self.cfg.eval_max_new_tokens, tok.eos_token_id,
+            self.pad_id, agree=lambda picks: self.ranks.on_main(lambda: picks))
+        samples = [(p.text, decode_completion(tok, c)) for p, c in zip(self.eval_prompts, completions)]
+        if self.ranks.is_main:
+            write_samples(self.out / "eval_samples.jsonl", step, samples)
+            for i, (prompt, completion) in enumerate(samples):
+                self.trackers.log_text(step, f"eval_samples/{i}", prompt + completion)
 
     # ------------------------------------------------------------------ saving and stopping
     def save_checkpoint(self, step: int) -> Path:

@@ -184,6 +184,21 @@ class PlainEngine:
     def eval_loss(self, batch) -> tuple[float, int]:
         return float(self._loss(batch)), batch.num_target_tokens()
 
+    @torch.no_grad()
+    def next_token_logits(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """The logits of the token after each row's first lengths[b] tokens, with the current weights:
+        input_ids [B, S] (right-padded; causal attention keeps the padding out of earlier positions),
+        lengths [B] -> [B, V] float32. One full forward, no KV cache (eval_samples.py: greedy samples)."""
+        split, dev = self.split, self.device.device
+        ids = input_ids.to(dev)
+        kwargs = split.layer_kwargs(*ids.shape, self.dtype, dev)
+        x = split.embed_forward(self.units[0].leaves, ids)                     # [B, S, d]
+        for i in range(split.num_layers):
+            x = split.layer_forward(i, self.units[i + 1].leaves, x, kwargs[i])
+        last = x[torch.arange(x.shape[0], device=dev), lengths.to(dev) - 1]     # [B, d]
+        tied = self.units[0].leaves["weight"] if split.tied else None
+        return split.head_logits(self.units[-1].leaves, last, lm_weight=tied)
+
     def synchronize(self) -> None:
         self.device.synchronize()
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.func import functional_call
 
 from ..ops.cross_entropy import RowNorm, linear_cross_entropy, linear_cross_entropy_grads
@@ -300,6 +301,15 @@ class SplitModel:
         if g_b is not None:
             grads["lm_head.bias"] = g_b
         return loss, g_h, grads
+
+    def head_logits(self, params: dict[str, torch.Tensor], hidden: torch.Tensor,
+                    lm_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """The next-token logits of a few positions, as the loss sees them (final norm, output layer,
+        the family's logit transform): hidden [N, d] -> [N, V] float32 (float64 in float64). For generation (N small:
+        the whole [N, V] is made at once, unlike the chunked loss)."""
+        norm, weight, bias = self._head_parts(params, lm_weight)
+        logits = F.linear(norm.fn(hidden, norm.params), weight, bias)        # [N, V] compute dtype
+        return self.transforms.logits.apply(logits.to(torch.promote_types(logits.dtype, torch.float32)))
 
     def _head_parts(self, params: dict[str, torch.Tensor], lm_weight: torch.Tensor | None
                     ) -> tuple[RowNorm, torch.Tensor, torch.Tensor | None]:

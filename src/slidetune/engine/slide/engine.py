@@ -67,6 +67,7 @@ from concurrent.futures import Future
 
 import torch
 
+from ...data.batch import IGNORE_INDEX, Batch
 from ...device import Device
 from ...models.load import LoadedModel
 from ...models.units import UnitSpec
@@ -653,6 +654,24 @@ class SlideEngine:
         slots.release(embed_slot)
         slots.release(head_slot)
         return float(loss), batch.num_target_tokens()
+
+    @torch.no_grad()
+    def next_token_logits(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """The logits of the token after each row's first lengths[b] tokens, with the current weights:
+        input_ids [B, S] (right-padded; causal attention keeps the padding out of earlier positions),
+        lengths [B] -> [B, V] float32. One full forward as eval_loss runs it (every layer streamed
+        through the window), no KV cache (eval_samples.py: greedy samples)."""
+        split, slots = self.split, self.slots
+        batch = Batch(input_ids, torch.full_like(input_ids, IGNORE_INDEX), None)
+        xs, _, _, _, embed_slot, head_slot = self._forward([batch], list(range(split.num_layers)), {},
+                                                           save_inputs=False)
+        last = xs[0][torch.arange(input_ids.shape[0], device=xs[0].device), lengths.to(xs[0].device) - 1]  # [B, d]
+        slots.acquire(head_slot)
+        tied_w = slots.views(split.embed_unit, embed_slot.flat)["weight"] if split.tied else None
+        logits = split.head_logits(slots.views(split.head_unit, head_slot.flat), last, lm_weight=tied_w)
+        slots.release(embed_slot)
+        slots.release(head_slot)
+        return logits                                                              # [B, V]
 
     # ------------------------------------------------------------- state
     def synchronize(self) -> None:
