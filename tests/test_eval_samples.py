@@ -21,7 +21,7 @@ from slidetune.eval_samples import (decode_completion, encode_prompt, greedy_com
                                      read_prompt_file, write_samples)
 from slidetune.data.chat_template import load_chat_template
 from slidetune.models.load import embedded_tokenizer
-from slidetune.train import TrainingError, train
+from slidetune.trainer import TrainingError, train
 from test_checkpoint import batches, make_engine
 
 
