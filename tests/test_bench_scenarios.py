@@ -199,7 +199,7 @@ def test_seed_ratios_for_recompute_and_head():
 
 
 # ---------------------------------------------------------------- recompute attribution
-SLEEP_S = 0.3           # far above a tiny layer's compute (and a loaded 2-core machine's stalls), so misattribution cannot hide in noise
+SLEEP_S = 1.0           # far above a tiny layer's compute and a loaded 2-core machine's stalls (0.16-0.33 s seen), so misattribution cannot hide in noise
 
 
 def _ckpt_step_spans(recompute: str):
@@ -253,18 +253,18 @@ def test_recompute_time_is_attributed_to_recompute_not_backward():
         # read as double counting (twice would add another SLEEP_S)
         assert agg[("recompute", i)] < bw_calls[i] + 0.9 * SLEEP_S, (i, agg[("recompute", i)], bw_calls[i])
         # ... and not as backward: a recompute counted there would add a whole sleep (>= SLEEP_S); the
-        # backward's own few ms may stall on a loaded machine (0.21 s seen on 2 busy cores)
+        # backward's own few ms may stall on a loaded machine
         assert agg[("backward", i)] < 0.9 * SLEEP_S, (i, agg[("backward", i)])
     assert agg[("head_backward", -1)] < 0.9 * SLEEP_S and agg[("embed_backward", -1)] < 0.9 * SLEEP_S
 
     agg_none, bw_calls_none, _ = _ckpt_step_spans("none")
     assert bw_calls_none == {} and not any(p == "recompute" for p, _ in agg_none)
     for i in range(L):
-        assert agg_none[("backward", i)] < SLEEP_S / 2
+        assert agg_none[("backward", i)] < 0.9 * SLEEP_S
 
     agg_sel, bw_sel, _ = _ckpt_step_spans("1")
     assert list(bw_sel) == [1] and {layer for p, layer in agg_sel if p == "recompute"} == {1}
-    assert agg_sel[("recompute", 1)] >= SLEEP_S * 0.95 and agg_sel[("backward", 1)] < SLEEP_S / 2
+    assert agg_sel[("recompute", 1)] >= SLEEP_S * 0.95 and agg_sel[("backward", 1)] < 0.9 * SLEEP_S
 
 
 @pytest.mark.slow
