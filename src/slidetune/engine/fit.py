@@ -450,6 +450,74 @@ def summing_bytes(grad_sum: str, micro_batches: int, params: int) -> int:
     return max(accumulation_bytes(w, micro_batches, params) for w in ways)
 
 
+@dataclass
+class _Work:
+    """What one estimate is of: the device, the compute dtype, the batch and the model's sizes."""
+
+    dev: str                    # cuda | cpu
+    dtype: torch.dtype
+    b: int                      # bytes per element of the compute dtype
+    B: int                      # sequences per micro-batch
+    S: int                      # tokens per sequence
+    N: int                      # tokens per micro-batch, B * S
+    # slide mode runs a step's micro-batches layer by layer: the checkpoints, the head and the
+    # embedding backward see every micro-batch's tokens at once, a layer's working set one's
+    N_step: int                 # tokens per step, N * grad_accum
+    grad_accum: int
+    L: int                      # decoder layers
+    d: int                      # hidden width
+    P: int                      # parameters of the whole model
+    P_L: int                    # parameters of the largest decoder layer
+    P_E: int                    # parameters of the embedding unit
+    P_H: int                    # parameters of the head unit
+    largest_param: int          # elements of the largest single parameter
+    masks: int                  # [B,1,S,S] masks HF materializes (materialized_masks)
+    layer_inputs: int           # bytes every layer receives besides the hidden states
+    head: int                   # bytes of the head phase
+
+    @property
+    def ckpt_micro(self) -> int:
+        """One micro-batch's checkpoint of one layer: [B, S, d] in the compute dtype."""
+        return self.N * self.d * self.b
+
+    @property
+    def ckpt(self) -> int:
+        """A layer's checkpoints, every micro-batch: [grad_accum * B, S, d]."""
+        return self.N_step * self.d * self.b
+
+
+@dataclass
+class _Parts:
+    """The estimate's terms as they are gathered (insertion order is the order they print in)."""
+
+    gpu: dict[str, int] = field(default_factory=dict)
+    host: dict[str, int] = field(default_factory=dict)
+    phases: dict[str, int] = field(default_factory=dict)
+    pinned: int = 0
+    disk_bytes: int = 0
+
+
+def _work(split: SplitModel, rt: RuntimeConfig, batch_size: int, seq_len: int, grad_accum: int,
+          padded: bool) -> _Work:
+    dtype = rt.torch_dtype
+    b = torch.empty((), dtype=dtype).element_size()
+    sh = _shape(split)
+    B, S, N = batch_size, seq_len, batch_size * seq_len
+    # what every layer receives besides the hidden states: the [B,1,S,S] bool masks HF
+    # materializes (materialized_masks), rotary cos/sin [1,S,hd] fp32
+    masks = materialized_masks(split, S, padded)
+    layer_inputs = masks * B * S * S + 2 * S * sh.head_dim * 4 + 2 * N * 8   # + ids, labels
+    # slide mode's head computes its gradients without autograd, scaled in place (engine/slide)
+    head = int(HEAD_MARGIN * head_bytes(split, N, dtype, rt.resolved_head_impl, rt.head_chunk_tokens,
+                                        grads_in_place=rt.mode == "slide"))
+    return _Work(dev=_device_type(rt), dtype=dtype, b=b, B=B, S=S, N=N, N_step=N * grad_accum,
+                 grad_accum=grad_accum, L=sh.layers, d=sh.d, P=split.num_params(),
+                 P_L=max((u.numel for u in split.layer_units), default=0),
+                 P_E=split.embed_unit.numel, P_H=split.head_unit.numel,
+                 largest_param=max(p.numel for u in split.units for p in u.params),
+                 masks=masks, layer_inputs=layer_inputs, head=head)
+
+
 def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int,
                     grad_accum: int = 1, max_grad_norm: float | None = None, padded: bool = True) -> MemoryEstimate:
     """Bytes of GPU, host and pinned memory the configuration needs (nothing is allocated).
@@ -459,176 +527,224 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
     batches have none; the default assumes they may."""
     if batch_size < 1 or seq_len < 1 or grad_accum < 1:
         raise ValueError("batch_size, seq_len and grad_accum must be >= 1")
-    dev = _device_type(rt)
-    dtype = rt.torch_dtype
-    b = torch.empty((), dtype=dtype).element_size()
-    sh = _shape(split)
-    B, S, N, L, d = batch_size, seq_len, batch_size * seq_len, sh.layers, sh.d
-    # slide mode runs a step's micro-batches layer by layer: the checkpoints, the head and the
-    # embedding backward see every micro-batch's tokens at once, a layer's working set one's
-    N_step = N * grad_accum
-    P = split.num_params()
-    P_L = max((u.numel for u in split.layer_units), default=0)
-    P_E, P_H = split.embed_unit.numel, split.head_unit.numel
-    largest_param = max(p.numel for u in split.units for p in u.params)
-
-    gpu: dict[str, int] = {}
-    host: dict[str, int] = {}
-    pinned = 0
-    schedule = None
-    plan = None
-    disk_bytes = 0
-    # what every layer receives besides the hidden states: the [B,1,S,S] bool masks HF
-    # materializes (materialized_masks), rotary cos/sin [1,S,hd] fp32
-    masks = materialized_masks(split, S, padded)
-    layer_inputs = masks * B * S * S + 2 * S * sh.head_dim * 4 + 2 * N * 8   # + ids, labels
-    # slide mode's head computes its gradients without autograd, scaled in place (engine/slide)
-    head = int(HEAD_MARGIN * head_bytes(split, N, dtype, rt.resolved_head_impl, rt.head_chunk_tokens,
-                                        grads_in_place=rt.mode == "slide"))
-
+    w = _work(split, rt, batch_size, seq_len, grad_accum, padded)
+    parts = _Parts()
+    schedule = plan = None
     if rt.mode == "slide":
-        if grad_accum > 1:
-            # a micro-batch at a time, its parameter gradients summed in FP32 (a tied embedding's too)
-            head += 4 * (split.head_unit.numel + (split.embed_unit.numel if split.tied else 0))
         schedule = rt.resolved_schedule(grad_accum, max_grad_norm)
         plan = PlacementPlan.build(unit_shapes(split), rt, schedule)
-        n_dev = plan.device_layers
-        state, master = FP32_ADAMW.bytes_per_param, FP32_ADAMW.master_bytes    # 12 and 4 B/param
-        K = plan.layer_slots                              # window slots + resident layers' own
-        gpu["layer weight slots"] = K * P_L * b
-        gb = 4 if rt.grad_slots_fp32() else b
-        gpu["layer grad slots"] = rt.resolved_grad_slots(L, eager=schedule == "eager") * P_L * gb
-        gpu["vocab weight slots"] = (P_E + P_H) * b
-        gpu["vocab grad slots"] = sum(plan.vocab_grad_slot_numels()) * gb
-        if rt.upload_cast_stream == "compute" and (rt.casts_on_gpu(dev == "cuda") or dev != "cuda"):
-            gpu["fp32 landing buffers (cast on the compute stream)"] = (K * P_L + P_E + P_H) * 4
-        ckpt_micro = N * d * b                 # one micro-batch's checkpoint of one layer
-        ckpt = N_step * d * b                  # a layer's checkpoints, every micro-batch
-        kept = plan.gpu_checkpoints
-        # offload: those kept on the GPU, plus in forward the micro-batches' outputs of the layer
-        # being computed and the one whose D2H copy is in flight (in backward, the checkpoint being
-        # read and the one prefetched, no more)
-        gpu["activation checkpoints"] = min(L * ckpt, kept * ckpt + ckpt + ckpt_micro)
-        gpu["layer inputs (masks, rotary, ids)"] = layer_inputs
-        phases = {
-            # recompute + backward of one layer; autograd.grad also returns the layer's
-            # parameter gradients as fresh tensors before they are copied into a grad slot
-            # with several micro-batches, the other micro-batches' output gradients wait beside it,
-            # and the layer's gradient sums in FP32 (a compute-dtype sum would round each add)
-            "layer working set": int(_working_set_margin(split, rt) * working_set_bytes(split, rt, B, S, dtype,
-                                                                                      masked=masks > 0)["peak"])
-            + (grad_accum - 1) * ckpt_micro + summing_bytes(rt.grad_sum, grad_accum, P_L),
-            # the head phase (head_bytes counts the last layer's output and its gradient)
-            "head/logits": head,
-            # embedding backward: a dense [V, d] gradient, and the incoming gradient
-            # every micro-batch's incoming gradient; with several, a micro-batch at a time into
-            # an FP32 sum
-            "embedding backward": P_E * b + ckpt + (4 * P_E if grad_accum > 1 else 0),
-        }
-        vocab_device = plan.vocab_on_device
-        if vocab_device:
-            gpu[f"vocab master + Adam moments (vocab_update=device, {state} B/param)"] = state * (P_E + P_H)
-        P_dev = sum(u.numel for u in split.layer_units[:n_dev])
-        if n_dev:
-            gpu[f"device layers: master + Adam moments ({state} B/param) + own weight slots"] = (state + b) * P_dev
-            if schedule == "deferred":
-                gpu["device layers' held gradients (deferred schedule)"] = gb * P_dev
-        device_units = ([P_E, P_H] if vocab_device else []) + [u.numel for u in split.layer_units[:n_dev]]
-        # Mirrors SlideEngine: chunks of chunk_mb MiB of FP32; on CUDA the casts run on the
-        # GPU (FP32 master registered in place, FP32 gradient ring, 4 GPU staging chunks).
-        chunk_elems = rt.chunk_elems(P_L)
-        if device_units and gb != 4:   # the update widens a compute-dtype gradient a chunk at a time
-            gpu["device update widening buffer"] = 4 * min(chunk_elems, max(device_units))
-        gpu_cast = rt.casts_on_gpu(dev == "cuda")
-        P_host = P - (P_E + P_H if vocab_device else 0) - P_dev
-        P_disk = plan.params("disk")
-        P_disk_master = plan.master_params("disk")
-        host[f"master + Adam moments ({state} B/param)"] = state * (P_host - P_disk)
-        if P_disk:
-            # the disk tier: moments (and the masters of disk-master units) in its files, through a
-            # few pinned block buffers; masters here, or those units' compute-dtype weights
-            if P_disk > P_disk_master:
-                host[f"disk units' masters ({master} B/param; moments on disk)"] = master * (P_disk - P_disk_master)
-            if P_disk_master:
-                host[f"disk-master units' weights ({b} B/param; master + moments on disk)"] = b * P_disk_master
-            host["disk tier block buffers"] = buffer_bytes(plan, rt.disk_block_mb)
-            disk_bytes = tier_bytes(plan, rt.disk_block_mb)
-        # one buffer per host-updated unit, and the plan's second buffers (auto left unresolved:
-        # one, what the engine does)
-        held = b * plan.held_numel() if schedule == "deferred" else 0
-        if held:
-            two = sum(u.numel for u in plan.units if u.held == 2)
-            what = (f"{b} B/param" if not two else f"{2 * b} B/param" if two == P_host else
-                    f"{b} B/param, {2 * b} for {plan.ranges(lambda u: u.held == 2)}")
-            host[f"held gradients (deferred schedule, {what})"] = held
-        # clip_sweep=weights: the compute-dtype weights the uploads read, written by the weights pass
-        copies = b * plan.upload_copy_numel() if schedule == "deferred" else 0
-        if copies:
-            host[f"upload copies (clip_sweep weights, {b} B/param)"] = copies
-        deferred = schedule == "deferred"          # gradients straight into the held buffers: no ring
-        down_chunks = 0 if deferred else rt.download_chunks(P_L)
-        downloads_fp32 = rt.downloads_fp32(dev == "cuda")
-        rings = down_chunks * chunk_elems * (4 if downloads_fp32 else b)
-        staging = 0
-        if gpu_cast:
-            staging += rt.upload_stages * chunk_elems * 4            # uploads: FP32 from the registered master
-        else:
-            rings += rt.upload_ring * chunk_elems * b
-        if gpu_cast and downloads_fp32 and not rt.grad_slots_fp32() and not deferred:
-            staging += 2 * chunk_elems * 4                           # the D2H stream's cast
-        if staging:
-            gpu["fp32 cast staging"] = staging
-        if not downloads_fp32 and not deferred:
-            # widening into FP32 before AdamW where native_adamw's kernel cannot be built
-            host["fp32 drain scratch"] = chunk_elems * 4
-        host["upload/download rings"] = rings
-        if kept < L:
-            host["offloaded checkpoints"] = (L - kept) * ckpt
-        if dev == "cuda":
-            # ... and a disk-master unit's weights, registered for one async H2D each upload
-            pinned = (rings + (L - kept) * ckpt + held + host.get("disk tier block buffers", 0) + b * P_disk_master
-                      + copies)
-        # units kept on the device are built a parameter at a time (models.load.fill_on_device:
-        # their largest matrix passes through RAM), disk-master units through a host buffer of the
-        # whole unit (4 B/param), up to BUILD_WORKERS at once, beside the host units (HostStore)
-        def largest(unit) -> int:
-            return max((p.numel for p in unit.params), default=0)
-        passing = ([largest(split.units[0]), largest(split.units[-1])] if vocab_device else []) \
-            + [largest(u) for u in split.layer_units[:n_dev]] + [u.numel for u in plan.units if u.master == "disk"]
-        building = sorted(passing, reverse=True)[:BUILD_WORKERS]
-        # freed before the first step, when the offloaded checkpoints' slots are allocated (in
-        # the first forward): the two never coexist, so only what the transient takes beyond
-        # them raises the peak
-        host["weight loading transient"] = max(0, max(largest_param, sum(building)) * 4
-                                               - host.get("offloaded checkpoints", 0))
+        _slide_terms(parts, split, rt, w, schedule, plan)
     else:
-        recomputed = rt.recomputed_layers(L)
-        gpu["fp32 master"] = FP32_ADAMW.master_bytes * P
-        gpu["Adam moments"] = FP32_ADAMW.moment_bytes * P
-        gpu["fp32 grad accumulator"] = 4 * P
-        gpu["compute weights"] = b * P
-        gpu["compute grads"] = b * P
-        stored = len(recomputed) * N * d * b
-        act = layer_activation_bytes(split, B, S, dtype, masked=masks > 0)
-        stored += (L - len(recomputed)) * int(ACTIVATION_MARGIN * act["saved"])
-        gpu["stored activations"] = stored
-        gpu["layer inputs (masks, rotary, ids)"] = layer_inputs
-        # backward of one layer above what is stored: its whole working set when it is
-        # recomputed, only the backward temporaries when its activations are stored
-        bwd = int(ACTIVATION_MARGIN * (act["peak_no_param_grads"] - (0 if recomputed else act["saved"])))
-        phases = {"layer working set": bwd, "head/logits": head}
-        if dev == "cuda":  # each unit is built in host RAM, then copied to the device
-            host["weight loading transient"] = max(u.numel for u in split.units) * 4
-    peak_name = max(phases, key=phases.get)
-    gpu[f"{peak_name} (peak phase)"] = phases[peak_name]
-    if dev == "cuda":
-        gpu["cuda context + allocator slack"] = CUDA_OVERHEAD_BYTES
-    host["runtime overhead"] = HOST_OVERHEAD_BYTES[dev if dev in HOST_OVERHEAD_BYTES else "cuda"]
-    return MemoryEstimate(gpu_bytes=int(sum(gpu.values())), host_bytes=int(sum(host.values())),
-                          pinned_bytes=int(pinned), gpu_parts={k: int(v) for k, v in gpu.items()},
-                          host_parts={k: int(v) for k, v in host.items()}, device_type=dev,
-                          phases={k: int(v) for k, v in phases.items()}, schedule=schedule,
-                          disk_bytes=int(disk_bytes), plan=plan)
+        _whole_model_terms(parts, split, rt, w)
+    peak_name = max(parts.phases, key=parts.phases.get)
+    parts.gpu[f"{peak_name} (peak phase)"] = parts.phases[peak_name]
+    if w.dev == "cuda":
+        parts.gpu["cuda context + allocator slack"] = CUDA_OVERHEAD_BYTES
+    parts.host["runtime overhead"] = HOST_OVERHEAD_BYTES[w.dev if w.dev in HOST_OVERHEAD_BYTES else "cuda"]
+    return MemoryEstimate(gpu_bytes=int(sum(parts.gpu.values())), host_bytes=int(sum(parts.host.values())),
+                          pinned_bytes=int(parts.pinned), gpu_parts={k: int(v) for k, v in parts.gpu.items()},
+                          host_parts={k: int(v) for k, v in parts.host.items()}, device_type=w.dev,
+                          phases={k: int(v) for k, v in parts.phases.items()}, schedule=schedule,
+                          disk_bytes=int(parts.disk_bytes), plan=plan)
+
+
+def _whole_model_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w: _Work) -> None:
+    """gpu and ckpt modes: the whole model, its optimizer state and its activations on the device."""
+    gpu = parts.gpu
+    P, N, d, b, L = w.P, w.N, w.d, w.b, w.L
+    recomputed = rt.recomputed_layers(L)
+    gpu["fp32 master"] = FP32_ADAMW.master_bytes * P
+    gpu["Adam moments"] = FP32_ADAMW.moment_bytes * P
+    gpu["fp32 grad accumulator"] = 4 * P
+    gpu["compute weights"] = b * P
+    gpu["compute grads"] = b * P
+    stored = len(recomputed) * N * d * b
+    act = layer_activation_bytes(split, w.B, w.S, w.dtype, masked=w.masks > 0)
+    stored += (L - len(recomputed)) * int(ACTIVATION_MARGIN * act["saved"])
+    gpu["stored activations"] = stored
+    gpu["layer inputs (masks, rotary, ids)"] = w.layer_inputs
+    # backward of one layer above what is stored: its whole working set when it is
+    # recomputed, only the backward temporaries when its activations are stored
+    bwd = int(ACTIVATION_MARGIN * (act["peak_no_param_grads"] - (0 if recomputed else act["saved"])))
+    parts.phases = {"layer working set": bwd, "head/logits": w.head}
+    if w.dev == "cuda":  # each unit is built in host RAM, then copied to the device
+        parts.host["weight loading transient"] = max(u.numel for u in split.units) * 4
+
+
+def _grad_slot_bytes(rt: RuntimeConfig, b: int) -> int:
+    """Bytes per element of the gradient slots: FP32, or the compute dtype's b."""
+    return 4 if rt.grad_slots_fp32() else b
+
+
+def _device_layer_params(split: SplitModel, plan: PlacementPlan) -> int:
+    return sum(u.numel for u in split.layer_units[:plan.device_layers])
+
+
+def _host_updated_params(split: SplitModel, plan: PlacementPlan, w: _Work) -> int:
+    """Parameters whose AdamW runs on the host: all but the GPU-updated vocabulary and device layers."""
+    return w.P - (w.P_E + w.P_H if plan.vocab_on_device else 0) - _device_layer_params(split, plan)
+
+
+def _slide_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w: _Work, schedule: str,
+                 plan: PlacementPlan) -> None:
+    """slide mode: the window's GPU buffers, the GPU-updated units, the host's state and buffers."""
+    if w.grad_accum > 1:
+        # a micro-batch at a time, its parameter gradients summed in FP32 (a tied embedding's too)
+        w = dataclasses.replace(w, head=w.head + 4 * (split.head_unit.numel
+                                                      + (split.embed_unit.numel if split.tied else 0)))
+    _slide_gpu_buffers(parts, rt, w, schedule, plan)
+    parts.phases = _slide_phases(split, rt, w)
+    _device_update_terms(parts, split, rt, w, schedule, plan)
+    _host_state_terms(parts, split, rt, w, plan)
+    held, copies = _deferred_host_buffers(parts, split, w, schedule, plan)
+    rings = _transfer_buffers(parts, rt, w, schedule, plan)
+    kept = plan.gpu_checkpoints
+    if kept < w.L:
+        parts.host["offloaded checkpoints"] = (w.L - kept) * w.ckpt
+    if w.dev == "cuda":
+        # ... and a disk-master unit's weights, registered for one async H2D each upload
+        parts.pinned = (rings + (w.L - kept) * w.ckpt + held + parts.host.get("disk tier block buffers", 0)
+                        + w.b * plan.master_params("disk") + copies)
+    parts.host["weight loading transient"] = _weight_loading_transient(split, w, plan, parts.host)
+
+
+def _slide_gpu_buffers(parts: _Parts, rt: RuntimeConfig, w: _Work, schedule: str, plan: PlacementPlan) -> None:
+    """The window's weight and gradient slots, the vocabulary's, the checkpoints kept on the GPU."""
+    gpu, b, P_L, L = parts.gpu, w.b, w.P_L, w.L
+    K = plan.layer_slots                              # window slots + resident layers' own
+    gpu["layer weight slots"] = K * P_L * b
+    gb = _grad_slot_bytes(rt, b)
+    gpu["layer grad slots"] = rt.resolved_grad_slots(L, eager=schedule == "eager") * P_L * gb
+    gpu["vocab weight slots"] = (w.P_E + w.P_H) * b
+    gpu["vocab grad slots"] = sum(plan.vocab_grad_slot_numels()) * gb
+    if rt.upload_cast_stream == "compute" and (rt.casts_on_gpu(w.dev == "cuda") or w.dev != "cuda"):
+        gpu["fp32 landing buffers (cast on the compute stream)"] = (K * P_L + w.P_E + w.P_H) * 4
+    # offload: those kept on the GPU, plus in forward the micro-batches' outputs of the layer
+    # being computed and the one whose D2H copy is in flight (in backward, the checkpoint being
+    # read and the one prefetched, no more)
+    gpu["activation checkpoints"] = min(L * w.ckpt, plan.gpu_checkpoints * w.ckpt + w.ckpt + w.ckpt_micro)
+    gpu["layer inputs (masks, rotary, ids)"] = w.layer_inputs
+
+
+def _slide_phases(split: SplitModel, rt: RuntimeConfig, w: _Work) -> dict[str, int]:
+    """slide mode's transient working sets; only the largest counts."""
+    ws = working_set_bytes(split, rt, w.B, w.S, w.dtype, masked=w.masks > 0)["peak"]
+    return {
+        # recompute + backward of one layer; autograd.grad also returns the layer's
+        # parameter gradients as fresh tensors before they are copied into a grad slot
+        # with several micro-batches, the other micro-batches' output gradients wait beside it,
+        # and the layer's gradient sums in FP32 (a compute-dtype sum would round each add)
+        "layer working set": int(_working_set_margin(split, rt) * ws)
+        + (w.grad_accum - 1) * w.ckpt_micro + summing_bytes(rt.grad_sum, w.grad_accum, w.P_L),
+        # the head phase (head_bytes counts the last layer's output and its gradient)
+        "head/logits": w.head,
+        # embedding backward: a dense [V, d] gradient, and the incoming gradient
+        # every micro-batch's incoming gradient; with several, a micro-batch at a time into
+        # an FP32 sum
+        "embedding backward": w.P_E * w.b + w.ckpt + (4 * w.P_E if w.grad_accum > 1 else 0),
+    }
+
+
+def _device_update_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w: _Work, schedule: str,
+                         plan: PlacementPlan) -> None:
+    """The units updated on the GPU: the vocabulary (vocab_update=device) and the device layers."""
+    gpu, b = parts.gpu, w.b
+    state = FP32_ADAMW.bytes_per_param                # 12 B/param
+    n_dev = plan.device_layers
+    vocab_device = plan.vocab_on_device
+    if vocab_device:
+        gpu[f"vocab master + Adam moments (vocab_update=device, {state} B/param)"] = state * (w.P_E + w.P_H)
+    P_dev = _device_layer_params(split, plan)
+    if n_dev:
+        gpu[f"device layers: master + Adam moments ({state} B/param) + own weight slots"] = (state + b) * P_dev
+        if schedule == "deferred":
+            gpu["device layers' held gradients (deferred schedule)"] = _grad_slot_bytes(rt, b) * P_dev
+    device_units = ([w.P_E, w.P_H] if vocab_device else []) + [u.numel for u in split.layer_units[:n_dev]]
+    # the update widens a compute-dtype gradient a chunk at a time
+    if device_units and _grad_slot_bytes(rt, b) != 4:
+        gpu["device update widening buffer"] = 4 * min(rt.chunk_elems(w.P_L), max(device_units))
+
+
+def _host_state_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w: _Work, plan: PlacementPlan) -> None:
+    """The host-updated units' masters and moments, and the disk tier's share of them."""
+    host, b = parts.host, w.b
+    state, master = FP32_ADAMW.bytes_per_param, FP32_ADAMW.master_bytes    # 12 and 4 B/param
+    P_disk = plan.params("disk")
+    P_disk_master = plan.master_params("disk")
+    host[f"master + Adam moments ({state} B/param)"] = state * (_host_updated_params(split, plan, w) - P_disk)
+    if P_disk:
+        # the disk tier: moments (and the masters of disk-master units) in its files, through a
+        # few pinned block buffers; masters here, or those units' compute-dtype weights
+        if P_disk > P_disk_master:
+            host[f"disk units' masters ({master} B/param; moments on disk)"] = master * (P_disk - P_disk_master)
+        if P_disk_master:
+            host[f"disk-master units' weights ({b} B/param; master + moments on disk)"] = b * P_disk_master
+        host["disk tier block buffers"] = buffer_bytes(plan, rt.disk_block_mb)
+        parts.disk_bytes = tier_bytes(plan, rt.disk_block_mb)
+
+
+def _deferred_host_buffers(parts: _Parts, split: SplitModel, w: _Work, schedule: str,
+                           plan: PlacementPlan) -> tuple[int, int]:
+    """The deferred schedule's held gradients and upload copies on the host: (held, copies) bytes."""
+    b = w.b
+    # one buffer per host-updated unit, and the plan's second buffers (auto left unresolved:
+    # one, what the engine does)
+    held = b * plan.held_numel() if schedule == "deferred" else 0
+    if held:
+        two = sum(u.numel for u in plan.units if u.held == 2)
+        what = (f"{b} B/param" if not two else f"{2 * b} B/param" if two == _host_updated_params(split, plan, w) else
+                f"{b} B/param, {2 * b} for {plan.ranges(lambda u: u.held == 2)}")
+        parts.host[f"held gradients (deferred schedule, {what})"] = held
+    # clip_sweep=weights: the compute-dtype weights the uploads read, written by the weights pass
+    copies = b * plan.upload_copy_numel() if schedule == "deferred" else 0
+    if copies:
+        parts.host[f"upload copies (clip_sweep weights, {b} B/param)"] = copies
+    return held, copies
+
+
+def _transfer_buffers(parts: _Parts, rt: RuntimeConfig, w: _Work, schedule: str, plan: PlacementPlan) -> int:
+    """The upload/download rings on the host, the GPU's cast staging; returns the rings' bytes."""
+    b = w.b
+    # Mirrors SlideEngine: chunks of chunk_mb MiB of FP32; on CUDA the casts run on the
+    # GPU (FP32 master registered in place, FP32 gradient ring, 4 GPU staging chunks).
+    chunk_elems = rt.chunk_elems(w.P_L)
+    gpu_cast = rt.casts_on_gpu(w.dev == "cuda")
+    deferred = schedule == "deferred"          # gradients straight into the held buffers: no ring
+    down_chunks = 0 if deferred else rt.download_chunks(w.P_L)
+    downloads_fp32 = rt.downloads_fp32(w.dev == "cuda")
+    rings = down_chunks * chunk_elems * (4 if downloads_fp32 else b)
+    staging = 0
+    if gpu_cast:
+        staging += rt.upload_stages * chunk_elems * 4            # uploads: FP32 from the registered master
+    else:
+        rings += rt.upload_ring * chunk_elems * b
+    if gpu_cast and downloads_fp32 and not rt.grad_slots_fp32() and not deferred:
+        staging += 2 * chunk_elems * 4                           # the D2H stream's cast
+    if staging:
+        parts.gpu["fp32 cast staging"] = staging
+    if not downloads_fp32 and not deferred:
+        # widening into FP32 before AdamW where native_adamw's kernel cannot be built
+        parts.host["fp32 drain scratch"] = chunk_elems * 4
+    parts.host["upload/download rings"] = rings
+    return rings
+
+
+def _weight_loading_transient(split: SplitModel, w: _Work, plan: PlacementPlan, host: dict[str, int]) -> int:
+    """Host bytes the model's build passes through before the first step, beyond the offloaded
+    checkpoints it never coexists with."""
+    # units kept on the device are built a parameter at a time (models.load.fill_on_device:
+    # their largest matrix passes through RAM), disk-master units through a host buffer of the
+    # whole unit (4 B/param), up to BUILD_WORKERS at once, beside the host units (HostStore)
+    def largest(unit) -> int:
+        return max((p.numel for p in unit.params), default=0)
+    passing = ([largest(split.units[0]), largest(split.units[-1])] if plan.vocab_on_device else []) \
+        + [largest(u) for u in split.layer_units[:plan.device_layers]] \
+        + [u.numel for u in plan.units if u.master == "disk"]
+    building = sorted(passing, reverse=True)[:BUILD_WORKERS]
+    # freed before the first step, when the offloaded checkpoints' slots are allocated (in
+    # the first forward): the two never coexist, so only what the transient takes beyond
+    # them raises the peak
+    return max(0, max(w.largest_param, sum(building)) * 4 - host.get("offloaded checkpoints", 0))
 
 
 # ----------------------------------------------------------------------------- availability
@@ -938,6 +1054,157 @@ def _with_disk_buffers(split: SplitModel, rt: RuntimeConfig, schedule: str, budg
     return dataclasses.replace(rt, disk_buffers=count)
 
 
+@dataclass
+class _PlacementSearch:
+    """The state _choose_placement's stages share: the workload, the GPU's and host's room, and
+    which settings are on auto (the options each may take, the counts filled while room is left)."""
+
+    split: SplitModel
+    rt: RuntimeConfig
+    batch_size: int
+    seq_len: int
+    grad_accum: int
+    max_grad_norm: float | None
+    padded: bool
+    safety: float
+    ranks_per_host: int
+    cache_options: list[int]
+    dtype_options: list[str]
+    vocab_options: list[str]
+    fillable: list[str]          # the counts filled one at a time while the GPU has room
+    on_gpu: bool = False
+    free: int = 0                # the GPU's free bytes (0 on the CPU)
+    host: int = 0                # the host's available bytes
+
+    @classmethod
+    def of(cls, split: SplitModel, rt: RuntimeConfig, **work) -> _PlacementSearch:
+        """The options `rt`'s auto settings leave open (nothing about the machine yet)."""
+        # FP32 slots help the GPU cast path (no cast kernel on the D2H stream); with compute-dtype
+        # downloads or cast_on=cpu the host widens the gradients anyway
+        fp32_useful = rt.casts_on_gpu(_device_type(rt) == "cuda") and rt.grad_download == "fp32"
+        dtype_options = (["fp32", "compute"] if fp32_useful else ["compute"]) if rt.grad_slot_dtype == "auto" \
+            else [rt.grad_slot_dtype]
+        vocab_options = ["device", "host"] if rt.vocab_update == "auto" else [rt.vocab_update]
+        # each fillable count grows the estimate; resident layers are auto only beside an auto
+        # window: an explicit cache_units=3 asks for the small-window placement
+        fillable = [name for name, auto in (("resident_layers", rt.resident_layers == -1 and rt.cache_units == -1),
+                                            ("device_layers", rt.device_layers == -1),
+                                            ("gpu_checkpoints", rt.gpu_checkpoints == -1 and rt.offloads_activations))
+                    if auto]
+        return cls(split=split, rt=rt, cache_options=cache_unit_options(rt.cache_units),
+                   dtype_options=dtype_options, vocab_options=vocab_options, fillable=fillable, **work)
+
+    def nothing_on_auto(self) -> bool:
+        rt = self.rt
+        return len(self.cache_options) == 1 and rt.grad_slot_dtype != "auto" and rt.vocab_update != "auto" \
+            and rt.device_layers != -1 and "gpu_checkpoints" not in self.fillable \
+            and (rt.disk_units != -1 or not rt.disk_dir) and (rt.disk_master != "auto" or not rt.disk_dir)
+
+    def candidate(self, cache_units: int, vocab: str, grad_dtype: str) -> RuntimeConfig:
+        rt = self.rt
+        return dataclasses.replace(rt, cache_units=cache_units, grad_slot_dtype=grad_dtype, vocab_update=vocab,
+                                   device_layers=max(0, rt.device_layers), gpu_checkpoints=max(0, rt.gpu_checkpoints),
+                                   resident_layers=max(0, rt.resident_layers), disk_units=max(0, rt.disk_units),
+                                   disk_master="off" if rt.disk_master == "auto" else rt.disk_master)
+
+    def lean(self) -> RuntimeConfig:
+        return self.candidate(self.cache_options[-1], self.vocab_options[-1], self.dtype_options[-1])
+
+    def estimate(self, c: RuntimeConfig) -> MemoryEstimate:
+        return estimate_memory(self.split, c, batch_size=self.batch_size, seq_len=self.seq_len,
+                               grad_accum=self.grad_accum, max_grad_norm=self.max_grad_norm, padded=self.padded)
+
+    def fits(self, c: RuntimeConfig) -> bool:
+        return not self.on_gpu or self.estimate(c).gpu_bytes <= self.safety * self.free
+
+    def host_bytes(self, c: RuntimeConfig) -> int:
+        return self.estimate(c).host_bytes_per_host(self.ranks_per_host)
+
+    def host_fits(self, c: RuntimeConfig) -> bool:
+        return self.host_bytes(c) <= self.safety * self.host
+
+    def fill(self, c: RuntimeConfig, order: list[str]) -> RuntimeConfig:
+        """`c` with each fillable count of `order`, in turn, as high as the GPU still holds."""
+        L = self.split.num_layers
+        for name in (n for n in order if n in self.fillable):
+            if name == "resident_layers" and c.cache_units == 0:
+                continue                              # every host layer is resident already
+            top = L - c.device_layers if name == "resident_layers" else L
+            k = getattr(c, name)
+            while k < top and self.fits(dataclasses.replace(c, **{name: k + 1})):
+                k += 1
+            c = dataclasses.replace(c, **{name: k})
+        return c
+
+    def fewest_device_layers(self, c: RuntimeConfig) -> RuntimeConfig | None:
+        """`c` with the fewest device layers (auto) that make the host fit, or None."""
+        ks = range(c.device_layers, self.split.num_layers + 1) if "device_layers" in self.fillable \
+            else [c.device_layers]
+        for k in ks:
+            t = dataclasses.replace(c, device_layers=k)
+            if not self.fits(t):
+                return None
+            if self.host_fits(t):
+                return t
+        return None
+
+    def fastest(self, lean: RuntimeConfig) -> RuntimeConfig:
+        """For speed: the first option set that fits, then the resident layers (each saves a layer's
+        upload per step), then the device layers (each takes its AdamW off the host), then the
+        checkpoints."""
+        first = next((c for cache_units in self.cache_options for vocab in self.vocab_options
+                      for grad_dtype in self.dtype_options if self.fits(c := self.candidate(cache_units, vocab,
+                                                                                           grad_dtype))), lean)
+        return self.fill(first, ["resident_layers", "device_layers", "gpu_checkpoints"])
+
+    def host_bound(self) -> list[RuntimeConfig]:
+        """Host RAM binds: the GPU's room first to what takes the most off the host per GPU byte
+        (checkpoints, then device layers), but only as many device layers as the host needs;
+        what is left goes to speed again (resident layers, then more device layers). One
+        configuration per window and vocabulary option that fits the GPU, the smallest window first."""
+        leanest = []
+        for cache_units in sorted(self.cache_options, reverse=True):
+            for vocab in self.vocab_options:
+                if not self.fits(c := self.candidate(cache_units, vocab, self.dtype_options[-1])):
+                    continue
+                c = self.fill(c, ["gpu_checkpoints"])
+                enough = self.fewest_device_layers(c)
+                leanest.append(self.fill(enough, ["resident_layers", "device_layers"]) if enough
+                               else self.fill(c, ["device_layers"]))
+        return leanest
+
+    def onto_disk(self, least: RuntimeConfig) -> RuntimeConfig:
+        """RAM and GPU cannot hold the state: with disk_units auto, the disk tier takes the moments
+        of as few units as make the host fit (the head, then layers from the top down; each 8
+        B/param off the host); then disk_master auto (with_disk_masters)."""
+        if self.rt.disk_units == -1 and self.rt.disk_dir:
+            host_units = PlacementPlan.build(unit_shapes(self.split), least).disk_capacity()
+            for k in range(1, host_units + 1):
+                c = dataclasses.replace(least, disk_units=k)
+                if self.host_fits(c) and self.fits(c):
+                    return c
+            least = dataclasses.replace(least, disk_units=host_units)
+        return self.with_disk_masters(least)
+
+    def with_disk_masters(self, c: RuntimeConfig) -> RuntimeConfig:
+        """disk_master auto, where the moments on disk do not make the host fit: the masters of as
+        few of `c`'s disk units as do (in disk order; each 4 - b B/param more off the host, for 8
+        more through the disk). Every disk unit on disk first, moments only, then masters: the
+        same RAM for the least disk traffic (moving a unit's moments saves 8 B/param for 16 of
+        I/O a step, its master then 2 more for 8 more). None fitting: all of them, where that
+        helps at all (a compute dtype of 4 bytes saves nothing). Not under data parallel (the
+        engine refuses it there)."""
+        if self.rt.disk_master != "auto" or self.ranks_per_host > 1 or self.host_fits(c):
+            return c
+        n = len(PlacementPlan.build(unit_shapes(self.split), c).indices("disk"))
+        for m in range(1, n + 1):
+            t = dataclasses.replace(c, disk_master="on" if m == n else str(m))
+            if self.host_fits(t) and self.fits(t):
+                return t
+        every = dataclasses.replace(c, disk_master="on")
+        return every if n and self.host_bytes(every) < self.host_bytes(c) else c
+
+
 def _choose_placement(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int,
                       grad_accum: int = 1, max_grad_norm: float | None = None,
                       gpu_free_bytes: int | None = None, host_available_bytes: int | None = None,
@@ -978,133 +1245,33 @@ def _choose_placement(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, 
     """
     if rt.mode != "slide":
         return rt
-    L = split.num_layers
-    cache_options = cache_unit_options(rt.cache_units)
-    # FP32 slots help the GPU cast path (no cast kernel on the D2H stream); with compute-dtype
-    # downloads or cast_on=cpu the host widens the gradients anyway
-    fp32_useful = rt.casts_on_gpu(_device_type(rt) == "cuda") and rt.grad_download == "fp32"
-    dtype_options = (["fp32", "compute"] if fp32_useful else ["compute"]) if rt.grad_slot_dtype == "auto" \
-        else [rt.grad_slot_dtype]
-    vocab_options = ["device", "host"] if rt.vocab_update == "auto" else [rt.vocab_update]
-    # the counts filled one at a time while the GPU has room (each grows the estimate)
-    # resident layers are auto only beside an auto window: an explicit cache_units=3 asks for
-    # the small-window placement
-    fillable = [name for name, auto in (("resident_layers", rt.resident_layers == -1 and rt.cache_units == -1),
-                                        ("device_layers", rt.device_layers == -1),
-                                        ("gpu_checkpoints", rt.gpu_checkpoints == -1 and rt.offloads_activations))
-                if auto]
-    if len(cache_options) == 1 and rt.grad_slot_dtype != "auto" and rt.vocab_update != "auto" \
-            and rt.device_layers != -1 and "gpu_checkpoints" not in fillable \
-            and (rt.disk_units != -1 or not rt.disk_dir) and (rt.disk_master != "auto" or not rt.disk_dir):
+    search = _PlacementSearch.of(split, rt, batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum,
+                                 max_grad_norm=max_grad_norm, padded=padded, safety=safety,
+                                 ranks_per_host=ranks_per_host)
+    if search.nothing_on_auto():
         return rt
-
-    def candidate(cache_units: int, vocab: str, grad_dtype: str) -> RuntimeConfig:
-        return dataclasses.replace(rt, cache_units=cache_units, grad_slot_dtype=grad_dtype, vocab_update=vocab,
-                                   device_layers=max(0, rt.device_layers), gpu_checkpoints=max(0, rt.gpu_checkpoints),
-                                   resident_layers=max(0, rt.resident_layers), disk_units=max(0, rt.disk_units),
-                                   disk_master="off" if rt.disk_master == "auto" else rt.disk_master)
-
-    lean = candidate(cache_options[-1], vocab_options[-1], dtype_options[-1])
+    lean = search.lean()
     on_gpu = _device_type(rt) == "cuda"
     if not on_gpu and not (rt.disk_units == -1 and rt.disk_dir):
         return lean
-    free = (query_gpu_free_bytes(rt) if gpu_free_bytes is None else gpu_free_bytes) if on_gpu else 0
-    host = query_host_available_bytes() if host_available_bytes is None else host_available_bytes
-
-    def estimate(c: RuntimeConfig) -> MemoryEstimate:
-        return estimate_memory(split, c, batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum,
-                               max_grad_norm=max_grad_norm, padded=padded)
-
-    def fits(c: RuntimeConfig) -> bool:
-        return not on_gpu or estimate(c).gpu_bytes <= safety * free
-
-    def host_bytes(c: RuntimeConfig) -> int:
-        return estimate(c).host_bytes_per_host(ranks_per_host)
-
-    def host_fits(c: RuntimeConfig) -> bool:
-        return host_bytes(c) <= safety * host
-
-    def fill(c: RuntimeConfig, order: list[str]) -> RuntimeConfig:
-        for name in (n for n in order if n in fillable):
-            if name == "resident_layers" and c.cache_units == 0:
-                continue                              # every host layer is resident already
-            top = L - c.device_layers if name == "resident_layers" else L
-            k = getattr(c, name)
-            while k < top and fits(dataclasses.replace(c, **{name: k + 1})):
-                k += 1
-            c = dataclasses.replace(c, **{name: k})
-        return c
-
-    def fewest_device_layers(c: RuntimeConfig) -> RuntimeConfig | None:
-        """`c` with the fewest device layers (auto) that make the host fit, or None."""
-        ks = range(c.device_layers, L + 1) if "device_layers" in fillable else [c.device_layers]
-        for k in ks:
-            t = dataclasses.replace(c, device_layers=k)
-            if not fits(t):
-                return None
-            if host_fits(t):
-                return t
-        return None
-
+    search.on_gpu = on_gpu
+    search.free = (query_gpu_free_bytes(rt) if gpu_free_bytes is None else gpu_free_bytes) if on_gpu else 0
+    search.host = query_host_available_bytes() if host_available_bytes is None else host_available_bytes
     if not on_gpu:
         # the CPU (nothing to hide, nothing on a GPU): the lean choices, and where host RAM does not
-        # hold them, the disk tier below
-        if host_fits(lean):
+        # hold them, the disk tier
+        if search.host_fits(lean):
             return lean
         fastest, leanest = lean, []
     else:
-        # For speed: the resident layers (each saves a layer's upload per step), then the device
-        # layers (each takes its AdamW off the host), then the checkpoints.
-        fastest = fill(next((c for cache_units in cache_options for vocab in vocab_options
-                             for grad_dtype in dtype_options if fits(c := candidate(cache_units, vocab, grad_dtype))),
-                            lean), ["resident_layers", "device_layers", "gpu_checkpoints"])
-        if host_fits(fastest):
+        fastest = search.fastest(lean)
+        if search.host_fits(fastest):
             return fastest
-        # Host RAM binds: the GPU's room first to what takes the most off the host per GPU byte
-        # (checkpoints, then device layers), but only as many device layers as the host needs;
-        # what is left goes to speed again (resident layers, then more device layers).
-        leanest = []
-        for cache_units in sorted(cache_options, reverse=True):
-            for vocab in vocab_options:
-                if not fits(c := candidate(cache_units, vocab, dtype_options[-1])):
-                    continue
-                c = fill(c, ["gpu_checkpoints"])
-                enough = fewest_device_layers(c)
-                leanest.append(fill(enough, ["resident_layers", "device_layers"]) if enough
-                               else fill(c, ["device_layers"]))
-        fitting = next((c for c in leanest if host_fits(c)), None)
+        leanest = search.host_bound()
+        fitting = next((c for c in leanest if search.host_fits(c)), None)
         if fitting is not None:
             return fitting
-
-    def with_disk_masters(c: RuntimeConfig) -> RuntimeConfig:
-        """disk_master auto, where the moments on disk do not make the host fit: the masters of as
-        few of `c`'s disk units as do (in disk order; each 4 - b B/param more off the host, for 8
-        more through the disk). Every disk unit on disk first, moments only, then masters: the
-        same RAM for the least disk traffic (moving a unit's moments saves 8 B/param for 16 of
-        I/O a step, its master then 2 more for 8 more). None fitting: all of them, where that
-        helps at all (a compute dtype of 4 bytes saves nothing). Not under data parallel (the
-        engine refuses it there)."""
-        if rt.disk_master != "auto" or ranks_per_host > 1 or host_fits(c):
-            return c
-        n = len(PlacementPlan.build(unit_shapes(split), c).indices("disk"))
-        for m in range(1, n + 1):
-            t = dataclasses.replace(c, disk_master="on" if m == n else str(m))
-            if host_fits(t) and fits(t):
-                return t
-        every = dataclasses.replace(c, disk_master="on")
-        return every if n and host_bytes(every) < host_bytes(c) else c
-
-    least = min([fastest, *leanest], key=host_bytes)
-    if rt.disk_units == -1 and rt.disk_dir:
-        # RAM and GPU cannot hold the state: the disk tier takes the moments of as few units as
-        # make the host fit (the head, then layers from the top down; each 8 B/param off the host)
-        host_units = PlacementPlan.build(unit_shapes(split), least).disk_capacity()
-        for k in range(1, host_units + 1):
-            c = dataclasses.replace(least, disk_units=k)
-            if host_fits(c) and fits(c):
-                return c
-        least = dataclasses.replace(least, disk_units=host_units)
-    return with_disk_masters(least)
+    return search.onto_disk(min([fastest, *leanest], key=search.host_bytes))
 
 
 def _gib(n: int) -> str:
@@ -1145,6 +1312,182 @@ def _fmt_flag(name: str, value) -> str:
     return f"{flag} {value}"
 
 
+@dataclass
+class _Suggestions:
+    """suggest's state: the configuration and budget, the lines found so far and the largest
+    micro-batch the plain batch reduction reached (a change no better than it adds nothing)."""
+
+    split: SplitModel
+    rt: RuntimeConfig
+    budget: _Budget
+    batch_size: int
+    seq_len: int
+    grad_accum: int
+    max_grad_norm: float | None
+    limit: int
+    padded: bool
+    out: list[str] = field(default_factory=list)
+    seen: set[str] = field(default_factory=set)
+    plain_best: int = 0
+
+    @property
+    def total(self) -> int:
+        """Sequences per step."""
+        return self.batch_size * self.grad_accum
+
+    def attempt(self, changes: dict, B: int, accum: int, clip) -> MemoryEstimate | None:
+        """The estimate with `changes` at micro-batch B, where it fits the budget; else None."""
+        ch = dict(changes)
+        try:
+            est = estimate_memory(self.split, dataclasses.replace(self.rt, **ch) if ch else self.rt, batch_size=B,
+                                  seq_len=self.seq_len, grad_accum=accum, max_grad_norm=clip, padded=self.padded)
+        except ValueError:
+            return None
+        return est if self.budget.fits(est) else None
+
+    def accum_for(self, B: int, keep_total: bool) -> int:
+        return -(-self.total // B) if keep_total else self.grad_accum
+
+    def largest_batch(self, changes: dict, keep_total: bool) -> int | None:
+        """Bisection: the estimate is monotone in the batch."""
+        lo, hi, best = 1, self.batch_size - 1, None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if self.attempt(changes, mid, self.accum_for(mid, keep_total), self.max_grad_norm) is not None:
+                best, lo = mid, mid + 1
+            else:
+                hi = mid - 1
+        return best
+
+    def add(self, flags: list[str], est: MemoryEstimate, note: str = "") -> None:
+        key = " ".join(flags)
+        if key in self.seen or len(self.out) >= self.limit:
+            return
+        self.seen.add(key)
+        where = (f"GPU {_gib(est.gpu_bytes)} GiB, " if est.device_type == "cuda" else "") + \
+            f"host {_gib(est.host_total_bytes)} GiB"
+        self.out.append(f"{key}  -> {where}" + (f" ({note})" if note else ""))
+
+    def flags_of(self, changes: dict, B: int | None = None, accum: int | None = None) -> list[str]:
+        flags = [_fmt_flag(k, v) for k, v in changes.items()]
+        if B is not None:
+            flags.append(_fmt_flag("batch_size", B))
+        if accum is not None and accum != self.grad_accum:
+            flags.append(_fmt_flag("grad_accum", accum))
+        return flags
+
+    def consider(self, changes: dict) -> bool:
+        """Add the change (with a smaller micro-batch if needed); True if it fits somehow."""
+        est = self.attempt(changes, self.batch_size, self.grad_accum, self.max_grad_norm)
+        if est is not None:
+            self.add(self.flags_of(changes), est)
+            return True
+        if self.batch_size == 1:
+            return False
+        for keep_total in (True, False):
+            best = self.largest_batch(changes, keep_total)
+            if best is None:
+                continue
+            if not changes:
+                self.plain_best = max(self.plain_best, best)
+            elif best <= self.plain_best:
+                return True       # no better than reducing the batch alone
+            pick = best
+            if keep_total:        # prefer a divisor of the sequences per step: the same effective batch
+                divisor = next(k for k in range(best, 0, -1) if self.total % k == 0)
+                pick = divisor if 2 * divisor > best else best
+            accum = self.accum_for(pick, keep_total)
+            est = self.attempt(changes, pick, accum, self.max_grad_norm)
+            note = f"{pick * accum} sequences per step" + ("" if keep_total else f" instead of {self.total}")
+            if pick != best:
+                note += f"; largest micro-batch that fits: {best}"
+            self.add(self.flags_of(changes, pick, accum), est, note)
+            return True
+        return False
+
+    def auto_placement(self) -> None:
+        """Where placements were given explicitly: the one the auto settings would choose on this
+        GPU and host (which turns to the host's RAM where that is what does not fit)."""
+        rt, budget = self.rt, self.budget
+        if not (rt.mode == "slide" and budget.device_type == "cuda" and budget.gpu_free is not None):
+            return
+        fields = ["cache_units", "vocab_update", "grad_slot_dtype", "device_layers"] + \
+            (["gpu_checkpoints"] if rt.offloads_activations else []) + \
+            (["disk_units", "disk_master"] if rt.disk_dir else [])
+        # the disk tier re-resolved with the rest: disk units counted for one placement (the head on
+        # the host) are one too many for another (the head on the GPU)
+        disk = dict(disk_units=-1, disk_master="auto") if rt.disk_dir else {}
+        placed = choose_auto_settings(
+            self.split, dataclasses.replace(rt, cache_units=-1, vocab_update="auto", grad_slot_dtype="auto",
+                                            device_layers=-1, gpu_checkpoints=-1, **disk),
+            batch_size=self.batch_size, seq_len=self.seq_len, grad_accum=self.grad_accum,
+            max_grad_norm=self.max_grad_norm, gpu_free_bytes=budget.gpu_free, host_available_bytes=budget.host_avail,
+            safety=budget.safety, padded=self.padded)
+        changes = {k: getattr(placed, k) for k in fields if getattr(placed, k) != getattr(rt, k)}
+        if changes:
+            self.consider(changes)
+
+    def slide_buffers(self) -> None:
+        """slide mode's single changes, cheapest first: offload, a smaller window, one grad slot."""
+        rt = self.rt
+        if rt.mode != "slide":
+            return
+        if not rt.offloads_activations:
+            self.consider({"offload_activations": "on"})
+        if rt.cache_units == 0:
+            self.consider({"cache_units": 3})
+        if rt.cache_units != 2:
+            self.consider({"cache_units": 2})
+        if rt.resolved_grad_slots(self.split.num_layers) > 1:
+            self.consider({"grad_slots": 1})
+
+    def head_chunks(self) -> None:
+        """The chunked head, else smaller logits chunks: the largest chunk that fits at the current batch."""
+        rt = self.rt
+        head_base = {"head_impl": "chunked"} if rt.resolved_head_impl == "full" else {}
+        if head_base and self.consider(head_base):
+            return
+        chunk = min(rt.head_chunk_tokens, self.batch_size * self.seq_len) // 2
+        while chunk >= 256:
+            if self.attempt(dict(head_base, head_chunk_tokens=chunk), self.batch_size, self.grad_accum,
+                            self.max_grad_norm):
+                self.consider(dict(head_base, head_chunk_tokens=chunk))
+                break
+            chunk //= 2
+
+    def modes(self) -> None:
+        """gpu and ckpt modes: recompute every layer, or slide."""
+        rt, L = self.rt, self.split.num_layers
+        if rt.mode == "gpu":
+            self.consider({"mode": "ckpt", "recompute": "all"})
+        if rt.mode == "ckpt" and recompute_set(rt.recompute, L) != set(range(L)):
+            self.consider({"recompute": "all"})
+        if rt.mode in ("gpu", "ckpt"):
+            if not self.consider({"mode": "slide"}):
+                self.consider({"mode": "slide", "offload_activations": "on"})
+
+    def all_at_once(self) -> None:
+        """Everything that saves GPU memory at once, when no single change is enough."""
+        if self.out:
+            return
+        rt = self.rt
+        lean = {"mode": "slide", "offload_activations": "on", "cache_units": 2, "grad_slots": 1,
+                "head_impl": "chunked" if rt.resolved_head_impl == "full" else rt.resolved_head_impl,
+                "head_chunk_tokens": min(rt.head_chunk_tokens, 1024)}
+        lean = {k: v for k, v in lean.items() if getattr(rt, k) != v}
+        if lean:
+            self.consider(lean)
+
+    def no_clipping(self) -> None:
+        """Host: the deferred schedule (clipping) holds the step's gradients, eager does not."""
+        rt = self.rt
+        if rt.mode == "slide" and rt.schedule != "deferred" and (self.max_grad_norm or 0) > 0:
+            est = self.attempt({}, self.batch_size, self.grad_accum, None)
+            if est is not None:
+                self.add([_fmt_flag("max_grad_norm", 0)], est,
+                         "eager schedule, no held gradients; changes the recipe: no clipping")
+
+
 def suggest(split: SplitModel, rt: RuntimeConfig, budget: _Budget, *, batch_size: int, seq_len: int,
             grad_accum: int, max_grad_norm: float | None, limit: int = 8, padded: bool = True) -> list[str]:
     """Changes that fit per the estimate, cheapest first; each a line of CLI flags + the result.
@@ -1155,140 +1498,13 @@ def suggest(split: SplitModel, rt: RuntimeConfig, budget: _Budget, *, batch_size
     only fits at the same reduced batch as the plain batch reduction adds nothing and is
     left out.
     """
-    total = batch_size * grad_accum
-
-    def attempt(changes: dict, B: int, accum: int, clip) -> MemoryEstimate | None:
-        ch = dict(changes)
-        try:
-            est = estimate_memory(split, dataclasses.replace(rt, **ch) if ch else rt, batch_size=B,
-                                  seq_len=seq_len, grad_accum=accum, max_grad_norm=clip, padded=padded)
-        except ValueError:
-            return None
-        return est if budget.fits(est) else None
-
-    def accum_for(B: int, keep_total: bool) -> int:
-        return -(-total // B) if keep_total else grad_accum
-
-    def largest_batch(changes: dict, keep_total: bool) -> int | None:
-        lo, hi, best = 1, batch_size - 1, None
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            if attempt(changes, mid, accum_for(mid, keep_total), max_grad_norm) is not None:
-                best, lo = mid, mid + 1
-            else:
-                hi = mid - 1
-        return best
-
-    out: list[str] = []
-    seen: set[str] = set()
-
-    def add(flags: list[str], est: MemoryEstimate, note: str = "") -> None:
-        key = " ".join(flags)
-        if key in seen or len(out) >= limit:
-            return
-        seen.add(key)
-        where = (f"GPU {_gib(est.gpu_bytes)} GiB, " if est.device_type == "cuda" else "") + \
-            f"host {_gib(est.host_total_bytes)} GiB"
-        out.append(f"{key}  -> {where}" + (f" ({note})" if note else ""))
-
-    def flags_of(changes: dict, B: int | None = None, accum: int | None = None) -> list[str]:
-        flags = [_fmt_flag(k, v) for k, v in changes.items()]
-        if B is not None:
-            flags.append(_fmt_flag("batch_size", B))
-        if accum is not None and accum != grad_accum:
-            flags.append(_fmt_flag("grad_accum", accum))
-        return flags
-
-    plain_best = 0
-
-    def consider(changes: dict) -> bool:
-        """Add the change (with a smaller micro-batch if needed); True if it fits somehow."""
-        nonlocal plain_best
-        est = attempt(changes, batch_size, grad_accum, max_grad_norm)
-        if est is not None:
-            add(flags_of(changes), est)
-            return True
-        if batch_size == 1:
-            return False
-        for keep_total in (True, False):
-            best = largest_batch(changes, keep_total)
-            if best is None:
-                continue
-            if not changes:
-                plain_best = max(plain_best, best)
-            elif best <= plain_best:
-                return True       # no better than reducing the batch alone
-            pick = best
-            if keep_total:        # prefer a divisor of the sequences per step: the same effective batch
-                divisor = next(k for k in range(best, 0, -1) if total % k == 0)
-                pick = divisor if 2 * divisor > best else best
-            accum = accum_for(pick, keep_total)
-            est = attempt(changes, pick, accum, max_grad_norm)
-            note = f"{pick * accum} sequences per step" + ("" if keep_total else f" instead of {total}")
-            if pick != best:
-                note += f"; largest micro-batch that fits: {best}"
-            add(flags_of(changes, pick, accum), est, note)
-            return True
-        return False
-
-    # 1. the same configuration with a smaller micro-batch (more accumulation)
-    consider({})
-    # 2. where placements were given explicitly: the one the auto settings would choose on this
-    # GPU and host (which turns to the host's RAM where that is what does not fit)
-    if rt.mode == "slide" and budget.device_type == "cuda" and budget.gpu_free is not None:
-        fields = ["cache_units", "vocab_update", "grad_slot_dtype", "device_layers"] + \
-            (["gpu_checkpoints"] if rt.offloads_activations else []) + \
-            (["disk_units", "disk_master"] if rt.disk_dir else [])
-        # the disk tier re-resolved with the rest: disk units counted for one placement (the head on
-        # the host) are one too many for another (the head on the GPU)
-        disk = dict(disk_units=-1, disk_master="auto") if rt.disk_dir else {}
-        placed = choose_auto_settings(
-            split, dataclasses.replace(rt, cache_units=-1, vocab_update="auto", grad_slot_dtype="auto",
-                                       device_layers=-1, gpu_checkpoints=-1, **disk),
-            batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
-            gpu_free_bytes=budget.gpu_free, host_available_bytes=budget.host_avail, safety=budget.safety,
-            padded=padded)
-        changes = {k: getattr(placed, k) for k in fields if getattr(placed, k) != getattr(rt, k)}
-        if changes:
-            consider(changes)
-    # 3. single changes, cheapest first
-    if rt.mode == "slide":
-        if not rt.offloads_activations:
-            consider({"offload_activations": "on"})
-        if rt.cache_units == 0:
-            consider({"cache_units": 3})
-        if rt.cache_units != 2:
-            consider({"cache_units": 2})
-        if rt.resolved_grad_slots(split.num_layers) > 1:
-            consider({"grad_slots": 1})
-    head_base = {"head_impl": "chunked"} if rt.resolved_head_impl == "full" else {}
-    if not (head_base and consider(head_base)):
-        # smaller logits chunks: the largest chunk that fits at the current batch
-        chunk = min(rt.head_chunk_tokens, batch_size * seq_len) // 2
-        while chunk >= 256:
-            if attempt(dict(head_base, head_chunk_tokens=chunk), batch_size, grad_accum, max_grad_norm):
-                consider(dict(head_base, head_chunk_tokens=chunk))
-                break
-            chunk //= 2
-    if rt.mode == "gpu":
-        consider({"mode": "ckpt", "recompute": "all"})
-    if rt.mode == "ckpt" and recompute_set(rt.recompute, split.num_layers) != set(range(split.num_layers)):
-        consider({"recompute": "all"})
-    if rt.mode in ("gpu", "ckpt"):
-        if not consider({"mode": "slide"}):
-            consider({"mode": "slide", "offload_activations": "on"})
-    # 3. everything that saves GPU memory at once, when no single change is enough
-    if not out:
-        lean = {"mode": "slide", "offload_activations": "on", "cache_units": 2, "grad_slots": 1,
-                "head_impl": "chunked" if rt.resolved_head_impl == "full" else rt.resolved_head_impl,
-                "head_chunk_tokens": min(rt.head_chunk_tokens, 1024)}
-        lean = {k: v for k, v in lean.items() if getattr(rt, k) != v}
-        if lean:
-            consider(lean)
-    # 4. host: the deferred schedule (clipping) holds the step's gradients, eager does not
-    if rt.mode == "slide" and rt.schedule != "deferred" and (max_grad_norm or 0) > 0:
-        est = attempt({}, batch_size, grad_accum, None)
-        if est is not None:
-            add([_fmt_flag("max_grad_norm", 0)], est,
-                "eager schedule, no held gradients; changes the recipe: no clipping")
-    return out
+    s = _Suggestions(split=split, rt=rt, budget=budget, batch_size=batch_size, seq_len=seq_len,
+                     grad_accum=grad_accum, max_grad_norm=max_grad_norm, limit=limit, padded=padded)
+    s.consider({})            # the same configuration with a smaller micro-batch (more accumulation)
+    s.auto_placement()
+    s.slide_buffers()
+    s.head_chunks()
+    s.modes()
+    s.all_at_once()
+    s.no_clipping()
+    return s.out

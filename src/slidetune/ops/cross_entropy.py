@@ -276,17 +276,72 @@ def _scale(g: torch.Tensor, s: torch.Tensor | float, out: torch.Tensor) -> torch
     return torch.mul(g, s.reshape(1), out=out)
 
 
+@dataclass
+class _ChunkGrads:
+    """The gradients _chunked_loss_and_grads sums chunk by chunk, None where not needed."""
+
+    need_h: bool
+    need_w: bool
+    need_b: bool
+    need_n: list[bool]                  # each norm parameter's, in norm.params' order
+    hidden: torch.Tensor | None         # [N, d]; rows of ignored tokens stay exactly zero
+    weight: torch.Tensor | None         # [V, d]
+    bias: torch.Tensor | None           # [V], the loss dtype
+    norm_leaves: dict[str, torch.Tensor]   # the norm's parameters as leaves of each chunk's graph
+    norm_wrt: list[torch.Tensor]        # those whose gradient is needed
+    norm: list[torch.Tensor]            # their gradients, summed in the loss dtype
+    need_x: bool                        # the chunk's input gradient, through the norm
+    norm_grad: bool                     # the norm's backward runs on each chunk
+
+    @property
+    def any_grad(self) -> bool:
+        return self.need_h or self.need_w or self.need_b or any(self.need_n)
+
+    @classmethod
+    def allocate(cls, hidden, weight, bias, need, norm: RowNorm | None, several_chunks: bool,
+                 all_valid: bool) -> _ChunkGrads:
+        need_h, need_w, need_b = need[:3]
+        need_b = need_b and bias is not None
+        norm_names = list(norm.params) if norm is not None else []
+        need_n = list(need[3:3 + len(norm_names)]) if norm is not None else []
+        acc = _loss_dtype(hidden.dtype)
+        g_hidden = g_weight = g_bias = None
+        if need_h:
+            g_hidden = (torch.empty_like if all_valid else torch.zeros_like)(
+                hidden, memory_format=torch.contiguous_format
+            )  # [N, d]
+        if need_w:
+            # One chunk: a single matmul already accumulates in fp32 and rounds once.
+            # Several: accumulate in fp32 so bf16 rounding does not pile up across chunks.
+            g_weight = torch.zeros(weight.shape, dtype=acc if several_chunks else hidden.dtype, device=weight.device)
+        if need_b:
+            g_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device)
+        # the norm's parameter gradients: autograd's on each chunk, summed in FP32
+        norm_leaves = {name: p.detach().requires_grad_(need) for (name, p), need in
+                       zip(norm.params.items(), need_n)} if norm is not None else {}
+        norm_wrt = [norm_leaves[name] for name, need in zip(norm_names, need_n) if need]
+        need_x = norm is not None and need_h
+        return cls(need_h=need_h, need_w=need_w, need_b=need_b, need_n=need_n, hidden=g_hidden, weight=g_weight,
+                   bias=g_bias, norm_leaves=norm_leaves, norm_wrt=norm_wrt,
+                   norm=[torch.zeros(p.shape, dtype=acc, device=p.device) for p in norm_wrt],
+                   need_x=need_x, norm_grad=need_x or bool(norm_wrt))
+
+    def finished(self, weight, bias) -> tuple:
+        """(grad_hidden, grad_weight, grad_bias, *grad of each norm parameter), each None where not
+        needed, in its parameter's dtype."""
+        grads_n = iter(g.to(p.dtype) for g, p in zip(self.norm, self.norm_wrt))
+        g_norm_all = [next(grads_n) if need else None for need in self.need_n]
+        g_weight = self.weight.to(weight.dtype) if self.weight is not None else None
+        g_bias = self.bias.to(bias.dtype) if self.bias is not None else None
+        return (self.hidden, g_weight, g_bias, *g_norm_all)
+
+
 def _chunked_loss_and_grads(hidden, weight, bias, labels, chunk_tokens, kernel, need, transform=IDENTITY,
                             norm: RowNorm | None = None):
     """(loss, grad_hidden | None, grad_weight | None, grad_bias | None, *grad of each norm parameter
     | None) for loss scale 1. need: whether each of hidden, weight, bias and the norm's parameters
     (in norm.params' order) needs its gradient."""
-    need_h, need_w, need_b = need[:3]
-    need_b = need_b and bias is not None
-    norm_names = list(norm.params) if norm is not None else []
-    need_n = list(need[3:3 + len(norm_names)]) if norm is not None else []
-    any_grad = need_h or need_w or need_b or any(need_n)
-    n, dtype, acc = hidden.shape[0], hidden.dtype, _loss_dtype(hidden.dtype)
+    n, acc = hidden.shape[0], _loss_dtype(hidden.dtype)
     if kernel == "torch":
         chunk_ce = functools.partial(_ce_chunk_torch, transform=transform)
     else:
@@ -298,79 +353,75 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, chunk_tokens, kernel, 
     n_chunks = -(-n_valid // chunk_tokens)
 
     loss = torch.zeros((), dtype=acc, device=hidden.device)
-    g_hidden = g_weight = g_bias = None
-    if need_h:
-        g_hidden = (torch.empty_like if all_valid else torch.zeros_like)(
-            hidden, memory_format=torch.contiguous_format
-        )  # [N, d]; rows of ignored tokens stay exactly zero
-    if need_w:
-        # One chunk: a single matmul already accumulates in fp32 and rounds once.
-        # Several: accumulate in fp32 so bf16 rounding does not pile up across chunks.
-        g_weight = torch.zeros(weight.shape, dtype=dtype if n_chunks <= 1 else acc, device=weight.device)
-    if need_b:
-        g_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device)
-    # the norm's parameter gradients: autograd's on each chunk, summed in FP32
-    norm_leaves = {name: p.detach().requires_grad_(need) for (name, p), need in
-                   zip(norm.params.items(), need_n)} if norm is not None else {}
-    norm_wrt = [norm_leaves[name] for name, need in zip(norm_names, need_n) if need]
-    g_norm = [torch.zeros(p.shape, dtype=acc, device=p.device) for p in norm_wrt]
-    need_x = norm is not None and need_h       # the chunk's input gradient, through the norm
-    norm_grad = need_x or bool(norm_wrt)       # the norm's backward runs on each chunk
-
+    g = _ChunkGrads.allocate(hidden, weight, bias, need, norm, several_chunks=n_chunks > 1, all_valid=all_valid)
     for start in range(0, n_valid, chunk_tokens):
         stop = min(start + chunk_tokens, n_valid)
+        idx_c = None
         if all_valid:
             x_c, y_c = hidden[start:stop], labels[start:stop]  # [c, d], [c]
         else:
             idx_c = valid_idx[start:stop]
             x_c, y_c = hidden.index_select(0, idx_c), labels.index_select(0, idx_c)
-        normed = None                   # the norm's output with its graph, when its backward runs
-        if norm is None:
-            h_c = x_c
-        elif norm_grad:
-            with torch.enable_grad():
-                x_leaf = x_c.detach().requires_grad_(need_x)
-                normed = norm.fn(x_leaf, norm_leaves)                  # [c, d]
-            h_c = normed.detach()
-        else:
-            h_c = norm.fn(x_c, norm.params)
+        h_c, normed, x_leaf = _normed_chunk(x_c, norm, g)
         logits = F.linear(h_c, weight, bias)  # [c, V] compute dtype
-        loss_c, g_logits = chunk_ce(logits, y_c, any_grad)  # g_logits reuses logits' memory
+        loss_c, g_logits = chunk_ce(logits, y_c, g.any_grad)  # g_logits reuses logits' memory
         del logits  # never two chunks of logits alive
         loss += loss_c
-        if not any_grad:
+        if not g.any_grad:
             continue
-        g_h_c = None                    # d loss / d h_c, [c, d]
-        if need_h and normed is None and all_valid:
-            torch.mm(g_logits, weight, out=g_hidden[start:stop])
-        elif need_h or normed is not None:
-            g_h_c = g_logits @ weight
-        if need_w:
-            _addmm_(g_weight, g_logits.t(), h_c)  # [V, d] += [V, c] @ [c, d]
-        if need_b:
-            g_bias += g_logits.sum(0, dtype=acc)
+        g_h_c = _logit_grads(g, g_logits, weight, h_c, acc, through_norm=normed is not None, all_valid=all_valid,
+                             rows=slice(start, stop))
         del g_logits
         if normed is not None:
-            # the norm's backward on this chunk: d loss / d x_c and the norm's parameter gradients
-            got = torch.autograd.grad(normed, ([x_leaf] if need_x else []) + norm_wrt, g_h_c)
-            g_h_c = got[0] if need_x else None
-            for g_sum, g_p in zip(g_norm, got[1:] if need_x else got):
-                g_sum.add_(g_p)
-            del got, normed, x_leaf
-        if g_h_c is not None and need_h:
+            g_h_c = _norm_backward(g, normed, x_leaf, g_h_c)
+            del normed, x_leaf
+        if g_h_c is not None and g.need_h:
             if all_valid:
-                g_hidden[start:stop] = g_h_c
+                g.hidden[start:stop] = g_h_c
             else:
-                g_hidden.index_copy_(0, idx_c, g_h_c)
+                g.hidden.index_copy_(0, idx_c, g_h_c)
         del g_h_c
+    return (loss, *g.finished(weight, bias))
 
-    grads_n = iter(g.to(p.dtype) for g, p in zip(g_norm, norm_wrt))
-    g_norm_all = [next(grads_n) if need else None for need in need_n]
-    if g_weight is not None:
-        g_weight = g_weight.to(weight.dtype)
-    if g_bias is not None:
-        g_bias = g_bias.to(bias.dtype)
-    return (loss, g_hidden, g_weight, g_bias, *g_norm_all)
+
+def _normed_chunk(x_c: torch.Tensor, norm: RowNorm | None, g: _ChunkGrads):
+    """(the head's input h_c [c, d], the norm's output with its graph when its backward runs, the
+    graph's input leaf then): the chunk's rows x_c [c, d] through the norm, if any."""
+    if norm is None:
+        return x_c, None, None
+    if g.norm_grad:
+        with torch.enable_grad():
+            x_leaf = x_c.detach().requires_grad_(g.need_x)
+            normed = norm.fn(x_leaf, g.norm_leaves)                  # [c, d]
+        return normed.detach(), normed, x_leaf
+    return norm.fn(x_c, norm.params), None, None
+
+
+def _logit_grads(g: _ChunkGrads, g_logits: torch.Tensor, weight: torch.Tensor, h_c: torch.Tensor, acc: torch.dtype,
+                 through_norm: bool, all_valid: bool, rows: slice) -> torch.Tensor | None:
+    """Add a chunk's weight and bias gradients from d loss / d logits [c, V]; return d loss / d h_c
+    [c, d] where the norm's backward or a scatter still needs it, else write it straight into
+    g.hidden[rows] (no norm to go through, no ignored rows) and return None."""
+    g_h_c = None
+    if g.need_h and not through_norm and all_valid:
+        torch.mm(g_logits, weight, out=g.hidden[rows])
+    elif g.need_h or through_norm:
+        g_h_c = g_logits @ weight
+    if g.need_w:
+        _addmm_(g.weight, g_logits.t(), h_c)  # [V, d] += [V, c] @ [c, d]
+    if g.need_b:
+        g.bias += g_logits.sum(0, dtype=acc)
+    return g_h_c
+
+
+def _norm_backward(g: _ChunkGrads, normed: torch.Tensor, x_leaf: torch.Tensor,
+                   g_h_c: torch.Tensor) -> torch.Tensor | None:
+    """The norm's backward on a chunk: sums the norm's parameter gradients into g.norm and returns
+    d loss / d x_c [c, d] (None where the input's gradient is not needed)."""
+    got = torch.autograd.grad(normed, ([x_leaf] if g.need_x else []) + g.norm_wrt, g_h_c)
+    for g_sum, g_p in zip(g.norm, got[1:] if g.need_x else got):
+        g_sum.add_(g_p)
+    return got[0] if g.need_x else None
 
 
 def _ce_chunk_torch(logits: torch.Tensor, labels: torch.Tensor, compute_grad: bool,
