@@ -65,7 +65,7 @@ def test_masters_on_disk_are_bit_exact_against_the_ram_store(tmp_path, recipe, e
     disk = engine(tmp_path, "on", family=family, tied=tied, accum=accum, clip=clip)
     try:
         # the head and layers 3, 2: their masters are not in RAM, their weights are
-        assert [u.master_on_disk for u in disk.units] == [False, False, False, True, True, True]
+        assert [u.tier.holds_master for u in disk.units] == [False, False, False, True, True, True]
         assert all(u.master is None and u.weights is not None for u in disk.units[3:])
         assert train(ram, range(4), accum) == train(disk, range(4), accum)
         want, got = state(ram), state(disk)

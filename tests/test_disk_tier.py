@@ -229,7 +229,7 @@ def test_disk_units_are_bit_exact_against_the_ram_store(tmp_path, recipe):
                        runtime=dict(extra, disk_units=3, disk_dir=str(tmp_path), **DISK))
     try:
         # the head and layers 3, 2; with the head on the device, layers 3, 2, 1
-        on_disk = [u.disk is not None for u in disk.units]
+        on_disk = [u.tier.name == "disk" for u in disk.units]
         assert on_disk == ([False, False, False, True, True, True] if "vocab_update" not in extra
                            else [False, False, True, True, True, False])
         assert train(ram, range(4), accum) == train(disk, range(4), accum)

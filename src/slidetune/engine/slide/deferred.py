@@ -104,7 +104,7 @@ class DeferredSweep:
             for index, unit in host:
                 event = wait_or_abort(landed[index], self.threads.abort, f"the held gradient of {unit.spec.name}")
                 event.synchronize()
-                split = self.split_sweep and unit.disk is None
+                split = self.split_sweep and unit.tier.split_update
                 first = ("weights" if unit.upload_copy else "params") if split else "all"
                 with timeline.span("host", "adamw", unit.spec.name):
                     GradDrain.deferred_update(unit, unit.held[ks[index]], lr, coef, self.chunk, part=first)
@@ -112,7 +112,7 @@ class DeferredSweep:
                     unit.publish_state()
                     held_free[index].set_result(None)
             for index, unit in (reversed(host) if self.split_sweep else []):
-                if unit.disk is not None:
+                if not unit.tier.split_update:
                     continue
                 with timeline.span("host", "adamw_moments", unit.spec.name):
                     GradDrain.deferred_moments(unit, unit.held[ks[index]], coef, self.chunk, lr=lr)

@@ -425,12 +425,10 @@ class SlideEngine:
         if self.sweep is not None:
             self.sweep.begin_step()
         self.norm.reset()
-        if self.disk is not None:
-            # the disk units' moments, read ahead in the order their updates will run: as the
-            # backward releases them (eager), or as the sweep reaches them (deferred); moments do
-            # not depend on the gradient, so the reads start now
-            for i in sorted(self.disk.units, reverse=not self.deferred):
-                self.disk.prefetch(i)
+        # the disk units' moments, read ahead in the order their updates will run: as the
+        # backward releases them (eager), or as the sweep reaches them (deferred); moments do
+        # not depend on the gradient, so the reads start now (a unit in RAM has nothing to read)
+        self.store.prefetch(reverse=not self.deferred)
         # The summed loss is copied out right after the head, with its own event: reading it
         # waits for that head only. (A float() of a GPU scalar at the end would wait for the
         # whole backward queued behind it, spinning a core the host's AdamW needs; NOTES.md "Pipeline threads".)
@@ -678,8 +676,7 @@ class SlideEngine:
         """Wait until every submitted update and copy has finished (not used on the hot path)."""
         try:
             self.threads.drain()
-            if self.disk is not None:
-                self.disk.drain()
+            self.store.drain()              # the tiers' writes behind (the disk tier's blocks)
             if self.dp is not None:
                 # the other owners' moments too (not a collective: one rank may call it alone)
                 for unit in self.units:
@@ -733,7 +730,7 @@ class SlideEngine:
         out = {"gpu_buffers": self.slots.gpu_bytes(), "pinned": pinned,
                "host_state": self.store.state_bytes() + shared, "device_state": device_state}
         if self.disk is not None:
-            out.update(disk_state=self.plan.state_bytes()["disk"], disk_read=self.disk.bytes_read,
+            out.update(disk_state=self.store.disk_bytes(), disk_read=self.disk.bytes_read,
                        disk_written=self.disk.bytes_written)
         return out
 

@@ -8,6 +8,7 @@ for BF16; engine.py says why not FP32). The unit's parameters are views of the
 flat master, so saving, loading and updating never copy the model. Each unit
 carries a version (the number of optimizer updates applied) that the uploader
 waits on: a layer is uploaded for step t only once its t-th update is done.
+Where a unit's moments (and a master on disk) live is its tier (state_tier.py).
 """
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ import torch
 
 from ...models.load import WeightSource, fill_on_device
 from ...models.units import ParamSlot, SplitModel, UnitSpec
-from ..adamw import FP32_ADAMW, AdamWConfig, FlatAdamW
+from ..adamw import AdamWConfig, FlatAdamW
 from ..distributed import SharedHostState, SharedUnit
-from .disk_tier import MOMENTS, Block, DiskTier, StreamedTensor
+from .disk_tier import DiskTier, StreamedTensor
+from .state_tier import moment_tier
 
 # Units materialized at once (threads); each unit kept on the device holds a host buffer of
 # 4 B/param while it is built (engine.fit counts them).
@@ -42,6 +44,8 @@ class HostUnit:
         disk: the disk tier holding this unit's moments (placement "disk"); the master stays here,
         unless the tier holds it too (disk.masters): then this unit keeps `weights` [numel] in
         `compute_dtype` (what its uploads copy, rewritten as each block's update lands) and no master.
+        `tier` (state_tier.moment_tier) is where the moments live: RAM, the disk tier, or under data
+        parallel another rank's disk tier; every update, checkpoint read and load goes through it.
         shared: data parallel: the unit's views of the host state its ranks share (master, moments,
         step, versions); `owned`: this rank fills and updates it (and holds its gradient), else it
         follows the owner's weights version (follow()).
@@ -52,35 +56,34 @@ class HostUnit:
         self.shared = shared
         self.owned = owned
         self.on_device = device is not None       # True: the compute stream updates it, on the device
-        if self.on_device and shared is None and disk is None:
+        self.tier = moment_tier(spec, disk, shared)
+        if self.on_device and shared is None and self.tier.moments_in_ram:
             master = fill_on_device(source, spec, device)   # [numel] fp32 there; RAM holds one parameter
         else:
             master = torch.empty(spec.numel, dtype=torch.float32) if shared is None else shared.master  # [numel]
             if owned:
                 source.fill(spec, master)
-        self.disk = disk
-        self.master_on_disk = disk is not None and spec.index in disk.masters
         self.weights: torch.Tensor | None = None  # [numel] compute dtype: a disk-master unit's upload source
-        if self.master_on_disk:
+        if self.tier.holds_master:
             if shared is not None or compute_dtype is None:
                 raise ValueError(f"{spec.name}: a master on disk needs the compute dtype and no shared host state")
             # the FP32 master goes to its blocks; RAM keeps the compute-dtype weights (in FP32 the
             # transient buffer itself becomes them)
-            disk.write_unit(spec.index, master=master, exp_avg=0.0, exp_avg_sq=0.0)
+            self.tier.take_master(master)
             self.weights = master.to(compute_dtype)
             self.master = None
         else:
             self.master = master.to(device) if self.on_device else master  # the host buffer goes with `master`
             if upload_copy:
-                if self.on_device or disk is not None or shared is not None or compute_dtype != torch.bfloat16:
+                if (self.on_device or not self.tier.moments_in_ram or shared is not None
+                        or compute_dtype != torch.bfloat16):
                     raise ValueError(f"{spec.name}: an upload copy (clip_sweep=weights) is for a unit in this "
                                      f"process's host RAM with a BF16 compute dtype")
                 self.weights = master.to(compute_dtype)
         del master
-        self.opt = FlatAdamW(self.master, spec.n_decay, optim, kernel, moments_here=disk is None,
+        self.opt = FlatAdamW(self.master, spec.n_decay, optim, kernel, moments_here=self.tier.moments_in_ram,
                              state=(shared.exp_avg, shared.exp_avg_sq, shared.step) if shared is not None else None)
-        self._open_block: int | None = None          # disk: the block this update holds
-        self._open_view: Block | None = None         # ... and its fields in the tier's buffer
+        self.tier.attach(self.opt, self.weights)
         # [numel] the step's gradient as the GPU computed it (compute dtype), written by one D2H
         # copy and read by the clipped update sweep (deferred schedule)
         # (held_buffers of them, used on alternate steps: RuntimeConfig.held_buffers)
@@ -111,94 +114,37 @@ class HostUnit:
 
     def update_range(self, grad: torch.Tensor, lr: float, start: int, grad_scale: float = 1.0,
                      part: str = "all") -> None:
-        """AdamW on master[start:start+len(grad)] (FlatAdamW.update), with the moments of a disk unit
-        taken from the disk tier block by block: a block is held from the first range that
-        touches it until its last element is written, then written behind. A disk-master unit's
-        master comes in the same block, and the range's new weights are written into `weights`
-        (the compute dtype) before the caller advances the progress the uploads trail."""
-        if self.disk is None:
-            weights = self.weights[start:start + grad.numel()] if part == "weights" else None
-            self.opt.update(grad, lr, start, grad_scale=grad_scale, part=part, weights=weights)
-            return
-        if part != "all":
-            raise ValueError("a disk unit's update reads and writes its moments once: part must be 'all'")
-        end, index = start + grad.numel(), self.spec.index
-        lo = start
-        while lo < end:
-            b = lo // self.disk.block
-            block_lo, block_hi = self.disk.block_range(index, b)
-            hi = min(end, block_hi)
-            if self._open_block != b:
-                if self._open_block is not None:       # an update that skipped a block's tail
-                    self.disk.release(index, self._open_block)
-                self._open_view = self.disk.acquire(index, b, self.disk.abort)
-                self._open_block = b
-            blk = self._open_view                     # [block_hi - block_lo] each field
-            a, z = lo - block_lo, hi - block_lo
-            params = blk.master[a:z] if self.master_on_disk else None
-            self.opt.update(grad[lo - start:hi - start], lr, lo, grad_scale=grad_scale,
-                            moments=(blk.exp_avg[a:z], blk.exp_avg_sq[a:z]), params=params)
-            if params is not None:
-                self.weights[lo:hi].copy_(params)     # FP32 -> compute dtype: the next upload's source
-            if hi == block_hi:
-                self.disk.release(index, b)
-                self._open_block = self._open_view = None
-            lo = hi
+        """AdamW on master[start:start+len(grad)] (FlatAdamW.update) through the unit's tier: a disk
+        unit's moments (and master) come block by block, read ahead and written behind
+        (state_tier.DiskMoments.update); a master held there leaves the range's new weights in
+        `weights` before the caller advances the progress the uploads trail."""
+        self.tier.update(grad, lr, start, grad_scale, part)
 
     def state_tensors(self) -> dict[str, torch.Tensor | StreamedTensor]:
         """AdamW's state by name; a disk unit's moments as StreamedTensors read from the disk tier."""
-        index, shape = self.spec.index, (self.spec.numel,)
-        if self.disk is None and self.shared is not None and self.shared.exp_avg.numel() != self.spec.numel:
-            # data parallel: a disk unit of another rank (local rank 0 keeps the tier); its shape is
-            # known here (a resume checks it on every rank), its values only in the owner's tier
-            def elsewhere():
-                raise RuntimeError(f"the AdamW moments of {self.spec.name} are in local rank 0's disk tier; "
-                                   f"only that rank reads them")
-            return {"exp_avg": StreamedTensor(shape, torch.float32, elsewhere),
-                    "exp_avg_sq": StreamedTensor(shape, torch.float32, elsewhere), "step": self.opt.step_count}
-        if self.disk is None:
-            return self.opt.state_tensors()
-        return {name: self._streamed((self.spec.numel,), name, 0, self.spec.numel) for name in MOMENTS} \
-            | {"step": self.opt.step_count}
-
-    def _streamed(self, shape: tuple[int, ...], field: str, lo: int, hi: int) -> StreamedTensor:
-        """Elements [lo, hi) of a field of this unit in the disk tier, read when consumed."""
-        index = self.spec.index
-        return StreamedTensor(shape, torch.float32, lambda: self.disk.read_range(index, field, lo, hi))
+        return self.tier.state_tensors()
 
     def load(self, masters, state: dict[str, torch.Tensor]) -> None:
         """A checkpoint's weights (`masters`: HF name -> FP32 tensor, read on demand) and AdamW state
-        into this unit. A disk-master unit's go block by block into the tier, the weights' compute-
-        dtype copy with them, holding one parameter of the checkpoint at a time."""
-        if not self.master_on_disk:
-            for name, view in self.params().items():
-                view.copy_(masters[name])
-            if self.upload_copy:                  # the loaded master's cast
-                self.weights.copy_(self.master)
-            self.load_state_tensors(state)
+        into this unit. A master held by the tier goes there block by block, the weights' compute-
+        dtype copy with it, holding one parameter of the checkpoint at a time."""
+        if self.tier.holds_master:
+            self.tier.load_state(state, master=_ParamRanges(self.spec.params, masters))
             return
-        ranges = _ParamRanges(self.spec.params, masters)
-
-        def master(lo: int, hi: int) -> torch.Tensor:
-            flat = ranges(lo, hi)                     # [hi - lo] fp32
-            self.weights[lo:hi].copy_(flat)
-            return flat
-        self.disk.write_unit(self.spec.index, master=master, exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"])
-        self.opt.step_count.copy_(state["step"])
+        for name, view in self.params().items():
+            view.copy_(masters[name])
+        if self.upload_copy:                  # the loaded master's cast
+            self.weights.copy_(self.master)
+        self.tier.load_state(state)
 
     def load_state_tensors(self, state: dict[str, torch.Tensor]) -> None:
-        if self.disk is None:
-            self.opt.load_state_tensors(state)
-            return
-        self.disk.write_unit(self.spec.index, exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"])
-        self.opt.step_count.copy_(state["step"])
+        self.tier.load_state(state)
 
     def params(self) -> dict[str, torch.Tensor | StreamedTensor]:
-        """Full HF name -> FP32 view of the master; a disk-master unit's parameters as StreamedTensors
-        read block by block from the tier (a checkpoint writes them without holding the unit)."""
-        if self.master_on_disk:
-            return {p.full_name: self._streamed(p.shape, "master", p.offset, p.offset + p.numel)
-                    for p in self.spec.params}
+        """Full HF name -> FP32 view of the master; a master the tier holds as StreamedTensors read
+        block by block from it (a checkpoint writes them without holding the unit)."""
+        if self.tier.holds_master:
+            return self.tier.master_params(self.spec.params)
         return {p.full_name: self.master[p.offset:p.offset + p.numel].view(p.shape) for p in self.spec.params}
 
     def begin_update(self) -> None:
@@ -332,15 +278,28 @@ class HostStore:
             return held
         return held + sum(_unit_host_bytes(u) for u in self.units if u.on_host)
 
+    def disk_bytes(self) -> int:
+        """Bytes of state this rank's tiers keep on disk (8 B/param of a disk unit, 12 with its master)."""
+        return sum(u.tier.disk_bytes_per_param * u.spec.numel for u in self.units)
+
+    def prefetch(self, reverse: bool = False) -> None:
+        """Every unit's tier starts reading ahead what its next update needs, in unit order (reverse:
+        from the head down, the order the eager backward updates them)."""
+        for unit in (reversed(self.units) if reverse else self.units):
+            unit.tier.prefetch()
+
+    def drain(self) -> None:
+        """Every unit's written-behind state has landed (a checkpoint reads it next)."""
+        for unit in self.units:
+            unit.tier.drain()
+
 
 def _unit_host_bytes(unit: HostUnit) -> int:
-    """A host unit's RAM: master + moments (12 B/param), a disk unit's master (4), or a disk-master
-    unit's compute-dtype weights (2 for BF16); an upload copy's weights (2) beside a master."""
+    """A host unit's RAM: what its tier keeps there (master + moments 12 B/param, a disk unit's
+    master 4, none for a master on disk) and its compute-dtype weights (2 for BF16: a disk-master
+    unit's, or an upload copy beside a master)."""
     copy = unit.weights.numel() * unit.weights.element_size() if unit.weights is not None else 0
-    if unit.master_on_disk:
-        return copy
-    state = FP32_ADAMW.master_bytes if unit.disk is not None else FP32_ADAMW.bytes_per_param
-    return state * unit.spec.numel + copy
+    return unit.tier.ram_bytes_per_param * unit.spec.numel + copy
 
 
 class _ParamRanges:
