@@ -18,6 +18,7 @@ import torch
 from slidetune.data import BatchSampler, DataConfig, build_datasets
 from slidetune.data import hf_datasets, streaming, token_cache
 from slidetune.data.build import load_source
+from slidetune.data.errors import DataError
 from slidetune.data.hf_datasets import StreamingSource, should_stream
 from test_hub_ids import TRAIN, save_tiny_model
 from test_train_errors import run_cli
@@ -199,10 +200,14 @@ def hf_available() -> int:
 
 
 def test_streamed_prompt_data_keeps_its_prompt_mask(tokenizer, tmp_path):
-    """Streamed prompt/completion rows train on the completions only, as the same data read whole."""
+    """Streamed prompt/completion rows train on the completions only, as the same data read whole and
+    cut the same way (windows: a streamed corpus is never packed whole, and says so when asked to)."""
     (tmp_path / "pc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records(40)))
     whole, _ = build_datasets(DataConfig(path=str(tmp_path / "pc.jsonl"), streaming="off", seq_len=16,
-                                         heldout_fraction=0), tokenizer, min_rows=2)
+                                         heldout_fraction=0, packing_strategy="wrapped"), tokenizer, min_rows=2)
+    with pytest.raises(DataError, match="--packing-strategy bfd packs whole examples"):
+        build_datasets(DataConfig(path=str(tmp_path / "pc.jsonl"), streaming="on", seq_len=16, heldout_fraction=0,
+                                  packing_strategy="bfd", cache_dir=str(tmp_path / "c")), tokenizer, min_rows=2)
     streamed, _ = build_datasets(DataConfig(path=str(tmp_path / "pc.jsonl"), streaming="on", seq_len=16,
                                             heldout_fraction=0, cache_dir=str(tmp_path / "c")), tokenizer, min_rows=2)
     assert isinstance(streamed, streaming.MaskedTokenArrayDataset) and len(streamed) == len(whole)

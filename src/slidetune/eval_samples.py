@@ -28,6 +28,7 @@ from .data.chat_template import effective_template, load_chat_template
 from .data.config import DataConfig
 from .data.errors import DataError
 from .data.formats import Example, Source, parse_record
+from .data.hf_datasets import StreamingSource
 from .data.split import plan_heldout
 from .data.tokenization import _render
 
@@ -91,14 +92,17 @@ def chat_prompt(example: Example, tokenizer: Any, chat_template: str | None) -> 
     return EvalPrompt(text, example.where)
 
 
-def heldout_chat_prompts(source: Source, cfg: DataConfig, tokenizer: Any,
+def heldout_chat_prompts(source: Source | StreamingSource, cfg: DataConfig, tokenizer: Any,
                          n: int = DEFAULT_CHAT_PROMPTS) -> list[EvalPrompt]:
     """The first `n` held-out conversations' prompts (of --eval-data where given), in the order
-    build_datasets holds them out; none for data that is not chat or has no held-out split."""
+    build_datasets holds them out; none for data that is not chat or has no held-out split, and none
+    from a streamed corpus (its held-out rows are token windows, no conversations are kept)."""
     evaluation = source.eval_source
     if evaluation is not None:
         examples = evaluation.examples
         fmt = evaluation.format
+    elif isinstance(source, StreamingSource):
+        return []
     else:
         _, heldout, _ = plan_heldout(len(source.examples), cfg.heldout_fraction, cfg.seed, source.name)
         examples, fmt = [source.examples[i] for i in heldout], source.format
@@ -108,7 +112,7 @@ def heldout_chat_prompts(source: Source, cfg: DataConfig, tokenizer: Any,
     return [chat_prompt(ex, tokenizer, template) for ex in examples[:n]]
 
 
-def resolve_eval_prompts(prompts_path: str | None, source: Source | None, cfg: DataConfig,
+def resolve_eval_prompts(prompts_path: str | None, source: Source | StreamingSource | None, cfg: DataConfig,
                          tokenizer: Any) -> list[EvalPrompt]:
     """The prompts sampled at each evaluation: --eval-prompts, else held-out chat prompts, else none."""
     if prompts_path is not None:

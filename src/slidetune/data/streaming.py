@@ -97,7 +97,12 @@ def token_file(source: StreamingSource, tokenizer: Any, cfg: DataConfig) -> Path
 def build_streaming(source: StreamingSource, cfg: DataConfig, tokenizer: Any, min_rows: int,
                     vocab_size: int | None) -> tuple[MaskedTokenArrayDataset, MaskedTokenArrayDataset]:
     """(train, heldout) windows of a streamed source; with ``source.eval_source`` the held-out split
-    is empty here and the caller evaluates that instead."""
+    is empty here and the caller evaluates that instead. A streamed corpus is packed in windows
+    (wrapped): best-fit packing of whole examples needs every example's length before the first row."""
+    if cfg.packing_strategy == "bfd":
+        raise DataError(f"{source.name}: --packing-strategy bfd packs whole examples, which needs them all in "
+                        f"memory; a streamed corpus is cut into windows: give --packing-strategy wrapped (or "
+                        f"auto), or read it whole with --data-streaming off")
     _, eos = special_ids(tokenizer, source.name)
     file = token_file(source, tokenizer, cfg)
     fraction = 0.0 if source.eval_source is not None else cfg.heldout_fraction
