@@ -165,14 +165,7 @@ def test_streaming_reads_a_chunk_at_a_time_and_trains(model_dir, tokenizer, tmp_
     monkeypatch.setattr(hf_datasets, "STREAM_RAM_SHARE", 0.5 * corpus.stat().st_size / hf_available())
     assert should_stream(str(corpus), "auto")
     monkeypatch.setattr(hf_datasets, "STREAM_CHUNK_RECORDS", 16)
-    seen: list[int] = []
-    real = streaming.tokenize_examples
-
-    def counting(examples, *args):
-        seen.append(len(examples))
-        return real(examples, *args)
-
-    monkeypatch.setattr(streaming, "tokenize_examples", counting)
+    seen = _count_tokenized(monkeypatch, streaming)
     cfg = DataConfig(path=str(corpus), seq_len=16, cache_dir=str(tmp_path / "cache"))
     source = load_source(cfg)
     assert isinstance(source, StreamingSource) and not hasattr(source, "examples")
@@ -192,6 +185,19 @@ def test_streaming_reads_a_chunk_at_a_time_and_trains(model_dir, tokenizer, tmp_
     summary = train(model_dir, corpus, out, "--data-cache-dir", str(tmp_path / "cache"))
     assert seen == [], "the second read tokenized again"
     assert summary["train_sequences"] == len(train_ds) and math.isfinite(summary["eval_loss_after"])
+
+
+def _count_tokenized(monkeypatch, module) -> list[int]:
+    """The sizes of the example lists `module` hands to tokenize_examples, call by call."""
+    seen: list[int] = []
+    real = module.tokenize_examples
+
+    def counting(examples, *args):
+        seen.append(len(examples))
+        return real(examples, *args)
+
+    monkeypatch.setattr(module, "tokenize_examples", counting)
+    return seen
 
 
 def hf_available() -> int:
@@ -222,14 +228,7 @@ def test_streamed_prompt_data_keeps_its_prompt_mask(tokenizer, tmp_path):
 # ----------------------------------------------------------------------------- the tokenization cache
 def test_second_build_reads_the_tokens_from_the_cache(tokenizer, tmp_path, monkeypatch):
     monkeypatch.setattr(token_cache, "CACHE_MIN_CHARS", 0)      # cache even this small a data set
-    calls: list[int] = []
-    real = token_cache.tokenize_examples
-
-    def counting(examples, *args):
-        calls.append(len(examples))
-        return real(examples, *args)
-
-    monkeypatch.setattr(token_cache, "tokenize_examples", counting)
+    calls = _count_tokenized(monkeypatch, token_cache)
     data = _parquet_dir(tmp_path)
     cfg = DataConfig(path=str(data), seq_len=16, cache_dir=str(tmp_path / "cache"))
     first = build_datasets(cfg, tokenizer, min_rows=2)

@@ -1078,14 +1078,17 @@ class Trainer:
 
     def flush(self) -> None:
         """metrics.csv and loss.png as they stand (rank 0)."""
+        self.write_metrics()
         if self.ranks.is_main:
-            self.flush_files()
-        else:
-            self.rows.clear()
+            self._plot_loss()
 
     def flush_files(self) -> None:
         """The rows to the trackers, then loss.png (on the way out of an error: best effort for the plot)."""
         self.log_rows()
+        self._plot_loss()
+
+    def _plot_loss(self) -> None:
+        """loss.png from metrics.csv; a failure is a note, never the run's error."""
         try:
             _plot(self.metrics_path, self.out / "loss.png")
         except Exception as e:  # noqa: BLE001 - a plot must never hide the real error

@@ -387,7 +387,7 @@ def probe_compute(model: str, batch: int, seq: int, num_layers: int | None = Non
             "params": split.num_params(), "layer_params": split.layer_units[0].numel,
             "vocab_params": split.embed_unit.numel + split.head_unit.numel, "num_layers": L,
             "embed_params": split.embed_unit.numel,
-            "compile_layers": compile_layers, "layer_probed": "lean" if layer == "lean" and lean_runs else layer}
+            "compile_layers": compile_layers, "layer_probed": layer if lean_runs else "hf"}
 
 
 def compute_of_run(comp: dict, runtime: dict | None) -> dict:
