@@ -14,7 +14,8 @@ from slidetune.models.units import SplitModel, UnsupportedModelError
 
 @pytest.mark.parametrize("name,billions", [("llama-3.1-8b", 8.03), ("qwen3-8b", 8.19), ("qwen3-1.7b", 1.72),
                                            ("qwen3-4b", 4.02), ("qwen3-14b", 14.77), ("mistral-7b", 7.25),
-                                           ("llama-3.2-1b", 1.24)])
+                                           ("llama-3.2-1b", 1.24), ("qwen3-32b", 32.76), ("qwen2.5-32b", 32.76),
+                                           ("llama-3.1-70b", 70.55)])
 def test_presets_have_the_published_sizes(name, billions):
     split = SplitModel(skeleton(preset_config(name)))       # meta device: free
     assert split.num_params() / 1e9 == pytest.approx(billions, abs=0.01)

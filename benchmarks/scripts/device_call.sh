@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (device tool) from the repo root: each argument is one job.
 # Results go to $OUT/results.tar.gz (the device tool returns at most 8 files).
-#   jobs: stash | pipeline | train | equivalence | runtime | throughput | throughput@TAG | scaling | scaling@TAG
+#   jobs: stash | pipeline | train | trainresume (train --gpus N, killed, resumed) | equivalence | runtime | throughput | throughput@TAG | scaling | scaling@TAG
 #         | hostinfo | rankmem (RANKMEM_ARGS: a rank's host memory by stage, 1 and N processes) | techniques
 #         | layermem (LAYERMEM_ARGS: one layer's time and peak GPU memory, HF's and the lean layer, torch's or
 #           Liger's kernels (a liger-kernel wheel in .whl/); --profile: GPU time by kernel class)
@@ -96,6 +96,54 @@ run_job() {
            ls -la /tmp/train_gpu /tmp/train_gpu/final > $R/train_${tag}_gpu/files.txt 2>&1; df -h /tmp >> $R/train_${tag}_gpu/files.txt
            python -c "import sys, torch; from transformers import AutoModelForCausalLM as M; m = M.from_pretrained('/tmp/train_gpu/final'); print('final/ loads:', type(m).__name__, m.dtype, sum(p.numel() for p in m.parameters()), 'params')" > $R/train_${tag}_gpu/final_loads.txt 2>&1
            tail -5 $R/train_${tag}_gpu.log; cat $R/train_${tag}_gpu/final_loads.txt ;;
+    trainresume) # issue 35: `train --gpus N` end to end on this host (N: TRAINRESUME_GPUS, default every GPU),
+           # SIGKILLed (the whole process group, every rank) once step KILL_AT is logged, after checkpoint
+           # SAVE_EVERY landed; then the same command with --resume auto to the end; final/ loaded back.
+           # The killed run's steps after the checkpoint are the uninterrupted trajectory the resumed run
+           # must repeat (compare.txt). TRAINRESUME_ARGS replaces the model/shape flags (CPU check:
+           # TRAINRESUME_ARGS="--model tiny-qwen3 --device cpu --batch-size 2 --seq-len 64" TRAINRESUME_GPUS=2)
+           random_tokens
+           n=${TRAINRESUME_GPUS:-$(nvidia-smi -L | wc -l)}; every=${SAVE_EVERY:-12}; kill_at=${KILL_AT:-16}
+           d=${TRAINRESUME_DIR:-/var/tmp/train_dp}; rm -rf $d; mkdir -p $R/trainresume
+           args="--data /tmp/random_tokens.npy ${TRAINRESUME_ARGS:---model qwen3-8b --batch-size 16 --seq-len 1024} --gpus $n
+                 --max-steps ${TRAINRESUME_STEPS:-24} --save-every $every --keep-last 1 --eval-batches 2 --progress false"
+           t0=$(date +%s)
+           setsid python -m slidetune.cli train --output-dir $d $args > $R/trainresume/run_killed.log 2>&1 &
+           pid=$!
+           while kill -0 $pid 2>/dev/null; do
+             last=$(tail -n 1 $d/metrics.csv 2>/dev/null | cut -d, -f1)
+             if [ -n "$last" ] && [ "$last" -ge "$kill_at" ] 2>/dev/null; then
+               # torchrun starts the ranks in sessions of their own: each process of this run by its --output-dir
+               kill -KILL -- -$pid; pkill -KILL -f -- "--output-dir $d "
+               echo "SIGKILL to every rank after step $last, $(( $(date +%s) - t0 )) s from start"; break
+             fi
+             sleep 0.5
+           done | tee $R/trainresume/kill.txt
+           wait $pid; echo "killed run rc=$?" >> $R/trainresume/kill.txt
+           cp $d/metrics.csv $R/trainresume/metrics_killed.csv 2>/dev/null
+           ls -la $d $d/checkpoints >> $R/trainresume/kill.txt 2>&1
+           t1=$(date +%s)
+           python -m slidetune.cli train --output-dir $d $args --resume auto > $R/trainresume/run_resumed.log 2>&1
+           echo "resumed run rc=$? in $(( $(date +%s) - t1 )) s" >> $R/trainresume/kill.txt
+           cp $d/{metrics.csv,config.json,summary.json,run.json} $R/trainresume/ 2>/dev/null
+           { ls -la $d $d/final $d/checkpoints; df -h $d; } > $R/trainresume/files.txt 2>&1
+           python - $R/trainresume $every $kill_at <<'PY' > $R/trainresume/compare.txt 2>&1
+import csv, sys
+out, every, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+def rows(name):
+    with open(f"{out}/{name}") as f:
+        return {int(r["step"]): r for r in csv.DictReader(f) if r.get("loss")}
+killed, resumed = rows("metrics_killed.csv"), rows("metrics.csv")
+same = [s for s in range(every + 1, kill_at + 1) if s in killed and s in resumed]
+for s in same:
+    print(f"step {s}: loss killed run {killed[s]['loss']} resumed run {resumed[s]['loss']} "
+          f"grad_norm {killed[s]['grad_norm']} / {resumed[s]['grad_norm']}")
+equal = all(killed[s]["loss"] == resumed[s]["loss"] and killed[s]["grad_norm"] == resumed[s]["grad_norm"] for s in same)
+print(f"{len(same)} steps after checkpoint {every} in both runs; losses and grad norms identical: {equal and bool(same)}")
+PY
+           cat $R/trainresume/kill.txt $R/trainresume/compare.txt; tail -4 $R/trainresume/run_resumed.log
+           python -c "import sys, torch; from transformers import AutoModelForCausalLM as M; m = M.from_pretrained('$d/final'); print('final/ loads:', type(m).__name__, m.dtype, sum(p.numel() for p in m.parameters()), 'params')" > $R/trainresume/final_loads.txt 2>&1
+           cat $R/trainresume/final_loads.txt ;;
     leankernels) # the lean layer's GPU tests: Liger's kernels within BF16 noise, eager and compiled (a
            # liger-kernel wheel in .whl/; without it they skip)
            timeout 400 python -m pytest -q -rs tests/test_lean_layer.py -m gpu > $R/lean_kernels_tests.txt 2>&1

@@ -44,6 +44,23 @@ def _qwen3(hidden: int, ffn: int, layers: int, heads: int, tied: bool) -> Pretra
         tie_word_embeddings=tied, bos_token_id=151643, eos_token_id=151645)
 
 
+def _llama_3_1_70b() -> PretrainedConfig:
+    return LlamaConfig(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, rope_parameters=_LLAMA3_ROPE_8B, tie_word_embeddings=False,
+        bos_token_id=128000, eos_token_id=128001)
+
+
+def _qwen2_5_32b() -> PretrainedConfig:
+    # Qwen2 layers carry q/k/v biases; the 32B's sliding window is off (use_sliding_window false).
+    return Qwen2Config(
+        vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+        num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        use_sliding_window=False, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645)
+
+
 def _mistral_7b() -> PretrainedConfig:
     # v0.3: 32768-token vocabulary, no sliding window.
     return MistralConfig(
@@ -84,11 +101,14 @@ def tiny_config(family: str, *, tied: bool = False, layers: int = 3, vocab_size:
 
 PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
     "llama-3.1-8b": _llama_3_1_8b,
+    "llama-3.1-70b": _llama_3_1_70b,
     "llama-3.2-1b": _llama_3_2_1b,
     "qwen3-1.7b": lambda: _qwen3(2048, 6144, 28, 16, tied=True),
     "qwen3-4b": lambda: _qwen3(2560, 9728, 36, 32, tied=True),
     "qwen3-8b": lambda: _qwen3(4096, 12288, 36, 32, tied=False),
     "qwen3-14b": lambda: _qwen3(5120, 17408, 40, 40, tied=False),
+    "qwen3-32b": lambda: _qwen3(5120, 25600, 64, 64, tied=False),
+    "qwen2.5-32b": _qwen2_5_32b,
     "mistral-7b": _mistral_7b,
     # The memory-optimization study's shape (seeds/003): 12 x 768, 12 heads, FFN 3072. Its 30k WordPiece
     # vocabulary is replaced by the embedded SmolLM2 tokenizer's 49152 so it trains on real text.
