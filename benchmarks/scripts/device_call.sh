@@ -143,7 +143,8 @@ print(f"{len(same)} steps after checkpoint {every} in both runs; losses and grad
 PY
            cat $R/trainresume/kill.txt $R/trainresume/compare.txt; tail -4 $R/trainresume/run_resumed.log
            python -c "import sys, torch; from transformers import AutoModelForCausalLM as M; m = M.from_pretrained('$d/final'); print('final/ loads:', type(m).__name__, m.dtype, sum(p.numel() for p in m.parameters()), 'params')" > $R/trainresume/final_loads.txt 2>&1
-           cat $R/trainresume/final_loads.txt ;;
+           cat $R/trainresume/final_loads.txt
+           rm -rf $d ;;     # an 8B's checkpoint and final/ (107 GiB): the later jobs may need the disk
     leankernels) # the lean layer's GPU tests: Liger's kernels within BF16 noise, eager and compiled (a
            # liger-kernel wheel in .whl/; without it they skip)
            timeout 400 python -m pytest -q -rs tests/test_lean_layer.py -m gpu > $R/lean_kernels_tests.txt 2>&1
