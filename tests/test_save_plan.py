@@ -48,6 +48,31 @@ def test_periodic_checkpoints_that_do_not_fit_are_refused_with_options_that_do()
     assert plan(20, 300, save_every=50).resumable
 
 
+def test_a_resume_counts_the_checkpoints_already_on_the_disk_once():
+    """The 4x H200 host's disk (2026-11-28): 235 GiB free before the run, --save-every 12 --keep-last 1
+    fits (two 92 GiB checkpoints at once beside a 15 GiB final/). After checkpoint 12, 143 GiB are
+    free; the resume keeps the same promise (the one on the disk and the next one), so it must not ask
+    for two new ones, which the same disk refused."""
+    assert plan(235, save_every=12, keep_last=1).resumable
+    assert plan(143.1, save_every=12, keep_last=1, existing_checkpoints=1).resumable
+    with pytest.raises(DiskSpaceError):       # what the resume asked before: two more beside the one there
+        plan(143.1, save_every=12, keep_last=1)
+    # still one new checkpoint at least, however many are there
+    with pytest.raises(DiskSpaceError) as e:
+        plan(60, save_every=12, keep_last=1, existing_checkpoints=3)
+    assert "beside the 3 already there" in str(e.value)
+    # keep_last 2 with one there: two more at once (the old one, the next, the one written)
+    assert not _fits(143.1, save_every=12, keep_last=2, existing_checkpoints=1)
+    assert _fits(210, save_every=12, keep_last=2, existing_checkpoints=1)
+
+
+def _fits(free_gib: float, **kw) -> bool:
+    try:
+        return plan(free_gib, **kw).resumable
+    except DiskSpaceError:
+        return False
+
+
 def test_the_disk_tier_takes_its_room_first(tmp_path):
     """The disk tier's files are allocated when the engine starts, before anything is saved: on the
     output's disk they come off its free space. The 14B of the GPU machine: a 55 GiB tier on its

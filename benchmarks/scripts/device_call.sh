@@ -127,7 +127,8 @@ run_job() {
            echo "resumed run rc=$? in $(( $(date +%s) - t1 )) s" >> $R/trainresume/kill.txt
            cp $d/{metrics.csv,config.json,summary.json,run.json} $R/trainresume/ 2>/dev/null
            { ls -la $d $d/final $d/checkpoints; df -h $d; } > $R/trainresume/files.txt 2>&1
-           python - $R/trainresume $every $kill_at <<'PY' > $R/trainresume/compare.txt 2>&1
+           grep -q "resumed run rc=0" $R/trainresume/kill.txt || echo "the resumed run failed: nothing to compare" > $R/trainresume/compare.txt
+           grep -q "resumed run rc=0" $R/trainresume/kill.txt && python - $R/trainresume $every $kill_at <<'PY' > $R/trainresume/compare.txt 2>&1
 import csv, sys
 out, every, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 def rows(name):

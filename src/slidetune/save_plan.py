@@ -88,14 +88,17 @@ def _device_id(path: Path) -> int:
 def plan_saves(num_params: int, *, save_dtype: str, output_dir: Path, checkpoint_dir: Path, save_every: int,
                keep_last: int, output_free: int | None = None, checkpoint_free: int | None = None,
                same_disk: bool | None = None, scratch: tuple[Path, int] | None = None,
-               scratch_holds_weights: bool = False) -> SavePlan:
+               scratch_holds_weights: bool = False, existing_checkpoints: int = 0) -> SavePlan:
     """The run's writes against the free space; raises DiskSpaceError with options where the run
     cannot keep its promise (final/ must fit; periodic checkpoints asked for must fit).
     output_free, checkpoint_free, same_disk: as measured here unless given.
     scratch: (directory, bytes) the run takes before it saves anything (the disk tier's files,
     allocated in full when the engine starts): off the free space of whichever of the two
     directories shares its disk. scratch_holds_weights: the tier holds FP32 masters
-    (--tuning.disk_master), which final/ is written from: its files cannot go first."""
+    (--tuning.disk_master), which final/ is written from: its files cannot go first.
+    existing_checkpoints: complete checkpoints already in checkpoint_dir (a resumed run's, an
+    earlier run's). Their bytes are already off the free space, and the first save prunes them to
+    keep_last, so only max(1, keep_last + 1 - existing) new ones must still find room."""
     final = num_params * SAVE_DTYPE_BYTES[save_dtype] + FILES_MARGIN
     ckpt = num_params * FP32_ADAMW.bytes_per_param + FILES_MARGIN
     if same_disk is None:
@@ -128,10 +131,11 @@ def plan_saves(num_params: int, *, save_dtype: str, output_dir: Path, checkpoint
     # what the checkpoints' disk has left once final/ is written there too
     room = ck_usable - (final if same_disk else 0)
     if save_every:
-        if (keep_last + 1) * ckpt <= room:
+        if new_checkpoints_at_once(keep_last, existing_checkpoints) * ckpt <= room:
             return SavePlan(final, ckpt, True)
         _refuse_checkpoints(final, ckpt, room, save_every=save_every, keep_last=keep_last,
-                            checkpoint_dir=checkpoint_dir, ck_free=ck_free, taken=taken)
+                            checkpoint_dir=checkpoint_dir, ck_free=ck_free, taken=taken,
+                            existing=existing_checkpoints)
     if ckpt <= room:
         return SavePlan(final, ckpt, True)
     note = (f"note: only final/ ({_gib(final)}, {save_dtype}) will be written: a resumable checkpoint "
@@ -139,6 +143,13 @@ def plan_saves(num_params: int, *, save_dtype: str, output_dir: Path, checkpoint
             f"{checkpoint_dir}{taken}, so an interrupted run cannot be resumed; for one, use --checkpoint-dir on a disk "
             f"with at least {_gib(math.ceil((ckpt + (final if same_disk else 0)) / (1 - FREE_MARGIN)))} free")
     return SavePlan(final, ckpt, False, [note])
+
+
+def new_checkpoints_at_once(keep_last: int, existing: int) -> int:
+    """The checkpoints a run with `existing` complete ones in its directory must still find room for:
+    keep_last + 1 exist at once while one is written (the previous keep_last stay until it is
+    complete), and those already there are off the free space."""
+    return max(1, keep_last + 1 - existing)
 
 
 def _gib(n: int) -> str:
@@ -182,13 +193,14 @@ def _refuse_final(num_params: int, final: int, *, save_dtype: str, output_dir: P
 
 
 def _refuse_checkpoints(final: int, ckpt: int, room: int, *, save_every: int, keep_last: int,
-                        checkpoint_dir: Path, ck_free: int, taken: str) -> None:
-    """Raise DiskSpaceError: the periodic checkpoints asked for (keep_last + 1 at once) do not fit
-    `room`, the checkpoints' disk once final/ is there too; the options that would."""
+                        checkpoint_dir: Path, ck_free: int, taken: str, existing: int = 0) -> None:
+    """Raise DiskSpaceError: the periodic checkpoints asked for (keep_last + 1 at once, `existing` of
+    them already there) do not fit `room`, the checkpoints' disk once final/ is there too; the options
+    that would."""
     at_once = keep_last + 1
     options = ["--save-every 0 (final model only" + (", and a resumable checkpoint at the end)" if ckpt <= room
                                                       else ")")]
-    fits = room // ckpt - 1
+    fits = room // ckpt - 1 + existing
     if fits >= 1:
         options.append(f"--keep-last {fits} ({fits + 1} checkpoints of {_gib(ckpt)} at once while one is written)")
     options.append(f"--checkpoint-dir on a disk with at least {_gib(math.ceil(at_once * ckpt / (1 - FREE_MARGIN)))} "
@@ -197,4 +209,5 @@ def _refuse_checkpoints(final: int, ckpt: int, room: int, *, save_every: int, ke
         f"slidetune: --save-every {save_every} with --keep-last {keep_last} keeps up to {at_once} resumable "
         f"checkpoints of {_gib(ckpt)} (FP32 weights and AdamW moments, {FP32_ADAMW.bytes_per_param} B/param) "
         f"at once beside final/ "
-        f"({_gib(final)}), but {checkpoint_dir} has {_gib(ck_free)} free{taken}. Options that fit: " + "; ".join(options))
+        f"({_gib(final)}), but {checkpoint_dir} has {_gib(ck_free)} free{taken}"
+        + (f" beside the {existing} already there" if existing else "") + ". Options that fit: " + "; ".join(options))
