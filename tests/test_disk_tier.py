@@ -313,6 +313,13 @@ def test_directory_errors_are_clear_before_step_1(tmp_path, monkeypatch):
         check_directory(tmp_path, 1)
 
 
+def test_a_described_disk_is_checked_by_its_size_alone(tmp_path):
+    """`plan --disk-dir PATH --disk-free-gib N` plans another machine's disk: PATH need not exist here."""
+    assert check_directory(tmp_path / "elsewhere", 10 * GiB, free_bytes=20 * GiB) == tmp_path / "elsewhere"
+    with pytest.raises(DiskTierError, match="20.0 GiB free but the disk tier needs 30.0 GiB"):
+        check_directory(tmp_path / "elsewhere", 30 * GiB, free_bytes=20 * GiB)
+
+
 def test_the_fit_check_refuses_a_disk_too_small_before_allocating(tmp_path, monkeypatch):
     split = split_of("qwen3-14b")
     rt = cuda_rt(disk_dir=str(tmp_path), disk_units=10)

@@ -31,7 +31,9 @@ set -u
 # call re-sends the working tree, which must not change the code under a running sweep), its own
 # session (setsid: it outlives the call), results in /tmp/detached_out. --collect [WAIT_S] waits
 # until the sweep ends or WAIT_S passes (default 540) and copies what it has so far into $OUT.
-# Each collect call keeps the machine warm; give it back only after the last one.
+# Each collect call keeps the machine warm; give it back only after the last one. Chain the collect
+# calls without a gap: the machine goes back ~30 s after a call returns, the detached sweep with it
+# (2026-11-28: a sweep lost its last three jobs while the next call was being prepared).
 D=/tmp/detached_out
 if [ "${1:-}" = "--detach" ]; then
   shift

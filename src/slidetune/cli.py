@@ -434,7 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --gpus N > 1: the free space of /dev/shm (default: this machine's)")
     p_plan.add_argument("--disk-free-gib", type=float, default=None,
                         help="with --disk-dir: the free space of its disk (default: what it has here), as "
-                             "--host-gib describes the host")
+                             "--host-gib describes the host; the directory then need not exist here (a plan "
+                             "for another machine)")
     p_plan.add_argument("--no-limits", action="store_true",
                         help="skip the largest batch and the longest sequence that fit (a search of a few "
                              "seconds over the same estimate)")

@@ -112,8 +112,13 @@ def buffer_bytes(plan, block_mb: float, buffers: int | None = None) -> int:
 def check_directory(path: str | os.PathLike, need_bytes: int, free_bytes: int | None = None) -> Path:
     """The disk tier's directory, checked before anything is allocated: it exists, is writable and
     has `need_bytes` free (`free_bytes`: a disk described, as `slidetune plan --disk-free-gib` does;
-    default: what the directory's filesystem has). DiskTierError names the problem and the fix."""
+    default: what the directory's filesystem has). A described disk is another machine's (a plan for
+    the host a run will have): only its size is checked, the directory need not exist here.
+    DiskTierError names the problem and the fix."""
     p = Path(path).expanduser()
+    if free_bytes is not None:
+        _check_size(p, need_bytes, free_bytes)
+        return p
     if not p.exists():
         raise DiskTierError(f"--disk-dir {p} does not exist; create it (on a local disk, ideally NVMe) "
                             f"or give another directory")
@@ -123,14 +128,17 @@ def check_directory(path: str | os.PathLike, need_bytes: int, free_bytes: int | 
         raise DiskTierError(f"--disk-dir {p} is not writable (read-only filesystem or permissions); "
                             f"give a directory you can write to")
     remove_stale(p)
-    free = shutil.disk_usage(p).free if free_bytes is None else free_bytes
+    _check_size(p, need_bytes, shutil.disk_usage(p).free)
+    return p
+
+
+def _check_size(p: Path, need_bytes: int, free: int) -> None:
     if need_bytes > free:
         gib = 2**30
         raise DiskTierError(f"--disk-dir {p} has {free / gib:.1f} GiB free but the disk tier needs "
                             f"{need_bytes / gib:.1f} GiB ({FP32_ADAMW.moment_bytes} bytes per parameter of the "
                             f"units placed there, {FP32_ADAMW.bytes_per_param} with their masters); "
                             f"free space there, give a larger disk, or put fewer units on disk (--tuning.disk_units)")
-    return p
 
 
 def remove_stale(directory: Path) -> list[Path]:
