@@ -24,6 +24,7 @@ from ..adamw import AdamWConfig, FlatAdamW
 from ..distributed import SharedHostState, SharedUnit
 from .disk_tier import DiskTier, StreamedTensor
 from .state_tier import moment_tier
+from .update_hold import UpdateHold
 
 # Units materialized at once (threads); each unit kept on the device holds a host buffer of
 # 4 B/param while it is built (engine.fit counts them).
@@ -94,6 +95,8 @@ class HostUnit:
         self.started = 0              # updates begun (version, or version + 1 while one runs)
         self._on_start: dict[int, list] = {}   # update number -> callbacks to run when it begins
         self._cond = threading.Condition()
+        # an asynchronous checkpoint still to read this unit's state: the next update waits for it
+        self.hold: UpdateHold | None = None
 
     @property
     def upload_copy(self) -> bool:
@@ -148,7 +151,12 @@ class HostUnit:
         return {p.full_name: self.master[p.offset:p.offset + p.numel].view(p.shape) for p in self.spec.params}
 
     def begin_update(self) -> None:
-        """An update (number version + 1) starts now: run what waited for it to begin."""
+        """An update (number version + 1) starts now: run what waited for it to begin. Where an
+        asynchronous checkpoint has not yet read the unit's state (`hold`), it waits for that first."""
+        hold = self.hold
+        if hold is not None:
+            hold.wait()
+            self.hold = None
         with self._cond:
             self.started = self.version + 1
             callbacks = self._on_start.pop(self.started, [])
