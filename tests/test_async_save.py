@@ -297,3 +297,33 @@ def test_kill_9_during_an_async_save_leaves_the_previous_checkpoint_resumable_an
     finished(reference)
     got, want = final_weights(killed_dir), final_weights(tmp_path / "ref")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+
+@pytest.mark.slow
+def test_train_stops_on_a_failed_async_save_keeping_the_previous_checkpoint(tmp_path, monkeypatch):
+    """The disk fills while checkpoint-2 is written in the background: the step loop raises it (exit 2,
+    the intact checkpoint-1 named, how to continue), nothing of checkpoint-2 is left, and no
+    checkpoint was pruned for it."""
+    import contextlib
+    import io
+
+    from slidetune.cli import main
+    real = ckpt_mod.write_safetensors
+
+    def full_for_checkpoint_2(tensors, filename, *a, **kw):
+        if "checkpoint-2" in str(filename):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(filename))
+        return real(tensors, filename, *a, **kw)
+    monkeypatch.setattr(ckpt_mod, "write_safetensors", full_for_checkpoint_2)
+    d = tmp_path / "full"
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["train", *tiny_model(tmp_path), "--max-steps", "4", "--save-every", "1", "--keep-last", "1",
+                     "--async-save", "on", "--output-dir", str(d)])
+    err = err.getvalue()
+    assert code == 2, err[-3000:]
+    assert "No space left on device" in err and "checkpoint-1 is intact" in err and "--resume auto" in err
+    assert "in the background" in err
+    assert sorted(p.name for p in (d / "checkpoints").iterdir()) == ["checkpoint-1"]
+    assert check_checkpoint(d / "checkpoints/checkpoint-1").step == 1
+    assert not (d / "final").exists()
