@@ -327,3 +327,22 @@ def test_train_stops_on_a_failed_async_save_keeping_the_previous_checkpoint(tmp_
     assert sorted(p.name for p in (d / "checkpoints").iterdir()) == ["checkpoint-1"]
     assert check_checkpoint(d / "checkpoints/checkpoint-1").step == 1
     assert not (d / "final").exists()
+
+
+def test_the_watchdog_counts_a_held_wait_from_the_writers_last_progress():
+    """A save that takes minutes is not a hang while its writer releases units; one that stops is."""
+    from slidetune.engine.slide.update_hold import UpdateHold
+    from slidetune.engine.slide.watchdog import HangError, Watchdog
+    dog = Watchdog()
+    dog.override_s = 1.0
+    holds = [UpdateHold(), UpdateHold()]
+    dog.watch_save(holds)
+    dog._holds_since -= 10.0                     # the save started 10 s ago
+    holds[0].release()                           # ... and its writer released a unit just now
+    dog.check(5.0, "an upload", [])              # waited 5 s, but only ~0 s since the writer's progress
+    holds[0].released_at -= 10.0                # no progress for 10 s: a stuck writer
+    with pytest.raises(HangError):
+        dog.check(5.0, "an upload", [])
+    holds[1].release()                           # no save holds anything: the plain bound again
+    with pytest.raises(HangError):
+        dog.check(5.0, "an upload", [])

@@ -705,6 +705,7 @@ class SlideEngine:
         for unit in self.units:
             unit.hold = hold = UpdateHold(self.threads.abort)
             holds.append(hold)
+        self.threads.watchdog.watch_save(holds)     # waits on them are the writer's pace, not a hang
         return holds
 
     def named_master_params(self):

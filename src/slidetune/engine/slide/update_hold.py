@@ -19,10 +19,13 @@ class UpdateHold:
 
     def __init__(self, abort: threading.Event | None = None):
         self._released = threading.Event()
+        self.released_at: float | None = None   # time.monotonic() of release()
         self._abort = abort            # the pipeline failed: stop waiting (the writer releases anyway)
         self.waited_s = 0.0            # how long the update waited (the save's cost to the step loop)
 
     def release(self) -> None:
+        if self.released_at is None:
+            self.released_at = time.monotonic()
         self._released.set()
 
     @property
