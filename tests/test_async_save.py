@@ -133,7 +133,7 @@ def test_async_save_is_the_blocking_save_and_resumes_exactly(recipe, tmp_path, m
         shut(c)
 
 
-@pytest.mark.parametrize("how", ["disk full", "injected"])
+@pytest.mark.parametrize("how", ["disk full", "injected", "abandoned"])
 def test_a_failing_writer_raises_keeps_the_previous_checkpoint_and_releases_the_updates(how, tmp_path,
                                                                                         monkeypatch):
     eng = engine_for("clipped", tmp_path)
@@ -146,14 +146,19 @@ def test_a_failing_writer_raises_keeps_the_previous_checkpoint_and_releases_the_
             def enospc(*a, **kw):
                 raise OSError(errno.ENOSPC, "No space left on device")
             monkeypatch.setattr(ckpt_mod, "write_safetensors", enospc)
-        else:
+        elif how == "injected":
             monkeypatch.setenv("SLIDETUNE_INJECT_FAULT", "checkpoint:3")
+        else:
+            slow_writes(monkeypatch, 0.05)
         pending = start_async_save(eng, checkpoint_dir(tmp_path, 3), step=3)
+        if how == "abandoned":                       # a second Ctrl-C: given up, never renamed into place
+            pending.abandon()
         train(eng, range(3, 5))                      # no update waits for a writer that failed
         with pytest.raises(CheckpointError) as info:
             pending.wait()
         assert str(first) in str(info.value) and "intact" in str(info.value)
-        assert ("No space left" if how == "disk full" else "injected fault") in str(info.value)
+        assert {"disk full": "No space left", "injected": "injected fault", "abandoned": "abandoned"}[how] \
+            in str(info.value)
         assert pending.timing.ok is False and all(h.released for h in pending.holds)
         monkeypatch.undo()
         assert tree(first) == before and leftovers(tmp_path) == []

@@ -79,6 +79,9 @@ class PendingSave:
     def __init__(self, out_dir: Path, timing: SaveTiming, holds: list, t0: float):
         self.out_dir, self.timing, self.holds, self._t0 = out_dir, timing, holds, t0
         self._done = threading.Event()
+        # set by a failing stream (the other one stops at its next chunk) or by abandon()
+        self.cancel = threading.Event()
+        self.abandoned = False
         self._path: Path | None = None
         self._error: BaseException | None = None
         self.thread: threading.Thread | None = None
@@ -122,6 +125,13 @@ class PendingSave:
         for hold in self.holds:
             hold.release()
 
+    def abandon(self) -> None:
+        """Give the save up now (the run is aborting): the writer stops at its next chunk, never
+        renames what it wrote into place, and every held update goes on at once."""
+        self.abandoned = True
+        self.cancel.set()
+        self.release_all()
+
 
 def start_async_save(engine, out_dir: Path, *, step: int, tokenizer=None, trainer_state: dict | None = None,
                      after: Callable[[Path], None] | None = None, max_shard_bytes: int = 5 * 2**30) -> PendingSave:
@@ -146,6 +156,8 @@ def start_async_save(engine, out_dir: Path, *, step: int, tokenizer=None, traine
     def write(tmp: Path) -> None:
         fresh_dir(tmp)
         streamed = streams.write(tmp, int(step), max_shard_bytes)
+        if pending.abandoned:                # what was read after the release is not of this step
+            raise CheckpointError("the save was abandoned")
         maybe_stall(int(step))           # tests only (faults.py): a save a kill catches past its tensors
         finish_checkpoint(engine, tmp, step=int(step), tokenizer=tokenizer, state=state, state_text=state_text,
                           dtype=torch.float32, streamed=streamed, rng=rng)
@@ -175,7 +187,7 @@ class _UnitStreams:
 
     def __init__(self, engine, pending: PendingSave):
         self.pending = pending
-        self.cancel = threading.Event()      # one stream failed: the other stops at its next chunk
+        self.cancel = pending.cancel         # one stream failed (or the save was abandoned): stop
         # the disk tier's blocks are taken one reader at a time (DiskTier.acquire): the two streams
         # read a disk unit's master and moments through one lock
         self.tier_lock = threading.Lock()
@@ -220,7 +232,8 @@ class _UnitStreams:
 
     def _check_cancel(self) -> None:
         if self.cancel.is_set():
-            raise _Cancelled("the other stream of this checkpoint failed")
+            raise _Cancelled("the save was abandoned" if self.pending.abandoned
+                             else "the other stream of this checkpoint failed")
 
     def _written(self, unit: int) -> None:
         with self.lock:

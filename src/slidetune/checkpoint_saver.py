@@ -85,6 +85,12 @@ class CheckpointSaver:
         self._record(p.timing)
         return p
 
+    def abandon(self) -> None:
+        """Give up a save in flight (a second Ctrl-C): it never completes, and no update waits for it."""
+        if self.pending is not None:
+            self.pending.abandon()
+            self.pending = None
+
     def settle(self) -> PendingSave | None:
         """Wait for a save in flight (at the end of the run, or on the way out of an error)."""
         return self.poll(wait=True)

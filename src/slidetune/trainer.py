@@ -664,7 +664,8 @@ class Trainer:
         try:
             return self._run()
         except KeyboardInterrupt:
-            self.saver.pending = None     # interrupted twice: a save in flight is abandoned (its .tmp- goes at the next start)
+            # interrupted twice: a save in flight is given up (its .tmp- goes at the next start)
+            self.saver.abandon()
             raise
         finally:
             self.settle_save()            # the engine closes after this: no save may still read it
@@ -676,6 +677,9 @@ class Trainer:
             self.where = "the held-out evaluation before step 1"
             self.evaluate_before()
             self.device.reset_peak()
+            if self.cfg.save_every and self.saver.asynchronous and self.ranks.is_main:
+                print(f"checkpoints every {self.cfg.save_every} steps are written in the background while training "
+                      f"goes on ({self.async_why}; what each one cost: {self.out / 'saves.jsonl'})")
             self.open_progress()
             try:
                 for step in range(self.start_step, self.total_steps):
@@ -998,7 +1002,8 @@ class Trainer:
             raise TrainingError(f"{done.error}. Training stopped after step {self.engine.step_index} (the checkpoint "
                                 f"of step {step} was being written in the background, --async-save); metrics are in "
                                 f"{self.metrics_path}. Free some space (or fix the output directory) and continue "
-                                f"from the intact checkpoint with --output-dir {self.out} --resume auto") from done.error
+                                f"from the intact checkpoint with --output-dir {self.out} --resume auto"
+                                ) from done.error
         self.notify("on_save", step, done.path)
 
     def settle_save(self) -> None:
