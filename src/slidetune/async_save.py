@@ -148,18 +148,32 @@ def start_async_save(engine, out_dir: Path, *, step: int, tokenizer=None, traine
                                      trainer_state=trainer_state)
     engine.synchronize()                 # every update of the step is done: the state the checkpoint holds
     holds = engine.hold_updates()
-    rng = rng_state()
-    timing = SaveTiming(step=int(step), mode="async", started=time.time() - (time.monotonic() - t0))
-    pending = PendingSave(Path(out_dir), timing, holds, t0)
-    streams = _UnitStreams(engine, pending)
+    try:
+        timing = SaveTiming(step=int(step), mode="async", started=time.time() - (time.monotonic() - t0))
+        pending = PendingSave(Path(out_dir), timing, holds, t0)
+        _run_in_background(engine, pending, _UnitStreams(engine, pending), rng_state(), tokenizer=tokenizer,
+                           state=state, state_text=state_text, after=after, max_shard_bytes=max_shard_bytes)
+    except BaseException:
+        for hold in holds:           # no update may wait for a writer that never started
+            hold.release()
+        raise
+    timing.boundary_s = time.monotonic() - t0
+    return pending
+
+
+def _run_in_background(engine, pending: PendingSave, streams: _UnitStreams, rng: dict, *, tokenizer, state: dict,
+                       state_text: str, after: Callable[[Path], None] | None, max_shard_bytes: int) -> None:
+    """Start the thread that writes the checkpoint (streams, then finish_checkpoint, atomically) and
+    runs `after`; it ends with pending._finish, whatever happens."""
+    step = pending.timing.step
 
     def write(tmp: Path) -> None:
         fresh_dir(tmp)
-        streamed = streams.write(tmp, int(step), max_shard_bytes)
+        streamed = streams.write(tmp, step, max_shard_bytes)
         if pending.abandoned:                # what was read after the release is not of this step
             raise CheckpointError("the save was abandoned")
-        maybe_stall(int(step))           # tests only (faults.py): a save a kill catches past its tensors
-        finish_checkpoint(engine, tmp, step=int(step), tokenizer=tokenizer, state=state, state_text=state_text,
+        maybe_stall(step)                    # tests only (faults.py): a save a kill catches past its tensors
+        finish_checkpoint(engine, tmp, step=step, tokenizer=tokenizer, state=state, state_text=state_text,
                           dtype=torch.float32, streamed=streamed, rng=rng)
 
     def run() -> None:
@@ -175,9 +189,7 @@ def start_async_save(engine, out_dir: Path, *, step: int, tokenizer=None, traine
         pending._finish(path, error)
 
     pending.thread = threading.Thread(target=run, name="slidetune-checkpoint", daemon=True)
-    timing.boundary_s = time.monotonic() - t0
     pending.thread.start()
-    return pending
 
 
 class _UnitStreams:
