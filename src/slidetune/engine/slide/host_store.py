@@ -8,7 +8,8 @@ for BF16; engine.py says why not FP32). The unit's parameters are views of the
 flat master, so saving, loading and updating never copy the model. Each unit
 carries a version (the number of optimizer updates applied) that the uploader
 waits on: a layer is uploaded for step t only once its t-th update is done.
-Where a unit's moments (and a master on disk) live is its tier (state_tier.py).
+Where a unit's moments (and a master on disk) live is its tier (state_tier.py). An asynchronous
+checkpoint holds each unit's next update until it has read the unit (`hold`, update_hold.py).
 """
 from __future__ import annotations
 
