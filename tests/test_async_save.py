@@ -251,9 +251,13 @@ def final_weights(run: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_train_with_async_saves_matches_blocking_saves_and_records_them(tmp_path):
-    base = tiny_model(tmp_path) + ["--max-steps", "4", "--save-every", "1", "--keep-last", "2"]
+    """Periodic saves in the background (with an evaluation while one is in flight, and a stop whose
+    own save waits for it) follow the blocking saves' run to the same weights."""
+    base = tiny_model(tmp_path) + ["--max-steps", "4", "--save-every", "1", "--keep-last", "2", "--eval-every", "2"]
     runs = {mode: run_train(base + ["--async-save", mode, "--output-dir", str(tmp_path / mode)])
             for mode in ("on", "off")}
+    stopped = tmp_path / "stopped"
+    finished(run_train(base + ["--async-save", "on", "--stop-after", "3", "--output-dir", str(stopped)]))
     for proc in runs.values():
         finished(proc)
     on, off = tmp_path / "on", tmp_path / "off"
@@ -268,6 +272,14 @@ def test_train_with_async_saves_matches_blocking_saves_and_records_them(tmp_path
     summary = json.loads((on / "summary.json").read_text())
     assert summary["checkpoint_saves"] == 4 and summary["async_saves"] == 3 and summary["save_blocked_s"] >= 0
     assert [r["mode"] for r in map(json.loads, (off / "saves.jsonl").read_text().splitlines())] == ["blocking"] * 4
+    # the stop after step 3 waited for the save of step 2, then saved step 3 itself; resumed, the run
+    # ends with the same weights
+    records = [json.loads(line) for line in (stopped / "saves.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["mode"], r["ok"]) for r in records] == [(1, "async", True), (2, "async", True),
+                                                                   (3, "blocking", True)]
+    finished(run_train(base + ["--async-save", "on", "--resume", "auto", "--output-dir", str(stopped)]))
+    got = final_weights(stopped)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
 
 
 @pytest.mark.slow
@@ -351,3 +363,49 @@ def test_the_watchdog_counts_a_held_wait_from_the_writers_last_progress():
     holds[1].release()                           # no save holds anything: the plain bound again
     with pytest.raises(HangError):
         dog.check(5.0, "an upload", [])
+
+
+# --------------------------------------------------------------------------- on a GPU (the lead's machine)
+GPU_RECIPES = {
+    "clipped": ({}, 1.0),
+    "clipped-device-layers-vocab-device": ({"device_layers": 1, "vocab_update": "device"}, 1.0),
+    "eager-vocab-device": ({"vocab_update": "device"}, None),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", list(GPU_RECIPES))
+def test_on_the_gpu_the_async_checkpoint_holds_its_steps_state_while_training_goes_on(recipe, tmp_path, monkeypatch):
+    """CUDA: page-locked masters, units updated on the device (copied down by the writer while their
+    update waits on the compute thread). Two GPU runs need not agree bit for bit (atomics), so the
+    checkpoint is compared with the engine's own state at the step it was taken."""
+    from safetensors.torch import load_file
+
+    from slidetune.engine import AdamWConfig, RuntimeConfig, build_engine
+    from slidetune.models.load import LoadedModel, RandomInit, skeleton
+    from slidetune.models.presets import tiny_config
+    from slidetune.models.units import SplitModel
+    from test_checkpoint import VOCAB
+    runtime, clip = GPU_RECIPES[recipe]
+    cfg = tiny_config("llama", vocab_size=VOCAB, layers=3)
+    loaded = LoadedModel("t", SplitModel(skeleton(cfg)), RandomInit(1, std=0.1), None)
+    eng = build_engine(loaded, RuntimeConfig(mode="slide", dtype="bf16", device="cuda", **runtime),
+                       AdamWConfig(lr=1e-3, weight_decay=0.1), max_grad_norm=clip)
+    try:
+        train(eng, range(2))
+        eng.synchronize()
+        want = {k: v.detach().cpu().clone() for k, v in eng.named_master_params()}
+        want.update({k: v.detach().cpu().clone() for k, v in eng.optimizer_tensors().items()})
+        slow_writes(monkeypatch, 0.02)
+        pending = start_async_save(eng, checkpoint_dir(tmp_path, 2), step=2)
+        train(eng, range(2, 4))
+        path = pending.wait()
+        monkeypatch.undo()
+        assert pending.timing.held_s > 0
+        got = load_file(str(path / "model.safetensors")) | load_file(str(path / "trainer_state/optimizer.safetensors"))
+        assert got.keys() == want.keys()
+        for k in got:
+            assert torch.equal(got[k].reshape(-1), want[k].reshape(-1)), k
+        assert eng.step_index == 4 and check_checkpoint(path).step == 2
+    finally:
+        shut(eng)
