@@ -142,7 +142,8 @@ def test_only_rank_zero_writes(runs):
     # --report-to auto: TensorBoard's events too where it is installed (the test extra installs it)
     tensorboard = ["tensorboard"] if is_installed("tensorboard") else []
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (tmp / "one").iterdir()) == sorted([
-        "checkpoints", "config.json", "final", "loss.png", "metrics.csv", "summary.json", *tensorboard])
+        "checkpoints", "config.json", "final", "loss.png", "metrics.csv", "saves.jsonl", "summary.json",
+        *tensorboard])
     if tensorboard:
         assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1, "rank 0 alone logs"
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"checkpoint-{SAVE_EVERY}",

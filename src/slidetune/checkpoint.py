@@ -52,7 +52,7 @@ import re
 import shutil
 import struct
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,7 +140,19 @@ def save_checkpoint(engine, out_dir: Path, *, step: int, tokenizer=None, trainer
         raise ValueError("max_shard_bytes must be positive")
     if save_dtype != "fp32":
         with_optimizer = False
-    out_dir = Path(out_dir)
+    state, state_text = state_record(engine, step, save_dtype=save_dtype, with_optimizer=with_optimizer,
+                                     trainer_state=trainer_state)
+    dtype = SAVE_DTYPES[save_dtype]
+
+    def write(tmp: Path) -> None:
+        _write_complete(engine, tmp, step=int(step), tokenizer=tokenizer, state=state, state_text=state_text,
+                        dtype=dtype, with_optimizer=with_optimizer, max_shard_bytes=max_shard_bytes)
+    return save_atomically(Path(out_dir), write)
+
+
+def state_record(engine, step: int, *, save_dtype: str, with_optimizer: bool,
+                 trainer_state: dict | None) -> tuple[dict, str]:
+    """state.json's record of a save and its text (TypeError: trainer_state is not JSON-serializable)."""
     state = {
         "format_version": FORMAT_VERSION,
         "slidetune_version": __version__,
@@ -152,18 +164,21 @@ def save_checkpoint(engine, out_dir: Path, *, step: int, tokenizer=None, trainer
         "trainer_state": dict(trainer_state or {}),
     }
     try:
-        state_text = json.dumps(state, indent=2)
+        return state, json.dumps(state, indent=2)
     except TypeError as e:
         raise TypeError(f"trainer_state must be JSON-serializable: {e}") from e
 
+
+def save_atomically(out_dir: Path, write: Callable[[Path], None]) -> Path:
+    """`write(tmp)` fills a fresh sibling `<name>.tmp-<pid>` with a complete, verified checkpoint;
+    then it is renamed to `out_dir` (_swap_in). Any failure removes tmp (or sets it aside where it
+    did not read back as written) and raises CheckpointError saying which checkpoint is intact."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
     aside = out_dir.with_name(f"{out_dir.name}.old-{os.getpid()}")
     previous = out_dir if _is_complete(out_dir) else latest_checkpoint(out_dir.parent)
     try:
-        _write_complete(engine, tmp, step=int(step), tokenizer=tokenizer, state=state, state_text=state_text,
-                        dtype=SAVE_DTYPES[save_dtype], with_optimizer=with_optimizer,
-                        max_shard_bytes=max_shard_bytes)
+        write(tmp)
         _swap_in(tmp, out_dir, aside)
     except BaseException as e:
         kept = None
@@ -179,27 +194,41 @@ def save_checkpoint(engine, out_dir: Path, *, step: int, tokenizer=None, trainer
     return out_dir
 
 
-def _write_complete(engine, tmp: Path, *, step: int, tokenizer, state: dict, state_text: str,
-                    dtype: torch.dtype, with_optimizer: bool, max_shard_bytes: int) -> None:
-    """Write the whole checkpoint into the fresh directory `tmp`, synced and read back: files, fsync of
-    the tree, manifest, COMPLETE marker, fsync of the directory, then `verify_files`. Raises on any
-    failure; the caller renames `tmp` into place only after this returns."""
-    streamed: dict[str, FileDigest] = {}      # relative path -> digest taken while writing
+def fresh_dir(tmp: Path) -> None:
+    """An empty `tmp` (what a dead earlier save left there removed)."""
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+
+
+def _write_complete(engine, tmp: Path, *, step: int, tokenizer, state: dict, state_text: str,
+                    dtype: torch.dtype, with_optimizer: bool, max_shard_bytes: int) -> None:
+    """Write the whole checkpoint into the fresh directory `tmp`, synced and read back: the tensor
+    files, then finish_checkpoint. Raises on any failure; the caller renames `tmp` into place only
+    after this returns."""
+    fresh_dir(tmp)
     engine.synchronize()     # the deferred schedule's update sweep may still be running
-    _write_config(engine, tmp, dtype)
-    streamed.update(_write_weights(engine, tmp, dtype, max_shard_bytes))
+    streamed = write_weights(engine.named_master_params(), tmp, dtype, max_shard_bytes)
     maybe_fail("checkpoint", step)          # tests only (faults.py): a writer failing mid-save
+    if with_optimizer:
+        (tmp / STATE_DIR).mkdir()
+        streamed[f"{STATE_DIR}/optimizer.safetensors"] = save_tensors(engine.optimizer_tensors(on_host=False),
+                                                                      tmp / STATE_DIR / "optimizer.safetensors")
+    finish_checkpoint(engine, tmp, step=step, tokenizer=tokenizer, state=state, state_text=state_text, dtype=dtype,
+                      streamed=streamed, rng=rng_state())
+
+
+def finish_checkpoint(engine, tmp: Path, *, step: int, tokenizer, state: dict, state_text: str, dtype: torch.dtype,
+                      streamed: dict[str, FileDigest], rng: dict) -> None:
+    """The rest of a checkpoint once its tensor files are in `tmp` (`streamed`: their digests taken
+    while writing): config, tokenizer, RNG states and state.json, fsync of the tree, manifest,
+    COMPLETE marker, fsync of the directory, then `verify_files`."""
+    _write_config(engine, tmp, dtype)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp))
     sdir = tmp / STATE_DIR
-    sdir.mkdir()
-    if with_optimizer:
-        streamed[f"{STATE_DIR}/optimizer.safetensors"] = _save_tensors(engine.optimizer_tensors(on_host=False),
-                                                                        sdir / "optimizer.safetensors")
-    torch.save(_rng_state(), sdir / "rng.pt")
+    sdir.mkdir(exist_ok=True)
+    torch.save(rng, sdir / "rng.pt")
     (sdir / "state.json").write_text(state_text)
     _fsync_tree(tmp)
     manifest = _write_manifest(tmp, streamed)
@@ -243,9 +272,11 @@ def _write_config(engine, directory: Path, dtype: torch.dtype) -> None:
     cfg.save_pretrained(str(directory))
 
 
-def _write_weights(engine, directory: Path, dtype: torch.dtype, max_shard_bytes: int) -> dict[str, FileDigest]:
-    """Shard by shard: accumulate views up to max_shard_bytes, cast only the shard being written.
-    Returns each shard's digest by its final name."""
+def write_weights(params: Iterable[tuple[str, torch.Tensor | StreamedTensor]], directory: Path, dtype: torch.dtype,
+                  max_shard_bytes: int) -> dict[str, FileDigest]:
+    """The (HF name, FP32 tensor) pairs of `params` (engine.named_master_params()'s) shard by shard:
+    accumulate views up to max_shard_bytes, cast only the shard being written. Returns each
+    shard's digest by its final name."""
     shards: list[list[str]] = []
     digests: list[FileDigest] = []
     total = 0
@@ -258,12 +289,12 @@ def _write_weights(engine, directory: Path, dtype: torch.dtype, max_shard_bytes:
         if not pending:
             return
         part = directory / f"model-{len(shards) + 1:05d}.partial.safetensors"
-        digests.append(_save_tensors(pending, part, dtype=dtype))
+        digests.append(save_tensors(pending, part, dtype=dtype))
         shards.append(list(pending))
         pending, pending_bytes = {}, 0
 
     seen = set()
-    for name, t in engine.named_master_params():
+    for name, t in params:
         if name in seen:
             continue                 # a tied weight appears once
         seen.add(name)
@@ -289,7 +320,7 @@ def _write_weights(engine, directory: Path, dtype: torch.dtype, max_shard_bytes:
     return finals
 
 
-def _save_tensors(tensors: Mapping[str, torch.Tensor], path: Path, dtype: torch.dtype | None = None) -> FileDigest:
+def save_tensors(tensors: Mapping[str, torch.Tensor], path: Path, dtype: torch.dtype | None = None) -> FileDigest:
     # Looked up at call time (tests replace write_safetensors to simulate a full disk).
     return write_safetensors(tensors, path, dtype=dtype)
 
@@ -418,7 +449,7 @@ def _fsync_tree(root: Path) -> None:
 
 
 # --------------------------------------------------------------------------- RNG
-def _rng_state() -> dict:
+def rng_state() -> dict:
     """Every RNG a training loop may draw from, in types torch.load(weights_only=True) accepts."""
     import numpy as np
     kind, keys, pos, has_gauss, cached = np.random.get_state()

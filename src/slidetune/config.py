@@ -74,6 +74,11 @@ class TrainConfig:
     eval_max_new_tokens: int = 64        # tokens each eval prompt's greedy sample may add (it stops at EOS)
     save_every: int = 0                  # checkpoint every N steps (0: only at the end)
     keep_last: int = 2                   # checkpoints kept (the final export is separate)
+    # auto | on | off: periodic checkpoints written in the background while training goes on (each unit's
+    # next update waits only until its state is written; async_save.py). auto: on for the slide engine on
+    # a GPU in one process, off on a CPU (the writer would take the cores the step runs on) and where it
+    # is not possible (gpu/ckpt modes, data parallel: blocking saves); on: refused where not possible
+    async_save: str = "auto"
     save_dtype: str = "auto"             # dtype of the exported final/ model: auto (the checkpoint's own: bf16 for a bf16 model) | fp32 | bf16
     checkpoint_dir: str | None = None    # where resumable checkpoints go (None: <output_dir>/checkpoints); another disk when they do not fit
     output_dir: str = "runs/default"     # metrics.csv, loss.png, config.json, checkpoints/, final/
@@ -119,6 +124,8 @@ class TrainConfig:
             raise ValueError(f"lr_schedule must be cosine, linear or constant, not {self.lr_schedule!r}")
         if self.save_dtype not in ("auto", "fp32", "bf16"):
             raise ValueError("save_dtype must be auto, fp32 or bf16")
+        if self.async_save not in ("auto", "on", "off"):
+            raise ValueError(f"async_save must be auto, on or off, not {self.async_save!r}")
         if self.gpu_memory_limit is not None and not self.gpu_memory_limit > 0:      # NaN too
             raise ValueError(f"gpu_memory_limit must be > 0 GiB (or None: the whole GPU), not {self.gpu_memory_limit}")
         if self.max_grad_norm is not None and math.isnan(self.max_grad_norm):
@@ -235,7 +242,8 @@ FLAG_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "evaluation": ("held-out loss and greedy samples during the run",
                    ("eval_every", "eval_batches", "eval_prompts", "eval_max_new_tokens")),
     "output": ("where results and checkpoints go, and resuming",
-               ("output_dir", "save_every", "keep_last", "save_dtype", "checkpoint_dir", "resume", "stop_after",
+               ("output_dir", "save_every", "keep_last", "async_save", "save_dtype", "checkpoint_dir", "resume",
+                "stop_after",
                 "log_every", "report_to", "progress")),
 }
 

@@ -11,7 +11,11 @@ optimizer step, 1-based, during which it happens) with KIND one of
   nan                                   the step's loss, hence every gradient, becomes NaN;
   bitrot                                the checkpoint of that step has a byte of its largest
                                         file flipped on the disk after it was written and
-                                        synced (a disk that corrupts a write).
+                                        synced (a disk that corrupts a write);
+  stall                                 the asynchronous save of that step's checkpoint stops
+                                        for an hour once its tensors are written, before it is
+                                        complete, while training goes on (a save that a kill
+                                        catches mid-way: tests/test_async_save.py).
 Tests use it to prove that each fault ends the run promptly with a message naming what
 failed and the step, and leaves the newest complete checkpoint intact and resumable.
 KIND:STEP:RANK fails on that data-parallel rank only (RANK from torchrun's environment);
@@ -20,13 +24,15 @@ without it, on every rank.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import torch
 
 ENV = "SLIDETUNE_INJECT_FAULT"
 THREADS = ("upload", "d2h", "host", "checkpoint", "data")
-KINDS = THREADS + ("oom", "nan", "bitrot")
+KINDS = THREADS + ("oom", "nan", "bitrot", "stall")
+STALL_S = 3600.0
 
 
 class InjectedFault(RuntimeError):
@@ -91,3 +97,9 @@ def maybe_corrupt(directory: Path, step: int) -> None:
         f.write(bytes([byte[0] ^ 0xFF]))
         f.flush()
         os.fsync(f.fileno())
+
+
+def maybe_stall(step: int) -> None:
+    """Sleep STALL_S when asked for at `step` (1-based): an asynchronous save that hangs mid-way."""
+    if due("stall", step):
+        time.sleep(STALL_S)

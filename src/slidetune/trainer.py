@@ -33,10 +33,13 @@ from typing import TYPE_CHECKING, NoReturn
 import numpy as np
 import torch
 
+from .async_save import start_async_save
 from .atomic_write import write_atomically
 from .callbacks import Callback, CallbackFailed, call_hook
 from .checkpoint import (CheckpointCorrupt, CheckpointError, check_checkpoint, complete_checkpoints, latest_checkpoint,
                          load_checkpoint, prune_checkpoints, recover_leftovers, save_checkpoint, set_aside)
+from .checkpoint import checkpoint_dir as checkpoint_dir_of
+from .checkpoint_saver import CheckpointSaver, resolve_async_save
 from .config import TrainConfig, config_to_dict, group_tuning
 from .data import IGNORE_INDEX, BatchSampler, TokenDataset, build_datasets, collate, default_pad_id
 from .data.build import load_source
@@ -153,6 +156,12 @@ class TrainSummary:
     heldout_sequences: int = 0
     device: str = ""
     dtype: str = ""                      # the compute dtype the run used (--dtype auto resolved)
+    # resumable checkpoints this invocation wrote (saves.jsonl has each one): how many, how many in
+    # the background (--async-save), their seconds, and the seconds they blocked the step loop
+    checkpoint_saves: int = 0
+    async_saves: int = 0
+    save_s: float = 0.0
+    save_blocked_s: float = 0.0
 
 
 def evaluate(engine, heldout, batch_size: int, pad_id: int, max_batches: int,
@@ -643,6 +652,10 @@ class Trainer:
         # complete at once (eval, save, stop, the last one) is checked right away.
         self.pending: _IssuedStep | None = None
         self.where = "start-up"          # the phase running now: what a GPU out-of-memory names
+        # periodic checkpoints written in the background where the engine can (--async-save), and
+        # every save's timing in saves.jsonl (rank 0); `on` where the engine cannot is refused here
+        asynchronous, self.async_why = resolve_async_save(cfg.async_save, engine, device.is_cuda)
+        self.saver = CheckpointSaver(asynchronous, out / "saves.jsonl" if self.ranks.is_main else None)
 
     # ------------------------------------------------------------------ the driver
     def run(self) -> TrainSummary:
@@ -651,7 +664,12 @@ class Trainer:
         self.open_trackers()
         try:
             return self._run()
+        except KeyboardInterrupt:
+            # interrupted twice: a save in flight is given up (its .tmp- goes at the next start)
+            self.saver.abandon()
+            raise
         finally:
+            self.settle_save()            # the engine closes after this: no save may still read it
             self.close_trackers()
 
     def _run(self) -> TrainSummary:
@@ -660,11 +678,15 @@ class Trainer:
             self.where = "the held-out evaluation before step 1"
             self.evaluate_before()
             self.device.reset_peak()
+            if self.cfg.save_every and self.saver.asynchronous and self.ranks.is_main:
+                print(f"checkpoints every {self.cfg.save_every} steps are written in the background while training "
+                      f"goes on ({self.async_why}; what each one cost: {self.out / 'saves.jsonl'})")
             self.open_progress()
             try:
                 for step in range(self.start_step, self.total_steps):
                     if not self.advance(step):
                         break
+                self.collect_save(wait=True)
             except KeyboardInterrupt:
                 self.abort()
                 raise
@@ -687,6 +709,7 @@ class Trainer:
 
     def advance(self, step: int) -> bool:
         """Issue `step`, finish the pending one, then evaluate / log / stop / save as due; False: stop."""
+        self.collect_save()                  # an asynchronous save that ended: its on_save, or its error
         issued = self.train_step(step)
         if self.pending is not None:
             self.finish_step(self.pending)
@@ -710,7 +733,7 @@ class Trainer:
             self.stop(done)
             return False
         if saving:
-            self.save_checkpoint(done)
+            self.save_checkpoint(done, periodic=True)
         return True
 
     # ------------------------------------------------------------------ start
@@ -824,6 +847,7 @@ class Trainer:
         """Stop the run at a non-finite step: metrics so far to disk, then a TrainingError with hints."""
         cfg = self.cfg
         self.flush()
+        self.settle_save()                # a checkpoint being written in the background is the newest once whole
         newest = latest_checkpoint(self.ckpt_dir)
         if self.resume_from is not None and self.written_step is None:
             # no save since the resume: the state it loaded may itself be what diverges
@@ -854,6 +878,7 @@ class Trainer:
         to disk, then a TrainingError naming the OOM, the step, the memory budget and what makes it fit."""
         cfg = self.cfg
         self.flush()
+        self.settle_save()
         newest = latest_checkpoint(self.ckpt_dir)
         last = (f"the newest checkpoint, {newest}, is intact: continue from it with --output-dir {self.out} "
                 f"--resume auto and the changed settings" if newest else "no checkpoint had been written yet")
@@ -941,16 +966,57 @@ class Trainer:
                 self.trackers.log_text(step, f"eval_samples/{i}", prompt + completion)
 
     # ------------------------------------------------------------------ saving and stopping
-    def save_checkpoint(self, step: int) -> Path:
+    def save_checkpoint(self, step: int, periodic: bool = False) -> Path:
         """Write the resumable `checkpoint-<step>` (metrics first); a failed save stops the run.
 
-        With several ranks every rank calls it: rank 0 writes the whole checkpoint from the shared
-        host state (its synchronize() waits for every owner's updates; the other ranks cannot change
-        the state meanwhile, as their next step waits for rank 0) and the others wait for the outcome."""
-        path = self.ranks.on_main(lambda: self._write_checkpoint(step))
+        A periodic one is written in the background where the saver is asynchronous (--async-save):
+        this returns once it has started (after the previous one has ended), and the step loop
+        collects it (collect_save: on_save, or its error). With several ranks every rank calls it:
+        rank 0 writes the whole checkpoint from the shared host state (its synchronize() waits for
+        every owner's updates; the other ranks cannot change the state meanwhile, as their next
+        step waits for rank 0) and the others wait for the outcome."""
+        if periodic and self.saver.asynchronous:
+            self.collect_save(wait=True)         # a second save waits for the first
+            self.log_rows()                      # the rows up to a checkpoint are on disk with it
+            path = checkpoint_dir_of(self.ckpt_dir, step)
+            stale = self.stale
+            self.saver.start(lambda: start_async_save(
+                self.engine, path, step=step, tokenizer=self.loaded.tokenizer,
+                trainer_state=_trainer_state(self.cfg, step, self.ranks.world_size),
+                after=lambda done: _after_save(self.ckpt_dir, done, stale, self.cfg.keep_last)))
+            self.saved_step = self.written_step = step
+            return path
+        path = self.ranks.on_main(lambda: self.saver.blocking(step, lambda: self._write_checkpoint(step)))
         self.saved_step = self.written_step = step
         self.notify("on_save", step, path)
         return path
+
+    def collect_save(self, wait: bool = False) -> None:
+        """The asynchronous save in flight, once it has ended (`wait`: waiting for it): on_save, or
+        its error as a TrainingError that stops the run (the previous checkpoint is intact)."""
+        done = self.saver.poll(wait)
+        if done is None:
+            return
+        step = done.timing.step
+        if done.error is not None:
+            self.flush_files()
+            raise TrainingError(f"{done.error}. Training stopped after step {self.engine.step_index} (the checkpoint "
+                                f"of step {step} was being written in the background, --async-save); metrics are in "
+                                f"{self.metrics_path}. Free some space (or fix the output directory) and continue "
+                                f"from the intact checkpoint with --output-dir {self.out} --resume auto"
+                                ) from done.error
+        self.notify("on_save", step, done.path)
+
+    def settle_save(self) -> None:
+        """On the way out (the end, or an error): wait for a save in flight; its failure is a note here
+        (the run's own outcome, or its real error, is what is raised)."""
+        try:
+            done = self.saver.settle()
+        except Exception as e:  # noqa: BLE001 - never hide the run's own error
+            print(f"note: the checkpoint being written in the background could not be finished: {e}", file=sys.stderr)
+            return
+        if done is not None and done.error is not None:
+            print(f"note: {done.error}", file=sys.stderr)
 
     def _write_checkpoint(self, step: int) -> Path:
         """save_checkpoint's writing (rank 0 alone)."""
@@ -966,7 +1032,9 @@ class Trainer:
                                 f"--resume auto") from e
 
     def ensure_checkpoint(self, step: int) -> Path:
-        """The resumable checkpoint of `step`: written unless it is the one written or loaded last."""
+        """The resumable checkpoint of `step`: written unless it is the one written or loaded last (one
+        being written in the background is waited for)."""
+        self.collect_save(wait=True)
         return self.save_checkpoint(step) if self.saved_step != step else self.ckpt_dir / f"checkpoint-{step}"
 
     def stop(self, done: int) -> None:
@@ -1040,7 +1108,8 @@ class Trainer:
             stopped_early=self.stopped_early,
             data_source=cfg.data.path or f"built-in corpus (Python {platform.python_version()} docs)",
             train_sequences=len(self.sampler.dataset), heldout_sequences=len(heldout) if heldout is not None else 0,
-            device=torch.cuda.get_device_name() if self.device.is_cuda else "cpu", dtype=cfg.runtime.dtype)
+            device=torch.cuda.get_device_name() if self.device.is_cuda else "cpu", dtype=cfg.runtime.dtype,
+            **self.saver.totals())
         # rank 0 writes it and the other ranks wait for it (on_main): a rank that ended first would
         # make torchrun stop the others (SIGTERM), rank 0 perhaps before this file is written
         self.ranks.on_main(lambda: _write_text(self.out / "summary.json", json.dumps(summary.__dict__, indent=2) + "\n"))
@@ -1120,16 +1189,25 @@ def _checkpoint(cfg, engine, loaded, ckpt_dir: Path, step: int, stale: list[Path
     with the checkpoint's own, not with the run-level config.json (a fresh run rewrites that
     before its first save, while the earlier run's checkpoints are still the newest).
     """
-    path = save_checkpoint(engine, ckpt_dir / f"checkpoint-{step}", step=step, tokenizer=loaded.tokenizer,
-                           trainer_state={"step": step, "config": _run_record(cfg, world_size)})
-    # save_checkpoint has read `path` back against its digests: only now may older ones go
+    path = save_checkpoint(engine, checkpoint_dir_of(ckpt_dir, step), step=step, tokenizer=loaded.tokenizer,
+                           trainer_state=_trainer_state(cfg, step, world_size))
+    _after_save(ckpt_dir, path, stale, cfg.keep_last)
+    return path
+
+
+def _trainer_state(cfg, step: int, world_size: int) -> dict:
+    return {"step": step, "config": _run_record(cfg, world_size)}
+
+
+def _after_save(ckpt_dir: Path, path: Path, stale: list[Path] | None, keep_last: int) -> None:
+    """Once `path` is complete and read back against its digests (save_checkpoint or an asynchronous
+    save): delete an earlier run's checkpoints (`stale`, emptied), then prune to `keep_last`."""
     for old in stale or []:
         if old.resolve() != path.resolve():
             shutil.rmtree(old, ignore_errors=True)
     if stale:
         stale.clear()
-    prune_checkpoints(ckpt_dir, cfg.keep_last, verified=path)
-    return path
+    prune_checkpoints(ckpt_dir, keep_last, verified=path)
 
 
 def _row(**kw) -> dict:

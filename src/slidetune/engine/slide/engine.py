@@ -93,6 +93,7 @@ from .slots import GpuSlots, Slot, shapes_for
 from .step_norm import StepNorm
 from .threads import PipelineThreads
 from .transfer import GradDrain, Uploader
+from .update_hold import UpdateHold
 from ...faults import maybe_oom, maybe_poison, poison_scale
 from .workers import WorkerError, done_future
 
@@ -685,6 +686,27 @@ class SlideEngine:
             first = self.threads.first_error or e
             raise WorkerError(f"{self.threads.failed_where}: {first!r}") from first
         self.device.synchronize()
+
+    def async_save_refusal(self) -> str | None:
+        """Why this engine cannot save asynchronously (async_save.py), or None: it can."""
+        if self.dp is not None:
+            return ("under data parallel every rank updates the units it owns while rank 0 writes the "
+                    "checkpoint; a save there is blocking")
+        if self.disk_released:
+            return "the disk tier's files (AdamW moments) are gone"
+        return None
+
+    def hold_updates(self) -> list[UpdateHold]:
+        """Hold every unit's next update until an asynchronous checkpoint has read the unit (one hold
+        per unit, in unit order: release each once its weights and moments are written). Call at a
+        step boundary, after synchronize(): no update is in flight, so what the writer reads is
+        the state of step `step_index` until it releases the unit."""
+        holds = []
+        for unit in self.units:
+            unit.hold = hold = UpdateHold(self.threads.abort)
+            holds.append(hold)
+        self.threads.watchdog.watch_save(holds)     # waits on them are the writer's pace, not a hang
+        return holds
 
     def named_master_params(self):
         """(HF name, FP32 host tensor) for every parameter; call after synchronize(). Units kept

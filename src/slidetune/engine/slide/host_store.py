@@ -8,7 +8,8 @@ for BF16; engine.py says why not FP32). The unit's parameters are views of the
 flat master, so saving, loading and updating never copy the model. Each unit
 carries a version (the number of optimizer updates applied) that the uploader
 waits on: a layer is uploaded for step t only once its t-th update is done.
-Where a unit's moments (and a master on disk) live is its tier (state_tier.py).
+Where a unit's moments (and a master on disk) live is its tier (state_tier.py). An asynchronous
+checkpoint holds each unit's next update until it has read the unit (`hold`, update_hold.py).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from ..adamw import AdamWConfig, FlatAdamW
 from ..distributed import SharedHostState, SharedUnit
 from .disk_tier import DiskTier, StreamedTensor
 from .state_tier import moment_tier
+from .update_hold import UpdateHold
 
 # Units materialized at once (threads); each unit kept on the device holds a host buffer of
 # 4 B/param while it is built (engine.fit counts them).
@@ -94,6 +96,8 @@ class HostUnit:
         self.started = 0              # updates begun (version, or version + 1 while one runs)
         self._on_start: dict[int, list] = {}   # update number -> callbacks to run when it begins
         self._cond = threading.Condition()
+        # an asynchronous checkpoint still to read this unit's state: the next update waits for it
+        self.hold: UpdateHold | None = None
 
     @property
     def upload_copy(self) -> bool:
@@ -148,7 +152,12 @@ class HostUnit:
         return {p.full_name: self.master[p.offset:p.offset + p.numel].view(p.shape) for p in self.spec.params}
 
     def begin_update(self) -> None:
-        """An update (number version + 1) starts now: run what waited for it to begin."""
+        """An update (number version + 1) starts now: run what waited for it to begin. Where an
+        asynchronous checkpoint has not yet read the unit's state (`hold`), it waits for that first."""
+        hold = self.hold
+        if hold is not None:
+            hold.wait()
+            self.hold = None
         with self._cond:
             self.started = self.version + 1
             callbacks = self._on_start.pop(self.started, [])

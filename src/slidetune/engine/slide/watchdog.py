@@ -30,6 +30,20 @@ class Watchdog:
     def __init__(self):
         self.step_s: deque[float] = deque(maxlen=20)
         self.override_s: float | None = None          # tests: a fixed bound
+        self._holds: list = []                        # an asynchronous save's UpdateHolds (watch_save)
+        self._holds_since = 0.0
+
+    def watch_save(self, holds: list) -> None:
+        """An asynchronous checkpoint holds these units' updates (update_hold.py): while it does, a
+        wait counts only from the writer's last progress (a unit released), so a save that takes
+        minutes on a slow disk is not a hang, and a writer that stops is still caught."""
+        self._holds, self._holds_since = list(holds), time.monotonic()
+
+    def _since_save_progress(self, waited_s: float) -> float:
+        if not self._holds or all(h.released for h in self._holds):
+            return waited_s
+        last = max([self._holds_since] + [h.released_at for h in self._holds if h.released_at is not None])
+        return min(waited_s, time.monotonic() - last)
 
     def record_step(self, seconds: float) -> None:
         self.step_s.append(seconds)
@@ -43,6 +57,7 @@ class Watchdog:
 
     def check(self, waited_s: float, what: str, workers) -> None:
         """Raise HangError (after printing every thread's stack) if `waited_s` exceeds the bound."""
+        waited_s = self._since_save_progress(waited_s)
         bound = self.bound_s()
         if waited_s <= bound:
             return
