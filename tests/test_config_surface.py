@@ -15,7 +15,8 @@ from slidetune import config as config_mod
 from slidetune.cli import build_parser, main
 from slidetune.config import (FLAG_GROUPS, TrainConfig, _leaf_fields, config_from_args, config_to_dict,
                               group_tuning, tuning_paths)
-from slidetune.engine.config import RuntimeConfig, cli_flag, tuning_docs
+from slidetune.engine.config import (KNOB_SECTION, SECTIONS, ClipScheduleTuning, RuntimeConfig, cli_flag,
+                                     runtime_fields, tuning_docs)
 
 
 def parse(*args: str) -> TrainConfig:
@@ -47,7 +48,7 @@ def test_every_field_is_a_user_flag_or_a_tuning_knob():
     leaves = {p for p, _ in _leaf_fields(TrainConfig)}
     assert set(grouped) <= leaves, f"FLAG_GROUPS names fields that do not exist: {set(grouped) - leaves}"
     knobs = set(tuning_paths())
-    for name in (f.name for f in dataclasses.fields(RuntimeConfig)):
+    for name in runtime_fields():
         path = f"runtime.{name}"
         assert (path in grouped) != (path in knobs), (
             f"RuntimeConfig.{name} is {'both' if path in knobs else 'neither'} a user flag and a tuning knob: "
@@ -167,5 +168,33 @@ def test_config_json_groups_the_knobs_and_reads_back(tmp_path):
     f.write_text(json.dumps(saved))
     assert parse("--config", str(f)) == cfg                       # valid --config input, same config
     # one saved before the group (every knob under runtime) reads as the same grouping
-    old = dataclasses.asdict(cfg)
+    old = {**dataclasses.asdict(cfg), "runtime": cfg.runtime.to_flat()}
     assert group_tuning(old) == saved and group_tuning(saved) == saved
+
+
+# ----------------------------------------------------------------------------- sections
+def test_knobs_live_in_sections_under_their_flat_names():
+    """The sections group the knobs by component; the flat name reaches them from every input."""
+    assert set(KNOB_SECTION) == set(tuning_docs()) and len(KNOB_SECTION) == sum(
+        len(dataclasses.fields(cls)) for cls in SECTIONS.values())          # a name is in one section only
+    rt = RuntimeConfig(chunk_mb=64, schedule="eager")
+    assert (rt.transfer.chunk_mb, rt.clip.schedule) == (64, "eager")
+    moved = dataclasses.replace(rt, cache_units=0)
+    assert (moved.placement.cache_units, moved.transfer.chunk_mb, rt.placement.cache_units) == (0, 64, -1)
+    assert RuntimeConfig(**rt.to_flat()) == rt
+    assert RuntimeConfig(clip=ClipScheduleTuning(schedule="deferred"), held_buffers=2).clip == ClipScheduleTuning(
+        schedule="deferred", held_buffers=2)
+
+
+def test_one_validator_gives_argparse_its_choices():
+    with pytest.raises(ValueError, match="schedule must be auto, eager or deferred, not 'soon'"):
+        RuntimeConfig(schedule="soon")
+    with pytest.raises(ValueError, match="held_buffers must be -1, 1 or 2"):
+        RuntimeConfig(held_buffers=3)
+    with pytest.raises(ValueError, match="mode must be gpu, ckpt or slide"):
+        RuntimeConfig(mode="tpu")
+    code, _, err = run_main("train", "--tuning.schedule", "soon")
+    assert code == 2 and "invalid choice: 'soon'" in err and "'deferred'" in err
+    code, _, err = run_main("train", "--mode", "tpu")
+    assert code == 2 and "invalid choice: 'tpu'" in err
+    assert parse("--compile-layers", "true").runtime.compile_layers == "on"     # normalized fields: no choices

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from slidetune.engine.config import RuntimeConfig
+from slidetune.engine.config import RuntimeConfig, runtime_fields
 from slidetune.engine.placement import PlacementPlan, shapes_from_counts, unit_shapes
 from slidetune.engine.fit import (ACTIVATION_MARGIN, ENV_HOST_MEMORY, FIT_SAFETY, GiB, MiB, InsufficientMemoryError,
                                   check_fit, choose_auto_settings, estimate_memory, head_bytes,
@@ -51,7 +51,7 @@ def apply_option(line: str, rt: RuntimeConfig, batch_size: int, grad_accum: int,
     add_config_flags(parser)
     ns = parser.parse_args(line.split("->")[0].split())
     changes, B, accum, clip = {}, batch_size, grad_accum, max_grad_norm
-    fields = {f.name for f in dataclasses.fields(RuntimeConfig)}
+    fields = set(runtime_fields())
     for key, value in vars(ns).items():
         if key == "config":
             continue

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from ..engine import native_adamw
 from ..engine.adamw import FP32_ADAMW, AdamWConfig, FlatAdamW
-from ..engine.config import RuntimeConfig
+from ..engine.config import RuntimeConfig, runtime_fields
 from ..engine.distributed import plan_owners, shared_layout
 from ..engine.placement import PlacementPlan, shapes_from_counts
 from ..models.load import RandomInit, load_model
@@ -522,7 +522,7 @@ def plan_of_runtime(comp: dict, runtime: dict | None = None, clipped: bool = Fal
     the probe's shapes; -1 and auto, left unresolved, mean what an engine built directly does
     (nothing on the GPU, a 3-slot window). No runtime: the design's placement, every unit on the
     host. clipped: the run clipped by the global norm (its max_grad_norm > 0)."""
-    known = {f.name for f in dataclasses.fields(RuntimeConfig)}
+    known = runtime_fields()
     rt = RuntimeConfig(**{k: v for k, v in (runtime or {}).items() if k in known})
     schedule = "deferred" if clipped or rt.schedule == "deferred" else "eager"
     vocab = comp["vocab_params"]
