@@ -102,7 +102,7 @@ def test_help_tuning_lists_every_knob_with_default_and_when():
     for name, doc in tuning_docs().items():
         m = re.search(rf"^  --tuning\.{name} \S+ \(default: (.*)\)\n      (.*)\n      when: (.*)$", text, flags=re.M)
         assert m, f"--help-tuning lacks {name}"
-        assert m[1] == str(getattr(defaults, name)) and m[2] == doc.help and m[3] == doc.when
+        assert m[1] == str(defaults.setting(name)) and m[2] == doc.help and m[3] == doc.when
     assert "tuning:" in text                       # how to set them in YAML
     # plan takes the same flags
     code, text2, _ = run_main("plan", "--help-tuning")
@@ -114,15 +114,17 @@ def test_tuning_flags_and_yaml_section_with_precedence(tmp_path):
     f = tmp_path / "run.yaml"
     f.write_text("batch_size: 3\ntuning:\n  chunk_mb: 64\n  upload-ring: 6\n  gc_freeze: no\n"
                  "runtime: {offload_activations: true}\n")
-    assert parse().runtime.chunk_mb == RuntimeConfig().chunk_mb                         # default
+    assert parse().runtime.transfer.chunk_mb == RuntimeConfig().transfer.chunk_mb                         # default
     cfg = parse("--config", str(f))                                                     # YAML over default
-    assert (cfg.runtime.chunk_mb, cfg.runtime.upload_ring, cfg.runtime.gc_freeze) == (64, 6, False)
+    t = cfg.runtime.transfer
+    assert (t.chunk_mb, t.upload_ring, cfg.runtime.host.gc_freeze) == (64, 6, False)
     assert cfg.batch_size == 3 and cfg.runtime.offload_activations == "on"
     cfg = parse("--config", str(f), "--tuning.chunk_mb", "32", "--tuning.upload-ring=2", "--tuning.gc_freeze",
                 "--batch-size", "5")                                                    # flags over YAML
-    assert (cfg.runtime.chunk_mb, cfg.runtime.upload_ring, cfg.runtime.gc_freeze, cfg.batch_size) == (32, 2, True, 5)
-    assert cfg.runtime.upload_cast_stream == "copy"                                     # untouched: default
-    assert parse("--tuning.disk_units", "0.5", "--disk-dir", str(tmp_path)).runtime.disk_units == 0.5
+    t = cfg.runtime.transfer
+    assert (t.chunk_mb, t.upload_ring, cfg.runtime.host.gc_freeze, cfg.batch_size) == (32, 2, True, 5)
+    assert cfg.runtime.transfer.upload_cast_stream == "copy"                                     # untouched: default
+    assert parse("--tuning.disk_units", "0.5", "--disk-dir", str(tmp_path)).runtime.disk.disk_units == 0.5
     with pytest.raises(ValueError, match="gil_switch_ms"):                              # values still checked
         parse("--tuning.gil_switch_ms", "1000")
 
@@ -141,7 +143,7 @@ def test_unknown_tuning_knob_names_the_valid_ones(tmp_path):
 
 def test_old_spellings_work_with_one_note(tmp_path, capsys):
     cfg = parse("--chunk-mb", "64", "--cast-on", "cpu", "--chunk-mb", "128")
-    assert cfg.runtime.chunk_mb == 128 and cfg.runtime.cast_on == "cpu"
+    assert cfg.runtime.transfer.chunk_mb == 128 and cfg.runtime.transfer.cast_on == "cpu"
     parse("--chunk-mb", "32")                                     # a second parse in the same process
     err = capsys.readouterr().err
     assert err.count("--chunk-mb is deprecated") == 1 and "use --tuning.chunk_mb" in err
@@ -152,7 +154,7 @@ def test_old_spellings_work_with_one_note(tmp_path, capsys):
     f = tmp_path / "old.yaml"
     f.write_text("chunk_mb: 64\nruntime: {upload_ring: 5, mode: slide}\n")
     cfg = parse("--config", str(f))
-    assert cfg.runtime.chunk_mb == 64 and cfg.runtime.upload_ring == 5
+    assert cfg.runtime.transfer.chunk_mb == 64 and cfg.runtime.transfer.upload_ring == 5
     err = capsys.readouterr().err
     assert "chunk_mb" in err and "runtime.upload_ring" in err and "tuning:" in err and "deprecated" in err
 

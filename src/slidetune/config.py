@@ -263,7 +263,7 @@ def flag_group(path: str) -> str | None:
 def _field_default(path: str):
     obj = TrainConfig()
     for part in path.split("."):
-        obj = obj.knob(part) if isinstance(obj, RuntimeConfig) and part in KNOB_SECTION else getattr(obj, part)
+        obj = obj.setting(part) if isinstance(obj, RuntimeConfig) else getattr(obj, part)
     return obj
 
 

@@ -124,10 +124,10 @@ def start_ranks(spec: MeasureSpec, rt: RuntimeConfig) -> tuple[Ranks, Device]:
     rank and device as training takes them (ranks.Ranks.start: cuda:LOCAL_RANK over NCCL, or gloo
     on the CPU)."""
     if spec.ranks <= 1:
-        return Ranks.single(), Device.resolve(rt.device, waits=rt.cuda_waits)
+        return Ranks.single(), Device.resolve(rt.device, waits=rt.host.cuda_waits)
     if rt.mode != "slide":
         raise ValueError(f"{spec.ranks} ranks: data parallel runs in slide mode only, not {rt.mode}")
-    ranks, device = Ranks.start(rt.device, rt.cuda_waits)
+    ranks, device = Ranks.start(rt.device, rt.host.cuda_waits)
     if ranks.world_size != spec.ranks:
         ranks.close()
         raise ValueError(f"the spec asks for {spec.ranks} ranks, but this process is one of {ranks.world_size} "

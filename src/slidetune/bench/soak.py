@@ -64,7 +64,7 @@ def soak(spec: SoakSpec) -> dict:
     """Build the engine as `train` does, run its steps, sample each; the result as a dict."""
     wl = spec.workload
     rt = RuntimeConfig(**{"mode": "slide", **spec.runtime})
-    device = Device.resolve(rt.device, waits=rt.cuda_waits)
+    device = Device.resolve(rt.device, waits=rt.host.cuda_waits)
     rt = replace(rt, device=device.device.type)       # auto -> cuda | cpu: the result names the device that ran
     base = dict(spec=spec.to_dict(), machine=machine_info())
     # synthetic rows are full: never padded

@@ -482,24 +482,15 @@ class RuntimeConfig:
             raise ValueError("--tuning.disk_units needs a disk directory: --disk-dir PATH (a local disk with room "
                              "for 8 bytes per parameter of those units)")
 
-    def __getattr__(self, name: str):
-        # transitional: a knob read by its flat name, until every reader names its section
-        if name in KNOB_SECTION:
-            return getattr(object.__getattribute__(self, KNOB_SECTION[name]), name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    def knob(self, name: str):
-        """A tuning knob's value by its flat name (for code that walks the knobs: config.json, --help-tuning)."""
-        return getattr(getattr(self, KNOB_SECTION[name]), name)
+    def setting(self, name: str):
+        """A setting by its flat name, a user's field or a knob (for code that walks them by name:
+        config.json, --help-tuning, the fit's fill of counts, the CLI's suggestions)."""
+        return getattr(getattr(self, KNOB_SECTION[name]), name) if name in KNOB_SECTION else getattr(self, name)
 
     def to_flat(self) -> dict:
         """Every setting by its flat name (runtime_fields' order): a results file's "runtime" record,
         and what `RuntimeConfig(**d)` builds back."""
-        return {name: getattr(self, name) if name not in KNOB_SECTION else self.knob(name)
-                for name in runtime_fields()}
-
-    def disk_master_units(self, disk_units: int) -> int:
-        return self.disk.disk_master_units(disk_units)
+        return {name: self.setting(name) for name in runtime_fields()}
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -524,9 +515,6 @@ class RuntimeConfig:
         return recompute_set(self.recompute, num_layers) if self.mode == "ckpt" else set()
 
     # Buffer sizing shared by the slide engine and the fit estimate (engine/fit.py).
-    def chunk_elems(self, layer_numel: int) -> int:
-        return self.transfer.chunk_elems(layer_numel)
-
     # Layers of gradients the pinned ring holds under update_order=deadline: the backlog of
     # updates still queued when the backward ends. Qwen3-8B b16 with compiled layers: AdamW
     # 1.70 s per step against 1.29 s of head + backward leaves ~0.4 s = ~11 layers queued;
@@ -554,7 +542,7 @@ class RuntimeConfig:
         of slack); deadline: DEADLINE_RING_LAYERS layers, so the backward never waits for
         AdamW while updates are reordered."""
         layers = self.DEADLINE_RING_LAYERS if self.host.update_order == "deadline" else 3
-        return self.transfer.download_ring or max(4, -(-layers * layer_numel // self.chunk_elems(layer_numel)))
+        return self.transfer.download_ring or max(4, -(-layers * layer_numel // self.transfer.chunk_elems(layer_numel)))
 
     def downloads_fp32(self, is_cuda: bool) -> bool:
         """Whether gradients land in host memory as FP32: FP32 slots, or a cast on the GPU's D2H

@@ -128,18 +128,19 @@ class PlacementPlan:
         L = len(shapes) - 2
         if L < 0:
             raise ValueError("a plan needs the embedding, the decoder layers and the head")
-        if rt.device_layers > L:
-            raise ValueError(f"--tuning.device_layers {rt.device_layers} but the model has {L} decoder layers")
-        n_dev = max(0, rt.device_layers)
-        vocab_dev = rt.vocab_update == "device"
+        if rt.placement.device_layers > L:
+            raise ValueError(f"--tuning.device_layers {rt.placement.device_layers} but the model has {L} decoder "
+                             f"layers")
+        n_dev = max(0, rt.placement.device_layers)
+        vocab_dev = rt.placement.vocab_update == "device"
         host_layers = L - n_dev
-        window = AUTO_WINDOW if rt.cache_units == -1 else rt.cache_units
+        window = AUTO_WINDOW if rt.placement.cache_units == -1 else rt.placement.cache_units
         # Resident layers: the lowest host layers get a slot of their own; all of them with
         # cache_units=0, or where the window would hold every layer left to it.
-        if rt.cache_units == 0:
+        if rt.placement.cache_units == 0:
             resident = host_layers
         else:
-            resident = min(host_layers, max(0, rt.resident_layers))
+            resident = min(host_layers, max(0, rt.placement.resident_layers))
             if window >= host_layers - resident:
                 resident = host_layers
         window_slots = 0 if resident == host_layers else window
@@ -150,7 +151,7 @@ class PlacementPlan:
         # releases them first; deferred: the sweep reaches them last, while the next forward runs
         # the layers below them).
         candidates = _disk_order(state)
-        n_disk = max(0, rt.disk_units)
+        n_disk = max(0, rt.disk.disk_units)
         if 0 < n_disk < 1:                       # a fraction of the units that may go there
             n_disk = round(n_disk * len(candidates))
         if n_disk > len(candidates):
@@ -159,22 +160,22 @@ class PlacementPlan:
         for i in candidates[:n_disk]:
             state[i] = "disk"
         # Masters on disk: the first disk units in the same order (the most slack first).
-        disk_masters = set(candidates[:rt.disk_master_units(n_disk)])
+        disk_masters = set(candidates[:rt.disk.disk_master_units(n_disk)])
         own = {0, L + 1} | set(range(1, n_dev + resident + 1))
         # Held gradient buffers (deferred only): one per host-updated unit; the second (held_buffers
         # 2) for all of them, or the lowest held_second_units: the units the backward reaches last.
         held = [0] * len(shapes)
         if schedule == "deferred":
             host_updated = [i for i in range(len(shapes)) if state[i] != "gpu"]
-            second = host_updated if rt.held_second_units == -1 else host_updated[:rt.held_second_units]
+            second = host_updated if rt.clip.held_second_units == -1 else host_updated[:rt.clip.held_second_units]
             for i in host_updated:
                 held[i] = 1
-            if rt.held_buffers == 2:
+            if rt.clip.held_buffers == 2:
                 for i in second:
                     held[i] = 2
         # Upload copies (clip_sweep=weights): the units whose update the weights pass splits, those
         # with master and moments in RAM (a disk unit's update is one pass: its moments are read once)
-        copies = schedule == "deferred" and rt.clip_sweep == "weights"
+        copies = schedule == "deferred" and rt.clip.clip_sweep == "weights"
         units = tuple(UnitPlace(i, s.name, s.numel, state[i], "own" if i in own else "window",
                                 master="disk" if i in disk_masters else "", held=held[i],
                                 upload_copy=copies and state[i] == "host")
@@ -182,9 +183,9 @@ class PlacementPlan:
         if dtype is None and rt.dtype != "auto":
             dtype = rt.torch_dtype
         _check_combination(units, dtype, ranks)
-        kept = L if not rt.offloads_activations else min(L, max(0, rt.gpu_checkpoints))
+        kept = L if not rt.offloads_activations else min(L, max(0, rt.placement.gpu_checkpoints))
         return cls(units=units, window_slots=window_slots, gpu_checkpoints=kept, schedule=schedule,
-                   disk_buffers=resolved_disk_buffers(rt.disk_buffers))
+                   disk_buffers=resolved_disk_buffers(rt.disk.disk_buffers))
 
     def held_numel(self) -> int:
         """Elements of held gradient buffers in host RAM (deferred schedule): a buffer per
