@@ -782,6 +782,23 @@ def test_refusal_offers_the_placement_auto_would_choose():
     assert any("--tuning.gpu_checkpoints" in o for o in err.value.options)
 
 
+def test_the_plan_resolves_the_gradient_slots():
+    """The GPU gradient slots' count and dtype are the plan's (the engine's slots and the estimate
+    read them there): auto (0) resolves to 3, or 16 under deadline order with every layer resident
+    and eager updates; grad_slot_dtype auto, unresolved, to the compute dtype."""
+    shapes = shapes_from_counts(20, 10, 5, 5)
+    assert (PlacementPlan.build(shapes, RuntimeConfig()).grad_slots, PlacementPlan.build(
+        shapes, RuntimeConfig()).grad_slots_fp32) == (3, False)
+    assert PlacementPlan.build(shapes, RuntimeConfig(cache_units=0)).grad_slots == 16
+    assert PlacementPlan.build(shapes, RuntimeConfig(cache_units=0), "deferred").grad_slots == 3
+    assert PlacementPlan.build(shapes, RuntimeConfig(cache_units=0, update_order="fifo")).grad_slots == 3
+    plan = PlacementPlan.build(shapes, RuntimeConfig(grad_slots=5, grad_slot_dtype="fp32"))
+    assert (plan.grad_slots, plan.grad_slots_fp32) == (5, True)
+    assert PlacementPlan.from_dict(plan.to_dict()) == plan
+    old = {k: v for k, v in plan.to_dict().items() if k not in ("grad_slots", "grad_slots_fp32")}
+    assert (PlacementPlan.from_dict(old).grad_slots, PlacementPlan.from_dict(old).grad_slots_fp32) == (3, False)
+
+
 def test_resident_layers_beside_the_window():
     """resident_layers=R with a window of K slots: the lowest R host layers get a slot of their own,
     the others share the window; where the window would hold every layer left to it, all are

@@ -571,9 +571,9 @@ def _whole_model_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w: _
         parts.host["weight loading transient"] = max(u.numel for u in split.units) * 4
 
 
-def _grad_slot_bytes(rt: RuntimeConfig, b: int) -> int:
+def _grad_slot_bytes(plan: PlacementPlan, b: int) -> int:
     """Bytes per element of the gradient slots: FP32, or the compute dtype's b."""
-    return 4 if rt.grad_slots_fp32() else b
+    return 4 if plan.grad_slots_fp32 else b
 
 
 def _device_layer_params(split: SplitModel, plan: PlacementPlan) -> int:
@@ -592,7 +592,7 @@ def _slide_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w: _Work, 
         # a micro-batch at a time, its parameter gradients summed in FP32 (a tied embedding's too)
         w = dataclasses.replace(w, head=w.head + 4 * (split.head_unit.numel
                                                       + (split.embed_unit.numel if split.tied else 0)))
-    _slide_gpu_buffers(parts, rt, w, schedule, plan)
+    _slide_gpu_buffers(parts, rt, w, plan)
     parts.phases = _slide_phases(split, rt, w)
     _device_update_terms(parts, split, rt, w, schedule, plan)
     _host_state_terms(parts, split, rt, w, plan)
@@ -608,13 +608,13 @@ def _slide_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w: _Work, 
     parts.host["weight loading transient"] = _weight_loading_transient(split, w, plan, parts.host)
 
 
-def _slide_gpu_buffers(parts: _Parts, rt: RuntimeConfig, w: _Work, schedule: str, plan: PlacementPlan) -> None:
+def _slide_gpu_buffers(parts: _Parts, rt: RuntimeConfig, w: _Work, plan: PlacementPlan) -> None:
     """The window's weight and gradient slots, the vocabulary's, the checkpoints kept on the GPU."""
     gpu, b, P_L, L = parts.gpu, w.b, w.P_L, w.L
     K = plan.layer_slots                              # window slots + resident layers' own
     gpu["layer weight slots"] = K * P_L * b
-    gb = _grad_slot_bytes(rt, b)
-    gpu["layer grad slots"] = rt.resolved_grad_slots(L, eager=schedule == "eager") * P_L * gb
+    gb = _grad_slot_bytes(plan, b)
+    gpu["layer grad slots"] = plan.grad_slots * P_L * gb
     gpu["vocab weight slots"] = (w.P_E + w.P_H) * b
     gpu["vocab grad slots"] = sum(plan.vocab_grad_slot_numels()) * gb
     if rt.transfer.upload_cast_stream == "compute" and (rt.casts_on_gpu(w.dev == "cuda") or w.dev != "cuda"):
@@ -658,10 +658,10 @@ def _device_update_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w:
     if n_dev:
         gpu[f"device layers: master + Adam moments ({state} B/param) + own weight slots"] = (state + b) * P_dev
         if schedule == "deferred":
-            gpu["device layers' held gradients (deferred schedule)"] = _grad_slot_bytes(rt, b) * P_dev
+            gpu["device layers' held gradients (deferred schedule)"] = _grad_slot_bytes(plan, b) * P_dev
     device_units = ([w.P_E, w.P_H] if vocab_device else []) + [u.numel for u in split.layer_units[:n_dev]]
     # the update widens a compute-dtype gradient a chunk at a time
-    if device_units and _grad_slot_bytes(rt, b) != 4:
+    if device_units and _grad_slot_bytes(plan, b) != 4:
         gpu["device update widening buffer"] = 4 * min(rt.transfer.chunk_elems(w.P_L), max(device_units))
 
 
@@ -718,7 +718,7 @@ def _transfer_buffers(parts: _Parts, rt: RuntimeConfig, w: _Work, schedule: str,
         staging += rt.transfer.upload_stages * chunk_elems * 4            # uploads: FP32 from the registered master
     else:
         rings += rt.transfer.upload_ring * chunk_elems * b
-    if gpu_cast and downloads_fp32 and not rt.grad_slots_fp32() and not deferred:
+    if gpu_cast and downloads_fp32 and not plan.grad_slots_fp32 and not deferred:
         staging += 2 * chunk_elems * 4                           # the D2H stream's cast
     if staging:
         parts.gpu["fp32 cast staging"] = staging

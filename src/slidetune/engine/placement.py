@@ -18,13 +18,15 @@ Every unit (0 the embedding, 1..L the decoder layers, L+1 the head) gets:
                once a step (or cast from the GPU master), as its update lands;
     "window" - one of the window's interchangeable slots, uploaded in the forward and again in
                the backward.
-Plus the activation checkpoints kept on the GPU (the last `gpu_checkpoints` layers) and the
-window's slot count.
+Plus the activation checkpoints kept on the GPU (the last `gpu_checkpoints` layers), the
+window's slot count, the decoder layers' GPU gradient slots (how many, and whether FP32), and the
+disk tier's block buffers.
 
 RuntimeConfig holds what the user (or engine.fit.choose_auto_settings) asked for;
 PlacementPlan.build turns it into this plan, once, by the rules below, and the engine, the fit
 estimate, `slidetune plan`, the floor model (bench/roofline.py) and the reports read the plan.
-Nothing else restates these rules.
+Nothing else restates these rules. Every auto (-1, 0 or "auto") of the placement resolves here:
+the plan holds counts and choices only, so the engine never interprets a sentinel.
 """
 from __future__ import annotations
 
@@ -114,6 +116,8 @@ class PlacementPlan:
     gpu_checkpoints: int          # the last decoder layers whose input checkpoint stays on the GPU
     schedule: str                 # eager | deferred (RuntimeConfig.resolved_schedule)
     disk_buffers: int = DISK_BUFFERS_UNRESOLVED   # the disk tier's pinned block buffers (its read-ahead)
+    grad_slots: int = 3           # the decoder layers' GPU gradient slots (RuntimeConfig.resolved_grad_slots)
+    grad_slots_fp32: bool = False  # gradient slots in FP32 (grad_slot_dtype fp32), else the compute dtype
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -185,7 +189,9 @@ class PlacementPlan:
         _check_combination(units, dtype, ranks)
         kept = L if not rt.offloads_activations else min(L, max(0, rt.placement.gpu_checkpoints))
         return cls(units=units, window_slots=window_slots, gpu_checkpoints=kept, schedule=schedule,
-                   disk_buffers=resolved_disk_buffers(rt.disk.disk_buffers))
+                   disk_buffers=resolved_disk_buffers(rt.disk.disk_buffers),
+                   grad_slots=rt.resolved_grad_slots(L, eager=schedule == "eager"),
+                   grad_slots_fp32=rt.grad_slots_fp32())
 
     def held_numel(self) -> int:
         """Elements of held gradient buffers in host RAM (deferred schedule): a buffer per
@@ -353,16 +359,19 @@ class PlacementPlan:
         """A compact record for results files (bench.measure) and Placement-free floors."""
         return {"schedule": self.schedule, "window_slots": self.window_slots,
                 "gpu_checkpoints": self.gpu_checkpoints, "disk_buffers": self.disk_buffers,
+                "grad_slots": self.grad_slots, "grad_slots_fp32": self.grad_slots_fp32,
                 "units": [[u.name, u.numel, u.state, u.slot, u.master, u.held, u.upload_copy] for u in self.units]}
 
     @classmethod
     def from_dict(cls, d: dict) -> PlacementPlan:
         """A plan from to_dict's record (or an older one without the masters' tier: masters in RAM;
-        or without held buffers or upload copies: none; without the disk buffers: the old 8)."""
+        or without held buffers or upload copies: none; without the disk buffers: the old 8; without
+        the gradient slots: 3 in the compute dtype)."""
         units = tuple(UnitPlace(i, name, int(numel), state, slot, *rest) for i, (name, numel, state, slot, *rest)
                       in enumerate(d["units"]))
         return cls(units=units, window_slots=int(d["window_slots"]), gpu_checkpoints=int(d["gpu_checkpoints"]),
-                   schedule=d["schedule"], disk_buffers=int(d.get("disk_buffers", DISK_BUFFERS_UNRESOLVED)))
+                   schedule=d["schedule"], disk_buffers=int(d.get("disk_buffers", DISK_BUFFERS_UNRESOLVED)),
+                   grad_slots=int(d.get("grad_slots", 3)), grad_slots_fp32=bool(d.get("grad_slots_fp32", False)))
 
 
 def _check_combination(units: tuple[UnitPlace, ...], dtype: torch.dtype | None, ranks: int) -> None:

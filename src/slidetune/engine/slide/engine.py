@@ -164,7 +164,7 @@ class SlideEngine:
         # Casting on the compute stream needs FP32 on the device side: the CPU cast path
         # (cast_on=cpu) moves compute-dtype bytes and has nothing to cast there.
         self.cast_in_compute = rt.transfer.upload_cast_stream == "compute" and (self.gpu_cast or not device.is_cuda)
-        shapes = shapes_for(rt, self.dtype, self.cast_in_compute, self.split.num_layers, self.deferred)
+        shapes = shapes_for(self.plan, self.dtype, self.cast_in_compute)
         self.chunk = rt.transfer.chunk_elems(layer_numel)
         # the FP32 widening buffer of the device-side updates (compute-dtype gradient slots)
         device_numel = max((u.spec.numel for u in self.units if u.on_device), default=0)
