@@ -36,7 +36,7 @@ from pathlib import Path
 import yaml
 
 from .data.config import DataConfig
-from .engine.adamw import AdamWConfig
+from .engine.adamw import FP32_ADAMW, AdamWConfig
 from .engine.config import (KNOB_SECTION, SECTIONS, TUNING_SECTION, RuntimeConfig, literal_choices, runtime_fields,
                             tuning_docs)
 from .telemetry.trackers import parse_report_to
@@ -170,11 +170,13 @@ _HELP = {
                      "device computes it natively (a CUDA GPU with bf16; a CPU with AMX-BF16 or AVX512-BF16), else "
                      "fp32 (on a CPU without them bf16 is emulated, many times slower); the run prints which and why. "
                      "Master weights and AdamW moments are FP32 whatever this is",
-    "runtime.disk_dir": "a directory on a local disk (NVMe ideally) where the AdamW moments of some units live, "
-                        "read ahead of their update and written behind it: 4 instead of 12 B/param of host RAM for "
-                        "each, 16 B/param through the disk a step (how many: --tuning.disk_units, auto: as few as "
-                        "make host RAM fit); with --tuning.disk_master their FP32 masters too: 2 B/param of RAM "
-                        "(the BF16 weights the uploads read), 24 B/param through the disk a step",
+    "runtime.disk_dir": f"a directory on a local disk (NVMe ideally) where the AdamW moments of some units live, "
+                        f"read ahead of their update and written behind it: {FP32_ADAMW.master_bytes} instead of "
+                        f"{FP32_ADAMW.bytes_per_param} B/param of host RAM for each, "
+                        f"{2 * FP32_ADAMW.moment_bytes} B/param through the disk a step (how many: "
+                        f"--tuning.disk_units, auto: as few as make host RAM fit); with --tuning.disk_master their "
+                        f"FP32 masters too: 2 B/param of RAM (the BF16 weights the uploads read), "
+                        f"{2 * FP32_ADAMW.bytes_per_param} B/param through the disk a step",
 }
 
 

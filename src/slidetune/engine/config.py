@@ -29,6 +29,8 @@ from typing import Literal
 
 import torch
 
+from .adamw import FP32_ADAMW
+
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 TUNING_SECTION = "tuning"       # the YAML section, config.json group and flag prefix of the knobs
@@ -169,8 +171,9 @@ class PlacementTuning(_Section):
     resident_layers: int = tuning_field(
         -1, help="with a window: the lowest N host-updated layers get a GPU slot of their own (-1 auto)",
         when="lower it to give GPU memory back to the batch; auto fills what the GPU has left", valid=_COUNT_OR_AUTO)
-    # 14 B/param on the GPU a layer (master, moments, its own weight slot; 2 more deferred); the
-    # host's AdamW loses their share (Qwen3-8B b16 on the H100: 8 layers, 2.22 -> 1.75 s)
+    # the optimizer's state (FP32_ADAMW) and a weight slot of its own on the GPU a layer (the held
+    # gradient too, deferred); the host's AdamW loses their share (Qwen3-8B b16 on the H100:
+    # 8 layers, 2.22 -> 1.75 s)
     device_layers: int = tuning_field(
         -1, help="the lowest N layers keep master and AdamW state on the GPU, updated there (-1 auto: as fit)",
         when="0 keeps every layer's state on the host (a DeepSpeed-like comparison); lower it to free GPU memory",
@@ -179,7 +182,8 @@ class PlacementTuning(_Section):
     # of a 2.1 s step), for the optimizer's bytes per parameter of the vocabulary on the GPU
     vocab_update: Literal["auto", "host", "device"] = tuning_field(
         "auto", help="where the embedding and head are updated: device (GPU), host, or auto (device where it fits)",
-        when="host to free 12 B/param of the vocabulary on the GPU; device to insist on it")
+        when=f"host to free {FP32_ADAMW.bytes_per_param} B/param of the vocabulary on the GPU (the optimizer's "
+             f"state); device to insist on it")
     # each kept checkpoint is B x S x d compute-dtype bytes less of pinned host RAM and of PCIe each
     # way (an 8B layer's at 1 x 128K tokens: 1 GiB); the backward reads the kept ones first
     gpu_checkpoints: int = tuning_field(
@@ -480,7 +484,7 @@ class RuntimeConfig:
         check_fields(self)
         if self.disk.disk_units > 0 and not self.disk_dir:
             raise ValueError("--tuning.disk_units needs a disk directory: --disk-dir PATH (a local disk with room "
-                             "for 8 bytes per parameter of those units)")
+                             f"for {FP32_ADAMW.moment_bytes} bytes per parameter of those units)")
 
     def setting(self, name: str):
         """A setting by its flat name, a user's field or a knob (for code that walks them by name:
