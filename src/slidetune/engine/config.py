@@ -343,7 +343,8 @@ class DiskTuning(_Section):
         valid=(lambda v: v >= 3 or v == -1, ">= 3 (one read ahead, one in AdamW, one written behind; or -1, auto)"))
     disk_io_threads: int = tuning_field(
         4, help="threads issuing preadv/pwritev (each releases the GIL)",
-        when="raise for NVMe with deep queues or striped disks; lower on one slow disk", valid=(lambda v: v >= 1, ">= 1"))
+        when="raise for NVMe with deep queues or striped disks; lower on one slow disk",
+        valid=(lambda v: v >= 1, ">= 1"))
 
     def disk_master_units(self, disk_units: int) -> int:
         """How many of `disk_units` disk units keep their master on disk (the first ones in disk
@@ -518,17 +519,12 @@ class RuntimeConfig:
             return set(range(num_layers))
         return recompute_set(self.recompute, num_layers) if self.mode == "ckpt" else set()
 
-    # Buffer sizing shared by the slide engine and the fit estimate (engine/fit.py).
-    # Layers of gradients the pinned ring holds under update_order=deadline: the backlog of
-    # updates still queued when the backward ends. Qwen3-8B b16 with compiled layers: AdamW
-    # 1.70 s per step against 1.29 s of head + backward leaves ~0.4 s = ~11 layers queued;
-    # 8 layers (6.2 GB pinned for an 8B model) keeps the host within 12.5 B/param + 8 GiB,
-    # and the last ~3 layers of such a backward wait for AdamW (raise download_ring if RAM allows).
+    # Layers of gradients the pinned ring holds under update_order=deadline: the backlog still queued
+    # when the backward ends (~11 layers, Qwen3-8B b16 compiled); 8 (6.2 GB pinned for an 8B model)
+    # keeps the host within 12.5 B/param + 8 GiB (NOTES.md "Gradient downloads")
     DEADLINE_RING_LAYERS = 8
-
-    # GPU gradient slots under deadline order with resident layers: the backlog of updates
-    # at the end of a backward (benchmarks/NOTES.md "Update order": ~0.5 s of AdamW on an 8B model at
-    # b16 with compiled layers, ~18 layers) minus the ring. 16 x 0.39 GB for an 8B layer.
+    # GPU gradient slots under deadline order with every layer resident: the end-of-backward backlog
+    # (~18 layers of an 8B model, NOTES.md "Update order") minus the ring; 0.39 GB each for an 8B layer
     DEADLINE_GRAD_SLOTS = 16
 
     def resolved_grad_slots(self, num_layers: int, eager: bool = True) -> int:
@@ -546,7 +542,8 @@ class RuntimeConfig:
         of slack); deadline: DEADLINE_RING_LAYERS layers, so the backward never waits for
         AdamW while updates are reordered."""
         layers = self.DEADLINE_RING_LAYERS if self.host.update_order == "deadline" else 3
-        return self.transfer.download_ring or max(4, -(-layers * layer_numel // self.transfer.chunk_elems(layer_numel)))
+        chunks = -(-layers * layer_numel // self.transfer.chunk_elems(layer_numel))
+        return self.transfer.download_ring or max(4, chunks)
 
     def downloads_fp32(self, is_cuda: bool) -> bool:
         """Whether gradients land in host memory as FP32: FP32 slots, or a cast on the GPU's D2H
@@ -593,7 +590,6 @@ class RuntimeConfig:
         if self.clip.schedule == "auto":
             return "deferred" if needs_deferred else "eager"
         return self.clip.schedule
-
 
 
 def recompute_set(spec: str, num_layers: int) -> set[int]:
