@@ -454,7 +454,7 @@ def _runtime_config(cls):
 @_runtime_config
 @dataclass
 class RuntimeConfig:
-    mode: Literal["gpu", "ckpt", "slide"] = "slide"
+    mode: Literal["gpu", "ckpt", "slide"] = "slide"     # gpu | ckpt | slide
     # compute precision: auto | bf16 | fp32 | fp16. auto (device.resolve_dtype): bf16 where the device
     # computes it natively (a CUDA GPU with bf16, a CPU with AMX-BF16 or AVX512-BF16), else fp32
     dtype: Literal["auto", "bf16", "fp32", "fp16"] = "auto"
