@@ -37,8 +37,7 @@ import yaml
 
 from .data.config import DataConfig
 from .engine.adamw import FP32_ADAMW, AdamWConfig
-from .engine.config import (KNOB_SECTION, SECTIONS, TUNING_SECTION, RuntimeConfig, literal_choices, runtime_fields,
-                            tuning_docs)
+from .engine.config import SECTIONS, TUNING_SECTION, RuntimeConfig, literal_choices, runtime_fields, tuning_docs
 from .telemetry.trackers import parse_report_to
 
 

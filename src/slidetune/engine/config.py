@@ -72,15 +72,6 @@ def literal_choices(tp) -> tuple | None:
     return typing.get_args(tp) if typing.get_origin(tp) is Literal else None
 
 
-def field_choices(cls, name: str) -> tuple | None:
-    """The values a field of `cls` may take where its type is a Literal and no normalizer maps
-    other spellings to them (those are argparse's choices); None otherwise."""
-    f = cls.__dataclass_fields__[name]
-    if f.metadata.get("normalize"):
-        return None
-    return literal_choices(_hints(cls)[name])
-
-
 def _words(values) -> str:
     """("a", "b", "c") -> "a, b or c"."""
     values = [str(v) for v in values]
@@ -413,11 +404,6 @@ def runtime_fields() -> dict[str, dataclasses.Field]:
     (the namespace of the CLI, YAML, config.json and RuntimeConfig(**kwargs))."""
     user = {f.name: f for f in dataclasses.fields(RuntimeConfig) if f.name not in SECTIONS}
     return {**user, **{f.name: f for cls in SECTIONS.values() for f in dataclasses.fields(cls)}}
-
-
-def field_owner(name: str) -> type:
-    """The dataclass that declares a flat runtime setting: its section's, or RuntimeConfig."""
-    return SECTIONS[KNOB_SECTION[name]] if name in KNOB_SECTION else RuntimeConfig
 
 
 def cli_flag(name: str) -> str:
