@@ -15,7 +15,8 @@ from slidetune import config as config_mod
 from slidetune.cli import build_parser, main
 from slidetune.config import (FLAG_GROUPS, TrainConfig, _leaf_fields, config_from_args, config_to_dict,
                               group_tuning, tuning_paths)
-from slidetune.engine.config import RuntimeConfig, cli_flag, tuning_docs
+from slidetune.engine.config import (KNOB_SECTION, SECTIONS, ClipScheduleTuning, RuntimeConfig, cli_flag,
+                                     runtime_fields, tuning_docs)
 
 
 def parse(*args: str) -> TrainConfig:
@@ -47,7 +48,7 @@ def test_every_field_is_a_user_flag_or_a_tuning_knob():
     leaves = {p for p, _ in _leaf_fields(TrainConfig)}
     assert set(grouped) <= leaves, f"FLAG_GROUPS names fields that do not exist: {set(grouped) - leaves}"
     knobs = set(tuning_paths())
-    for name in (f.name for f in dataclasses.fields(RuntimeConfig)):
+    for name in runtime_fields():
         path = f"runtime.{name}"
         assert (path in grouped) != (path in knobs), (
             f"RuntimeConfig.{name} is {'both' if path in knobs else 'neither'} a user flag and a tuning knob: "
@@ -101,7 +102,7 @@ def test_help_tuning_lists_every_knob_with_default_and_when():
     for name, doc in tuning_docs().items():
         m = re.search(rf"^  --tuning\.{name} \S+ \(default: (.*)\)\n      (.*)\n      when: (.*)$", text, flags=re.M)
         assert m, f"--help-tuning lacks {name}"
-        assert m[1] == str(getattr(defaults, name)) and m[2] == doc.help and m[3] == doc.when
+        assert m[1] == str(defaults.setting(name)) and m[2] == doc.help and m[3] == doc.when
     assert "tuning:" in text                       # how to set them in YAML
     # plan takes the same flags
     code, text2, _ = run_main("plan", "--help-tuning")
@@ -113,15 +114,17 @@ def test_tuning_flags_and_yaml_section_with_precedence(tmp_path):
     f = tmp_path / "run.yaml"
     f.write_text("batch_size: 3\ntuning:\n  chunk_mb: 64\n  upload-ring: 6\n  gc_freeze: no\n"
                  "runtime: {offload_activations: true}\n")
-    assert parse().runtime.chunk_mb == RuntimeConfig().chunk_mb                         # default
+    assert parse().runtime.transfer.chunk_mb == RuntimeConfig().transfer.chunk_mb                         # default
     cfg = parse("--config", str(f))                                                     # YAML over default
-    assert (cfg.runtime.chunk_mb, cfg.runtime.upload_ring, cfg.runtime.gc_freeze) == (64, 6, False)
+    t = cfg.runtime.transfer
+    assert (t.chunk_mb, t.upload_ring, cfg.runtime.host.gc_freeze) == (64, 6, False)
     assert cfg.batch_size == 3 and cfg.runtime.offload_activations == "on"
     cfg = parse("--config", str(f), "--tuning.chunk_mb", "32", "--tuning.upload-ring=2", "--tuning.gc_freeze",
                 "--batch-size", "5")                                                    # flags over YAML
-    assert (cfg.runtime.chunk_mb, cfg.runtime.upload_ring, cfg.runtime.gc_freeze, cfg.batch_size) == (32, 2, True, 5)
-    assert cfg.runtime.upload_cast_stream == "copy"                                     # untouched: default
-    assert parse("--tuning.disk_units", "0.5", "--disk-dir", str(tmp_path)).runtime.disk_units == 0.5
+    t = cfg.runtime.transfer
+    assert (t.chunk_mb, t.upload_ring, cfg.runtime.host.gc_freeze, cfg.batch_size) == (32, 2, True, 5)
+    assert cfg.runtime.transfer.upload_cast_stream == "copy"                                     # untouched: default
+    assert parse("--tuning.disk_units", "0.5", "--disk-dir", str(tmp_path)).runtime.disk.disk_units == 0.5
     with pytest.raises(ValueError, match="gil_switch_ms"):                              # values still checked
         parse("--tuning.gil_switch_ms", "1000")
 
@@ -140,7 +143,7 @@ def test_unknown_tuning_knob_names_the_valid_ones(tmp_path):
 
 def test_old_spellings_work_with_one_note(tmp_path, capsys):
     cfg = parse("--chunk-mb", "64", "--cast-on", "cpu", "--chunk-mb", "128")
-    assert cfg.runtime.chunk_mb == 128 and cfg.runtime.cast_on == "cpu"
+    assert cfg.runtime.transfer.chunk_mb == 128 and cfg.runtime.transfer.cast_on == "cpu"
     parse("--chunk-mb", "32")                                     # a second parse in the same process
     err = capsys.readouterr().err
     assert err.count("--chunk-mb is deprecated") == 1 and "use --tuning.chunk_mb" in err
@@ -151,7 +154,7 @@ def test_old_spellings_work_with_one_note(tmp_path, capsys):
     f = tmp_path / "old.yaml"
     f.write_text("chunk_mb: 64\nruntime: {upload_ring: 5, mode: slide}\n")
     cfg = parse("--config", str(f))
-    assert cfg.runtime.chunk_mb == 64 and cfg.runtime.upload_ring == 5
+    assert cfg.runtime.transfer.chunk_mb == 64 and cfg.runtime.transfer.upload_ring == 5
     err = capsys.readouterr().err
     assert "chunk_mb" in err and "runtime.upload_ring" in err and "tuning:" in err and "deprecated" in err
 
@@ -167,5 +170,33 @@ def test_config_json_groups_the_knobs_and_reads_back(tmp_path):
     f.write_text(json.dumps(saved))
     assert parse("--config", str(f)) == cfg                       # valid --config input, same config
     # one saved before the group (every knob under runtime) reads as the same grouping
-    old = dataclasses.asdict(cfg)
+    old = {**dataclasses.asdict(cfg), "runtime": cfg.runtime.to_flat()}
     assert group_tuning(old) == saved and group_tuning(saved) == saved
+
+
+# ----------------------------------------------------------------------------- sections
+def test_knobs_live_in_sections_under_their_flat_names():
+    """The sections group the knobs by component; the flat name reaches them from every input."""
+    assert set(KNOB_SECTION) == set(tuning_docs()) and len(KNOB_SECTION) == sum(
+        len(dataclasses.fields(cls)) for cls in SECTIONS.values())          # a name is in one section only
+    rt = RuntimeConfig(chunk_mb=64, schedule="eager")
+    assert (rt.transfer.chunk_mb, rt.clip.schedule) == (64, "eager")
+    moved = dataclasses.replace(rt, cache_units=0)
+    assert (moved.placement.cache_units, moved.transfer.chunk_mb, rt.placement.cache_units) == (0, 64, -1)
+    assert RuntimeConfig(**rt.to_flat()) == rt
+    assert RuntimeConfig(clip=ClipScheduleTuning(schedule="deferred"), held_buffers=2).clip == ClipScheduleTuning(
+        schedule="deferred", held_buffers=2)
+
+
+def test_one_validator_gives_argparse_its_choices():
+    with pytest.raises(ValueError, match="schedule must be auto, eager or deferred, not 'soon'"):
+        RuntimeConfig(schedule="soon")
+    with pytest.raises(ValueError, match="held_buffers must be -1, 1 or 2"):
+        RuntimeConfig(held_buffers=3)
+    with pytest.raises(ValueError, match="mode must be gpu, ckpt or slide"):
+        RuntimeConfig(mode="tpu")
+    code, _, err = run_main("train", "--tuning.schedule", "soon")
+    assert code == 2 and "invalid choice: 'soon'" in err and "'deferred'" in err
+    code, _, err = run_main("train", "--mode", "tpu")
+    assert code == 2 and "invalid choice: 'tpu'" in err
+    assert parse("--compile-layers", "true").runtime.compile_layers == "on"     # normalized fields: no choices

@@ -283,7 +283,7 @@ def test_two_ranks_follow_one_rank_at_twice_the_batch(results, run):
         assert worst < 1e-5, f"rank {rank} optimizer {where}: relative difference {worst:.2e}"
     extra = RUNS[run][4]
     uploaded = [rec[run]["uploaded"] for rec in results["ranks"]]
-    if extra.get("dp_weights", RuntimeConfig.dp_weights) == "gather":      # (gather: the default)
+    if extra.get("dp_weights", RuntimeConfig().transfer.dp_weights) == "gather":      # (gather: the default)
         # broadcast in the order they are needed: a step's own weights before the next step's, and
         # the next step's from the embedding up (the gather thread runs them in queue order)
         for rec in results["ranks"]:

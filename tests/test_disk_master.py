@@ -168,11 +168,11 @@ def test_the_tier_the_fit_and_the_floor_count_12_bytes_a_param():
     assert on.host_parts["disk-master units' weights (2 B/param; master + moments on disk)"] == 2 * P_disk
     assert off.host_parts["disk units' masters (4 B/param; moments on disk)"] == 4 * P_disk
     assert "disk units' masters (4 B/param; moments on disk)" not in on.host_parts
-    block = block_elems(rt.disk_block_mb)
+    block = block_elems(rt.disk.disk_block_mb)
     # disk_buffers left at auto, unresolved: the plan's 8 (fit.choose_auto_settings resolves it)
-    assert rt.disk_buffers == -1 and on.plan.disk_buffers == 8
-    assert on.host_parts["disk tier block buffers"] == 8 * 12 * block == buffer_bytes(on.plan, rt.disk_block_mb)
-    assert on.disk_bytes == tier_bytes(on.plan, rt.disk_block_mb)
+    assert rt.disk.disk_buffers == -1 and on.plan.disk_buffers == 8
+    assert on.host_parts["disk tier block buffers"] == 8 * 12 * block == buffer_bytes(on.plan, rt.disk.disk_block_mb)
+    assert on.disk_bytes == tier_bytes(on.plan, rt.disk.disk_block_mb)
     assert 12 * P_disk <= on.disk_bytes < 12 * (P_disk + 11 * block)       # 10 units and the head, whole blocks
     assert on.disk_bytes == off.disk_bytes * 12 // 8
     assert on.pinned_bytes - off.pinned_bytes == 2 * P_disk + on.plan.disk_buffers * 4 * block
@@ -199,19 +199,19 @@ def test_auto_puts_masters_on_disk_only_where_the_moments_do_not_make_ram_fit(tm
     rt = cuda_rt(disk_dir=str(tmp_path))
     gpu = 78 * GiB
     roomy = choose_auto_settings(split, rt, gpu_free_bytes=gpu, host_available_bytes=123 * GiB, **kw)
-    assert roomy.disk_units > 0 and roomy.disk_master == "off"
+    assert roomy.disk.disk_units > 0 and roomy.disk.disk_master == "off"
     # the least host RAM this placement can need: everything on disk, masters too
     floor_rt = choose_auto_settings(split, rt, gpu_free_bytes=gpu, host_available_bytes=1 * GiB, **kw)
-    assert floor_rt.disk_master == "on"
+    assert floor_rt.disk.disk_master == "on"
     cap = PlacementPlan.build(unit_shapes(split), floor_rt).disk_capacity()
-    assert floor_rt.disk_units == cap
+    assert floor_rt.disk.disk_units == cap
     moments_only = estimate_memory(split, dataclasses.replace(floor_rt, disk_master="off"), **kw).host_bytes
     everything = estimate_memory(split, floor_rt, **kw).host_bytes
     assert moments_only - everything > 10 * GiB          # ~2 B/param of every disk unit
     host = int((moments_only + everything) / 2 / FIT_SAFETY)    # between the two
     got = choose_auto_settings(split, rt, gpu_free_bytes=gpu, host_available_bytes=host, **kw)
-    assert got.disk_units == cap and got.disk_master not in ("off", "on", "auto")
-    m = int(got.disk_master)
+    assert got.disk.disk_units == cap and got.disk.disk_master not in ("off", "on", "auto")
+    m = int(got.disk.disk_master)
     est = estimate_memory(split, got, **kw)
     assert est.host_bytes <= FIT_SAFETY * host and est.plan.master_params("disk") > 0
     fewer = estimate_memory(split, dataclasses.replace(got, disk_master=str(m - 1)), **kw)
@@ -220,14 +220,14 @@ def test_auto_puts_masters_on_disk_only_where_the_moments_do_not_make_ram_fit(tm
     assert check_fit(split, got, gpu_free_bytes=gpu, host_available_bytes=host, **kw).disk_bytes > 12 * P_masters(got)
     # explicit disk units: masters only where those units' moments leave the host short
     two = dataclasses.replace(rt, disk_units=2)
-    assert choose_auto_settings(split, two, gpu_free_bytes=gpu, host_available_bytes=400 * GiB, **kw).disk_master \
+    assert choose_auto_settings(split, two, gpu_free_bytes=gpu, host_available_bytes=400 * GiB, **kw).disk.disk_master \
         == "off"
     # explicit disk_master is kept; on the CPU, where host RAM holds the state, auto means off (where
     # it does not, the disk tier is resolved by memory there too: test_plan_verdict)
     assert choose_auto_settings(split, dataclasses.replace(rt, disk_master="on"), gpu_free_bytes=gpu,
-                                host_available_bytes=400 * GiB, **kw).disk_master == "on"
+                                host_available_bytes=400 * GiB, **kw).disk.disk_master == "on"
     cpu = RuntimeConfig(device="cpu", disk_dir=str(tmp_path))
-    assert choose_auto_settings(split, cpu, host_available_bytes=400 * GiB, **kw).disk_master == "off"
+    assert choose_auto_settings(split, cpu, host_available_bytes=400 * GiB, **kw).disk.disk_master == "off"
 
 
 def test_a_tier_holding_masters_is_never_removed_before_final(tmp_path):
@@ -277,4 +277,4 @@ def test_data_parallel_refuses_masters_on_disk_by_name():
     kw = dict(batch_size=4, seq_len=1024, max_grad_norm=1.0)
     two = choose_auto_settings(split, cuda_rt(disk_dir="/x"), gpu_free_bytes=78 * GiB, host_available_bytes=1 * GiB,
                                ranks_per_host=2, **kw)
-    assert two.disk_master == "off"
+    assert two.disk.disk_master == "off"

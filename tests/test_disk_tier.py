@@ -349,7 +349,7 @@ def test_the_plan_puts_the_head_then_the_top_layers_on_disk():
     assert plan.disk_capacity() == 7              # every unit but the embedding
     half = PlacementPlan.build(shapes, RuntimeConfig(disk_dir="/x", disk_units=0.5))
     assert half.indices("disk") == [4, 5, 6, 7]   # a fraction of the 7 that may go (round(3.5) = 4)
-    assert RuntimeConfig(disk_dir="/x", disk_units=3.0).disk_units == 3
+    assert RuntimeConfig(disk_dir="/x", disk_units=3.0).disk.disk_units == 3
     with pytest.raises(ValueError, match="a count, a fraction"):
         RuntimeConfig(disk_dir="/x", disk_units=2.5)
     with pytest.raises(ValueError, match="only 7 units can go to disk"):
@@ -366,17 +366,17 @@ def test_auto_places_on_disk_only_what_ram_and_gpu_cannot_hold(tmp_path):
     kw = dict(batch_size=4, seq_len=1024, max_grad_norm=1.0)
     rt = cuda_rt(disk_dir=str(tmp_path))
     roomy = choose_auto_settings(split, rt, gpu_free_bytes=78 * GiB, host_available_bytes=400 * GiB, **kw)
-    assert roomy.disk_units == 0
+    assert roomy.disk.disk_units == 0
     host = 123 * GiB
     got = choose_auto_settings(split, rt, gpu_free_bytes=78 * GiB, host_available_bytes=host, **kw)
     est = estimate_memory(split, got, **kw)
-    assert got.disk_units > 0 and est.host_bytes <= FIT_SAFETY * host and est.gpu_bytes <= FIT_SAFETY * 78 * GiB
-    fewer = estimate_memory(split, dataclasses.replace(got, disk_units=got.disk_units - 1), **kw)
+    assert got.disk.disk_units > 0 and est.host_bytes <= FIT_SAFETY * host and est.gpu_bytes <= FIT_SAFETY * 78 * GiB
+    fewer = estimate_memory(split, dataclasses.replace(got, disk_units=got.disk.disk_units - 1), **kw)
     assert fewer.host_bytes > FIT_SAFETY * host
     plan = PlacementPlan.build(unit_shapes(split), got, "deferred")
     # the disk units: the topmost units the GPU does not hold, contiguous
     top = max(u.index for u in plan.units if u.state != "gpu")
-    assert plan.indices("disk") == list(range(top - got.disk_units + 1, top + 1))
+    assert plan.indices("disk") == list(range(top - got.disk.disk_units + 1, top + 1))
     assert est.disk_bytes >= 8 * plan.params("disk")
     assert est.host_parts["disk units' masters (4 B/param; moments on disk)"] == 4 * plan.params("disk")
     with pytest.raises(InsufficientMemoryError, match="With a local disk: --disk-dir PATH"):

@@ -58,7 +58,7 @@ def test_explicit_dtype_is_kept_and_auto_is_the_default(tmp_path):
     info = fake_cpuinfo(tmp_path, AVX2_ONLY)
     assert resolve_dtype("bf16", "cpu", cpuinfo=info) == ("bf16", "as asked (--dtype)")
     assert RuntimeConfig().dtype == "auto"
-    with pytest.raises(ValueError, match="dtype must be auto or one of"):
+    with pytest.raises(ValueError, match="dtype must be auto, bf16, fp32 or fp16"):
         RuntimeConfig(dtype="bfloat16")
 
 

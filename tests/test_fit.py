@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from slidetune.engine.config import RuntimeConfig
+from slidetune.engine.config import RuntimeConfig, runtime_fields
 from slidetune.engine.placement import PlacementPlan, shapes_from_counts, unit_shapes
 from slidetune.engine.fit import (ACTIVATION_MARGIN, ENV_HOST_MEMORY, FIT_SAFETY, GiB, MiB, InsufficientMemoryError,
                                   check_fit, choose_auto_settings, estimate_memory, head_bytes,
@@ -51,7 +51,7 @@ def apply_option(line: str, rt: RuntimeConfig, batch_size: int, grad_accum: int,
     add_config_flags(parser)
     ns = parser.parse_args(line.split("->")[0].split())
     changes, B, accum, clip = {}, batch_size, grad_accum, max_grad_norm
-    fields = {f.name for f in dataclasses.fields(RuntimeConfig)}
+    fields = set(runtime_fields())
     for key, value in vars(ns).items():
         if key == "config":
             continue
@@ -93,8 +93,8 @@ def test_slide_8b_host_is_12_bytes_per_param_plus_buffers():
     # elements, of DEADLINE_RING_LAYERS layers (updates reordered earliest-deadline-first), 3
     # in FIFO order; BF16 elements (grad_download=compute, the default), FP32 with fp32
     layer = split.layer_units[0].numel
-    chunk = rt.chunk_mb * MiB // 4
-    assert rt.grad_download == "compute"
+    chunk = rt.transfer.chunk_mb * MiB // 4
+    assert rt.transfer.grad_download == "compute"
     assert eager.pinned_bytes == -(-rt.DEADLINE_RING_LAYERS * layer // chunk) * chunk * 2
     fp32 = estimate_memory(split, dataclasses.replace(rt, grad_download="fp32"), batch_size=8, seq_len=1024)
     assert fp32.pinned_bytes == 2 * eager.pinned_bytes
@@ -438,18 +438,18 @@ def test_auto_cache_units_keeps_every_layer_resident_only_when_it_fits():
     split = split_of("qwen3-8b")
     kw = dict(batch_size=16, seq_len=1024)
     rt = cuda_rt(mode="slide", grad_slot_dtype="compute")
-    assert rt.cache_units == -1
+    assert rt.placement.cache_units == -1
     resident = estimate_memory(split, dataclasses.replace(rt, cache_units=0), **kw).gpu_bytes
     window = estimate_memory(split, dataclasses.replace(rt, cache_units=3), **kw).gpu_bytes
     # resident: a weight slot per layer, and (deadline order) more gradient slots
     extra_grad_slots = (
         dataclasses.replace(rt, cache_units=0).resolved_grad_slots(split.num_layers) - 3)
     assert resident - window == (split.num_layers - 3 + extra_grad_slots) * max(u.numel for u in split.layer_units) * 2
-    assert auto_with_ample_host(split, rt, gpu_free_bytes=80 * GiB, **kw).cache_units == 0      # H100
-    assert auto_with_ample_host(split, rt, gpu_free_bytes=24 * GiB, **kw).cache_units == 3      # a 24 GB card
+    assert auto_with_ample_host(split, rt, gpu_free_bytes=80 * GiB, **kw).placement.cache_units == 0      # H100
+    assert auto_with_ample_host(split, rt, gpu_free_bytes=24 * GiB, **kw).placement.cache_units == 3      # a 24 GB card
     cpu = RuntimeConfig(device="cpu", mode="slide")
-    assert auto_with_ample_host(split, cpu, **kw).cache_units == 3
-    assert auto_with_ample_host(split, cpu, **kw).grad_slot_dtype == "compute"
+    assert auto_with_ample_host(split, cpu, **kw).placement.cache_units == 3
+    assert auto_with_ample_host(split, cpu, **kw).transfer.grad_slot_dtype == "compute"
     ckpt = cuda_rt(mode="ckpt")
     assert auto_with_ample_host(split, ckpt, gpu_free_bytes=80 * GiB, **kw) is ckpt
     pinned = cuda_rt(mode="slide", cache_units=4, grad_slot_dtype="compute", vocab_update="host", device_layers=0,
@@ -468,9 +468,9 @@ def test_auto_grad_slot_dtype_takes_fp32_after_resident_layers_where_it_fits():
     split = split_of("llama-3.1-8b")
     kw = dict(batch_size=16, seq_len=1024)
     default = auto_with_ample_host(split, cuda_rt(mode="slide", vocab_update="host"), gpu_free_bytes=140 * GiB, **kw)
-    assert (default.cache_units, default.grad_slot_dtype) == (0, "compute")
+    assert (default.placement.cache_units, default.transfer.grad_slot_dtype) == (0, "compute")
     rt = cuda_rt(mode="slide", vocab_update="host", grad_download="fp32")
-    assert rt.grad_slot_dtype == "auto" and not rt.grad_slots_fp32()
+    assert rt.transfer.grad_slot_dtype == "auto" and not rt.grad_slots_fp32()
 
     def gpu(**changes) -> int:
         return estimate_memory(split, dataclasses.replace(rt, **changes), **kw).gpu_bytes
@@ -481,19 +481,19 @@ def test_auto_grad_slot_dtype_takes_fp32_after_resident_layers_where_it_fits():
     slots = dataclasses.replace(rt, cache_units=0).resolved_grad_slots(split.num_layers)
     # the embedding and the head share one gradient slot (both updated on the host)
     vocab = max(split.embed_unit.numel, split.head_unit.numel)
-    d2h_cast_staging = 2 * rt.chunk_elems(P_L) * 4        # compute-dtype slots cast on the D2H stream
+    d2h_cast_staging = 2 * rt.transfer.chunk_elems(P_L) * 4        # compute-dtype slots cast on the D2H stream
     assert r0_fp32 - r0_bf16 == (slots * P_L + vocab) * 2 - d2h_cast_staging
     for free, want in [(r0_fp32 / FIT_SAFETY + 1, (0, "fp32")), (r0_fp32 / FIT_SAFETY - 1, (0, "compute")),
                        (r3_fp32 / FIT_SAFETY + 1, (3, "fp32")) if r3_fp32 < r0_bf16 else (r0_bf16 / FIT_SAFETY + 1, (0, "compute"))]:
         got = auto_with_ample_host(split, rt, gpu_free_bytes=int(free), **kw)
-        assert (got.cache_units, got.grad_slot_dtype) == want
+        assert (got.placement.cache_units, got.transfer.grad_slot_dtype) == want
     tiny = auto_with_ample_host(split, rt, gpu_free_bytes=1 * GiB, **kw)        # nothing fits: the lean one
-    assert (tiny.cache_units, tiny.grad_slot_dtype) == (3, "compute")
+    assert (tiny.placement.cache_units, tiny.transfer.grad_slot_dtype) == (3, "compute")
     host_casts = auto_with_ample_host(split, dataclasses.replace(rt, cast_on="cpu"), gpu_free_bytes=80 * GiB, **kw)
-    assert host_casts.grad_slot_dtype == "compute"
+    assert host_casts.transfer.grad_slot_dtype == "compute"
     explicit = auto_with_ample_host(split, dataclasses.replace(rt, cache_units=0, grad_slot_dtype="compute"),
                                     gpu_free_bytes=80 * GiB, **kw)
-    assert (explicit.cache_units, explicit.grad_slot_dtype) == (0, "compute")
+    assert (explicit.placement.cache_units, explicit.transfer.grad_slot_dtype) == (0, "compute")
 
 
 def test_auto_vocab_update_takes_the_device_where_it_fits_under_either_schedule():
@@ -506,7 +506,7 @@ def test_auto_vocab_update_takes_the_device_where_it_fits_under_either_schedule(
     split = split_of("llama-3.1-8b")
     kw = dict(batch_size=16, seq_len=1024)
     rt = cuda_rt(mode="slide", grad_download="fp32")
-    assert rt.vocab_update == "auto" and not PlacementPlan.build(unit_shapes(split), rt).vocab_on_device
+    assert rt.placement.vocab_update == "auto" and not PlacementPlan.build(unit_shapes(split), rt).vocab_on_device
     vocab = split.embed_unit.numel + split.head_unit.numel
 
     def est(**changes):
@@ -530,13 +530,13 @@ def test_auto_vocab_update_takes_the_device_where_it_fits_under_either_schedule(
                        (dev_bf16.gpu_bytes / FIT_SAFETY + 1, ("device", "compute")),
                        (host_fp32.gpu_bytes / FIT_SAFETY + 1, ("host", "fp32"))]:
         got = auto_with_ample_host(split, rt, gpu_free_bytes=int(free), **kw)
-        assert (got.cache_units, got.vocab_update, got.grad_slot_dtype) == (0, *want)
+        assert (got.placement.cache_units, got.placement.vocab_update, got.transfer.grad_slot_dtype) == (0, *want)
     clipped = auto_with_ample_host(split, rt, gpu_free_bytes=140 * GiB, max_grad_norm=1.0, **kw)
-    assert clipped.vocab_update == "device"
+    assert clipped.placement.vocab_update == "device"
     held = estimate_memory(split, dataclasses.replace(rt, vocab_update="device"), max_grad_norm=1.0, **kw)
     host_params = split.num_params() - vocab
     assert held.host_parts["held gradients (deferred schedule, 2 B/param)"] == 2 * host_params
-    assert auto_with_ample_host(split, RuntimeConfig(device="cpu", mode="slide"), **kw).vocab_update == "host"
+    assert auto_with_ample_host(split, RuntimeConfig(device="cpu", mode="slide"), **kw).placement.vocab_update == "host"
 
 
 def test_plan_prints_the_estimate_and_the_resident_alternative(capsys):
@@ -590,7 +590,8 @@ def test_device_layers_move_their_state_from_host_to_gpu():
         got = estimate_memory(split, dataclasses.replace(rt, device_layers=k), **kw)
         assert got.host_parts["weight loading transient"] == 4 * max(largest, sum(layers[:min(k, BUILD_WORKERS)]))
     assert four.gpu_bytes - base.gpu_bytes >= 12 * moved                 # + the widening buffer
-    assert four.gpu_parts["device update widening buffer"] == 4 * rt.chunk_elems(max(u.numel for u in split.layer_units))
+    assert four.gpu_parts["device update widening buffer"] == 4 * rt.transfer.chunk_elems(
+        max(u.numel for u in split.layer_units))
     assert four.gpu_parts["layer weight slots"] == base.gpu_parts["layer weight slots"] - 2 * moved
     # clipping: their gradients wait on the GPU in the compute dtype (2 B/param more there), and
     # the host holds the others' (2 B/param) instead of 4 B/param of FP32 for every unit
@@ -609,11 +610,12 @@ def test_auto_device_layers_takes_as_many_as_fit():
     for k in (0, 5, 36):
         need = estimate_memory(split, dataclasses.replace(rt, device_layers=k), **kw).gpu_bytes
         got = auto_with_ample_host(split, rt, gpu_free_bytes=int(need / FIT_SAFETY) + 1, **kw)
-        assert got.device_layers == k
+        assert got.placement.device_layers == k
     clipped = dataclasses.replace(rt, vocab_update="auto")       # the deferred schedule keeps them
-    assert auto_with_ample_host(split, clipped, gpu_free_bytes=500 * GiB, max_grad_norm=1.0, **kw).device_layers == 36
+    assert auto_with_ample_host(split, clipped, gpu_free_bytes=500 * GiB, max_grad_norm=1.0,
+                                **kw).placement.device_layers == 36
     assert auto_with_ample_host(split, RuntimeConfig(device="cpu", mode="slide", device_layers=-1),
-                                **kw).device_layers == 0
+                                **kw).placement.device_layers == 0
 
 
 def _hf_masks(split: SplitModel, B: int, S: int, padded: bool) -> int:
@@ -689,14 +691,15 @@ def test_auto_settings_where_host_ram_binds_give_the_gpu_to_what_frees_the_host(
     rt = cuda_rt(mode="slide", offload_activations=True)
     gpu, host = 80 * GiB, 118 * GiB
     fastest = auto_with_ample_host(split, rt, gpu_free_bytes=gpu, **kw)
-    assert fastest.cache_units == 0
+    assert fastest.placement.cache_units == 0
     assert estimate_memory(split, fastest, **kw).host_bytes > FIT_SAFETY * host
     got = choose_auto_settings(split, rt, gpu_free_bytes=gpu, host_available_bytes=host, **kw)
     est = estimate_memory(split, got, **kw)
-    assert (got.cache_units, got.vocab_update) == (3, "device") and got.gpu_checkpoints > 0
+    p = got.placement
+    assert (p.cache_units, p.vocab_update) == (3, "device") and p.gpu_checkpoints > 0
     assert est.host_bytes <= FIT_SAFETY * host and est.gpu_bytes <= FIT_SAFETY * gpu
     # checkpoints before device layers: one more checkpoint would not fit on the GPU
-    assert estimate_memory(split, dataclasses.replace(got, gpu_checkpoints=got.gpu_checkpoints + 1),
+    assert estimate_memory(split, dataclasses.replace(got, gpu_checkpoints=got.placement.gpu_checkpoints + 1),
                            **kw).gpu_bytes > FIT_SAFETY * gpu
     check_fit(split, got, gpu_free_bytes=gpu, host_available_bytes=host, **kw)      # does not raise
     # a host far too small: the configuration with the least host RAM, which check_fit refuses
@@ -712,16 +715,16 @@ def test_auto_gpu_checkpoints_fill_what_device_layers_leave():
     split = split_of("llama-3.1-8b")
     kw = dict(batch_size=1, seq_len=8192, max_grad_norm=0.0, padded=False)
     got = auto_with_ample_host(split, cuda_rt(mode="slide", offload_activations=True), gpu_free_bytes=80 * GiB, **kw)
-    assert got.device_layers > 0 and 0 < got.gpu_checkpoints <= split.num_layers
+    assert got.placement.device_layers > 0 and 0 < got.placement.gpu_checkpoints <= split.num_layers
 
     def gpu(**change):
         return estimate_memory(split, dataclasses.replace(got, **change), **kw).gpu_bytes
     assert gpu() <= FIT_SAFETY * 80 * GiB
-    if got.gpu_checkpoints < split.num_layers:
-        assert gpu(gpu_checkpoints=got.gpu_checkpoints + 1) > FIT_SAFETY * 80 * GiB
+    if got.placement.gpu_checkpoints < split.num_layers:
+        assert gpu(gpu_checkpoints=got.placement.gpu_checkpoints + 1) > FIT_SAFETY * 80 * GiB
     explicit = auto_with_ample_host(split, cuda_rt(mode="slide", offload_activations=True, gpu_checkpoints=0),
                                     gpu_free_bytes=80 * GiB, **kw)
-    assert explicit.gpu_checkpoints == 0
+    assert explicit.placement.gpu_checkpoints == 0
 
 
 # what `plan` prints between its "resolved on ..." line and its verdict: describe_autos' lines,
@@ -779,6 +782,23 @@ def test_refusal_offers_the_placement_auto_would_choose():
     assert any("--tuning.gpu_checkpoints" in o for o in err.value.options)
 
 
+def test_the_plan_resolves_the_gradient_slots():
+    """The GPU gradient slots' count and dtype are the plan's (the engine's slots and the estimate
+    read them there): auto (0) resolves to 3, or 16 under deadline order with every layer resident
+    and eager updates; grad_slot_dtype auto, unresolved, to the compute dtype."""
+    shapes = shapes_from_counts(20, 10, 5, 5)
+    assert (PlacementPlan.build(shapes, RuntimeConfig()).grad_slots, PlacementPlan.build(
+        shapes, RuntimeConfig()).grad_slots_fp32) == (3, False)
+    assert PlacementPlan.build(shapes, RuntimeConfig(cache_units=0)).grad_slots == 16
+    assert PlacementPlan.build(shapes, RuntimeConfig(cache_units=0), "deferred").grad_slots == 3
+    assert PlacementPlan.build(shapes, RuntimeConfig(cache_units=0, update_order="fifo")).grad_slots == 3
+    plan = PlacementPlan.build(shapes, RuntimeConfig(grad_slots=5, grad_slot_dtype="fp32"))
+    assert (plan.grad_slots, plan.grad_slots_fp32) == (5, True)
+    assert PlacementPlan.from_dict(plan.to_dict()) == plan
+    old = {k: v for k, v in plan.to_dict().items() if k not in ("grad_slots", "grad_slots_fp32")}
+    assert (PlacementPlan.from_dict(old).grad_slots, PlacementPlan.from_dict(old).grad_slots_fp32) == (3, False)
+
+
 def test_resident_layers_beside_the_window():
     """resident_layers=R with a window of K slots: the lowest R host layers get a slot of their own,
     the others share the window; where the window would hold every layer left to it, all are
@@ -819,17 +839,17 @@ def test_auto_settings_where_host_ram_binds_give_what_is_left_to_resident_layers
     def est(c):
         return estimate_memory(split, c, **kw)
     fastest = auto_with_ample_host(split, rt, gpu_free_bytes=gpu, **kw)
-    assert fastest.cache_units == 0 and est(fastest).host_bytes > FIT_SAFETY * host
+    assert fastest.placement.cache_units == 0 and est(fastest).host_bytes > FIT_SAFETY * host
     got = choose_auto_settings(split, rt, gpu_free_bytes=gpu, host_available_bytes=host, **kw)
-    host_layers = L - got.device_layers
+    host_layers = L - got.placement.device_layers
     plan = PlacementPlan.build(unit_shapes(split), got)
     resident = plan.resident_layers
-    assert got.cache_units == 3 and 0 < resident < host_layers and plan.window_slots == 3
+    assert got.placement.cache_units == 3 and 0 < resident < host_layers and plan.window_slots == 3
     assert est(got).gpu_bytes <= FIT_SAFETY * gpu and est(got).host_bytes <= FIT_SAFETY * host
     # the fewest device layers: one fewer and the host does not fit
-    assert est(dataclasses.replace(got, device_layers=got.device_layers - 1)).host_bytes > FIT_SAFETY * host
+    assert est(dataclasses.replace(got, device_layers=got.placement.device_layers - 1)).host_bytes > FIT_SAFETY * host
     # as many resident layers as fit
-    assert est(dataclasses.replace(got, resident_layers=got.resident_layers + 1)).gpu_bytes > FIT_SAFETY * gpu
+    assert est(dataclasses.replace(got, resident_layers=got.placement.resident_layers + 1)).gpu_bytes > FIT_SAFETY * gpu
     # fewer layer uploads a step than the window alone with the most device layers (the 2026-11-24 Qwen3-14B run)
     window_only = PlacementPlan.build(unit_shapes(split), RuntimeConfig(device_layers=19, cache_units=3))
     assert plan.uploads_per_step()[0] < window_only.uploads_per_step()[0]
@@ -843,10 +863,10 @@ def test_auto_resident_layers_fill_a_gpu_too_small_for_all():
     kw = dict(batch_size=4, seq_len=1024)
     got = auto_with_ample_host(split, cuda_rt(mode="slide"), gpu_free_bytes=24 * GiB, **kw)
     L = split.num_layers
-    assert got.cache_units == 3 and got.device_layers == 0
+    assert got.placement.cache_units == 3 and got.placement.device_layers == 0
     assert 0 < PlacementPlan.build(unit_shapes(split), got).resident_layers < L
     assert estimate_memory(split, got, **kw).gpu_bytes <= FIT_SAFETY * 24 * GiB
-    more = dataclasses.replace(got, resident_layers=got.resident_layers + 1)
+    more = dataclasses.replace(got, resident_layers=got.placement.resident_layers + 1)
     assert estimate_memory(split, more, **kw).gpu_bytes > FIT_SAFETY * 24 * GiB
     explicit = auto_with_ample_host(split, cuda_rt(mode="slide", cache_units=3), gpu_free_bytes=24 * GiB, **kw)
     assert PlacementPlan.build(unit_shapes(split), explicit).resident_layers == 0
@@ -937,7 +957,7 @@ def test_auto_held_buffers_take_two_where_the_host_has_room():
     kw = dict(seq_len=1024, host_available_bytes=host)
     big = choose_auto_settings(split_of("qwen3-8b"), rt, batch_size=16, max_grad_norm=1.0, gpu_free_bytes=int(78.5 * GiB),
                                **kw)
-    assert big.held_buffers == 2
+    assert big.clip.held_buffers == 2
     one = choose_auto_settings(split_of("qwen3-8b"), dataclasses.replace(rt, held_buffers=1), batch_size=16,
                                max_grad_norm=1.0, gpu_free_bytes=int(78.5 * GiB), **kw)
     assert dataclasses.replace(big, held_buffers=1) == one
@@ -946,20 +966,21 @@ def test_auto_held_buffers_take_two_where_the_host_has_room():
     small = choose_auto_settings(split_of("llama-3.1-8b"), rt, batch_size=8, max_grad_norm=1.0,
                                  gpu_free_bytes=int(23.5 * GiB), **kw)
     host_units = len(split_of("llama-3.1-8b").units)          # all on the host here
-    assert small.held_buffers == 2 and 0 < small.held_second_units < host_units
+    assert small.clip.held_buffers == 2 and 0 < small.clip.held_second_units < host_units
     est = estimate_memory(split_of("llama-3.1-8b"), small, batch_size=8, seq_len=1024, max_grad_norm=1.0)
     assert est.host_bytes <= FIT_SAFETY * host
-    more = dataclasses.replace(small, held_second_units=small.held_second_units + 1)      # the next does not fit
+    more = dataclasses.replace(small, held_second_units=small.clip.held_second_units + 1)      # the next does not fit
     assert estimate_memory(split_of("llama-3.1-8b"), more, batch_size=8, seq_len=1024,
                            max_grad_norm=1.0).host_bytes > FIT_SAFETY * host
     plan = PlacementPlan.build(unit_shapes(split_of("llama-3.1-8b")), small, "deferred")
-    assert [u.held for u in plan.units] == [2] * small.held_second_units + [1] * (host_units - small.held_second_units)
+    second = small.clip.held_second_units
+    assert [u.held for u in plan.units] == [2] * second + [1] * (host_units - second)
     tight = choose_auto_settings(split_of("llama-3.1-8b"), rt, batch_size=8, max_grad_norm=1.0,
                                  gpu_free_bytes=int(23.5 * GiB), seq_len=1024, host_available_bytes=114 * GiB)
-    assert (tight.held_buffers, tight.held_second_units) == (1, -1)
+    assert (tight.clip.held_buffers, tight.clip.held_second_units) == (1, -1)
     plain = choose_auto_settings(split_of("qwen3-8b"), rt, batch_size=16, max_grad_norm=0.0,
                                  gpu_free_bytes=int(78.5 * GiB), **kw)
-    assert plain.held_buffers == 1
+    assert plain.clip.held_buffers == 1
 
 
 def test_auto_disk_buffers_read_ahead_as_deep_as_host_ram_has_room_for():
@@ -977,9 +998,9 @@ def test_auto_disk_buffers_read_ahead_as_deep_as_host_ram_has_room_for():
     kw = dict(batch_size=16, seq_len=1024, max_grad_norm=1.0, gpu_free_bytes=int(78.5 * GiB))
     roomy = choose_auto_settings(split, rt, host_available_bytes=123 * GiB, **kw)
     plan = PlacementPlan.build(unit_shapes(split), roomy, "deferred")
-    blocks = tier_blocks(plan, rt.disk_block_mb)
+    blocks = tier_blocks(plan, rt.disk.disk_block_mb)
     assert blocks == sum(-(-u.numel // block_elems(64)) for u in plan.units if u.state == "disk") > 8
-    assert roomy.disk_buffers == plan.disk_buffers == blocks // 2
+    assert roomy.disk.disk_buffers == plan.disk_buffers == blocks // 2
     est = estimate_memory(split, roomy, batch_size=16, seq_len=1024, max_grad_norm=1.0)
     assert est.host_parts["disk tier block buffers"] == blocks // 2 * 8 * block_elems(64)
     assert est.host_bytes <= FIT_SAFETY * 123 * GiB
@@ -988,15 +1009,15 @@ def test_auto_disk_buffers_read_ahead_as_deep_as_host_ram_has_room_for():
                             batch_size=16, seq_len=1024, max_grad_norm=1.0).host_bytes
     host = int((least + 20 * 8 * block_elems(64) + 2**20) / FIT_SAFETY)          # room for 20 more buffers
     tight = choose_auto_settings(split, rt, host_available_bytes=host, **kw)
-    assert (tight.disk_units, tight.disk_buffers, tight.held_buffers) == (4, 28, 1)
+    assert (tight.disk.disk_units, tight.disk.disk_buffers, tight.clip.held_buffers) == (4, 28, 1)
     assert estimate_memory(split, tight, batch_size=16, seq_len=1024, max_grad_norm=1.0).host_bytes <= FIT_SAFETY * host
     assert estimate_memory(split, dataclasses.replace(tight, disk_buffers=29), batch_size=16, seq_len=1024,
                            max_grad_norm=1.0).host_bytes > FIT_SAFETY * host
     # nothing on disk (left at auto: moot), or a count given
     none = choose_auto_settings(split, cuda_rt(mode="slide"), host_available_bytes=123 * GiB, **kw)
-    assert none.disk_buffers == -1
+    assert none.disk.disk_buffers == -1
     given = choose_auto_settings(split, dataclasses.replace(rt, disk_buffers=12), host_available_bytes=123 * GiB, **kw)
-    assert given.disk_buffers == 12
+    assert given.disk.disk_buffers == 12
     # unresolved (an engine built directly): the old 8; the plan's record keeps the count
     assert PlacementPlan.build(unit_shapes(split), rt, "deferred").disk_buffers == DISK_BUFFERS_UNRESOLVED
     assert PlacementPlan.from_dict(plan.to_dict()) == plan
@@ -1116,7 +1137,7 @@ def test_a_long_sequence_on_the_small_gpu_takes_the_lean_layer_and_keeps_checkpo
     small = dict(gpu_free_bytes=24 * GiB, host_available_bytes=123 * GiB)
     got = choose_auto_settings(split, cuda_rt(), **small, **kw)
     est = estimate_memory(split, got, **kw)
-    assert (got.lean_layer, got.resolved_head_impl, got.offloads_activations) == ("on", "fused", True)
+    assert (got.layer.lean_layer, got.resolved_head_impl, got.offloads_activations) == ("on", "fused", True)
     assert est.plan.gpu_checkpoints == 13
     check_fit(split, got, **small, **kw)
     with pytest.raises(InsufficientMemoryError):
@@ -1142,12 +1163,12 @@ def test_auto_picks_the_lean_layer_only_where_it_makes_the_run_fit(tmp_path):
     rt = cuda_rt()
     small = dict(gpu_free_bytes=24 * GiB, host_available_bytes=123 * GiB, seq_len=1024, padded=False)
     plain = choose_auto_settings(split, rt, batch_size=64, max_grad_norm=0.0, **small)
-    assert (plain.lean_layer, plain.offload_activations, plain.resolved_head_impl) == ("on", "on", "fused")
+    assert (plain.layer.lean_layer, plain.offload_activations, plain.resolved_head_impl) == ("on", "on", "fused")
     check_fit(split, plain, batch_size=64, max_grad_norm=0.0, **small)
     with pytest.raises(InsufficientMemoryError):
         check_fit(split, dataclasses.replace(plain, lean_layer="off"), batch_size=64, max_grad_norm=0.0, **small)
     clipped = choose_auto_settings(split, rt, batch_size=64, max_grad_norm=1.0, **small)
-    assert clipped.lean_layer == "on" and clipped.disk_units == 0
+    assert clipped.layer.lean_layer == "on" and clipped.disk.disk_units == 0
     check_fit(split, clipped, batch_size=64, max_grad_norm=1.0, **small)
     untiled = choose_auto_settings(split, dataclasses.replace(rt, layer_row_tokens=0), batch_size=64,
                                    max_grad_norm=1.0, **small)
@@ -1155,11 +1176,11 @@ def test_auto_picks_the_lean_layer_only_where_it_makes_the_run_fit(tmp_path):
         check_fit(split, untiled, batch_size=64, max_grad_norm=1.0, **small)
     disk = dataclasses.replace(rt, disk_dir=str(tmp_path), layer_row_tokens=0)
     b64 = choose_auto_settings(split, disk, batch_size=64, max_grad_norm=1.0, **small)
-    assert b64.lean_layer == "on" and b64.disk_units > 0
+    assert b64.layer.lean_layer == "on" and b64.disk.disk_units > 0
     check_fit(split, b64, batch_size=64, max_grad_norm=1.0, disk_free_bytes=60 * GiB, **small)
     roomy = choose_auto_settings(split, cuda_rt(), batch_size=16, gpu_free_bytes=80 * GiB,
                                  host_available_bytes=125 * GiB, seq_len=1024, max_grad_norm=1.0)
-    assert (roomy.lean_layer, roomy.offload_activations) == ("off", "off")
+    assert (roomy.layer.lean_layer, roomy.offload_activations) == ("off", "off")
 
 
 def test_the_small_gpu_offloads_checkpoints_and_fuses_the_head_by_itself():

@@ -43,7 +43,7 @@ def built(monkeypatch):
 
 
 def _autos(rt: RuntimeConfig) -> dict:
-    return {name: getattr(rt, name) for name in AUTO_FIELDS}
+    return {name: rt.setting(name) for name in AUTO_FIELDS}
 
 
 def test_train_measure_and_soak_set_up_through_prepare_run_alike(built, tmp_path):
@@ -61,7 +61,7 @@ def test_train_measure_and_soak_set_up_through_prepare_run_alike(built, tmp_path
     assert soak(SoakSpec(workload=workload, runtime=runtime, max_grad_norm=1.0, progress_every=0))["status"] == "ok"
     assert len(built) == 3                            # measure and soak built through run_setup too
     (train_rt, train_plan), (measure_rt, measure_plan), (soak_rt, soak_plan) = built
-    assert train_rt.cache_units != -1 and train_rt.held_buffers in (1, 2)     # resolved, not auto
+    assert train_rt.placement.cache_units != -1 and train_rt.clip.held_buffers in (1, 2)     # resolved, not auto
     assert _autos(train_rt) == _autos(measure_rt) == _autos(soak_rt)
     assert train_plan.to_dict() == measure_plan.to_dict() == soak_plan.to_dict()
 
@@ -74,7 +74,7 @@ def test_a_refusal_is_a_result_when_asked_and_nothing_is_built(built, monkeypatc
     device = Device.resolve("cpu")
     prepared = run_setup.prepare_run(req, device)
     assert prepared.engine is None and "host RAM" in prepared.refusal and not built
-    assert prepared.runtime.cache_units != -1 and prepared.plan is not None   # placed before the check
+    assert prepared.runtime.placement.cache_units != -1 and prepared.plan is not None   # placed before the check
     with pytest.raises(InsufficientMemoryError):
         run_setup.prepare_run(dataclasses.replace(req, refusal_as_result=False), device)
     assert not built

@@ -4,7 +4,7 @@ Times torch's fused CPU AdamW (engine.adamw.FlatAdamW) several ways and writes o
   probe        bench.roofline.probe_adamw as the floor uses it (one 128M-element tensor, median of 11 steps)
   probe10      the same, 10 steps
   units        as the slide engine runs it: several layer-sized units, each its own FlatAdamW,
-               updated in 64M-element chunks (RuntimeConfig.chunk_mb=256) from a BF16 pinned-like
+               updated in 64M-element chunks (--tuning.chunk_mb=256) from a BF16 pinned-like
                buffer copied into one FP32 scratch chunk (transfer.GradDrain.consume)
   units_nocast the same without the BF16 -> FP32 copy
   threads=T    the probe at T intra-op threads

@@ -41,7 +41,7 @@ from slidetune.engine import native_adamw
 from slidetune.engine.adamw import AdamWConfig, FlatAdamW
 from slidetune.telemetry.machine import machine_info
 
-CHUNK = 64 * 2**20                      # elements: RuntimeConfig.chunk_mb=256 of FP32
+CHUNK = 64 * 2**20                      # elements: --tuning.chunk_mb=256 of FP32
 
 
 class Load(threading.Thread):

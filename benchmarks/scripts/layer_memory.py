@@ -184,7 +184,7 @@ def measure(model: str, batch: int, seq: int, variants: list[str], reps: int,
     for name in variants:
         rt = RuntimeConfig(mode="slide", dtype="bf16", device="cuda", mlp_tile_tokens=ARGS.tile, **VARIANTS[name])
         row = {"model": model, "batch": batch, "seq": seq, "tokens": batch * seq, "variant": name,
-               "mlp_tile_tokens": ARGS.tile if rt.lean_layer == "on" else None, **rates}
+               "mlp_tile_tokens": ARGS.tile if rt.layer.lean_layer == "on" else None, **rates}
         if "liger" in name and not liger_installed:
             row["error"] = "liger-kernel is not installed (pip install 'slidetune[liger]')"
         else:
@@ -284,7 +284,7 @@ def main() -> int:
     p.add_argument("out_dir")
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="MODEL:BxS,... (default %(default)s)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="of " + ", ".join(VARIANTS))
-    p.add_argument("--tile", type=int, default=RuntimeConfig().mlp_tile_tokens, help="the lean layer's MLP tile")
+    p.add_argument("--tile", type=int, default=RuntimeConfig().layer.mlp_tile_tokens, help="the lean layer's MLP tile")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler over one more recompute + backward per variant: GPU time by kernel class")

@@ -135,33 +135,33 @@ def _print_auto_hints(cfg, split, estimate) -> None:
     from .engine.placement import AUTO_WINDOW, cache_unit_options
     gib = 2**30
     # the slot choices engine.fit.choose_auto_settings tries for cache_units
-    cache_options = cache_unit_options(cfg.runtime.cache_units)
-    if cfg.runtime.cache_units == -1:
+    cache_options = cache_unit_options(cfg.runtime.placement.cache_units)
+    if cfg.runtime.placement.cache_units == -1:
         resident = estimate(cache_units=0)
         print(f"cache_units auto: the estimate above is the {AUTO_WINDOW}-slot window; on a GPU with at least "
               f"{free_memory_needed(resident.gpu_bytes) / gib:.1f} GiB free every layer stays resident "
               f"(GPU {resident.gpu_bytes / gib:.2f} GiB; faster: the forward no longer waits on PCIe)")
-    if cfg.runtime.grad_slot_dtype == "auto" and cfg.runtime.grad_download == "compute":
+    if cfg.runtime.transfer.grad_slot_dtype == "auto" and cfg.runtime.transfer.grad_download == "compute":
         print("grad_slot_dtype auto: compute (gradients cross PCIe in the compute dtype and the host's AdamW "
               "widens them, grad_download=compute)")
-    elif cfg.runtime.grad_slot_dtype == "auto":
+    elif cfg.runtime.transfer.grad_slot_dtype == "auto":
         for cache_units in cache_options:
             fp32 = estimate(cache_units=cache_units, grad_slot_dtype="fp32")
             print(f"grad_slot_dtype auto: with cache_units {cache_units}, FP32 gradient slots need a GPU with "
                   f"{free_memory_needed(fp32.gpu_bytes) / gib:.1f} GiB free (GPU {fp32.gpu_bytes / gib:.2f} GiB; the gradient "
                   f"copies then need no cast kernel); below that the slots keep the compute dtype")
-    if cfg.runtime.device_layers == -1:
+    if cfg.runtime.placement.device_layers == -1:
         one = estimate(device_layers=1).gpu_bytes - estimate(device_layers=0).gpu_bytes
         every = estimate(device_layers=split.num_layers).gpu_bytes
         print(f"device_layers auto: each layer kept and updated on the GPU adds about {one / gib:.2f} GiB "
               f"to the estimate above and takes its share off the host's AdamW; all "
               f"{split.num_layers} need a GPU with {free_memory_needed(every) / gib:.1f} GiB free")
-    if cfg.runtime.offloads_activations and cfg.runtime.gpu_checkpoints == -1:
+    if cfg.runtime.offloads_activations and cfg.runtime.placement.gpu_checkpoints == -1:
         one = estimate(gpu_checkpoints=1).host_bytes - estimate(gpu_checkpoints=0).host_bytes
         print(f"gpu_checkpoints auto: the estimate above offloads every checkpoint; each one kept on the GPU "
               f"moves {-one / gib:.2f} GiB from pinned host RAM to the GPU (as many as fit after device_layers, "
               f"or before them where host RAM is what does not fit)")
-    if cfg.runtime.vocab_update == "auto":
+    if cfg.runtime.placement.vocab_update == "auto":
         for cache_units in cache_options:
             dev = estimate(cache_units=cache_units, vocab_update="device")
             print(f"vocab_update auto: with cache_units {cache_units}, the embedding and head are updated on "
@@ -182,9 +182,9 @@ def _plan_terms(cfg, plan) -> None:
     on_gpu = rt.device != "cpu" and torch.cuda.is_available()
     fl = measure_floor(cfg.model, cfg.batch_size, cfg.data.seq_len, cfg.num_layers, rt.device,
                        adamw_n=128 * 2**20 if on_gpu else 16 * 2**20,     # the CPU machine's probe: small and quick
-                       compile_layers=rt.compile_layers != "off", grad_download=rt.grad_download,
-                       host_adamw=rt.host_adamw, disk_dir=rt.disk_dir if plan.indices("disk") else None,
-                       disk_block_mb=rt.disk_block_mb, disk_io_threads=rt.disk_io_threads)
+                       compile_layers=rt.compile_layers != "off", grad_download=rt.transfer.grad_download,
+                       host_adamw=rt.host.host_adamw, disk_dir=rt.disk_dir if plan.indices("disk") else None,
+                       disk_block_mb=rt.disk.disk_block_mb, disk_io_threads=rt.disk.disk_io_threads)
     if fl.get("status") != "ok":
         print(f"the probes failed: {fl.get('error', fl)}")
         return
@@ -195,7 +195,7 @@ def _plan_terms(cfg, plan) -> None:
             terms["disk_s"] = disk_term(plan, disk)
     else:
         terms = floor_terms(fl["compute"], fl["copy"], fl["adamw"], plan, device_adamw=fl.get("device_adamw"),
-                            disk=disk, split_sweep=rt.clip_sweep != "whole")
+                            disk=disk, split_sweep=rt.clip.clip_sweep != "whole")
     def count(n: int) -> str:
         return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.1f} M"
 
@@ -269,16 +269,17 @@ def _plan_resolved(ns, cfg, split):
                   else f"host {est.host_bytes / gib:.2f} GiB")
     settings = ""
     if plan is not None and on_gpu:
-        settings = (f"cache_units={resolved.cache_units} "
-                    + (f"resident_layers={plan.resident_layers} " if resolved.cache_units else "")
-                    + f"vocab_update={resolved.vocab_update} grad_slot_dtype={resolved.grad_slot_dtype} "
+        settings = (f"cache_units={resolved.placement.cache_units} "
+                    + (f"resident_layers={plan.resident_layers} " if resolved.placement.cache_units else "")
+                    + f"vocab_update={resolved.placement.vocab_update} "
+                    + f"grad_slot_dtype={resolved.transfer.grad_slot_dtype} "
                     f"device_layers={plan.device_layers}"
                     + f" offload_activations={resolved.offload_activations}"
                     + (f" gpu_checkpoints={plan.gpu_checkpoints}" if resolved.offloads_activations else "")
-                    + f" lean_layer={resolved.lean_layer} head_impl={resolved.resolved_head_impl}"
-                    + (f" held_buffers={resolved.held_buffers}" if est.schedule == "deferred" else ""))
+                    + f" lean_layer={resolved.layer.lean_layer} head_impl={resolved.resolved_head_impl}"
+                    + (f" held_buffers={resolved.clip.held_buffers}" if est.schedule == "deferred" else ""))
     if plan is not None and resolved.disk_dir:
-        settings += f" disk_units={len(plan.indices('disk'))} disk_master={resolved.disk_master}"
+        settings += f" disk_units={len(plan.indices('disk'))} disk_master={resolved.disk.disk_master}"
     print(f"resolved on {where} and {host / gib:.1f} GiB of host RAM{': ' + settings.strip() if settings else ''}: "
           + (f"GPU {est.gpu_bytes / gib:.2f} GiB{' per rank' if ranks > 1 else ''}, " if on_gpu else "") + host_words
           + (f", disk tier {est.disk_bytes / gib:.2f} GiB" if est.disk_bytes else ""))

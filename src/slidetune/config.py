@@ -36,8 +36,8 @@ from pathlib import Path
 import yaml
 
 from .data.config import DataConfig
-from .engine.adamw import AdamWConfig
-from .engine.config import TUNING_SECTION, RuntimeConfig, tuning_docs
+from .engine.adamw import FP32_ADAMW, AdamWConfig
+from .engine.config import SECTIONS, TUNING_SECTION, RuntimeConfig, literal_choices, runtime_fields, tuning_docs
 from .telemetry.trackers import parse_report_to
 
 
@@ -176,28 +176,39 @@ _HELP = {
                      "device computes it natively (a CUDA GPU with bf16; a CPU with AMX-BF16 or AVX512-BF16), else "
                      "fp32 (on a CPU without them bf16 is emulated, many times slower); the run prints which and why. "
                      "Master weights and AdamW moments are FP32 whatever this is",
-    "runtime.disk_dir": "a directory on a local disk (NVMe ideally) where the AdamW moments of some units live, "
-                        "read ahead of their update and written behind it: 4 instead of 12 B/param of host RAM for "
-                        "each, 16 B/param through the disk a step (how many: --tuning.disk_units, auto: as few as "
-                        "make host RAM fit); with --tuning.disk_master their FP32 masters too: 2 B/param of RAM "
-                        "(the BF16 weights the uploads read), 24 B/param through the disk a step",
+    "runtime.disk_dir": f"a directory on a local disk (NVMe ideally) where the AdamW moments of some units live, "
+                        f"read ahead of their update and written behind it: {FP32_ADAMW.master_bytes} instead of "
+                        f"{FP32_ADAMW.bytes_per_param} B/param of host RAM for each, "
+                        f"{2 * FP32_ADAMW.moment_bytes} B/param through the disk a step (how many: "
+                        f"--tuning.disk_units, auto: as few as make host RAM fit); with --tuning.disk_master their "
+                        f"FP32 masters too: 2 B/param of RAM (the BF16 weights the uploads read), "
+                        f"{2 * FP32_ADAMW.bytes_per_param} B/param through the disk a step",
 }
+
+
+def _section_fields(name: str) -> dict[str, dataclasses.Field]:
+    """A section's fields by name; the runtime's flat (its knobs' own sections are internal)."""
+    if name == "runtime":
+        return runtime_fields()
+    return {f.name: f for f in dataclasses.fields(_SECTION_CLASSES[name])}
 
 
 def _leaf_fields(cls, prefix: str = ""):
     for f in dataclasses.fields(cls):
         if f.name in _SECTIONS and not prefix:
-            sub = _SECTION_CLASSES[f.name]
-            yield from _leaf_fields(sub, f.name + ".")
+            for sub in _section_fields(f.name).values():
+                yield f"{f.name}.{sub.name}", sub
         else:
             yield prefix + f.name, f
 
 
 def _base_type(tp):
-    """int | None -> (int, True)."""
+    """int | None -> (int, True); Literal["a", "b"] -> (str, False)."""
     if isinstance(tp, str):
         tp = eval(tp, vars(typing), {})  # noqa: S307 - our own annotations
     args = typing.get_args(tp)
+    if typing.get_origin(tp) is typing.Literal:
+        return type(args[0]), False
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         non_none = [a for a in args if a is not type(None)]
         return non_none[0], True
@@ -261,15 +272,19 @@ def flag_group(path: str) -> str | None:
 def _field_default(path: str):
     obj = TrainConfig()
     for part in path.split("."):
-        obj = getattr(obj, part)
+        obj = obj.setting(part) if isinstance(obj, RuntimeConfig) else getattr(obj, part)
     return obj
 
 
 def _value_spec(path: str, f: dataclasses.Field) -> dict:
-    """argparse keywords that parse a field's value (type, metavar, a bare flag's meaning)."""
+    """argparse keywords that parse a field's value (type, metavar, a bare flag's meaning, and the
+    choices of a Literal field, engine.config's one list of them)."""
     base, _ = _base_type(f.type)
     spec = {"type": lambda s, t=f.type: _parse_value(s, t),
             "metavar": base.__name__.upper() if isinstance(base, type) else "VALUE"}
+    choices = None if f.metadata.get("normalize") else literal_choices(f.type)
+    if choices:
+        spec.update(choices=choices, metavar="{" + ",".join(map(str, choices)) + "}")
     if base is bool:
         spec.update(nargs="?", const=True)                       # a bool flag alone means true
     if path in _BARE_FLAG:
@@ -313,12 +328,14 @@ def tuning_help() -> str:
              "defaults were measured (benchmarks/NOTES.md) and the auto ones resolve per machine at the start of "
              "a run (`slidetune plan` shows what they resolve to): leave them unless a profile or the `when` line "
              "says otherwise.")
-    lines = [textwrap.fill(intro, 100), ""]
-    for name, doc in tuning_docs().items():
-        f = RuntimeConfig.__dataclass_fields__[name]
-        metavar = _value_spec(f"runtime.{name}", f)["metavar"]
-        lines += [f"  --{TUNING_SECTION}.{name} {metavar} (default: {_field_default(f'runtime.{name}')})",
-                  f"      {doc.help}", f"      when: {doc.when}"]
+    lines = [textwrap.fill(intro, 100)]
+    docs = tuning_docs()
+    for section, cls in SECTIONS.items():          # the component that reads them (engine/config.py)
+        lines += ["", f"{section} ({cls.__name__}):"]
+        for f in dataclasses.fields(cls):
+            metavar = _value_spec(f"runtime.{f.name}", f)["metavar"]
+            lines += [f"  --{TUNING_SECTION}.{f.name} {metavar} (default: {_field_default(f'runtime.{f.name}')})",
+                      f"      {docs[f.name].help}", f"      when: {docs[f.name].when}"]
     return "\n".join(lines)
 
 
@@ -489,8 +506,7 @@ def _flatten_yaml(loaded: dict, source: str) -> dict:
                 continue
             if not isinstance(value, dict):
                 raise ValueError(f"{source}: section {k!r} must be a mapping of its fields, got {value!r}")
-            cls = _SECTION_CLASSES[k]
-            names = {f.name for f in dataclasses.fields(cls)}
+            names = set(_section_fields(k))
             for sub, v in value.items():
                 s2 = str(sub).replace("-", "_")
                 if s2 not in names:
@@ -594,9 +610,9 @@ def build_config(raw: dict) -> TrainConfig:
     if tuning:
         raw["runtime"] = {**(raw.get("runtime") or {}), **tuning}
     sections = {}
-    for name, cls in (("data", DataConfig), ("runtime", RuntimeConfig), ("optim", AdamWConfig)):
+    for name in _SECTIONS:
         values = raw.pop(name, {}) or {}
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = set(_section_fields(name))
         unknown = set(values) - names
         if unknown:
             raise ValueError(f"unknown {name} fields: {sorted(unknown)}; known: {sorted(names)}")
@@ -616,8 +632,9 @@ def build_config(raw: dict) -> TrainConfig:
 
 
 def config_to_dict(cfg: TrainConfig) -> dict:
-    """The config as saved in config.json: sections nested, the tuning knobs as their own group."""
-    return group_tuning(dataclasses.asdict(cfg))
+    """The config as saved in config.json: sections nested, the tuning knobs as their own flat group
+    (their sections in RuntimeConfig are internal: the names are unique, as on the command line)."""
+    return group_tuning({**dataclasses.asdict(cfg), "runtime": cfg.runtime.to_flat()})
 
 
 def group_tuning(d: dict) -> dict:

@@ -214,7 +214,7 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None, *, verbose:
     except TrackerUnavailable as e:
         raise TrainingError(str(e)) from None
     seed_everything(cfg.seed)
-    ranks, device = Ranks.start(cfg.runtime.device, waits=cfg.runtime.cuda_waits)
+    ranks, device = Ranks.start(cfg.runtime.device, waits=cfg.runtime.host.cuda_waits)
     held: list[RunLock] = []
     try:
         # One run per directory (run_lock.py), held until the run ends. Taken first: a second run is
@@ -268,7 +268,7 @@ def _refuse_under_data_parallel(cfg: TrainConfig, ranks: Ranks) -> None:
     bad = []
     if rt.mode != "slide":
         bad.append(f"--mode {rt.mode} (data parallel runs in slide mode only)")
-    if rt.disk_master not in ("off", "auto"):
+    if rt.disk.disk_master not in ("off", "auto"):
         bad.append("--tuning.disk_master (the masters of disk units on disk; use off or auto)")
     if bad:
         raise TrainingError(f"{ranks.world_size} ranks (data parallel) do not support yet: " + "; ".join(bad)
@@ -443,7 +443,7 @@ def _prepare_output(cfg: TrainConfig, loaded: LoadedModel, plan: PlacementPlan |
               f"{src.name}", file=sys.stderr)
     try:
         # before step 1: final/ must fit, and periodic checkpoints asked for (save_plan.py)
-        tier = (Path(runtime.disk_dir), tier_bytes(plan, runtime.disk_block_mb)) \
+        tier = (Path(runtime.disk_dir), tier_bytes(plan, runtime.disk.disk_block_mb)) \
             if plan is not None and plan.indices("disk") else None
         saves = plan_saves(loaded.split.num_params(), save_dtype=save_dtype, output_dir=out, checkpoint_dir=ckpt_dir,
                            save_every=cfg.save_every, keep_last=cfg.keep_last, scratch=tier,

@@ -11,7 +11,7 @@ import gc
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -124,10 +124,10 @@ def start_ranks(spec: MeasureSpec, rt: RuntimeConfig) -> tuple[Ranks, Device]:
     rank and device as training takes them (ranks.Ranks.start: cuda:LOCAL_RANK over NCCL, or gloo
     on the CPU)."""
     if spec.ranks <= 1:
-        return Ranks.single(), Device.resolve(rt.device, waits=rt.cuda_waits)
+        return Ranks.single(), Device.resolve(rt.device, waits=rt.host.cuda_waits)
     if rt.mode != "slide":
         raise ValueError(f"{spec.ranks} ranks: data parallel runs in slide mode only, not {rt.mode}")
-    ranks, device = Ranks.start(rt.device, rt.cuda_waits)
+    ranks, device = Ranks.start(rt.device, rt.host.cuda_waits)
     if ranks.world_size != spec.ranks:
         ranks.close()
         raise ValueError(f"the spec asks for {spec.ranks} ranks, but this process is one of {ranks.world_size} "
@@ -202,7 +202,7 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
         on_placed=lambda placed: estimates.append(fit_estimate(placed, device)) if placed.plan is not None else None)
     rt, loaded, engine = prepared.runtime, prepared.loaded, prepared.engine
     if prepared.refusal is not None:
-        return {"spec": spec.to_dict(), "machine": machine_info(), "runtime": asdict(rt),
+        return {"spec": spec.to_dict(), "machine": machine_info(), "runtime": rt.to_flat(),
                 "status": "refused", "error": prepared.refusal}
     init_s = time.perf_counter() - t0
     host_memory["built"] = host_memory_snapshot()
@@ -247,7 +247,7 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
 
 def _result_head(spec: MeasureSpec, rt: RuntimeConfig, engine, split, device: Device, init_s: float) -> dict:
     """The result's first keys: the spec, the machine, the runtime as the engine resolved it."""
-    runtime = asdict(rt)
+    runtime = rt.to_flat()
     if hasattr(engine, "resident_layers"):
         # the layers with a slot of their own as the engine resolved them (auto left unresolved
         # means none; a window that would hold every other layer makes them all resident)

@@ -6,7 +6,7 @@ bandwidth, parameters / CPU AdamW rate). Each term is measured here, not assumed
            backward, times the number of layers, plus head and embedding;
   copies   pinned <-> device bandwidth each way and both at once (1 GiB transfers);
   AdamW    the host AdamW over a flat FP32 tensor, params/s at the current thread count,
-           through the engine's kernel (RuntimeConfig.host_adamw), on BF16 gradients
+           through the engine's kernel (--tuning.host_adamw), on BF16 gradients
            (grad_download=compute, the default) or FP32 ones; and the GPU's AdamW of the units
            updated there (vocab_update=device, device_layers), added to compute;
   collective  N data-parallel ranks on one host: the gradient all-reduce at the bus bandwidth
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from ..engine import native_adamw
 from ..engine.adamw import FP32_ADAMW, AdamWConfig, FlatAdamW
-from ..engine.config import RuntimeConfig
+from ..engine.config import RuntimeConfig, runtime_fields
 from ..engine.distributed import plan_owners, shared_layout
 from ..engine.placement import PlacementPlan, shapes_from_counts
 from ..models.load import RandomInit, load_model
@@ -522,9 +522,9 @@ def plan_of_runtime(comp: dict, runtime: dict | None = None, clipped: bool = Fal
     the probe's shapes; -1 and auto, left unresolved, mean what an engine built directly does
     (nothing on the GPU, a 3-slot window). No runtime: the design's placement, every unit on the
     host. clipped: the run clipped by the global norm (its max_grad_norm > 0)."""
-    known = {f.name for f in dataclasses.fields(RuntimeConfig)}
+    known = runtime_fields()
     rt = RuntimeConfig(**{k: v for k, v in (runtime or {}).items() if k in known})
-    schedule = "deferred" if clipped or rt.schedule == "deferred" else "eager"
+    schedule = "deferred" if clipped or rt.clip.schedule == "deferred" else "eager"
     vocab = comp["vocab_params"]
     embed = comp.get("embed_params", vocab // 2)
     shapes = shapes_from_counts(comp["num_layers"], comp["layer_params"], embed, vocab - embed)
@@ -645,7 +645,7 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
       updates its own copy, so device AdamW and the disk tier's I/O (rank 0's) stay per host.
     - host_dram_s: the N uploads of each unit all read the one shared master from the same DRAM,
       beside AdamW's traffic and the gradients' DMA (host_dram_term; one rank has the term too).
-    - dp_weights="gather" (RuntimeConfig.dp_weights): a unit's owner alone uploads it and
+    - dp_weights="gather" (--tuning.dp_weights): a unit's owner alone uploads it and
       broadcasts it to the host's other GPUs: h2d_s is the busiest rank's share of the uploads,
       host_dram_s reads the master once, and gather_s (_gather_term) is beside the step.
     One rank gives exactly the one-rank terms."""

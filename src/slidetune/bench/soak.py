@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 import psutil
 import torch
@@ -64,7 +64,7 @@ def soak(spec: SoakSpec) -> dict:
     """Build the engine as `train` does, run its steps, sample each; the result as a dict."""
     wl = spec.workload
     rt = RuntimeConfig(**{"mode": "slide", **spec.runtime})
-    device = Device.resolve(rt.device, waits=rt.cuda_waits)
+    device = Device.resolve(rt.device, waits=rt.host.cuda_waits)
     rt = replace(rt, device=device.device.type)       # auto -> cuda | cpu: the result names the device that ran
     base = dict(spec=spec.to_dict(), machine=machine_info())
     # synthetic rows are full: never padded
@@ -75,7 +75,7 @@ def soak(spec: SoakSpec) -> dict:
         check_memory=spec.check_memory and rt.mode == "slide", refusal_as_result=True), device)
     rt, loaded, engine = prepared.runtime, prepared.loaded, prepared.engine
     if prepared.refusal is not None:
-        return {**base, "runtime": asdict(rt), "status": "refused", "error": prepared.refusal}
+        return {**base, "runtime": rt.to_flat(), "status": "refused", "error": prepared.refusal}
     init_s = prepared.build_s
     t0 = time.perf_counter() - init_s          # the engine's build began: --max-minutes counts from there
     proc = psutil.Process()
@@ -130,7 +130,7 @@ def soak(spec: SoakSpec) -> dict:
         engine.close()
         if log is not None:
             log.close()
-    return {**base, "status": "ok", "runtime": asdict(rt), "init_s": init_s, "params": loaded.split.num_params(),
+    return {**base, "status": "ok", "runtime": rt.to_flat(), "init_s": init_s, "params": loaded.split.num_params(),
             "num_layers": loaded.split.num_layers, "samples": samples,
             "stopped_after_steps": stopped_at}      # --max-minutes ended it early (None: every step ran)
 

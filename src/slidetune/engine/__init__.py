@@ -15,7 +15,7 @@ def build_engine(loaded: LoadedModel, rt: RuntimeConfig, optim: AdamWConfig, dev
                  grad_accum: int = 1, max_grad_norm: float | None = None, timer: EventTimer | None = None,
                  dist=None):
     """dist: a distributed.DataParallel for data parallel over several ranks (slide mode only)."""
-    device = device or Device.resolve(rt.device, waits=rt.cuda_waits)
+    device = device or Device.resolve(rt.device, waits=rt.host.cuda_waits)
     if rt.mode == "slide":
         from .slide.engine import SlideEngine
         return SlideEngine(loaded, rt, optim, device, grad_accum, max_grad_norm, timer, dist=dist)

@@ -25,7 +25,7 @@ def describe_autos(requested: RuntimeConfig, resolved: RuntimeConfig, plan: Plac
         lines += _slot_lines(requested, resolved, plan)
         lines += _disk_buffer_lines(requested, resolved, plan)
         lines += _host_lines(requested, resolved, plan)
-    if requested.head_impl == "auto":
+    if requested.head.head_impl == "auto":
         lines.append((True, f"head_impl auto -> {resolved.resolved_head_impl}"))
     if slide:
         lines += _checkpoint_and_disk_lines(requested, resolved, plan)
@@ -34,48 +34,49 @@ def describe_autos(requested: RuntimeConfig, resolved: RuntimeConfig, plan: Plac
 
 def _slot_lines(requested: RuntimeConfig, resolved: RuntimeConfig, plan: PlacementPlan) -> list[tuple[bool, str]]:
     lines = []
-    if requested.cache_units == -1:
+    if requested.placement.cache_units == -1:
         resident, window = plan.resident_layers, plan.window_slots
-        lines.append((True, f"cache_units auto -> {resolved.cache_units}: "
+        lines.append((True, f"cache_units auto -> {resolved.placement.cache_units}: "
                       + (f"a {window}-slot window" + (f" and {resident} resident layers" if resident else "")
                          if window else "every host-updated layer stays on the GPU between steps")))
-    if requested.grad_slot_dtype == "auto":
-        lines.append((True, f"grad_slot_dtype auto -> {resolved.grad_slot_dtype}"))
-    if requested.lean_layer == "auto":
-        lines.append((True, f"lean_layer auto -> {resolved.lean_layer}"
+    if requested.transfer.grad_slot_dtype == "auto":
+        lines.append((True, f"grad_slot_dtype auto -> {resolved.transfer.grad_slot_dtype}"))
+    if requested.layer.lean_layer == "auto":
+        lines.append((True, f"lean_layer auto -> {resolved.layer.lean_layer}"
                       + (" (only the lean layer's smaller working set makes the run fit, on the GPU or, through "
                          f"the checkpoints the GPU then keeps, the host: lean RMSNorms, the MLP in tiles of "
-                         f"{resolved.mlp_tile_tokens} tokens)" if resolved.lean_layer == "on"
+                         f"{resolved.layer.mlp_tile_tokens} tokens)" if resolved.layer.lean_layer == "on"
                          else " (HF's layer: it fits)")))
     return lines
 
 
 def _disk_buffer_lines(requested: RuntimeConfig, resolved: RuntimeConfig,
                        plan: PlacementPlan) -> list[tuple[bool, str]]:
-    if requested.disk_buffers != -1 or not plan.indices("disk"):
+    if requested.disk.disk_buffers != -1 or not plan.indices("disk"):
         return []
-    return [(False, f"disk_buffers auto -> {resolved.disk_buffers}: "
-                    f"{_size(buffer_bytes(plan, resolved.disk_block_mb))} of block buffers, the disk tier's "
+    return [(False, f"disk_buffers auto -> {resolved.disk.disk_buffers}: "
+                    f"{_size(buffer_bytes(plan, resolved.disk.disk_block_mb))} of block buffers, the disk tier's "
                     f"read-ahead (as deep as host RAM has room for, at most half the disk units' "
-                    f"{_size(tier_bytes(plan, resolved.disk_block_mb))})")]
+                    f"{_size(tier_bytes(plan, resolved.disk.disk_block_mb))})")]
 
 
 def _host_lines(requested: RuntimeConfig, resolved: RuntimeConfig, plan: PlacementPlan) -> list[tuple[bool, str]]:
     lines = []
-    if requested.held_buffers == -1:
-        lines.append((True, f"held_buffers auto -> {resolved.held_buffers}"
-                      + ("" if resolved.held_buffers == 1 else
+    if requested.clip.held_buffers == -1:
+        lines.append((True, f"held_buffers auto -> {resolved.clip.held_buffers}"
+                      + ("" if resolved.clip.held_buffers == 1 else
                          " (the clipped schedule's gradients alternate between two host buffers)"
-                         if resolved.held_second_units == -1 else
-                         f" for the lowest {resolved.held_second_units} host units "
+                         if resolved.clip.held_second_units == -1 else
+                         f" for the lowest {resolved.clip.held_second_units} host units "
                          f"({plan.ranges(lambda u: u.held == 2)}: as many as host RAM has room for), one for the rest")))
-    if requested.vocab_update == "auto":
-        lines.append((True, f"vocab_update auto -> {resolved.vocab_update}"
-                      + (" (embedding and head updated on the GPU)" if resolved.vocab_update == "device" else "")))
-    if requested.device_layers == -1:
-        lines.append((True, f"device_layers auto -> {max(0, resolved.device_layers)}"
-                      + (f" (decoder layers 0-{resolved.device_layers - 1} kept and updated on the GPU)"
-                         if resolved.device_layers > 0 else "")))
+    if requested.placement.vocab_update == "auto":
+        lines.append((True, f"vocab_update auto -> {resolved.placement.vocab_update}"
+                      + (" (embedding and head updated on the GPU)"
+                         if resolved.placement.vocab_update == "device" else "")))
+    if requested.placement.device_layers == -1:
+        lines.append((True, f"device_layers auto -> {max(0, resolved.placement.device_layers)}"
+                      + (f" (decoder layers 0-{resolved.placement.device_layers - 1} kept and updated on the GPU)"
+                         if resolved.placement.device_layers > 0 else "")))
     if requested.offload_activations == "auto":
         lines.append((True, f"offload_activations auto -> {resolved.offload_activations}"
                       + (" (not every layer-input checkpoint fits the GPU: the rest go to pinned host RAM)"
@@ -86,17 +87,17 @@ def _host_lines(requested: RuntimeConfig, resolved: RuntimeConfig, plan: Placeme
 def _checkpoint_and_disk_lines(requested: RuntimeConfig, resolved: RuntimeConfig,
                                plan: PlacementPlan) -> list[tuple[bool, str]]:
     lines = []
-    if requested.gpu_checkpoints == -1 and resolved.offloads_activations:
+    if requested.placement.gpu_checkpoints == -1 and resolved.offloads_activations:
         kept = plan.gpu_checkpoints
         lines.append((True, f"gpu_checkpoints auto -> {kept}"
                       + (f" (the input checkpoints of the last {kept} decoder layers stay on the GPU)"
                          if kept else "")))
-    if requested.disk_units == -1 and resolved.disk_dir:
+    if requested.disk.disk_units == -1 and resolved.disk_dir:
         lines.append((False, f"disk_units auto -> {len(plan.indices('disk'))}"
                       + (f" ({plan.ranges(lambda u: u.state == 'disk')}: AdamW moments in {resolved.disk_dir})"
                          if plan.indices("disk") else " (host RAM holds the state)")))
-    if requested.disk_master == "auto" and resolved.disk_dir:
-        lines.append((False, f"disk_master auto -> {resolved.disk_master}"
+    if requested.disk.disk_master == "auto" and resolved.disk_dir:
+        lines.append((False, f"disk_master auto -> {resolved.disk.disk_master}"
                       + (f" ({plan.ranges(lambda u: u.master == 'disk')}: FP32 masters on "
                          f"disk too, their compute-dtype weights in host RAM)" if plan.master_params("disk") else "")))
     return lines

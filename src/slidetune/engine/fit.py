@@ -377,8 +377,8 @@ def working_set_bytes(split: SplitModel, rt: RuntimeConfig, batch_size: int, seq
     runtime resolves it on (engine/slide/layer_runner.resolve_lean_layer), else HF's."""
     from .slide.layer_runner import resolve_lean_layer
     if resolve_lean_layer(split, rt) == "on":
-        return lean_row_tiled_bytes(split, batch_size, seq_len, dtype, rt.mlp_tile_tokens, rt.layer_row_tokens,
-                                    masked=masked)
+        return lean_row_tiled_bytes(split, batch_size, seq_len, dtype, rt.layer.mlp_tile_tokens,
+                                    rt.layer.layer_row_tokens, masked=masked)
     return layer_activation_bytes(split, batch_size, seq_len, dtype, masked=masked)
 
 
@@ -508,7 +508,7 @@ def _work(split: SplitModel, rt: RuntimeConfig, batch_size: int, seq_len: int, g
     masks = materialized_masks(split, S, padded)
     layer_inputs = masks * B * S * S + 2 * S * sh.head_dim * 4 + 2 * N * 8   # + ids, labels
     # slide mode's head computes its gradients without autograd, scaled in place (engine/slide)
-    head = int(HEAD_MARGIN * head_bytes(split, N, dtype, rt.resolved_head_impl, rt.head_chunk_tokens,
+    head = int(HEAD_MARGIN * head_bytes(split, N, dtype, rt.resolved_head_impl, rt.head.head_chunk_tokens,
                                         grads_in_place=rt.mode == "slide"))
     return _Work(dev=_device_type(rt), dtype=dtype, b=b, B=B, S=S, N=N, N_step=N * grad_accum,
                  grad_accum=grad_accum, L=sh.layers, d=sh.d, P=split.num_params(),
@@ -571,9 +571,9 @@ def _whole_model_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w: _
         parts.host["weight loading transient"] = max(u.numel for u in split.units) * 4
 
 
-def _grad_slot_bytes(rt: RuntimeConfig, b: int) -> int:
+def _grad_slot_bytes(plan: PlacementPlan, b: int) -> int:
     """Bytes per element of the gradient slots: FP32, or the compute dtype's b."""
-    return 4 if rt.grad_slots_fp32() else b
+    return 4 if plan.grad_slots_fp32 else b
 
 
 def _device_layer_params(split: SplitModel, plan: PlacementPlan) -> int:
@@ -592,7 +592,7 @@ def _slide_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w: _Work, 
         # a micro-batch at a time, its parameter gradients summed in FP32 (a tied embedding's too)
         w = dataclasses.replace(w, head=w.head + 4 * (split.head_unit.numel
                                                       + (split.embed_unit.numel if split.tied else 0)))
-    _slide_gpu_buffers(parts, rt, w, schedule, plan)
+    _slide_gpu_buffers(parts, rt, w, plan)
     parts.phases = _slide_phases(split, rt, w)
     _device_update_terms(parts, split, rt, w, schedule, plan)
     _host_state_terms(parts, split, rt, w, plan)
@@ -608,16 +608,16 @@ def _slide_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w: _Work, 
     parts.host["weight loading transient"] = _weight_loading_transient(split, w, plan, parts.host)
 
 
-def _slide_gpu_buffers(parts: _Parts, rt: RuntimeConfig, w: _Work, schedule: str, plan: PlacementPlan) -> None:
+def _slide_gpu_buffers(parts: _Parts, rt: RuntimeConfig, w: _Work, plan: PlacementPlan) -> None:
     """The window's weight and gradient slots, the vocabulary's, the checkpoints kept on the GPU."""
     gpu, b, P_L, L = parts.gpu, w.b, w.P_L, w.L
     K = plan.layer_slots                              # window slots + resident layers' own
     gpu["layer weight slots"] = K * P_L * b
-    gb = _grad_slot_bytes(rt, b)
-    gpu["layer grad slots"] = rt.resolved_grad_slots(L, eager=schedule == "eager") * P_L * gb
+    gb = _grad_slot_bytes(plan, b)
+    gpu["layer grad slots"] = plan.grad_slots * P_L * gb
     gpu["vocab weight slots"] = (w.P_E + w.P_H) * b
     gpu["vocab grad slots"] = sum(plan.vocab_grad_slot_numels()) * gb
-    if rt.upload_cast_stream == "compute" and (rt.casts_on_gpu(w.dev == "cuda") or w.dev != "cuda"):
+    if rt.transfer.upload_cast_stream == "compute" and (rt.casts_on_gpu(w.dev == "cuda") or w.dev != "cuda"):
         gpu["fp32 landing buffers (cast on the compute stream)"] = (K * P_L + w.P_E + w.P_H) * 4
     # offload: those kept on the GPU, plus in forward the micro-batches' outputs of the layer
     # being computed and the one whose D2H copy is in flight (in backward, the checkpoint being
@@ -635,7 +635,7 @@ def _slide_phases(split: SplitModel, rt: RuntimeConfig, w: _Work) -> dict[str, i
         # with several micro-batches, the other micro-batches' output gradients wait beside it,
         # and the layer's gradient sums in FP32 (a compute-dtype sum would round each add)
         "layer working set": int(_working_set_margin(split, rt) * ws)
-        + (w.grad_accum - 1) * w.ckpt_micro + summing_bytes(rt.grad_sum, w.grad_accum, w.P_L),
+        + (w.grad_accum - 1) * w.ckpt_micro + summing_bytes(rt.transfer.grad_sum, w.grad_accum, w.P_L),
         # the head phase (head_bytes counts the last layer's output and its gradient)
         "head/logits": w.head,
         # embedding backward: a dense [V, d] gradient, and the incoming gradient
@@ -658,11 +658,11 @@ def _device_update_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w:
     if n_dev:
         gpu[f"device layers: master + Adam moments ({state} B/param) + own weight slots"] = (state + b) * P_dev
         if schedule == "deferred":
-            gpu["device layers' held gradients (deferred schedule)"] = _grad_slot_bytes(rt, b) * P_dev
+            gpu["device layers' held gradients (deferred schedule)"] = _grad_slot_bytes(plan, b) * P_dev
     device_units = ([w.P_E, w.P_H] if vocab_device else []) + [u.numel for u in split.layer_units[:n_dev]]
     # the update widens a compute-dtype gradient a chunk at a time
-    if device_units and _grad_slot_bytes(rt, b) != 4:
-        gpu["device update widening buffer"] = 4 * min(rt.chunk_elems(w.P_L), max(device_units))
+    if device_units and _grad_slot_bytes(plan, b) != 4:
+        gpu["device update widening buffer"] = 4 * min(rt.transfer.chunk_elems(w.P_L), max(device_units))
 
 
 def _host_state_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w: _Work, plan: PlacementPlan) -> None:
@@ -679,8 +679,8 @@ def _host_state_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w: _W
             host[f"disk units' masters ({master} B/param; moments on disk)"] = master * (P_disk - P_disk_master)
         if P_disk_master:
             host[f"disk-master units' weights ({b} B/param; master + moments on disk)"] = b * P_disk_master
-        host["disk tier block buffers"] = buffer_bytes(plan, rt.disk_block_mb)
-        parts.disk_bytes = tier_bytes(plan, rt.disk_block_mb)
+        host["disk tier block buffers"] = buffer_bytes(plan, rt.disk.disk_block_mb)
+        parts.disk_bytes = tier_bytes(plan, rt.disk.disk_block_mb)
 
 
 def _deferred_host_buffers(parts: _Parts, split: SplitModel, w: _Work, schedule: str,
@@ -707,7 +707,7 @@ def _transfer_buffers(parts: _Parts, rt: RuntimeConfig, w: _Work, schedule: str,
     b = w.b
     # Mirrors SlideEngine: chunks of chunk_mb MiB of FP32; on CUDA the casts run on the
     # GPU (FP32 master registered in place, FP32 gradient ring, 4 GPU staging chunks).
-    chunk_elems = rt.chunk_elems(w.P_L)
+    chunk_elems = rt.transfer.chunk_elems(w.P_L)
     gpu_cast = rt.casts_on_gpu(w.dev == "cuda")
     deferred = schedule == "deferred"          # gradients straight into the held buffers: no ring
     down_chunks = 0 if deferred else rt.download_chunks(w.P_L)
@@ -715,10 +715,10 @@ def _transfer_buffers(parts: _Parts, rt: RuntimeConfig, w: _Work, schedule: str,
     rings = down_chunks * chunk_elems * (4 if downloads_fp32 else b)
     staging = 0
     if gpu_cast:
-        staging += rt.upload_stages * chunk_elems * 4            # uploads: FP32 from the registered master
+        staging += rt.transfer.upload_stages * chunk_elems * 4            # uploads: FP32 from the registered master
     else:
-        rings += rt.upload_ring * chunk_elems * b
-    if gpu_cast and downloads_fp32 and not rt.grad_slots_fp32() and not deferred:
+        rings += rt.transfer.upload_ring * chunk_elems * b
+    if gpu_cast and downloads_fp32 and not plan.grad_slots_fp32 and not deferred:
         staging += 2 * chunk_elems * 4                           # the D2H stream's cast
     if staging:
         parts.gpu["fp32 cast staging"] = staging
@@ -954,7 +954,7 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
             placed = choose(recipe)
             missing = short(placed)
             if missing[0] == 0:
-                if not placed.disk_dir or placed.disk_units == 0:
+                if not placed.disk_dir or placed.disk.disk_units == 0:
                     return placed
                 with_disk = with_disk or placed
             if best is None or missing < best_short:
@@ -970,9 +970,9 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
 
     def host_bytes(c: RuntimeConfig) -> int:
         return estimate_memory(split, c, **kw).host_bytes_per_host(ranks_per_host)
-    if placed.disk_buffers == -1:
+    if placed.disk.disk_buffers == -1:
         placed = _with_disk_buffers(split, placed, schedule, budget, host_bytes)
-    if placed.held_buffers != -1:
+    if placed.clip.held_buffers != -1:
         return placed
     one = dataclasses.replace(placed, held_buffers=1, held_second_units=-1)
     if schedule != "deferred":
@@ -1022,8 +1022,8 @@ def _memory_recipes(split: SplitModel, rt: RuntimeConfig) -> list[RuntimeConfig]
     on_gpu = _device_type(rt) == "cuda"
     offloads = (["off", "on"] if on_gpu else ["off"]) if rt.offload_activations == "auto" \
         else [rt.offload_activations]
-    leans = (["off", "on"] if lean_support_reason(split) is None else ["off"]) if rt.lean_layer == "auto" \
-        else [rt.lean_layer]
+    leans = (["off", "on"] if lean_support_reason(split) is None else ["off"]) if rt.layer.lean_layer == "auto" \
+        else [rt.layer.lean_layer]
     return [dataclasses.replace(rt, offload_activations=o, lean_layer=lean) for lean in leans for o in offloads]
 
 
@@ -1045,11 +1045,11 @@ def _with_disk_buffers(split: SplitModel, rt: RuntimeConfig, schedule: str, budg
     Nothing on disk: `rt` itself, left at auto (moot)."""
     least = dataclasses.replace(rt, disk_buffers=DISK_BUFFERS_UNRESOLVED)
     plan = PlacementPlan.build(unit_shapes(split), least, schedule)
-    per_buffer = buffer_bytes(plan, rt.disk_block_mb, 1)
+    per_buffer = buffer_bytes(plan, rt.disk.disk_block_mb, 1)
     if not per_buffer:
         return rt
     room = int(budget - host_bytes(least))
-    most = max(DISK_BUFFERS_UNRESOLVED, tier_blocks(plan, rt.disk_block_mb) // 2)
+    most = max(DISK_BUFFERS_UNRESOLVED, tier_blocks(plan, rt.disk.disk_block_mb) // 2)
     count = max(DISK_BUFFERS_UNRESOLVED, min(most, DISK_BUFFERS_UNRESOLVED + max(0, room) // per_buffer))
     return dataclasses.replace(rt, disk_buffers=count)
 
@@ -1081,31 +1081,33 @@ class _PlacementSearch:
         """The options `rt`'s auto settings leave open (nothing about the machine yet)."""
         # FP32 slots help the GPU cast path (no cast kernel on the D2H stream); with compute-dtype
         # downloads or cast_on=cpu the host widens the gradients anyway
-        fp32_useful = rt.casts_on_gpu(_device_type(rt) == "cuda") and rt.grad_download == "fp32"
-        dtype_options = (["fp32", "compute"] if fp32_useful else ["compute"]) if rt.grad_slot_dtype == "auto" \
-            else [rt.grad_slot_dtype]
-        vocab_options = ["device", "host"] if rt.vocab_update == "auto" else [rt.vocab_update]
+        p, t = rt.placement, rt.transfer
+        fp32_useful = rt.casts_on_gpu(_device_type(rt) == "cuda") and t.grad_download == "fp32"
+        dtype_options = (["fp32", "compute"] if fp32_useful else ["compute"]) if t.grad_slot_dtype == "auto" \
+            else [t.grad_slot_dtype]
+        vocab_options = ["device", "host"] if p.vocab_update == "auto" else [p.vocab_update]
         # each fillable count grows the estimate; resident layers are auto only beside an auto
         # window: an explicit cache_units=3 asks for the small-window placement
-        fillable = [name for name, auto in (("resident_layers", rt.resident_layers == -1 and rt.cache_units == -1),
-                                            ("device_layers", rt.device_layers == -1),
-                                            ("gpu_checkpoints", rt.gpu_checkpoints == -1 and rt.offloads_activations))
+        fillable = [name for name, auto in (("resident_layers", p.resident_layers == -1 and p.cache_units == -1),
+                                            ("device_layers", p.device_layers == -1),
+                                            ("gpu_checkpoints", p.gpu_checkpoints == -1 and rt.offloads_activations))
                     if auto]
-        return cls(split=split, rt=rt, cache_options=cache_unit_options(rt.cache_units),
+        return cls(split=split, rt=rt, cache_options=cache_unit_options(p.cache_units),
                    dtype_options=dtype_options, vocab_options=vocab_options, fillable=fillable, **work)
 
     def nothing_on_auto(self) -> bool:
         rt = self.rt
-        return len(self.cache_options) == 1 and rt.grad_slot_dtype != "auto" and rt.vocab_update != "auto" \
-            and rt.device_layers != -1 and "gpu_checkpoints" not in self.fillable \
-            and (rt.disk_units != -1 or not rt.disk_dir) and (rt.disk_master != "auto" or not rt.disk_dir)
+        return len(self.cache_options) == 1 and rt.transfer.grad_slot_dtype != "auto" \
+            and rt.placement.vocab_update != "auto" \
+            and rt.placement.device_layers != -1 and "gpu_checkpoints" not in self.fillable \
+            and (rt.disk.disk_units != -1 or not rt.disk_dir) and (rt.disk.disk_master != "auto" or not rt.disk_dir)
 
     def candidate(self, cache_units: int, vocab: str, grad_dtype: str) -> RuntimeConfig:
-        rt = self.rt
+        rt, p = self.rt, self.rt.placement
         return dataclasses.replace(rt, cache_units=cache_units, grad_slot_dtype=grad_dtype, vocab_update=vocab,
-                                   device_layers=max(0, rt.device_layers), gpu_checkpoints=max(0, rt.gpu_checkpoints),
-                                   resident_layers=max(0, rt.resident_layers), disk_units=max(0, rt.disk_units),
-                                   disk_master="off" if rt.disk_master == "auto" else rt.disk_master)
+                                   device_layers=max(0, p.device_layers), gpu_checkpoints=max(0, p.gpu_checkpoints),
+                                   resident_layers=max(0, p.resident_layers), disk_units=max(0, rt.disk.disk_units),
+                                   disk_master="off" if rt.disk.disk_master == "auto" else rt.disk.disk_master)
 
     def lean(self) -> RuntimeConfig:
         return self.candidate(self.cache_options[-1], self.vocab_options[-1], self.dtype_options[-1])
@@ -1127,10 +1129,10 @@ class _PlacementSearch:
         """`c` with each fillable count of `order`, in turn, as high as the GPU still holds."""
         L = self.split.num_layers
         for name in (n for n in order if n in self.fillable):
-            if name == "resident_layers" and c.cache_units == 0:
+            if name == "resident_layers" and c.placement.cache_units == 0:
                 continue                              # every host layer is resident already
-            top = L - c.device_layers if name == "resident_layers" else L
-            k = getattr(c, name)
+            top = L - c.placement.device_layers if name == "resident_layers" else L
+            k = c.setting(name)
             while k < top and self.fits(dataclasses.replace(c, **{name: k + 1})):
                 k += 1
             c = dataclasses.replace(c, **{name: k})
@@ -1138,8 +1140,8 @@ class _PlacementSearch:
 
     def fewest_device_layers(self, c: RuntimeConfig) -> RuntimeConfig | None:
         """`c` with the fewest device layers (auto) that make the host fit, or None."""
-        ks = range(c.device_layers, self.split.num_layers + 1) if "device_layers" in self.fillable \
-            else [c.device_layers]
+        ks = range(c.placement.device_layers, self.split.num_layers + 1) if "device_layers" in self.fillable \
+            else [c.placement.device_layers]
         for k in ks:
             t = dataclasses.replace(c, device_layers=k)
             if not self.fits(t):
@@ -1177,7 +1179,7 @@ class _PlacementSearch:
         """RAM and GPU cannot hold the state: with disk_units auto, the disk tier takes the moments
         of as few units as make the host fit (the head, then layers from the top down; each 8
         B/param off the host); then disk_master auto (with_disk_masters)."""
-        if self.rt.disk_units == -1 and self.rt.disk_dir:
+        if self.rt.disk.disk_units == -1 and self.rt.disk_dir:
             host_units = PlacementPlan.build(unit_shapes(self.split), least).disk_capacity()
             for k in range(1, host_units + 1):
                 c = dataclasses.replace(least, disk_units=k)
@@ -1194,7 +1196,7 @@ class _PlacementSearch:
         I/O a step, its master then 2 more for 8 more). None fitting: all of them, where that
         helps at all (a compute dtype of 4 bytes saves nothing). Not under data parallel (the
         engine refuses it there)."""
-        if self.rt.disk_master != "auto" or self.ranks_per_host > 1 or self.host_fits(c):
+        if self.rt.disk.disk_master != "auto" or self.ranks_per_host > 1 or self.host_fits(c):
             return c
         n = len(PlacementPlan.build(unit_shapes(self.split), c).indices("disk"))
         for m in range(1, n + 1):
@@ -1252,7 +1254,7 @@ def _choose_placement(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, 
         return rt
     lean = search.lean()
     on_gpu = _device_type(rt) == "cuda"
-    if not on_gpu and not (rt.disk_units == -1 and rt.disk_dir):
+    if not on_gpu and not (rt.disk.disk_units == -1 and rt.disk_dir):
         return lean
     search.on_gpu = on_gpu
     search.free = (query_gpu_free_bytes(rt) if gpu_free_bytes is None else gpu_free_bytes) if on_gpu else 0
@@ -1423,7 +1425,7 @@ class _Suggestions:
             batch_size=self.batch_size, seq_len=self.seq_len, grad_accum=self.grad_accum,
             max_grad_norm=self.max_grad_norm, gpu_free_bytes=budget.gpu_free, host_available_bytes=budget.host_avail,
             safety=budget.safety, padded=self.padded)
-        changes = {k: getattr(placed, k) for k in fields if getattr(placed, k) != getattr(rt, k)}
+        changes = {k: placed.setting(k) for k in fields if placed.setting(k) != rt.setting(k)}
         if changes:
             self.consider(changes)
 
@@ -1434,9 +1436,9 @@ class _Suggestions:
             return
         if not rt.offloads_activations:
             self.consider({"offload_activations": "on"})
-        if rt.cache_units == 0:
+        if rt.placement.cache_units == 0:
             self.consider({"cache_units": 3})
-        if rt.cache_units != 2:
+        if rt.placement.cache_units != 2:
             self.consider({"cache_units": 2})
         if rt.resolved_grad_slots(self.split.num_layers) > 1:
             self.consider({"grad_slots": 1})
@@ -1447,7 +1449,7 @@ class _Suggestions:
         head_base = {"head_impl": "chunked"} if rt.resolved_head_impl == "full" else {}
         if head_base and self.consider(head_base):
             return
-        chunk = min(rt.head_chunk_tokens, self.batch_size * self.seq_len) // 2
+        chunk = min(rt.head.head_chunk_tokens, self.batch_size * self.seq_len) // 2
         while chunk >= 256:
             if self.attempt(dict(head_base, head_chunk_tokens=chunk), self.batch_size, self.grad_accum,
                             self.max_grad_norm):
@@ -1473,15 +1475,15 @@ class _Suggestions:
         rt = self.rt
         lean = {"mode": "slide", "offload_activations": "on", "cache_units": 2, "grad_slots": 1,
                 "head_impl": "chunked" if rt.resolved_head_impl == "full" else rt.resolved_head_impl,
-                "head_chunk_tokens": min(rt.head_chunk_tokens, 1024)}
-        lean = {k: v for k, v in lean.items() if getattr(rt, k) != v}
+                "head_chunk_tokens": min(rt.head.head_chunk_tokens, 1024)}
+        lean = {k: v for k, v in lean.items() if rt.setting(k) != v}
         if lean:
             self.consider(lean)
 
     def no_clipping(self) -> None:
         """Host: the deferred schedule (clipping) holds the step's gradients, eager does not."""
         rt = self.rt
-        if rt.mode == "slide" and rt.schedule != "deferred" and (self.max_grad_norm or 0) > 0:
+        if rt.mode == "slide" and rt.clip.schedule != "deferred" and (self.max_grad_norm or 0) > 0:
             est = self.attempt({}, self.batch_size, self.grad_accum, None)
             if est is not None:
                 self.add([_fmt_flag("max_grad_norm", 0)], est,

@@ -95,7 +95,7 @@ class Probe:
     def how(self) -> str:
         """The notable resolved settings, in words: "lean layer, 30 of 36 checkpoints offloaded"."""
         s, plan = self.settings, self.estimate.plan if self.estimate is not None else None
-        out = ["lean layer"] if s.lean_layer == "on" else []
+        out = ["lean layer"] if s.layer.lean_layer == "on" else []
         if plan is not None:
             offloaded = plan.num_layers - plan.gpu_checkpoints
             if offloaded:
@@ -113,9 +113,10 @@ class Probe:
         s, plan = self.settings, self.estimate.plan if self.estimate is not None else None
         out = {"batch_size": self.batch_size, "seq_len": self.seq_len, "fits": self.fits, "binds": list(self.binds),
                "how": self.how(),
-               "lean_layer": s.lean_layer, "offload_activations": s.offload_activations,
-               "cache_units": s.cache_units, "vocab_update": s.vocab_update, "grad_slot_dtype": s.grad_slot_dtype,
-               "head_impl": s.head_impl}
+               "lean_layer": s.layer.lean_layer, "offload_activations": s.offload_activations,
+               "cache_units": s.placement.cache_units, "vocab_update": s.placement.vocab_update,
+               "grad_slot_dtype": s.transfer.grad_slot_dtype,
+               "head_impl": s.head.head_impl}
         if plan is not None:
             out.update(gpu_checkpoints=plan.gpu_checkpoints, device_layers=plan.device_layers,
                        resident_layers=plan.resident_layers, disk_units=len(plan.indices("disk")),

@@ -18,13 +18,15 @@ Every unit (0 the embedding, 1..L the decoder layers, L+1 the head) gets:
                once a step (or cast from the GPU master), as its update lands;
     "window" - one of the window's interchangeable slots, uploaded in the forward and again in
                the backward.
-Plus the activation checkpoints kept on the GPU (the last `gpu_checkpoints` layers) and the
-window's slot count.
+Plus the activation checkpoints kept on the GPU (the last `gpu_checkpoints` layers), the
+window's slot count, the decoder layers' GPU gradient slots (how many, and whether FP32), and the
+disk tier's block buffers.
 
 RuntimeConfig holds what the user (or engine.fit.choose_auto_settings) asked for;
 PlacementPlan.build turns it into this plan, once, by the rules below, and the engine, the fit
 estimate, `slidetune plan`, the floor model (bench/roofline.py) and the reports read the plan.
-Nothing else restates these rules.
+Nothing else restates these rules. Every auto (-1, 0 or "auto") of the placement resolves here:
+the plan holds counts and choices only, so the engine never interprets a sentinel.
 """
 from __future__ import annotations
 
@@ -114,6 +116,8 @@ class PlacementPlan:
     gpu_checkpoints: int          # the last decoder layers whose input checkpoint stays on the GPU
     schedule: str                 # eager | deferred (RuntimeConfig.resolved_schedule)
     disk_buffers: int = DISK_BUFFERS_UNRESOLVED   # the disk tier's pinned block buffers (its read-ahead)
+    grad_slots: int = 3           # the decoder layers' GPU gradient slots (RuntimeConfig.resolved_grad_slots)
+    grad_slots_fp32: bool = False  # gradient slots in FP32 (grad_slot_dtype fp32), else the compute dtype
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -128,18 +132,19 @@ class PlacementPlan:
         L = len(shapes) - 2
         if L < 0:
             raise ValueError("a plan needs the embedding, the decoder layers and the head")
-        if rt.device_layers > L:
-            raise ValueError(f"--tuning.device_layers {rt.device_layers} but the model has {L} decoder layers")
-        n_dev = max(0, rt.device_layers)
-        vocab_dev = rt.vocab_update == "device"
+        if rt.placement.device_layers > L:
+            raise ValueError(f"--tuning.device_layers {rt.placement.device_layers} but the model has {L} decoder "
+                             f"layers")
+        n_dev = max(0, rt.placement.device_layers)
+        vocab_dev = rt.placement.vocab_update == "device"
         host_layers = L - n_dev
-        window = AUTO_WINDOW if rt.cache_units == -1 else rt.cache_units
+        window = AUTO_WINDOW if rt.placement.cache_units == -1 else rt.placement.cache_units
         # Resident layers: the lowest host layers get a slot of their own; all of them with
         # cache_units=0, or where the window would hold every layer left to it.
-        if rt.cache_units == 0:
+        if rt.placement.cache_units == 0:
             resident = host_layers
         else:
-            resident = min(host_layers, max(0, rt.resident_layers))
+            resident = min(host_layers, max(0, rt.placement.resident_layers))
             if window >= host_layers - resident:
                 resident = host_layers
         window_slots = 0 if resident == host_layers else window
@@ -150,7 +155,7 @@ class PlacementPlan:
         # releases them first; deferred: the sweep reaches them last, while the next forward runs
         # the layers below them).
         candidates = _disk_order(state)
-        n_disk = max(0, rt.disk_units)
+        n_disk = max(0, rt.disk.disk_units)
         if 0 < n_disk < 1:                       # a fraction of the units that may go there
             n_disk = round(n_disk * len(candidates))
         if n_disk > len(candidates):
@@ -159,22 +164,22 @@ class PlacementPlan:
         for i in candidates[:n_disk]:
             state[i] = "disk"
         # Masters on disk: the first disk units in the same order (the most slack first).
-        disk_masters = set(candidates[:rt.disk_master_units(n_disk)])
+        disk_masters = set(candidates[:rt.disk.disk_master_units(n_disk)])
         own = {0, L + 1} | set(range(1, n_dev + resident + 1))
         # Held gradient buffers (deferred only): one per host-updated unit; the second (held_buffers
         # 2) for all of them, or the lowest held_second_units: the units the backward reaches last.
         held = [0] * len(shapes)
         if schedule == "deferred":
             host_updated = [i for i in range(len(shapes)) if state[i] != "gpu"]
-            second = host_updated if rt.held_second_units == -1 else host_updated[:rt.held_second_units]
+            second = host_updated if rt.clip.held_second_units == -1 else host_updated[:rt.clip.held_second_units]
             for i in host_updated:
                 held[i] = 1
-            if rt.held_buffers == 2:
+            if rt.clip.held_buffers == 2:
                 for i in second:
                     held[i] = 2
         # Upload copies (clip_sweep=weights): the units whose update the weights pass splits, those
         # with master and moments in RAM (a disk unit's update is one pass: its moments are read once)
-        copies = schedule == "deferred" and rt.clip_sweep == "weights"
+        copies = schedule == "deferred" and rt.clip.clip_sweep == "weights"
         units = tuple(UnitPlace(i, s.name, s.numel, state[i], "own" if i in own else "window",
                                 master="disk" if i in disk_masters else "", held=held[i],
                                 upload_copy=copies and state[i] == "host")
@@ -182,9 +187,11 @@ class PlacementPlan:
         if dtype is None and rt.dtype != "auto":
             dtype = rt.torch_dtype
         _check_combination(units, dtype, ranks)
-        kept = L if not rt.offloads_activations else min(L, max(0, rt.gpu_checkpoints))
+        kept = L if not rt.offloads_activations else min(L, max(0, rt.placement.gpu_checkpoints))
         return cls(units=units, window_slots=window_slots, gpu_checkpoints=kept, schedule=schedule,
-                   disk_buffers=resolved_disk_buffers(rt.disk_buffers))
+                   disk_buffers=resolved_disk_buffers(rt.disk.disk_buffers),
+                   grad_slots=rt.resolved_grad_slots(L, eager=schedule == "eager"),
+                   grad_slots_fp32=rt.grad_slots_fp32())
 
     def held_numel(self) -> int:
         """Elements of held gradient buffers in host RAM (deferred schedule): a buffer per
@@ -352,16 +359,19 @@ class PlacementPlan:
         """A compact record for results files (bench.measure) and Placement-free floors."""
         return {"schedule": self.schedule, "window_slots": self.window_slots,
                 "gpu_checkpoints": self.gpu_checkpoints, "disk_buffers": self.disk_buffers,
+                "grad_slots": self.grad_slots, "grad_slots_fp32": self.grad_slots_fp32,
                 "units": [[u.name, u.numel, u.state, u.slot, u.master, u.held, u.upload_copy] for u in self.units]}
 
     @classmethod
     def from_dict(cls, d: dict) -> PlacementPlan:
         """A plan from to_dict's record (or an older one without the masters' tier: masters in RAM;
-        or without held buffers or upload copies: none; without the disk buffers: the old 8)."""
+        or without held buffers or upload copies: none; without the disk buffers: the old 8; without
+        the gradient slots: 3 in the compute dtype)."""
         units = tuple(UnitPlace(i, name, int(numel), state, slot, *rest) for i, (name, numel, state, slot, *rest)
                       in enumerate(d["units"]))
         return cls(units=units, window_slots=int(d["window_slots"]), gpu_checkpoints=int(d["gpu_checkpoints"]),
-                   schedule=d["schedule"], disk_buffers=int(d.get("disk_buffers", DISK_BUFFERS_UNRESOLVED)))
+                   schedule=d["schedule"], disk_buffers=int(d.get("disk_buffers", DISK_BUFFERS_UNRESOLVED)),
+                   grad_slots=int(d.get("grad_slots", 3)), grad_slots_fp32=bool(d.get("grad_slots_fp32", False)))
 
 
 def _check_combination(units: tuple[UnitPlace, ...], dtype: torch.dtype | None, ranks: int) -> None:

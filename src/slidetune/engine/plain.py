@@ -55,7 +55,7 @@ class PlainEngine:
         self.recompute = rt.recomputed_layers(L)
         self.units = [_DeviceUnit(s, loaded.source, optim, self.dtype, device.device) for s in self.split.units]
         self.step_index = 0
-        self.gc_freeze = GCFreeze(rt.gc_freeze)
+        self.gc_freeze = GCFreeze(rt.host.gc_freeze)
         self._in_backward = False                  # set around backward (recompute attribution)
         self._grad_marks: dict = {}                # layer -> timer mark when its input's gradient lands
         self._recompute_marks: dict = {}           # layer -> (start, end) marks of its recompute
@@ -92,7 +92,7 @@ class PlainEngine:
         tied = self.units[0].leaves["weight"] if split.tied else None
         with self.timer.span("head", -1):
             return split.head_loss(self.units[-1].leaves, x, labels, lm_weight=tied,
-                                   impl=self.rt.resolved_head_impl, chunk_tokens=self.rt.head_chunk_tokens)
+                                   impl=self.rt.resolved_head_impl, chunk_tokens=self.rt.head.head_chunk_tokens)
 
     # ------------------------------------------------------------ timing hooks
     # Recompute attribution (docs/contract.md): a checkpointed layer's function runs twice,

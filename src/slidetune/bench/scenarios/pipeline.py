@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ...engine.config import RuntimeConfig
+from ...engine.config import RuntimeConfig, literal_choices, runtime_fields
 from . import common
 
 NAME = "pipeline"
@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def parse_variants(text: str, base: dict | None = None) -> list[tuple[str, dict]]:
     """'a:chunk_mb=256,cache_units=4;b:' -> [("a", {"chunk_mb": 256, "cache_units": 4}), ("b", {})].
     base: settings every variant runs with (e.g. --runtime's), checked together with each variant's."""
-    fields = RuntimeConfig.__dataclass_fields__
+    fields = runtime_fields()
     out = []
     for part in [p.strip() for p in text.split(";") if p.strip()]:
         name, _, body = part.partition(":")
@@ -51,6 +51,8 @@ def parse_variants(text: str, base: dict | None = None) -> list[tuple[str, dict]
                 raise ValueError(f"variant {name!r}: {kv!r} is not key=value with a RuntimeConfig field "
                                  f"(fields: {', '.join(sorted(fields))})")
             typ = fields[key].type
+            choices = literal_choices(typ)
+            typ = type(choices[0]).__name__ if choices else typ          # Literal[-1, 1, 2]: an int
             over[key] = (int(value) if typ in ("int", int) else float(value) if typ in ("float", float) else
                          value.lower() in ("1", "true", "yes") if typ in ("bool", bool) else value)
         RuntimeConfig(**{**(base or {}), **over})        # reject bad values here, not in a worker process

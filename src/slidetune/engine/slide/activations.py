@@ -5,7 +5,7 @@ host slot (i, m) (one slot per layer and micro-batch m: the slide engine runs a 
 micro-batches layer by layer, so every micro-batch's checkpoint of a layer is alive at
 once); in the backward pass it is prefetched H2D one visit ahead, so the copy hides under
 the previous recompute + backward. The last `keep_on_gpu` layers are not offloaded
-(RuntimeConfig.gpu_checkpoints): the backward needs them first, when no earlier layer's
+(--tuning.gpu_checkpoints): the backward needs them first, when no earlier layer's
 compute could hide their prefetch.
 """
 from __future__ import annotations

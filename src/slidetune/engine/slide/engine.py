@@ -9,7 +9,7 @@ narrower). Its weights cross PCIe once a step whatever the accumulation, no host
 accumulates anything, and every unit's gradient is complete right after its backward;
 what it costs is the checkpoints of the whole batch (a micro-batch's working set).
 
-Two update schedules (RuntimeConfig.schedule):
+Two update schedules (--tuning.schedule):
   eager: each unit's AdamW runs as soon as its gradient is complete (no clipping);
   deferred (clipping by the global norm): each unit's squared norm is added on the GPU as
     its gradient completes, and the gradient waits where it is until the norm is known:
@@ -152,10 +152,10 @@ class SlideEngine:
         self.vocab_on_device = self.plan.vocab_on_device
         self.device_layers = self.plan.device_layers
         self.resident_layers = self.plan.resident_layers
-        if rt.cast_on == "gpu" and not device.is_cuda:
+        if rt.transfer.cast_on == "gpu" and not device.is_cuda:
             raise ValueError("--tuning.cast_on gpu needs a CUDA device (auto picks cpu on a CPU machine)")
         # how a layer's micro-batch gradients are summed (grad_sum.py): fused (Triton) or torch
-        self.grad_sum = grad_sum_mod.resolve(rt.grad_sum, self.device.device)
+        self.grad_sum = grad_sum_mod.resolve(rt.transfer.grad_sum, self.device.device)
         self._grad_sum_checked = False
         self.threads = PipelineThreads(self.timeline, lambda: self.step_index)
         self._build_host_state(loaded, optim)
@@ -164,19 +164,19 @@ class SlideEngine:
         self.gpu_cast = rt.casts_on_gpu(device.is_cuda)
         # Casting on the compute stream needs FP32 on the device side: the CPU cast path
         # (cast_on=cpu) moves compute-dtype bytes and has nothing to cast there.
-        self.cast_in_compute = rt.upload_cast_stream == "compute" and (self.gpu_cast or not device.is_cuda)
-        shapes = shapes_for(rt, self.dtype, self.cast_in_compute, self.split.num_layers, self.deferred)
-        self.chunk = rt.chunk_elems(layer_numel)
+        self.cast_in_compute = rt.transfer.upload_cast_stream == "compute" and (self.gpu_cast or not device.is_cuda)
+        shapes = shapes_for(self.plan, self.dtype, self.cast_in_compute)
+        self.chunk = rt.transfer.chunk_elems(layer_numel)
         # the FP32 widening buffer of the device-side updates (compute-dtype gradient slots)
         device_numel = max((u.spec.numel for u in self.units if u.on_device), default=0)
         self.device_grad32 = (torch.empty(min(self.chunk, device_numel), dtype=torch.float32, device=device.device)
                               if device_numel and shapes.grad_dtype != torch.float32 else None)
         self._pin_host_buffers(True)
-        self.uploader = Uploader(device, self.dtype, self.chunk, rt.upload_ring, gpu_cast=self.gpu_cast,
-                                 stages=rt.upload_stages)
+        self.uploader = Uploader(device, self.dtype, self.chunk, rt.transfer.upload_ring, gpu_cast=self.gpu_cast,
+                                 stages=rt.transfer.upload_stages)
         self.host_threads = rt.resolved_host_threads(device.is_cuda)      # the host AdamW's (reports read it)
         self.threads.start(follower=self.dp is not None, gather=self.gather, host_threads=self.host_threads,
-                           gil_switch_s=rt.gil_switch_ms / 1e3)
+                           gil_switch_s=rt.host.gil_switch_ms / 1e3)
         self.slots = GpuSlots(self.plan, self.units, shapes, device, self.uploader, self.threads,
                               lambda: self.step_index, dp=self.dp, owner_of=self.owner_of, gather=self.gather)
         # the slots the tests and reports read as the engine's
@@ -185,19 +185,19 @@ class SlideEngine:
         self.drainer = self._gradient_drain(shapes.grad_dtype, layer_numel)
         self.drainer.timeline = self.uploader.timeline = self.timeline
         self.drainer.abort = self.uploader.abort = self.threads.abort
-        # Eager updates and their D2H copies run earliest-deadline-first (rt.update_order;
+        # Eager updates and their D2H copies run earliest-deadline-first (rt.host.update_order;
         # workers.DeadlineWorker): the ring then carries the most urgent gradients while the
         # others wait in their GPU slots.
-        self.deadline_order = self.schedule == "eager" and rt.update_order == "deadline"
+        self.deadline_order = self.schedule == "eager" and rt.host.update_order == "deadline"
         self.norm = StepNorm(device)
         # the clipped sweep's first pass: "params" (split), "weights" (the units with an upload copy
         # write their compute-dtype weights, clip_sweep=weights) or the whole update (whole)
         self.sweep = (DeferredSweep(self.units, device, self.threads, self.drainer, self.chunk, max_grad_norm,
-                                    split_sweep=rt.clip_sweep in ("split", "weights"),
+                                    split_sweep=rt.clip.clip_sweep in ("split", "weights"),
                                     step_index=lambda: self.step_index) if self.deferred else None)
         self.acts = ActivationStore(device, self.split.num_layers, rt.offloads_activations,
                                     keep_on_gpu=self.plan.gpu_checkpoints)
-        self.gc_freeze = GCFreeze(rt.gc_freeze)
+        self.gc_freeze = GCFreeze(rt.host.gc_freeze)
         self.layers = LayerRunner(self.split, rt, device.device)   # HF's or the lean layer, eager or compiled
 
     def _build_host_state(self, loaded: LoadedModel, optim: AdamWConfig) -> None:
@@ -225,13 +225,14 @@ class SlideEngine:
         # dp_weights=gather: a host unit's owner alone uploads it; a thread of its own broadcasts it
         # to the host's other GPUs, in the order the compute thread asked for the units (the same
         # on every rank), on a stream of its own (slots.GpuSlots)
-        self.gather = self.dp is not None and rt.dp_weights == "gather" and self.dp.cfg.local_world_size > 1
+        self.gather = self.dp is not None and rt.transfer.dp_weights == "gather" and self.dp.cfg.local_world_size > 1
         if self.gather:
             self.dp.weights_group()         # a collective: every rank creates it here
         self.disk_released = False      # release_disk_tier(): the run is over, its moments are gone
         units = self.split.units
         self.disk = (DiskTier(rt.disk_dir, {i: units[i].numel for i in disk_units},
-                              block_mb=rt.disk_block_mb, buffers=plan.disk_buffers, io_threads=rt.disk_io_threads,
+                              block_mb=rt.disk.disk_block_mb, buffers=plan.disk_buffers,
+                              io_threads=rt.disk.disk_io_threads,
                               pinned=self.device.is_cuda, names={i: units[i].name for i in disk_units},
                               timeline=self.timeline, masters=frozenset(u.index for u in plan.units if u.master == "disk"))
                      if disk_units else None)
@@ -243,7 +244,7 @@ class SlideEngine:
                                    # the clipped schedule's held buffers per host unit (the plan's:
                                    # one, or two used on alternate steps, DeferredSweep._held_index)
                                    held_buffers=[max(1, u.held) for u in plan.units],
-                                   kernel=rt.host_adamw,
+                                   kernel=rt.host.host_adamw,
                                    device_units=frozenset(plan.indices("gpu")), device=self.device.device,
                                    disk=self.disk, shared=shared, owned=owned, compute_dtype=self.dtype,
                                    upload_copies=frozenset(u.index for u in plan.units if u.upload_copy))
@@ -262,7 +263,7 @@ class SlideEngine:
         no ring."""
         rt, device = self.rt, self.device
         downloads_fp32 = rt.downloads_fp32(device.is_cuda)
-        widen = (self.schedule == "eager" and not downloads_fp32 and rt.host_adamw != "torch"
+        widen = (self.schedule == "eager" and not downloads_fp32 and rt.host.host_adamw != "torch"
                  and grad_dtype in native_adamw.GRAD_TYPES and grad_dtype != torch.float32
                  and native_adamw.load() is not None)
         ring = 0 if self.deferred else rt.download_chunks(layer_numel)
@@ -561,7 +562,7 @@ class SlideEngine:
                 # gradients in place: models/units.head_loss_and_grads)
                 loss, g_x, g = split.head_loss_and_grads(
                     head_params, xs[m], labels[m], poison_scale(scale, self.step_index + 1),  # NaN: tests only
-                    lm_weight=tied_w, impl=self.rt.resolved_head_impl, chunk_tokens=self.rt.head_chunk_tokens)
+                    lm_weight=tied_w, impl=self.rt.resolved_head_impl, chunk_tokens=self.rt.head.head_chunk_tokens)
                 loss = maybe_poison(loss, self.step_index + 1)       # tests only (faults.py)
             gs.append(g_x)
             grads = [g[name] for name in head_params] + ([g["lm_head.weight"]] if tied_w is not None else [])
@@ -649,7 +650,7 @@ class SlideEngine:
         slots.acquire(head_slot)
         tied_w = slots.views(split.embed_unit, embed_slot.flat)["weight"] if split.tied else None
         loss = split.head_loss(slots.views(split.head_unit, head_slot.flat), xs[0], labels[0], lm_weight=tied_w,
-                               impl=self.rt.resolved_head_impl, chunk_tokens=self.rt.head_chunk_tokens)
+                               impl=self.rt.resolved_head_impl, chunk_tokens=self.rt.head.head_chunk_tokens)
         slots.release(embed_slot)
         slots.release(head_slot)
         return float(loss), batch.num_target_tokens()

@@ -88,7 +88,7 @@ class HostUnit:
         self.tier.attach(self.opt, self.weights)
         # [numel] the step's gradient as the GPU computed it (compute dtype), written by one D2H
         # copy and read by the clipped update sweep (deferred schedule)
-        # (held_buffers of them, used on alternate steps: RuntimeConfig.held_buffers)
+        # (held_buffers of them, used on alternate steps: --tuning.held_buffers)
         self.held: list[torch.Tensor] = ([torch.empty(spec.numel, dtype=held_dtype) for _ in range(held_buffers)]
                                          if held_dtype is not None and not self.on_device and owned else [])
         self.version = 0              # updates applied in full
@@ -248,7 +248,7 @@ class HostStore:
                  held_buffers: int | list[int] = 1, upload_copies: frozenset[int] = frozenset()):
         """held_dtype: the deferred schedule's held gradients' dtype (None: eager, none held), and
         `held_buffers` per unit (used on alternate steps): one count for all, or one per unit index.
-        kernel: the host AdamW kernel of every unit (FlatAdamW's; RuntimeConfig.host_adamw).
+        kernel: the host AdamW kernel of every unit (FlatAdamW's; --tuning.host_adamw).
         device_units: indices of the units whose state lives on `device` (HostUnit's device).
         disk: the disk tier; the units it holds (disk.units) keep their moments there, and those of
         disk.masters their masters too, with their weights here in `compute_dtype`.

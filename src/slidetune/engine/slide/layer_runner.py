@@ -28,8 +28,8 @@ def resolve_lean_layer(split: SplitModel, rt: RuntimeConfig) -> str:
     "Lean layer") it holds 62% less than HF's compiled layer at 64 x 1024 tokens in row tiles for 11%
     more time, and at 16K tokens the same memory for 3-10% more. on: every decoder layer must be
     Llama's arithmetic."""
-    if rt.lean_layer != "auto":
-        return rt.lean_layer
+    if rt.layer.lean_layer != "auto":
+        return rt.layer.lean_layer
     return "off"
 
 
@@ -39,9 +39,9 @@ class LayerRunner:
         self.split = split
         self.lean = None
         if resolve_lean_layer(split, rt) == "on":
-            kernels = resolve_lean_kernels(rt.lean_kernels, device)
-            self.lean = LeanLayers(split.layer_modules, rt.mlp_tile_tokens, kernels,
-                                   row_tokens=rt.layer_row_tokens or None)
+            kernels = resolve_lean_kernels(rt.layer.lean_kernels, device)
+            self.lean = LeanLayers(split.layer_modules, rt.layer.mlp_tile_tokens, kernels,
+                                   row_tokens=rt.layer.layer_row_tokens or None)
         self.compiled = rt.compiles_layers()
         L = split.num_layers
         # one compiled graph per kind of layer, keyed on a template module (dynamo guards on the

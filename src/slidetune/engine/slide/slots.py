@@ -22,7 +22,6 @@ from torch.profiler import record_function
 
 from ...device import Device
 from ...models.units import UnitSpec
-from ..config import RuntimeConfig
 from ..distributed import DataParallel
 from ..placement import PlacementPlan
 from .host_store import HostUnit
@@ -342,11 +341,11 @@ class GpuSlots:
         return sum(t.numel() * t.element_size() for s in slots for t in (s.flat, s.landing) if t is not None)
 
 
-def shapes_for(rt: RuntimeConfig, dtype: torch.dtype, landing: bool, num_layers: int, deferred: bool) -> SlotShapes:
-    """The slots' shapes for a runtime config (the gradient slots' dtype and count)."""
-    grad_dtype = torch.float32 if rt.grad_slots_fp32() else dtype
-    return SlotShapes(dtype=dtype, grad_dtype=grad_dtype, landing=landing,
-                      grad_slots=rt.resolved_grad_slots(num_layers, eager=not deferred), deferred=deferred)
+def shapes_for(plan: PlacementPlan, dtype: torch.dtype, landing: bool) -> SlotShapes:
+    """The slots' shapes for a placement plan (the gradient slots' dtype and count)."""
+    grad_dtype = torch.float32 if plan.grad_slots_fp32 else dtype
+    return SlotShapes(dtype=dtype, grad_dtype=grad_dtype, landing=landing, grad_slots=plan.grad_slots,
+                      deferred=plan.schedule == "deferred")
 
 
 def _chain(src: Future, dst: Future) -> None:
