@@ -267,20 +267,8 @@ def _plan_resolved(ns, cfg, split):
     host_words = (f"host {est.host_bytes_per_host(ranks) / gib:.2f} GiB for its {ranks} ranks (the shared state, "
                   f"{shared_state_bytes(plan) / gib:.2f} GiB in /dev/shm, once)" if ranks > 1 and plan is not None
                   else f"host {est.host_bytes / gib:.2f} GiB")
-    settings = ""
-    if plan is not None and on_gpu:
-        settings = (f"cache_units={resolved.placement.cache_units} "
-                    + (f"resident_layers={plan.resident_layers} " if resolved.placement.cache_units else "")
-                    + f"vocab_update={resolved.placement.vocab_update} "
-                    + f"grad_slot_dtype={resolved.transfer.grad_slot_dtype} "
-                    f"device_layers={plan.device_layers}"
-                    + f" offload_activations={resolved.offload_activations}"
-                    + (f" gpu_checkpoints={plan.gpu_checkpoints}" if resolved.offloads_activations else "")
-                    + f" lean_layer={resolved.layer.lean_layer} head_impl={resolved.resolved_head_impl}"
-                    + (f" held_buffers={resolved.clip.held_buffers}" if est.schedule == "deferred" else ""))
-    if plan is not None and resolved.disk_dir:
-        settings += f" disk_units={len(plan.indices('disk'))} disk_master={resolved.disk.disk_master}"
-    print(f"resolved on {where} and {host / gib:.1f} GiB of host RAM{': ' + settings.strip() if settings else ''}: "
+    settings = _resolved_settings(resolved, plan, est.schedule, on_gpu)
+    print(f"resolved on {where} and {host / gib:.1f} GiB of host RAM{': ' + settings if settings else ''}: "
           + (f"GPU {est.gpu_bytes / gib:.2f} GiB{' per rank' if ranks > 1 else ''}, " if on_gpu else "") + host_words
           + (f", disk tier {est.disk_bytes / gib:.2f} GiB" if est.disk_bytes else ""))
     # why each auto setting resolved as it did: the lines `slidetune train` prints before its run
@@ -302,6 +290,24 @@ def _plan_resolved(ns, cfg, split):
                                         shm_free_bytes=shm, ranks_per_host=ranks)
         _plan_limits(cfg, split, budget)
     return plan
+
+
+def _resolved_settings(resolved, plan, schedule: str, on_gpu: bool) -> str:
+    """The auto settings as `plan` resolved them, in one line of NAME=value (empty outside slide mode)."""
+    settings = ""
+    if plan is not None and on_gpu:
+        settings = (f"cache_units={resolved.placement.cache_units} "
+                    + (f"resident_layers={plan.resident_layers} " if resolved.placement.cache_units else "")
+                    + f"vocab_update={resolved.placement.vocab_update} "
+                    + f"grad_slot_dtype={resolved.transfer.grad_slot_dtype} "
+                    f"device_layers={plan.device_layers}"
+                    + f" offload_activations={resolved.offload_activations}"
+                    + (f" gpu_checkpoints={plan.gpu_checkpoints}" if resolved.offloads_activations else "")
+                    + f" lean_layer={resolved.layer.lean_layer} head_impl={resolved.resolved_head_impl}"
+                    + (f" held_buffers={resolved.clip.held_buffers}" if schedule == "deferred" else ""))
+    if plan is not None and resolved.disk_dir:
+        settings += f" disk_units={len(plan.indices('disk'))} disk_master={resolved.disk.disk_master}"
+    return settings.strip()
 
 
 def _plan_limits(cfg, split, budget) -> None:

@@ -120,6 +120,45 @@ def _leaves(views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().requires_grad_(True) for k, v in views.items()}
 
 
+def _gradient_drain(rt: RuntimeConfig, device: Device, *, schedule: str, chunk: int, gpu_cast: bool,
+                    grad_dtype: torch.dtype, layer_numel: int) -> GradDrain:
+    """The gradients' way down to the host (transfer.GradDrain). Gradients in the compute dtype
+    reach AdamW as they landed where native_adamw's kernel reads them (built here once per
+    process: a C compile, ~0.2 s); else the host widens each chunk into an FP32 scratch for
+    torch's kernel. The deferred schedule copies each gradient straight into its held buffer:
+    no ring."""
+    downloads_fp32 = rt.downloads_fp32(device.is_cuda)
+    widen = (schedule == "eager" and not downloads_fp32 and rt.host.host_adamw != "torch"
+             and grad_dtype in native_adamw.GRAD_TYPES and grad_dtype != torch.float32
+             and native_adamw.load() is not None)
+    ring = 0 if schedule == "deferred" else rt.download_chunks(layer_numel)
+    return GradDrain(device, grad_dtype, chunk, ring, gpu_cast=gpu_cast and downloads_fp32, widen_in_adamw=widen)
+
+
+def _pin_host_buffers(device: Device, units: list, *, gpu_cast: bool, pin: bool) -> None:
+    """Page-lock (pin) or release the host buffers the copies read or write in place: the held
+    gradients (one D2H copy straight into each), a disk-master unit's compute-dtype weights
+    (one async H2D, no cast) and, casting on the GPU, the FP32 masters (async FP32 H2D, no copy)."""
+    op = device.register_host if pin else device.unregister_host
+    if device.is_cuda:
+        for unit in units:
+            for held in unit.held:
+                op(held)
+            if unit.weights is not None:
+                op(unit.weights)
+    if gpu_cast:
+        for unit in units:
+            if unit.on_host and unit.master is not None and not unit.upload_copy:
+                op(unit.master)
+
+
+def _refuse_after_disk_release(released: bool, what: str) -> None:
+    """The disk tier's files went with release_disk_tier(): no step or optimizer state after that."""
+    if released:
+        raise RuntimeError(f"cannot {what}: the disk tier's files (the AdamW moments of its units) were "
+                           f"removed by release_disk_tier() at the end of the run")
+
+
 class SlideEngine:
     def __init__(self, loaded: LoadedModel, rt: RuntimeConfig, optim: AdamWConfig, device: Device,
                  grad_accum: int = 1, max_grad_norm: float | None = None, timer: EventTimer | None = None,
@@ -171,7 +210,7 @@ class SlideEngine:
         device_numel = max((u.spec.numel for u in self.units if u.on_device), default=0)
         self.device_grad32 = (torch.empty(min(self.chunk, device_numel), dtype=torch.float32, device=device.device)
                               if device_numel and shapes.grad_dtype != torch.float32 else None)
-        self._pin_host_buffers(True)
+        _pin_host_buffers(device, self.units, gpu_cast=self.gpu_cast, pin=True)
         self.uploader = Uploader(device, self.dtype, self.chunk, rt.transfer.upload_ring, gpu_cast=self.gpu_cast,
                                  stages=rt.transfer.upload_stages)
         self.host_threads = rt.resolved_host_threads(device.is_cuda)      # the host AdamW's (reports read it)
@@ -182,7 +221,8 @@ class SlideEngine:
         # the slots the tests and reports read as the engine's
         self.layer_slots, self.own_slots = self.slots.layer_slots, self.slots.own_slots
         self.device_grad_slots = self.slots.device_grad_slots
-        self.drainer = self._gradient_drain(shapes.grad_dtype, layer_numel)
+        self.drainer = _gradient_drain(rt, device, schedule=self.schedule, chunk=self.chunk, gpu_cast=self.gpu_cast,
+                                       grad_dtype=shapes.grad_dtype, layer_numel=layer_numel)
         self.drainer.timeline = self.uploader.timeline = self.timeline
         self.drainer.abort = self.uploader.abort = self.threads.abort
         # Eager updates and their D2H copies run earliest-deadline-first (rt.host.update_order;
@@ -254,38 +294,6 @@ class SlideEngine:
             if self.disk is not None:
                 self.disk.close()
             raise
-
-    def _gradient_drain(self, grad_dtype: torch.dtype, layer_numel: int) -> GradDrain:
-        """The gradients' way down to the host (transfer.GradDrain). Gradients in the compute dtype
-        reach AdamW as they landed where native_adamw's kernel reads them (built here once per
-        process: a C compile, ~0.2 s); else the host widens each chunk into an FP32 scratch for
-        torch's kernel. The deferred schedule copies each gradient straight into its held buffer:
-        no ring."""
-        rt, device = self.rt, self.device
-        downloads_fp32 = rt.downloads_fp32(device.is_cuda)
-        widen = (self.schedule == "eager" and not downloads_fp32 and rt.host.host_adamw != "torch"
-                 and grad_dtype in native_adamw.GRAD_TYPES and grad_dtype != torch.float32
-                 and native_adamw.load() is not None)
-        ring = 0 if self.deferred else rt.download_chunks(layer_numel)
-        return GradDrain(device, grad_dtype, self.chunk, ring, gpu_cast=self.gpu_cast and downloads_fp32,
-                         widen_in_adamw=widen)
-
-    def _pin_host_buffers(self, pin: bool) -> None:
-        """Page-lock (pin) or release the host buffers the copies read or write in place: the held
-        gradients (one D2H copy straight into each), a disk-master unit's compute-dtype weights
-        (one async H2D, no cast) and, casting on the GPU, the FP32 masters (async FP32 H2D, no copy)."""
-        device = self.device
-        op = device.register_host if pin else device.unregister_host
-        if device.is_cuda:
-            for unit in self.units:
-                for held in unit.held:
-                    op(held)
-                if unit.weights is not None:
-                    op(unit.weights)
-        if self.gpu_cast:
-            for unit in self.units:
-                if unit.on_host and unit.master is not None and not unit.upload_copy:
-                    op(unit.master)
 
     # ------------------------------------------------------------- gradients
     def _update_on_device(self, unit_index: int, gslot: Slot, lr: float,
@@ -412,7 +420,7 @@ class SlideEngine:
 
     # ------------------------------------------------------------- the step
     def train_step(self, micro_batches: list, lr: float) -> StepResult:
-        self._check_disk_tier_kept("train a step")
+        _refuse_after_disk_release(self.disk_released, "train a step")
         n_tokens = sum(mb.num_target_tokens() for mb in micro_batches)
         if self.dp is not None:
             # every rank scales its gradient by 1 / the step's tokens over all ranks: the summed
@@ -720,7 +728,7 @@ class SlideEngine:
     def optimizer_tensors(self, on_host: bool = True) -> dict[str, torch.Tensor]:
         """Every unit's AdamW state by name; on_host=False leaves the device units' where they are
         (a checkpoint writer copies one tensor at a time instead of all of them at once)."""
-        self._check_disk_tier_kept("read the optimizer state")
+        _refuse_after_disk_release(self.disk_released, "read the optimizer state")
         out = {}
         for unit in self.units:
             for k, t in unit.state_tensors().items():
@@ -757,11 +765,6 @@ class SlideEngine:
                        disk_written=self.disk.bytes_written)
         return out
 
-    def _check_disk_tier_kept(self, what: str) -> None:
-        if self.disk_released:
-            raise RuntimeError(f"cannot {what}: the disk tier's files (the AdamW moments of its units) were "
-                               f"removed by release_disk_tier() at the end of the run")
-
     def release_disk_tier(self) -> None:
         """Remove the disk tier's files now (the run is over and keeps no resumable state): the
         weights (masters in host RAM) stay exportable; the disk units' AdamW moments are gone, so
@@ -789,5 +792,5 @@ class SlideEngine:
             if self.disk is not None:
                 self.disk.close()           # the scratch files go; the run's state is in its checkpoints
             self.gc_freeze.release()
-            self._pin_host_buffers(False)
+            _pin_host_buffers(self.device, self.units, gpu_cast=self.gpu_cast, pin=False)
             self.gpu_cast = False
