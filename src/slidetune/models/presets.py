@@ -19,20 +19,15 @@ _LLAMA3_ROPE_8B = {
 _LLAMA3_ROPE_1B = dict(_LLAMA3_ROPE_8B, factor=32.0)
 
 
-def _llama_3_1_8b() -> PretrainedConfig:
+def _llama3(hidden: int, ffn: int, layers: int, heads: int, rope: dict, tied: bool,
+            head_dim: int | None = None) -> PretrainedConfig:
+    """A Llama-3.x shape: GQA with 8 KV heads, the 128K vocabulary, llama3 rotary scaling."""
+    extra = {"head_dim": head_dim} if head_dim else {}
     return LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
-        rms_norm_eps=1e-5, rope_parameters=_LLAMA3_ROPE_8B, tie_word_embeddings=False,
-        bos_token_id=128000, eos_token_id=128001)
-
-
-def _llama_3_2_1b() -> PretrainedConfig:
-    return LlamaConfig(
-        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
-        rms_norm_eps=1e-5, rope_parameters=_LLAMA3_ROPE_1B, tie_word_embeddings=True,
-        bos_token_id=128000, eos_token_id=128001)
+        vocab_size=128256, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=8, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, rope_parameters=rope, tie_word_embeddings=tied,
+        bos_token_id=128000, eos_token_id=128001, **extra)
 
 
 def _qwen3(hidden: int, ffn: int, layers: int, heads: int, tied: bool) -> PretrainedConfig:
@@ -42,14 +37,6 @@ def _qwen3(hidden: int, ffn: int, layers: int, heads: int, tied: bool) -> Pretra
         max_position_embeddings=40960, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         tie_word_embeddings=tied, bos_token_id=151643, eos_token_id=151645)
-
-
-def _llama_3_1_70b() -> PretrainedConfig:
-    return LlamaConfig(
-        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072,
-        rms_norm_eps=1e-5, rope_parameters=_LLAMA3_ROPE_8B, tie_word_embeddings=False,
-        bos_token_id=128000, eos_token_id=128001)
 
 
 def _qwen2_5_32b() -> PretrainedConfig:
@@ -100,9 +87,9 @@ def tiny_config(family: str, *, tied: bool = False, layers: int = 3, vocab_size:
 
 
 PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
-    "llama-3.1-8b": _llama_3_1_8b,
-    "llama-3.1-70b": _llama_3_1_70b,
-    "llama-3.2-1b": _llama_3_2_1b,
+    "llama-3.1-8b": lambda: _llama3(4096, 14336, 32, 32, _LLAMA3_ROPE_8B, tied=False),
+    "llama-3.1-70b": lambda: _llama3(8192, 28672, 80, 64, _LLAMA3_ROPE_8B, tied=False),
+    "llama-3.2-1b": lambda: _llama3(2048, 8192, 16, 32, _LLAMA3_ROPE_1B, tied=True, head_dim=64),
     "qwen3-1.7b": lambda: _qwen3(2048, 6144, 28, 16, tied=True),
     "qwen3-4b": lambda: _qwen3(2560, 9728, 36, 32, tied=True),
     "qwen3-8b": lambda: _qwen3(4096, 12288, 36, 32, tied=False),
