@@ -8,12 +8,15 @@ like a model's: layer-sized tensors of LAYER_MIB MiB. Three measurements, each a
    the xxh3-128 digest on the same thread), each phase timed on its own: D2H copy, cast (the
    BF16 export), write syscalls, digest, fsync, read-back (pages dropped first).
 2. writer: checkpoint.write_safetensors as the library has it now (FP32 from the CPU; BF16
-   export; FP32 from the GPU), then the fsync, then checkpoint.verify_digests (the read-back).
+   export; FP32 from the GPU), then the fsync, then the read-back (checkpoint_io.digests_parallel;
+   before it, checkpoint.file_digest).
 3. save: the resumable save's tensor files, weights (1/3, shards of SHARD_MIB) and moments (2/3,
    one file) as checkpoint.write_tensor_files writes them in a blocking save, then its fsync and
    read-back, against the sum of the serial writer's.
 
     python benchmarks/scripts/checkpoint_write.py DIR [--gib 4] [--threads N] [--skip-serial]
+
+Run it with PYTHONPATH at an older tree's src/ for the A/B (the script reads either API).
 
 On tmpfs (/dev/shm) the fsync is free and the page cache cannot be dropped (the read-back reads
 memory); on a disk the read-back reads the disk.
@@ -32,6 +35,11 @@ import torch
 import xxhash
 
 from slidetune import checkpoint
+
+try:
+    from slidetune import checkpoint_io      # the parallel writer (absent before it: the serial one's A/B arm)
+except ImportError:
+    checkpoint_io = None
 
 PIECE = 256 * 2**20
 
@@ -99,7 +107,7 @@ def serial_phases(tensors: dict, path: Path, dtype: torch.dtype) -> dict[str, fl
 
 
 def _threads_kw(threads: int | None) -> dict:
-    return {} if threads is None else {"threads": threads}
+    return {} if threads is None or checkpoint_io is None else {"threads": threads}
 
 
 def library_writer(tensors: dict, path: Path, dtype: torch.dtype, threads: int | None) -> dict[str, float]:
@@ -108,8 +116,8 @@ def library_writer(tensors: dict, path: Path, dtype: torch.dtype, threads: int |
     t1 = time.perf_counter()
     _sync(path)
     t2 = time.perf_counter()
-    if hasattr(checkpoint, "verify_digests"):
-        got = checkpoint.verify_digests([path], **_threads_kw(threads))[path]
+    if checkpoint_io is not None:
+        got = checkpoint_io.digests_parallel([path], threads)[path]
     else:
         got = checkpoint.file_digest(path)
     t3 = time.perf_counter()
@@ -137,8 +145,8 @@ def library_save(tensors: dict, directory: Path, threads: int | None, shard_mib:
     checkpoint._fsync_tree(directory)
     t2 = time.perf_counter()
     paths = [directory / rel for rel in digests]
-    if hasattr(checkpoint, "verify_digests"):
-        got = checkpoint.verify_digests(paths, **_threads_kw(threads))
+    if checkpoint_io is not None:
+        got = checkpoint_io.digests_parallel(paths, threads)
     else:
         got = {p: checkpoint.file_digest(p) for p in paths}
     t3 = time.perf_counter()
