@@ -719,7 +719,7 @@ class SlideEngine:
 
     def optimizer_tensors(self, on_host: bool = True) -> dict[str, torch.Tensor]:
         """Every unit's AdamW state by name; on_host=False leaves the device units' where they are
-        (a checkpoint writer copies one tensor at a time instead of all of them at once)."""
+        (a checkpoint writer stages them down in chunks instead of copying all of them at once)."""
         self._check_disk_tier_kept("read the optimizer state")
         out = {}
         for unit in self.units:
