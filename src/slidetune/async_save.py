@@ -31,16 +31,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .checkpoint import (STATE_DIR, CheckpointError, FileDigest, finish_checkpoint, fresh_dir, rng_state,
-                         save_atomically, save_tensors, state_record, write_weights)
+                         save_atomically, state_record, write_tensor_files)
+from .checkpoint_io import StreamCancelled
 from .engine.slide.disk_tier import StreamedTensor
-from .faults import maybe_fail, maybe_stall
+from .faults import maybe_stall
 
 
 @dataclass
@@ -134,12 +134,14 @@ class PendingSave:
 
 
 def start_async_save(engine, out_dir: Path, *, step: int, tokenizer=None, trainer_state: dict | None = None,
-                     after: Callable[[Path], None] | None = None, max_shard_bytes: int = 5 * 2**30) -> PendingSave:
+                     after: Callable[[Path], None] | None = None, max_shard_bytes: int = 5 * 2**30,
+                     writer_threads: int | None = None) -> PendingSave:
     """Start writing the resumable checkpoint of `engine` (FP32 weights, AdamW state, RNG states) to
     `out_dir` in the background; returns at once with the save in flight. `after(path)` runs in the
     background once the checkpoint is complete and verified (the pruning of older ones). The
     checkpoint is the one save_checkpoint(engine, out_dir, step=step, ...) would write, byte for
-    byte but for state.json's time. One save at a time: the caller waits for the previous one."""
+    byte but for state.json's time. One save at a time: the caller waits for the previous one.
+    writer_threads: the writer's I/O threads (None: checkpoint_io.default_threads())."""
     refusal = getattr(engine, "async_save_refusal", lambda: "this engine has no per-unit store")()
     if refusal is not None:
         raise ValueError(f"an asynchronous save is not possible: {refusal}")
@@ -151,8 +153,9 @@ def start_async_save(engine, out_dir: Path, *, step: int, tokenizer=None, traine
     try:
         timing = SaveTiming(step=int(step), mode="async", started=time.time() - (time.monotonic() - t0))
         pending = PendingSave(Path(out_dir), timing, holds, t0)
-        _run_in_background(engine, pending, _UnitStreams(engine, pending), rng_state(), tokenizer=tokenizer,
-                           state=state, state_text=state_text, after=after, max_shard_bytes=max_shard_bytes)
+        _run_in_background(engine, pending, _UnitStreams(engine, pending, writer_threads), rng_state(),
+                           tokenizer=tokenizer, state=state, state_text=state_text, after=after,
+                           max_shard_bytes=max_shard_bytes)
     except BaseException:
         for hold in holds:           # no update may wait for a writer that never started
             hold.release()
@@ -174,7 +177,7 @@ def _run_in_background(engine, pending: PendingSave, streams: _UnitStreams, rng:
             raise CheckpointError("the save was abandoned")
         maybe_stall(step)                    # tests only (faults.py): a save a kill catches past its tensors
         finish_checkpoint(engine, tmp, step=step, tokenizer=tokenizer, state=state, state_text=state_text,
-                          dtype=torch.float32, streamed=streamed, rng=rng)
+                          dtype=torch.float32, streamed=streamed, rng=rng, threads=streams.threads)
 
     def run() -> None:
         path, error = None, None
@@ -197,8 +200,8 @@ class _UnitStreams:
     the optimizer file), each tensor a StreamedTensor read from the live store as it is written,
     and each unit's hold released once both streams have written all of its tensors."""
 
-    def __init__(self, engine, pending: PendingSave):
-        self.pending = pending
+    def __init__(self, engine, pending: PendingSave, threads: int | None = None):
+        self.pending, self.threads = pending, threads
         self.cancel = pending.cancel         # one stream failed (or the save was abandoned): stop
         # the disk tier's blocks are taken one reader at a time (DiskTier.acquire): the two streams
         # read a disk unit's master and moments through one lock
@@ -237,8 +240,8 @@ class _UnitStreams:
                     yield part
             else:
                 self._check_cancel()
-                # a device unit's tensor comes to the host one at a time, as in the blocking save
-                yield t.detach().reshape(-1).cpu()
+                # a device unit's tensor is staged down in chunks by the writer (checkpoint_io.Stager)
+                yield t.detach().reshape(-1)
             self._written(unit)
         return StreamedTensor(tuple(t.shape), t.dtype, source)
 
@@ -260,27 +263,9 @@ class _UnitStreams:
         """Both streams into `tmp`; their digests by relative path. The holds stay until both have
         ended, failed or not: a released update could otherwise race a stream still reading it."""
         (tmp / STATE_DIR).mkdir()
-        optim_path = tmp / STATE_DIR / "optimizer.safetensors"
-        with ThreadPoolExecutor(1, thread_name_prefix="slidetune-checkpoint-optim") as pool:
-            optim = pool.submit(self._guarded, save_tensors, self.optim, optim_path)
-            try:
-                streamed = write_weights(self.weights, tmp, torch.float32, max_shard_bytes)
-                maybe_fail("checkpoint", step)          # tests only (faults.py): a writer failing mid-save
-            except BaseException as e:
-                self.cancel.set()
-                if isinstance(e, _Cancelled):
-                    optim.result()                      # raises the other stream's error, the root cause
-                raise
-            streamed[f"{STATE_DIR}/optimizer.safetensors"] = optim.result()
-        return streamed
-
-    def _guarded(self, fn, *args):
-        try:
-            return fn(*args)
-        except BaseException:
-            self.cancel.set()
-            raise
+        return write_tensor_files(self.weights, self.optim, tmp, torch.float32, max_shard_bytes,
+                                  threads=self.threads, step=step, cancel=self.cancel)
 
 
-class _Cancelled(CheckpointError):
+class _Cancelled(CheckpointError, StreamCancelled):
     """A stream stopped because the other one failed (that one's error is the one raised)."""

@@ -38,9 +38,10 @@ read-back's cost.
 Memory: tensors are written one at a time straight from the engine's FP32 masters and
 moments (views, no copy; write_safetensors streams a safetensors file, where
 safetensors.torch.save_file first builds every tensor's bytes in RAM: 65 GB for an 8B's
-moments); a BF16 export converts one tensor at a time, and state kept on the GPU comes to
-the host one tensor at a time. Loading reads one tensor at a time from the memory-mapped
-files, so neither side ever holds a second copy of the model.
+moments); a BF16 export converts 64 MiB at a time, and state kept on the GPU comes to the
+host through two pinned 64 MiB buffers per file being written (checkpoint_io: the writer's
+threads, the staging, the parallel read-back). Loading reads one tensor at a time from the
+memory-mapped files, so neither side ever holds a second copy of the model.
 """
 from __future__ import annotations
 
@@ -51,8 +52,10 @@ import random
 import re
 import shutil
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +63,7 @@ import torch
 import xxhash
 
 from . import __version__
+from .checkpoint_io import FileDigest, ParallelFile, Stager, digests_parallel, host_pieces, io_pool, run_streams
 from .engine.slide.disk_tier import StreamedTensor
 from .faults import maybe_corrupt, maybe_fail
 from .processes import pid_alive
@@ -87,30 +91,6 @@ class CheckpointCorrupt(CheckpointError):
         super().__init__(f"checkpoint {ckpt} is damaged: {file}: {what}")
 
 
-@dataclass(frozen=True)
-class FileDigest:
-    size: int
-    digest: str                # hex, of algorithm DIGEST
-
-    def record(self) -> dict:
-        return {"size": self.size, "digest": self.digest}
-
-
-class _DigestingWriter:
-    """A binary file whose bytes are hashed as they are written (no second read)."""
-
-    def __init__(self, f):
-        self.f, self.hash, self.size = f, xxhash.xxh3_128(), 0
-
-    def write(self, data) -> None:
-        self.f.write(data)
-        self.hash.update(data)
-        self.size += memoryview(data).nbytes
-
-    def digest(self) -> FileDigest:
-        return FileDigest(self.size, self.hash.hexdigest())
-
-
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
     """Where the checkpoint of `step` lives in a run directory."""
     return Path(run_dir) / f"checkpoint-{step}"
@@ -119,7 +99,7 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
 # --------------------------------------------------------------------------- saving
 def save_checkpoint(engine, out_dir: Path, *, step: int, tokenizer=None, trainer_state: dict | None = None,
                     save_dtype: str = "fp32", with_optimizer: bool = True,
-                    max_shard_bytes: int = 5 * 2**30) -> Path:
+                    max_shard_bytes: int = 5 * 2**30, writer_threads: int | None = None) -> Path:
     """Write a complete, atomic checkpoint of `engine` to `out_dir`; returns `out_dir`.
 
     save_dtype:
@@ -133,6 +113,7 @@ def save_checkpoint(engine, out_dir: Path, *, step: int, tokenizer=None, trainer
       by `load_checkpoint`.
     max_shard_bytes: weights are split into shards of at most this many bytes (a single
       larger tensor gets a shard of its own), with a HF index when there is more than one.
+    writer_threads: the writer's and the read-back's I/O threads (None: checkpoint_io.default_threads()).
     """
     if save_dtype not in SAVE_DTYPES:
         raise ValueError(f"save_dtype must be one of {sorted(SAVE_DTYPES)}, not {save_dtype!r}")
@@ -146,7 +127,8 @@ def save_checkpoint(engine, out_dir: Path, *, step: int, tokenizer=None, trainer
 
     def write(tmp: Path) -> None:
         _write_complete(engine, tmp, step=int(step), tokenizer=tokenizer, state=state, state_text=state_text,
-                        dtype=dtype, with_optimizer=with_optimizer, max_shard_bytes=max_shard_bytes)
+                        dtype=dtype, with_optimizer=with_optimizer, max_shard_bytes=max_shard_bytes,
+                        threads=writer_threads)
     return save_atomically(Path(out_dir), write)
 
 
@@ -202,24 +184,74 @@ def fresh_dir(tmp: Path) -> None:
 
 
 def _write_complete(engine, tmp: Path, *, step: int, tokenizer, state: dict, state_text: str,
-                    dtype: torch.dtype, with_optimizer: bool, max_shard_bytes: int) -> None:
+                    dtype: torch.dtype, with_optimizer: bool, max_shard_bytes: int, threads: int | None) -> None:
     """Write the whole checkpoint into the fresh directory `tmp`, synced and read back: the tensor
-    files, then finish_checkpoint. Raises on any failure; the caller renames `tmp` into place only
-    after this returns."""
+    files (weights and optimizer state as two streams at once), then finish_checkpoint. Raises on
+    any failure; the caller renames `tmp` into place only after this returns."""
     fresh_dir(tmp)
     engine.synchronize()     # the deferred schedule's update sweep may still be running
-    streamed = write_weights(engine.named_master_params(), tmp, dtype, max_shard_bytes)
-    maybe_fail("checkpoint", step)          # tests only (faults.py): a writer failing mid-save
+    optim, lock = None, threading.Lock()
     if with_optimizer:
         (tmp / STATE_DIR).mkdir()
-        streamed[f"{STATE_DIR}/optimizer.safetensors"] = save_tensors(engine.optimizer_tensors(on_host=False),
-                                                                      tmp / STATE_DIR / "optimizer.safetensors")
+        optim = {k: _one_reader(t, lock) for k, t in engine.optimizer_tensors(on_host=False).items()}
+    weights = ((name, _one_reader(t, lock)) for name, t in _master_params(engine))
+    streamed = write_tensor_files(weights, optim, tmp, dtype, max_shard_bytes, threads=threads, step=step)
     finish_checkpoint(engine, tmp, step=step, tokenizer=tokenizer, state=state, state_text=state_text, dtype=dtype,
-                      streamed=streamed, rng=rng_state())
+                      streamed=streamed, rng=rng_state(), threads=threads)
+
+
+def _master_params(engine) -> Iterable[tuple[str, torch.Tensor | StreamedTensor]]:
+    """The engine's (name, master) pairs, a device unit's left on the device (the writer stages
+    them through pinned memory) where the engine can; else copied to the host by the engine."""
+    try:
+        return engine.named_master_params(on_host=False)
+    except TypeError:                        # an engine (a test's) without the argument
+        return engine.named_master_params()
+
+
+def _one_reader(t: torch.Tensor | StreamedTensor, lock: threading.Lock) -> torch.Tensor | StreamedTensor:
+    """`t`, a disk tier's StreamedTensor read under `lock`: its blocks are taken one reader at a
+    time (DiskTier.acquire), and the two streams of a save read a disk unit's master and moments."""
+    if not isinstance(t, StreamedTensor):
+        return t
+
+    def source() -> Iterator[torch.Tensor]:
+        parts = t.chunks()
+        while True:
+            with lock:
+                part = next(parts, None)
+            if part is None:
+                return
+            yield part
+    return StreamedTensor(tuple(t.shape), t.dtype, source)
+
+
+def write_tensor_files(weights: Iterable[tuple[str, torch.Tensor | StreamedTensor]],
+                       optim: Mapping[str, torch.Tensor | StreamedTensor] | None, directory: Path,
+                       dtype: torch.dtype, max_shard_bytes: int, *, threads: int | None = None, step: int = 0,
+                       cancel: threading.Event | None = None) -> dict[str, FileDigest]:
+    """A checkpoint's tensor files as two streams at once, sharing one pool of `threads` writers:
+    the weight shards (write_weights) here, the optimizer file (`optim`, into STATE_DIR, which
+    exists) in a second thread. A failure of either stops the other at its next piece and is
+    raised once both have ended. Their digests by path relative to `directory`."""
+    cancel = cancel or threading.Event()
+    optim_path = directory / STATE_DIR / "optimizer.safetensors"
+    with io_pool(None, threads) as pool:
+        def weights_stream() -> dict[str, FileDigest]:
+            out = write_weights(weights, directory, dtype, max_shard_bytes, pool=pool, cancel=cancel)
+            maybe_fail("checkpoint", step)          # tests only (faults.py): a writer failing mid-save
+            return out
+
+        def optim_stream() -> FileDigest:
+            return save_tensors(optim, optim_path, pool=pool, cancel=cancel)
+        streamed, optim_digest = run_streams(weights_stream, None if optim is None else optim_stream, cancel)
+    if optim_digest is not None:
+        streamed[f"{STATE_DIR}/optimizer.safetensors"] = optim_digest
+    return streamed
 
 
 def finish_checkpoint(engine, tmp: Path, *, step: int, tokenizer, state: dict, state_text: str, dtype: torch.dtype,
-                      streamed: dict[str, FileDigest], rng: dict) -> None:
+                      streamed: dict[str, FileDigest], rng: dict, threads: int | None = None) -> None:
     """The rest of a checkpoint once its tensor files are in `tmp` (`streamed`: their digests taken
     while writing): config, tokenizer, RNG states and state.json, fsync of the tree, manifest,
     COMPLETE marker, fsync of the directory, then `verify_files`."""
@@ -238,7 +270,7 @@ def finish_checkpoint(engine, tmp: Path, *, step: int, tokenizer, state: dict, s
     _fsync_dir(tmp)
     # Read back from the disk before the rename: a save counts (and an older checkpoint may be
     # pruned) only once what is on the disk is what was written.
-    verify_files(tmp)
+    verify_files(tmp, threads=threads)
 
 
 def _what_remains(out_dir: Path, previous: Path | None, kept: Path | None) -> str:
@@ -273,7 +305,8 @@ def _write_config(engine, directory: Path, dtype: torch.dtype) -> None:
 
 
 def write_weights(params: Iterable[tuple[str, torch.Tensor | StreamedTensor]], directory: Path, dtype: torch.dtype,
-                  max_shard_bytes: int) -> dict[str, FileDigest]:
+                  max_shard_bytes: int, *, pool: ThreadPoolExecutor | None = None,
+                  cancel: threading.Event | None = None) -> dict[str, FileDigest]:
     """The (HF name, FP32 tensor) pairs of `params` (engine.named_master_params()'s) shard by shard:
     accumulate views up to max_shard_bytes, cast only the shard being written. Returns each
     shard's digest by its final name."""
@@ -289,7 +322,7 @@ def write_weights(params: Iterable[tuple[str, torch.Tensor | StreamedTensor]], d
         if not pending:
             return
         part = directory / f"model-{len(shards) + 1:05d}.partial.safetensors"
-        digests.append(save_tensors(pending, part, dtype=dtype))
+        digests.append(save_tensors(pending, part, dtype=dtype, pool=pool, cancel=cancel))
         shards.append(list(pending))
         pending, pending_bytes = {}, 0
 
@@ -320,9 +353,10 @@ def write_weights(params: Iterable[tuple[str, torch.Tensor | StreamedTensor]], d
     return finals
 
 
-def save_tensors(tensors: Mapping[str, torch.Tensor], path: Path, dtype: torch.dtype | None = None) -> FileDigest:
+def save_tensors(tensors: Mapping[str, torch.Tensor], path: Path, dtype: torch.dtype | None = None,
+                 **io) -> FileDigest:
     # Looked up at call time (tests replace write_safetensors to simulate a full disk).
-    return write_safetensors(tensors, path, dtype=dtype)
+    return write_safetensors(tensors, path, dtype=dtype, **io)
 
 
 def _write_manifest(directory: Path, streamed: dict[str, FileDigest]) -> FileDigest:
@@ -354,17 +388,19 @@ def file_digest(path: Path) -> FileDigest:
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
               torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
-_WRITE_BYTES = 256 * 2**20      # one write() call at most: bounded kernel buffers, prompt ENOSPC
 
 
 def write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path, dtype: torch.dtype | None = None,
-                      metadata: dict[str, str] | None = None) -> FileDigest:
+                      metadata: dict[str, str] | None = None, *, pool: ThreadPoolExecutor | None = None,
+                      threads: int | None = None, cancel: threading.Event | None = None) -> FileDigest:
     """A safetensors file written tensor by tensor from where the tensors are (format: a little-
     endian u64 header length, the JSON header padded to 8 bytes, then the tensors' bytes in
     header order), so the file never exists in RAM. `dtype`: each tensor converted as it is
-    written (one tensor's copy at a time); a tensor on another device comes to the host one
-    at a time. Readable by safetensors (safe_open, load_file) and HF from_pretrained. Returns the
-    file's size and digest, hashed as the bytes are written."""
+    written (a chunk at a time); a tensor on a GPU comes down through two pinned staging buffers.
+    The bytes go out in large pieces written by `pool` (or a pool of `threads`) at their offsets
+    while this thread hashes them in order (checkpoint_io.ParallelFile); `cancel` set (another
+    stream failed) stops it at its next piece. Readable by safetensors (safe_open, load_file) and
+    HF from_pretrained. Returns the file's size and digest, hashed as the bytes are written."""
     entries, offset = [], 0
     for name, t in tensors.items():
         dt = dtype or t.dtype
@@ -378,23 +414,12 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path, dtype: to
     header["__metadata__"] = dict(metadata or {"format": "pt"})
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    with open(path, "wb") as raw_file:
-        f = _DigestingWriter(raw_file)
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
+    stager = Stager()
+    with io_pool(pool, threads) as io, ParallelFile(path, io, cancel) as f:
+        f.write(struct.pack("<Q", len(text)) + text)
         for name, t, dt, lo, hi in entries:
-            if isinstance(t, StreamedTensor):           # the disk tier's moments, block by block
-                for part in t.chunks():
-                    raw = part.to(dt).contiguous().view(torch.uint8).numpy()
-                    for start in range(0, raw.size, _WRITE_BYTES):
-                        f.write(memoryview(raw[start:start + _WRITE_BYTES]))
-                continue
-            src = t.detach()
-            if src.device.type != "cpu" or src.dtype != dt:
-                src = src.to("cpu", dt)                     # one tensor's copy
-            raw = src.contiguous().reshape(-1).view(torch.uint8).numpy()
-            for start in range(0, raw.size, _WRITE_BYTES):
-                f.write(memoryview(raw[start:start + _WRITE_BYTES]))
+            for piece in host_pieces(t, dt, stager):
+                f.write(piece)
     return f.digest()
 
 
@@ -633,9 +658,10 @@ def check_checkpoint(ckpt_dir: Path) -> CheckedCheckpoint:
     return CheckedCheckpoint(ckpt, int(state["step"]), verified)
 
 
-def verify_files(ckpt_dir: Path) -> bool:
+def verify_files(ckpt_dir: Path, threads: int | None = None) -> bool:
     """Every file MANIFEST.json lists has its recorded size and digest (the manifest itself the one
-    COMPLETE records); CheckpointCorrupt names the first that does not. False when there is no
+    COMPLETE records); CheckpointCorrupt names the first (in path order) that does not. The files
+    are read at once (checkpoint_io.digests_parallel, `threads` readers). False when there is no
     manifest (a checkpoint of a slidetune older than it): nothing could be verified."""
     ckpt = Path(ckpt_dir)
     path = ckpt / MANIFEST
@@ -657,21 +683,28 @@ def verify_files(ckpt_dir: Path) -> bool:
         raise CheckpointError(f"checkpoint {ckpt}: {MANIFEST} uses digest {manifest.get('algorithm')!r}; this "
                               f"slidetune knows {DIGEST!r}")
     for rel, entry in sorted(files.items()):
-        file = ckpt / rel
-        if not (isinstance(entry, dict) and type(entry.get("size")) is int and isinstance(entry.get("digest"), str)):
-            raise CheckpointCorrupt(ckpt, path, f"the entry of {rel!r} is not {{size, digest}}: {entry!r}")
-        if not file.is_file():
-            raise CheckpointCorrupt(ckpt, file, f"missing (listed in {MANIFEST})")
-        size = file.stat().st_size
-        if size != entry["size"]:
-            raise CheckpointCorrupt(ckpt, file, f"{size} bytes, {MANIFEST} records {entry['size']} "
-                                                f"({'truncated' if size < entry['size'] else 'grown'} since it was "
-                                                f"written)")
-        got = file_digest(file)
-        if got.digest != entry["digest"]:
-            raise CheckpointCorrupt(ckpt, file, f"its {DIGEST} digest is {got.digest}, {MANIFEST} records "
-                                                f"{entry['digest']}: its bytes changed after it was written")
+        _check_entry(ckpt, path, rel, entry)
+    got = digests_parallel([ckpt / rel for rel in sorted(files)], threads)
+    for rel, entry in sorted(files.items()):
+        digest = got[ckpt / rel].digest
+        if digest != entry["digest"]:
+            raise CheckpointCorrupt(ckpt, ckpt / rel, f"its {DIGEST} digest is {digest}, {MANIFEST} records "
+                                                      f"{entry['digest']}: its bytes changed after it was written")
     return True
+
+
+def _check_entry(ckpt: Path, manifest: Path, rel: str, entry) -> None:
+    """A manifest entry is {size, digest} and its file is there with that size (CheckpointCorrupt if not)."""
+    file = ckpt / rel
+    if not (isinstance(entry, dict) and type(entry.get("size")) is int and isinstance(entry.get("digest"), str)):
+        raise CheckpointCorrupt(ckpt, manifest, f"the entry of {rel!r} is not {{size, digest}}: {entry!r}")
+    if not file.is_file():
+        raise CheckpointCorrupt(ckpt, file, f"missing (listed in {MANIFEST})")
+    size = file.stat().st_size
+    if size != entry["size"]:
+        raise CheckpointCorrupt(ckpt, file, f"{size} bytes, {MANIFEST} records {entry['size']} "
+                                            f"({'truncated' if size < entry['size'] else 'grown'} since it was "
+                                            f"written)")
 
 
 def set_aside(ckpt_dir: Path, name: str | None = None) -> Path:

@@ -202,10 +202,12 @@ class PlainEngine:
     def synchronize(self) -> None:
         self.device.synchronize()
 
-    def named_master_params(self):
+    def named_master_params(self, on_host: bool = True):
+        """(HF name, FP32 master) for every parameter, copied to the host unless on_host=False."""
         for u in self.units:
             for p in u.spec.params:
-                yield p.full_name, u.master[p.offset:p.offset + p.numel].view(p.shape).cpu()
+                t = u.master[p.offset:p.offset + p.numel].view(p.shape)
+                yield p.full_name, t.cpu() if on_host else t
 
     def optimizer_tensors(self, on_host: bool = True) -> dict[str, torch.Tensor]:
         """AdamW state by name, copied to the host unless on_host=False (left on the device)."""

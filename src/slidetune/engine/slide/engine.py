@@ -717,17 +717,18 @@ class SlideEngine:
         self.threads.watchdog.watch_save(holds)     # waits on them are the writer's pace, not a hang
         return holds
 
-    def named_master_params(self):
-        """(HF name, FP32 host tensor) for every parameter; call after synchronize(). Units kept
-        on the device (vocab_update=device) are copied to the host; a disk-master unit's come as
+    def named_master_params(self, on_host: bool = True):
+        """(HF name, FP32 tensor) for every parameter; call after synchronize(). Units kept on the
+        device (vocab_update=device) are copied to the host, or left there with on_host=False (a
+        checkpoint writer stages them down in chunks); a disk-master unit's come as
         StreamedTensors read from the disk tier when consumed (checkpoint.write_safetensors)."""
         for unit in self.units:
             for name, t in unit.params().items():
-                yield name, (t if unit.on_host else t.cpu())
+                yield name, (t if unit.on_host or not on_host else t.cpu())
 
     def optimizer_tensors(self, on_host: bool = True) -> dict[str, torch.Tensor]:
         """Every unit's AdamW state by name; on_host=False leaves the device units' where they are
-        (a checkpoint writer copies one tensor at a time instead of all of them at once)."""
+        (a checkpoint writer stages them down in chunks instead of copying all of them at once)."""
         _refuse_after_disk_release(self.disk_released, "read the optimizer state")
         out = {}
         for unit in self.units:
