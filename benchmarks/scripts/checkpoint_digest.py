@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import time
 import zlib
 from pathlib import Path
@@ -72,9 +71,7 @@ def timed_write(path: Path, tensors: dict, digest: bool) -> float:
     try:
         t0 = time.perf_counter()
         checkpoint.write_safetensors(tensors, path)
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        checkpoint.fsync_and_drop(path)
         return time.perf_counter() - t0
     finally:
         checkpoint._DigestingWriter = real

@@ -51,15 +51,6 @@ def make_tensors(gib: float, layer_mib: int, device: str) -> dict[str, torch.Ten
     return {f"layer.{i}.w": torch.randn(numel, generator=g).to(device) for i in range(n)}
 
 
-def _sync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def serial_phases(tensors: dict, path: Path, dtype: torch.dtype) -> dict[str, float]:
     """The pre-parallel writer, each phase's seconds summed over the tensors."""
     t = {"d2h": 0.0, "cast": 0.0, "write": 0.0, "digest": 0.0, "fsync": 0.0, "readback": 0.0}
@@ -97,7 +88,7 @@ def serial_phases(tensors: dict, path: Path, dtype: torch.dtype) -> dict[str, fl
                 t["digest"] += time.perf_counter() - t1
                 t["write"] += t1 - t0
     t0 = time.perf_counter()
-    _sync(path)
+    checkpoint.fsync_and_drop(path)
     t["fsync"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     got = checkpoint.file_digest(path)              # one file read and hashed on one thread
@@ -114,7 +105,7 @@ def library_writer(tensors: dict, path: Path, dtype: torch.dtype, threads: int |
     t0 = time.perf_counter()
     d = checkpoint.write_safetensors(tensors, path, dtype=dtype, **_threads_kw(threads))
     t1 = time.perf_counter()
-    _sync(path)
+    checkpoint.fsync_and_drop(path)
     t2 = time.perf_counter()
     if checkpoint_io is not None:
         got = checkpoint_io.digests_parallel([path], threads)[path]

@@ -21,6 +21,7 @@ import time
 import numpy as np
 import psutil
 
+from slidetune.checkpoint import fsync_and_drop
 from slidetune.data.token_arrays import open_token_stream
 from slidetune.telemetry.machine import machine_info
 
@@ -44,15 +45,6 @@ def write_corpus(path: str, n_tokens: int) -> float:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
     return time.perf_counter() - t0
-
-
-def drop_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def timed_check(path: str) -> dict:
@@ -94,7 +86,7 @@ def main() -> None:
     try:
         result = {"tokens": args.tokens, "bytes": need, "vocab_size": VOCAB, "dir": args.dir,
                   "write_s": round(write_corpus(path, args.tokens), 1)}
-        drop_cache(path)
+        fsync_and_drop(path)
         result["cold"] = timed_check(path)
         result["warm"] = timed_check(path)
         result["machine"] = machine_info()

@@ -20,7 +20,6 @@ the layer's own shapes and attention at SDPA's rate at the workload's shape, bot
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import queue
