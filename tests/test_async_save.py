@@ -35,6 +35,7 @@ from slidetune.checkpoint import CheckpointError, check_checkpoint, checkpoint_d
 from slidetune.checkpoint_saver import CheckpointSaver, resolve_async_save
 from slidetune.engine.slide.disk_tier import StreamedTensor
 from test_checkpoint import make_engine, shut, train
+from test_train_errors import fill_disk_for
 from test_disk_tier import DISK, assert_identical, state
 
 SRC = str(Path(slidetune.__file__).resolve().parents[1])
@@ -325,13 +326,7 @@ def test_train_stops_on_a_failed_async_save_keeping_the_previous_checkpoint(tmp_
     import io
 
     from slidetune.cli import main
-    real = ckpt_mod.write_safetensors
-
-    def full_for_checkpoint_2(tensors, filename, *a, **kw):
-        if "checkpoint-2" in str(filename):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(filename))
-        return real(tensors, filename, *a, **kw)
-    monkeypatch.setattr(ckpt_mod, "write_safetensors", full_for_checkpoint_2)
+    fill_disk_for(monkeypatch, "checkpoint-2")
     d = tmp_path / "full"
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -1,15 +1,13 @@
 """The disk is part of the fit: final/ and resumable checkpoints against the free space."""
 from __future__ import annotations
 
-import errno
-import os
 
 import pytest
 import torch
 
 from slidetune.save_plan import (FILES_MARGIN, FREE_MARGIN, SAVE_DTYPE_BYTES, DiskSpaceError, plan_saves,
                                  resolve_save_dtype)
-from test_train_errors import COMMON, assert_loads, metric_steps, run_cli
+from test_train_errors import COMMON, assert_loads, fill_disk_for, metric_steps, run_cli
 
 GiB = 2**30
 P8B = 8_190_735_360                       # Qwen3-8B's parameters: a checkpoint is 98 GB
@@ -171,15 +169,7 @@ def test_a_run_whose_checkpoint_does_not_fit_writes_final_only(tmp_path, monkeyp
 def test_final_survives_a_failed_resumable_save(tmp_path, monkeypatch):
     """final/ is written first: a disk that fills while the end-of-run resumable checkpoint is
     written leaves final/ whole and loadable, and the error says what is there."""
-    import slidetune.checkpoint as ckpt_mod
-    real = ckpt_mod.write_safetensors
-
-    def full_for_checkpoints(tensors, filename, *a, **kw):
-        if "checkpoint-" in str(filename):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(filename))
-        return real(tensors, filename, *a, **kw)
-
-    monkeypatch.setattr(ckpt_mod, "write_safetensors", full_for_checkpoints)
+    fill_disk_for(monkeypatch, "checkpoint-")
     d = tmp_path / "fills"
     code, out, err = run_cli(*COMMON, "--max-steps", "2", "--output-dir", str(d))
     assert code != 0 and "No space left on device" in err

@@ -275,19 +275,29 @@ def test_non_finite_step_stops_naming_the_step(tmp_path, what):
 
 
 # ----------------------------------------------------------------------------- disk full
-def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+def fill_disk_for(monkeypatch, fragment: str, on_full=None):
+    """A disk that fills under the checkpoint files whose path holds `fragment`: their write raises
+    ENOSPC (after `on_full()`, where given); the others are written. Returns the real writer."""
     import slidetune.checkpoint as ckpt_mod
-    d = tmp_path / "full"
     real = ckpt_mod.write_safetensors
-    seen = {}
 
-    def save_file(tensors, filename, *args, **kwargs):
-        if "checkpoint-2" in str(filename):
-            seen["before"] = snapshot(d / "checkpoints/checkpoint-1")
+    def write(tensors, filename, *args, **kwargs):
+        if fragment in str(filename):
+            if on_full is not None:
+                on_full()
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(filename))
         return real(tensors, filename, *args, **kwargs)
 
-    monkeypatch.setattr(ckpt_mod, "write_safetensors", save_file)
+    monkeypatch.setattr(ckpt_mod, "write_safetensors", write)
+    return real
+
+
+def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import slidetune.checkpoint as ckpt_mod
+    d = tmp_path / "full"
+    seen = {}
+    real = fill_disk_for(monkeypatch, "checkpoint-2",
+                         on_full=lambda: seen.setdefault("before", snapshot(d / "checkpoints/checkpoint-1")))
     code, out, err = run_cli(*COMMON, "--max-steps", "3", "--save-every", "1", "--output-dir", str(d))
     assert code == 2, err[-2000:]
     assert "No space left on device" in err
