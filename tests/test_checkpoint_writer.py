@@ -100,6 +100,22 @@ def test_bytes_and_digest_as_the_serial_writer(tmp_path, small_pieces, dtype, th
     assert io_mod.digests_parallel([tmp_path / "new.safetensors"], threads)[tmp_path / "new.safetensors"] == want
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_gpu_tensors_staged_through_pinned_buffers_write_the_host_bytes(tmp_path, small_pieces, dtype):
+    """The Stager's path (a GPU-held master or moment): chunks of a few KiB through the two pinned
+    buffers, the cast to BF16 on the GPU, strided and empty tensors: the host tensors' bytes."""
+    host = {k: v for k, v in mixed_tensors().items() if k != "streamed" and not (dtype and k == "int")}
+    on_gpu = {k: v.cuda() for k, v in host.items()}
+    on_gpu["later"] = torch.zeros(40_000, device="cuda")
+    on_gpu["later"].add_(1.5)                 # written by a kernel the stager's side stream must wait for
+    host["later"] = torch.full((40_000,), 1.5)
+    want = old_write_safetensors(host, tmp_path / "old.safetensors", dtype=dtype)
+    got = write_safetensors(on_gpu, tmp_path / "new.safetensors", dtype=dtype, threads=3)
+    assert (tmp_path / "new.safetensors").read_bytes() == (tmp_path / "old.safetensors").read_bytes()
+    assert got == want
+
+
 def test_read_back_digest_of_files_of_every_size(tmp_path, small_pieces):
     paths = []
     for n in (0, 1, 4999, 5000, 5001, 20_000, 123_457):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (device tool) from the repo root: each argument is one job.
 # Results go to $OUT/results.tar.gz (the device tool returns at most 8 files).
-#   jobs: stash | pipeline | train | trainresume (train --gpus N, killed, resumed) | equivalence | runtime | throughput | throughput@TAG | scaling | scaling@TAG
+#   jobs: stash | pipeline | train | trainresume (train --gpus N, killed, resumed) | savetests | asyncab (issue 33) | equivalence | runtime | throughput | throughput@TAG | scaling | scaling@TAG
 #         | hostinfo | rankmem (RANKMEM_ARGS: a rank's host memory by stage, 1 and N processes) | techniques
 #         | layermem (LAYERMEM_ARGS: one layer's time and peak GPU memory, HF's and the lean layer, torch's or
 #           Liger's kernels (a liger-kernel wheel in .whl/); --profile: GPU time by kernel class)
@@ -153,6 +153,28 @@ PY
            python -c "import sys, torch; from transformers import AutoModelForCausalLM as M; m = M.from_pretrained('$d/final'); print('final/ loads:', type(m).__name__, m.dtype, sum(p.numel() for p in m.parameters()), 'params')" > $R/trainresume/final_loads.txt 2>&1
            cat $R/trainresume/final_loads.txt
            rm -rf $d $ck ;;     # an 8B's checkpoint and final/ (107 GiB): the later jobs need the room
+    savetests) # the checkpoint writer's GPU staging and the asynchronous save on a GPU (CUDA-only tests)
+           timeout 300 python -m pytest -q -rs -m gpu tests/test_checkpoint_writer.py tests/test_async_save.py > $R/save_gpu_tests.txt 2>&1
+           tail -5 $R/save_gpu_tests.txt ;;
+    asyncab) # issue 33: what an asynchronous save costs the steps against a blocking one: one process on GPU 0
+           # (--async-save auto is off under data parallel), `--async-save on` then `off`, the same run otherwise:
+           # Qwen3-8B b16 x 1024, clip 1.0 and the defaults, a periodic save at step ASYNCAB_EVERY (20) and the
+           # end-of-run one (blocking in both) at ASYNCAB_STEPS (40), the checkpoints on ASYNCAB_CKPT_DIR (the disk:
+           # 2 x 98 GB + final/'s 16 GB, more than a one-GPU machine's 64 GiB disk). save_cost.py reads them.
+           random_tokens; mkdir -p $R/asyncab
+           ck=${ASYNCAB_CKPT_DIR:-/var/tmp/asyncab_ckpt}
+           for mode in on off; do
+             d=/var/tmp/asyncab_$mode; rm -rf $d $ck
+             CUDA_VISIBLE_DEVICES=0 python -m slidetune.cli train --output-dir $d --data /tmp/random_tokens.npy \
+               ${ASYNCAB_ARGS:---model qwen3-8b --batch-size 16 --seq-len 1024} --max-steps ${ASYNCAB_STEPS:-40} \
+               --save-every ${ASYNCAB_EVERY:-20} --keep-last 1 --eval-batches 1 --progress false --checkpoint-dir $ck \
+               --async-save $mode > $R/asyncab/run_$mode.log 2>&1
+             echo "--async-save $mode: rc=$?" | tee -a $R/asyncab/rc.txt
+             mkdir -p $R/asyncab/$mode; cp $d/{metrics.csv,saves.jsonl,summary.json,config.json} $R/asyncab/$mode/ 2>/dev/null
+             { ls -la $d $ck; df -h $d $ck; } > $R/asyncab/$mode/files.txt 2>&1
+             rm -rf $d $ck
+           done
+           python benchmarks/scripts/save_cost.py $R/asyncab/on $R/asyncab/off | tee $R/asyncab/report.md ;;
     leankernels) # the lean layer's GPU tests: Liger's kernels within BF16 noise, eager and compiled (a
            # liger-kernel wheel in .whl/; without it they skip)
            timeout 400 python -m pytest -q -rs tests/test_lean_layer.py -m gpu > $R/lean_kernels_tests.txt 2>&1
