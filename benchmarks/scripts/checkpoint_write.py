@@ -15,6 +15,7 @@ like a model's: layer-sized tensors of LAYER_MIB MiB. Three measurements, each a
    read-back, against the sum of the serial writer's.
 
     python benchmarks/scripts/checkpoint_write.py DIR [--gib 4] [--threads N] [--skip-serial]
+        [--gpu-only --stage-mib 64,256]     # the GPU tensors' cases once per staging buffer size
 
 Run it with PYTHONPATH at an older tree's src/ for the A/B (the script reads either API).
 
@@ -160,14 +161,21 @@ def main() -> None:
     ap.add_argument("--shard-mib", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=None, help="the parallel writer's threads (default: its own)")
     ap.add_argument("--skip-serial", action="store_true")
+    ap.add_argument("--gpu-only", action="store_true", help="only the GPU tensors' cases")
+    ap.add_argument("--stage-mib", default=None,
+                    help="comma list: the GPU cases once per checkpoint_io.STAGE_BYTES (default: the library's)")
     a = ap.parse_args()
     print(f"cpus {os.cpu_count()}, torch {torch.__version__}, threads {a.threads}, dir {a.dir}", flush=True)
-    cases = [("cpu fp32", "cpu", torch.float32), ("cpu fp32 -> bf16", "cpu", torch.bfloat16)]
+    cases = [] if a.gpu_only else [("cpu fp32", "cpu", torch.float32), ("cpu fp32 -> bf16", "cpu", torch.bfloat16)]
     if torch.cuda.is_available():
-        cases.append(("gpu fp32", "cuda", torch.float32))
+        stages = [int(m) for m in a.stage_mib.split(",")] if a.stage_mib else [None]
+        cases += [(f"gpu fp32{f' stage {m} MiB' if m else ''}", "cuda", torch.float32, m) for m in stages]
+    cases = [c if len(c) == 4 else (*c, None) for c in cases]
     work = a.dir / "checkpoint_write_probe"
     try:
-        for what, device, dtype in cases:
+        for what, device, dtype, stage_mib in cases:
+            if stage_mib is not None:
+                checkpoint_io.STAGE_BYTES = stage_mib * 2**20      # read by each Stager as it allocates
             tensors = make_tensors(a.gib, a.layer_mib, device)
             nbytes = sum(x.numel() for x in tensors.values()) * torch.empty((), dtype=dtype).element_size()
             for run, fn in (("serial", None if a.skip_serial else serial_phases), ("library", library_writer)):
