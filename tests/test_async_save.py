@@ -19,6 +19,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,9 +31,11 @@ import torch
 
 import slidetune
 import slidetune.checkpoint as ckpt_mod
+import slidetune.faults as faults
 from slidetune.async_save import start_async_save
 from slidetune.checkpoint import CheckpointError, check_checkpoint, checkpoint_dir, load_checkpoint, save_checkpoint
-from slidetune.checkpoint_saver import CheckpointSaver, resolve_async_save
+from slidetune.async_save import SaveTiming
+from slidetune.checkpoint_saver import CheckpointSaver, overlap_note, resolve_async_save
 from slidetune.engine.slide.disk_tier import StreamedTensor
 from test_checkpoint import make_engine, shut, train
 from test_train_errors import fill_disk_for
@@ -168,6 +171,34 @@ def test_a_failing_writer_raises_keeps_the_previous_checkpoint_and_releases_the_
         assert start_async_save(eng, checkpoint_dir(tmp_path, 5), step=5).wait() == checkpoint_dir(tmp_path, 5)
     finally:
         shut(eng)
+
+
+def test_the_overlap_note_names_a_save_every_that_keeps_the_saves_apart():
+    # a save of 137 s whose next one came due 40 s into it: 20 steps took 97 s, so 20 x 137/97 x 1.1 -> 32
+    late = SaveTiming(step=20, mode="async", save_s=137.0, waited_s=40.0)
+    note = overlap_note(late, save_every=20)
+    assert note.startswith("note: the checkpoint of step 20 was still being written") and "waited 40.0 s" in note
+    assert "--save-every 32 or more" in note
+    assert overlap_note(SaveTiming(step=20, mode="async", save_s=137.0, waited_s=0.2), 20) is None
+    assert overlap_note(SaveTiming(step=20, mode="blocking", save_s=114.0, waited_s=5.0), 20) is None
+
+
+def test_a_run_whose_async_saves_overlap_says_so_once(tmp_path, monkeypatch, capsys):
+    corpus = tmp_path / "small.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " * 30}) + "\n" for i in range(40)))
+    # the save of step 1 stalls 2 s past its tensors (its holds released): step 2's save waits for it
+    monkeypatch.setenv("SLIDETUNE_INJECT_FAULT", "stall:1")
+    monkeypatch.setattr(faults, "STALL_S", 2.0)
+    cfg = slidetune.TrainConfig(model="tiny-llama", data=slidetune.DataConfig(path=str(corpus), seq_len=32),
+                                runtime=slidetune.RuntimeConfig(device="cpu"), batch_size=2, eval_batches=1,
+                                progress=False, output_dir=str(tmp_path / "run"), report_to="csv",
+                                max_steps=4, save_every=1, keep_last=1, async_save="on")
+    slidetune.train(cfg)
+    err = capsys.readouterr().err
+    assert err.count("was still being written when the next one came due") == 1, err
+    saves = [json.loads(line) for line in (tmp_path / "run" / "saves.jsonl").read_text().splitlines()]
+    assert [s["mode"] for s in saves] == ["async"] * 3 + ["blocking"] and saves[0]["waited_s"] >= 1.0
+    assert int(re.search(r"--save-every (\d+) or more", err).group(1)) > 1, err
 
 
 def test_a_second_save_waits_for_the_first_and_each_is_recorded(tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ next steps' step_s in metrics.csv), waited_s.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +38,21 @@ def resolve_async_save(setting: str, engine, on_gpu: bool) -> tuple[bool, str]:
     if setting == "auto" and not on_gpu:
         return False, "auto: off on a CPU (the writer would take the cores the step runs on)"
     return True, f"--async-save {setting}"
+
+
+def overlap_note(timing: SaveTiming, save_every: int) -> str | None:
+    """A hint, once a run, when an asynchronous save was still being written as the next one came
+    due (a save cannot start before the previous one has ended: the steps waited for it). The
+    saves' period is what the steps took from its start to the next save's (save_s - waited_s),
+    so --save-every scaled by save_s over that period, with a tenth to spare, keeps them apart."""
+    if timing.mode != "async" or timing.waited_s < 1.0 or not timing.save_s:
+        return None
+    period_s = max(timing.save_s - timing.waited_s, 1e-3)
+    every = math.ceil(save_every * timing.save_s / period_s * 1.1)
+    return (f"note: the checkpoint of step {timing.step} was still being written when the next one came due: "
+            f"the steps waited {timing.waited_s:.1f} s for it (a save took {timing.save_s:.1f} s here, "
+            f"{save_every} step{'s' if save_every != 1 else ''} {period_s:.1f} s); --save-every {every} or more keeps the saves from waiting "
+            f"on each other")
 
 
 class CheckpointSaver:

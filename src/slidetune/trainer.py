@@ -39,7 +39,7 @@ from .callbacks import Callback, CallbackFailed, call_hook
 from .checkpoint import (CheckpointCorrupt, CheckpointError, check_checkpoint, complete_checkpoints, latest_checkpoint,
                          load_checkpoint, prune_checkpoints, recover_leftovers, save_checkpoint, set_aside)
 from .checkpoint import checkpoint_dir as checkpoint_dir_of
-from .checkpoint_saver import CheckpointSaver, resolve_async_save
+from .checkpoint_saver import CheckpointSaver, overlap_note, resolve_async_save
 from .config import TrainConfig, config_to_dict, group_tuning
 from .data import IGNORE_INDEX, BatchSampler, TokenDataset, build_datasets, collate, default_pad_id
 from .data.build import load_source
@@ -656,6 +656,7 @@ class Trainer:
         # every save's timing in saves.jsonl (rank 0); `on` where the engine cannot is refused here
         asynchronous, self.async_why = resolve_async_save(cfg.async_save, engine, device.is_cuda)
         self.saver = CheckpointSaver(asynchronous, out / "saves.jsonl" if self.ranks.is_main else None)
+        self.overlap_noted = False       # the hint that async saves wait on each other, given once
 
     # ------------------------------------------------------------------ the driver
     def run(self) -> TrainSummary:
@@ -976,7 +977,13 @@ class Trainer:
         every owner's updates; the other ranks cannot change the state meanwhile, as their next
         step waits for rank 0) and the others wait for the outcome."""
         if periodic and self.saver.asynchronous:
+            collected = len(self.saver.timings)
             self.collect_save(wait=True)         # a second save waits for the first
+            if len(self.saver.timings) > collected and not self.overlap_noted:
+                note = overlap_note(self.saver.timings[-1], self.cfg.save_every)
+                if note:
+                    print(note, file=sys.stderr)
+                    self.overlap_noted = True
             self.log_rows()                      # the rows up to a checkpoint are on disk with it
             path = checkpoint_dir_of(self.ckpt_dir, step)
             stale = self.stale
