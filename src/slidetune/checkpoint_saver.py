@@ -49,10 +49,10 @@ def overlap_note(timing: SaveTiming, save_every: int) -> str | None:
         return None
     period_s = max(timing.save_s - timing.waited_s, 1e-3)
     every = math.ceil(save_every * timing.save_s / period_s * 1.1)
+    steps = f"{save_every} step{'s' if save_every != 1 else ''}"
     return (f"note: the checkpoint of step {timing.step} was still being written when the next one came due: "
             f"the steps waited {timing.waited_s:.1f} s for it (a save took {timing.save_s:.1f} s here, "
-            f"{save_every} step{'s' if save_every != 1 else ''} {period_s:.1f} s); --save-every {every} or more keeps the saves from waiting "
-            f"on each other")
+            f"{steps} {period_s:.1f} s); --save-every {every} or more keeps the saves from waiting on each other")
 
 
 class CheckpointSaver:
