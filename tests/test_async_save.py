@@ -93,6 +93,24 @@ def leftovers(d: Path) -> list[str]:
 # --------------------------------------------------------------------------- library level
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_async_save_is_the_blocking_save_and_resumes_exactly(recipe, tmp_path, monkeypatch):
+    async_against_blocking(recipe, tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize("recipe", ["clipped", "disk-master"])
+def test_async_save_with_the_optimizer_state_in_parts(recipe, tmp_path, monkeypatch):
+    """A large checkpoint's optimizer state goes out as two files beside the weights (three streams):
+    the units are still released front to back, and the files are the blocking save's."""
+    parts = pytest.MonkeyPatch()              # apart from `monkeypatch`, which the run undoes midway
+    parts.setattr(ckpt_mod, "OPTIM_PARTS_FROM_BYTES", 1)
+    try:
+        async_against_blocking(recipe, tmp_path, monkeypatch)
+    finally:
+        parts.undo()
+    files = sorted(p.name for p in (checkpoint_dir(tmp_path / "a", 2) / "trainer_state").iterdir())
+    assert "optimizer-00002-of-00002.safetensors" in files and "optimizer.safetensors" not in files
+
+
+def async_against_blocking(recipe, tmp_path, monkeypatch) -> None:
     # A: an asynchronous save at step 2, two steps trained while a slow writer writes it
     a = engine_for(recipe, tmp_path)
     try:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
+from safetensors.torch import load_file
 
 import slidetune.checkpoint as ckpt_mod
 import slidetune.checkpoint_io as io_mod
@@ -150,9 +151,63 @@ def test_whole_checkpoint_byte_identical_to_the_serial_writer(tmp_path, small_pi
     load_checkpoint(make_engine(runtime=runtime), new)
 
 
-def test_a_failing_writer_thread_keeps_the_previous_checkpoint(tmp_path, small_pieces, monkeypatch):
-    """One pwrite of one of the pool's threads fails (ENOSPC) while both streams write: the save
-    raises, the temporary directory is gone, the previous checkpoint is whole and verifies."""
+@pytest.mark.parametrize("runtime", [{}, {"device_layers": 2}], ids=["host", "device-layers"])
+def test_a_large_optimizer_state_goes_out_in_two_parts_that_load_back(tmp_path, small_pieces, monkeypatch, runtime):
+    """Above OPTIM_PARTS_FROM_BYTES the moments are two files of about equal bytes, written beside
+    the weights at once: together the one file's tensors bit for bit, the weights unchanged, and a
+    resume loads them."""
+    eng = make_engine(runtime=runtime)
+    train(eng, range(2))
+    one = save_fixed_time(eng, tmp_path / "one", max_shard_bytes=40_000, writer_threads=3)
+    monkeypatch.setattr(ckpt_mod, "OPTIM_PARTS_FROM_BYTES", 1)
+    parts = save_fixed_time(eng, tmp_path / "parts", max_shard_bytes=40_000, writer_threads=3)
+    state_dir = parts / "trainer_state"
+    names = [state_dir / f"optimizer-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    assert ckpt_mod.optimizer_files(parts) == names and not (state_dir / "optimizer.safetensors").exists()
+    first, second = (load_file(str(p)) for p in names)
+    whole = load_file(str(one / "trainer_state" / "optimizer.safetensors"))
+    assert not first.keys() & second.keys() and (first | second).keys() == whole.keys()
+    assert all(torch.equal((first | second)[k], whole[k]) for k in whole)
+    sizes = [p.stat().st_size for p in names]
+    assert min(sizes) > 0.3 * sum(sizes)                            # about half each
+    for rel in (p.relative_to(one) for p in one.glob("model*")):    # the weights as before
+        assert (parts / rel).read_bytes() == (one / rel).read_bytes()
+    assert check_checkpoint(parts).verified
+    back = make_engine(runtime=runtime, seed=5)
+    load_checkpoint(back, parts)
+    back.synchronize()
+    assert {k: t.clone() for k, t in back.optimizer_tensors().items()}.keys() == whole.keys()
+    assert all(torch.equal(t, whole[k]) for k, t in back.optimizer_tensors().items())
+
+
+def test_the_optimizer_files_name_what_is_wrong(tmp_path):
+    sdir = tmp_path / "trainer_state"
+    sdir.mkdir()
+
+    def files(*names):
+        for p in sdir.iterdir():
+            p.unlink()
+        for name in names:
+            (sdir / name).write_bytes(b"")
+        with pytest.raises(CheckpointCorrupt) as info:
+            ckpt_mod.optimizer_files(tmp_path)
+        return info.value.file.name, info.value.what
+    assert files() == ("optimizer.safetensors", "missing (state.json says the optimizer state was saved)")
+    assert files("optimizer-00001-of-00003.safetensors", "optimizer-00003-of-00003.safetensors") == \
+        ("optimizer-00002-of-00003.safetensors", "missing (the optimizer state is in 3 parts)")
+    name, what = files("optimizer.safetensors", "optimizer-00001-of-00001.safetensors")
+    assert name == "optimizer-00001-of-00001.safetensors" and "never both" in what
+    name, what = files("optimizer-00001-of-00001.safetensors", "optimizer-00002-of-00003.safetensors")
+    assert name == "optimizer-00002-of-00003.safetensors" and "not one of the optimizer state's 1 parts" in what
+
+
+@pytest.mark.parametrize("optim_parts", [1, 2])
+def test_a_failing_writer_thread_keeps_the_previous_checkpoint(tmp_path, small_pieces, monkeypatch, optim_parts):
+    """One pwrite of one of the pool's threads fails (ENOSPC) while the streams write (the weights
+    and the optimizer state in one or two files): the save raises, the temporary directory is
+    gone, the previous checkpoint is whole and verifies."""
+    if optim_parts == 2:
+        monkeypatch.setattr(ckpt_mod, "OPTIM_PARTS_FROM_BYTES", 1)
     eng = make_engine()
     train(eng, range(2))
     first = save_checkpoint(eng, checkpoint_dir(tmp_path, 2), step=2, writer_threads=3)
@@ -174,6 +229,29 @@ def test_a_failing_writer_thread_keeps_the_previous_checkpoint(tmp_path, small_p
     assert sorted(p.name for p in tmp_path.iterdir()) == [first.name]
     assert {p.relative_to(first): p.read_bytes() for p in first.rglob("*") if p.is_file()} == before
     assert verify_files(first)
+
+
+def test_run_streams_raises_the_stream_that_failed_not_those_it_stopped():
+    """Three streams at once: the one that fails sets `cancel`, the others stop at their next piece
+    with a StreamCancelled, and the failure itself is what run_streams raises, from any stream."""
+    def stopped_by(cancel):
+        def stream():
+            while not cancel.wait(0.01):
+                pass
+            raise io_mod.StreamCancelled("stopped")
+        return stream
+
+    def failing():
+        time.sleep(0.05)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    for failing_first in (False, True):
+        cancel = threading.Event()
+        first = failing if failing_first else stopped_by(cancel)
+        others = [stopped_by(cancel), stopped_by(cancel) if failing_first else failing]
+        with pytest.raises(OSError, match="No space left"):
+            io_mod.run_streams(first, others, cancel)
+        assert cancel.is_set()
+    assert io_mod.run_streams(lambda: {"w": 1}, [lambda: "a", lambda: "b"], threading.Event()) == ({"w": 1}, ["a", "b"])
 
 
 def test_the_read_back_names_a_damaged_file(tmp_path):

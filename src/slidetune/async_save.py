@@ -11,10 +11,11 @@ step's forward and backward only read the weights, so they run while the files a
 update waits only where it reaches a unit the writer has not passed. No copy of the state is
 made: the extra host RAM is nothing (the page cache takes what the disk has not yet written).
 
-Why this order: the files are written in unit order (embedding, layers 0..L-1, head), two
-streams at once (the weight shards, and the optimizer file), which is the order the clipped
-schedule (the default recipe) sweeps its updates in: the writer has the whole forward and
-backward of the next step as its lead, and the sweep follows it unit by unit. The eager schedule
+Why this order: the files are written in unit order (embedding, layers 0..L-1, head), as streams
+at once (the weight shards; the optimizer state's file, or its two parts of a large checkpoint),
+which is the order the clipped schedule (the default recipe) sweeps its updates in: the writer
+has the whole forward and backward of the next step as its lead, and the sweep follows it unit
+by unit. The eager schedule
 updates from the head down, the writer's last unit, so there an update waits for nearly the
 whole write.
 
@@ -196,14 +197,14 @@ def _run_in_background(engine, pending: PendingSave, streams: _UnitStreams, rng:
 
 
 class _UnitStreams:
-    """The checkpoint's tensors as two streams written at once in unit order (the weight shards;
-    the optimizer file), each tensor a StreamedTensor read from the live store as it is written,
+    """The checkpoint's tensors as streams written at once in unit order (the weight shards; the
+    optimizer state's file or parts: checkpoint.optimizer_parts), each tensor a StreamedTensor read from the live store as it is written,
     and each unit's hold released once both streams have written all of its tensors."""
 
     def __init__(self, engine, pending: PendingSave, threads: int | None = None):
         self.pending, self.threads = pending, threads
         self.cancel = pending.cancel         # one stream failed (or the save was abandoned): stop
-        # the disk tier's blocks are taken one reader at a time (DiskTier.acquire): the two streams
+        # the disk tier's blocks are taken one reader at a time (DiskTier.acquire): the streams
         # read a disk unit's master and moments through one lock
         self.tier_lock = threading.Lock()
         self.left: list[int] = [0] * len(engine.units)      # tensors of each unit not yet written

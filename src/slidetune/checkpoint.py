@@ -7,7 +7,8 @@ Layout of one checkpoint (`<run_dir>/checkpoint-<step>/`):
     model.safetensors                weights, or shards model-0000i-of-0000N.safetensors
     model.safetensors.index.json       + index {"metadata": {"total_size"}, "weight_map"}
     tokenizer files                  when a tokenizer is given
-    trainer_state/optimizer.safetensors   the engine's AdamW state (FP32 moments + step per unit)
+    trainer_state/optimizer.safetensors   the engine's AdamW state (FP32 moments + step per unit),
+      or optimizer-0000i-of-0000N.safetensors   in N parts of the units in order, written at once
     trainer_state/state.json         step, trainer state, slidetune and format versions
     trainer_state/rng.pt             torch CPU (+ CUDA), python `random` and numpy RNG states
     MANIFEST.json                    every file above: size and xxh3-128 digest
@@ -73,6 +74,14 @@ COMPLETE = "COMPLETE"
 MANIFEST = "MANIFEST.json"
 DIGEST = "xxh3_128"        # xxhash's XXH3 128-bit: 11 GB/s on one core (NOTES "Checkpoint digests")
 STATE_DIR = "trainer_state"
+OPTIM_FILE = "optimizer.safetensors"
+# Buffered writes into one file run one at a time (the file's inode lock): 8 threads into one file
+# wrote at one thread's rate, into 8 files 1.3x (tmpfs) to 1.6x (ext4's page cache) faster
+# (benchmarks/NOTES.md "Checkpoint writer"). AdamW's moments are twice the weights, so the optimizer
+# state of a large checkpoint goes out as two files beside the weights' stream: three streams of
+# equal bytes instead of one file of two thirds of them. A small one stays one file.
+OPTIM_PARTS = 2
+OPTIM_PARTS_FROM_BYTES = 4 * 2**30
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 _LEFTOVER_RE = re.compile(r"^(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)$")
@@ -186,7 +195,7 @@ def fresh_dir(tmp: Path) -> None:
 def _write_complete(engine, tmp: Path, *, step: int, tokenizer, state: dict, state_text: str,
                     dtype: torch.dtype, with_optimizer: bool, max_shard_bytes: int, threads: int | None) -> None:
     """Write the whole checkpoint into the fresh directory `tmp`, synced and read back: the tensor
-    files (weights and optimizer state as two streams at once), then finish_checkpoint. Raises on
+    files (weights and optimizer state as streams written at once), then finish_checkpoint. Raises on
     any failure; the caller renames `tmp` into place only after this returns."""
     fresh_dir(tmp)
     engine.synchronize()     # the deferred schedule's update sweep may still be running
@@ -203,7 +212,7 @@ def _write_complete(engine, tmp: Path, *, step: int, tokenizer, state: dict, sta
 
 def _one_reader(t: torch.Tensor | StreamedTensor, lock: threading.Lock) -> torch.Tensor | StreamedTensor:
     """`t`, a disk tier's StreamedTensor read under `lock`: its blocks are taken one reader at a
-    time (DiskTier.acquire), and the two streams of a save read a disk unit's master and moments."""
+    time (DiskTier.acquire), and the streams of a save read a disk unit's master and moments."""
     if not isinstance(t, StreamedTensor):
         return t
 
@@ -222,24 +231,70 @@ def write_tensor_files(weights: Iterable[tuple[str, torch.Tensor | StreamedTenso
                        optim: Mapping[str, torch.Tensor | StreamedTensor] | None, directory: Path,
                        dtype: torch.dtype, max_shard_bytes: int, *, threads: int | None = None, step: int = 0,
                        cancel: threading.Event | None = None) -> dict[str, FileDigest]:
-    """A checkpoint's tensor files as two streams at once, sharing one pool of `threads` writers:
-    the weight shards (write_weights) here, the optimizer file (`optim`, into STATE_DIR, which
-    exists) in a second thread. A failure of either stops the other at its next piece and is
-    raised once both have ended. Their digests by path relative to `directory`."""
+    """A checkpoint's tensor files as streams written at once, sharing one pool of `threads`
+    writers: the weight shards (write_weights, one after another) here, and each of the optimizer
+    state's files (`optim` in optimizer_parts, into STATE_DIR, which exists) in a thread of its
+    own. A failure of any stops the others at their next piece and is raised once all have ended.
+    Their digests by path relative to `directory`."""
     cancel = cancel or threading.Event()
-    optim_path = directory / STATE_DIR / "optimizer.safetensors"
+    parts = optimizer_parts(optim) if optim is not None else []
     with io_pool(None, threads) as pool:
         def weights_stream() -> dict[str, FileDigest]:
             out = write_weights(weights, directory, dtype, max_shard_bytes, pool=pool, cancel=cancel)
             maybe_fail("checkpoint", step)          # tests only (faults.py): a writer failing mid-save
             return out
 
-        def optim_stream() -> FileDigest:
-            return save_tensors(optim, optim_path, pool=pool, cancel=cancel)
-        streamed, optim_digest = run_streams(weights_stream, None if optim is None else optim_stream, cancel)
-    if optim_digest is not None:
-        streamed[f"{STATE_DIR}/optimizer.safetensors"] = optim_digest
+        def optim_stream(name: str, tensors: dict) -> Callable[[], FileDigest]:
+            return lambda: save_tensors(tensors, directory / STATE_DIR / name, pool=pool, cancel=cancel)
+        streamed, digests = run_streams(weights_stream, [optim_stream(n, t) for n, t in parts], cancel)
+    for (name, _), digest in zip(parts, digests):
+        streamed[f"{STATE_DIR}/{name}"] = digest
     return streamed
+
+
+def optimizer_parts(optim: Mapping[str, torch.Tensor | StreamedTensor]) -> list[tuple[str, dict]]:
+    """The optimizer state's files, (name, tensors) in order: one OPTIM_FILE below
+    OPTIM_PARTS_FROM_BYTES, else OPTIM_PARTS runs of the tensors in order (the units' order, so an
+    asynchronous save still releases the units front to back) of about equal bytes."""
+    sizes = [t.numel() * torch.empty((), dtype=t.dtype).element_size() if isinstance(t, StreamedTensor)
+             else t.numel() * t.element_size() for t in optim.values()]
+    total = sum(sizes)
+    n = OPTIM_PARTS if total >= OPTIM_PARTS_FROM_BYTES else 1
+    if n == 1:
+        return [(OPTIM_FILE, dict(optim))]
+    runs: list[dict] = [{} for _ in range(n)]
+    done = 0
+    for (key, t), size in zip(optim.items(), sizes):
+        # the run whose share of the bytes this tensor's middle falls in
+        runs[min(n - 1, (2 * done + size) * n // (2 * total))][key] = t
+        done += size
+    runs = [r for r in runs if r]
+    return [(f"optimizer-{i + 1:05d}-of-{len(runs):05d}.safetensors", r) for i, r in enumerate(runs)]
+
+
+def optimizer_files(ckpt: Path) -> list[Path]:
+    """The optimizer state's files of checkpoint `ckpt`: OPTIM_FILE, or every part of
+    optimizer-0000i-of-0000N; CheckpointCorrupt names one that is missing."""
+    sdir = ckpt / STATE_DIR
+    single = sdir / OPTIM_FILE
+    parts = sorted(sdir.glob("optimizer-*-of-*.safetensors")) if sdir.is_dir() else []
+    if single.exists() and not parts:
+        return [single]
+    if not parts:
+        raise CheckpointCorrupt(ckpt, single, "missing (state.json says the optimizer state was saved)")
+    if single.exists():
+        raise CheckpointCorrupt(ckpt, parts[0], f"beside {OPTIM_FILE}: the optimizer state is in one file or in "
+                                                "parts, never both")
+    m = re.fullmatch(r"optimizer-\d{5}-of-(\d{5})\.safetensors", parts[0].name)
+    n = int(m.group(1)) if m else 0
+    want = [sdir / f"optimizer-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    for path in want:
+        if not path.exists():
+            raise CheckpointCorrupt(ckpt, path, f"missing (the optimizer state is in {n} parts)")
+    extra = sorted(set(parts) - set(want))
+    if extra or not want:
+        raise CheckpointCorrupt(ckpt, (extra or parts)[0], f"not one of the optimizer state's {n} parts")
+    return want
 
 
 def finish_checkpoint(engine, tmp: Path, *, step: int, tokenizer, state: dict, state_text: str, dtype: torch.dtype,
@@ -589,8 +644,7 @@ def load_checkpoint(engine, ckpt_dir: Path, *, checked: bool = False) -> dict:
     if extra:
         raise CheckpointError(f"checkpoint {ckpt} holds tensors the model does not have (another model?): "
                               f"{extra[:5]}{' ...' if len(extra) > 5 else ''}")
-    optim_file = ckpt / STATE_DIR / "optimizer.safetensors"
-    optim = _LazyTensors(_file_keys(optim_file))
+    optim = _LazyTensors({k: p for path in optimizer_files(ckpt) for k, p in _file_keys(path).items()})
     for key, t in engine.optimizer_tensors(on_host=False).items():
         if key not in optim:
             raise CheckpointError(f"checkpoint {ckpt}: optimizer tensor {key!r} is missing")
@@ -634,17 +688,15 @@ def check_checkpoint(ckpt_dir: Path) -> CheckedCheckpoint:
                               f"(interrupted save) or is not a slidetune checkpoint")
     verified = verify_files(ckpt)
     state = _read_state(ckpt)
-    optim_file = ckpt / STATE_DIR / "optimizer.safetensors"
     if not state.get("with_optimizer", False):
         raise CheckpointError(f"checkpoint {ckpt} cannot be resumed exactly: it was saved without optimizer state "
                               f"(save_dtype={state.get('save_dtype')!r}, with_optimizer={state.get('with_optimizer')})"
                               f". Load it as a model directory (weights only) to start a new run from it")
-    if not optim_file.exists():
-        raise CheckpointCorrupt(ckpt, optim_file, "missing (state.json says the optimizer state was saved)")
+    optim_files = optimizer_files(ckpt)
     config = ckpt / "config.json"
     if not isinstance(_read_json(ckpt, config), dict):
         raise CheckpointCorrupt(ckpt, config, "not a JSON object")
-    for what, files in (("weights", set(_weight_files(ckpt).values())), ("optimizer", {optim_file})):
+    for what, files in (("weights", set(_weight_files(ckpt).values())), ("optimizer", set(optim_files))):
         for path in sorted(files):
             tensors = _LazyTensors(_file_keys(path))
             for name in tensors:

@@ -259,32 +259,42 @@ def digests_parallel(paths: Sequence[Path], threads: int | None = None) -> dict[
     return out
 
 
-def run_streams(first: Callable[[], dict], second: Callable[[], FileDigest] | None,
-                cancel: threading.Event) -> tuple[dict, FileDigest | None]:
-    """`first()` here and `second()` in a thread, at once. The first to fail sets `cancel` (the
-    other stops at its next piece) and its error is raised once both have ended: never a
-    StreamCancelled where the other stream's error is the cause."""
-    if second is None:
-        return first(), None
+def run_streams(first: Callable[[], dict], others: Sequence[Callable[[], FileDigest]],
+                cancel: threading.Event) -> tuple[dict, list[FileDigest]]:
+    """`first()` here and each of `others` in a thread of its own, all at once. The first to fail
+    sets `cancel` (the rest stop at their next piece) and its error is raised once all have ended:
+    never a StreamCancelled where another stream's error is the cause."""
+    if not others:
+        return first(), []
 
-    def guarded() -> FileDigest:
-        try:
-            return second()
-        except BaseException:
-            cancel.set()
-            raise
-    with ThreadPoolExecutor(1, thread_name_prefix="slidetune-checkpoint-optim") as side:
-        other = side.submit(guarded)
+    def guarded(stream: Callable[[], FileDigest]) -> Callable[[], FileDigest]:
+        def run() -> FileDigest:
+            try:
+                return stream()
+            except BaseException:
+                cancel.set()
+                raise
+        return run
+    with ThreadPoolExecutor(len(others), thread_name_prefix="slidetune-checkpoint-optim") as side:
+        futures = [side.submit(guarded(stream)) for stream in others]
         try:
             out = first()
         except BaseException as e:
             cancel.set()
-            try:
-                other.result()           # raises the other stream's error, the root cause
-            except StreamCancelled:
-                pass
-            except BaseException as cause:  # noqa: BLE001
-                if isinstance(e, StreamCancelled):
-                    raise cause          # noqa: B904 - the other stream's failure is the save's
+            cause = _root_cause(futures)
+            if cause is not None and isinstance(e, StreamCancelled):
+                raise cause from None    # another stream's failure is the save's
             raise
-        return out, other.result()
+        cause = _root_cause(futures)
+        if cause is not None:
+            raise cause
+        return out, [f.result() for f in futures]
+
+
+def _root_cause(futures: Sequence[Future]) -> BaseException | None:
+    """Once every future has ended: the first error that is not a StreamCancelled (the stream
+    that failed, not those it stopped), else the first error."""
+    errors = [f.exception() for f in futures]
+    errors = [e for e in errors if e is not None]
+    real = [e for e in errors if not isinstance(e, StreamCancelled)]
+    return (real or errors or [None])[0]
