@@ -217,6 +217,7 @@ def test_a_run_whose_async_saves_overlap_says_so_once(tmp_path, monkeypatch, cap
     saves = [json.loads(line) for line in (tmp_path / "run" / "saves.jsonl").read_text().splitlines()]
     assert [s["mode"] for s in saves] == ["async"] * 3 + ["blocking"] and saves[0]["waited_s"] >= 1.0
     assert int(re.search(r"--save-every (\d+) or more", err).group(1)) > 1, err
+    assert all(s["streams_s"].keys() == {"weights", "optimizer.safetensors"} for s in saves)
 
 
 def test_a_second_save_waits_for_the_first_and_each_is_recorded(tmp_path, monkeypatch):
@@ -233,8 +234,13 @@ def test_a_second_save_waits_for_the_first_and_each_is_recorded(tmp_path, monkey
         first = saver.poll(wait=True)                # what Trainer.save_checkpoint does before the next
         assert first.path == checkpoint_dir(tmp_path, 1) and first.error is None
         saver.start(lambda: start_async_save(eng, checkpoint_dir(tmp_path, 2), step=2))
-        path = saver.blocking(3, lambda: save_checkpoint(eng, checkpoint_dir(tmp_path, 3), step=3))
+        path = saver.blocking(3, lambda streams: save_checkpoint(eng, checkpoint_dir(tmp_path, 3), step=3,
+                                                                 stream_s=streams))
         assert path.exists() and saver.pending is None     # the blocking save waited for the second
+        # each save's streams, timed: the weights and the optimizer file, within the save
+        for timing in saver.timings:
+            assert timing.streams_s.keys() == {"weights", "optimizer.safetensors"}
+            assert 0 < max(timing.streams_s.values()) <= timing.save_s
     finally:
         shut(eng)
     records = [json.loads(line) for line in log.read_text().splitlines()]

@@ -160,9 +160,11 @@ def test_a_large_optimizer_state_goes_out_in_two_parts_that_load_back(tmp_path, 
     train(eng, range(2))
     one = save_fixed_time(eng, tmp_path / "one", max_shard_bytes=40_000, writer_threads=3)
     monkeypatch.setattr(ckpt_mod, "OPTIM_PARTS_FROM_BYTES", 1)
-    parts = save_fixed_time(eng, tmp_path / "parts", max_shard_bytes=40_000, writer_threads=3)
+    streams: dict[str, float] = {}
+    parts = save_fixed_time(eng, tmp_path / "parts", max_shard_bytes=40_000, writer_threads=3, stream_s=streams)
     state_dir = parts / "trainer_state"
     names = [state_dir / f"optimizer-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    assert streams.keys() == {"weights", names[0].name, names[1].name}      # three streams, each timed
     assert ckpt_mod.optimizer_files(parts) == names and not (state_dir / "optimizer.safetensors").exists()
     first, second = (load_file(str(p)) for p in names)
     whole = load_file(str(one / "trainer_state" / "optimizer.safetensors"))

@@ -51,15 +51,17 @@ def fmt(v, digits: int = 1) -> str:
 
 
 def report(runs: list[Path]) -> str:
-    lines = ["| run | save at step | mode | save_s | blocked_s | written_s | held_s | steps | extra step_s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | save at step | mode | save_s | blocked_s | written_s | held_s | steps | extra step_s | streams (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     medians = []
     for run in runs:
         median, costs = save_costs(run)
         medians.append(f"{run.name}: median step_s {median:.3f} s")
         for c in costs:
             lines.append(f"| {run.name} | {c['step']} | {c['mode']} | {fmt(c['save_s'])} | {fmt(c['blocked_s'], 2)} | "
-                         f"{fmt(c.get('written_s'))} | {fmt(c.get('held_s'))} | {c['window']} | {fmt(c['extra_s'])} |")
+                         f"{fmt(c.get('written_s'))} | {fmt(c.get('held_s'))} | {c['window']} | {fmt(c['extra_s'])} | "
+                         + (", ".join(f"{k.removesuffix('.safetensors')} {v:.1f}" for k, v in c.get("streams_s", {}).items())
+                            or "-") + " |")
     lines += ["", *medians]
     if len(runs) > 1:
         tables = [step_rows(r) for r in runs]

@@ -32,7 +32,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -54,6 +54,8 @@ class SaveTiming:
     written_s: float | None = None   # start -> every unit's state written (the last hold released)
     save_s: float | None = None      # start -> complete, verified, renamed, older ones pruned
     held_s: float = 0.0              # updates' waits for the writer, summed over the units
+    # each tensor stream's seconds to its last byte ("weights", each optimizer file): which one bound it
+    streams_s: dict[str, float] = field(default_factory=dict)
     waited_s: float = 0.0            # the step loop's waits for the save to end (the next save, a stop, the end)
     ok: bool | None = None           # None while in flight
 
@@ -67,7 +69,8 @@ class SaveTiming:
         return {"step": self.step, "mode": self.mode, "ok": self.ok, "started": round(self.started, 3),
                 "save_s": _round(self.save_s),
                 "blocked_s": _round(self.blocked_s), "boundary_s": _round(self.boundary_s),
-                "written_s": _round(self.written_s), "held_s": _round(self.held_s), "waited_s": _round(self.waited_s)}
+                "written_s": _round(self.written_s), "held_s": _round(self.held_s), "waited_s": _round(self.waited_s),
+                "streams_s": {name: _round(s) for name, s in self.streams_s.items()}}
 
 
 def _round(x: float | None) -> float | None:
@@ -265,7 +268,8 @@ class _UnitStreams:
         ended, failed or not: a released update could otherwise race a stream still reading it."""
         (tmp / STATE_DIR).mkdir()
         return write_tensor_files(self.weights, self.optim, tmp, torch.float32, max_shard_bytes,
-                                  threads=self.threads, step=step, cancel=self.cancel)
+                                  threads=self.threads, step=step, cancel=self.cancel,
+                                  stream_s=self.pending.timing.streams_s)
 
 
 class _Cancelled(CheckpointError, StreamCancelled):

@@ -108,7 +108,8 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
 # --------------------------------------------------------------------------- saving
 def save_checkpoint(engine, out_dir: Path, *, step: int, tokenizer=None, trainer_state: dict | None = None,
                     save_dtype: str = "fp32", with_optimizer: bool = True,
-                    max_shard_bytes: int = 5 * 2**30, writer_threads: int | None = None) -> Path:
+                    max_shard_bytes: int = 5 * 2**30, writer_threads: int | None = None,
+                    stream_s: dict[str, float] | None = None) -> Path:
     """Write a complete, atomic checkpoint of `engine` to `out_dir`; returns `out_dir`.
 
     save_dtype:
@@ -123,6 +124,7 @@ def save_checkpoint(engine, out_dir: Path, *, step: int, tokenizer=None, trainer
     max_shard_bytes: weights are split into shards of at most this many bytes (a single
       larger tensor gets a shard of its own), with a HF index when there is more than one.
     writer_threads: the writer's and the read-back's I/O threads (None: checkpoint_io.default_threads()).
+    stream_s: filled with each tensor stream's seconds (write_tensor_files), where given.
     """
     if save_dtype not in SAVE_DTYPES:
         raise ValueError(f"save_dtype must be one of {sorted(SAVE_DTYPES)}, not {save_dtype!r}")
@@ -137,7 +139,7 @@ def save_checkpoint(engine, out_dir: Path, *, step: int, tokenizer=None, trainer
     def write(tmp: Path) -> None:
         _write_complete(engine, tmp, step=int(step), tokenizer=tokenizer, state=state, state_text=state_text,
                         dtype=dtype, with_optimizer=with_optimizer, max_shard_bytes=max_shard_bytes,
-                        threads=writer_threads)
+                        threads=writer_threads, stream_s=stream_s)
     return save_atomically(Path(out_dir), write)
 
 
@@ -193,7 +195,8 @@ def fresh_dir(tmp: Path) -> None:
 
 
 def _write_complete(engine, tmp: Path, *, step: int, tokenizer, state: dict, state_text: str,
-                    dtype: torch.dtype, with_optimizer: bool, max_shard_bytes: int, threads: int | None) -> None:
+                    dtype: torch.dtype, with_optimizer: bool, max_shard_bytes: int, threads: int | None,
+                    stream_s: dict[str, float] | None = None) -> None:
     """Write the whole checkpoint into the fresh directory `tmp`, synced and read back: the tensor
     files (weights and optimizer state as streams written at once), then finish_checkpoint. Raises on
     any failure; the caller renames `tmp` into place only after this returns."""
@@ -205,7 +208,8 @@ def _write_complete(engine, tmp: Path, *, step: int, tokenizer, state: dict, sta
         optim = {k: _one_reader(t, lock) for k, t in engine.optimizer_tensors(on_host=False).items()}
     # a device unit's masters left on the device: the writer stages them through pinned memory
     weights = ((name, _one_reader(t, lock)) for name, t in engine.named_master_params(on_host=False))
-    streamed = write_tensor_files(weights, optim, tmp, dtype, max_shard_bytes, threads=threads, step=step)
+    streamed = write_tensor_files(weights, optim, tmp, dtype, max_shard_bytes, threads=threads, step=step,
+                                  stream_s=stream_s)
     finish_checkpoint(engine, tmp, step=step, tokenizer=tokenizer, state=state, state_text=state_text, dtype=dtype,
                       streamed=streamed, rng=rng_state(), threads=threads)
 
@@ -230,22 +234,32 @@ def _one_reader(t: torch.Tensor | StreamedTensor, lock: threading.Lock) -> torch
 def write_tensor_files(weights: Iterable[tuple[str, torch.Tensor | StreamedTensor]],
                        optim: Mapping[str, torch.Tensor | StreamedTensor] | None, directory: Path,
                        dtype: torch.dtype, max_shard_bytes: int, *, threads: int | None = None, step: int = 0,
-                       cancel: threading.Event | None = None) -> dict[str, FileDigest]:
+                       cancel: threading.Event | None = None,
+                       stream_s: dict[str, float] | None = None) -> dict[str, FileDigest]:
     """A checkpoint's tensor files as streams written at once, sharing one pool of `threads`
     writers: the weight shards (write_weights, one after another) here, and each of the optimizer
     state's files (`optim` in optimizer_parts, into STATE_DIR, which exists) in a thread of its
     own. A failure of any stops the others at their next piece and is raised once all have ended.
-    Their digests by path relative to `directory`."""
+    Their digests by path relative to `directory`; `stream_s` (where given) gets each stream's
+    seconds from the start to its last byte ("weights", and each optimizer file's name): the one
+    that ends last is what bound the write."""
     cancel = cancel or threading.Event()
     parts = optimizer_parts(optim) if optim is not None else []
+    times = stream_s if stream_s is not None else {}
+    t0 = time.monotonic()
     with io_pool(None, threads) as pool:
         def weights_stream() -> dict[str, FileDigest]:
             out = write_weights(weights, directory, dtype, max_shard_bytes, pool=pool, cancel=cancel)
             maybe_fail("checkpoint", step)          # tests only (faults.py): a writer failing mid-save
+            times["weights"] = time.monotonic() - t0
             return out
 
         def optim_stream(name: str, tensors: dict) -> Callable[[], FileDigest]:
-            return lambda: save_tensors(tensors, directory / STATE_DIR / name, pool=pool, cancel=cancel)
+            def run() -> FileDigest:
+                digest = save_tensors(tensors, directory / STATE_DIR / name, pool=pool, cancel=cancel)
+                times[name] = time.monotonic() - t0
+                return digest
+            return run
         streamed, digests = run_streams(weights_stream, [optim_stream(n, t) for n, t in parts], cancel)
     for (name, _), digest in zip(parts, digests):
         streamed[f"{STATE_DIR}/{name}"] = digest

@@ -11,7 +11,8 @@ saves.jsonl, one line a save: step, mode (async | blocking), ok, started (epoch 
 verified and pruned), blocked_s (what the step loop waited for it: the start and any wait for its
 end; a blocking save's whole duration), boundary_s, written_s (start to every unit's state
 written), held_s (the updates' waits for the writer, summed over units: their cost shows in the
-next steps' step_s in metrics.csv), waited_s.
+next steps' step_s in metrics.csv), waited_s, streams_s (each tensor stream's seconds to its last byte:
+"weights" and each optimizer file; the last to end bound the write).
 """
 from __future__ import annotations
 
@@ -64,13 +65,14 @@ class CheckpointSaver:
         self.pending: PendingSave | None = None
         self.timings: list[SaveTiming] = []
 
-    def blocking(self, step: int, write: Callable[[], Path]) -> Path:
-        """Run `write()` (a blocking save of `step`) after any save in flight, timed."""
+    def blocking(self, step: int, write: Callable[[dict[str, float]], Path]) -> Path:
+        """Run `write(streams_s)` (a blocking save of `step`, filling its streams' seconds) after any
+        save in flight, timed."""
         self.settle()
         timing = SaveTiming(step=int(step), mode="blocking", started=time.time())
         t0 = time.monotonic()
         try:
-            path = write()
+            path = write(timing.streams_s)
             timing.ok = True
             return path
         except BaseException:

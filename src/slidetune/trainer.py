@@ -993,7 +993,8 @@ class Trainer:
                 after=lambda done: _after_save(self.ckpt_dir, done, stale, self.cfg.keep_last)))
             self.saved_step = self.written_step = step
             return path
-        path = self.ranks.on_main(lambda: self.saver.blocking(step, lambda: self._write_checkpoint(step)))
+        path = self.ranks.on_main(
+            lambda: self.saver.blocking(step, lambda streams: self._write_checkpoint(step, streams)))
         self.saved_step = self.written_step = step
         self.notify("on_save", step, path)
         return path
@@ -1025,11 +1026,11 @@ class Trainer:
         if done is not None and done.error is not None:
             print(f"note: {done.error}", file=sys.stderr)
 
-    def _write_checkpoint(self, step: int) -> Path:
+    def _write_checkpoint(self, step: int, stream_s: dict[str, float] | None = None) -> Path:
         """save_checkpoint's writing (rank 0 alone)."""
         self.log_rows()                                # the rows up to a checkpoint are on disk with it
         try:
-            return _checkpoint(self.cfg, self.engine, self.loaded, self.ckpt_dir, step, self.stale,
+            return _checkpoint(self.cfg, self.engine, self.loaded, self.ckpt_dir, step, self.stale, stream_s,
                                self.ranks.world_size)
         except CheckpointError as e:
             self.flush_files()
@@ -1189,7 +1190,7 @@ def _write_text(path: Path, text: str) -> None:
 
 
 def _checkpoint(cfg, engine, loaded, ckpt_dir: Path, step: int, stale: list[Path] | None = None,
-                world_size: int = 1) -> Path:
+                stream_s: dict[str, float] | None = None, world_size: int = 1) -> Path:
     """Save `checkpoint-<step>`; then delete an earlier run's checkpoints (`stale`, emptied) and prune.
 
     The run's config goes into the checkpoint's state.json: a resume compares its settings
@@ -1197,7 +1198,7 @@ def _checkpoint(cfg, engine, loaded, ckpt_dir: Path, step: int, stale: list[Path
     before its first save, while the earlier run's checkpoints are still the newest).
     """
     path = save_checkpoint(engine, checkpoint_dir_of(ckpt_dir, step), step=step, tokenizer=loaded.tokenizer,
-                           trainer_state=_trainer_state(cfg, step, world_size))
+                           trainer_state=_trainer_state(cfg, step, world_size), stream_s=stream_s)
     _after_save(ckpt_dir, path, stale, cfg.keep_last)
     return path
 
