@@ -226,6 +226,24 @@ def test_bf16_export_loads_but_cannot_resume(tmp_path, engines):
         load_checkpoint(engines(family="qwen3", tied=True), d)
 
 
+def test_a_checkpoint_of_a_newer_format_is_refused_not_called_damaged(tmp_path, engines):
+    """A newer slidetune's checkpoint (its optimizer state in files this one would not find) gets a
+    CheckpointError naming the versions, never a CheckpointCorrupt, which would set it aside."""
+    eng = engines()
+    train(eng, range(1))
+    d = save_checkpoint(eng, tmp_path / "ckpt", step=1)
+    state_path = d / "trainer_state" / "state.json"
+    assert json.loads(state_path.read_text())["format_version"] == 2
+    (d / "MANIFEST.json").unlink()                       # as if written without one: state.json is edited below
+    complete = json.loads((d / "COMPLETE").read_text())
+    (d / "COMPLETE").write_text(json.dumps({k: v for k, v in complete.items() if k != "MANIFEST.json"}))
+    state_path.write_text(json.dumps({**json.loads(state_path.read_text()), "format_version": 3}))
+    with pytest.raises(CheckpointError, match="format version 3, this slidetune reads versions 1, 2: a newer "
+                                              "slidetune wrote it") as info:
+        load_checkpoint(engines(), d)
+    assert not isinstance(info.value, CheckpointCorrupt)
+
+
 def test_tokenizer_files_are_saved(tmp_path, engines):
     saved = []
 

@@ -155,12 +155,15 @@ def test_a_save_that_does_not_read_back_fails_and_keeps_the_last_verified_checkp
 
 @pytest.mark.slow
 def test_a_checkpoint_without_a_manifest_resumes_with_a_note(runs, tmp_path):
-    """As an older slidetune wrote it: no MANIFEST.json, a COMPLETE without its digest."""
+    """As an older slidetune wrote it: no MANIFEST.json, a COMPLETE without its digest, state.json
+    of format version 1."""
     ref, stopped = runs
     d = tmp_path / "run"
     shutil.copytree(stopped, d)
     for ckpt in (d / "checkpoints").iterdir():
         (ckpt / MANIFEST).unlink()
+        state_path = ckpt / "trainer_state" / "state.json"
+        state_path.write_text(json.dumps({**json.loads(state_path.read_text()), "format_version": 1}))
         complete = json.loads((ckpt / "COMPLETE").read_text())
         (ckpt / "COMPLETE").write_text(json.dumps({k: v for k, v in complete.items() if k != MANIFEST}))
     code, out, err = run_cli(*COMMON, *RUN, "--resume", "auto", "--output-dir", str(d))

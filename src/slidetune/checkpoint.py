@@ -69,7 +69,10 @@ from .engine.slide.disk_tier import StreamedTensor
 from .faults import maybe_corrupt, maybe_fail
 from .processes import pid_alive
 
-FORMAT_VERSION = 1
+# 2 (2026-11-28): the optimizer state may be in parts (optimizer_parts), which a reader of 1 would
+# call missing; a checkpoint of version 1 is read as it always was.
+FORMAT_VERSION = 2
+READ_FORMAT_VERSIONS = (1, 2)
 COMPLETE = "COMPLETE"
 MANIFEST = "MANIFEST.json"
 DIGEST = "xxh3_128"        # xxhash's XXH3 128-bit: 11 GB/s on one core (NOTES "Checkpoint digests")
@@ -805,9 +808,9 @@ def _read_state(ckpt: Path) -> dict:
     version = state.get("format_version")
     if type(version) is not int:
         raise CheckpointCorrupt(ckpt, path, f"format_version is {version!r}, not an integer")
-    if version != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {ckpt} has format version {version}, this slidetune reads version "
-                              f"{FORMAT_VERSION}")
+    if version not in READ_FORMAT_VERSIONS:
+        raise CheckpointError(f"checkpoint {ckpt} has format version {version}, this slidetune reads versions "
+                              f"{', '.join(map(str, READ_FORMAT_VERSIONS))}: a newer slidetune wrote it")
     for key, kind, ok in (("step", "a non-negative integer", lambda v: type(v) is int and v >= 0),
                           ("with_optimizer", "a boolean", lambda v: isinstance(v, bool)),
                           ("trainer_state", "an object", lambda v: isinstance(v, dict))):
