@@ -50,24 +50,30 @@ def fmt(v, digits: int = 1) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
+def streams(record: dict) -> str:
+    """Each tensor stream's seconds to its last byte (saves.jsonl's streams_s), or '-'."""
+    times = record.get("streams_s") or {}
+    return ", ".join(f"{name.removesuffix('.safetensors')} {s:.1f}" for name, s in times.items()) or "-"
+
+
 def report(runs: list[Path]) -> str:
-    lines = ["| run | save at step | mode | save_s | blocked_s | written_s | held_s | steps | extra step_s | streams (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | save at step | mode | save_s | blocked_s | written_s | held_s | steps | extra step_s "
+             "| streams (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
     medians = []
     for run in runs:
         median, costs = save_costs(run)
         medians.append(f"{run.name}: median step_s {median:.3f} s")
         for c in costs:
-            lines.append(f"| {run.name} | {c['step']} | {c['mode']} | {fmt(c['save_s'])} | {fmt(c['blocked_s'], 2)} | "
-                         f"{fmt(c.get('written_s'))} | {fmt(c.get('held_s'))} | {c['window']} | {fmt(c['extra_s'])} | "
-                         + (", ".join(f"{k.removesuffix('.safetensors')} {v:.1f}" for k, v in c.get("streams_s", {}).items())
-                            or "-") + " |")
+            lines.append(f"| {run.name} | {c['step']} | {c['mode']} | {fmt(c['save_s'])} | {fmt(c['blocked_s'], 2)} "
+                         f"| {fmt(c.get('written_s'))} | {fmt(c.get('held_s'))} | {c['window']} | {fmt(c['extra_s'])} "
+                         f"| {streams(c)} |")
     lines += ["", *medians]
     if len(runs) > 1:
         tables = [step_rows(r) for r in runs]
         common = sorted(set.intersection(*(set(t) for t in tables)))
         same = all(len({(t[s]["loss"], t[s]["grad_norm"]) for t in tables}) == 1 for s in common)
-        lines.append(f"losses and grad norms of {len(common)} common steps identical in every digit: {same and bool(common)}")
+        lines.append(f"losses and grad norms of {len(common)} common steps identical in every digit: "
+                     f"{same and bool(common)}")
     return "\n".join(lines)
 
 

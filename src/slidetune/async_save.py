@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import (STATE_DIR, CheckpointError, FileDigest, finish_checkpoint, fresh_dir, rng_state,
+from .checkpoint import (STATE_DIR, CheckpointError, FileDigest, finish_checkpoint, fresh_dir, one_reader, rng_state,
                          save_atomically, state_record, write_tensor_files)
 from .checkpoint_io import StreamCancelled
 from .engine.slide.disk_tier import StreamedTensor
@@ -201,8 +201,9 @@ def _run_in_background(engine, pending: PendingSave, streams: _UnitStreams, rng:
 
 class _UnitStreams:
     """The checkpoint's tensors as streams written at once in unit order (the weight shards; the
-    optimizer state's file or parts: checkpoint.optimizer_parts), each tensor a StreamedTensor read from the live store as it is written,
-    and each unit's hold released once both streams have written all of its tensors."""
+    optimizer state's file or parts: checkpoint.optimizer_parts), each tensor a StreamedTensor read
+    from the live store as it is written, and each unit's hold released once the streams have
+    written all of its tensors."""
 
     def __init__(self, engine, pending: PendingSave, threads: int | None = None):
         self.pending, self.threads = pending, threads
@@ -234,13 +235,8 @@ class _UnitStreams:
 
         def source():
             if isinstance(t, StreamedTensor):
-                parts = t.chunks()
-                while True:
+                for part in one_reader(t, self.tier_lock).chunks():
                     self._check_cancel()
-                    with self.tier_lock:
-                        part = next(parts, None)
-                    if part is None:
-                        break
                     yield part
             else:
                 self._check_cancel()

@@ -208,16 +208,16 @@ def _write_complete(engine, tmp: Path, *, step: int, tokenizer, state: dict, sta
     optim, lock = None, threading.Lock()
     if with_optimizer:
         (tmp / STATE_DIR).mkdir()
-        optim = {k: _one_reader(t, lock) for k, t in engine.optimizer_tensors(on_host=False).items()}
+        optim = {k: one_reader(t, lock) for k, t in engine.optimizer_tensors(on_host=False).items()}
     # a device unit's masters left on the device: the writer stages them through pinned memory
-    weights = ((name, _one_reader(t, lock)) for name, t in engine.named_master_params(on_host=False))
+    weights = ((name, one_reader(t, lock)) for name, t in engine.named_master_params(on_host=False))
     streamed = write_tensor_files(weights, optim, tmp, dtype, max_shard_bytes, threads=threads, step=step,
                                   stream_s=stream_s)
     finish_checkpoint(engine, tmp, step=step, tokenizer=tokenizer, state=state, state_text=state_text, dtype=dtype,
                       streamed=streamed, rng=rng_state(), threads=threads)
 
 
-def _one_reader(t: torch.Tensor | StreamedTensor, lock: threading.Lock) -> torch.Tensor | StreamedTensor:
+def one_reader(t: torch.Tensor | StreamedTensor, lock: threading.Lock) -> torch.Tensor | StreamedTensor:
     """`t`, a disk tier's StreamedTensor read under `lock`: its blocks are taken one reader at a
     time (DiskTier.acquire), and the streams of a save read a disk unit's master and moments."""
     if not isinstance(t, StreamedTensor):
@@ -273,8 +273,7 @@ def optimizer_parts(optim: Mapping[str, torch.Tensor | StreamedTensor]) -> list[
     """The optimizer state's files, (name, tensors) in order: one OPTIM_FILE below
     OPTIM_PARTS_FROM_BYTES, else OPTIM_PARTS runs of the tensors in order (the units' order, so an
     asynchronous save still releases the units front to back) of about equal bytes."""
-    sizes = [t.numel() * torch.empty((), dtype=t.dtype).element_size() if isinstance(t, StreamedTensor)
-             else t.numel() * t.element_size() for t in optim.values()]
+    sizes = [t.numel() * torch.empty((), dtype=t.dtype).element_size() for t in optim.values()]
     total = sum(sizes)
     n = OPTIM_PARTS if total >= OPTIM_PARTS_FROM_BYTES else 1
     if n == 1:
@@ -810,7 +809,8 @@ def _read_state(ckpt: Path) -> dict:
         raise CheckpointCorrupt(ckpt, path, f"format_version is {version!r}, not an integer")
     if version not in READ_FORMAT_VERSIONS:
         raise CheckpointError(f"checkpoint {ckpt} has format version {version}, this slidetune reads versions "
-                              f"{', '.join(map(str, READ_FORMAT_VERSIONS))}: a newer slidetune wrote it")
+                              f"{', '.join(map(str, READ_FORMAT_VERSIONS))}"
+                              + (": a newer slidetune wrote it" if version > max(READ_FORMAT_VERSIONS) else ""))
     for key, kind, ok in (("step", "a non-negative integer", lambda v: type(v) is int and v >= 0),
                           ("with_optimizer", "a boolean", lambda v: isinstance(v, bool)),
                           ("trainer_state", "an object", lambda v: isinstance(v, dict))):

@@ -283,7 +283,7 @@ def run_streams(first: Callable[[], dict], others: Sequence[Callable[[], FileDig
             cancel.set()
             cause = _root_cause(futures)
             if cause is not None and isinstance(e, StreamCancelled):
-                raise cause from None    # another stream's failure is the save's
+                raise cause              # another stream's failure is the save's
             raise
         cause = _root_cause(futures)
         if cause is not None:

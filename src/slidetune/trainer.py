@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, NoReturn
 import numpy as np
 import torch
 
-from .async_save import start_async_save
+from .async_save import PendingSave, start_async_save
 from .atomic_write import write_atomically
 from .callbacks import Callback, CallbackFailed, call_hook
 from .checkpoint import (CheckpointCorrupt, CheckpointError, check_checkpoint, complete_checkpoints, latest_checkpoint,
@@ -977,10 +977,9 @@ class Trainer:
         every owner's updates; the other ranks cannot change the state meanwhile, as their next
         step waits for rank 0) and the others wait for the outcome."""
         if periodic and self.saver.asynchronous:
-            collected = len(self.saver.timings)
-            self.collect_save(wait=True)         # a second save waits for the first
-            if len(self.saver.timings) > collected and not self.overlap_noted:
-                note = overlap_note(self.saver.timings[-1], self.cfg.save_every)
+            previous = self.collect_save(wait=True)          # a second save waits for the first
+            if previous is not None and not self.overlap_noted:
+                note = overlap_note(previous.timing, self.cfg.save_every)
                 if note:
                     print(note, file=sys.stderr)
                     self.overlap_noted = True
@@ -999,12 +998,13 @@ class Trainer:
         self.notify("on_save", step, path)
         return path
 
-    def collect_save(self, wait: bool = False) -> None:
+    def collect_save(self, wait: bool = False) -> PendingSave | None:
         """The asynchronous save in flight, once it has ended (`wait`: waiting for it): on_save, or
-        its error as a TrainingError that stops the run (the previous checkpoint is intact)."""
+        its error as a TrainingError that stops the run (the previous checkpoint is intact). Returns
+        the save collected (None while it runs, or when there is none)."""
         done = self.saver.poll(wait)
         if done is None:
-            return
+            return None
         step = done.timing.step
         if done.error is not None:
             self.flush_files()
@@ -1014,6 +1014,7 @@ class Trainer:
                                 f"from the intact checkpoint with --output-dir {self.out} --resume auto"
                                 ) from done.error
         self.notify("on_save", step, done.path)
+        return done
 
     def settle_save(self) -> None:
         """On the way out (the end, or an error): wait for a save in flight; its failure is a note here
