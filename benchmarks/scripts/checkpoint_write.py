@@ -11,11 +11,14 @@ like a model's: layer-sized tensors of LAYER_MIB MiB. Three measurements, each a
    export; FP32 from the GPU), then the fsync, then the read-back (checkpoint_io.digests_parallel;
    before it, checkpoint.file_digest).
 3. save: the resumable save's tensor files, weights (1/3, shards of SHARD_MIB) and moments (2/3,
-   one file) as checkpoint.write_tensor_files writes them in a blocking save, then its fsync and
-   read-back, against the sum of the serial writer's.
+   in the files checkpoint.optimizer_parts makes of them) as checkpoint.write_tensor_files writes
+   them in a blocking save, then its fsync and read-back, against the sum of the serial writer's;
+   with --optimizer-parts 1,2 once with the moments in one file and once in two (each stream's
+   seconds printed: the one that ends last bound the write).
 
     python benchmarks/scripts/checkpoint_write.py DIR [--gib 4] [--threads N] [--skip-serial]
         [--gpu-only --stage-mib 64,256]     # the GPU tensors' cases once per staging buffer size
+        [--saves-only --optimizer-parts 1,2]  # the resumable save alone, the moments in 1 then 2 files
 
 Run it with PYTHONPATH at an older tree's src/ for the A/B (the script reads either API).
 
@@ -25,6 +28,7 @@ memory); on a disk the read-back reads the disk.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -117,9 +121,11 @@ def library_writer(tensors: dict, path: Path, dtype: torch.dtype, threads: int |
     return {"write+digest": t1 - t0, "fsync": t2 - t1, "readback": t3 - t2}
 
 
-def library_save(tensors: dict, directory: Path, threads: int | None, shard_mib: int) -> dict[str, float]:
+def library_save(tensors: dict, directory: Path, threads: int | None, shard_mib: int,
+                 streams: dict[str, float] | None = None) -> dict[str, float]:
     """A resumable save's tensor files: a third of the tensors as weight shards, the rest as the
-    optimizer file (the 8B's 32.8 + 65.5 GB split)."""
+    optimizer state (the 8B's 32.8 + 65.5 GB split); `streams` gets each stream's seconds where
+    the library records them."""
     names = list(tensors)
     k = max(1, len(names) // 3)
     weights = [(n, tensors[n]) for n in names[:k]]
@@ -127,8 +133,10 @@ def library_save(tensors: dict, directory: Path, threads: int | None, shard_mib:
     (directory / checkpoint.STATE_DIR).mkdir(parents=True)
     t0 = time.perf_counter()
     if hasattr(checkpoint, "write_tensor_files"):
-        digests = checkpoint.write_tensor_files(weights, optim, directory, torch.float32, shard_mib * 2**20,
-                                                **_threads_kw(threads))
+        kw = _threads_kw(threads)
+        if streams is not None and hasattr(checkpoint, "optimizer_parts"):
+            kw["stream_s"] = streams
+        digests = checkpoint.write_tensor_files(weights, optim, directory, torch.float32, shard_mib * 2**20, **kw)
     else:
         digests = checkpoint.write_weights(weights, directory, torch.float32, shard_mib * 2**20)
         digests[f"{checkpoint.STATE_DIR}/optimizer.safetensors"] = checkpoint.save_tensors(
@@ -144,6 +152,23 @@ def library_save(tensors: dict, directory: Path, threads: int | None, shard_mib:
     t3 = time.perf_counter()
     assert all(got[directory / rel] == d for rel, d in digests.items())
     return {"write+digest": t1 - t0, "fsync": t2 - t1, "readback": t3 - t2}
+
+
+@contextlib.contextmanager
+def optimizer_files_forced(parts: str | None):
+    """The optimizer state in one file ("1") or in the library's parts ("2": from 4 GiB, so the
+    threshold is lowered to let a small probe split too); None: the library's own choice."""
+    if parts is None:
+        yield
+        return
+    if not hasattr(checkpoint, "OPTIM_PARTS_FROM_BYTES"):
+        raise SystemExit("--optimizer-parts needs a slidetune with checkpoint.optimizer_parts")
+    saved = checkpoint.OPTIM_PARTS_FROM_BYTES
+    checkpoint.OPTIM_PARTS_FROM_BYTES = 2**62 if parts == "1" else 1
+    try:
+        yield
+    finally:
+        checkpoint.OPTIM_PARTS_FROM_BYTES = saved
 
 
 def show(what: str, nbytes: int, phases: dict[str, float]) -> None:
@@ -164,6 +189,10 @@ def main() -> None:
     ap.add_argument("--gpu-only", action="store_true", help="only the GPU tensors' cases")
     ap.add_argument("--stage-mib", default=None,
                     help="comma list: the GPU cases once per checkpoint_io.STAGE_BYTES (default: the library's)")
+    ap.add_argument("--saves-only", action="store_true", help="only the resumable save's files (case 3)")
+    ap.add_argument("--optimizer-parts", default=None,
+                    help="comma list of 1 and 2: the save once with the moments in one file (1) and once in "
+                         "checkpoint.optimizer_parts' files (2); default: the library's choice")
     a = ap.parse_args()
     print(f"cpus {os.cpu_count()}, torch {torch.__version__}, threads {a.threads}, dir {a.dir}", flush=True)
     cases = [] if a.gpu_only else [("cpu fp32", "cpu", torch.float32), ("cpu fp32 -> bf16", "cpu", torch.bfloat16)]
@@ -171,6 +200,8 @@ def main() -> None:
         stages = [int(m) for m in a.stage_mib.split(",")] if a.stage_mib else [None]
         cases += [(f"gpu fp32{f' stage {m} MiB' if m else ''}", "cuda", torch.float32, m) for m in stages]
     cases = [c if len(c) == 4 else (*c, None) for c in cases]
+    if a.saves_only:
+        cases = [c for c in cases if c[2] == torch.float32]
     work = a.dir / "checkpoint_write_probe"
     try:
         for what, device, dtype, stage_mib in cases:
@@ -179,7 +210,7 @@ def main() -> None:
             tensors = make_tensors(a.gib, a.layer_mib, device)
             nbytes = sum(x.numel() for x in tensors.values()) * torch.empty((), dtype=dtype).element_size()
             for run, fn in (("serial", None if a.skip_serial else serial_phases), ("library", library_writer)):
-                if fn is None:
+                if fn is None or a.saves_only:
                     continue
                 shutil.rmtree(work, ignore_errors=True)
                 work.mkdir(parents=True)
@@ -187,8 +218,15 @@ def main() -> None:
                     fn(tensors, work / "x.safetensors", dtype, a.threads)
                 show(f"{run} {what}", nbytes, phases)
             if dtype == torch.float32:
-                shutil.rmtree(work, ignore_errors=True)
-                show(f"save files {what}", nbytes, library_save(tensors, work, a.threads, a.shard_mib))
+                for parts in a.optimizer_parts.split(",") if a.optimizer_parts else [None]:
+                    shutil.rmtree(work, ignore_errors=True)
+                    streams: dict[str, float] = {}
+                    with optimizer_files_forced(parts):
+                        phases = library_save(tensors, work, a.threads, a.shard_mib, streams)
+                    label = f"save files {what}" + (f" optim in {parts}" if parts else "")
+                    show(label, nbytes, phases)
+                    if streams:
+                        print(" " * 4 + "streams: " + ", ".join(f"{k} {v:.2f} s" for k, v in streams.items()), flush=True)
             del tensors
     finally:
         shutil.rmtree(work, ignore_errors=True)

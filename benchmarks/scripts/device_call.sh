@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (device tool) from the repo root: each argument is one job.
 # Results go to $OUT/results.tar.gz (the device tool returns at most 8 files).
-#   jobs: stash | pipeline | train | trainresume (train --gpus N, killed, resumed) | savetests | asyncab (issue 33) | equivalence | runtime | throughput | throughput@TAG | scaling | scaling@TAG
+#   jobs: stash | pipeline | train | trainresume (train --gpus N, killed, resumed) | savetests | asyncab (issue 33) | savestreams (the optimizer state in 1 or 2 files) | equivalence | runtime | throughput | throughput@TAG | scaling | scaling@TAG
 #         | hostinfo | rankmem (RANKMEM_ARGS: a rank's host memory by stage, 1 and N processes) | techniques
 #         | layermem (LAYERMEM_ARGS: one layer's time and peak GPU memory, HF's and the lean layer, torch's or
 #           Liger's kernels (a liger-kernel wheel in .whl/); --profile: GPU time by kernel class)
@@ -156,6 +156,14 @@ PY
     savetests) # the checkpoint writer's GPU staging and the asynchronous save on a GPU (CUDA-only tests)
            timeout 300 python -m pytest -q -rs -m gpu tests/test_checkpoint_writer.py tests/test_async_save.py > $R/save_gpu_tests.txt 2>&1
            tail -5 $R/save_gpu_tests.txt ;;
+    savestreams) # the resumable save's files with the optimizer state in one file against two (checkpoint.
+           # optimizer_parts): SAVESTREAMS_GIB of FP32 tensors (1/3 weights, 2/3 moments) from the CPU and from
+           # the GPU, into the disk (page cache, then fsync and read-back) and into /dev/shm, each arm twice
+           mkdir -p $R/savestreams
+           for dir in /var/tmp /dev/shm; do
+             python benchmarks/scripts/checkpoint_write.py $dir --gib ${SAVESTREAMS_GIB:-12} --saves-only \
+               --optimizer-parts 1,2,1,2 2>&1 | tee $R/savestreams/$(basename $dir).txt
+           done ;;
     asyncab) # issue 33: what an asynchronous save costs the steps against a blocking one: one process on GPU 0
            # (--async-save auto is off under data parallel), `--async-save on` then `off`, the same run otherwise:
            # Qwen3-8B b16 x 1024, clip 1.0 and the defaults, a periodic save at step ASYNCAB_EVERY (20) and the
