@@ -105,10 +105,15 @@ def plan_owners(plan, parts: int) -> list[int]:
     """The local rank (0 .. parts-1) that updates each unit of a placement plan: the host-updated
     units balanced by size (shard_units), the disk tier's pinned to local rank 0 (the host has one
     disk, which more ranks' I/O would not make faster, and the checkpoint writer, rank 0, then
-    reads their moments from its own tier). Units updated on the GPU are every rank's; their entry
-    is meaningless."""
+    reads their moments from its own tier). The sharded layers (state "shard") go round robin from
+    the lowest, so consecutive layers' broadcasts come from different GPUs and each GPU holds
+    ceil(n / parts) of them at most. Units updated on every GPU are every rank's; their entry is
+    meaningless."""
     numels, disk = shared_layout(plan)
-    return shard_units(numels, parts, pinned={i: 0 for i in disk})
+    owners = shard_units(numels, parts, pinned={i: 0 for i in disk})
+    for k, i in enumerate(plan.indices("shard")):
+        owners[i] = k % parts
+    return owners
 
 
 @dataclass

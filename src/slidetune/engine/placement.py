@@ -3,7 +3,11 @@
 Every unit (0 the embedding, 1..L the decoder layers, L+1 the head) gets:
   state: where its FP32 master and AdamW moments live, and who updates it
     "gpu"  - master and moments on the GPU, updated on the compute stream (vocab_update=device,
-             device_layers); its weights never cross PCIe;
+             device_layers); its weights never cross PCIe; under data parallel every GPU's own copy;
+    "shard" - data parallel on one host (shard_layers): master and moments on one GPU of the host,
+             its owner's (distributed.plan_owners), which updates it on its compute stream and
+             broadcasts its weights to the host's other GPUs through their window slots; neither
+             its weights nor its gradient cross PCIe, and it takes no host RAM;
     "host" - master and moments in host RAM, updated by the host's AdamW;
     "disk" - moments in a file of the disk tier (engine/slide/disk_tier.py), read ahead of the
              unit's host update and written behind it;
@@ -37,7 +41,7 @@ import torch
 from .adamw import FP32_ADAMW
 from .config import RuntimeConfig
 
-STATES = ("gpu", "host", "disk")
+STATES = ("gpu", "shard", "host", "disk")
 # Bytes a parameter of a disk unit takes in the tier's files (the optimizer's state, FP32_ADAMW):
 # the two FP32 moments (8), and the FP32 master where it lives there too (12).
 DISK_BYTES = {"host": FP32_ADAMW.moment_bytes, "disk": FP32_ADAMW.bytes_per_param}
@@ -84,7 +88,7 @@ class UnitPlace:
     index: int        # unit index: 0 embedding, 1..L decoder layers, L+1 head
     name: str
     numel: int
-    state: str        # gpu | host | disk (STATES)
+    state: str        # gpu | shard | host | disk (STATES)
     slot: str         # own | window (SLOTS)
     master: str = ""  # gpu | host | disk: where its FP32 master lives ("": with its state, or RAM for a disk unit)
     held: int = 0     # held gradient buffers in host RAM (deferred schedule, host-updated units): 0, 1, 2
@@ -106,7 +110,7 @@ class UnitPlace:
     @property
     def host_updated(self) -> bool:
         """Whether the host's AdamW updates it (its gradient crosses PCIe, its weights too)."""
-        return self.state != "gpu"
+        return self.state in ("host", "disk")
 
 
 @dataclass(frozen=True)
@@ -122,22 +126,30 @@ class PlacementPlan:
     # ------------------------------------------------------------------ building
     @classmethod
     def build(cls, shapes: list[UnitShape], rt: RuntimeConfig, schedule: str = "eager",
-              ranks: int = 1, dtype: torch.dtype | None = None) -> PlacementPlan:
+              ranks: int = 1, dtype: torch.dtype | None = None, local_ranks: int | None = None) -> PlacementPlan:
         """The plan of a resolved (or partly unresolved) RuntimeConfig. Unresolved autos (-1, "auto")
         mean what an engine built directly does: nothing on the GPU, a 3-slot window, no resident
         layers, nothing on disk, every checkpoint offloaded (with offload_activations). `ranks`:
-        data parallel's world size (a placement some settings cannot run on several ranks);
+        data parallel's world size (a placement some settings cannot run on several ranks), of
+        which `local_ranks` (default: all) on each host: shard_layers are sharded over those, and
+        with one they are device layers;
         `dtype`: the compute dtype where resolved (an engine's; by default rt's, unless auto).
         A combination of settings the engine cannot run is refused here, before anything is built."""
         L = len(shapes) - 2
         if L < 0:
             raise ValueError("a plan needs the embedding, the decoder layers and the head")
-        if rt.placement.device_layers > L:
-            raise ValueError(f"--tuning.device_layers {rt.placement.device_layers} but the model has {L} decoder "
-                             f"layers")
-        n_dev = max(0, rt.placement.device_layers)
+        n_dev, n_shard = max(0, rt.placement.device_layers), rt.placement.shard_layers
+        if n_dev + n_shard > L:
+            raise ValueError(f"--tuning.device_layers {n_dev} and --tuning.shard_layers {n_shard} but the model has "
+                             f"{L} decoder layers")
+        local_ranks = ranks if local_ranks is None else local_ranks
+        if local_ranks <= 1:
+            n_dev, n_shard = n_dev + n_shard, 0      # one GPU of the host holds them all: device layers
+        elif n_shard and rt.transfer.dp_weights != "gather":
+            raise ValueError("--tuning.shard_layers needs --tuning.dp_weights gather: a sharded layer's weights reach "
+                             "the host's other GPUs only by its owner's broadcast")
         vocab_dev = rt.placement.vocab_update == "device"
-        host_layers = L - n_dev
+        host_layers = L - n_dev - n_shard
         window = AUTO_WINDOW if rt.placement.cache_units == -1 else rt.placement.cache_units
         # Resident layers: the lowest host layers get a slot of their own; all of them with
         # cache_units=0, or where the window would hold every layer left to it.
@@ -147,9 +159,12 @@ class PlacementPlan:
             resident = min(host_layers, max(0, rt.placement.resident_layers))
             if window >= host_layers - resident:
                 resident = host_layers
-        window_slots = 0 if resident == host_layers else window
-        state = ["gpu" if vocab_dev else "host"] + ["gpu" if i < n_dev else "host" for i in range(L)] \
-            + ["gpu" if vocab_dev else "host"]
+        # the sharded layers always stream through a window (every rank but the owner receives them)
+        window_slots = 0 if resident == host_layers and not n_shard else \
+            (AUTO_WINDOW if rt.placement.cache_units == 0 else window)
+        state = (["gpu" if vocab_dev else "host"]
+                 + ["gpu" if i < n_dev else "shard" if i < n_dev + n_shard else "host" for i in range(L)]
+                 + ["gpu" if vocab_dev else "host"])
         # The disk tier takes the host units the next forward needs last: the head, then the
         # decoder layers from the top down. Their updates have the most slack (eager: the backward
         # releases them first; deferred: the sweep reaches them last, while the next forward runs
@@ -165,12 +180,14 @@ class PlacementPlan:
             state[i] = "disk"
         # Masters on disk: the first disk units in the same order (the most slack first).
         disk_masters = set(candidates[:rt.disk.disk_master_units(n_disk)])
-        own = {0, L + 1} | set(range(1, n_dev + resident + 1))
+        # own slots: the vocabulary units, the device layers and the resident layers (the lowest host
+        # layers, above the sharded ones, which every rank streams through its window)
+        own = {0, L + 1} | set(range(1, n_dev + 1)) | set(range(n_dev + n_shard + 1, n_dev + n_shard + resident + 1))
         # Held gradient buffers (deferred only): one per host-updated unit; the second (held_buffers
         # 2) for all of them, or the lowest held_second_units: the units the backward reaches last.
         held = [0] * len(shapes)
         if schedule == "deferred":
-            host_updated = [i for i in range(len(shapes)) if state[i] != "gpu"]
+            host_updated = [i for i in range(len(shapes)) if state[i] in ("host", "disk")]
             second = host_updated if rt.clip.held_second_units == -1 else host_updated[:rt.clip.held_second_units]
             for i in host_updated:
                 held[i] = 1
@@ -239,6 +256,11 @@ class PlacementPlan:
         return sum(u.state == "gpu" for u in self.layers)
 
     @property
+    def shard_layers(self) -> int:
+        """How many decoder layers (above the device layers) are sharded over the host's GPUs."""
+        return sum(u.state == "shard" for u in self.layers)
+
+    @property
     def resident_layers(self) -> int:
         """Host-updated decoder layers with a slot of their own (the lowest ones above the device layers)."""
         return sum(u.slot == "own" and u.host_updated for u in self.layers)
@@ -276,9 +298,18 @@ class PlacementPlan:
         """(decoder-layer uploads, vocabulary units uploaded) a step: resident host layers once, window
         layers twice (forward and backward) except the `window_slots` still in their slots at the
         turn; host vocabulary units once."""
-        window = sum(u.slot == "window" for u in self.layers)
+        window = sum(u.slot == "window" and u.host_updated for u in self.layers)
         layer_uploads = self.resident_layers + (max(window, 2 * window - self.window_slots) if window else 0)
         return layer_uploads, sum(u.host_updated for u in (self.units[0], self.units[-1]))
+
+    def shard_broadcasts_per_step(self) -> int:
+        """Sharded layers' broadcasts a step (each rank receives every one its GPU does not own):
+        each in the forward and again in the backward, except those still in the window at the
+        turn (the top layers' forward slots serve their backward)."""
+        n = self.shard_layers
+        above = sum(u.slot == "window" and u.host_updated for u in self.layers)   # window layers above them
+        kept = max(0, self.window_slots - above)
+        return max(n, 2 * n - kept) if n else 0
 
     def upload_params(self) -> int:
         """Parameters uploaded a step (each layer upload counted; every layer is the same size)."""
@@ -294,6 +325,7 @@ class PlacementPlan:
         ram_masters = sum(u.numel for u in self.units if u.state == "disk" and u.master == "host")
         state = FP32_ADAMW
         return {"gpu": state.bytes_per_param * self.params("gpu"),
+                "shard": state.bytes_per_param * self.params("shard"),
                 "host": state.bytes_per_param * self.params("host") + state.master_bytes * ram_masters,
                 "disk": sum(u.disk_bytes_per_param * u.numel for u in self.units)}
 
@@ -332,6 +364,8 @@ class PlacementPlan:
             disk = (f"disk tier (moments; the masters of {self.ranges(lambda u: u.master == 'disk')} too, "
                     f"the others' in host RAM)")
         for state, what in (("gpu", "GPU (master + moments, updated on the GPU)"),
+                            ("shard", "the host's GPUs, one each (master + moments on its owner's GPU, "
+                                      "broadcast to the others)"),
                             ("host", "host RAM (master + moments, host AdamW)"),
                             ("disk", disk)):
             n = self.params(state)
@@ -394,4 +428,4 @@ def _check_combination(units: tuple[UnitPlace, ...], dtype: torch.dtype | None, 
 def _disk_order(state: list[str]) -> list[int]:
     """Units that may go to disk, in the order they do: the head, then decoder layers top down."""
     L = len(state) - 2
-    return [i for i in [L + 1, *range(L, 0, -1)] if state[i] != "gpu"]
+    return [i for i in [L + 1, *range(L, 0, -1)] if state[i] in ("host", "disk")]

@@ -187,7 +187,8 @@ class SlideEngine:
         # disk tier's files, and those with master "disk" their FP32 masters too (the host keeps
         # their compute-dtype weights for the uploads).
         self.plan = PlacementPlan.build(unit_shapes(self.split), rt, self.schedule,
-                                        ranks=self.dp.world_size if self.dp is not None else 1, dtype=self.dtype)
+                                        ranks=self.dp.world_size if self.dp is not None else 1, dtype=self.dtype,
+                                        local_ranks=self.dp.cfg.local_world_size if self.dp is not None else 1)
         self.vocab_on_device = self.plan.vocab_on_device
         self.device_layers = self.plan.device_layers
         self.resident_layers = self.plan.resident_layers
@@ -244,7 +245,7 @@ class SlideEngine:
         """The host state: masters and moments (HostStore), the disk tier's files and, under data
         parallel, the host's shared mapping and which rank owns (updates) each unit."""
         rt, plan = self.rt, self.plan
-        shared, owned = None, None
+        shared, owned, remote = None, None, {}
         disk_units = plan.indices("disk")
         self.owner_of: list[int] | None = None   # data parallel: unit -> the local rank that updates it
         if self.dp is not None:
@@ -254,9 +255,13 @@ class SlideEngine:
             # owner, take no room in the shared mapping and are never followed.
             # The disk units are local rank 0's (distributed.plan_owners says why). Their masters
             # are shared like any other; their moments are not in RAM.
+            # A sharded layer (shard_layers) is its owner's alone: master and moments on its GPU, no
+            # room in the shared mapping; the others hold nothing of it (remote) and receive its
+            # weights by the owner's broadcast.
             owners = self.dp.owners(plan)
             owned = frozenset(i for i, r in enumerate(owners)
-                              if r == self.dp.local_rank or not plan.units[i].host_updated)
+                              if r == self.dp.local_rank or plan.units[i].state == "gpu")
+            remote = {i: owners[i] for i in plan.indices("shard") if i not in owned}
             numels, no_moments = shared_layout(plan)
             shared = self.dp.share_host_state(numels, no_moments=no_moments)
             disk_units = [i for i in disk_units if i in owned]
@@ -285,7 +290,9 @@ class SlideEngine:
                                    # one, or two used on alternate steps, DeferredSweep._held_index)
                                    held_buffers=[max(1, u.held) for u in plan.units],
                                    kernel=rt.host.host_adamw,
-                                   device_units=frozenset(plan.indices("gpu")), device=self.device.device,
+                                   device_units=frozenset(plan.indices("gpu"))
+                                   | frozenset(i for i in plan.indices("shard") if i not in remote),
+                                   device=self.device.device, remote=remote,
                                    disk=self.disk, shared=shared, owned=owned, compute_dtype=self.dtype,
                                    upload_copies=frozenset(u.index for u in plan.units if u.upload_copy))
             if self.dp is not None:
@@ -318,7 +325,10 @@ class SlideEngine:
                 # filled to 90% of the GPU)
                 unit.opt.update_widened(grad, lr, self.device_grad32, grad_scale=coef)
             unit.bump_version()
-            self.slots.refresh_from_device_master(unit_index)
+            if unit_index in self.slots.own_slots:
+                self.slots.refresh_from_device_master(unit_index)
+            else:
+                self.slots.master_updated(unit_index)     # a sharded layer: its owner broadcasts it
         gslot.free = done_future(None)
 
     def _update_device_units(self, lr: float) -> None:
@@ -341,7 +351,8 @@ class SlideEngine:
         self.norm.add(slot.flat[: unit.spec.numel])
         if not unit.owned:
             # another rank updates it from the same gradient; its slot is free again in stream order
-            if not self.deferred:
+            # (a sharded layer's new weights come by its owner's broadcast, nothing to follow)
+            if not self.deferred and not unit.remote:
                 self._follow(unit_index)
             return
         if unit.on_device:
@@ -456,7 +467,7 @@ class SlideEngine:
             norm_fut = self.sweep.start(copied, lr)
             if self.dp is not None:
                 for index, unit in enumerate(self.units):     # in the owners' sweep order
-                    if not unit.owned:
+                    if not unit.owned and not unit.remote:
                         self._follow(index)
             # The sweep updates layers 0..L-1 in order: the resident layers' uploads follow it.
             if self.gather and self.units[0].on_host:
@@ -500,8 +511,9 @@ class SlideEngine:
         embed_slot = slots.use_own_slot(0)
         # Resident layers whose slot does not hold this step's weights (the first step, or
         # after load_state), in the order the forward needs them; later steps find them there.
-        for i in range(self.device_layers, self.device_layers + self.resident_layers):
-            slots.use_own_slot(i + 1)
+        for i in range(L):
+            if slots.resident(i):
+                slots.use_own_slot(i + 1)
         slots.plan_window(visits, 0, assign)
         slots.acquire(embed_slot)
         with torch.no_grad(), self.timer.span("embed", -1):
@@ -724,7 +736,7 @@ class SlideEngine:
         StreamedTensors read from the disk tier when consumed (checkpoint.write_safetensors)."""
         for unit in self.units:
             for name, t in unit.params().items():
-                yield name, (t if unit.on_host or not on_host else t.cpu())
+                yield name, (t if not unit.on_device or not on_host else t.cpu())
 
     def optimizer_tensors(self, on_host: bool = True) -> dict[str, torch.Tensor]:
         """Every unit's AdamW state by name; on_host=False leaves the device units' where they are
@@ -733,7 +745,7 @@ class SlideEngine:
         out = {}
         for unit in self.units:
             for k, t in unit.state_tensors().items():
-                out[f"{unit.spec.name}.{k}"] = t if unit.on_host or not on_host else t.cpu()
+                out[f"{unit.spec.name}.{k}"] = t if not unit.on_device or not on_host else t.cpu()
         return out
 
     def load_state(self, masters: dict[str, torch.Tensor], optim: dict[str, torch.Tensor], step: int) -> None:
@@ -750,6 +762,9 @@ class SlideEngine:
             unit.set_version(step)
         self.step_index = step
         self.slots.forget_weights()
+        for i in self.plan.indices("shard"):
+            if self.units[i].owned:
+                self.slots.master_updated(i)      # its broadcasts read the loaded master
         if self.dp is not None:
             self.dp.host_barrier()      # every owner has written its units
 

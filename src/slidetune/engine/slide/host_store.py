@@ -24,7 +24,7 @@ from ...models.units import ParamSlot, SplitModel, UnitSpec
 from ..adamw import AdamWConfig, FlatAdamW
 from ..distributed import SharedHostState, SharedUnit
 from .disk_tier import DiskTier, StreamedTensor
-from .state_tier import moment_tier
+from .state_tier import OtherRankGpu, moment_tier
 from .update_hold import UpdateHold
 
 # Units materialized at once (threads); each unit kept on the device holds a host buffer of
@@ -37,7 +37,7 @@ class HostUnit:
                  held_dtype: torch.dtype | None = None, kernel: str = "dynamic",
                  device: torch.device | None = None, disk: DiskTier | None = None,
                  shared: SharedUnit | None = None, owned: bool = True, compute_dtype: torch.dtype | None = None,
-                 held_buffers: int = 1, upload_copy: bool = False):
+                 held_buffers: int = 1, upload_copy: bool = False, remote_owner: int | None = None):
         """held_dtype: the deferred schedule's held gradient [numel] in this dtype (host units only;
         a unit on the device holds its gradient there, in the engine), `held_buffers` of them.
         device: keep this unit's master and AdamW state there from the start (vocab_update=device,
@@ -53,11 +53,20 @@ class HostUnit:
         follows the owner's weights version (follow()).
         upload_copy: keep `weights` [numel] in `compute_dtype` beside the master (clip_sweep=weights):
         the clipped sweep's weights pass writes them (part "weights") and the uploads copy them; the
-        master and moments follow in the second pass (part "rest")."""
+        master and moments follow in the second pass (part "rest").
+        remote_owner: data parallel, a sharded layer another local rank (this one) keeps on its GPU:
+        this rank holds nothing of it (no master, no moments; tier OtherRankGpu), only its versions."""
         self.spec = spec
-        self.shared = shared
+        self.shared = None if remote_owner is not None else shared
         self.owned = owned
         self.on_device = device is not None       # True: the compute stream updates it, on the device
+        self.remote = remote_owner is not None
+        self._init_versions()
+        if self.remote:
+            self.tier = OtherRankGpu(spec, remote_owner)
+            self.master = self.weights = self.opt = None
+            self.held = []
+            return
         self.tier = moment_tier(spec, disk, shared)
         if self.on_device and shared is None and self.tier.moments_in_ram:
             master = fill_on_device(source, spec, device)   # [numel] fp32 there; RAM holds one parameter
@@ -91,6 +100,8 @@ class HostUnit:
         # (held_buffers of them, used on alternate steps: --tuning.held_buffers)
         self.held: list[torch.Tensor] = ([torch.empty(spec.numel, dtype=held_dtype) for _ in range(held_buffers)]
                                          if held_dtype is not None and not self.on_device and owned else [])
+
+    def _init_versions(self) -> None:
         self.version = 0              # updates applied in full
         self.progress = 0             # elements of the update in progress already written
         self.started = 0              # updates begun (version, or version + 1 while one runs)
@@ -113,8 +124,9 @@ class HostUnit:
 
     @property
     def on_host(self) -> bool:
-        """Whether the host worker updates this unit (False: the compute stream does, on the device)."""
-        return not self.on_device
+        """Whether the host worker updates this unit (False: the compute stream does, on this rank's
+        device or, for a remote sharded layer, on its owner's)."""
+        return not self.on_device and not self.remote
 
     def update_range(self, grad: torch.Tensor, lr: float, start: int, grad_scale: float = 1.0,
                      part: str = "all") -> None:
@@ -245,7 +257,8 @@ class HostStore:
                  device_units: frozenset[int] = frozenset(), device: torch.device | None = None,
                  disk: DiskTier | None = None, shared: SharedHostState | None = None,
                  owned: frozenset[int] | None = None, compute_dtype: torch.dtype | None = None,
-                 held_buffers: int | list[int] = 1, upload_copies: frozenset[int] = frozenset()):
+                 held_buffers: int | list[int] = 1, upload_copies: frozenset[int] = frozenset(),
+                 remote: dict[int, int] | None = None):
         """held_dtype: the deferred schedule's held gradients' dtype (None: eager, none held), and
         `held_buffers` per unit (used on alternate steps): one count for all, or one per unit index.
         kernel: the host AdamW kernel of every unit (FlatAdamW's; --tuning.host_adamw).
@@ -255,7 +268,10 @@ class HostStore:
         shared: data parallel: the host state this host's ranks share, in place of this store's own
         allocations; `owned`: the indices of the units this rank fills and updates (None: all).
         upload_copies: the units that keep a compute-dtype copy of their weights for the uploads
-        (the plan's upload_copy: clip_sweep=weights)."""
+        (the plan's upload_copy: clip_sweep=weights).
+        remote: data parallel, sharded layers another local rank keeps on its GPU: unit -> that
+        rank (HostUnit's remote_owner); this store holds nothing of them."""
+        remote = remote or {}
         # Each unit is materialized straight from the source into its own master (no second
         # copy), several units at once: torch's normal_ with a generator runs on one core
         # (~150 M values/s), so a random 8B model took ~55 s unit by unit. Every unit seeds
@@ -268,10 +284,11 @@ class HostStore:
                                    device=device if i in device_units else None,
                                    disk=disk if disk is not None and i in disk.units else None,
                                    # a unit updated on the device is each rank's own copy
-                                   shared=shared.units[i] if shared is not None and i not in device_units else None,
+                                   shared=(shared.units[i] if shared is not None and i not in device_units
+                                           and i not in remote else None),
                                    owned=owned is None or i in owned, compute_dtype=compute_dtype,
                                    held_buffers=held_buffers if isinstance(held_buffers, int) else held_buffers[i],
-                                   upload_copy=i in upload_copies),
+                                   upload_copy=i in upload_copies, remote_owner=remote.get(i)),
                 range(len(split.units))))
         self.shared = shared
 

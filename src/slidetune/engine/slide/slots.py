@@ -71,6 +71,9 @@ class GpuSlots:
         # next forward needs them (flush_gathers)
         self.gather_stream = device.new_stream() if gather else None
         self._pending_gathers: list[tuple] = []
+        # sharded layers this rank owns: the event after the latest update of each one's master (on
+        # the compute stream; None: the master as built), which its broadcasts read
+        self._master_ready: dict[int, object] = {}
         self._views_cache: dict = {}
         self._allocate(shapes)
 
@@ -94,8 +97,8 @@ class GpuSlots:
         # layers (the lowest ones above the device layers), into which the next step's weights
         # are uploaded as soon as the update lands (prefetch_next_step), so their forward never
         # waits on PCIe.
-        device_layers, resident_layers = self.plan.device_layers, self.plan.resident_layers
-        resident = range(device_layers + 1, device_layers + resident_layers + 1)
+        device_layers = self.plan.device_layers
+        resident = [u.index for u in self.plan.layers if u.slot == "own" and u.host_updated]
         self.own_slots = {0: weight_slot(numel[0]), L + 1: weight_slot(numel[-1]),
                           **{i: Slot(empty(numel[i])) for i in range(1, device_layers + 1)},
                           **{i: weight_slot(numel[i]) for i in resident}}
@@ -108,9 +111,9 @@ class GpuSlots:
             self.vocab_grad_slots = {0: shared, L + 1: shared}
         else:
             self.vocab_grad_slots = {0: grad_slot(numel[0]), L + 1: grad_slot(numel[-1])}
-        # deferred: each device layer's gradient waits for the clip coefficient in a buffer of its
-        # own (the vocabulary units' gradient slots are theirs already)
-        self.device_grad_slots = ({i: grad_slot(numel[i]) for i in range(1, device_layers + 1)}
+        # deferred: each device layer's gradient (and each sharded layer's on its owner) waits for
+        # the clip coefficient in a buffer of its own (the vocabulary units' slots are theirs already)
+        self.device_grad_slots = ({i: grad_slot(numel[i]) for i in range(1, L + 1) if self.units[i].on_device}
                                   if shapes.deferred else {})
 
     def views(self, unit: UnitSpec, flat: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -131,7 +134,7 @@ class GpuSlots:
         """
         unit = self.units[unit_index]
         version = self.step_index() if version is None else version
-        if self.gather and unit.on_host:
+        if self.gather and (unit.on_host or self.plan.units[unit_index].state == "shard"):
             self._submit_gather(unit_index, slot, version, when_update_starts)
             return
         after = done_future(slot.last_use)
@@ -163,7 +166,11 @@ class GpuSlots:
         next step's weights (version > this step's) are registered in the middle of a step
         (resident layers as their gradient completes, the vocabulary units): their broadcasts
         are kept aside and queued once the step's own are (flush_gathers), the owner's upload
-        starting at once all the same."""
+        starting at once all the same.
+
+        A sharded layer's owner uploads nothing: it casts its GPU master into the slot on the
+        gather stream, after the update that made `version` (issued on the compute stream before
+        this step's window was planned: master_updated's event), then sends."""
         unit = self.units[unit_index]
         threads = self.threads
         after = done_future(slot.last_use)
@@ -171,7 +178,11 @@ class GpuSlots:
         slot.cast_pending = False               # the owner casts before it sends
         uploaded = None
         landing = slot.landing is not None and unit.weights is None     # as submit_upload
-        if unit.owned:
+        master = None
+        if unit.owned and unit.on_device:       # a sharded layer, this rank's
+            master = (unit.master, self._master_ready.get(unit_index))
+            landing = False
+        elif unit.owned:
             dst = slot.landing if landing else slot.flat
             upload = (threads.timed, "upload", "upload", unit.spec.name, self.uploader.upload, unit, dst, version,
                       after)
@@ -182,7 +193,7 @@ class GpuSlots:
             else:
                 uploaded = threads.upload_worker.submit(*upload)
         gather = (threads.timed, "gather", "gather", unit.spec.name, self._gather, unit_index, slot, uploaded, after,
-                  landing)
+                  landing, master)
         if version > self.step_index():
             slot.ready = Future()
             self._pending_gathers.append((unit_index, slot.ready, gather))
@@ -198,13 +209,20 @@ class GpuSlots:
             self.threads.gather_worker.submit(*job).add_done_callback(lambda f, ready=ready: _chain(f, ready))
 
     def _gather(self, unit_index: int, slot: Slot, uploaded: Future | None, after: Future,
-                landing: bool) -> object:
-        """Gather thread: the owner's upload (then its cast into the compute dtype) or, elsewhere, the
-        slot's last reader, then the broadcast into the slot; the event the compute stream waits on."""
+                landing: bool, master: tuple | None = None) -> object:
+        """Gather thread: the owner's upload (then its cast into the compute dtype), a sharded layer's
+        owner's cast of its GPU master (`master`: the master [n] FP32 and the event of its update) or,
+        elsewhere, the slot's last reader; then the broadcast into the slot; the event the compute
+        stream waits on."""
         unit = self.units[unit_index]
         n = unit.spec.numel
         with self.device.stream_ctx(self.gather_stream):
-            if uploaded is not None:
+            if master is not None:
+                for ev in (after.result(), master[1]):     # the slot's last reader; the update
+                    if ev is not None:
+                        self.gather_stream.wait_event(ev)
+                slot.flat[:n].copy_(master[0])              # FP32 -> compute dtype, sent as such
+            elif uploaded is not None:
                 ev = wait_or_abort(uploaded, self.threads.abort, f"the upload of {unit.spec.name} to broadcast")
                 if ev is not None:
                     self.gather_stream.wait_event(ev)
@@ -242,6 +260,11 @@ class GpuSlots:
             else:
                 self.refresh_from_device_master(unit_index)
         return slot
+
+    def master_updated(self, unit_index: int) -> None:
+        """A sharded layer this rank owns has a new master (its update, or a load, was just issued on
+        the compute stream): its next broadcasts wait for this event."""
+        self._master_ready[unit_index] = self.device.record()
 
     def refresh_from_device_master(self, unit_index: int) -> None:
         """The compute-dtype weights of a unit kept on the device, cast from its FP32 master into its

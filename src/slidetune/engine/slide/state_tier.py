@@ -11,6 +11,8 @@ and the store counts RAM and disk by the tier's bytes per parameter.
                   (disk_tier.DiskTier), taken block by block as an update reaches them
   OtherRankDisk   data parallel: a disk unit of another local rank; only its owner's tier holds
                   the moments, this rank knows their shape
+  OtherRankGpu    data parallel: a sharded layer another local rank keeps on its GPU (master and
+                  moments); this rank holds nothing of it
 
 moment_tier() picks one for a unit; nothing else branches on where the state lives.
 """
@@ -122,6 +124,42 @@ class OtherRankDisk(MomentTier):
 
     def load_state(self, state, master=None) -> None:
         raise RuntimeError(f"{self.spec.name} is loaded by local rank 0, whose disk tier holds its moments")
+
+
+class OtherRankGpu(MomentTier):
+    """Data parallel: a sharded layer (placement "shard") another local rank keeps on its GPU,
+    master and moments both. This rank holds none of it (its weights come by the owner's broadcast)
+    and never updates or loads it; it knows the shapes (a resume checks them on every rank)."""
+
+    name = "other rank's GPU"
+    holds_master = True
+    moments_in_ram = False
+    split_update = False
+    ram_bytes_per_param = 0
+
+    def __init__(self, spec: UnitSpec, owner: int):
+        super().__init__(spec)
+        self.owner = owner
+
+    def _elsewhere(self, shape: tuple[int, ...], what: str) -> StreamedTensor:
+        def source():
+            raise RuntimeError(f"the {what} of {self.spec.name} is on local rank {self.owner}'s GPU; only that "
+                               f"rank reads it")
+        return StreamedTensor(shape, torch.float32, source)
+
+    def update(self, grad, lr, start, grad_scale, part) -> None:
+        raise RuntimeError(f"{self.spec.name} is updated by local rank {self.owner}, whose GPU holds its state")
+
+    def state_tensors(self) -> State:
+        shape = (self.spec.numel,)
+        return {"exp_avg": self._elsewhere(shape, "exp_avg"), "exp_avg_sq": self._elsewhere(shape, "exp_avg_sq"),
+                "step": self._elsewhere((), "step")}
+
+    def load_state(self, state, master=None) -> None:
+        raise RuntimeError(f"{self.spec.name} is loaded by local rank {self.owner}, whose GPU holds its state")
+
+    def master_params(self, params: list[ParamSlot]) -> dict[str, StreamedTensor]:
+        return {p.full_name: self._elsewhere(tuple(p.shape), "master") for p in params}
 
 
 class DiskMoments(MomentTier):
