@@ -58,7 +58,7 @@ RUNS = {
                                                              "vocab_update": "device", "offload_activations": True}),
     "eager-disk": ("llama", "eager", 1, None, {"disk_units": 2, "disk_dir": DISK_DIR, "disk_block_mb": 0.0625,
                                                "cache_units": 2}),
-    # sharded layers (shard_layers): layers 1 and 2 each on one rank's GPU (rank 0's, rank 1's),
+    # sharded layers (shard_layers): two layers each on one rank's GPU (the lower rank 0's),
     # updated there and broadcast to the other through its window; clipped with accumulation,
     # beside a device layer and a resident host layer; and eager with the vocabulary on the device
     # (one rank: the same layers are device layers, the reference)
@@ -68,6 +68,7 @@ RUNS = {
                                                             "vocab_update": "device"}),
 }
 RESUMED = "deferred-accum2-clip"
+SHARDED = "deferred-shard"          # also checkpointed at 2 ranks, and resumed at 2 from 1
 
 
 def runtime(schedule: str, extra: dict) -> RuntimeConfig:
@@ -110,9 +111,13 @@ def masters(engine) -> dict[str, torch.Tensor]:
 
 def optimizer_state(engine) -> dict[str, torch.Tensor]:
     """Every AdamW tensor this engine can read (a disk unit's moments streamed from its tier);
-    without the disk units' moments on a rank that does not keep the tier (they are rank 0's)."""
+    without the disk units' moments on a rank that does not keep the tier (they are rank 0's), and
+    without the sharded layers other ranks keep (rank 0 reads them only while they serve a save)."""
     out = {}
+    remote = {u.spec.name for u in engine.units if u.remote}
     for k, t in engine.optimizer_tensors().items():
+        if k.rsplit(".", 1)[0] in remote:
+            continue
         if isinstance(t, StreamedTensor):
             try:
                 t = torch.cat(list(t.chunks()))
@@ -155,11 +160,15 @@ def _rank_main(rank: int, port: int, out: str, ckpt_1rank: str) -> None:
                     if rank == 0:                  # the disk units' moments come from rank 0's tier
                         save_checkpoint(engine, os.path.join(out, "ckpt-disk-2ranks"), step=STEPS)
                     dp.barrier()
+                if run == SHARDED:
+                    # rank 0 writes; the sharded layer rank 1 keeps on its GPU comes from it (it serves)
+                    _save_serving(engine, rank, os.path.join(out, "ckpt-shard-2ranks"))
                 record[run] = {"losses": losses, "norms": norms, "masters": masters(engine),
                                "optimizer": optimizer_state(engine),
                                "on_device": [i for i, u in enumerate(engine.units) if u.on_device],
                                "owned": [i for i, u in enumerate(engine.units) if u.owned],
                                "remote": [i for i, u in enumerate(engine.units) if u.remote],
+                               "sharded": engine.plan.indices("shard"),
                                "disk": sorted(engine.disk.units) if engine.disk is not None else [],
                                "uploaded": engine.uploader.bytes, "gathers": gathers}
                 if run == RESUMED:
@@ -176,9 +185,34 @@ def _rank_main(rank: int, port: int, out: str, ckpt_1rank: str) -> None:
                                             "masters": masters(engine)}
         finally:
             engine.close()
+        # a checkpoint with the sharded layers written by one rank (as device layers), resumed at two
+        engine = engine_for(SHARDED, dp)
+        try:
+            load_checkpoint(engine, os.path.join(out, "ckpt-shard-1rank"))
+            losses, norms = train(engine, SHARDED, range(CKPT_STEP, STEPS), rank, WORLD)
+            record["shard-resumed-from-1rank"] = {"losses": losses, "norms": norms, "masters": masters(engine),
+                                                  "optimizer": optimizer_state(engine),
+                                                  "owned": [i for i, u in enumerate(engine.units) if u.owned],
+                                                  "remote": [i for i, u in enumerate(engine.units) if u.remote]}
+        finally:
+            engine.close()
         torch.save(record, os.path.join(out, f"rank{rank}.pt"))
     finally:
         close_process_group()
+
+
+def _save_serving(engine, rank: int, path: str) -> None:
+    """A checkpoint of an engine with sharded layers at 2 ranks, as the trainer writes it
+    (Ranks.on_main with the engine's save service): rank 0 writes, the other serves its GPU state."""
+    service = engine.save_service()
+    assert service is not None and service.serving == {1}
+    if rank == 0:
+        try:
+            save_checkpoint(engine, path, step=STEPS)
+        finally:
+            service.end()
+    else:
+        service.serve()
 
 
 def _host_main(rank: int, port: int, out: str) -> None:
@@ -238,7 +272,13 @@ def results(tmp_path_factory):
         engine = engine_for(run)
         one["unit_names"] = [u.spec.name for u in engine.units]
         try:
-            if run == RESUMED:
+            if run == SHARDED:
+                # checkpointed at one rank (its sharded layers are device layers there) to resume at two
+                losses, norms = train(engine, run, range(CKPT_STEP))
+                save_checkpoint(engine, tmp / "ckpt-shard-1rank", step=CKPT_STEP)
+                more = train(engine, run, range(CKPT_STEP, STEPS))
+                losses, norms = losses + more[0], norms + more[1]
+            elif run == RESUMED:
                 # the run is checkpointed and resumed at one rank too (exact: test_checkpoint.py)
                 losses, norms = train(engine, run, range(CKPT_STEP))
                 save_checkpoint(engine, tmp / "ckpt-1rank", step=CKPT_STEP)
@@ -344,9 +384,16 @@ def test_two_ranks_follow_one_rank_at_twice_the_batch(results, run):
         assert len(disk[0]) == extra["disk_units"] and disk[1:] == [[]] * (WORLD - 1), disk
         assert set(disk[0]) <= set(results["ranks"][0][run]["owned"])
         assert not set(disk[0]) & set(results["ranks"][1][run]["owned"])
+    sharded = results["ranks"][0][run]["sharded"]
+    if sharded:
+        # each sharded layer on one rank's GPU, round robin from the lowest; the other holds nothing of it
+        for rank, rec in enumerate(results["ranks"]):
+            mine = {u for k, u in enumerate(sharded) if k % WORLD == rank}
+            assert set(rec[run]["on_device"]) & set(sharded) == mine and set(rec[run]["remote"]) == set(sharded) - mine
     if extra.get("device_layers") or extra.get("vocab_update") == "device":
-        on_device = results["ranks"][0][run]["on_device"]
-        assert on_device and all(rec[run]["on_device"] == on_device for rec in results["ranks"])
+        on_device = [u for u in results["ranks"][0][run]["on_device"] if u not in sharded]
+        assert on_device and all([u for u in rec[run]["on_device"] if u not in sharded] == on_device
+                                 for rec in results["ranks"])
         # every rank updates its own copy of each device unit; the host units have one owner
         for rec in results["ranks"]:
             assert set(on_device) <= set(rec[run]["owned"])
@@ -409,6 +456,46 @@ def test_checkpoint_written_at_one_rank_resumes_at_two(results):
             assert torch.equal(got["loaded"][name], t), (rank, name)
         assert _close(got["losses"][0], one["losses"][CKPT_STEP])
         worst, where = _worst_rel(got["masters"], one["masters"])
+        assert worst < 1e-5, f"rank {rank} {where}: relative difference {worst:.2e}"
+
+
+@pytest.mark.slow
+def test_checkpoint_with_sharded_layers_written_at_two_ranks_loads_at_one(results):
+    """Rank 0 wrote it, reading the sharded layer rank 1 keeps on its GPU from rank 1 (it served the
+    save): loaded at one rank (where those layers are device layers) it is the 2-rank run's state,
+    and that is one rank's at twice the batch."""
+    want = results["one"][SHARDED]
+    engine = engine_for(SHARDED)
+    try:
+        load_checkpoint(engine, results["tmp"] / "ckpt-shard-2ranks")
+        got_masters, got_optimizer = masters(engine), optimizer_state(engine)
+    finally:
+        engine.close()
+    worst, where = _worst_rel(got_masters, want["masters"])
+    assert worst < 1e-5, f"{where}: relative difference {worst:.2e}"
+    worst, where = _worst_rel(got_optimizer, want["optimizer"])
+    assert worst < 1e-5, f"optimizer {where}: relative difference {worst:.2e}"
+    two = _with_sharded_layers(results, SHARDED, 0)
+    for name, t in two["masters"].items():                 # every tensor as the ranks held it
+        assert torch.equal(got_masters[name], t), name
+
+
+@pytest.mark.slow
+def test_checkpoint_written_at_one_rank_resumes_at_two_with_sharded_layers(results):
+    """Each owner loads its sharded layers onto its GPU from a one-rank checkpoint; the resumed
+    2-rank run ends where the one-rank run does."""
+    want = results["one"][SHARDED]
+    names = results["one"]["unit_names"]
+    for rank, rec in enumerate(results["ranks"]):
+        got = rec["shard-resumed-from-1rank"]
+        assert got["remote"] and not set(got["remote"]) & set(got["owned"])
+        for step, loss in enumerate(got["losses"]):
+            assert _close(loss, want["losses"][CKPT_STEP + step]), (rank, got["losses"], want["losses"])
+        merged = dict(got["masters"])
+        for other in results["ranks"]:
+            merged.update({k: v for k, v in other["shard-resumed-from-1rank"]["masters"].items()
+                           if _unit_of(k) in {names[i] for i in got["remote"]}})
+        worst, where = _worst_rel(merged, want["masters"])
         assert worst < 1e-5, f"rank {rank} {where}: relative difference {worst:.2e}"
 
 

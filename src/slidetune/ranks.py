@@ -85,8 +85,10 @@ class Ranks:
         return list(global_rows[self.rank * per_rank:(self.rank + 1) * per_rank])
 
     # ------------------------------------------------------------------ agreement
-    def on_main(self, fn: Callable[[], T]) -> T:
-        """fn() on rank 0, its result on every rank (it must pickle); rank 0's error on every rank."""
+    def on_main(self, fn: Callable[[], T], service=None) -> T:
+        """fn() on rank 0, its result on every rank (it must pickle); rank 0's error on every rank.
+        service: a save's (engine.save_service(), where the host shards layers over its GPUs): the
+        other ranks serve rank 0's reads of their GPU state until fn() has ended there."""
         if self.dp is None:
             return fn()
         outcome: list = [None]
@@ -97,6 +99,11 @@ class Ranks:
             except Exception as e:  # noqa: BLE001 - sent to the other ranks, then raised here
                 error = e
                 outcome[0] = ("error", f"{type(e).__name__}: {e}")
+            finally:
+                if service is not None:
+                    service.end()
+        elif service is not None:
+            service.serve()
         tdist.broadcast_object_list(outcome, src=0, group=self.dp.world_cpu)
         if error is not None:
             raise error

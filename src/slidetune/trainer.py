@@ -621,6 +621,8 @@ class Trainer:
         self.stop_flag = stop or _StopFlag()
         self.ckpt_dir = ckpt_dir or out / "checkpoints"
         self.save_dtype = save_dtype
+        # data parallel with sharded layers: the ranks that keep them serve rank 0's reads during a save
+        self.save_service = getattr(engine, "save_service", lambda: None)()
         self.resumable = saves is None or saves.resumable      # resumable checkpoints fit the disk
         # final/ fits only once the disk tier's files are gone (save_plan.py): removed before it
         self.release_scratch_first = saves is not None and saves.release_scratch_first
@@ -993,7 +995,8 @@ class Trainer:
             self.saved_step = self.written_step = step
             return path
         path = self.ranks.on_main(
-            lambda: self.saver.blocking(step, lambda streams: self._write_checkpoint(step, streams)))
+            lambda: self.saver.blocking(step, lambda streams: self._write_checkpoint(step, streams)),
+            service=self.save_service)
         self.saved_step = self.written_step = step
         self.notify("on_save", step, path)
         return path
@@ -1079,7 +1082,7 @@ class Trainer:
         self.write_metrics()
         if self.release_scratch_first:
             getattr(self.engine, "release_disk_tier", lambda: None)()
-        self.ranks.on_main(self._write_final)
+        self.ranks.on_main(self._write_final, service=self.save_service)
         print(f"final model: {self.out / 'final'} (AutoModelForCausalLM.from_pretrained loads it)")
         self.notify("on_save", total, self.out / "final")
         if self.resumable and self.saved_step != total:

@@ -173,7 +173,7 @@ class PlacementTuning(_Section):
     # keeps a copy on every GPU (Llama-3.1-70B's 789 GiB of master and moments do not fit an 8-GPU
     # host's RAM and 220 GiB disk, but fit its GPUs and RAM together)
     shard_layers: int = tuning_field(
-        0, help="data parallel: N layers above the device layers keep master and AdamW state on one GPU "
+        0, help="data parallel: N layers above the device and resident layers keep master and AdamW state on one GPU "
                 "of the host each (their owner's, round robin), which updates them and broadcasts their "
                 "weights to the others through the window; one rank per host: device layers",
         when="where the host's RAM and disk cannot hold the state the GPUs leave to it (plan --gpus N)",

@@ -14,6 +14,7 @@ checkpoint may read them).
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import threading
@@ -21,12 +22,15 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from ..processes import dead_runs
 from .adamw import FP32_ADAMW
+
+log = logging.getLogger(__name__)
 
 BACKENDS = ("gloo", "nccl")
 SHM_DIR = "/dev/shm"
@@ -304,6 +308,51 @@ class DataParallel:
         NCCL it is queued on the current stream's order and this returns at once)."""
         work = dist.broadcast(t, src=self.global_rank(owner_local_rank), group=self.weights_group(), async_op=True)
         work.wait()          # NCCL: the current stream waits for it; gloo: the copy is done
+
+    # ------------------------------------------------ a save reading other ranks' GPU state
+    # Rank 0 writes every checkpoint; the sharded layers other local ranks of its host keep on their
+    # GPUs reach it piece by piece over the host's gloo group: a request [unit, field, lo, hi] to the
+    # owner, which answers with a status and, where it could read them, the FP32 elements. One
+    # request at a time (the checkpoint's readers take one lock: checkpoint.one_reader).
+
+    def pull(self, owner_local_rank: int, unit: int, field: int, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of `field` of a sharded layer `unit` that local rank `owner_local_rank`
+        keeps on its GPU, as a [hi - lo] FP32 CPU tensor (that rank runs serve())."""
+        peer = self.global_rank(owner_local_rank)
+        dist.send(torch.tensor([unit, field, lo, hi], dtype=torch.int64), peer, group=self.host_group)
+        status = torch.empty(1, dtype=torch.int64)
+        dist.recv(status, peer, group=self.host_group)
+        if int(status):
+            raise RuntimeError(f"local rank {owner_local_rank} could not read unit {unit}'s state for the checkpoint "
+                               f"(its error is in that rank's output)")
+        out = torch.empty(hi - lo, dtype=torch.float32)
+        dist.recv(out, peer, group=self.host_group)
+        return out
+
+    def serve(self, read: Callable[[int, int, int, int], torch.Tensor]) -> None:
+        """Answer local rank 0's pull() requests with read(unit, field, lo, hi) -> [hi - lo] FP32 until it
+        sends the end (end_serving). A failed read is answered as failed (and logged here); the
+        serving goes on, so rank 0 fails its save instead of waiting."""
+        peer = self.global_rank(0)
+        request = torch.empty(4, dtype=torch.int64)
+        while True:
+            dist.recv(request, peer, group=self.host_group)
+            unit, field, lo, hi = request.tolist()
+            if unit < 0:
+                return
+            try:
+                values = read(unit, field, lo, hi).to("cpu", torch.float32).contiguous()
+            except Exception:  # noqa: BLE001 - rank 0 is told; the error is shown here
+                log.exception("slidetune: reading unit %d's state for rank 0's checkpoint failed", unit)
+                dist.send(torch.ones(1, dtype=torch.int64), peer, group=self.host_group)
+                continue
+            dist.send(torch.zeros(1, dtype=torch.int64), peer, group=self.host_group)
+            dist.send(values, peer, group=self.host_group)
+
+    def end_serving(self, local_ranks) -> None:
+        """Local rank 0: the save is over; the serving ranks return from serve()."""
+        for r in sorted(local_ranks):
+            dist.send(torch.tensor([-1, 0, 0, 0], dtype=torch.int64), self.global_rank(r), group=self.host_group)
 
     def sum_scalars(self, values: list[float]) -> list[float]:
         """Sum a few host scalars over every rank (FP64: token counts are exact)."""

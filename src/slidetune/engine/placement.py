@@ -162,8 +162,13 @@ class PlacementPlan:
         # the sharded layers always stream through a window (every rank but the owner receives them)
         window_slots = 0 if resident == host_layers and not n_shard else \
             (AUTO_WINDOW if rt.placement.cache_units == 0 else window)
+        # The sharded layers sit above the resident ones: the next forward needs the resident layers
+        # first, and their broadcasts are queued at the step's end (slots.flush_gathers), before the
+        # window's; a sharded layer below them would wait behind their host updates.
+        shard_lo = n_dev + resident
         state = (["gpu" if vocab_dev else "host"]
-                 + ["gpu" if i < n_dev else "shard" if i < n_dev + n_shard else "host" for i in range(L)]
+                 + ["gpu" if i < n_dev else "shard" if shard_lo <= i < shard_lo + n_shard else "host"
+                    for i in range(L)]
                  + ["gpu" if vocab_dev else "host"])
         # The disk tier takes the host units the next forward needs last: the head, then the
         # decoder layers from the top down. Their updates have the most slack (eager: the backward
@@ -180,9 +185,7 @@ class PlacementPlan:
             state[i] = "disk"
         # Masters on disk: the first disk units in the same order (the most slack first).
         disk_masters = set(candidates[:rt.disk.disk_master_units(n_disk)])
-        # own slots: the vocabulary units, the device layers and the resident layers (the lowest host
-        # layers, above the sharded ones, which every rank streams through its window)
-        own = {0, L + 1} | set(range(1, n_dev + 1)) | set(range(n_dev + n_shard + 1, n_dev + n_shard + resident + 1))
+        own = {0, L + 1} | set(range(1, n_dev + resident + 1))
         # Held gradient buffers (deferred only): one per host-updated unit; the second (held_buffers
         # 2) for all of them, or the lowest held_second_units: the units the backward reaches last.
         held = [0] * len(shapes)

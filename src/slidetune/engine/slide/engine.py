@@ -89,6 +89,7 @@ from . import grad_sum as grad_sum_mod
 from .grad_sum import MAX_HELD, GradSum, accumulate
 from .host_store import HostStore, HostUnit
 from .layer_runner import LayerRunner
+from .save_service import SaveService
 from .slots import GpuSlots, Slot, shapes_for
 from .step_norm import StepNorm
 from .threads import PipelineThreads
@@ -293,6 +294,8 @@ class SlideEngine:
                                    device_units=frozenset(plan.indices("gpu"))
                                    | frozenset(i for i in plan.indices("shard") if i not in remote),
                                    device=self.device.device, remote=remote,
+                                   # local rank 0 writes the checkpoints: it reads the others' sharded layers
+                                   pull=self.dp.pull if remote and self.dp.cfg.local_rank == 0 else None,
                                    disk=self.disk, shared=shared, owned=owned, compute_dtype=self.dtype,
                                    upload_copies=frozenset(u.index for u in plan.units if u.upload_copy))
             if self.dp is not None:
@@ -707,6 +710,11 @@ class SlideEngine:
             first = self.threads.first_error or e
             raise WorkerError(f"{self.threads.failed_where}: {first!r}") from first
         self.device.synchronize()
+
+    def save_service(self) -> SaveService | None:
+        """What the other ranks do while rank 0 saves (save_service.py): where the host shards layers
+        over its GPUs, the owners serve rank 0's reads of them; None where nothing is needed."""
+        return SaveService.for_engine(self.dp, self.units, self.owner_of, self.plan.indices("shard"))
 
     def async_save_refusal(self) -> str | None:
         """Why this engine cannot save asynchronously (async_save.py), or None: it can."""

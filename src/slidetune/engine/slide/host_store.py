@@ -37,7 +37,8 @@ class HostUnit:
                  held_dtype: torch.dtype | None = None, kernel: str = "dynamic",
                  device: torch.device | None = None, disk: DiskTier | None = None,
                  shared: SharedUnit | None = None, owned: bool = True, compute_dtype: torch.dtype | None = None,
-                 held_buffers: int = 1, upload_copy: bool = False, remote_owner: int | None = None):
+                 held_buffers: int = 1, upload_copy: bool = False, remote_owner: int | None = None,
+                 pull=None):
         """held_dtype: the deferred schedule's held gradient [numel] in this dtype (host units only;
         a unit on the device holds its gradient there, in the engine), `held_buffers` of them.
         device: keep this unit's master and AdamW state there from the start (vocab_update=device,
@@ -55,7 +56,8 @@ class HostUnit:
         the clipped sweep's weights pass writes them (part "weights") and the uploads copy them; the
         master and moments follow in the second pass (part "rest").
         remote_owner: data parallel, a sharded layer another local rank (this one) keeps on its GPU:
-        this rank holds nothing of it (no master, no moments; tier OtherRankGpu), only its versions."""
+        this rank holds nothing of it (no master, no moments; tier OtherRankGpu), only its versions;
+        `pull` (DataParallel.pull, on the rank that writes checkpoints) reads its state from the owner."""
         self.spec = spec
         self.shared = None if remote_owner is not None else shared
         self.owned = owned
@@ -63,7 +65,7 @@ class HostUnit:
         self.remote = remote_owner is not None
         self._init_versions()
         if self.remote:
-            self.tier = OtherRankGpu(spec, remote_owner)
+            self.tier = OtherRankGpu(spec, remote_owner, pull)
             self.master = self.weights = self.opt = None
             self.held = []
             return
@@ -258,7 +260,7 @@ class HostStore:
                  disk: DiskTier | None = None, shared: SharedHostState | None = None,
                  owned: frozenset[int] | None = None, compute_dtype: torch.dtype | None = None,
                  held_buffers: int | list[int] = 1, upload_copies: frozenset[int] = frozenset(),
-                 remote: dict[int, int] | None = None):
+                 remote: dict[int, int] | None = None, pull=None):
         """held_dtype: the deferred schedule's held gradients' dtype (None: eager, none held), and
         `held_buffers` per unit (used on alternate steps): one count for all, or one per unit index.
         kernel: the host AdamW kernel of every unit (FlatAdamW's; --tuning.host_adamw).
@@ -270,7 +272,8 @@ class HostStore:
         upload_copies: the units that keep a compute-dtype copy of their weights for the uploads
         (the plan's upload_copy: clip_sweep=weights).
         remote: data parallel, sharded layers another local rank keeps on its GPU: unit -> that
-        rank (HostUnit's remote_owner); this store holds nothing of them."""
+        rank (HostUnit's remote_owner); this store holds nothing of them, and reads their state through
+        `pull` (DataParallel.pull) where given."""
         remote = remote or {}
         # Each unit is materialized straight from the source into its own master (no second
         # copy), several units at once: torch's normal_ with a generator runs on one core
@@ -288,7 +291,7 @@ class HostStore:
                                            and i not in remote else None),
                                    owned=owned is None or i in owned, compute_dtype=compute_dtype,
                                    held_buffers=held_buffers if isinstance(held_buffers, int) else held_buffers[i],
-                                   upload_copy=i in upload_copies, remote_owner=remote.get(i)),
+                                   upload_copy=i in upload_copies, remote_owner=remote.get(i), pull=pull),
                 range(len(split.units))))
         self.shared = shared
 

@@ -126,10 +126,17 @@ class OtherRankDisk(MomentTier):
         raise RuntimeError(f"{self.spec.name} is loaded by local rank 0, whose disk tier holds its moments")
 
 
+# A sharded layer's tensors as OtherRankGpu pulls them from their owner (DataParallel.pull's field).
+SHARD_FIELDS = ("master", "exp_avg", "exp_avg_sq", "step")
+PULL_ELEMS = 16 * 2**20          # 64 MiB of FP32 a request
+
+
 class OtherRankGpu(MomentTier):
     """Data parallel: a sharded layer (placement "shard") another local rank keeps on its GPU,
     master and moments both. This rank holds none of it (its weights come by the owner's broadcast)
-    and never updates or loads it; it knows the shapes (a resume checks them on every rank)."""
+    and never updates or loads it; it knows the shapes (a resume checks them on every rank). Its
+    master and state read as StreamedTensors: with `pull` (local rank 0, which writes the
+    checkpoints) piece by piece from the owner (DataParallel.pull); without, an error naming it."""
 
     name = "other rank's GPU"
     holds_master = True
@@ -137,29 +144,33 @@ class OtherRankGpu(MomentTier):
     split_update = False
     ram_bytes_per_param = 0
 
-    def __init__(self, spec: UnitSpec, owner: int):
+    def __init__(self, spec: UnitSpec, owner: int, pull: Callable[..., torch.Tensor] | None = None):
         super().__init__(spec)
-        self.owner = owner
+        self.owner, self.pull = owner, pull
 
-    def _elsewhere(self, shape: tuple[int, ...], what: str) -> StreamedTensor:
+    def _streamed(self, shape: tuple[int, ...], field: str, lo: int, hi: int) -> StreamedTensor:
+        """Elements [lo, hi) of one of the owner's tensors (SHARD_FIELDS), read when consumed."""
         def source():
-            raise RuntimeError(f"the {what} of {self.spec.name} is on local rank {self.owner}'s GPU; only that "
-                               f"rank reads it")
+            if self.pull is None:
+                raise RuntimeError(f"the {field} of {self.spec.name} is on local rank {self.owner}'s GPU; only that "
+                                   f"rank reads it")
+            for a in range(lo, hi, PULL_ELEMS):
+                yield self.pull(self.owner, self.spec.index, SHARD_FIELDS.index(field), a, min(hi, a + PULL_ELEMS))
         return StreamedTensor(shape, torch.float32, source)
 
     def update(self, grad, lr, start, grad_scale, part) -> None:
         raise RuntimeError(f"{self.spec.name} is updated by local rank {self.owner}, whose GPU holds its state")
 
     def state_tensors(self) -> State:
-        shape = (self.spec.numel,)
-        return {"exp_avg": self._elsewhere(shape, "exp_avg"), "exp_avg_sq": self._elsewhere(shape, "exp_avg_sq"),
-                "step": self._elsewhere((), "step")}
+        n = self.spec.numel
+        return {"exp_avg": self._streamed((n,), "exp_avg", 0, n), "exp_avg_sq": self._streamed((n,), "exp_avg_sq", 0, n),
+                "step": self._streamed((), "step", 0, 1)}
 
     def load_state(self, state, master=None) -> None:
         raise RuntimeError(f"{self.spec.name} is loaded by local rank {self.owner}, whose GPU holds its state")
 
     def master_params(self, params: list[ParamSlot]) -> dict[str, StreamedTensor]:
-        return {p.full_name: self._elsewhere(tuple(p.shape), "master") for p in params}
+        return {p.full_name: self._streamed(tuple(p.shape), "master", p.offset, p.offset + p.numel) for p in params}
 
 
 class DiskMoments(MomentTier):
