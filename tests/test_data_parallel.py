@@ -203,8 +203,8 @@ def _rank_main(rank: int, port: int, out: str, ckpt_1rank: str) -> None:
 
 def _save_serving(engine, rank: int, path: str) -> None:
     """A checkpoint of an engine with sharded layers at 2 ranks, as the trainer writes it
-    (Ranks.on_main with the engine's save service): rank 0 writes, the other serves its GPU state."""
-    service = engine.save_service()
+    (Ranks.on_main with the engine's save_service): rank 0 writes, the other serves its GPU state."""
+    service = engine.save_service
     assert service is not None and service.serving == {1}
     if rank == 0:
         try:

@@ -87,7 +87,7 @@ class Ranks:
     # ------------------------------------------------------------------ agreement
     def on_main(self, fn: Callable[[], T], service=None) -> T:
         """fn() on rank 0, its result on every rank (it must pickle); rank 0's error on every rank.
-        service: a save's (engine.save_service(), where the host shards layers over its GPUs): the
+        service: a save's (engine.save_service, where the host shards layers over its GPUs): the
         other ranks serve rank 0's reads of their GPU state until fn() has ended there."""
         if self.dp is None:
             return fn()

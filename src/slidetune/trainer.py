@@ -622,7 +622,7 @@ class Trainer:
         self.ckpt_dir = ckpt_dir or out / "checkpoints"
         self.save_dtype = save_dtype
         # data parallel with sharded layers: the ranks that keep them serve rank 0's reads during a save
-        self.save_service = getattr(engine, "save_service", lambda: None)()
+        self.save_service = getattr(engine, "save_service", None)
         self.resumable = saves is None or saves.resumable      # resumable checkpoints fit the disk
         # final/ fits only once the disk tier's files are gone (save_plan.py): removed before it
         self.release_scratch_first = saves is not None and saves.release_scratch_first

@@ -138,30 +138,8 @@ class PlacementPlan:
         L = len(shapes) - 2
         if L < 0:
             raise ValueError("a plan needs the embedding, the decoder layers and the head")
-        n_dev, n_shard = max(0, rt.placement.device_layers), rt.placement.shard_layers
-        if n_dev + n_shard > L:
-            raise ValueError(f"--tuning.device_layers {n_dev} and --tuning.shard_layers {n_shard} but the model has "
-                             f"{L} decoder layers")
-        local_ranks = ranks if local_ranks is None else local_ranks
-        if local_ranks <= 1:
-            n_dev, n_shard = n_dev + n_shard, 0      # one GPU of the host holds them all: device layers
-        elif n_shard and rt.transfer.dp_weights != "gather":
-            raise ValueError("--tuning.shard_layers needs --tuning.dp_weights gather: a sharded layer's weights reach "
-                             "the host's other GPUs only by its owner's broadcast")
+        n_dev, n_shard, resident, window_slots = _layer_counts(rt, L, ranks if local_ranks is None else local_ranks)
         vocab_dev = rt.placement.vocab_update == "device"
-        host_layers = L - n_dev - n_shard
-        window = AUTO_WINDOW if rt.placement.cache_units == -1 else rt.placement.cache_units
-        # Resident layers: the lowest host layers get a slot of their own; all of them with
-        # cache_units=0, or where the window would hold every layer left to it.
-        if rt.placement.cache_units == 0:
-            resident = host_layers
-        else:
-            resident = min(host_layers, max(0, rt.placement.resident_layers))
-            if window >= host_layers - resident:
-                resident = host_layers
-        # the sharded layers always stream through a window (every rank but the owner receives them)
-        window_slots = 0 if resident == host_layers and not n_shard else \
-            (AUTO_WINDOW if rt.placement.cache_units == 0 else window)
         # The sharded layers sit above the resident ones: the next forward needs the resident layers
         # first, and their broadcasts are queued at the step's end (slots.flush_gathers), before the
         # window's; a sharded layer below them would wait behind their host updates.
@@ -409,6 +387,34 @@ class PlacementPlan:
         return cls(units=units, window_slots=int(d["window_slots"]), gpu_checkpoints=int(d["gpu_checkpoints"]),
                    schedule=d["schedule"], disk_buffers=int(d.get("disk_buffers", DISK_BUFFERS_UNRESOLVED)),
                    grad_slots=int(d.get("grad_slots", 3)), grad_slots_fp32=bool(d.get("grad_slots_fp32", False)))
+
+
+def _layer_counts(rt: RuntimeConfig, L: int, local_ranks: int) -> tuple[int, int, int, int]:
+    """(device layers, sharded layers, resident layers, window slots) of L decoder layers on
+    `local_ranks` GPUs of a host (one: the sharded layers are device layers)."""
+    n_dev, n_shard = max(0, rt.placement.device_layers), rt.placement.shard_layers
+    if n_dev + n_shard > L:
+        raise ValueError(f"--tuning.device_layers {n_dev} and --tuning.shard_layers {n_shard} but the model has "
+                         f"{L} decoder layers")
+    if local_ranks <= 1:
+        n_dev, n_shard = n_dev + n_shard, 0      # one GPU of the host holds them all: device layers
+    elif n_shard and rt.transfer.dp_weights != "gather":
+        raise ValueError("--tuning.shard_layers needs --tuning.dp_weights gather: a sharded layer's weights reach "
+                         "the host's other GPUs only by its owner's broadcast")
+    host_layers = L - n_dev - n_shard
+    window = AUTO_WINDOW if rt.placement.cache_units == -1 else rt.placement.cache_units
+    # Resident layers: the lowest host layers get a slot of their own; all of them with
+    # cache_units=0, or where the window would hold every layer left to it.
+    if rt.placement.cache_units == 0:
+        resident = host_layers
+    else:
+        resident = min(host_layers, max(0, rt.placement.resident_layers))
+        if window >= host_layers - resident:
+            resident = host_layers
+    # the sharded layers always stream through a window (every rank but the owner receives them)
+    window_slots = 0 if resident == host_layers and not n_shard else \
+        (AUTO_WINDOW if rt.placement.cache_units == 0 else window)
+    return n_dev, n_shard, resident, window_slots
 
 
 def _check_combination(units: tuple[UnitPlace, ...], dtype: torch.dtype | None, ranks: int) -> None:

@@ -300,6 +300,9 @@ class SlideEngine:
                                    upload_copies=frozenset(u.index for u in plan.units if u.upload_copy))
             if self.dp is not None:
                 self.dp.host_barrier()      # every owner has filled its units before anyone uploads
+            # what the other ranks do while rank 0 saves (save_service.py): where the host shards
+            # layers over its GPUs, the owners serve rank 0's reads of them; None where nothing is
+            self.save_service = SaveService.for_engine(self.dp, self.store.units, self.owner_of, plan.indices("shard"))
         except BaseException:
             if self.disk is not None:
                 self.disk.close()
@@ -710,11 +713,6 @@ class SlideEngine:
             first = self.threads.first_error or e
             raise WorkerError(f"{self.threads.failed_where}: {first!r}") from first
         self.device.synchronize()
-
-    def save_service(self) -> SaveService | None:
-        """What the other ranks do while rank 0 saves (save_service.py): where the host shards layers
-        over its GPUs, the owners serve rank 0's reads of them; None where nothing is needed."""
-        return SaveService.for_engine(self.dp, self.units, self.owner_of, self.plan.indices("shard"))
 
     def async_save_refusal(self) -> str | None:
         """Why this engine cannot save asynchronously (async_save.py), or None: it can."""
