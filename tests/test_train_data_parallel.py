@@ -300,3 +300,43 @@ def test_two_ranks_with_every_tier_train_like_one_rank(tmp_path):
     worst, where = worst_rel(weights(tmp_path / "resumed" / "final"), weights(tmp_path / "one" / "final"))
     assert worst < 1e-5, f"resumed {where}: relative difference {worst:.2e}"
     assert not list(disk.iterdir()), "the disk tier's scratch directories must be removed at the end"
+
+
+@pytest.mark.slow
+def test_two_ranks_with_sharded_layers_train_save_and_resume_like_one_rank(tmp_path):
+    """--tuning.shard_layers 2 as a user launches it: two layers each on one rank's device (master
+    and moments), broadcast to the other through its window; rank 0's checkpoints and final/ read
+    the layer rank 1 keeps from rank 1. 2 ranks x 2 rows end where 1 rank x 4 rows ends (there the
+    same layers are device layers), the checkpoints' optimizer state too, and the 2-rank step-2
+    checkpoint resumed at 2 ranks ends there as well."""
+    data = tmp_path / "small.jsonl"
+    data.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in builtin_corpus()[:40]))
+    args = [*common_args(data), "--tuning.shard_layers", "2", "--tuning.cache_units", "2"]
+    two = run_launcher(*args, "--batch-size", str(PER_RANK), "--gpus", "2", "--output-dir", str(tmp_path / "two"),
+                       "--verbose")
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-5000:]
+    assert "the host's GPUs, one each (master + moments on its owner's GPU, broadcast to the others): layers" \
+        in two.stdout
+    code, out, err = run_in_process(*args, "--batch-size", str(2 * PER_RANK), "--output-dir", str(tmp_path / "one"))
+    assert code == 0, out[-3000:] + err[-3000:]
+    two_rows, one_rows = step_rows(tmp_path / "two"), step_rows(tmp_path / "one")
+    assert sorted(two_rows) == sorted(one_rows) == list(range(1, STEPS + 1))
+    for step in one_rows:
+        for key in ("loss", "grad_norm"):
+            assert close(float(two_rows[step][key]), float(one_rows[step][key])), (step, key)
+    worst, where = worst_rel(weights(tmp_path / "two" / "final"), weights(tmp_path / "one" / "final"))
+    assert worst < 1e-5, f"{where}: relative difference {worst:.2e}"
+    ckpt = f"checkpoint-{STEPS}"
+    optim = load_file(tmp_path / "two" / "checkpoints" / ckpt / "trainer_state" / "optimizer.safetensors")
+    want = load_file(tmp_path / "one" / "checkpoints" / ckpt / "trainer_state" / "optimizer.safetensors")
+    worst, where = worst_rel(optim, want)
+    assert worst < 1e-5, f"optimizer {where}: relative difference {worst:.2e}"
+    (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "two" / "checkpoints" / f"checkpoint-{SAVE_EVERY}",
+                    tmp_path / "resumed" / "checkpoints" / f"checkpoint-{SAVE_EVERY}")
+    resumed = run_launcher(*args, "--batch-size", str(PER_RANK), "--gpus", "2", "--resume", "auto",
+                           "--output-dir", str(tmp_path / "resumed"))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
+    assert "resumed from" in resumed.stdout
+    worst, where = worst_rel(weights(tmp_path / "resumed" / "final"), weights(tmp_path / "one" / "final"))
+    assert worst < 1e-5, f"resumed {where}: relative difference {worst:.2e}"

@@ -56,7 +56,7 @@ def _plan(ns) -> int:
     from .models.load import load_model
     cfg, on_gpu = _plan_config(ns)
     loaded = load_model(cfg.model, num_layers=cfg.num_layers, with_tokenizer=False)
-    estimate = _plan_estimator(cfg, loaded.split)
+    estimate = _plan_estimator(cfg, loaded.split, ranks=max(1, ns.gpus))
     est = estimate()
     _print_estimate(cfg, loaded.split, est, on_gpu)
     plan = _plan_resolved(ns, cfg, loaded.split)
@@ -95,8 +95,9 @@ def _plan_config(ns):
     return cfg, on_gpu
 
 
-def _plan_estimator(cfg, split):
-    """estimate(**changes): the estimate of this configuration with some runtime settings changed."""
+def _plan_estimator(cfg, split, ranks: int = 1):
+    """estimate(**changes): the estimate of this configuration with some runtime settings changed
+    (one of `ranks` data-parallel ranks on the host)."""
     import dataclasses
 
     from .engine.fit import estimate_memory
@@ -108,7 +109,8 @@ def _plan_estimator(cfg, split):
             changes.setdefault("disk_units", 0)
         return estimate_memory(split, dataclasses.replace(cfg.runtime, **changes), batch_size=cfg.batch_size,
                                seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm,
-                               padded=not cfg.data.packed)     # as train: packed rows carry no padding
+                               padded=not cfg.data.packed,     # as train: packed rows carry no padding
+                               ranks_per_host=ranks)
     return estimate
 
 
@@ -254,7 +256,7 @@ def _plan_resolved(ns, cfg, split):
     ranks = max(1, ns.gpus)
     resolved = choose_auto_settings(split, rt, gpu_free_bytes=free, host_available_bytes=host, ranks_per_host=ranks,
                                     **kw)
-    est = estimate_memory(split, resolved, **kw)
+    est = estimate_memory(split, resolved, ranks_per_host=ranks, **kw)
     if not on_gpu:
         where = "the CPU (no GPU: weights, activations and optimizer state all in host RAM)"
     else:
@@ -301,6 +303,7 @@ def _resolved_settings(resolved, plan, schedule: str, on_gpu: bool) -> str:
                     + f"vocab_update={resolved.placement.vocab_update} "
                     + f"grad_slot_dtype={resolved.transfer.grad_slot_dtype} "
                     f"device_layers={plan.device_layers}"
+                    + (f" shard_layers={plan.shard_layers}" if plan.shard_layers else "")
                     + f" offload_activations={resolved.offload_activations}"
                     + (f" gpu_checkpoints={plan.gpu_checkpoints}" if resolved.offloads_activations else "")
                     + f" lean_layer={resolved.layer.lean_layer} head_impl={resolved.resolved_head_impl}"

@@ -519,12 +519,16 @@ def _work(split: SplitModel, rt: RuntimeConfig, batch_size: int, seq_len: int, g
 
 
 def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int,
-                    grad_accum: int = 1, max_grad_norm: float | None = None, padded: bool = True) -> MemoryEstimate:
+                    grad_accum: int = 1, max_grad_norm: float | None = None, padded: bool = True,
+                    ranks_per_host: int = 1) -> MemoryEstimate:
     """Bytes of GPU, host and pinned memory the configuration needs (nothing is allocated).
 
     padded: whether batches may carry padding (then HF materializes [B,1,S,S] masks, which SDPA
     also copies per layer: the S^2 terms of long sequences). Packed data and synthetic benchmark
-    batches have none; the default assumes they may."""
+    batches have none; the default assumes they may.
+    ranks_per_host: data parallel's ranks on each host; the GPU bytes are one rank's (the busiest,
+    where shard_layers spread layers over the host's GPUs), the host bytes one rank's too
+    (MemoryEstimate.host_bytes_per_host counts the host)."""
     if batch_size < 1 or seq_len < 1 or grad_accum < 1:
         raise ValueError("batch_size, seq_len and grad_accum must be >= 1")
     w = _work(split, rt, batch_size, seq_len, grad_accum, padded)
@@ -532,7 +536,7 @@ def estimate_memory(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, se
     schedule = plan = None
     if rt.mode == "slide":
         schedule = rt.resolved_schedule(grad_accum, max_grad_norm)
-        plan = PlacementPlan.build(unit_shapes(split), rt, schedule)
+        plan = PlacementPlan.build(unit_shapes(split), rt, schedule, ranks=ranks_per_host)
         _slide_terms(parts, split, rt, w, schedule, plan)
     else:
         _whole_model_terms(parts, split, rt, w)
@@ -581,8 +585,17 @@ def _device_layer_params(split: SplitModel, plan: PlacementPlan) -> int:
 
 
 def _host_updated_params(split: SplitModel, plan: PlacementPlan, w: _Work) -> int:
-    """Parameters whose AdamW runs on the host: all but the GPU-updated vocabulary and device layers."""
-    return w.P - (w.P_E + w.P_H if plan.vocab_on_device else 0) - _device_layer_params(split, plan)
+    """Parameters whose AdamW runs on the host: all but the GPU-updated vocabulary, device layers and
+    sharded layers."""
+    return plan.host_updated_params
+
+
+def _own_shard_params(plan: PlacementPlan) -> tuple[int, int]:
+    """(sharded layers, their parameters) the busiest GPU of the host owns: the first of the round robin."""
+    shard = [u for u in plan.units if u.state == "shard"]
+    ranks = plan.shard_ranks
+    mine = shard[::ranks] if shard else []
+    return len(mine), sum(u.numel for u in mine)
 
 
 def _slide_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w: _Work, schedule: str,
@@ -659,7 +672,16 @@ def _device_update_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w:
         gpu[f"device layers: master + Adam moments ({state} B/param) + own weight slots"] = (state + b) * P_dev
         if schedule == "deferred":
             gpu["device layers' held gradients (deferred schedule)"] = _grad_slot_bytes(plan, b) * P_dev
-    device_units = ([w.P_E, w.P_H] if vocab_device else []) + [u.numel for u in split.layer_units[:n_dev]]
+    n_own, P_own = _own_shard_params(plan)
+    if n_own:
+        # this GPU's share of the sharded layers: master and moments (their weights come through the
+        # window, broadcast by their owners), and their held gradients until the clip is known
+        gpu[f"sharded layers this GPU owns ({n_own} of {plan.shard_layers}): master + Adam moments "
+            f"({state} B/param)"] = state * P_own
+        if schedule == "deferred":
+            gpu["sharded layers' held gradients (deferred schedule)"] = _grad_slot_bytes(plan, b) * P_own
+    device_units = ([w.P_E, w.P_H] if vocab_device else []) + [u.numel for u in split.layer_units[:n_dev]] \
+        + ([max(u.numel for u in plan.units if u.state == "shard")] if n_own else [])
     # the update widens a compute-dtype gradient a chunk at a time
     if device_units and _grad_slot_bytes(plan, b) != 4:
         gpu["device update widening buffer"] = 4 * min(rt.transfer.chunk_elems(w.P_L), max(device_units))
@@ -739,6 +761,7 @@ def _weight_loading_transient(split: SplitModel, w: _Work, plan: PlacementPlan, 
         return max((p.numel for p in unit.params), default=0)
     passing = ([largest(split.units[0]), largest(split.units[-1])] if plan.vocab_on_device else []) \
         + [largest(u) for u in split.layer_units[:plan.device_layers]] \
+        + [largest(split.units[u.index]) for u in plan.units if u.state == "shard"][::plan.shard_ranks] \
         + [u.numel for u in plan.units if u.master == "disk"]
     building = sorted(passing, reverse=True)[:BUILD_WORKERS]
     # freed before the first step, when the offloaded checkpoints' slots are allocated (in
@@ -861,7 +884,7 @@ def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len:
     if not 0 < safety <= 1:
         raise ValueError("safety must be in (0, 1]")
     est = estimate_memory(split, rt, batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum,
-                          max_grad_norm=max_grad_norm, padded=padded)
+                          max_grad_norm=max_grad_norm, padded=padded, ranks_per_host=ranks_per_host)
     if est.disk_bytes:
         # the disk tier's directory: there, writable, with room for its files (DiskTierError)
         check_directory(rt.disk_dir, est.disk_bytes, disk_free_bytes)
@@ -898,7 +921,7 @@ def _disk_tier_note(split: SplitModel, rt: RuntimeConfig, budget: _Budget, short
     trial = dataclasses.replace(rt, disk_dir="PATH", disk_units=-1)
     placed = choose_auto_settings(split, trial, gpu_free_bytes=budget.gpu_free, host_available_bytes=budget.host_avail,
                                   safety=budget.safety, ranks_per_host=budget.ranks_per_host, **kw)
-    est = estimate_memory(split, placed, **kw)
+    est = estimate_memory(split, placed, ranks_per_host=budget.ranks_per_host, **kw)
     options = []
     if not budget.fits(est):
         if any(what == "host RAM" for what, *_ in budget.shortfalls(est)):
@@ -969,7 +992,7 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
     schedule = placed.resolved_schedule(grad_accum, max_grad_norm)
 
     def host_bytes(c: RuntimeConfig) -> int:
-        return estimate_memory(split, c, **kw).host_bytes_per_host(ranks_per_host)
+        return estimate_memory(split, c, ranks_per_host=ranks_per_host, **kw).host_bytes_per_host(ranks_per_host)
     if placed.disk.disk_buffers == -1:
         placed = _with_disk_buffers(split, placed, schedule, budget, host_bytes)
     if placed.clip.held_buffers != -1:
@@ -1006,7 +1029,7 @@ def _budget(est: MemoryEstimate, rt: RuntimeConfig, gpu_free_bytes: int | None, 
 def _shortfalls(split: SplitModel, rt: RuntimeConfig, gpu_free_bytes: int | None, host_available_bytes: int | None,
                 safety: float, ranks_per_host: int, **kw) -> list:
     """_Budget.shortfalls of the configuration's estimate against the GPU's and the host's free memory."""
-    est = estimate_memory(split, rt, **kw)
+    est = estimate_memory(split, rt, ranks_per_host=ranks_per_host, **kw)
     return _budget(est, rt, gpu_free_bytes, host_available_bytes, safety, ranks_per_host).shortfalls(est)
 
 
@@ -1114,7 +1137,8 @@ class _PlacementSearch:
 
     def estimate(self, c: RuntimeConfig) -> MemoryEstimate:
         return estimate_memory(self.split, c, batch_size=self.batch_size, seq_len=self.seq_len,
-                               grad_accum=self.grad_accum, max_grad_norm=self.max_grad_norm, padded=self.padded)
+                               grad_accum=self.grad_accum, max_grad_norm=self.max_grad_norm, padded=self.padded,
+                               ranks_per_host=self.ranks_per_host)
 
     def fits(self, c: RuntimeConfig) -> bool:
         return not self.on_gpu or self.estimate(c).gpu_bytes <= self.safety * self.free
@@ -1342,7 +1366,8 @@ class _Suggestions:
         ch = dict(changes)
         try:
             est = estimate_memory(self.split, dataclasses.replace(self.rt, **ch) if ch else self.rt, batch_size=B,
-                                  seq_len=self.seq_len, grad_accum=accum, max_grad_norm=clip, padded=self.padded)
+                                  seq_len=self.seq_len, grad_accum=accum, max_grad_norm=clip, padded=self.padded,
+                                  ranks_per_host=self.budget.ranks_per_host)
         except ValueError:
             return None
         return est if self.budget.fits(est) else None

@@ -122,6 +122,7 @@ class PlacementPlan:
     disk_buffers: int = DISK_BUFFERS_UNRESOLVED   # the disk tier's pinned block buffers (its read-ahead)
     grad_slots: int = 3           # the decoder layers' GPU gradient slots (RuntimeConfig.resolved_grad_slots)
     grad_slots_fp32: bool = False  # gradient slots in FP32 (grad_slot_dtype fp32), else the compute dtype
+    shard_ranks: int = 1          # the host's GPUs the sharded layers are spread over (round robin)
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -187,6 +188,7 @@ class PlacementPlan:
         _check_combination(units, dtype, ranks)
         kept = L if not rt.offloads_activations else min(L, max(0, rt.placement.gpu_checkpoints))
         return cls(units=units, window_slots=window_slots, gpu_checkpoints=kept, schedule=schedule,
+                   shard_ranks=max(1, ranks if local_ranks is None else local_ranks),
                    disk_buffers=resolved_disk_buffers(rt.disk.disk_buffers),
                    grad_slots=rt.resolved_grad_slots(L, eager=schedule == "eager"),
                    grad_slots_fp32=rt.grad_slots_fp32())
