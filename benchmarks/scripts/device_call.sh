@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (device tool) from the repo root: each argument is one job.
 # Results go to $OUT/results.tar.gz (the device tool returns at most 8 files).
-#   jobs: stash | pipeline | train | trainresume (train --gpus N, killed, resumed) | savetests | asyncab (issue 33) | savestreams (the optimizer state in 1 or 2 files) | equivalence | runtime | throughput | throughput@TAG | scaling | scaling@TAG
+#   jobs: stash | pipeline | train | trainresume (train --gpus N, killed, resumed) | savetests | asyncab (issue 33) | savestreams (the optimizer state in 1 or 2 files) | shardab (sharded layers = device layers, 2 GPUs) | equivalence | runtime | throughput | throughput@TAG | scaling | scaling@TAG
 #         | hostinfo | rankmem (RANKMEM_ARGS: a rank's host memory by stage, 1 and N processes) | techniques
 #         | layermem (LAYERMEM_ARGS: one layer's time and peak GPU memory, HF's and the lean layer, torch's or
 #           Liger's kernels (a liger-kernel wheel in .whl/); --profile: GPU time by kernel class)
@@ -156,6 +156,41 @@ PY
     savetests) # the checkpoint writer's GPU staging and the asynchronous save on a GPU (CUDA-only tests)
            timeout 300 python -m pytest -q -rs -m gpu tests/test_checkpoint_writer.py tests/test_async_save.py > $R/save_gpu_tests.txt 2>&1
            tail -5 $R/save_gpu_tests.txt ;;
+    shardab) # issue 35, sharded layers on GPUs: `train --gpus 2` with every decoder layer and the vocabulary updated on
+           # the GPUs, once as device layers (each GPU its own copy) and once as sharded layers (each layer's
+           # master and moments on one GPU, broadcast to the other through the window; rank 0's checkpoint reads
+           # rank 1's layers from it). The same AdamW on the same all-reduced gradients: the two runs' losses,
+           # gradient norms and end-of-run checkpoint files must be identical in every digit. SHARDAB_ARGS: the
+           # model and shape (default Qwen3-4B b8 x 1024, 36 layers: SHARDAB_LAYERS), SHARDAB_STEPS (8).
+           random_tokens; mkdir -p $R/shardab
+           L=${SHARDAB_LAYERS:-36}
+           for arm in device shard; do
+             d=/var/tmp/shardab_$arm; ck=/dev/shm/shardab_$arm; rm -rf $d $ck
+             if [ $arm = device ]; then extra="--tuning.device_layers $L"; else extra="--tuning.device_layers 0 --tuning.shard_layers $L"; fi
+             python -m slidetune.cli train --output-dir $d --data /tmp/random_tokens.npy \
+               ${SHARDAB_ARGS:---model qwen3-4b --batch-size 8 --seq-len 1024} --gpus 2 --max-steps ${SHARDAB_STEPS:-8} \
+               --eval-batches 1 --progress false --checkpoint-dir $ck --keep-last 1 --verbose \
+               --tuning.vocab_update device --tuning.cache_units 3 --tuning.resident_layers 0 $extra \
+               > $R/shardab/run_$arm.log 2>&1
+             echo "$arm: rc=$?" | tee -a $R/shardab/rc.txt
+             mkdir -p $R/shardab/$arm; cp $d/{metrics.csv,saves.jsonl,summary.json,config.json} $R/shardab/$arm/ 2>/dev/null
+             cp $ck/checkpoint-*/MANIFEST.json $R/shardab/$arm/ 2>/dev/null
+             rm -rf $d $ck
+           done
+           python - $R/shardab <<'PY' | tee $R/shardab/compare.txt
+import csv, json, sys
+from pathlib import Path
+r = Path(sys.argv[1])
+rows = {arm: [x for x in csv.DictReader(open(r / arm / "metrics.csv")) if x["loss"]] for arm in ("device", "shard")}
+for a, b in zip(rows["device"], rows["shard"]):
+    print(f"step {a['step']}: loss {a['loss']} / {b['loss']}, grad_norm {a['grad_norm']} / {b['grad_norm']}, "
+          f"tokens/s {a['tokens_per_s']} / {b['tokens_per_s']}", "same" if (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]) else "DIFFER")
+m = {arm: json.loads((r / arm / "MANIFEST.json").read_text()) for arm in ("device", "shard")}
+files = {arm: {k: v for k, v in m[arm].get("files", m[arm]).items() if k != "state.json"} for arm in m}
+differ = sorted(k for k in set(files["device"]) | set(files["shard"]) if files["device"].get(k) != files["shard"].get(k))
+print(f"checkpoint files: {len(files['device'])} and {len(files['shard'])}; differing digests: {differ or 'none'}")
+PY
+           ;;
     savestreams) # the resumable save's files with the optimizer state in one file against two (checkpoint.
            # optimizer_parts): SAVESTREAMS_GIB of FP32 tensors (1/3 weights, 2/3 moments) from the CPU and from
            # the GPU, into the disk (page cache, then fsync and read-back) and into /dev/shm, each arm twice

@@ -650,7 +650,8 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
     One rank gives exactly the one-rank terms."""
     plan = plan or plan_of_runtime(comp)
     host_params = plan.host_updated_params
-    device_params = plan.params("gpu")
+    # each GPU updates its own copy of the device units and its share of the sharded layers
+    device_params = plan.params("gpu") + -(-plan.params("shard") // max(1, plan.shard_ranks))
     disk_params = plan.params("disk")
     device_update_s = device_params / device_adamw["device_adamw_params_per_s"] if device_adamw and device_params \
         else 0.0
@@ -690,7 +691,9 @@ def _gather_term(plan: PlacementPlan, collective: dict) -> float:
     is its share of the host-updated parameters (the owners are balanced by size)."""
     layer_uploads, _ = plan.uploads_per_step()
     layer = max((u.numel for u in plan.layers), default=0)
-    messages = [layer] * layer_uploads + [u.numel for u in (plan.units[0], plan.units[-1]) if u.host_updated]
+    # the sharded layers' owners broadcast them too (cast from their GPU masters; no upload)
+    messages = [layer] * (layer_uploads + plan.shard_broadcasts_per_step()) \
+        + [u.numel for u in (plan.units[0], plan.units[-1]) if u.host_updated]
     return sum(allgather_seconds(2 * n, collective) for n in messages)   # BF16 weights
 
 

@@ -307,10 +307,12 @@ class PlacementPlan:
     def state_bytes(self) -> dict[str, int]:
         ram_masters = sum(u.numel for u in self.units if u.state == "disk" and u.master == "host")
         state = FP32_ADAMW
-        return {"gpu": state.bytes_per_param * self.params("gpu"),
-                "shard": state.bytes_per_param * self.params("shard"),
-                "host": state.bytes_per_param * self.params("host") + state.master_bytes * ram_masters,
-                "disk": sum(u.disk_bytes_per_param * u.numel for u in self.units)}
+        out = {"gpu": state.bytes_per_param * self.params("gpu"),
+               "host": state.bytes_per_param * self.params("host") + state.master_bytes * ram_masters,
+               "disk": sum(u.disk_bytes_per_param * u.numel for u in self.units)}
+        if self.params("shard"):      # every GPU of the host together
+            out["shard"] = state.bytes_per_param * self.params("shard")
+        return out
 
     # ------------------------------------------------------------------ reporting
     def ranges(self, pred) -> str:
@@ -353,6 +355,7 @@ class PlacementPlan:
                             ("disk", disk)):
             n = self.params(state)
             if n or state == "host":
+                b.setdefault(state, 0)
                 size = (f"{n / 1e9:.2f} B params, {b[state] / gib:.1f} GiB state" if n >= 1e8 else
                         f"{n / 1e6:.1f} M params, {b[state] / 2**20:.1f} MiB state")
                 lines.append(f"  {what}: {self.ranges(lambda u, s=state: u.state == s)} ({size})")
@@ -376,7 +379,7 @@ class PlacementPlan:
         """A compact record for results files (bench.measure) and Placement-free floors."""
         return {"schedule": self.schedule, "window_slots": self.window_slots,
                 "gpu_checkpoints": self.gpu_checkpoints, "disk_buffers": self.disk_buffers,
-                "grad_slots": self.grad_slots, "grad_slots_fp32": self.grad_slots_fp32,
+                "grad_slots": self.grad_slots, "grad_slots_fp32": self.grad_slots_fp32, "shard_ranks": self.shard_ranks,
                 "units": [[u.name, u.numel, u.state, u.slot, u.master, u.held, u.upload_copy] for u in self.units]}
 
     @classmethod
@@ -388,7 +391,8 @@ class PlacementPlan:
                       in enumerate(d["units"]))
         return cls(units=units, window_slots=int(d["window_slots"]), gpu_checkpoints=int(d["gpu_checkpoints"]),
                    schedule=d["schedule"], disk_buffers=int(d.get("disk_buffers", DISK_BUFFERS_UNRESOLVED)),
-                   grad_slots=int(d.get("grad_slots", 3)), grad_slots_fp32=bool(d.get("grad_slots_fp32", False)))
+                   grad_slots=int(d.get("grad_slots", 3)), grad_slots_fp32=bool(d.get("grad_slots_fp32", False)),
+                   shard_ranks=int(d.get("shard_ranks", 1)))
 
 
 def _layer_counts(rt: RuntimeConfig, L: int, local_ranks: int) -> tuple[int, int, int, int]:
