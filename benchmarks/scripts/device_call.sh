@@ -186,7 +186,7 @@ for a, b in zip(rows["device"], rows["shard"]):
     print(f"step {a['step']}: loss {a['loss']} / {b['loss']}, grad_norm {a['grad_norm']} / {b['grad_norm']}, "
           f"tokens/s {a['tokens_per_s']} / {b['tokens_per_s']}", "same" if (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]) else "DIFFER")
 m = {arm: json.loads((r / arm / "MANIFEST.json").read_text()) for arm in ("device", "shard")}
-files = {arm: {k: v for k, v in m[arm].get("files", m[arm]).items() if k != "state.json"} for arm in m}
+files = {arm: {k: v for k, v in m[arm]["files"].items() if not k.endswith("state.json")} for arm in m}   # (its time)
 differ = sorted(k for k in set(files["device"]) | set(files["shard"]) if files["device"].get(k) != files["shard"].get(k))
 print(f"checkpoint files: {len(files['device'])} and {len(files['shard'])}; differing digests: {differ or 'none'}")
 PY

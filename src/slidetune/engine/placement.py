@@ -400,8 +400,8 @@ def _layer_counts(rt: RuntimeConfig, L: int, local_ranks: int) -> tuple[int, int
     `local_ranks` GPUs of a host (one: the sharded layers are device layers)."""
     n_dev, n_shard = max(0, rt.placement.device_layers), rt.placement.shard_layers
     if n_dev + n_shard > L:
-        raise ValueError(f"--tuning.device_layers {n_dev} and --tuning.shard_layers {n_shard} but the model has "
-                         f"{L} decoder layers")
+        asked = f"--tuning.device_layers {n_dev}" + (f" and --tuning.shard_layers {n_shard}" if n_shard else "")
+        raise ValueError(f"{asked} but the model has {L} decoder layers")
     if local_ranks <= 1:
         n_dev, n_shard = n_dev + n_shard, 0      # one GPU of the host holds them all: device layers
     elif n_shard and rt.transfer.dp_weights != "gather":
