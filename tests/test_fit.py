@@ -898,6 +898,32 @@ def test_auto_settings_count_every_rank_of_the_host():
         check_fit(split, got1, gpu_free_bytes=gpu, host_available_bytes=host, **shm, **kw)
 
 
+def test_auto_shards_the_fewest_layers_that_let_a_70b_fit_a_multi_gpu_host():
+    """Llama-3.1-70B clip 1.0 on 8 H200s of a 555 GiB host (no disk): device layers keep a copy of
+    their state on every GPU, so the host cannot hold what they leave it; shard_layers auto spreads
+    the fewest layers' state over the GPUs that let it, one GPU each. One rank keeps none, and
+    with shard_layers 0 the same host does not fit."""
+    from slidetune.engine.fit import check_fit, choose_auto_settings
+    split = split_of("llama-3.1-70b")
+    kw = dict(batch_size=16, seq_len=1024, max_grad_norm=1.0)
+    rt = cuda_rt(mode="slide", held_buffers=1)
+    machine = dict(gpu_free_bytes=139 * GiB, host_available_bytes=555 * GiB)
+    got = choose_auto_settings(split, rt, ranks_per_host=8, **machine, **kw)
+    plan = estimate_memory(split, got, ranks_per_host=8, **kw).plan
+    assert plan.shard_layers > 0 and plan.device_layers == 0 and not plan.indices("disk")
+    check_fit(split, got, ranks_per_host=8, shm_free_bytes=555 * GiB, **machine, **kw)
+    # the fewest: one fewer leaves the host short
+    fewer = dataclasses.replace(got, shard_layers=plan.shard_layers - 1)
+    assert estimate_memory(split, fewer, ranks_per_host=8, **kw).host_bytes_per_host(8) > FIT_SAFETY * 555 * GiB
+    # each GPU holds its share of them: 1/8 of the layers' master and moments
+    assert estimate_memory(split, got, ranks_per_host=8, **kw).gpu_bytes <= FIT_SAFETY * 139 * GiB
+    one = choose_auto_settings(split, rt, **machine, **kw)
+    assert estimate_memory(split, one, **kw).plan.shard_layers == 0
+    unsharded = choose_auto_settings(split, dataclasses.replace(rt, shard_layers=0), ranks_per_host=8, **machine, **kw)
+    with pytest.raises(InsufficientMemoryError, match="host RAM"):        # (/dev/shm aside)
+        check_fit(split, unsharded, ranks_per_host=8, shm_free_bytes=2048 * GiB, **machine, **kw)
+
+
 def test_plan_for_several_ranks_counts_the_host_once_and_checks_shared_memory(capsys):
     """`slidetune plan --gpus 2`: the auto settings for two ranks on the host, the host's RAM for
     both (the shared state once), and the shared state against /dev/shm (--shm-gib)."""

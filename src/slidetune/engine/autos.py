@@ -77,6 +77,10 @@ def _host_lines(requested: RuntimeConfig, resolved: RuntimeConfig, plan: Placeme
         lines.append((True, f"device_layers auto -> {max(0, resolved.placement.device_layers)}"
                       + (f" (decoder layers 0-{resolved.placement.device_layers - 1} kept and updated on the GPU)"
                          if resolved.placement.device_layers > 0 else "")))
+    if requested.placement.shard_layers == -1 and plan.shard_layers:
+        lines.append((True, f"shard_layers auto -> {plan.shard_layers} ({plan.ranges(lambda u: u.state == 'shard')}: "
+                            f"each one's master and moments on one GPU of the host, which the host's RAM could "
+                            f"not hold)"))
     if requested.offload_activations == "auto":
         lines.append((True, f"offload_activations auto -> {resolved.offload_activations}"
                       + (" (not every layer-input checkpoint fits the GPU: the rest go to pinned host RAM)"

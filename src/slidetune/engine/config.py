@@ -173,11 +173,13 @@ class PlacementTuning(_Section):
     # keeps a copy on every GPU (Llama-3.1-70B's 789 GiB of master and moments do not fit an 8-GPU
     # host's RAM and 220 GiB disk, but fit its GPUs and RAM together)
     shard_layers: int = tuning_field(
-        0, help="data parallel: N layers above the device and resident layers keep master and AdamW state on one GPU "
-                "of the host each (their owner's, round robin), which updates them and broadcasts their "
-                "weights to the others through the window; one rank per host: device layers",
-        when="where the host's RAM and disk cannot hold the state the GPUs leave to it (plan --gpus N)",
-        valid=(lambda v: v >= 0, ">= 0"))
+        -1, help="data parallel: N layers above the device and resident layers keep master and AdamW state on one "
+                 "GPU of the host each (their owner's, round robin), which updates them and broadcasts their "
+                 "weights to the others through the window; one rank per host: device layers. -1 auto: none "
+                 "where the host holds the rest, else the fewest that make it",
+        when="0 to keep the state off the GPUs (the disk tier then takes what the host cannot); N to put more "
+             "of a large model's state on the host's GPUs (plan --gpus N says what fits)",
+        valid=_COUNT_OR_AUTO)
     # device: ~5 ms each at HBM speed, off PCIe and off the host's AdamW (Llama-3.1-8B b16: ~0.23 s
     # of a 2.1 s step), for the optimizer's bytes per parameter of the vocabulary on the GPU
     vocab_update: Literal["auto", "host", "device"] = tuning_field(

@@ -1130,6 +1130,7 @@ class _PlacementSearch:
         return dataclasses.replace(rt, cache_units=cache_units, grad_slot_dtype=grad_dtype, vocab_update=vocab,
                                    device_layers=max(0, p.device_layers), gpu_checkpoints=max(0, p.gpu_checkpoints),
                                    resident_layers=max(0, p.resident_layers), disk_units=max(0, rt.disk.disk_units),
+                                   shard_layers=max(0, p.shard_layers),
                                    disk_master="off" if rt.disk.disk_master == "auto" else rt.disk.disk_master)
 
     def lean(self) -> RuntimeConfig:
@@ -1155,7 +1156,7 @@ class _PlacementSearch:
         for name in (n for n in order if n in self.fillable):
             if name == "resident_layers" and c.placement.cache_units == 0:
                 continue                              # every host layer is resident already
-            top = L - c.placement.device_layers if name == "resident_layers" else L
+            top = L - c.placement.device_layers - c.placement.shard_layers if name == "resident_layers" else L
             k = c.setting(name)
             while k < top and self.fits(dataclasses.replace(c, **{name: k + 1})):
                 k += 1
@@ -1198,6 +1199,39 @@ class _PlacementSearch:
                 leanest.append(self.fill(enough, ["resident_layers", "device_layers"]) if enough
                                else self.fill(c, ["device_layers"]))
         return leanest
+
+    def sharded(self, candidates: list[RuntimeConfig]) -> RuntimeConfig | None:
+        """Data parallel, shard_layers auto, where the host's RAM does not hold what the GPUs leave it
+        even with their room given to it: the fewest sharded layers that make it (each takes 12 B/param
+        off the host, and 2 more of held gradient when clipped, for 1/N of that on each of the N
+        GPUs, where a device layer costs every GPU 16), from each candidate in turn (the leanest
+        first) with its device layers given back to them, then the GPU's room left to resident
+        layers. Where none makes the host fit: the one with the most the GPUs hold that needs the
+        least host (the disk tier takes the rest). None: not data parallel on GPUs, or set."""
+        if self.ranks_per_host < 2 or self.rt.placement.shard_layers != -1 or not self.on_gpu:
+            return None
+        L, best = self.split.num_layers, None
+        for c in candidates:
+            if "device_layers" in self.fillable:
+                c = dataclasses.replace(c, device_layers=0)
+            if "resident_layers" in self.fillable:
+                c = dataclasses.replace(c, resident_layers=0)
+            lo, hi = 0, L - c.placement.device_layers
+            while lo < hi:          # the most the GPUs hold
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if self.fits(dataclasses.replace(c, shard_layers=mid)) else (lo, mid - 1)
+            most = dataclasses.replace(c, shard_layers=lo)
+            if not lo or not self.fits(most):
+                continue
+            if not self.host_fits(most):
+                best = most if best is None or self.host_bytes(most) < self.host_bytes(best) else best
+                continue
+            lo, hi = 1, lo
+            while lo < hi:          # the fewest that make the host fit (more only move more state)
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if self.host_fits(dataclasses.replace(c, shard_layers=mid)) else (mid + 1, hi)
+            return self.fill(dataclasses.replace(c, shard_layers=lo), ["resident_layers"])
+        return best
 
     def onto_disk(self, least: RuntimeConfig) -> RuntimeConfig:
         """RAM and GPU cannot hold the state: with disk_units auto, the disk tier takes the moments
@@ -1297,6 +1331,10 @@ def _choose_placement(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, 
         fitting = next((c for c in leanest if search.host_fits(c)), None)
         if fitting is not None:
             return fitting
+        sharded = search.sharded(leanest)
+        if sharded is not None and search.host_fits(sharded):
+            return sharded
+        leanest += [sharded] if sharded is not None else []
     return search.onto_disk(min([fastest, *leanest], key=search.host_bytes))
 
 

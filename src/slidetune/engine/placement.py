@@ -398,7 +398,7 @@ class PlacementPlan:
 def _layer_counts(rt: RuntimeConfig, L: int, local_ranks: int) -> tuple[int, int, int, int]:
     """(device layers, sharded layers, resident layers, window slots) of L decoder layers on
     `local_ranks` GPUs of a host (one: the sharded layers are device layers)."""
-    n_dev, n_shard = max(0, rt.placement.device_layers), rt.placement.shard_layers
+    n_dev, n_shard = max(0, rt.placement.device_layers), max(0, rt.placement.shard_layers)
     if n_dev + n_shard > L:
         asked = f"--tuning.device_layers {n_dev}" + (f" and --tuning.shard_layers {n_shard}" if n_shard else "")
         raise ValueError(f"{asked} but the model has {L} decoder layers")
