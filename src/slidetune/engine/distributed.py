@@ -311,9 +311,17 @@ class DataParallel:
 
     # ------------------------------------------------ a save reading other ranks' GPU state
     # Rank 0 writes every checkpoint; the sharded layers other local ranks of its host keep on their
-    # GPUs reach it piece by piece over the host's gloo group: a request [unit, field, lo, hi] to the
-    # owner, which answers with a status and, where it could read them, the FP32 elements. One
-    # request at a time (the checkpoint's readers take one lock: checkpoint.one_reader).
+    # GPUs reach it piece by piece: a request [unit, field, lo, hi] to the owner and its status over
+    # the host's gloo group, the FP32 elements over the weights' group (NCCL: GPU to GPU over NVLink,
+    # then one copy down; gloo on CPUs). One request at a time (the checkpoint's readers take one
+    # lock: checkpoint.one_reader). On 2 H200s the elements over gloo's TCP ran at ~1.3 GB/s.
+
+    def _data_group(self):
+        """(group, device) that carries the pulled elements: NCCL's weights group and this rank's GPU,
+        or on CPUs the host's gloo group."""
+        if self.cfg.backend == "nccl":
+            return self.weights_group(), torch.device("cuda", self.cfg.local_rank)
+        return self.host_group, torch.device("cpu")
 
     def pull(self, owner_local_rank: int, unit: int, field: int, lo: int, hi: int) -> torch.Tensor:
         """Elements [lo, hi) of `field` of a sharded layer `unit` that local rank `owner_local_rank`
@@ -325,15 +333,17 @@ class DataParallel:
         if int(status):
             raise RuntimeError(f"local rank {owner_local_rank} could not read unit {unit}'s state for the checkpoint "
                                f"(its error is in that rank's output)")
-        out = torch.empty(hi - lo, dtype=torch.float32)
-        dist.recv(out, peer, group=self.host_group)
-        return out
+        group, device = self._data_group()
+        out = torch.empty(hi - lo, dtype=torch.float32, device=device)
+        dist.recv(out, peer, group=group)
+        return out.cpu()
 
     def serve(self, read: Callable[[int, int, int, int], torch.Tensor]) -> None:
         """Answer local rank 0's pull() requests with read(unit, field, lo, hi) -> [hi - lo] FP32 until it
         sends the end (end_serving). A failed read is answered as failed (and logged here); the
         serving goes on, so rank 0 fails its save instead of waiting."""
         peer = self.global_rank(0)
+        group, device = self._data_group()
         request = torch.empty(4, dtype=torch.int64)
         while True:
             dist.recv(request, peer, group=self.host_group)
@@ -341,13 +351,13 @@ class DataParallel:
             if unit < 0:
                 return
             try:
-                values = read(unit, field, lo, hi).to("cpu", torch.float32).contiguous()
+                values = read(unit, field, lo, hi).to(device, torch.float32).contiguous()
             except Exception:  # noqa: BLE001 - rank 0 is told; the error is shown here
                 log.exception("slidetune: reading unit %d's state for rank 0's checkpoint failed", unit)
                 dist.send(torch.ones(1, dtype=torch.int64), peer, group=self.host_group)
                 continue
             dist.send(torch.zeros(1, dtype=torch.int64), peer, group=self.host_group)
-            dist.send(values, peer, group=self.host_group)
+            dist.send(values, peer, group=group)
 
     def end_serving(self, local_ranks) -> None:
         """Local rank 0: the save is over; the serving ranks return from serve()."""
