@@ -115,7 +115,8 @@ def prepare_run(req: RunRequest, device: Device, ranks: Ranks | None = None, *,
                                                                                  device=device.device.type)
     placed = place_on_ranks(loaded.split, asked, work, ranks)
     plan = (PlacementPlan.build(unit_shapes(loaded.split), placed,
-                                placed.resolved_schedule(req.grad_accum, req.max_grad_norm), ranks=ranks.cfg.world_size)
+                                placed.resolved_schedule(req.grad_accum, req.max_grad_norm), ranks=ranks.cfg.world_size,
+                                local_ranks=ranks.cfg.local_world_size)
             if placed.mode == "slide" else None)
     prepared = PreparedRun(loaded, dataclasses.replace(placed, device=req.runtime.device), plan, work)
     if on_placed is not None:

@@ -1123,7 +1123,8 @@ class _PlacementSearch:
         return len(self.cache_options) == 1 and rt.transfer.grad_slot_dtype != "auto" \
             and rt.placement.vocab_update != "auto" \
             and rt.placement.device_layers != -1 and "gpu_checkpoints" not in self.fillable \
-            and (rt.disk.disk_units != -1 or not rt.disk_dir) and (rt.disk.disk_master != "auto" or not rt.disk_dir)
+            and (rt.disk.disk_units != -1 or not rt.disk_dir) and (rt.disk.disk_master != "auto" or not rt.disk_dir) \
+            and (rt.placement.shard_layers != -1 or self.ranks_per_host < 2)
 
     def candidate(self, cache_units: int, vocab: str, grad_dtype: str) -> RuntimeConfig:
         rt, p = self.rt, self.rt.placement
