@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (device tool) from the repo root: each argument is one job.
 # Results go to $OUT/results.tar.gz (the device tool returns at most 8 files).
-#   jobs: stash | pipeline | train | trainresume (train --gpus N, killed, resumed) | savetests | asyncab (issue 33) | savestreams (the optimizer state in 1 or 2 files) | shardab (sharded layers = device layers, 2 GPUs) | equivalence | runtime | throughput | throughput@TAG | scaling | scaling@TAG
+#   jobs: stash | pipeline | train | trainresume (train --gpus N, killed, resumed) | savetests | asyncab (issue 33) | savestreams (the optimizer state in 1 or 2 files) | shardab (sharded layers = device layers, 2 GPUs) | trainrun@TAG (TRAINRUN_ARGS_TAG) | equivalence | runtime | throughput | throughput@TAG | scaling | scaling@TAG
 #         | hostinfo | rankmem (RANKMEM_ARGS: a rank's host memory by stage, 1 and N processes) | techniques
 #         | layermem (LAYERMEM_ARGS: one layer's time and peak GPU memory, HF's and the lean layer, torch's or
 #           Liger's kernels (a liger-kernel wheel in .whl/); --profile: GPU time by kernel class)
@@ -156,6 +156,19 @@ PY
     savetests) # the checkpoint writer's GPU staging and the asynchronous save on a GPU (CUDA-only tests)
            timeout 300 python -m pytest -q -rs -m gpu tests/test_checkpoint_writer.py tests/test_async_save.py > $R/save_gpu_tests.txt 2>&1
            tail -5 $R/save_gpu_tests.txt ;;
+    trainrun@*) # one `slidetune train` on random token ids, TRAINRUN_ARGS_TAG its flags (model, shape, --gpus,
+           # --max-steps, --save-every ...): the run's files and log into trainrun_TAG/, final/'s index and config
+           # (not its weights), then the output removed. For what no other job runs: e.g. Llama-3.1-70B on the 8x
+           # host (TRAINRUN_ARGS_70b="--model llama-3.1-70b --batch-size 16 --seq-len 1024 --gpus 8 --max-steps 12
+           # --save-every 0": its resumable checkpoint, ~850 GB, fits neither that disk nor /dev/shm)
+           tag=${job#trainrun@}; var=TRAINRUN_ARGS_$tag; random_tokens; d=/var/tmp/trainrun_$tag; rm -rf $d
+           mkdir -p $R/trainrun_$tag
+           python -m slidetune.cli train --output-dir $d --data /tmp/random_tokens.npy --progress false --verbose \
+             ${!var:-} > $R/trainrun_$tag/run.log 2>&1
+           echo "rc=$?" | tee $R/trainrun_$tag/rc.txt
+           cp $d/{metrics.csv,saves.jsonl,summary.json,config.json} $R/trainrun_$tag/ 2>/dev/null
+           cp $d/final/*.json $R/trainrun_$tag/ 2>/dev/null; ls -la $d/final > $R/trainrun_$tag/final_files.txt 2>&1
+           tail -5 $R/trainrun_$tag/run.log; rm -rf $d ;;
     shardab) # issue 35, sharded layers on GPUs: `train --gpus 2` with every decoder layer and the vocabulary updated on
            # the GPUs, once as device layers (each GPU its own copy) and once as sharded layers (each layer's
            # master and moments on one GPU, broadcast to the other through the window; rank 0's checkpoint reads
