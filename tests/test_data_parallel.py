@@ -620,6 +620,48 @@ def test_every_rank_gets_the_shared_memory_refusal(tmp_path):
     assert messages[0] == messages[1] and "does not exist" in messages[0] and "no-shm" in messages[0]
 
 
+def _failed_pull_main(rank: int, port: int, out: str) -> None:
+    """A save of an engine with sharded layers whose owner cannot read its layer: rank 0's save fails
+    naming that rank, the checkpoint written before stays the latest, and rank 1 stops serving."""
+    from slidetune.checkpoint import CheckpointError, latest_checkpoint
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    dp = DataParallel(DistConfig.from_env(backend="gloo", timeout_s=120))
+    outcome = "no error"
+    try:
+        engine = engine_for(SHARDED, dp)
+        try:
+            train(engine, SHARDED, range(1), rank, WORLD)
+            _save_serving(engine, rank, os.path.join(out, "run", "checkpoint-1"))
+            if rank == 1:
+                def unreadable(*args):
+                    raise OSError("an injected read failure")
+                engine.save_service._read = unreadable
+            try:
+                _save_serving(engine, rank, os.path.join(out, "run", "checkpoint-2"))
+            except CheckpointError as e:
+                outcome = str(e)
+            if rank == 0:
+                outcome += f"\nlatest: {latest_checkpoint(os.path.join(out, 'run')).name}"
+        finally:
+            engine.close()
+    finally:
+        close_process_group()
+    with open(os.path.join(out, f"pull{rank}.txt"), "w") as f:
+        f.write(outcome)
+
+
+@pytest.mark.slow
+def test_a_sharded_layer_its_owner_cannot_read_fails_the_save_and_keeps_the_last(tmp_path):
+    os.environ["SLIDETUNE_TEST_DISK_DIR"] = str(tmp_path)
+    mp.spawn(_failed_pull_main, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    zero, one = ((tmp_path / f"pull{r}.txt").read_text() for r in range(WORLD))
+    assert "local rank 1 could not read unit" in zero and "latest: checkpoint-1" in zero, zero
+    assert one == "no error"           # rank 1 served until rank 0 ended the save, then went on
+    assert not list((tmp_path / "run").glob("checkpoint-2*")), "no partial checkpoint is left"
+
+
 def test_fit_check_refuses_a_shared_memory_too_small_before_anything_is_allocated(tmp_path, monkeypatch):
     import slidetune.engine.distributed as distributed
     from slidetune.engine.fit import check_fit, shared_state_bytes
