@@ -373,6 +373,10 @@ class PlacementPlan:
             lines.append("  GPU gradient slots: embed and head share one (the head's leaves before the embedding's)")
         lines.append(f"  uploads a step: {layer_uploads} layer(s), {vocab_uploads} vocabulary unit(s); "
                      f"checkpoints on the GPU: last {self.gpu_checkpoints} of {self.num_layers} layers")
+        if self.shard_layers:
+            lines.append(f"  sharded layers: {self.shard_layers} over {self.shard_ranks} GPUs (at most "
+                         f"{-(-self.shard_layers // self.shard_ranks)} a GPU), {self.shard_broadcasts_per_step()} "
+                         f"broadcasts a step from their owners")
         return lines
 
     def to_dict(self) -> dict:
