@@ -284,12 +284,22 @@ def test_two_ranks_with_every_tier_train_like_one_rank(tmp_path):
     held = json.loads((tmp_path / "two" / "summary.json").read_text())["heldout_sequences"]
     assert 0 < held % (2 * PER_RANK) <= PER_RANK, held       # the last held-out batch leaves rank 1 no row
     # the end-of-run resumable checkpoint holds the disk unit's moments (read from rank 0's tier)
-    optim = load_file(tmp_path / "two" / "checkpoints" / f"checkpoint-{STEPS}" / "trainer_state" / "optimizer.safetensors")
-    want = load_file(tmp_path / "one" / "checkpoints" / f"checkpoint-{STEPS}" / "trainer_state" / "optimizer.safetensors")
-    worst, where = worst_rel(optim, want)
-    assert worst < 1e-5, f"optimizer {where}: relative difference {worst:.2e}"
+    assert_same_optimizer_state(tmp_path / "two", tmp_path / "one")
     # the 2-rank step-2 checkpoint resumed at 2 ranks (every rank checks the shapes; rank 0's tier
     # takes the disk unit's moments back) ends where the uninterrupted run ends
+    assert_resumes_at_two_ranks(tmp_path, args)
+    assert not list(disk.iterdir()), "the disk tier's scratch directories must be removed at the end"
+
+
+def assert_same_optimizer_state(run: Path, want: Path) -> None:
+    """The end-of-run checkpoints' optimizer states agree (1e-5)."""
+    files = [r / "checkpoints" / f"checkpoint-{STEPS}" / "trainer_state" / "optimizer.safetensors" for r in (run, want)]
+    worst, where = worst_rel(load_file(files[0]), load_file(files[1]))
+    assert worst < 1e-5, f"optimizer {where}: relative difference {worst:.2e}"
+
+
+def assert_resumes_at_two_ranks(tmp_path: Path, args: list[str]) -> None:
+    """tmp_path/two's step-SAVE_EVERY checkpoint, resumed at 2 ranks, ends where tmp_path/one ended."""
     (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
     shutil.copytree(tmp_path / "two" / "checkpoints" / f"checkpoint-{SAVE_EVERY}",
                     tmp_path / "resumed" / "checkpoints" / f"checkpoint-{SAVE_EVERY}")
@@ -299,7 +309,6 @@ def test_two_ranks_with_every_tier_train_like_one_rank(tmp_path):
     assert "resumed from" in resumed.stdout
     worst, where = worst_rel(weights(tmp_path / "resumed" / "final"), weights(tmp_path / "one" / "final"))
     assert worst < 1e-5, f"resumed {where}: relative difference {worst:.2e}"
-    assert not list(disk.iterdir()), "the disk tier's scratch directories must be removed at the end"
 
 
 @pytest.mark.slow
@@ -326,17 +335,5 @@ def test_two_ranks_with_sharded_layers_train_save_and_resume_like_one_rank(tmp_p
             assert close(float(two_rows[step][key]), float(one_rows[step][key])), (step, key)
     worst, where = worst_rel(weights(tmp_path / "two" / "final"), weights(tmp_path / "one" / "final"))
     assert worst < 1e-5, f"{where}: relative difference {worst:.2e}"
-    ckpt = f"checkpoint-{STEPS}"
-    optim = load_file(tmp_path / "two" / "checkpoints" / ckpt / "trainer_state" / "optimizer.safetensors")
-    want = load_file(tmp_path / "one" / "checkpoints" / ckpt / "trainer_state" / "optimizer.safetensors")
-    worst, where = worst_rel(optim, want)
-    assert worst < 1e-5, f"optimizer {where}: relative difference {worst:.2e}"
-    (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
-    shutil.copytree(tmp_path / "two" / "checkpoints" / f"checkpoint-{SAVE_EVERY}",
-                    tmp_path / "resumed" / "checkpoints" / f"checkpoint-{SAVE_EVERY}")
-    resumed = run_launcher(*args, "--batch-size", str(PER_RANK), "--gpus", "2", "--resume", "auto",
-                           "--output-dir", str(tmp_path / "resumed"))
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
-    assert "resumed from" in resumed.stdout
-    worst, where = worst_rel(weights(tmp_path / "resumed" / "final"), weights(tmp_path / "one" / "final"))
-    assert worst < 1e-5, f"resumed {where}: relative difference {worst:.2e}"
+    assert_same_optimizer_state(tmp_path / "two", tmp_path / "one")
+    assert_resumes_at_two_ranks(tmp_path, args)
