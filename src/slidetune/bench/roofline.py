@@ -651,7 +651,7 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
     plan = plan or plan_of_runtime(comp)
     host_params = plan.host_updated_params
     # each GPU updates its own copy of the device units and its share of the sharded layers
-    device_params = plan.params("gpu") + -(-plan.params("shard") // max(1, plan.shard_ranks))
+    device_params = plan.params("gpu") + sum(u.numel for u in plan.busiest_shard_units())
     disk_params = plan.params("disk")
     device_update_s = device_params / device_adamw["device_adamw_params_per_s"] if device_adamw and device_params \
         else 0.0

@@ -584,20 +584,6 @@ def _device_layer_params(split: SplitModel, plan: PlacementPlan) -> int:
     return sum(u.numel for u in split.layer_units[:plan.device_layers])
 
 
-def _host_updated_params(split: SplitModel, plan: PlacementPlan, w: _Work) -> int:
-    """Parameters whose AdamW runs on the host: all but the GPU-updated vocabulary, device layers and
-    sharded layers."""
-    return plan.host_updated_params
-
-
-def _own_shard_params(plan: PlacementPlan) -> tuple[int, int]:
-    """(sharded layers, their parameters) the busiest GPU of the host owns: the first of the round robin."""
-    shard = [u for u in plan.units if u.state == "shard"]
-    ranks = plan.shard_ranks
-    mine = shard[::ranks] if shard else []
-    return len(mine), sum(u.numel for u in mine)
-
-
 def _slide_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w: _Work, schedule: str,
                  plan: PlacementPlan) -> None:
     """slide mode: the window's GPU buffers, the GPU-updated units, the host's state and buffers."""
@@ -672,7 +658,8 @@ def _device_update_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w:
         gpu[f"device layers: master + Adam moments ({state} B/param) + own weight slots"] = (state + b) * P_dev
         if schedule == "deferred":
             gpu["device layers' held gradients (deferred schedule)"] = _grad_slot_bytes(plan, b) * P_dev
-    n_own, P_own = _own_shard_params(plan)
+    own = plan.busiest_shard_units()
+    n_own, P_own = len(own), sum(u.numel for u in own)
     if n_own:
         # this GPU's share of the sharded layers: master and moments (their weights come through the
         # window, broadcast by their owners), and their held gradients until the clip is known
@@ -681,7 +668,7 @@ def _device_update_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w:
         if schedule == "deferred":
             gpu["sharded layers' held gradients (deferred schedule)"] = _grad_slot_bytes(plan, b) * P_own
     device_units = ([w.P_E, w.P_H] if vocab_device else []) + [u.numel for u in split.layer_units[:n_dev]] \
-        + ([max(u.numel for u in plan.units if u.state == "shard")] if n_own else [])
+        + ([max(u.numel for u in own)] if own else [])
     # the update widens a compute-dtype gradient a chunk at a time
     if device_units and _grad_slot_bytes(plan, b) != 4:
         gpu["device update widening buffer"] = 4 * min(rt.transfer.chunk_elems(w.P_L), max(device_units))
@@ -693,7 +680,7 @@ def _host_state_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w: _W
     state, master = FP32_ADAMW.bytes_per_param, FP32_ADAMW.master_bytes    # 12 and 4 B/param
     P_disk = plan.params("disk")
     P_disk_master = plan.master_params("disk")
-    host[f"master + Adam moments ({state} B/param)"] = state * (_host_updated_params(split, plan, w) - P_disk)
+    host[f"master + Adam moments ({state} B/param)"] = state * (plan.host_updated_params - P_disk)
     if P_disk:
         # the disk tier: moments (and the masters of disk-master units) in its files, through a
         # few pinned block buffers; masters here, or those units' compute-dtype weights
@@ -714,7 +701,7 @@ def _deferred_host_buffers(parts: _Parts, split: SplitModel, w: _Work, schedule:
     held = b * plan.held_numel() if schedule == "deferred" else 0
     if held:
         two = sum(u.numel for u in plan.units if u.held == 2)
-        what = (f"{b} B/param" if not two else f"{2 * b} B/param" if two == _host_updated_params(split, plan, w) else
+        what = (f"{b} B/param" if not two else f"{2 * b} B/param" if two == plan.host_updated_params else
                 f"{b} B/param, {2 * b} for {plan.ranges(lambda u: u.held == 2)}")
         parts.host[f"held gradients (deferred schedule, {what})"] = held
     # clip_sweep=weights: the compute-dtype weights the uploads read, written by the weights pass
@@ -761,7 +748,7 @@ def _weight_loading_transient(split: SplitModel, w: _Work, plan: PlacementPlan, 
         return max((p.numel for p in unit.params), default=0)
     passing = ([largest(split.units[0]), largest(split.units[-1])] if plan.vocab_on_device else []) \
         + [largest(u) for u in split.layer_units[:plan.device_layers]] \
-        + [largest(split.units[u.index]) for u in plan.units if u.state == "shard"][::plan.shard_ranks] \
+        + [largest(split.units[u.index]) for u in plan.busiest_shard_units()] \
         + [u.numel for u in plan.units if u.master == "disk"]
     building = sorted(passing, reverse=True)[:BUILD_WORKERS]
     # freed before the first step, when the offloaded checkpoints' slots are allocated (in

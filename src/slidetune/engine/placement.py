@@ -281,7 +281,7 @@ class PlacementPlan:
         """(decoder-layer uploads, vocabulary units uploaded) a step: resident host layers once, window
         layers twice (forward and backward) except the `window_slots` still in their slots at the
         turn; host vocabulary units once."""
-        window = sum(u.slot == "window" and u.host_updated for u in self.layers)
+        window = self._host_window_layers()
         layer_uploads = self.resident_layers + (max(window, 2 * window - self.window_slots) if window else 0)
         return layer_uploads, sum(u.host_updated for u in (self.units[0], self.units[-1]))
 
@@ -290,9 +290,17 @@ class PlacementPlan:
         each in the forward and again in the backward, except those still in the window at the
         turn (the top layers' forward slots serve their backward)."""
         n = self.shard_layers
-        above = sum(u.slot == "window" and u.host_updated for u in self.layers)   # window layers above them
-        kept = max(0, self.window_slots - above)
+        kept = max(0, self.window_slots - self._host_window_layers())    # the host's window layers are above them
         return max(n, 2 * n - kept) if n else 0
+
+    def _host_window_layers(self) -> int:
+        """Host-updated decoder layers streamed through the window."""
+        return sum(u.slot == "window" and u.host_updated for u in self.layers)
+
+    def busiest_shard_units(self) -> list[UnitPlace]:
+        """The sharded layers the busiest GPU of the host owns: the first of the round robin
+        (distributed.plan_owners), ceil(n / shard_ranks) of them."""
+        return [u for u in self.units if u.state == "shard"][::self.shard_ranks]
 
     def upload_params(self) -> int:
         """Parameters uploaded a step (each layer upload counted; every layer is the same size)."""
@@ -355,7 +363,6 @@ class PlacementPlan:
                             ("disk", disk)):
             n = self.params(state)
             if n or state == "host":
-                b.setdefault(state, 0)
                 size = (f"{n / 1e9:.2f} B params, {b[state] / gib:.1f} GiB state" if n >= 1e8 else
                         f"{n / 1e6:.1f} M params, {b[state] / 2**20:.1f} MiB state")
                 lines.append(f"  {what}: {self.ranges(lambda u, s=state: u.state == s)} ({size})")
@@ -375,7 +382,7 @@ class PlacementPlan:
                      f"checkpoints on the GPU: last {self.gpu_checkpoints} of {self.num_layers} layers")
         if self.shard_layers:
             lines.append(f"  sharded layers: {self.shard_layers} over {self.shard_ranks} GPUs (at most "
-                         f"{-(-self.shard_layers // self.shard_ranks)} a GPU), {self.shard_broadcasts_per_step()} "
+                         f"{len(self.busiest_shard_units())} a GPU), {self.shard_broadcasts_per_step()} "
                          f"broadcasts a step from their owners")
         return lines
 

@@ -287,8 +287,7 @@ class HostStore:
                                    device=device if i in device_units else None,
                                    disk=disk if disk is not None and i in disk.units else None,
                                    # a unit updated on the device is each rank's own copy
-                                   shared=(shared.units[i] if shared is not None and i not in device_units
-                                           and i not in remote else None),
+                                   shared=shared.units[i] if shared is not None and i not in device_units else None,
                                    owned=owned is None or i in owned, compute_dtype=compute_dtype,
                                    held_buffers=held_buffers if isinstance(held_buffers, int) else held_buffers[i],
                                    upload_copy=i in upload_copies, remote_owner=remote.get(i), pull=pull),
