@@ -45,13 +45,18 @@ fi
 if [ "${1:-}" = "--collect" ]; then
   wait_s=${2:-540}; t0=$(date +%s)
   while [ ! -f $D/DONE ] && [ $(( $(date +%s) - t0 )) -lt $wait_s ]; do sleep 5; done
-  cp $D/results.tar.gz $D/sweep.log $OUT/ 2>/dev/null; [ -f $D/DONE ] && echo "[device_call] sweep done" || echo "[device_call] sweep still running"
+  # the running job's files too (a fresh tarball of the sweep's folder, not the one made after the last
+  # finished job): on 2026-11-28 a 32B's one-GPU row finished inside a job whose machine went back
+  if [ -f $D/results_dir ] && [ -d "$(cat $D/results_dir)" ]; then tar czf $OUT/results.tar.gz -C "$(cat $D/results_dir)" . 2>/dev/null
+  else cp $D/results.tar.gz $OUT/ 2>/dev/null; fi
+  cp $D/sweep.log $OUT/ 2>/dev/null; [ -f $D/DONE ] && echo "[device_call] sweep done" || echo "[device_call] sweep still running"
   tail -40 $D/sweep.log; exit 0
 fi
 BUDGET=${CALL_BUDGET_S:-540}; START=$(date +%s)
 set -m     # job control: each job runs in its own process group, so the deadline ends all of it
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1
 R=/tmp/results_$(date +%s); mkdir -p $R      # one folder per call: a warm machine keeps /tmp
+[ "$OUT" = "$D" ] && echo $R > $OUT/results_dir     # --collect tars this folder as it is (under --detach, OUT is the sweep's folder)
 if [ -d .whl ]; then     # optional extras carried as wheels (DeepSpeed and its needs; see benchmarks/README.md)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=$PYTHONPATH:/tmp/site PATH=/tmp/site/bin:$PATH     # ninja for DeepSpeed's CPU Adam JIT build
