@@ -10,6 +10,7 @@ from slidetune.bench.output import read_csv, read_csv_machine
 from slidetune import run_setup
 from slidetune.bench.workload import BenchWorkload
 from slidetune.cli import main
+from test_bench_scenarios import report_again
 
 
 @pytest.mark.slow
@@ -26,6 +27,10 @@ def test_runtime_smoke_writes_finite_results(tmp_path):
     data = json.loads((out / "results.json").read_text())
     assert data["machine"]["torch"]
     assert "Runtime checks" in (out / "report.md").read_text()
+    # `slidetune report` writes the runtime's own report again (its checks), not a generic one
+    (out / "results.csv").unlink()
+    report_again(out, "# Runtime checks", "## Checks", "big_rss_within_budget")
+    assert read_csv(out / "results.csv") == rows
 
 
 def test_measure_records_per_layer_phases_and_host_spans():

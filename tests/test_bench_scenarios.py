@@ -88,6 +88,7 @@ def test_recompute_smoke(tmp_path):
     assert rec["all"] == {0, 1, 2} and rec["every:2"] == {0, 2} and rec["list"] == {1} and not rec["none"]
     report = (out / "report.md").read_text()
     assert "Top 5 layers" in report and "per_layer_delta.png" in report
+    report_again(out, "Top 5 layers", "per_layer_delta.png")
 
 
 @pytest.mark.slow
@@ -103,6 +104,7 @@ def test_head_smoke(tmp_path):
         assert by["fused-s32"]["status"] == "unavailable"
     assert (out / "head_time.png").exists()
     assert "## Output layer" in (out / "report.md").read_text()
+    report_again(out, "## Output layer")
 
 
 @pytest.mark.slow
@@ -117,6 +119,17 @@ def test_report_regenerates_from_results_dir(modes_dir, tmp_path):
     for f in [*PLOTS, *CSVS]:
         assert (d / f).exists(), f
     assert read_csv(d / "summary.csv") == read_csv(modes_dir / "summary.csv")
+
+
+def report_again(out, *expected: str) -> str:
+    """`slidetune report OUT` on a scenario's (smoke) output with its report.md deleted: exit 0 and a
+    report.md again, holding each of `expected` (what the scenario's own report has)."""
+    (out / "report.md").unlink()
+    code, err = _report_cli(out)
+    assert code == 0, err
+    text = (out / "report.md").read_text()
+    assert all(e in text for e in expected), (expected, text[:2000])
+    return text
 
 
 def _report_cli(d) -> tuple[int, str]:
@@ -141,6 +154,8 @@ def _report_cli(d) -> tuple[int, str]:
     ({"results.json": '{"results": [1]}'}, "results.json", "'results' must be a JSON array of objects"),
     ({"results.json": '{"scenario": "soak", "args": {}}'}, "results.json", "lacks 'target_pct', 'results'"),
     ({"throughput.json": '{"runs": []}'}, "throughput.json", "lacks 'rows'"),
+    ({"roofline.json": '{"status": "ok"}'}, "roofline.json", "lacks 'spec'"),
+    ({"results.json": '{"checks": {}}'}, "results.json", "lacks 'results'"),
     ({"techniques.json": "[]"}, "techniques.json", "expected a JSON object"),
     ({"summary.csv": "config,status\n"}, "summary.csv", "no configuration to report")])
 def test_report_refuses_a_malformed_directory_naming_the_file(tmp_path, files, named, words):
@@ -282,6 +297,7 @@ def test_pipeline_smoke(tmp_path):
     raw = json.loads((out / "results.json").read_text())["results"]
     assert raw[1]["spec"]["runtime"]["chunk_mb"] == 256
     assert "cpu: AdamW" in raw[0]["trace_summary"]["lanes"]["lanes"]
+    report_again(out, "## Pipeline", "| chunk256 |")
 
 
 def test_pipeline_variants_parse_and_reject_bad_fields():

@@ -10,6 +10,7 @@ from slidetune.bench.baselines.proc import parse_oom
 from slidetune.bench.output import read_csv, read_csv_machine
 from slidetune.bench.scenarios.techniques import find_max_batch
 from slidetune.ops.attention import band_mask
+from test_bench_scenarios import report_again
 
 
 def _fake(limit):
@@ -125,6 +126,7 @@ def test_techniques_smoke(tmp_path):
     assert "recompute" in {r["phase"] for r in layers if r["config"] == "slide"}
     _pngs(out / "per_run", ["time_breakdown.png", "per_layer_times.png", "memory_timeline.png", "step_times.png"])
     assert "per_run/per_layer_times.png" in (out / "report.md").read_text()
+    report_again(out, "Memory-optimization", "per_run/per_layer_times.png")
 
 
 @pytest.mark.slow
@@ -176,6 +178,7 @@ def test_throughput_smoke(tmp_path):
     _pngs(out / "per_run", ["time_breakdown.png", "peak_memory.png", "memory_timeline.png", "per_layer_times.png",
                             "step_times.png", "pareto.png"])
     assert "per_run/time_breakdown.png" in (out / "report.md").read_text()
+    report_again(out, "6 N_matmul", "Where a slide step goes", "per_run/time_breakdown.png")
 
 
 @pytest.mark.slow
@@ -192,6 +195,13 @@ def test_roofline_smoke(tmp_path):
     if not torch.cuda.is_available():
         # no GPU rates to price the FLOPs at: no hardware floor, rather than a partial one
         assert "hardware" not in data and "hw_floor_s" not in by
+    _pngs(out, ["roofline.png"])
+    # `slidetune report` reads a roofline's directory too: the same table and plot from roofline.json
+    written = {name: (out / name).read_bytes() for name in ("report.md", "roofline.csv")}
+    (out / "roofline.csv").unlink()
+    (out / "roofline.png").unlink()
+    assert report_again(out, "# Roofline: tiny-qwen3, batch 2, seq 32", "| floor_s |") == written["report.md"].decode()
+    assert (out / "roofline.csv").read_bytes() == written["roofline.csv"]
     _pngs(out, ["roofline.png"])
 
 

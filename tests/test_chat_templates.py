@@ -240,6 +240,31 @@ def test_bad_chat_template_settings_are_refused_by_name(tmp_path):
         load_chat_template(str(empty))
 
 
+@pytest.mark.parametrize("text, line, what", [
+    ("{% for m in messages %}\n{{ m.content }\n{% endfor %}", "line 2 (`{{ m.content }`)", "unexpected '}'"),
+    ("{% for m in messages %}\n{{ m.content | shout }}\n{% endfor %}", "line 2 (`{{ m.content | shout }}`)",
+     "No filter named 'shout'"),
+    ("{% for m in messages %}\n{% if m.role == 'user' %}U: {{ m.content }}\n{% endfor %}", "line 3 (`{% endfor %}`)",
+     "Encountered unknown tag 'endfor'")])
+def test_a_template_file_with_a_jinja_error_is_named_with_its_line_before_any_data(tmp_path, text, line, what):
+    """Not "the tokenizer's chat template failed on this conversation" at a data line: the file and
+    the Jinja error's line, when the setting is checked (DataConfig, so the flag, YAML and the API
+    alike), before a model is loaded or a line of data read."""
+    from test_train_errors import run_cli
+    bad = tmp_path / "mine.jinja"
+    bad.write_text(text)
+    message = f"--chat-template {bad}: not a valid Jinja template: {line}: {what}"
+    with pytest.raises(DataError) as e:
+        load_chat_template(str(bad))
+    assert str(e.value).startswith(message)
+    with pytest.raises(DataError) as e:
+        DataConfig(path=write_jsonl(tmp_path / "chat.jsonl", [{"messages": TWO_TURNS}]), chat_template=str(bad))
+    assert str(e.value).startswith(message)
+    code, _, err = run_cli("--data", str(tmp_path / "chat.jsonl"), "--chat-template", str(bad), "--model",
+                           str(tmp_path / "no-model-loaded"), "--output-dir", str(tmp_path / "run"))
+    assert code == 2 and message in err and "chat.jsonl" not in err, err
+
+
 def test_chat_template_and_packing_strategy_flags():
     cfg = config_from_args(build_parser().parse_args(["train", "--chat-template", "qwen3",
                                                       "--packing-strategy", "wrapped"]))

@@ -256,3 +256,46 @@ def test_small_data_is_not_cached(tokenizer, tmp_path):
     data = _parquet_dir(tmp_path)
     build_datasets(DataConfig(path=str(data), seq_len=16, cache_dir=str(tmp_path / "cache")), tokenizer, min_rows=2)
     assert not (tmp_path / "cache").exists()       # under CACHE_MIN_CHARS: tokenizing is cheaper than a file
+
+
+def _damage(entry: Path, how: str) -> None:
+    """Flipped bytes in the ids' data (the zip's CRC no longer matches), the file cut in half, or a
+    valid zip whose ids were changed under the digest stored with them."""
+    import numpy as np
+    raw = bytearray(entry.read_bytes())
+    if how == "flipped bytes":
+        at = raw.find(b"\x93NUMPY") + 128 + 8        # the first array's (ids') data: np.savez stores, no deflate
+        raw[at:at + 4] = bytes(b ^ 0xFF for b in raw[at:at + 4])
+        entry.write_bytes(bytes(raw))
+    elif how == "truncated":
+        entry.write_bytes(bytes(raw[:len(raw) // 2]))
+    else:
+        with np.load(entry) as z:
+            arrays = {k: z[k] for k in z.files}
+        arrays["ids"] = arrays["ids"][::-1].copy()     # the same tokens in another order: only a digest tells
+        with open(entry, "wb") as f:
+            np.savez(f, **arrays)
+
+
+@pytest.mark.parametrize("how", ["flipped bytes", "truncated", "digest does not match"])
+def test_a_damaged_cache_entry_is_tokenized_again_and_rewritten(tokenizer, tmp_path, monkeypatch, capsys, how):
+    """A cache is only a cache: a damaged entry is deleted with a note naming it, the data tokenized
+    again to what a fresh tokenization gives, and the entry written anew (the run after reads it)."""
+    monkeypatch.setattr(token_cache, "CACHE_MIN_CHARS", 0)
+    calls = _count_tokenized(monkeypatch, token_cache)
+    cfg = DataConfig(path=str(_parquet_dir(tmp_path)), seq_len=16, cache_dir=str(tmp_path / "cache"))
+    fresh = build_datasets(cfg, tokenizer, min_rows=2)
+    entry = max((tmp_path / "cache").glob("tokens-*.npz"), key=lambda p: p.stat().st_size)    # the train split's
+    _damage(entry, how)
+    calls.clear()
+    capsys.readouterr()
+    again = build_datasets(cfg, tokenizer, min_rows=2)
+    assert calls == [38], "the damaged entry (and only it) is tokenized again"
+    assert f"note: token cache entry {entry} discarded (" in capsys.readouterr().err
+    for a, b in zip(fresh, again):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.targets, b.targets) and torch.equal(a.starts, b.starts)
+    assert token_cache._read(entry)[1] == ""                                  # rewritten whole
+    assert not list((tmp_path / "cache").glob("*.tmp*"))
+    calls.clear()
+    build_datasets(cfg, tokenizer, min_rows=2)
+    assert calls == [] and "token cache entry" not in capsys.readouterr().err

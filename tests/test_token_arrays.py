@@ -102,6 +102,17 @@ def test_too_short_corpus_says_what_to_do(tmp_path):
         build_datasets(DataConfig(path=str(path), seq_len=8), TOKENIZER, min_rows=2)
 
 
+@pytest.mark.parametrize("dtype", [np.uint16, np.int64])
+def test_an_empty_npy_is_named_as_holding_no_tokens(tmp_path, dtype):
+    """Not "0 tokens make -1 rows": the file holds no tokens, and how many one row and one batch need."""
+    path = tmp_path / "empty.npy"
+    np.save(path, np.zeros(0, dtype=dtype))
+    with pytest.raises(DataError) as e:
+        build_datasets(DataConfig(path=str(path), seq_len=8), TOKENIZER, min_rows=2)
+    assert str(e.value) == (f"{path}: holds no tokens; a pre-tokenized corpus needs at least seq_len+1 = 9 tokens "
+                            f"for one row, 17 for one batch (batch_size=2)")
+
+
 def _save_to_disk_dir(tmp_path, docs: list[list[int]]):
     """A save_to_disk layout (dataset_info.json, state.json, an Arrow stream) written with pyarrow."""
     pa = pytest.importorskip("pyarrow")

@@ -1,11 +1,13 @@
 """`slidetune report DIR [--compare-seeds]`: a results directory -> report.md + PNG plots.
 
 Checks the directory and hands it to the writer of its kind: a throughput directory
-(throughput.json) to scenarios.throughput.rewrite_report, a soak's results.json to
-scenarios.soak.rewrite_report, a techniques directory (techniques.json) to
-scenarios.techniques.rewrite_report, and any other results.json or summary.csv (the runs of
-bench.measure: modes, recompute, head, pipeline) to bench.measure_report. The scenarios are
-imported here, above them: nothing below report.py imports it.
+(throughput.json) to scenarios.throughput.rewrite_report, a roofline's roofline.json to
+scenarios.roofline.rewrite_report, a soak's results.json to scenarios.soak.rewrite_report, the
+runtime checks' results.json to runtime_check.rewrite_report, a techniques directory
+(techniques.json) to scenarios.techniques.rewrite_report, and any other results.json or
+summary.csv (the runs of bench.measure: modes, recompute, head, pipeline) to bench.measure_report:
+each scenario's output, `--smoke` or not (tests/test_bench*.py report each smoke run's). The
+scenarios are imported here, above them: nothing below report.py imports it.
 
 A directory that cannot be reported raises `ReportError` naming the file (or the directory and
 what it lacks): one that does not exist or holds none of these files, a file that is not a JSON
@@ -25,14 +27,17 @@ class ReportError(ValueError):
     (or the directory) and what is wrong with it."""
 
 
-# What a report is made from, in this order: throughput.json, a soak's results.json (refitted from
-# its samples), techniques.json, then any other results.json and the CSVs derived from it (which
-# may stand alone). What each JSON document must hold at its top level: key -> its JSON type
-# ("object", "array", "array of objects", "number"); a plain results.json needs no key (its CSVs
-# may hold the tables), but what it has must be of these types.
-REPORT_FILES = ("throughput.json", "results.json", "techniques.json", "summary.csv")
+# What a report is made from, in this order: throughput.json, roofline.json, a soak's results.json
+# (refitted from its samples), the runtime checks' results.json, techniques.json, then any other
+# results.json and the CSVs derived from it (which may stand alone). What each JSON document must
+# hold at its top level: key -> its JSON type ("object", "array", "array of objects", "number"); a
+# plain results.json needs no key (its CSVs may hold the tables), but what it has must be of these
+# types.
+REPORT_FILES = ("throughput.json", "roofline.json", "results.json", "techniques.json", "summary.csv")
 _REQUIRED = {
     "throughput.json": {"runs": "array of objects", "rows": "array of objects"},
+    "roofline.json": {"spec": "object"},
+    "runtime": {"results": "array of objects", "checks": "object"},
     "techniques.json": {"settings": "object", "names": "array", "rows": "array of objects", "probes": "array of objects",
                         "machine": "object", "searches": "object", "same_batch": "number"},
     "soak": {"args": "object", "target_pct": "number", "results": "array of objects"},
@@ -78,6 +83,12 @@ def read_document(path: Path, required: dict[str, str] | None = None,
     return doc
 
 
+def _scenario(results: dict) -> str | None:
+    """The scenario that wrote a results.json: its "scenario" key, or "runtime" for the runtime
+    checks' (whose older files have none, but "checks")."""
+    return results.get("scenario") or ("runtime" if "checks" in results else None)
+
+
 def _report_source(out_dir: Path) -> tuple[Path, dict | None]:
     """The file the report of `out_dir` is made from and its checked document (None: the CSVs)."""
     if not out_dir.exists():
@@ -85,12 +96,13 @@ def _report_source(out_dir: Path) -> tuple[Path, dict | None]:
     if not out_dir.is_dir():
         raise ReportError(f"{out_dir}: not a directory (slidetune report takes the directory a `slidetune bench` "
                           f"scenario wrote)")
-    if (out_dir / "throughput.json").exists():
-        return out_dir / "throughput.json", read_document(out_dir / "throughput.json", _REQUIRED["throughput.json"])
+    for name in ("throughput.json", "roofline.json"):
+        if (out_dir / name).exists():
+            return out_dir / name, read_document(out_dir / name, _REQUIRED[name])
     results = read_document(out_dir / "results.json", optional=_OPTIONAL) if (out_dir / "results.json").exists() \
         else None
-    if results is not None and results.get("scenario") == "soak":
-        return out_dir / "results.json", read_document(out_dir / "results.json", _REQUIRED["soak"])
+    if results is not None and _scenario(results) in ("soak", "runtime"):
+        return out_dir / "results.json", read_document(out_dir / "results.json", _REQUIRED[_scenario(results)])
     if (out_dir / "techniques.json").exists():
         return out_dir / "techniques.json", read_document(out_dir / "techniques.json", _REQUIRED["techniques.json"])
     if results is not None:
@@ -120,9 +132,15 @@ def _write_report(out_dir: Path, source: Path, doc: dict | None, compare_seeds: 
     if source.name == "throughput.json":             # its own format: rows per model, batch and system
         from .scenarios.throughput import rewrite_report as rewrite_throughput
         return rewrite_throughput(out_dir)
-    if source.name == "results.json" and doc.get("scenario") == "soak":
+    if source.name == "roofline.json":               # one floor measurement: its terms
+        from .scenarios.roofline import rewrite_report as rewrite_roofline
+        return rewrite_roofline(out_dir)
+    if source.name == "results.json" and _scenario(doc) == "soak":
         from .scenarios.soak import rewrite_report as rewrite_soak      # its own format: refit its samples
         return rewrite_soak(out_dir)
+    if source.name == "results.json" and _scenario(doc) == "runtime":
+        from .runtime_check import rewrite_report as rewrite_runtime    # its own table and checks
+        return rewrite_runtime(out_dir)
     if source.name == "techniques.json":             # its own format: rows per technique and regime
         from .scenarios.techniques import rewrite_report
         return rewrite_report(out_dir, compare_seeds=compare_seeds)

@@ -1,7 +1,8 @@
 """The runtime's GPU acceptance checks (memory ratios, depth scaling, 8B on one GPU).
 
 Every configuration runs in its own process. Writes results.json, results.csv and
-report.md into the output directory, with the machine's details.
+report.md into the output directory, with the machine's details; `slidetune report DIR`
+writes results.csv and report.md again from results.json (`rewrite_report`).
 """
 from __future__ import annotations
 
@@ -92,8 +93,22 @@ def run(out_dir: Path, smoke: bool = False, big_model: str = "qwen3-8b", big_bat
         except Exception as e:  # noqa: BLE001 - reported, the other results still count
             checks["floor_error"] = repr(e)
     machine = next((r["machine"] for r in results if "machine" in r), {})
-    (out_dir / "results.json").write_text(json.dumps({"machine": machine, "checks": checks,
+    # "scenario": what `slidetune report` tells this directory's results.json by (bench.report)
+    (out_dir / "results.json").write_text(json.dumps({"scenario": "runtime", "machine": machine, "checks": checks,
                                                       "results": results}, indent=1, default=float))
+    _write_outputs(out_dir, machine, results, checks)
+    return checks
+
+
+def rewrite_report(out_dir: Path) -> Path:
+    """results.csv, the Gantt charts and report.md (with the checks) again from results.json:
+    `slidetune report DIR`."""
+    doc = json.loads((Path(out_dir) / "results.json").read_text())
+    _write_outputs(Path(out_dir), doc.get("machine") or {}, doc["results"], doc.get("checks") or {})
+    return Path(out_dir) / "report.md"
+
+
+def _write_outputs(out_dir: Path, machine: dict, results: list[dict], checks: dict) -> None:
     write_csv(out_dir / "results.csv", [_flat(r) for r in results], SUMMARY_COLUMNS, machine)
     from .plots import plot_pipeline_lanes
     for r in results:
@@ -102,7 +117,6 @@ def run(out_dir: Path, smoke: bool = False, big_model: str = "qwen3-8b", big_bat
             plot_pipeline_lanes(lanes, out_dir / f"pipeline_{r['spec']['name']}.png",
                                 f"{r['spec']['name']}: one step per stream and thread")
     (out_dir / "report.md").write_text(_report(machine, results, checks))
-    return checks
 
 
 def evaluate_checks(results: list[dict], smoke: bool) -> dict:

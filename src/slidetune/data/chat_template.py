@@ -40,8 +40,13 @@ def shipped_templates() -> list[str]:
 
 
 def check_chat_template_setting(spec: str | None) -> None:
-    """Raise ValueError when ``spec`` is neither an existing file nor a shipped template's name."""
-    if spec is None or os.path.isfile(spec) or spec in shipped_templates():
+    """Raise ValueError when ``spec`` is neither an existing file nor a shipped template's name, and
+    DataError (a ValueError) naming the file and line when the file is no valid Jinja template: with
+    the configuration, before a model is loaded or a line of data tokenized."""
+    if spec is not None and os.path.isfile(spec):
+        load_chat_template(spec)
+        return
+    if spec is None or spec in shipped_templates():
         return
     raise ValueError(f"DataConfig.chat_template (--chat-template) {spec!r} is neither a file nor a template "
                      f"shipped with slidetune ({', '.join(shipped_templates())})")
@@ -67,6 +72,25 @@ def shipped_equivalent(tokenizer: Any, own: str, messages: list[dict], tools: li
     return next((name for name in shipped_templates() if render(_shipped_text(name)) == text), None)
 
 
+def _check_syntax(spec: str, text: str) -> None:
+    """Compile a --chat-template file's Jinja as transformers will render it (its environment, with
+    the generation tag): a syntax error is named here, once, with the file and its line, not as the
+    first conversation's failure (it is not about the data)."""
+    try:
+        import jinja2
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:      # a transformers without it: rendering reports the error (on a data line)
+        return
+    try:
+        _compile_jinja_template(text)       # cached: the renderings reuse the compiled template
+    except jinja2.TemplateSyntaxError as e:           # an unknown filter or test too (a subclass)
+        lines = text.splitlines()
+        where = f"line {e.lineno}" + (f" (`{lines[e.lineno - 1].strip()}`)" if 0 < e.lineno <= len(lines) else "")
+        raise DataError(f"--chat-template {spec}: not a valid Jinja template: {where}: {e.message}") from e
+    except ImportError:      # jinja2 older than transformers needs: rendering says so
+        return
+
+
 def load_chat_template(spec: str | None) -> str | None:
     """The Jinja text of ``spec`` (a file, else a shipped template's name); None stays None:
     the tokenizer's own template is used."""
@@ -80,6 +104,7 @@ def load_chat_template(spec: str | None) -> str | None:
             raise DataError(f"--chat-template {spec}: cannot read it as a UTF-8 Jinja file: {e}") from e
         if not text.strip():
             raise DataError(f"--chat-template {spec}: the file is empty")
+        _check_syntax(spec, text)
         return text
     if spec in shipped_templates():
         return _shipped_text(spec)

@@ -275,10 +275,16 @@ def build_token_datasets(path: str, seq_len: int, token_dtype: str, heldout_frac
     """(train, heldout) windows of a pre-tokenized corpus; the held-out split is the tail.
     vocab_size: every id is checked to be below it (`TokenStream.check_ids`); None: not checked."""
     stream = open_token_stream(path, token_dtype)
+    # rows overlap by one token (stride seq_len): k rows take k*seq_len + 1 tokens
+    need = min_rows * seq_len + 1
+    if len(stream) == 0:      # an empty .npy, or Arrow rows without a token (a .bin is refused on opening)
+        raise DataError(f"{path}: holds no tokens; a pre-tokenized corpus needs at least seq_len+1 = "
+                        f"{seq_len + 1} tokens for one row, {need:,} for one batch (batch_size={min_rows})")
     n = (len(stream) - 1) // seq_len
     if n < min_rows:
-        raise DataError(f"{path}: {len(stream)} tokens make {n} rows of seq_len+1 = {seq_len + 1} tokens, "
-                        f"fewer than batch_size={min_rows}; use a smaller --seq-len or --batch-size")
+        raise DataError(f"{path}: {len(stream):,} tokens make {n} rows of seq_len+1 = {seq_len + 1} tokens, "
+                        f"fewer than batch_size={min_rows} (which needs {need:,} tokens); use a smaller "
+                        f"--seq-len or --batch-size")
     if vocab_size is not None:
         stream.check_ids(vocab_size)
     n_heldout = 0

@@ -4,8 +4,11 @@ The key is a hash of everything the tokens depend on: the examples' content (eac
 whether it is supervised, or a conversation's messages), the tokenizer (`tokenizer_fingerprint`: its
 vocabulary, merges, normalizer, special tokens and chat template), ``mask_prompt``, and the versions
 of transformers/tokenizers and of this format. Not the path: a copied file hits, an edited one does
-not. The entry is one ``.npz`` (ids int32, targets bool, lengths int64), written to a temporary name
-and renamed, so an interrupted run leaves no half entry.
+not. The entry is one ``.npz`` (ids int32, targets bool, lengths int64, and digest: an xxh3-128 of
+the three arrays), written to a temporary name and renamed (atomic_write), so an interrupted run leaves
+no half entry. A cache is only a cache: an entry that cannot be read (flipped bytes fail the zip's
+CRC, a cut file is no zip), lacks an array or whose arrays do not match its digest is deleted with a
+note and the data tokenized again, and the entry written anew.
 
 Data under `CACHE_MIN_CHARS` is tokenized again each run: that takes well under a second, less than
 a cache file's write, read and place on disk.
@@ -15,11 +18,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..atomic_write import write_atomically
 from ..hf_hub import datasets_cache_dir
 from .formats import Example
 from .tokenization import TokenizedExample, tokenize_examples
@@ -84,15 +89,48 @@ def _text_chars(examples: list[Example]) -> int:
                else sum(len(seg.text) for seg in ex.segments or ()) for ex in examples)
 
 
-def _load(file: Path, examples: list[Example]) -> list[TokenizedExample] | None:
+def _digest(ids: np.ndarray, targets: np.ndarray, lengths: np.ndarray) -> str:
+    """xxh3-128 of the entry's arrays (dtype and size before each, so bytes cannot shift between them)."""
+    import xxhash
+    h = xxhash.xxh3_128()
+    for a in (ids, targets, lengths):
+        h.update(f"{a.dtype.str}:{a.size}\x00".encode())
+        h.update(np.ascontiguousarray(a))
+    return h.hexdigest()
+
+
+def _read(file: Path) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray] | None, str]:
+    """((ids, targets, lengths), "") of an entry that checks out, else (None, what is wrong)."""
     try:
         with np.load(file) as z:
-            ids, targets, lengths = z["ids"], z["targets"], z["lengths"]
-    except (OSError, ValueError, KeyError) as e:     # a damaged entry is tokenized again
-        log.warning("token cache %s unreadable (%s): tokenizing again", file, e)
+            if "digest" not in z.files:
+                return None, "it has no digest (an older slidetune wrote it)"
+            ids, targets, lengths, digest = z["ids"], z["targets"], z["lengths"], str(z["digest"])
+    # numpy and zipfile raise many types here: BadZipFile (a bad CRC, a cut file), EOFError, a
+    # ValueError for a pickle, KeyError for a missing array, zlib.error; each means the same
+    except Exception as e:  # noqa: BLE001
+        return None, f"{type(e).__name__}: {e}"
+    if _digest(ids, targets, lengths) != digest:
+        return None, "its arrays do not match the digest stored with them"
+    return (ids, targets, lengths), ""
+
+
+def _load(file: Path, examples: list[Example]) -> list[TokenizedExample] | None:
+    """The cached tokens of `examples`, or None after deleting an entry that does not check out
+    (with a note: damage, or an older slidetune's entry without a digest)."""
+    arrays, problem = _read(file)
+    if arrays is not None and len(arrays[2]) != len(examples):
+        arrays, problem = None, f"it holds {len(arrays[2])} examples' tokens, not {len(examples)}"
+    if arrays is None:
+        message = f"token cache entry {file} discarded ({problem}): tokenizing again"
+        log.info("%s", message)
+        print(f"note: {message}", file=sys.stderr)
+        try:
+            file.unlink(missing_ok=True)     # the next run must not meet it again, whatever happens now
+        except OSError:
+            pass                             # rewritten below if the directory allows, else read-only: no harm
         return None
-    if len(lengths) != len(examples):
-        return None
+    ids, targets, lengths = arrays
     ends = np.cumsum(lengths)
     out = []
     for ex, end, n in zip(examples, ends.tolist(), lengths.tolist()):
@@ -101,13 +139,19 @@ def _load(file: Path, examples: list[Example]) -> list[TokenizedExample] | None:
 
 
 def _save(file: Path, tokenized: list[TokenizedExample]) -> None:
+    """Write the entry under a temporary name of this process and rename it over `file`."""
     file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_name(f"{file.stem}.{os.getpid()}.tmp.npz")
     ids = np.fromiter((t for e in tokenized for t in e.ids), dtype=np.int64)
-    np.savez(tmp, ids=ids.astype(np.int32 if ids.size == 0 or ids.max() < 2**31 else np.int64),
-             targets=np.fromiter((t for e in tokenized for t in e.targets), dtype=bool),
-             lengths=np.array([len(e.ids) for e in tokenized], dtype=np.int64))
-    os.replace(tmp, file)
+    ids = ids.astype(np.int32 if ids.size == 0 or ids.max() < 2**31 else np.int64)
+    targets = np.fromiter((t for e in tokenized for t in e.targets), dtype=bool)
+    lengths = np.array([len(e.ids) for e in tokenized], dtype=np.int64)
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:          # a file object: np.savez would add ".npz" to a name
+            np.savez(f, ids=ids, targets=targets, lengths=lengths, digest=np.array(_digest(ids, targets, lengths)))
+
+    # the pid in the temporary name: two runs writing the same entry each rename a whole file
+    write_atomically(file, write, tmp=file.with_name(f"{file.stem}.{os.getpid()}.tmp.npz"))
 
 
 def tokenize_cached(examples: list[Example], tokenizer: Any, mask_prompt: bool, source_name: str,

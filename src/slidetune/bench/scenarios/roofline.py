@@ -8,6 +8,7 @@ are reported as unavailable and the "floor" is the AdamW term alone (marked part
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -78,6 +79,20 @@ def run(args: argparse.Namespace) -> Path:
         model = "tiny-qwen3" if args.model == "qwen3-8b" else args.model
         batch, seq, device, adamw_n = 2, 32, "cpu", 4 * 2**20
     r = measure_floor(model, batch, seq, layers, device, adamw_n)
+    O.write_json(out / "roofline.json", r)
+    print(_write_outputs(out, r), flush=True)
+    return out
+
+
+def rewrite_report(out: Path) -> Path:
+    """roofline.csv, roofline.png and report.md again from roofline.json: `slidetune report DIR`."""
+    out = Path(out)
+    _write_outputs(out, json.loads((out / "roofline.json").read_text()))
+    return out / "report.md"
+
+
+def _rows(r: dict) -> list[dict]:
+    """One row a floor term (seconds, a note), then the floor and the hardware floor."""
     terms = r.get("terms", {}) or {}
     unavailable = r.get("unavailable", {}) or {}
     rows = [dict(term=k, seconds=v, note=unavailable.get(k, "bound" if k == r.get("bound_by") else ""))
@@ -88,7 +103,15 @@ def run(args: argparse.Namespace) -> Path:
         rows.append(dict(term="hw_floor_s", seconds=r["hw_floor_s"],
                          note=f"hardware floor: compute_s {O.fmt(r['hw_terms']['compute_s'], 4)} at the probed GEMM / "
                               f"SDPA rates; bound by {r['hw_bound_by']}"))
-    O.write_json(out / "roofline.json", r)
+    return rows
+
+
+def _write_outputs(out: Path, r: dict) -> str:
+    """roofline.csv, roofline.png and report.md of one measure_floor result (the workload from its
+    spec: a smoke run's sizes are what ran); returns the report's table for the console."""
+    spec = r["spec"]
+    model, batch, seq = spec["model"], spec["batch_size"], spec["seq_len"]
+    rows = _rows(r)
     O.write_csv(out / "roofline.csv", [dict(model=model, batch_size=batch, seq_len=seq, **row) for row in rows], None,
                 r.get("machine", {}))
     bar_plot(out / "roofline.png", [x["term"] for x in rows], {"seconds": [x["seconds"] for x in rows]},
@@ -113,8 +136,7 @@ def run(args: argparse.Namespace) -> Path:
         lines += ["", "compute: " + ", ".join(f"{k}={O.fmt(v, 4)}" for k, v in comp.items())]
     lines.append("")
     (out / "report.md").write_text("\n".join(lines))
-    print("\n".join(lines[-len(rows) - 4:]), flush=True)
-    return out
+    return "\n".join(lines[-len(rows) - 4:])
 
 
 if __name__ == "__main__":
