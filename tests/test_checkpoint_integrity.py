@@ -2,9 +2,10 @@
 flipped in the middle, or rewritten with a wrong dtype or type (its digest re-signed in the
 manifest, so that only the type check can catch it). `--resume auto` sets the damaged checkpoint
 aside, naming the file, falls back to the previous one and ends bit for bit where an uninterrupted
-run ends. A save that does not read back as written fails before any pruning; a checkpoint of an
-older slidetune (no manifest) still resumes; a non-finite loss right after a resume names the
-checkpoint it came from.
+run ends. A save that does not read back as written fails before any pruning; a checkpoint whose
+COMPLETE records a manifest is damaged without it or with it altered; a checkpoint of an older
+slidetune (no trace of a manifest) still resumes once its tensors fit the model; a non-finite loss
+right after a resume names the checkpoint it came from.
 
 One uninterrupted 4-step reference run and one run stopped after step 3 (checkpoints 1-3) are
 shared by the module; each case damages a copy of the latter and resumes it (two steps).
@@ -183,3 +184,115 @@ def test_a_non_finite_loss_right_after_a_resume_names_that_checkpoint(runs, tmp_
     assert code == 2 and "non-finite loss (nan) at step 4" in err, err[-3000:]
     assert f"this run resumed from {d / 'checkpoints' / 'checkpoint-3'} (at step 3)" in err
     assert "intact" not in err
+
+
+def make_legacy(ckpt: Path) -> None:
+    """As an older slidetune wrote it: no MANIFEST.json, a COMPLETE without its digest, state.json
+    of format version 1."""
+    (ckpt / MANIFEST).unlink()
+    state_path = ckpt / "trainer_state" / "state.json"
+    state_path.write_text(json.dumps({**json.loads(state_path.read_text()), "format_version": 1}))
+    complete = json.loads((ckpt / "COMPLETE").read_text())
+    (ckpt / "COMPLETE").write_text(json.dumps({k: v for k, v in complete.items() if k != MANIFEST}))
+
+
+def drop_entry(ckpt: Path, rel: str) -> None:
+    """The manifest without `rel`'s entry, consistently re-signed in COMPLETE."""
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    del manifest["files"][rel]
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+    complete = json.loads((ckpt / "COMPLETE").read_text())
+    complete[MANIFEST] = file_digest(ckpt / MANIFEST).record()
+    (ckpt / "COMPLETE").write_text(json.dumps(complete))
+
+
+def assert_fell_back(d: Path, ref: Path, err: str, out: str, damaged: Path, culprit: Path) -> None:
+    """checkpoint-3 was set aside naming `culprit`, the run resumed from checkpoint-2 and ended bit exact."""
+    assert f"checkpoint {damaged} is damaged: {culprit}:" in err, err[-3000:]
+    assert f"resumed from {d / 'checkpoints' / 'checkpoint-2'} at step 2 of 4" in out
+    aside = [p for p in (d / "checkpoints").iterdir() if p.name.startswith("checkpoint-3.corrupt-")]
+    assert len(aside) == 1 and f"Set aside as {aside[0]}" in err, err[-3000:]
+    assert metric_steps(d) == [0, 1, 2, 3, 4, 4]
+    assert_bit_exact(d, ref)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_whose_recorded_manifest_was_deleted_is_damaged_not_an_older_ones(runs, tmp_path):
+    """Issue 51: COMPLETE records the manifest's digest, so this slidetune wrote one: without it the
+    flipped weights cannot be told from good ones, and the checkpoint is not used."""
+    ref, stopped = runs
+    d = tmp_path / "run"
+    shutil.copytree(stopped, d)
+    bad = d / "checkpoints" / "checkpoint-3"
+    (bad / MANIFEST).unlink()
+    flip_middle(bad / FILES["weights"])
+    code, out, err = run_cli(*COMMON, *RUN, "--resume", "auto", "--output-dir", str(d))
+    assert code == 0 and "Traceback" not in err, err[-3000:]
+    assert f"{bad / MANIFEST}: missing, though COMPLETE records its digest" in err, err[-3000:]
+    assert "older slidetune" not in err
+    assert_fell_back(d, ref, err, out, bad, bad / MANIFEST)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("alteration", ["digest-edited", "entry-dropped", "record-garbled"])
+def test_an_altered_manifest_makes_the_checkpoint_damaged(runs, tmp_path, alteration):
+    """The manifest changed (a digest edited; the weights' entry dropped and the manifest re-signed,
+    with the weights flipped; COMPLETE's record of it garbled): set aside, the older one used."""
+    ref, stopped = runs
+    d = tmp_path / "run"
+    shutil.copytree(stopped, d)
+    bad = d / "checkpoints" / "checkpoint-3"
+    culprit = bad / MANIFEST
+    if alteration == "digest-edited":
+        manifest = json.loads(culprit.read_text())
+        entry = manifest["files"][FILES["weights"]]
+        entry["digest"] = ("0" if entry["digest"][0] != "0" else "1") + entry["digest"][1:]
+        culprit.write_text(json.dumps(manifest))
+    elif alteration == "entry-dropped":
+        drop_entry(bad, FILES["weights"])
+        flip_middle(bad / FILES["weights"])
+        culprit = bad / FILES["weights"]
+    else:
+        complete = json.loads((bad / "COMPLETE").read_text())
+        (bad / "COMPLETE").write_text(json.dumps({**complete, MANIFEST: "garbled"}))
+        culprit = bad / "COMPLETE"
+    code, out, err = run_cli(*COMMON, *RUN, "--resume", "auto", "--output-dir", str(d))
+    assert code == 0 and "Traceback" not in err, err[-3000:]
+    assert_fell_back(d, ref, err, out, bad, culprit)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["intact", "weights-shape", "optimizer-shape", "weights-dtype"])
+def test_a_checkpoint_of_an_older_slidetune_is_used_only_once_its_tensors_fit_the_model(runs, tmp_path, damage):
+    """No manifest anywhere (every checkpoint as an older slidetune wrote it): the newest resumes with
+    a warning that its tensors were checked against the model and its bytes could not be; one with a
+    tensor of another shape or dtype is set aside like any damaged checkpoint, the older one used."""
+    ref, stopped = runs
+    d = tmp_path / "run"
+    shutil.copytree(stopped, d)
+    for ckpt in (d / "checkpoints").iterdir():
+        make_legacy(ckpt)
+    bad = d / "checkpoints" / "checkpoint-3"
+    kind = damage.split("-")[0]
+    path = bad / FILES["weights" if damage == "intact" else kind]
+    if damage.endswith("shape"):
+        # the same bytes, one tensor's two dimensions swapped (or a flat moment made 2-D)
+        tensors = safetensors.torch.load_file(path)
+        name = next(k for k, v in tensors.items() if v.dim() >= 1 and v.numel() > 1 and
+                    (v.dim() == 1 or v.shape[0] != v.shape[1]))
+        t = tensors[name]
+        tensors[name] = t.reshape(2, -1) if t.dim() == 1 else t.reshape(t.shape[1], t.shape[0])
+        safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
+    elif damage.endswith("dtype"):
+        wrong_type(path, kind)
+    code, out, err = run_cli(*COMMON, *RUN, "--resume", "auto", "--output-dir", str(d))
+    assert code == 0 and "Traceback" not in err, err[-3000:]
+    if damage == "intact":
+        assert f"resumed from {bad} at step 3 of 4" in out
+        assert f"warning: {bad} has no MANIFEST.json (written by an older slidetune)" in err, err[-3000:]
+        assert "names, shapes and dtypes match the model" in err
+        assert metric_steps(d) == [0, 1, 2, 3, 4, 4]
+        assert_bit_exact(d, ref)
+    else:
+        assert "written by an older slidetune" in err
+        assert_fell_back(d, ref, err, out, bad, path)

@@ -87,3 +87,87 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_note(tmp_path):
     assert f"took over the lock {d / LOCK_NAME} left by a run that no longer holds it (pid {dead}" in err, err
     assert_loads(d / "final")
     assert not (d / LOCK_NAME).exists()
+
+
+@pytest.mark.slow
+def test_another_runs_default_checkpoint_directory_and_one_inside_its_output_are_refused(tmp_path):
+    """Issue 51: run A on `a` writes its checkpoints to `a/checkpoints` by default (here already
+    there, as an earlier run leaves it: locked as such); a run given that directory by
+    --checkpoint-dir, or any directory inside `a`, is refused naming A, and A's checkpoints stay
+    its own."""
+    a = tmp_path / "a"
+    (a / "checkpoints").mkdir(parents=True)
+    proc = subprocess.Popen([sys.executable, "-m", "slidetune.cli", "train", *COMMON, "--max-steps", "6",
+                             "--save-every", "2", "--lr", "1e-5", "--output-dir", str(a)],
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_lock(a, proc)
+        wait_for_lock(a / "checkpoints", proc, timeout_s=30.0)
+        b = tmp_path / "b"
+        code, out, err = run_cli(*COMMON, "--max-steps", "2", "--lr", "3e-3", "--output-dir", str(b),
+                                 "--checkpoint-dir", str(a / "checkpoints"))
+        assert code == 2 and "Traceback" not in err, err[-2000:]
+        assert f"the checkpoint directory {a / 'checkpoints'} is in use by another run (pid {proc.pid}" in err, err
+        assert not b.exists(), "a refused run left its output directory behind"
+        # another directory inside A's output directory, as a --checkpoint-dir or an output directory
+        for args, role, nested in ((["--output-dir", str(b), "--checkpoint-dir", str(a / "sub" / "ckpts")],
+                                    "checkpoint directory", a / "sub" / "ckpts"),
+                                   (["--output-dir", str(a / "inner")], "output directory", a / "inner")):
+            code, out, err = run_cli(*COMMON, "--max-steps", "2", *args)
+            assert code == 2 and "Traceback" not in err, err[-2000:]
+            assert f"the {role} {nested} is inside {a}, the output directory of another run (pid {proc.pid}" \
+                in err, err
+            assert not b.exists(), "a refused run left its output directory behind"
+            assert not (a / "sub").exists() and not (a / "inner").exists()
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert json.loads((a / "config.json").read_text())["optim"]["lr"] == 1e-5
+    assert metric_steps(a) == [0, *range(1, 7), 6]
+    assert sorted(p.name for p in (a / "checkpoints").iterdir()) == ["checkpoint-4", "checkpoint-6"]
+    assert_loads(a / "final")
+    assert not (a / LOCK_NAME).exists() and not (a / "checkpoints" / LOCK_NAME).exists()
+
+
+def test_a_checkpoint_directory_inside_a_live_runs_directories_is_refused_naming_it(tmp_path):
+    """Live runs (processes holding the locks a run takes): one on output `a` with --checkpoint-dir
+    `c`, one on output `r` whose default checkpoint directory `r/checkpoints` exists (a resumed run:
+    locked as such). A checkpoint directory inside `a` or `c`, or `r/checkpoints` itself, is refused
+    at once, naming the pid that holds it."""
+    a, c, b, r = tmp_path / "a", tmp_path / "c", tmp_path / "b", tmp_path / "r"
+    (r / "checkpoints" / "checkpoint-2").mkdir(parents=True)
+    holders = [subprocess.Popen([sys.executable, "-c", "import sys\nfrom pathlib import Path\n"
+                                 "from slidetune.run_lock import lock_run_directories\n"
+                                 "lock_run_directories(Path(sys.argv[1]), Path(sys.argv[2]))\n"
+                                 "print('locked', flush=True)\nsys.stdin.read()", str(out), str(ckpts)],
+                                env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True) for out, ckpts in ((a, c), (r, r / "checkpoints"))]
+    holder, resumed = holders
+    try:
+        for h in holders:
+            assert h.stdout.readline().strip() == "locked", h.stderr.read()
+        code, out, err = run_cli(*COMMON, "--max-steps", "1", "--output-dir", str(b),
+                                 "--checkpoint-dir", str(r / "checkpoints"))
+        assert code == 2 and "Traceback" not in err, err[-2000:]
+        assert f"the checkpoint directory {r / 'checkpoints'} is in use by another run (pid {resumed.pid}" in err, err
+        assert not b.exists() and (r / "checkpoints" / "checkpoint-2").is_dir()
+        for inside, owner, role in ((a / "x" / "ckpts", a, "output directory"),
+                                    (c / "deeper", c, "checkpoint directory")):
+            t0 = time.monotonic()
+            code, out, err = run_cli(*COMMON, "--max-steps", "1", "--output-dir", str(b),
+                                     "--checkpoint-dir", str(inside))
+            assert code == 2 and "Traceback" not in err, err[-2000:]
+            assert f"the checkpoint directory {inside} is inside {owner}, the {role} of another run " \
+                   f"(pid {holder.pid}" in err, err
+            assert time.monotonic() - t0 < 2.0
+            assert not b.exists() and not inside.exists() and not (a / "x").exists()
+    finally:
+        for h in holders:
+            h.stdin.close()
+            h.wait(timeout=60)
+    # the holder has ended: the same directories are free again
+    code, out, err = run_cli(*COMMON, "--max-steps", "1", "--output-dir", str(b),
+                             "--checkpoint-dir", str(a / "x" / "ckpts"))
+    assert code == 0, err[-2000:]

@@ -32,8 +32,11 @@ does not read back as written is set aside as `<name>.corrupt-<time>` and the sa
 pruning never follows an unverified save. `check_checkpoint` verifies a directory before a resume
 uses it (sizes, digests, then the type, dtype and structure of every file it reads):
 `CheckpointCorrupt` names the file and what is wrong; `set_aside` renames such a checkpoint
-(never deletes it). Checkpoints written before the manifest existed load with a note that they
-cannot be verified. benchmarks/NOTES.md "Checkpoint digests" has the digest's and the
+(never deletes it). Where COMPLETE records the manifest's digest (every checkpoint this version
+writes), a missing or altered MANIFEST.json, or a file a resume reads that it does not list, is
+damage like any other. Only a checkpoint with no trace of a manifest (written before it existed)
+loads unverified, once its tensors' names, shapes and dtypes fit the model (`LegacyLayout`), with
+a warning. benchmarks/NOTES.md "Checkpoint digests" has the digest's and the
 read-back's cost.
 
 Memory: tensors are written one at a time straight from the engine's FP32 masters and
@@ -591,6 +594,10 @@ class _LazyTensors(Mapping):
     def dtype(self, name: str) -> str:
         return self._handle(self._files[name]).get_slice(name).get_dtype()
 
+    def file(self, name: str) -> Path | None:
+        """The file holding tensor `name` (None: no such tensor)."""
+        return self._files.get(name)
+
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._files:
             raise KeyError(name)
@@ -649,27 +656,14 @@ def load_checkpoint(engine, ckpt_dir: Path, *, checked: bool = False) -> dict:
     engine.synchronize()
     masters = _LazyTensors(_weight_files(ckpt))
     # shapes only: the GPU-held masters stay where they are (an 8B on an H200 keeps 89 GiB there)
-    want = {name: tuple(t.shape) for name, t in engine.named_master_params(on_host=False)}
-    for name, shape in want.items():
-        if name not in masters:
-            raise CheckpointError(f"checkpoint {ckpt}: tensor {name!r} is missing")
-        if masters.shape(name) != shape:
-            raise CheckpointError(f"checkpoint {ckpt}: tensor {name!r} has shape {masters.shape(name)}, "
-                                  f"the model expects {shape}")
-    extra = sorted(set(masters) - set(want))
-    if extra:
-        raise CheckpointError(f"checkpoint {ckpt} holds tensors the model does not have (another model?): "
-                              f"{extra[:5]}{' ...' if len(extra) > 5 else ''}")
+    want = {name: (tuple(t.shape), None) for name, t in engine.named_master_params(on_host=False)}
     optim = _LazyTensors({k: p for path in optimizer_files(ckpt) for k, p in _file_keys(path).items()})
-    for key, t in engine.optimizer_tensors(on_host=False).items():
-        if key not in optim:
-            raise CheckpointError(f"checkpoint {ckpt}: optimizer tensor {key!r} is missing")
-        if optim.shape(key) != tuple(t.shape):
-            raise CheckpointError(f"checkpoint {ckpt}: optimizer tensor {key!r} has shape {optim.shape(key)}, "
-                                  f"the engine expects {tuple(t.shape)}")
-        if optim.dtype(key) != _ST_DTYPES.get(t.dtype):
-            raise CheckpointError(f"checkpoint {ckpt}: optimizer tensor {key!r} is {optim.dtype(key)}, the engine "
-                                  f"keeps {_ST_DTYPES.get(t.dtype, t.dtype)}: it cannot be resumed exactly")
+    want_optim = {key: (tuple(t.shape), _ST_DTYPES.get(t.dtype, str(t.dtype)))
+                  for key, t in engine.optimizer_tensors(on_host=False).items()}
+    for problem in (_tensors_problem(masters, want, "tensor", "model", no_extra=True),
+                    _tensors_problem(optim, want_optim, "optimizer tensor", "engine")):
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {ckpt}: {problem[1]}")
     rng = _read_rng(ckpt)
 
     engine.load_state(masters, optim, int(state["step"]))
@@ -678,6 +672,30 @@ def load_checkpoint(engine, ckpt_dir: Path, *, checked: bool = False) -> dict:
     out = dict(state.get("trainer_state") or {})
     out.setdefault("step", int(state["step"]))
     return out
+
+
+_Want = Mapping[str, tuple[tuple[int, ...], str | None]]      # tensor name -> (shape, safetensors dtype or None: any)
+
+
+def _tensors_problem(tensors: _LazyTensors, want: _Want, label: str, expecter: str,
+                    no_extra: bool = False) -> tuple[str, str] | None:
+    """What first keeps a checkpoint's `tensors` (one kind: weights or optimizer state, `label`
+    naming one in the message) from being what the `expecter` ("model", "engine") wants: a tensor
+    missing, of another shape or dtype, or (`no_extra`) one it does not have. (name, message), or
+    None when they match. Headers only: no tensor is read."""
+    for name, (shape, dtype) in want.items():
+        if name not in tensors:
+            return name, f"{label} {name!r} is missing"
+        if tensors.shape(name) != shape:
+            return name, f"{label} {name!r} has shape {tensors.shape(name)}, the {expecter} expects {shape}"
+        if dtype is not None and tensors.dtype(name) != dtype:
+            return name, (f"{label} {name!r} is {tensors.dtype(name)}, the {expecter} keeps {dtype}: it cannot be "
+                          f"resumed exactly")
+    extra = sorted(set(tensors) - set(want)) if no_extra else []
+    if extra:
+        return extra[0], (f"it holds tensors the {expecter} does not have (another model?): "
+                          f"{extra[:5]}{' ...' if len(extra) > 5 else ''}")
+    return None
 
 
 # --------------------------------------------------------------------------- verification
@@ -689,53 +707,123 @@ class CheckedCheckpoint:
     verified: bool                 # its files matched MANIFEST.json (False: none, an older slidetune's)
 
 
-def check_checkpoint(ckpt_dir: Path) -> CheckedCheckpoint:
+@dataclass(frozen=True)
+class LegacyLayout:
+    """The tensors an older slidetune's resumable checkpoint of one model holds (one written before
+    the manifest: nothing vouches for its bytes, so `check_checkpoint` holds its headers to this
+    before it is used): every parameter by its HF name and shape, and each unit's AdamW state as
+    those versions wrote it (exp_avg and exp_avg_sq flat over the unit, step a scalar), all FP32."""
+    weights: dict[str, tuple[int, ...]]
+    optimizer: dict[str, tuple[int, ...]]
+
+    @classmethod
+    def of_units(cls, units: Iterable) -> LegacyLayout:
+        """From the model's units (models/units.py UnitSpec: name, numel, params with full_name and shape)."""
+        units = list(units)
+        weights = {p.full_name: tuple(p.shape) for u in units for p in u.params}
+        optimizer = {f"{u.name}.{k}": shape for u in units
+                     for k, shape in (("exp_avg", (u.numel,)), ("exp_avg_sq", (u.numel,)), ("step", ()))}
+        return cls(weights, optimizer)
+
+
+def check_checkpoint(ckpt_dir: Path, legacy: LegacyLayout | None = None) -> CheckedCheckpoint:
     """Everything about a checkpoint that needs no engine, before a resume touches any state: the
-    COMPLETE marker; every file's size and digest against MANIFEST.json (`verify_files`); then
-    what each file a resume reads holds: state.json (an object with the right types), config.json,
-    the weights' and the optimizer's safetensors headers (every tensor F32), rng.pt (the RNG states'
-    types and sizes). CheckpointCorrupt names the file and what is wrong; a CheckpointError a
-    checkpoint that is whole but cannot be resumed (a model export, another format version)."""
+    COMPLETE marker; every file's size and digest against MANIFEST.json (`verify_files`), and every
+    file a resume reads listed there; then what each file a resume reads holds: state.json (an
+    object with the right types), config.json, the weights' and the optimizer's safetensors headers
+    (every tensor F32), rng.pt (the RNG states' types and sizes). A checkpoint with no trace of a
+    manifest (an older slidetune's) is, with `legacy` (the model's layout), also held to it: every
+    tensor's name, shape and dtype, as no digest vouches for its bytes. CheckpointCorrupt names the
+    file and what is wrong; a CheckpointError a checkpoint that is whole but cannot be resumed (a
+    model export, another format version)."""
     ckpt = Path(ckpt_dir)
     if not ckpt.is_dir():
         raise CheckpointError(f"checkpoint directory {ckpt} does not exist")
     if not (ckpt / COMPLETE).exists():
         raise CheckpointError(f"checkpoint {ckpt} has no {COMPLETE} marker: it was not finished "
                               f"(interrupted save) or is not a slidetune checkpoint")
-    verified = verify_files(ckpt)
+    listed = _verified_files(ckpt)
     state = _read_state(ckpt)
     if not state.get("with_optimizer", False):
         raise CheckpointError(f"checkpoint {ckpt} cannot be resumed exactly: it was saved without optimizer state "
                               f"(save_dtype={state.get('save_dtype')!r}, with_optimizer={state.get('with_optimizer')})"
                               f". Load it as a model directory (weights only) to start a new run from it")
     optim_files = optimizer_files(ckpt)
+    weight_files = sorted(set(_weight_files(ckpt).values()))
+    if listed is not None:
+        _check_listed(ckpt, listed, [*weight_files, *optim_files])
     config = ckpt / "config.json"
     if not isinstance(_read_json(ckpt, config), dict):
         raise CheckpointCorrupt(ckpt, config, "not a JSON object")
-    for what, files in (("weights", set(_weight_files(ckpt).values())), ("optimizer", set(optim_files))):
+    for what, files in (("weights", weight_files), ("optimizer", optim_files)):
         for path in sorted(files):
             tensors = _LazyTensors(_file_keys(path))
             for name in tensors:
                 if tensors.dtype(name) != "F32":
                     raise CheckpointCorrupt(ckpt, path, f"{what} tensor {name!r} is {tensors.dtype(name)}, not F32: "
                                                         f"a resumable checkpoint holds FP32 {what}")
+    if listed is None and legacy is not None:
+        _check_legacy_layout(ckpt, legacy, weight_files, optim_files)
     _read_rng(ckpt)
-    return CheckedCheckpoint(ckpt, int(state["step"]), verified)
+    return CheckedCheckpoint(ckpt, int(state["step"]), listed is not None)
+
+
+def _check_listed(ckpt: Path, listed: set[str], tensor_files: list[Path]) -> None:
+    """Every file a resume reads is one the manifest lists (so verified): a manifest that leaves one
+    out (edited, and its record in COMPLETE with it) vouches for nothing of its bytes."""
+    reads = [*tensor_files, ckpt / "model.safetensors.index.json", ckpt / "config.json",
+             ckpt / STATE_DIR / "state.json", ckpt / STATE_DIR / "rng.pt"]
+    for path in reads:
+        if path.exists() and path.relative_to(ckpt).as_posix() not in listed:
+            raise CheckpointCorrupt(ckpt, path, f"not listed in {MANIFEST}, which lists every file this slidetune "
+                                                f"writes: its bytes cannot be verified")
+
+
+def _check_legacy_layout(ckpt: Path, legacy: LegacyLayout, weight_files: list[Path], optim_files: list[Path]) -> None:
+    """A checkpoint with no manifest against the model's layout (_tensors_problem, as the loader
+    checks against the engine): one that does not fit is CheckpointCorrupt, since nothing tells its
+    damage from another model's files (a resume sets it aside and takes the next older one)."""
+    for files, want, label in ((weight_files, legacy.weights, "tensor"), (optim_files, legacy.optimizer,
+                                                                           "optimizer tensor")):
+        tensors = _LazyTensors({k: p for path in files for k, p in _file_keys(path).items()})
+        problem = _tensors_problem(tensors, {k: (shape, "F32") for k, shape in want.items()}, label, "model",
+                                  no_extra=True)
+        if problem is not None:
+            name, what = problem
+            raise CheckpointCorrupt(ckpt, tensors.file(name) or files[0],
+                                    f"{what}; with no {MANIFEST} (written by an older slidetune) its tensors must "
+                                    f"fit the model to be trusted")
 
 
 def verify_files(ckpt_dir: Path, threads: int | None = None) -> bool:
     """Every file MANIFEST.json lists has its recorded size and digest (the manifest itself the one
     COMPLETE records); CheckpointCorrupt names the first (in path order) that does not. The files
     are read at once (checkpoint_io.digests_parallel, `threads` readers). False when there is no
-    manifest (a checkpoint of a slidetune older than it): nothing could be verified."""
-    ckpt = Path(ckpt_dir)
+    trace of a manifest (a checkpoint of a slidetune older than it): nothing could be verified."""
+    return _verified_files(Path(ckpt_dir), threads) is not None
+
+
+def _verified_files(ckpt: Path, threads: int | None = None) -> set[str] | None:
+    """verify_files' work: the files MANIFEST.json lists (relative paths), each verified, or None for
+    a checkpoint with no trace of a manifest. Where COMPLETE records one (this slidetune wrote it),
+    a missing MANIFEST.json, or a record that is not {size, digest}, is damage, never "older"."""
     path = ckpt / MANIFEST
-    if not path.exists():
-        return False
-    text = path.read_bytes()
     complete = _read_json(ckpt, ckpt / COMPLETE)
-    recorded = complete.get(MANIFEST) if isinstance(complete, dict) else None
-    if isinstance(recorded, dict):
+    if not isinstance(complete, dict):
+        raise CheckpointCorrupt(ckpt, ckpt / COMPLETE, f"holds a JSON {type(complete).__name__}, not an object")
+    recorded = complete.get(MANIFEST)
+    if not path.exists():
+        if MANIFEST in complete:
+            raise CheckpointCorrupt(ckpt, path, f"missing, though {COMPLETE} records its digest: the slidetune that "
+                                                f"wrote this checkpoint wrote one, and without it no file can be "
+                                                f"verified")
+        return None
+    text = path.read_bytes()
+    if MANIFEST in complete:
+        if not (isinstance(recorded, dict) and type(recorded.get("size")) is int
+                and isinstance(recorded.get("digest"), str)):
+            raise CheckpointCorrupt(ckpt, ckpt / COMPLETE, f"its record of {MANIFEST} is {recorded!r}, not "
+                                                           f"{{size, digest}}")
         got = FileDigest(len(text), xxhash.xxh3_128(text).hexdigest())
         if got.record() != recorded:
             raise CheckpointCorrupt(ckpt, path, f"{got.size} bytes of digest {got.digest}, {COMPLETE} records "
@@ -755,7 +843,7 @@ def verify_files(ckpt_dir: Path, threads: int | None = None) -> bool:
         if digest != entry["digest"]:
             raise CheckpointCorrupt(ckpt, ckpt / rel, f"its {DIGEST} digest is {digest}, {MANIFEST} records "
                                                       f"{entry['digest']}: its bytes changed after it was written")
-    return True
+    return set(files)
 
 
 def _check_entry(ckpt: Path, manifest: Path, rel: str, entry) -> None:

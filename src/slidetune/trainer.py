@@ -36,8 +36,9 @@ import torch
 from .async_save import PendingSave, start_async_save
 from .atomic_write import write_atomically
 from .callbacks import Callback, CallbackFailed, call_hook
-from .checkpoint import (CheckpointCorrupt, CheckpointError, check_checkpoint, complete_checkpoints, latest_checkpoint,
-                         load_checkpoint, prune_checkpoints, recover_leftovers, save_checkpoint, set_aside)
+from .checkpoint import (CheckpointCorrupt, CheckpointError, LegacyLayout, check_checkpoint, complete_checkpoints,
+                         latest_checkpoint, load_checkpoint, prune_checkpoints, recover_leftovers, save_checkpoint,
+                         set_aside)
 from .checkpoint import checkpoint_dir as checkpoint_dir_of
 from .checkpoint_saver import CheckpointSaver, overlap_note, resolve_async_save
 from .config import TrainConfig, config_to_dict, group_tuning
@@ -203,8 +204,8 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None, *, verbose:
     Everything that can be refused is checked before the output directory is touched (but for
     what killed saves left there) or anything large is allocated: the model, the sequence
     length against its context, the memory estimate, the data, the checkpoint to resume from.
-    First of all the output directory (and a --checkpoint-dir) is locked for this run: a second
-    run on it is refused at once (run_lock.py).
+    First of all the output directory and the checkpoint directory are locked for this run: a
+    second run on either, or inside either, is refused at once (run_lock.py).
     """
     t_start = time.perf_counter()
     out = Path(cfg.output_dir)
@@ -220,15 +221,20 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None, *, verbose:
         # One run per directory (run_lock.py), held until the run ends. Taken first: a second run is
         # refused before it loads anything, and the lock costs an open and a flock. Rank 0 writes
         # the run's files, so rank 0 alone holds it; the other ranks learn of a refusal (on_main).
-        ranks.on_main(lambda: held.extend(
-            lock_run_directories(out, Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None)))
+        ranks.on_main(lambda: held.extend(lock_run_directories(out, _checkpoint_root(cfg, out))))
         cfg, dtype_why = _resolve_dtype(cfg, device)
         _print_config(cfg, device, dtype_why, verbose)
         return _train(cfg, ranks, device, out, t_start, verbose, _Reporting(trackers, callbacks))
     finally:
-        for lock in held:
+        for lock in reversed(held):      # the checkpoint directory first: it may lie inside the output directory
             lock.release()
         ranks.close()
+
+
+def _checkpoint_root(cfg: TrainConfig, out: Path) -> Path:
+    """Where the run's checkpoints go: --checkpoint-dir, or `<output_dir>/checkpoints`. The lock is
+    taken on it whichever names it (run_lock.py): another run given it by --checkpoint-dir is refused."""
+    return Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else out / "checkpoints"
 
 
 @dataclass
@@ -419,7 +425,7 @@ def _prepare_inputs(cfg: TrainConfig, prepared: PreparedRun, source, ranks: Rank
     runtime = resolve_compile_layers(runtime, compiled)
     if cfg.runtime.mode == "slide":
         say(f"compile_layers {cfg.runtime.compile_layers} -> {compiled.compile_layers} ({compiled.reason})")
-    ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else out / "checkpoints"
+    ckpt_dir = _checkpoint_root(cfg, out)
     save_dtype = resolve_save_dtype(cfg.save_dtype, loaded.split.config, runtime.dtype)
     # Rank 0 alone reads and changes the output directory before the run (leftovers, free space,
     # the checkpoint to resume from, an earlier run's checkpoints) and every rank gets its answer.
@@ -453,7 +459,7 @@ def _prepare_output(cfg: TrainConfig, loaded: LoadedModel, plan: PlacementPlan |
         raise TrainingError(str(e)) from e
     for note in saves.notes:
         print(note, file=sys.stderr)
-    resume_from = _resolve_resume(cfg, ckpt_dir, total_steps)
+    resume_from = _resolve_resume(cfg, ckpt_dir, total_steps, LegacyLayout.of_units(loaded.split.units))
     stale = []
     if resume_from is None:
         stale = complete_checkpoints(ckpt_dir)
@@ -491,13 +497,14 @@ def _reference_check(cfg: TrainConfig, loaded: LoadedModel) -> None:
           f"random copy): {result.summary()}")
 
 
-def _resolve_resume(cfg: TrainConfig, ckpt_dir: Path, total_steps: int) -> Path | None:
+def _resolve_resume(cfg: TrainConfig, ckpt_dir: Path, total_steps: int, legacy: LegacyLayout) -> Path | None:
     """The checkpoint to continue from (None: a fresh start), checked before anything is allocated.
 
-    Every file of it is verified (check_checkpoint: digests, then types) before the engine exists.
-    With --resume auto a damaged checkpoint is set aside (renamed, never deleted) with a message
-    naming the file and what is wrong, and the next older one is tried; with --resume PATH the
-    damage is the error."""
+    Every file of it is verified (check_checkpoint: digests, then types) before the engine exists;
+    one with no manifest (an older slidetune's) is used only if its tensors fit `legacy`, the
+    model's layout. With --resume auto a damaged checkpoint is set aside (renamed, never deleted)
+    with a message naming the file and what is wrong, and the next older one is tried; with
+    --resume PATH the damage is the error."""
     if not cfg.resume:
         return None
     if cfg.resume == "auto":
@@ -508,7 +515,7 @@ def _resolve_resume(cfg: TrainConfig, ckpt_dir: Path, total_steps: int) -> Path 
         checked, set_apart = None, []
         for ckpt in candidates:
             try:
-                checked = check_checkpoint(ckpt)
+                checked = check_checkpoint(ckpt, legacy)
                 break
             except CheckpointCorrupt as e:
                 aside = set_aside(ckpt)
@@ -527,14 +534,15 @@ def _resolve_resume(cfg: TrainConfig, ckpt_dir: Path, total_steps: int) -> Path 
             raise TrainingError(f"--resume {cfg.resume}: no such checkpoint directory (use --resume auto for the "
                                 f"newest complete checkpoint in {ckpt_dir})")
         try:
-            checked = check_checkpoint(ckpt)
+            checked = check_checkpoint(ckpt, legacy)
         except CheckpointError as e:
             raise TrainingError(f"--resume {cfg.resume}: {e}" + (
                 ". Resume from an older checkpoint instead (--resume auto sets a damaged one aside and takes the "
                 "next older one)" if isinstance(e, CheckpointCorrupt) else "")) from e
     if not checked.verified:
-        print(f"note: {checked.path} has no MANIFEST.json (written by an older slidetune): its files cannot "
-              f"be verified against digests, only their structure was checked", file=sys.stderr)
+        print(f"warning: {checked.path} has no MANIFEST.json (written by an older slidetune): its bytes cannot be "
+              f"verified against digests, only its files' structure was checked and its tensors' names, shapes and "
+              f"dtypes match the model", file=sys.stderr)
     if checked.step > total_steps:
         raise TrainingError(f"checkpoint {checked.path} is at step {checked.step}, beyond this run's {total_steps} "
                             f"steps (--max-steps/--epochs); resume with the run's original length")
