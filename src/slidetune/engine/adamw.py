@@ -20,9 +20,19 @@ from dataclasses import dataclass
 
 import torch
 
-from . import native_adamw
+from . import blockwise8, native_adamw
 
 KERNELS = ("dynamic", "static", "torch")
+
+
+MASTERS = ("fp32", "bf16")              # --master
+MOMENTS = ("fp32", "bf16", "8bit")      # --moments
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": blockwise8.CODE_DTYPE}
+
+
+def _whole(x: float) -> int | float:
+    """A byte count as an int where it is whole (FP32_ADAMW's figures stay the ints they were)."""
+    return int(x) if float(x).is_integer() else x
 
 
 @dataclass(frozen=True)
@@ -31,36 +41,93 @@ class OptimizerState:
     with: the bytes the fit, the placement, the disk tier, the roofline and the save plan count.
 
     master: the copy of the weights the update writes ([numel] of master_dtype); moments: tensors
-    of the master's length (moment_names, in state_tensors()' names and the disk tier's file order);
-    step: one 0-dim tensor a unit, not a parameter."""
+    of the master's length (moment_names, in state_tensors()' names and the disk tier's file order),
+    [numel] of moment_dtype each (FP32, BF16, or the 8-bit format's one-byte codes), and where
+    moment_block > 0 one scale of scale_dtype for each moment_block elements of each moment
+    ([ceil(numel / moment_block)], blockwise8); step: one 0-dim tensor a unit, not a parameter.
+
+    One instance per combination of the flags (`optimizer_state()`); FP32_ADAMW, the default, is
+    the one every reader used before the compact formats (issue 46) and keeps its int figures.
+    The compact ones' figures are exact floats: 4/256 = 1/64 is a power of two."""
     master_dtype: torch.dtype
     moment_names: tuple[str, ...]
     moment_dtype: torch.dtype
     step_dtype: torch.dtype
+    master: str = "fp32"                     # the --master value this is
+    moments: str = "fp32"                    # the --moments value
+    moment_block: int = 0                    # elements sharing one scale (8bit: blockwise8.BLOCK); 0: none
+    scale_dtype: torch.dtype = torch.float32     # each block's absmax (8bit)
+    # "stochastic": a BF16 master is rounded stochastically (a counter-based hash of the step and
+    # the element's index: nothing stored); "nearest": FP32 keeps the update as computed
+    master_rounding: str = "nearest"
+
+    @property
+    def name(self) -> str:
+        return f"master {self.master}, moments {self.moments}"
 
     @property
     def master_bytes(self) -> int:
         return self.master_dtype.itemsize
 
     @property
-    def moment_bytes(self) -> int:
-        """All the moments of one parameter."""
-        return len(self.moment_names) * self.moment_dtype.itemsize
+    def scale_bytes(self) -> float:
+        """One moment's scales, amortised per parameter (8bit: 4/256 B)."""
+        return self.scale_dtype.itemsize / self.moment_block if self.moment_block else 0.0
 
     @property
-    def bytes_per_param(self) -> int:
+    def moment_bytes(self) -> int | float:
+        """All the moments of one parameter, their scales amortised (8bit: 2 x (1 + 4/256) B)."""
+        return _whole(len(self.moment_names) * (self.moment_dtype.itemsize + self.scale_bytes))
+
+    @property
+    def bytes_per_param(self) -> int | float:
         """Master and moments: what a checkpoint writes and a host unit's RAM holds per parameter."""
-        return self.master_bytes + self.moment_bytes
+        return _whole(self.master_bytes + self.moment_bytes)
 
     @property
     def step_bytes(self) -> int:
         """The step count, once a unit."""
         return self.step_dtype.itemsize
 
+    def update_bytes(self, grad_bytes: int = 2) -> int | float:
+        """Host DRAM one update moves per parameter: master and moments (with scales) read and
+        written back, the gradient (BF16 as it lands: 2 B; FP32: 4) read. FP32_ADAMW: 26 B/param,
+        28 with FP32 gradients (bench/roofline.py's ADAMW_BYTES, benchmarks/NOTES.md "Host AdamW")."""
+        return _whole(2 * self.bytes_per_param + grad_bytes)
+
+    def moment_nbytes(self, numel: int) -> int:
+        """One moment of a `numel`-element unit, exactly: codes and its (last partial) block's scales."""
+        scales = -(-numel // self.moment_block) * self.scale_dtype.itemsize if self.moment_block else 0
+        return numel * self.moment_dtype.itemsize + scales
+
+    def nbytes(self, numel: int) -> int:
+        """Master and moments of a `numel`-element unit, exactly (bytes_per_param x numel, give or
+        take the last block's scale)."""
+        return numel * self.master_bytes + len(self.moment_names) * self.moment_nbytes(numel)
+
+
+def _state(master: str, moments: str) -> OptimizerState:
+    return OptimizerState(master_dtype=_DTYPES[master], moment_names=("exp_avg", "exp_avg_sq"),
+                          moment_dtype=_DTYPES[moments], step_dtype=torch.float32, master=master, moments=moments,
+                          moment_block=blockwise8.BLOCK if moments == "8bit" else 0,
+                          master_rounding="stochastic" if master == "bf16" else "nearest")
+
 
 # FlatAdamW's state: FP32 master 4 B + exp_avg 4 B + exp_avg_sq 4 B = 12 B/param, and a 4 B step a unit.
-FP32_ADAMW = OptimizerState(master_dtype=torch.float32, moment_names=("exp_avg", "exp_avg_sq"),
-                            moment_dtype=torch.float32, step_dtype=torch.float32)
+FP32_ADAMW = _state("fp32", "fp32")
+# Each combination of --master and --moments, B/param stored (master + moments) | moved a step with
+# BF16 gradients (2 x stored + 2): fp32/fp32 12 | 26; fp32/bf16 8 | 18; fp32/8bit 6.03125 | 14.0625;
+# bf16/fp32 10 | 22; bf16/bf16 6 | 14; bf16/8bit 4.03125 | 10.0625.
+OPTIMIZER_STATES = {(m, mo): FP32_ADAMW if (m, mo) == ("fp32", "fp32") else _state(m, mo)
+                    for m in MASTERS for mo in MOMENTS}
+
+
+def optimizer_state(master: str = "fp32", moments: str = "fp32") -> OptimizerState:
+    """The state one combination of --master and --moments keeps (FP32_ADAMW for the defaults)."""
+    if (master, moments) not in OPTIMIZER_STATES:
+        raise ValueError(f"--master must be one of {MASTERS} and --moments one of {MOMENTS}, "
+                         f"got master={master!r}, moments={moments!r}")
+    return OPTIMIZER_STATES[(master, moments)]
 
 
 @dataclass

@@ -1,0 +1,78 @@
+"""The host AdamW kernels' rates for each state format (issue 46; engine/adamw.py OPTIMIZER_STATES):
+params/s of one update over one range far larger than the caches, BF16 gradients, at each thread
+count, beside the FP32 kernel (native_adamw.update). Prints a table and writes one JSON with the
+machine's details and each format's B/param stored and moved (GB/s moved = rate x moved).
+Usage: python benchmarks/scripts/compact_adamw_rate.py [OUT.json] [--params 16e6] [--threads 1,2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from slidetune.engine import blockwise8, native_adamw
+from slidetune.engine.adamw import OPTIMIZER_STATES, OptimizerState
+from slidetune.telemetry.machine import machine_info
+
+KW = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+
+def _state(fmt: OptimizerState, n: int) -> tuple[list[torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]:
+    """Master and moments in the format, first-touched (and moved away from zero by one step)."""
+    master = torch.randn(n).to(fmt.master_dtype)
+    moments = [torch.zeros(n, dtype=fmt.moment_dtype) for _ in fmt.moment_names]
+    scales = tuple(torch.zeros(blockwise8.num_blocks(n)) for _ in fmt.moment_names) if fmt.moment_block else None
+    return [master, *moments], scales
+
+
+def rate(fmt: OptimizerState, n: int, threads: int, steps: int = 5) -> float:
+    """Parameters per second: the best of `steps` updates after one untimed one (the best: other
+    work on a shared machine only slows a call). One thread: the calling thread's CPU time
+    (OpenMP runs a one-thread region on the caller), which another process's load does not
+    inflate; more: wall time."""
+    tensors, scales = _state(fmt, n)
+    grad = torch.randn(n).to(torch.bfloat16)
+
+    def one(step: int) -> None:
+        if fmt.master == "fp32" and fmt.moments == "fp32":
+            native_adamw.update(*tensors, grad, step=step, threads=threads, **KW)
+        else:
+            native_adamw.update_compact(*tensors, grad, step=step, threads=threads, scales=scales, **KW)
+    one(1)
+    clock = time.thread_time if threads == 1 else time.perf_counter
+    times = []
+    for step in range(2, steps + 2):
+        t = clock()
+        one(step)
+        times.append(clock() - t)
+    return n / min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", nargs="?")
+    ap.add_argument("--params", type=float, default=16e6)
+    ap.add_argument("--threads", default="1,2")
+    a = ap.parse_args()
+    n, threads = int(a.params), [int(t) for t in a.threads.split(",")]
+    native_adamw.load_compact()                              # compiled outside the timing
+    rows = []
+    print(f"{'master':>6} {'moments':>7} {'stored':>8} {'moved':>8}  " +
+          "  ".join(f"{t:>2} thr G/s (GB/s)" for t in threads))
+    for (master, moments), fmt in OPTIMIZER_STATES.items():
+        rates = {t: rate(fmt, n, t) for t in threads}
+        moved = fmt.update_bytes(2)
+        rows.append(dict(master=master, moments=moments, bytes_stored=fmt.bytes_per_param, bytes_moved=moved,
+                         params_per_s={str(t): r for t, r in rates.items()}))
+        print(f"{master:>6} {moments:>7} {fmt.bytes_per_param:>8} {moved:>8}  " +
+              "  ".join(f"{r / 1e9:>9.3f} ({r * moved / 1e9:>5.1f})" for r in rates.values()))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(dict(machine=machine_info(), params=n, grad="bf16", rows=rows,
+                           clock="1 thread: the calling thread's CPU time; more: wall time; best of 5"), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
