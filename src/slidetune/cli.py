@@ -3,14 +3,18 @@
 Expected failures (bad data, unknown model, a configuration that does not fit, a failed
 save, a non-finite loss, ...) print `slidetune: error: <what and where>` and exit with
 status 2; an interrupted run exits with 130. Set SLIDETUNE_TRACEBACK=1 to get the
-traceback as well.
+traceback as well. Output into a pipe whose reader has gone (`slidetune ... | head`) ends
+the command quietly with status 141, as SIGPIPE ends a Unix tool.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
+import math
 import os
+import select
+import signal
 import sys
 from pathlib import Path
 
@@ -405,6 +409,41 @@ def _add_bench(sub) -> None:
         p.set_defaults(func=_bench_scenario, scenario_module=mod)
 
 
+# `plan`'s description of a machine (and --gpus of train and plan), checked as argparse reads them, so
+# that the refusal names the argument: `--gpu-free-gib -5` planned for "usable -4.75 GiB", `nan`
+# failed converting to bytes, and `plan --gpus 0` said "fits" where train refuses it
+def _gib(text: str, low: float, low_ok: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and (value >= low if low_ok else value > low)):
+        raise argparse.ArgumentTypeError(f"must be a finite number of GiB {'>=' if low_ok else '>'} {low:g}, "
+                                         f"not {text!r}")
+    return value
+
+
+def _gib_above_0(text: str) -> float:
+    """The GPU's free memory or the host's RAM planned for: a machine with none is no machine."""
+    return _gib(text, 0, low_ok=False)
+
+
+def _gib_at_least_0(text: str) -> float:
+    """Free space in /dev/shm or on the disk tier's disk: 0 (full) is a state to plan against."""
+    return _gib(text, 0, low_ok=True)
+
+
+def _rank_count(text: str) -> int:
+    """--gpus N: a whole number of ranks, at least one."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of ranks >= 1, not {text!r}")
+    return value
+
+
 _TRAIN_DESCRIPTION = ("Fine-tune every parameter of a decoder-only model on one GPU. The flags below are the "
                       "choices a run makes; the pipeline's tuning knobs (rings, chunk sizes, streams, wait modes, "
                       "update order, disk blocks) have measured defaults and are set as --tuning.NAME VALUE or in a "
@@ -419,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_train = sub.add_parser("train", help="fine-tune a model (default: SmolLM2-135M on the built-in corpus)",
                              description=_TRAIN_DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_config_flags(p_train)
-    p_train.add_argument("--gpus", type=int, default=None, metavar="N",
+    p_train.add_argument("--gpus", type=_rank_count, default=None, metavar="N",
                          help="data parallel on N GPUs of this host: restarts the command through torchrun "
                               "(torch.distributed.run) with N ranks, --batch-size rows each (the global batch is "
                               "N x --batch-size); with --device cpu, N CPU processes over gloo (testing). "
@@ -431,18 +470,18 @@ def build_parser() -> argparse.ArgumentParser:
     p_plan = sub.add_parser("plan", help="print the memory a configuration needs, allocating nothing",
                             description=_TRAIN_DESCRIPTION.replace("Fine-tune", "Plan the memory of fine-tuning"))
     add_config_flags(p_plan)
-    p_plan.add_argument("--gpu-free-gib", type=float, default=None,
+    p_plan.add_argument("--gpu-free-gib", type=_gib_above_0, default=None, metavar="GIB",
                         help="slide on CUDA: resolve the auto settings for a GPU with this much free memory "
                              "(default: this machine's GPU, if it has one) and say whether it fits")
-    p_plan.add_argument("--host-gib", type=float, default=None,
+    p_plan.add_argument("--host-gib", type=_gib_above_0, default=None, metavar="GIB",
                         help="with --gpu-free-gib: the host RAM available (default: this machine's)")
-    p_plan.add_argument("--gpus", type=int, default=1, metavar="N",
+    p_plan.add_argument("--gpus", type=_rank_count, default=1, metavar="N",
                         help="data parallel: N ranks on this host (train --gpus N): the auto settings and the "
                              "host check count them all (one shared state, each rank's own buffers), and the "
                              "shared state must fit /dev/shm (--shm-gib)")
-    p_plan.add_argument("--shm-gib", type=float, default=None,
+    p_plan.add_argument("--shm-gib", type=_gib_at_least_0, default=None, metavar="GIB",
                         help="with --gpus N > 1: the free space of /dev/shm (default: this machine's)")
-    p_plan.add_argument("--disk-free-gib", type=float, default=None,
+    p_plan.add_argument("--disk-free-gib", type=_gib_at_least_0, default=None, metavar="GIB",
                         help="with --disk-dir: the free space of its disk (default: what it has here), as "
                              "--host-gib describes the host; the directory then need not exist here (a plan "
                              "for another machine)")
@@ -469,6 +508,18 @@ _CLEAN_ERRORS = (ValueError, OSError, RuntimeError, ImportError, KeyError)
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()      # a closed pipe fails here, where it is caught, not at the interpreter's exit
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise
+        return _end_quietly()
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     ns.argv = list(sys.argv[1:] if argv is None else argv)     # what --gpus restarts through torchrun
@@ -478,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
         print("slidetune: interrupted", file=sys.stderr)
         return 130
     except _CLEAN_ERRORS as e:
+        if isinstance(e, BrokenPipeError) and _stdout_closed():
+            raise                   # main ends quietly: the reader of our output has gone
         if os.environ.get("SLIDETUNE_TRACEBACK"):
             import traceback
             traceback.print_exc()
@@ -487,6 +540,29 @@ def main(argv: list[str] | None = None) -> int:
         where = f" (rank {rank} of {world})" if world > 1 else ""
         print(f"slidetune: error{where}: {type(e).__name__}: {msg}", file=sys.stderr)
         return 2
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe (or socket) whose reader has gone: poll reports an error on its
+    write end. A BrokenPipeError from anything else (a socket to a tracker, a child's pipe) is a
+    failure to report, not the end of the output."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):       # replaced by a StringIO: not a pipe
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+def _end_quietly() -> int:
+    """`slidetune train --help-tuning | head`: the reader took what it wanted and left. The rest of
+    the output goes to /dev/null (so that the interpreter's flush at exit does not fail again), and
+    the status is a Unix tool's that SIGPIPE ended (128 + 13), without a traceback."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -25,19 +25,19 @@ import dataclasses
 import functools
 import inspect
 import math
+import os
 import re
 import sys
 import textwrap
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
-import yaml
-
+from .config_file import read_config_file
 from .data.config import DataConfig
 from .engine.adamw import FP32_ADAMW, AdamWConfig
 from .engine.config import SECTIONS, TUNING_SECTION, RuntimeConfig, literal_choices, runtime_fields, tuning_docs
+from .fields import FLAG_NAMES, FieldTypeError, base_type, check_fields
 from .telemetry.trackers import parse_report_to
 
 
@@ -61,7 +61,7 @@ class TrainConfig:
     grad_accum: int = 1                  # micro-batches per optimizer step
     max_steps: int | None = None         # optimizer steps; None: 20 on the CPU (a few minutes on 2 cores), 300 on a GPU
     epochs: float | None = None          # if set, overrides max_steps: epochs over the training split
-    lr_schedule: str = "cosine"          # cosine | linear | constant (after warmup)
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"     # cosine | linear | constant (after warmup)
     warmup_steps: int = 2                # linear warmup from lr/warmup_steps to lr over these steps
     min_lr_ratio: float = 0.1            # cosine/linear decay down to lr * min_lr_ratio
     max_grad_norm: float | None = 1.0    # global-norm clipping (0 or None: off)
@@ -78,8 +78,8 @@ class TrainConfig:
     # next update waits only until its state is written; async_save.py). auto: on for the slide engine on
     # a GPU in one process, off on a CPU (the writer would take the cores the step runs on) and where it
     # is not possible (gpu/ckpt modes, data parallel: blocking saves); on: refused where not possible
-    async_save: str = "auto"
-    save_dtype: str = "auto"             # dtype of the exported final/ model: auto (the checkpoint's own: bf16 for a bf16 model) | fp32 | bf16
+    async_save: Literal["auto", "on", "off"] = "auto"
+    save_dtype: Literal["auto", "fp32", "bf16"] = "auto"     # dtype of the exported final/ model: auto (the checkpoint's own: bf16 for a bf16 model) | fp32 | bf16
     checkpoint_dir: str | None = None    # where resumable checkpoints go (None: <output_dir>/checkpoints); another disk when they do not fit
     output_dir: str = "runs/default"     # metrics.csv, loss.png, config.json, checkpoints/, final/
     resume: str | None = None            # None | auto | path to a checkpoint directory
@@ -100,43 +100,62 @@ class TrainConfig:
         return DEFAULT_GPU_STEPS if on_gpu else DEFAULT_CPU_STEPS
 
     def __post_init__(self):
-        if self.batch_size < 1 or self.grad_accum < 1:
-            raise ValueError("batch_size and grad_accum must be >= 1")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max_steps must be >= 1, not {self.max_steps}")
-        if self.epochs is not None and not (math.isfinite(self.epochs) and self.epochs > 0):
-            raise ValueError(f"epochs (--epochs) must be a finite number > 0, not {self.epochs}")
-        if self.stop_after is not None and self.stop_after < 1:
-            raise ValueError(f"stop_after must be >= 1 (or None), not {self.stop_after}")
-        if self.keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1, not {self.keep_last}")
-        for name in ("warmup_steps", "eval_every", "eval_batches", "save_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
-        if self.eval_max_new_tokens < 1:
-            raise ValueError(f"eval_max_new_tokens must be >= 1, not {self.eval_max_new_tokens}")
-        if self.log_every < 1:
-            raise ValueError(f"log_every must be >= 1, not {self.log_every}")
+        """One validator for the flags, a YAML file and Python (fields.check_fields): each field's
+        type, choices and range (_RULES), the flag named in the message. `data` may be a path (the
+        --data flag's value) and each section a dict of its fields, as in a YAML file."""
+        self.data = _section(self.data, DataConfig, "data", seed=self.seed, path_ok=True)
+        self.runtime = _section(self.runtime, RuntimeConfig, "runtime")
+        self.optim = _section(self.optim, AdamWConfig, "optim")
+        check_fields(self, rules=_RULES)
         parse_report_to(self.report_to)
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], not {self.min_lr_ratio}")
-        if self.lr_schedule not in ("cosine", "linear", "constant"):
-            raise ValueError(f"lr_schedule must be cosine, linear or constant, not {self.lr_schedule!r}")
-        if self.save_dtype not in ("auto", "fp32", "bf16"):
-            raise ValueError("save_dtype must be auto, fp32 or bf16")
-        if self.async_save not in ("auto", "on", "off"):
-            raise ValueError(f"async_save must be auto, on or off, not {self.async_save!r}")
-        if self.gpu_memory_limit is not None and not self.gpu_memory_limit > 0:      # NaN too
-            raise ValueError(f"gpu_memory_limit must be > 0 GiB (or None: the whole GPU), not {self.gpu_memory_limit}")
-        if self.max_grad_norm is not None and math.isnan(self.max_grad_norm):
-            raise ValueError("max_grad_norm (--max-grad-norm) must be a number (0 or None: no clipping), not nan")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             self.max_grad_norm = None
 
 
-# flag name overrides (field path -> flag); None hides a field (it follows another one)
-_FLAG_NAMES = {"data.path": "data", "data.seed": None, "data.eval_path": "eval-data", "data.split": "data-split",
-               "data.subset": "data-subset", "data.streaming": "data-streaming", "data.cache_dir": "data-cache-dir"}
+def _at_least(n: int):
+    return (lambda v: v >= n, f">= {n}")
+
+
+def _non_blank(what: str):
+    return (lambda v: v.strip() != "", what)
+
+
+# TrainConfig's ranges, by field (checked with the types by fields.check_fields; None is never
+# checked: an optional field left unset). NaN fails every comparison, so `v > 0` refuses it too.
+_RULES = {
+    "model": _non_blank("a preset name, a .gguf file, a model directory or a Hub id"),
+    "num_layers": _at_least(1), "batch_size": _at_least(1), "grad_accum": _at_least(1),
+    "max_steps": _at_least(1), "stop_after": _at_least(1), "keep_last": _at_least(1),
+    "log_every": _at_least(1), "eval_max_new_tokens": _at_least(1),
+    "warmup_steps": _at_least(0), "eval_every": _at_least(0), "eval_batches": _at_least(0),
+    "save_every": _at_least(0),
+    "epochs": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
+    "min_lr_ratio": (lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
+    # numpy's and torch's generators take 0 .. 2**32 - 1 (numpy refuses -1 naming no flag)
+    "seed": (lambda v: 0 <= v < 2**32, "in 0 .. 2**32 - 1"),
+    "gpu_memory_limit": (lambda v: math.isfinite(v) and v > 0, "> 0 GiB and finite (or None: the whole GPU)"),
+    "max_grad_norm": (lambda v: not math.isnan(v), "a number (0 or None: no clipping)"),
+    # "" wrote final/, checkpoints/ and metrics.csv into the working directory, unasked
+    "output_dir": _non_blank('a directory\'s path (".": the working directory)'),
+}
+
+
+def _section(value, cls, name: str, seed: int | None = None, path_ok: bool = False):
+    """A TrainConfig section from what Python may pass: the section itself, a dict of its fields
+    (as YAML nests them), or for `data` a path, as `--data PATH` and `data: PATH` in YAML give it
+    (seeded by TrainConfig.seed, as build_config seeds it)."""
+    if isinstance(value, cls):
+        return value
+    extra = {"seed": seed} if seed is not None and isinstance(seed, int) else {}
+    if isinstance(value, dict):
+        return cls(**{**extra, **value})
+    if path_ok and (value is None or isinstance(value, (str, os.PathLike))):
+        return cls(path=None if value is None else os.fspath(value), **extra)
+    what = f"a {cls.__name__}, a dict of its fields" + (" or a path (--data)" if path_ok else "")
+    raise FieldTypeError(f"{name} must be {what}, not the {type(value).__name__} {value!r}")
+
+
+_FLAG_NAMES = FLAG_NAMES           # flag name overrides (field path -> flag; None: hidden), fields.py
 # string fields whose flag alone means a value, as a boolean flag alone means true
 _BARE_FLAG = {"runtime.compile_layers": "on", "runtime.offload_activations": "on", "data.streaming": "on"}
 _SECTIONS = ("data", "runtime", "optim")
@@ -202,21 +221,8 @@ def _leaf_fields(cls, prefix: str = ""):
             yield prefix + f.name, f
 
 
-def _base_type(tp):
-    """int | None -> (int, True); Literal["a", "b"] -> (str, False)."""
-    if isinstance(tp, str):
-        tp = eval(tp, vars(typing), {})  # noqa: S307 - our own annotations
-    args = typing.get_args(tp)
-    if typing.get_origin(tp) is typing.Literal:
-        return type(args[0]), False
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        non_none = [a for a in args if a is not type(None)]
-        return non_none[0], True
-    return tp, False
-
-
 def _parse_value(text: str, tp):
-    base, optional = _base_type(tp)
+    base, optional = base_type(tp)
     if optional and text.lower() in ("none", "null", ""):
         return None
     if base is bool:
@@ -276,11 +282,20 @@ def _field_default(path: str):
     return obj
 
 
+def _flag_parser(tp):
+    """argparse's `type=` for a field of type `tp`; named after the type, as argparse's refusal
+    says "invalid int value: 'x'" (a lambda made it "invalid <lambda> value")."""
+    def parse(text: str):
+        return _parse_value(text, tp)
+    parse.__name__ = getattr(base_type(tp)[0], "__name__", "value")
+    return parse
+
+
 def _value_spec(path: str, f: dataclasses.Field) -> dict:
     """argparse keywords that parse a field's value (type, metavar, a bare flag's meaning, and the
     choices of a Literal field, engine.config's one list of them)."""
-    base, _ = _base_type(f.type)
-    spec = {"type": lambda s, t=f.type: _parse_value(s, t),
+    base, _ = base_type(f.type)
+    spec = {"type": _flag_parser(f.type),
             "metavar": base.__name__.upper() if isinstance(base, type) else "VALUE"}
     choices = None if f.metadata.get("normalize") else literal_choices(f.type)
     if choices:
@@ -430,7 +445,7 @@ def field_docs(cls) -> dict[str, str]:
 def _coerce(value, tp, path: str, source: str | None = None):
     """A YAML value converted to the field's type, by the flags' rules; ValueError naming the field
     (and `source`, the file it came from) when impossible."""
-    base, optional = _base_type(tp)
+    base, optional = base_type(tp)
     where = f"{source}: " if source else ""
     if value is None:
         if optional:
@@ -574,21 +589,10 @@ def _runs_on_cpu(raw: dict) -> bool:
 
 
 def load_yaml(path) -> dict:
-    """A config file (YAML or JSON) as the nested dict `build_config` takes."""
+    """A config file (YAML or JSON) as the nested dict `build_config` takes, each value converted to
+    its field's type (_coerce)."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config file {path} does not exist")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"config file {path} is not UTF-8 text (byte {e.start}: {e.reason}); save it as "
-                         f"UTF-8") from None
-    except OSError as e:
-        raise OSError(e.errno, f"config file {path} cannot be read: {e.strerror}") from None
-    try:
-        loaded = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ValueError(f"config file {path} is not valid YAML: {e}") from None
+    loaded = read_config_file(path)        # config_file.py: no aliases, no key given twice
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):

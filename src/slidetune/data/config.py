@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..fields import check_fields
 from .chat_template import check_chat_template_setting
 
 PACKING_MODES = ("masked", "causal", "off")
@@ -15,6 +16,9 @@ INSTRUCTION_FORMATS = ("chat", "prompt_completion", "alpaca")
 # the boolean spelling of the flag before the modes existed (`--packing true|false`)
 _PACKING_ALIASES = {"true": "masked", "on": "masked", "yes": "masked", "1": "masked",
                     "false": "off", "no": "off", "0": "off"}
+
+# the ranges of DataConfig's numbers (checked with every field's type by fields.check_fields)
+_RULES = {"seq_len": (lambda v: v >= 1, ">= 1"), "heldout_fraction": (lambda v: 0.0 <= v < 1.0, "in [0, 1)")}
 
 
 @dataclass
@@ -90,18 +94,13 @@ class DataConfig:
         if self.streaming not in STREAMING_MODES:
             raise ValueError(f"DataConfig.streaming must be one of {', '.join(STREAMING_MODES)}, got "
                              f"{self.streaming!r}")
+        check_fields(self, "data", rules=_RULES)     # types and ranges (fields.py), after the spellings above
         if self.packing_strategy not in PACKING_STRATEGIES:
             raise ValueError(f"DataConfig.packing_strategy must be one of {', '.join(PACKING_STRATEGIES)}, got "
                              f"{self.packing_strategy!r}: bfd packs whole examples, wrapped cuts windows")
         check_chat_template_setting(self.chat_template)
         if self.token_dtype not in ("uint16", "uint32"):
             raise ValueError(f"DataConfig.token_dtype must be uint16 or uint32, got {self.token_dtype!r}")
-        if self.seq_len < 1:
-            raise ValueError(f"DataConfig.seq_len must be >= 1, got {self.seq_len}")
-        if not 0.0 <= self.heldout_fraction < 1.0:
-            raise ValueError(
-                f"DataConfig.heldout_fraction must be in [0, 1), got {self.heldout_fraction}"
-            )
 
     @property
     def packed(self) -> bool:

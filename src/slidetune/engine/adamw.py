@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..fields import check_fields
 from . import blockwise8, native_adamw
 
 KERNELS = ("dynamic", "static", "torch")
@@ -142,7 +143,9 @@ class AdamWConfig:
         """torch.optim.AdamW's own rules, checked here so that a bad value is refused before the
         model loads (the kernels take NaN or a negative lr without a word: `--lr -1` diverged).
         lr 0 is allowed, as torch allows it: an update that moves no weight (the moments still
-        advance), a run that measures throughput or held-out loss without changing the model."""
+        advance), a run that measures throughput or held-out loss without changing the model.
+        Their types first, as every config's (fields.py): `lr="1e-4"` is refused naming lr."""
+        check_fields(self, "optim")
         rules = (("lr", math.isfinite(self.lr) and self.lr >= 0, "a finite number >= 0"),
                  ("beta1", 0.0 <= self.beta1 < 1.0, "in [0, 1)"),
                  ("beta2", 0.0 <= self.beta2 < 1.0, "in [0, 1)"),

@@ -16,24 +16,24 @@ flat "tuning" group (config.py), and `RuntimeConfig(chunk_mb=64)` or
 Each knob is declared once, with `tuning_field`: its measured default, a one-line `help` and a
 one-line `when` (its whole documentation; a comment above keeps a reason only where help does
 not say it). A choice is typed `Literal[...]`; one validator (check_fields) checks those and the
-ranges declared with `valid=`, and gives argparse its `choices` (literal_choices). Measurement
-history lives in benchmarks/NOTES.md and benchmarks/LOG.md.
+ranges declared with `valid=` (and every field's type: fields.py, shared with the other config
+classes), and gives argparse its `choices` (literal_choices). Measurement history lives in
+benchmarks/NOTES.md and benchmarks/LOG.md.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import typing
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
+from ..fields import TUNING_SECTION, check_fields, checked_field, literal_choices  # noqa: F401 - re-exported
 from .adamw import FP32_ADAMW
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-
-TUNING_SECTION = "tuning"       # the YAML section, config.json group and flag prefix of the knobs
 
 
 @dataclass(frozen=True)
@@ -51,50 +51,8 @@ def tuning_field(default, *, help: str, when: str, valid=None, normalize=None): 
     (value, name) that maps other spellings to the canonical value (and refuses the rest)."""
     if not help.strip() or not when.strip() or "\n" in help + when:
         raise ValueError("tuning_field needs a one-line help and a one-line when")
-    return field(default=default, metadata={TUNING_SECTION: TuningDoc(help.strip(), when.strip()),
-                                            "valid": valid, "normalize": normalize})
-
-
-def _user_field(default, *, valid=None, normalize=None):
-    """A user's choice with a range or a normalizer (see tuning_field); its doc is its comment."""
-    return field(default=default, metadata={"valid": valid, "normalize": normalize})
-
-
-@functools.cache
-def _hints(cls) -> dict:
-    return typing.get_type_hints(cls, globalns=globals())
-
-
-def literal_choices(tp) -> tuple | None:
-    """A `Literal[...]` type's values (argparse's choices), None for any other type."""
-    if isinstance(tp, str):
-        tp = eval(tp, {**vars(typing), "Literal": Literal})  # noqa: S307 - our own annotations
-    return typing.get_args(tp) if typing.get_origin(tp) is Literal else None
-
-
-def _words(values) -> str:
-    """("a", "b", "c") -> "a, b or c"."""
-    values = [str(v) for v in values]
-    return values[0] if len(values) == 1 else ", ".join(values[:-1]) + " or " + values[-1]
-
-
-def check_fields(obj) -> None:
-    """The one validator of the runtime's dataclasses: each field normalized (where it declares
-    how), then checked against its Literal choices and its declared range. ValueError names the
-    field and what it may be."""
-    hints = _hints(type(obj))
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if f.metadata.get("normalize"):
-            value = f.metadata["normalize"](value, f.name)
-            object.__setattr__(obj, f.name, value)
-        choices = literal_choices(hints[f.name])
-        if choices is not None and value not in choices:
-            raise ValueError(f"{f.name} must be {_words(choices)}, not {value!r}")
-        if f.metadata.get("valid"):
-            predicate, rule = f.metadata["valid"]
-            if not predicate(value):
-                raise ValueError(f"{f.name} must be {rule}, not {value!r}")
+    return checked_field(default, valid=valid, normalize=normalize,
+                         **{TUNING_SECTION: TuningDoc(help.strip(), when.strip())})
 
 
 def _count_or_auto(v) -> bool:
@@ -138,11 +96,36 @@ def _disk_units(value, name: str = "disk_units"):
     return int(value) if value == int(value) else value
 
 
+# the devices the engines run on: a CUDA device by index or not, the CPU, or auto (cuda if available)
+_DEVICE = (lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v) is not None, "auto, cpu, cuda or cuda:N")
+_RECOMPUTE_FORMS = 'all, none, every:K (K >= 1) or a comma list of layer numbers such as "0,3,7"'
+
+
+def _recompute(value, name: str = "recompute") -> str:
+    """The ckpt-mode layer selection in one spelling: all, none, every:K or "0,3,7" (sorted, once
+    each); "" is all. The layers' range needs the model: recompute_set checks it."""
+    text = str(value).strip().lower().replace(" ", "")
+    if text in ("all", "", "none"):
+        return text or "all"
+    try:
+        if text.startswith("every:"):
+            k = int(text.split(":", 1)[1])
+            if k >= 1:
+                return f"every:{k}"
+        else:
+            layers = sorted({int(x) for x in text.split(",")})
+            if layers[0] >= 0:
+                return ",".join(map(str, layers))
+    except ValueError:          # int("banana"), int("") of "0,,3": refused below
+        pass
+    raise ValueError(f"{name} must be {_RECOMPUTE_FORMS}, not {value!r} (--recompute)")
+
+
 class _Section:
     """A section of tuning knobs: frozen (a replaced RuntimeConfig may share it), checked at build."""
 
     def __post_init__(self):
-        check_fields(self)
+        check_fields(self, "runtime")
 
 
 @dataclass(frozen=True)
@@ -455,19 +438,20 @@ class RuntimeConfig:
     # compute precision: auto | bf16 | fp32 | fp16. auto (device.resolve_dtype): bf16 where the device
     # computes it natively (a CUDA GPU with bf16, a CPU with AMX-BF16 or AVX512-BF16), else fp32
     dtype: Literal["auto", "bf16", "fp32", "fp16"] = "auto"
-    device: str = "auto"            # auto -> cuda if available else cpu
-    # ckpt mode: which decoder layers recompute their activations in backward
-    recompute: str = "all"          # all | none | comma list "0,3,7" | "every:k"
+    device: str = checked_field("auto", valid=_DEVICE)     # auto -> cuda if available else cpu
+    # ckpt mode: which decoder layers recompute their activations in backward; checked in every
+    # mode, so that a typo is refused where the field is not read too
+    recompute: str = checked_field("all", normalize=_recompute)     # all | none | comma list "0,3,7" | "every:k"
     # Layer-input checkpoints in pinned host memory (on), on the GPU (off), or auto: off where the
     # run fits with every checkpoint on the GPU, else on, with gpu_checkpoints auto keeping as many
     # there as fit (engine.fit.choose_auto_settings); left unresolved, off.
-    offload_activations: Literal["auto", "on", "off"] = _user_field("auto", normalize=_on_off_auto)
+    offload_activations: Literal["auto", "on", "off"] = checked_field("auto", normalize=_on_off_auto)
     # torch.compile the decoder layers' forward (slide mode; one graph per kind of layer,
     # recompute and backward included): 18% less layer time on the H100 for a ~40 s compile at
     # the first step. auto: on CUDA where the planned run earns the compile back 2.5x over
     # (engine/compile_policy.py; `slidetune train` prints the estimate); left unresolved (an
     # engine built directly, a benchmark) it means off. on | off (true | false) force it.
-    compile_layers: Literal["auto", "on", "off"] = _user_field("auto", normalize=_on_off_auto)
+    compile_layers: Literal["auto", "on", "off"] = checked_field("auto", normalize=_on_off_auto)
     # The disk tier's directory (--tuning.disk_units and disk_master say what goes there)
     disk_dir: str | None = None
     placement: PlacementTuning = field(default_factory=PlacementTuning)
@@ -479,7 +463,7 @@ class RuntimeConfig:
     head: HeadTuning = field(default_factory=HeadTuning)
 
     def __post_init__(self):
-        check_fields(self)
+        check_fields(self, "runtime")
         if self.disk.disk_units > 0 and not self.disk_dir:
             raise ValueError("--tuning.disk_units needs a disk directory: --disk-dir PATH (a local disk with room "
                              f"for {FP32_ADAMW.moment_bytes} bytes per parameter of those units)")
@@ -590,19 +574,16 @@ class RuntimeConfig:
 
 
 def recompute_set(spec: str, num_layers: int) -> set[int]:
-    """Parse the ckpt-mode layer selection."""
-    spec = spec.strip().lower()
-    if spec in ("all", ""):
+    """The ckpt-mode layer selection of a model of `num_layers` layers."""
+    spec = _recompute(spec)
+    if spec == "all":
         return set(range(num_layers))
     if spec == "none":
         return set()
     if spec.startswith("every:"):
-        k = int(spec.split(":", 1)[1])
-        if k < 1:
-            raise ValueError("every:k needs k >= 1")
-        return set(range(0, num_layers, k))
-    layers = {int(x) for x in spec.split(",") if x.strip()}
-    bad = [i for i in layers if not 0 <= i < num_layers]
+        return set(range(0, num_layers, int(spec.split(":", 1)[1])))
+    layers = {int(x) for x in spec.split(",")}
+    bad = sorted(i for i in layers if i >= num_layers)
     if bad:
-        raise ValueError(f"recompute layers {bad} out of range 0..{num_layers - 1}")
+        raise ValueError(f"--recompute names layers {bad}, but the model's layers are 0..{num_layers - 1}")
     return layers
