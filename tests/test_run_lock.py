@@ -37,6 +37,16 @@ def wait_for_lock(directory: Path, proc: subprocess.Popen, timeout_s: float = 12
 
 
 @pytest.mark.slow
+
+def assert_kept_its_own_files(out: Path, ckpts: Path) -> None:
+    """The first run's files are its own (its lr 1e-5, steps 1-6, checkpoints 4 and 6): its config,
+    every step's metrics, its checkpoints and final/, and no lock left behind."""
+    assert json.loads((out / "config.json").read_text())["optim"]["lr"] == 1e-5
+    assert metric_steps(out) == [0, *range(1, 7), 6]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["checkpoint-4", "checkpoint-6"]
+    assert_loads(out / "final")
+    assert not (out / LOCK_NAME).exists() and not (ckpts / LOCK_NAME).exists()
+
 def test_a_second_run_on_a_directory_in_use_is_refused_and_the_first_finishes_intact(tmp_path):
     first, shared_ckpts = tmp_path / "first", tmp_path / "ckpts"
     # it loads its model after taking the lock: seconds in which the others are refused
@@ -66,12 +76,7 @@ def test_a_second_run_on_a_directory_in_use_is_refused_and_the_first_finishes_in
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, stderr[-3000:]
-    # the first run's files are its own: its config, every step's metrics, its checkpoints
-    assert json.loads((first / "config.json").read_text())["optim"]["lr"] == 1e-5
-    assert metric_steps(first) == [0, *range(1, 7), 6]
-    assert sorted(p.name for p in shared_ckpts.iterdir()) == ["checkpoint-4", "checkpoint-6"]
-    assert_loads(first / "final")
-    assert not (first / LOCK_NAME).exists() and not (shared_ckpts / LOCK_NAME).exists()
+    assert_kept_its_own_files(first, shared_ckpts)
 
 
 def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_note(tmp_path):
@@ -124,11 +129,7 @@ def test_another_runs_default_checkpoint_directory_and_one_inside_its_output_are
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, stderr[-3000:]
-    assert json.loads((a / "config.json").read_text())["optim"]["lr"] == 1e-5
-    assert metric_steps(a) == [0, *range(1, 7), 6]
-    assert sorted(p.name for p in (a / "checkpoints").iterdir()) == ["checkpoint-4", "checkpoint-6"]
-    assert_loads(a / "final")
-    assert not (a / LOCK_NAME).exists() and not (a / "checkpoints" / LOCK_NAME).exists()
+    assert_kept_its_own_files(a, a / "checkpoints")
 
 
 def test_a_checkpoint_directory_inside_a_live_runs_directories_is_refused_naming_it(tmp_path):
