@@ -35,7 +35,7 @@ from .config import DataConfig
 from .errors import DataError
 from .hf_datasets import StreamingSource
 from .token_arrays import TokenArrayDataset, build_token_datasets
-from .token_cache import cache_root, examples_key, tokenizer_fingerprint
+from .token_cache import cache_root, discard_entry, examples_key, tokenizer_fingerprint
 from .chat_template import load_chat_template
 from .tokenization import special_ids, tokenize_examples
 
@@ -119,15 +119,9 @@ def _check(file: Path) -> str:
 
 def _discard(file: Path, problem: str, source_name: str) -> None:
     """Delete a damaged entry with a note naming it: the .bin first, as it marks an entry complete."""
-    message = (f"streamed token cache entry {file} discarded ({problem}): streaming {source_name} and "
-               f"tokenizing it again")
-    log.info("%s", message)
-    print(f"note: {message}", file=sys.stderr)
-    for path in (file, file.with_suffix(".targets"), _record_path(file)):
-        try:
-            path.unlink(missing_ok=True)
-        except OSError:
-            pass                           # rewritten by the rebuild where the directory allows
+    discard_entry((file, file.with_suffix(".targets"), _record_path(file)),
+                  f"streamed token cache entry {file} discarded ({problem}): streaming {source_name} and "
+                  f"tokenizing it again")
 
 
 def _joined(lists: list[list[int]], dtype: type) -> np.ndarray:

@@ -115,6 +115,18 @@ def _read(file: Path) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray] | None,
     return (ids, targets, lengths), ""
 
 
+def discard_entry(files: tuple[Path, ...], message: str) -> None:
+    """Delete a cache entry's files that do not check out, in order, with a note: the next run must
+    not meet them again, whatever happens now (this one and the streamed cache's entries)."""
+    log.info("%s", message)
+    print(f"note: {message}", file=sys.stderr)
+    for path in files:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass                             # rewritten by the rebuild if the directory allows, else read-only: no harm
+
+
 def _load(file: Path, examples: list[Example]) -> list[TokenizedExample] | None:
     """The cached tokens of `examples`, or None after deleting an entry that does not check out
     (with a note: damage, or an older slidetune's entry without a digest)."""
@@ -122,13 +134,7 @@ def _load(file: Path, examples: list[Example]) -> list[TokenizedExample] | None:
     if arrays is not None and len(arrays[2]) != len(examples):
         arrays, problem = None, f"it holds {len(arrays[2])} examples' tokens, not {len(examples)}"
     if arrays is None:
-        message = f"token cache entry {file} discarded ({problem}): tokenizing again"
-        log.info("%s", message)
-        print(f"note: {message}", file=sys.stderr)
-        try:
-            file.unlink(missing_ok=True)     # the next run must not meet it again, whatever happens now
-        except OSError:
-            pass                             # rewritten below if the directory allows, else read-only: no harm
+        discard_entry((file,), f"token cache entry {file} discarded ({problem}): tokenizing again")
         return None
     ids, targets, lengths = arrays
     ends = np.cumsum(lengths)
