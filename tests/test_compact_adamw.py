@@ -65,6 +65,11 @@ def test_each_combination_states_its_bytes(master, moments, stored, moved):
     want = n * s.master_bytes + 2 * (n * item + (11 * 4 if moments == "8bit" else 0))
     assert s.nbytes(n) == want
     assert s.nbytes(100 * B) == s.bytes_per_param * 100 * B     # whole blocks: exactly the per-param figure
+    # the split pair: params reads all and writes the master; moments reads and writes the moments
+    assert s.update_bytes(part="params") == 2 * s.master_bytes + s.moment_bytes + 2
+    assert s.update_bytes(part="moments") == 2 * s.moment_bytes + 2
+    if (master, moments) == ("fp32", "fp32"):
+        assert (s.update_bytes(part="params"), s.update_bytes(part="moments")) == (18, 18)   # NOTES "Clipping schedule"
 
 
 def test_unknown_combination_is_refused():
@@ -192,6 +197,39 @@ def test_kernel_matches_its_torch_reference_bit_for_bit(master, moments, grad_dt
             assert torch.equal(scales[0], sm[: scales[0].numel()]) and torch.equal(scales[1], sv[: scales[1].numel()])
         else:
             assert torch.equal(m, want_m.to(moments)) and torch.equal(v, want_v.to(moments))
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("master, moments", COMBOS)
+def test_params_then_moments_write_what_all_writes(master, moments, grad_dtype):
+    """The clipped sweep's split pair (clip_sweep=split): "params" writes the master alone (8-bit
+    codes and scales untouched), "moments" then the moments alone (the master untouched), and
+    together they leave every bit "all" leaves, over several steps, the decay boundary inside a
+    block and a clip scale."""
+    gen = torch.Generator().manual_seed(7)
+    n, nd, offset = 3 * native_adamw.BLOCK + 5 * B + 61, native_adamw.BLOCK + 3 * B + 17, 2 * B
+    whole = _state(master, moments, n, gen)
+    split = tuple(None if t is None else (tuple(x.clone() for x in t) if isinstance(t, tuple) else t.clone())
+                  for t in whole)
+
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.uint8)
+    for step in (1, 2, 3):
+        g = (torch.randn(n, generator=gen) * 10 ** -step).to(grad_dtype)
+        kw = dict(step=step, decay_end=nd, seed=11, offset=offset, grad_scale=0.6, **KW)
+        p, m, v, scales = whole
+        native_adamw.update_compact(p, m, v, g, scales=scales, **kw)
+        p, m, v, scales = split
+        before = [raw(t).clone() for t in (m, v, *(scales or ()))]
+        native_adamw.update_compact(p, m, v, g, scales=scales, part="params", **kw)
+        assert all(torch.equal(a, raw(b)) for a, b in zip(before, (m, v, *(scales or ()))))
+        master_after_params = raw(p).clone()
+        native_adamw.update_compact(p, m, v, g, scales=scales, part="moments", **kw)
+        assert torch.equal(raw(p), master_after_params)
+        for a, b in zip((whole[0], whole[1], whole[2], *(whole[3] or ())), (p, m, v, *(scales or ()))):
+            assert torch.equal(raw(a), raw(b))
+    with pytest.raises(AssertionError, match="all, params or moments"):
+        native_adamw.update_compact(*split[:3], g, scales=split[3], part="weights", **kw)
 
 
 @pytest.mark.parametrize("master, moments", COMBOS)
@@ -517,3 +555,22 @@ def test_each_combination_tracks_the_fp32_trajectory(master, moments):
     assert want_losses[-1] < 0.4 * want_losses[0]                      # it trained (to the noise's floor)
     worst = max(abs(a - b) / b for a, b in zip(losses, want_losses))
     assert worst < 5e-3, f"loss {worst:.2e} from FP32's"
+
+
+def test_rate_script_measures_each_format_and_part(tmp_path):
+    """benchmarks/scripts/compact_adamw_rate.py (device_call.sh compactrate) on a small range: one
+    row a format and part, each with its bytes moved and a rate."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "rate.json"
+    subprocess.run([sys.executable, str(root / "benchmarks/scripts/compact_adamw_rate.py"), str(out),
+                    "--params", "2e5", "--threads", "1", "--parts", "all,params,moments"],
+                   check=True, capture_output=True, text=True, env={**__import__("os").environ, "PYTHONPATH": str(root / "src")})
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == len(OPTIMIZER_STATES) * 3
+    for r in rows:
+        fmt = optimizer_state(r["master"], r["moments"])
+        assert r["bytes_moved"] == fmt.update_bytes(2, r["part"]) and r["params_per_s"]["1"] > 0

@@ -2,7 +2,9 @@
 params/s of one update over one range far larger than the caches, BF16 gradients, at each thread
 count, beside the FP32 kernel (native_adamw.update). Prints a table and writes one JSON with the
 machine's details and each format's B/param stored and moved (GB/s moved = rate x moved).
-Usage: python benchmarks/scripts/compact_adamw_rate.py [OUT.json] [--params 16e6] [--threads 1,2]
+--parts all,params,moments adds the clipped sweep's split pair (clip_sweep=split: the master first,
+the moments later), each with its own bytes moved (OptimizerState.update_bytes' part).
+Usage: python benchmarks/scripts/compact_adamw_rate.py [OUT.json] [--params 16e6] [--threads 1,2] [--parts all]
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def _state(fmt: OptimizerState, n: int) -> tuple[list[torch.Tensor], tuple[torch
     return [master, *moments], scales
 
 
-def rate(fmt: OptimizerState, n: int, threads: int, steps: int = 5) -> float:
+def rate(fmt: OptimizerState, n: int, threads: int, steps: int = 5, part: str = "all") -> float:
     """Parameters per second: the best of `steps` updates after one untimed one (the best: other
     work on a shared machine only slows a call). One thread: the calling thread's CPU time
     (OpenMP runs a one-thread region on the caller), which another process's load does not
@@ -37,9 +39,9 @@ def rate(fmt: OptimizerState, n: int, threads: int, steps: int = 5) -> float:
 
     def one(step: int) -> None:
         if fmt.master == "fp32" and fmt.moments == "fp32":
-            native_adamw.update(*tensors, grad, step=step, threads=threads, **KW)
+            native_adamw.update(*tensors, grad, step=step, threads=threads, part=part, **KW)
         else:
-            native_adamw.update_compact(*tensors, grad, step=step, threads=threads, scales=scales, **KW)
+            native_adamw.update_compact(*tensors, grad, step=step, threads=threads, scales=scales, part=part, **KW)
     one(1)
     clock = time.thread_time if threads == 1 else time.perf_counter
     times = []
@@ -55,19 +57,21 @@ def main() -> None:
     ap.add_argument("out", nargs="?")
     ap.add_argument("--params", type=float, default=16e6)
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--parts", default="all", help="comma-separated: all, params, moments")
     a = ap.parse_args()
-    n, threads = int(a.params), [int(t) for t in a.threads.split(",")]
+    n, threads, parts = int(a.params), [int(t) for t in a.threads.split(",")], a.parts.split(",")
     native_adamw.load_compact()                              # compiled outside the timing
     rows = []
-    print(f"{'master':>6} {'moments':>7} {'stored':>8} {'moved':>8}  " +
+    print(f"{'master':>6} {'moments':>7} {'part':>7} {'stored':>8} {'moved':>8}  " +
           "  ".join(f"{t:>2} thr G/s (GB/s)" for t in threads))
     for (master, moments), fmt in OPTIMIZER_STATES.items():
-        rates = {t: rate(fmt, n, t) for t in threads}
-        moved = fmt.update_bytes(2)
-        rows.append(dict(master=master, moments=moments, bytes_stored=fmt.bytes_per_param, bytes_moved=moved,
-                         params_per_s={str(t): r for t, r in rates.items()}))
-        print(f"{master:>6} {moments:>7} {fmt.bytes_per_param:>8} {moved:>8}  " +
-              "  ".join(f"{r / 1e9:>9.3f} ({r * moved / 1e9:>5.1f})" for r in rates.values()))
+        for part in parts:
+            rates = {t: rate(fmt, n, t, part=part) for t in threads}
+            moved = fmt.update_bytes(2, part)
+            rows.append(dict(master=master, moments=moments, part=part, bytes_stored=fmt.bytes_per_param,
+                             bytes_moved=moved, params_per_s={str(t): r for t, r in rates.items()}))
+            print(f"{master:>6} {moments:>7} {part:>7} {fmt.bytes_per_param:>8} {moved:>8}  " +
+                  "  ".join(f"{r / 1e9:>9.3f} ({r * moved / 1e9:>5.1f})" for r in rates.values()))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(machine=machine_info(), params=n, grad="bf16", rows=rows,

@@ -2,7 +2,7 @@
 # Run on the GPU machine (device tool) from the repo root: each argument is one job.
 # Results go to $OUT/results.tar.gz (the device tool returns at most 8 files).
 #   jobs: stash | pipeline | train | trainresume (train --gpus N, killed, resumed) | savetests | asyncab (issue 33) | savestreams (the optimizer state in 1 or 2 files) | shardab (sharded layers = device layers, 2 GPUs) | trainrun@TAG (TRAINRUN_ARGS_TAG) | equivalence | runtime | throughput | throughput@TAG | scaling | scaling@TAG
-#         | hostinfo | compactrate (COMPACTRATE_ARGS: the host AdamW's rate per state format) | rankmem (RANKMEM_ARGS: a rank's host memory by stage, 1 and N processes) | techniques
+#         | hostinfo | compactrate (COMPACTRATE_ARGS: the host AdamW's rate per state format and part) | rankmem (RANKMEM_ARGS: a rank's host memory by stage, 1 and N processes) | techniques
 #         | layermem (LAYERMEM_ARGS: one layer's time and peak GPU memory, HF's and the lean layer, torch's or
 #           Liger's kernels (a liger-kernel wheel in .whl/); --profile: GPU time by kernel class)
 #         | leankernels (the lean layer's GPU tests: Liger's kernels against the reference; the wheel in .whl/)
@@ -273,7 +273,7 @@ PY
     techniques) python -m slidetune.cli bench techniques --out $R/techniques ${TECHNIQUES_ARGS:-} ;;
     compactrate) # issue 46: the host AdamW kernels' rates for each state format (FP32, BF16 and 8-bit moments, FP32
           # or BF16 master) at several thread counts, over 256 M params (far past the caches): is 8-bit DRAM- or compute-bound here
-          python benchmarks/scripts/compact_adamw_rate.py $R/compact_adamw_rate.json --params 256e6 ${COMPACTRATE_ARGS:---threads 1,8,15,16} ;;
+          python benchmarks/scripts/compact_adamw_rate.py $R/compact_adamw_rate.json --params 256e6 ${COMPACTRATE_ARGS:---threads 1,8,15,16 --parts all,params,moments} ;;
     contention) python benchmarks/scripts/host_contention.py $R/host_contention.json ${CONTENTION_ARGS:-} ;;
     gil) python benchmarks/scripts/gil_adamw.py $R/gil_adamw.json ${GIL_ARGS:-} ;;
     packing) python benchmarks/scripts/packing_bench.py $R/packing ${PACKING_ARGS:-} ;;   # issue 20: masked vs causal

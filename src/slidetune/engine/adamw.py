@@ -90,10 +90,18 @@ class OptimizerState:
         """The step count, once a unit."""
         return self.step_dtype.itemsize
 
-    def update_bytes(self, grad_bytes: int = 2) -> int | float:
+    def update_bytes(self, grad_bytes: int = 2, part: str = "all") -> int | float:
         """Host DRAM one update moves per parameter: master and moments (with scales) read and
         written back, the gradient (BF16 as it lands: 2 B; FP32: 4) read. FP32_ADAMW: 26 B/param,
-        28 with FP32 gradients (bench/roofline.py's ADAMW_BYTES, benchmarks/NOTES.md "Host AdamW")."""
+        28 with FP32 gradients (bench/roofline.py's ADAMW_BYTES, benchmarks/NOTES.md "Host AdamW").
+        part: the clipped sweep's split pair (native_adamw's part): "params" reads everything and
+        writes the master (FP32: 18), "moments" reads the moments and the gradient and writes the
+        moments (FP32: 18)."""
+        if part == "params":
+            return _whole(2 * self.master_bytes + self.moment_bytes + grad_bytes)
+        if part == "moments":
+            return _whole(2 * self.moment_bytes + grad_bytes)
+        assert part == "all", f"part is all, params or moments, not {part!r}"
         return _whole(2 * self.bytes_per_param + grad_bytes)
 
     def moment_nbytes(self, numel: int) -> int:

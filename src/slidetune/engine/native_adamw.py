@@ -232,24 +232,36 @@ static inline uint16_t sr_bf16(float f, uint64_t key, uint64_t index) {
 #define M_LOAD_bf16(a, i)     from_bf16(a[i])
 #define M_STORE_bf16(a, i, x) a[i] = to_bf16(x);       /* round to nearest even */
 
+/* The part a kernel writes, as the FP32 kernels' (update()'s part): all, or the split pair
+   params (the master only) then moments (the moments only), from the same inputs; constants, so
+   gcc drops the other half's loads and stores. */
+#define WRITES_P_all 1
+#define WRITES_P_params 1
+#define WRITES_P_moments 0
+#define WRITES_M_all 1
+#define WRITES_M_params 0
+#define WRITES_M_moments 1
+
 /* One element's update from its widened moments mo, vo: the FP32 kernel's arithmetic, op for op;
-   the new parameter goes to P_STORE, the new moments stay in mi, vi. */
-#define COMPACT_ELEMENT(WIDEN, P, i, mo, vo)                                                    \
+   the new parameter goes to P_STORE where the part writes it, the new moments stay in mi, vi. */
+#define COMPACT_ELEMENT(WIDEN, P, PART, i, mo, vo)                                              \
     const float gi = WIDEN(g[i]) * gscale;                                                      \
     const float mi = (mo) * beta1 + gi * c1;                                                    \
     const float vi = (vo) * beta2 + gi * gi * c2;                                               \
-    const float denom = sqrtf(vi) / bc2_sqrt + eps;                                             \
-    const float pd = P_LOAD_##P(i) * ((i) < nd ? decay : 1.0f);                                 \
-    P_STORE_##P(i, pd - step_size * mi / denom)
+    if (WRITES_P_##PART) {                                                                      \
+        const float denom = sqrtf(vi) / bc2_sqrt + eps;                                         \
+        const float pd = P_LOAD_##P(i) * ((i) < nd ? decay : 1.0f);                             \
+        P_STORE_##P(i, pd - step_size * mi / denom)                                             \
+    }
 
 /* FP32 or BF16 moments: element by element. */
-#define CLAIM_f32(WIDEN, P, M) CLAIM_ELEMENTWISE(WIDEN, P, M)
-#define CLAIM_bf16(WIDEN, P, M) CLAIM_ELEMENTWISE(WIDEN, P, M)
-#define CLAIM_ELEMENTWISE(WIDEN, P, M) {                                                        \
+#define CLAIM_f32(WIDEN, P, M, PART) CLAIM_ELEMENTWISE(WIDEN, P, M, PART)
+#define CLAIM_bf16(WIDEN, P, M, PART) CLAIM_ELEMENTWISE(WIDEN, P, M, PART)
+#define CLAIM_ELEMENTWISE(WIDEN, P, M, PART) {                                                  \
     CLAIM_SCALARS                                                                               \
     for (int64_t i = lo; i < hi; i++) {                                                         \
-        COMPACT_ELEMENT(WIDEN, P, i, M_LOAD_##M(m, i), M_LOAD_##M(v, i))                        \
-        M_STORE_##M(m, i, mi) M_STORE_##M(v, i, vi)                                             \
+        COMPACT_ELEMENT(WIDEN, P, PART, i, M_LOAD_##M(m, i), M_LOAD_##M(v, i))                  \
+        if (WRITES_M_##PART) { M_STORE_##M(m, i, mi) M_STORE_##M(v, i, vi) }                    \
     }                                                                                           \
 }
 
@@ -272,8 +284,9 @@ static inline float from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f
 
 /* 8-bit blockwise moments, a QBLOCK-element block at a time: dequantize (codebook[code] * scale),
    update, keep the new moments in block buffers, take their absmax (at least 1e-12, torchao's
-   clip) as the new scales and requantize against them. Claims are whole blocks. */
-#define CLAIM_q8(WIDEN, P, M) {                                                                 \
+   clip) as the new scales and requantize against them. Claims are whole blocks. The params part
+   dequantizes only: the codes and scales stay as they were for the moments part. */
+#define CLAIM_q8(WIDEN, P, M, PART) {                                                           \
     CLAIM_SCALARS                                                                               \
     const float *restrict qs = (const float *)q8, *restrict qu = qs + 256;                      \
     const uint32_t *restrict ts = q8 + 512, *restrict tu = ts + 2 * Q8_TABLE;                   \
@@ -282,10 +295,11 @@ static inline float from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f
         const float sm0 = sm[blk], sv0 = sv[blk];                                               \
         float nm[QBLOCK], nv[QBLOCK];                                                           \
         for (int64_t i = k; i < e; i++) {                                                       \
-            COMPACT_ELEMENT(WIDEN, P, i, qs[m[i]] * sm0, qu[v[i]] * sv0)                        \
+            COMPACT_ELEMENT(WIDEN, P, PART, i, qs[m[i]] * sm0, qu[v[i]] * sv0)                  \
             nm[i - k] = mi;                                                                     \
             nv[i - k] = vi;                                                                     \
         }                                                                                       \
+        if (!WRITES_M_##PART) continue;                                                         \
         uint32_t am = 0, av = 0;                                                                \
         for (int64_t j = 0; j < e - k; j++) {                                                   \
             const uint32_t a = abs_bits(nm[j]), c = abs_bits(nv[j]);                            \
@@ -303,11 +317,15 @@ static inline float from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f
     }                                                                                           \
 }
 
+/* adamw_<P>_<M>_<G> (all), adamw_params_<P>_<M>_<G>, adamw_moments_<P>_<M>_<G> */
+#define COMPACT_PART(NAME, P, M, PART, G, GRAD_T, WIDEN)                                        \
+static __attribute__((noinline)) void claim_##NAME(CLAIM_ARGS(P_T_##P, M_T_##M, GRAD_T))       \
+    CLAIM_##M(WIDEN, P, M, PART)                                                                \
+void NAME(KERNEL_ARGS(P_T_##P, M_T_##M, GRAD_T)) { ADAMW_LOOP_OF(CALL_CLAIM, claim_##NAME, unused) }
 #define COMPACT_KERNEL(P, M, G, GRAD_T, WIDEN)                                                   \
-static __attribute__((noinline)) void claim_##P##_##M##_##G(CLAIM_ARGS(P_T_##P, M_T_##M, GRAD_T)) \
-    CLAIM_##M(WIDEN, P, M)                                                                      \
-void adamw_##P##_##M##_##G(KERNEL_ARGS(P_T_##P, M_T_##M, GRAD_T)) {                             \
-    ADAMW_LOOP_OF(CALL_CLAIM, claim_##P##_##M##_##G, unused) }
+    COMPACT_PART(adamw_##P##_##M##_##G, P, M, all, G, GRAD_T, WIDEN)                            \
+    COMPACT_PART(adamw_params_##P##_##M##_##G, P, M, params, G, GRAD_T, WIDEN)                  \
+    COMPACT_PART(adamw_moments_##P##_##M##_##G, P, M, moments, G, GRAD_T, WIDEN)
 #define COMPACT_KERNELS(P, M)                                                                    \
     COMPACT_KERNEL(P, M, f32, float, from_f32)                                                  \
     COMPACT_KERNEL(P, M, bf16, uint16_t, from_bf16)
@@ -336,9 +354,11 @@ class Kernel:
                   "weights": "adamw_weights"}[part]
         return getattr(self.lib, f"{prefix}_{GRAD_TYPES[grad_dtype]}")
 
-    def compact_fn(self, master_dtype: torch.dtype, moment_dtype: torch.dtype, grad_dtype: torch.dtype):
-        """The compact kernel for these formats (FP32 master and moments: fn(), not this)."""
-        return getattr(self.lib, f"adamw_{MASTER_TYPES[master_dtype]}_{MOMENT_TYPES[moment_dtype]}_"
+    def compact_fn(self, master_dtype: torch.dtype, moment_dtype: torch.dtype, grad_dtype: torch.dtype,
+                   part: str = "all"):
+        """The compact kernel for these formats and part (FP32 master and moments: fn(), not this)."""
+        prefix = {"all": "adamw", "params": "adamw_params", "moments": "adamw_moments"}[part]
+        return getattr(self.lib, f"{prefix}_{MASTER_TYPES[master_dtype]}_{MOMENT_TYPES[moment_dtype]}_"
                                  f"{GRAD_TYPES[grad_dtype]}")
 
 
@@ -393,7 +413,8 @@ def _build_compact() -> Kernel:
     defines = dict(BLOCK=BLOCK, QBLOCK=blockwise8.BLOCK, Q8_LOW_BUCKET=blockwise8.LOW_BUCKET, Q8_TABLE=blockwise8.TABLE)
     lib, cc = _compile("".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE + COMPACT_SOURCE)
     c_int64, c_int = ctypes.c_int64, ctypes.c_int
-    for name in (f"adamw_{pm}_{mm}_{g}" for pm, mm in COMPACT for g in ("f32", "bf16")):
+    for name in (f"{prefix}_{pm}_{mm}_{g}" for prefix in ("adamw", "adamw_params", "adamw_moments")
+                 for pm, mm in COMPACT for g in ("f32", "bf16")):
         fn = getattr(lib, name)         # p, m, v, g, sm, sv, n, nd, s, q8, key, off, threads, dynamic
         fn.argtypes = [ctypes.c_void_p] * 6 + [c_int64, c_int64, ctypes.POINTER(ctypes.c_float), ctypes.c_void_p,
                                                ctypes.c_uint64, c_int64, c_int, c_int]
@@ -505,7 +526,7 @@ def update_compact(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torc
                    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
                    scales: tuple[torch.Tensor, torch.Tensor] | None = None, decay_end: int | None = None,
                    seed: int = 0, offset: int = 0, schedule: str = "dynamic", threads: int = 0,
-                   grad_scale: float = 1.0) -> None:
+                   grad_scale: float = 1.0, part: str = "all") -> None:
     """One AdamW step over a range in a compact format (engine/adamw.py OPTIMIZER_STATES), read and
     written in one pass, the formats told by the dtypes: master FP32 or BF16 ([n]); moments FP32,
     BF16 or 8-bit codes (uint8, [n] each, with `scales` ([ceil(n / blockwise8.BLOCK)] FP32 each:
@@ -519,8 +540,12 @@ def update_compact(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torc
     BF16 master's stochastic rounding of each element (sr_key), whatever the range or threads.
 
     BF16 moments round to nearest even; 8-bit ones are requantized against their block's new absmax;
-    a BF16 master rounds stochastically. Only the whole update ("all"): the split pair and the
-    weights pass are FP32-only for now."""
+    a BF16 master rounds stochastically.
+
+    part: "all", or update()'s split pair "params" (the master only; 8-bit moments dequantized, not
+    requantized) then "moments" (the moments and scales only), which leaves exactly what "all"
+    does: the clipped schedule's sweep (clip_sweep=split). The weights pass (clip_sweep=weights) is
+    FP32-only."""
     kernel = load_compact()
     assert kernel is not None and schedule in SCHEDULES
     n = grad.numel()
@@ -536,7 +561,8 @@ def update_compact(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torc
             assert t.dtype == blockwise8.SCALE_DTYPE and t.is_contiguous() and t.numel() == blockwise8.num_blocks(n)
     scale_ptrs = [t.data_ptr() for t in scales] if quantized else [0, 0]
     scalars = _scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale)
-    kernel.compact_fn(master.dtype, exp_avg.dtype, grad.dtype)(
+    assert part in ("all", "params", "moments"), f"compact kernels write all, params or moments, not {part!r}"
+    kernel.compact_fn(master.dtype, exp_avg.dtype, grad.dtype, part)(
         master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(), *scale_ptrs,
         n, n if decay_end is None else decay_end, scalars, blockwise8.kernel_tables().data_ptr(),
         sr_key(seed, step), offset, threads or torch.get_num_threads(), int(schedule == "dynamic"))
