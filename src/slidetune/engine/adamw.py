@@ -169,16 +169,28 @@ class AdamWConfig:
 class FlatAdamW:
     """AdamW state (moments, step) for one flat master tensor with a decay range [0, n_decay)."""
 
-    STATE = FP32_ADAMW          # what it holds per parameter (master here or elsewhere, moments, step)
+    STATE = FP32_ADAMW          # the default state format (master here or elsewhere, moments, step)
 
     def __init__(self, master: torch.Tensor | None, n_decay: int, cfg: AdamWConfig, kernel: str = "dynamic",
-                 moments_here: bool = True, state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+                 moments_here: bool = True, state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 state_format: OptimizerState = FP32_ADAMW, seed: int = 0):
         """moments_here=False: the moments live elsewhere (the disk tier) and every update() is given
         the moments of its range.
         master None: the master lives elsewhere too (the disk tier's blocks, --tuning.disk_master)
         and every update() is given the master of its range (`params`); host only.
         state: (exp_avg, exp_avg_sq, step) to use instead of new zeros: the views of the host state
-        the ranks of a host share (engine/distributed.py); they hold zeros or a state to go on from."""
+        the ranks of a host share (engine/distributed.py); they hold zeros or a state to go on from.
+        state_format: a compact format (issue 46, OPTIMIZER_STATES; FP32_ADAMW the default): the
+        master given in its master_dtype, the moments kept in its moment_dtype (8-bit: with one
+        FP32 scale a block of each), every update through native_adamw.update_compact. Host units
+        whose master and moments are both here only, on the native kernel. seed: the BF16
+        master's stochastic rounding stream (native_adamw.sr_key); distinct units, distinct seeds."""
+        self.state_format = state_format
+        self.seed = seed
+        self.exp_avg_scales = self.exp_avg_sq_scales = None       # 8-bit moments' [num_blocks] FP32
+        if state_format is not FP32_ADAMW:
+            self._init_compact(master, n_decay, cfg, kernel, moments_here, state)
+            return
         assert master is None or (master.dim() == 1 and master.dtype == torch.float32)
         assert master is not None or not moments_here, "a master elsewhere needs the moments elsewhere too"
         assert kernel in KERNELS, f"kernel must be one of {KERNELS}, not {kernel!r}"
@@ -193,6 +205,49 @@ class FlatAdamW:
         self.exp_avg_sq = torch.zeros_like(master) if moments_here else None   # [numel] fp32
         # The kernel reads the step from a tensor on the parameters' device.
         self.step_count = torch.zeros((), dtype=torch.float32, device=master.device if master is not None else "cpu")
+
+    def _init_compact(self, master: torch.Tensor | None, n_decay: int, cfg: AdamWConfig, kernel: str,
+                      moments_here: bool, state: tuple | None) -> None:
+        fmt = self.state_format
+        if master is None or not moments_here or state is not None or kernel == "torch":
+            raise ValueError(f"the optimizer state '{fmt.name}' is kept for host units with their master and "
+                             "moments in RAM, updated by the native kernel (not the disk tier, a shared state or "
+                             "--tuning.host_adamw torch)")
+        if native_adamw.load_compact() is None:
+            raise RuntimeError(f"the optimizer state '{fmt.name}' needs the host's compact AdamW kernels, which "
+                               "could not be built here (a C compiler with OpenMP: gcc)")
+        assert master.dim() == 1 and master.dtype == fmt.master_dtype and master.device.type == "cpu"
+        self.master, self.n_decay, self.cfg, self.kernel = master, n_decay, cfg, kernel
+        n = master.numel()
+        self.exp_avg = torch.zeros(n, dtype=fmt.moment_dtype)          # [numel] codes or BF16/FP32
+        self.exp_avg_sq = torch.zeros(n, dtype=fmt.moment_dtype)
+        if fmt.moment_block:
+            self.exp_avg_scales = torch.zeros(blockwise8.num_blocks(n), dtype=fmt.scale_dtype)
+            self.exp_avg_sq_scales = torch.zeros(blockwise8.num_blocks(n), dtype=fmt.scale_dtype)
+        self.step_count = torch.zeros((), dtype=torch.float32)
+
+    def _update_compact(self, grad: torch.Tensor, lr: float, start: int, grad_scale: float | torch.Tensor,
+                        part: str, extra: tuple) -> None:
+        """update() in a compact format: one call over both decay groups (an 8-bit block may
+        straddle their boundary), the range's first element on a block boundary."""
+        fmt, n = self.state_format, grad.numel()
+        if part not in ("all", "params", "moments") or any(x is not None for x in extra) \
+                or isinstance(grad_scale, torch.Tensor):
+            raise ValueError(f"the optimizer state '{fmt.name}' updates its own RAM ranges with a host clip "
+                             f"coefficient, part all, params or moments (got part {part!r})")
+        if fmt.moment_block and start % fmt.moment_block:
+            raise ValueError(f"8-bit moments are updated from a block boundary: range start {start} is not a "
+                             f"multiple of {fmt.moment_block}")
+        scales = None
+        if fmt.moment_block:
+            first, last = start // fmt.moment_block, blockwise8.num_blocks(start + n)
+            scales = (self.exp_avg_scales[first:last], self.exp_avg_sq_scales[first:last])
+        native_adamw.update_compact(
+            self.master[start:start + n], self.exp_avg[start:start + n], self.exp_avg_sq[start:start + n], grad,
+            lr=lr, beta1=self.cfg.beta1, beta2=self.cfg.beta2, eps=self.cfg.eps,
+            weight_decay=self.cfg.weight_decay, step=int(self.step_count), scales=scales,
+            decay_end=min(n, max(0, self.n_decay - start)), seed=self.seed, offset=start,
+            schedule=self.kernel, grad_scale=float(grad_scale), part=part)
 
     def begin_step(self) -> None:
         """Count one optimizer step; call once before the ranges of this step are updated."""
@@ -225,6 +280,9 @@ class FlatAdamW:
         they do not live in this object (the disk tier's block buffers).
         params: master[start:start+len(grad)], [len(grad)] FP32, where the master does not live here
         (a disk unit's master in its block buffer); updated in place."""
+        if self.state_format is not FP32_ADAMW:
+            self._update_compact(grad, lr, start, grad_scale, part, (moments, params, weights))
+            return
         end = start + grad.numel()
         if self.master is None and params is None:
             raise ValueError("this master lives elsewhere: update() needs its range (params)")
@@ -279,9 +337,19 @@ class FlatAdamW:
             self.update(widened, lr, start=lo, grad_scale=grad_scale)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "step": self.step_count}
+        """The moments ([numel] each, in the state format's dtype), 8-bit moments' block scales
+        ([num_blocks] FP32 each: exp_avg_scales, exp_avg_sq_scales) and the step ([] FP32)."""
+        out = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "step": self.step_count}
+        if self.exp_avg_scales is not None:
+            out.update(exp_avg_scales=self.exp_avg_scales, exp_avg_sq_scales=self.exp_avg_sq_scales)
+        return out
 
     def load_state_tensors(self, state: dict[str, torch.Tensor]) -> None:
-        self.exp_avg.copy_(state["exp_avg"])
-        self.exp_avg_sq.copy_(state["exp_avg_sq"])
-        self.step_count.copy_(state["step"])
+        """state_tensors()' names, in this state's own dtypes (a checkpoint of the same format)."""
+        for name, mine in self.state_tensors().items():
+            theirs = state[name]
+            compact = self.state_format is not FP32_ADAMW      # FP32: copy_ as it always has
+            if compact and (theirs.dtype != mine.dtype or theirs.numel() != mine.numel()):
+                raise ValueError(f"optimizer state {name}: {tuple(theirs.shape)} {theirs.dtype} where this run "
+                                 f"keeps {tuple(mine.shape)} {mine.dtype} ({self.state_format.name})")
+            mine.copy_(theirs)
