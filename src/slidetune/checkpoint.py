@@ -159,6 +159,8 @@ def state_record(engine, step: int, *, save_dtype: str, with_optimizer: bool,
         "engine_step": int(engine.step_index),
         "save_dtype": save_dtype,
         "with_optimizer": bool(with_optimizer),
+        # the host units' moments (--moments); a checkpoint without the field holds FP32 ones
+        "moments": engine.host_moments,
         "time": time.time(),
         "trainer_state": dict(trainer_state or {}),
     }
@@ -660,10 +662,13 @@ def load_checkpoint(engine, ckpt_dir: Path, *, checked: bool = False) -> dict:
     optim = _LazyTensors({k: p for path in optimizer_files(ckpt) for k, p in _file_keys(path).items()})
     want_optim = {key: (tuple(t.shape), _ST_DTYPES.get(t.dtype, str(t.dtype)))
                   for key, t in engine.optimizer_tensors(on_host=False).items()}
-    for problem in (_tensors_problem(masters, want, "tensor", "model", no_extra=True),
-                    _tensors_problem(optim, want_optim, "optimizer tensor", "engine")):
-        if problem is not None:
-            raise CheckpointError(f"checkpoint {ckpt}: {problem[1]}")
+    problem = _tensors_problem(masters, want, "tensor", "model", no_extra=True)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {ckpt}: {problem[1]}")
+    problem = _tensors_problem(optim, want_optim, "optimizer tensor", "engine")
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {ckpt}: {problem[1]} (a checkpoint resumes with the --moments it was "
+                              f"saved with: {_moments_of(optim)})")
     rng = _read_rng(ckpt)
 
     engine.load_state(masters, optim, int(state["step"]))
@@ -726,6 +731,27 @@ class LegacyLayout:
         return cls(weights, optimizer)
 
 
+# The moments' safetensors dtype for each --moments (engine/adamw.py OPTIMIZER_STATES); the 8-bit
+# scales and the step are FP32, and so are the moments of units updated on the GPU in any format
+MOMENT_DTYPES = {"fp32": "F32", "bf16": "BF16", "8bit": "U8"}
+
+
+def _optimizer_dtypes(state: dict, name: str) -> tuple[str, ...]:
+    """The dtypes optimizer tensor `name` may have in a checkpoint whose state.json is `state`."""
+    if name.endswith((".exp_avg", ".exp_avg_sq")):
+        return tuple(dict.fromkeys(("F32", MOMENT_DTYPES.get(state.get("moments", "fp32"), "F32"))))
+    return ("F32",)
+
+
+def _moments_of(optim: _LazyTensors) -> str:
+    """The --moments a checkpoint's optimizer state was saved with, from its first exp_avg's dtype."""
+    kinds = {v: k for k, v in MOMENT_DTYPES.items()}
+    for name in optim:
+        if name.endswith(".exp_avg"):
+            return f"this one holds --moments {kinds.get(optim.dtype(name), optim.dtype(name))}"
+    return "this one holds no moments"
+
+
 def check_checkpoint(ckpt_dir: Path, legacy: LegacyLayout | None = None) -> CheckedCheckpoint:
     """Everything about a checkpoint that needs no engine, before a resume touches any state: the
     COMPLETE marker; every file's size and digest against MANIFEST.json (`verify_files`), and every
@@ -755,13 +781,18 @@ def check_checkpoint(ckpt_dir: Path, legacy: LegacyLayout | None = None) -> Chec
     config = ckpt / "config.json"
     if not isinstance(_read_json(ckpt, config), dict):
         raise CheckpointCorrupt(ckpt, config, "not a JSON object")
+    # FP32 weights; the optimizer's moments in the format state.json records (--moments)
     for what, files in (("weights", weight_files), ("optimizer", optim_files)):
         for path in sorted(files):
             tensors = _LazyTensors(_file_keys(path))
             for name in tensors:
-                if tensors.dtype(name) != "F32":
-                    raise CheckpointCorrupt(ckpt, path, f"{what} tensor {name!r} is {tensors.dtype(name)}, not F32: "
-                                                        f"a resumable checkpoint holds FP32 {what}")
+                kinds = ("F32",) if what == "weights" else _optimizer_dtypes(state, name)
+                if tensors.dtype(name) not in kinds:
+                    raise CheckpointCorrupt(ckpt, path, f"{what} tensor {name!r} is {tensors.dtype(name)}, not "
+                                                        f"{' or '.join(kinds)}: a resumable checkpoint holds FP32 "
+                                                        f"{what}" + (f" and moments as --moments "
+                                                                     f"{state.get('moments', 'fp32')}"
+                                                                     if what == "optimizer" else ""))
     if listed is None and legacy is not None:
         _check_legacy_layout(ckpt, legacy, weight_files, optim_files)
     _read_rng(ckpt)

@@ -230,11 +230,13 @@ class TransferTuning(_Section):
         when="upload where the host's GPUs have no NVLink between them (the broadcasts then cross PCIe "
              "beside the uploads); measure with bench throughput --gpus --runtime dp_weights=upload")
 
-    def chunk_elems(self, layer_numel: int) -> int:
+    def chunk_elems(self, layer_numel: int, align: int = 1) -> int:
         """Elements per transfer chunk: chunk_mb MiB of FP32 (the host-side element size), but
         no more than one decoder layer: a small model must not get 256 MB staging buffers.
-        Units larger than a chunk (the vocabulary matrices) stream through in pieces."""
-        return max(1, min(self.chunk_mb * 2**20 // 4, layer_numel))
+        Units larger than a chunk (the vocabulary matrices) stream through in pieces.
+        align: a multiple of it (8-bit moments: their block, so every update range starts on one)."""
+        chunk = max(1, min(self.chunk_mb * 2**20 // 4, layer_numel))
+        return max(align, chunk - chunk % align)
 
 
 @dataclass(frozen=True)
@@ -454,6 +456,10 @@ class RuntimeConfig:
     compile_layers: Literal["auto", "on", "off"] = checked_field("auto", normalize=_on_off_auto)
     # The disk tier's directory (--tuning.disk_units and disk_master say what goes there)
     disk_dir: str | None = None
+    # AdamW's moments of the host-updated units: fp32 (exact, the default), or bf16 / 8bit (issue 46:
+    # 8 -> 4 or ~2 B/param of host RAM; engine/adamw.py OPTIMIZER_STATES). A runtime field, not an
+    # optimizer one: the placement plan and the fit read it. Units updated on the GPU stay FP32.
+    moments: Literal["fp32", "bf16", "8bit"] = "fp32"
     placement: PlacementTuning = field(default_factory=PlacementTuning)
     transfer: TransferTuning = field(default_factory=TransferTuning)
     host: HostOptimizerTuning = field(default_factory=HostOptimizerTuning)
@@ -464,6 +470,10 @@ class RuntimeConfig:
 
     def __post_init__(self):
         check_fields(self, "runtime")
+        if self.moments != "fp32" and (self.mode != "slide" or self.host.host_adamw == "torch"):
+            raise ValueError(f"--moments {self.moments} keeps the host units' moments compact, in slide mode through "
+                             f"the native host AdamW: it needs --mode slide and --tuning.host_adamw dynamic or static "
+                             f"(got --mode {self.mode}, --tuning.host_adamw {self.host.host_adamw})")
         if self.disk.disk_units > 0 and not self.disk_dir:
             raise ValueError("--tuning.disk_units needs a disk directory: --disk-dir PATH (a local disk with room "
                              f"for {FP32_ADAMW.moment_bytes} bytes per parameter of those units)")

@@ -677,10 +677,13 @@ def _device_update_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w:
 def _host_state_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w: _Work, plan: PlacementPlan) -> None:
     """The host-updated units' masters and moments, and the disk tier's share of them."""
     host, b = parts.host, w.b
-    state, master = FP32_ADAMW.bytes_per_param, FP32_ADAMW.master_bytes    # 12 and 4 B/param
+    master = FP32_ADAMW.master_bytes                                      # 4 B/param
+    # the RAM units' master and moments: 12 B/param, or less with --moments (plan.host_state)
+    ram_state = plan.host_state
     P_disk = plan.params("disk")
     P_disk_master = plan.master_params("disk")
-    host[f"master + Adam moments ({state} B/param)"] = state * (plan.host_updated_params - P_disk)
+    label = f"{ram_state.bytes_per_param:g} B/param" + ("" if ram_state is FP32_ADAMW else f", moments {ram_state.moments}")
+    host[f"master + Adam moments ({label})"] = int(ram_state.bytes_per_param * (plan.host_updated_params - P_disk))
     if P_disk:
         # the disk tier: moments (and the masters of disk-master units) in its files, through a
         # few pinned block buffers; masters here, or those units' compute-dtype weights
@@ -902,7 +905,8 @@ def shared_state_bytes(plan: PlacementPlan) -> int:
 def _disk_tier_note(split: SplitModel, rt: RuntimeConfig, budget: _Budget, short, **kw) -> str:
     """Where host RAM is what does not fit and no disk tier was given: what the disk tier would take
     (the auto placement with a disk directory), or "" where it would not help."""
-    if rt.mode != "slide" or rt.disk_dir or not any(what == "host RAM" for what, *_ in short) \
+    # (compact moments and the disk tier do not run together yet: PlacementPlan refuses the pair)
+    if rt.mode != "slide" or rt.disk_dir or rt.moments != "fp32" or not any(what == "host RAM" for what, *_ in short) \
             or (budget.device_type == "cuda" and budget.gpu_free is None):
         return ""
     trial = dataclasses.replace(rt, disk_dir="PATH", disk_units=-1)

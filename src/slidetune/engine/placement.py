@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .adamw import FP32_ADAMW
+from .adamw import FP32_ADAMW, OptimizerState, optimizer_state
 from .config import RuntimeConfig
 
 STATES = ("gpu", "shard", "host", "disk")
@@ -123,6 +123,8 @@ class PlacementPlan:
     grad_slots: int = 3           # the decoder layers' GPU gradient slots (RuntimeConfig.resolved_grad_slots)
     grad_slots_fp32: bool = False  # gradient slots in FP32 (grad_slot_dtype fp32), else the compute dtype
     shard_ranks: int = 1          # the host's GPUs the sharded layers are spread over (round robin)
+    # what the host-updated units keep per parameter (--moments); GPU, shard and disk units: FP32_ADAMW
+    host_state: OptimizerState = FP32_ADAMW
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -185,13 +187,14 @@ class PlacementPlan:
                       for i, s in enumerate(shapes))
         if dtype is None and rt.dtype != "auto":
             dtype = rt.torch_dtype
-        _check_combination(units, dtype, ranks)
+        host_state = optimizer_state("fp32", rt.moments)
+        _check_combination(units, dtype, ranks, host_state)
         kept = L if not rt.offloads_activations else min(L, max(0, rt.placement.gpu_checkpoints))
         return cls(units=units, window_slots=window_slots, gpu_checkpoints=kept, schedule=schedule,
                    shard_ranks=max(1, ranks if local_ranks is None else local_ranks),
                    disk_buffers=resolved_disk_buffers(rt.disk.disk_buffers),
                    grad_slots=rt.resolved_grad_slots(L, eager=schedule == "eager"),
-                   grad_slots_fp32=rt.grad_slots_fp32())
+                   grad_slots_fp32=rt.grad_slots_fp32(), host_state=host_state)
 
     def held_numel(self) -> int:
         """Elements of held gradient buffers in host RAM (deferred schedule): a buffer per
@@ -316,7 +319,7 @@ class PlacementPlan:
         ram_masters = sum(u.numel for u in self.units if u.state == "disk" and u.master == "host")
         state = FP32_ADAMW
         out = {"gpu": state.bytes_per_param * self.params("gpu"),
-               "host": state.bytes_per_param * self.params("host") + state.master_bytes * ram_masters,
+               "host": self.host_state.bytes_per_param * self.params("host") + state.master_bytes * ram_masters,
                "disk": sum(u.disk_bytes_per_param * u.numel for u in self.units)}
         if self.params("shard"):      # every GPU of the host together
             out["shard"] = state.bytes_per_param * self.params("shard")
@@ -434,9 +437,24 @@ def _layer_counts(rt: RuntimeConfig, L: int, local_ranks: int) -> tuple[int, int
     return n_dev, n_shard, resident, window_slots
 
 
-def _check_combination(units: tuple[UnitPlace, ...], dtype: torch.dtype | None, ranks: int) -> None:
+def _check_combination(units: tuple[UnitPlace, ...], dtype: torch.dtype | None, ranks: int,
+                       host_state: OptimizerState = FP32_ADAMW) -> None:
     """Refuse the placements the engine cannot run, naming the setting to change (`dtype` None: an
     auto compute dtype not resolved yet, unchecked)."""
+    if host_state is not FP32_ADAMW:
+        # compact moments live in the unit's own RAM tensors (FlatAdamW): the disk tier's files, the
+        # host's shared state and the upload copies' two-pass sweep keep FP32 moments for now
+        flag = f"--moments {host_state.moments}"
+        if ranks > 1:
+            raise ValueError(f"{flag} runs on one rank for now (the host's ranks share FP32 moments); "
+                             f"use --moments fp32 with --gpus, or one GPU")
+        if any(u.state == "disk" for u in units):
+            raise ValueError(f"{flag} keeps the moments in RAM, and the disk tier's files hold FP32 moments: "
+                             f"use one or the other (the compact moments need {host_state.moment_bytes} B/param "
+                             f"of RAM where FP32 ones need {FP32_ADAMW.moment_bytes})")
+        if any(u.upload_copy for u in units):
+            raise ValueError(f"{flag} runs the clipped sweep as params then moments: use --tuning.clip_sweep "
+                             f"split (the default) or whole, not weights")
     if ranks > 1 and any(u.master == "disk" for u in units):
         # the other ranks upload a disk unit's weights from the shared mapping, which holds masters
         raise ValueError("data parallel over several ranks does not support --tuning.disk_master yet (the masters "

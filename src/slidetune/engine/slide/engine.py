@@ -191,6 +191,7 @@ class SlideEngine:
                                         ranks=self.dp.world_size if self.dp is not None else 1, dtype=self.dtype,
                                         local_ranks=self.dp.cfg.local_world_size if self.dp is not None else 1)
         self.vocab_on_device = self.plan.vocab_on_device
+        self.host_moments = self.plan.host_state.moments       # --moments (a checkpoint's state.json records it)
         self.device_layers = self.plan.device_layers
         self.resident_layers = self.plan.resident_layers
         if rt.transfer.cast_on == "gpu" and not device.is_cuda:
@@ -207,7 +208,8 @@ class SlideEngine:
         # (cast_on=cpu) moves compute-dtype bytes and has nothing to cast there.
         self.cast_in_compute = rt.transfer.upload_cast_stream == "compute" and (self.gpu_cast or not device.is_cuda)
         shapes = shapes_for(self.plan, self.dtype, self.cast_in_compute)
-        self.chunk = rt.transfer.chunk_elems(layer_numel)
+        # 8-bit moments are updated from a block boundary: every range starts on one
+        self.chunk = rt.transfer.chunk_elems(layer_numel, align=self.plan.host_state.moment_block or 1)
         # the FP32 widening buffer of the device-side updates (compute-dtype gradient slots)
         device_numel = max((u.spec.numel for u in self.units if u.on_device), default=0)
         self.device_grad32 = (torch.empty(min(self.chunk, device_numel), dtype=torch.float32, device=device.device)
@@ -297,7 +299,8 @@ class SlideEngine:
                                    # local rank 0 writes the checkpoints: it reads the others' sharded layers
                                    pull=self.dp.pull if remote and self.dp.cfg.local_rank == 0 else None,
                                    disk=self.disk, shared=shared, owned=owned, compute_dtype=self.dtype,
-                                   upload_copies=frozenset(u.index for u in plan.units if u.upload_copy))
+                                   upload_copies=frozenset(u.index for u in plan.units if u.upload_copy),
+                                   host_state=plan.host_state)
             if self.dp is not None:
                 self.dp.host_barrier()      # every owner has filled its units before anyone uploads
             # what the other ranks do while rank 0 saves (save_service.py): where the host shards
@@ -764,7 +767,10 @@ class SlideEngine:
             if not unit.owned:
                 unit.set_version(step)
                 continue
-            unit.load(masters, {k: optim[f"{unit.spec.name}.{k}"] for k in ("exp_avg", "exp_avg_sq", "step")})
+            # (8-bit moments: their block scales too, FlatAdamW.state_tensors)
+            names = ("exp_avg", "exp_avg_sq", "step") + (("exp_avg_scales", "exp_avg_sq_scales")
+                                                         if unit.opt is not None and unit.opt.exp_avg_scales is not None else ())
+            unit.load(masters, {k: optim[f"{unit.spec.name}.{k}"] for k in names})
             unit.set_version(step)
         self.step_index = step
         self.slots.forget_weights()

@@ -21,7 +21,7 @@ import torch
 
 from ...models.load import WeightSource, fill_on_device
 from ...models.units import ParamSlot, SplitModel, UnitSpec
-from ..adamw import AdamWConfig, FlatAdamW
+from ..adamw import FP32_ADAMW, AdamWConfig, FlatAdamW, OptimizerState
 from ..distributed import SharedHostState, SharedUnit
 from .disk_tier import DiskTier, StreamedTensor
 from .state_tier import OtherRankGpu, moment_tier
@@ -38,7 +38,7 @@ class HostUnit:
                  device: torch.device | None = None, disk: DiskTier | None = None,
                  shared: SharedUnit | None = None, owned: bool = True, compute_dtype: torch.dtype | None = None,
                  held_buffers: int = 1, upload_copy: bool = False, remote_owner: int | None = None,
-                 pull=None):
+                 pull=None, host_state: OptimizerState = FP32_ADAMW):
         """held_dtype: the deferred schedule's held gradient [numel] in this dtype (host units only;
         a unit on the device holds its gradient there, in the engine), `held_buffers` of them.
         device: keep this unit's master and AdamW state there from the start (vocab_update=device,
@@ -57,7 +57,9 @@ class HostUnit:
         master and moments follow in the second pass (part "rest").
         remote_owner: data parallel, a sharded layer another local rank (this one) keeps on its GPU:
         this rank holds nothing of it (no master, no moments; tier OtherRankGpu), only its versions;
-        `pull` (DataParallel.pull, on the rank that writes checkpoints) reads its state from the owner."""
+        `pull` (DataParallel.pull, on the rank that writes checkpoints) reads its state from the owner.
+        host_state: the state format of a unit whose master and moments are this process's RAM
+        (--moments; the placement plan's host_state); any other unit keeps FP32_ADAMW."""
         self.spec = spec
         self.shared = None if remote_owner is not None else shared
         self.owned = owned
@@ -94,8 +96,10 @@ class HostUnit:
                                      f"process's host RAM with a BF16 compute dtype")
                 self.weights = master.to(compute_dtype)
         del master
+        in_ram = not self.on_device and shared is None and self.tier.moments_in_ram and not upload_copy
         self.opt = FlatAdamW(self.master, spec.n_decay, optim, kernel, moments_here=self.tier.moments_in_ram,
-                             state=(shared.exp_avg, shared.exp_avg_sq, shared.step) if shared is not None else None)
+                             state=(shared.exp_avg, shared.exp_avg_sq, shared.step) if shared is not None else None,
+                             state_format=host_state if in_ram else FP32_ADAMW, seed=spec.index)
         self.tier.attach(self.opt, self.weights)
         # [numel] the step's gradient as the GPU computed it (compute dtype), written by one D2H
         # copy and read by the clipped update sweep (deferred schedule)
@@ -260,7 +264,7 @@ class HostStore:
                  disk: DiskTier | None = None, shared: SharedHostState | None = None,
                  owned: frozenset[int] | None = None, compute_dtype: torch.dtype | None = None,
                  held_buffers: int | list[int] = 1, upload_copies: frozenset[int] = frozenset(),
-                 remote: dict[int, int] | None = None, pull=None):
+                 remote: dict[int, int] | None = None, pull=None, host_state: OptimizerState = FP32_ADAMW):
         """held_dtype: the deferred schedule's held gradients' dtype (None: eager, none held), and
         `held_buffers` per unit (used on alternate steps): one count for all, or one per unit index.
         kernel: the host AdamW kernel of every unit (FlatAdamW's; --tuning.host_adamw).
@@ -273,7 +277,7 @@ class HostStore:
         (the plan's upload_copy: clip_sweep=weights).
         remote: data parallel, sharded layers another local rank keeps on its GPU: unit -> that
         rank (HostUnit's remote_owner); this store holds nothing of them, and reads their state through
-        `pull` (DataParallel.pull) where given."""
+        `pull` (DataParallel.pull) where given. host_state: the RAM units' state format (HostUnit's)."""
         remote = remote or {}
         # Each unit is materialized straight from the source into its own master (no second
         # copy), several units at once: torch's normal_ with a generator runs on one core
@@ -290,7 +294,8 @@ class HostStore:
                                    shared=shared.units[i] if shared is not None and i not in device_units else None,
                                    owned=owned is None or i in owned, compute_dtype=compute_dtype,
                                    held_buffers=held_buffers if isinstance(held_buffers, int) else held_buffers[i],
-                                   upload_copy=i in upload_copies, remote_owner=remote.get(i), pull=pull),
+                                   upload_copy=i in upload_copies, remote_owner=remote.get(i), pull=pull,
+                                   host_state=host_state),
                 range(len(split.units))))
         self.shared = shared
 

@@ -90,6 +90,11 @@ class RamMoments(MomentTier):
     name = "ram"
     ram_bytes_per_param = FP32_ADAMW.bytes_per_param
 
+    def attach(self, opt: FlatAdamW, weights: torch.Tensor | None) -> None:
+        super().attach(opt, weights)
+        # the unit's own state format (--moments): 12 B/param in FP32, less compact
+        self.ram_bytes_per_param = opt.state_format.bytes_per_param
+
     def update(self, grad, lr, start, grad_scale, part) -> None:
         weights = self.weights[start:start + grad.numel()] if part == "weights" else None
         self.opt.update(grad, lr, start, grad_scale=grad_scale, part=part, weights=weights)

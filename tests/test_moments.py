@@ -1,0 +1,142 @@
+"""--moments bf16|8bit (issue 46): the host units' AdamW moments kept compact, end to end through the
+slide engine: what it holds, an exact resume, a checkpoint of another format refused naming it, the
+plan's bytes, and the combinations it does not run yet refused before anything is built."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from slidetune.checkpoint import CheckpointError, checkpoint_dir, load_checkpoint, save_checkpoint
+from slidetune.engine import RuntimeConfig, native_adamw
+from slidetune.engine.adamw import FP32_ADAMW, optimizer_state
+from slidetune.engine.fit import estimate_memory
+from slidetune.engine.placement import PlacementPlan, unit_shapes
+from test_checkpoint import make_engine, masters, optim, shut, train
+from test_checkpoint_integrity import assert_bit_exact
+from test_train_errors import COMMON, run_cli, small_corpus  # noqa: F401 (small_corpus: COMMON's --data)
+
+pytestmark = pytest.mark.skipif(native_adamw.load_compact() is None, reason="no C compiler with OpenMP")
+
+
+@pytest.fixture
+def engines():
+    made = []
+
+    def factory(*a, **kw):
+        made.append(make_engine(*a, **kw))
+        return made[-1]
+    yield factory
+    for e in made:
+        shut(e)
+
+
+def _identical(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k].reshape(-1).view(torch.uint8),
+                                                        b[k].reshape(-1).view(torch.uint8)), k
+
+
+@pytest.mark.parametrize("moments", ["bf16", "8bit"])
+def test_host_units_hold_the_format_and_train_near_fp32(engines, moments):
+    """Every host unit's moments are in the format (8-bit: with their block scales); a unit updated on
+    the GPU side (device_layers) keeps FP32; over six steps on random batches the losses follow the FP32
+    run's within 0.2% (the quality on a real fine-tune is the quality run's)."""
+    clip = dict(grad_accum=1, max_grad_norm=1.0)          # the default recipe: the clipped split sweep
+    ref = engines(**clip, runtime={"device_layers": 1})
+    eng = engines(**clip, runtime={"device_layers": 1, "moments": moments})
+    fmt = optimizer_state("fp32", moments)
+    for unit in eng.units:
+        want = FP32_ADAMW if unit.on_device else fmt
+        assert unit.opt.state_format is want, unit.spec.name
+        assert unit.tier.ram_bytes_per_param == (want.bytes_per_param if unit.on_host else unit.tier.ram_bytes_per_param)
+    state = optim(eng)
+    assert state["layer.1.exp_avg"].dtype == fmt.moment_dtype and state["layer.0.exp_avg"].dtype == torch.float32
+    assert ("layer.1.exp_avg_scales" in state) == (moments == "8bit")
+    losses, ref_losses = train(eng, range(6)), train(ref, range(6))
+    assert losses[0] == ref_losses[0]                       # the first forward: the same weights
+    assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 2e-3, (losses, ref_losses)
+
+
+@pytest.mark.parametrize("moments", ["bf16", "8bit"])
+def test_resume_is_exact_in_the_format(tmp_path, engines, moments):
+    """Saved at step 2 and resumed into an engine of another initialisation: steps 3-4 repeat the
+    uninterrupted run's losses, masters and compact moments in every bit."""
+    kw = dict(grad_accum=2, max_grad_norm=0.5, runtime={"moments": moments})
+    ref = engines(**kw)
+    ref_losses = train(ref, range(4), 2)
+    first = engines(**kw)
+    losses = train(first, range(2), 2)
+    ckpt = save_checkpoint(first, checkpoint_dir(tmp_path, 2), step=2, trainer_state={})
+    resumed = engines(**kw, seed=99)
+    load_checkpoint(resumed, ckpt)
+    losses += train(resumed, range(2, 4), 2)
+    assert losses == ref_losses
+    _identical(masters(resumed), masters(ref))
+    _identical(optim(resumed), optim(ref))
+
+    fp32 = engines(seed=99)
+    with pytest.raises(CheckpointError, match=f"the --moments it was saved with: this one holds --moments {moments}"):
+        load_checkpoint(fp32, ckpt)
+
+
+def test_plan_counts_the_formats_bytes(engines):
+    eng = engines()
+    shapes = unit_shapes(eng.split)
+    host_params = sum(s.numel for s in shapes)
+    est = {}
+    for moments in ("fp32", "bf16", "8bit"):
+        rt = RuntimeConfig(mode="slide", dtype="fp32", device="cpu", moments=moments)
+        plan = PlacementPlan.build(shapes, rt)
+        fmt = optimizer_state("fp32", moments)
+        assert plan.host_state is fmt and plan.state_bytes()["host"] == fmt.bytes_per_param * host_params
+        est[moments] = estimate_memory(eng.split, rt, batch_size=2, seq_len=16).host_bytes
+    assert est["fp32"] - est["bf16"] == 4 * host_params
+    assert est["fp32"] - est["8bit"] == pytest.approx((8 - optimizer_state("fp32", "8bit").moment_bytes) * host_params)
+
+
+def test_what_it_does_not_run_yet_is_refused(engines, tmp_path):
+    with pytest.raises(ValueError, match="--moments 8bit .* needs --mode slide"):
+        RuntimeConfig(mode="gpu", moments="8bit")
+    with pytest.raises(ValueError, match="--tuning.host_adamw dynamic or static"):
+        RuntimeConfig(moments="bf16", host_adamw="torch")
+    eng = engines()
+    shapes = unit_shapes(eng.split)
+    with pytest.raises(ValueError, match="--moments 8bit runs on one rank"):
+        PlacementPlan.build(shapes, RuntimeConfig(moments="8bit", dtype="fp32"), ranks=2)
+    with pytest.raises(ValueError, match="disk tier's files hold FP32 moments"):
+        PlacementPlan.build(shapes, RuntimeConfig(moments="8bit", dtype="fp32", disk_dir=str(tmp_path), disk_units=1))
+    with pytest.raises(ValueError, match="clip_sweep split"):
+        PlacementPlan.build(shapes, RuntimeConfig(moments="bf16", dtype="bf16", clip_sweep="weights"),
+                            schedule="deferred")
+
+
+def test_an_8bit_chunk_starts_on_a_block():
+    rt = RuntimeConfig()
+    assert rt.transfer.chunk_elems(1000) == 1000 and rt.transfer.chunk_elems(1000, align=256) == 768
+    assert rt.transfer.chunk_elems(100, align=256) == 256
+    assert rt.transfer.chunk_elems(10**9, align=256) % 256 == 0
+
+
+@pytest.mark.slow
+def test_train_flag_runs_stops_and_resumes_bit_exact(tmp_path):
+    """`slidetune train --moments 8bit`: the run records it (config.json, each checkpoint's
+    state.json), a run stopped after step 3 resumes with `--resume auto` to the uninterrupted run's
+    end-of-run checkpoint in every bit, and the same directory resumed with --moments fp32 is
+    refused naming the format it was saved with."""
+    run = ["--max-steps", "4", "--save-every", "1", "--keep-last", "3", "--moments", "8bit"]
+    ref, stopped = tmp_path / "ref", tmp_path / "stopped"
+    for d, extra in ((ref, []), (stopped, ["--stop-after", "3"])):
+        code, out, err = run_cli(*COMMON, *run, "--output-dir", str(d), *extra)
+        assert code == 0, err[-3000:]
+    assert json.loads((ref / "config.json").read_text())["runtime"]["moments"] == "8bit"
+    state = json.loads((stopped / "checkpoints" / "checkpoint-3" / "trainer_state" / "state.json").read_text())
+    assert state["moments"] == "8bit"
+    code, out, err = run_cli(*COMMON, *[a if a != "8bit" else "fp32" for a in run], "--resume", "auto",
+                             "--output-dir", str(stopped))
+    assert code != 0 and "the --moments it was saved with: this one holds --moments 8bit" in err, err[-3000:]
+    code, out, err = run_cli(*COMMON, *run, "--resume", "auto", "--output-dir", str(stopped))
+    assert code == 0 and "resumed from" in out, err[-3000:]
+    assert_bit_exact(stopped, ref)
