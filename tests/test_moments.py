@@ -140,3 +140,23 @@ def test_train_flag_runs_stops_and_resumes_bit_exact(tmp_path):
     code, out, err = run_cli(*COMMON, *run, "--resume", "auto", "--output-dir", str(stopped))
     assert code == 0 and "resumed from" in out, err[-3000:]
     assert_bit_exact(stopped, ref)
+
+
+def test_the_floor_counts_the_formats_traffic(engines):
+    """bench.roofline: the host AdamW probe runs the format's kernel and records it; the host DRAM
+    bytes of a clipped step's sweep are the format's two passes (8-bit: 12.03 + 6.06 B/param
+    against FP32's 18 + 18)."""
+    from slidetune.bench.roofline import ADAMW_BYTES, adamw_bytes, adamw_dram_bytes, best_dram_gib_s, probe_adamw
+    eng = engines()
+    shapes = unit_shapes(eng.split)
+    fmt = optimizer_state("fp32", "8bit")
+    probe = probe_adamw(n=1 << 16, steps=3, moments="8bit")
+    assert probe["moments"] == "8bit" and probe["adamw_weights_pass_params_per_s"] > 0
+    assert "adamw_weights_copy_pass_params_per_s" not in probe         # no clip_sweep=weights with it
+    assert best_dram_gib_s(probe) >= probe["adamw_bf16_grad_params_per_s"] * fmt.update_bytes(2) / 2**30
+    for moments, state in (("fp32", FP32_ADAMW), ("8bit", fmt)):
+        plan = PlacementPlan.build(shapes, RuntimeConfig(dtype="fp32", moments=moments), schedule="deferred")
+        n = plan.host_updated_params
+        got = adamw_dram_bytes(plan, {"grad_dtype": "bf16", "adamw_moments_pass_params_per_s": 1.0})
+        assert got == pytest.approx((state.update_bytes(2, "params") + state.update_bytes(2, "moments")) * n)
+    assert adamw_bytes(FP32_ADAMW) == ADAMW_BYTES

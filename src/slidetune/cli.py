@@ -190,7 +190,8 @@ def _plan_terms(cfg, plan) -> None:
                        adamw_n=128 * 2**20 if on_gpu else 16 * 2**20,     # the CPU machine's probe: small and quick
                        compile_layers=rt.compile_layers != "off", grad_download=rt.transfer.grad_download,
                        host_adamw=rt.host.host_adamw, disk_dir=rt.disk_dir if plan.indices("disk") else None,
-                       disk_block_mb=rt.disk.disk_block_mb, disk_io_threads=rt.disk.disk_io_threads)
+                       disk_block_mb=rt.disk.disk_block_mb, disk_io_threads=rt.disk.disk_io_threads,
+                       moments=rt.moments)
     if fl.get("status") != "ok":
         print(f"the probes failed: {fl.get('error', fl)}")
         return

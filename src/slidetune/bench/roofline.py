@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine import native_adamw
-from ..engine.adamw import FP32_ADAMW, AdamWConfig, FlatAdamW
+from ..engine.adamw import FP32_ADAMW, AdamWConfig, FlatAdamW, OptimizerState, optimizer_state
 from ..engine.config import RuntimeConfig, runtime_fields
 from ..engine.distributed import plan_owners, shared_layout
 from ..engine.placement import PlacementPlan, shapes_from_counts
@@ -87,13 +87,14 @@ def probe_copy(nbytes: int = 2**30) -> dict:
             "bidirectional_total_gib_s": 2 * nbytes / bidir / gib, "pageable_h2d_gib_s": nbytes / 4 / pg / gib}
 
 
-def _adamw_rate(n: int, steps: int, grad_dtype: torch.dtype, kernel: str, part: str = "all") -> float:
+def _adamw_rate(n: int, steps: int, grad_dtype: torch.dtype, kernel: str, part: str = "all",
+                state: OptimizerState = FP32_ADAMW) -> float:
     """params/s of the median step: one step that a page fault, a timer tick or a neighbour
     stretched must not set the floor (three-step means ranged 3.8-6.7 G params/s on the H100
-    host, NOTES.md "Floor probes")."""
-    master = torch.randn(n)
+    host, NOTES.md "Floor probes"). state: the units' state format (--moments)."""
+    master = torch.randn(n).to(state.master_dtype)
     grad = torch.randn(n).to(grad_dtype)
-    opt = FlatAdamW(master, n, AdamWConfig(weight_decay=0.1), kernel)
+    opt = FlatAdamW(master, n, AdamWConfig(weight_decay=0.1), kernel, state_format=state)
     # clip_sweep=weights' first pass writes BF16 weights (the upload copy) instead of the master
     weights = torch.empty(n, dtype=torch.bfloat16) if part == "weights" else None
     opt.begin_step()
@@ -114,12 +115,25 @@ def _adamw_rate(n: int, steps: int, grad_dtype: torch.dtype, kernel: str, part: 
 # p, m, v, g and writes p, m, v; the clipped sweep's pair reads p, m, v, g and writes p, then reads
 # m, v, g and writes m, v; clip_sweep=weights' first pass reads p, m, v, g and writes the BF16
 # weights, its second is the whole update.
-_P, _MV, _BF16, _FP32 = FP32_ADAMW.master_bytes, FP32_ADAMW.moment_bytes, 2, 4
-ADAMW_BYTES = {"adamw_bf16_grad_params_per_s": (_P + _MV + _BF16) + (_P + _MV),         # 26
-               "adamw_fp32_grad_params_per_s": (_P + _MV + _FP32) + (_P + _MV),         # 28
-               "adamw_weights_pass_params_per_s": (_P + _MV + _BF16) + _P,              # 18
-               "adamw_moments_pass_params_per_s": (_MV + _BF16) + _MV,                  # 18
-               "adamw_weights_copy_pass_params_per_s": (_P + _MV + _BF16) + _BF16}      # 16
+def adamw_bytes(state: OptimizerState = FP32_ADAMW) -> dict[str, int | float]:
+    """Each probe's bytes per parameter for a state format (OptimizerState.update_bytes): FP32 26,
+    28, 18, 18, 16; the compact formats have no weights-copy pass (clip_sweep=weights is refused
+    with them)."""
+    out = {"adamw_bf16_grad_params_per_s": state.update_bytes(2),
+           "adamw_fp32_grad_params_per_s": state.update_bytes(4),
+           "adamw_weights_pass_params_per_s": state.update_bytes(2, "params"),
+           "adamw_moments_pass_params_per_s": state.update_bytes(2, "moments")}
+    if state is FP32_ADAMW:
+        out["adamw_weights_copy_pass_params_per_s"] = state.bytes_per_param + 2 + 2
+    return out
+
+
+ADAMW_BYTES = adamw_bytes(FP32_ADAMW)
+
+
+def _probed_state(adamw: dict) -> OptimizerState:
+    """The state format an AdamW probe measured (probe_adamw's "moments"; FP32 where absent)."""
+    return optimizer_state("fp32", adamw.get("moments", "fp32"))
 
 
 def probe_host_dram(n: int = 256 * 2**20, reps: int = 5) -> dict:
@@ -142,7 +156,7 @@ def adamw_dram_use(adamw: dict, dram: dict) -> dict:
     """Each probed AdamW rate as the DRAM bandwidth it moves (rate x bytes per parameter) and as a
     fraction of the probed bandwidth: how far the loop is from the memory's limit."""
     out = {}
-    for key, nbytes in ADAMW_BYTES.items():
+    for key, nbytes in adamw_bytes(_probed_state(adamw)).items():
         if adamw.get(key):
             gib_s = adamw[key] * nbytes / 2**30
             out[key.replace("_params_per_s", "_gib_s")] = gib_s
@@ -151,22 +165,28 @@ def adamw_dram_use(adamw: dict, dram: dict) -> dict:
 
 
 def probe_adamw(n: int = 128 * 2**20, steps: int = 11, grad_download: str = "compute",
-                host_adamw: str = "dynamic") -> dict:
+                host_adamw: str = "dynamic", moments: str = "fp32") -> dict:
     """The host AdamW's rate over one flat tensor through the engine's kernel (host_adamw:
     native_adamw's loop, or torch's fused kernel), on FP32 gradients and, where the native
     kernel reads them, on BF16 ones. `adamw_params_per_s` is the rate of the path the
-    engine takes: BF16 under grad_download=compute where the native kernel runs."""
-    fp32 = _adamw_rate(n, steps, torch.float32, host_adamw)
-    out = {"adamw_fp32_grad_params_per_s": fp32, "threads": torch.get_num_threads(), "host_adamw": host_adamw}
+    engine takes: BF16 under grad_download=compute where the native kernel runs.
+    moments: the host units' moments (--moments; compact formats through the native kernel only)."""
+    state = optimizer_state("fp32", moments)
+    fp32 = _adamw_rate(n, steps, torch.float32, host_adamw, state=state)
+    out = {"adamw_fp32_grad_params_per_s": fp32, "threads": torch.get_num_threads(), "host_adamw": host_adamw,
+           "moments": moments}
     native = host_adamw != "torch" and native_adamw.load() is not None
     if native:
-        out["adamw_bf16_grad_params_per_s"] = _adamw_rate(n, steps, torch.bfloat16, host_adamw)
+        out["adamw_bf16_grad_params_per_s"] = _adamw_rate(n, steps, torch.bfloat16, host_adamw, state=state)
         # the clipped sweep's weights-only pass (deferred schedule): BF16 held gradients
-        out["adamw_weights_pass_params_per_s"] = _adamw_rate(n, steps, torch.bfloat16, host_adamw, part="params")
-        out["adamw_moments_pass_params_per_s"] = _adamw_rate(n, steps, torch.bfloat16, host_adamw, part="moments")
-        # clip_sweep=weights: the first pass writes the BF16 upload copy (the second is the whole update)
-        out["adamw_weights_copy_pass_params_per_s"] = _adamw_rate(n, steps, torch.bfloat16, host_adamw,
-                                                                  part="weights")
+        out["adamw_weights_pass_params_per_s"] = _adamw_rate(n, steps, torch.bfloat16, host_adamw, part="params",
+                                                             state=state)
+        out["adamw_moments_pass_params_per_s"] = _adamw_rate(n, steps, torch.bfloat16, host_adamw, part="moments",
+                                                             state=state)
+        if state is FP32_ADAMW:
+            # clip_sweep=weights: the first pass writes the BF16 upload copy (the second is the whole update)
+            out["adamw_weights_copy_pass_params_per_s"] = _adamw_rate(n, steps, torch.bfloat16, host_adamw,
+                                                                      part="weights")
     out["kernel"] = f"native ({host_adamw})" if native else "torch"
     dram = probe_host_dram()
     out.update(dram, **adamw_dram_use(out, dram))
@@ -569,14 +589,15 @@ def adamw_dram_bytes(plan: PlacementPlan, adamw: dict, split_sweep: bool = True)
     with master and moments in RAM take both passes (18 + 18), those with an upload copy the
     copy pass and the whole update (16 + 26); disk units one whole pass."""
     key = "adamw_bf16_grad_params_per_s" if adamw.get("grad_dtype") == "bf16" else "adamw_fp32_grad_params_per_s"
-    whole = ADAMW_BYTES[key] * plan.host_updated_params
+    ram = adamw_bytes(plan.host_state)          # the RAM units' format (--moments); disk units FP32
+    ram_params, disk_params = plan.params("host"), plan.params("disk")
     if plan.schedule != "deferred" or not split_sweep or not adamw.get("adamw_moments_pass_params_per_s"):
-        return whole
+        return ram[key] * ram_params + ADAMW_BYTES[key] * disk_params
     copies = plan.upload_copy_numel()
-    split = plan.params("host") - copies
-    passes = ADAMW_BYTES["adamw_weights_pass_params_per_s"] + ADAMW_BYTES["adamw_moments_pass_params_per_s"]
+    split = ram_params - copies
+    passes = ram["adamw_weights_pass_params_per_s"] + ram["adamw_moments_pass_params_per_s"]
     return (passes * split + (ADAMW_BYTES["adamw_weights_copy_pass_params_per_s"] + ADAMW_BYTES[key]) * copies
-            + ADAMW_BYTES[key] * plan.params("disk"))
+            + ADAMW_BYTES[key] * disk_params)
 
 
 def host_dram_term(plan: PlacementPlan, adamw: dict, ranks: int, split_sweep: bool = True,
@@ -603,7 +624,8 @@ def best_dram_gib_s(adamw: dict) -> float | None:
     own traffic (ADAMW_BYTES at its probed rate). None where probe_adamw measured no DRAM bandwidth."""
     if not adamw.get("dram_gib_s"):
         return None
-    return max([adamw["dram_gib_s"]] + [adamw[k] * b / 2**30 for k, b in ADAMW_BYTES.items() if adamw.get(k)])
+    return max([adamw["dram_gib_s"]] + [adamw[k] * b / 2**30 for k, b in adamw_bytes(_probed_state(adamw)).items()
+                                        if adamw.get(k)])
 
 
 def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None = None,
@@ -739,7 +761,7 @@ def _clip_sweep_terms(terms: dict, plan: PlacementPlan, comp: dict, adamw: dict,
         # upload copy, 2): the sweep takes at least all those bytes at the best DRAM rate.
         # Llama-3.1-8B b16 on a 24 GiB GPU: the weights pass ran at 6.94 G params/s in the
         # step against 8.11 alone, 142 GiB/s of DRAM with the uploads (NOTES.md "Floor probes").
-        swept = ((ADAMW_BYTES["adamw_weights_pass_params_per_s"] + uploads * UPLOAD_READ_BYTES)
+        swept = ((adamw_bytes(plan.host_state)["adamw_weights_pass_params_per_s"] + uploads * UPLOAD_READ_BYTES)
                  * (ram_params - copy_params)
                  + (ADAMW_BYTES["adamw_weights_copy_pass_params_per_s"] + uploads * 2) * copy_params)
         sweep_s = max(sweep_s, swept / (best * gib))

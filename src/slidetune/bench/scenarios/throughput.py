@@ -204,7 +204,10 @@ class _ThroughputRuns:
         if key not in floors:
             floors[key] = measure_floor(model, batch, seq, self.layers, dev,
                                         adamw_n=(4 * 2**20 if args.smoke else 128 * 2**20),
-                                        adamw=self.adamw_probe, timeout_s=args.timeout,
+                                        # (one host AdamW probe a call, for the moments it measured)
+                                        adamw=(self.adamw_probe if (self.adamw_probe or {}).get("moments", "fp32")
+                                               == slide_over.get("moments", "fp32") else None),
+                                        timeout_s=args.timeout,
                                         compile_layers=_compiles(slide_over, dev),
                                         head_impl=_head_impl(slide_over, dev),
                                         grad_download=str(slide_over.get("grad_download", "compute")),
@@ -212,7 +215,7 @@ class _ThroughputRuns:
                                         disk_dir=slide_over.get("disk_dir"),
                                         disk_block_mb=int(slide_over.get("disk_block_mb", 64)),
                                         disk_io_threads=int(slide_over.get("disk_io_threads", 4)),
-                                        layer=layer)
+                                        layer=layer, moments=str(slide_over.get("moments", "fp32")))
             if floors[key].get("status") == "ok":
                 self.adamw_probe = floors[key].get("adamw")
         return floors[key]
