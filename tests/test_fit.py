@@ -289,7 +289,9 @@ def test_nothing_fits_says_so():
     split = split_of("qwen3-14b")                      # 14.8B x 12 B = 165 GiB of host state
     with pytest.raises(InsufficientMemoryError) as ei:
         check_fit(split, cuda_rt(), batch_size=4, seq_len=1024, **H100)
-    assert ei.value.options == []
+    # no change of placement or batch fits; the one option is the opt-in compact moments (8 of 12 B/param)
+    assert len(ei.value.options) == 1 and ei.value.options[0].startswith("--moments bf16  -> ")
+    assert "opt-in: AdamW's moments in bf16" in ei.value.options[0]
     # host RAM is what does not fit: the disk tier is named, with what it would hold
     assert "With a local disk: --disk-dir PATH" in str(ei.value)
     with pytest.raises(InsufficientMemoryError) as ei:

@@ -160,3 +160,25 @@ def test_the_floor_counts_the_formats_traffic(engines):
         got = adamw_dram_bytes(plan, {"grad_dtype": "bf16", "adamw_moments_pass_params_per_s": 1.0})
         assert got == pytest.approx((state.update_bytes(2, "params") + state.update_bytes(2, "moments")) * n)
     assert adamw_bytes(FP32_ADAMW) == ADAMW_BYTES
+
+
+def test_plan_offers_compact_moments_where_host_ram_binds():
+    """The issue's desktop: Llama-3.1-8B b8 x 2048, clip 1.0, a 24 GiB GPU and 64 GiB of RAM. FP32
+    state is refused (host RAM); the options name --moments 8bit as an opt-in change, and with it
+    the plan fits."""
+    import contextlib
+    import io
+
+    from slidetune.cli import main
+
+    def plan(*extra: str) -> str:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            main(["plan", "--model", "llama-3.1-8b", "--batch-size", "8", "--seq-len", "2048", "--device", "cuda",
+                  "--gpu-free-gib", "24", "--host-gib", "64", "--no-limits", *extra])
+        return out.getvalue()
+    refused = plan()
+    assert "does not fit" in refused and "host RAM too small" in refused
+    assert "--moments 8bit  -> GPU" in refused and "opt-in: AdamW's moments in 8bit" in refused
+    fits = plan("--moments", "8bit")
+    assert "does not fit" not in fits and "moments 8bit" in fits

@@ -1535,6 +1535,20 @@ class _Suggestions:
         if lean:
             self.consider(lean)
 
+    def compact_moments(self) -> None:
+        """Host: AdamW's moments in BF16, else 8-bit (--moments; opt-in, named as a change of the
+        arithmetic): 8 -> 4 or ~2 B/param of the host units' state. One rank, no disk tier."""
+        rt = self.rt
+        if rt.mode != "slide" or rt.moments != "fp32" or rt.disk_dir or self.budget.ranks_per_host > 1 \
+                or rt.host.host_adamw == "torch":
+            return
+        for moments in ("bf16", "8bit"):
+            est = self.attempt({"moments": moments}, self.batch_size, self.grad_accum, self.max_grad_norm)
+            if est is not None:
+                self.add([_fmt_flag("moments", moments)], est,
+                         f"opt-in: AdamW's moments in {moments}, not the FP32 reference's arithmetic")
+                return
+
     def no_clipping(self) -> None:
         """Host: the deferred schedule (clipping) holds the step's gradients, eager does not."""
         rt = self.rt
@@ -1563,5 +1577,6 @@ def suggest(split: SplitModel, rt: RuntimeConfig, budget: _Budget, *, batch_size
     s.head_chunks()
     s.modes()
     s.all_at_once()
+    s.compact_moments()
     s.no_clipping()
     return s.out
