@@ -194,12 +194,16 @@ _HELP = {
                        "map, 256-element blocks with an FP32 absmax: ~2 B/param). Opt-in: they trade the FP32 "
                        "reference's trajectory for host RAM. Slide mode, one GPU, no --disk-dir; units updated on "
                        "the GPU keep FP32 moments",
+    "runtime.master": "the host-updated units' master weights: fp32 (exact, the default) or bf16 (2 instead of 4 "
+                      "B/param of host RAM: each update rounded to BF16 stochastically, unbiased, from a counter "
+                      "hash of the step and the element, so a resume repeats it; the uploads copy it as it is). "
+                      "Opt-in, as --moments; with --moments 8bit a host unit keeps ~4 B/param instead of 12",
     "runtime.recompute": 'ckpt mode: the decoder layers that recompute their activations in the backward: '
                          'all | none | a comma list "0,3,7" | "every:k"',
     "runtime.dtype": "compute precision of weights and activations: auto | bf16 | fp32 | fp16. auto: bf16 where the "
                      "device computes it natively (a CUDA GPU with bf16; a CPU with AMX-BF16 or AVX512-BF16), else "
                      "fp32 (on a CPU without them bf16 is emulated, many times slower); the run prints which and why. "
-                     "Master weights are FP32 whatever this is, and AdamW's moments unless --moments says",
+                     "Master weights and AdamW's moments are FP32 whatever this is, unless --master or --moments say",
     "runtime.disk_dir": f"a directory on a local disk (NVMe ideally) where the AdamW moments of some units live, "
                         f"read ahead of their update and written behind it: {FP32_ADAMW.master_bytes} instead of "
                         f"{FP32_ADAMW.bytes_per_param} B/param of host RAM for each, "
@@ -253,7 +257,7 @@ FLAG_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "batch": ("sequences per step, and how many steps", ("batch_size", "grad_accum", "max_steps", "epochs")),
     "optimizer": ("AdamW and its learning-rate schedule", ("optim.lr", "optim.beta1", "optim.beta2", "optim.eps",
                                                            "optim.weight_decay", "lr_schedule", "warmup_steps",
-                                                           "min_lr_ratio", "runtime.moments")),
+                                                           "min_lr_ratio", "runtime.moments", "runtime.master")),
     "clipping": ("global gradient-norm clipping", ("max_grad_norm",)),
     "mode": ("how the model trains, where, in which precision",
              ("runtime.mode", "runtime.device", "runtime.dtype", "runtime.recompute")),

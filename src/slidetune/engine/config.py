@@ -460,6 +460,9 @@ class RuntimeConfig:
     # 8 -> 4 or ~2 B/param of host RAM; engine/adamw.py OPTIMIZER_STATES). A runtime field, not an
     # optimizer one: the placement plan and the fit read it. Units updated on the GPU stay FP32.
     moments: Literal["fp32", "bf16", "8bit"] = "fp32"
+    # the host-updated units' master weights: fp32 (the default) or bf16, rounded stochastically at
+    # each update (issue 46: 4 -> 2 B/param; the uploads then copy it as it is, no cast)
+    master: Literal["fp32", "bf16"] = "fp32"
     placement: PlacementTuning = field(default_factory=PlacementTuning)
     transfer: TransferTuning = field(default_factory=TransferTuning)
     host: HostOptimizerTuning = field(default_factory=HostOptimizerTuning)
@@ -470,13 +473,17 @@ class RuntimeConfig:
 
     def __post_init__(self):
         check_fields(self, "runtime")
-        if self.moments != "fp32" and (self.mode != "slide" or self.host.host_adamw == "torch"):
-            raise ValueError(f"--moments {self.moments} keeps the host units' moments compact, in slide mode through "
+        if (self.moments, self.master) != ("fp32", "fp32") and (self.mode != "slide" or self.host.host_adamw == "torch"):
+            raise ValueError(f"{self.state_flags()} keeps the host units' state compact, in slide mode through "
                              f"the native host AdamW: it needs --mode slide and --tuning.host_adamw dynamic or static "
                              f"(got --mode {self.mode}, --tuning.host_adamw {self.host.host_adamw})")
         if self.disk.disk_units > 0 and not self.disk_dir:
             raise ValueError("--tuning.disk_units needs a disk directory: --disk-dir PATH (a local disk with room "
                              f"for {FP32_ADAMW.moment_bytes} bytes per parameter of those units)")
+
+    def state_flags(self) -> str:
+        """The compact state flags as given: "--master bf16 --moments 8bit", "--moments bf16", ..."""
+        return " ".join(f"--{k} {v}" for k, v in (("master", self.master), ("moments", self.moments)) if v != "fp32")
 
     def setting(self, name: str):
         """A setting by its flat name, a user's field or a knob (for code that walks them by name:

@@ -682,7 +682,7 @@ def _host_state_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w: _W
     ram_state = plan.host_state
     P_disk = plan.params("disk")
     P_disk_master = plan.master_params("disk")
-    label = f"{ram_state.bytes_per_param:g} B/param" + ("" if ram_state is FP32_ADAMW else f", moments {ram_state.moments}")
+    label = f"{ram_state.bytes_per_param:g} B/param" + ("" if ram_state is FP32_ADAMW else f", {ram_state.name}")
     host[f"master + Adam moments ({label})"] = int(ram_state.bytes_per_param * (plan.host_updated_params - P_disk))
     if P_disk:
         # the disk tier: moments (and the masters of disk-master units) in its files, through a
@@ -1536,17 +1536,20 @@ class _Suggestions:
             self.consider(lean)
 
     def compact_moments(self) -> None:
-        """Host: AdamW's moments in BF16, else 8-bit (--moments; opt-in, named as a change of the
-        arithmetic): 8 -> 4 or ~2 B/param of the host units' state. One rank, no disk tier."""
+        """Host: the first compact state that fits, least rounding first (opt-in, named as a change
+        of the arithmetic): BF16 moments (12 -> 8 B/param of a host unit's state), 8-bit moments
+        (~6), then a BF16 master beside them (~4). One rank, no disk tier."""
         rt = self.rt
-        if rt.mode != "slide" or rt.moments != "fp32" or rt.disk_dir or self.budget.ranks_per_host > 1 \
-                or rt.host.host_adamw == "torch":
+        if rt.mode != "slide" or (rt.master, rt.moments) != ("fp32", "fp32") or rt.disk_dir \
+                or self.budget.ranks_per_host > 1 or rt.host.host_adamw == "torch":
             return
-        for moments in ("bf16", "8bit"):
-            est = self.attempt({"moments": moments}, self.batch_size, self.grad_accum, self.max_grad_norm)
+        for change in ({"moments": "bf16"}, {"moments": "8bit"}, {"master": "bf16", "moments": "8bit"}):
+            est = self.attempt(change, self.batch_size, self.grad_accum, self.max_grad_norm)
             if est is not None:
-                self.add([_fmt_flag("moments", moments)], est,
-                         f"opt-in: AdamW's moments in {moments}, not the FP32 reference's arithmetic")
+                what = " and ".join(f"{'AdamW' + chr(39) + 's moments' if k == 'moments' else 'the master'} in {v}"
+                                    for k, v in sorted(change.items(), key=lambda kv: kv[0] != "moments"))
+                self.add([_fmt_flag(k, v) for k, v in change.items()], est,
+                         f"opt-in: {what}, not the FP32 reference's arithmetic")
                 return
 
     def no_clipping(self) -> None:

@@ -187,7 +187,7 @@ class PlacementPlan:
                       for i, s in enumerate(shapes))
         if dtype is None and rt.dtype != "auto":
             dtype = rt.torch_dtype
-        host_state = optimizer_state("fp32", rt.moments)
+        host_state = optimizer_state(rt.master, rt.moments)
         _check_combination(units, dtype, ranks, host_state)
         kept = L if not rt.offloads_activations else min(L, max(0, rt.placement.gpu_checkpoints))
         return cls(units=units, window_slots=window_slots, gpu_checkpoints=kept, schedule=schedule,
@@ -444,14 +444,15 @@ def _check_combination(units: tuple[UnitPlace, ...], dtype: torch.dtype | None, 
     if host_state is not FP32_ADAMW:
         # compact moments live in the unit's own RAM tensors (FlatAdamW): the disk tier's files, the
         # host's shared state and the upload copies' two-pass sweep keep FP32 moments for now
-        flag = f"--moments {host_state.moments}"
+        flag = " ".join(f"--{k} {v}" for k, v in (("master", host_state.master), ("moments", host_state.moments))
+                        if v != "fp32")
         if ranks > 1:
-            raise ValueError(f"{flag} runs on one rank for now (the host's ranks share FP32 moments); "
-                             f"use --moments fp32 with --gpus, or one GPU")
+            raise ValueError(f"{flag} runs on one rank for now (the host's ranks share an FP32 state); "
+                             f"use the FP32 state with --gpus, or one GPU")
         if any(u.state == "disk" for u in units):
-            raise ValueError(f"{flag} keeps the moments in RAM, and the disk tier's files hold FP32 moments: "
-                             f"use one or the other (the compact moments need {host_state.moment_bytes} B/param "
-                             f"of RAM where FP32 ones need {FP32_ADAMW.moment_bytes})")
+            raise ValueError(f"{flag} keeps the state in RAM, and the disk tier's files hold an FP32 state: "
+                             f"use one or the other (the compact state needs {host_state.bytes_per_param:g} B/param "
+                             f"of RAM where the FP32 one needs {FP32_ADAMW.bytes_per_param})")
         if any(u.upload_copy for u in units):
             raise ValueError(f"{flag} runs the clipped sweep as params then moments: use --tuning.clip_sweep "
                              f"split (the default) or whole, not weights")

@@ -39,7 +39,7 @@ class _DeviceUnit:
 
 
 class PlainEngine:
-    host_moments = "fp32"        # --moments is slide mode's (RuntimeConfig refuses it here)
+    host_master = host_moments = "fp32"      # --master / --moments are slide mode's (RuntimeConfig refuses them here)
 
     def __init__(self, loaded: LoadedModel, rt: RuntimeConfig, optim: AdamWConfig, device: Device,
                  grad_accum: int = 1, max_grad_norm: float | None = None, timer: EventTimer | None = None):

@@ -191,7 +191,8 @@ class SlideEngine:
                                         ranks=self.dp.world_size if self.dp is not None else 1, dtype=self.dtype,
                                         local_ranks=self.dp.cfg.local_world_size if self.dp is not None else 1)
         self.vocab_on_device = self.plan.vocab_on_device
-        self.host_moments = self.plan.host_state.moments       # --moments (a checkpoint's state.json records it)
+        # --master / --moments (a checkpoint's state.json records them)
+        self.host_master, self.host_moments = self.plan.host_state.master, self.plan.host_state.moments
         self.device_layers = self.plan.device_layers
         self.resident_layers = self.plan.resident_layers
         if rt.transfer.cast_on == "gpu" and not device.is_cuda:

@@ -89,6 +89,8 @@ class HostUnit:
             self.master = None
         else:
             self.master = master.to(device) if self.on_device else master  # the host buffer goes with `master`
+            if self._state_in_ram(shared, upload_copy) and host_state.master_dtype != torch.float32:
+                self.master = self.master.to(host_state.master_dtype)    # [numel] --master bf16: rounded once
             if upload_copy:
                 if (self.on_device or not self.tier.moments_in_ram or shared is not None
                         or compute_dtype != torch.bfloat16):
@@ -96,7 +98,7 @@ class HostUnit:
                                      f"process's host RAM with a BF16 compute dtype")
                 self.weights = master.to(compute_dtype)
         del master
-        in_ram = not self.on_device and shared is None and self.tier.moments_in_ram and not upload_copy
+        in_ram = self._state_in_ram(shared, upload_copy)
         self.opt = FlatAdamW(self.master, spec.n_decay, optim, kernel, moments_here=self.tier.moments_in_ram,
                              state=(shared.exp_avg, shared.exp_avg_sq, shared.step) if shared is not None else None,
                              state_format=host_state if in_ram else FP32_ADAMW, seed=spec.index)
@@ -106,6 +108,19 @@ class HostUnit:
         # (held_buffers of them, used on alternate steps: --tuning.held_buffers)
         self.held: list[torch.Tensor] = ([torch.empty(spec.numel, dtype=held_dtype) for _ in range(held_buffers)]
                                          if held_dtype is not None and not self.on_device and owned else [])
+
+    def _state_in_ram(self, shared, upload_copy: bool) -> bool:
+        """Whether master and moments are this process's own RAM tensors (the units a compact state
+        format applies to: not on the device, not shared, not the disk tier's, no upload copy)."""
+        return (not self.on_device and shared is None and self.tier.moments_in_ram and not self.tier.holds_master
+                and not upload_copy)
+
+    @property
+    def uploads_fp32_master(self) -> bool:
+        """Whether the uploads read an FP32 master (cast on the way, into an FP32 landing buffer
+        where the slots have one); False for compute-dtype weights (a disk-master unit's, an upload
+        copy) and a BF16 master (--master bf16), which are copied as they are."""
+        return self.weights is None and (self.master is None or self.master.dtype == torch.float32)
 
     def _init_versions(self) -> None:
         self.version = 0              # updates applied in full

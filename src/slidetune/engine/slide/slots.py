@@ -141,7 +141,7 @@ class GpuSlots:
         slot.content = (unit_index, version)
         # With a landing buffer the upload only moves FP32 bytes; acquire casts them. A disk-master
         # unit's weights are in the compute dtype already: straight into the slot.
-        landing = slot.landing is not None and unit.weights is None
+        landing = slot.landing is not None and unit.uploads_fp32_master
         dst = slot.landing if landing else slot.flat
         slot.cast_pending = landing
         job = (self.threads.timed, "upload", "upload", unit.spec.name, self.uploader.upload, unit, dst, version, after)
@@ -177,7 +177,7 @@ class GpuSlots:
         slot.content = (unit_index, version)
         slot.cast_pending = False               # the owner casts before it sends
         uploaded = None
-        landing = slot.landing is not None and unit.weights is None     # as submit_upload
+        landing = slot.landing is not None and unit.uploads_fp32_master     # as submit_upload
         master = None
         if unit.owned and unit.on_device:       # a sharded layer, this rank's
             master = (unit.master, self._master_ready.get(unit_index))
