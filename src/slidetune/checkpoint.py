@@ -160,8 +160,8 @@ def state_record(engine, step: int, *, save_dtype: str, with_optimizer: bool,
         "save_dtype": save_dtype,
         "with_optimizer": bool(with_optimizer),
         # the host units' moments (--moments); a checkpoint without the field holds FP32 ones
-        "moments": engine.host_moments,
-        "master": engine.host_master,
+        "moments": engine.host_state.moments,
+        "master": engine.host_state.master,
         "time": time.time(),
         "trainer_state": dict(trainer_state or {}),
     }
@@ -668,11 +668,11 @@ def load_checkpoint(engine, ckpt_dir: Path, *, checked: bool = False) -> dict:
         raise CheckpointError(f"checkpoint {ckpt}: {problem[1]}")
     problem = _tensors_problem(optim, want_optim, "optimizer tensor", "engine")
     saved_master = state.get("master", "fp32")
-    if problem is None and saved_master != engine.host_master:
+    if problem is None and saved_master != engine.host_state.master:
         # FP32 weights either way: a BF16 master would round an FP32 one's, and an FP32 master
         # would not go on with the rounding stream the run was taking
         raise CheckpointError(f"checkpoint {ckpt}: saved with --master {saved_master}, and this run keeps "
-                              f"--master {engine.host_master}: a checkpoint resumes with the state format it was "
+                              f"--master {engine.host_state.master}: a checkpoint resumes with the state format it was "
                               f"saved with")
     if problem is not None:
         raise CheckpointError(f"checkpoint {ckpt}: {problem[1]} (a checkpoint resumes with the --moments it was "

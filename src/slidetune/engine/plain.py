@@ -19,7 +19,7 @@ from ..models.load import LoadedModel, fill_on_device
 from ..telemetry.events import EventTimer
 from ..telemetry.host_timeline import HostTimeline
 from ..telemetry.memory_timeline import MemoryTimeline
-from .adamw import AdamWConfig, FlatAdamW
+from .adamw import FP32_ADAMW, AdamWConfig, FlatAdamW
 from .config import RuntimeConfig
 from .gc_policy import GCFreeze
 from .result import StepResult
@@ -39,7 +39,7 @@ class _DeviceUnit:
 
 
 class PlainEngine:
-    host_master = host_moments = "fp32"      # --master / --moments are slide mode's (RuntimeConfig refuses them here)
+    host_state = FP32_ADAMW      # --master / --moments are slide mode's (RuntimeConfig refuses them here)
 
     def __init__(self, loaded: LoadedModel, rt: RuntimeConfig, optim: AdamWConfig, device: Device,
                  grad_accum: int = 1, max_grad_norm: float | None = None, timer: EventTimer | None = None):

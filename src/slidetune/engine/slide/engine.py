@@ -191,10 +191,8 @@ class SlideEngine:
                                         ranks=self.dp.world_size if self.dp is not None else 1, dtype=self.dtype,
                                         local_ranks=self.dp.cfg.local_world_size if self.dp is not None else 1)
         self.vocab_on_device = self.plan.vocab_on_device
-        # --master / --moments (a checkpoint's state.json records them)
-        self.host_master, self.host_moments = self.plan.host_state.master, self.plan.host_state.moments
-        self.device_layers = self.plan.device_layers
-        self.resident_layers = self.plan.resident_layers
+        self.host_state = self.plan.host_state     # --master / --moments (a checkpoint's state.json records them)
+        self.device_layers, self.resident_layers = self.plan.device_layers, self.plan.resident_layers
         if rt.transfer.cast_on == "gpu" and not device.is_cuda:
             raise ValueError("--tuning.cast_on gpu needs a CUDA device (auto picks cpu on a CPU machine)")
         # how a layer's micro-batch gradients are summed (grad_sum.py): fused (Triton) or torch
@@ -209,7 +207,6 @@ class SlideEngine:
         # (cast_on=cpu) moves compute-dtype bytes and has nothing to cast there.
         self.cast_in_compute = rt.transfer.upload_cast_stream == "compute" and (self.gpu_cast or not device.is_cuda)
         shapes = shapes_for(self.plan, self.dtype, self.cast_in_compute)
-        # 8-bit moments are updated from a block boundary: every range starts on one
         self.chunk = rt.transfer.chunk_elems(layer_numel, align=self.plan.host_state.moment_block or 1)
         # the FP32 widening buffer of the device-side updates (compute-dtype gradient slots)
         device_numel = max((u.spec.numel for u in self.units if u.on_device), default=0)
