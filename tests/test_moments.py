@@ -202,3 +202,22 @@ def test_plan_offers_compact_moments_where_host_ram_binds():
     assert "--moments 8bit  -> GPU" in refused and "opt-in: AdamW's moments in 8bit" in refused
     fits = plan("--moments", "8bit")
     assert "does not fit" not in fits and "moments 8bit" in fits
+
+
+def test_save_plan_counts_the_formats_checkpoint(engines, tmp_path):
+    """A resumable checkpoint of an 8-bit run holds FP32 weights and 8-bit moments with their
+    scales: the save plan asks for that room, not the FP32 state's 12 B/param (a desktop's disk
+    would refuse checkpoints that fit)."""
+    from slidetune.save_plan import FILES_MARGIN, plan_saves
+    eng = engines()
+    shapes = unit_shapes(eng.split)
+    n = sum(s.numel for s in shapes)
+    fp32 = PlacementPlan.build(shapes, RuntimeConfig(dtype="fp32"))
+    q8 = PlacementPlan.build(shapes, RuntimeConfig(dtype="fp32", moments="8bit"))
+    assert fp32.checkpoint_bytes() == 12 * n
+    assert q8.checkpoint_bytes() == 4 * n + sum(2 * optimizer_state("fp32", "8bit").moment_nbytes(s.numel)
+                                                for s in shapes)
+    kw = dict(save_dtype="bf16", output_dir=tmp_path, checkpoint_dir=tmp_path, save_every=1, keep_last=1,
+              output_free=10**12, same_disk=True)
+    assert plan_saves(n, **kw, checkpoint_bytes=q8.checkpoint_bytes()).checkpoint_bytes == q8.checkpoint_bytes() + FILES_MARGIN
+    assert plan_saves(n, **kw).checkpoint_bytes == 12 * n + FILES_MARGIN

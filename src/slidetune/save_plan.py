@@ -88,7 +88,8 @@ def _device_id(path: Path) -> int:
 def plan_saves(num_params: int, *, save_dtype: str, output_dir: Path, checkpoint_dir: Path, save_every: int,
                keep_last: int, output_free: int | None = None, checkpoint_free: int | None = None,
                same_disk: bool | None = None, scratch: tuple[Path, int] | None = None,
-               scratch_holds_weights: bool = False, existing_checkpoints: int = 0) -> SavePlan:
+               scratch_holds_weights: bool = False, existing_checkpoints: int = 0,
+               checkpoint_bytes: int | None = None) -> SavePlan:
     """The run's writes against the free space; raises DiskSpaceError with options where the run
     cannot keep its promise (final/ must fit; periodic checkpoints asked for must fit).
     output_free, checkpoint_free, same_disk: as measured here unless given.
@@ -98,9 +99,11 @@ def plan_saves(num_params: int, *, save_dtype: str, output_dir: Path, checkpoint
     (--tuning.disk_master), which final/ is written from: its files cannot go first.
     existing_checkpoints: complete checkpoints already in checkpoint_dir (a resumed run's, an
     earlier run's). Their bytes are already off the free space, and the first save prunes them to
-    keep_last, so only max(1, keep_last + 1 - existing) new ones must still find room."""
+    keep_last, so only max(1, keep_last + 1 - existing) new ones must still find room.
+    checkpoint_bytes: a resumable checkpoint's tensors where known (PlacementPlan.checkpoint_bytes:
+    compact moments are smaller); None: 12 B/param, the FP32 state's."""
     final = num_params * SAVE_DTYPE_BYTES[save_dtype] + FILES_MARGIN
-    ckpt = num_params * FP32_ADAMW.bytes_per_param + FILES_MARGIN
+    ckpt = (num_params * FP32_ADAMW.bytes_per_param if checkpoint_bytes is None else checkpoint_bytes) + FILES_MARGIN
     if same_disk is None:
         same_disk = _device_id(output_dir) == _device_id(checkpoint_dir)
     out_free = free_bytes(output_dir) if output_free is None else output_free

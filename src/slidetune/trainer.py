@@ -454,7 +454,8 @@ def _prepare_output(cfg: TrainConfig, loaded: LoadedModel, plan: PlacementPlan |
         saves = plan_saves(loaded.split.num_params(), save_dtype=save_dtype, output_dir=out, checkpoint_dir=ckpt_dir,
                            save_every=cfg.save_every, keep_last=cfg.keep_last, scratch=tier,
                            scratch_holds_weights=plan is not None and plan.master_params("disk") > 0,
-                           existing_checkpoints=len(complete_checkpoints(ckpt_dir)))
+                           existing_checkpoints=len(complete_checkpoints(ckpt_dir)),
+                           checkpoint_bytes=plan.checkpoint_bytes() if plan is not None else None)
     except DiskSpaceError as e:
         raise TrainingError(str(e)) from e
     for note in saves.notes:

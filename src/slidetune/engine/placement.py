@@ -325,6 +325,12 @@ class PlacementPlan:
             out["shard"] = state.bytes_per_param * self.params("shard")
         return out
 
+    def checkpoint_bytes(self) -> int:
+        """A resumable checkpoint's tensors: every unit's weights in FP32 (4 B/param, a BF16 master's
+        too) and its moments, in host_state's format for the host units, FP32 for the others."""
+        return sum(4 * u.numel + 2 * (self.host_state if u.state == "host" else FP32_ADAMW).moment_nbytes(u.numel)
+                   for u in self.units)
+
     # ------------------------------------------------------------------ reporting
     def ranges(self, pred) -> str:
         """Unit names matching `pred`, decoder layers as ranges: "embed, layers 0-7, head"."""
