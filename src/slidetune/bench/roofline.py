@@ -564,6 +564,7 @@ def disk_term(plan: PlacementPlan, disk: dict) -> float:
 
 # Bytes of host DRAM an upload reads per parameter: the FP32 master (the GPU-cast path page-locks it
 # and DMAs it as is; the CPU-cast path reads it too, and writes and re-reads a BF16 copy besides).
+# The floor takes the plan's (host_state.master_bytes): a BF16 master (--master bf16) is read as is, 2.
 UPLOAD_READ_BYTES = FP32_ADAMW.master_bytes
 
 
@@ -614,7 +615,8 @@ def host_dram_term(plan: PlacementPlan, adamw: dict, ranks: int, split_sweep: bo
     best = best_dram_gib_s(adamw)
     if not best:
         return None
-    nbytes = (ranks * UPLOAD_READ_BYTES * plan.upload_params() + grad_bytes * plan.host_updated_params
+    # (a BF16 master, --master bf16: the uploads read 2 B/param)
+    nbytes = (ranks * plan.host_state.master_bytes * plan.upload_params() + grad_bytes * plan.host_updated_params
               + adamw_dram_bytes(plan, adamw, split_sweep))
     return nbytes / (best * 2**30)
 
@@ -761,7 +763,8 @@ def _clip_sweep_terms(terms: dict, plan: PlacementPlan, comp: dict, adamw: dict,
         # upload copy, 2): the sweep takes at least all those bytes at the best DRAM rate.
         # Llama-3.1-8B b16 on a 24 GiB GPU: the weights pass ran at 6.94 G params/s in the
         # step against 8.11 alone, 142 GiB/s of DRAM with the uploads (NOTES.md "Floor probes").
-        swept = ((adamw_bytes(plan.host_state)["adamw_weights_pass_params_per_s"] + uploads * UPLOAD_READ_BYTES)
+        swept = ((adamw_bytes(plan.host_state)["adamw_weights_pass_params_per_s"]
+                  + uploads * plan.host_state.master_bytes)
                  * (ram_params - copy_params)
                  + (ADAMW_BYTES["adamw_weights_copy_pass_params_per_s"] + uploads * 2) * copy_params)
         sweep_s = max(sweep_s, swept / (best * gib))
