@@ -172,6 +172,7 @@ def test_the_floor_counts_the_formats_traffic(engines):
     fmt = optimizer_state("fp32", "8bit")
     probe = probe_adamw(n=1 << 16, steps=3, moments="8bit")
     assert probe["moments"] == "8bit" and probe["adamw_weights_pass_params_per_s"] > 0
+    assert probe_adamw(n=1 << 16, steps=1, moments="8bit", master="bf16")["master"] == "bf16"
     assert "adamw_weights_copy_pass_params_per_s" not in probe         # no clip_sweep=weights with it
     assert best_dram_gib_s(probe) >= probe["adamw_bf16_grad_params_per_s"] * fmt.update_bytes(2) / 2**30
     for moments, state in (("fp32", FP32_ADAMW), ("8bit", fmt)):
@@ -202,6 +203,11 @@ def test_plan_offers_compact_moments_where_host_ram_binds():
     assert "--moments 8bit  -> GPU" in refused and "opt-in: AdamW's moments in 8bit" in refused
     fits = plan("--moments", "8bit")
     assert "does not fit" not in fits and "moments 8bit" in fits
+    # a compact state that still does not fit is refused with the numbers, the disk tier not offered
+    # beside it (the two do not run together)
+    short = plan("--master", "bf16", "--batch-size", "16")
+    assert "does not fit" in short and "host RAM too small" in short
+    assert "ValueError" not in short and "--disk-dir PATH" not in short
 
 
 def test_save_plan_counts_the_formats_checkpoint(engines, tmp_path):

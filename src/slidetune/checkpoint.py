@@ -667,16 +667,16 @@ def load_checkpoint(engine, ckpt_dir: Path, *, checked: bool = False) -> dict:
     if problem is not None:
         raise CheckpointError(f"checkpoint {ckpt}: {problem[1]}")
     problem = _tensors_problem(optim, want_optim, "optimizer tensor", "engine")
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {ckpt}: {problem[1]} (a checkpoint resumes with the --moments it was "
+                              f"saved with: {_moments_of(optim)})")
     saved_master = state.get("master", "fp32")
-    if problem is None and saved_master != engine.host_state.master:
+    if saved_master != engine.host_state.master:
         # FP32 weights either way: a BF16 master would round an FP32 one's, and an FP32 master
         # would not go on with the rounding stream the run was taking
         raise CheckpointError(f"checkpoint {ckpt}: saved with --master {saved_master}, and this run keeps "
                               f"--master {engine.host_state.master}: a checkpoint resumes with the state format it was "
                               f"saved with")
-    if problem is not None:
-        raise CheckpointError(f"checkpoint {ckpt}: {problem[1]} (a checkpoint resumes with the --moments it was "
-                              f"saved with: {_moments_of(optim)})")
     rng = _read_rng(ckpt)
 
     engine.load_state(masters, optim, int(state["step"]))

@@ -191,7 +191,7 @@ def _plan_terms(cfg, plan) -> None:
                        compile_layers=rt.compile_layers != "off", grad_download=rt.transfer.grad_download,
                        host_adamw=rt.host.host_adamw, disk_dir=rt.disk_dir if plan.indices("disk") else None,
                        disk_block_mb=rt.disk.disk_block_mb, disk_io_threads=rt.disk.disk_io_threads,
-                       moments=rt.moments)
+                       moments=rt.moments, master=rt.master)
     if fl.get("status") != "ok":
         print(f"the probes failed: {fl.get('error', fl)}")
         return

@@ -132,8 +132,8 @@ ADAMW_BYTES = adamw_bytes(FP32_ADAMW)
 
 
 def _probed_state(adamw: dict) -> OptimizerState:
-    """The state format an AdamW probe measured (probe_adamw's "moments"; FP32 where absent)."""
-    return optimizer_state("fp32", adamw.get("moments", "fp32"))
+    """The state format an AdamW probe measured (probe_adamw's "master" and "moments"; FP32 where absent)."""
+    return optimizer_state(adamw.get("master", "fp32"), adamw.get("moments", "fp32"))
 
 
 def probe_host_dram(n: int = 256 * 2**20, reps: int = 5) -> dict:
@@ -165,16 +165,17 @@ def adamw_dram_use(adamw: dict, dram: dict) -> dict:
 
 
 def probe_adamw(n: int = 128 * 2**20, steps: int = 11, grad_download: str = "compute",
-                host_adamw: str = "dynamic", moments: str = "fp32") -> dict:
+                host_adamw: str = "dynamic", moments: str = "fp32", master: str = "fp32") -> dict:
     """The host AdamW's rate over one flat tensor through the engine's kernel (host_adamw:
     native_adamw's loop, or torch's fused kernel), on FP32 gradients and, where the native
     kernel reads them, on BF16 ones. `adamw_params_per_s` is the rate of the path the
     engine takes: BF16 under grad_download=compute where the native kernel runs.
-    moments: the host units' moments (--moments; compact formats through the native kernel only)."""
-    state = optimizer_state("fp32", moments)
+    moments, master: the host units' state format (--moments, --master; a compact one through the
+    native kernel only)."""
+    state = optimizer_state(master, moments)
     fp32 = _adamw_rate(n, steps, torch.float32, host_adamw, state=state)
     out = {"adamw_fp32_grad_params_per_s": fp32, "threads": torch.get_num_threads(), "host_adamw": host_adamw,
-           "moments": moments}
+           "moments": moments, "master": master}
     native = host_adamw != "torch" and native_adamw.load() is not None
     if native:
         out["adamw_bf16_grad_params_per_s"] = _adamw_rate(n, steps, torch.bfloat16, host_adamw, state=state)

@@ -67,6 +67,11 @@ class OptimizerState:
         return f"master {self.master}, moments {self.moments}"
 
     @property
+    def flags(self) -> str:
+        """The flags that choose this format, defaults left out: "--master bf16 --moments 8bit"."""
+        return " ".join(f"--{k} {v}" for k, v in (("master", self.master), ("moments", self.moments)) if v != "fp32")
+
+    @property
     def master_bytes(self) -> int:
         return self.master_dtype.itemsize
 
@@ -346,9 +351,9 @@ class FlatAdamW:
 
     def load_state_tensors(self, state: dict[str, torch.Tensor]) -> None:
         """state_tensors()' names, in this state's own dtypes (a checkpoint of the same format)."""
+        compact = self.state_format is not FP32_ADAMW      # FP32: copy_ as it always has
         for name, mine in self.state_tensors().items():
             theirs = state[name]
-            compact = self.state_format is not FP32_ADAMW      # FP32: copy_ as it always has
             if compact and (theirs.dtype != mine.dtype or theirs.numel() != mine.numel()):
                 raise ValueError(f"optimizer state {name}: {tuple(theirs.shape)} {theirs.dtype} where this run "
                                  f"keeps {tuple(mine.shape)} {mine.dtype} ({self.state_format.name})")

@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 
 from ..fields import TUNING_SECTION, check_fields, checked_field, literal_choices  # noqa: F401 - re-exported
-from .adamw import FP32_ADAMW
+from .adamw import FP32_ADAMW, OptimizerState, optimizer_state
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -473,17 +473,18 @@ class RuntimeConfig:
 
     def __post_init__(self):
         check_fields(self, "runtime")
-        if (self.moments, self.master) != ("fp32", "fp32") and (self.mode != "slide" or self.host.host_adamw == "torch"):
-            raise ValueError(f"{self.state_flags()} keeps the host units' state compact, in slide mode through "
+        if self.host_state is not FP32_ADAMW and (self.mode != "slide" or self.host.host_adamw == "torch"):
+            raise ValueError(f"{self.host_state.flags} keeps the host units' state compact, in slide mode through "
                              f"the native host AdamW: it needs --mode slide and --tuning.host_adamw dynamic or static "
                              f"(got --mode {self.mode}, --tuning.host_adamw {self.host.host_adamw})")
         if self.disk.disk_units > 0 and not self.disk_dir:
             raise ValueError("--tuning.disk_units needs a disk directory: --disk-dir PATH (a local disk with room "
                              f"for {FP32_ADAMW.moment_bytes} bytes per parameter of those units)")
 
-    def state_flags(self) -> str:
-        """The compact state flags as given: "--master bf16 --moments 8bit", "--moments bf16", ..."""
-        return " ".join(f"--{k} {v}" for k, v in (("master", self.master), ("moments", self.moments)) if v != "fp32")
+    @property
+    def host_state(self) -> OptimizerState:
+        """What the host-updated units keep per parameter (--master, --moments; FP32_ADAMW by default)."""
+        return optimizer_state(self.master, self.moments)
 
     def setting(self, name: str):
         """A setting by its flat name, a user's field or a knob (for code that walks them by name:

@@ -905,8 +905,9 @@ def shared_state_bytes(plan: PlacementPlan) -> int:
 def _disk_tier_note(split: SplitModel, rt: RuntimeConfig, budget: _Budget, short, **kw) -> str:
     """Where host RAM is what does not fit and no disk tier was given: what the disk tier would take
     (the auto placement with a disk directory), or "" where it would not help."""
-    # (compact moments and the disk tier do not run together yet: PlacementPlan refuses the pair)
-    if rt.mode != "slide" or rt.disk_dir or rt.moments != "fp32" or not any(what == "host RAM" for what, *_ in short) \
+    # (a compact state and the disk tier do not run together yet: PlacementPlan refuses the pair)
+    if rt.mode != "slide" or rt.disk_dir or rt.host_state is not FP32_ADAMW \
+            or not any(what == "host RAM" for what, *_ in short) \
             or (budget.device_type == "cuda" and budget.gpu_free is None):
         return ""
     trial = dataclasses.replace(rt, disk_dir="PATH", disk_units=-1)
@@ -1540,7 +1541,7 @@ class _Suggestions:
         of the arithmetic): BF16 moments (12 -> 8 B/param of a host unit's state), 8-bit moments
         (~6), then a BF16 master beside them (~4). One rank, no disk tier."""
         rt = self.rt
-        if rt.mode != "slide" or (rt.master, rt.moments) != ("fp32", "fp32") or rt.disk_dir \
+        if rt.mode != "slide" or rt.host_state is not FP32_ADAMW or rt.disk_dir \
                 or self.budget.ranks_per_host > 1 or rt.host.host_adamw == "torch":
             return
         for change in ({"moments": "bf16"}, {"moments": "8bit"}, {"master": "bf16", "moments": "8bit"}):

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .adamw import FP32_ADAMW, OptimizerState, optimizer_state
+from .adamw import FP32_ADAMW, OptimizerState
 from .config import RuntimeConfig
 
 STATES = ("gpu", "shard", "host", "disk")
@@ -187,7 +187,7 @@ class PlacementPlan:
                       for i, s in enumerate(shapes))
         if dtype is None and rt.dtype != "auto":
             dtype = rt.torch_dtype
-        host_state = optimizer_state(rt.master, rt.moments)
+        host_state = rt.host_state
         _check_combination(units, dtype, ranks, host_state)
         kept = L if not rt.offloads_activations else min(L, max(0, rt.placement.gpu_checkpoints))
         return cls(units=units, window_slots=window_slots, gpu_checkpoints=kept, schedule=schedule,
@@ -450,8 +450,7 @@ def _check_combination(units: tuple[UnitPlace, ...], dtype: torch.dtype | None, 
     if host_state is not FP32_ADAMW:
         # compact moments live in the unit's own RAM tensors (FlatAdamW): the disk tier's files, the
         # host's shared state and the upload copies' two-pass sweep keep FP32 moments for now
-        flag = " ".join(f"--{k} {v}" for k, v in (("master", host_state.master), ("moments", host_state.moments))
-                        if v != "fp32")
+        flag = host_state.flags
         if ranks > 1:
             raise ValueError(f"{flag} runs on one rank for now (the host's ranks share an FP32 state); "
                              f"use the FP32 state with --gpus, or one GPU")

@@ -29,7 +29,8 @@ def floor_worker(spec: dict) -> dict:
     adamw = spec.get("adamw") or probe_adamw(n=spec.get("adamw_n", 128 * 2**20),
                                              grad_download=spec.get("grad_download", "compute"),
                                              host_adamw=spec.get("host_adamw", "dynamic"),
-                                             moments=spec.get("moments", "fp32"))
+                                             moments=spec.get("moments", "fp32"),
+                                             master=spec.get("master", "fp32"))
     out = {"spec": spec, "machine": machine_info(), "status": "ok"}
     if spec.get("disk_dir"):
         out["disk"] = probe_disk(spec["disk_dir"], block_mb=spec.get("disk_block_mb", 64),
@@ -57,16 +58,16 @@ def measure_floor(model: str, batch: int, seq: int, num_layers: int | None = Non
                   timeout_s: float = 1800, compile_layers: bool = False, grad_download: str = "compute",
                   host_adamw: str = "dynamic", disk_dir: str | None = None, disk_block_mb: int = 64,
                   disk_io_threads: int = 4, head_impl: str = "chunked", layer: str = "both",
-                  moments: str = "fp32") -> dict:
+                  moments: str = "fp32", master: str = "fp32") -> dict:
     """disk_dir: also probe the disk tier's directory (bench.roofline.probe_disk) for the disk term.
     layer: the decoder layer the compute probe times (hf, lean or both: bench.roofline.probe_compute).
-    moments: the host units' moments the AdamW probe keeps (--moments)."""
+    moments, master: the host units' state format the AdamW probe keeps (--moments, --master)."""
     return run_worker(WORKER, dict(model=model, batch_size=batch, seq_len=seq, num_layers=num_layers,
                                    device=device, adamw_n=adamw_n, copy=copy, adamw=adamw,
                                    compile_layers=compile_layers, grad_download=grad_download,
                                    host_adamw=host_adamw, disk_dir=disk_dir, disk_block_mb=disk_block_mb,
                                    disk_io_threads=disk_io_threads, head_impl=head_impl, layer=layer,
-                                   moments=moments),
+                                   moments=moments, master=master),
                       timeout_s=timeout_s)
 
 

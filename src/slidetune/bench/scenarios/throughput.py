@@ -204,9 +204,10 @@ class _ThroughputRuns:
         if key not in floors:
             floors[key] = measure_floor(model, batch, seq, self.layers, dev,
                                         adamw_n=(4 * 2**20 if args.smoke else 128 * 2**20),
-                                        # (one host AdamW probe a call, for the moments it measured)
-                                        adamw=(self.adamw_probe if (self.adamw_probe or {}).get("moments", "fp32")
-                                               == slide_over.get("moments", "fp32") else None),
+                                        # (one host AdamW probe a call, for the state format it measured)
+                                        adamw=(self.adamw_probe if all((self.adamw_probe or {}).get(k, "fp32")
+                                                                       == slide_over.get(k, "fp32")
+                                                                       for k in ("moments", "master")) else None),
                                         timeout_s=args.timeout,
                                         compile_layers=_compiles(slide_over, dev),
                                         head_impl=_head_impl(slide_over, dev),
@@ -215,7 +216,8 @@ class _ThroughputRuns:
                                         disk_dir=slide_over.get("disk_dir"),
                                         disk_block_mb=int(slide_over.get("disk_block_mb", 64)),
                                         disk_io_threads=int(slide_over.get("disk_io_threads", 4)),
-                                        layer=layer, moments=str(slide_over.get("moments", "fp32")))
+                                        layer=layer, moments=str(slide_over.get("moments", "fp32")),
+                                        master=str(slide_over.get("master", "fp32")))
             if floors[key].get("status") == "ok":
                 self.adamw_probe = floors[key].get("adamw")
         return floors[key]

@@ -765,10 +765,8 @@ class SlideEngine:
             if not unit.owned:
                 unit.set_version(step)
                 continue
-            # (8-bit moments: their block scales too, FlatAdamW.state_tensors)
-            names = ("exp_avg", "exp_avg_sq", "step") + (("exp_avg_scales", "exp_avg_sq_scales")
-                                                         if unit.opt is not None and unit.opt.exp_avg_scales is not None else ())
-            unit.load(masters, {k: optim[f"{unit.spec.name}.{k}"] for k in names})
+            # the names FlatAdamW keeps (8-bit moments: their block scales too)
+            unit.load(masters, {k: optim[f"{unit.spec.name}.{k}"] for k in unit.opt.state_tensors()})
             unit.set_version(step)
         self.step_index = step
         self.slots.forget_weights()

@@ -72,6 +72,7 @@ class HostUnit:
             self.held = []
             return
         self.tier = moment_tier(spec, disk, shared)
+        in_ram = self._state_in_ram(shared, upload_copy)     # the units the state format applies to
         if self.on_device and shared is None and self.tier.moments_in_ram:
             master = fill_on_device(source, spec, device)   # [numel] fp32 there; RAM holds one parameter
         else:
@@ -89,7 +90,7 @@ class HostUnit:
             self.master = None
         else:
             self.master = master.to(device) if self.on_device else master  # the host buffer goes with `master`
-            if self._state_in_ram(shared, upload_copy) and host_state.master_dtype != torch.float32:
+            if in_ram and host_state.master_dtype != torch.float32:
                 self.master = self.master.to(host_state.master_dtype)    # [numel] --master bf16: rounded once
             if upload_copy:
                 if (self.on_device or not self.tier.moments_in_ram or shared is not None
@@ -98,7 +99,6 @@ class HostUnit:
                                      f"process's host RAM with a BF16 compute dtype")
                 self.weights = master.to(compute_dtype)
         del master
-        in_ram = self._state_in_ram(shared, upload_copy)
         self.opt = FlatAdamW(self.master, spec.n_decay, optim, kernel, moments_here=self.tier.moments_in_ram,
                              state=(shared.exp_avg, shared.exp_avg_sq, shared.step) if shared is not None else None,
                              state_format=host_state if in_ram else FP32_ADAMW, seed=spec.index)
