@@ -290,6 +290,12 @@ def test_codebooks_are_bitsandbytes_dynamic_map_as_torchao_builds_it():
     assert torch.equal(blockwise8.dynamic_map(True), qs) and torch.equal(blockwise8.dynamic_map(False), qu)
     assert torch.equal(blockwise8.kernel_tables()[:512].view(torch.float32), torch.cat([qs, qu]))
     assert float(qs[0]) < 0 and float(qu[0]) == 0 and float(qs[-1]) == float(qu[-1]) == 1.0
+    # dequantize (a reader of 8-bit moments): each moment's map times its block's scale, any length
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 256, (600,), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(3, generator=gen) + 0.5
+    assert torch.equal(blockwise8.dequantize(codes, scales, "exp_avg"), _dequant(codes, scales, qs))
+    assert torch.equal(blockwise8.dequantize(codes, scales, "exp_avg_sq"), _dequant(codes, scales, qu))
 
 
 def _values_at_every_threshold(qmap, gen):

@@ -86,14 +86,53 @@ def test_state_round_trips_and_a_mismatch_is_named():
 def test_what_it_cannot_hold_is_refused():
     fmt = optimizer_state("fp32", "8bit")
     p = torch.zeros(4 * B)
-    for kwargs in (dict(moments_here=False), dict(kernel="torch"),
-                   dict(state=(torch.zeros(4 * B), torch.zeros(4 * B), torch.zeros(())))):
-        with pytest.raises(ValueError, match="master and moments in RAM"):
-            FlatAdamW(p, 0, CFG, state_format=fmt, **kwargs)
+    with pytest.raises(ValueError, match="native AdamW kernel, not --tuning.host_adamw torch"):
+        FlatAdamW(p, 0, CFG, state_format=fmt, kernel="torch")
     opt = FlatAdamW(p, 0, CFG, state_format=fmt)
     opt.begin_step()
     with pytest.raises(ValueError, match="block boundary: range start 100"):
         opt.update(torch.zeros(B, dtype=torch.bfloat16), lr=1e-3, start=100)
-    with pytest.raises(ValueError, match="part all, params or moments"):
+    with pytest.raises(ValueError, match="no weights pass"):
         opt.update(torch.zeros(B, dtype=torch.bfloat16), lr=1e-3, part="weights", weights=torch.zeros(B))
+    away = FlatAdamW(None, 0, CFG, state_format=fmt, moments_here=False)
+    away.begin_step()
+    with pytest.raises(ValueError, match="update\\(\\) needs its range"):
+        away.update(torch.zeros(B, dtype=torch.bfloat16), lr=1e-3)
     assert FlatAdamW(torch.zeros(8), 0, CFG).state_format is FP32_ADAMW
+
+
+@pytest.mark.parametrize("master, moments", FORMATS)
+def test_state_held_elsewhere_updates_as_its_own(master, moments):
+    """The state where the disk tier and the ranks' shared mapping keep it: moments, scales and
+    master handed to each update() (moments_here=False: the tier's block views, range by range),
+    or given once as views (`state`: the shared mapping's), update every bit as a unit's own."""
+    n = 9 * B + 77
+    own = _unit(master, moments, n)
+    fmt = own.state_format
+    blocks = blockwise8.num_blocks(n)
+    held = {name: torch.zeros(n, dtype=fmt.moment_dtype) for name in fmt.moment_names}
+    held |= {name: torch.zeros(blocks, dtype=fmt.scale_dtype) for name in fmt.scale_names}
+    master_away = own.master.clone()
+    away = FlatAdamW(None, n // 3, CFG, state_format=fmt, moments_here=False, seed=17)
+    views = (torch.zeros(n, dtype=fmt.moment_dtype), torch.zeros(n, dtype=fmt.moment_dtype), torch.zeros(()),
+             *(torch.zeros(blocks, dtype=fmt.scale_dtype) for _ in fmt.scale_names))
+    shared = FlatAdamW(own.master.clone(), n // 3, CFG, state_format=fmt, state=views, seed=17)
+    bounds = [0, 4 * B, n]
+    for g in _grads(n, 3):
+        for opt in (own, away, shared):
+            opt.begin_step()
+        own.update(g, lr=1e-3, grad_scale=0.5)
+        shared.update(g, lr=1e-3, grad_scale=0.5)
+        for lo, hi in zip(bounds, bounds[1:]):
+            scales = None
+            if fmt.moment_block:
+                scales = tuple(held[s][lo // B:-(-hi // B)] for s in fmt.scale_names)
+            away.update(g[lo:hi], lr=1e-3, start=lo, grad_scale=0.5, params=master_away[lo:hi],
+                        moments=(held["exp_avg"][lo:hi], held["exp_avg_sq"][lo:hi]), scales=scales)
+    raw = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731
+    assert torch.equal(raw(master_away), raw(own.master)) and torch.equal(raw(shared.master), raw(own.master))
+    for name, t in own.state_tensors().items():
+        if name != "step":
+            assert torch.equal(raw(held[name]), raw(t)), name
+        assert torch.equal(raw(shared.state_tensors()[name]), raw(t)), name
+    assert away.state_names() == tuple(own.state_tensors()) and views[2] == 3

@@ -109,7 +109,10 @@ def test_plan_counts_the_formats_bytes(engines):
                                                         * host_params, abs=1)
 
 
-def test_what_it_does_not_run_yet_is_refused(engines, tmp_path):
+def test_what_it_does_not_run_is_refused_and_the_tiers_take_the_format(engines, tmp_path):
+    """Refused before anything is built: the formats outside slide mode, with torch's host AdamW,
+    and with the clipped sweep's weights pass (FP32 kernels). The disk tier and the ranks' shared
+    state keep the format themselves (tests below), so their plans carry it."""
     with pytest.raises(ValueError, match="--moments 8bit .* needs --mode slide"):
         RuntimeConfig(mode="gpu", moments="8bit")
     with pytest.raises(ValueError, match="--master bf16 --moments 8bit keeps .* needs --mode slide"):
@@ -118,15 +121,66 @@ def test_what_it_does_not_run_yet_is_refused(engines, tmp_path):
         RuntimeConfig(moments="bf16", host_adamw="torch")
     eng = engines()
     shapes = unit_shapes(eng.split)
-    with pytest.raises(ValueError, match="--moments 8bit runs on one rank"):
-        PlacementPlan.build(shapes, RuntimeConfig(moments="8bit", dtype="fp32"), ranks=2)
-    with pytest.raises(ValueError, match="disk tier's files hold an FP32 state"):
-        PlacementPlan.build(shapes, RuntimeConfig(moments="8bit", dtype="fp32", disk_dir=str(tmp_path), disk_units=1))
     with pytest.raises(ValueError, match="clip_sweep split"):
         PlacementPlan.build(shapes, RuntimeConfig(moments="bf16", dtype="bf16", clip_sweep="weights"),
                             schedule="deferred")
-    with pytest.raises(ValueError, match="--master bf16 runs on one rank"):
-        PlacementPlan.build(shapes, RuntimeConfig(master="bf16", dtype="fp32"), ranks=2)
+    fmt = optimizer_state("bf16", "8bit")
+    two_ranks = PlacementPlan.build(shapes, RuntimeConfig(master="bf16", moments="8bit", dtype="fp32"), ranks=2)
+    on_disk = PlacementPlan.build(shapes, RuntimeConfig(master="bf16", moments="8bit", dtype="fp32",
+                                                        disk_dir=str(tmp_path), disk_units=2, disk_master="on"))
+    assert two_ranks.host_state is fmt and on_disk.host_state is fmt
+    n_disk = on_disk.params("disk")
+    assert n_disk and on_disk.state_bytes()["disk"] == int(fmt.bytes_per_param * n_disk)
+    assert on_disk.disk_io_bytes() == int(2 * fmt.bytes_per_param * n_disk)
+
+
+# small blocks (1024 elements: several a tiny layer, and four 8-bit scales in each)
+DISK_SMALL = dict(disk_block_mb=0.001, disk_buffers=3)
+
+
+@pytest.mark.parametrize("where", ["moments", "master"])
+@pytest.mark.parametrize("master, moments", FORMATS)
+def test_the_disk_tier_keeps_the_format_bit_exact_against_ram(tmp_path, engines, master, moments, where):
+    """Disk units in a compact format (their moments and 8-bit scales, "master": with
+    --tuning.disk_master on their master too, in its dtype) train as the same format in RAM in every
+    bit, clipped with accumulation; the files hold the format (tier_bytes: the plan's figure), and
+    a checkpoint read through the tier resumes into RAM exactly."""
+    fmt = optimizer_state(master, moments)
+    kw = dict(grad_accum=2, max_grad_norm=0.5, layers=4)
+    flags = dict(moments=moments, master=master)
+    ram = engines(**kw, runtime=flags)
+    disk = engines(**kw, runtime=dict(flags, **DISK_SMALL, disk_units=2, disk_dir=str(tmp_path),
+                                      disk_master="on" if where == "master" else "off"))
+    tier = disk.disk
+    assert tier.state is fmt and tier.block == 1024 and len(tier.units) == 2
+    assert all(tier.blocks(i) > 1 for i in tier.units)
+    assert (set(tier.masters) == set(tier.units)) == (where == "master")
+    files = sum(f.stat().st_size for f in tier.dir.glob("unit-*"))
+    from slidetune.engine.slide.disk_tier import tier_bytes
+    assert files == tier_bytes(disk.plan, DISK_SMALL["disk_block_mb"])
+    assert train(ram, range(3), 2) == train(disk, range(3), 2)
+    a, b = _state(ram), _state(disk)
+    _identical(a, b)
+    assert b["layer.3.exp_avg"].dtype == fmt.moment_dtype and ("layer.3.exp_avg_scales" in b) == (moments == "8bit")
+    report = disk.memory_report()
+    assert report["disk_read"] > 0 and report["disk_written"] > 0
+    assert report["disk_state"] == disk.plan.state_bytes()["disk"] == pytest.approx(
+        (fmt.bytes_per_param if where == "master" else fmt.moment_bytes) * disk.plan.params("disk"), abs=1)
+    ckpt = save_checkpoint(disk, checkpoint_dir(tmp_path / "run", 3), step=3, trainer_state={})
+    back = engines(**kw, runtime=flags, seed=99)
+    load_checkpoint(back, ckpt)
+    _identical(_state(back), b)
+    assert train(back, range(3, 5), 2) == train(ram, range(3, 5), 2)
+
+
+def _state(eng) -> dict[str, torch.Tensor]:
+    """Masters and optimizer state by name, the disk tier's read back through it."""
+    from slidetune.engine.slide.disk_tier import StreamedTensor
+    eng.synchronize()
+    out = {k: v.materialize() if isinstance(v, StreamedTensor) else v.clone() for k, v in eng.named_master_params()}
+    for k, t in eng.optimizer_tensors().items():
+        out[k] = t.materialize() if isinstance(t, StreamedTensor) else t.clone()
+    return out
 
 
 def test_an_8bit_chunk_starts_on_a_block():
@@ -203,11 +257,11 @@ def test_plan_offers_compact_moments_where_host_ram_binds():
     assert "--moments 8bit  -> GPU" in refused and "opt-in: AdamW's moments in 8bit" in refused
     fits = plan("--moments", "8bit")
     assert "does not fit" not in fits and "moments 8bit" in fits
-    # a compact state that still does not fit is refused with the numbers, the disk tier not offered
-    # beside it (the two do not run together)
+    # a compact state that still does not fit is refused with the numbers, the disk tier offered
+    # beside it (in the same format)
     short = plan("--master", "bf16", "--batch-size", "16")
     assert "does not fit" in short and "host RAM too small" in short
-    assert "ValueError" not in short and "--disk-dir PATH" not in short
+    assert "ValueError" not in short and "--disk-dir PATH" in short
 
 
 def test_save_plan_counts_the_formats_checkpoint(engines, tmp_path):

@@ -2,10 +2,12 @@
 placement, the disk tier, the roofline and the save plan count, against what FlatAdamW allocates."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from slidetune.engine.adamw import FP32_ADAMW, AdamWConfig, FlatAdamW
-from slidetune.engine.placement import UnitPlace
+from slidetune.engine.adamw import FP32_ADAMW, AdamWConfig, FlatAdamW, optimizer_state
+from slidetune.engine.placement import PlacementPlan, UnitPlace
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -42,9 +44,14 @@ def test_one_step_moves_the_state_it_describes():
 def test_a_disk_unit_holds_the_moments_or_the_whole_state_on_disk():
     moments = UnitPlace(1, "layer.0", 10, state="disk", slot="window")
     everything = UnitPlace(1, "layer.0", 10, state="disk", slot="window", master="disk")
-    assert moments.disk_bytes_per_param == FP32_ADAMW.moment_bytes == 8
-    assert everything.disk_bytes_per_param == FP32_ADAMW.bytes_per_param == 12
-    assert UnitPlace(1, "layer.0", 10, state="host", slot="window").disk_bytes_per_param == 0
+    host = UnitPlace(2, "layer.1", 10, state="host", slot="window")
+    plan = PlacementPlan(units=(moments, host), window_slots=3, gpu_checkpoints=0, schedule="eager")
+    assert plan.disk_bytes_per_param(moments) == FP32_ADAMW.moment_bytes == 8
+    assert plan.disk_bytes_per_param(everything) == FP32_ADAMW.bytes_per_param == 12
+    assert plan.disk_bytes_per_param(host) == 0
+    compact = dataclasses.replace(plan, host_state=optimizer_state("bf16", "8bit"))
+    assert compact.disk_bytes_per_param(moments) == 2 + 2 * 4 / 256
+    assert compact.disk_bytes_per_param(everything) == 4 + 2 * 4 / 256
 
 
 def test_the_readers_numbers_are_the_ones_they_wrote_before():
@@ -53,13 +60,15 @@ def test_the_readers_numbers_are_the_ones_they_wrote_before():
     disk probe's moments-only block, the shared host state's layout (master, two moments, step)."""
     from slidetune.bench.roofline import ADAMW_BYTES, UPLOAD_READ_BYTES
     from slidetune.engine.distributed import SharedHostState
-    from slidetune.engine.slide.disk_tier import MOMENTS, WITH_MASTER, file_bytes
+    from slidetune.engine.slide.disk_tier import block_layout
     assert ADAMW_BYTES == {"adamw_bf16_grad_params_per_s": 26, "adamw_fp32_grad_params_per_s": 28,
                            "adamw_weights_pass_params_per_s": 18, "adamw_moments_pass_params_per_s": 18,
                            "adamw_weights_copy_pass_params_per_s": 16}
     assert UPLOAD_READ_BYTES == 4
-    assert MOMENTS == ("exp_avg", "exp_avg_sq") and WITH_MASTER == ("master", "exp_avg", "exp_avg_sq")
-    assert file_bytes(1024, 1024, len(MOMENTS)) == 8 * 1024 and file_bytes(1024, 1024, len(WITH_MASTER)) == 12 * 1024
+    moments, both = block_layout(FP32_ADAMW, False, 1024), block_layout(FP32_ADAMW, True, 1024)
+    assert moments.names == ("exp_avg", "exp_avg_sq") and both.names == ("master", "exp_avg", "exp_avg_sq")
+    assert moments.offsets == {"exp_avg": 0, "exp_avg_sq": 4096}        # the files' layout, as it always was
+    assert moments.file_bytes(1024) == 8 * 1024 and both.file_bytes(1024) == 12 * 1024
     # 64-byte aligned pieces: 1024 params -> 4096 B each of master and moments, a step 64, versions 16 -> 64
     assert SharedHostState.layout_bytes([1024]) == 3 * 4096 + 64 + 64
     assert SharedHostState.layout_bytes([1024], frozenset({0})) == 4096 + 64 + 64

@@ -179,7 +179,6 @@ def _plan_terms(cfg, plan) -> None:
     """The floor's terms for this placement, each probed on this machine (bench.roofline): the
     seconds a step each resource needs at best, and the largest of them, the floor."""
     from .bench.roofline import disk_term, floor_terms
-    from .engine.adamw import FP32_ADAMW
     from .bench.scenarios.roofline import measure_floor
     rt = cfg.runtime
     print("probing this machine for the floor's terms (GPU compute, PCIe copies, host AdamW"
@@ -211,9 +210,9 @@ def _plan_terms(cfg, plan) -> None:
             "d2h_s": f"PCIe D2H: BF16 gradients of {count(plan.host_updated_params)} host-updated params",
             "adamw_s": f"host AdamW over {count(plan.host_updated_params)} params",
             "disk_s": (f"disk: moments of {count(plan.params('disk'))} params read and written "
-                       f"({2 * FP32_ADAMW.moment_bytes} B/param)"
+                       f"({2 * plan.host_state.moment_bytes:g} B/param)"
                        + (f", masters of {count(plan.master_params('disk'))} of them too "
-                          f"(+{2 * FP32_ADAMW.master_bytes} B/param)"
+                          f"(+{2 * plan.host_state.master_bytes} B/param)"
                           if plan.master_params("disk") else "")),
             "clip_sweep_s": "clipped: the backward, then the update sweep the next forward waits for"}
     print("floor terms (seconds a step, from this machine's probes):")

@@ -192,8 +192,8 @@ _HELP = {
     "runtime.moments": "AdamW's moments of the host-updated units: fp32 (exact, the default), bf16 (4 instead of 8 "
                        "B/param of host RAM, rounded to nearest) or 8bit (blockwise 8-bit, bitsandbytes' dynamic "
                        "map, 256-element blocks with an FP32 absmax: ~2 B/param). Opt-in: they trade the FP32 "
-                       "reference's trajectory for host RAM. Slide mode, one GPU, no --disk-dir; units updated on "
-                       "the GPU keep FP32 moments",
+                       "reference's trajectory for host RAM. Slide mode; in RAM, the disk tier's files (--disk-dir) "
+                       "and the ranks' shared state (--gpus) alike; units updated on the GPU keep FP32 moments",
     "runtime.master": "the host-updated units' master weights: fp32 (exact, the default) or bf16 (2 instead of 4 "
                       "B/param of host RAM: each update rounded to BF16 stochastically, unbiased, from a counter "
                       "hash of the step and the element, so a resume repeats it; the uploads copy it as it is). "
@@ -210,7 +210,8 @@ _HELP = {
                         f"{2 * FP32_ADAMW.moment_bytes} B/param through the disk a step (how many: "
                         f"--tuning.disk_units, auto: as few as make host RAM fit); with --tuning.disk_master their "
                         f"FP32 masters too: 2 B/param of RAM (the BF16 weights the uploads read), "
-                        f"{2 * FP32_ADAMW.bytes_per_param} B/param through the disk a step",
+                        f"{2 * FP32_ADAMW.bytes_per_param} B/param through the disk a step (FP32 state; "
+                        f"with --moments / --master the files hold that format, fewer bytes)",
 }
 
 

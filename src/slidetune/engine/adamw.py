@@ -37,6 +37,22 @@ def _whole(x: float) -> int | float:
 
 
 @dataclass(frozen=True)
+class StateField:
+    """One tensor of a unit's optimizer state, as laid out in the disk tier's blocks and the host's
+    shared mapping: `per` master elements share one of its elements (1; an 8-bit scale: BLOCK)."""
+    name: str
+    dtype: torch.dtype
+    per: int = 1
+
+    def count(self, numel: int) -> int:
+        """Its elements for `numel` master elements (a last partial block keeps a scale of its own)."""
+        return -(-numel // self.per)
+
+    def nbytes(self, numel: int) -> int:
+        return self.count(numel) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
 class OptimizerState:
     """What the optimizer keeps for each parameter it updates, beside the weights the model computes
     with: the bytes the fit, the placement, the disk tier, the roofline and the save plan count.
@@ -108,6 +124,19 @@ class OptimizerState:
             return _whole(2 * self.moment_bytes + grad_bytes)
         assert part == "all", f"part is all, params or moments, not {part!r}"
         return _whole(2 * self.bytes_per_param + grad_bytes)
+
+    @property
+    def scale_names(self) -> tuple[str, ...]:
+        """The 8-bit moments' block scales, one tensor per moment ("exp_avg_scales", ...); none else."""
+        return tuple(f"{m}_scales" for m in self.moment_names) if self.moment_block else ()
+
+    def fields(self, master: bool = True) -> tuple[StateField, ...]:
+        """The state's tensors of a unit in their layout order (the step aside): the master (where
+        `master`), the moments, then the 8-bit moments' scales. FP32_ADAMW: master, exp_avg,
+        exp_avg_sq, the order the disk tier's files have always had."""
+        return ((StateField("master", self.master_dtype),) if master else ()) \
+            + tuple(StateField(m, self.moment_dtype) for m in self.moment_names) \
+            + tuple(StateField(s, self.scale_dtype, self.moment_block) for s in self.scale_names)
 
     def moment_nbytes(self, numel: int) -> int:
         """One moment of a `numel`-element unit, exactly: codes and its (last partial) block's scales."""
@@ -213,44 +242,66 @@ class FlatAdamW:
 
     def _init_compact(self, master: torch.Tensor | None, n_decay: int, cfg: AdamWConfig, kernel: str,
                       moments_here: bool, state: tuple | None) -> None:
+        """A compact format's state: the master in its master_dtype (here, or None: the disk tier's
+        blocks), the moments and 8-bit scales allocated here, given (`state`: the host's shared
+        views, (exp_avg, exp_avg_sq, step, *scales)) or elsewhere (moments_here=False: the disk
+        tier's blocks, given to every update())."""
         fmt = self.state_format
-        if master is None or not moments_here or state is not None or kernel == "torch":
-            raise ValueError(f"the optimizer state '{fmt.name}' is kept for host units with their master and "
-                             "moments in RAM, updated by the native kernel (not the disk tier, a shared state or "
-                             "--tuning.host_adamw torch)")
+        if kernel == "torch":
+            raise ValueError(f"the optimizer state '{fmt.name}' is updated by the host's native AdamW kernel, "
+                             "not --tuning.host_adamw torch")
         if native_adamw.load_compact() is None:
             raise RuntimeError(f"the optimizer state '{fmt.name}' needs the host's compact AdamW kernels, which "
                                "could not be built here (a C compiler with OpenMP: gcc)")
-        assert master.dim() == 1 and master.dtype == fmt.master_dtype and master.device.type == "cpu"
+        assert master is None or (master.dim() == 1 and master.dtype == fmt.master_dtype
+                                  and master.device.type == "cpu")
+        assert master is not None or not moments_here, "a master elsewhere needs the moments elsewhere too"
         self.master, self.n_decay, self.cfg, self.kernel = master, n_decay, cfg, kernel
+        if state is not None:
+            self.exp_avg, self.exp_avg_sq, self.step_count, *scales = state
+            if fmt.moment_block:
+                self.exp_avg_scales, self.exp_avg_sq_scales = scales
+            return
+        self.step_count = torch.zeros((), dtype=torch.float32)
+        if not moments_here:
+            self.exp_avg = self.exp_avg_sq = None
+            return
         n = master.numel()
         self.exp_avg = torch.zeros(n, dtype=fmt.moment_dtype)          # [numel] codes or BF16/FP32
         self.exp_avg_sq = torch.zeros(n, dtype=fmt.moment_dtype)
         if fmt.moment_block:
             self.exp_avg_scales = torch.zeros(blockwise8.num_blocks(n), dtype=fmt.scale_dtype)
             self.exp_avg_sq_scales = torch.zeros(blockwise8.num_blocks(n), dtype=fmt.scale_dtype)
-        self.step_count = torch.zeros((), dtype=torch.float32)
 
     def _update_compact(self, grad: torch.Tensor, lr: float, start: int, grad_scale: float | torch.Tensor,
-                        part: str, extra: tuple) -> None:
+                        part: str, moments: tuple | None, params: torch.Tensor | None,
+                        scales: tuple | None) -> None:
         """update() in a compact format: one call over both decay groups (an 8-bit block may
-        straddle their boundary), the range's first element on a block boundary."""
+        straddle their boundary), the range's first element on a block boundary. The moments, their
+        scales and the master come from this object, or where given, from the caller (the disk
+        tier's block: the range's own views)."""
         fmt, n = self.state_format, grad.numel()
-        if part not in ("all", "params", "moments") or any(x is not None for x in extra) \
-                or isinstance(grad_scale, torch.Tensor):
-            raise ValueError(f"the optimizer state '{fmt.name}' updates its own RAM ranges with a host clip "
+        if part not in ("all", "params", "moments") or isinstance(grad_scale, torch.Tensor):
+            raise ValueError(f"the optimizer state '{fmt.name}' updates host ranges with a host clip "
                              f"coefficient, part all, params or moments (got part {part!r})")
         if fmt.moment_block and start % fmt.moment_block:
             raise ValueError(f"8-bit moments are updated from a block boundary: range start {start} is not a "
                              f"multiple of {fmt.moment_block}")
-        scales = None
-        if fmt.moment_block:
+        if params is None:
+            if self.master is None:
+                raise ValueError("this master lives elsewhere: update() needs its range (params)")
+            params = self.master[start:start + n]
+        if moments is None:
+            if self.exp_avg is None:
+                raise ValueError("these moments live elsewhere: update() needs their range (moments, scales)")
+            moments = (self.exp_avg[start:start + n], self.exp_avg_sq[start:start + n])
+        if fmt.moment_block and scales is None:
             first, last = start // fmt.moment_block, blockwise8.num_blocks(start + n)
             scales = (self.exp_avg_scales[first:last], self.exp_avg_sq_scales[first:last])
         native_adamw.update_compact(
-            self.master[start:start + n], self.exp_avg[start:start + n], self.exp_avg_sq[start:start + n], grad,
+            params, moments[0], moments[1], grad,
             lr=lr, beta1=self.cfg.beta1, beta2=self.cfg.beta2, eps=self.cfg.eps,
-            weight_decay=self.cfg.weight_decay, step=int(self.step_count), scales=scales,
+            weight_decay=self.cfg.weight_decay, step=int(self.step_count), scales=scales if fmt.moment_block else None,
             decay_end=min(n, max(0, self.n_decay - start)), seed=self.seed, offset=start,
             schedule=self.kernel, grad_scale=float(grad_scale), part=part)
 
@@ -261,7 +312,8 @@ class FlatAdamW:
     def update(self, grad: torch.Tensor, lr: float, start: int = 0,
                grad_scale: float | torch.Tensor = 1.0, part: str = "all",
                moments: tuple[torch.Tensor, torch.Tensor] | None = None,
-               params: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> None:
+               params: torch.Tensor | None = None, weights: torch.Tensor | None = None,
+               scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Apply AdamW to master[start:start+len(grad)] with `grad` times `grad_scale`.
 
         grad_scale: the clip coefficient, a float (host) or a 0-dim FP32 tensor on the master's
@@ -284,10 +336,17 @@ class FlatAdamW:
         moments: (exp_avg, exp_avg_sq) of master[start:start+len(grad)], [len(grad)] FP32 each, where
         they do not live in this object (the disk tier's block buffers).
         params: master[start:start+len(grad)], [len(grad)] FP32, where the master does not live here
-        (a disk unit's master in its block buffer); updated in place."""
+        (a disk unit's master in its block buffer); updated in place.
+        In a compact format (state_format) the moments and master given are in its dtypes, and
+        `scales` (8-bit moments: exp_avg's and exp_avg_sq's scales of the range's blocks,
+        [ceil(len(grad) / BLOCK)] FP32 each) come with moments given; no `weights` pass."""
         if self.state_format is not FP32_ADAMW:
-            self._update_compact(grad, lr, start, grad_scale, part, (moments, params, weights))
+            if weights is not None:
+                raise ValueError(f"the optimizer state '{self.state_format.name}' has no weights pass "
+                                 "(clip_sweep=weights is FP32's)")
+            self._update_compact(grad, lr, start, grad_scale, part, moments, params, scales)
             return
+        assert scales is None, "FP32 moments have no scales"
         end = start + grad.numel()
         if self.master is None and params is None:
             raise ValueError("this master lives elsewhere: update() needs its range (params)")
@@ -341,13 +400,19 @@ class FlatAdamW:
             widened.copy_(grad[lo:hi])
             self.update(widened, lr, start=lo, grad_scale=grad_scale)
 
+    def state_names(self) -> tuple[str, ...]:
+        """The names of state_tensors(), also where the moments live elsewhere (the disk tier)."""
+        fmt = self.state_format
+        return (*fmt.moment_names, *fmt.scale_names, "step")
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The moments ([numel] each, in the state format's dtype), 8-bit moments' block scales
-        ([num_blocks] FP32 each: exp_avg_scales, exp_avg_sq_scales) and the step ([] FP32)."""
-        out = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "step": self.step_count}
-        if self.exp_avg_scales is not None:
+        ([num_blocks] FP32 each: exp_avg_scales, exp_avg_sq_scales) and the step ([] FP32); None
+        for the moments and scales where they live elsewhere (the disk tier's)."""
+        out = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        if self.state_format.moment_block:
             out.update(exp_avg_scales=self.exp_avg_scales, exp_avg_sq_scales=self.exp_avg_sq_scales)
-        return out
+        return out | {"step": self.step_count}
 
     def load_state_tensors(self, state: dict[str, torch.Tensor]) -> None:
         """state_tensors()' names, in this state's own dtypes (a checkpoint of the same format)."""

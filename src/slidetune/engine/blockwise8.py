@@ -135,3 +135,11 @@ def kernel_tables() -> torch.Tensor:
 def num_blocks(numel: int) -> int:
     """Scales a moment of `numel` elements keeps (the last block may be partial)."""
     return -(-numel // BLOCK)
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, moment: str) -> torch.Tensor:
+    """The FP32 values [n] of a moment's codes ([n] uint8) and block scales ([num_blocks(n)] FP32):
+    its map's entry (SIGNED[moment]: exp_avg's signed, exp_avg_sq's unsigned) times its block's
+    scale, as the kernel dequantizes (a reader of a checkpoint's 8-bit moments, the tests)."""
+    qmap = dynamic_map(SIGNED[moment])
+    return qmap[codes.long()] * scales.repeat_interleave(BLOCK)[: codes.numel()]

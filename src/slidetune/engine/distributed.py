@@ -5,7 +5,8 @@ Ranks come from torchrun's environment (env://: RANK, WORLD_SIZE, LOCAL_RANK, LO
 MASTER_ADDR, MASTER_PORT). Torchrun numbers ranks host by host, so the ranks of host h are
 h * local_world_size .. (h + 1) * local_world_size - 1.
 
-The state of every unit (FP32 master, AdamW moments and step, adamw.FP32_ADAMW: 12 B/param + 4 B) lives once per host
+The state of every host-updated unit (master, AdamW moments and step: adamw.FP32_ADAMW's 12 B/param + 4 B,
+or a compact format's, --moments / --master) lives once per host
 in one file in /dev/shm, mapped by each of the host's ranks; each unit is updated by one of them
 (its owner, `shard_units`), and every host updates its own copy with the same all-reduced gradients.
 Two int64 counters per unit tell the other ranks how far the owner is: the weights version (the
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..processes import dead_runs
-from .adamw import FP32_ADAMW
+from .adamw import FP32_ADAMW, OptimizerState, StateField
 
 log = logging.getLogger(__name__)
 
@@ -122,13 +123,20 @@ def plan_owners(plan, parts: int) -> list[int]:
 
 @dataclass
 class SharedUnit:
-    """One unit's views of the host's shared state."""
-    master: torch.Tensor            # [numel] fp32
-    exp_avg: torch.Tensor           # [numel] fp32
-    exp_avg_sq: torch.Tensor        # [numel] fp32
+    """One unit's views of the host's shared state, in the optimizer's format (FP32 by default)."""
+    master: torch.Tensor            # [numel] fp32 (--master bf16: bf16)
+    exp_avg: torch.Tensor           # [numel] fp32, bf16 or 8-bit codes (--moments); [0] for a disk unit
+    exp_avg_sq: torch.Tensor        # [numel] the same
     step: torch.Tensor              # [] fp32, AdamW's step count (what FlatAdamW keeps)
     weights_version: torch.Tensor   # [] int64: updates whose new weights are written
     state_version: torch.Tensor     # [] int64: updates whose moments are written too
+    exp_avg_scales: torch.Tensor | None = None      # [ceil(numel / 256)] fp32 each: 8-bit moments
+    exp_avg_sq_scales: torch.Tensor | None = None
+
+    def optimizer_state(self) -> tuple[torch.Tensor, ...]:
+        """FlatAdamW's `state`: (exp_avg, exp_avg_sq, step), 8-bit moments' two scales after them."""
+        scales = () if self.exp_avg_scales is None else (self.exp_avg_scales, self.exp_avg_sq_scales)
+        return (self.exp_avg, self.exp_avg_sq, self.step, *scales)
 
     def wait(self, counter: torch.Tensor, v: int, abort: threading.Event | None, what: str) -> None:
         """Block until `counter` (one of the two versions) reaches `v`, polling shared memory."""
@@ -142,36 +150,40 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _unit_sizes(numel: int, moments: bool) -> tuple[int, ...]:
-    """Bytes of a unit's master, each moment (none here where the disk tier holds them) and step,
-    as the optimizer keeps them (FP32_ADAMW: 4 B/param each, a 4 B step)."""
-    moment = FP32_ADAMW.moment_dtype.itemsize * numel if moments else 0
-    return (FP32_ADAMW.master_bytes * numel, *(moment for _ in FP32_ADAMW.moment_names), FP32_ADAMW.step_bytes)
+def _unit_fields(numel: int, moments: bool, state: OptimizerState) -> list[tuple[StateField, int]]:
+    """A unit's tensors in the mapping and their lengths: the master, the moments and 8-bit scales
+    (empty where the disk tier holds them), the step (FP32_ADAMW: 4 B/param each, a 4 B step)."""
+    return [(f, f.count(numel) if moments or f.name == "master" else 0) for f in state.fields()] \
+        + [(StateField("step", state.step_dtype), 1)]
 
 
 class SharedHostState:
     """Every unit's master, moments, step and versions in one mapping of a /dev/shm file.
 
-    Layout, unit after unit: master, exp_avg, exp_avg_sq ([numel] fp32 each), step ([1] fp32),
-    each 64-byte aligned; then the versions, [units, 2] int64. A new file reads as zeros: moments,
-    steps and versions start at 0 as AdamW's do. Units in `no_moments` (the disk tier's: their
-    moments are in its files) have zero-length moments here."""
+    Layout, unit after unit: master, exp_avg, exp_avg_sq ([numel] each, in the optimizer state's
+    dtypes: FP32 by default), 8-bit moments' scales, step ([1] fp32), each 64-byte aligned; then
+    the versions, [units, 2] int64. A new file reads as zeros: moments, scales, steps and versions
+    start at 0 as AdamW's do. Units in `no_moments` (the disk tier's: their moments are in its
+    files) have zero-length moments here."""
 
     @staticmethod
-    def layout_bytes(numels: list[int], no_moments: frozenset[int] = frozenset()) -> int:
+    def layout_bytes(numels: list[int], no_moments: frozenset[int] = frozenset(),
+                     state: OptimizerState = FP32_ADAMW) -> int:
         """The mapping's size: every unit's master, moments and step, aligned, then the versions."""
-        return sum(_aligned(size) for i, n in enumerate(numels)
-                   for size in _unit_sizes(n, i not in no_moments)) + _aligned(16 * len(numels))
+        return sum(_aligned(f.dtype.itemsize * k) for i, n in enumerate(numels)
+                   for f, k in _unit_fields(n, i not in no_moments, state)) + _aligned(16 * len(numels))
 
-    def __init__(self, numels: list[int], path: str, create: bool, no_moments: frozenset[int] = frozenset()):
+    def __init__(self, numels: list[int], path: str, create: bool, no_moments: frozenset[int] = frozenset(),
+                 state: OptimizerState = FP32_ADAMW):
         self.numels = list(numels)
         self.path = path
-        offsets, at = [], 0
+        self.state = state
+        offsets, at = [], 0           # per unit: field name -> (byte offset, dtype, elements)
         for i, n in enumerate(self.numels):
-            unit = []
-            for size in _unit_sizes(n, i not in no_moments):
-                unit.append(at)
-                at += _aligned(size)
+            unit = {}
+            for f, k in _unit_fields(n, i not in no_moments, state):
+                unit[f.name] = (at, f.dtype, k)
+                at += _aligned(f.dtype.itemsize * k)
             offsets.append(unit)
         versions_at = at
         self.nbytes = at + _aligned(16 * len(self.numels))
@@ -188,13 +200,10 @@ class SharedHostState:
         self.buffer = torch.from_file(path, shared=True, size=self.nbytes, dtype=torch.uint8)   # [nbytes]
         versions = self.buffer[versions_at:versions_at + 16 * len(self.numels)].view(torch.int64).view(-1, 2)
         self.units = []
-        for n, (m, a, s, st) in zip(self.numels, offsets):
-            f32 = lambda lo, k: self.buffer[lo:lo + 4 * k].view(torch.float32)  # noqa: E731
-            i = len(self.units)
-            k = 0 if i in no_moments else n
-            self.units.append(SharedUnit(master=f32(m, n), exp_avg=f32(a, k), exp_avg_sq=f32(s, k),
-                                         step=f32(st, 1).view(()), weights_version=versions[i, 0],
-                                         state_version=versions[i, 1]))
+        for i, unit in enumerate(offsets):
+            views = {name: self.buffer[at:at + dtype.itemsize * k].view(dtype) for name, (at, dtype, k) in unit.items()}
+            views["step"] = views["step"].view(())
+            self.units.append(SharedUnit(**views, weights_version=versions[i, 0], state_version=versions[i, 1]))
 
     def unlink(self) -> None:
         """Remove the file's name; the memory stays until the last rank unmaps it (its exit)."""
@@ -376,30 +385,32 @@ class DataParallel:
     def host_barrier(self) -> None:
         dist.barrier(group=self.host_group)
 
-    def share_host_state(self, numels: list[int], no_moments: frozenset[int] = frozenset()) -> SharedHostState:
+    def share_host_state(self, numels: list[int], no_moments: frozenset[int] = frozenset(),
+                         fmt: OptimizerState = FP32_ADAMW) -> SharedHostState:
         """Collective over the host: local rank 0 creates the file, every local rank maps it, and
         the name is removed once all have (the memory then goes with the last rank's exit; only a
-        crash in the seconds before that leaves a /dev/shm/slidetune-* file behind)."""
-        state, error = None, None
+        crash in the seconds before that leaves a /dev/shm/slidetune-* file behind). fmt: the
+        host-updated units' optimizer state format (SharedHostState's `state`)."""
+        shared, error = None, None
         if self.cfg.local_rank == 0:
             try:
                 remove_stale_states(SHM_DIR)
-                check_shared_memory(SharedHostState.layout_bytes(numels, no_moments), SHM_DIR)
-                state = SharedHostState(numels, f"{SHM_DIR}/{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}",
-                                        create=True, no_moments=no_moments)
+                check_shared_memory(SharedHostState.layout_bytes(numels, no_moments, fmt), SHM_DIR)
+                shared = SharedHostState(numels, f"{SHM_DIR}/{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}",
+                                         create=True, no_moments=no_moments, state=fmt)
             except SharedMemoryError as e:
                 error = str(e)
         # the name, or why there is none: every local rank raises the same error instead of waiting
-        name = [state.path if state is not None else None, error]
+        name = [shared.path if shared is not None else None, error]
         dist.broadcast_object_list(name, src=self.global_rank(0), group=self.host_group)
         if name[1] is not None:
             raise SharedMemoryError(name[1])
-        if state is None:
-            state = SharedHostState(numels, name[0], create=False, no_moments=no_moments)
+        if shared is None:
+            shared = SharedHostState(numels, name[0], create=False, no_moments=no_moments, state=fmt)
         self.host_barrier()               # every local rank has mapped it
         if self.cfg.local_rank == 0:
-            state.unlink()
-        return state
+            shared.unlink()
+        return shared
 
 
 def close_process_group() -> None:

@@ -677,9 +677,10 @@ def _device_update_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w:
 def _host_state_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w: _Work, plan: PlacementPlan) -> None:
     """The host-updated units' masters and moments, and the disk tier's share of them."""
     host, b = parts.host, w.b
-    master = FP32_ADAMW.master_bytes                                      # 4 B/param
-    # the RAM units' master and moments: 12 B/param, or less with --moments (plan.host_state)
+    # the host-updated units' master and moments: 12 B/param, or less with --moments / --master
+    # (plan.host_state), in RAM, the disk tier's files or the shared mapping alike
     ram_state = plan.host_state
+    master = ram_state.master_bytes                                       # FP32: 4 B/param
     P_disk = plan.params("disk")
     P_disk_master = plan.master_params("disk")
     label = f"{ram_state.bytes_per_param:g} B/param" + ("" if ram_state is FP32_ADAMW else f", {ram_state.name}")
@@ -877,7 +878,7 @@ def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len:
                           max_grad_norm=max_grad_norm, padded=padded, ranks_per_host=ranks_per_host)
     if est.disk_bytes:
         # the disk tier's directory: there, writable, with room for its files (DiskTierError)
-        check_directory(rt.disk_dir, est.disk_bytes, disk_free_bytes)
+        check_directory(rt.disk_dir, est.disk_bytes, disk_free_bytes, state=est.plan.host_state)
     if ranks_per_host > 1 and est.plan is not None:
         # the host's ranks share the state through a tmpfs file (SharedMemoryError, naming the fix;
         # a container's /dev/shm is 64 MB unless it is given more)
@@ -899,15 +900,13 @@ def shared_state_bytes(plan: PlacementPlan) -> int:
     """Data parallel: the bytes of the host's shared state file for a placement (its layout:
     master, moments and step of every host-updated unit, a disk unit's master only)."""
     from .distributed import SharedHostState, shared_layout
-    return SharedHostState.layout_bytes(*shared_layout(plan))
+    return SharedHostState.layout_bytes(*shared_layout(plan), state=plan.host_state)
 
 
 def _disk_tier_note(split: SplitModel, rt: RuntimeConfig, budget: _Budget, short, **kw) -> str:
     """Where host RAM is what does not fit and no disk tier was given: what the disk tier would take
     (the auto placement with a disk directory), or "" where it would not help."""
-    # (a compact state and the disk tier do not run together yet: PlacementPlan refuses the pair)
-    if rt.mode != "slide" or rt.disk_dir or rt.host_state is not FP32_ADAMW \
-            or not any(what == "host RAM" for what, *_ in short) \
+    if rt.mode != "slide" or rt.disk_dir or not any(what == "host RAM" for what, *_ in short) \
             or (budget.device_type == "cuda" and budget.gpu_free is None):
         return ""
     trial = dataclasses.replace(rt, disk_dir="PATH", disk_units=-1)
@@ -927,7 +926,7 @@ def _disk_tier_note(split: SplitModel, rt: RuntimeConfig, budget: _Budget, short
     masters = est.plan.ranges(lambda u: u.master == "disk") if est.plan.master_params("disk") else ""
     note = (f"With a local disk: --disk-dir PATH (the disk tier: AdamW moments of {n} units, "
             f"{est.plan.ranges(lambda u: u.state == 'disk')}"
-            + (f", and the FP32 masters of {masters} (--tuning.disk_master)" if masters else "")
+            + (f", and the masters of {masters} (--tuning.disk_master)" if masters else "")
             + f", {_gib(est.disk_bytes)} GiB of files there; "
             + (f"GPU {_gib(est.gpu_bytes)} GiB, " if est.device_type == "cuda" else "")
             + f"host {_gib(est.host_bytes_per_host(budget.ranks_per_host))} GiB; each step moves "
@@ -1539,10 +1538,9 @@ class _Suggestions:
     def compact_moments(self) -> None:
         """Host: the first compact state that fits, least rounding first (opt-in, named as a change
         of the arithmetic): BF16 moments (12 -> 8 B/param of a host unit's state), 8-bit moments
-        (~6), then a BF16 master beside them (~4). One rank, no disk tier."""
+        (~6), then a BF16 master beside them (~4), in RAM, the shared mapping or the disk tier alike."""
         rt = self.rt
-        if rt.mode != "slide" or rt.host_state is not FP32_ADAMW or rt.disk_dir \
-                or self.budget.ranks_per_host > 1 or rt.host.host_adamw == "torch":
+        if rt.mode != "slide" or rt.host_state is not FP32_ADAMW or rt.host.host_adamw == "torch":
             return
         for change in ({"moments": "bf16"}, {"moments": "8bit"}, {"master": "bf16", "moments": "8bit"}):
             est = self.attempt(change, self.batch_size, self.grad_accum, self.max_grad_norm)

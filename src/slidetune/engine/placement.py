@@ -42,9 +42,6 @@ from .adamw import FP32_ADAMW, OptimizerState
 from .config import RuntimeConfig
 
 STATES = ("gpu", "shard", "host", "disk")
-# Bytes a parameter of a disk unit takes in the tier's files (the optimizer's state, FP32_ADAMW):
-# the two FP32 moments (8), and the FP32 master where it lives there too (12).
-DISK_BYTES = {"host": FP32_ADAMW.moment_bytes, "disk": FP32_ADAMW.bytes_per_param}
 # The disk tier's block buffers where --tuning.disk_buffers is left at auto (-1) unresolved: the
 # count before the auto existed (fit.choose_auto_settings resolves it from host RAM's room).
 DISK_BUFFERS_UNRESOLVED = 8
@@ -103,11 +100,6 @@ class UnitPlace:
             raise ValueError(f"{self.name}: only a disk unit's master can live on disk")
 
     @property
-    def disk_bytes_per_param(self) -> int:
-        """Bytes a parameter takes in the disk tier's files: 0, 8 (moments) or 12 (master too)."""
-        return DISK_BYTES[self.master] if self.state == "disk" else 0
-
-    @property
     def host_updated(self) -> bool:
         """Whether the host's AdamW updates it (its gradient crosses PCIe, its weights too)."""
         return self.state in ("host", "disk")
@@ -123,7 +115,8 @@ class PlacementPlan:
     grad_slots: int = 3           # the decoder layers' GPU gradient slots (RuntimeConfig.resolved_grad_slots)
     grad_slots_fp32: bool = False  # gradient slots in FP32 (grad_slot_dtype fp32), else the compute dtype
     shard_ranks: int = 1          # the host's GPUs the sharded layers are spread over (round robin)
-    # what the host-updated units keep per parameter (--moments); GPU, shard and disk units: FP32_ADAMW
+    # what the host-updated units (host and disk) keep per parameter (--moments, --master); units
+    # updated on a GPU (gpu, shard): FP32_ADAMW
     host_state: OptimizerState = FP32_ADAMW
 
     # ------------------------------------------------------------------ building
@@ -266,10 +259,17 @@ class PlacementPlan:
         """Parameters whose FP32 master lives `where` (gpu, host, disk)."""
         return sum(u.numel for u in self.units if u.master == where)
 
+    def disk_bytes_per_param(self, u: UnitPlace) -> int | float:
+        """Bytes a parameter of `u` takes in the disk tier's files, in host_state's format (padding
+        aside): 0; the moments (FP32: 8); the master too (FP32: 12)."""
+        if u.state != "disk":
+            return 0
+        return self.host_state.bytes_per_param if u.master == "disk" else self.host_state.moment_bytes
+
     def disk_io_bytes(self) -> int:
         """Bytes through the disk a step: each disk unit's block read ahead of its update and
-        written behind it (16 B/param, 24 with its master there)."""
-        return sum(2 * u.disk_bytes_per_param * u.numel for u in self.units)
+        written behind it (FP32: 16 B/param, 24 with its master there)."""
+        return int(sum(2 * self.disk_bytes_per_param(u) * u.numel for u in self.units))
 
     @property
     def host_updated_params(self) -> int:
@@ -311,24 +311,24 @@ class PlacementPlan:
         layer = max((u.numel for u in self.layers), default=0)
         return layer_uploads * layer + sum(u.numel for u in (self.units[0], self.units[-1]) if u.host_updated)
 
-    # State bytes of each tier (FP32_ADAMW): GPU 12 B/param (master, moments), host 12 B/param of its units and
-    # the 4 B/param master of the disk units that keep it in RAM, disk 8 B/param (the moments) or
-    # 12 (the master too). Not state: a disk-master unit's compute-dtype weights in RAM (engine.fit
-    # counts them, with the dtype).
+    # State bytes of each tier (FP32_ADAMW; the host and disk units in host_state's format): GPU 12
+    # B/param (master, moments), host 12 B/param of its units and the 4 B/param master of the disk
+    # units that keep it in RAM, disk 8 B/param (the moments) or 12 (the master too). Not state: a
+    # disk-master unit's compute-dtype weights in RAM (engine.fit counts them, with the dtype).
     def state_bytes(self) -> dict[str, int]:
         ram_masters = sum(u.numel for u in self.units if u.state == "disk" and u.master == "host")
-        state = FP32_ADAMW
+        state, host = FP32_ADAMW, self.host_state
         out = {"gpu": state.bytes_per_param * self.params("gpu"),
-               "host": self.host_state.bytes_per_param * self.params("host") + state.master_bytes * ram_masters,
-               "disk": sum(u.disk_bytes_per_param * u.numel for u in self.units)}
+               "host": host.bytes_per_param * self.params("host") + host.master_bytes * ram_masters,
+               "disk": int(sum(self.disk_bytes_per_param(u) * u.numel for u in self.units))}
         if self.params("shard"):      # every GPU of the host together
             out["shard"] = state.bytes_per_param * self.params("shard")
         return out
 
     def checkpoint_bytes(self) -> int:
         """A resumable checkpoint's tensors: every unit's weights in FP32 (4 B/param, a BF16 master's
-        too) and its moments, in host_state's format for the host units, FP32 for the others."""
-        return sum(4 * u.numel + 2 * (self.host_state if u.state == "host" else FP32_ADAMW).moment_nbytes(u.numel)
+        too) and its moments, in host_state's format for the host-updated units, FP32 for the others."""
+        return sum(4 * u.numel + 2 * (self.host_state if u.host_updated else FP32_ADAMW).moment_nbytes(u.numel)
                    for u in self.units)
 
     # ------------------------------------------------------------------ reporting
@@ -447,20 +447,10 @@ def _check_combination(units: tuple[UnitPlace, ...], dtype: torch.dtype | None, 
                        host_state: OptimizerState = FP32_ADAMW) -> None:
     """Refuse the placements the engine cannot run, naming the setting to change (`dtype` None: an
     auto compute dtype not resolved yet, unchecked)."""
-    if host_state is not FP32_ADAMW:
-        # compact moments live in the unit's own RAM tensors (FlatAdamW): the disk tier's files, the
-        # host's shared state and the upload copies' two-pass sweep keep FP32 moments for now
-        flag = host_state.flags
-        if ranks > 1:
-            raise ValueError(f"{flag} runs on one rank for now (the host's ranks share an FP32 state); "
-                             f"use the FP32 state with --gpus, or one GPU")
-        if any(u.state == "disk" for u in units):
-            raise ValueError(f"{flag} keeps the state in RAM, and the disk tier's files hold an FP32 state: "
-                             f"use one or the other (the compact state needs {host_state.bytes_per_param:g} B/param "
-                             f"of RAM where the FP32 one needs {FP32_ADAMW.bytes_per_param})")
-        if any(u.upload_copy for u in units):
-            raise ValueError(f"{flag} runs the clipped sweep as params then moments: use --tuning.clip_sweep "
-                             f"split (the default) or whole, not weights")
+    if host_state is not FP32_ADAMW and any(u.upload_copy for u in units):
+        # the weights pass writes BF16 copies from an FP32 master and moments (native_adamw's FP32 kernels)
+        raise ValueError(f"{host_state.flags} runs the clipped sweep as params then moments: use --tuning.clip_sweep "
+                         f"split (the default) or whole, not weights")
     if ranks > 1 and any(u.master == "disk" for u in units):
         # the other ranks upload a disk unit's weights from the shared mapping, which holds masters
         raise ValueError("data parallel over several ranks does not support --tuning.disk_master yet (the masters "

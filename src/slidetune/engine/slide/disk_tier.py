@@ -8,11 +8,14 @@ RAM keeps only the compute-dtype weights the uploads copy (2 B/param for BF16; h
 writes them as each block's update lands). Blocks pass through a few page-locked buffers:
 
   file layout   one file per unit in a scratch directory made for the run; block b holds the
-                state of elements [b*B, (b+1)*B): exp_avg (B FP32) then exp_avg_sq (B FP32) at
-                offset b * 8B, or for a unit whose master lives here master, exp_avg, exp_avg_sq
-                at offset b * 12B (a unit's last block is padded), so each block is one read
-                and one write of a fixed, aligned size (the master rides in the read AdamW
-                makes anyway: +8 B/param of I/O a step, not a separate pass);
+                state of elements [b*B, (b+1)*B) in the optimizer's format (BlockLayout): FP32
+                exp_avg (B FP32) then exp_avg_sq (B FP32) at offset b * 8B, or for a unit whose
+                master lives here master, exp_avg, exp_avg_sq at offset b * 12B; a compact
+                format (--moments, --master) its fields in their dtypes, 8-bit moments' block
+                scales last, the block padded to ALIGN (a unit's last block is padded too), so
+                each block is one read and one write of a fixed, aligned size (the master rides
+                in the read AdamW makes anyway: +8 B/param of I/O a step in FP32, not a
+                separate pass);
   I/O           os.preadv / os.pwritev from a pool of threads (each call releases the GIL, so the
                 compute thread keeps launching), on files opened with O_DIRECT where the
                 filesystem allows it: no page cache, which would take back the RAM the tier
@@ -59,7 +62,7 @@ import torch
 from ...device import PINNED
 from ...processes import dead_runs
 from ...telemetry.host_timeline import HostTimeline
-from ..adamw import FP32_ADAMW
+from ..adamw import FP32_ADAMW, OptimizerState, StateField
 
 ALIGN = 4096                      # O_DIRECT: buffer address, size and offset aligned to this
 SCRATCH_PREFIX = "slidetune-disk-tier-"
@@ -70,46 +73,80 @@ class DiskTierError(RuntimeError):
     """The disk tier cannot be set up or has failed (a missing, read-only or full directory, I/O)."""
 
 
-MOMENTS = FP32_ADAMW.moment_names                 # a block's fields, in file order: exp_avg, exp_avg_sq
-WITH_MASTER = ("master", *MOMENTS)                # ... where the unit's master lives here too
-FIELD_BYTES = FP32_ADAMW.moment_dtype.itemsize    # a field's bytes per element: FP32, as the master's
 
-
-def block_elems(block_mb: float) -> int:
-    """Elements per block: block_mb MiB hold a block's two FP32 moments, rounded to ALIGN (a block
-    with the master too is half as large again: the same elements, so one layout of blocks)."""
-    per = int(block_mb * 2**20) // FP32_ADAMW.moment_bytes
+def block_elems(block_mb: float, state: OptimizerState = FP32_ADAMW) -> int:
+    """Elements per block: block_mb MiB hold a block's two moments in `state`'s format (FP32: 8
+    B/param), rounded to a multiple of ALIGN / 4 elements (so of the 8-bit moments' 256 too; a
+    block with the master too is larger: the same elements, so one layout of blocks)."""
+    per = int(int(block_mb * 2**20) // state.moment_bytes)
     return max(ALIGN // 4, per - per % (ALIGN // 4))
 
 
-def file_bytes(numel: int, block: int, fields: int = 2) -> int:
-    """Bytes a unit of `numel` parameters takes on disk (whole blocks of `fields` FP32 fields)."""
-    return -(-numel // block) * FIELD_BYTES * fields * block
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where each field of a block of `block` elements sits in a block's bytes (OptimizerState.fields
+    in order, each at a multiple of its dtype's size), and the block's size, padded to ALIGN."""
+    fields: tuple[StateField, ...]
+    block: int
+
+    @property
+    def offsets(self) -> dict[str, int]:
+        out, at = {}, 0
+        for f in self.fields:
+            out[f.name] = at
+            at += f.nbytes(self.block)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        raw = sum(f.nbytes(self.block) for f in self.fields)
+        return -(-raw // ALIGN) * ALIGN
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.fields)
+
+    def field(self, name: str) -> StateField:
+        return next(f for f in self.fields if f.name == name)
+
+    def file_bytes(self, numel: int) -> int:
+        """Bytes a unit of `numel` parameters takes on disk: whole blocks."""
+        return -(-numel // self.block) * self.nbytes
+
+
+def block_layout(state: OptimizerState, with_master: bool, block: int) -> BlockLayout:
+    """The blocks of a unit whose moments (and, `with_master`, master) the tier holds in `state`'s format."""
+    return BlockLayout(state.fields(master=with_master), block)
+
+
+def _plan_layouts(plan, block_mb: float) -> list[tuple[int, BlockLayout]]:
+    """(numel, layout) of each of a placement plan's disk units (engine/placement.py)."""
+    block = block_elems(block_mb, plan.host_state)
+    return [(u.numel, block_layout(plan.host_state, u.master == "disk", block)) for u in plan.units if u.state == "disk"]
 
 
 def tier_bytes(plan, block_mb: float) -> int:
-    """Bytes the disk tier's files take for a placement plan's disk units (engine/placement.py):
-    8 B/param, 12 where the master lives there too, in whole blocks."""
-    block = block_elems(block_mb)
-    return sum(file_bytes(u.numel, block, u.disk_bytes_per_param // FIELD_BYTES) for u in plan.units if u.state == "disk")
+    """Bytes the disk tier's files take for a placement plan's disk units: FP32 8 B/param, 12 where
+    the master lives there too, in whole blocks (a compact format: its own, plan.host_state)."""
+    return sum(layout.file_bytes(n) for n, layout in _plan_layouts(plan, block_mb))
 
 
 def tier_blocks(plan, block_mb: float) -> int:
     """Blocks of all the plan's disk units: a step reads and writes each once (read-ahead deeper
     than this has nothing left to read)."""
-    block = block_elems(block_mb)
-    return sum(-(-u.numel // block) for u in plan.units if u.state == "disk")
+    return sum(-(-n // layout.block) for n, layout in _plan_layouts(plan, block_mb))
 
 
 def buffer_bytes(plan, block_mb: float, buffers: int | None = None) -> int:
     """Page-locked bytes of the tier's block buffers for a plan (`buffers` of them; None: the
-    plan's count): each holds a block of the widest layout its units use (with a master: 12
+    plan's count): each holds a block of the widest layout its units use (FP32 with a master: 12
     B/param, else 8)."""
-    widest = max((u.disk_bytes_per_param for u in plan.units), default=0)
-    return (plan.disk_buffers if buffers is None else buffers) * widest * block_elems(block_mb)
+    widest = max((layout.nbytes for _, layout in _plan_layouts(plan, block_mb)), default=0)
+    return (plan.disk_buffers if buffers is None else buffers) * widest
 
 
-def check_directory(path: str | os.PathLike, need_bytes: int, free_bytes: int | None = None) -> Path:
+def check_directory(path: str | os.PathLike, need_bytes: int, free_bytes: int | None = None,
+                    state: OptimizerState = FP32_ADAMW) -> Path:
     """The disk tier's directory, checked before anything is allocated: it exists, is writable and
     has `need_bytes` free (`free_bytes`: a disk described, as `slidetune plan --disk-free-gib` does;
     default: what the directory's filesystem has). A described disk is another machine's (a plan for
@@ -117,7 +154,7 @@ def check_directory(path: str | os.PathLike, need_bytes: int, free_bytes: int | 
     DiskTierError names the problem and the fix."""
     p = Path(path).expanduser()
     if free_bytes is not None:
-        _check_size(p, need_bytes, free_bytes)
+        _check_size(p, need_bytes, free_bytes, state)
         return p
     if not p.exists():
         raise DiskTierError(f"--disk-dir {p} does not exist; create it (on a local disk, ideally NVMe) "
@@ -128,16 +165,16 @@ def check_directory(path: str | os.PathLike, need_bytes: int, free_bytes: int | 
         raise DiskTierError(f"--disk-dir {p} is not writable (read-only filesystem or permissions); "
                             f"give a directory you can write to")
     remove_stale(p)
-    _check_size(p, need_bytes, shutil.disk_usage(p).free)
+    _check_size(p, need_bytes, shutil.disk_usage(p).free, state)
     return p
 
 
-def _check_size(p: Path, need_bytes: int, free: int) -> None:
+def _check_size(p: Path, need_bytes: int, free: int, state: OptimizerState) -> None:
     if need_bytes > free:
         gib = 2**30
         raise DiskTierError(f"--disk-dir {p} has {free / gib:.1f} GiB free but the disk tier needs "
-                            f"{need_bytes / gib:.1f} GiB ({FP32_ADAMW.moment_bytes} bytes per parameter of the "
-                            f"units placed there, {FP32_ADAMW.bytes_per_param} with their masters); "
+                            f"{need_bytes / gib:.1f} GiB ({state.moment_bytes:g} bytes per parameter of the "
+                            f"units placed there, {state.bytes_per_param:g} with their masters); "
                             f"free space there, give a larger disk, or put fewer units on disk (--tuning.disk_units)")
 
 
@@ -149,30 +186,36 @@ def remove_stale(directory: Path) -> list[Path]:
     return removed
 
 
-def _aligned_empty(n_floats: int, pinned: bool) -> torch.Tensor:
-    """[n_floats] FP32 whose address is ALIGN-aligned (O_DIRECT), page-locked if `pinned`."""
+def _aligned_empty(nbytes: int, pinned: bool) -> torch.Tensor:
+    """[nbytes] uint8 whose address is ALIGN-aligned (O_DIRECT), page-locked if `pinned`."""
     if pinned:
         # CUDA's host allocations are page-aligned; padding would round a 64 MiB block up to 128
-        raw = torch.empty(n_floats, dtype=torch.float32, pin_memory=True)
+        raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         if raw.data_ptr() % ALIGN == 0:
             return PINNED.track(raw)
         del raw
-    pad = ALIGN // 4
-    raw = torch.empty(n_floats + pad, dtype=torch.float32, pin_memory=pinned)
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pinned)
     PINNED.track(raw)          # counted on the CPU too, as Device.host_empty's buffers are
-    skip = (-raw.data_ptr() % ALIGN) // 4
-    return raw[skip:skip + n_floats]
+    skip = -raw.data_ptr() % ALIGN
+    return raw[skip:skip + nbytes]
 
 
 @dataclass
 class Block:
-    """A block of a unit in a buffer, for AdamW: views [hi - lo] FP32 each."""
+    """A block of a unit in a buffer, for AdamW: views of each field of its elements [lo, hi), in
+    the state's dtypes: [hi - lo] each, an 8-bit moment's scales [ceil((hi - lo) / 256)]."""
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     master: torch.Tensor | None = None    # where the unit's master lives on disk
+    exp_avg_scales: torch.Tensor | None = None      # 8-bit moments
+    exp_avg_sq_scales: torch.Tensor | None = None
 
     def field(self, name: str) -> torch.Tensor:
         return getattr(self, name)
+
+    @property
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.exp_avg_scales is None else (self.exp_avg_scales, self.exp_avg_sq_scales)
 
 
 @dataclass
@@ -187,7 +230,7 @@ class _Entry:
 
 @dataclass
 class _Buffer:
-    data: torch.Tensor            # [fields * block] FP32: (master,) exp_avg, exp_avg_sq
+    data: torch.Tensor            # [bytes of the widest BlockLayout] uint8: (master,) exp_avg, exp_avg_sq, ...
     key: tuple[int, int] | None = None   # (unit index, block) it holds or is loading
     state: str = "free"           # free | reading | ready | busy | writing
     entry: _Entry | None = None   # the entry its block is kept for; None when ready: clean, reusable
@@ -197,19 +240,23 @@ class _Buffer:
 class DiskTier:
     def __init__(self, directory: str | os.PathLike, units: dict[int, int], *, block_mb: float = 64,
                  buffers: int = 8, io_threads: int = 4, pinned: bool = False, names: dict[int, str] | None = None,
-                 timeline: HostTimeline | None = None, masters: frozenset[int] = frozenset()):
+                 timeline: HostTimeline | None = None, masters: frozenset[int] = frozenset(),
+                 state: OptimizerState = FP32_ADAMW):
         """units: unit index -> numel of each unit whose moments live here (zero at start, as
-        AdamW's). masters: those of them whose FP32 master lives here too (written by the store
-        before the first step). The files are allocated in full now (fallocate), so a full disk
+        AdamW's). masters: those of them whose master lives here too (written by the store
+        before the first step). state: the optimizer's format (--moments, --master: the fields'
+        dtypes, BlockLayout). The files are allocated in full now (fallocate), so a full disk
         shows here, not mid-run."""
-        self.block = block_elems(block_mb)
+        self.state = state
+        self.block = block_elems(block_mb, state)
         self.units = dict(units)
         self.masters = frozenset(masters)
         if not self.masters <= set(self.units):
             raise ValueError("a master on disk needs its unit's moments there too")
+        self._layouts = {m: block_layout(state, m, self.block) for m in (False, True)}
         self.names = names or {i: f"unit {i}" for i in units}
-        need = sum(file_bytes(n, self.block, len(self.fields(i))) for i, n in self.units.items())
-        root = check_directory(directory, need)
+        need = sum(self.layout(i).file_bytes(n) for i, n in self.units.items())
+        root = check_directory(directory, need, state=state)
         self.dir = root / f"{SCRATCH_PREFIX}{os.getpid()}-{time.time_ns()}"
         self.dir.mkdir()
         (self.dir / SCRATCH_NOTE).write_text(
@@ -221,14 +268,13 @@ class DiskTier:
         self._fds: dict[int, int] = {}
         try:
             for i, n in self.units.items():
-                fields = self.fields(i)
-                self._fds[i] = self._open(self.dir / f"unit-{i:04d}.{'state' if len(fields) == 3 else 'moments'}",
-                                          file_bytes(n, self.block, len(fields)))
+                self._fds[i] = self._open(self.dir / f"unit-{i:04d}.{'state' if i in self.masters else 'moments'}",
+                                          self.layout(i).file_bytes(n))
         except BaseException:
             self.close()
             raise
-        widest = max((len(self.fields(i)) for i in self.units), default=2)
-        self._buffers = [_Buffer(_aligned_empty(widest * self.block, pinned)) for _ in range(buffers)]
+        widest = max((self.layout(i).nbytes for i in self.units), default=self._layouts[False].nbytes)
+        self._buffers = [_Buffer(_aligned_empty(widest, pinned)) for _ in range(buffers)]
         self._where: dict[tuple[int, int], _Buffer] = {}
         # Foreseen reads (prefetch), in ticket order: the not yet started ones, and every key's
         # not yet consumed ones (started or not). The pump reads at most a ring's width of
@@ -269,9 +315,13 @@ class DiskTier:
                                 f"disk or put fewer units there (--tuning.disk_units)") from e
         return fd
 
+    def layout(self, unit: int) -> BlockLayout:
+        """The unit's blocks: its fields, where each sits, the block's bytes."""
+        return self._layouts[unit in self.masters]
+
     def fields(self, unit: int) -> tuple[str, ...]:
         """The unit's fields in a block, in file order."""
-        return WITH_MASTER if unit in self.masters else MOMENTS
+        return self.layout(unit).names
 
     def blocks(self, unit: int) -> int:
         return -(-self.units[unit] // self.block)
@@ -284,9 +334,9 @@ class DiskTier:
     # ------------------------------------------------------------------ I/O threads
     def _io(self, buf: _Buffer, key: tuple[int, int], write: bool) -> None:
         unit, b = key
-        width = len(self.fields(unit)) * self.block             # FP32 elements of this unit's block
-        view = memoryview(buf.data[:width].numpy()).cast("B")
-        offset = b * FIELD_BYTES * width
+        width = self.layout(unit).nbytes                        # bytes of this unit's block
+        view = memoryview(buf.data[:width].numpy())
+        offset = b * width
         try:
             with self.timeline.span("disk", "write" if write else "read", self.names.get(unit, "")):
                 done = 0
@@ -478,8 +528,10 @@ class DiskTier:
                 self._cond.wait(timeout=0.5)
 
     def _block(self, unit: int, buf: _Buffer, n: int) -> Block:
-        """The unit's fields in `buf`, [n] each."""
-        views = {f: buf.data[k * self.block:k * self.block + n] for k, f in enumerate(self.fields(unit))}
+        """The unit's fields in `buf` for a block of n elements ([n] each, scales [ceil(n / 256)])."""
+        layout = self.layout(unit)
+        views = {f.name: buf.data[at:at + f.nbytes(n)].view(f.dtype)
+                 for f, at in zip(layout.fields, layout.offsets.values())}
         return Block(**views)
 
     def release(self, unit: int, b: int, dirty: bool = True) -> None:
@@ -510,37 +562,43 @@ class DiskTier:
 
     # ------------------------------------------------------------------ whole units (checkpoints)
     def read_range(self, unit: int, field: str, lo: int, hi: int):
-        """Elements [lo, hi) of a field ("master", "exp_avg", "exp_avg_sq") of a unit, block by block
-        (CPU tensors, copies): a checkpoint streams a parameter or a moment without holding it."""
-        for b in range(lo // self.block, -(-hi // self.block)):
-            base = b * self.block
+        """Elements [lo, hi) of a field ("master", "exp_avg", "exp_avg_sq", an 8-bit moment's
+        "..._scales"; in the field's own elements: a scale is one per 256) of a unit, block by
+        block (CPU tensors, copies): a checkpoint streams a parameter or a moment without holding it."""
+        per = self.block // self.layout(unit).field(field).per         # the field's elements a block
+        for b in range(lo // per, -(-hi // per)):
+            base = b * per
             blk = self.acquire(unit, b)
-            out = blk.field(field)[max(lo, base) - base:min(hi, base + self.block) - base].clone()
+            out = blk.field(field)[max(lo, base) - base:min(hi, base + per) - base].clone()
             self.release(unit, b, dirty=False)
             yield out
 
     def write_unit(self, unit: int, **fields) -> None:
         """Overwrite fields of a unit, block by block (the initial master, a checkpoint's state).
-        Each value: a [numel] tensor, a float (every element), or a callable (lo, hi) -> [hi - lo]
-        tensor (what is not in memory whole). Blocks whose every field is given are not read."""
-        unknown = set(fields) - set(self.fields(unit))
+        Each value: a tensor of the field's whole length, a float (every element), or a callable
+        (lo, hi) -> [hi - lo] tensor (what is not in memory whole), indexed in the field's own
+        elements (BlockLayout; a scale per 256). Blocks whose every field is given are not read."""
+        layout = self.layout(unit)
+        unknown = set(fields) - set(layout.names)
         if unknown:
             raise ValueError(f"{self.names.get(unit)} has no {sorted(unknown)} on disk")
-        fresh = set(fields) == set(self.fields(unit))
+        fresh = set(fields) == set(layout.names)
         for b in range(self.blocks(unit)):
             lo, hi = self.block_range(unit, b)
             blk = self.acquire(unit, b, fresh=fresh)
             for name, value in fields.items():
                 view = blk.field(name)
+                per = layout.field(name).per
+                a, z = lo // per, -(-hi // per)
                 if isinstance(value, float):
                     view.fill_(value)
                 else:
-                    view.copy_(value(lo, hi) if callable(value) else value[lo:hi])
+                    view.copy_(value(a, z) if callable(value) else value[a:z])
             self.release(unit, b)
         self.drain()
 
     def pinned_bytes(self) -> int:
-        return sum(x.data.numel() * 4 for x in self._buffers)
+        return sum(x.data.numel() for x in self._buffers)
 
     def close(self) -> None:
         """Stop the I/O, close and remove the scratch files (the run's state is in its checkpoints)."""

@@ -264,7 +264,7 @@ class SlideEngine:
                               if r == self.dp.local_rank or plan.units[i].state == "gpu")
             remote = {i: owners[i] for i in plan.indices("shard") if i not in owned}
             numels, no_moments = shared_layout(plan)
-            shared = self.dp.share_host_state(numels, no_moments=no_moments)
+            shared = self.dp.share_host_state(numels, no_moments=no_moments, fmt=plan.host_state)
             disk_units = [i for i in disk_units if i in owned]
             self.owner_of = owners          # (and, gathering, the only rank that uploads it)
         self.shared = shared
@@ -280,7 +280,8 @@ class SlideEngine:
                               block_mb=rt.disk.disk_block_mb, buffers=plan.disk_buffers,
                               io_threads=rt.disk.disk_io_threads,
                               pinned=self.device.is_cuda, names={i: units[i].name for i in disk_units},
-                              timeline=self.timeline, masters=frozenset(u.index for u in plan.units if u.master == "disk"))
+                              timeline=self.timeline, masters=frozenset(u.index for u in plan.units if u.master == "disk"),
+                              state=plan.host_state)
                      if disk_units else None)
         if self.disk is not None:
             self.disk.abort = self.threads.abort
@@ -766,7 +767,7 @@ class SlideEngine:
                 unit.set_version(step)
                 continue
             # the names FlatAdamW keeps (8-bit moments: their block scales too)
-            unit.load(masters, {k: optim[f"{unit.spec.name}.{k}"] for k in unit.opt.state_tensors()})
+            unit.load(masters, {k: optim[f"{unit.spec.name}.{k}"] for k in unit.opt.state_names()})
             unit.set_version(step)
         self.step_index = step
         self.slots.forget_weights()

@@ -58,8 +58,10 @@ class HostUnit:
         remote_owner: data parallel, a sharded layer another local rank (this one) keeps on its GPU:
         this rank holds nothing of it (no master, no moments; tier OtherRankGpu), only its versions;
         `pull` (DataParallel.pull, on the rank that writes checkpoints) reads its state from the owner.
-        host_state: the state format of a unit whose master and moments are this process's RAM
-        (--moments; the placement plan's host_state); any other unit keeps FP32_ADAMW."""
+        host_state: the state format of a unit the host updates, wherever its master and moments
+        live (this process's RAM, the host's shared mapping, the disk tier: its format is this
+        one, DiskTier.state); units updated on a GPU keep FP32_ADAMW (--moments, --master; the
+        placement plan's host_state)."""
         self.spec = spec
         self.shared = None if remote_owner is not None else shared
         self.owned = owned
@@ -72,26 +74,20 @@ class HostUnit:
             self.held = []
             return
         self.tier = moment_tier(spec, disk, shared)
-        in_ram = self._state_in_ram(shared, upload_copy)     # the units the state format applies to
-        if self.on_device and shared is None and self.tier.moments_in_ram:
-            master = fill_on_device(source, spec, device)   # [numel] fp32 there; RAM holds one parameter
-        else:
-            master = torch.empty(spec.numel, dtype=torch.float32) if shared is None else shared.master  # [numel]
-            if owned:
-                source.fill(spec, master)
+        fmt = FP32_ADAMW if self.on_device or upload_copy else host_state     # this unit's state format
+        master = self._initial_master(source, device, shared, owned)
         self.weights: torch.Tensor | None = None  # [numel] compute dtype: a disk-master unit's upload source
         if self.tier.holds_master:
             if shared is not None or compute_dtype is None:
                 raise ValueError(f"{spec.name}: a master on disk needs the compute dtype and no shared host state")
-            # the FP32 master goes to its blocks; RAM keeps the compute-dtype weights (in FP32 the
-            # transient buffer itself becomes them)
+            # the master goes to its blocks (rounded there to a BF16 master); RAM keeps the
+            # compute-dtype weights of that master (in FP32 the transient buffer itself becomes them)
             self.tier.take_master(master)
-            self.weights = master.to(compute_dtype)
+            self.weights = master.to(fmt.master_dtype).to(compute_dtype)
             self.master = None
         else:
             self.master = master.to(device) if self.on_device else master  # the host buffer goes with `master`
-            if in_ram and host_state.master_dtype != torch.float32:
-                self.master = self.master.to(host_state.master_dtype)    # [numel] --master bf16: rounded once
+            self.master = self.master.to(fmt.master_dtype)    # [numel] --master bf16: rounded once
             if upload_copy:
                 if (self.on_device or not self.tier.moments_in_ram or shared is not None
                         or compute_dtype != torch.bfloat16):
@@ -100,8 +96,8 @@ class HostUnit:
                 self.weights = master.to(compute_dtype)
         del master
         self.opt = FlatAdamW(self.master, spec.n_decay, optim, kernel, moments_here=self.tier.moments_in_ram,
-                             state=(shared.exp_avg, shared.exp_avg_sq, shared.step) if shared is not None else None,
-                             state_format=host_state if in_ram else FP32_ADAMW, seed=spec.index)
+                             state=shared.optimizer_state() if shared is not None else None,
+                             state_format=fmt, seed=spec.index)
         self.tier.attach(self.opt, self.weights)
         # [numel] the step's gradient as the GPU computed it (compute dtype), written by one D2H
         # copy and read by the clipped update sweep (deferred schedule)
@@ -109,11 +105,24 @@ class HostUnit:
         self.held: list[torch.Tensor] = ([torch.empty(spec.numel, dtype=held_dtype) for _ in range(held_buffers)]
                                          if held_dtype is not None and not self.on_device and owned else [])
 
-    def _state_in_ram(self, shared, upload_copy: bool) -> bool:
-        """Whether master and moments are this process's own RAM tensors (the units a compact state
-        format applies to: not on the device, not shared, not the disk tier's, no upload copy)."""
-        return (not self.on_device and shared is None and self.tier.moments_in_ram and not self.tier.holds_master
-                and not upload_copy)
+    def _initial_master(self, source: WeightSource, device: torch.device | None, shared: SharedUnit | None,
+                        owned: bool) -> torch.Tensor:
+        """The unit's initial master [numel]: FP32 on the device (a GPU-updated unit: RAM holds one
+        parameter on the way), the shared mapping's (filled by its owner; a BF16 one rounded once
+        from FP32), or a new FP32 host tensor, cast to the state format by the caller."""
+        spec = self.spec
+        if self.on_device and shared is None and self.tier.moments_in_ram:
+            return fill_on_device(source, spec, device)
+        if shared is None or shared.master.dtype == torch.float32:
+            master = torch.empty(spec.numel, dtype=torch.float32) if shared is None else shared.master
+            if owned:
+                source.fill(spec, master)
+            return master
+        if owned:
+            fp32 = torch.empty(spec.numel, dtype=torch.float32)
+            source.fill(spec, fp32)
+            shared.master.copy_(fp32)                  # --master bf16: rounded to nearest, as .to() does
+        return shared.master
 
     @property
     def uploads_fp32_master(self) -> bool:
@@ -328,7 +337,7 @@ class HostStore:
 
     def disk_bytes(self) -> int:
         """Bytes of state this rank's tiers keep on disk (8 B/param of a disk unit, 12 with its master)."""
-        return sum(u.tier.disk_bytes_per_param * u.spec.numel for u in self.units)
+        return int(sum(u.tier.disk_bytes_per_param * u.spec.numel for u in self.units))
 
     def prefetch(self, reverse: bool = False) -> None:
         """Every unit's tier starts reading ahead what its next update needs, in unit order (reverse:
@@ -347,7 +356,7 @@ def _unit_host_bytes(unit: HostUnit) -> int:
     master 4, none for a master on disk) and its compute-dtype weights (2 for BF16: a disk-master
     unit's, or an upload copy beside a master)."""
     copy = unit.weights.numel() * unit.weights.element_size() if unit.weights is not None else 0
-    return unit.tier.ram_bytes_per_param * unit.spec.numel + copy
+    return int(unit.tier.ram_bytes_per_param * unit.spec.numel) + copy
 
 
 class _ParamRanges:

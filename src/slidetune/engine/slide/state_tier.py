@@ -1,12 +1,13 @@
 """Where a host unit's AdamW state lives: one small interface, a tier, and its implementations.
 
-A tier holds one unit's two FP32 moments and, where `holds_master`, its FP32 master too (RAM
-then keeps only the compute-dtype weights the uploads copy). HostUnit calls its tier for every
+A tier holds one unit's two moments and, where `holds_master`, its master too (RAM then keeps
+only the compute-dtype weights the uploads copy), in the unit's optimizer state format (FP32 by
+default; --moments / --master: FlatAdamW.state_format). HostUnit calls its tier for every
 update (read ahead, write behind), checkpoint read and load; the engine asks each unit's tier
 to read ahead before a step (prefetch) and to finish its writes before a checkpoint (drain),
 and the store counts RAM and disk by the tier's bytes per parameter.
 
-  RamMoments      the moments in the unit's FlatAdamW tensors (12 B/param of RAM with the master)
+  RamMoments      the moments in the unit's FlatAdamW tensors (FP32: 12 B/param of RAM with the master)
   DiskMoments     the moments, and optionally the master, in the disk tier's files
                   (disk_tier.DiskTier), taken block by block as an update reaches them
   OtherRankDisk   data parallel: a disk unit of another local rank; only its owner's tier holds
@@ -26,7 +27,7 @@ import torch
 from ...models.units import ParamSlot, UnitSpec
 from ..adamw import FP32_ADAMW, FlatAdamW
 from ..distributed import SharedUnit
-from .disk_tier import FIELD_BYTES, MOMENTS, Block, DiskTier, StreamedTensor
+from .disk_tier import Block, DiskTier, StreamedTensor
 
 State = dict[str, "torch.Tensor | StreamedTensor"]
 
@@ -40,8 +41,8 @@ class MomentTier(ABC):
     # an update may pass over a range twice (the clipped sweep's "params"/"weights" then
     # "moments"/"rest"); False: each range is read and written once, part "all"
     split_update: bool = True
-    ram_bytes_per_param: int        # the master and moments this tier keeps in host RAM
-    disk_bytes_per_param: int = 0   # ... and on disk
+    ram_bytes_per_param: int | float       # the master and moments this tier keeps in host RAM
+    disk_bytes_per_param: int | float = 0  # ... and on disk (the state format's, padding aside)
 
     def __init__(self, spec: UnitSpec):
         self.spec = spec
@@ -65,7 +66,8 @@ class MomentTier(ABC):
 
     @abstractmethod
     def state_tensors(self) -> State:
-        """exp_avg, exp_avg_sq ([numel] FP32, tensors or StreamedTensors read when consumed) and step."""
+        """FlatAdamW.state_names(): exp_avg, exp_avg_sq ([numel] in the format's dtype, tensors or
+        StreamedTensors read when consumed), 8-bit moments' scales, and step."""
 
     @abstractmethod
     def load_state(self, state: dict[str, torch.Tensor],
@@ -116,6 +118,10 @@ class OtherRankDisk(MomentTier):
     split_update = False
     ram_bytes_per_param = FP32_ADAMW.master_bytes
 
+    def attach(self, opt: FlatAdamW, weights: torch.Tensor | None) -> None:
+        super().attach(opt, weights)
+        self.ram_bytes_per_param = opt.state_format.master_bytes
+
     def update(self, grad, lr, start, grad_scale, part) -> None:
         raise RuntimeError(f"{self.spec.name} is updated by local rank 0, whose disk tier holds its moments")
 
@@ -123,9 +129,8 @@ class OtherRankDisk(MomentTier):
         def elsewhere():
             raise RuntimeError(f"the AdamW moments of {self.spec.name} are in local rank 0's disk tier; "
                                f"only that rank reads them")
-        shape = (self.spec.numel,)
-        return {"exp_avg": StreamedTensor(shape, torch.float32, elsewhere),
-                "exp_avg_sq": StreamedTensor(shape, torch.float32, elsewhere), "step": self.opt.step_count}
+        return {f.name: StreamedTensor((f.count(self.spec.numel),), f.dtype, elsewhere)
+                for f in self.opt.state_format.fields(master=False)} | {"step": self.opt.step_count}
 
     def load_state(self, state, master=None) -> None:
         raise RuntimeError(f"{self.spec.name} is loaded by local rank 0, whose disk tier holds its moments")
@@ -192,13 +197,17 @@ class DiskMoments(MomentTier):
         self.disk = disk
         self.index = spec.index
         self.holds_master = spec.index in disk.masters
-        self.ram_bytes_per_param = 0 if self.holds_master else FP32_ADAMW.master_bytes
-        self.disk_bytes_per_param = len(disk.fields(spec.index)) * FIELD_BYTES
+        fmt = disk.state                             # the tier's format is its units' (HostStore)
+        self.ram_bytes_per_param = 0 if self.holds_master else fmt.master_bytes
+        self.disk_bytes_per_param = fmt.bytes_per_param if self.holds_master else fmt.moment_bytes
         self._open_block: int | None = None          # the block this update holds
         self._open_view: Block | None = None         # ... and its fields in the tier's buffer
 
     def take_master(self, master: torch.Tensor) -> None:
-        self.disk.write_unit(self.index, master=master, exp_avg=0.0, exp_avg_sq=0.0)
+        """The initial master [numel] FP32 (rounded to a BF16 master's dtype as it is written), and
+        zero moments and scales, as FlatAdamW's own."""
+        zeros = {name: 0.0 for name in self.disk.fields(self.index) if name != "master"}
+        self.disk.write_unit(self.index, master=master, **zeros)
 
     def update(self, grad, lr, start, grad_scale, part) -> None:
         """A master here comes in the same block as the moments, and the range's new weights are
@@ -220,8 +229,12 @@ class DiskMoments(MomentTier):
             blk = self._open_view                     # [block_hi - block_lo] each field
             a, z = lo - block_lo, hi - block_lo
             params = blk.master[a:z] if self.holds_master else None
+            scales = None
+            if blk.scales is not None:                # 8-bit: the range starts on a 256-element block
+                per = disk.state.moment_block
+                scales = tuple(s[a // per:-(-z // per)] for s in blk.scales)
             self.opt.update(grad[lo - start:hi - start], lr, lo, grad_scale=grad_scale,
-                            moments=(blk.exp_avg[a:z], blk.exp_avg_sq[a:z]), params=params)
+                            moments=(blk.exp_avg[a:z], blk.exp_avg_sq[a:z]), params=params, scales=scales)
             if params is not None:
                 self.weights[lo:hi].copy_(params)     # FP32 -> compute dtype: the next upload's source
             if hi == block_hi:
@@ -230,24 +243,29 @@ class DiskMoments(MomentTier):
             lo = hi
 
     def _streamed(self, shape: tuple[int, ...], field: str, lo: int, hi: int) -> StreamedTensor:
-        """Elements [lo, hi) of a field of this unit, read when consumed."""
+        """Elements [lo, hi) of a field of this unit (in its own elements), read when consumed."""
         index, disk = self.index, self.disk
-        return StreamedTensor(shape, torch.float32, lambda: disk.read_range(index, field, lo, hi))
+        dtype = disk.layout(index).field(field).dtype
+        return StreamedTensor(shape, dtype, lambda: disk.read_range(index, field, lo, hi))
 
     def state_tensors(self) -> State:
+        """The moments (and 8-bit scales) in the tier's format, streamed from its files; the step."""
         n = self.spec.numel
-        return {name: self._streamed((n,), name, 0, n) for name in MOMENTS} | {"step": self.opt.step_count}
+        return {f.name: self._streamed((f.count(n),), f.name, 0, f.count(n))
+                for f in self.disk.state.fields(master=False)} | {"step": self.opt.step_count}
 
     def load_state(self, state, master=None) -> None:
-        """Block by block into the files; a master's compute-dtype weights are rewritten with it."""
+        """Block by block into the files; a master's compute-dtype weights are rewritten with it.
+        The state's tensors are the tier's format's (checkpoint.load_checkpoint checked them)."""
         fields = {}
         if master is not None:
             def master_and_weights(lo: int, hi: int) -> torch.Tensor:
                 flat = master(lo, hi)                     # [hi - lo] fp32
-                self.weights[lo:hi].copy_(flat)
-                return flat
+                self.weights[lo:hi].copy_(flat)           # the compute dtype: what the uploads copy
+                return flat                               # rounded to the master's dtype as written
             fields["master"] = master_and_weights
-        self.disk.write_unit(self.index, **fields, exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"])
+        moments = {f.name: state[f.name] for f in self.disk.state.fields(master=False)}
+        self.disk.write_unit(self.index, **fields, **moments)
         self.opt.step_count.copy_(state["step"])
 
     def master_params(self, params: list[ParamSlot]) -> dict[str, StreamedTensor]:
