@@ -176,7 +176,13 @@ def test_launcher_command_drops_gpus_and_refuses_nesting(monkeypatch):
     assert launch.without_gpus_flag(argv) == ["--model", "m", "--batch-size", "2"]
     cmd = launch.torchrun_command(4, ["--model", "m"])
     assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "--shutdown-timeout",
-                       str(launch.SHUTDOWN_TIMEOUT_S), "-m", "slidetune.cli", "--model", "m"]
+                       str(launch.SHUTDOWN_TIMEOUT_S), "-m", "--", "slidetune.cli", "--model", "m"]
+    # torchrun's parser hands the run every flag, those that abbreviate one of its own included
+    # (--master: --master-addr, --master-port)
+    from torch.distributed.run import get_args_parser
+    run = ["train", "--master", "bf16", "--moments", "8bit", "--nnodes-x", "1", "--", "x"]
+    parsed = get_args_parser().parse_args(launch.torchrun_command(2, run)[3:])
+    assert parsed.module and parsed.training_script == "slidetune.cli" and parsed.training_script_args == run
     # torch 2.11's torchrun (the GPU machine's) has no --shutdown-timeout: the flag is left out there
     monkeypatch.setattr(launch, "torchrun_has_shutdown_timeout", lambda: False)
     assert "--shutdown-timeout" not in launch.torchrun_command(4, ["--model", "m"])
@@ -309,6 +315,39 @@ def assert_resumes_at_two_ranks(tmp_path: Path, args: list[str]) -> None:
     assert "resumed from" in resumed.stdout
     worst, where = worst_rel(weights(tmp_path / "resumed" / "final"), weights(tmp_path / "one" / "final"))
     assert worst < 1e-5, f"resumed {where}: relative difference {worst:.2e}"
+
+
+@pytest.mark.slow
+def test_two_ranks_with_compact_state_train_save_and_resume_bit_exact(tmp_path):
+    """--master bf16 --moments 8bit under --gpus 2, as a user launches it, with layer 2's state in
+    local rank 0's disk tier: the checkpoints hold the format (codes, scales; state.json says
+    which), and the step-2 checkpoint resumed at 2 ranks ends where the uninterrupted 2-rank run
+    ends, in every bit of the final weights and the optimizer state."""
+    data = tmp_path / "small.jsonl"
+    data.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in builtin_corpus()[:40]))
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    args = [*common_args(data), "--master", "bf16", "--moments", "8bit", "--disk-dir", str(disk),
+            "--tuning.disk_units", "1", "--batch-size", str(PER_RANK), "--gpus", "2"]
+    two = run_launcher(*args, "--output-dir", str(tmp_path / "two"), "--verbose")
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-5000:]
+    assert "disk tier (moments; master in host RAM): head" in two.stdout
+    ckpt = tmp_path / "two" / "checkpoints" / f"checkpoint-{SAVE_EVERY}"
+    state = json.loads((ckpt / "trainer_state" / "state.json").read_text())
+    assert state["master"] == "bf16" and state["moments"] == "8bit"
+    optim = load_file(ckpt / "trainer_state" / "optimizer.safetensors")
+    assert optim["head.exp_avg"].dtype == torch.uint8 and "head.exp_avg_scales" in optim      # the disk unit's
+    assert optim["layer.0.exp_avg_sq"].dtype == torch.uint8 and "layer.0.exp_avg_sq_scales" in optim
+    (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(ckpt, tmp_path / "resumed" / "checkpoints" / f"checkpoint-{SAVE_EVERY}")
+    resumed = run_launcher(*args, "--resume", "auto", "--output-dir", str(tmp_path / "resumed"))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
+    assert "resumed from" in resumed.stdout
+    for got, want in ((weights(tmp_path / "resumed" / "final"), weights(tmp_path / "two" / "final")),
+                      *((load_file(r / "checkpoints" / f"checkpoint-{STEPS}" / "trainer_state" / "optimizer.safetensors")
+                         for r in (tmp_path / "resumed", tmp_path / "two")),)):
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert not any(disk.iterdir())               # the scratch directories are gone
 
 
 @pytest.mark.slow

@@ -3,10 +3,11 @@
 The process re-executes itself through torch.distributed.run (torchrun), one host, N processes
 (or, where torchrun lacks --shutdown-timeout, starts it as a child and supervises it: relaunch):
 
-    python -m torch.distributed.run --standalone --nproc-per-node N -m slidetune.cli train <args without --gpus>
+    python -m torch.distributed.run --standalone --nproc-per-node N -m -- slidetune.cli train <args without --gpus>
 
-`torchrun --nproc-per-node N -m slidetune.cli train ...` is the same run started by hand (and the
-way to span hosts). Each rank takes the GPU of its LOCAL_RANK (ranks.Ranks.start); `--device cpu`
+`torchrun --nproc-per-node N -m -- slidetune.cli train ...` is the same run started by hand (and the
+way to span hosts). The `--` ends torchrun's own options: without it torchrun's parser takes any of
+the run's flags that abbreviate one of its own (`--master bf16`: `--master-addr`?) and refuses it. Each rank takes the GPU of its LOCAL_RANK (ranks.Ranks.start); `--device cpu`
 starts N CPU processes over gloo instead (for tests: the same code paths without GPUs).
 """
 from __future__ import annotations
@@ -76,8 +77,9 @@ def torchrun_prefix(n: int) -> list[str]:
 
 
 def torchrun_command(n: int, argv: list[str]) -> list[str]:
-    """The command that runs `slidetune <argv>` (argv without --gpus) on n ranks of this host."""
-    return [*torchrun_prefix(n), "-m", "slidetune.cli", *argv]
+    """The command that runs `slidetune <argv>` (argv without --gpus) on n ranks of this host ("--":
+    the rest is the module and its arguments, never torchrun's options)."""
+    return [*torchrun_prefix(n), "-m", "--", "slidetune.cli", *argv]
 
 
 def host_cores() -> int:
