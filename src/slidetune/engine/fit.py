@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.units import SplitModel
-from .adamw import FP32_ADAMW
+from .adamw import FP32_ADAMW, optimizer_state
 from .config import RuntimeConfig, cli_flag, recompute_set
 from .placement import DISK_BUFFERS_UNRESOLVED, PlacementPlan, cache_unit_options, unit_shapes
 from .slide.disk_tier import buffer_bytes, check_directory, tier_blocks, tier_bytes
@@ -1536,13 +1536,20 @@ class _Suggestions:
             self.consider(lean)
 
     def compact_moments(self) -> None:
-        """Host: the first compact state that fits, least rounding first (opt-in, named as a change
-        of the arithmetic): BF16 moments (12 -> 8 B/param of a host unit's state), 8-bit moments
-        (~6), then a BF16 master beside them (~4), in RAM, the shared mapping or the disk tier alike."""
+        """Host: the first compact state smaller than the run's that fits, least rounding first
+        (opt-in, named as a change of the arithmetic): BF16 moments (12 -> 8 B/param of a host
+        unit's state), 8-bit moments (~6), then a BF16 master beside them (~4); a run already on a
+        compact state is offered what it lacks (--moments 8bit: --master bf16). In RAM, the shared
+        mapping or the disk tier alike."""
         rt = self.rt
-        if rt.mode != "slide" or rt.host_state is not FP32_ADAMW or rt.host.host_adamw == "torch":
+        if rt.mode != "slide" or rt.host.host_adamw == "torch":
             return
-        for change in ({"moments": "bf16"}, {"moments": "8bit"}, {"master": "bf16", "moments": "8bit"}):
+        now = {"master": rt.master, "moments": rt.moments}
+        for step in ({"moments": "bf16"}, {"moments": "8bit"}, {"master": "bf16", "moments": "8bit"}):
+            merged = now | step
+            if optimizer_state(**merged).bytes_per_param >= rt.host_state.bytes_per_param:
+                continue
+            change = {k: v for k, v in merged.items() if v != now[k]}
             est = self.attempt(change, self.batch_size, self.grad_accum, self.max_grad_norm)
             if est is not None:
                 what = " and ".join(f"{'AdamW' + chr(39) + 's moments' if k == 'moments' else 'the master'} in {v}"
