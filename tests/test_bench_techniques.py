@@ -739,6 +739,31 @@ def test_throughput_variants_alternate_and_pair_in_one_call(tmp_path):
     assert [r["variant"] for r in read_csv(out / "throughput.csv")] == ["one", "two", "one", "two"]
 
 
+def test_throughput_variants_of_state_format_each_get_their_adamw_floor(tmp_path):
+    """--variants fp32:;q8:moments=8bit: one floor probe for the workload, and the 8-bit variant's
+    floor with the host AdamW probed in its own format (its own key), found again by `report`."""
+    from slidetune.bench.scenarios import throughput
+    from slidetune.bench.scenarios.throughput import rewrite_report
+    out = throughput.run(_args(throughput, ["--smoke", "--out", str(tmp_path), "--models", "tiny-llama",
+                                            "--systems", "slide", "--recipes", "clip",
+                                            "--variants", "fp32:;q8:moments=8bit"]))
+    doc = json.loads((out / "throughput.json").read_text())
+    floors = doc["floors"]
+    base = next(k for k in floors if "moments" not in k)
+    q8 = base + "/master-fp32-moments-8bit"
+    assert set(floors) == {base, q8}
+    assert floors[base]["adamw"]["moments"] == "fp32" and floors[q8]["adamw"]["moments"] == "8bit"
+    assert floors[q8]["adamw_state"] == ["fp32", "8bit"]
+    rows = {r["variant"]: r for r in read_csv(out / "throughput.csv")}
+    assert all(float(rows[v]["floor_s"]) > 0 for v in ("fp32", "q8"))
+    # the 8-bit kernel's own rate sets its floor (a partial one on the CPU: the AdamW term alone)
+    ratio = floors[base]["adamw"]["adamw_params_per_s"] / floors[q8]["adamw"]["adamw_params_per_s"]
+    assert float(rows["q8"]["floor_s"]) == pytest.approx(float(rows["fp32"]["floor_s"]) * ratio, rel=1e-6)
+    rewrite_report(out)
+    again = {r["variant"]: r for r in read_csv(out / "throughput.csv")}
+    assert again["q8"]["floor_s"] == rows["q8"]["floor_s"]
+
+
 def test_throughput_variants_are_named_and_leave_the_floor_alone():
     from slidetune.bench.scenarios.throughput import parse_ab_variants
     assert parse_ab_variants("") == [("", {})]

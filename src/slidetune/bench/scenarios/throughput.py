@@ -194,13 +194,39 @@ class _ThroughputRuns:
         self.per_run: list[dict] = []
         self.adamw_probe = None
 
-    def floor_of(self, model: str, batch: int, seq: int, layer: str = "hf") -> dict | None:
+    def floor_of(self, model: str, batch: int, seq: int, layer: str = "hf",
+                 state: tuple[str, str] = ("fp32", "fp32")) -> dict | None:
         """The floor probe of a workload with the decoder layer a run ran (hf or lean: one probe per
-        workload, layer and call; probed after the run, which resolves the layer)."""
-        args, slide_over, dev, floors = self.args, self.slide_over, self.dev, self.floors
-        key = _floor_key(model, batch, seq, layer)
+        workload, layer and call; probed after the run, which resolves the layer), its host AdamW
+        probed in the run's state format (master, moments): an A/B variant with --moments or
+        --master takes the workload's floor with the AdamW probe of its own format."""
+        args, slide_over = self.args, self.slide_over
         if args.no_floor:
             return None
+        base_state = (str(slide_over.get("master", "fp32")), str(slide_over.get("moments", "fp32")))
+        fl = self._floor(model, batch, seq, layer, base_state)
+        key = _floor_key(model, batch, seq, layer, state)
+        if state == base_state or fl.get("status") != "ok":
+            return fl
+        if key not in self.floors:
+            from ..roofline import probe_adamw
+            probe = probe_adamw(n=4 * 2**20 if args.smoke else 128 * 2**20, master=state[0], moments=state[1],
+                                host_adamw=str(slide_over.get("host_adamw", "dynamic")),
+                                grad_download=str(slide_over.get("grad_download", "compute")))
+            # the workload's GPU and copy probes, this format's AdamW (a slide row's floor is
+            # recomputed from these; a partial floor, the CPU's, is its AdamW term alone: rescaled)
+            self.floors[key] = dict(fl, adamw=probe, adamw_state=list(state))
+            terms = dict(fl.get("terms") or {})
+            if fl.get("partial") and terms.get("adamw_s") and probe.get("adamw_params_per_s"):
+                terms["adamw_s"] *= fl["adamw"]["adamw_params_per_s"] / probe["adamw_params_per_s"]
+                known = {k: v for k, v in terms.items() if v is not None}
+                self.floors[key].update(terms=terms, floor_s=max(known.values()), bound_by=max(known, key=known.get))
+        return self.floors[key]
+
+    def _floor(self, model: str, batch: int, seq: int, layer: str, state: tuple[str, str]) -> dict:
+        """The workload's floor probe in --runtime's state format `state` (measure_floor, once a call)."""
+        args, slide_over, dev, floors = self.args, self.slide_over, self.dev, self.floors
+        key = _floor_key(model, batch, seq, layer, state)
         if key not in floors:
             floors[key] = measure_floor(model, batch, seq, self.layers, dev,
                                         adamw_n=(4 * 2**20 if args.smoke else 128 * 2**20),
@@ -231,7 +257,7 @@ class _ThroughputRuns:
         chosen_by = planned.chosen_by if planned else None
         r = _run_system(system, model, self.layers, batch, seq, self.steps, self.warmup, self.dev, self.cuda, args,
                         profile=args.profile, recipe=rec, ranks=n, variant=vover)
-        fl = self.floor_of(model, batch, seq, _layer_ran(system, r))
+        fl = self.floor_of(model, batch, seq, _layer_ran(system, r), _state_of(system, r))
         tag = "-".join(t for t in (rec["name"] if len(self.recipes) > 1 else "", vname,
                                    f"r{rnd}" if self.rounds > 1 else "", planned.kind if planned else "") if t)
         self.per_run.append(_as_measured(r, system, model, batch, seq, self.warmup, tag, gpus=n))
@@ -286,9 +312,17 @@ class _ThroughputRuns:
                   f"(probes: {found['probes']})", flush=True)
 
 
-def _floor_key(model: str, batch: int, seq: int, layer: str) -> str:
-    """floors' key: the workload, and /lean where the floor timed the lean layer."""
-    return f"{model}/b{batch}/s{seq}" + ("/lean" if layer == "lean" else "")
+def _floor_key(model: str, batch: int, seq: int, layer: str, state: tuple[str, str] = ("fp32", "fp32")) -> str:
+    """floors' key: the workload, /lean where the floor timed the lean layer, and the host state
+    format where its AdamW probe kept a compact one ("/master-bf16-moments-8bit")."""
+    return (f"{model}/b{batch}/s{seq}" + ("/lean" if layer == "lean" else "")
+            + ("" if state == ("fp32", "fp32") else f"/master-{state[0]}-moments-{state[1]}"))
+
+
+def _state_of(system: str, r: dict) -> tuple[str, str]:
+    """(master, moments) a run kept its host state in (slide's runtime; FP32 for the others)."""
+    rt = (r.get("runtime") or {}) if system == "slide" else {}
+    return str(rt.get("master", "fp32")), str(rt.get("moments", "fp32"))
 
 
 def _layer_ran(system: str, r: dict) -> str:
@@ -460,7 +494,8 @@ def rewrite_report(out: Path) -> Path:
                                            if old.get("model_tflops") and old.get("tokens_per_s") else None)
         n = int(old.get("gpus") or 1)
         # a directory written before the floor probed one layer has one floor per workload (both layers)
-        fl = floors.get(_floor_key(model, batch, seq, _layer_ran(system, r))) or floors.get(f"{model}/b{batch}/s{seq}")
+        fl = (floors.get(_floor_key(model, batch, seq, _layer_ran(system, r), _state_of(system, r)))
+              or floors.get(_floor_key(model, batch, seq, _layer_ran(system, r))) or floors.get(f"{model}/b{batch}/s{seq}"))
         rows.append(_row(system, model, batch, seq, r, fpt, fl,
                          recipe=parse_recipe(old.get("recipe") or "plain"), collective=collectives.get(f"{model}/n{n}"),
                          ranks=n, variant=old.get("variant") or "", round_=int(old.get("round") or 1),
