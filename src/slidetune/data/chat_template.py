@@ -134,10 +134,11 @@ def marks_generation(template: str | None) -> bool:
 
 
 def masked_chat_tokens(tokenizer: Any, messages: list[dict], tools: list | None, template: str,
-                       where: str) -> tuple[list[int], list[bool]]:
+                       where: str, prompt_turns: int = 0) -> tuple[list[int], list[bool]]:
     """(ids [L], targets [L]) of a conversation rendered with a generation-marked template:
     the tokens inside its ``{% generation %}`` blocks are the targets (the assistant's replies
-    and their end-of-turn token), everything else is prompt."""
+    and their end-of-turn token), everything else is prompt; the first ``prompt_turns`` messages
+    (a conversational prompt-completion's prompt) are prompt whatever their roles."""
     try:
         out = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=True,
                                             return_dict=True, return_assistant_tokens_mask=True)
@@ -146,6 +147,9 @@ def masked_chat_tokens(tokenizer: Any, messages: list[dict], tools: list | None,
                         f"{type(e).__name__}: {e}") from e
     ids = [int(i) for i in out["input_ids"]]
     targets = [bool(m) for m in out["assistant_masks"]]
+    if prompt_turns:
+        n = _prompt_length(tokenizer, messages, tools, template, where, prompt_turns, ids)
+        targets[:n] = [False] * n
     if any(m.get("role") == "assistant" for m in messages) and not any(targets):
         # char_to_token finds no token for a block's first character when the tokenizer drops it
         # (a whitespace pre-tokenizer), or a slow tokenizer has no offsets at all
@@ -153,3 +157,22 @@ def masked_chat_tokens(tokenizer: Any, messages: list[dict], tools: list | None,
                         f"token of them was found (the tokenizer must be a fast tokenizer whose tokens cover "
                         f"every character); pass a template without generation blocks, or mask_prompt=False")
     return ids, targets
+
+
+def _prompt_length(tokenizer: Any, messages: list[dict], tools: list | None, template: str, where: str,
+                   prompt_turns: int, ids: list[int]) -> int:
+    """Tokens of the conversation's first `prompt_turns` messages as `ids` (the whole rendering's)
+    begin with them, the next assistant turn's header included; DataError where the template does
+    not render that prefix as a prefix."""
+    header = prompt_turns < len(messages) and messages[prompt_turns].get("role") == "assistant"
+    try:
+        prompt = tokenizer.apply_chat_template(messages[:prompt_turns], tools=tools, chat_template=template,
+                                               tokenize=True, return_dict=True, add_generation_prompt=header)
+    except Exception as e:  # noqa: BLE001 - template errors come as many types
+        raise DataError(f"{where}: the chat template failed on this record's prompt: {type(e).__name__}: {e}") from e
+    head = [int(i) for i in prompt["input_ids"]]
+    if ids[:len(head)] != head:
+        raise DataError(f"{where}: the chat template renders the prompt differently once the completion follows "
+                        f"it, so the prompt's tokens cannot be told apart; write the record as 'messages' "
+                        f"(every assistant turn trained) or with string prompt and completion")
+    return len(head)

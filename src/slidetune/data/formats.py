@@ -12,10 +12,16 @@ Accepted sources (``DataConfig.path``):
                                          tokenizer's chat template; assistant turns supervised
                                          (``content`` null in a turn with ``tool_calls``; a
                                          ``tools`` key is passed to the template)
-    2. ``instruction`` + ``output``      alpaca (``input`` optional), rendered with
+    2. ``conversations``                 ShareGPT: a list of {"from", "value"}, roles human / gpt /
+                                         system (and the other names `SHAREGPT_ROLES` lists), an
+                                         optional top-level ``system`` string: read as chat
+    3. ``instruction`` + ``output``      alpaca (``input`` optional), rendered with
                                          `ALPACA_PROMPT` / `ALPACA_PROMPT_NO_INPUT`
-    3. ``prompt`` + ``completion``       prompt-completion; the completion is supervised
-    4. ``text``                          plain text, fully supervised
+    4. ``prompt`` + ``completion``       prompt-completion; the completion is supervised. Both
+                                         strings, or both lists of messages (TRL's conversational
+                                         prompt-completion: rendered as one chat, only the
+                                         completion's assistant turns supervised)
+    5. ``text``                          plain text, fully supervised
   All lines must share one format.
 * anything else `datasets` reads (hf_datasets.py, chosen by sources.py): a ``.parquet``/``.csv``/
   ``.json``/``.arrow`` file, a directory of them, a ``save_to_disk`` directory, a Hub dataset id
@@ -49,14 +55,21 @@ ALPACA_PROMPT_NO_INPUT = (
 # (format name, required keys), in detection order.
 FORMATS: tuple[tuple[str, frozenset[str]], ...] = (
     ("chat", frozenset({"messages"})),
+    ("sharegpt", frozenset({"conversations"})),
     ("alpaca", frozenset({"instruction", "output"})),
     ("prompt_completion", frozenset({"prompt", "completion"})),
     ("text", frozenset({"text"})),
 )
 _ACCEPTED = "; ".join(
-    ["{'messages'}", "{'instruction', 'output'} (+ optional 'input')",
+    ["{'messages'}", "{'conversations'} (ShareGPT)", "{'instruction', 'output'} (+ optional 'input')",
      "{'prompt', 'completion'}", "{'text'}"]
 )
+# ShareGPT's speaker names (``from``) as chat roles: the original's human / gpt / system, and the
+# names other ShareGPT-style sets use (LLaMA-Factory's function_call / observation among them)
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant",
+                  "system": "system", "tool": "tool", "observation": "tool", "function_response": "tool",
+                  "function_call": "assistant"}
 
 
 @dataclass(frozen=True)
@@ -80,6 +93,9 @@ class Example:
     segments: list[Segment] | None = None
     messages: list[dict[str, Any]] | None = field(default=None)
     tools: list[dict[str, Any]] | None = None     # chat: the record's tool schemas, for the template
+    # chat: the first `prompt_turns` messages are the prompt (conversational prompt-completion):
+    # their assistant turns are context, not targets; 0: every assistant turn is supervised
+    prompt_turns: int = 0
 
 
 @dataclass
@@ -149,6 +165,46 @@ def _parse_tools(value: Any, where: str) -> list[dict[str, Any]] | None:
     return value or None
 
 
+def _sharegpt_messages(record: dict, where: str) -> list[dict[str, Any]]:
+    """A ShareGPT record's ``conversations`` ([{"from", "value"}]) as chat messages, after its
+    top-level ``system`` string where it has one."""
+    turns = record["conversations"]
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"{where}: 'conversations' must be a non-empty list of {{from, value}} objects, got "
+                        f"{'an empty list' if isinstance(turns, list) else type(turns).__name__}")
+    messages = []
+    system = record.get("system")
+    if system is not None and not isinstance(system, str):
+        raise DataError(f"{where}: 'system' must be a string, got {type(system).__name__}")
+    if system and system.strip():
+        messages.append({"role": "system", "content": system})
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise DataError(f"{where}: conversations[{i}] must be an object with 'from' and 'value', "
+                            f"got {type(turn).__name__}")
+        speaker, value = turn.get("from"), turn.get("value")
+        if not isinstance(value, str):
+            got = "missing" if "value" not in turn else type(value).__name__
+            raise DataError(f"{where}: conversations[{i}]['value'] must be a string, got {got}")
+        role = SHAREGPT_ROLES.get(str(speaker).lower()) if isinstance(speaker, str) else None
+        if role is None:
+            raise DataError(f"{where}: conversations[{i}]['from'] is {speaker!r}, not a ShareGPT speaker: "
+                            f"one of {', '.join(sorted(SHAREGPT_ROLES))}")
+        messages.append({"role": role, "content": value})
+    return messages
+
+
+def _conversational_prompt_completion(record: dict, where: str) -> Example:
+    """TRL's conversational prompt-completion (``prompt`` and ``completion`` lists of messages):
+    one chat, the prompt's turns context only."""
+    prompt = _parse_messages(record["prompt"], f"{where} (prompt)")
+    completion = _parse_messages(record["completion"], f"{where} (completion)")
+    if not any(m["role"] == "assistant" for m in completion):
+        raise DataError(f"{where}: the completion has no assistant message, so nothing would be trained on")
+    return Example("chat", where, messages=prompt + completion, tools=_parse_tools(record.get("tools"), where),
+                   prompt_turns=len(prompt))
+
+
 def parse_record(record: Any, where: str) -> Example:
     """One JSON object (or datasets row) -> Example; raises DataError naming ``where``."""
     if not isinstance(record, dict):
@@ -160,6 +216,11 @@ def parse_record(record: Any, where: str) -> Example:
     if fmt == "chat":
         return Example(fmt, where, messages=_parse_messages(record["messages"], where),
                        tools=_parse_tools(record.get("tools"), where))
+    if fmt == "sharegpt":
+        return Example("chat", where, messages=_sharegpt_messages(record, where),
+                       tools=_parse_tools(record.get("tools"), where))
+    if fmt == "prompt_completion" and isinstance(record["prompt"], list) and isinstance(record["completion"], list):
+        return _conversational_prompt_completion(record, where)
     if fmt == "alpaca":
         instruction = _str_field(record, "instruction", where)
         inp = _str_field(record, "input", where, optional=True)

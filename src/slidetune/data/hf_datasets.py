@@ -7,8 +7,8 @@
 * a Hub dataset id ``org/name``: its snapshot in the local HF cache (hf_hub.py), downloaded first
   when not cached and the Hub may be reached, then read as a directory.
 
-Each record is read like a JSONL line (formats.parse_record: ``messages``, ``instruction``/``output``,
-``prompt``/``completion`` or ``text``); messages name ``<source> row <i>`` (1-based). ``.jsonl`` and
+Each record is read like a JSONL line (formats.parse_record: ``messages``, ShareGPT's
+``conversations``, ``instruction``/``output``, ``prompt``/``completion`` or ``text``); messages name ``<source> row <i>`` (1-based). ``.jsonl`` and
 ``.txt`` files keep their own readers (formats.py: errors name the file and line) unless streamed.
 
 Streaming (`open_streaming`): ``load_dataset(..., streaming=True)`` gives records one at a time;

@@ -87,7 +87,7 @@ def _opening_prompt(tokenizer: Any, upto: str, where: str, **template: Any) -> s
     return upto[: upto.index(header) + len(header)]
 
 
-def chat_segments(messages: list[dict], tokenizer: Any, mask_prompt: bool, where: str,
+def chat_segments(messages: list[dict], tokenizer: Any, mask_prompt: bool, where: str, prompt_turns: int = 0,
                   **template: Any) -> list[Segment]:
     """Render a conversation with the chat template and mark the assistant turns.
 
@@ -96,7 +96,8 @@ def chat_segments(messages: list[dict], tokenizer: Any, mask_prompt: bool, where
     end-of-turn marker (e.g. ``Hello<|im_end|>\\n``), the part the model must generate. This
     needs a template whose renderings of a conversation's prefixes are prefixes of the full
     rendering (true of ChatML and Llama-3 templates); otherwise a DataError explains.
-    ``template``: apply_chat_template's chat_template and tools.
+    ``template``: apply_chat_template's chat_template and tools. The assistant turns among the
+    first ``prompt_turns`` messages (a conversational prompt-completion's prompt) stay prompt.
     """
     full = _render(tokenizer, messages, False, where, **template)
     if not mask_prompt:
@@ -104,7 +105,7 @@ def chat_segments(messages: list[dict], tokenizer: Any, mask_prompt: bool, where
     segments: list[Segment] = []
     cursor = 0  # end of the text assigned to segments so far
     for i, msg in enumerate(messages):
-        if msg["role"] != "assistant":
+        if msg["role"] != "assistant" or i < prompt_turns:
             continue
         upto = _render(tokenizer, messages[: i + 1], False, where, **template)
         prompt: str | None
@@ -145,9 +146,9 @@ def _example_pieces(ex: Example, tokenizer: Any, mask_prompt: bool, source_name:
                         f"{', '.join(shipped_templates())}), set tokenizer.chat_template, or write the "
                         f"data as prompt/completion")
     if mask_prompt and marks_generation(template):
-        return masked_chat_tokens(tokenizer, ex.messages, ex.tools, template, ex.where)
+        return masked_chat_tokens(tokenizer, ex.messages, ex.tools, template, ex.where, ex.prompt_turns)
     try:
-        return chat_segments(ex.messages, tokenizer, mask_prompt, ex.where, chat_template=template,
+        return chat_segments(ex.messages, tokenizer, mask_prompt, ex.where, ex.prompt_turns, chat_template=template,
                              tools=ex.tools)
     except DataError:
         # e.g. Qwen3's or Phi-3.5's published template: a shipped copy that renders the same text
@@ -159,7 +160,7 @@ def _example_pieces(ex: Example, tokenizer: Any, mask_prompt: bool, source_name:
         adopted.add(name)
         shipped = load_chat_template(name)
         assert shipped is not None
-        return masked_chat_tokens(tokenizer, ex.messages, ex.tools, shipped, ex.where)
+        return masked_chat_tokens(tokenizer, ex.messages, ex.tools, shipped, ex.where, ex.prompt_turns)
 
 
 def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:

@@ -1,0 +1,115 @@
+"""The chat data shapes beside `messages` (issue 48): ShareGPT's `conversations` and TRL's
+conversational prompt-completion, each read as the chat it is, token for token; and their bad
+records refused naming the file, the line and the field."""
+from __future__ import annotations
+
+import pytest
+
+from slidetune.data import DataError
+from slidetune.data.chat_template import load_chat_template
+from slidetune.data.formats import SHAREGPT_ROLES, read_source
+from slidetune.data.tokenization import tokenize_examples
+from test_chat_templates import TWO_TURNS, qwen3  # noqa: F401 (a fixture)
+from test_data import tok, tokenized, write_jsonl  # noqa: F401 (a fixture)
+
+MESSAGES = [{"role": "system", "content": "a"}, {"role": "user", "content": "b c"},
+            {"role": "assistant", "content": "d"}, {"role": "user", "content": "e"},
+            {"role": "assistant", "content": "f g"}]
+SHAREGPT = {"system": "a", "conversations": [{"from": "human", "value": "b c"}, {"from": "gpt", "value": "d"},
+                                             {"from": "human", "value": "e"}, {"from": "gpt", "value": "f g"}]}
+
+
+def test_sharegpt_is_the_chat_it_writes(tmp_path, tok):
+    """A ShareGPT record (its system prompt at the top level) tokenizes as the `messages` record
+    of the same conversation: the same ids, the same assistant targets."""
+    chat = tokenized(write_jsonl(tmp_path / "m.jsonl", [{"messages": MESSAGES}]), tok)
+    p = write_jsonl(tmp_path / "s.jsonl", [SHAREGPT, {"conversations": SHAREGPT["conversations"], "id": 3}])
+    src = read_source(p)
+    assert src.format == "chat" and src.examples[0].messages == MESSAGES
+    assert src.examples[1].messages == MESSAGES[1:]                 # no system prompt
+    (ex, _) = tokenize_examples(src.examples, tok, True, p)
+    assert ex.ids == chat[0].ids and ex.targets == chat[0].targets
+
+
+def test_sharegpt_speakers_map_to_chat_roles():
+    assert {SHAREGPT_ROLES[k] for k in ("human", "gpt", "system", "observation", "function_call")} == {
+        "user", "assistant", "system", "tool"}
+
+
+@pytest.mark.parametrize("record, said", [
+    ({"conversations": [{"from": "narrator", "value": "x"}]}, "conversations\\[0\\]\\['from'\\] is 'narrator'"),
+    ({"conversations": [{"from": "human", "value": 3}]}, "conversations\\[0\\]\\['value'\\] must be a string, got int"),
+    ({"conversations": []}, "'conversations' must be a non-empty list"),
+    ({"conversations": ["hi"]}, "conversations\\[0\\] must be an object"),
+    ({"conversations": [{"from": "human", "value": "x"}], "system": ["s"]}, "'system' must be a string"),
+])
+def test_a_bad_sharegpt_record_is_named(tmp_path, record, said):
+    p = write_jsonl(tmp_path / "bad.jsonl", [SHAREGPT, record])
+    with pytest.raises(DataError, match=f"{p}:2: {said}"):
+        read_source(p)
+
+
+def test_conversational_prompt_completion_trains_on_the_completion_alone(tmp_path, tok):
+    """TRL's conversational prompt-completion: the prompt's turns (an assistant turn among them)
+    are context, the completion's assistant turn the only target; the same text as the chat."""
+    chat = tokenized(write_jsonl(tmp_path / "m.jsonl", [{"messages": MESSAGES}]), tok)[0]
+    p = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": MESSAGES[:4], "completion": MESSAGES[4:]}])
+    src = read_source(p)
+    assert src.format == "chat" and src.examples[0].prompt_turns == 4
+    (ex,) = tokenize_examples(src.examples, tok, True, p)
+    assert ex.ids == chat.ids
+    first_reply = chat.ids.index(7) + 1                # the tokens after the system turn's <|end|>
+    reply_d = [i for i, t in enumerate(chat.targets) if t][:2]   # "d <|end|>": the chat trains on it
+    assert all(chat.targets[i] and not ex.targets[i] for i in reply_d) and reply_d[0] > first_reply
+    assert [t for i, t in enumerate(ex.targets) if i > reply_d[-1]] == [t for i, t in enumerate(chat.targets)
+                                                                         if i > reply_d[-1]]
+    assert sum(ex.targets) == sum(chat.targets) - 2
+
+
+def test_conversational_prompt_completion_with_a_generation_marked_template(tmp_path, qwen3):  # noqa: F811
+    """With a template that marks the assistant's tokens ({% generation %}: the shipped qwen3), the
+    prompt's assistant turn is unmarked too, and the completion's tokens are the chat's."""
+    template = load_chat_template("qwen3")
+    chat_src = read_source(write_jsonl(tmp_path / "m.jsonl", [{"messages": TWO_TURNS}]))
+    (chat,) = tokenize_examples(chat_src.examples, qwen3, True, "m", chat_template=template)
+    src = read_source(write_jsonl(tmp_path / "pc.jsonl", [{"prompt": TWO_TURNS[:4], "completion": TWO_TURNS[4:]}]))
+    (ex,) = tokenize_examples(src.examples, qwen3, True, "pc", chat_template=template)
+    assert ex.ids == chat.ids
+    text = lambda flags: qwen3.decode([i for i, t in zip(ex.ids, flags) if t])  # noqa: E731
+    assert "Hello there." in text(chat.targets) and "Hello there." not in text(ex.targets)
+    assert text(ex.targets).endswith("Goodbye.<|im_end|>")
+    k = ex.targets.index(True)                         # the completion's first target: the chat's from there
+    assert ex.targets[k:] == chat.targets[k:]
+
+
+@pytest.mark.parametrize("record, said", [
+    ({"prompt": [{"role": "user", "content": "a"}], "completion": [{"role": "user", "content": "b"}]},
+     "the completion has no assistant message"),
+    ({"prompt": [], "completion": [{"role": "assistant", "content": "b"}]}, "\\(prompt\\): 'messages' is an empty list"),
+    ({"prompt": [{"role": "user"}], "completion": [{"role": "assistant", "content": "b"}]},
+     "\\(prompt\\): messages\\[0\\]\\['content'\\] must be a string, got missing"),
+])
+def test_a_bad_conversational_record_is_named(tmp_path, record, said):
+    good = {"prompt": MESSAGES[:2], "completion": MESSAGES[2:3]}
+    p = write_jsonl(tmp_path / "bad.jsonl", [good, record])
+    with pytest.raises(DataError, match=f"{p}:2 ?{said}" if said.startswith("\\(") else f"{p}:2: {said}"):
+        read_source(p)
+
+
+def test_string_and_conversational_prompt_completion_do_not_mix(tmp_path):
+    p = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "a", "completion": "b"},
+                                              {"prompt": MESSAGES[:2], "completion": MESSAGES[2:3]}])
+    with pytest.raises(DataError, match="share one format"):
+        read_source(p)
+
+
+def test_sharegpt_from_parquet_is_the_same_chat(tmp_path, tok):
+    """A ShareGPT set as most are published (parquet, read through `datasets`): the same chat."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from slidetune.data.sources import read_source as read_any
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([SHAREGPT, SHAREGPT]), path)
+    src = read_any(str(path))
+    assert src.format == "chat" and [ex.messages for ex in src.examples] == [MESSAGES, MESSAGES]
+    assert src.examples[0].where == f"{path} row 1"
