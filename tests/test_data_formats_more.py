@@ -113,3 +113,14 @@ def test_sharegpt_from_parquet_is_the_same_chat(tmp_path, tok):
     src = read_any(str(path))
     assert src.format == "chat" and [ex.messages for ex in src.examples] == [MESSAGES, MESSAGES]
     assert src.examples[0].where == f"{path} row 1"
+
+
+def test_the_token_cache_tells_a_prompt_completion_from_its_chat(tmp_path):
+    """The same conversation as `messages` and as a conversational prompt-completion has other
+    targets: the tokenized-data cache keys them apart (and a chat's key is what it was)."""
+    from slidetune.data.token_cache import examples_key
+    chat = read_source(write_jsonl(tmp_path / "m.jsonl", [{"messages": MESSAGES}])).examples
+    pc = read_source(write_jsonl(tmp_path / "pc.jsonl", [{"prompt": MESSAGES[:4], "completion": MESSAGES[4:]}])).examples
+    share = read_source(write_jsonl(tmp_path / "s.jsonl", [SHAREGPT])).examples
+    key = lambda ex: examples_key(ex, "tok", True)[0]  # noqa: E731
+    assert key(chat) != key(pc) and key(chat) == key(share)

@@ -71,7 +71,9 @@ def examples_key(examples: list[Example], tokenizer_fp: str, mask_prompt: bool) 
     chars = 0
     for ex in examples:
         if ex.messages is not None:       # a record's tool schemas render into its prompt
-            text = json.dumps([ex.messages, ex.tools], sort_keys=True, ensure_ascii=False)
+            # (a conversational prompt-completion's prompt turns change the targets, not the text)
+            text = json.dumps([ex.messages, ex.tools] + ([ex.prompt_turns] if ex.prompt_turns else []),
+                              sort_keys=True, ensure_ascii=False)
             h.update(b"\x01m" + text.encode("utf-8", "surrogatepass"))
             chars += len(text)
         else:
