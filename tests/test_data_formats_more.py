@@ -124,3 +124,50 @@ def test_the_token_cache_tells_a_prompt_completion_from_its_chat(tmp_path):
     share = read_source(write_jsonl(tmp_path / "s.jsonl", [SHAREGPT])).examples
     key = lambda ex: examples_key(ex, "tok", True)[0]  # noqa: E731
     assert key(chat) != key(pc) and key(chat) == key(share)
+
+
+# --------------------------------------------------------------------------- --data-columns
+def test_columns_named_otherwise_are_read_through_the_map(tmp_path, tok):
+    """--data-columns: a set whose columns are named otherwise (question/answer, content) reads as
+    the format their mapped names make, from JSONL and through datasets, and tokenizes as that."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from slidetune.data import DataConfig
+    from slidetune.data.build import load_source
+    from slidetune.data.formats import ColumnMap
+    qa = write_jsonl(tmp_path / "qa.jsonl", [{"question": "a b", "answer": "c d", "id": 1}])
+    plain = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "a b", "completion": "c d"}])
+    cfg = DataConfig(path=qa, columns="question=prompt, answer=completion")
+    src = load_source(cfg)
+    assert src.format == "prompt_completion"
+    (mapped,), (named,) = tokenize_examples(src.examples, tok, True, qa), tokenized(plain, tok)
+    assert (mapped.ids, mapped.targets) == (named.ids, named.targets)
+    path = tmp_path / "texts.parquet"
+    pq.write_table(pa.Table.from_pylist([{"content": "a b c", "text": "ignored"}]), path)
+    src = load_source(DataConfig(path=str(path), columns="content=text"))
+    assert src.format == "text" and src.examples[0].segments[0].text == "a b c"     # the mapped column wins
+    assert ColumnMap.parse("  ") is None
+
+
+@pytest.mark.parametrize("spec, said", [("question", "is not COLUMN=FIELD"), ("q=question", "not a record field"),
+                                        ("a=text,b=text", "two columns map to one field")])
+def test_a_bad_column_map_is_refused_before_anything_is_read(spec, said):
+    from slidetune.data import DataConfig
+    with pytest.raises(ValueError, match=f"--data-columns: .*{said}"):
+        DataConfig(path="x.jsonl", columns=spec)
+
+
+def test_a_record_without_a_mapped_column_is_named(tmp_path):
+    from slidetune.data import DataConfig
+    from slidetune.data.build import load_source
+    p = write_jsonl(tmp_path / "qa.jsonl", [{"question": "a", "answer": "b"}, {"question": "c", "reply": "d"}])
+    with pytest.raises(DataError, match=f"{p}:2: --data-columns maps column 'answer' to 'completion', but this "
+                                        f"record has no 'answer'"):
+        load_source(DataConfig(path=p, columns="question=prompt,answer=completion"))
+
+
+def test_the_flag_sets_the_field():
+    from slidetune.cli import build_parser
+    from slidetune.config import config_from_args
+    args = build_parser().parse_args(["train", "--data", "x.jsonl", "--data-columns", "content=text"])
+    assert config_from_args(args).data.columns == "content=text"

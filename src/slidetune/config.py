@@ -176,6 +176,9 @@ _HELP = {
                       "validation or test split",
     "data.split": "the split of a Hub dataset or data directory to train on (None: train, or the only split)",
     "data.subset": "the configuration (subset) of a Hub dataset that has several (load_dataset's name)",
+    "data.columns": "the data's own column names for the record fields: COLUMN=FIELD,... e.g. content=text or "
+                    "question=prompt,answer=completion (fields: messages, conversations, system, tools, instruction, "
+                    "input, output, prompt, completion, text)",
     "data.streaming": "auto | on | off: read --data through datasets streaming, a chunk of records at a time, "
                       "tokenized into a token file in the cache and trained memory-mapped (for corpora larger "
                       "than RAM); auto: when its files exceed 1/100 of the available RAM (read whole, the "
@@ -251,7 +254,8 @@ def _parse_value(text: str, tp):
 FLAG_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "model": ("what to fine-tune, and the check that it trains as transformers runs it",
               ("model", "num_layers", "skip_reference_check")),
-    "data": ("what to train on", ("data.path", "data.eval_path", "data.split", "data.subset", "data.streaming",
+    "data": ("what to train on", ("data.path", "data.eval_path", "data.split", "data.subset", "data.columns",
+                                  "data.streaming",
                                   "data.cache_dir", "data.token_dtype", "data.seq_len", "data.packing",
                                   "data.packing_strategy", "data.chat_template", "data.mask_prompt",
                                   "data.heldout_fraction", "data.seed", "seed")),

@@ -30,7 +30,7 @@ TUNING_SECTION = "tuning"       # the YAML section, config.json group and flag p
 
 # flag name overrides (field path -> flag, without the dashes); None hides a field (it follows another)
 FLAG_NAMES = {"data.path": "data", "data.seed": None, "data.eval_path": "eval-data", "data.split": "data-split",
-              "data.subset": "data-subset", "data.streaming": "data-streaming", "data.cache_dir": "data-cache-dir"}
+              "data.subset": "data-subset", "data.columns": "data-columns", "data.streaming": "data-streaming", "data.cache_dir": "data-cache-dir"}
 
 
 class FieldTypeError(TypeError, ValueError):

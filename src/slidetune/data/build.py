@@ -52,9 +52,9 @@ def load_source(cfg: DataConfig) -> Source | StreamingSource:
     if cfg.path is None:
         source = texts_source(builtin_corpus(), BUILTIN_NAME)
     elif should_stream(cfg.path, cfg.streaming):
-        source = open_streaming(cfg.path, cfg.split, cfg.subset)
+        source = open_streaming(cfg.path, cfg.split, cfg.subset, cfg.column_map)
     else:
-        source = read_source(cfg.path, cfg.split, cfg.subset)
+        source = read_source(cfg.path, cfg.split, cfg.subset, columns=cfg.column_map)
     if cfg.eval_path is not None:
         source.eval_source = load_eval_source(cfg)
     return source
@@ -66,7 +66,7 @@ def load_eval_source(cfg: DataConfig) -> Source:
     if is_token_source(cfg.eval_path):
         raise DataError(f"{cfg.eval_path}: --eval-data takes text or records to tokenize, not a pre-tokenized "
                         f"corpus; hold out the tail of the training corpus with --heldout-fraction instead")
-    return read_source(cfg.eval_path, subset=cfg.subset, for_eval=True)
+    return read_source(cfg.eval_path, subset=cfg.subset, for_eval=True, columns=cfg.column_map)
 
 
 def _note(message: str) -> None:

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from ..fields import check_fields
 from .chat_template import check_chat_template_setting
+from .formats import ColumnMap
 
 PACKING_MODES = ("masked", "causal", "off")
 STREAMING_MODES = ("auto", "on", "off")
@@ -36,6 +37,9 @@ class DataConfig:
     split: str | None = None
     # The configuration (subset) of a Hub dataset that has several, as load_dataset's `name`.
     subset: str | None = None
+    # The data's own column names for the record fields, "COLUMN=FIELD,...": "content=text",
+    # "question=prompt,answer=completion" (formats.ColumnMap; the --eval-data set's too).
+    columns: str | None = None
     # Read the source through `datasets` streaming (never all of it in RAM): its records are
     # tokenized a chunk at a time into a token file in the cache, trained on memory-mapped.
     # auto: when the source's files are large against the available RAM (hf_datasets.py).
@@ -99,8 +103,13 @@ class DataConfig:
             raise ValueError(f"DataConfig.packing_strategy must be one of {', '.join(PACKING_STRATEGIES)}, got "
                              f"{self.packing_strategy!r}: bfd packs whole examples, wrapped cuts windows")
         check_chat_template_setting(self.chat_template)
+        ColumnMap.parse(self.columns)                # its syntax and fields, before anything is read
         if self.token_dtype not in ("uint16", "uint32"):
             raise ValueError(f"DataConfig.token_dtype must be uint16 or uint32, got {self.token_dtype!r}")
+
+    @property
+    def column_map(self) -> "ColumnMap | None":
+        return ColumnMap.parse(self.columns)
 
     @property
     def packed(self) -> bool:

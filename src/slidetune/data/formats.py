@@ -22,7 +22,9 @@ Accepted sources (``DataConfig.path``):
                                          prompt-completion: rendered as one chat, only the
                                          completion's assistant turns supervised)
     5. ``text``                          plain text, fully supervised
-  All lines must share one format.
+  All lines must share one format. A set whose columns are named otherwise is read through a
+  `ColumnMap` (``--data-columns question=prompt,answer=completion``: TRL's dataset_text_field
+  and the like), each record's columns renamed before its format is detected.
 * anything else `datasets` reads (hf_datasets.py, chosen by sources.py): a ``.parquet``/``.csv``/
   ``.json``/``.arrow`` file, a directory of them, a ``save_to_disk`` directory, a Hub dataset id
   ``org/name``. The ``train`` split (or the only one) is used; each row is read like a JSONL line.
@@ -108,6 +110,51 @@ class Source:
     # the examples of DataConfig.eval_path, read with these (load_source): evaluated instead of a
     # held-out split
     eval_source: "Source | None" = None
+
+
+# the record fields a ColumnMap may name (every format's keys)
+RECORD_FIELDS = frozenset({"messages", "tools", "conversations", "system", "instruction", "input", "output",
+                           "prompt", "completion", "text"})
+
+
+@dataclass(frozen=True)
+class ColumnMap:
+    """A data set's own column names for the record fields slidetune reads: ``content=text`` (a
+    text column named content), ``question=prompt,answer=completion``. Each record's columns are
+    renamed before its format is detected; a field the record has under its own name as well is
+    replaced by the mapped column."""
+    renames: tuple[tuple[str, str], ...] = ()      # (the data's column, slidetune's field)
+
+    @classmethod
+    def parse(cls, text: str | None) -> "ColumnMap | None":
+        """--data-columns' value; None for none. ValueError naming the part that is wrong."""
+        if text is None or not text.strip():
+            return None
+        pairs = []
+        for part in text.split(","):
+            theirs, sep, ours = (x.strip() for x in part.partition("="))
+            if not sep or not theirs or not ours:
+                raise ValueError(f"--data-columns: {part.strip()!r} is not COLUMN=FIELD (e.g. "
+                                 f"'question=prompt,answer=completion')")
+            if ours not in RECORD_FIELDS:
+                raise ValueError(f"--data-columns: {ours!r} is not a record field slidetune reads; one of "
+                                 f"{', '.join(sorted(RECORD_FIELDS))}")
+            pairs.append((theirs, ours))
+        targets = [ours for _, ours in pairs]
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"--data-columns: two columns map to one field in {text!r}")
+        return cls(tuple(pairs))
+
+    def apply(self, record: dict, where: str) -> dict:
+        """The record with its mapped columns under slidetune's names (a missing one: DataError)."""
+        out = dict(record)
+        for theirs, ours in self.renames:
+            if theirs not in record:
+                raise DataError(f"{where}: --data-columns maps column {theirs!r} to {ours!r}, but this record has "
+                                f"no {theirs!r} (its columns: {sorted(record)})")
+            out.pop(theirs)
+            out[ours] = record[theirs]
+        return out
 
 
 def detect_format(keys: Iterable[str]) -> str | None:
@@ -205,10 +252,13 @@ def _conversational_prompt_completion(record: dict, where: str) -> Example:
                    prompt_turns=len(prompt))
 
 
-def parse_record(record: Any, where: str) -> Example:
-    """One JSON object (or datasets row) -> Example; raises DataError naming ``where``."""
+def parse_record(record: Any, where: str, columns: ColumnMap | None = None) -> Example:
+    """One JSON object (or datasets row) -> Example, its columns renamed by ``columns`` first;
+    raises DataError naming ``where``."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if columns is not None:
+        record = columns.apply(record, where)
     fmt = detect_format(record.keys())
     if fmt is None:
         raise DataError(f"{where}: keys {sorted(record.keys())} match no known format; "
@@ -246,7 +296,7 @@ def check_one_format(examples: list[Example], name: str) -> str:
     return first.format
 
 
-def read_jsonl(path: str) -> Source:
+def read_jsonl(path: str, columns: ColumnMap | None = None) -> Source:
     with open(path, "rb") as f:
         data = f.read()
     examples: list[Example] = []
@@ -262,7 +312,7 @@ def read_jsonl(path: str) -> Source:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: malformed JSON: {e.msg} (column {e.colno})") from None
-        examples.append(parse_record(record, where))
+        examples.append(parse_record(record, where, columns))
         if examples[-1].format != examples[0].format:
             check_one_format(examples, path)  # raises, naming both lines
     return Source(path, check_one_format(examples, path), examples)

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 from ..hf_hub import HubIdNotCached, datasets_cache_dir, looks_like_hub_id, snapshot_dir
 from .errors import DataError
-from .formats import JSONL_SUFFIXES, TEXT_SUFFIXES, Example, Source, check_one_format, parse_record
+from .formats import JSONL_SUFFIXES, TEXT_SUFFIXES, ColumnMap, Example, Source, check_one_format, parse_record
 
 # file ending -> the `datasets` packaged builder that reads it
 BUILDERS = {".parquet": "parquet", ".csv": "csv", ".tsv": "csv", ".json": "json", ".arrow": "arrow",
@@ -126,14 +126,15 @@ def _load(loc: _Located, split: str | None, subset: str | None, streaming: bool,
 
 
 def read_datasets_source(path: str, split: str | None = None, subset: str | None = None,
-                         prefer: tuple[str, ...] = TRAIN_SPLITS) -> Source:
+                         prefer: tuple[str, ...] = TRAIN_SPLITS, columns: ColumnMap | None = None) -> Source:
     """All records of ``path``'s split as a `Source` (they are in RAM: see `open_streaming` otherwise).
-    Without ``split``: the first of ``prefer`` the data has, else its only split."""
+    Without ``split``: the first of ``prefer`` the data has, else its only split. ``columns``: the
+    data's column names (formats.ColumnMap)."""
     loc = _locate(path)
     ds = _load(loc, split, subset, streaming=False, prefer=prefer)
     examples: list[Example] = []
     for i, row in enumerate(ds, start=1):
-        examples.append(parse_record(dict(row), f"{path} row {i}"))
+        examples.append(parse_record(dict(row), f"{path} row {i}", columns))
         if examples[-1].format != examples[0].format:
             check_one_format(examples, path)  # raises, naming both rows
     return Source(path, check_one_format(examples, path), examples)
@@ -148,20 +149,21 @@ class StreamingSource:
     fingerprint: str      # identifies the data for the token cache: files, sizes, times; a Hub commit
     format: str = ""      # detected from the first record (`probe`)
     eval_source: Source | None = None
+    columns: ColumnMap | None = None      # the data's column names (formats.ColumnMap)
 
     def probe(self) -> None:
         """Read the first record: a source that is empty or of no known format is refused now."""
         first = next(iter(self.dataset), None)
         if first is None:
             raise DataError(f"{self.name}: no examples found (the source is empty)")
-        self.format = parse_record(dict(first), f"{self.name} row 1").format
+        self.format = parse_record(dict(first), f"{self.name} row 1", self.columns).format
 
     def chunks(self, size: int | None = None) -> Iterator[list[Example]]:
         """The examples, `STREAM_CHUNK_RECORDS` (or ``size``) at a time, all of one format."""
         size = size or STREAM_CHUNK_RECORDS
         chunk: list[Example] = []
         for i, row in enumerate(self.dataset, start=1):
-            ex = parse_record(dict(row), f"{self.name} row {i}")
+            ex = parse_record(dict(row), f"{self.name} row {i}", self.columns)
             if ex.format != self.format:
                 raise DataError(f"{ex.where}: this record is '{ex.format}' data but row 1 is '{self.format}'; all "
                                 f"records of a source must share one format")
@@ -180,10 +182,14 @@ def _files_fingerprint(local: str) -> str:
     return ";".join(f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
 
 
-def open_streaming(path: str, split: str | None = None, subset: str | None = None) -> StreamingSource:
+def open_streaming(path: str, split: str | None = None, subset: str | None = None,
+                   columns: ColumnMap | None = None) -> StreamingSource:
     loc = _locate(path)
     ds = _load(loc, split, subset, streaming=True)
-    source = StreamingSource(path, ds, f"{loc.local}|{split}|{subset}|{_files_fingerprint(loc.local)}")
+    # the token cache keys a streamed source by this: the column map changes what is read
+    mapped = "" if columns is None else "|" + ",".join(f"{a}={b}" for a, b in columns.renames)
+    source = StreamingSource(path, ds, f"{loc.local}|{split}|{subset}|{_files_fingerprint(loc.local)}{mapped}",
+                             columns=columns)
     source.probe()
     return source
 
