@@ -62,6 +62,15 @@ def test_explicit_dtype_is_kept_and_auto_is_the_default(tmp_path):
         RuntimeConfig(dtype="bfloat16")
 
 
+def test_training_in_fp16_is_refused_naming_what_to_use():
+    """No loss scaling: a run in FP16 is refused before anything loads, from the flags, a YAML or
+    Python alike (TrainConfig); the runtime itself still takes it (the bench measures FP16)."""
+    from slidetune.config import TrainConfig
+    with pytest.raises(ValueError, match="--dtype fp16 would train without loss scaling.*--dtype bf16.*--dtype fp32"):
+        TrainConfig(runtime={"dtype": "fp16"})
+    assert RuntimeConfig(dtype="fp16").dtype == "fp16"
+
+
 @pytest.mark.parametrize("flags, expected", [(AVX2_ONLY, "fp32"), (WITH_AVX512_BF16, "bf16")])
 def test_train_resolves_auto_for_the_cpu_it_runs_on(tmp_path, monkeypatch, flags, expected):
     """`train` with the default dtype on a fake CPU: the run says which dtype and why, config.json and

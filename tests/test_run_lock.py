@@ -172,3 +172,63 @@ def test_a_checkpoint_directory_inside_a_live_runs_directories_is_refused_naming
     code, out, err = run_cli(*COMMON, "--max-steps", "1", "--output-dir", str(b),
                              "--checkpoint-dir", str(a / "x" / "ckpts"))
     assert code == 0, err[-2000:]
+
+
+# The lock without fcntl (Windows): msvcrt's byte-range lock, here msvcrt's own calls carried out by
+# POSIX record locks (fcntl.lockf on the same byte: they too conflict between processes and go
+# with the process), with fcntl hidden from run_lock, so its Windows path runs on this machine.
+WINDOWS_LIKE = """
+import errno, fcntl as _posix, os, subprocess, sys, types
+sys.modules["fcntl"] = None
+import slidetune.cli, slidetune.trainer      # the package imports without fcntl
+msvcrt = types.ModuleType("msvcrt")          # (made after the imports: subprocess takes msvcrt for Windows)
+msvcrt.LK_NBLCK, msvcrt.LK_UNLCK = 2, 0
+def locking(fd, mode, n):
+    # a read-only handle (the probe's) takes POSIX's read lock: it too conflicts with a holder's
+    kind = _posix.LOCK_EX if _writable(fd) else _posix.LOCK_SH
+    try:
+        _posix.lockf(fd, kind | _posix.LOCK_NB if mode == msvcrt.LK_NBLCK else _posix.LOCK_UN, n, 0, os.SEEK_CUR)
+    except BlockingIOError as e:
+        raise OSError(errno.EDEADLK, "Resource deadlock avoided") from e    # msvcrt's EDEADLOCK where held
+def _writable(fd):
+    return _posix.fcntl(fd, _posix.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
+msvcrt.locking = locking
+sys.modules["msvcrt"] = msvcrt
+from slidetune import run_lock
+assert run_lock.fcntl is None
+"""
+
+
+def _windows_like(code: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", WINDOWS_LIKE + code, *args], env=ENV, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_without_fcntl_the_package_imports_and_the_lock_still_refuses_a_second_run(tmp_path):
+    """Without fcntl (Windows) `import slidetune` works, and the lock is msvcrt's: a second run on
+    the directory, or inside it, is refused naming the holder; once the holder ends it is free."""
+    holder = _windows_like("lock = run_lock.lock_directory(sys.argv[1], 'output directory'); print('held', "
+                           "flush=True); sys.stdin.read(); lock.release()", str(tmp_path / "run"))
+    assert holder.stdout.readline().strip() == "held", holder.communicate()[1][-2000:]
+    try:
+        second = _windows_like("""
+try:
+    run_lock.lock_run_directories(sys.argv[1], None)
+except run_lock.RunDirLocked as e:
+    print("refused:", e)
+try:
+    run_lock.lock_run_directories(sys.argv[2], sys.argv[1] + '/inside')
+except run_lock.RunDirLocked as e:
+    print("refused:", e)
+""", str(tmp_path / "run"), str(tmp_path / "other"))
+        out, err = second.communicate(timeout=300)
+        assert second.returncode == 0, err[-3000:]
+        refusals = [line for line in out.splitlines() if line.startswith("refused:")]
+        assert len(refusals) == 2 and all(f"pid {holder.pid}" in r for r in refusals), out
+        assert "is in use by another run" in refusals[0] and "is inside" in refusals[1]
+    finally:
+        holder.communicate("", timeout=60)
+    after = _windows_like("run_lock.lock_directory(sys.argv[1], 'output directory').release(); print('free')",
+                          str(tmp_path / "run"))
+    out, err = after.communicate(timeout=120)
+    assert out.strip() == "free", err[-2000:]

@@ -110,6 +110,13 @@ class TrainConfig:
         parse_report_to(self.report_to)
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             self.max_grad_norm = None
+        if self.runtime.dtype == "fp16":
+            # no loss scaling here: FP16's range (6.1e-5 to 65504) drops small gradients to zero and
+            # overflows large activations without a word, where BF16 keeps FP32's range
+            raise ValueError("--dtype fp16 would train without loss scaling, which slidetune does not do: FP16 "
+                             "silently flushes small gradients to zero and overflows large activations. Use "
+                             "--dtype bf16 (Ampere or newer GPUs, and CPUs with AMX or AVX512-BF16) or --dtype fp32 "
+                             "(a GPU without bf16: V100, T4)")
 
 
 def _at_least(n: int):
@@ -203,7 +210,8 @@ _HELP = {
                       "Opt-in, as --moments; with --moments 8bit a host unit keeps ~4 B/param instead of 12",
     "runtime.recompute": 'ckpt mode: the decoder layers that recompute their activations in the backward: '
                          'all | none | a comma list "0,3,7" | "every:k"',
-    "runtime.dtype": "compute precision of weights and activations: auto | bf16 | fp32 | fp16. auto: bf16 where the "
+    "runtime.dtype": "compute precision of weights and activations: auto | bf16 | fp32 (fp16 is refused: it needs loss "
+                     "scaling, which slidetune does not do; the bench measures it). auto: bf16 where the "
                      "device computes it natively (a CUDA GPU with bf16; a CPU with AMX-BF16 or AVX512-BF16), else "
                      "fp32 (on a CPU without them bf16 is emulated, many times slower); the run prints which and why. "
                      "Master weights and AdamW's moments are FP32 whatever this is, unless --master or --moments say",

@@ -14,6 +14,11 @@ is removed when the run ends, so a finished run leaves nothing behind. Removing 
 a run opening it meanwhile: a lock is taken only when the file locked is still the one at the path
 (same inode), else the opening run tries again on the new file.
 
+On Windows (no `fcntl`) the lock is msvcrt's byte-range lock on one byte far past the record (a
+Windows lock is mandatory: one on the record would keep other runs from reading who holds it),
+exclusive only: a probe takes it and gives it back at once. The kernel releases it too when the
+process ends.
+
 Not guaranteed: a filesystem without flock (some network filesystems answer ENOLCK or EOPNOTSUPP;
 the run then goes on unlocked, with a note), runs on two hosts sharing a network directory whose
 flock is local to each host, and the other order of nesting: a run started inside the directory
@@ -22,7 +27,6 @@ of one that starts later is not found by it (a run does not search the directori
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
 import socket
@@ -31,13 +35,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+try:
+    import fcntl
+except ImportError:               # Windows: msvcrt's locks stand in (_lock_nb)
+    fcntl = None
+
 LOCK_NAME = ".slidetune.lock"
 _ATTEMPTS = 20            # each retry means another run removed the file between our open and our lock
 # A run probing whether a directory above its own is held (_live_holder) holds a shared lock on it
 # for a few microseconds; a run locking that directory just then retries rather than being refused
 # by a holder that is not one.
 _BUSY_RETRIES, _BUSY_WAIT_S = 3, 0.01
-_BUSY = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+_BUSY = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES, errno.EDEADLK)    # EDEADLK: msvcrt's "held"
+_MSVCRT_LOCK_AT = 1 << 30        # the byte msvcrt locks: past any record, which stays readable
 
 
 class RunDirLocked(RuntimeError):
@@ -106,7 +116,7 @@ def lock_directory(directory: Path, role: str) -> RunLock:
         record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
                   "command": " ".join(sys.argv), "role": role}
         os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        _pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
         return RunLock(directory, role, fd, created)
     raise RunDirLocked(f"could not lock the {role} {directory}: {path} was replaced {_ATTEMPTS} times while "
                        f"locking it (other runs starting and ending there)")
@@ -169,10 +179,10 @@ def _live_holder(directory: Path) -> dict | None:
         return None
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            _lock_nb(fd, shared=True)
         except OSError as e:
             return _read_holder(fd) if e.errno in _BUSY else None
-        fcntl.flock(fd, fcntl.LOCK_UN)
+        _unlock(fd)
         return None
     finally:
         os.close(fd)
@@ -182,7 +192,7 @@ def _flock_exclusive(fd: int) -> None:
     """flock(LOCK_EX) without waiting, tried again a few times over ~30 ms while held (_BUSY_RETRIES)."""
     for attempt in range(_BUSY_RETRIES + 1):
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _lock_nb(fd)
             return
         except OSError as e:
             if e.errno not in _BUSY or attempt == _BUSY_RETRIES:
@@ -190,9 +200,45 @@ def _flock_exclusive(fd: int) -> None:
             time.sleep(_BUSY_WAIT_S)
 
 
+def _lock_nb(fd: int, shared: bool = False) -> None:
+    """Take the file's lock without waiting: OSError with an errno in _BUSY where another run holds
+    it. flock; without fcntl (Windows), msvcrt's lock on the byte _MSVCRT_LOCK_AT, exclusive only."""
+    if fcntl is not None:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        return
+    import msvcrt
+    os.lseek(fd, _MSVCRT_LOCK_AT, os.SEEK_SET)
+    msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+
+
+def _unlock(fd: int) -> None:
+    if fcntl is not None:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return
+    import msvcrt
+    os.lseek(fd, _MSVCRT_LOCK_AT, os.SEEK_SET)
+    msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
+
+
+def _pread(fd: int, n: int, offset: int) -> bytes:
+    """os.pread, or a seek and a read where the platform has none (Windows)."""
+    if hasattr(os, "pread"):
+        return os.pread(fd, n, offset)
+    os.lseek(fd, offset, os.SEEK_SET)
+    return os.read(fd, n)
+
+
+def _pwrite(fd: int, data: bytes, offset: int) -> None:
+    if hasattr(os, "pwrite"):
+        os.pwrite(fd, data, offset)
+        return
+    os.lseek(fd, offset, os.SEEK_SET)
+    os.write(fd, data)
+
+
 def _read_holder(fd: int) -> dict:
     try:
-        data = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        data = json.loads(_pread(fd, 4096, 0).decode() or "{}")
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}

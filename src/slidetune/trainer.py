@@ -877,8 +877,6 @@ class Trainer:
         if cfg.max_grad_norm is None:
             hints.append("clip gradients (--max-grad-norm 1.0)")
         hints.append(f"use more --warmup-steps (now {cfg.warmup_steps})")
-        if cfg.runtime.dtype == "fp16":
-            hints.append("use --dtype bf16 (fp16 overflows without loss scaling)")
         hints.append(f"check the data of step {step + 1}")
         raise TrainingError(
             f"{bad} at step {step + 1}: training stopped; the weights of that step were not saved "
