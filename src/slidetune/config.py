@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from . import hf_names
 from .config_file import read_config_file
 from .data.config import DataConfig
 from .engine.adamw import FP32_ADAMW, AdamWConfig
@@ -63,6 +64,8 @@ class TrainConfig:
     epochs: float | None = None          # if set, overrides max_steps: epochs over the training split
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"     # cosine | linear | constant (after warmup)
     warmup_steps: int = 2                # linear warmup from lr/warmup_steps to lr over these steps
+    # the warmup as a fraction of the run's steps instead (HF's warmup_ratio): ceil(ratio x steps)
+    warmup_ratio: float | None = None
     min_lr_ratio: float = 0.1            # cosine/linear decay down to lr * min_lr_ratio
     max_grad_norm: float | None = 1.0    # global-norm clipping (0 or None: off)
     seed: int = 0                        # seeds the weights of presets, the data split and the batch order
@@ -92,6 +95,12 @@ class TrainConfig:
     skip_reference_check: bool = False   # do not verify the split against transformers on a tiny copy of the model (about a second); recorded here when skipped
     gpu_memory_limit: float | None = None  # GiB of GPU memory this run may use (a budget below the card's; None: all of it)
     progress: bool = True                # tqdm progress bar
+
+    def warmup_for(self, total_steps: int) -> int:
+        """The warmup steps of a run of `total_steps`: warmup_ratio's share of them where given."""
+        if self.warmup_ratio is None:
+            return self.warmup_steps
+        return math.ceil(self.warmup_ratio * total_steps)
 
     def resolved_max_steps(self, on_gpu: bool) -> int:
         """The step budget when neither max_steps nor epochs is given: short on the CPU."""
@@ -135,6 +144,7 @@ _RULES = {
     "max_steps": _at_least(1), "stop_after": _at_least(1), "keep_last": _at_least(1),
     "log_every": _at_least(1), "eval_max_new_tokens": _at_least(1),
     "warmup_steps": _at_least(0), "eval_every": _at_least(0), "eval_batches": _at_least(0),
+    "warmup_ratio": (lambda v: v is None or 0.0 <= v < 1.0, "in [0, 1)"),
     "save_every": _at_least(0),
     "epochs": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
     "min_lr_ratio": (lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
@@ -270,6 +280,7 @@ FLAG_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "batch": ("sequences per step, and how many steps", ("batch_size", "grad_accum", "max_steps", "epochs")),
     "optimizer": ("AdamW and its learning-rate schedule", ("optim.lr", "optim.beta1", "optim.beta2", "optim.eps",
                                                            "optim.weight_decay", "lr_schedule", "warmup_steps",
+                                                           "warmup_ratio",
                                                            "min_lr_ratio", "runtime.moments", "runtime.master")),
     "clipping": ("global gradient-norm clipping", ("max_grad_norm",)),
     "mode": ("how the model trains, where, in which precision",
@@ -347,6 +358,35 @@ class _DeprecatedSpelling(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         _note_deprecated(option_string, f"--{TUNING_SECTION}.{self.dest.split('.')[-1]}")
         setattr(namespace, self.dest, values)
+
+
+class _TheirName(argparse.Action):
+    """A TRL / HF Trainer flag (`--learning_rate 2e-5`, hf_names.py): slidetune's field, with a note."""
+
+    def __init__(self, option_strings, dest, their: str = "", parse=None, **kw):
+        self.their, self.parse = their, parse
+        super().__init__(option_strings, dest, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        renamed = hf_names.RENAMED.get(self.their)
+        value = values
+        if renamed is not None and renamed.values is not None:     # their spelling of a value: "true" -> True
+            value = {str(k).lower(): k for k in renamed.values}.get(str(values).lower(), values)
+        try:
+            _, mapped = hf_names.translate(self.their, value, option_string)
+        except ValueError as e:
+            parser.error(str(e))
+        setattr(namespace, self.dest, self.parse(mapped) if isinstance(mapped, str) else mapped)
+
+
+def _add_their_names(parser: argparse.ArgumentParser, leaves: dict) -> None:
+    """TRL's and the HF Trainer's names for slidetune's flags (hf_names.RENAMED, dataset_text_field),
+    hidden from --help: `--learning_rate` and `--learning-rate` are --lr."""
+    names = {**{k: r.path for k, r in hf_names.RENAMED.items()}, "dataset_text_field": "data.columns"}
+    for their, path in names.items():
+        flags = sorted({f"--{their}", f"--{their.replace('_', '-')}"})
+        parser.add_argument(*flags, dest=path, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
+                            action=_TheirName, their=their, parse=_flag_parser(leaves[path].type))
 
 
 class _HelpTuning(argparse.Action):
@@ -437,6 +477,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         help_text = (f"{doc} " if doc else "") + f"[{path}] (default: {default})"
         groups[group].add_argument("--" + flag.replace("_", "-"), dest=path, default=argparse.SUPPRESS,
                                    help=help_text.replace("%", "%%"), **spec)
+    _add_their_names(parser, leaves)
 
 
 @functools.cache
@@ -537,6 +578,8 @@ def _flatten_yaml(loaded: dict, source: str) -> dict:
                 if f"runtime.{name}" not in knobs:
                     raise ValueError(f"{source}: {unknown_tuning_message([repr(sub)])}")
                 put(f"runtime.{name}", v, f"{TUNING_SECTION}.{sub}")
+        elif k == "optim" and isinstance(value, str):     # the HF Trainer's optimizer name, not the section
+            hf_names.translate(k, value, source)
         elif k in _SECTIONS:
             if k == "data" and (value is None or isinstance(value, str)):
                 put("data.path", value, key)          # `data: train.jsonl`, as the --data flag
@@ -549,6 +592,10 @@ def _flatten_yaml(loaded: dict, source: str) -> dict:
                 if s2 not in names:
                     raise ValueError(f"{source}: unknown {k} field {sub!r}; known: {sorted(names)}")
                 put(f"{k}.{s2}", v, f"{k}.{sub}")
+        elif hf_names.is_theirs(k):               # TRL's / the HF Trainer's name (hf_names.py)
+            path, mapped = hf_names.translate(k, value, source)
+            if path is not None:
+                put(path, mapped, key)
         elif k in by_name:
             put(by_name[k], value, key)
         else:

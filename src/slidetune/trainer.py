@@ -82,12 +82,12 @@ class TrainingError(RuntimeError):
 
 
 def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
-    peak = cfg.optim.lr
-    if step < cfg.warmup_steps:
-        return peak * (step + 1) / cfg.warmup_steps
+    peak, warmup = cfg.optim.lr, cfg.warmup_for(total)
+    if step < warmup:
+        return peak * (step + 1) / warmup
     if cfg.lr_schedule == "constant":
         return peak
-    progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    progress = (step - warmup) / max(1, total - warmup)
     progress = min(1.0, max(0.0, progress))
     floor = peak * cfg.min_lr_ratio
     if cfg.lr_schedule == "linear":
@@ -298,7 +298,10 @@ def _print_config(cfg: TrainConfig, device: Device, dtype_why: str, verbose: boo
           f"({dtype_why})\n"
           f"  {steps} of {cfg.batch_size} x {cfg.data.seq_len} tokens"
           + (f" x {cfg.grad_accum} micro-batches" if cfg.grad_accum > 1 else "")
-          + f", AdamW lr {cfg.optim.lr:g} ({cfg.lr_schedule}, {cfg.warmup_steps} warmup steps), {clip}; {evals}\n"
+          + f", AdamW lr {cfg.optim.lr:g} ({cfg.lr_schedule}, "
+          + (f"{cfg.warmup_steps} warmup steps" if cfg.warmup_ratio is None else
+             f"warmup over {cfg.warmup_ratio:g} of the steps")
+          + f"), {clip}; {evals}\n"
           f"  output: {cfg.output_dir}/ (every setting in config.json" + ("" if verbose else ", --verbose prints them")
           + ")", flush=True)
 
