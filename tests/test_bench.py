@@ -122,9 +122,21 @@ def test_measured_step_includes_the_work_left_in_the_background(monkeypatch):
 
     from slidetune.engine.result import StepResult
 
-    class BackgroundEngine:
+    from slidetune.engine.interface import Engine
+
+    class BackgroundEngine(Engine):
+        """An engine whose step leaves 60 ms of work in the background (the parts measure() does
+        not call refuse)."""
         def __init__(self):
             self.pending = None
+
+        def memory_report(self):
+            return {}
+
+        def eval_loss(self, batch):
+            raise AssertionError("measure() does not evaluate")
+
+        next_token_logits = named_master_params = optimizer_tensors = load_state = eval_loss
 
         def train_step(self, micro_batches, lr):
             if self.pending is not None:

@@ -30,3 +30,18 @@ def test_the_slide_engine_stays_in_parts():
     (engine,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SlideEngine"]
     methods = [n.name for n in engine.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     assert len(methods) < 25, f"SlideEngine has {len(methods)} methods: move a concern into a part of its own"
+
+
+def test_callers_ask_the_engine_interface_not_its_attributes():
+    """Issue 49: the trainer, the bench and the checkpoint code call engine.interface.Engine, which
+    both engines implement; none probes an engine with getattr/hasattr."""
+    import re
+    probes = [f"{path.relative_to(SRC)}:{n}" for path in sorted(SRC.rglob("*.py"))
+              for n, line in enumerate(path.read_text().splitlines(), 1)
+              if re.search(r"\b(getattr|hasattr)\((self\.)?engine\b\s*,", line)]
+    assert not probes, "ask the Engine interface instead: " + ", ".join(probes)
+    from slidetune.engine.interface import Engine
+    from slidetune.engine.plain import PlainEngine
+    from slidetune.engine.slide.engine import SlideEngine
+    assert issubclass(PlainEngine, Engine) and issubclass(SlideEngine, Engine)
+    assert not PlainEngine.__abstractmethods__ and not SlideEngine.__abstractmethods__

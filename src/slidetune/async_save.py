@@ -146,7 +146,7 @@ def start_async_save(engine, out_dir: Path, *, step: int, tokenizer=None, traine
     checkpoint is the one save_checkpoint(engine, out_dir, step=step, ...) would write, byte for
     byte but for state.json's time. One save at a time: the caller waits for the previous one.
     writer_threads: the writer's I/O threads (None: checkpoint_io.default_threads())."""
-    refusal = getattr(engine, "async_save_refusal", lambda: "this engine has no per-unit store")()
+    refusal = engine.async_save_refusal()
     if refusal is not None:
         raise ValueError(f"an asynchronous save is not possible: {refusal}")
     t0 = time.monotonic()

@@ -28,8 +28,7 @@ from .checkpoint import CheckpointError
 
 def resolve_async_save(setting: str, engine, on_gpu: bool) -> tuple[bool, str]:
     """(asynchronous periodic saves?, why). `on` where the engine cannot is a ValueError naming why."""
-    refusal = getattr(engine, "async_save_refusal", lambda: "the gpu/ckpt engines keep the whole state on the "
-                      "device and update all of it at once; their saves are blocking")()
+    refusal = engine.async_save_refusal()
     if setting == "off":
         return False, "--async-save off"
     if refusal is not None:

@@ -29,8 +29,7 @@ from .models.load import LoadedModel, load_model
 from .ranks import RankFailure, Ranks
 
 if TYPE_CHECKING:
-    from .engine.plain import PlainEngine
-    from .engine.slide.engine import SlideEngine
+    from .engine.interface import Engine
     from .telemetry.events import EventTimer
 
 
@@ -65,7 +64,7 @@ class PreparedRun:
     runtime: RuntimeConfig              # the autos resolved (device as requested: the engine's)
     plan: PlacementPlan | None          # slide mode's placement of `runtime`; None in plain mode
     work: Workload                      # the shape the autos and the fit check planned for
-    engine: SlideEngine | PlainEngine | None = None
+    engine: Engine | None = None
     refusal: str | None = None          # why it does not fit (refusal_as_result); engine None then
     build_s: float = 0.0                # seconds build_engine took
 

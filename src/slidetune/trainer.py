@@ -69,8 +69,7 @@ from .telemetry.tracker import Trackers
 from .telemetry.trackers import TrackerUnavailable, open_dashboards, resolve_report_to
 
 if TYPE_CHECKING:
-    from .engine.plain import PlainEngine
-    from .engine.slide.engine import SlideEngine
+    from .engine.interface import Engine
 
 METRIC_COLUMNS = ["step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "step_s",
                   "gpu_peak_alloc_gib", "gpu_peak_reserved_gib", "cpu_rss_gib", "eval_loss", "eval_ppl"]
@@ -617,7 +616,7 @@ class Trainer:
     one written); `run()` is the driver: resume, evaluate, step, stop or export, summarize.
     """
 
-    def __init__(self, cfg: TrainConfig, engine: PlainEngine | SlideEngine, loaded: LoadedModel,
+    def __init__(self, cfg: TrainConfig, engine: Engine, loaded: LoadedModel,
                  sampler: BatchSampler, heldout: TokenDataset | None, pad_id: int, total_steps: int,
                  device: Device, out: Path, t_start: float, resume_from: Path | None = None,
                  stale: list[Path] | None = None, stop: _StopFlag | None = None, ckpt_dir: Path | None = None,
@@ -634,7 +633,7 @@ class Trainer:
         self.ckpt_dir = ckpt_dir or out / "checkpoints"
         self.save_dtype = save_dtype
         # data parallel with sharded layers: the ranks that keep them serve rank 0's reads during a save
-        self.save_service = getattr(engine, "save_service", None)
+        self.save_service = engine.save_service
         self.resumable = saves is None or saves.resumable      # resumable checkpoints fit the disk
         # final/ fits only once the disk tier's files are gone (save_plan.py): removed before it
         self.release_scratch_first = saves is not None and saves.release_scratch_first
@@ -816,7 +815,7 @@ class Trainer:
             return HostRss()
         host = self.ranks.dp.cfg.host
         every = self.ranks.gather((host, os.getpid()))
-        shared = getattr(engine, "shared", None)
+        shared = engine.shared
         return HostRss([pid for h, pid in every if h == host], shared.nbytes if shared is not None else 0)
 
     def micro_batch(self, index: int):
@@ -1091,7 +1090,7 @@ class Trainer:
         total = self.total_steps
         self.write_metrics()
         if self.release_scratch_first:
-            getattr(self.engine, "release_disk_tier", lambda: None)()
+            self.engine.release_disk_tier()
         self.ranks.on_main(self._write_final, service=self.save_service)
         print(f"final model: {self.out / 'final'} (AutoModelForCausalLM.from_pretrained loads it)")
         self.notify("on_save", total, self.out / "final")

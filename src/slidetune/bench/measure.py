@@ -155,7 +155,7 @@ DISK_WARMUP_WHY = ("the disk tier's files start as unwritten extents (posix_fall
 def disk_tier_warmup(asked: int, engine) -> int:
     """Warm-up steps for a run: at least 2 where the engine has a disk tier (DISK_WARMUP_WHY; a
     Qwen3-14B run with one warm-up step measured 22 s then 65 s, 2026-11-25)."""
-    return max(asked, 2) if getattr(engine, "disk", None) is not None else asked
+    return max(asked, 2) if engine.disk is not None else asked
 
 
 def fit_estimate(prepared: PreparedRun, device: Device) -> dict[str, float]:
@@ -206,10 +206,10 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
                 "status": "refused", "error": prepared.refusal}
     init_s = time.perf_counter() - t0
     host_memory["built"] = host_memory_snapshot()
-    timeline = getattr(engine, "timeline", None)
+    timeline = engine.timeline
     if timeline is not None:
         timeline.enabled = True
-    memory = getattr(engine, "memory", None)
+    memory = engine.memory
     if memory is not None:
         memory.enabled = True
     split = loaded.split
@@ -248,15 +248,15 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
 def _result_head(spec: MeasureSpec, rt: RuntimeConfig, engine, split, device: Device, init_s: float) -> dict:
     """The result's first keys: the spec, the machine, the runtime as the engine resolved it."""
     runtime = rt.to_flat()
-    if hasattr(engine, "resident_layers"):
+    if engine.resident_layers is not None:
         # the layers with a slot of their own as the engine resolved them (auto left unresolved
         # means none; a window that would hold every other layer makes them all resident)
         runtime["resident_layers"] = engine.resident_layers
     return {"spec": spec.to_dict(), "machine": machine_info(), "init_s": init_s, "runtime": runtime,
             "cuda_context_waits": device.context_waits,
             # resolved where the runtime left them on auto (host_threads=0)
-            "host_threads": getattr(engine, "host_threads", None),
-            "device_layers": getattr(engine, "device_layers", None),
+            "host_threads": engine.host_threads,
+            "device_layers": engine.device_layers,
             "params": split.num_params(), "num_layers": split.num_layers}
 
 
@@ -279,7 +279,7 @@ def _run_steps(spec: MeasureSpec, engine, vocab: int, ranks: Ranks, device: Devi
     prev_end = None
     raw = []
     alloc_before = device.allocator_counters()
-    disk = getattr(engine, "disk", None)
+    disk = engine.disk
     disk_io = []            # the tier's bytes read + written at each step's return
     for k in range(total_steps):
         if k == warmup:
@@ -344,9 +344,8 @@ def _record_peaks(result: dict, engine, device: Device, host_memory: dict, disk_
     result["gpu_peak_reserved_gib"] = device.max_memory_reserved() / 2**30
     result["cpu_peak_rss_gib"] = peak_rss_bytes() / 2**30
     result["host_memory"] = {**host_memory, "stepped": host_memory_snapshot()}
-    if hasattr(engine, "memory_report"):
-        result["engine_memory"] = engine.memory_report()
-    if getattr(engine, "disk", None) is not None:
+    result["engine_memory"] = engine.memory_report()
+    if engine.disk is not None:
         # what the plan moves through the disk a step; over the step time, the rate the run got
         # (bench throughput's disk_gib_s), beside the probe's rate in its floor
         result["disk_io_bytes_per_step"] = engine.plan.disk_io_bytes()

@@ -6,15 +6,17 @@ from ..models.load import LoadedModel
 from ..telemetry.events import EventTimer
 from .adamw import AdamWConfig
 from .config import RuntimeConfig
+from .interface import Engine
 from .result import StepResult
 
-__all__ = ["AdamWConfig", "RuntimeConfig", "StepResult", "build_engine"]
+__all__ = ["AdamWConfig", "Engine", "RuntimeConfig", "StepResult", "build_engine"]
 
 
 def build_engine(loaded: LoadedModel, rt: RuntimeConfig, optim: AdamWConfig, device: Device | None = None,
                  grad_accum: int = 1, max_grad_norm: float | None = None, timer: EventTimer | None = None,
-                 dist=None):
-    """dist: a distributed.DataParallel for data parallel over several ranks (slide mode only)."""
+                 dist=None) -> Engine:
+    """The engine of `rt.mode` (interface.Engine: SlideEngine for slide, PlainEngine for gpu and
+    ckpt). dist: a distributed.DataParallel for data parallel over several ranks (slide mode only)."""
     device = device or Device.resolve(rt.device, waits=rt.host.cuda_waits)
     if rt.mode == "slide":
         from .slide.engine import SlideEngine

@@ -22,6 +22,7 @@ from ..telemetry.memory_timeline import MemoryTimeline
 from .adamw import FP32_ADAMW, AdamWConfig, FlatAdamW
 from .config import RuntimeConfig
 from .gc_policy import GCFreeze
+from .interface import Engine
 from .result import StepResult
 from .slide.transfer import clip_coefficient
 
@@ -38,7 +39,7 @@ class _DeviceUnit:
         self.leaves = {k: v.requires_grad_(True) for k, v in spec.views(self.compute).items()}
 
 
-class PlainEngine:
+class PlainEngine(Engine):
     host_state = FP32_ADAMW      # --master / --moments are slide mode's (RuntimeConfig refuses them here)
 
     def __init__(self, loaded: LoadedModel, rt: RuntimeConfig, optim: AdamWConfig, device: Device,

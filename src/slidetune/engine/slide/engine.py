@@ -80,6 +80,7 @@ from ..compile_workers import release_compile_workers
 from ..config import RuntimeConfig
 from ..distributed import DataParallel, shared_layout
 from ..gc_policy import GCFreeze
+from ..interface import Engine
 from ..placement import PlacementPlan, unit_shapes
 from ..result import StepResult
 from .activations import ActivationStore
@@ -160,7 +161,7 @@ def _refuse_after_disk_release(released: bool, what: str) -> None:
                            f"removed by release_disk_tier() at the end of the run")
 
 
-class SlideEngine:
+class SlideEngine(Engine):
     def __init__(self, loaded: LoadedModel, rt: RuntimeConfig, optim: AdamWConfig, device: Device,
                  grad_accum: int = 1, max_grad_norm: float | None = None, timer: EventTimer | None = None,
                  dist: DataParallel | None = None):
