@@ -43,10 +43,10 @@ DATASETS = ("corpus", "chat")
 def chat_set(path: Path) -> int:
     """The chat set: one conversation per standard-library docstring of the built-in corpus, in its
     sorted order. Returns the number of conversations."""
-    from slidetune.data.corpus import _stdlib_docstrings
+    from slidetune.data.corpus import stdlib_docstrings
     n = 0
     with path.open("w") as f:
-        for name, doc in sorted(_stdlib_docstrings().items()):
+        for name, doc in sorted(stdlib_docstrings().items()):
             module, _, qualname = name.partition(":")
             what = f"`{module}.{qualname}`" if qualname else f"the `{module}` module"
             messages = [{"role": "user", "content": f"What does {what} in Python's standard library do?"},

@@ -72,7 +72,10 @@ def _module_docstrings(module: ModuleType) -> dict[str, str]:
     return {k: d for k, d in docs.items() if d is not None and len(d) >= MIN_DOC_CHARS}
 
 
-def _stdlib_docstrings() -> dict[str, str]:
+def stdlib_docstrings() -> dict[str, str]:
+    """{"module:Qual.name": docstring} of the standard-library modules in `STDLIB_MODULES` (those
+    that import here), each at least `MIN_DOC_CHARS` long: the corpus's second source, and the
+    answers of benchmarks/scripts/compact_quality.py's chat set."""
     docs: dict[str, str] = {}
     for mod_name in STDLIB_MODULES:
         # Importing some modules or reading some attributes (typing.io) warns of deprecation.
@@ -91,7 +94,7 @@ def _builtin_corpus() -> tuple[str, ...]:
     from pydoc_data.topics import topics  # a plain dict: topic name -> text
 
     keyed: list[tuple[str, str]] = [(f"pydoc_data.topics:{k}", topics[k]) for k in sorted(topics)]
-    stdlib = _stdlib_docstrings()
+    stdlib = stdlib_docstrings()
     keyed += [(k, stdlib[k]) for k in sorted(stdlib)]
     seen: set[str] = set()
     docs: list[str] = []
