@@ -171,3 +171,21 @@ def test_the_flag_sets_the_field():
     from slidetune.config import config_from_args
     args = build_parser().parse_args(["train", "--data", "x.jsonl", "--data-columns", "content=text"])
     assert config_from_args(args).data.columns == "content=text"
+
+
+def test_records_given_in_python_read_as_a_files_rows():
+    """hf_datasets.in_memory_source: a datasets.Dataset or a list of dicts, its columns mapped, bad
+    rows named by the source and the row; an IterableDataset refused (it reads once, unkeyed)."""
+    import datasets
+    from slidetune.data.formats import ColumnMap
+    from slidetune.data.hf_datasets import in_memory_source
+    ds = datasets.Dataset.from_list([{"q": "a b", "a": "c"}, {"q": "d", "a": "e"}])
+    src = in_memory_source(ds, ColumnMap.parse("q=prompt,a=completion"))
+    assert src.format == "prompt_completion" and src.name.startswith("<datasets.Dataset of 2 rows, fingerprint")
+    assert [seg.text for seg in src.examples[1].segments] == ["d", "e"]
+    listed = in_memory_source([SHAREGPT])
+    assert listed.format == "chat" and listed.examples[0].messages == MESSAGES
+    with pytest.raises(DataError, match=r"<2 records given in Python> row 2: keys \['x'\] match no known format"):
+        in_memory_source([{"text": "a"}, {"x": 1}])
+    with pytest.raises(DataError, match="IterableDataset is read once"):
+        in_memory_source(ds.to_iterable_dataset())

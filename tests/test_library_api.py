@@ -117,3 +117,41 @@ def test_a_callback_that_raises_stops_the_run_naming_it(tmp_path, corpus):
     with (out / "metrics.csv").open(newline="") as f:
         assert [r["step"] for r in csv.DictReader(f)] == ["0", "1", "2"]
     assert not (out / "final").exists()
+
+
+def _in_python(out: Path, **kw) -> slidetune.TrainConfig:
+    return slidetune.TrainConfig(model="tiny-llama", data=slidetune.DataConfig(seq_len=32),
+                                 runtime=slidetune.RuntimeConfig(device="cpu"), batch_size=2, eval_batches=2,
+                                 progress=False, output_dir=str(out), report_to="csv", max_steps=2,
+                                 skip_reference_check=True, **kw)
+
+
+def test_a_datasets_dataset_given_in_python_trains_as_its_file_would(tmp_path):
+    """slidetune.train(cfg, train_dataset=Dataset, eval_dataset=Dataset): the rows read like a
+    JSONL file's (here prompt/completion), the same losses as the file, summary.json naming the
+    dataset by its fingerprint; a list of record dicts too; the data given twice is refused."""
+    import datasets
+    rows = [{"prompt": doc[:80], "completion": doc[80:240]} for doc in builtin_corpus()[:40]]
+    held = [{"prompt": doc[:80], "completion": doc[80:240]} for doc in builtin_corpus()[40:50]]
+    path, eval_path = tmp_path / "rows.jsonl", tmp_path / "held.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    eval_path.write_text("".join(json.dumps(r) + "\n" for r in held))
+    from_file = slidetune.train(dataclasses_replace_data(_in_python(tmp_path / "file"), path=str(path),
+                                                         eval_path=str(eval_path)))
+    given = slidetune.train(_in_python(tmp_path / "given"), train_dataset=datasets.Dataset.from_list(rows),
+                            eval_dataset=datasets.Dataset.from_list(held))
+    assert (given.first_loss, given.last_loss, given.eval_loss_after) == (from_file.first_loss, from_file.last_loss,
+                                                                         from_file.eval_loss_after)
+    summary = json.loads((tmp_path / "given" / "summary.json").read_text())
+    assert summary["data_source"].startswith("<datasets.Dataset of 40 rows, fingerprint ")
+    assert summary["heldout_sequences"] == 10
+    listed = slidetune.train(_in_python(tmp_path / "listed"), train_dataset=rows, eval_dataset=held)
+    assert listed.last_loss == from_file.last_loss
+    from slidetune.data import DataError
+    with pytest.raises(DataError, match="the data is given twice"):
+        slidetune.train(dataclasses_replace_data(_in_python(tmp_path / "twice"), path=str(path)), train_dataset=rows)
+
+
+def dataclasses_replace_data(cfg: slidetune.TrainConfig, **data) -> slidetune.TrainConfig:
+    import dataclasses
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **data))

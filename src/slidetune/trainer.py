@@ -43,7 +43,7 @@ from .checkpoint import checkpoint_dir as checkpoint_dir_of
 from .checkpoint_saver import CheckpointSaver, overlap_note, resolve_async_save
 from .config import TrainConfig, config_to_dict, group_tuning
 from .data import IGNORE_INDEX, BatchSampler, TokenDataset, build_datasets, collate, default_pad_id
-from .data.build import load_source
+from .data.build import BUILTIN_NAME, load_source
 from .data.errors import DataError
 from .data.token_arrays import is_token_source
 from .device import Device, resolve_dtype
@@ -196,9 +196,13 @@ def evaluate(engine, heldout, batch_size: int, pad_id: int, max_batches: int,
     return loss, math.exp(min(loss, 50.0))
 
 
-def train(cfg: TrainConfig, callbacks: list[Callback] | None = None, *, verbose: bool = False) -> TrainSummary:
+def train(cfg: TrainConfig, callbacks: list[Callback] | None = None, *, verbose: bool = False,
+          train_dataset=None, eval_dataset=None) -> TrainSummary:
     """Run (or continue) the training job `cfg`; see the module docstring. `callbacks` (callbacks.py)
     hear of each step, evaluation and save; one that raises stops the run with a TrainingError naming it.
+    `train_dataset` / `eval_dataset`: the data as a `datasets.Dataset` (or a list of record dicts)
+    instead of `cfg.data.path` / `cfg.data.eval_path`, each row read like a JSONL line (a resumed
+    run is given the same one again: summary.json names it by its fingerprint).
 
     Everything that can be refused is checked before the output directory is touched (but for
     what killed saves left there) or anything large is allocated: the model, the sequence
@@ -222,8 +226,9 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None, *, verbose:
         # the run's files, so rank 0 alone holds it; the other ranks learn of a refusal (on_main).
         ranks.on_main(lambda: held.extend(lock_run_directories(out, _checkpoint_root(cfg, out))))
         cfg, dtype_why = _resolve_dtype(cfg, device)
-        _print_config(cfg, device, dtype_why, verbose)
-        return _train(cfg, ranks, device, out, t_start, verbose, _Reporting(trackers, callbacks))
+        _print_config(cfg, device, dtype_why, verbose, given=train_dataset is not None)
+        return _train(cfg, ranks, device, out, t_start, verbose, _Reporting(trackers, callbacks),
+                      (train_dataset, eval_dataset))
     finally:
         for lock in reversed(held):      # the checkpoint directory first: it may lie inside the output directory
             lock.release()
@@ -284,13 +289,13 @@ def _silent(*args, **kwargs) -> None:
     pass
 
 
-def _print_config(cfg: TrainConfig, device: Device, dtype_why: str, verbose: bool) -> None:
+def _print_config(cfg: TrainConfig, device: Device, dtype_why: str, verbose: bool, given: bool = False) -> None:
     """The run in a few lines (every setting: config.json, or the whole of it here with --verbose)."""
     if verbose:
         print("resolved config:\n" + json.dumps(config_to_dict(cfg), indent=2), flush=True)
     steps = (f"{cfg.epochs:g} epochs" if cfg.epochs is not None
              else f"{cfg.resolved_max_steps(device.is_cuda)} steps")
-    data = cfg.data.path or "the built-in corpus"
+    data = cfg.data.path or ("the dataset given in Python" if given else "the built-in corpus")
     clip = f"gradient clipping at {cfg.max_grad_norm:g}" if cfg.max_grad_norm else "no gradient clipping"
     evals = "held-out loss before and after" + (f", every {cfg.eval_every} steps" if cfg.eval_every else "")
     print(f"slidetune train: {cfg.model} on {data}, {cfg.runtime.mode} mode on {device.device}, {cfg.runtime.dtype} "
@@ -321,7 +326,7 @@ class _RunInputs:
 
 
 def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: float,
-           verbose: bool = False, reporting: _Reporting | None = None) -> TrainSummary:
+           verbose: bool = False, reporting: _Reporting | None = None, given: tuple = (None, None)) -> TrainSummary:
     if ranks.world_size > 1:
         _refuse_under_data_parallel(cfg, ranks)
         print(f"data parallel: rank {ranks.rank} of {ranks.world_size} on {device.device}; global batch "
@@ -329,7 +334,7 @@ def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: f
     # the data first, read and parsed (a missing file, a malformed line: refused in seconds), then
     # the model, then the reference check on it; a pre-tokenized corpus is opened once the
     # tokenizer's EOS is known (build_datasets below)
-    source = None if is_token_source(cfg.data.path) else ranks.on_each(lambda: load_source(cfg.data))
+    source = None if is_token_source(cfg.data.path) else ranks.on_each(lambda: load_source(cfg.data, *given))
     # what the auto settings chose: the GPU's placement (on the CPU only with --verbose: no GPU there)
     say = print if device.is_cuda or verbose else _silent
     inputs: list[_RunInputs] = []
@@ -1127,7 +1132,8 @@ class Trainer:
             tokens_per_s=float(np.median(self.tok_rates)) if self.tok_rates else None,
             wall_s=time.perf_counter() - self.t_start, interrupted=self.interrupted,
             stopped_early=self.stopped_early,
-            data_source=cfg.data.path or f"built-in corpus (Python {platform.python_version()} docs)",
+            data_source=cfg.data.path or (self.sampler.dataset.source if self.sampler.dataset.source != BUILTIN_NAME
+                                          else f"built-in corpus (Python {platform.python_version()} docs)"),
             train_sequences=len(self.sampler.dataset), heldout_sequences=len(heldout) if heldout is not None else 0,
             device=torch.cuda.get_device_name() if self.device.is_cuda else "cpu", dtype=cfg.runtime.dtype,
             **self.saver.totals())

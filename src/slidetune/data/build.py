@@ -31,7 +31,7 @@ from .dataset import TokenDataset
 from .errors import DataError
 from .chat_template import load_chat_template
 from .formats import Example, Source, texts_source
-from .hf_datasets import StreamingSource, open_streaming, should_stream
+from .hf_datasets import StreamingSource, in_memory_source, open_streaming, should_stream
 from .packing import Rows, fill_ratio, pack, pack_whole, pad_rows
 from .sources import read_source
 from .split import MIN_HELDOUT_EXAMPLES, plan_heldout
@@ -45,17 +45,27 @@ log = logging.getLogger(__name__)
 BUILTIN_NAME = "<builtin corpus>"
 
 
-def load_source(cfg: DataConfig) -> Source | StreamingSource:
+def load_source(cfg: DataConfig, records=None, eval_records=None) -> Source | StreamingSource:
     """The untokenized examples of ``cfg.path`` (or of the built-in corpus), with those of
-    ``cfg.eval_path`` as ``eval_source``; a `StreamingSource` (its first record read) when streamed."""
+    ``cfg.eval_path`` as ``eval_source``; a `StreamingSource` (its first record read) when streamed.
+    ``records`` / ``eval_records``: a `datasets.Dataset` or a list of record dicts given in Python
+    (hf_datasets.in_memory_source) instead of ``cfg.path`` / ``cfg.eval_path``."""
     source: Source | StreamingSource
-    if cfg.path is None:
+    given = [k for k, v in (("path", records), ("eval_path", eval_records)) if v is not None and getattr(cfg, k)]
+    if given:
+        raise DataError(f"the data is given twice: data.{given[0]} is {getattr(cfg, given[0])!r} and a dataset is "
+                        f"passed in Python too; give one of them")
+    if records is not None:
+        source = in_memory_source(records, cfg.column_map)
+    elif cfg.path is None:
         source = texts_source(builtin_corpus(), BUILTIN_NAME)
     elif should_stream(cfg.path, cfg.streaming):
         source = open_streaming(cfg.path, cfg.split, cfg.subset, cfg.column_map)
     else:
         source = read_source(cfg.path, cfg.split, cfg.subset, columns=cfg.column_map)
-    if cfg.eval_path is not None:
+    if eval_records is not None:
+        source.eval_source = in_memory_source(eval_records, cfg.column_map)
+    elif cfg.eval_path is not None:
         source.eval_source = load_eval_source(cfg)
     return source
 

@@ -140,6 +140,25 @@ def read_datasets_source(path: str, split: str | None = None, subset: str | None
     return Source(path, check_one_format(examples, path), examples)
 
 
+def in_memory_source(records: Any, columns: ColumnMap | None = None) -> Source:
+    """Records handed over in Python (`slidetune.train(cfg, train_dataset=...)`): a `datasets.Dataset`
+    or a list of record dicts, each read like a JSONL line; messages name the source and the row.
+    An `IterableDataset` is refused (its records cannot be read twice, nor keyed for the token cache)."""
+    if type(records).__name__ == "IterableDataset" or not hasattr(records, "__len__"):
+        raise DataError(f"train_dataset / eval_dataset: a {type(records).__name__} is read once and has no "
+                        f"fingerprint; pass a datasets.Dataset (IterableDataset.take / Dataset.from_generator), "
+                        f"or write it to files and give --data")
+    fingerprint = getattr(records, "_fingerprint", None)      # a datasets.Dataset's content hash
+    name = (f"<datasets.Dataset of {len(records)} rows, fingerprint {fingerprint}>" if fingerprint
+            else f"<{len(records)} records given in Python>")
+    examples: list[Example] = []
+    for i, row in enumerate(records, start=1):
+        examples.append(parse_record(dict(row) if not isinstance(row, dict) else row, f"{name} row {i}", columns))
+        if examples[-1].format != examples[0].format:
+            check_one_format(examples, name)  # raises, naming both rows
+    return Source(name, check_one_format(examples, name), examples)
+
+
 @dataclass
 class StreamingSource:
     """A source read one chunk of records at a time (never all of it): see streaming.py."""
