@@ -73,7 +73,6 @@ class DiskTierError(RuntimeError):
     """The disk tier cannot be set up or has failed (a missing, read-only or full directory, I/O)."""
 
 
-
 def block_elems(block_mb: float, state: OptimizerState = FP32_ADAMW) -> int:
     """Elements per block: block_mb MiB hold a block's two moments in `state`'s format (FP32: 8
     B/param), rounded to a multiple of ALIGN / 4 elements (so of the 8-bit moments' 256 too; a
