@@ -182,12 +182,12 @@ _HELP = {
     "eval_prompts": "prompts sampled greedily at each evaluation, to eval_samples.jsonl and the trackers: a .jsonl of "
                     "{\"prompt\"} or {\"messages\"} records, or a .txt of one prompt per line (default: the first "
                     "held-out conversations of chat data; none for other data)",
-    "data.path": "training data: a .txt/.md file, a .jsonl/.ndjson file (text, messages, prompt/completion or "
-                 "alpaca records); through `datasets`: a .parquet/.csv/.json/.arrow file or a directory of them, a "
+    "data.path": "training data: a .txt/.md file, a .jsonl/.ndjson file (text, messages, ShareGPT conversations, "
+                 "prompt/completion or alpaca records); through `datasets`: a .parquet/.csv/.json/.arrow file or a directory of them, a "
                  "save_to_disk directory or a Hub dataset id org/name (from the local HF cache; downloaded when "
                  "not cached and HF_HUB_OFFLINE is unset); a pre-tokenized corpus read memory-mapped: a .bin (see "
-                 "--token-dtype) or .npy token-id array, or a save_to_disk directory of input_ids; "
-                 "None: the built-in English corpus",
+                 "--token-dtype) or .npy token-id array, or a save_to_disk directory of input_ids; several "
+                 "record sources mixed with weights: a.jsonl:0.7,b.jsonl:0.3; None: the built-in English corpus",
     "data.eval_path": "a separate evaluation set (any --data source but a pre-tokenized one), evaluated instead of "
                       "a held-out split of --data, which then trains whole; a Hub id or directory gives its "
                       "validation or test split",

@@ -28,6 +28,7 @@ from .data.chat_template import effective_template, load_chat_template
 from .data.config import DataConfig
 from .data.errors import DataError
 from .data.formats import Example, Source, parse_record
+from .data.mixture import MixedSource
 from .data.hf_datasets import StreamingSource
 from .data.split import plan_heldout
 from .data.tokenization import _render
@@ -97,6 +98,11 @@ def heldout_chat_prompts(source: Source | StreamingSource, cfg: DataConfig, toke
     """The first `n` held-out conversations' prompts (of --eval-data where given), in the order
     build_datasets holds them out; none for data that is not chat or has no held-out split, and none
     from a streamed corpus (its held-out rows are token windows, no conversations are kept)."""
+    if isinstance(source, MixedSource):          # each source's held-out conversations, in order
+        out: list[EvalPrompt] = []
+        for part in source.sources:
+            out += heldout_chat_prompts(part, cfg, tokenizer, n - len(out)) if len(out) < n else []
+        return out
     evaluation = source.eval_source
     if evaluation is not None:
         examples = evaluation.examples

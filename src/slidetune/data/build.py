@@ -20,6 +20,7 @@ train on within seq_len+1 tokens, or fewer usable rows than one batch.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import warnings
@@ -32,6 +33,7 @@ from .errors import DataError
 from .chat_template import load_chat_template
 from .formats import Example, Source, texts_source
 from .hf_datasets import StreamingSource, in_memory_source, open_streaming, should_stream
+from .mixture import MixedSource, parse_mixture
 from .packing import Rows, fill_ratio, pack, pack_whole, pad_rows
 from .sources import read_source
 from .split import MIN_HELDOUT_EXAMPLES, plan_heldout
@@ -45,11 +47,14 @@ log = logging.getLogger(__name__)
 BUILTIN_NAME = "<builtin corpus>"
 
 
-def load_source(cfg: DataConfig, records=None, eval_records=None) -> Source | StreamingSource:
+def load_source(cfg: DataConfig, records=None, eval_records=None) -> Source | StreamingSource | MixedSource:
     """The untokenized examples of ``cfg.path`` (or of the built-in corpus), with those of
     ``cfg.eval_path`` as ``eval_source``; a `StreamingSource` (its first record read) when streamed.
     ``records`` / ``eval_records``: a `datasets.Dataset` or a list of record dicts given in Python
     (hf_datasets.in_memory_source) instead of ``cfg.path`` / ``cfg.eval_path``."""
+    mixture = parse_mixture(cfg.path)
+    if mixture is not None:
+        return _load_mixture(cfg, mixture, records is not None or eval_records is not None)
     source: Source | StreamingSource
     given = [k for k, v in (("path", records), ("eval_path", eval_records)) if v is not None and getattr(cfg, k)]
     if given:
@@ -68,6 +73,24 @@ def load_source(cfg: DataConfig, records=None, eval_records=None) -> Source | St
     elif cfg.eval_path is not None:
         source.eval_source = load_eval_source(cfg)
     return source
+
+
+def _load_mixture(cfg: DataConfig, mixture: list[tuple[str, float]], in_python: bool) -> MixedSource:
+    """The sources of `--data a.jsonl:0.7,b/:0.3`, each read as --data alone would read it (into RAM:
+    a pre-tokenized corpus and a streamed source are refused in a mixture, as is --eval-data)."""
+    why = ("a dataset given in Python as well" if in_python else
+           "--eval-data: each source holds out its own share (--heldout-fraction)" if cfg.eval_path else None)
+    if why:
+        raise DataError(f"--data {cfg.path!r} mixes sources, and {why}; give one or the other")
+    sources = []
+    for path, _ in mixture:
+        if is_token_source(path) or should_stream(path, cfg.streaming):
+            raise DataError(f"--data {cfg.path!r}: {path} is {'pre-tokenized' if is_token_source(path) else 'streamed'}; "
+                            f"a mixture reads records into RAM (--data-streaming off, or train on it alone)")
+        one = load_source(dataclasses.replace(cfg, path=path))
+        assert isinstance(one, Source)
+        sources.append(one)
+    return MixedSource(cfg.path, sources, [w for _, w in mixture])
 
 
 def load_eval_source(cfg: DataConfig) -> Source:
@@ -296,6 +319,8 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, min_rows: int = 1, vocab_siz
     if is_token_source(cfg.path):
         return _build_token_arrays(cfg, tokenizer, min_rows, vocab_size)
     source = source if source is not None else load_source(cfg)
+    if isinstance(source, MixedSource):
+        return _build_mixture(source, cfg, tokenizer, vocab_size)
     if isinstance(source, StreamingSource):
         return _build_streamed(source, cfg, tokenizer, min_rows, vocab_size)
     special_ids(tokenizer, source.name)  # fail on a tokenizer without EOS before any work
@@ -322,6 +347,29 @@ def build_datasets(cfg: DataConfig, tokenizer: Any, min_rows: int = 1, vocab_siz
         _check_tokenizer_ids((train, heldout), vocab_size, source)
     for note in notes:
         _note(note)
+    log.info("data: %r; %r", train, heldout)
+    return train, heldout
+
+
+def _build_mixture(mixed: MixedSource, cfg: DataConfig, tokenizer: Any, vocab_size: int | None
+                   ) -> tuple[TokenDataset, TokenDataset]:
+    """(train, heldout) of a mixture: each source built as it would be alone (its held-out share
+    its own), the train rows one dataset whose `parts` carry the weights (sampler.py draws by them),
+    the held-out rows one split."""
+    trains, helds = [], []
+    for part in mixed.sources:
+        train, heldout = build_datasets(dataclasses.replace(cfg, path=part.name), tokenizer, vocab_size=vocab_size,
+                                        source=part)
+        trains.append(train)
+        helds += [heldout] if len(heldout) else []
+    try:
+        train = TokenDataset.concat(trains, mixed.weights, split="train", source=mixed.name, format=mixed.format)
+        heldout = (TokenDataset.concat(helds, split="heldout", source=mixed.name, format=mixed.format) if helds
+                   else TokenDataset.empty(cfg.seq_len, train.packed, split="heldout", source=mixed.name,
+                                           format=mixed.format))
+    except ValueError as e:     # one source too small to pack beside packed ones
+        raise DataError(f"--data {mixed.name!r}: the sources cannot share batches: {e}; add data to the small one "
+                        f"or --packing off") from None
     log.info("data: %r; %r", train, heldout)
     return train, heldout
 

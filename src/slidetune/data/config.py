@@ -28,7 +28,8 @@ class DataConfig:
     # file (formats.py); a parquet/JSON/CSV/arrow file or directory of them, a `datasets`
     # save_to_disk directory or a Hub dataset id `org/name` (hf_datasets.py, through `datasets`);
     # or a pre-tokenized corpus read memory-mapped (token_arrays.py): a .bin/.npy token-id array
-    # or a save_to_disk directory with an input_ids column.
+    # or a save_to_disk directory with an input_ids column. Several record sources mixed with
+    # weights: "a.jsonl:0.7,b/:0.3" (mixture.py).
     path: str | None = None
     # A separate evaluation set, any source `path` takes but a pre-tokenized one: evaluated instead
     # of a held-out split of `path` (which then trains whole; heldout_fraction is not used).

@@ -40,6 +40,8 @@ class TokenDataset:
     # packing "masked": packed rows keep their documents apart (batch.collate gives position ids
     # that restart at each document; the model masks attention per document from them)
     document_mask: bool = False
+    # a mixture of sources (mixture.py): per source (first row, rows, weight); () for one source
+    parts: tuple[tuple[int, int, float], ...] = ()
 
     @classmethod
     def from_rows(cls, rows: Rows, seq_len: int, packed: bool, **info: object) -> "TokenDataset":
@@ -55,6 +57,30 @@ class TokenDataset:
 
     def __len__(self) -> int:
         return int(self.starts.numel())
+
+    @classmethod
+    def concat(cls, datasets: list["TokenDataset"], weights: list[float] | None = None, **info: object
+               ) -> "TokenDataset":
+        """The rows of `datasets` one after the other (their tokens shared by no copy of the others);
+        with `weights`, `parts` records each one's rows and weight (a mixture's train split). They
+        must agree on seq_len, packing and the document mask."""
+        first = datasets[0]
+        for ds in datasets[1:]:
+            if (ds.seq_len, ds.packed, ds.document_mask) != (first.seq_len, first.packed, first.document_mask):
+                raise ValueError(f"{ds.source} is packed {'in rows' if ds.packed else 'one example a row'} where "
+                                 f"{first.source} is {'packed in rows' if first.packed else 'one example a row'}")
+        sizes = torch.tensor([0] + [int(ds.tokens.numel()) for ds in datasets[:-1]]).cumsum(0)
+        docs = None if first.doc_starts is None else torch.cat([ds.doc_starts for ds in datasets])
+        rows = [0] + [len(ds) for ds in datasets]
+        parts = () if weights is None else tuple((sum(rows[:i + 1]), rows[i + 1], float(w))
+                                                 for i, w in enumerate(weights))
+        return cls(torch.cat([ds.tokens for ds in datasets]), torch.cat([ds.targets for ds in datasets]),
+                   torch.cat([ds.starts + int(off) for ds, off in zip(datasets, sizes)]),
+                   torch.cat([ds.lengths for ds in datasets]), first.seq_len, first.packed,
+                   num_examples=sum(ds.num_examples for ds in datasets),
+                   num_truncated=sum(ds.num_truncated for ds in datasets),
+                   num_dropped=sum(ds.num_dropped for ds in datasets), doc_starts=docs,
+                   document_mask=first.document_mask, parts=parts, **info)  # type: ignore[arg-type]
 
     def window(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Row ``index`` as (ids [L] int64, targets [L] bool, doc_starts [L] bool or None)."""

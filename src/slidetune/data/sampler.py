@@ -17,6 +17,11 @@ class BatchSampler:
     No state is carried between calls, so the same index gives the same batch in any process:
     step k's micro-batch j is ``batch(k * grad_accum + j)``, before and after a resume. The
     last incomplete batch of an epoch is dropped (every batch has B rows).
+
+    A mixture of sources (`dataset.parts`, mixture.py): epoch e's order is position j's source by
+    `mixture.interleave` (the same every epoch), taking that source's next row in its own order,
+    ``randperm(n_s)`` seeded by (seed, source, round), the source's rows going round as often as its
+    share asks. A pure function of (seed, index) as well.
     """
 
     def __init__(self, dataset: TokenDataset, batch_size: int, seed: int, pad_id: int):
@@ -48,11 +53,31 @@ class BatchSampler:
     def permutation(self, epoch: int) -> torch.Tensor:
         """[N] int64: the row order of ``epoch``."""
         if self._perm_epoch != epoch:
-            g = torch.Generator().manual_seed(self.seed + epoch)
-            self._perm = torch.randperm(len(self.dataset), generator=g)
+            if self.dataset.parts:
+                self._perm = self._mixture_order(epoch)
+            else:
+                g = torch.Generator().manual_seed(self.seed + epoch)
+                self._perm = torch.randperm(len(self.dataset), generator=g)
             self._perm_epoch = epoch
         assert self._perm is not None
         return self._perm
+
+    def _mixture_order(self, epoch: int) -> torch.Tensor:
+        """[N] int64 the rows of a mixture epoch (the class docstring)."""
+        from .mixture import epoch_counts, interleave
+        parts = self.dataset.parts
+        counts = epoch_counts([w for _, _, w in parts], len(self.dataset))
+        labels = interleave(counts)                                   # [N] the source at each position
+        order = torch.empty(len(self.dataset), dtype=torch.int64)
+        for s, ((start, n, _), c) in enumerate(zip(parts, counts)):
+            k = epoch * c + torch.arange(c, dtype=torch.int64)         # the source's draws this epoch
+            rows = torch.empty(c, dtype=torch.int64)
+            for q in torch.unique(k // n).tolist():                   # the source's rounds they fall in
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + 104_729 * (s + 1) + q)
+                take = (k // n) == q
+                rows[take] = start + torch.randperm(n, generator=g)[k[take] % n]
+            order[labels == s] = rows
+        return order
 
     def rows(self, index: int) -> list[int]:
         """The dataset rows of batch ``index``."""

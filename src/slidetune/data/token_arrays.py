@@ -159,6 +159,7 @@ class TokenArrayDataset:
     split: str = "train"
     packed: bool = True
     format: str = "tokens"
+    parts: tuple = ()           # one source: a mixture (mixture.py) mixes record sources only
 
     @property
     def source(self) -> str:
