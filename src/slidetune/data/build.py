@@ -360,6 +360,9 @@ def _build_mixture(mixed: MixedSource, cfg: DataConfig, tokenizer: Any, vocab_si
     for part in mixed.sources:
         train, heldout = build_datasets(dataclasses.replace(cfg, path=part.name), tokenizer, vocab_size=vocab_size,
                                         source=part)
+        if not len(train):
+            raise DataError(f"--data {mixed.name!r}: {part.name} leaves no training row (all of it held out or "
+                            f"dropped); give it more data or leave it out of the mixture")
         trains.append(train)
         helds += [heldout] if len(heldout) else []
     try:
