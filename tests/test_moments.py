@@ -15,6 +15,7 @@ from slidetune.engine.fit import estimate_memory
 from slidetune.engine.placement import PlacementPlan, unit_shapes
 from test_checkpoint import make_engine, masters, optim, shut, train
 from test_checkpoint_integrity import assert_bit_exact
+from test_disk_tier import state as _state
 from test_train_errors import COMMON, run_cli, small_corpus  # noqa: F401 (small_corpus: COMMON's --data)
 
 pytestmark = pytest.mark.skipif(native_adamw.load_compact() is None, reason="no C compiler with OpenMP")
@@ -171,16 +172,6 @@ def test_the_disk_tier_keeps_the_format_bit_exact_against_ram(tmp_path, engines,
     load_checkpoint(back, ckpt)
     _identical(_state(back), b)
     assert train(back, range(3, 5), 2) == train(ram, range(3, 5), 2)
-
-
-def _state(eng) -> dict[str, torch.Tensor]:
-    """Masters and optimizer state by name, the disk tier's read back through it."""
-    from slidetune.engine.slide.disk_tier import StreamedTensor
-    eng.synchronize()
-    out = {k: v.materialize() if isinstance(v, StreamedTensor) else v.clone() for k, v in eng.named_master_params()}
-    for k, t in eng.optimizer_tensors().items():
-        out[k] = t.materialize() if isinstance(t, StreamedTensor) else t.clone()
-    return out
 
 
 def test_an_8bit_chunk_starts_on_a_block():

@@ -7,8 +7,9 @@ The process re-executes itself through torch.distributed.run (torchrun), one hos
 
 `torchrun --nproc-per-node N -m -- slidetune.cli train ...` is the same run started by hand (and the
 way to span hosts). The `--` ends torchrun's own options: without it torchrun's parser takes any of
-the run's flags that abbreviate one of its own (`--master bf16`: `--master-addr`?) and refuses it. Each rank takes the GPU of its LOCAL_RANK (ranks.Ranks.start); `--device cpu`
-starts N CPU processes over gloo instead (for tests: the same code paths without GPUs).
+the run's flags that abbreviate one of its own (`--master bf16`: `--master-addr`?) and refuses it.
+Each rank takes the GPU of its LOCAL_RANK (ranks.Ranks.start); `--device cpu` starts N CPU
+processes over gloo instead (for tests: the same code paths without GPUs).
 """
 from __future__ import annotations
 

@@ -61,9 +61,9 @@ class TokenDataset:
     @classmethod
     def concat(cls, datasets: list["TokenDataset"], weights: list[float] | None = None, **info: object
                ) -> "TokenDataset":
-        """The rows of `datasets` one after the other (their tokens shared by no copy of the others);
-        with `weights`, `parts` records each one's rows and weight (a mixture's train split). They
-        must agree on seq_len, packing and the document mask."""
+        """The rows of `datasets` one after the other, in new tensors; with `weights`, `parts` records
+        each one's rows and weight (a mixture's train split). They must agree on seq_len, packing and
+        the document mask."""
         first = datasets[0]
         for ds in datasets[1:]:
             if (ds.seq_len, ds.packed, ds.document_mask) != (first.seq_len, first.packed, first.document_mask):

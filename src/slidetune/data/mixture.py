@@ -47,7 +47,6 @@ class MixedSource:
     name: str                                   # the --data value
     sources: list[Source]
     weights: list[float]
-    eval_source: Source | None = None           # never: --eval-data is refused with a mixture
     format: str = field(init=False)
 
     def __post_init__(self):

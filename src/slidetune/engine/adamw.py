@@ -301,7 +301,7 @@ class FlatAdamW:
         native_adamw.update_compact(
             params, moments[0], moments[1], grad,
             lr=lr, beta1=self.cfg.beta1, beta2=self.cfg.beta2, eps=self.cfg.eps,
-            weight_decay=self.cfg.weight_decay, step=int(self.step_count), scales=scales if fmt.moment_block else None,
+            weight_decay=self.cfg.weight_decay, step=int(self.step_count), scales=scales,
             decay_end=min(n, max(0, self.n_decay - start)), seed=self.seed, offset=start,
             schedule=self.kernel, grad_scale=float(grad_scale), part=part)
 
