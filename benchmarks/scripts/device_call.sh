@@ -49,7 +49,10 @@ if [ "${1:-}" = "--collect" ]; then
   while [ ! -f $D/DONE ] && [ $(( $(date +%s) - t0 )) -lt $wait_s ]; do sleep 5; done
   # the running job's files too (a fresh tarball of the sweep's folder, not the one made after the last
   # finished job): on 2026-11-28 a 32B's one-GPU row finished inside a job whose machine went back
-  if [ -f $D/results_dir ] && [ -d "$(cat $D/results_dir)" ]; then tar czf $OUT/results.tar.gz -C "$(cat $D/results_dir)" . 2>/dev/null
+  # (a running job's checkpoints, final models and tensorboard logs left out: on 2026-11-29 eight SmolLM2 runs'
+  # checkpoints made the tarball pass 16 MiB and the call its limit)
+  if [ -f $D/results_dir ] && [ -d "$(cat $D/results_dir)" ]; then
+    tar czf $OUT/results.tar.gz --exclude=checkpoints --exclude=final --exclude=tensorboard -C "$(cat $D/results_dir)" . 2>/dev/null
   else cp $D/results.tar.gz $OUT/ 2>/dev/null; fi
   cp $D/sweep.log $OUT/ 2>/dev/null; [ -f $D/DONE ] && echo "[device_call] sweep done" || echo "[device_call] sweep still running"
   tail -40 $D/sweep.log; exit 0
