@@ -90,3 +90,29 @@ def test_what_a_mixture_does_not_take_is_refused(tmp_path, tok):
     np.save(np_path, np.arange(100, dtype=np.uint32))
     with pytest.raises(DataError, match="ids.npy is pre-tokenized"):
         build_datasets(DataConfig(path=f"{a}:1,{np_path}:1", seq_len=16), tok)
+
+
+def test_a_config_file_lists_a_mixture_as_path_and_weight_items(tmp_path):
+    """`data:` as a list in a config file (top level or the data section's `path:`) is the same
+    mixture as `--data a:0.7,b:0.3`; a malformed item is refused naming the file and the item."""
+    from slidetune.config import load_yaml
+    a, b = _sources(tmp_path)
+    forms = {
+        "top.yaml": f"data:\n  - {{path: '{a}', weight: 0.7}}\n  - {{path: '{b}', weight: 0.3}}\n",
+        "section.yaml": f"data:\n  path:\n    - {{path: '{a}', weight: 0.7}}\n    - '{b}:0.3'\n",
+    }
+    for name, text in forms.items():
+        (tmp_path / name).write_text(text)
+        assert load_yaml(tmp_path / name)["data"]["path"] == f"{a}:0.7,{b}:0.3", name
+    assert parse_mixture(load_yaml(tmp_path / "top.yaml")["data"]["path"]) == [(str(a), 0.7), (str(b), 0.3)]
+    bad = {
+        "one.yaml": (f"data:\n  - {{path: '{a}', weight: 1}}\n", "at least two items"),
+        "noweight.yaml": (f"data:\n  - '{a}'\n  - '{b}:1'\n", r"data item 1 \(.*\) has no weight"),
+        "zero.yaml": (f"data:\n  - {{path: '{a}', weight: 0}}\n  - '{b}:1'\n", "data item 1 .* weight 0 must be"),
+        "keys.yaml": (f"data:\n  - {{file: '{a}', weight: 1}}\n  - '{b}:1'\n", r"data item 1 .* is not \{path"),
+        "comma.yaml": (f"data:\n  - {{path: 'x,y', weight: 1}}\n  - '{b}:1'\n", "without a comma"),
+    }
+    for name, (text, message) in bad.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=f"{name}.*{message}"):
+            load_yaml(tmp_path / name)

@@ -36,6 +36,7 @@ from typing import Literal
 from . import hf_names
 from .config_file import read_config_file
 from .data.config import DataConfig
+from .data.mixture import mixture_spec
 from .engine.adamw import FP32_ADAMW, AdamWConfig
 from .engine.config import SECTIONS, TUNING_SECTION, RuntimeConfig, literal_choices, runtime_fields, tuning_docs
 from .fields import FLAG_NAMES, FieldTypeError, base_type, check_fields
@@ -581,8 +582,8 @@ def _flatten_yaml(loaded: dict, source: str) -> dict:
         elif k == "optim" and isinstance(value, str):     # the HF Trainer's optimizer name, not the section
             hf_names.translate(k, value, source)
         elif k in _SECTIONS:
-            if k == "data" and (value is None or isinstance(value, str)):
-                put("data.path", value, key)          # `data: train.jsonl`, as the --data flag
+            if k == "data" and (value is None or isinstance(value, (str, list))):
+                put("data.path", _data_path(value, source), key)     # `data: train.jsonl`, as --data
                 continue
             if not isinstance(value, dict):
                 raise ValueError(f"{source}: section {k!r} must be a mapping of its fields, got {value!r}")
@@ -591,7 +592,7 @@ def _flatten_yaml(loaded: dict, source: str) -> dict:
                 s2 = str(sub).replace("-", "_")
                 if s2 not in names:
                     raise ValueError(f"{source}: unknown {k} field {sub!r}; known: {sorted(names)}")
-                put(f"{k}.{s2}", v, f"{k}.{sub}")
+                put(f"{k}.{s2}", _data_path(v, source) if f"{k}.{s2}" == "data.path" else v, f"{k}.{sub}")
         elif hf_names.is_theirs(k):               # TRL's / the HF Trainer's name (hf_names.py)
             path, mapped = hf_names.translate(k, value, source)
             if path is not None:
@@ -607,6 +608,11 @@ def _flatten_yaml(loaded: dict, source: str) -> dict:
         _note_deprecated(f"{source}: placing tuning knobs ({named}) outside the `{TUNING_SECTION}:` section",
                          f"`{TUNING_SECTION}: {{{moved[0].split('.')[-1]}: ...}}`")
     return flat
+
+
+def _data_path(value, source: str):
+    """data.path as a config file gives it: a path, or a mixture's list of sources (mixture.py)."""
+    return mixture_spec(value, source) if isinstance(value, list) else value
 
 
 def _apply(cfg_dict: dict, path: str, value) -> None:

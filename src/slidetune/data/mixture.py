@@ -1,4 +1,5 @@
-"""Several data sources mixed with weights: `--data a.jsonl:0.7,b/:0.3` (issue 48).
+"""Several data sources mixed with weights: `--data a.jsonl:0.7,b/:0.3`, or in a config file
+`data: [{path: a.jsonl, weight: 0.7}, {path: b/, weight: 0.3}]` (issue 48).
 
 Each source is read, split (its own held-out share) and tokenized as it would be alone; the train
 rows of all of them are one `TokenDataset` whose `parts` say where each source's rows are and its
@@ -39,6 +40,36 @@ def parse_mixture(path: str | None) -> list[tuple[str, float]] | None:
         parts.append((where, w))
     total = sum(w for _, w in parts)
     return [(p, w / total) for p, w in parts]
+
+
+def mixture_spec(value: object, source: str) -> str:
+    """A config file's list form of a mixture -> the `--data` form parse_mixture reads:
+    [{path: a.jsonl, weight: 0.7}, {path: b/, weight: 0.3}] (or "a.jsonl:0.7" items) ->
+    "a.jsonl:0.7,b/:0.3". ValueError naming the file and the item for anything else."""
+    if not isinstance(value, list) or len(value) < 2:
+        raise ValueError(f"{source}: data: a list of sources needs at least two items, each "
+                         f"{{path: PATH, weight: W}}; one source is given as `data: PATH`")
+    parts = []
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            where, sep, weight = item.rpartition(":")
+            if not sep:
+                raise ValueError(f"{source}: data item {i + 1} ({item!r}) has no weight: PATH:WEIGHT or "
+                                 f"{{path: PATH, weight: W}}")
+        elif isinstance(item, dict) and set(item) == {"path", "weight"}:
+            where, weight = item["path"], item["weight"]
+        else:
+            raise ValueError(f"{source}: data item {i + 1} ({item!r}) is not {{path: PATH, weight: W}}")
+        if not isinstance(where, str) or not where or "," in where:
+            raise ValueError(f"{source}: data item {i + 1}: path {where!r} must be a non-empty path without a comma")
+        try:
+            w = float(weight)
+        except (TypeError, ValueError):
+            w = math.nan
+        if not (w > 0 and math.isfinite(w)):
+            raise ValueError(f"{source}: data item {i + 1} ({where}): weight {weight!r} must be a number > 0")
+        parts.append(f"{where}:{weight}")
+    return ",".join(parts)
 
 
 @dataclass
