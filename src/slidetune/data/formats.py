@@ -114,7 +114,7 @@ class Source:
 
 # the record fields a ColumnMap may name (every format's keys)
 RECORD_FIELDS = frozenset({"messages", "tools", "conversations", "system", "instruction", "input", "output",
-                           "prompt", "completion", "text"})
+                           "prompt", "completion", "text", "chosen", "rejected"})     # (pairs: preference.py)
 
 
 @dataclass(frozen=True)
@@ -260,6 +260,11 @@ def parse_record(record: Any, where: str, columns: ColumnMap | None = None) -> E
     if columns is not None:
         record = columns.apply(record, where)
     fmt = detect_format(record.keys())
+    if fmt is None and {"chosen", "rejected"} <= set(record):
+        # a preference pair (data/preference.py) in a supervised run, which trains one completion
+        raise DataError(f"{where}: a preference record (chosen/rejected) is not supervised fine-tuning data; "
+                        f"to fine-tune on the chosen side, rename it: --data-columns chosen=completion "
+                        f"(with a 'prompt' field)")
     if fmt is None:
         raise DataError(f"{where}: keys {sorted(record.keys())} match no known format; "
                         f"accepted key sets: {_ACCEPTED}")
