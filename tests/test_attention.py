@@ -110,3 +110,30 @@ def test_hf_model_uses_band():
     # mask backend agrees with blocked inside the model
     model.config.local_backend = "mask"
     torch.testing.assert_close(model(ids).logits, local)
+
+
+def test_the_backend_probe_times_and_checks_each_kernel_it_can_run(tmp_path):
+    """benchmarks/scripts/attention_backends.py (device_call.sh attnbackends) on the CPU at a small
+    GQA shape: a backend that runs gets a row a length with its rate and its error against the
+    math backend in FP32 (the math backend itself in BF16 within 3x flash's); one this build
+    cannot run (memory-efficient on the CPU) is named with its error."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "attn.json"
+    subprocess.run([sys.executable, str(root / "benchmarks/scripts/attention_backends.py"), str(out), "--device", "cpu",
+                    "--seq-lens", "128,256", "--tokens", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "32",
+                    "--backends", "flash,efficient,math"],
+                   check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root / "src")})
+    report = json.loads(out.read_text())
+    assert report["backends"]["flash"]["runs"] and report["backends"]["math"]["runs"]
+    assert not report["backends"]["efficient"]["runs"] and "No viable backend" in report["backends"]["efficient"]["error"]
+    rows = {(r["backend"], r["seq"]): r for r in report["rows"]}
+    assert set(rows) == {(b, s) for b in ("flash", "math") for s in (128, 256)}
+    for r in rows.values():
+        assert r["forward_tflops"] > 0 and r["backward_tflops"] > 0 and r["correct"]
+        assert 0 < max(r["max_error_vs_math_fp32"].values()) < 0.1        # BF16 against FP32
+    assert set(report["fastest_correct"]) == {"128", "256"}          # (JSON keys: the lengths as strings)

@@ -2,7 +2,7 @@
 # Run on the GPU machine (device tool) from the repo root: each argument is one job.
 # Results go to $OUT/results.tar.gz (the device tool returns at most 8 files).
 #   jobs: stash | pipeline | train | trainresume (train --gpus N, killed, resumed) | savetests | asyncab (issue 33) | savestreams (the optimizer state in 1 or 2 files) | shardab (sharded layers = device layers, 2 GPUs) | trainrun@TAG (TRAINRUN_ARGS_TAG) | equivalence | runtime | throughput | throughput@TAG | scaling | scaling@TAG
-#         | hostinfo | compactrate (COMPACTRATE_ARGS: the host AdamW's rate per state format and part) | quality (QUALITY_ARGS:
+#         | hostinfo | attnbackends (ATTN_ARGS: attention kernels' rates and errors) | compactrate (COMPACTRATE_ARGS: the host AdamW's rate per state format and part) | quality (QUALITY_ARGS:
 #           each state format's held-out loss on SmolLM2, stash first) | desktop64 (DESKTOP_ARGS: a 64 GiB host, 24 GiB GPU) | rankmem (RANKMEM_ARGS: a rank's host memory by stage, 1 and N processes) | techniques
 #         | layermem (LAYERMEM_ARGS: one layer's time and peak GPU memory, HF's and the lean layer, torch's or
 #           Liger's kernels (a liger-kernel wheel in .whl/); --profile: GPU time by kernel class)
@@ -287,6 +287,10 @@ PY
              echo; lscpu | grep -E "^CPU\(s\)|Model name|NUMA|Socket|Thread"; echo; free -g; echo; df -h /dev/shm /tmp
              echo; env | grep -E "^NCCL_|^TORCH_SYMM|^NVSHMEM" | sort; } > $R/hostinfo.txt 2>&1; cat $R/hostinfo.txt ;;
     techniques) python -m slidetune.cli bench techniques --out $R/techniques ${TECHNIQUES_ARGS:-} ;;
+    attnbackends) # issue 45: each attention kernel (SDPA's flash, cuDNN, memory-efficient; FlexAttention) on causal
+          # GQA at 1K-128K tokens, forward and backward TFLOP/s and its error against the math backend in FP32
+          # (ATTN_ARGS, e.g. "--heads 64 --kv-heads 8" for a 32B's attention)
+          python benchmarks/scripts/attention_backends.py $R/attention_backends.json ${ATTN_ARGS:-} ;;
     compactrate) # issue 46: the host AdamW kernels' rates for each state format (FP32, BF16 and 8-bit moments, FP32
           # or BF16 master) at several thread counts, over 256 M params (far past the caches): is 8-bit DRAM- or compute-bound here
           python benchmarks/scripts/compact_adamw_rate.py $R/compact_adamw_rate.json --params 256e6 ${COMPACTRATE_ARGS:---threads 1,8,15,16 --parts all,params,moments} ;;
