@@ -3,10 +3,14 @@ the implicit prompt by TRL's rule, and the errors that name the record and the f
 from __future__ import annotations
 
 import pytest
+import torch
 
 from slidetune.data import DataError
 from slidetune.data.formats import ColumnMap, Segment, parse_record
-from slidetune.data.preference import implicit_prompt, is_preference, parse_pair
+from slidetune.data.preference import (collate_pairs, drop_unscored, implicit_prompt, is_preference, parse_pair,
+                                       tokenize_pair)
+from test_chat_templates import PHI35_PUBLISHED, QWEN3_PUBLISHED, byte_tokenizer
+from test_data import make_tokenizer
 
 USER = {"role": "user", "content": "What color is the sky?"}
 BLUE = {"role": "assistant", "content": "It is blue."}
@@ -76,3 +80,82 @@ def test_sft_names_a_preference_record_and_the_rename_that_trains_its_chosen_sid
     renamed = parse_record({"prompt": "P", "chosen": " a", "rejected": " b"}, "line 2",
                            ColumnMap.parse("chosen=completion"))
     assert renamed.segments == [Segment("P", False), Segment(" a", True)]
+
+
+# --- tokens as TRL's DPOTrainer makes them (trl pinned in the test extra) ---------------------
+
+STANDARD = [{"prompt": "a b c", "chosen": " d e", "rejected": " f"},
+            {"prompt": "a", "chosen": " b", "rejected": " c d e f g h"}]
+STANDARD_IMPLICIT = [{"chosen": "a b c d", "rejected": "a b c e f"}, {"chosen": "a b", "rejected": "a c d"}]
+SECOND = {"role": "assistant", "content": "Green, mostly."}
+CHATS = [{"prompt": [{"role": "system", "content": "Be brief."}, USER], "chosen": [BLUE], "rejected": [GREEN]},
+         {"prompt": [USER, BLUE, {"role": "user", "content": "Sure?"}],
+          "chosen": [{"role": "assistant", "content": "Yes."}], "rejected": [{"role": "assistant", "content": "No."}]}]
+CHATS_IMPLICIT = [{"chosen": [USER, BLUE], "rejected": [USER, SECOND]},
+                  {"chosen": [{"role": "system", "content": "Be brief."}, USER, GREEN],
+                   "rejected": [{"role": "system", "content": "Be brief."}, USER, BLUE]}]
+
+
+def _trl(records, tokenizer, max_length):
+    """TRL's own preprocessing (DPOTrainer._prepare_dataset: prompt extraction, EOS, tokenizing, the
+    drop of fully cut pairs) and collator, on `records`."""
+    import tempfile
+    import types
+
+    from datasets import Dataset
+    from trl import DPOConfig
+    from trl.trainer.dpo_trainer import DataCollatorForPreference, DPOTrainer
+    args = DPOConfig(output_dir=tempfile.mkdtemp(), report_to=[], max_length=max_length, bf16=False, use_cpu=True,
+                     dataset_num_proc=None)
+    trainer = types.SimpleNamespace(_tokenizer=tokenizer, _is_vision_dataset=False)
+    ds = DPOTrainer._prepare_dataset(trainer, Dataset.from_list(records), tokenizer, args, "train")
+    rows = [{k: r[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for r in ds]
+    if not rows:                                      # every pair left out: nothing to collate
+        return rows, None
+    return rows, DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=max_length)(rows)
+
+
+def _ours(records, tokenizer, max_length):
+    pairs = [tokenize_pair(parse_pair(r, f"line {i + 1}"), tokenizer) for i, r in enumerate(records)]
+    pairs = drop_unscored(pairs, max_length, "test")
+    rows = [{"prompt_ids": p.prompt, "chosen_ids": p.chosen, "rejected_ids": p.rejected} for p in pairs]
+    return rows, collate_pairs(pairs, tokenizer.pad_token_id, max_length) if pairs else None
+
+
+@pytest.mark.parametrize("case", ["standard", "qwen3", "phi35"])
+@pytest.mark.parametrize("implicit", [False, True])
+@pytest.mark.parametrize("max_length", [None, 4, 12])
+def test_pairs_tokenize_and_collate_as_trls_dpo_trainer(case, implicit, max_length):
+    """Each of TRL's preference formats (a dataset is all explicit or all implicit prompts, as TRL
+    reads it), with and without max_length, on a word tokenizer and two published chat templates:
+    the same prompt, chosen and rejected ids, the same dropped pairs, the same batch tensors."""
+    if case == "standard":
+        tokenizer, records = make_tokenizer(), STANDARD_IMPLICIT if implicit else STANDARD
+    elif case == "qwen3":
+        tokenizer = byte_tokenizer(QWEN3_PUBLISHED, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
+                                   eos_token="<|im_end|>", pad_token="<|endoftext|>")
+        records = CHATS_IMPLICIT if implicit else CHATS
+    else:
+        tokenizer = byte_tokenizer(PHI35_PUBLISHED, ["<s>", "<unk>", "<|endoftext|>", "<|system|>", "<|user|>",
+                                                     "<|assistant|>", "<|end|>"],
+                                   bos_token="<s>", eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+        records = CHATS_IMPLICIT if implicit else CHATS
+    length = None if max_length is None else max_length * (1 if case == "standard" else 12)
+    theirs_rows, theirs = _trl(records, tokenizer, length)
+    ours_rows, ours = _ours(records, tokenizer, length)
+    assert ours_rows == theirs_rows
+    if theirs is not None:
+        assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_a_fixed_width_pads_every_batch_alike():
+    tok = make_tokenizer()
+    pairs = [tokenize_pair(parse_pair(r, "line"), tok) for r in STANDARD]
+    wide = collate_pairs(pairs, tok.pad_token_id, pad_to=16)
+    tight = collate_pairs(pairs, tok.pad_token_id)
+    assert wide["input_ids"].shape == (4, 16)
+    s = tight["input_ids"].shape[1]
+    assert all(torch.equal(wide[k][:, :s], tight[k]) for k in tight)
+    assert not wide["attention_mask"][:, s:].any() and (wide["input_ids"][:, s:] == tok.pad_token_id).all()
+    with pytest.raises(ValueError, match="longer than pad_to = 4"):
+        collate_pairs(pairs, tok.pad_token_id, pad_to=4)

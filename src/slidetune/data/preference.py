@@ -13,14 +13,27 @@ loss, the completion in it; a conversational side is one chat whose prompt turns
 (rendered with the chat template as SFT chats are). A record whose fields are missing, of mixed
 kinds, equal on both sides, or leave a side with nothing to score is refused naming the record
 and the field.
+
+Tokens (`tokenize_pair`) are made as TRL's DPOTrainer makes them (trl 1.16, the version the tests
+pin), so a pair's ids are TRL's: the prompt alone, prompt + chosen and prompt + rejected each
+tokenized whole (a standard record's completions end with EOS; a conversation is rendered with the
+chat template, the prompt with the generation prompt), each completion starting where its ids
+leave the prompt's. `collate_pairs` is TRL's collator: every sequence cut to `max_length` (its
+start kept), the chosen rows then the rejected rows, padded on the right, a completion mask
+marking the tokens scored; `drop_unscored` leaves out the pairs whose prompt fills `max_length`.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+import torch
+
 from .errors import DataError
 from .formats import ColumnMap, Example, parse_record
+
+log = logging.getLogger(__name__)
 
 PREFERENCE_KEYS = ("chosen", "rejected")
 
@@ -102,3 +115,102 @@ def parse_pair(record: Any, where: str, columns: ColumnMap | None = None) -> Pre
     sides = [parse_record({"prompt": prompt, "completion": side, **extra}, f"{where} ({key})")
              for key, side in (("chosen", chosen), ("rejected", rejected))]
     return PreferencePair(where, sides[0], sides[1], implicit)
+
+
+@dataclass(frozen=True)
+class TokenizedPair:
+    """A pair's token ids: the prompt both sides share, then each side's completion."""
+    where: str
+    prompt: list[int]
+    chosen: list[int]
+    rejected: list[int]
+    prompt_cut: int = 0      # prompt tokens the completions re-render (the template or a merge)
+
+
+def _ids(tokenizer: Any, value: str | list, template: dict, generation_prompt: bool, where: str) -> list[int]:
+    """Token ids of a string (the tokenizer's own special tokens added) or of a conversation
+    (rendered with the chat template), as TRL's `_tokenize`."""
+    try:
+        if isinstance(value, list):
+            out = tokenizer.apply_chat_template(value, tokenize=True, return_dict=True,
+                                                add_generation_prompt=generation_prompt, **template)
+        else:
+            out = tokenizer(text=value)
+    except Exception as e:         # a template's own errors ("roles must alternate") come as many types
+        raise DataError(f"{where}: tokenizing failed: {type(e).__name__}: {e}") from e
+    return list(out["input_ids"])
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def tokenize_pair(pair: PreferencePair, tokenizer: Any, chat_template: str | None = None) -> TokenizedPair:
+    """The pair's ids as TRL's DPOTrainer makes them (module docstring). `chat_template`: a
+    template to render conversations with instead of the tokenizer's (--chat-template)."""
+    if pair.chosen.messages is not None:
+        turns = pair.chosen.prompt_turns
+        prompt = pair.chosen.messages[:turns]
+        sides = [pair.chosen.messages[turns:], pair.rejected.messages[turns:]]
+        template = {k: v for k, v in (("tools", pair.chosen.tools), ("chat_template", chat_template)) if v}
+        prompt_ids = _ids(tokenizer, prompt, template, True, pair.where)
+        full = [_ids(tokenizer, prompt + side, template, False, f"{pair.where} ({name})")
+                for side, name in zip(sides, PREFERENCE_KEYS)]
+    else:
+        prompt = pair.chosen.segments[0].text
+        eos = getattr(tokenizer, "eos_token", None)
+        sides = [ex.segments[1].text for ex in (pair.chosen, pair.rejected)]
+        if eos:
+            sides = [side if side.endswith(eos) else side + eos for side in sides]
+        prompt_ids = _ids(tokenizer, prompt, {}, False, pair.where)
+        full = [_ids(tokenizer, prompt + side, {}, False, f"{pair.where} ({name})")
+                for side, name in zip(sides, PREFERENCE_KEYS)]
+    n = min(_common_prefix(prompt_ids, ids) for ids in full)
+    chosen, rejected = (ids[n:] for ids in full)
+    for ids, name in ((chosen, "chosen"), (rejected, "rejected")):
+        if not ids:
+            raise DataError(f"{pair.where}: '{name}' adds no token to the prompt once tokenized")
+    return TokenizedPair(pair.where, prompt_ids[:n], chosen, rejected, len(prompt_ids) - n)
+
+
+def drop_unscored(pairs: list[TokenizedPair], max_length: int | None, source: str) -> list[TokenizedPair]:
+    """The pairs with a token left to score once cut to `max_length` (TRL drops a pair whose prompt
+    fills it: its start is kept, so neither completion would be). Says how many went."""
+    if max_length is None:
+        return pairs
+    kept = [p for p in pairs if len(p.prompt) < max_length]
+    if len(kept) < len(pairs):
+        log.warning("%s: %d of %d pairs left out: their prompt fills max_length = %d tokens, so no completion "
+                    "token would be scored", source, len(pairs) - len(kept), len(pairs), max_length)
+    return kept
+
+
+def collate_pairs(pairs: list[TokenizedPair], pad_id: int, max_length: int | None = None,
+                  pad_to: int | None = None) -> dict[str, torch.Tensor]:
+    """A batch of B pairs as TRL's DataCollatorForPreference makes it: input_ids, attention_mask
+    and completion_mask, each [2B, S] (rows 0..B-1 prompt + chosen, B..2B-1 prompt + rejected), every
+    sequence cut to its first `max_length` tokens, padded on the right to the longest (or to
+    `pad_to`, a fixed width)."""
+    rows, masks = [], []
+    for side in ("chosen", "rejected"):
+        for p in pairs:
+            completion = getattr(p, side)
+            rows.append((p.prompt + completion)[:max_length])
+            masks.append(([0] * len(p.prompt) + [1] * len(completion))[:max_length])
+    width = max(len(r) for r in rows) if pad_to is None else pad_to
+    if any(len(r) > width for r in rows):
+        raise ValueError(f"collate_pairs: a sequence of {max(len(r) for r in rows)} tokens is longer than "
+                         f"pad_to = {pad_to}")
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)          # [2B, S]
+    attention = torch.zeros((len(rows), width), dtype=torch.long)           # [2B, S]
+    completion = torch.zeros((len(rows), width), dtype=torch.long)          # [2B, S]
+    for i, (r, m) in enumerate(zip(rows, masks)):
+        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        attention[i, :len(r)] = 1
+        completion[i, :len(m)] = torch.tensor(m, dtype=torch.long)
+    return {"input_ids": ids, "attention_mask": attention, "completion_mask": completion}
