@@ -470,3 +470,71 @@ def test_gpu_direct_grads_with_norm_match_reference(impl, dtype):
         rel = ((g.float() - r).norm() / r.norm()).item()
         rel_own = ((o.float() - r).norm() / r.norm()).item()
         assert rel < max(2 * rel_own, 1e-2), (rel, rel_own)
+
+
+# ---------------------------------------------------------------------------- per-token passes
+
+
+@pytest.mark.parametrize("impl", ["full", "chunked"])
+@pytest.mark.parametrize("chunk_tokens", [1, 5, 1000])
+@pytest.mark.parametrize("transform", [LogitTransform(), LogitTransform(scale=0.5, softcap=2.0)], ids=["id", "cap"])
+def test_token_losses_are_the_rows_the_head_sums(impl, chunk_tokens, transform):
+    """linear_token_losses: each token's CE, 0 for ignored ones, the rows linear_cross_entropy sums,
+    with the final norm inside the chunks too."""
+    from slidetune.ops.cross_entropy import RowNorm, linear_token_losses
+    hidden, weight, labels, bias = (t.detach() if t is not None else None for t in make_inputs(seed=5))
+    params = {"weight": 1 + 0.1 * torch.randn(hidden.shape[1], dtype=torch.float64)}
+    normed = _rms_norm(hidden, params)
+    rows = linear_token_losses(hidden, weight, labels, impl, chunk_tokens, bias, transform, RowNorm(_rms_norm, params))
+    ref = F.cross_entropy(transform.apply(F.linear(normed, weight, bias)), labels, ignore_index=IGNORE_INDEX,
+                          reduction="none")
+    assert rows.shape == labels.shape and not rows.requires_grad
+    assert_close(rows, ref, 1e-12)
+    assert (rows[labels == IGNORE_INDEX] == 0).all()
+    total = linear_cross_entropy(hidden, weight, labels, impl=impl, chunk_tokens=chunk_tokens, bias=bias,
+                                 transform=transform, norm=RowNorm(_rms_norm, params))
+    assert_close(rows.sum(), total, 1e-12)
+
+
+@pytest.mark.parametrize("impl", ["full", "chunked"])
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 1000])
+@pytest.mark.parametrize("objective", ["dpo", "ipo", "simpo", "orpo"])
+def test_two_passes_give_the_preference_losss_gradients(impl, chunk_tokens, objective):
+    """The preference head in two passes (token CE, then gradients with each token scaled by minus
+    its sequence's coefficient) gives autograd's gradients of the preference term through the full
+    logits: hidden, weight, bias and the norm's parameters, FP64, ignored (prompt) tokens present."""
+    from slidetune.objectives.preference import PreferenceConfig, coefficients, pair_loss
+    from slidetune.ops.cross_entropy import RowNorm, linear_cross_entropy_grads, linear_token_losses
+    seqs, length = 6, 9                                        # 3 pairs: rows 0-2 chosen, 3-5 rejected
+    hidden, weight, labels, bias = make_inputs(n=seqs * length, ignore_frac=0.3, seed=7)
+    params = {"weight": (1 + 0.1 * torch.randn(hidden.shape[1], dtype=torch.float64)).requires_grad_()}
+    seq_of = torch.arange(seqs * length) // length             # [N] each token's sequence
+    cfg = PreferenceConfig(objective, beta=0.3)
+    ref_logps = torch.randn(seqs, dtype=torch.float64) * 3 - 20
+
+    def sums(token_ce):                                        # [N] -> the sequences' log-prob sums [S]
+        return -torch.zeros(seqs, dtype=token_ce.dtype).index_add(0, seq_of, token_ce)
+    tokens = torch.zeros(seqs, dtype=torch.long).index_add(0, seq_of, (labels != IGNORE_INDEX).long())
+    # autograd through the full logits
+    wrt = [hidden, weight, bias, params["weight"]]
+    rows = F.cross_entropy(F.linear(_rms_norm(hidden, params), weight, bias), labels, ignore_index=IGNORE_INDEX,
+                           reduction="none")
+    ref = torch.autograd.grad(pair_loss(cfg, sums(rows), tokens, ref_logps).loss, wrt)
+    # the two passes
+    norm = RowNorm(_rms_norm, {"weight": params["weight"].detach()})
+    token_ce = linear_token_losses(hidden.detach(), weight.detach(), labels, impl, chunk_tokens, bias.detach(),
+                                   norm=norm)
+    out, coef = coefficients(cfg, sums(token_ce), tokens, ref_logps)
+    row_scale = -coef[seq_of]                                  # d loss / d CE_t = -d loss / d logp_seq
+    _, g_h, g_w, g_b, g_n = linear_cross_entropy_grads(hidden.detach(), weight.detach(), labels, row_scale, impl,
+                                                       chunk_tokens, bias.detach(), norm=norm)
+    assert out.loss.item() == pytest.approx(pair_loss(cfg, sums(rows.detach()), tokens, ref_logps).loss.item())
+    for got, want in zip([g_h, g_w, g_b, g_n["weight"]], ref):
+        assert_close(got, want, 1e-10)
+
+
+def test_a_per_token_scale_must_cover_every_token():
+    from slidetune.ops.cross_entropy import linear_cross_entropy_grads
+    hidden, weight, labels, bias = (t.detach() if t is not None else None for t in make_inputs())
+    with pytest.raises(ValueError, match=r"scale \(5,\) does not match labels \(37,\)"):
+        linear_cross_entropy_grads(hidden, weight, labels, torch.ones(5, dtype=torch.float64))

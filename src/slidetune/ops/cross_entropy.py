@@ -42,6 +42,13 @@ output and their gradients (about (4 + 3b)*N*d: 2.5 GiB at 64K tokens x 4096). A
 norm gives each token the same values chunk by chunk; its weight gradient is summed over
 the chunks in FP32 (one chunk: exactly autograd's).
 
+Per-token passes (the preference objectives, objectives/preference.py): ``linear_token_losses``
+returns each token's cross-entropy [N] from the forward alone (a sequence's log-probability is
+minus its tokens' sum), and ``linear_cross_entropy_grads`` with a tensor ``scale`` [N] gives each
+token's gradients its own factor (a sequence's coefficient), multiplied into the chunk's logit
+gradient in FP32 on the fly and rounded once, so all of hidden, weight, bias and norm gradients
+carry it. A pair's loss needs both its sums before any gradient, hence the two passes.
+
 Logit transforms (``LogitTransform``), applied to the fp32 logits exactly where the
 model family's own forward applies them: z = scale * logits (Granite divides by
 ``logits_scaling``, Cohere multiplies by ``logit_scale``), then, with a softcap c,
@@ -169,7 +176,7 @@ def linear_cross_entropy_grads(
     hidden: torch.Tensor,  # [N, d] compute dtype
     weight: torch.Tensor,  # [V, d]
     labels: torch.Tensor,  # [N] int64; -100 = ignored
-    scale: float,  # d total / d loss (the engine's 1 / the step's tokens)
+    scale: float | torch.Tensor,  # d total / d loss (the engine's 1 / the step's tokens), or [N]: each token's
     impl: str = "chunked",
     chunk_tokens: int = 4096,
     bias: torch.Tensor | None = None,
@@ -180,7 +187,16 @@ def linear_cross_entropy_grads(
     loss of linear_cross_entropy, without an autograd graph: the chunked paths compute every
     gradient in their loop and scale it in place. (Through autograd, backward makes a scaled copy
     of each: the head's weight gradient V*d*b and the hidden one N*d*b more at the head's peak,
-    1.7 GiB for 152K x 4096 at 64K tokens.) Every gradient is computed; the loss is unscaled."""
+    1.7 GiB for 152K x 4096 at 64K tokens.) Every gradient is computed; the loss is unscaled.
+    A tensor `scale` [N] gives each token its own factor (the gradients of sum_t scale[t] x CE_t:
+    a preference objective's second pass, each sequence's tokens scaled by its coefficient); the
+    loss is still the plain sum. liger's kernel takes no such factor: the chunked torch one runs."""
+    per_token = isinstance(scale, torch.Tensor)
+    if per_token:
+        if scale.numel() != labels.numel():
+            raise ValueError(f"scale {tuple(scale.shape)} does not match labels {tuple(labels.shape)}")
+        if impl == "fused" and hidden.is_cuda and _fused_backend() == "liger":
+            impl = "chunked"
     if impl == "full" or (impl == "fused" and hidden.is_cuda and transform.is_identity
                           and _fused_backend() == "liger"):
         leaves = [t.detach().requires_grad_(True) for t in (hidden, weight)]
@@ -189,8 +205,14 @@ def linear_cross_entropy_grads(
             if norm is not None else None
         wrt = leaves + ([b_leaf] if b_leaf is not None else []) + (list(n_leaves.params.values()) if norm else [])
         with torch.enable_grad():
-            loss = linear_cross_entropy(leaves[0], leaves[1], labels, impl, chunk_tokens, b_leaf, transform, n_leaves)
-            grads = list(torch.autograd.grad(loss * scale, wrt))
+            if per_token:
+                rows = _full_rows(_normed(leaves[0], n_leaves), leaves[1], labels.reshape(-1).long(), b_leaf, transform)
+                loss, weighted = rows.sum(), (rows * scale.reshape(-1).to(rows.dtype)).sum()
+            else:
+                loss = linear_cross_entropy(leaves[0], leaves[1], labels, impl, chunk_tokens, b_leaf, transform,
+                                            n_leaves)
+                weighted = loss * scale
+            grads = list(torch.autograd.grad(weighted, wrt))
         g_h, g_w = grads[0].view_as(hidden), grads[1]
         g_b = grads[2] if b_leaf is not None else None
         g_n = dict(zip(norm.params, grads[2 + (b_leaf is not None):])) if norm is not None else {}
@@ -203,11 +225,39 @@ def linear_cross_entropy_grads(
     with torch.no_grad():             # as in a Function's forward: only the norm's chunks build graphs
         loss, g_h, g_w, g_b, *g_n = _chunked_loss_and_grads(flat_h, weight, bias, flat_y, chunk_tokens, kernel,
                                                            (True, True, True) + (True,) * len(names), transform,
-                                                           norm)
-        for g in (g_h, g_w, g_b, *g_n):     # in place: these tensors are ours alone
+                                                           norm, row_scale=scale.reshape(-1) if per_token else None)
+        for g in (g_h, g_w, g_b, *g_n) if not per_token else ():     # in place: these tensors are ours alone
             if g is not None:
                 _scale(g, scale, out=g)
     return loss, g_h.view_as(hidden), g_w, g_b, dict(zip(names, g_n))
+
+
+def linear_token_losses(
+    hidden: torch.Tensor,  # [N, d] compute dtype
+    weight: torch.Tensor,  # [V, d]
+    labels: torch.Tensor,  # [N] int64; -100 = ignored
+    impl: str = "chunked",
+    chunk_tokens: int = 4096,
+    bias: torch.Tensor | None = None,
+    transform: LogitTransform = IDENTITY,
+    norm: RowNorm | None = None,
+) -> torch.Tensor:
+    """Each token's cross-entropy [N] in the loss dtype (0 where ignored), the forward alone: no
+    graph, no gradient, one chunk of logits at a time. A preference objective's first pass (a
+    sequence's log-probability is minus the sum of its tokens'), whose coefficients then scale the
+    second pass (linear_cross_entropy_grads with a per-token scale). Equal to the rows whose sum
+    linear_cross_entropy returns, impl for impl ("full": F.cross_entropy over all logits)."""
+    flat_h, flat_y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).long()
+    with torch.no_grad():
+        if impl == "full":
+            return _full_rows(_normed(flat_h, norm), weight, flat_y, bias, transform)
+        kernel = "triton" if impl == "fused" and flat_h.is_cuda and transform.is_identity \
+            and _fused_backend() == "triton" else "torch"
+        rows = torch.zeros(flat_y.shape, dtype=_loss_dtype(flat_h.dtype), device=flat_h.device)
+        need = (False,) * (3 + (len(norm.params) if norm is not None else 0))
+        _chunked_loss_and_grads(flat_h, weight, bias, flat_y, chunk_tokens, kernel, need, transform, norm,
+                                row_losses=rows)
+    return rows
 
 
 def _normed(hidden: torch.Tensor, norm: RowNorm | None) -> torch.Tensor:
@@ -227,6 +277,14 @@ def _full(hidden, weight, labels, bias, transform=IDENTITY):
     logits = F.linear(hidden, weight, bias)  # [N, V] compute dtype
     return F.cross_entropy(
         transform.apply(logits.to(_loss_dtype(logits.dtype))), labels, ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+def _full_rows(hidden, weight, labels, bias, transform=IDENTITY):
+    """Each token's cross-entropy [N] through autograd over all logits (0 where ignored)."""
+    logits = F.linear(hidden, weight, bias)  # [N, V] compute dtype
+    return F.cross_entropy(
+        transform.apply(logits.to(_loss_dtype(logits.dtype))), labels, ignore_index=IGNORE_INDEX, reduction="none"
     )
 
 
@@ -337,10 +395,13 @@ class _ChunkGrads:
 
 
 def _chunked_loss_and_grads(hidden, weight, bias, labels, chunk_tokens, kernel, need, transform=IDENTITY,
-                            norm: RowNorm | None = None):
+                            norm: RowNorm | None = None, row_scale: torch.Tensor | None = None,
+                            row_losses: torch.Tensor | None = None):
     """(loss, grad_hidden | None, grad_weight | None, grad_bias | None, *grad of each norm parameter
     | None) for loss scale 1. need: whether each of hidden, weight, bias and the norm's parameters
-    (in norm.params' order) needs its gradient."""
+    (in norm.params' order) needs its gradient. row_scale [N]: each token's factor on its
+    gradients (the gradients of sum_t row_scale[t] x CE_t); row_losses [N]: filled with each
+    token's CE (ignored tokens' entries are left as they are)."""
     n, acc = hidden.shape[0], _loss_dtype(hidden.dtype)
     if kernel == "torch":
         chunk_ce = functools.partial(_ce_chunk_torch, transform=transform)
@@ -364,11 +425,16 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, chunk_tokens, kernel, 
             x_c, y_c = hidden.index_select(0, idx_c), labels.index_select(0, idx_c)
         h_c, normed, x_leaf = _normed_chunk(x_c, norm, g)
         logits = F.linear(h_c, weight, bias)  # [c, V] compute dtype
-        loss_c, g_logits = chunk_ce(logits, y_c, g.any_grad)  # g_logits reuses logits' memory
+        rows_c, g_logits = chunk_ce(logits, y_c, g.any_grad)  # [c]; g_logits reuses logits' memory
         del logits  # never two chunks of logits alive
-        loss += loss_c
+        loss += rows_c.sum()
+        if row_losses is not None:
+            _put_rows(row_losses, rows_c, start, stop, idx_c)
         if not g.any_grad:
             continue
+        if row_scale is not None:   # d/d logits of each row's share: rounded once into the buffer
+            s_c = row_scale[start:stop] if all_valid else row_scale.index_select(0, idx_c)
+            torch.mul(g_logits, s_c.to(acc)[:, None], out=g_logits)   # (in FP32 on the fly, as _scale)
         g_h_c = _logit_grads(g, g_logits, weight, h_c, acc, through_norm=normed is not None, all_valid=all_valid,
                              rows=slice(start, stop))
         del g_logits
@@ -382,6 +448,14 @@ def _chunked_loss_and_grads(hidden, weight, bias, labels, chunk_tokens, kernel, 
                 g.hidden.index_copy_(0, idx_c, g_h_c)
         del g_h_c
     return (loss, *g.finished(weight, bias))
+
+
+def _put_rows(out: torch.Tensor, rows_c: torch.Tensor, start: int, stop: int, idx_c: torch.Tensor | None) -> None:
+    """Write a chunk's per-row values into out [N] at the chunk's tokens."""
+    if idx_c is None:
+        out[start:stop] = rows_c
+    else:
+        out.index_copy_(0, idx_c, rows_c.to(out.dtype))
 
 
 def _normed_chunk(x_c: torch.Tensor, norm: RowNorm | None, g: _ChunkGrads):
@@ -426,7 +500,7 @@ def _norm_backward(g: _ChunkGrads, normed: torch.Tensor, x_leaf: torch.Tensor,
 
 def _ce_chunk_torch(logits: torch.Tensor, labels: torch.Tensor, compute_grad: bool,
                     transform: LogitTransform = IDENTITY):
-    """(summed fp32 CE of a chunk, d loss / d logits in the logits dtype or None).
+    """(each row's fp32 CE [c], d loss / d logits in the logits dtype or None).
 
     The gradient is built in place over the fp32 upcast and copied back into the
     logits buffer: per chunk c*V*(b + 4) bytes, plus c*V*4 for tanh' with a softcap.
@@ -443,7 +517,7 @@ def _ce_chunk_torch(logits: torch.Tensor, labels: torch.Tensor, compute_grad: bo
             tanh_grad = 1.0 - x * x  # d(c * t) / dz = 1 - t^2  [c, V]
         x.mul_(transform.softcap)
     lse = torch.logsumexp(x, dim=1)  # [c]
-    loss = (lse - x.gather(1, labels[:, None]).squeeze(1)).sum()
+    loss = lse - x.gather(1, labels[:, None]).squeeze(1)  # [c]
     if not compute_grad:
         return loss, None
     x.sub_(lse[:, None]).exp_()  # softmax

@@ -73,7 +73,7 @@ def _ce_inplace_kernel(
 
 
 def ce_chunk_inplace(logits: torch.Tensor, labels: torch.Tensor, compute_grad: bool):
-    """(summed fp32 CE of the chunk, the gradient wrt logits in logits' buffer, or None).
+    """(each row's fp32 CE [c], the gradient wrt logits in logits' buffer, or None).
 
     logits: [c, V] bf16/fp16/fp32 CUDA, unit stride along V (a fresh matmul output).
     labels: [c] int64; -100 rows give loss 0 and a zero gradient row.
@@ -86,7 +86,7 @@ def ce_chunk_inplace(logits: torch.Tensor, labels: torch.Tensor, compute_grad: b
     labels = labels.contiguous().long()
     loss_rows = torch.empty(c, dtype=torch.float32, device=logits.device)
     if c == 0:
-        return loss_rows.sum(), (logits if compute_grad else None)
+        return loss_rows, (logits if compute_grad else None)
     block_v = min(_MAX_BLOCK_V, triton.next_power_of_2(vocab))
     num_warps = 8 if block_v >= 4096 else 4
     _ce_inplace_kernel[(c,)](
@@ -100,4 +100,4 @@ def ce_chunk_inplace(logits: torch.Tensor, labels: torch.Tensor, compute_grad: b
         COMPUTE_GRAD=compute_grad,
         num_warps=num_warps,
     )
-    return loss_rows.sum(), (logits if compute_grad else None)
+    return loss_rows, (logits if compute_grad else None)
