@@ -113,3 +113,58 @@ def test_bad_settings_and_a_missing_reference_are_refused():
     logps, _, tokens = _batch()
     with pytest.raises(ValueError, match="reference's log-probabilities are needed"):
         pair_loss(PreferenceConfig("dpo"), logps, tokens)
+
+
+def _head_case(seed=0, pairs=3, length=8):
+    """A head's inputs for `pairs` pairs: chosen rows then rejected rows, the first 3 tokens of each
+    the prompt; ORPO's NLL runs over the chosen rows' every token, SimPO's over their completions."""
+    g = torch.Generator().manual_seed(seed)
+    n, d, vocab = 2 * pairs * length, 8, 29
+    hidden = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = (torch.randn(vocab, d, generator=g, dtype=torch.float64) / d ** 0.5).requires_grad_()
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    seq_of = torch.arange(n) // length
+    completion = (torch.arange(n) % length) >= 3
+    chosen_row = seq_of < pairs
+    ref = torch.randn(2 * pairs, generator=g, dtype=torch.float64) - 12
+    return hidden, weight, targets, seq_of, completion, chosen_row, ref
+
+
+@pytest.mark.parametrize("objective", ["dpo", "ipo", "simpo", "orpo"])
+@pytest.mark.parametrize("micro", [1, 3])
+def test_head_scales_give_the_whole_objectives_gradients_micro_batch_by_micro_batch(objective, micro):
+    """head_scales between the head's two passes, over `micro` micro-batches of whole pairs, sums to
+    autograd's gradients of the whole objective (TRL's: the preference term's mean over pairs, plus
+    SimPO's cpo_alpha x its chosen completions' mean NLL, or ORPO's chosen rows' mean NLL)."""
+    from slidetune.objectives.preference import PairTokens, head_scales
+    from slidetune.ops.cross_entropy import IGNORE_INDEX, linear_cross_entropy_grads, linear_token_losses
+    pairs, length = 3, 8
+    hidden, weight, targets, seq_of, completion, chosen_row, ref = _head_case(pairs=pairs, length=length)
+    cfg = PreferenceConfig(objective, beta=0.4, cpo_alpha=0.7)
+    nll = chosen_row & (completion if objective == "simpo" else torch.ones_like(completion))
+    used = completion | (nll if cfg.nll_weight else torch.zeros_like(nll))
+    labels = targets.masked_fill(~used, IGNORE_INDEX)
+    # autograd through the full logits
+    ce = F.cross_entropy(F.linear(hidden, weight), labels, ignore_index=IGNORE_INDEX, reduction="none")
+    logps = -torch.zeros(2 * pairs, dtype=ce.dtype).index_add(0, seq_of, ce * completion)
+    tokens = torch.zeros(2 * pairs, dtype=torch.long).index_add(0, seq_of, completion.long())
+    total = pair_loss(cfg, logps, tokens, ref).loss + cfg.nll_weight * (ce * nll).sum() / nll.sum()
+    want = torch.autograd.grad(total, (hidden, weight))
+    # the head, one micro-batch of whole pairs at a time (pair j: rows j and pairs + j)
+    got_h, got_w, value = torch.zeros_like(hidden), torch.zeros_like(weight), 0.0
+    for part in torch.arange(pairs).chunk(micro):
+        rows = torch.cat([part, part + pairs])                              # the micro-batch's sequences
+        idx = (rows[:, None] * length + torch.arange(length)).reshape(-1)    # their tokens, chosen first
+        local = torch.arange(len(rows)).repeat_interleave(length)
+        t = PairTokens(local, completion[idx], nll[idx], ref[rows], pairs_in_step=pairs,
+                       nll_tokens_in_step=int(nll.sum()))
+        h, y = hidden.detach()[idx], labels[idx]
+        token_ce = linear_token_losses(h, weight.detach(), y, "chunked", 5)
+        out, scale, _, _ = head_scales(cfg, token_ce, t)
+        _, g_h, g_w, _, _ = linear_cross_entropy_grads(h, weight.detach(), y, scale, "chunked", 5)
+        got_h[idx] += g_h
+        got_w += g_w
+        value += out.loss.item() + cfg.nll_weight * (token_ce * t.nll).sum().item() / t.nll_tokens_in_step
+    assert value == pytest.approx(total.item(), rel=1e-12)
+    for a, b in zip((got_h, got_w), want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

@@ -17,8 +17,10 @@ by: no logits kept, no second model. Each objective is TRL's, with its names and
 
 where c and r are a pair's chosen and rejected sums. The reduction over pairs is the mean, as TRL's.
 The NLL terms of SimPO and ORPO are the SFT cross-entropy on the chosen rows (ORPO's over the
-prompt's tokens too, as ORPOTrainer's), which the head computes as it does for SFT; `loss` here
-returns their weight.
+prompt's tokens too, as ORPOTrainer's); `nll_weight` is their weight. `head_scales` turns the
+head's first pass (each token's CE) into the second pass's per-token gradient factors for a
+micro-batch of whole pairs, normalized over the step (its micro-batches' gradients add up to the
+whole batch's).
 """
 from __future__ import annotations
 
@@ -127,3 +129,34 @@ def metrics(cfg: PreferenceConfig, out: PairLoss, logps: torch.Tensor, tokens: t
     return {"rewards/chosen": out.chosen_rewards.mean().item(), "rewards/rejected": out.rejected_rewards.mean().item(),
             "rewards/accuracies": (margins > 0).float().mean().item(), "rewards/margins": margins.mean().item(),
             "logps/chosen": c.mean().item(), "logps/rejected": r.mean().item()}
+
+
+@dataclass(frozen=True)
+class PairTokens:
+    """Which tokens of a micro-batch of whole pairs enter which term (the head's labels are -100
+    for the others). N tokens, 2P sequences: the micro-batch's chosen rows, then its rejected rows."""
+    seq_of: torch.Tensor         # [N] int64: each token's sequence, 0..2P-1
+    completion: torch.Tensor     # [N] bool: tokens summed into their sequence's log-probability
+    nll: torch.Tensor            # [N] bool: the NLL term's tokens (SimPO: chosen completions; ORPO: chosen rows)
+    ref_logps: torch.Tensor | None   # [2P] the reference's sums, where the objective has one
+    pairs_in_step: int           # the step's pairs (every micro-batch): the mean's denominator
+    nll_tokens_in_step: int      # the step's NLL tokens: that mean's denominator
+
+
+def head_scales(cfg: PreferenceConfig, token_ce: torch.Tensor, t: PairTokens
+                ) -> tuple[PairLoss, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the head's first pass (each token's CE [N], 0 where ignored) to its second: (the
+    micro-batch's preference term with the step's normalization, each token's gradient factor [N]
+    for linear_cross_entropy_grads, the sequences' log-probability sums [2P], their token counts
+    [2P]). The factor of a completion token is minus its sequence's coefficient (log p = -CE), plus
+    the NLL weight over the step's NLL tokens where it is one."""
+    seqs = t.seq_of.max().item() + 1 if t.seq_of.numel() else 0
+    ce = _wide(token_ce)
+    logps = -torch.zeros(seqs, dtype=ce.dtype, device=ce.device).index_add(0, t.seq_of, ce * t.completion)
+    tokens = torch.zeros(seqs, dtype=torch.long, device=ce.device).index_add(0, t.seq_of, t.completion.long())
+    out, coef = coefficients(cfg, logps, tokens, t.ref_logps)
+    share = (seqs // 2) / t.pairs_in_step              # this micro-batch's share of the step's mean
+    scale = -coef[t.seq_of] * share * t.completion
+    if cfg.nll_weight:
+        scale = scale + t.nll.to(scale.dtype) * (cfg.nll_weight / max(t.nll_tokens_in_step, 1))
+    return PairLoss(out.loss * share, out.per_pair, out.chosen_rewards, out.rejected_rewards), scale, logps, tokens
