@@ -1,4 +1,4 @@
-"""Asynchronous checkpoints (async_save.py, checkpoint_saver.py; issue 33 item 7).
+"""Asynchronous checkpoints (checkpoint/background.py, checkpoint/saver.py; issue 33 item 7).
 
 - an asynchronous save writes the blocking save's files byte for byte (every tensor file, the
   RNG states) while the run trains on, and resuming from it ends bit for bit where the blocking
@@ -30,12 +30,12 @@ import pytest
 import torch
 
 import slidetune
-import slidetune.checkpoint as ckpt_mod
+import slidetune.checkpoint.writer as writer_mod
 import slidetune.faults as faults
-from slidetune.async_save import start_async_save
+from slidetune.checkpoint.background import start_async_save
 from slidetune.checkpoint import CheckpointError, check_checkpoint, checkpoint_dir, load_checkpoint, save_checkpoint
-from slidetune.async_save import SaveTiming
-from slidetune.checkpoint_saver import CheckpointSaver, overlap_note, resolve_async_save
+from slidetune.checkpoint.background import SaveTiming
+from slidetune.checkpoint.saver import CheckpointSaver, overlap_note, resolve_async_save
 from slidetune.engine.slide.disk_tier import StreamedTensor
 from test_checkpoint import make_engine, shut, train
 from test_train_errors import fill_disk_for
@@ -63,7 +63,7 @@ def engine_for(recipe: str, tmp_path: Path, seed: int = 1):
 def slow_writes(monkeypatch, delay_s: float) -> None:
     """Every tensor a checkpoint writes takes `delay_s` more (a slow disk): the steps after an
     asynchronous save's start overtake its writer."""
-    real = ckpt_mod.write_safetensors
+    real = writer_mod.write_safetensors
 
     def slowed(t):
         def source():
@@ -74,7 +74,7 @@ def slow_writes(monkeypatch, delay_s: float) -> None:
 
     def slow(tensors, path, *a, **kw):
         return real({k: slowed(t) for k, t in tensors.items()}, path, *a, **kw)
-    monkeypatch.setattr(ckpt_mod, "write_safetensors", slow)
+    monkeypatch.setattr(writer_mod, "write_safetensors", slow)
 
 
 def manifest(ckpt: Path) -> dict:
@@ -101,7 +101,7 @@ def test_async_save_with_the_optimizer_state_in_parts(recipe, tmp_path, monkeypa
     """A large checkpoint's optimizer state goes out as two files beside the weights (three streams):
     the units are still released front to back, and the files are the blocking save's."""
     parts = pytest.MonkeyPatch()              # apart from `monkeypatch`, which the run undoes midway
-    parts.setattr(ckpt_mod, "OPTIM_PARTS_FROM_BYTES", 1)
+    parts.setattr(writer_mod, "OPTIM_PARTS_FROM_BYTES", 1)
     try:
         async_against_blocking(recipe, tmp_path, monkeypatch)
     finally:
@@ -167,7 +167,7 @@ def test_a_failing_writer_raises_keeps_the_previous_checkpoint_and_releases_the_
         if how == "disk full":
             def enospc(*a, **kw):
                 raise OSError(errno.ENOSPC, "No space left on device")
-            monkeypatch.setattr(ckpt_mod, "write_safetensors", enospc)
+            monkeypatch.setattr(writer_mod, "write_safetensors", enospc)
         elif how == "injected":
             monkeypatch.setenv("SLIDETUNE_INJECT_FAULT", "checkpoint:3")
         else:

@@ -287,14 +287,14 @@ def test_streamed_safetensors_read_back_with_safetensors(tmp_path):
 
 
 def test_failed_save_leaves_previous_checkpoint(tmp_path, engines, monkeypatch):
-    import slidetune.checkpoint as ckpt_mod
+    import slidetune.checkpoint.writer as writer_mod
     eng = engines()
     train(eng, range(2))
     first = save_checkpoint(eng, checkpoint_dir(tmp_path, 2), step=2)
     before = tree_digest(first)
     saved_masters = masters(eng)
     train(eng, range(2, 3))
-    monkeypatch.setattr(ckpt_mod, "write_safetensors", enospc)
+    monkeypatch.setattr(writer_mod, "write_safetensors", enospc)
     with pytest.raises(CheckpointError) as info:
         save_checkpoint(eng, checkpoint_dir(tmp_path, 3), step=3)
     msg = str(info.value)

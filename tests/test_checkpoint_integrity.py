@@ -1,11 +1,11 @@
-"""Damaged checkpoints (checkpoint.py "Integrity"): each file a resume reads, truncated, with a byte
-flipped in the middle, or rewritten with a wrong dtype or type (its digest re-signed in the
-manifest, so that only the type check can catch it). `--resume auto` sets the damaged checkpoint
-aside, naming the file, falls back to the previous one and ends bit for bit where an uninterrupted
-run ends. A save that does not read back as written fails before any pruning; a checkpoint whose
-COMPLETE records a manifest is damaged without it or with it altered; a checkpoint of an older
-slidetune (no trace of a manifest) still resumes once its tensors fit the model; a non-finite loss
-right after a resume names the checkpoint it came from.
+"""Damaged checkpoints (slidetune/checkpoint/__init__.py, "Integrity"): each file a resume reads,
+truncated, with a byte flipped in the middle, or rewritten with a wrong dtype or type (its digest
+re-signed in the manifest, so that only the type check can catch it). `--resume auto` sets the
+damaged checkpoint aside, naming the file, falls back to the previous one and ends bit for bit where
+an uninterrupted run ends. A save that does not read back as written fails before any pruning; a
+checkpoint whose COMPLETE records a manifest is damaged without it or with it altered; a checkpoint
+of an older slidetune (no trace of a manifest) still resumes once its tensors fit the model; a
+non-finite loss right after a resume names the checkpoint it came from.
 
 One uninterrupted 4-step reference run and one run stopped after step 3 (checkpoints 1-3) are
 shared by the module; each case damages a copy of the latter and resumes it (two steps).

@@ -1,4 +1,4 @@
-"""The parallel checkpoint writer (checkpoint_io): the files byte for byte those of the serial
+"""The parallel checkpoint writer (checkpoint/io.py): the files byte for byte those of the serial
 writer it replaced, the same digests, and a failing writer thread leaving the previous checkpoint."""
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ import torch
 import xxhash
 from safetensors.torch import load_file
 
-import slidetune.checkpoint as ckpt_mod
-import slidetune.checkpoint_io as io_mod
+import slidetune.checkpoint.io as io_mod
+import slidetune.checkpoint.writer as writer_mod
 from slidetune.checkpoint import (MANIFEST, CheckpointCorrupt, CheckpointError, FileDigest, checkpoint_dir,
-                                  check_checkpoint, file_digest, load_checkpoint, save_checkpoint, verify_files,
-                                  write_safetensors)
+                                  check_checkpoint, file_digest, load_checkpoint, optimizer_files, save_checkpoint,
+                                  verify_files, write_safetensors)
+from slidetune.checkpoint.format import ST_DTYPES
 from slidetune.engine.slide.disk_tier import StreamedTensor
 from test_checkpoint import make_engine, train
 
@@ -27,14 +28,14 @@ _OLD_WRITE_BYTES = 256 * 2**20
 
 
 def old_write_safetensors(tensors, path, dtype=None, metadata=None, **_io) -> FileDigest:
-    """The serial writer as it was before checkpoint_io (commit dbd7cf0), the reference."""
+    """The serial writer as it was before the parallel one (commit dbd7cf0), the reference."""
     entries, offset = [], 0
     for name, t in tensors.items():
         dt = dtype or t.dtype
         n = t.numel() * torch.empty((), dtype=dt).element_size()
         entries.append((name, t, dt, offset, offset + n))
         offset += n
-    header = {name: {"dtype": ckpt_mod._ST_DTYPES[dt], "shape": list(t.shape), "data_offsets": [lo, hi]}
+    header = {name: {"dtype": ST_DTYPES[dt], "shape": list(t.shape), "data_offsets": [lo, hi]}
               for name, t, dt, lo, hi in entries}
     header["__metadata__"] = dict(metadata or {"format": "pt"})
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -140,7 +141,7 @@ def test_whole_checkpoint_byte_identical_to_the_serial_writer(tmp_path, small_pi
     eng = make_engine(runtime=runtime)
     train(eng, range(2))
     new = save_fixed_time(eng, tmp_path / "new", max_shard_bytes=40_000, writer_threads=3)
-    monkeypatch.setattr(ckpt_mod, "write_safetensors", old_write_safetensors)
+    monkeypatch.setattr(writer_mod, "write_safetensors", old_write_safetensors)
     old = save_fixed_time(eng, tmp_path / "old", max_shard_bytes=40_000)
     files = sorted(p.relative_to(new).as_posix() for p in new.rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(old).as_posix() for p in old.rglob("*") if p.is_file())
@@ -159,13 +160,13 @@ def test_a_large_optimizer_state_goes_out_in_two_parts_that_load_back(tmp_path, 
     eng = make_engine(runtime=runtime)
     train(eng, range(2))
     one = save_fixed_time(eng, tmp_path / "one", max_shard_bytes=40_000, writer_threads=3)
-    monkeypatch.setattr(ckpt_mod, "OPTIM_PARTS_FROM_BYTES", 1)
+    monkeypatch.setattr(writer_mod, "OPTIM_PARTS_FROM_BYTES", 1)
     streams: dict[str, float] = {}
     parts = save_fixed_time(eng, tmp_path / "parts", max_shard_bytes=40_000, writer_threads=3, stream_s=streams)
     state_dir = parts / "trainer_state"
     names = [state_dir / f"optimizer-0000{i}-of-00002.safetensors" for i in (1, 2)]
     assert streams.keys() == {"weights", names[0].name, names[1].name}      # three streams, each timed
-    assert ckpt_mod.optimizer_files(parts) == names and not (state_dir / "optimizer.safetensors").exists()
+    assert optimizer_files(parts) == names and not (state_dir / "optimizer.safetensors").exists()
     first, second = (load_file(str(p)) for p in names)
     whole = load_file(str(one / "trainer_state" / "optimizer.safetensors"))
     assert not first.keys() & second.keys() and (first | second).keys() == whole.keys()
@@ -192,7 +193,7 @@ def test_the_optimizer_files_name_what_is_wrong(tmp_path):
         for name in names:
             (sdir / name).write_bytes(b"")
         with pytest.raises(CheckpointCorrupt) as info:
-            ckpt_mod.optimizer_files(tmp_path)
+            optimizer_files(tmp_path)
         return info.value.file.name, info.value.what
     assert files() == ("optimizer.safetensors", "missing (state.json says the optimizer state was saved)")
     assert files("optimizer-00001-of-00003.safetensors", "optimizer-00003-of-00003.safetensors") == \
@@ -209,7 +210,7 @@ def test_a_failing_writer_thread_keeps_the_previous_checkpoint(tmp_path, small_p
     and the optimizer state in one or two files): the save raises, the temporary directory is
     gone, the previous checkpoint is whole and verifies."""
     if optim_parts == 2:
-        monkeypatch.setattr(ckpt_mod, "OPTIM_PARTS_FROM_BYTES", 1)
+        monkeypatch.setattr(writer_mod, "OPTIM_PARTS_FROM_BYTES", 1)
     eng = make_engine()
     train(eng, range(2))
     first = save_checkpoint(eng, checkpoint_dir(tmp_path, 2), step=2, writer_threads=3)

@@ -33,7 +33,7 @@ from slidetune.engine.slide.disk_tier import StreamedTensor, block_elems, buffer
 from slidetune.models.load import LoadedModel, RandomInit, skeleton
 from slidetune.models.presets import tiny_config
 from slidetune.models.units import SplitModel
-from slidetune.save_plan import DiskSpaceError, plan_saves
+from slidetune.checkpoint.space import DiskSpaceError, plan_saves
 from test_checkpoint import VOCAB, shut, train
 from test_disk_tier import DISK, assert_identical, state
 from test_fit import cuda_rt, split_of
@@ -231,7 +231,7 @@ def test_auto_puts_masters_on_disk_only_where_the_moments_do_not_make_ram_fit(tm
 
 
 def test_a_tier_holding_masters_is_never_removed_before_final(tmp_path):
-    """save_plan: the moments-only tier goes first where final/ fits only without it; a tier holding
+    """checkpoint/space.py: the moments-only tier goes first where final/ fits only without it; a tier holding
     masters cannot (final/ is written from it): refused, naming disk_master off."""
     P14B = 14_768_307_200
     args = dict(save_dtype="bf16", output_dir=tmp_path, checkpoint_dir=tmp_path, keep_last=2, save_every=0,

@@ -263,7 +263,7 @@ def test_save_plan_counts_the_formats_checkpoint(engines, tmp_path):
     """A resumable checkpoint of an 8-bit run holds FP32 weights and 8-bit moments with their
     scales: the save plan asks for that room, not the FP32 state's 12 B/param (a desktop's disk
     would refuse checkpoints that fit)."""
-    from slidetune.save_plan import FILES_MARGIN, plan_saves
+    from slidetune.checkpoint.space import FILES_MARGIN, plan_saves
     eng = engines()
     shapes = unit_shapes(eng.split)
     n = sum(s.numel for s in shapes)

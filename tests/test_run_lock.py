@@ -1,4 +1,4 @@
-"""One run per directory (run_lock.py): a second run on an output directory, or on a checkpoint
+"""One run per directory (checkpoint/lock.py): a second run on an output directory, or on a checkpoint
 directory shared by two output directories, is refused at once naming the holder; the first run
 is untouched; a lock file left by a killed run is taken over with a note."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 import slidetune
 import slidetune.trainer  # noqa: F401 - imported before the clock starts: the refusal is timed, not the imports
-from slidetune.run_lock import LOCK_NAME
+from slidetune.checkpoint.lock import LOCK_NAME
 from test_train_errors import COMMON, assert_loads, metric_steps, run_cli, small_corpus  # noqa: F401
 
 SRC = str(Path(slidetune.__file__).resolve().parents[1])
@@ -82,7 +82,8 @@ def test_a_second_run_on_a_directory_in_use_is_refused_and_the_first_finishes_in
 def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_note(tmp_path):
     d = tmp_path / "run"
     # a process that takes the lock and dies without releasing it (as kill -9 leaves it)
-    holder = subprocess.run([sys.executable, "-c", "import os, sys\nfrom slidetune.run_lock import lock_directory\n"
+    holder = subprocess.run([sys.executable, "-c", "import os, sys\n"
+                             "from slidetune.checkpoint.lock import lock_directory\n"
                              "lock_directory(sys.argv[1], 'output directory')\nos._exit(0)", str(d)],
                             env=ENV, capture_output=True, text=True)
     assert holder.returncode == 0, holder.stderr
@@ -140,7 +141,7 @@ def test_a_checkpoint_directory_inside_a_live_runs_directories_is_refused_naming
     a, c, b, r = tmp_path / "a", tmp_path / "c", tmp_path / "b", tmp_path / "r"
     (r / "checkpoints" / "checkpoint-2").mkdir(parents=True)
     holders = [subprocess.Popen([sys.executable, "-c", "import sys\nfrom pathlib import Path\n"
-                                 "from slidetune.run_lock import lock_run_directories\n"
+                                 "from slidetune.checkpoint.lock import lock_run_directories\n"
                                  "lock_run_directories(Path(sys.argv[1]), Path(sys.argv[2]))\n"
                                  "print('locked', flush=True)\nsys.stdin.read()", str(out), str(ckpts)],
                                 env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -176,7 +177,7 @@ def test_a_checkpoint_directory_inside_a_live_runs_directories_is_refused_naming
 
 # The lock without fcntl (Windows): msvcrt's byte-range lock, here msvcrt's own calls carried out by
 # POSIX record locks (fcntl.lockf on the same byte: they too conflict between processes and go
-# with the process), with fcntl hidden from run_lock, so its Windows path runs on this machine.
+# with the process), with fcntl hidden from checkpoint/lock.py, so its Windows path runs on this machine.
 WINDOWS_LIKE = """
 import errno, fcntl as _posix, os, subprocess, sys, types
 sys.modules["fcntl"] = None
@@ -194,8 +195,8 @@ def _writable(fd):
     return _posix.fcntl(fd, _posix.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
 msvcrt.locking = locking
 sys.modules["msvcrt"] = msvcrt
-from slidetune import run_lock
-assert run_lock.fcntl is None
+from slidetune.checkpoint import lock as lock_mod
+assert lock_mod.fcntl is None
 """
 
 
@@ -207,18 +208,18 @@ def _windows_like(code: str, *args: str) -> subprocess.Popen:
 def test_without_fcntl_the_package_imports_and_the_lock_still_refuses_a_second_run(tmp_path):
     """Without fcntl (Windows) `import slidetune` works, and the lock is msvcrt's: a second run on
     the directory, or inside it, is refused naming the holder; once the holder ends it is free."""
-    holder = _windows_like("lock = run_lock.lock_directory(sys.argv[1], 'output directory'); print('held', "
+    holder = _windows_like("lock = lock_mod.lock_directory(sys.argv[1], 'output directory'); print('held', "
                            "flush=True); sys.stdin.read(); lock.release()", str(tmp_path / "run"))
     assert holder.stdout.readline().strip() == "held", holder.communicate()[1][-2000:]
     try:
         second = _windows_like("""
 try:
-    run_lock.lock_run_directories(sys.argv[1], None)
-except run_lock.RunDirLocked as e:
+    lock_mod.lock_run_directories(sys.argv[1], None)
+except lock_mod.RunDirLocked as e:
     print("refused:", e)
 try:
-    run_lock.lock_run_directories(sys.argv[2], sys.argv[1] + '/inside')
-except run_lock.RunDirLocked as e:
+    lock_mod.lock_run_directories(sys.argv[2], sys.argv[1] + '/inside')
+except lock_mod.RunDirLocked as e:
     print("refused:", e)
 """, str(tmp_path / "run"), str(tmp_path / "other"))
         out, err = second.communicate(timeout=300)
@@ -228,7 +229,7 @@ except run_lock.RunDirLocked as e:
         assert "is in use by another run" in refusals[0] and "is inside" in refusals[1]
     finally:
         holder.communicate("", timeout=60)
-    after = _windows_like("run_lock.lock_directory(sys.argv[1], 'output directory').release(); print('free')",
+    after = _windows_like("lock_mod.lock_directory(sys.argv[1], 'output directory').release(); print('free')",
                           str(tmp_path / "run"))
     out, err = after.communicate(timeout=120)
     assert out.strip() == "free", err[-2000:]

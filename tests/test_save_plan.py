@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slidetune.save_plan import (FILES_MARGIN, FREE_MARGIN, SAVE_DTYPE_BYTES, DiskSpaceError, plan_saves,
-                                 resolve_save_dtype)
+from slidetune.checkpoint.space import (FILES_MARGIN, FREE_MARGIN, SAVE_DTYPE_BYTES, DiskSpaceError, plan_saves,
+                                        resolve_save_dtype)
 from test_train_errors import COMMON, assert_loads, fill_disk_for, metric_steps, run_cli
 
 GiB = 2**30

@@ -278,8 +278,8 @@ def test_non_finite_step_stops_naming_the_step(tmp_path, what):
 def fill_disk_for(monkeypatch, fragment: str, on_full=None):
     """A disk that fills under the checkpoint files whose path holds `fragment`: their write raises
     ENOSPC (after `on_full()`, where given); the others are written. Returns the real writer."""
-    import slidetune.checkpoint as ckpt_mod
-    real = ckpt_mod.write_safetensors
+    import slidetune.checkpoint.writer as writer_mod
+    real = writer_mod.write_safetensors
 
     def write(tensors, filename, *args, **kwargs):
         if fragment in str(filename):
@@ -288,12 +288,12 @@ def fill_disk_for(monkeypatch, fragment: str, on_full=None):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(filename))
         return real(tensors, filename, *args, **kwargs)
 
-    monkeypatch.setattr(ckpt_mod, "write_safetensors", write)
+    monkeypatch.setattr(writer_mod, "write_safetensors", write)
     return real
 
 
 def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    import slidetune.checkpoint as ckpt_mod
+    import slidetune.checkpoint.writer as writer_mod
     d = tmp_path / "full"
     seen = {}
     real = fill_disk_for(monkeypatch, "checkpoint-2",
@@ -311,7 +311,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypa
     assert not (d / "final").exists()
 
     # and the run continues from it once there is space again
-    monkeypatch.setattr(ckpt_mod, "write_safetensors", real)
+    monkeypatch.setattr(writer_mod, "write_safetensors", real)
     code, out, err = run_cli(*COMMON, "--max-steps", "3", "--save-every", "1", "--resume", "auto",
                              "--output-dir", str(d))
     assert code == 0, err[-2000:]

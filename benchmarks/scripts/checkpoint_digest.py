@@ -1,6 +1,6 @@
 """What a checkpoint's digests cost (benchmarks/NOTES.md "Checkpoint digests").
 
-1. The hash alone, in memory: xxh3_128 (the one checkpoint.py uses), xxh3_64, zlib.crc32, over
+1. The hash alone, in memory: xxh3_128 (the one the checkpoint package uses), xxh3_64, zlib.crc32, over
    1 GiB in the 256 MiB pieces write_safetensors writes.
 2. A streamed safetensors file of SIZE GiB (a RAM tensor of 2 GiB written under several names, so
    the file never needs its size in RAM), written by checkpoint.write_safetensors with the digest

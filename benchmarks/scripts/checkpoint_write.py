@@ -8,8 +8,8 @@ like a model's: layer-sized tensors of LAYER_MIB MiB. Three measurements, each a
    the xxh3-128 digest on the same thread), each phase timed on its own: D2H copy, cast (the
    BF16 export), write syscalls, digest, fsync, read-back (pages dropped first).
 2. writer: checkpoint.write_safetensors as the library has it now (FP32 from the CPU; BF16
-   export; FP32 from the GPU), then the fsync, then the read-back (checkpoint_io.digests_parallel;
-   before it, checkpoint.file_digest).
+   export; FP32 from the GPU), then the fsync, then the read-back (checkpoint/io.py's
+   digests_parallel).
 3. save: the resumable save's tensor files, weights (1/3, shards of SHARD_MIB) and moments (2/3,
    in the files checkpoint.optimizer_parts makes of them) as checkpoint.write_tensor_files writes
    them in a blocking save, then its fsync and read-back, against the sum of the serial writer's;
@@ -20,7 +20,9 @@ like a model's: layer-sized tensors of LAYER_MIB MiB. Three measurements, each a
         [--gpu-only --stage-mib 64,256]     # the GPU tensors' cases once per staging buffer size
         [--saves-only --optimizer-parts 1,2]  # the resumable save alone, the moments in 1 then 2 files
 
-Run it with PYTHONPATH at an older tree's src/ for the A/B (the script reads either API).
+Run it with PYTHONPATH at another tree's src/ for an A/B: one with the checkpoint package
+(src/slidetune/checkpoint/); a tree from before the package has its own copy of this script,
+which reads its single checkpoint module (and, before the parallel writer, its serial API).
 
 On tmpfs (/dev/shm) the fsync is free and the page cache cannot be dropped (the read-back reads
 memory); on a disk the read-back reads the disk.
@@ -40,11 +42,10 @@ import torch
 import xxhash
 
 from slidetune import checkpoint
-
-try:
-    from slidetune import checkpoint_io      # the parallel writer (absent before it: the serial one's A/B arm)
-except ImportError:
-    checkpoint_io = None
+from slidetune.checkpoint import format as ckpt_format
+from slidetune.checkpoint import io as ckpt_io
+from slidetune.checkpoint import store as ckpt_store
+from slidetune.checkpoint import writer as ckpt_writer
 
 PIECE = 256 * 2**20
 
@@ -63,7 +64,7 @@ def serial_phases(tensors: dict, path: Path, dtype: torch.dtype) -> dict[str, fl
     for name, x in tensors.items():
         entries.append((name, x, offset, offset + x.numel() * esz))
         offset += x.numel() * esz
-    header = {n: {"dtype": checkpoint._ST_DTYPES[dtype], "shape": list(x.shape), "data_offsets": [lo, hi]}
+    header = {n: {"dtype": ckpt_format.ST_DTYPES[dtype], "shape": list(x.shape), "data_offsets": [lo, hi]}
               for n, x, lo, hi in entries}
     header["__metadata__"] = {"format": "pt"}
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -103,7 +104,7 @@ def serial_phases(tensors: dict, path: Path, dtype: torch.dtype) -> dict[str, fl
 
 
 def _threads_kw(threads: int | None) -> dict:
-    return {} if threads is None or checkpoint_io is None else {"threads": threads}
+    return {} if threads is None else {"threads": threads}
 
 
 def library_writer(tensors: dict, path: Path, dtype: torch.dtype, threads: int | None) -> dict[str, float]:
@@ -112,10 +113,7 @@ def library_writer(tensors: dict, path: Path, dtype: torch.dtype, threads: int |
     t1 = time.perf_counter()
     checkpoint.fsync_and_drop(path)
     t2 = time.perf_counter()
-    if checkpoint_io is not None:
-        got = checkpoint_io.digests_parallel([path], threads)[path]
-    else:
-        got = checkpoint.file_digest(path)
+    got = ckpt_io.digests_parallel([path], threads)[path]
     t3 = time.perf_counter()
     assert got == d
     return {"write+digest": t1 - t0, "fsync": t2 - t1, "readback": t3 - t2}
@@ -132,23 +130,15 @@ def library_save(tensors: dict, directory: Path, threads: int | None, shard_mib:
     optim = {n: tensors[n] for n in names[k:]}
     (directory / checkpoint.STATE_DIR).mkdir(parents=True)
     t0 = time.perf_counter()
-    if hasattr(checkpoint, "write_tensor_files"):
-        kw = _threads_kw(threads)
-        if streams is not None and hasattr(checkpoint, "optimizer_parts"):
-            kw["stream_s"] = streams
-        digests = checkpoint.write_tensor_files(weights, optim, directory, torch.float32, shard_mib * 2**20, **kw)
-    else:
-        digests = checkpoint.write_weights(weights, directory, torch.float32, shard_mib * 2**20)
-        digests[f"{checkpoint.STATE_DIR}/optimizer.safetensors"] = checkpoint.save_tensors(
-            optim, directory / checkpoint.STATE_DIR / "optimizer.safetensors")
+    kw = _threads_kw(threads)
+    if streams is not None:
+        kw["stream_s"] = streams
+    digests = checkpoint.write_tensor_files(weights, optim, directory, torch.float32, shard_mib * 2**20, **kw)
     t1 = time.perf_counter()
-    checkpoint._fsync_tree(directory)
+    ckpt_store.fsync_tree(directory)
     t2 = time.perf_counter()
     paths = [directory / rel for rel in digests]
-    if checkpoint_io is not None:
-        got = checkpoint_io.digests_parallel(paths, threads)
-    else:
-        got = {p: checkpoint.file_digest(p) for p in paths}
+    got = ckpt_io.digests_parallel(paths, threads)
     t3 = time.perf_counter()
     assert all(got[directory / rel] == d for rel, d in digests.items())
     return {"write+digest": t1 - t0, "fsync": t2 - t1, "readback": t3 - t2}
@@ -161,14 +151,12 @@ def optimizer_files_forced(parts: str | None):
     if parts is None:
         yield
         return
-    if not hasattr(checkpoint, "OPTIM_PARTS_FROM_BYTES"):
-        raise SystemExit("--optimizer-parts needs a slidetune with checkpoint.optimizer_parts")
-    saved = checkpoint.OPTIM_PARTS_FROM_BYTES
-    checkpoint.OPTIM_PARTS_FROM_BYTES = 2**62 if parts == "1" else 1
+    saved = ckpt_writer.OPTIM_PARTS_FROM_BYTES       # read by optimizer_parts at each save
+    ckpt_writer.OPTIM_PARTS_FROM_BYTES = 2**62 if parts == "1" else 1
     try:
         yield
     finally:
-        checkpoint.OPTIM_PARTS_FROM_BYTES = saved
+        ckpt_writer.OPTIM_PARTS_FROM_BYTES = saved
 
 
 def show(what: str, nbytes: int, phases: dict[str, float]) -> None:
@@ -188,7 +176,7 @@ def main() -> None:
     ap.add_argument("--skip-serial", action="store_true")
     ap.add_argument("--gpu-only", action="store_true", help="only the GPU tensors' cases")
     ap.add_argument("--stage-mib", default=None,
-                    help="comma list: the GPU cases once per checkpoint_io.STAGE_BYTES (default: the library's)")
+                    help="comma list: the GPU cases once per checkpoint/io.py's STAGE_BYTES (default: the library's)")
     ap.add_argument("--saves-only", action="store_true", help="only the resumable save's files (case 3)")
     ap.add_argument("--optimizer-parts", default=None,
                     help="comma list of 1 and 2: the save once with the moments in one file (1) and once in "
@@ -206,7 +194,7 @@ def main() -> None:
     try:
         for what, device, dtype, stage_mib in cases:
             if stage_mib is not None:
-                checkpoint_io.STAGE_BYTES = stage_mib * 2**20      # read by each Stager as it allocates
+                ckpt_io.STAGE_BYTES = stage_mib * 2**20      # read by each Stager as it allocates
             tensors = make_tensors(a.gib, a.layer_mib, device)
             nbytes = sum(x.numel() for x in tensors.values()) * torch.empty((), dtype=dtype).element_size()
             for run, fn in (("serial", None if a.skip_serial else serial_phases), ("library", library_writer)):

@@ -3,7 +3,7 @@
     python benchmarks/scripts/save_cost.py RUN_DIR [RUN_DIR ...]
 
 For every save in a run's saves.jsonl (periodic and end-of-run): its mode and timings (save_s,
-blocked_s, written_s, held_s: checkpoint_saver.py), and its cost to the steps, the sum of
+blocked_s, written_s, held_s: checkpoint/saver.py), and its cost to the steps, the sum of
 (step_s - the run's median step_s) over the steps from the save's step to the step before the
 next save (a blocking save's wait lands in the step after it; an asynchronous save's in the
 updates of the steps that follow it). The median is over steps 2 and later (step 1 compiles and

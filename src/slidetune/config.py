@@ -79,9 +79,9 @@ class TrainConfig:
     save_every: int = 0                  # checkpoint every N steps (0: only at the end)
     keep_last: int = 2                   # checkpoints kept (the final export is separate)
     # auto | on | off: periodic checkpoints written in the background while training goes on (each unit's
-    # next update waits only until its state is written; async_save.py). auto: on for the slide engine on
-    # a GPU in one process, off on a CPU (the writer would take the cores the step runs on) and where it
-    # is not possible (gpu/ckpt modes, data parallel: blocking saves); on: refused where not possible
+    # next update waits only until its state is written; checkpoint/background.py). auto: on for the slide
+    # engine on a GPU in one process, off on a CPU (the writer would take the cores the step runs on) and
+    # where it is not possible (gpu/ckpt modes, data parallel: blocking saves); on: refused where not possible
     async_save: Literal["auto", "on", "off"] = "auto"
     save_dtype: Literal["auto", "fp32", "bf16"] = "auto"     # dtype of the exported final/ model: auto (the checkpoint's own: bf16 for a bf16 model) | fp32 | bf16
     checkpoint_dir: str | None = None    # where resumable checkpoints go (None: <output_dir>/checkpoints); another disk when they do not fit

@@ -33,14 +33,13 @@ from typing import TYPE_CHECKING, NoReturn
 import numpy as np
 import torch
 
-from .async_save import PendingSave, start_async_save
-from .atomic_write import write_atomically
 from .callbacks import Callback, CallbackFailed, call_hook
-from .checkpoint import (CheckpointCorrupt, CheckpointError, LegacyLayout, check_checkpoint, complete_checkpoints,
-                         latest_checkpoint, load_checkpoint, prune_checkpoints, recover_leftovers, save_checkpoint,
-                         set_aside)
+from .checkpoint import (CheckpointCorrupt, CheckpointError, CheckpointSaver, DiskSpaceError, LegacyLayout, PendingSave,
+                         RunLock, SavePlan, check_checkpoint, complete_checkpoints, latest_checkpoint, load_checkpoint,
+                         lock_run_directories, overlap_note, plan_saves, prune_checkpoints, recover_leftovers,
+                         resolve_async_save, resolve_save_dtype, save_checkpoint, set_aside, start_async_save,
+                         write_atomically)
 from .checkpoint import checkpoint_dir as checkpoint_dir_of
-from .checkpoint_saver import CheckpointSaver, overlap_note, resolve_async_save
 from .config import TrainConfig, config_to_dict, group_tuning
 from .data import IGNORE_INDEX, BatchSampler, TokenDataset, build_datasets, collate, default_pad_id
 from .data.build import BUILTIN_NAME, load_source
@@ -51,7 +50,6 @@ from .engine import RuntimeConfig, StepResult
 from .engine.autos import describe_autos
 from .engine.compile_policy import choose_compile_layers, resolve_compile_layers
 from .faults import maybe_fail
-from .save_plan import DiskSpaceError, SavePlan, plan_saves, resolve_save_dtype
 from .telemetry.machine import HostRss
 from .engine.placement import PlacementPlan
 from .engine.slide.disk_tier import tier_bytes
@@ -61,7 +59,6 @@ from .models.load import LoadedModel
 from .models.reference_check import require_faithful
 from .ops.packed_attention import use_packed_attention
 from .ranks import Ranks
-from .run_lock import RunLock, lock_run_directories
 from .run_setup import PreparedRun, RunRequest, prepare_run
 from .telemetry.csv_tracker import CsvTracker
 from .telemetry.flops import train_flops_per_token
@@ -208,7 +205,7 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None, *, verbose:
     what killed saves left there) or anything large is allocated: the model, the sequence
     length against its context, the memory estimate, the data, the checkpoint to resume from.
     First of all the output directory and the checkpoint directory are locked for this run: a
-    second run on either, or inside either, is refused at once (run_lock.py).
+    second run on either, or inside either, is refused at once (checkpoint/lock.py).
     """
     t_start = time.perf_counter()
     out = Path(cfg.output_dir)
@@ -221,7 +218,7 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None, *, verbose:
     ranks, device = Ranks.start(cfg.runtime.device, waits=cfg.runtime.host.cuda_waits)
     held: list[RunLock] = []
     try:
-        # One run per directory (run_lock.py), held until the run ends. Taken first: a second run is
+        # One run per directory (checkpoint/lock.py), held until the run ends. Taken first: a second run is
         # refused before it loads anything, and the lock costs an open and a flock. Rank 0 writes
         # the run's files, so rank 0 alone holds it; the other ranks learn of a refusal (on_main).
         ranks.on_main(lambda: held.extend(lock_run_directories(out, _checkpoint_root(cfg, out))))
@@ -237,7 +234,7 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None, *, verbose:
 
 def _checkpoint_root(cfg: TrainConfig, out: Path) -> Path:
     """Where the run's checkpoints go: --checkpoint-dir, or `<output_dir>/checkpoints`. The lock is
-    taken on it whichever names it (run_lock.py): another run given it by --checkpoint-dir is refused."""
+    taken on it whichever names it (checkpoint/lock.py): another run given it by --checkpoint-dir is refused."""
     return Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else out / "checkpoints"
 
 
@@ -455,7 +452,7 @@ def _prepare_output(cfg: TrainConfig, loaded: LoadedModel, plan: PlacementPlan |
         print(f"note: {dst} was missing: restored the complete copy that a killed save had set aside in "
               f"{src.name}", file=sys.stderr)
     try:
-        # before step 1: final/ must fit, and periodic checkpoints asked for (save_plan.py)
+        # before step 1: final/ must fit, and periodic checkpoints asked for (checkpoint/space.py)
         tier = (Path(runtime.disk_dir), tier_bytes(plan, runtime.disk.disk_block_mb)) \
             if plan is not None and plan.indices("disk") else None
         saves = plan_saves(loaded.split.num_params(), save_dtype=save_dtype, output_dir=out, checkpoint_dir=ckpt_dir,
@@ -640,7 +637,7 @@ class Trainer:
         # data parallel with sharded layers: the ranks that keep them serve rank 0's reads during a save
         self.save_service = engine.save_service
         self.resumable = saves is None or saves.resumable      # resumable checkpoints fit the disk
-        # final/ fits only once the disk tier's files are gone (save_plan.py): removed before it
+        # final/ fits only once the disk tier's files are gone (checkpoint/space.py): removed before it
         self.release_scratch_first = saves is not None and saves.release_scratch_first
         self.metrics_path = out / "metrics.csv"
         self.stale = list(stale or [])   # an earlier run's checkpoints, deleted by the first save

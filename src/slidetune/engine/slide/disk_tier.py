@@ -619,7 +619,7 @@ class DiskTier:
 @dataclass
 class StreamedTensor:
     """A tensor that is not in memory: its shape and dtype, and its values block by block
-    (checkpoint.write_safetensors writes it without holding it whole)."""
+    (checkpoint/writer.py's write_safetensors writes it without holding it whole)."""
     shape: tuple[int, ...]
     dtype: torch.dtype
     source: object                 # a callable returning an iterator of 1-D CPU tensors, in order

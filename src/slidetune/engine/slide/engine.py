@@ -718,7 +718,7 @@ class SlideEngine(Engine):
         self.device.synchronize()
 
     def async_save_refusal(self) -> str | None:
-        """Why this engine cannot save asynchronously (async_save.py), or None: it can."""
+        """Why this engine cannot save asynchronously (checkpoint/background.py), or None: it can."""
         if self.dp is not None:
             return ("under data parallel every rank updates the units it owns while rank 0 writes the "
                     "checkpoint; a save there is blocking")
@@ -742,7 +742,7 @@ class SlideEngine(Engine):
         """(HF name, FP32 tensor) for every parameter; call after synchronize(). Units kept on the
         device (vocab_update=device) are copied to the host, or left there with on_host=False (a
         checkpoint writer stages them down in chunks); a disk-master unit's come as
-        StreamedTensors read from the disk tier when consumed (checkpoint.write_safetensors)."""
+        StreamedTensors read from the disk tier when consumed (checkpoint/writer.py's write_safetensors)."""
         for unit in self.units:
             for name, t in unit.params().items():
                 yield name, (t if not unit.on_device or not on_host else t.cpu())

@@ -256,7 +256,8 @@ class DiskMoments(MomentTier):
 
     def load_state(self, state, master=None) -> None:
         """Block by block into the files; a master's compute-dtype weights are rewritten with it.
-        The state's tensors are the tier's format's (checkpoint.load_checkpoint checked them)."""
+        The state's tensors are the tier's format's (checkpoint/reader.py's load_checkpoint checked
+        them)."""
         fields = {}
         if master is not None:
             def master_and_weights(lo: int, hi: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """A unit's next optimizer update held back until an asynchronous checkpoint has read its state.
 
-An asynchronous save (async_save.py) starts at a step boundary, when every unit holds the
+An asynchronous save (checkpoint/background.py) starts at a step boundary, when every unit holds the
 state of that step. It gives each unit an UpdateHold; the unit's next update waits in
 HostUnit.begin_update until the writer has streamed that unit's weights and moments to the
 files and released the hold. The step loop goes on meanwhile: the next step's forward and

@@ -1,6 +1,6 @@
 """The checkpoint writer's and read-back's I/O: large pieces, several threads, the digest in order.
 
-checkpoint.write_safetensors decides what a file holds (its header, its tensors in order); this
+writer.write_safetensors decides what a file holds (its header, its tensors in order); this
 module puts the bytes on the disk and reads them back (benchmarks/NOTES.md "Checkpoint writer").
 
 Writing one file: its bytes come as pieces in file order (a host tensor's own memory, no copy;
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from .engine.slide.disk_tier import StreamedTensor
+from ..engine.slide.disk_tier import StreamedTensor
 
 WRITE_PIECE = 32 * 2**20     # one pwrite(): a 256 MiB tensor is 8 slices for the pool's threads
 INLINE_BYTES = 2**20         # smaller pieces (norms, scalars, headers) are written by the file's thread
@@ -54,7 +54,7 @@ def default_threads() -> int:
 @dataclass(frozen=True)
 class FileDigest:
     size: int
-    digest: str                # hex, of algorithm checkpoint.DIGEST (xxh3-128)
+    digest: str                # hex, of algorithm format.DIGEST (xxh3-128)
 
     def record(self) -> dict:
         return {"size": self.size, "digest": self.digest}

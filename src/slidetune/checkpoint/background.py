@@ -5,7 +5,7 @@ The design: a snapshot taken unit by unit, in place. At a step boundary (every u
 step done: engine.synchronize()) the save holds each unit's next update (engine.hold_updates,
 engine/slide/update_hold.py) and returns; a background thread then writes the checkpoint exactly
 as the blocking save does (same files, same bytes, same manifest, same atomic rename:
-checkpoint.save_atomically), taking the weights and the moments straight from the live store,
+store.save_atomically), taking the weights and the moments straight from the live store,
 and releases each unit as soon as both its weights and its moments have been written. The next
 step's forward and backward only read the weights, so they run while the files are written; an
 update waits only where it reaches a unit the writer has not passed. No copy of the state is
@@ -25,7 +25,7 @@ the save, the rename and the pruning all run in the background. A failure in the
 reaches the pipeline's threads: every hold is released, the temporary directory removed (the
 previous checkpoint intact, as in the blocking save) and the error is kept for the step loop
 (PendingSave.wait raises it). A kill during the save leaves `<name>.tmp-<pid>`, which the next
-start removes (checkpoint.recover_leftovers): the previous checkpoint is complete.
+start removes (store.recover_leftovers): the previous checkpoint is complete.
 """
 from __future__ import annotations
 
@@ -37,11 +37,12 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import (STATE_DIR, CheckpointError, FileDigest, finish_checkpoint, fresh_dir, one_reader, rng_state,
-                         save_atomically, state_record, write_tensor_files)
-from .checkpoint_io import StreamCancelled
-from .engine.slide.disk_tier import StreamedTensor
-from .faults import maybe_stall
+from ..engine.slide.disk_tier import StreamedTensor
+from ..faults import maybe_stall
+from .format import STATE_DIR, CheckpointError, rng_state, state_record
+from .io import FileDigest, StreamCancelled
+from .store import fresh_dir, save_atomically
+from .writer import finish_checkpoint, one_reader, write_tensor_files
 
 
 @dataclass
@@ -145,7 +146,7 @@ def start_async_save(engine, out_dir: Path, *, step: int, tokenizer=None, traine
     background once the checkpoint is complete and verified (the pruning of older ones). The
     checkpoint is the one save_checkpoint(engine, out_dir, step=step, ...) would write, byte for
     byte but for state.json's time. One save at a time: the caller waits for the previous one.
-    writer_threads: the writer's I/O threads (None: checkpoint_io.default_threads())."""
+    writer_threads: the writer's I/O threads (None: io.default_threads())."""
     refusal = engine.async_save_refusal()
     if refusal is not None:
         raise ValueError(f"an asynchronous save is not possible: {refusal}")
@@ -201,7 +202,7 @@ def _run_in_background(engine, pending: PendingSave, streams: _UnitStreams, rng:
 
 class _UnitStreams:
     """The checkpoint's tensors as streams written at once in unit order (the weight shards; the
-    optimizer state's file or parts: checkpoint.optimizer_parts), each tensor a StreamedTensor read
+    optimizer state's file or parts: writer.optimizer_parts), each tensor a StreamedTensor read
     from the live store as it is written, and each unit's hold released once the streams have
     written all of its tensors."""
 
@@ -240,7 +241,7 @@ class _UnitStreams:
                     yield part
             else:
                 self._check_cancel()
-                # a device unit's tensor is staged down in chunks by the writer (checkpoint_io.Stager)
+                # a device unit's tensor is staged down in chunks by the writer (io.Stager)
                 yield t.detach().reshape(-1)
             self._written(unit)
         return StreamedTensor(tuple(t.shape), t.dtype, source)

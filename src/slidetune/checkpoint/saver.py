@@ -1,4 +1,4 @@
-"""The run's resumable saves, one at a time: asynchronous where the engine can (async_save.py),
+"""The run's resumable saves, one at a time: asynchronous where the engine can (background.py),
 blocking otherwise, each timed into `saves.jsonl` beside metrics.csv.
 
 `--async-save auto|on|off` (TrainConfig.async_save) picks the periodic saves' kind
@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .async_save import PendingSave, SaveTiming
-from .checkpoint import CheckpointError
+from .background import PendingSave, SaveTiming
+from .format import CheckpointError
 
 
 def resolve_async_save(setting: str, engine, on_gpu: bool) -> tuple[bool, str]:
@@ -82,7 +82,7 @@ class CheckpointSaver:
             self._record(timing)
 
     def start(self, begin: Callable[[], PendingSave]) -> None:
-        """Start an asynchronous save (`begin()`: async_save.start_async_save); the caller has
+        """Start an asynchronous save (`begin()`: background.start_async_save); the caller has
         collected the previous one (poll(wait=True)): a second save waits for the first."""
         if self.pending is not None:
             raise RuntimeError("a checkpoint is still being written: poll(wait=True) first")

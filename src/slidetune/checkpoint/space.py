@@ -3,7 +3,7 @@
 A run writes `final/` (the model in HF format, in `save_dtype`) and resumable checkpoints
 (FP32 masters 4 B/param + AdamW moments 8 B/param + a few files: engine/adamw.py's FP32_ADAMW):
 12 B/param, 98 GB for an 8B model, more than the GPU machine's 64 GiB disk. While a periodic checkpoint is written
-the previous `keep_last` stay until it is complete (checkpoint.py writes atomically), so
+the previous `keep_last` stay until it is complete (store.py saves atomically), so
 `keep_last + 1` of them exist at once.
 
 The rules (issue 18):
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .engine.adamw import FP32_ADAMW
+from ..engine.adamw import FP32_ADAMW
 
 GiB = 2**30
 # config, tokenizer, index and state files beside the tensors, and filesystem slack
