@@ -155,3 +155,31 @@ def test_log_citations_name_an_entry():
                 unknown.append(f"{p.relative_to(ROOT)}: {date} \"{title}\"")
     assert cited > 50
     assert not unknown, "citations of LOG.md entries that do not exist:\n" + "\n".join(unknown)
+
+
+def _layout_modules() -> set[str]:
+    """The modules docs/layout.md's tree names, as paths under src/ (its indentation is the nesting)."""
+    block = (ROOT / "docs" / "layout.md").read_text().split("```")[1]
+    named, folders = set(), []                     # folders: (indent, "name/") from the root down
+    for line in block.splitlines():
+        m = re.match(r"^( *)(\S+\.py|\S+/)(?:\s|$)", line)
+        if not m:
+            continue
+        indent, name = len(m.group(1)), m.group(2)
+        while folders and folders[-1][0] >= indent:
+            folders.pop()
+        if name.endswith("/"):
+            folders.append((indent, name))
+        else:
+            named.add("".join(f for _, f in folders) + name)
+    return named
+
+
+def test_layout_names_every_module():
+    """docs/layout.md lists every module of src/slidetune (package __init__ files aside) where it
+    is, and no module that is gone."""
+    tree = {str(p.relative_to(ROOT / "src")) for p in (ROOT / "src" / "slidetune").rglob("*.py")
+            if p.name != "__init__.py" and "__pycache__" not in p.parts}
+    named = {n.removeprefix("src/") for n in _layout_modules() if n.startswith("src/slidetune/")}
+    assert not tree - named, f"modules docs/layout.md does not list: {sorted(tree - named)}"
+    assert not named - tree, f"docs/layout.md lists modules that do not exist: {sorted(named - tree)}"

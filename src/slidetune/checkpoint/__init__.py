@@ -12,7 +12,9 @@ file, and only ones above it in this list):
     saver.py       the run's saves one at a time, asynchronous or blocking, timed into saves.jsonl
     space.py       what a run will write to disk, checked against the free space before step 1
     lock.py        one run per output and checkpoint directory (or inside one): a lock held for the run
-    atomic.py      replace one file as one operation (summary.json, metrics.csv, loss.png, the data caches)
+
+(One file replaced as one operation, atomic_write.py, stays beside the package: the data caches and
+the telemetry's files use it too, and importing it loads nothing of this package.)
 
 Code outside the package imports the names below from `slidetune.checkpoint`; a test that replaces
 a function or a constant replaces it in the module that reads it (writer.write_safetensors,
@@ -67,7 +69,7 @@ memory-mapped files, so neither side ever holds a second copy of the model.
 """
 from __future__ import annotations
 
-from .atomic import write_atomically
+from ..atomic_write import write_atomically
 from .background import PendingSave, SaveTiming, start_async_save
 from .format import (COMPLETE, DIGEST, FORMAT_VERSION, MANIFEST, MOMENT_DTYPES, OPTIM_FILE, READ_FORMAT_VERSIONS,
                      SAVE_DTYPES, STATE_DIR, CheckpointCorrupt, CheckpointError, checkpoint_dir)
@@ -93,7 +95,7 @@ __all__ = [
     "CheckedCheckpoint", "LegacyLayout", "check_checkpoint", "load_checkpoint", "optimizer_files", "verify_files",
     "file_digest", "finish_checkpoint", "optimizer_parts", "save_checkpoint", "save_tensors", "write_safetensors",
     "write_tensor_files", "write_weights",
-    # background.py, saver.py, space.py, lock.py, atomic.py
+    # background.py, saver.py, space.py, lock.py; atomic_write.py
     "PendingSave", "SaveTiming", "start_async_save",
     "CheckpointSaver", "overlap_note", "resolve_async_save",
     "DiskSpaceError", "SavePlan", "plan_saves", "resolve_save_dtype",

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..checkpoint.atomic import write_atomically
+from ..atomic_write import write_atomically
 from .config import DataConfig
 from .errors import DataError
 from .hf_datasets import StreamingSource

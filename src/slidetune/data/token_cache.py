@@ -5,7 +5,7 @@ whether it is supervised, or a conversation's messages), the tokenizer (`tokeniz
 vocabulary, merges, normalizer, special tokens and chat template), ``mask_prompt``, and the versions
 of transformers/tokenizers and of this format. Not the path: a copied file hits, an edited one does
 not. The entry is one ``.npz`` (ids int32, targets bool, lengths int64, and digest: an xxh3-128 of
-the three arrays), written to a temporary name and renamed (checkpoint/atomic.py), so an interrupted
+the three arrays), written to a temporary name and renamed (atomic_write.py), so an interrupted
 run leaves no half entry. A cache is only a cache: an entry that cannot be read (flipped bytes fail
 the zip's CRC, a cut file is no zip), lacks an array or whose arrays do not match its digest is
 deleted with a note and the data tokenized again, and the entry written anew.
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpoint.atomic import write_atomically
+from ..atomic_write import write_atomically
 from ..hf_hub import datasets_cache_dir
 from .formats import Example
 from .tokenization import TokenizedExample, tokenize_examples

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Callable, Collection, Sequence
 
-from ..checkpoint.atomic import write_atomically
+from ..atomic_write import write_atomically
 from .tracker import Tracker
 
 
