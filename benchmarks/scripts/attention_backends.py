@@ -27,6 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from slidetune.bench.roofline import _time_cuda
 from slidetune.telemetry.flops import FLASH_BACKWARD_OVER_FORWARD, causal_attention_flops
 from slidetune.telemetry.machine import machine_info
 
@@ -35,21 +36,16 @@ _SDPA = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "E
 
 
 def _median_time(fn, device: torch.device, reps: int = 5) -> float:
-    """Seconds: the median of `reps` calls after one warm-up (CUDA events on a GPU, else wall)."""
+    """Seconds: the median of `reps` calls, CUDA-event timed as the roofline's probes are
+    (bench.roofline._time_cuda); on the CPU, wall time after one warm-up."""
+    if device.type == "cuda":
+        return _time_cuda(fn, reps=reps)
     fn()
     times = []
     for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
     return sorted(times)[len(times) // 2]
 
 

@@ -113,6 +113,8 @@ class Source:
 
 
 # the record fields a ColumnMap may name (every format's keys)
+# a preference pair's keys (data/preference.py reads such records; supervised runs refuse them)
+PREFERENCE_KEYS = ("chosen", "rejected")
 RECORD_FIELDS = frozenset({"messages", "tools", "conversations", "system", "instruction", "input", "output",
                            "prompt", "completion", "text", "chosen", "rejected"})     # (pairs: preference.py)
 
@@ -260,7 +262,7 @@ def parse_record(record: Any, where: str, columns: ColumnMap | None = None) -> E
     if columns is not None:
         record = columns.apply(record, where)
     fmt = detect_format(record.keys())
-    if fmt is None and {"chosen", "rejected"} <= set(record):
+    if fmt is None and all(k in record for k in PREFERENCE_KEYS):
         # a preference pair (data/preference.py) in a supervised run, which trains one completion
         raise DataError(f"{where}: a preference record (chosen/rejected) is not supervised fine-tuning data; "
                         f"to fine-tune on the chosen side, rename it: --data-columns chosen=completion "

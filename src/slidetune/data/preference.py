@@ -31,11 +31,10 @@ from typing import Any, Iterable
 import torch
 
 from .errors import DataError
-from .formats import ColumnMap, Example, parse_record
+from .formats import PREFERENCE_KEYS, ColumnMap, Example, parse_record
 
 log = logging.getLogger(__name__)
 
-PREFERENCE_KEYS = ("chosen", "rejected")
 
 
 @dataclass(frozen=True)
