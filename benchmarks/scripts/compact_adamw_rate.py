@@ -5,11 +5,13 @@ machine's details and each format's B/param stored and moved (GB/s moved = rate 
 --parts all,params,moments adds the clipped sweep's split pair (clip_sweep=split: the master first,
 the moments later), each with its own bytes moved (OptimizerState.update_bytes' part).
 Usage: python benchmarks/scripts/compact_adamw_rate.py [OUT.json] [--params 16e6] [--threads 1,2] [--parts all]
+       [--formats fp32/8bit,bf16/8bit]; SLIDETUNE_NATIVE_CFLAGS adds compiler flags (a code-generation A/B)
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -58,13 +60,17 @@ def main() -> None:
     ap.add_argument("--params", type=float, default=16e6)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--parts", default="all", help="comma-separated: all, params, moments")
+    ap.add_argument("--formats", default="", help="comma-separated master/moments pairs, e.g. fp32/8bit (default: all)")
     a = ap.parse_args()
     n, threads, parts = int(a.params), [int(t) for t in a.threads.split(",")], a.parts.split(",")
     native_adamw.load_compact()                              # compiled outside the timing
     rows = []
     print(f"{'master':>6} {'moments':>7} {'part':>7} {'stored':>8} {'moved':>8}  " +
           "  ".join(f"{t:>2} thr G/s (GB/s)" for t in threads))
+    wanted = {tuple(f.split("/")) for f in a.formats.split(",") if f}
     for (master, moments), fmt in OPTIMIZER_STATES.items():
+        if wanted and (master, moments) not in wanted:
+            continue
         for part in parts:
             rates = {t: rate(fmt, n, t, part=part) for t in threads}
             moved = fmt.update_bytes(2, part)
@@ -75,6 +81,7 @@ def main() -> None:
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(machine=machine_info(), params=n, grad="bf16", rows=rows,
+                           extra_cflags=os.environ.get(native_adamw.EXTRA_FLAGS_VAR, ""),
                            clock="1 thread: the calling thread's CPU time; more: wall time; best of 5"), f, indent=1)
 
 

@@ -2,7 +2,8 @@
 # Run on the GPU machine (device tool) from the repo root: each argument is one job.
 # Results go to $OUT/results.tar.gz (the device tool returns at most 8 files).
 #   jobs: stash | pipeline | train | trainresume (train --gpus N, killed, resumed) | savetests | asyncab (issue 33) | savestreams (the optimizer state in 1 or 2 files) | shardab (sharded layers = device layers, 2 GPUs) | trainrun@TAG (TRAINRUN_ARGS_TAG) | equivalence | runtime | throughput | throughput@TAG | scaling | scaling@TAG
-#         | hostinfo | attnbackends (ATTN_ARGS: attention kernels' rates and errors) | compactrate (COMPACTRATE_ARGS: the host AdamW's rate per state format and part) | quality (QUALITY_ARGS:
+#         | hostinfo | attnbackends (ATTN_ARGS: attention kernels' rates and errors) | compactrate (COMPACTRATE_ARGS: the host AdamW's rate per state format and part) | q8flags (the 8-bit passes
+#           under three code generations) | quality (QUALITY_ARGS:
 #           each state format's held-out loss on SmolLM2, stash first) | desktop64 (DESKTOP_ARGS: a 64 GiB host, 24 GiB GPU) | rankmem (RANKMEM_ARGS: a rank's host memory by stage, 1 and N processes) | techniques
 #         | layermem (LAYERMEM_ARGS: one layer's time and peak GPU memory, HF's and the lean layer, torch's or
 #           Liger's kernels (a liger-kernel wheel in .whl/); --profile: GPU time by kernel class)
@@ -294,6 +295,20 @@ PY
     compactrate) # issue 46: the host AdamW kernels' rates for each state format (FP32, BF16 and 8-bit moments, FP32
           # or BF16 master) at several thread counts, over 256 M params (far past the caches): is 8-bit DRAM- or compute-bound here
           python benchmarks/scripts/compact_adamw_rate.py $R/compact_adamw_rate.json --params 256e6 ${COMPACTRATE_ARGS:---threads 1,8,15,16 --parts all,params,moments} ;;
+    q8flags) # issue 46's 8-bit speed: the host kernel's 8-bit passes at 16 threads built with gcc's default
+          # code generation for this CPU, with gathers forced on (-mtune-ctrl), and with 512-bit vectors
+          # preferred (SLIDETUNE_NATIVE_CFLAGS); the compiler, -march=native's target and the CPU's flags beside
+          mkdir -p $R/q8flags
+          { gcc --version | head -1; gcc -march=native -Q --help=target 2>/dev/null | grep -E "^ +-m(arch|tune)="
+            lscpu | grep "Model name"; grep -o -w 'avx512[a-z_0-9]*\|avx2\|gfni' /proc/cpuinfo | sort -u | tr '\n' ' '; } \
+            > $R/q8flags/cpu.txt 2>&1
+          i=0
+          for flags in "" "-mtune-ctrl=use_gather_2parts,use_gather_4parts,use_gather" "-mprefer-vector-width=512"; do
+            SLIDETUNE_NATIVE_CFLAGS="$flags" python benchmarks/scripts/compact_adamw_rate.py $R/q8flags/rate_$i.json \
+              --params 256e6 --threads 16 --parts params,moments --formats fp32/fp32,fp32/8bit,bf16/8bit \
+              2>&1 | sed "s|^|[$flags] |"
+            i=$((i + 1))
+          done ;;
     quality) # issue 46: what each compact state format costs on a real fine-tune: the embedded SmolLM2 (stash
           # first), the built-in corpus and a chat set, FP32 against each format, held-out loss curves
           # (QUALITY_ARGS, e.g. "--steps 500 --parallel 4 --datasets corpus"; ~4 min a dataset on one H200)

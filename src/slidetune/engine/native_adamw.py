@@ -342,6 +342,9 @@ COMPACT_KERNELS(bf16, q8)
 # step, but a BF16 copy of a weight then rounds the other way now and then, and a 3-step
 # CPU training test drifted to 2e-4 against torch's kernel (1e-5 is the contract).
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared"]
+# SLIDETUNE_NATIVE_CFLAGS: flags appended to these (a code-generation experiment, e.g. "-mtune-ctrl=use_gather"
+# on the GPU host: benchmarks/scripts/compact_adamw_rate.py); the results must stay bit for bit.
+EXTRA_FLAGS_VAR = "SLIDETUNE_NATIVE_CFLAGS"
 
 
 @dataclass
@@ -383,7 +386,8 @@ def _compile(source: str) -> tuple[ctypes.CDLL, str]:
         src, lib_path = os.path.join(tmp, "adamw.c"), os.path.join(tmp, "adamw.so")
         with open(src, "w") as f:
             f.write(source)
-        done = subprocess.run([cc, *FLAGS, src, "-o", lib_path], capture_output=True, text=True, timeout=120)
+        extra = os.environ.get(EXTRA_FLAGS_VAR, "").split()
+        done = subprocess.run([cc, *FLAGS, *extra, src, "-o", lib_path], capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{os.path.basename(cc)} failed: {done.stderr.strip()[-400:]}")
         # torch is loaded with its own libgomp.so.1; the kernel's libgomp.so.1 resolves to it
