@@ -115,8 +115,9 @@ def test_hf_model_uses_band():
 def test_the_backend_probe_times_and_checks_each_kernel_it_can_run(tmp_path):
     """benchmarks/scripts/attention_backends.py (device_call.sh attnbackends) on the CPU at a small
     GQA shape: a backend that runs gets a row a length with its rate and its error against the
-    math backend in FP32 (the math backend itself in BF16 within 3x flash's); one this build
-    cannot run (memory-efficient on the CPU) is named with its error."""
+    math backend in FP32 (the math backend itself in BF16 within 3x flash's), SDPA's own choice
+    ("default") among them; one this build cannot run (memory-efficient on the CPU) is named with
+    its error."""
     import json
     import os
     import subprocess
@@ -126,13 +127,14 @@ def test_the_backend_probe_times_and_checks_each_kernel_it_can_run(tmp_path):
     out = tmp_path / "attn.json"
     subprocess.run([sys.executable, str(root / "benchmarks/scripts/attention_backends.py"), str(out), "--device", "cpu",
                     "--seq-lens", "128,256", "--tokens", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "32",
-                    "--backends", "flash,efficient,math"],
+                    "--backends", "default,flash,efficient,math"],
                    check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root / "src")})
     report = json.loads(out.read_text())
     assert report["backends"]["flash"]["runs"] and report["backends"]["math"]["runs"]
     assert not report["backends"]["efficient"]["runs"] and "No viable backend" in report["backends"]["efficient"]["error"]
     rows = {(r["backend"], r["seq"]): r for r in report["rows"]}
-    assert set(rows) == {(b, s) for b in ("flash", "math") for s in (128, 256)}
+    assert set(rows) == {(b, s) for b in ("default", "flash", "math") for s in (128, 256)}
+    assert report["layout"] == "hf" and rows[("default", 128)]["chosen"] is None     # (the choice: CUDA only)
     for r in rows.values():
         assert r["forward_tflops"] > 0 and r["backward_tflops"] > 0 and r["correct"]
         assert 0 < max(r["max_error_vs_math_fp32"].values()) < 0.1        # BF16 against FP32

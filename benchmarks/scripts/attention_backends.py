@@ -1,7 +1,8 @@
 """Which attention kernel runs causal GQA fastest on this GPU, and is it right (issue 45).
 
-For each of SDPA's backends (flash, cuDNN, memory-efficient; torch.nn.attention.SDPBackend) and
-FlexAttention, at each sequence length (the batch chosen so every shape holds about the same
+For each of SDPA's backends (flash, cuDNN, memory-efficient; torch.nn.attention.SDPBackend),
+SDPA left to choose ("default": what HF's sdpa attention, and so slidetune's layer, runs; the JSON
+names the backend it chose, torch._fused_sdp_choice) and FlexAttention, at each sequence length (the batch chosen so every shape holds about the same
 tokens), the forward and the backward (dQ, dK, dV of a kept forward) of causal attention at a
 model's attention shape (default Qwen3-8B / Llama-3.1-8B: 32 query heads, 8 KV heads, head_dim
 128), each the median of 5 CUDA-event-timed calls, as TFLOP/s of the causal half
@@ -16,7 +17,7 @@ backend's in FP32 on the same inputs; a backend is "correct" where its largest e
 where flash cannot run.
 
     python benchmarks/scripts/attention_backends.py OUT.json [--seq-lens 1024,...,131072]
-        [--tokens 65536] [--heads 32 --kv-heads 8 --head-dim 128] [--backends flash,cudnn,efficient,flex]
+        [--tokens 65536] [--heads 32 --kv-heads 8 --head-dim 128] [--backends default,flash,cudnn,efficient,flex]
 """
 from __future__ import annotations
 
@@ -58,8 +59,12 @@ def attention_fn(backend: str, heads: int, kv_heads: int, native_gqa: bool):
             return k, v
         return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
 
+    gqa = {"enable_gqa": True} if native_gqa and groups > 1 else {}
     if backend == "flex":
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        # the timing differentiates one kept forward several times (retain_graph): the compiled
+        # backward's donated buffers refuse that (2026-11-29 on the H200, every length)
+        torch._functorch.config.donated_buffer = False
         compiled = torch.compile(flex_attention)
         masks: dict = {}
 
@@ -70,15 +75,33 @@ def attention_fn(backend: str, heads: int, kv_heads: int, native_gqa: bool):
             k, v = expand(k, v)
             return compiled(q, k, v, block_mask=masks[s], enable_gqa=native_gqa and groups > 1)
         return flex
+    if backend == "default":
+        def default(q, k, v):
+            k, v = expand(k, v)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+        return default
     from torch.nn.attention import SDPBackend, sdpa_kernel
     chosen = getattr(SDPBackend, _SDPA[backend])
 
     def sdpa(q, k, v):
         k, v = expand(k, v)
         with sdpa_kernel(chosen):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                  **({"enable_gqa": True} if native_gqa and groups > 1 else {}))
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
     return sdpa
+
+
+def default_choice(heads: int, kv_heads: int, seq: int, head_dim: int, batch: int, device, dtype) -> str | None:
+    """The backend SDPA picks by itself for this causal GQA call with gradients (its dispatcher's
+    torch._fused_sdp_choice), as HF's sdpa attention calls it: q, k, v as views [B, H, S, dh] of
+    [B, S, H, dh] projections."""
+    choose = getattr(torch, "_fused_sdp_choice", None)
+    if choose is None or device.type != "cuda":
+        return None
+    q = torch.empty(batch, seq, heads, head_dim, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
+    k = torch.empty(batch, seq, kv_heads, head_dim, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
+    index = choose(q, k, k, None, 0.0, True, enable_gqa=kv_heads != heads)
+    from torch.nn.attention import SDPBackend
+    return next((b.name for b in SDPBackend if int(b.value) == int(index)), str(index))
 
 
 def runnable(backend: str, heads: int, kv_heads: int, head_dim: int, device, dtype) -> tuple[bool | None, str]:
@@ -113,12 +136,18 @@ def errors(backend: str, native: bool, heads: int, kv_heads: int, seq: int, head
     return {name: (a - b).abs().max().item() for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}
 
 
+def _leaf(batch: int, heads: int, seq: int, head_dim: int, device, dtype, layout: str) -> torch.Tensor:
+    """A random [B, H, S, dh] input requiring grad: "hf", a view of [B, S, H, dh] (HF's attention
+    transposes its projections' output, and cuDNN's kernel reads that layout), or "contiguous"."""
+    if layout == "hf":
+        return torch.randn(batch, seq, heads, head_dim, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
+    return torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+
+
 def rate(backend: str, native: bool, heads: int, kv_heads: int, seq: int, head_dim: int, batch: int,
-         device, dtype) -> dict:
+         device, dtype, layout: str = "hf") -> dict:
     fn = attention_fn(backend, heads, kv_heads, native)
-    q = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)   # [B, H, S, dh]
-    k = torch.randn(batch, kv_heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
-    v = torch.randn_like(k, requires_grad=True)
+    q, k, v = (_leaf(batch, h, seq, head_dim, device, dtype, layout) for h in (heads, kv_heads, kv_heads))
     out = fn(q, k, v)
     grad = torch.randn_like(out)
 
@@ -141,12 +170,15 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--backends", default="flash,cudnn,efficient,flex")
+    ap.add_argument("--backends", default="default,flash,cudnn,efficient,flex")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--layout", choices=("hf", "contiguous"), default="hf",
+                    help="q, k, v as HF's attention passes them (transposed views) or contiguous [B, H, S, dh]")
     a = ap.parse_args()
     device, dtype = torch.device(a.device), torch.bfloat16
     shape = dict(heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim)
     report = {"machine": machine_info(), "torch": torch.__version__, "shape": shape, "tokens": a.tokens,
+              "layout": a.layout,
               "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
               "backends": {}, "rows": []}
     seqs = [int(s) for s in a.seq_lens.split(",")]
@@ -159,11 +191,14 @@ def main() -> None:
             continue
         for seq in seqs:
             row = {"backend": backend, "seq": seq, "batch": max(1, a.tokens // seq), "native_gqa": native}
+            if backend == "default":
+                row["chosen"] = default_choice(a.heads, a.kv_heads, seq, a.head_dim, row["batch"], device, dtype)
             try:
                 if seq <= a.check_up_to:
                     row["max_error_vs_math_fp32"] = errors(backend, native, a.heads, a.kv_heads, seq, a.head_dim,
                                                            device, dtype)
-                row.update(rate(backend, native, a.heads, a.kv_heads, seq, a.head_dim, row["batch"], device, dtype))
+                row.update(rate(backend, native, a.heads, a.kv_heads, seq, a.head_dim, row["batch"], device, dtype,
+                                a.layout))
             except Exception as e:        # out of memory at a length, or a shape the kernel refuses
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
             if device.type == "cuda":
