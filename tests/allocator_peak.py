@@ -1,5 +1,5 @@
 """The CPU allocator's peak while a function runs, from the profiler's memory events: what the fit
-estimates (engine/fit.py) are checked against on the CPU."""
+estimates (engine/fit/) are checked against on the CPU."""
 from __future__ import annotations
 
 import warnings

@@ -1,4 +1,4 @@
-"""Memory estimate and fit check (engine/fit.py): arithmetic on meta skeletons, plus the
+"""Memory estimate and fit check (engine/fit/): arithmetic on meta skeletons, plus the
 activation and head formulas against what torch really allocates for a tiny layer on the CPU."""
 from __future__ import annotations
 

@@ -160,7 +160,7 @@ def disk_tier_warmup(asked: int, engine) -> int:
 
 def fit_estimate(prepared: PreparedRun, device: Device) -> dict[str, float]:
     """The fit's estimate of the placement that runs (GiB), beside the measured peaks (the fit
-    margin's calibration, engine/fit.py FIT_SAFETY), and the GPU memory it planned with (read
+    margin's calibration, engine/fit/budget.py FIT_SAFETY), and the GPU memory it planned with (read
     before the engine allocates anything)."""
     from ..engine.fit import estimate_memory
     work = prepared.work

@@ -3,7 +3,7 @@
 RuntimeConfig holds the user's choices (mode, dtype, device, recompute, activation offload,
 compile, the disk directory: top-level flags of `slidetune train`) and, in one section per
 component, the pipeline's tuning knobs: `placement` (what lives on the GPU: engine/placement.py,
-engine/fit.py), `transfer` (PCIe staging and the GPU's gradient slots), `host` (the host's AdamW
+engine/fit/), `transfer` (PCIe staging and the GPU's gradient slots), `host` (the host's AdamW
 worker and the pipeline's threads), `clip` (the update schedule and the clipped sweep), `disk`
 (the disk tier), `layer` (the lean decoder layer) and `head` (the output layer).
 

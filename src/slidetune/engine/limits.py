@@ -31,7 +31,7 @@ import torch
 from ..models.units import SplitModel
 from .config import RuntimeConfig
 from .distributed import SharedMemoryError
-from .fit import (FIT_SAFETY, InsufficientMemoryError, MemoryEstimate, _budget, check_fit, choose_auto_settings,
+from .fit import (FIT_SAFETY, InsufficientMemoryError, MemoryEstimate, budget_for, check_fit, choose_auto_settings,
                   query_gpu_free_bytes, query_host_available_bytes)
 from .slide.disk_tier import DiskTierError
 
@@ -253,8 +253,8 @@ class _Prober:
                             shm_free_bytes=b.shm_free_bytes, disk_free_bytes=b.disk_free_bytes, **kw)
             return Probe(batch_size, seq_len, True, settings, est)
         except InsufficientMemoryError as e:
-            short = _budget(e.estimate, settings, b.gpu_free_bytes, b.host_available_bytes, FIT_SAFETY,
-                            b.ranks_per_host).shortfalls(e.estimate)
+            short = budget_for(e.estimate, settings, b.gpu_free_bytes, b.host_available_bytes, FIT_SAFETY,
+                               b.ranks_per_host).shortfalls(e.estimate)
             return Probe(batch_size, seq_len, False, settings, e.estimate, tuple(what for what, *_ in short))
         except DiskTierError:
             return Probe(batch_size, seq_len, False, settings, None, ("disk",))

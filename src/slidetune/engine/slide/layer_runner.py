@@ -24,7 +24,7 @@ from ..config import RuntimeConfig
 def resolve_lean_layer(split: SplitModel, rt: RuntimeConfig) -> str:
     """lean_layer as the engine runs it. auto left unresolved (an engine built without the fit's
     placement) -> off, HF's layer; the fit's ladder of recipes resolves auto to on only where the
-    lean working set makes the run fit (engine/fit._memory_recipes): on the H200 (benchmarks/NOTES.md
+    lean working set makes the run fit (engine/fit/search._memory_recipes): on the H200 (benchmarks/NOTES.md
     "Lean layer") it holds 62% less than HF's compiled layer at 64 x 1024 tokens in row tiles for 11%
     more time, and at 16K tokens the same memory for 3-10% more. on: every decoder layer must be
     Llama's arithmetic."""
