@@ -9,6 +9,7 @@ import torch
 from .dataset import TokenDataset
 
 if TYPE_CHECKING:
+    from ..objectives.preference import PairTokens
     from .token_arrays import TokenArrayDataset
 
 IGNORE_INDEX = -100  # the label that cross-entropy skips (torch and HF default)
@@ -25,6 +26,9 @@ class Batch:
     # tokens attend only to document t, masking_utils.find_packed_sequence_indices) applies.
     # None: positions 0..S-1 (causal packing, padded rows).
     position_ids: torch.Tensor | None = None
+    # a preference objective's micro-batch of whole pairs (objectives/preference.py): which tokens
+    # sum into which sequence's log-probability, the reference's sums, the step's normalization
+    pairs: "PairTokens | None" = None
 
     def num_target_tokens(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())
@@ -39,7 +43,7 @@ class Batch:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=non_blocking)
         return Batch(move(self.input_ids), move(self.labels), move(self.attention_mask),
-                     move(self.position_ids))
+                     move(self.position_ids), self.pairs.to(device, non_blocking) if self.pairs is not None else None)
 
 
 def document_positions(doc_starts: torch.Tensor) -> torch.Tensor:

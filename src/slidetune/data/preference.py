@@ -26,12 +26,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
+from .batch import IGNORE_INDEX, Batch
 from .errors import DataError
 from .formats import PREFERENCE_KEYS, ColumnMap, Example, parse_record
+
+if TYPE_CHECKING:
+    from ..objectives.preference import PreferenceConfig
 
 log = logging.getLogger(__name__)
 
@@ -213,3 +217,38 @@ def collate_pairs(pairs: list[TokenizedPair], pad_id: int, max_length: int | Non
         attention[i, :len(r)] = 1
         completion[i, :len(m)] = torch.tensor(m, dtype=torch.long)
     return {"input_ids": ids, "attention_mask": attention, "completion_mask": completion}
+
+
+def pair_micro_batches(collated: dict[str, torch.Tensor], cfg: "PreferenceConfig",
+                       ref_logps: torch.Tensor | None = None, micro_batches: int = 1) -> list[Batch]:
+    """A step's pairs (collate_pairs' tensors, [2P, S]: the chosen rows, then the rejected rows) as
+    `micro_batches` engine batches of whole pairs: labels shifted as `collate`'s (label t is token
+    t + 1), kept where a token is scored (a completion token; SimPO's NLL: the chosen completions,
+    ORPO's: the chosen rows' every token after the first), and each batch's `pairs` telling the head
+    which sequence a token sums into, the reference's sums [2P] (in the same order), and the step's
+    pairs and NLL tokens (the means' denominators)."""
+    from ..objectives.preference import PairTokens
+    ids, attention, comp = collated["input_ids"], collated["attention_mask"], collated["completion_mask"]
+    rows_total, width = ids.shape
+    P = rows_total // 2
+    if rows_total != 2 * P or P < micro_batches:
+        raise ValueError(f"{rows_total} sequences cannot make {micro_batches} micro-batches of whole pairs")
+    targets = torch.full_like(ids, IGNORE_INDEX)                   # [2P, S]: label t is token t + 1
+    targets[:, :-1] = ids[:, 1:]
+    completion = torch.zeros_like(ids, dtype=torch.bool)
+    completion[:, :-1] = (comp[:, 1:] != 0) & (attention[:, 1:] != 0)
+    real_next = torch.zeros_like(completion)
+    real_next[:, :-1] = attention[:, 1:] != 0
+    chosen_row = (torch.arange(rows_total) < P)[:, None]           # [2P, 1]
+    nll = chosen_row & {"simpo": completion, "orpo": real_next}.get(cfg.objective, torch.zeros_like(completion))
+    labels = targets.masked_fill(~(completion | nll), IGNORE_INDEX)
+    nll_tokens = int(nll.sum())
+    padded = bool((attention == 0).any())
+    out = []
+    for part in torch.arange(P).chunk(micro_batches):
+        rows = torch.cat([part, part + P])                         # the micro-batch's chosen, then rejected
+        pairs = PairTokens(torch.arange(len(rows)).repeat_interleave(width), completion[rows].reshape(-1),
+                           nll[rows].reshape(-1), ref_logps[rows] if ref_logps is not None else None,
+                           pairs_in_step=P, nll_tokens_in_step=nll_tokens)
+        out.append(Batch(ids[rows], labels[rows], attention[rows] if padded else None, pairs=pairs))
+    return out

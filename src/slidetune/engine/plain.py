@@ -16,6 +16,8 @@ from torch.utils.checkpoint import checkpoint
 from ..device import Device
 from ..faults import maybe_oom, maybe_poison
 from ..models.load import LoadedModel, fill_on_device
+from ..objectives.head import head_step, step_loss, step_metrics
+from ..objectives.preference import PreferenceConfig
 from ..telemetry.events import EventTimer
 from ..telemetry.host_timeline import HostTimeline
 from ..telemetry.memory_timeline import MemoryTimeline
@@ -43,8 +45,10 @@ class PlainEngine(Engine):
     host_state = FP32_ADAMW      # --master / --moments are slide mode's (RuntimeConfig refuses them here)
 
     def __init__(self, loaded: LoadedModel, rt: RuntimeConfig, optim: AdamWConfig, device: Device,
-                 grad_accum: int = 1, max_grad_norm: float | None = None, timer: EventTimer | None = None):
+                 grad_accum: int = 1, max_grad_norm: float | None = None, timer: EventTimer | None = None,
+                 objective: PreferenceConfig | None = None):
         self.split = loaded.split
+        self.objective = objective         # a preference objective's head (objectives/head.py); None: SFT
         self.rt = rt
         self.device = device
         self.dtype = rt.torch_dtype
@@ -64,6 +68,15 @@ class PlainEngine(Engine):
         self._recompute_marks: dict = {}           # layer -> (start, end) marks of its recompute
 
     def _loss(self, mb) -> torch.Tensor:
+        """The micro-batch's summed token loss, through autograd."""
+        x, labels = self._hidden(mb)
+        tied = self.units[0].leaves["weight"] if self.split.tied else None
+        with self.timer.span("head", -1):
+            return self.split.head_loss(self.units[-1].leaves, x, labels, lm_weight=tied,
+                                        impl=self.rt.resolved_head_impl, chunk_tokens=self.rt.head.head_chunk_tokens)
+
+    def _hidden(self, mb) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last layer's output [B, S, d] in autograd's graph, the labels [B, S] on the device)."""
         split, dev = self.split, self.device.device
         ids = mb.input_ids.to(dev)
         labels = mb.labels.to(dev)
@@ -92,10 +105,7 @@ class PlainEngine(Engine):
         if timing and x.requires_grad:
             # gradient at the last layer's output: end of the head's backward
             x.register_hook(lambda g: self._grad_mark(split.num_layers))
-        tied = self.units[0].leaves["weight"] if split.tied else None
-        with self.timer.span("head", -1):
-            return split.head_loss(self.units[-1].leaves, x, labels, lm_weight=tied,
-                                   impl=self.rt.resolved_head_impl, chunk_tokens=self.rt.head.head_chunk_tokens)
+        return x, labels
 
     # ------------------------------------------------------------ timing hooks
     # Recompute attribution (docs/contract.md): a checkpointed layer's function runs twice,
@@ -140,14 +150,20 @@ class PlainEngine(Engine):
         if n_tokens == 0:
             raise ValueError("the step's batches contain no target tokens (all labels are -100)")
         total = torch.zeros((), dtype=torch.float32, device=self.device.device)
+        stats = []
         for m, mb in enumerate(micro_batches):
-            loss = maybe_poison(self._loss(mb), self.step_index + 1)     # tests only (faults.py)
+            if self.objective is None:
+                loss = maybe_poison(self._loss(mb), self.step_index + 1)     # tests only (faults.py)
+                backward = lambda: (loss / n_tokens).backward()              # noqa: E731
+            else:
+                loss, backward, pairs = self._preference_head(mb)
+                stats.append(pairs)
             maybe_oom(self.step_index + 1)
             self.memory.mark("head")
             bw_start = self.timer.mark("backward", -1)
             self._in_backward = True
             try:
-                (loss / n_tokens).backward()
+                backward()
             finally:
                 self._in_backward = False
             self._backward_spans(bw_start, self.timer.mark("backward", -1))
@@ -170,7 +186,31 @@ class PlainEngine(Engine):
         self.memory.mark("optimizer")
         self.step_index += 1
         self.gc_freeze.freeze()        # everything the run keeps exists by now (engine/gc_policy.py)
-        return StepResult(loss=float(total) / n_tokens, n_tokens=n_tokens, grad_norm_value=norm)
+        return StepResult(loss=step_loss(self.objective, float(total), n_tokens), n_tokens=n_tokens,
+                          grad_norm_value=norm, metrics=step_metrics(self.objective, stats))
+
+    def _preference_head(self, mb):
+        """A preference objective's micro-batch: the layers through autograd, the head's two passes
+        without it (objectives/head.py, as the slide engine's head), then (the returned closure)
+        the layers' backward from the hidden state's gradient and the head's gradients set on its
+        leaves (a tied weight's added to the embedding's). Returns (loss, backward, the pairs' stats)."""
+        x, labels = self._hidden(mb)
+        head = {k: v.detach() for k, v in self.units[-1].leaves.items()}
+        embed = self.units[0].leaves
+        tied = embed["weight"].detach() if self.split.tied else None
+        pairs = mb.pairs.to(self.device.device) if mb.pairs is not None else None
+        with self.timer.span("head", -1):
+            res = head_step(self.split, head, x.detach(), labels, pairs, self.objective, 1.0, tied,
+                            self.rt.resolved_head_impl, self.rt.head.head_chunk_tokens)
+
+        def backward() -> None:
+            x.backward(res.g_hidden)
+            for name, leaf in self.units[-1].leaves.items():
+                leaf.grad = res.grads[name] if leaf.grad is None else leaf.grad + res.grads[name]
+            if tied is not None:
+                w = embed["weight"]
+                w.grad = w.grad + res.grads["lm_head.weight"] if w.grad is not None else res.grads["lm_head.weight"]
+        return res.loss, backward, res.pairs
 
     def _accumulate_grads(self, m: int) -> None:
         for u in self.units:

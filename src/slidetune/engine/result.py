@@ -11,6 +11,7 @@ class StepResult:
     n_tokens: int                     # target tokens in the step
     grad_norm_future: Future | None = field(default=None, repr=False)
     grad_norm_value: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)    # a preference objective's (TRL's names)
 
     def grad_norm(self) -> float | None:
         """Global gradient norm before clipping (waits for the host side if still running)."""

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.func import functional_call
 
-from ..ops.cross_entropy import RowNorm, linear_cross_entropy, linear_cross_entropy_grads
+from ..ops.cross_entropy import RowNorm, linear_cross_entropy, linear_cross_entropy_grads, linear_token_losses
 from .transforms import ModelTransforms, model_transforms
 
 
@@ -287,11 +287,12 @@ class SplitModel:
                                     transform=self.transforms.logits, norm=norm)
 
     def head_loss_and_grads(self, params: dict[str, torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor,
-                            scale: float, lm_weight: torch.Tensor | None = None, impl: str = "chunked",
+                            scale: float | torch.Tensor, lm_weight: torch.Tensor | None = None, impl: str = "chunked",
                             chunk_tokens: int = 4096) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """(the summed loss, d(scale * loss)/d hidden [B, S, d], {parameter name: its gradient}) without
         an autograd graph (ops.cross_entropy.linear_cross_entropy_grads: the chunked heads scale their
-        gradients in place). A tied head's weight gradient is under "lm_head.weight"."""
+        gradients in place). A tied head's weight gradient is under "lm_head.weight". `scale` may be a
+        tensor [N] of each token's factor (a preference objective's second pass)."""
         norm, weight, bias = self._head_parts(params, lm_weight)
         loss, g_h, g_w, g_b, g_n = linear_cross_entropy_grads(
             hidden, weight, labels, scale, impl=impl, chunk_tokens=chunk_tokens, bias=bias,
@@ -301,6 +302,15 @@ class SplitModel:
         if g_b is not None:
             grads["lm_head.bias"] = g_b
         return loss, g_h, grads
+
+    def head_token_losses(self, params: dict[str, torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor,
+                          lm_weight: torch.Tensor | None = None, impl: str = "chunked",
+                          chunk_tokens: int = 4096) -> torch.Tensor:
+        """Each token's loss [N] (0 where ignored), the forward alone (ops.cross_entropy.
+        linear_token_losses): a preference objective's first pass over the head."""
+        norm, weight, bias = self._head_parts(params, lm_weight)
+        return linear_token_losses(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), impl=impl,
+                                   chunk_tokens=chunk_tokens, bias=bias, transform=self.transforms.logits, norm=norm)
 
     def head_logits(self, params: dict[str, torch.Tensor], hidden: torch.Tensor,
                     lm_weight: torch.Tensor | None = None) -> torch.Tensor:

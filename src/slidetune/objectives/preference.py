@@ -142,6 +142,12 @@ class PairTokens:
     pairs_in_step: int           # the step's pairs (every micro-batch): the mean's denominator
     nll_tokens_in_step: int      # the step's NLL tokens: that mean's denominator
 
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "PairTokens":
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+        return PairTokens(move(self.seq_of), move(self.completion), move(self.nll), move(self.ref_logps),
+                          self.pairs_in_step, self.nll_tokens_in_step)
+
 
 def head_scales(cfg: PreferenceConfig, token_ce: torch.Tensor, t: PairTokens
                 ) -> tuple[PairLoss, torch.Tensor, torch.Tensor, torch.Tensor]:

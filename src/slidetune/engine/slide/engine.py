@@ -97,6 +97,8 @@ from .threads import PipelineThreads
 from .transfer import GradDrain, Uploader
 from .update_hold import UpdateHold
 from ...faults import maybe_oom, maybe_poison, poison_scale
+from ...objectives.head import PairStats, head_step, step_loss, step_metrics
+from ...objectives.preference import PreferenceConfig
 from .workers import WorkerError, done_future
 
 log = logging.getLogger(__name__)
@@ -120,6 +122,14 @@ def _to(t: torch.Tensor | None, dev: torch.device) -> torch.Tensor | None:
 def _leaves(views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Fresh autograd leaves over the same memory (so gradients can be asked for)."""
     return {k: v.detach().requires_grad_(True) for k, v in views.items()}
+
+
+def _one_rank_objective(objective: PreferenceConfig | None, dist: DataParallel | None) -> PreferenceConfig | None:
+    """The preference objective, refused under data parallel for now: each rank's pairs would be
+    normalized by its own pairs, and its metrics would be its own."""
+    if objective is not None and dist is not None and dist.world_size > 1:
+        raise ValueError(f"objective {objective.objective} runs on one GPU for now, not under data parallel")
+    return objective
 
 
 def _gradient_drain(rt: RuntimeConfig, device: Device, *, schedule: str, chunk: int, gpu_cast: bool,
@@ -164,9 +174,9 @@ def _refuse_after_disk_release(released: bool, what: str) -> None:
 class SlideEngine(Engine):
     def __init__(self, loaded: LoadedModel, rt: RuntimeConfig, optim: AdamWConfig, device: Device,
                  grad_accum: int = 1, max_grad_norm: float | None = None, timer: EventTimer | None = None,
-                 dist: DataParallel | None = None):
+                 dist: DataParallel | None = None, objective: PreferenceConfig | None = None):
         """dist: data parallel over several ranks (engine/distributed.py, docs/data_parallel.md); None
-        or a world of one rank: this process alone, unchanged.
+        or one rank: this process alone. objective: a preference objective (objectives/head.py); None: SFT.
 
         Builds, in order: the placement plan (which refuses a combination of settings it cannot
         run), the host state (_build_host_state), the worker threads (threads.py), the GPU slots
@@ -175,6 +185,8 @@ class SlideEngine(Engine):
         self.schedule = rt.resolved_schedule(grad_accum, max_grad_norm)
         self.deferred = self.schedule == "deferred"
         self.max_grad_norm = max_grad_norm
+        self.objective = _one_rank_objective(objective, dist)
+        self.pair_stats: list[PairStats] = []      # this step's pairs, as the head saw them (preference)
         self._closed = False
         self.timer = timer or EventTimer(device, enabled=False)
         self.timeline = HostTimeline(enabled=False)
@@ -183,11 +195,9 @@ class SlideEngine(Engine):
         self._last_step_t: float | None = None
         self.dp = dist if dist is not None and dist.world_size > 1 else None
         # Where each unit's state lives and how its weights reach the GPU (engine/placement.py).
-        # GPU units (vocab_update=device, device_layers) are updated on the compute stream
-        # (_update_on_device), each with a weight slot of their own; their masters and moments are
-        # built on the device and never held by the host. Disk units keep their moments in the
-        # disk tier's files, and those with master "disk" their FP32 masters too (the host keeps
-        # their compute-dtype weights for the uploads).
+        # GPU units (vocab_update=device, device_layers) are updated on the compute stream, their
+        # state built on the device, each with a weight slot of its own. Disk units keep their
+        # moments (master "disk": their FP32 masters too) in the disk tier's files.
         self.plan = PlacementPlan.build(unit_shapes(self.split), rt, self.schedule,
                                         ranks=self.dp.world_size if self.dp is not None else 1, dtype=self.dtype,
                                         local_ranks=self.dp.cfg.local_world_size if self.dp is not None else 1)
@@ -499,7 +509,9 @@ class SlideEngine(Engine):
         loss_sum = float(host_loss[0])
         if self.dp is not None:
             (loss_sum,) = self.dp.sum_scalars([loss_sum])
-        return StepResult(loss=loss_sum / n_tokens, n_tokens=n_tokens, grad_norm_future=self.threads.rooted(norm_fut))
+        return StepResult(loss=step_loss(self.objective, loss_sum, n_tokens), n_tokens=n_tokens,
+                          grad_norm_future=self.threads.rooted(norm_fut),
+                          metrics=step_metrics(self.objective, self.pair_stats))
 
     def _forward(self, mbs: list, visits: list[int], assign: dict[int, int], save_inputs: bool):
         """The forward phase: embedding and layers 0..L-1 without autograd over every micro-batch,
@@ -562,15 +574,17 @@ class SlideEngine(Engine):
         visits = list(range(L)) + list(reversed(range(L)))     # forward then backward
         assign: dict[int, int] = {}                            # visit -> window slot (GpuSlots.plan_window)
         xs, ids, labels, kwargs, embed_slot, head_slot = self._forward(mbs, visits, assign, save_inputs=True)
-        host_loss, loss_ready, gs, tied_acc = self._head(xs, labels, embed_slot, head_slot, scale, lr)
+        pairs = [mb.pairs.to(self.device.device, non_blocking=True) if mb.pairs is not None else None for mb in mbs]
+        host_loss, loss_ready, gs, tied_acc = self._head(xs, labels, pairs, embed_slot, head_slot, scale, lr)
         del xs
         self._backward(gs, ids, kwargs, visits, assign, embed_slot, head_slot, tied_acc, lr)
         return host_loss, loss_ready
 
-    def _head(self, xs: list, labels: list, embed_slot: Slot, head_slot: Slot, scale: float, lr: float):
+    def _head(self, xs: list, labels: list, pairs: list, embed_slot: Slot, head_slot: Slot, scale: float, lr: float):
         """The head phase: loss and its gradients, a micro-batch at a time (the head never holds more
         than a chunk of logits), their parameter gradients summed as the layers' are. Frees each
-        micro-batch's last hidden state in `xs`.
+        micro-batch's last hidden state in `xs`. `pairs`: each micro-batch's preference pairs, or None
+        (objectives/head.py: the head's passes by objective).
 
         Returns (the summed loss in a [1] host tensor, the event after which it holds it, the
         gradient reaching each micro-batch's last layer output [B, S, d], a tied embedding's
@@ -584,21 +598,24 @@ class SlideEngine(Engine):
         gs: list[torch.Tensor] = []       # the gradient reaching each micro-batch's last layer output, [B, S, d]
         acc = None
         loss_sum = None
+        self.pair_stats = []
         maybe_oom(self.step_index + 1)        # tests only (faults.py): an OOM mid-step, past the forward
         for m in range(k):
             with self.timer.span("head", -1):
-                # loss and gradients in one pass, no autograd graph (the chunked heads scale their
-                # gradients in place: models/units.head_loss_and_grads)
-                loss, g_x, g = split.head_loss_and_grads(
-                    head_params, xs[m], labels[m], poison_scale(scale, self.step_index + 1),  # NaN: tests only
-                    lm_weight=tied_w, impl=self.rt.resolved_head_impl, chunk_tokens=self.rt.head.head_chunk_tokens)
-                loss = maybe_poison(loss, self.step_index + 1)       # tests only (faults.py)
+                # loss and gradients without an autograd graph (the chunked heads scale their
+                # gradients in place: models/units.head_loss_and_grads), by objective
+                res = head_step(split, head_params, xs[m], labels[m], pairs[m], self.objective,
+                                poison_scale(scale, self.step_index + 1),                   # NaN: tests only
+                                tied_w, self.rt.resolved_head_impl, self.rt.head.head_chunk_tokens)
+                loss, g_x, g = maybe_poison(res.loss, self.step_index + 1), res.g_hidden, res.grads  # tests only
+                if res.pairs is not None:
+                    self.pair_stats.append(res.pairs)
             gs.append(g_x)
             grads = [g[name] for name in head_params] + ([g["lm_head.weight"]] if tied_w is not None else [])
             acc = accumulate(acc, grads, k)
             loss_sum = loss if loss_sum is None else loss_sum + loss
             xs[m] = None
-            del loss, g_x, g, grads
+            del loss, g_x, g, grads, res
         slots.release(head_slot)
         self.memory.mark("head")
         host_loss = self.device.host_empty(1, torch.float32)
