@@ -136,7 +136,7 @@ def test_measured_step_includes_the_work_left_in_the_background(monkeypatch):
         def eval_loss(self, batch):
             raise AssertionError("measure() does not evaluate")
 
-        next_token_logits = named_master_params = optimizer_tensors = load_state = eval_loss
+        next_token_logits = token_losses = named_master_params = optimizer_tensors = load_state = eval_loss
 
         def train_step(self, micro_batches, lr):
             if self.pending is not None:

@@ -39,9 +39,15 @@ class Engine(ABC):
     def train_step(self, micro_batches: list, lr: float):
         """One optimizer step over the micro-batches (a StepResult)."""
 
-    @abstractmethod
+    @torch.no_grad()
     def eval_loss(self, batch) -> tuple[float, int]:
-        """(summed loss, target tokens) of one batch, no update."""
+        """(summed loss, target tokens) of one batch, no update: the sum of token_losses."""
+        return float(self.token_losses(batch).sum()), batch.num_target_tokens()
+
+    @abstractmethod
+    def token_losses(self, batch) -> torch.Tensor:
+        """[B * S] each position's loss with the current weights (0 where ignored), no update: a
+        preference objective's reference pass (objectives/reference.py)."""
 
     @abstractmethod
     def next_token_logits(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

@@ -224,8 +224,12 @@ class PlainEngine(Engine):
                 p.grad = None
 
     @torch.no_grad()
-    def eval_loss(self, batch) -> tuple[float, int]:
-        return float(self._loss(batch)), batch.num_target_tokens()
+    def token_losses(self, batch) -> torch.Tensor:
+        x, labels = self._hidden(batch)
+        tied = self.units[0].leaves["weight"] if self.split.tied else None
+        return self.split.head_token_losses(self.units[-1].leaves, x, labels, lm_weight=tied,
+                                            impl=self.rt.resolved_head_impl,
+                                            chunk_tokens=self.rt.head.head_chunk_tokens)
 
     @torch.no_grad()
     def next_token_logits(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,10 @@ class WeightSource(Protocol):
         """(ParamSpec, tensor of its shape) for each of the unit's parameters, in order, each made
         when it is reached: what fill() writes, one parameter at a time."""
 
+    def fingerprint(self) -> str:
+        """A string that changes when the weights could: what a cache computed from the initial
+        weights (a preference objective's reference log-probabilities) is keyed on."""
+
 
 def fill_on_device(source: WeightSource, unit: UnitSpec, device: torch.device) -> torch.Tensor:
     """The unit's FP32 master [numel] built on `device` a parameter at a time: host RAM holds one
@@ -60,6 +64,9 @@ class RandomInit:
         gen = torch.Generator().manual_seed(self.seed * 100_003 + unit.index)
         for p, view in zip(unit.params, unit.views(flat).values()):
             self._draw(p, view, gen)
+
+    def fingerprint(self) -> str:
+        return f"random seed={self.seed} std={self.std!r} bias_std={self.bias_std!r}"
 
     def param_tensors(self, unit: UnitSpec):
         # the same generator, in the same order, over the same element counts: fill()'s values
@@ -102,6 +109,20 @@ class SafetensorsSource:
         for p, t in self.param_tensors(unit):
             flat[p.offset:p.offset + p.numel].view(p.shape).copy_(t)
 
+    def fingerprint(self) -> str:
+        """Each weight file as it is on disk, without reading its tensors (16 GB for an 8B): its name,
+        where it resolves to (in the HF hub's cache a file is a link to a blob named by its content's
+        SHA-256), size, modification time and safetensors header (names, dtypes, shapes, offsets)."""
+        parts = []
+        for name in sorted(set(self.weight_map.values())):
+            path = self.directory / name
+            st = path.stat()
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = f.read(min(n, 1 << 26))
+            parts.append(f"{name}\x00{path.resolve().name}\x00{st.st_size}\x00{st.st_mtime_ns}\x00".encode() + header)
+        return _digest_bytes(parts)
+
     def param_tensors(self, unit: UnitSpec):
         """Each parameter as stored (its file's dtype), read when it is reached, file by file."""
         from safetensors import safe_open
@@ -132,6 +153,25 @@ class StateDictSource:
     def param_tensors(self, unit: UnitSpec):
         for p in unit.params:
             yield p, self.state[p.full_name]
+
+    def fingerprint(self) -> str:
+        """Every tensor's name, dtype, shape and bytes (the weights are in memory already)."""
+        parts = []
+        for name in sorted(self.state):
+            t = self.state[name].detach().cpu().contiguous()
+            parts.append(f"{name}\x00{t.dtype}\x00{tuple(t.shape)}\x00".encode())
+            parts.append(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return _digest_bytes(parts)
+
+
+def _digest_bytes(parts: list[bytes]) -> str:
+    """xxh3-128 of the parts, each preceded by its length (bytes cannot shift between them)."""
+    import xxhash
+    h = xxhash.xxh3_128()
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.hexdigest()
 
 
 @dataclass

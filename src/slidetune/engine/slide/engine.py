@@ -688,18 +688,20 @@ class SlideEngine(Engine):
 
     # ------------------------------------------------------------- evaluation
     @torch.no_grad()
-    def eval_loss(self, batch) -> tuple[float, int]:
-        """Sum of token losses and token count of one batch with the current weights."""
+    def token_losses(self, batch) -> torch.Tensor:
+        """[B * S] each position's loss with the current weights (0 where ignored; eval_loss sums them):
+        every layer streamed through the window, then the head's first pass alone."""
         split, slots = self.split, self.slots
         xs, _, labels, _, embed_slot, head_slot = self._forward([batch], list(range(split.num_layers)), {},
                                                                 save_inputs=False)
         slots.acquire(head_slot)
         tied_w = slots.views(split.embed_unit, embed_slot.flat)["weight"] if split.tied else None
-        loss = split.head_loss(slots.views(split.head_unit, head_slot.flat), xs[0], labels[0], lm_weight=tied_w,
-                               impl=self.rt.resolved_head_impl, chunk_tokens=self.rt.head.head_chunk_tokens)
+        rows = split.head_token_losses(slots.views(split.head_unit, head_slot.flat), xs[0], labels[0],
+                                       lm_weight=tied_w, impl=self.rt.resolved_head_impl,
+                                       chunk_tokens=self.rt.head.head_chunk_tokens)
         slots.release(embed_slot)
         slots.release(head_slot)
-        return float(loss), batch.num_target_tokens()
+        return rows
 
     @torch.no_grad()
     def next_token_logits(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
