@@ -35,7 +35,7 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from .errors import DataError
 
@@ -303,10 +303,10 @@ def check_one_format(examples: list[Example], name: str) -> str:
     return first.format
 
 
-def read_jsonl(path: str, columns: ColumnMap | None = None) -> Source:
+def jsonl_records(path: str) -> Iterator[tuple[str, Any]]:
+    """(where, record) of each non-blank line of a JSONL file, where = "path:line"."""
     with open(path, "rb") as f:
         data = f.read()
-    examples: list[Example] = []
     for lineno, raw in enumerate(data.split(b"\n"), start=1):
         where = f"{path}:{lineno}"
         try:
@@ -316,9 +316,14 @@ def read_jsonl(path: str, columns: ColumnMap | None = None) -> Source:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            yield where, json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: malformed JSON: {e.msg} (column {e.colno})") from None
+
+
+def read_jsonl(path: str, columns: ColumnMap | None = None) -> Source:
+    examples: list[Example] = []
+    for where, record in jsonl_records(path):
         examples.append(parse_record(record, where, columns))
         if examples[-1].format != examples[0].format:
             check_one_format(examples, path)  # raises, naming both lines

@@ -125,6 +125,14 @@ def _load(loc: _Located, split: str | None, subset: str | None, streaming: bool,
     return ds
 
 
+def datasets_records(path: str, split: str | None = None, subset: str | None = None,
+                     prefer: tuple[str, ...] = TRAIN_SPLITS) -> Iterator[tuple[str, dict]]:
+    """(where, record) of each row of ``path``'s split (read with `datasets`), where = "path row i"."""
+    ds = _load(_locate(path), split, subset, streaming=False, prefer=prefer)
+    for i, row in enumerate(ds, start=1):
+        yield f"{path} row {i}", dict(row)
+
+
 def read_datasets_source(path: str, split: str | None = None, subset: str | None = None,
                          prefer: tuple[str, ...] = TRAIN_SPLITS, columns: ColumnMap | None = None) -> Source:
     """All records of ``path``'s split as a `Source` (they are in RAM: see `open_streaming` otherwise).
