@@ -143,6 +143,21 @@ def test_throughput_profile_adds_the_profiled_table_and_gantt_charts(tmp_path):
     _pngs(out / "per_run", ["pipeline_slide-tiny-llama-b2-s32.png"])
 
 
+def test_throughput_trains_a_preference_objective(tmp_path):
+    """`bench throughput --objective dpo`: the slide row trains micro-batches of whole pairs through
+    the two-pass head (its recipe named), measured like any other; an odd micro-batch is refused."""
+    from slidetune.bench.scenarios import throughput
+    out = throughput.run(_args(throughput, ["--smoke", "--out", str(tmp_path), "--models", "tiny-llama",
+                                            "--systems", "slide", "--recipes", "clip", "--objective", "dpo"]))
+    (row,) = _finite_csv(out / "throughput.csv", ["step_s_mean", "tokens_per_s"])
+    assert row["status"] == "ok" and row["recipe"] == "clip+dpo" and float(row["tokens_per_s"]) > 0
+    spec = json.loads((out / "throughput.json").read_text())["runs"][0]["spec"]
+    assert spec["objective"] == "dpo" and spec["max_grad_norm"] == 1.0
+    with pytest.raises(ValueError, match="whole pairs"):
+        throughput.run(_args(throughput, ["--smoke", "--out", str(tmp_path / "odd"), "--models", "tiny-llama",
+                                          "--systems", "slide", "--recipes", "clip+accum2", "--objective", "dpo"]))
+
+
 @pytest.mark.slow
 def test_throughput_smoke(tmp_path):
     from slidetune.bench.scenarios import throughput

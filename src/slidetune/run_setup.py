@@ -26,6 +26,7 @@ from .engine import AdamWConfig, RuntimeConfig, build_engine
 from .engine.fit import InsufficientMemoryError, Workload, check_fit_on_ranks, place_on_ranks
 from .engine.placement import PlacementPlan, unit_shapes
 from .models.load import LoadedModel, load_model
+from .objectives.preference import PreferenceConfig
 from .ranks import RankFailure, Ranks
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ class RunRequest:
     # False raises it (train); True returns it as PreparedRun.refusal, no engine built (the
     # benchmarks record it as the run's result)
     refusal_as_result: bool = False
+    objective: PreferenceConfig | None = None   # a preference objective's head (objectives/head.py); None: SFT
 
 
 @dataclass
@@ -134,7 +136,7 @@ def prepare_run(req: RunRequest, device: Device, ranks: Ranks | None = None, *,
     t0 = time.perf_counter()
     prepared.engine = build_engine(loaded, dataclasses.replace(runtime, device=req.runtime.device), req.optim,
                                    device, grad_accum=req.grad_accum, max_grad_norm=req.max_grad_norm,
-                                   timer=timer, dist=ranks.dp)
+                                   timer=timer, dist=ranks.dp, objective=req.objective)
     prepared.build_s = time.perf_counter() - t0
     prepared.runtime = runtime
     return prepared

@@ -19,6 +19,7 @@ import torch
 from ..data import Batch
 from ..device import Device
 from ..engine import AdamWConfig, RuntimeConfig
+from ..objectives.preference import PreferenceConfig
 from ..ranks import Ranks
 from ..run_setup import PreparedRun, RunRequest, prepare_run
 from ..telemetry.events import EventTimer
@@ -46,16 +47,41 @@ class MeasureSpec(WorkloadSpec):
     # seq); the result is rank 0's, with every rank's peaks and step time, the host's RSS counting
     # the shared host state once
     ranks: int = 1
+    # "sft", or a preference objective (dpo, ipo, simpo, orpo: objectives/preference.py, TRL's
+    # defaults): each micro-batch's rows are then batch_size / 2 pairs, synthetic_batches' pairs
+    objective: str = "sft"
+
+    @property
+    def preference(self) -> PreferenceConfig | None:
+        return PreferenceConfig(self.objective) if self.objective != "sft" else None
 
 
-def synthetic_batches(vocab: int, batch: int, seq: int, n: int, seed: int) -> list[Batch]:
+def synthetic_batches(vocab: int, batch: int, seq: int, n: int, seed: int,
+                      objective: PreferenceConfig | None = None) -> list[Batch]:
+    """`n` micro-batches of `batch` random rows of `seq` tokens, every position a target. With a
+    preference objective: batch / 2 pairs a micro-batch, each row's first half its prompt and the
+    rest its completion (rows padded to `seq` as the pair collator pads them: none here), with
+    random reference sums; the step's normalization over all `n` micro-batches."""
     g = torch.Generator().manual_seed(seed)
+    pin = torch.cuda.is_available()
+    if objective is not None:
+        from ..data.preference import TokenizedPair, collate_pairs, pair_micro_batches
+        if batch % 2:
+            raise ValueError(f"a preference objective's micro-batch holds whole pairs: {batch} rows is not even")
+        half = seq // 2
+        pairs = [TokenizedPair("synthetic", *(torch.randint(0, vocab, (k,), generator=g).tolist()
+                                              for k in (half, seq - half, seq - half)))
+                 for _ in range(n * batch // 2)]
+        ref = -torch.rand(n * batch, generator=g, dtype=torch.float64) * seq - seq
+        out = pair_micro_batches(collate_pairs(pairs, pad_id=0), objective, ref.float(), n)
+        return [Batch(b.input_ids.pin_memory() if pin else b.input_ids, b.labels, b.attention_mask, pairs=b.pairs)
+                for b in out]
     out = []
     for _ in range(n):
         ids = torch.randint(0, vocab, (batch, seq), generator=g)
         labels = torch.roll(ids, -1, 1)
         labels[:, -1] = -100
-        out.append(Batch(ids.pin_memory() if torch.cuda.is_available() else ids, labels, None))
+        out.append(Batch(ids.pin_memory() if pin else ids, labels, None))
     return out
 
 
@@ -198,7 +224,8 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
         model=wl.model, runtime=rt, optim=AdamWConfig(lr=wl.lr), batch_size=wl.batch_size, seq_len=wl.seq_len,
         grad_accum=spec.grad_accum, max_grad_norm=spec.max_grad_norm, padded=False, num_layers=wl.num_layers,
         seed=wl.seed, with_tokenizer=False, gpu_memory_limit_gib=wl.gpu_memory_limit_gib,
-        check_memory=spec.check_memory and rt.mode == "slide", refusal_as_result=True), device, ranks, timer=timer,
+        check_memory=spec.check_memory and rt.mode == "slide", refusal_as_result=True,
+        objective=spec.preference), device, ranks, timer=timer,
         on_placed=lambda placed: estimates.append(fit_estimate(placed, device)) if placed.plan is not None else None)
     rt, loaded, engine = prepared.runtime, prepared.loaded, prepared.engine
     if prepared.refusal is not None:
@@ -271,7 +298,7 @@ def _run_steps(spec: MeasureSpec, engine, vocab: int, ranks: Ranks, device: Devi
     # All batches before the loop: making synthetic data is not the engine's time.
     # (each rank its own rows)
     data = [synthetic_batches(vocab, wl.batch_size, wl.seq_len, spec.grad_accum,
-                              wl.seed * 1000 + k + 10**6 * ranks.rank) for k in range(total_steps)]
+                              wl.seed * 1000 + k + 10**6 * ranks.rank, spec.preference) for k in range(total_steps)]
     # A step's time is the interval from the previous step's return to this one's: train_step
     # returns once the step's work is issued, while the GPU tail and the host's D2H and AdamW go
     # on in the background, so the call's own duration ("call_s") under-reads the step, and any
@@ -384,7 +411,7 @@ def _profile(engine, vocab: int, spec: MeasureSpec) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
     from ..telemetry.trace_summary import lanes, stream_stats, summarize_trace
     wl = spec.workload
-    mbs_list = [synthetic_batches(vocab, wl.batch_size, wl.seq_len, spec.grad_accum, 99_000 + k)
+    mbs_list = [synthetic_batches(vocab, wl.batch_size, wl.seq_len, spec.grad_accum, 99_000 + k, spec.preference)
                 for k in range(3)]
     timer_enabled = engine.timer.enabled
     engine.timer.enabled = False         # profile the bare pipeline

@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 
 from ...engine.placement import resolved_disk_buffers
+from ...objectives.preference import OBJECTIVES
 from ...telemetry.flops import StepFlops
 from .. import output as O
 from ..baselines.deepspeed_zero3 import availability as ds_availability
@@ -71,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipes", default="clip",
                    help="comma list of recipes for slide and gpu-ckpt: plain | clip[X] | accumN | clip+accumN "
                         "(clip: max_grad_norm 1.0, the default recipe; accumN: N micro-batches of batch/N)")
+    p.add_argument("--objective", choices=OBJECTIVES, default="sft",
+                   help="the loss every recipe trains: sft, or a preference objective (batches of pairs, 2 rows "
+                        "each; the two-pass head; random reference sums), as `train --objective`")
     p.add_argument("--variants", default="",
                    help="slide only: 'name:key=value,...;name2:...' RuntimeConfig overrides on top of --runtime, "
                         "run side by side in one call (an A/B), e.g. 'split:;copy:clip_sweep=weights'")
@@ -110,18 +114,33 @@ DEFAULT_CLIP = 1.0      # TrainConfig.max_grad_norm's default: the recipe users 
 
 
 def parse_recipe(text: str) -> dict:
-    """'clip+accum4' -> {"name": "clip+accum4", "max_grad_norm": 1.0, "grad_accum": 4}."""
-    out = {"name": text.strip(), "max_grad_norm": None, "grad_accum": 1}
+    """'clip+accum4' -> {"name": "clip+accum4", "max_grad_norm": 1.0, "grad_accum": 4, "objective": "sft"};
+    a preference objective as a part ('clip+dpo': batches of pairs, the two-pass head)."""
+    out = {"name": text.strip(), "max_grad_norm": None, "grad_accum": 1, "objective": "sft"}
     for part in (p.strip() for p in text.split("+")):
         if part == "plain":
+            continue
+        if part in OBJECTIVES[1:]:
+            out["objective"] = part
             continue
         if part.startswith("clip"):
             out["max_grad_norm"] = float(part[4:]) if part[4:] else DEFAULT_CLIP
         elif part.startswith("accum") and part[5:].isdigit() and int(part[5:]) >= 1:
             out["grad_accum"] = int(part[5:])
         else:
-            raise ValueError(f"unknown recipe part {part!r} in {text!r}: plain, clip[X], accumN, joined by +")
+            raise ValueError(f"unknown recipe part {part!r} in {text!r}: plain, clip[X], accumN, "
+                             f"{'|'.join(OBJECTIVES[1:])}, joined by +")
     return out
+
+
+def _check_recipes(recipes: list[dict], batches: list[int]) -> None:
+    """Each batch splits into the recipe's micro-batches, each of whole pairs where it trains pairs."""
+    for rec in recipes:
+        if any(b % rec["grad_accum"] for b in batches):
+            raise ValueError(f"recipe {rec['name']}: every batch must divide into {rec['grad_accum']} micro-batches")
+        if rec["objective"] != "sft" and any((b // rec["grad_accum"]) % 2 for b in batches):
+            raise ValueError(f"recipe {rec['name']}: a micro-batch holds whole pairs (2 rows each): every batch / "
+                             f"{rec['grad_accum']} must be even")
 
 
 def _flops_per_token(model: str, num_layers: int | None, seq: int) -> float | None:
@@ -143,15 +162,15 @@ def run(args: argparse.Namespace) -> Path:
     batches = [] if planned_only else [int(b) for b in (args.batches or DEFAULT_BATCHES).split(",")]
     seqs = [int(s) for s in (args.seq_lens or str(args.seq_len)).split(",")]
     systems = [s.strip() for s in args.systems.split(",")]
-    recipes = [parse_recipe(t) for t in getattr(args, "recipes", "plain").split(",") if t.strip()]
-    for rec in recipes:
-        if any(b % rec["grad_accum"] for b in batches):
-            raise ValueError(f"recipe {rec['name']}: every batch must divide into {rec['grad_accum']} micro-batches")
+    objective = getattr(args, "objective", "sft")
+    recipes = [parse_recipe(t + (f"+{objective}" if objective != "sft" else ""))
+               for t in getattr(args, "recipes", "plain").split(",") if t.strip()]
     steps, warmup, layers, dev = args.steps, args.warmup, args.num_layers, "cuda" if cuda else "cpu"
     if args.smoke:
         models = ["tiny-qwen3", "tiny-llama"] if args.models == "qwen3-8b,llama-3.1-8b" else models
         batches, seqs, steps, warmup, dev = ([] if planned_only else [2]), [32], 2, 1, "cpu"
         cuda = False
+    _check_recipes(recipes, batches)
     gpus = parse_gpus(getattr(args, "gpus", "1"), "cpu" if args.smoke else args.device)
     # The floor times the layers as slide runs them (compiled or not).
     slide_over = _runtime_overrides(args.runtime)
@@ -685,7 +704,7 @@ def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, arg
         accum = recipe["grad_accum"]
         spec = MeasureSpec(name=f"{system}-{model}-b{batch}-s{seq}", workload=replace(work, batch_size=batch // accum),
                            grad_accum=accum, max_grad_norm=recipe["max_grad_norm"], runtime=rt, per_layer=True,
-                           profile=profile and system == "slide", ranks=ranks)
+                           profile=profile and system == "slide", ranks=ranks, objective=recipe.get("objective", "sft"))
         r = run_isolated(spec, timeout_s=args.timeout)
         if r.get("status") == "oom":
             r.update({f"oom_{k}": v for k, v in parse_oom(r.get("error", "")).items()})
