@@ -22,7 +22,6 @@ import math
 import os
 import platform
 import random
-import shutil
 import signal
 import sys
 import time
@@ -34,12 +33,9 @@ import numpy as np
 import torch
 
 from .callbacks import Callback, CallbackFailed, call_hook
-from .checkpoint import (CheckpointCorrupt, CheckpointError, CheckpointSaver, DiskSpaceError, LegacyLayout, PendingSave,
-                         RunLock, SavePlan, check_checkpoint, complete_checkpoints, latest_checkpoint, load_checkpoint,
-                         lock_run_directories, overlap_note, plan_saves, prune_checkpoints, recover_leftovers,
-                         resolve_async_save, resolve_save_dtype, save_checkpoint, set_aside, start_async_save,
-                         write_atomically)
-from .checkpoint import checkpoint_dir as checkpoint_dir_of
+from .checkpoint import (CheckpointCorrupt, CheckpointError, CheckpointManager, DiskSpaceError, LegacyLayout, RunHooks,
+                         RunLock, SavePlan, SavePolicy, check_checkpoint, complete_checkpoints, lock_run_directories,
+                         plan_saves, recover_leftovers, resolve_save_dtype, set_aside, write_atomically)
 from .config import TrainConfig, config_to_dict, group_tuning
 from .data import IGNORE_INDEX, BatchSampler, TokenDataset, build_datasets, collate, default_pad_id
 from .data.build import BUILTIN_NAME, load_source
@@ -476,7 +472,7 @@ def _prepare_output(cfg: TrainConfig, loaded: LoadedModel, plan: PlacementPlan |
     if resume_from is not None:
         _warn_changed_config(resume_from, out / "config.json", cfg, world_size)
     # config.json describes the newest invocation; what a resume is compared with is the config
-    # saved inside each checkpoint (_checkpoint), as this file is rewritten before the first save.
+    # saved inside each checkpoint (checkpoint/manager.py), as this file is rewritten before the first save.
     _write_text(out / "config.json", json.dumps(_run_record(cfg, world_size), indent=2) + "\n")
     return saves, resume_from, stale
 
@@ -614,8 +610,8 @@ class _IssuedStep:
 class Trainer:
     """One invocation of a training run, in named steps (after torchtitan's `Trainer`).
 
-    Holds the run's state (engine, data, metrics rows, where checkpoints go and the newest
-    one written); `run()` is the driver: resume, evaluate, step, stop or export, summarize.
+    Holds the run's state (engine, data, metrics rows) and its checkpoints' manager
+    (checkpoint/manager.py); `run()` is the driver: resume, evaluate, step, stop or export, summarize.
     """
 
     def __init__(self, cfg: TrainConfig, engine: Engine, loaded: LoadedModel,
@@ -630,20 +626,9 @@ class Trainer:
         self.sampler, self.heldout, self.pad_id = sampler, heldout, pad_id
         self.eval_prompts = list(eval_prompts or [])   # sampled greedily at each evaluation (eval_samples.py)
         self.total_steps, self.out, self.t_start = total_steps, out, t_start
-        self.resume_from = resume_from
         self.stop_flag = stop or _StopFlag()
-        self.ckpt_dir = ckpt_dir or out / "checkpoints"
-        self.save_dtype = save_dtype
-        # data parallel with sharded layers: the ranks that keep them serve rank 0's reads during a save
-        self.save_service = engine.save_service
-        self.resumable = saves is None or saves.resumable      # resumable checkpoints fit the disk
-        # final/ fits only once the disk tier's files are gone (checkpoint/space.py): removed before it
-        self.release_scratch_first = saves is not None and saves.release_scratch_first
         self.metrics_path = out / "metrics.csv"
-        self.stale = list(stale or [])   # an earlier run's checkpoints, deleted by the first save
         self.start_step = 0
-        self.saved_step: int | None = None   # step of the newest checkpoint in ckpt_dir written or loaded
-        self.written_step: int | None = None  # step of the newest checkpoint this invocation wrote
         self.rows: list[dict] = []       # metrics rows not yet handed to the trackers
         reporting = reporting or _Reporting(["csv"], [])
         self.report_to, self.callbacks = reporting.trackers, reporting.callbacks
@@ -667,25 +652,28 @@ class Trainer:
         # complete at once (eval, save, stop, the last one) is checked right away.
         self.pending: _IssuedStep | None = None
         self.where = "start-up"          # the phase running now: what a GPU out-of-memory names
-        # periodic checkpoints written in the background where the engine can (--async-save), and
-        # every save's timing in saves.jsonl (rank 0); `on` where the engine cannot is refused here
-        asynchronous, self.async_why = resolve_async_save(cfg.async_save, engine, device.is_cuda)
-        self.saver = CheckpointSaver(asynchronous, out / "saves.jsonl" if self.ranks.is_main else None)
-        self.overlap_noted = False       # the hint that async saves wait on each other, given once
+        # where checkpoints go, when and how they are written (checkpoint/manager.py)
+        self.checkpoints = CheckpointManager(
+            engine, SavePolicy(total_steps, save_every=cfg.save_every, keep_last=cfg.keep_last,
+                               async_save=cfg.async_save, save_dtype=save_dtype),
+            RunHooks(error=TrainingError, log_rows=self.log_rows, flush_files=self.flush_files, notify=self.notify,
+                     metrics_path=self.metrics_path),
+            directory=ckpt_dir or out / "checkpoints", output_dir=out, ranks=self.ranks,
+            run_record=_run_record(cfg, self.ranks.world_size), tokenizer=loaded.tokenizer, resume_from=resume_from,
+            stale=stale, space=saves, on_gpu=device.is_cuda)
 
     # ------------------------------------------------------------------ the driver
     def run(self) -> TrainSummary:
         """Resume (if asked), evaluate, train to the end or a stop, export, write the summary."""
-        self.resume()
+        self.start_step = self.checkpoints.resume()
         self.open_trackers()
         try:
             return self._run()
         except KeyboardInterrupt:
-            # interrupted twice: a save in flight is given up (its .tmp- goes at the next start)
-            self.saver.abandon()
+            self.checkpoints.abandon()    # interrupted twice: a save in flight is given up
             raise
         finally:
-            self.settle_save()            # the engine closes after this: no save may still read it
+            self.checkpoints.close()      # the engine closes after this: no save may still read it
             self.close_trackers()
 
     def _run(self) -> TrainSummary:
@@ -694,15 +682,13 @@ class Trainer:
             self.where = "the held-out evaluation before step 1"
             self.evaluate_before()
             self.device.reset_peak()
-            if self.cfg.save_every and self.saver.asynchronous and self.ranks.is_main:
-                print(f"checkpoints every {self.cfg.save_every} steps are written in the background while training "
-                      f"goes on ({self.async_why}; what each one cost: {self.out / 'saves.jsonl'})")
+            self.checkpoints.announce()
             self.open_progress()
             try:
                 for step in range(self.start_step, self.total_steps):
                     if not self.advance(step):
                         break
-                self.collect_save(wait=True)
+                self.checkpoints.poll(wait=True)
             except KeyboardInterrupt:
                 self.abort()
                 raise
@@ -714,7 +700,9 @@ class Trainer:
             if not (self.interrupted or self.stopped_early):
                 self.where = "the held-out evaluation after the last step"
                 self.evaluate_after()
-                self.export_final()
+                self.write_metrics()
+                # final/, then the end-of-run checkpoint: with several ranks rank 0 writes both
+                self.checkpoints.export(self.out / "final")
         except Exception as e:
             oom = _out_of_memory(e)
             if oom is None:
@@ -725,7 +713,7 @@ class Trainer:
 
     def advance(self, step: int) -> bool:
         """Issue `step`, finish the pending one, then evaluate / log / stop / save as due; False: stop."""
-        self.collect_save()                  # an asynchronous save that ended: its on_save, or its error
+        self.checkpoints.poll()              # a background save that ended: its on_save, or its error
         issued = self.train_step(step)
         if self.pending is not None:
             self.finish_step(self.pending)
@@ -733,7 +721,7 @@ class Trainer:
         done = step + 1
         stopping = self.stop_due(done)
         evaluating = self.eval_due(done)
-        saving = self.save_due(done)
+        saving = self.checkpoints.due(done)
         if stopping or evaluating or saving or done == self.total_steps:
             row = self.finish_step(issued)
             if evaluating:
@@ -749,21 +737,10 @@ class Trainer:
             self.stop(done)
             return False
         if saving:
-            self.save_checkpoint(done, periodic=True)
+            self.checkpoints.maybe_save(done)
         return True
 
     # ------------------------------------------------------------------ start
-    def resume(self) -> None:
-        """Load the checkpoint to continue from, if any, and this run's metrics rows up to it."""
-        if self.resume_from is not None:
-            # verified by _resolve_resume before the engine existed; what is left is checking each
-            # tensor against this engine, before its state is touched
-            state = load_checkpoint(self.engine, self.resume_from, checked=True)
-            self.start_step = int(state.get("step", self.engine.step_index))
-            if self.resume_from.parent.resolve() == self.ckpt_dir.resolve():
-                self.saved_step = self.start_step
-            print(f"resumed from {self.resume_from} at step {self.start_step} of {self.total_steps}")
-
     def open_trackers(self) -> None:
         """The trackers of --report-to (rank 0). On a resume they keep the earlier rows of this run up to
         the checkpoint (rows after it are recomputed); the held-out evaluation at the end of an earlier
@@ -863,11 +840,12 @@ class Trainer:
         """Stop the run at a non-finite step: metrics so far to disk, then a TrainingError with hints."""
         cfg = self.cfg
         self.flush()
-        self.settle_save()                # a checkpoint being written in the background is the newest once whole
-        newest = latest_checkpoint(self.ckpt_dir)
-        if self.resume_from is not None and self.written_step is None:
+        self.checkpoints.close()          # a checkpoint being written in the background is the newest once whole
+        newest = self.checkpoints.newest()
+        resumed_from = self.checkpoints.resume_from
+        if resumed_from is not None and self.checkpoints.written_step is None:
             # no save since the resume: the state it loaded may itself be what diverges
-            last = (f"this run resumed from {self.resume_from} (at step {self.start_step}) and failed "
+            last = (f"this run resumed from {resumed_from} (at step {self.start_step}) and failed "
                     f"{step + 1 - self.start_step} step(s) after it, so that checkpoint's weights or optimizer "
                     f"state may be the cause (its files matched the digests written with them: what was saved "
                     f"may already have been diverging); resuming from it again will likely fail the same way: "
@@ -892,8 +870,8 @@ class Trainer:
         to disk, then a TrainingError naming the OOM, the step, the memory budget and what makes it fit."""
         cfg = self.cfg
         self.flush()
-        self.settle_save()
-        newest = latest_checkpoint(self.ckpt_dir)
+        self.checkpoints.close()
+        newest = self.checkpoints.newest()
         last = (f"the newest checkpoint, {newest}, is intact: continue from it with --output-dir {self.out} "
                 f"--resume auto and the changed settings" if newest else "no checkpoint had been written yet")
         if cfg.gpu_memory_limit is not None:
@@ -932,10 +910,6 @@ class Trainer:
         """A periodic held-out evaluation after step `done` (the last one has its own)."""
         return bool(self.cfg.eval_every and done % self.cfg.eval_every == 0 and done < self.total_steps
                     and len(self.heldout))
-
-    def save_due(self, done: int) -> bool:
-        """A periodic checkpoint after step `done` (the last one is saved by export_final)."""
-        return bool(self.cfg.save_every and done % self.cfg.save_every == 0 and done < self.total_steps)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> tuple[float, float]:
@@ -979,92 +953,12 @@ class Trainer:
             for i, (prompt, completion) in enumerate(samples):
                 self.trackers.log_text(step, f"eval_samples/{i}", prompt + completion)
 
-    # ------------------------------------------------------------------ saving and stopping
-    def save_checkpoint(self, step: int, periodic: bool = False) -> Path:
-        """Write the resumable `checkpoint-<step>` (metrics first); a failed save stops the run.
-
-        A periodic one is written in the background where the saver is asynchronous (--async-save):
-        this returns once it has started (after the previous one has ended), and the step loop
-        collects it (collect_save: on_save, or its error). With several ranks every rank calls it:
-        rank 0 writes the whole checkpoint from the shared host state (its synchronize() waits for
-        every owner's updates; the other ranks cannot change the state meanwhile, as their next
-        step waits for rank 0) and the others wait for the outcome."""
-        if periodic and self.saver.asynchronous:
-            previous = self.collect_save(wait=True)          # a second save waits for the first
-            if previous is not None and not self.overlap_noted:
-                note = overlap_note(previous.timing, self.cfg.save_every)
-                if note:
-                    print(note, file=sys.stderr)
-                    self.overlap_noted = True
-            self.log_rows()                      # the rows up to a checkpoint are on disk with it
-            path = checkpoint_dir_of(self.ckpt_dir, step)
-            stale = self.stale
-            self.saver.start(lambda: start_async_save(
-                self.engine, path, step=step, tokenizer=self.loaded.tokenizer,
-                trainer_state=_trainer_state(self.cfg, step, self.ranks.world_size),
-                after=lambda done: _after_save(self.ckpt_dir, done, stale, self.cfg.keep_last)))
-            self.saved_step = self.written_step = step
-            return path
-        path = self.ranks.on_main(
-            lambda: self.saver.blocking(step, lambda streams: self._write_checkpoint(step, streams)),
-            service=self.save_service)
-        self.saved_step = self.written_step = step
-        self.notify("on_save", step, path)
-        return path
-
-    def collect_save(self, wait: bool = False) -> PendingSave | None:
-        """The asynchronous save in flight, once it has ended (`wait`: waiting for it): on_save, or
-        its error as a TrainingError that stops the run (the previous checkpoint is intact). Returns
-        the save collected (None while it runs, or when there is none)."""
-        done = self.saver.poll(wait)
-        if done is None:
-            return None
-        step = done.timing.step
-        if done.error is not None:
-            self.flush_files()
-            raise TrainingError(f"{done.error}. Training stopped after step {self.engine.step_index} (the checkpoint "
-                                f"of step {step} was being written in the background, --async-save); metrics are in "
-                                f"{self.metrics_path}. Free some space (or fix the output directory) and continue "
-                                f"from the intact checkpoint with --output-dir {self.out} --resume auto"
-                                ) from done.error
-        self.notify("on_save", step, done.path)
-        return done
-
-    def settle_save(self) -> None:
-        """On the way out (the end, or an error): wait for a save in flight; its failure is a note here
-        (the run's own outcome, or its real error, is what is raised)."""
-        try:
-            done = self.saver.settle()
-        except Exception as e:  # noqa: BLE001 - never hide the run's own error
-            print(f"note: the checkpoint being written in the background could not be finished: {e}", file=sys.stderr)
-            return
-        if done is not None and done.error is not None:
-            print(f"note: {done.error}", file=sys.stderr)
-
-    def _write_checkpoint(self, step: int, stream_s: dict[str, float] | None = None) -> Path:
-        """save_checkpoint's writing (rank 0 alone)."""
-        self.log_rows()                                # the rows up to a checkpoint are on disk with it
-        try:
-            return _checkpoint(self.cfg, self.engine, self.loaded, self.ckpt_dir, step, self.stale, stream_s,
-                               self.ranks.world_size)
-        except CheckpointError as e:
-            self.flush_files()
-            raise TrainingError(f"{e}. Training stopped after step {step}; metrics up to that step are in "
-                                f"{self.metrics_path}. Free some space (or fix the output directory) and "
-                                f"continue from the intact checkpoint with --output-dir {self.out} "
-                                f"--resume auto") from e
-
-    def ensure_checkpoint(self, step: int) -> Path:
-        """The resumable checkpoint of `step`: written unless it is the one written or loaded last (one
-        being written in the background is waited for)."""
-        self.collect_save(wait=True)
-        return self.save_checkpoint(step) if self.saved_step != step else self.ckpt_dir / f"checkpoint-{step}"
-
+    # ------------------------------------------------------------------ stopping
     def stop(self, done: int) -> None:
         """Stop after step `done` (signal or --stop-after): metrics, a resumable checkpoint if it fits,
         and the message saying how to continue (printed once the progress bar is closed)."""
         self.write_metrics()
-        path = self.ensure_checkpoint(done) if self.resumable else None
+        path = self.checkpoints.maybe_save(done, final=True)
         if self.stop_signal is not None:
             self.interrupted = True
             why = f"stopped by {signal.Signals(self.stop_signal).name}"
@@ -1075,48 +969,15 @@ class Trainer:
                              f"continue with: slidetune train <same options> --output-dir {self.out} "
                              f"--resume auto") if path else (
             f"{why} after step {done} of {self.total_steps}; no resumable checkpoint was written: it does not "
-            f"fit the disk of {self.ckpt_dir} (the note at the start); metrics are in {self.metrics_path}")
+            f"fit the disk of {self.checkpoints.directory} (the note at the start); metrics are in {self.metrics_path}")
 
     def abort(self) -> None:
         """A second Ctrl-C / SIGTERM while the first one was being handled: keep the metrics, say what is left."""
         self.flush()
-        newest = latest_checkpoint(self.ckpt_dir)
+        newest = self.checkpoints.newest()
         print("\ninterrupted twice: stopped without saving the current step; "
               + (f"the newest checkpoint, {newest}, is intact" if newest else "no checkpoint was written"),
               file=sys.stderr)
-
-    def export_final(self) -> None:
-        """Metrics, then `final/`, then (if resumable) the end-of-run checkpoint: the model is kept
-        whether or not the resumable state can be written after it. With several ranks rank 0 writes
-        both from the shared host state while the others wait for the outcome."""
-        total = self.total_steps
-        self.write_metrics()
-        if self.release_scratch_first:
-            self.engine.release_disk_tier()
-        self.ranks.on_main(self._write_final, service=self.save_service)
-        print(f"final model: {self.out / 'final'} (AutoModelForCausalLM.from_pretrained loads it)")
-        self.notify("on_save", total, self.out / "final")
-        if self.resumable and self.saved_step != total:
-            self.save_checkpoint(total)
-
-    def _write_final(self) -> None:
-        """export_final's writing of final/ (rank 0 alone); if it fails, the resumable checkpoint."""
-        total = self.total_steps
-        try:
-            save_checkpoint(self.engine, self.out / "final", step=total, tokenizer=self.loaded.tokenizer,
-                            save_dtype=self.save_dtype, with_optimizer=False)
-        except CheckpointError as e:
-            kept = None
-            if self.resumable:
-                try:
-                    kept = (self._write_checkpoint(total) if self.saved_step != total
-                            else self.ckpt_dir / f"checkpoint-{total}")
-                except TrainingError:
-                    kept = None
-            self.flush_files()
-            raise TrainingError(f"{e}. The training itself finished: " + (
-                f"the resumable checkpoint {kept} holds the final weights; run again with --output-dir {self.out} "
-                f"--resume auto to retry the export" if kept else "no checkpoint could be written either")) from e
 
     def write_summary(self) -> TrainSummary:
         """summary.json of this invocation; also returned."""
@@ -1133,7 +994,7 @@ class Trainer:
                                           else f"built-in corpus (Python {platform.python_version()} docs)"),
             train_sequences=len(self.sampler.dataset), heldout_sequences=len(heldout) if heldout is not None else 0,
             device=torch.cuda.get_device_name() if self.device.is_cuda else "cpu", dtype=cfg.runtime.dtype,
-            **self.saver.totals())
+            **self.checkpoints.totals())
         # rank 0 writes it and the other ranks wait for it (on_main): a rank that ended first would
         # make torchrun stop the others (SIGTERM), rank 0 perhaps before this file is written
         self.ranks.on_main(lambda: _write_text(self.out / "summary.json", json.dumps(summary.__dict__, indent=2) + "\n"))
@@ -1149,7 +1010,7 @@ class Trainer:
             self.ranks.on_main(lambda: call_hook(self.callbacks, hook, step, arg))
         except CallbackFailed as e:
             self.flush()
-            newest = latest_checkpoint(self.ckpt_dir)
+            newest = self.checkpoints.newest()
             raise TrainingError(
                 f"{e}: training stopped; metrics so far are in {self.metrics_path}; "
                 + (f"the newest checkpoint, {newest}, is intact (--resume auto continues from it)" if newest
@@ -1203,35 +1064,6 @@ def _out_of_memory(error: BaseException) -> BaseException | None:
 
 def _write_text(path: Path, text: str) -> None:
     write_atomically(path, lambda tmp: tmp.write_text(text))
-
-
-def _checkpoint(cfg, engine, loaded, ckpt_dir: Path, step: int, stale: list[Path] | None = None,
-                stream_s: dict[str, float] | None = None, world_size: int = 1) -> Path:
-    """Save `checkpoint-<step>`; then delete an earlier run's checkpoints (`stale`, emptied) and prune.
-
-    The run's config goes into the checkpoint's state.json: a resume compares its settings
-    with the checkpoint's own, not with the run-level config.json (a fresh run rewrites that
-    before its first save, while the earlier run's checkpoints are still the newest).
-    """
-    path = save_checkpoint(engine, checkpoint_dir_of(ckpt_dir, step), step=step, tokenizer=loaded.tokenizer,
-                           trainer_state=_trainer_state(cfg, step, world_size), stream_s=stream_s)
-    _after_save(ckpt_dir, path, stale, cfg.keep_last)
-    return path
-
-
-def _trainer_state(cfg, step: int, world_size: int) -> dict:
-    return {"step": step, "config": _run_record(cfg, world_size)}
-
-
-def _after_save(ckpt_dir: Path, path: Path, stale: list[Path] | None, keep_last: int) -> None:
-    """Once `path` is complete and read back against its digests (save_checkpoint or an asynchronous
-    save): delete an earlier run's checkpoints (`stale`, emptied), then prune to `keep_last`."""
-    for old in stale or []:
-        if old.resolve() != path.resolve():
-            shutil.rmtree(old, ignore_errors=True)
-    if stale:
-        stale.clear()
-    prune_checkpoints(ckpt_dir, keep_last, verified=path)
 
 
 def _row(**kw) -> dict:

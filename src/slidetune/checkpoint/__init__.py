@@ -12,6 +12,8 @@ file, and only ones above it in this list):
     saver.py       the run's saves one at a time, asynchronous or blocking, timed into saves.jsonl
     space.py       what a run will write to disk, checked against the free space before step 1
     lock.py        one run per output and checkpoint directory (or inside one): a lock held for the run
+    manager.py     CheckpointManager: the run's save policy (resume, periodic and final saves, export),
+                   what the trainer calls
 
 (One file replaced as one operation, atomic_write.py, stays beside the package: the data caches and
 the telemetry's files use it too, and importing it loads nothing of this package.)
@@ -75,6 +77,7 @@ from .format import (COMPLETE, DIGEST, FORMAT_VERSION, MANIFEST, MOMENT_DTYPES, 
                      SAVE_DTYPES, STATE_DIR, CheckpointCorrupt, CheckpointError, checkpoint_dir)
 from .io import FileDigest, digests_parallel
 from .lock import LOCK_NAME, RunDirLocked, RunLock, lock_directory, lock_run_directories
+from .manager import CheckpointManager, RunHooks, SavePolicy
 from .reader import CheckedCheckpoint, LegacyLayout, check_checkpoint, load_checkpoint, optimizer_files, verify_files
 from .saver import CheckpointSaver, overlap_note, resolve_async_save
 from .space import DiskSpaceError, SavePlan, plan_saves, resolve_save_dtype
@@ -95,10 +98,11 @@ __all__ = [
     "CheckedCheckpoint", "LegacyLayout", "check_checkpoint", "load_checkpoint", "optimizer_files", "verify_files",
     "file_digest", "finish_checkpoint", "optimizer_parts", "save_checkpoint", "save_tensors", "write_safetensors",
     "write_tensor_files", "write_weights",
-    # background.py, saver.py, space.py, lock.py; atomic_write.py
+    # background.py, saver.py, space.py, lock.py, manager.py; atomic_write.py
     "PendingSave", "SaveTiming", "start_async_save",
     "CheckpointSaver", "overlap_note", "resolve_async_save",
     "DiskSpaceError", "SavePlan", "plan_saves", "resolve_save_dtype",
     "LOCK_NAME", "RunDirLocked", "RunLock", "lock_directory", "lock_run_directories",
+    "CheckpointManager", "RunHooks", "SavePolicy",
     "write_atomically",
 ]
