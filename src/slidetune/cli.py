@@ -382,6 +382,25 @@ def _add_eval(sub) -> None:
     p.set_defaults(func=_eval)
 
 
+def _push(ns) -> int:
+    from .checkpoint.push import PushRequest, push
+    push(PushRequest(Path(ns.dir), ns.repo, private=ns.private, message=ns.message, dry_run=ns.dry_run))
+    return 0
+
+
+def _add_push(sub) -> None:
+    p = sub.add_parser("push", help="upload a run's final/ to a model repository on the Hugging Face Hub",
+                       description="slidetune push runs/x/final --repo org/name: the export checked against its "
+                                   "manifest, then huggingface_hub's upload_folder (the token from HF_TOKEN or "
+                                   "`hf auth login`)")
+    p.add_argument("dir", metavar="DIR", help="the export: a run's final/")
+    p.add_argument("--repo", required=True, metavar="ORG/NAME", help="the model repository (created if absent)")
+    p.add_argument("--private", action="store_true", help="create the repository private")
+    p.add_argument("--message", default="Upload a model fine-tuned with slidetune", help="the commit message")
+    p.add_argument("--dry-run", action="store_true", help="check and list the files; upload nothing")
+    p.set_defaults(func=_push)
+
+
 def _report(ns) -> int:
     from .bench.report import main_report
     main_report(ns.dir, ns.compare_seeds)
@@ -493,6 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "about a minute) and print the seconds a step each term of the floor costs")
     p_plan.set_defaults(func=_plan)
     _add_eval(sub)
+    _add_push(sub)
     _add_bench(sub)
     p_report = sub.add_parser("report", help="turn a results directory into Markdown + PNG plots")
     p_report.add_argument("dir", type=Path)

@@ -35,10 +35,11 @@ import torch
 from .callbacks import Callback, CallbackFailed, call_hook
 from .checkpoint import (CheckpointCorrupt, CheckpointError, CheckpointManager, DiskSpaceError, LegacyLayout, RunHooks,
                          RunLock, SavePlan, SavePolicy, check_checkpoint, complete_checkpoints, lock_run_directories,
-                         plan_saves, recover_leftovers, resolve_save_dtype, set_aside, write_atomically)
+                         plan_saves, recover_leftovers, resolve_save_dtype, run_export, set_aside, write_atomically)
 from .config import TrainConfig, config_to_dict, group_tuning
 from .data import IGNORE_INDEX, BatchSampler, TokenDataset, build_datasets, collate, default_pad_id
 from .data.build import BUILTIN_NAME, load_source
+from .data.chat_template import load_chat_template
 from .data.errors import DataError
 from .data.token_arrays import is_token_source
 from .device import Device, resolve_dtype
@@ -702,7 +703,12 @@ class Trainer:
                 self.evaluate_after()
                 self.write_metrics()
                 # final/, then the end-of-run checkpoint: with several ranks rank 0 writes both
-                self.checkpoints.export(self.out / "final")
+                cfg = self.cfg
+                self.checkpoints.export(self.out / "final", run_export(
+                    cfg.model, self.loaded.source_dir, load_chat_template(cfg.data.chat_template),
+                    [f"{self.sampler.dataset.source}: {len(self.sampler.dataset)} training sequences of "
+                     f"{cfg.data.seq_len} tokens, {len(self.heldout) if self.heldout is not None else 0} held out"],
+                    _run_record(cfg, self.ranks.world_size), self.total_steps, self.before, self.after))
         except Exception as e:
             oom = _out_of_memory(e)
             if oom is None:

@@ -7,6 +7,9 @@ file, and only ones above it in this list):
     io.py          the bytes to the disk and back: pieces in parallel, hashed in order; GPU staging
     store.py       the directory store: atomic rename into place, fsyncs, find, prune, tidy leftovers
     reader.py      load_checkpoint, check_checkpoint, verify_files: everything checked before use
+    export.py      final/ as a model repository holds it: no trainer state, the source's generation
+                   config, the run's chat template, a model card
+    push.py        `slidetune push`: an export checked against its manifest, then uploaded to the Hub
     writer.py      save_checkpoint: the tensor files as streams, the small files, manifest, COMPLETE
     background.py  asynchronous saves: streamed from the live store while training goes on
     saver.py       the run's saves one at a time, asynchronous or blocking, timed into saves.jsonl
@@ -36,7 +39,9 @@ Layout of one checkpoint (`<run_dir>/checkpoint-<step>/`):
     MANIFEST.json                    every file above: size and xxh3-128 digest
     COMPLETE                         written last: the directory is whole (and the manifest's digest)
 
-so `AutoModelForCausalLM.from_pretrained(dir)` loads it as is.
+so `AutoModelForCausalLM.from_pretrained(dir)` loads it as is. The run's `final/` is an export
+(export.py): no `trainer_state/`, the source's generation_config.json, the tokenizer with the run's
+chat template, and a model card (README.md).
 
 Atomicity: everything is written into a sibling `<name>.tmp-<pid>`, every file fsynced,
 then the COMPLETE marker, then the directory is renamed to its final name (an existing
@@ -73,6 +78,7 @@ from __future__ import annotations
 
 from ..atomic_write import write_atomically
 from .background import PendingSave, SaveTiming, start_async_save
+from .export import CardFacts, ModelExport, model_card, run_export
 from .format import (COMPLETE, DIGEST, FORMAT_VERSION, MANIFEST, MOMENT_DTYPES, OPTIM_FILE, READ_FORMAT_VERSIONS,
                      SAVE_DTYPES, STATE_DIR, CheckpointCorrupt, CheckpointError, checkpoint_dir)
 from .io import FileDigest, digests_parallel
@@ -104,5 +110,7 @@ __all__ = [
     "DiskSpaceError", "SavePlan", "plan_saves", "resolve_save_dtype",
     "LOCK_NAME", "RunDirLocked", "RunLock", "lock_directory", "lock_run_directories",
     "CheckpointManager", "RunHooks", "SavePolicy",
+    # export.py
+    "CardFacts", "ModelExport", "model_card", "run_export",
     "write_atomically",
 ]

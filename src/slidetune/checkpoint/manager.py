@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .background import PendingSave, start_async_save
+from .export import ModelExport
 from .format import CheckpointError, checkpoint_dir
 from .reader import load_checkpoint
 from .saver import CheckpointSaver, overlap_note, resolve_async_save
@@ -203,24 +204,25 @@ class CheckpointManager:
         return done
 
     # ------------------------------------------------------------------ the end
-    def export(self, final_dir: Path) -> None:
-        """`final_dir` (the model alone, --save-dtype), then the end-of-run resumable checkpoint: the
-        model is kept whether or not the resumable state can be written after it."""
+    def export(self, final_dir: Path, export: ModelExport | None = None) -> None:
+        """`final_dir` (the model alone, --save-dtype; `export`: as a model repository, export.py), then
+        the end-of-run resumable checkpoint: the model is kept whether or not the resumable state can
+        be written after it."""
         total = self.policy.total_steps
         if self.release_scratch_first:
             self.engine.release_disk_tier()
-        self.ranks.on_main(lambda: self._write_final(final_dir), service=self.save_service)
+        self.ranks.on_main(lambda: self._write_final(final_dir, export), service=self.save_service)
         print(f"final model: {final_dir} (AutoModelForCausalLM.from_pretrained loads it)")
         self.hooks.notify("on_save", total, final_dir)
         self.maybe_save(total, final=True)
 
-    def _write_final(self, final_dir: Path) -> None:
+    def _write_final(self, final_dir: Path, export: ModelExport | None = None) -> None:
         """export's writing of `final_dir` (rank 0 alone); where it fails, the resumable checkpoint is
         written instead, so that the trained weights are kept and the export can be retried."""
         total = self.policy.total_steps
         try:
             save_checkpoint(self.engine, final_dir, step=total, tokenizer=self.tokenizer,
-                            save_dtype=self.policy.save_dtype, with_optimizer=False)
+                            save_dtype=self.policy.save_dtype, with_optimizer=False, export=export)
         except CheckpointError as e:
             kept = None
             if self.resumable:

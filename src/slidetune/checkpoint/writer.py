@@ -23,6 +23,7 @@ import xxhash
 
 from ..engine.slide.disk_tier import StreamedTensor
 from ..faults import maybe_corrupt, maybe_fail
+from .export import ModelExport, write_export_files
 from .format import (COMPLETE, DIGEST, MANIFEST, OPTIM_FILE, SAVE_DTYPES, ST_DTYPES, STATE_DIR, rng_state,
                      state_record)
 from .io import FileDigest, ParallelFile, Stager, host_pieces, io_pool, run_streams
@@ -41,7 +42,7 @@ OPTIM_PARTS_FROM_BYTES = 4 * 2**30
 def save_checkpoint(engine, out_dir: Path, *, step: int, tokenizer=None, trainer_state: dict | None = None,
                     save_dtype: str = "fp32", with_optimizer: bool = True,
                     max_shard_bytes: int = 5 * 2**30, writer_threads: int | None = None,
-                    stream_s: dict[str, float] | None = None) -> Path:
+                    stream_s: dict[str, float] | None = None, export: ModelExport | None = None) -> Path:
     """Write a complete, atomic checkpoint of `engine` to `out_dir`; returns `out_dir`.
 
     save_dtype:
@@ -57,12 +58,14 @@ def save_checkpoint(engine, out_dir: Path, *, step: int, tokenizer=None, trainer
       larger tensor gets a shard of its own), with a HF index when there is more than one.
     writer_threads: the writer's and the read-back's I/O threads (None: io.default_threads()).
     stream_s: filled with each tensor stream's seconds (write_tensor_files), where given.
+    export: a model repository's directory instead (export.py: no trainer state, the source's
+      generation config, the run's chat template, a model card; no optimizer state).
     """
     if save_dtype not in SAVE_DTYPES:
         raise ValueError(f"save_dtype must be one of {sorted(SAVE_DTYPES)}, not {save_dtype!r}")
     if max_shard_bytes <= 0:
         raise ValueError("max_shard_bytes must be positive")
-    if save_dtype != "fp32":
+    if save_dtype != "fp32" or export is not None:
         with_optimizer = False
     state, state_text = state_record(engine, step, save_dtype=save_dtype, with_optimizer=with_optimizer,
                                      trainer_state=trainer_state)
@@ -71,13 +74,13 @@ def save_checkpoint(engine, out_dir: Path, *, step: int, tokenizer=None, trainer
     def write(tmp: Path) -> None:
         _write_complete(engine, tmp, step=int(step), tokenizer=tokenizer, state=state, state_text=state_text,
                         dtype=dtype, with_optimizer=with_optimizer, max_shard_bytes=max_shard_bytes,
-                        threads=writer_threads, stream_s=stream_s)
+                        threads=writer_threads, stream_s=stream_s, export=export)
     return save_atomically(Path(out_dir), write)
 
 
 def _write_complete(engine, tmp: Path, *, step: int, tokenizer, state: dict, state_text: str,
                     dtype: torch.dtype, with_optimizer: bool, max_shard_bytes: int, threads: int | None,
-                    stream_s: dict[str, float] | None = None) -> None:
+                    stream_s: dict[str, float] | None = None, export: ModelExport | None = None) -> None:
     """Write the whole checkpoint into the fresh directory `tmp`, synced and read back: the tensor
     files (weights and optimizer state as streams written at once), then finish_checkpoint. Raises on
     any failure; the caller renames `tmp` into place only after this returns."""
@@ -92,7 +95,7 @@ def _write_complete(engine, tmp: Path, *, step: int, tokenizer, state: dict, sta
     streamed = write_tensor_files(weights, optim, tmp, dtype, max_shard_bytes, threads=threads, step=step,
                                   stream_s=stream_s)
     finish_checkpoint(engine, tmp, step=step, tokenizer=tokenizer, state=state, state_text=state_text, dtype=dtype,
-                      streamed=streamed, rng=rng_state(), threads=threads)
+                      streamed=streamed, rng=rng_state(), threads=threads, export=export)
 
 
 def one_reader(t: torch.Tensor | StreamedTensor, lock: threading.Lock) -> torch.Tensor | StreamedTensor:
@@ -167,17 +170,22 @@ def optimizer_parts(optim: Mapping[str, torch.Tensor | StreamedTensor]) -> list[
 
 
 def finish_checkpoint(engine, tmp: Path, *, step: int, tokenizer, state: dict, state_text: str, dtype: torch.dtype,
-                      streamed: dict[str, FileDigest], rng: dict, threads: int | None = None) -> None:
+                      streamed: dict[str, FileDigest], rng: dict, threads: int | None = None,
+                      export: ModelExport | None = None) -> None:
     """The rest of a checkpoint once its tensor files are in `tmp` (`streamed`: their digests taken
-    while writing): config, tokenizer, RNG states and state.json, fsync of the tree, manifest,
-    COMPLETE marker, fsync of the directory, then `verify_files`."""
+    while writing): config, tokenizer, RNG states and state.json (an export: its files instead,
+    export.py), fsync of the tree, manifest, COMPLETE marker, fsync of the directory, then
+    `verify_files`."""
     _write_config(engine, tmp, dtype)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(tmp))
-    sdir = tmp / STATE_DIR
-    sdir.mkdir(exist_ok=True)
-    torch.save(rng, sdir / "rng.pt")
-    (sdir / "state.json").write_text(state_text)
+    if export is not None:
+        write_export_files(tmp, export, tokenizer)
+    else:
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        sdir = tmp / STATE_DIR
+        sdir.mkdir(exist_ok=True)
+        torch.save(rng, sdir / "rng.pt")
+        (sdir / "state.json").write_text(state_text)
     fsync_tree(tmp)
     manifest = _write_manifest(tmp, streamed)
     maybe_corrupt(tmp, step)                # tests only (faults.py): a disk that corrupts a write

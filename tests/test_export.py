@@ -1,0 +1,100 @@
+"""`final/` as a model repository holds it (issue 48, checkpoint/export.py): a run on a source
+directory with its own generation_config.json and a chat template given for training ships the
+generation config byte for byte, the template with the tokenizer (AutoTokenizer renders the chat as
+training did), a model card naming the data and the recipe, and no pickle or trainer state."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from slidetune.checkpoint import CardFacts, model_card
+from slidetune.data.chat_template import load_chat_template
+from test_hub_ids import TRAIN, save_tiny_model
+from test_train_errors import run_cli
+
+GENERATION = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "eos_token_id": [2, 7], "bos_token_id": 1,
+              "transformers_version": "5.17.0"}
+CHAT = [{"role": "user", "content": "Name a quiet river."}, {"role": "assistant", "content": "The slow one."}]
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def test_final_is_a_model_repository(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = tmp_path / "model"
+    save_tiny_model(model)
+    generation = (json.dumps(GENERATION, indent=3) + "\n").encode()      # its own formatting: kept byte for byte
+    (model / "generation_config.json").write_bytes(generation)
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": CHAT}) + "\n" for _ in range(12)))
+    out = tmp_path / "run"
+    code, stdout, err = run_cli("--model", str(model), "--data", str(data), *TRAIN, "--output-dir", str(out),
+                                "--chat-template", "qwen3", "--heldout-fraction", "0", "--seq-len", "160")
+    assert code == 0, (stdout[-2000:], err[-3000:])
+    final = out / "final"
+    assert (final / "generation_config.json").read_bytes() == generation
+    files = {p.relative_to(final).as_posix() for p in final.rglob("*") if p.is_file()}
+    assert not any(f.startswith("trainer_state/") or f.endswith((".pt", ".pkl", ".bin")) for f in files), files
+    assert {"config.json", "model.safetensors", "README.md", "MANIFEST.json", "COMPLETE"} <= files
+    tok = AutoTokenizer.from_pretrained(str(final))
+    template = load_chat_template("qwen3")
+    assert tok.chat_template == template
+    assert tok.apply_chat_template(CHAT, tokenize=False) == AutoTokenizer.from_pretrained(str(model)).apply_chat_template(
+        CHAT, tokenize=False, chat_template=template)
+    AutoModelForCausalLM.from_pretrained(str(final))                   # loads as it is
+    card = (final / "README.md").read_text()
+    assert str(data) in card and "12 training sequences" in card
+    assert "| max_steps | `2` |" in card and "| data.chat_template | `qwen3` |" in card
+    assert f"`{model}`" in card and "slidetune" in card
+    # the resumable checkpoint keeps its trainer state
+    (ckpt,) = (out / "checkpoints").glob("checkpoint-*")
+    assert (ckpt / "trainer_state" / "rng.pt").exists()
+
+
+def test_the_card_names_a_hub_base_model_and_the_held_out_losses():
+    card = model_card(CardFacts("org/base", ["a.jsonl: 10 training sequences"], {"lr": 1e-5, "data": {"seq_len": 8}},
+                                steps=3, loss_before=2.5, loss_after=2.25))
+    assert card.startswith("---\nbase_model: org/base\n")
+    assert "| 2.5000 | 2.2500 |" in card and "| data.seq_len | `8` |" in card and "| lr | `1e-05` |" in card
+    assert "No held-out evaluation" in model_card(CardFacts(str(Path("/models/x")), [], {}, steps=1))
+
+
+def _export(tmp_path) -> Path:
+    """A real export (save_checkpoint with export=) of a tiny engine: final/ as a run writes it."""
+    from slidetune.checkpoint import ModelExport, save_checkpoint
+    from slidetune.engine import AdamWConfig, RuntimeConfig, build_engine
+    from test_equivalence import make_loaded
+    engine = build_engine(make_loaded("llama", False, layers=2), RuntimeConfig(mode="gpu", dtype="fp32", device="cpu"),
+                          AdamWConfig())
+    try:
+        save_checkpoint(engine, tmp_path / "final", step=1, save_dtype="bf16", export=ModelExport(card="# card\n"))
+        save_checkpoint(engine, tmp_path / "checkpoint-1", step=1)
+    finally:
+        engine.close()
+    return tmp_path / "final"
+
+
+def test_push_checks_and_lists_the_export_before_any_network(tmp_path, capsys, monkeypatch):
+    from slidetune.cli import main
+    final = _export(tmp_path)
+    assert main(["push", str(final), "--repo", "org/model", "--dry-run"]) == 0
+    listed = capsys.readouterr().out
+    assert f"{final} -> org/model:" in listed and "  README.md" in listed and "  model.safetensors" in listed
+    assert "trainer_state" not in listed and "rng.pt" not in listed
+    # a resumable checkpoint, a bad repository name, a damaged file, and the offline setting: each named
+    assert main(["push", str(tmp_path / "checkpoint-1"), "--repo", "org/model"]) == 2
+    assert "a resumable checkpoint, not a model to publish" in capsys.readouterr().err
+    assert main(["push", str(final), "--repo", "model"]) == 2
+    assert "org/name" in capsys.readouterr().err
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["push", str(final), "--repo", "org/model"]) == 2
+    assert "HF_HUB_OFFLINE is set: pushing to the Hub needs the network" in capsys.readouterr().err
+    (final / "README.md").write_text("# edited after the export\n")
+    assert main(["push", str(final), "--repo", "org/model", "--dry-run"]) == 2
+    assert "do not match its manifest" in capsys.readouterr().err
