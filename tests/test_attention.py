@@ -139,3 +139,13 @@ def test_the_backend_probe_times_and_checks_each_kernel_it_can_run(tmp_path):
         assert r["forward_tflops"] > 0 and r["backward_tflops"] > 0 and r["correct"]
         assert 0 < max(r["max_error_vs_math_fp32"].values()) < 0.1        # BF16 against FP32
     assert set(report["fastest_correct"]) == {"128", "256"}          # (JSON keys: the lengths as strings)
+
+
+def test_the_floor_names_the_kernel_sdpa_picks():
+    """bench.roofline._sdpa_backend: the backend SDPA's dispatcher picks for a causal GQA call with
+    gradients, in HF's layout (on this CPU build: flash's CPU kernel or the math one), as the hardware
+    floor records it beside SDPA's rates (issue 45: which kernel the layer really runs)."""
+    from slidetune.bench.roofline import _sdpa_backend
+    q = torch.randn(2, 8, 4, 16).transpose(1, 2).requires_grad_()        # [B, H, S, dh] of [B, S, H, dh]
+    k = torch.randn(2, 8, 2, 16).transpose(1, 2).requires_grad_()
+    assert _sdpa_backend(q, k, k, {"enable_gqa": True}) in ("FLASH_ATTENTION", "MATH")

@@ -101,7 +101,7 @@ def default_choice(heads: int, kv_heads: int, seq: int, head_dim: int, batch: in
     k = torch.empty(batch, seq, kv_heads, head_dim, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
     index = choose(q, k, k, None, 0.0, True, enable_gqa=kv_heads != heads)
     from torch.nn.attention import SDPBackend
-    return next((b.name for b in SDPBackend if int(b.value) == int(index)), str(index))
+    return next((name for name, b in SDPBackend.__members__.items() if int(b.value) == int(index)), str(index))
 
 
 def runnable(backend: str, heads: int, kv_heads: int, head_dim: int, device, dtype) -> tuple[bool | None, str]:

@@ -472,13 +472,16 @@ def probe_gemm(shapes: list[dict], dtype: torch.dtype = torch.bfloat16) -> dict:
 def probe_sdpa(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int,
                dtype: torch.dtype = torch.bfloat16) -> dict:
     """SDPA's rate on this GPU at the workload's shape, as HF's sdpa attention calls it on a batch
-    without padding (is_causal=True; enable_gqa where KV heads are grouped): the forward (no grad)
-    and the backward (dQ, dK, dV of a kept forward), each the median of 5 timed calls. FLOPs:
+    without padding (is_causal=True; enable_gqa where KV heads are grouped; q, k, v transposed views
+    of [B, S, H, dh] projections, as the layer passes them): the forward (no grad) and the backward
+    (dQ, dK, dV of a kept forward), each the median of 5 timed calls, and the backend SDPA picks
+    for the call (torch._fused_sdp_choice: flash, cuDNN, ...). FLOPs:
     telemetry.flops.causal_attention_flops, the backward FLASH_BACKWARD_OVER_FORWARD x it."""
     dev = torch.device("cuda")
-    q = torch.randn(batch, heads, seq, head_dim, device=dev, dtype=dtype, requires_grad=True)    # [B, H, S, dh]
-    k = torch.randn(batch, kv_heads, seq, head_dim, device=dev, dtype=dtype, requires_grad=True)  # [B, Hkv, S, dh]
-    v = torch.randn_like(k, requires_grad=True)
+
+    def leaf(h: int) -> torch.Tensor:                       # [B, h, S, dh], a view of [B, S, h, dh]
+        return torch.randn(batch, seq, h, head_dim, device=dev, dtype=dtype).transpose(1, 2).requires_grad_()
+    q, k, v = leaf(heads), leaf(kv_heads), leaf(kv_heads)
     gqa = {"enable_gqa": True} if kv_heads != heads else {}
 
     def forward():
@@ -492,7 +495,22 @@ def probe_sdpa(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int,
     bwd = FLASH_BACKWARD_OVER_FORWARD * flops
     return {"sdpa_forward_tflops": flops / t_fwd / 1e12, "sdpa_backward_tflops": bwd / t_bwd / 1e12,
             "sdpa_tflops": (flops + bwd) / (t_fwd + t_bwd) / 1e12,
-            "sdpa_shape": {"batch": batch, "heads": heads, "kv_heads": kv_heads, "seq": seq, "head_dim": head_dim}}
+            "sdpa_shape": {"batch": batch, "heads": heads, "kv_heads": kv_heads, "seq": seq, "head_dim": head_dim},
+            "sdpa_backend": _sdpa_backend(q, k, v, gqa)}
+
+
+def _sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: dict) -> str | None:
+    """The backend SDPA's dispatcher picks for this causal call with gradients (None where this
+    torch cannot say)."""
+    choose = getattr(torch, "_fused_sdp_choice", None)
+    if choose is None:
+        return None
+    try:
+        index = int(choose(q, k, v, None, 0.0, True, **gqa))
+    except (RuntimeError, TypeError):
+        return None
+    from torch.nn.attention import SDPBackend
+    return next((name for name, b in SDPBackend.__members__.items() if int(b.value) == index), str(index))
 
 
 def probe_hardware(split: SplitModel, batch: int, seq: int) -> dict:

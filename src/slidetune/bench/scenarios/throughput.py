@@ -928,7 +928,8 @@ def hardware_table(floors: dict) -> list[dict]:
         f = StepFlops.from_dict(hw["flops"])
         every = range(f.num_layers)
         out.append(dict(workload=key, **{k: hw.get(k) for k in ("gemm_forward_tflops", "gemm_backward_tflops",
-                                                                "sdpa_forward_tflops", "sdpa_backward_tflops")},
+                                                                "sdpa_forward_tflops", "sdpa_backward_tflops",
+                                                                "sdpa_backend")},
                         matmul_fwd_tflop=f.matmul_forward(every) / 1e12, matmul_bwd_tflop=f.matmul_backward() / 1e12,
                         attention_fwd_tflop=f.attention_forward(every) / 1e12,
                         attention_bwd_tflop=f.attention_backward() / 1e12,
@@ -944,7 +945,7 @@ def _hardware_lines(floors: dict) -> list[str]:
     cols = list(table[0])
     return ["", "The hardware floor's inputs (each workload's floor probe): GEMM rates on the decoder layer's own "
             "shapes (forward y = x W^T; backward dX = dY W and dW = dY^T X), SDPA's causal at the workload's "
-            "(batch, heads, seq, head_dim), TFLOP/s; the step's FLOPs with every layer recomputed (slide), TFLOP "
+            "(batch, heads, seq, head_dim), TFLOP/s, and the kernel SDPA picks there (sdpa_backend); the step's FLOPs with every layer recomputed (slide), TFLOP "
             "(telemetry.flops.StepFlops: attention's backward 2.5x its forward, as flash's five matmuls against "
             "two). hw_compute_s = matmul_fwd / gemm_fwd + matmul_bwd / gemm_bwd + attention_fwd / sdpa_fwd + "
             "attention_bwd / sdpa_bwd; probe_compute_s: slidetune's own layer timed, the floor's compute term.", "",
