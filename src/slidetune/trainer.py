@@ -15,7 +15,6 @@ callbacks (callbacks.py, docs/library.md).
 """
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import math
@@ -47,28 +46,21 @@ from .engine import RuntimeConfig, StepResult
 from .engine.autos import describe_autos
 from .engine.compile_policy import choose_compile_layers, resolve_compile_layers
 from .faults import maybe_fail
-from .telemetry.machine import HostRss
 from .engine.placement import PlacementPlan
 from .engine.slide.disk_tier import tier_bytes
-from .eval_samples import (EvalPrompt, decode_completion, encode_prompt, greedy_completions, keep_samples_up_to,
+from .eval_samples import (EvalPrompt, decode_completion, encode_prompt, greedy_completions,
                            resolve_eval_prompts, write_samples)
 from .models.load import LoadedModel
 from .models.reference_check import require_faithful
 from .ops.packed_attention import use_packed_attention
 from .ranks import Ranks
 from .run_setup import PreparedRun, RunRequest, prepare_run
-from .telemetry.csv_tracker import CsvTracker
 from .telemetry.flops import train_flops_per_token
-from .telemetry.tracker import Trackers
-from .telemetry.trackers import TrackerUnavailable, open_dashboards, resolve_report_to
+from .telemetry.run_metrics import RunMetrics, _row, _scalars, host_rss_meter
+from .telemetry.trackers import TrackerUnavailable, resolve_report_to
 
 if TYPE_CHECKING:
     from .engine.interface import Engine
-
-METRIC_COLUMNS = ["step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "step_s",
-                  "gpu_peak_alloc_gib", "gpu_peak_reserved_gib", "cpu_rss_gib", "eval_loss", "eval_ppl"]
-PRECISE_COLUMNS = {"loss", "lr", "grad_norm", "eval_loss"}     # 9 digits in metrics.csv: an FP32 value round-trips
-
 
 class TrainingError(RuntimeError):
     pass
@@ -628,14 +620,13 @@ class Trainer:
         self.eval_prompts = list(eval_prompts or [])   # sampled greedily at each evaluation (eval_samples.py)
         self.total_steps, self.out, self.t_start = total_steps, out, t_start
         self.stop_flag = stop or _StopFlag()
-        self.metrics_path = out / "metrics.csv"
         self.start_step = 0
-        self.rows: list[dict] = []       # metrics rows not yet handed to the trackers
         reporting = reporting or _Reporting(["csv"], [])
-        self.report_to, self.callbacks = reporting.trackers, reporting.callbacks
-        self.trackers = Trackers()       # opened by open_trackers once the step to start from is known (rank 0)
+        self.callbacks = reporting.callbacks
+        # the metrics rows, the trackers (opened once the step to start from is known), the bar, loss.png
+        self.metrics = RunMetrics(out, reporting.trackers, self.ranks)
         self.flops_tok = train_flops_per_token(loaded.split, cfg.data.seq_len)
-        self.host_rss = self._host_rss_meter(engine)
+        self.host_rss = host_rss_meter(self.ranks, engine)
         self.before: tuple[float, float] | None = None
         self.after: tuple[float, float] | None = None
         self.first_loss: float | None = None
@@ -645,7 +636,6 @@ class Trainer:
         self.stopped_early = False       # stopped by --stop-after
         self.stop_message: str | None = None
         self.stop_signal: int | None = None   # the signal that stopped the run (any rank's, agreed)
-        self.bar = None
         self.last_t = 0.0
         # A step's checks and metrics wait for its gradient norm, i.e. for all of its host updates.
         # They run once the next step is issued (its forward needs those updates anyway), so the
@@ -657,8 +647,9 @@ class Trainer:
         self.checkpoints = CheckpointManager(
             engine, SavePolicy(total_steps, save_every=cfg.save_every, keep_last=cfg.keep_last,
                                async_save=cfg.async_save, save_dtype=save_dtype),
-            RunHooks(error=TrainingError, log_rows=self.log_rows, flush_files=self.flush_files, notify=self.notify,
-                     metrics_path=self.metrics_path),
+            RunHooks(error=TrainingError, log_rows=self.metrics.log_rows, flush_files=self.metrics.flush_files,
+                     notify=self.notify,
+                     metrics_path=self.metrics.path),
             directory=ckpt_dir or out / "checkpoints", output_dir=out, ranks=self.ranks,
             run_record=_run_record(cfg, self.ranks.world_size), tokenizer=loaded.tokenizer, resume_from=resume_from,
             stale=stale, space=saves, on_gpu=device.is_cuda)
@@ -667,7 +658,7 @@ class Trainer:
     def run(self) -> TrainSummary:
         """Resume (if asked), evaluate, train to the end or a stop, export, write the summary."""
         self.start_step = self.checkpoints.resume()
-        self.open_trackers()
+        self.metrics.open_trackers(self.start_step, _run_record(self.cfg, self.ranks.world_size))
         try:
             return self._run()
         except KeyboardInterrupt:
@@ -675,7 +666,7 @@ class Trainer:
             raise
         finally:
             self.checkpoints.close()      # the engine closes after this: no save may still read it
-            self.close_trackers()
+            self.metrics.close_trackers()
 
     def _run(self) -> TrainSummary:
         """run's part between opening the trackers and closing them."""
@@ -684,7 +675,8 @@ class Trainer:
             self.evaluate_before()
             self.device.reset_peak()
             self.checkpoints.announce()
-            self.open_progress()
+            self.metrics.open_progress(self.cfg.progress, self.start_step, self.total_steps)
+            self.last_t = time.perf_counter()        # the step clock
             try:
                 for step in range(self.start_step, self.total_steps):
                     if not self.advance(step):
@@ -694,14 +686,13 @@ class Trainer:
                 self.abort()
                 raise
             finally:
-                if self.bar is not None:
-                    self.bar.close()
+                self.metrics.close_progress()
             if self.stop_message and self.ranks.is_main:
                 print(self.stop_message, file=sys.stderr if self.interrupted else sys.stdout)
             if not (self.interrupted or self.stopped_early):
                 self.where = "the held-out evaluation after the last step"
                 self.evaluate_after()
-                self.write_metrics()
+                self.metrics.write()
                 # final/, then the end-of-run checkpoint: with several ranks rank 0 writes both
                 cfg = self.cfg
                 self.checkpoints.export(self.out / "final", run_export(
@@ -714,7 +705,7 @@ class Trainer:
             if oom is None:
                 raise
             self.fail_out_of_memory(oom, e)
-        self.flush()
+        self.metrics.flush()
         return self.write_summary()
 
     def advance(self, step: int) -> bool:
@@ -738,42 +729,13 @@ class Trainer:
         else:
             self.pending = issued
         if done % self.cfg.log_every == 0:
-            self.write_metrics()
+            self.metrics.write()
         if stopping:
             self.stop(done)
             return False
         if saving:
             self.checkpoints.maybe_save(done)
         return True
-
-    # ------------------------------------------------------------------ start
-    def open_trackers(self) -> None:
-        """The trackers of --report-to (rank 0). On a resume they keep the earlier rows of this run up to
-        the checkpoint (rows after it are recomputed); the held-out evaluation at the end of an earlier
-        invocation is dropped: the end of this one redoes it."""
-        if not self.ranks.is_main:
-            return
-        resume_step = self.start_step or None
-        csv_log = CsvTracker(self.metrics_path, METRIC_COLUMNS, PRECISE_COLUMNS, resume_step=resume_step,
-                             drop_at_resume=_end_of_run_eval_row)
-        keep_samples_up_to(self.out / "eval_samples.jsonl", resume_step)
-        self.trackers = Trackers([csv_log] + open_dashboards(self.report_to, self.out,
-                                                             _run_record(self.cfg, self.ranks.world_size),
-                                                             resume_step))
-
-    def close_trackers(self) -> None:
-        """Close every tracker at the end of run (best effort on the way out of an error: a note)."""
-        try:
-            self.trackers.close()
-        except Exception as e:  # noqa: BLE001 - the run's result (or its real error) matters more
-            print(f"note: could not close the trackers ({', '.join(self.report_to)}): {e}", file=sys.stderr)
-
-    def open_progress(self) -> None:
-        """Start the progress bar (when asked for and steps remain) and the step clock."""
-        if self.cfg.progress and self.start_step < self.total_steps and self.ranks.is_main:
-            from tqdm import tqdm
-            self.bar = tqdm(total=self.total_steps, initial=self.start_step, desc="train", dynamic_ncols=True)
-        self.last_t = time.perf_counter()
 
     # ------------------------------------------------------------------ steps
     def train_step(self, step: int) -> _IssuedStep:
@@ -789,19 +751,6 @@ class Trainer:
         # tflops in metrics.csv are the run's, over all ranks
         tokens = sum(int(mb.input_ids.numel()) for mb in mbs) * self.ranks.world_size
         return _IssuedStep(step=step, res=res, lr=lr, tokens=tokens, dt=dt)
-
-    def _host_rss_meter(self, engine) -> HostRss:
-        """metrics.csv's cpu_rss_gib: this host's memory, not one rank's. With several ranks the
-        pids of this host's ranks are gathered once (a collective: every rank builds its Trainer
-        at the same point) and the shared state is counted once (rank 0 alone would show its own
-        private memory and the part of the shared state it touched: 51.8 GiB of a host using 82
-        on 2x H100, benchmarks/NOTES.md "Data parallel")."""
-        if self.ranks.world_size == 1:
-            return HostRss()
-        host = self.ranks.dp.cfg.host
-        every = self.ranks.gather((host, os.getpid()))
-        shared = engine.shared
-        return HostRss([pid for h, pid in every if h == host], shared.nbytes if shared is not None else 0)
 
     def micro_batch(self, index: int):
         """This rank's rows of the sampler's global batch `index` (all of it on one rank)."""
@@ -828,24 +777,14 @@ class Trainer:
                    gpu_peak_alloc_gib=self.device.max_memory_allocated() / 2**30,
                    gpu_peak_reserved_gib=self.device.max_memory_reserved() / 2**30,
                    cpu_rss_gib=self.host_rss.bytes() / 2**30)
-        self.rows.append(row)
-        gpu = (dict(tflops=f"{row['tflops']:.1f}", gpu=f"{row['gpu_peak_alloc_gib']:.1f}G") if self.device.is_cuda
-               else {})
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{res.loss:.4f}", tok_s=f"{tps:,.0f}", **gpu, rss=f"{row['cpu_rss_gib']:.1f}G")
-        elif self.ranks.is_main and (s.step + 1) % self.cfg.log_every == 0:
-            # no bar (--progress false, a log file): one short line per logging step
-            print(f"step {s.step + 1}/{self.total_steps}  loss {res.loss:.4f}  lr {s.lr:.2e}  {s.dt:.2f} s  "
-                  f"{tps:,.0f} tok/s" + "".join(f"  {k} {v}" for k, v in gpu.items())
-                  + f"  rss {row['cpu_rss_gib']:.1f}G", flush=True)
+        self.metrics.add_step(row, self.total_steps, self.device.is_cuda, self.cfg.log_every)
         self.notify("on_step", s.step + 1, _scalars(row))
         return row
 
     def fail_non_finite(self, step: int, bad: str) -> NoReturn:
         """Stop the run at a non-finite step: metrics so far to disk, then a TrainingError with hints."""
         cfg = self.cfg
-        self.flush()
+        self.metrics.flush()
         self.checkpoints.close()          # a checkpoint being written in the background is the newest once whole
         newest = self.checkpoints.newest()
         resumed_from = self.checkpoints.resume_from
@@ -868,14 +807,14 @@ class Trainer:
         hints.append(f"check the data of step {step + 1}")
         raise TrainingError(
             f"{bad} at step {step + 1}: training stopped; the weights of that step were not saved "
-            f"and {last}; metrics up to step {step} are in {self.metrics_path}. "
+            f"and {last}; metrics up to step {step} are in {self.metrics.path}. "
             f"Hint: {'; '.join(hints)}")
 
     def fail_out_of_memory(self, oom: BaseException, error: BaseException) -> NoReturn:
         """Stop the run at a GPU out-of-memory (in `self.where`: a step or an evaluation): metrics so far
         to disk, then a TrainingError naming the OOM, the step, the memory budget and what makes it fit."""
         cfg = self.cfg
-        self.flush()
+        self.metrics.flush()
         self.checkpoints.close()
         newest = self.checkpoints.newest()
         last = (f"the newest checkpoint, {newest}, is intact: continue from it with --output-dir {self.out} "
@@ -895,7 +834,7 @@ class Trainer:
         fixes.append("a larger --gpu-memory-limit, or a GPU with more free memory (other processes on it?)")
         where = "" if isinstance(error, torch.OutOfMemoryError) else f" ({str(error).split(':')[0]})"
         first_line = str(oom).strip().splitlines()[0] if str(oom).strip() else type(oom).__name__
-        metrics = (f"the finished steps' metrics are in {self.metrics_path}" if self.first_loss is not None
+        metrics = (f"the finished steps' metrics are in {self.metrics.path}" if self.first_loss is not None
                    else "no step of this run had finished")
         raise TrainingError(
             f"GPU out of memory during {self.where}{where}: training stopped; {budget}; {last}; {metrics}. "
@@ -927,7 +866,7 @@ class Trainer:
         if self.start_step == 0 and self.heldout is not None and len(self.heldout) > 0:
             self.before = self.evaluate()
             print(f"held-out before training: loss {self.before[0]:.4f}  perplexity {self.before[1]:.2f}")
-            self.rows.append(_row(step=0, eval_loss=self.before[0], eval_ppl=self.before[1]))
+            self.metrics.rows.append(_row(step=0, eval_loss=self.before[0], eval_ppl=self.before[1]))
             self.notify("on_eval", 0, {"eval_loss": self.before[0], "eval_ppl": self.before[1]})
         if self.start_step == 0:
             self.sample_prompts(0)
@@ -938,7 +877,7 @@ class Trainer:
         if self.heldout is not None and len(self.heldout) > 0:
             self.after = self.evaluate()
             print(f"held-out after training: loss {self.after[0]:.4f}  perplexity {self.after[1]:.2f}")
-            self.rows.append(_row(step=self.total_steps, eval_loss=self.after[0], eval_ppl=self.after[1]))
+            self.metrics.rows.append(_row(step=self.total_steps, eval_loss=self.after[0], eval_ppl=self.after[1]))
             self.notify("on_eval", self.total_steps, {"eval_loss": self.after[0], "eval_ppl": self.after[1]})
         self.sample_prompts(self.total_steps)
 
@@ -957,13 +896,13 @@ class Trainer:
         if self.ranks.is_main:
             write_samples(self.out / "eval_samples.jsonl", step, samples)
             for i, (prompt, completion) in enumerate(samples):
-                self.trackers.log_text(step, f"eval_samples/{i}", prompt + completion)
+                self.metrics.trackers.log_text(step, f"eval_samples/{i}", prompt + completion)
 
     # ------------------------------------------------------------------ stopping
     def stop(self, done: int) -> None:
         """Stop after step `done` (signal or --stop-after): metrics, a resumable checkpoint if it fits,
         and the message saying how to continue (printed once the progress bar is closed)."""
-        self.write_metrics()
+        self.metrics.write()
         path = self.checkpoints.maybe_save(done, final=True)
         if self.stop_signal is not None:
             self.interrupted = True
@@ -975,11 +914,11 @@ class Trainer:
                              f"continue with: slidetune train <same options> --output-dir {self.out} "
                              f"--resume auto") if path else (
             f"{why} after step {done} of {self.total_steps}; no resumable checkpoint was written: it does not "
-            f"fit the disk of {self.checkpoints.directory} (the note at the start); metrics are in {self.metrics_path}")
+            f"fit the disk of {self.checkpoints.directory} (the note at the start); metrics are in {self.metrics.path}")
 
     def abort(self) -> None:
         """A second Ctrl-C / SIGTERM while the first one was being handled: keep the metrics, say what is left."""
-        self.flush()
+        self.metrics.flush()
         newest = self.checkpoints.newest()
         print("\ninterrupted twice: stopped without saving the current step; "
               + (f"the newest checkpoint, {newest}, is intact" if newest else "no checkpoint was written"),
@@ -1015,45 +954,12 @@ class Trainer:
         try:
             self.ranks.on_main(lambda: call_hook(self.callbacks, hook, step, arg))
         except CallbackFailed as e:
-            self.flush()
+            self.metrics.flush()
             newest = self.checkpoints.newest()
             raise TrainingError(
-                f"{e}: training stopped; metrics so far are in {self.metrics_path}; "
+                f"{e}: training stopped; metrics so far are in {self.metrics.path}; "
                 + (f"the newest checkpoint, {newest}, is intact (--resume auto continues from it)" if newest
                    else "no checkpoint had been written yet")) from e.error
-
-    # ------------------------------------------------------------------ files (rank 0 only)
-    def write_metrics(self) -> None:
-        """The rows so far to the trackers (rank 0 logs them; the other ranks drop theirs, the same rows)."""
-        if self.ranks.is_main:
-            self.log_rows()
-        else:
-            self.rows.clear()
-
-    def log_rows(self) -> None:
-        """Each row not yet logged to every tracker, then the trackers flushed (metrics.csv appended)."""
-        for row in self.rows:
-            self.trackers.log_scalars(int(row["step"]), _scalars(row))
-        self.rows.clear()
-        self.trackers.flush()
-
-    def flush(self) -> None:
-        """metrics.csv and loss.png as they stand (rank 0)."""
-        self.write_metrics()
-        if self.ranks.is_main:
-            self._plot_loss()
-
-    def flush_files(self) -> None:
-        """The rows to the trackers, then loss.png (on the way out of an error: best effort for the plot)."""
-        self.log_rows()
-        self._plot_loss()
-
-    def _plot_loss(self) -> None:
-        """loss.png from metrics.csv; a failure is a note, never the run's error."""
-        try:
-            _plot(self.metrics_path, self.out / "loss.png")
-        except Exception as e:  # noqa: BLE001 - a plot must never hide the real error
-            print(f"note: could not draw {self.out / 'loss.png'}: {e}", file=sys.stderr)
 
 
 def _out_of_memory(error: BaseException) -> BaseException | None:
@@ -1070,68 +976,3 @@ def _out_of_memory(error: BaseException) -> BaseException | None:
 
 def _write_text(path: Path, text: str) -> None:
     write_atomically(path, lambda tmp: tmp.write_text(text))
-
-
-def _row(**kw) -> dict:
-    return {c: kw.get(c, "") for c in METRIC_COLUMNS}
-
-
-def _scalars(row: dict) -> dict[str, float]:
-    """A metrics row's values as the trackers and callbacks take them: the columns that have one, less step."""
-    return {k: float(v) for k, v in row.items() if k != "step" and v not in ("", None)}
-
-
-def _end_of_run_eval_row(row: dict[str, str]) -> bool:
-    """A metrics.csv row holding only a held-out evaluation after step 0: the end of an earlier invocation
-    (a resume drops it; the end of the resumed run evaluates again)."""
-    return not row.get("loss") and row.get("step") not in ("0", "0.0")
-
-
-# A smoothed training loss from this many steps: each step's batch is different text, and in the CPU
-# default job (20 steps) the batches' own difficulty moved the per-step loss by 2.7-3.9 while the
-# held-out loss fell 3.17 -> 3.12; a mean of 5 of those steps still rose (and the EMA, weight 0.8,
-# rose 2.54 -> 3.09): it showed the batches, not the learning
-SMOOTHED_FROM_STEPS = 50
-
-
-def _plot(metrics: Path, png: Path) -> None:
-    """loss.png: the held-out loss (the headline: the same rows before and after, so its change is the
-    run's learning), the per-step training loss, and from SMOOTHED_FROM_STEPS steps that smoothed by a
-    centred running mean over a fifth of the run. Titled with the run's directory and model (from
-    config.json beside it), integer step ticks."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-    with metrics.open() as f:
-        rows = list(csv.DictReader(f))
-    train_pts = [(int(r["step"]), float(r["loss"])) for r in rows if r["loss"]]
-    eval_pts = [(int(r["step"]), float(r["eval_loss"])) for r in rows if r["eval_loss"]]
-    fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    if train_pts:
-        steps, losses = zip(*train_pts)
-        ax.plot(steps, losses, ".-", color="tab:blue", alpha=0.3, label="train loss (each step: a different batch)")
-        half = len(losses) // 10                          # window 2 x half + 1: about a fifth of the run
-        if len(losses) >= SMOOTHED_FROM_STEPS:
-            smooth = [float(np.mean(losses[max(0, i - half):i + half + 1])) for i in range(len(losses))]
-            ax.plot(steps, smooth, color="tab:blue", label=f"train loss (mean of {2 * half + 1} steps around each)")
-    if eval_pts:
-        change = f" ({eval_pts[0][1]:.3f} -> {eval_pts[-1][1]:.3f})" if len(eval_pts) > 1 else ""
-        ax.plot(*zip(*eval_pts), "o-", color="tab:red", lw=2.5, ms=7, label=f"held-out loss{change}")
-    title = png.parent.name
-    try:
-        title += f": {json.loads((png.parent / 'config.json').read_text())['model']}"
-    except (OSError, ValueError, KeyError):
-        pass
-    ax.set_title(title)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    try:
-        # matplotlib takes the format from the name's suffix: the temporary name keeps .png
-        write_atomically(png, lambda tmp: fig.savefig(tmp, dpi=120), tmp=png.with_suffix(".tmp.png"))
-    finally:
-        plt.close(fig)
