@@ -9,9 +9,11 @@ deterministic in (config, seed): the batch of step k is a pure function of k, an
 checkpoint holds the optimizer and RNG states, so `--resume auto` continues the same
 trajectory (metrics.csv keeps the rows up to the checkpoint, then continues).
 
-The metrics go to the trackers --report-to names (telemetry/trackers.py: metrics.csv, appended, and
-TensorBoard, W&B, MLflow), on rank 0; Python callers get each step, evaluation and save through
-callbacks (callbacks.py, docs/library.md).
+The metrics go to the trackers --report-to names (telemetry/run_metrics.py, telemetry/trackers.py:
+metrics.csv, appended, and TensorBoard, W&B, MLflow), on rank 0; Python callers get each step,
+evaluation and save through callbacks (callbacks.py, docs/library.md). What comes before step 1 (the
+checks, the data, the output directory, the checkpoint to resume from) is train_setup.py; the
+checkpoints' policy is checkpoint/manager.py.
 """
 from __future__ import annotations
 
