@@ -268,7 +268,7 @@ def test_data_parallel_refuses_masters_on_disk_by_name():
     from types import SimpleNamespace as NS
 
     from slidetune.config import TrainConfig
-    from slidetune.trainer import TrainingError, _refuse_under_data_parallel
+    from slidetune.train_setup import TrainingError, _refuse_under_data_parallel
     cfg = TrainConfig(runtime=RuntimeConfig(disk_dir="/x", disk_units=2, disk_master="on"))
     with pytest.raises(TrainingError, match="--tuning.disk_master"):
         _refuse_under_data_parallel(cfg, NS(world_size=2))

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from slidetune import trainer as train_mod
+from slidetune import train_setup as train_mod
 from slidetune.checkpoint import recover_leftovers
 from slidetune.config import TrainConfig, config_to_dict
 from test_train_e2e import after_each_step

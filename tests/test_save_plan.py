@@ -103,7 +103,7 @@ def test_a_run_whose_disk_tier_and_final_do_not_fit_together_removes_the_tier_fi
     """End to end on CPU: slide mode with 2 disk units, and a disk reported with room for final/ but
     not for final/ beside the tier's files. The run says so up front, trains, removes the tier's
     files, writes final/ (loadable), and no resumable checkpoint."""
-    import slidetune.trainer as train_mod
+    import slidetune.train_setup as train_mod
     d, tier = tmp_path / "out", tmp_path / "tier"
     tier.mkdir()
     seen = {}
@@ -146,7 +146,7 @@ def test_save_dtype_auto_is_the_checkpoints_own():
 def test_a_run_whose_checkpoint_does_not_fit_writes_final_only(tmp_path, monkeypatch):
     """The CLI end to end: the free space reported leaves room for final/ only; the run says so up
     front, trains, writes final/ (loadable) and metrics, and no checkpoint directory."""
-    import slidetune.trainer as train_mod
+    import slidetune.train_setup as train_mod
     d = tmp_path / "small_disk"
 
     def small_disk(num_params, **kw):

@@ -22,10 +22,11 @@ from slidetune.data.config import DataConfig
 from slidetune.data.corpus import builtin_corpus
 from slidetune.engine.config import RuntimeConfig
 from slidetune.telemetry.csv_tracker import CsvTracker
+from slidetune.telemetry.run_metrics import METRIC_COLUMNS, PRECISE_COLUMNS, _end_of_run_eval_row
 from slidetune.telemetry.tracker import Tracker, Trackers
 from slidetune.telemetry.trackers import (TensorBoardTracker, TrackerUnavailable, is_installed, parse_report_to,
                                           resolve_report_to)
-from slidetune.trainer import METRIC_COLUMNS, PRECISE_COLUMNS, _end_of_run_eval_row, train
+from slidetune.trainer import train
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402

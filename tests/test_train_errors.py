@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from slidetune import run_setup
-from slidetune import trainer as train_mod
+from slidetune import train_setup as train_mod
 from slidetune.cli import main
 from slidetune.engine.result import StepResult
 from slidetune.data.corpus import builtin_corpus

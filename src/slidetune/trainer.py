@@ -9,13 +9,14 @@ deterministic in (config, seed): the batch of step k is a pure function of k, an
 checkpoint holds the optimizer and RNG states, so `--resume auto` continues the same
 trajectory (metrics.csv keeps the rows up to the checkpoint, then continues).
 
-The metrics go to the trackers --report-to names (telemetry/trackers.py: metrics.csv, appended, and
-TensorBoard, W&B, MLflow), on rank 0; Python callers get each step, evaluation and save through
-callbacks (callbacks.py, docs/library.md).
+The metrics go to the trackers --report-to names (telemetry/run_metrics.py, telemetry/trackers.py:
+metrics.csv, appended, and TensorBoard, W&B, MLflow), on rank 0; Python callers get each step,
+evaluation and save through callbacks (callbacks.py, docs/library.md). What comes before step 1 (the
+checks, the data, the output directory, the checkpoint to resume from) is train_setup.py; the
+checkpoints' policy is checkpoint/manager.py.
 """
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import math
@@ -33,45 +34,25 @@ import numpy as np
 import torch
 
 from .callbacks import Callback, CallbackFailed, call_hook
-from .checkpoint import (CheckpointCorrupt, CheckpointError, CheckpointManager, DiskSpaceError, LegacyLayout, RunHooks,
-                         RunLock, SavePlan, SavePolicy, check_checkpoint, complete_checkpoints, lock_run_directories,
-                         plan_saves, recover_leftovers, resolve_save_dtype, run_export, set_aside, write_atomically)
-from .config import TrainConfig, config_to_dict, group_tuning
-from .data import IGNORE_INDEX, BatchSampler, TokenDataset, build_datasets, collate, default_pad_id
-from .data.build import BUILTIN_NAME, load_source
+from .checkpoint import CheckpointManager, RunHooks, RunLock, SavePolicy, lock_run_directories, run_export
+from .config import TrainConfig
+from .data import IGNORE_INDEX, collate
+from .data.build import BUILTIN_NAME
 from .data.chat_template import load_chat_template
-from .data.errors import DataError
-from .data.token_arrays import is_token_source
-from .device import Device, resolve_dtype
-from .engine import RuntimeConfig, StepResult
-from .engine.autos import describe_autos
-from .engine.compile_policy import choose_compile_layers, resolve_compile_layers
+from .device import Device
+from .engine import StepResult
+from .eval_samples import decode_completion, encode_prompt, greedy_completions, write_samples
 from .faults import maybe_fail
-from .telemetry.machine import HostRss
-from .engine.placement import PlacementPlan
-from .engine.slide.disk_tier import tier_bytes
-from .eval_samples import (EvalPrompt, decode_completion, encode_prompt, greedy_completions, keep_samples_up_to,
-                           resolve_eval_prompts, write_samples)
 from .models.load import LoadedModel
-from .models.reference_check import require_faithful
-from .ops.packed_attention import use_packed_attention
 from .ranks import Ranks
-from .run_setup import PreparedRun, RunRequest, prepare_run
-from .telemetry.csv_tracker import CsvTracker
 from .telemetry.flops import train_flops_per_token
-from .telemetry.tracker import Trackers
-from .telemetry.trackers import TrackerUnavailable, open_dashboards, resolve_report_to
+from .telemetry.run_metrics import RunMetrics, _row, _scalars, host_rss_meter
+from .telemetry.trackers import TrackerUnavailable, resolve_report_to
+from .train_setup import (Reporting, RunInputs, TrainingError, check_callbacks, checkpoint_root, prepare_training,
+                          print_config, resolve_config_dtype, run_record, write_text)
 
 if TYPE_CHECKING:
     from .engine.interface import Engine
-
-METRIC_COLUMNS = ["step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "step_s",
-                  "gpu_peak_alloc_gib", "gpu_peak_reserved_gib", "cpu_rss_gib", "eval_loss", "eval_ppl"]
-PRECISE_COLUMNS = {"loss", "lr", "grad_norm", "eval_loss"}     # 9 digits in metrics.csv: an FP32 value round-trips
-
-
-class TrainingError(RuntimeError):
-    pass
 
 
 def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
@@ -206,7 +187,7 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None, *, verbose:
     """
     t_start = time.perf_counter()
     out = Path(cfg.output_dir)
-    callbacks = _check_callbacks(callbacks)
+    callbacks = check_callbacks(callbacks)
     try:
         trackers = resolve_report_to(cfg.report_to)      # a tracker asked for but not installed: refused first
     except TrackerUnavailable as e:
@@ -218,10 +199,10 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None, *, verbose:
         # One run per directory (checkpoint/lock.py), held until the run ends. Taken first: a second run is
         # refused before it loads anything, and the lock costs an open and a flock. Rank 0 writes
         # the run's files, so rank 0 alone holds it; the other ranks learn of a refusal (on_main).
-        ranks.on_main(lambda: held.extend(lock_run_directories(out, _checkpoint_root(cfg, out))))
-        cfg, dtype_why = _resolve_dtype(cfg, device)
-        _print_config(cfg, device, dtype_why, verbose, given=train_dataset is not None)
-        return _train(cfg, ranks, device, out, t_start, verbose, _Reporting(trackers, callbacks),
+        ranks.on_main(lambda: held.extend(lock_run_directories(out, checkpoint_root(cfg, out))))
+        cfg, dtype_why = resolve_config_dtype(cfg, device)
+        print_config(cfg, device, dtype_why, verbose, given=train_dataset is not None)
+        return _train(cfg, ranks, device, out, t_start, verbose, Reporting(trackers, callbacks),
                       (train_dataset, eval_dataset))
     finally:
         for lock in reversed(held):      # the checkpoint directory first: it may lie inside the output directory
@@ -229,373 +210,17 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None, *, verbose:
         ranks.close()
 
 
-def _checkpoint_root(cfg: TrainConfig, out: Path) -> Path:
-    """Where the run's checkpoints go: --checkpoint-dir, or `<output_dir>/checkpoints`. The lock is
-    taken on it whichever names it (checkpoint/lock.py): another run given it by --checkpoint-dir is refused."""
-    return Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else out / "checkpoints"
-
-
-@dataclass
-class _Reporting:
-    """Where a run reports: the trackers --report-to resolved to (telemetry/trackers.py) and the callbacks."""
-    trackers: list[str]
-    callbacks: list[Callback]
-
-
-def _check_callbacks(callbacks) -> list[Callback]:
-    """`callbacks` as a list, each with the three hooks (a Callback, or an object with on_step, on_eval
-    and on_save); TypeError names one that is not."""
-    callbacks = list(callbacks or [])
-    for cb in callbacks:
-        missing = [h for h in ("on_step", "on_eval", "on_save") if not callable(getattr(cb, h, None))]
-        if missing:
-            raise TypeError(f"train(callbacks=...): {cb!r} is not a slidetune.Callback (it lacks "
-                            f"{', '.join(missing)}); subclass slidetune.Callback and override the hooks you need")
-    return callbacks
-
-
-def _resolve_dtype(cfg: TrainConfig, device: Device) -> tuple[TrainConfig, str]:
-    """The config with --dtype auto resolved for `device` (device.resolve_dtype), and why: everything
-    after this (the fit, the engine, the save dtype, config.json) sees the dtype that runs."""
-    dtype, why = resolve_dtype(cfg.runtime.dtype, device.device.type)
-    if cfg.runtime.dtype == "auto":
-        why = f"--dtype auto: {why}"
-    elif dtype == "bf16" and not device.is_cuda and resolve_dtype("auto", "cpu")[0] == "fp32":
-        print(f"note: --dtype bf16 on a CPU without bf16 instructions is emulated and many times slower than "
-              f"fp32 ({resolve_dtype('auto', 'cpu')[1]}); --dtype auto picks fp32 here", file=sys.stderr)
-    return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, dtype=dtype)), why
-
-
-def _refuse_under_data_parallel(cfg: TrainConfig, ranks: Ranks) -> None:
-    """Settings the data-parallel engine does not run (docs/data_parallel.md), refused by name."""
-    rt = cfg.runtime
-    bad = []
-    if rt.mode != "slide":
-        bad.append(f"--mode {rt.mode} (data parallel runs in slide mode only)")
-    if rt.disk.disk_master not in ("off", "auto"):
-        bad.append("--tuning.disk_master (the masters of disk units on disk; use off or auto)")
-    if bad:
-        raise TrainingError(f"{ranks.world_size} ranks (data parallel) do not support yet: " + "; ".join(bad)
-                            + ". Drop these settings, or run on one rank")
-
-
-def _silent(*args, **kwargs) -> None:
-    pass
-
-
-def _print_config(cfg: TrainConfig, device: Device, dtype_why: str, verbose: bool, given: bool = False) -> None:
-    """The run in a few lines (every setting: config.json, or the whole of it here with --verbose)."""
-    if verbose:
-        print("resolved config:\n" + json.dumps(config_to_dict(cfg), indent=2), flush=True)
-    steps = (f"{cfg.epochs:g} epochs" if cfg.epochs is not None
-             else f"{cfg.resolved_max_steps(device.is_cuda)} steps")
-    data = cfg.data.path or ("the dataset given in Python" if given else "the built-in corpus")
-    clip = f"gradient clipping at {cfg.max_grad_norm:g}" if cfg.max_grad_norm else "no gradient clipping"
-    evals = "held-out loss before and after" + (f", every {cfg.eval_every} steps" if cfg.eval_every else "")
-    print(f"slidetune train: {cfg.model} on {data}, {cfg.runtime.mode} mode on {device.device}, {cfg.runtime.dtype} "
-          f"({dtype_why})\n"
-          f"  {steps} of {cfg.batch_size} x {cfg.data.seq_len} tokens"
-          + (f" x {cfg.grad_accum} micro-batches" if cfg.grad_accum > 1 else "")
-          + f", AdamW lr {cfg.optim.lr:g} ({cfg.lr_schedule}, "
-          + (f"{cfg.warmup_steps} warmup steps" if cfg.warmup_ratio is None else
-             f"warmup over {cfg.warmup_ratio:g} of the steps")
-          + f"), {clip}; {evals}\n"
-          f"  output: {cfg.output_dir}/ (every setting in config.json" + ("" if verbose else ", --verbose prints them")
-          + ")", flush=True)
-
-
-@dataclass
-class _RunInputs:
-    """What train reads and decides between the fit check and the engine: the data, the steps, the
-    output directory's state (prepare_run's before_build)."""
-    sampler: BatchSampler
-    heldout: TokenDataset | None
-    pad_id: int
-    total_steps: int
-    ckpt_dir: Path
-    save_dtype: str
-    saves: SavePlan
-    resume_from: Path | None
-    stale: list[Path]
-
-
 def _train(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, t_start: float,
-           verbose: bool = False, reporting: _Reporting | None = None, given: tuple = (None, None)) -> TrainSummary:
-    if ranks.world_size > 1:
-        _refuse_under_data_parallel(cfg, ranks)
-        print(f"data parallel: rank {ranks.rank} of {ranks.world_size} on {device.device}; global batch "
-              f"{cfg.batch_size * ranks.world_size} ({cfg.batch_size} rows per rank)")
-    # the data first, read and parsed (a missing file, a malformed line: refused in seconds), then
-    # the model, then the reference check on it; a pre-tokenized corpus is opened once the
-    # tokenizer's EOS is known (build_datasets below)
-    source = None if is_token_source(cfg.data.path) else ranks.on_each(lambda: load_source(cfg.data, *given))
-    # what the auto settings chose: the GPU's placement (on the CPU only with --verbose: no GPU there)
-    say = print if device.is_cuda or verbose else _silent
-    inputs: list[_RunInputs] = []
-    prompts: list[list[EvalPrompt]] = []
-
-    def before_build(prepared: PreparedRun) -> RuntimeConfig:
-        # the eval prompts read (a bad file refused) before the engine allocates anything
-        prompts.append(ranks.on_each(lambda: _eval_prompts(cfg, source, prepared.loaded)))
-        run_inputs, runtime = _prepare_inputs(cfg, prepared, source, ranks, device, out, say)
-        inputs.append(run_inputs)
-        return runtime
-
-    prepared = prepare_run(
-        _run_request(cfg), device, ranks, after_load=lambda loaded: _check_model(cfg, loaded),
-        on_placed=lambda p: _say_autos(cfg, p, device.is_cuda or verbose, say), before_build=before_build)
-    engine, loaded, (run,) = prepared.engine, prepared.loaded, inputs
+           verbose: bool = False, reporting: Reporting | None = None, given: tuple = (None, None)) -> TrainSummary:
+    """The run set up (train_setup.py), then the loop until it ends or stops; the engine closed after."""
+    prepared, run = prepare_training(cfg, ranks, device, out, verbose, given)
+    engine = prepared.engine
     try:
         with _StopFlag() as stop:       # from here on a signal means: finish the step, checkpoint, exit
-            return Trainer(cfg, engine, loaded, run.sampler, run.heldout, run.pad_id, run.total_steps, device, out,
-                           t_start, run.resume_from, run.stale if ranks.is_main else [], stop, ckpt_dir=run.ckpt_dir,
-                           saves=run.saves, save_dtype=run.save_dtype, ranks=ranks,
-                           reporting=reporting or _Reporting(["csv"], []), eval_prompts=prompts[0]).run()
+            return Trainer(cfg, engine, prepared.loaded, run, device, out, t_start, stop, ranks=ranks,
+                           reporting=reporting or Reporting(["csv"], [])).run()
     finally:
         engine.close()
-
-
-def _eval_prompts(cfg: TrainConfig, source, loaded: LoadedModel) -> list[EvalPrompt]:
-    """The prompts sampled at each evaluation (eval_samples.py), a bad --eval-prompts file as a TrainingError."""
-    try:
-        return resolve_eval_prompts(cfg.eval_prompts, source, cfg.data, loaded.tokenizer)
-    except DataError as e:
-        raise TrainingError(str(e)) from e
-
-
-def _run_request(cfg: TrainConfig) -> RunRequest:
-    """The run prepare_run sets up for `cfg`: packed rows are full windows, so no batch carries
-    padding (no [B,1,S,S] padding masks; masked packing builds its document mask as a
-    FlexAttention BlockMask on CUDA)."""
-    return RunRequest(model=cfg.model, runtime=cfg.runtime, optim=cfg.optim, batch_size=cfg.batch_size,
-                      seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm,
-                      padded=not cfg.data.packed, num_layers=cfg.num_layers, seed=cfg.seed,
-                      gpu_memory_limit_gib=cfg.gpu_memory_limit, check_memory=cfg.check_memory, announce=True)
-
-
-def _check_model(cfg: TrainConfig, loaded: LoadedModel) -> None:
-    """The model against the run, before it is placed: the reference check, a tokenizer where the
-    data is text, the sequence length against the model's context."""
-    _reference_check(cfg, loaded)
-    # a pre-tokenized corpus needs no tokenizer (with no EOS known, each row is one document:
-    # token_arrays.py); text data does
-    if loaded.tokenizer is None and not is_token_source(cfg.data.path):
-        raise TrainingError(f"model {cfg.model!r} has no tokenizer, so text data cannot be tokenized; "
-                            f"use a model directory with tokenizer files, a preset with a >= 49152 vocabulary, "
-                            f"or a pre-tokenized corpus (--data tokens.npy / .bin)")
-    max_pos = getattr(loaded.split.config, "max_position_embeddings", None)
-    if max_pos is not None and cfg.data.seq_len > max_pos:
-        raise TrainingError(f"--seq-len {cfg.data.seq_len} exceeds the context of model {cfg.model!r}: "
-                            f"{max_pos} tokens (max_position_embeddings); use --seq-len {max_pos} or less")
-
-
-def _say_autos(cfg: TrainConfig, prepared: PreparedRun, gpu_lines: bool, say) -> None:
-    """What the auto settings chose (engine.autos), then the placement; the GPU's lines through
-    `say`, the disk tier's always."""
-    for line in describe_autos(cfg.runtime, prepared.runtime, prepared.plan, gpu_lines=gpu_lines):
-        print(line)
-    if prepared.plan is not None:
-        say("placement:\n" + "\n".join(prepared.plan.summary_lines()))
-
-
-def _prepare_inputs(cfg: TrainConfig, prepared: PreparedRun, source, ranks: Ranks, device: Device, out: Path,
-                    say) -> tuple[_RunInputs, RuntimeConfig]:
-    """After the fit check, before the engine allocates anything: the data tokenized, the steps
-    counted, the layers to compile chosen, the output directory prepared. Returns those and the
-    runtime with compile_layers resolved."""
-    loaded, runtime = prepared.loaded, prepared.runtime
-    # the sampler draws global batches (--batch-size rows per rank) from (seed, step); each rank
-    # takes its rows of each (Trainer.micro_batch): N ranks train on one rank's data at N x the batch
-    global_batch = cfg.batch_size * ranks.world_size
-    # a pre-tokenized corpus's ids are checked against the model's vocabulary here, before step 1
-    train_ds, heldout = ranks.on_each(lambda: build_datasets(cfg.data, loaded.tokenizer, min_rows=global_batch,
-                                                             vocab_size=loaded.split.config.vocab_size,
-                                                             source=source))
-    if train_ds.document_mask:
-        use_packed_attention(loaded.split.model)   # packing "masked": attention per document
-    # without a tokenizer (pre-tokenized rows, full windows) any id pads: padding is never
-    # attended to nor trained on
-    pad_id = default_pad_id(loaded.tokenizer) if loaded.tokenizer is not None else 0
-    sampler = BatchSampler(train_ds, global_batch, cfg.seed, pad_id)
-    total_steps = cfg.resolved_max_steps(device.is_cuda)
-    if cfg.epochs is not None:
-        total_steps = max(1, int(cfg.epochs * len(sampler) / cfg.grad_accum))
-    compiled = choose_compile_layers(runtime, loaded.split, is_cuda=device.is_cuda, steps=total_steps,
-                                     tokens_per_step=cfg.batch_size * cfg.grad_accum * cfg.data.seq_len,
-                                     seq_len=cfg.data.seq_len)
-    runtime = resolve_compile_layers(runtime, compiled)
-    if cfg.runtime.mode == "slide":
-        say(f"compile_layers {cfg.runtime.compile_layers} -> {compiled.compile_layers} ({compiled.reason})")
-    ckpt_dir = _checkpoint_root(cfg, out)
-    save_dtype = resolve_save_dtype(cfg.save_dtype, loaded.split.config, runtime.dtype)
-    # Rank 0 alone reads and changes the output directory before the run (leftovers, free space,
-    # the checkpoint to resume from, an earlier run's checkpoints) and every rank gets its answer.
-    saves, resume_from, stale = ranks.on_main(lambda: _prepare_output(cfg, loaded, prepared.plan, runtime, out,
-                                                                      ckpt_dir, save_dtype, total_steps,
-                                                                      ranks.world_size))
-    return _RunInputs(sampler, heldout, pad_id, total_steps, ckpt_dir, save_dtype, saves, resume_from,
-                      stale), runtime
-
-
-def _prepare_output(cfg: TrainConfig, loaded: LoadedModel, plan: PlacementPlan | None, runtime, out: Path,
-                    ckpt_dir: Path, save_dtype: str, total_steps: int,
-                    world_size: int) -> tuple[SavePlan, Path | None, list[Path]]:
-    """Before step 1 (rank 0 only): restore what killed saves set aside, check that final/ and the
-    checkpoints asked for fit the disk, find the checkpoint to resume from, write config.json.
-    Returns (the save plan, the checkpoint to resume from or None, an earlier run's checkpoints)."""
-    # Before the free space is measured and a checkpoint looked for: a killed save leaves a
-    # directory as large as what it was writing (kill -9 or the OOM killer during an export).
-    for src, dst in recover_leftovers(out, "final") + recover_leftovers(ckpt_dir):
-        print(f"note: {dst} was missing: restored the complete copy that a killed save had set aside in "
-              f"{src.name}", file=sys.stderr)
-    try:
-        # before step 1: final/ must fit, and periodic checkpoints asked for (checkpoint/space.py)
-        tier = (Path(runtime.disk_dir), tier_bytes(plan, runtime.disk.disk_block_mb)) \
-            if plan is not None and plan.indices("disk") else None
-        saves = plan_saves(loaded.split.num_params(), save_dtype=save_dtype, output_dir=out, checkpoint_dir=ckpt_dir,
-                           save_every=cfg.save_every, keep_last=cfg.keep_last, scratch=tier,
-                           scratch_holds_weights=plan is not None and plan.master_params("disk") > 0,
-                           existing_checkpoints=len(complete_checkpoints(ckpt_dir)),
-                           checkpoint_bytes=plan.checkpoint_bytes() if plan is not None else None)
-    except DiskSpaceError as e:
-        raise TrainingError(str(e)) from e
-    for note in saves.notes:
-        print(note, file=sys.stderr)
-    resume_from = _resolve_resume(cfg, ckpt_dir, total_steps, LegacyLayout.of_units(loaded.split.units))
-    stale = []
-    if resume_from is None:
-        stale = complete_checkpoints(ckpt_dir)
-        if stale:
-            print(f"note: {ckpt_dir} holds checkpoints of an earlier run (newest: {stale[-1].name}); this new run "
-                  f"replaces them once it saves its first checkpoint (use --resume auto to continue that run "
-                  f"instead)", file=sys.stderr)
-    out.mkdir(parents=True, exist_ok=True)
-    if resume_from is not None:
-        _warn_changed_config(resume_from, out / "config.json", cfg, world_size)
-    # config.json describes the newest invocation; what a resume is compared with is the config
-    # saved inside each checkpoint (checkpoint/manager.py), as this file is rewritten before the first save.
-    _write_text(out / "config.json", json.dumps(_run_record(cfg, world_size), indent=2) + "\n")
-    return saves, resume_from, stale
-
-
-def _run_record(cfg: TrainConfig, world_size: int) -> dict:
-    """The run's settings as saved (config.json, each checkpoint): the config, plus the ranks it ran
-    on where several (batch_size is per rank: the global batch is batch_size x world_size)."""
-    record = config_to_dict(cfg)
-    if world_size > 1:
-        record["world_size"] = world_size
-    return record
-
-
-def _reference_check(cfg: TrainConfig, loaded: LoadedModel) -> None:
-    """The split against transformers on a tiny copy of the model's config (about a second):
-    a family whose forward does arithmetic the split misses refuses here, before anything."""
-    if cfg.skip_reference_check:
-        print(f"reference check skipped (--skip-reference-check): the split of "
-              f"{loaded.split.config.model_type!r} is not verified against transformers")
-        return
-    result = require_faithful(loaded.split.config, seed=cfg.seed)
-    print(f"reference check passed (the model's layers as slidetune runs them, against transformers on a tiny "
-          f"random copy): {result.summary()}")
-
-
-def _resolve_resume(cfg: TrainConfig, ckpt_dir: Path, total_steps: int, legacy: LegacyLayout) -> Path | None:
-    """The checkpoint to continue from (None: a fresh start), checked before anything is allocated.
-
-    Every file of it is verified (check_checkpoint: digests, then types) before the engine exists;
-    one with no manifest (an older slidetune's) is used only if its tensors fit `legacy`, the
-    model's layout. With --resume auto a damaged checkpoint is set aside (renamed, never deleted)
-    with a message naming the file and what is wrong, and the next older one is tried; with
-    --resume PATH the damage is the error."""
-    if not cfg.resume:
-        return None
-    if cfg.resume == "auto":
-        candidates = complete_checkpoints(ckpt_dir)[::-1]        # newest first
-        if not candidates:
-            print(f"--resume auto: no complete checkpoint in {ckpt_dir}; starting from step 0")
-            return None
-        checked, set_apart = None, []
-        for ckpt in candidates:
-            try:
-                checked = check_checkpoint(ckpt, legacy)
-                break
-            except CheckpointCorrupt as e:
-                aside = set_aside(ckpt)
-                set_apart.append(aside)
-                print(f"note: --resume auto: {e}. Set aside as {aside} (kept, not deleted); trying the next "
-                      f"older checkpoint", file=sys.stderr)
-            except CheckpointError as e:
-                raise TrainingError(f"--resume auto: {e}") from e
-        if checked is None:
-            raise TrainingError(f"--resume auto: no checkpoint in {ckpt_dir} passed verification; each was set "
-                                f"aside: {', '.join(p.name for p in set_apart)}. Start over without --resume "
-                                f"(nothing was deleted)")
-    else:
-        ckpt = Path(cfg.resume)
-        if not ckpt.is_dir():
-            raise TrainingError(f"--resume {cfg.resume}: no such checkpoint directory (use --resume auto for the "
-                                f"newest complete checkpoint in {ckpt_dir})")
-        try:
-            checked = check_checkpoint(ckpt, legacy)
-        except CheckpointError as e:
-            raise TrainingError(f"--resume {cfg.resume}: {e}" + (
-                ". Resume from an older checkpoint instead (--resume auto sets a damaged one aside and takes the "
-                "next older one)" if isinstance(e, CheckpointCorrupt) else "")) from e
-    if not checked.verified:
-        print(f"warning: {checked.path} has no MANIFEST.json (written by an older slidetune): its bytes cannot be "
-              f"verified against digests, only its files' structure was checked and its tensors' names, shapes and "
-              f"dtypes match the model", file=sys.stderr)
-    if checked.step > total_steps:
-        raise TrainingError(f"checkpoint {checked.path} is at step {checked.step}, beyond this run's {total_steps} "
-                            f"steps (--max-steps/--epochs); resume with the run's original length")
-    return checked.path
-
-
-def _warn_changed_config(ckpt: Path, run_config: Path, cfg: TrainConfig, world_size: int = 1) -> None:
-    """On resume: say which settings differ from those the checkpoint `ckpt` was made with
-    (they change the trajectory); checkpoints older than that record fall back to the run's
-    `config.json`. The batch is compared globally (batch_size x ranks): 2 ranks at 4 rows and one
-    rank at 8 train alike."""
-    try:
-        old = json.loads((ckpt / "trainer_state" / "state.json").read_text())["trainer_state"]["config"]
-        source = f"those {ckpt.name} was saved with"
-        if not isinstance(old, dict):
-            raise TypeError
-    except (OSError, ValueError, KeyError, TypeError):
-        if not run_config.exists():
-            return
-        try:
-            old = json.loads(run_config.read_text())
-            if not isinstance(old, dict):
-                raise ValueError(f"a JSON {type(old).__name__}, not an object of settings")
-        except (OSError, ValueError) as e:
-            # only read to compare settings, and rewritten below: the resume goes on, and says so
-            print(f"note: {run_config} cannot be read as the run's config ({e}); the settings of this resume "
-                  f"are not compared with the earlier run's", file=sys.stderr)
-            return
-        source = f"the run's saved config.json ({run_config})"
-    ignore = {"resume", "stop_after", "progress", "log_every", "report_to", "output_dir", "gpu_memory_limit",
-              "world_size", "eval_prompts", "eval_max_new_tokens"}
-    old = group_tuning(old)             # one saved before the tuning knobs had their group compares the same
-    new = config_to_dict(cfg)
-    old_world = int(old.get("world_size", 1))
-    if isinstance(old.get("batch_size"), int) and old["batch_size"] * old_world == cfg.batch_size * world_size:
-        ignore.add("batch_size")
-    elif old_world != world_size:
-        new["batch_size"] = f"{cfg.batch_size} x {world_size} ranks"
-        old["batch_size"] = f"{old.get('batch_size')} x {old_world} ranks"
-    changed = []
-    for key, value in new.items():
-        if key in ignore:
-            continue
-        if isinstance(value, dict) and isinstance(old.get(key), dict):
-            changed += [f"{key}.{k}: {old[key].get(k)!r} -> {v!r}" for k, v in value.items()
-                        if k in old[key] and old[key][k] != v]
-        elif key in old and old[key] != value:
-            changed.append(f"{key}: {old[key]!r} -> {value!r}")
-    if changed:
-        print(f"note: resuming with settings that differ from {source}, so the result will "
-              "differ from an uninterrupted run: " + "; ".join(changed), file=sys.stderr)
 
 
 @dataclass
@@ -611,31 +236,28 @@ class _IssuedStep:
 class Trainer:
     """One invocation of a training run, in named steps (after torchtitan's `Trainer`).
 
-    Holds the run's state (engine, data, metrics rows) and its checkpoints' manager
+    Holds the run's state (engine, data, metrics: telemetry/run_metrics.py) and its checkpoints' manager
     (checkpoint/manager.py); `run()` is the driver: resume, evaluate, step, stop or export, summarize.
+    `run`: what train_setup.prepare_training read and decided (the data, the steps, the checkpoints' plan).
     """
 
-    def __init__(self, cfg: TrainConfig, engine: Engine, loaded: LoadedModel,
-                 sampler: BatchSampler, heldout: TokenDataset | None, pad_id: int, total_steps: int,
-                 device: Device, out: Path, t_start: float, resume_from: Path | None = None,
-                 stale: list[Path] | None = None, stop: _StopFlag | None = None, ckpt_dir: Path | None = None,
-                 saves: SavePlan | None = None, save_dtype: str = "fp32", ranks: Ranks | None = None,
-                 reporting: _Reporting | None = None, eval_prompts: list[EvalPrompt] | None = None):
+    def __init__(self, cfg: TrainConfig, engine: Engine, loaded: LoadedModel, run: RunInputs, device: Device,
+                 out: Path, t_start: float, stop: _StopFlag | None = None, ranks: Ranks | None = None,
+                 reporting: Reporting | None = None):
         self.cfg, self.engine, self.loaded, self.device = cfg, engine, loaded, device
         # data parallel: every rank runs this loop in step; rank 0 alone writes files
         self.ranks = ranks or Ranks.single()
-        self.sampler, self.heldout, self.pad_id = sampler, heldout, pad_id
-        self.eval_prompts = list(eval_prompts or [])   # sampled greedily at each evaluation (eval_samples.py)
-        self.total_steps, self.out, self.t_start = total_steps, out, t_start
+        self.sampler, self.heldout, self.pad_id = run.sampler, run.heldout, run.pad_id
+        self.eval_prompts = list(run.eval_prompts)   # sampled greedily at each evaluation (eval_samples.py)
+        self.total_steps, self.out, self.t_start = run.total_steps, out, t_start
         self.stop_flag = stop or _StopFlag()
-        self.metrics_path = out / "metrics.csv"
         self.start_step = 0
-        self.rows: list[dict] = []       # metrics rows not yet handed to the trackers
-        reporting = reporting or _Reporting(["csv"], [])
-        self.report_to, self.callbacks = reporting.trackers, reporting.callbacks
-        self.trackers = Trackers()       # opened by open_trackers once the step to start from is known (rank 0)
+        reporting = reporting or Reporting(["csv"], [])
+        self.callbacks = reporting.callbacks
+        # the metrics rows, the trackers (opened once the step to start from is known), the bar, loss.png
+        self.metrics = RunMetrics(out, reporting.trackers, self.ranks)
         self.flops_tok = train_flops_per_token(loaded.split, cfg.data.seq_len)
-        self.host_rss = self._host_rss_meter(engine)
+        self.host_rss = host_rss_meter(self.ranks, engine)
         self.before: tuple[float, float] | None = None
         self.after: tuple[float, float] | None = None
         self.first_loss: float | None = None
@@ -645,7 +267,6 @@ class Trainer:
         self.stopped_early = False       # stopped by --stop-after
         self.stop_message: str | None = None
         self.stop_signal: int | None = None   # the signal that stopped the run (any rank's, agreed)
-        self.bar = None
         self.last_t = 0.0
         # A step's checks and metrics wait for its gradient norm, i.e. for all of its host updates.
         # They run once the next step is issued (its forward needs those updates anyway), so the
@@ -655,19 +276,20 @@ class Trainer:
         self.where = "start-up"          # the phase running now: what a GPU out-of-memory names
         # where checkpoints go, when and how they are written (checkpoint/manager.py)
         self.checkpoints = CheckpointManager(
-            engine, SavePolicy(total_steps, save_every=cfg.save_every, keep_last=cfg.keep_last,
-                               async_save=cfg.async_save, save_dtype=save_dtype),
-            RunHooks(error=TrainingError, log_rows=self.log_rows, flush_files=self.flush_files, notify=self.notify,
-                     metrics_path=self.metrics_path),
-            directory=ckpt_dir or out / "checkpoints", output_dir=out, ranks=self.ranks,
-            run_record=_run_record(cfg, self.ranks.world_size), tokenizer=loaded.tokenizer, resume_from=resume_from,
-            stale=stale, space=saves, on_gpu=device.is_cuda)
+            engine, SavePolicy(run.total_steps, save_every=cfg.save_every, keep_last=cfg.keep_last,
+                               async_save=cfg.async_save, save_dtype=run.save_dtype),
+            RunHooks(error=TrainingError, log_rows=self.metrics.log_rows, flush_files=self.metrics.flush_files,
+                     notify=self.notify, metrics_path=self.metrics.path),
+            directory=run.ckpt_dir, output_dir=out, ranks=self.ranks,
+            run_record=run_record(cfg, self.ranks.world_size), tokenizer=loaded.tokenizer,
+            resume_from=run.resume_from, stale=run.stale if self.ranks.is_main else [], space=run.saves,
+            on_gpu=device.is_cuda)
 
     # ------------------------------------------------------------------ the driver
     def run(self) -> TrainSummary:
         """Resume (if asked), evaluate, train to the end or a stop, export, write the summary."""
         self.start_step = self.checkpoints.resume()
-        self.open_trackers()
+        self.metrics.open_trackers(self.start_step, run_record(self.cfg, self.ranks.world_size))
         try:
             return self._run()
         except KeyboardInterrupt:
@@ -675,7 +297,7 @@ class Trainer:
             raise
         finally:
             self.checkpoints.close()      # the engine closes after this: no save may still read it
-            self.close_trackers()
+            self.metrics.close_trackers()
 
     def _run(self) -> TrainSummary:
         """run's part between opening the trackers and closing them."""
@@ -684,7 +306,8 @@ class Trainer:
             self.evaluate_before()
             self.device.reset_peak()
             self.checkpoints.announce()
-            self.open_progress()
+            self.metrics.open_progress(self.cfg.progress, self.start_step, self.total_steps)
+            self.last_t = time.perf_counter()        # the step clock
             try:
                 for step in range(self.start_step, self.total_steps):
                     if not self.advance(step):
@@ -694,27 +317,26 @@ class Trainer:
                 self.abort()
                 raise
             finally:
-                if self.bar is not None:
-                    self.bar.close()
+                self.metrics.close_progress()
             if self.stop_message and self.ranks.is_main:
                 print(self.stop_message, file=sys.stderr if self.interrupted else sys.stdout)
             if not (self.interrupted or self.stopped_early):
                 self.where = "the held-out evaluation after the last step"
                 self.evaluate_after()
-                self.write_metrics()
+                self.metrics.write()
                 # final/, then the end-of-run checkpoint: with several ranks rank 0 writes both
                 cfg = self.cfg
                 self.checkpoints.export(self.out / "final", run_export(
                     cfg.model, self.loaded.source_dir, load_chat_template(cfg.data.chat_template),
                     [f"{self.sampler.dataset.source}: {len(self.sampler.dataset)} training sequences of "
                      f"{cfg.data.seq_len} tokens, {len(self.heldout) if self.heldout is not None else 0} held out"],
-                    _run_record(cfg, self.ranks.world_size), self.total_steps, self.before, self.after))
+                    run_record(cfg, self.ranks.world_size), self.total_steps, self.before, self.after))
         except Exception as e:
             oom = _out_of_memory(e)
             if oom is None:
                 raise
             self.fail_out_of_memory(oom, e)
-        self.flush()
+        self.metrics.flush()
         return self.write_summary()
 
     def advance(self, step: int) -> bool:
@@ -738,42 +360,13 @@ class Trainer:
         else:
             self.pending = issued
         if done % self.cfg.log_every == 0:
-            self.write_metrics()
+            self.metrics.write()
         if stopping:
             self.stop(done)
             return False
         if saving:
             self.checkpoints.maybe_save(done)
         return True
-
-    # ------------------------------------------------------------------ start
-    def open_trackers(self) -> None:
-        """The trackers of --report-to (rank 0). On a resume they keep the earlier rows of this run up to
-        the checkpoint (rows after it are recomputed); the held-out evaluation at the end of an earlier
-        invocation is dropped: the end of this one redoes it."""
-        if not self.ranks.is_main:
-            return
-        resume_step = self.start_step or None
-        csv_log = CsvTracker(self.metrics_path, METRIC_COLUMNS, PRECISE_COLUMNS, resume_step=resume_step,
-                             drop_at_resume=_end_of_run_eval_row)
-        keep_samples_up_to(self.out / "eval_samples.jsonl", resume_step)
-        self.trackers = Trackers([csv_log] + open_dashboards(self.report_to, self.out,
-                                                             _run_record(self.cfg, self.ranks.world_size),
-                                                             resume_step))
-
-    def close_trackers(self) -> None:
-        """Close every tracker at the end of run (best effort on the way out of an error: a note)."""
-        try:
-            self.trackers.close()
-        except Exception as e:  # noqa: BLE001 - the run's result (or its real error) matters more
-            print(f"note: could not close the trackers ({', '.join(self.report_to)}): {e}", file=sys.stderr)
-
-    def open_progress(self) -> None:
-        """Start the progress bar (when asked for and steps remain) and the step clock."""
-        if self.cfg.progress and self.start_step < self.total_steps and self.ranks.is_main:
-            from tqdm import tqdm
-            self.bar = tqdm(total=self.total_steps, initial=self.start_step, desc="train", dynamic_ncols=True)
-        self.last_t = time.perf_counter()
 
     # ------------------------------------------------------------------ steps
     def train_step(self, step: int) -> _IssuedStep:
@@ -789,19 +382,6 @@ class Trainer:
         # tflops in metrics.csv are the run's, over all ranks
         tokens = sum(int(mb.input_ids.numel()) for mb in mbs) * self.ranks.world_size
         return _IssuedStep(step=step, res=res, lr=lr, tokens=tokens, dt=dt)
-
-    def _host_rss_meter(self, engine) -> HostRss:
-        """metrics.csv's cpu_rss_gib: this host's memory, not one rank's. With several ranks the
-        pids of this host's ranks are gathered once (a collective: every rank builds its Trainer
-        at the same point) and the shared state is counted once (rank 0 alone would show its own
-        private memory and the part of the shared state it touched: 51.8 GiB of a host using 82
-        on 2x H100, benchmarks/NOTES.md "Data parallel")."""
-        if self.ranks.world_size == 1:
-            return HostRss()
-        host = self.ranks.dp.cfg.host
-        every = self.ranks.gather((host, os.getpid()))
-        shared = engine.shared
-        return HostRss([pid for h, pid in every if h == host], shared.nbytes if shared is not None else 0)
 
     def micro_batch(self, index: int):
         """This rank's rows of the sampler's global batch `index` (all of it on one rank)."""
@@ -828,24 +408,14 @@ class Trainer:
                    gpu_peak_alloc_gib=self.device.max_memory_allocated() / 2**30,
                    gpu_peak_reserved_gib=self.device.max_memory_reserved() / 2**30,
                    cpu_rss_gib=self.host_rss.bytes() / 2**30)
-        self.rows.append(row)
-        gpu = (dict(tflops=f"{row['tflops']:.1f}", gpu=f"{row['gpu_peak_alloc_gib']:.1f}G") if self.device.is_cuda
-               else {})
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{res.loss:.4f}", tok_s=f"{tps:,.0f}", **gpu, rss=f"{row['cpu_rss_gib']:.1f}G")
-        elif self.ranks.is_main and (s.step + 1) % self.cfg.log_every == 0:
-            # no bar (--progress false, a log file): one short line per logging step
-            print(f"step {s.step + 1}/{self.total_steps}  loss {res.loss:.4f}  lr {s.lr:.2e}  {s.dt:.2f} s  "
-                  f"{tps:,.0f} tok/s" + "".join(f"  {k} {v}" for k, v in gpu.items())
-                  + f"  rss {row['cpu_rss_gib']:.1f}G", flush=True)
+        self.metrics.add_step(row, self.total_steps, self.device.is_cuda, self.cfg.log_every)
         self.notify("on_step", s.step + 1, _scalars(row))
         return row
 
     def fail_non_finite(self, step: int, bad: str) -> NoReturn:
         """Stop the run at a non-finite step: metrics so far to disk, then a TrainingError with hints."""
         cfg = self.cfg
-        self.flush()
+        self.metrics.flush()
         self.checkpoints.close()          # a checkpoint being written in the background is the newest once whole
         newest = self.checkpoints.newest()
         resumed_from = self.checkpoints.resume_from
@@ -868,14 +438,14 @@ class Trainer:
         hints.append(f"check the data of step {step + 1}")
         raise TrainingError(
             f"{bad} at step {step + 1}: training stopped; the weights of that step were not saved "
-            f"and {last}; metrics up to step {step} are in {self.metrics_path}. "
+            f"and {last}; metrics up to step {step} are in {self.metrics.path}. "
             f"Hint: {'; '.join(hints)}")
 
     def fail_out_of_memory(self, oom: BaseException, error: BaseException) -> NoReturn:
         """Stop the run at a GPU out-of-memory (in `self.where`: a step or an evaluation): metrics so far
         to disk, then a TrainingError naming the OOM, the step, the memory budget and what makes it fit."""
         cfg = self.cfg
-        self.flush()
+        self.metrics.flush()
         self.checkpoints.close()
         newest = self.checkpoints.newest()
         last = (f"the newest checkpoint, {newest}, is intact: continue from it with --output-dir {self.out} "
@@ -895,7 +465,7 @@ class Trainer:
         fixes.append("a larger --gpu-memory-limit, or a GPU with more free memory (other processes on it?)")
         where = "" if isinstance(error, torch.OutOfMemoryError) else f" ({str(error).split(':')[0]})"
         first_line = str(oom).strip().splitlines()[0] if str(oom).strip() else type(oom).__name__
-        metrics = (f"the finished steps' metrics are in {self.metrics_path}" if self.first_loss is not None
+        metrics = (f"the finished steps' metrics are in {self.metrics.path}" if self.first_loss is not None
                    else "no step of this run had finished")
         raise TrainingError(
             f"GPU out of memory during {self.where}{where}: training stopped; {budget}; {last}; {metrics}. "
@@ -927,7 +497,7 @@ class Trainer:
         if self.start_step == 0 and self.heldout is not None and len(self.heldout) > 0:
             self.before = self.evaluate()
             print(f"held-out before training: loss {self.before[0]:.4f}  perplexity {self.before[1]:.2f}")
-            self.rows.append(_row(step=0, eval_loss=self.before[0], eval_ppl=self.before[1]))
+            self.metrics.rows.append(_row(step=0, eval_loss=self.before[0], eval_ppl=self.before[1]))
             self.notify("on_eval", 0, {"eval_loss": self.before[0], "eval_ppl": self.before[1]})
         if self.start_step == 0:
             self.sample_prompts(0)
@@ -938,7 +508,7 @@ class Trainer:
         if self.heldout is not None and len(self.heldout) > 0:
             self.after = self.evaluate()
             print(f"held-out after training: loss {self.after[0]:.4f}  perplexity {self.after[1]:.2f}")
-            self.rows.append(_row(step=self.total_steps, eval_loss=self.after[0], eval_ppl=self.after[1]))
+            self.metrics.rows.append(_row(step=self.total_steps, eval_loss=self.after[0], eval_ppl=self.after[1]))
             self.notify("on_eval", self.total_steps, {"eval_loss": self.after[0], "eval_ppl": self.after[1]})
         self.sample_prompts(self.total_steps)
 
@@ -957,13 +527,13 @@ class Trainer:
         if self.ranks.is_main:
             write_samples(self.out / "eval_samples.jsonl", step, samples)
             for i, (prompt, completion) in enumerate(samples):
-                self.trackers.log_text(step, f"eval_samples/{i}", prompt + completion)
+                self.metrics.trackers.log_text(step, f"eval_samples/{i}", prompt + completion)
 
     # ------------------------------------------------------------------ stopping
     def stop(self, done: int) -> None:
         """Stop after step `done` (signal or --stop-after): metrics, a resumable checkpoint if it fits,
         and the message saying how to continue (printed once the progress bar is closed)."""
-        self.write_metrics()
+        self.metrics.write()
         path = self.checkpoints.maybe_save(done, final=True)
         if self.stop_signal is not None:
             self.interrupted = True
@@ -975,11 +545,11 @@ class Trainer:
                              f"continue with: slidetune train <same options> --output-dir {self.out} "
                              f"--resume auto") if path else (
             f"{why} after step {done} of {self.total_steps}; no resumable checkpoint was written: it does not "
-            f"fit the disk of {self.checkpoints.directory} (the note at the start); metrics are in {self.metrics_path}")
+            f"fit the disk of {self.checkpoints.directory} (the note at the start); metrics are in {self.metrics.path}")
 
     def abort(self) -> None:
         """A second Ctrl-C / SIGTERM while the first one was being handled: keep the metrics, say what is left."""
-        self.flush()
+        self.metrics.flush()
         newest = self.checkpoints.newest()
         print("\ninterrupted twice: stopped without saving the current step; "
               + (f"the newest checkpoint, {newest}, is intact" if newest else "no checkpoint was written"),
@@ -1003,7 +573,7 @@ class Trainer:
             **self.checkpoints.totals())
         # rank 0 writes it and the other ranks wait for it (on_main): a rank that ended first would
         # make torchrun stop the others (SIGTERM), rank 0 perhaps before this file is written
-        self.ranks.on_main(lambda: _write_text(self.out / "summary.json", json.dumps(summary.__dict__, indent=2) + "\n"))
+        self.ranks.on_main(lambda: write_text(self.out / "summary.json", json.dumps(summary.__dict__, indent=2) + "\n"))
         return summary
 
     # ------------------------------------------------------------------ callbacks
@@ -1015,45 +585,12 @@ class Trainer:
         try:
             self.ranks.on_main(lambda: call_hook(self.callbacks, hook, step, arg))
         except CallbackFailed as e:
-            self.flush()
+            self.metrics.flush()
             newest = self.checkpoints.newest()
             raise TrainingError(
-                f"{e}: training stopped; metrics so far are in {self.metrics_path}; "
+                f"{e}: training stopped; metrics so far are in {self.metrics.path}; "
                 + (f"the newest checkpoint, {newest}, is intact (--resume auto continues from it)" if newest
                    else "no checkpoint had been written yet")) from e.error
-
-    # ------------------------------------------------------------------ files (rank 0 only)
-    def write_metrics(self) -> None:
-        """The rows so far to the trackers (rank 0 logs them; the other ranks drop theirs, the same rows)."""
-        if self.ranks.is_main:
-            self.log_rows()
-        else:
-            self.rows.clear()
-
-    def log_rows(self) -> None:
-        """Each row not yet logged to every tracker, then the trackers flushed (metrics.csv appended)."""
-        for row in self.rows:
-            self.trackers.log_scalars(int(row["step"]), _scalars(row))
-        self.rows.clear()
-        self.trackers.flush()
-
-    def flush(self) -> None:
-        """metrics.csv and loss.png as they stand (rank 0)."""
-        self.write_metrics()
-        if self.ranks.is_main:
-            self._plot_loss()
-
-    def flush_files(self) -> None:
-        """The rows to the trackers, then loss.png (on the way out of an error: best effort for the plot)."""
-        self.log_rows()
-        self._plot_loss()
-
-    def _plot_loss(self) -> None:
-        """loss.png from metrics.csv; a failure is a note, never the run's error."""
-        try:
-            _plot(self.metrics_path, self.out / "loss.png")
-        except Exception as e:  # noqa: BLE001 - a plot must never hide the real error
-            print(f"note: could not draw {self.out / 'loss.png'}: {e}", file=sys.stderr)
 
 
 def _out_of_memory(error: BaseException) -> BaseException | None:
@@ -1066,72 +603,3 @@ def _out_of_memory(error: BaseException) -> BaseException | None:
         seen.add(id(error))
         error = error.__cause__ or error.__context__
     return None
-
-
-def _write_text(path: Path, text: str) -> None:
-    write_atomically(path, lambda tmp: tmp.write_text(text))
-
-
-def _row(**kw) -> dict:
-    return {c: kw.get(c, "") for c in METRIC_COLUMNS}
-
-
-def _scalars(row: dict) -> dict[str, float]:
-    """A metrics row's values as the trackers and callbacks take them: the columns that have one, less step."""
-    return {k: float(v) for k, v in row.items() if k != "step" and v not in ("", None)}
-
-
-def _end_of_run_eval_row(row: dict[str, str]) -> bool:
-    """A metrics.csv row holding only a held-out evaluation after step 0: the end of an earlier invocation
-    (a resume drops it; the end of the resumed run evaluates again)."""
-    return not row.get("loss") and row.get("step") not in ("0", "0.0")
-
-
-# A smoothed training loss from this many steps: each step's batch is different text, and in the CPU
-# default job (20 steps) the batches' own difficulty moved the per-step loss by 2.7-3.9 while the
-# held-out loss fell 3.17 -> 3.12; a mean of 5 of those steps still rose (and the EMA, weight 0.8,
-# rose 2.54 -> 3.09): it showed the batches, not the learning
-SMOOTHED_FROM_STEPS = 50
-
-
-def _plot(metrics: Path, png: Path) -> None:
-    """loss.png: the held-out loss (the headline: the same rows before and after, so its change is the
-    run's learning), the per-step training loss, and from SMOOTHED_FROM_STEPS steps that smoothed by a
-    centred running mean over a fifth of the run. Titled with the run's directory and model (from
-    config.json beside it), integer step ticks."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-    with metrics.open() as f:
-        rows = list(csv.DictReader(f))
-    train_pts = [(int(r["step"]), float(r["loss"])) for r in rows if r["loss"]]
-    eval_pts = [(int(r["step"]), float(r["eval_loss"])) for r in rows if r["eval_loss"]]
-    fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    if train_pts:
-        steps, losses = zip(*train_pts)
-        ax.plot(steps, losses, ".-", color="tab:blue", alpha=0.3, label="train loss (each step: a different batch)")
-        half = len(losses) // 10                          # window 2 x half + 1: about a fifth of the run
-        if len(losses) >= SMOOTHED_FROM_STEPS:
-            smooth = [float(np.mean(losses[max(0, i - half):i + half + 1])) for i in range(len(losses))]
-            ax.plot(steps, smooth, color="tab:blue", label=f"train loss (mean of {2 * half + 1} steps around each)")
-    if eval_pts:
-        change = f" ({eval_pts[0][1]:.3f} -> {eval_pts[-1][1]:.3f})" if len(eval_pts) > 1 else ""
-        ax.plot(*zip(*eval_pts), "o-", color="tab:red", lw=2.5, ms=7, label=f"held-out loss{change}")
-    title = png.parent.name
-    try:
-        title += f": {json.loads((png.parent / 'config.json').read_text())['model']}"
-    except (OSError, ValueError, KeyError):
-        pass
-    ax.set_title(title)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    try:
-        # matplotlib takes the format from the name's suffix: the temporary name keeps .png
-        write_atomically(png, lambda tmp: fig.savefig(tmp, dpi=120), tmp=png.with_suffix(".tmp.png"))
-    finally:
-        plt.close(fig)

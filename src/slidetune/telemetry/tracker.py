@@ -9,7 +9,7 @@ only. telemetry/trackers.py opens the ones `--report-to` names.
 """
 from __future__ import annotations
 
-# The names the trainer logs under (train.METRIC_COLUMNS, less "step") -> the tag the dashboards
+# The names the trainer logs under (run_metrics.METRIC_COLUMNS, less "step") -> the tag the dashboards
 # (TensorBoard, W&B, MLflow) show, grouped by what they measure; metrics.csv keeps the plain names.
 DASHBOARD_TAGS = {
     "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
