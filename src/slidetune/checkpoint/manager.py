@@ -78,7 +78,7 @@ class CheckpointManager:
         self.engine, self.policy, self.hooks, self.ranks = engine, policy, hooks, ranks
         self.directory, self.output_dir, self.tokenizer = directory, output_dir, tokenizer
         self.run_record = run_record             # the run's settings, in each checkpoint's state.json
-        self.resume_from = resume_from           # verified before the engine existed (trainer._resolve_resume)
+        self.resume_from = resume_from           # verified before the engine existed (train_setup._resolve_resume)
         self.stale = list(stale or [])           # an earlier run's checkpoints, deleted by the first save
         self.saved_step: int | None = None
         self.written_step: int | None = None
