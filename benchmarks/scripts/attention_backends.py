@@ -2,8 +2,8 @@
 
 For each of SDPA's backends (flash, cuDNN, memory-efficient; torch.nn.attention.SDPBackend),
 SDPA left to choose ("default": what HF's sdpa attention, and so slidetune's layer, runs; the JSON
-names the backend it chose, torch._fused_sdp_choice) and FlexAttention, at each sequence length (the batch chosen so every shape holds about the same
-tokens), the forward and the backward (dQ, dK, dV of a kept forward) of causal attention at a
+names the backend it chose, torch._fused_sdp_choice) and FlexAttention, at each sequence length
+(the batch chosen so every shape holds about the same tokens), the forward and the backward (dQ, dK, dV of a kept forward) of causal attention at a
 model's attention shape (default Qwen3-8B / Llama-3.1-8B: 32 query heads, 8 KV heads, head_dim
 128), each the median of 5 CUDA-event-timed calls, as TFLOP/s of the causal half
 (telemetry.flops.causal_attention_flops; the backward's FLOPs 2.5x the forward's, as flash's five
@@ -28,7 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from slidetune.bench.roofline import _time_cuda
+from slidetune.bench.roofline import _time_cuda, sdpa_backend
 from slidetune.telemetry.flops import FLASH_BACKWARD_OVER_FORWARD, causal_attention_flops
 from slidetune.telemetry.machine import machine_info
 
@@ -93,15 +93,12 @@ def attention_fn(backend: str, heads: int, kv_heads: int, native_gqa: bool):
 def default_choice(heads: int, kv_heads: int, seq: int, head_dim: int, batch: int, device, dtype) -> str | None:
     """The backend SDPA picks by itself for this causal GQA call with gradients (its dispatcher's
     torch._fused_sdp_choice), as HF's sdpa attention calls it: q, k, v as views [B, H, S, dh] of
-    [B, S, H, dh] projections."""
-    choose = getattr(torch, "_fused_sdp_choice", None)
-    if choose is None or device.type != "cuda":
+    [B, S, H, dh] projections (bench.roofline.sdpa_backend, as the floor's probe records it)."""
+    if device.type != "cuda":
         return None
     q = torch.empty(batch, seq, heads, head_dim, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
     k = torch.empty(batch, seq, kv_heads, head_dim, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
-    index = choose(q, k, k, None, 0.0, True, enable_gqa=kv_heads != heads)
-    from torch.nn.attention import SDPBackend
-    return next((name for name, b in SDPBackend.__members__.items() if int(b.value) == int(index)), str(index))
+    return sdpa_backend(q, k, k, {"enable_gqa": True} if kv_heads != heads else {})
 
 
 def runnable(backend: str, heads: int, kv_heads: int, head_dim: int, device, dtype) -> tuple[bool | None, str]:

@@ -496,10 +496,10 @@ def probe_sdpa(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int,
     return {"sdpa_forward_tflops": flops / t_fwd / 1e12, "sdpa_backward_tflops": bwd / t_bwd / 1e12,
             "sdpa_tflops": (flops + bwd) / (t_fwd + t_bwd) / 1e12,
             "sdpa_shape": {"batch": batch, "heads": heads, "kv_heads": kv_heads, "seq": seq, "head_dim": head_dim},
-            "sdpa_backend": _sdpa_backend(q, k, v, gqa)}
+            "sdpa_backend": sdpa_backend(q, k, v, gqa)}
 
 
-def _sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: dict) -> str | None:
+def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: dict) -> str | None:
     """The backend SDPA's dispatcher picks for this causal call with gradients (None where this
     torch cannot say)."""
     choose = getattr(torch, "_fused_sdp_choice", None)

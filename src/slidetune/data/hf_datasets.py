@@ -148,10 +148,11 @@ def read_datasets_source(path: str, split: str | None = None, subset: str | None
     return Source(path, check_one_format(examples, path), examples)
 
 
-def in_memory_source(records: Any, columns: ColumnMap | None = None) -> Source:
-    """Records handed over in Python (`slidetune.train(cfg, train_dataset=...)`): a `datasets.Dataset`
-    or a list of record dicts, each read like a JSONL line; messages name the source and the row.
-    An `IterableDataset` is refused (its records cannot be read twice, nor keyed for the token cache)."""
+def in_memory_records(records: Any) -> tuple[str, Iterator[tuple[str, dict]]]:
+    """(the source's name, (where, record) of each row) of records handed over in Python
+    (`slidetune.train(cfg, train_dataset=...)`): a `datasets.Dataset` or a list of record dicts;
+    messages name the source and the row. An `IterableDataset` is refused (its records cannot be
+    read twice, nor keyed for the token cache)."""
     if type(records).__name__ == "IterableDataset" or not hasattr(records, "__len__"):
         raise DataError(f"train_dataset / eval_dataset: a {type(records).__name__} is read once and has no "
                         f"fingerprint; pass a datasets.Dataset (IterableDataset.take / Dataset.from_generator), "
@@ -159,9 +160,16 @@ def in_memory_source(records: Any, columns: ColumnMap | None = None) -> Source:
     fingerprint = getattr(records, "_fingerprint", None)      # a datasets.Dataset's content hash
     name = (f"<datasets.Dataset of {len(records)} rows, fingerprint {fingerprint}>" if fingerprint
             else f"<{len(records)} records given in Python>")
+    return name, ((f"{name} row {i}", dict(row) if not isinstance(row, dict) else row)
+                  for i, row in enumerate(records, start=1))
+
+
+def in_memory_source(records: Any, columns: ColumnMap | None = None) -> Source:
+    """Records handed over in Python (in_memory_records), each read like a JSONL line."""
+    name, rows = in_memory_records(records)
     examples: list[Example] = []
-    for i, row in enumerate(records, start=1):
-        examples.append(parse_record(dict(row) if not isinstance(row, dict) else row, f"{name} row {i}", columns))
+    for where, row in rows:
+        examples.append(parse_record(row, where, columns))
         if examples[-1].format != examples[0].format:
             check_one_format(examples, name)  # raises, naming both rows
     return Source(name, check_one_format(examples, name), examples)

@@ -21,7 +21,7 @@ import torch
 from .config import DataConfig
 from .errors import DataError
 from .formats import JSONL_SUFFIXES, ColumnMap, jsonl_records
-from .hf_datasets import EVAL_SPLITS, TRAIN_SPLITS, datasets_records, is_datasets_path
+from .hf_datasets import EVAL_SPLITS, TRAIN_SPLITS, datasets_records, in_memory_records, is_datasets_path
 from .preference import PreferencePair, TokenizedPair, drop_unscored, parse_pair, tokenize_pair
 from .split import plan_heldout
 
@@ -47,9 +47,9 @@ def read_pairs(path: str, split: str | None = None, subset: str | None = None, c
 
 
 def pairs_in_memory(records: Any, columns: ColumnMap | None = None) -> list[PreferencePair]:
-    """Records given in Python (a `datasets.Dataset` or a list of dicts), each read like a JSONL line."""
-    name = f"<{len(records)} records given in Python>"
-    return [parse_pair(dict(row), f"{name} row {i}", columns) for i, row in enumerate(records, start=1)]
+    """Records given in Python (hf_datasets.in_memory_records), each read like a JSONL line."""
+    _, rows = in_memory_records(records)
+    return [parse_pair(row, where, columns) for where, row in rows]
 
 
 @dataclass

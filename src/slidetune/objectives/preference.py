@@ -149,6 +149,15 @@ class PairTokens:
                           self.pairs_in_step, self.nll_tokens_in_step)
 
 
+def completion_sums(token_ce: torch.Tensor, t: PairTokens, seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each sequence's completion log-probability sum [seqs], FP32 at least; its completion tokens
+    [seqs]) from each token's CE [N] (log p = -CE): the head's first pass, and the reference pass."""
+    ce = _wide(token_ce)
+    logps = -torch.zeros(seqs, dtype=ce.dtype, device=ce.device).index_add(0, t.seq_of, ce * t.completion)
+    tokens = torch.zeros(seqs, dtype=torch.long, device=ce.device).index_add(0, t.seq_of, t.completion.long())
+    return logps, tokens
+
+
 def head_scales(cfg: PreferenceConfig, token_ce: torch.Tensor, t: PairTokens
                 ) -> tuple[PairLoss, torch.Tensor, torch.Tensor, torch.Tensor]:
     """From the head's first pass (each token's CE [N], 0 where ignored) to its second: (the
@@ -157,9 +166,7 @@ def head_scales(cfg: PreferenceConfig, token_ce: torch.Tensor, t: PairTokens
     [2P]). The factor of a completion token is minus its sequence's coefficient (log p = -CE), plus
     the NLL weight over the step's NLL tokens where it is one."""
     seqs = t.seq_of.max().item() + 1 if t.seq_of.numel() else 0
-    ce = _wide(token_ce)
-    logps = -torch.zeros(seqs, dtype=ce.dtype, device=ce.device).index_add(0, t.seq_of, ce * t.completion)
-    tokens = torch.zeros(seqs, dtype=torch.long, device=ce.device).index_add(0, t.seq_of, t.completion.long())
+    logps, tokens = completion_sums(token_ce, t, seqs)
     out, coef = coefficients(cfg, logps, tokens, t.ref_logps)
     share = (seqs // 2) / t.pairs_in_step              # this micro-batch's share of the step's mean
     scale = -coef[t.seq_of] * share * t.completion

@@ -21,7 +21,7 @@ import torch
 
 from ..atomic_write import write_atomically
 from ..data.preference import TokenizedPair, collate_pairs, pair_micro_batches
-from .preference import PreferenceConfig
+from .preference import PreferenceConfig, completion_sums
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +37,7 @@ def reference_logps(engine, pairs: list[TokenizedPair], cfg: PreferenceConfig, p
         part = pairs[start:start + batch_pairs]
         (batch,) = pair_micro_batches(collate_pairs(part, pad_id, max_length), cfg)
         rows = engine.token_losses(batch).float().cpu()                                  # [2B * S]
-        p = batch.pairs
-        sums = -torch.zeros(2 * len(part), dtype=torch.float32).index_add(0, p.seq_of, rows * p.completion)
+        sums, _ = completion_sums(rows, batch.pairs, 2 * len(part))                      # [2B]
         out[start:start + len(part)] = torch.stack(sums.chunk(2), dim=1)                 # [B, 2]
     return out
 
