@@ -98,3 +98,17 @@ def test_warmup_ratio_is_a_share_of_the_run():
     assert math.isclose(lr_at(TrainConfig(warmup_ratio=0.0, optim={"lr": 1.0}), 0, 10), 1.0)
     with pytest.raises(ValueError, match="warmup_ratio"):
         TrainConfig(warmup_ratio=1.5)
+
+
+def test_a_trl_dpo_recipes_names_are_slidetunes(tmp_path, capsys):
+    """DPOConfig's loss_type is the objective; beta and the others are slidetune's own names."""
+    recipe = tmp_path / "dpo.yaml"
+    recipe.write_text("loss_type: ipo\nbeta: 0.25\nprecompute_ref_log_probs: true\nper_device_train_batch_size: 4\n"
+                      "max_length: 512\n")
+    cfg = config_from_args(build_parser().parse_args(["train", "--config", str(recipe)]))
+    assert (cfg.objective, cfg.beta, cfg.batch_size, cfg.data.seq_len) == ("ipo", 0.25, 4, 512)
+    err = capsys.readouterr().err
+    assert "loss_type 'ipo' is slidetune's objective 'ipo'" in err and "precompute_ref_log_probs has no effect" in err
+    recipe.write_text("loss_type: hinge\n")
+    with pytest.raises(ValueError, match="loss_type 'hinge' has no slidetune equivalent; one of 'sigmoid'"):
+        config_from_args(build_parser().parse_args(["train", "--config", str(recipe)]))

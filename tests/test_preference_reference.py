@@ -53,9 +53,12 @@ def test_the_cache_answers_a_second_run_and_only_for_the_same_inputs(tmp_path, c
     fp = loaded.source.fingerprint()
     kw = dict(cfg=CFG, pad_id=0, max_length=None, batch_pairs=2, cache_dir=tmp_path, dtype="fp32")
     try:
-        first = cached_reference_logps(engine, pairs, model_fingerprint=fp, **kw)
+        computed = cached_reference_logps(engine, pairs, model_fingerprint=fp, **kw)
+        first = computed.logps
         (file,) = tmp_path.glob("reference-logps-*.safetensors")
-        assert torch.equal(cached_reference_logps(_Refusing(), pairs, model_fingerprint=fp, **kw), first)
+        assert not computed.read and computed.file == file
+        hit = cached_reference_logps(_Refusing(), pairs, model_fingerprint=fp, **kw)
+        assert hit.read and hit.file == file and torch.equal(hit.logps, first)
         # other weights, other pairs, another cut: computed again, each its own file
         cached_reference_logps(engine, pairs, model_fingerprint=fp + "x", **kw)
         cached_reference_logps(engine, pairs[:3], model_fingerprint=fp, **kw)
@@ -69,8 +72,8 @@ def test_the_cache_answers_a_second_run_and_only_for_the_same_inputs(tmp_path, c
         file.write_bytes(bytes(data))
         again = cached_reference_logps(engine, pairs, model_fingerprint=fp, **kw)
         assert "computing the reference log-probabilities again" in caplog.text
-        assert torch.equal(again, first)
-        assert torch.equal(cached_reference_logps(_Refusing(), pairs, model_fingerprint=fp, **kw), first)
+        assert not again.read and torch.equal(again.logps, first)
+        assert torch.equal(cached_reference_logps(_Refusing(), pairs, model_fingerprint=fp, **kw).logps, first)
     finally:
         engine.close()
 

@@ -111,10 +111,10 @@ def _plan_estimator(cfg, split, ranks: int = 1):
         without disk units, which a GPU holding more layers may leave no room for)."""
         if "device_layers" in changes:
             changes.setdefault("disk_units", 0)
-        return estimate_memory(split, dataclasses.replace(cfg.runtime, **changes), batch_size=cfg.batch_size,
+        # as train: packed rows and preference pairs carry no padding mask; a pair is two rows
+        return estimate_memory(split, dataclasses.replace(cfg.runtime, **changes), batch_size=cfg.rows_per_micro_batch,
                                seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm,
-                               padded=not cfg.data.packed,     # as train: packed rows carry no padding
-                               ranks_per_host=ranks)
+                               padded=cfg.padded_rows, ranks_per_host=ranks)
     return estimate
 
 
@@ -185,7 +185,7 @@ def _plan_terms(cfg, plan) -> None:
           + (", disk" if plan.indices("disk") else "") + "; about a minute) ...", flush=True)
     import torch
     on_gpu = rt.device != "cpu" and torch.cuda.is_available()
-    fl = measure_floor(cfg.model, cfg.batch_size, cfg.data.seq_len, cfg.num_layers, rt.device,
+    fl = measure_floor(cfg.model, cfg.rows_per_micro_batch, cfg.data.seq_len, cfg.num_layers, rt.device,
                        adamw_n=128 * 2**20 if on_gpu else 16 * 2**20,     # the CPU machine's probe: small and quick
                        compile_layers=rt.compile_layers != "off", grad_download=rt.transfer.grad_download,
                        host_adamw=rt.host.host_adamw, disk_dir=rt.disk_dir if plan.indices("disk") else None,
@@ -222,9 +222,22 @@ def _plan_terms(cfg, plan) -> None:
         print(f"   (disk probe: read {disk['read_gib_s']:.2f}, write {disk['write_gib_s']:.2f}, "
               f"both at once {disk['mixed_gib_s']:.2f} GiB/s, {'O_DIRECT' if disk['direct_io'] else 'buffered'})")
     bound = max(terms, key=terms.get)
-    tokens = cfg.batch_size * cfg.data.seq_len
+    tokens = cfg.rows_per_micro_batch * cfg.grad_accum * cfg.data.seq_len
     print(f"floor {terms[bound]:.3f} s a step (bound by {bound}): at best {tokens / terms[bound]:,.0f} tokens/s"
           + (" (host terms only: no GPU here)" if fl.get("partial") else ""))
+    preference = cfg.preference()
+    if preference is not None and preference.needs_reference and not fl.get("partial"):
+        _print_reference_terms(cfg, fl, plan)
+
+
+def _print_reference_terms(cfg, fl: dict, plan) -> None:
+    """The reference pass's floor (bench/reference_floor.py): a batch's terms and the pass over N pairs."""
+    from .bench.reference_floor import reference_pass_terms
+    ref = reference_pass_terms(fl["compute"], fl["copy"], plan)
+    batch_s = max(ref.values())
+    print(f"reference pass ({cfg.objective}, once before step 1, cached): a forward over each batch of "
+          f"{cfg.batch_size} pairs: compute {ref['compute_s']:.3f} s, PCIe H2D {ref['h2d_s']:.3f} s; at best "
+          f"{batch_s:.3f} s a batch, {batch_s / cfg.batch_size * 1000:.1f} s per 1,000 pairs")
 
 
 def _plan_resolved(ns, cfg, split):
@@ -255,8 +268,8 @@ def _plan_resolved(ns, cfg, split):
         here = free if free is not None else query_gpu_free_bytes(rt) if torch.cuda.is_available() else limit
         free = min(here, limit)
     host = int(ns.host_gib * gib) if ns.host_gib is not None else query_host_available_bytes()
-    kw = dict(batch_size=cfg.batch_size, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
-              max_grad_norm=cfg.max_grad_norm, padded=not cfg.data.packed)
+    kw = dict(batch_size=cfg.rows_per_micro_batch, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
+              max_grad_norm=cfg.max_grad_norm, padded=cfg.padded_rows)
     ranks = max(1, ns.gpus)
     resolved = choose_auto_settings(split, rt, gpu_free_bytes=free, host_available_bytes=host, ranks_per_host=ranks,
                                     **kw)
@@ -321,6 +334,11 @@ def _plan_limits(cfg, split, budget) -> None:
     """The largest batch at the run's sequence and the longest sequence at batch 1 that fit the machine
     planned for, with and without clipping (engine.limits: each size resolved and checked as above)."""
     from .engine.limits import find_limits, limit_words
+    if cfg.objective != "sft":
+        # the limits search sizes in sequences at batch 1; a pair is two sequences that stay together
+        print(f"limits: not searched for --objective {cfg.objective} (a pair is two sequences; the verdict above "
+              f"is for {cfg.batch_size} pairs = {cfg.rows_per_micro_batch} sequences a micro-batch)")
+        return
     limits = find_limits(split, cfg.runtime, budget, seq_len=cfg.data.seq_len, batch_size=cfg.batch_size,
                          grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm, padded=not cfg.data.packed)
     if not limits.recipes:

@@ -40,6 +40,7 @@ from .data.mixture import mixture_spec
 from .engine.adamw import FP32_ADAMW, AdamWConfig
 from .engine.config import SECTIONS, TUNING_SECTION, RuntimeConfig, literal_choices, runtime_fields, tuning_docs
 from .fields import FLAG_NAMES, FieldTypeError, base_type, check_fields
+from .objectives.preference import PreferenceConfig
 from .telemetry.trackers import parse_report_to
 
 
@@ -96,6 +97,34 @@ class TrainConfig:
     skip_reference_check: bool = False   # do not verify the split against transformers on a tiny copy of the model (about a second); recorded here when skipped
     gpu_memory_limit: float | None = None  # GiB of GPU memory this run may use (a budget below the card's; None: all of it)
     progress: bool = True                # tqdm progress bar
+    # the loss: sft (cross-entropy on the data's target tokens), or a preference objective on pairs of
+    # completions (docs/preference.md; objectives/preference.py): dpo and ipo (TRL's DPOTrainer, loss_type
+    # sigmoid / ipo, against the reference log-probabilities computed once before step 1), simpo (CPOTrainer,
+    # loss_type simpo) and orpo (ORPOTrainer), reference-free. With a preference objective --batch-size
+    # counts pairs, each two sequences of up to --seq-len tokens
+    objective: Literal["sft", "dpo", "ipo", "simpo", "orpo"] = "sft"
+    beta: float = 0.1                    # TRL's beta: DPO's and IPO's temperature, SimPO's reward scale, ORPO's lambda
+    label_smoothing: float = 0.0         # CPOConfig.label_smoothing: SimPO's conservative loss (0: off)
+    simpo_gamma: float = 0.5             # CPOConfig.simpo_gamma: SimPO's target reward margin
+    cpo_alpha: float = 1.0               # CPOConfig.cpo_alpha: the weight of the chosen completions' NLL in SimPO (0: the paper's SimPO)
+
+    def preference(self) -> PreferenceConfig | None:
+        """The preference objective's settings (objectives/preference.py), None for sft."""
+        if self.objective == "sft":
+            return None
+        return PreferenceConfig(self.objective, beta=self.beta, label_smoothing=self.label_smoothing,
+                                simpo_gamma=self.simpo_gamma, cpo_alpha=self.cpo_alpha)
+
+    @property
+    def rows_per_micro_batch(self) -> int:
+        """Sequences a micro-batch holds: --batch-size, or two a pair for a preference objective."""
+        return self.batch_size * (1 if self.objective == "sft" else 2)
+
+    @property
+    def padded_rows(self) -> bool:
+        """Whether rows may carry [B, 1, S, S] padding masks: unpacked SFT rows. Packed rows are full
+        or padded on the right without a mask, and so are a preference objective's pairs."""
+        return not self.data.packed and self.objective == "sft"
 
     def warmup_for(self, total_steps: int) -> int:
         """The warmup steps of a run of `total_steps`: warmup_ratio's share of them where given."""
@@ -153,6 +182,10 @@ _RULES = {
     "seed": (lambda v: 0 <= v < 2**32, "in 0 .. 2**32 - 1"),
     "gpu_memory_limit": (lambda v: math.isfinite(v) and v > 0, "> 0 GiB and finite (or None: the whole GPU)"),
     "max_grad_norm": (lambda v: not math.isnan(v), "a number (0 or None: no clipping)"),
+    "beta": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
+    "label_smoothing": (lambda v: 0.0 <= v < 0.5, "in [0, 0.5)"),
+    "simpo_gamma": (lambda v: math.isfinite(v), "a finite number"),
+    "cpo_alpha": (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
     # "" wrote final/, checkpoints/ and metrics.csv into the working directory, unasked
     "output_dir": _non_blank('a directory\'s path (".": the working directory)'),
 }
@@ -278,7 +311,9 @@ FLAG_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
                                   "data.cache_dir", "data.token_dtype", "data.seq_len", "data.packing",
                                   "data.packing_strategy", "data.chat_template", "data.mask_prompt",
                                   "data.heldout_fraction", "data.seed", "seed")),
-    "batch": ("sequences per step, and how many steps", ("batch_size", "grad_accum", "max_steps", "epochs")),
+    "objective": ("the loss: supervised, or a preference objective on pairs of completions",
+                  ("objective", "beta", "label_smoothing", "simpo_gamma", "cpo_alpha")),
+    "batch": ("sequences (pairs, for a preference objective) per step, and how many steps", ("batch_size", "grad_accum", "max_steps", "epochs")),
     "optimizer": ("AdamW and its learning-rate schedule", ("optim.lr", "optim.beta1", "optim.beta2", "optim.eps",
                                                            "optim.weight_decay", "lr_schedule", "warmup_steps",
                                                            "warmup_ratio",

@@ -50,6 +50,9 @@ RENAMED: dict[str, Renamed] = {
     "completion_only_loss": Renamed("data.mask_prompt"),
     "assistant_only_loss": Renamed("data.mask_prompt"),
     "bf16": Renamed("runtime.dtype", {True: "bf16", False: "fp32"}),
+    # DPOConfig's and CPOConfig's loss_type: the objective (ORPOTrainer has none; --objective orpo)
+    "loss_type": Renamed("objective", {"sigmoid": "dpo", "ipo": "ipo", "simpo": "simpo"},
+                         {"sigmoid": "DPO's sigmoid loss, slidetune's --objective dpo"}),
 }
 
 _RECOMPUTED = "slidetune recomputes every layer in the backward already"
@@ -81,6 +84,7 @@ IGNORED: dict[str, str] = {
     "use_liger_kernel": "--tuning.lean_kernels liger sets it",
     "dataset_num_proc": "tokenized data is cached",
     "ddp_find_unused_parameters": "data parallel is slidetune's own (--gpus)",
+    "precompute_ref_log_probs": "the reference's log-probabilities are always computed once before step 1, and cached",
 }
 
 _FULL = "slidetune fine-tunes every parameter, not LoRA adapters"

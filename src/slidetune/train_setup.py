@@ -26,6 +26,7 @@ from .config import TrainConfig, config_to_dict, group_tuning
 from .data import BatchSampler, TokenDataset, build_datasets, default_pad_id
 from .data.build import load_source
 from .data.errors import DataError
+from .data.pair_source import PairRecords, PairSampler, read_pair_records, tokenize_pair_records
 from .data.token_arrays import is_token_source
 from .device import Device, resolve_dtype
 from .engine import RuntimeConfig
@@ -90,6 +91,8 @@ def _refuse_under_data_parallel(cfg: TrainConfig, ranks: Ranks) -> None:
         bad.append(f"--mode {rt.mode} (data parallel runs in slide mode only)")
     if rt.disk.disk_master not in ("off", "auto"):
         bad.append("--tuning.disk_master (the masters of disk units on disk; use off or auto)")
+    if cfg.objective != "sft":
+        bad.append(f"--objective {cfg.objective} (a preference objective trains on one GPU for now)")
     if bad:
         raise TrainingError(f"{ranks.world_size} ranks (data parallel) do not support yet: " + "; ".join(bad)
                             + ". Drop these settings, or run on one rank")
@@ -105,17 +108,20 @@ def print_config(cfg: TrainConfig, device: Device, dtype_why: str, verbose: bool
         print("resolved config:\n" + json.dumps(config_to_dict(cfg), indent=2), flush=True)
     steps = (f"{cfg.epochs:g} epochs" if cfg.epochs is not None
              else f"{cfg.resolved_max_steps(device.is_cuda)} steps")
+    rows = (f"{cfg.batch_size} pairs (2 x {cfg.batch_size} sequences) of up to {cfg.data.seq_len} tokens"
+            if cfg.objective != "sft" else f"{cfg.batch_size} x {cfg.data.seq_len} tokens")
+    objective = "" if cfg.objective == "sft" else f", objective {cfg.objective} (beta {cfg.beta:g})"
     data = cfg.data.path or ("the dataset given in Python" if given else "the built-in corpus")
     clip = f"gradient clipping at {cfg.max_grad_norm:g}" if cfg.max_grad_norm else "no gradient clipping"
     evals = "held-out loss before and after" + (f", every {cfg.eval_every} steps" if cfg.eval_every else "")
     print(f"slidetune train: {cfg.model} on {data}, {cfg.runtime.mode} mode on {device.device}, {cfg.runtime.dtype} "
           f"({dtype_why})\n"
-          f"  {steps} of {cfg.batch_size} x {cfg.data.seq_len} tokens"
+          f"  {steps} of {rows}"
           + (f" x {cfg.grad_accum} micro-batches" if cfg.grad_accum > 1 else "")
           + f", AdamW lr {cfg.optim.lr:g} ({cfg.lr_schedule}, "
           + (f"{cfg.warmup_steps} warmup steps" if cfg.warmup_ratio is None else
              f"warmup over {cfg.warmup_ratio:g} of the steps")
-          + f"), {clip}; {evals}\n"
+          + f"){objective}, {clip}; {evals}\n"
           f"  output: {cfg.output_dir}/ (every setting in config.json" + ("" if verbose else ", --verbose prints them")
           + ")", flush=True)
 
@@ -123,8 +129,9 @@ def print_config(cfg: TrainConfig, device: Device, dtype_why: str, verbose: bool
 @dataclass
 class RunInputs:
     """What train reads and decides between the fit check and the engine: the data, the steps, the
-    output directory's state, the eval prompts (prepare_run's before_build)."""
-    sampler: BatchSampler
+    output directory's state, the eval prompts (prepare_run's before_build). A supervised run's
+    data is `sampler` and `heldout`; a preference objective's is `pairs` (and those are None)."""
+    sampler: BatchSampler | None
     heldout: TokenDataset | None
     pad_id: int
     total_steps: int
@@ -134,6 +141,7 @@ class RunInputs:
     resume_from: Path | None
     stale: list[Path]
     eval_prompts: list[EvalPrompt] = field(default_factory=list)   # sampled at each evaluation (eval_samples.py)
+    pairs: PairSampler | None = None     # a preference objective's pairs (data/pair_source.py)
 
 
 def prepare_training(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, verbose: bool = False,
@@ -148,7 +156,10 @@ def prepare_training(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, 
     # the data first, read and parsed (a missing file, a malformed line: refused in seconds), then
     # the model, then the reference check on it; a pre-tokenized corpus is opened once the
     # tokenizer's EOS is known (build_datasets below)
-    source = None if is_token_source(cfg.data.path) else ranks.on_each(lambda: load_source(cfg.data, *given))
+    # a preference objective's records (pairs), parsed now and tokenized once the tokenizer is loaded
+    pair_records = ranks.on_each(lambda: read_pair_records(cfg.data, *given)) if cfg.objective != "sft" else None
+    source = None if is_token_source(cfg.data.path) or pair_records is not None else \
+        ranks.on_each(lambda: load_source(cfg.data, *given))
     # what the auto settings chose: the GPU's placement (on the CPU only with --verbose: no GPU there)
     say = print if device.is_cuda or verbose else _silent
     inputs: list[RunInputs] = []
@@ -156,7 +167,7 @@ def prepare_training(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, 
     def before_build(prepared: PreparedRun) -> RuntimeConfig:
         # the eval prompts read (a bad file refused) before the engine allocates anything
         prompts = ranks.on_each(lambda: _eval_prompts(cfg, source, prepared.loaded))
-        run_inputs, runtime = _prepare_inputs(cfg, prepared, source, ranks, device, out, say)
+        run_inputs, runtime = _prepare_inputs(cfg, prepared, source, pair_records, ranks, device, out, say)
         run_inputs.eval_prompts = prompts
         inputs.append(run_inputs)
         return runtime
@@ -178,11 +189,14 @@ def _eval_prompts(cfg: TrainConfig, source, loaded: LoadedModel) -> list[EvalPro
 def _run_request(cfg: TrainConfig) -> RunRequest:
     """The run prepare_run sets up for `cfg`: packed rows are full windows, so no batch carries
     padding (no [B,1,S,S] padding masks; masked packing builds its document mask as a
-    FlexAttention BlockMask on CUDA)."""
-    return RunRequest(model=cfg.model, runtime=cfg.runtime, optim=cfg.optim, batch_size=cfg.batch_size,
+    FlexAttention BlockMask on CUDA); nor do a preference objective's pairs (padded on the right)."""
+    # a preference objective's micro-batch is --batch-size pairs: twice as many rows, right-padded
+    # without a mask (data/preference.pair_micro_batches)
+    return RunRequest(model=cfg.model, runtime=cfg.runtime, optim=cfg.optim, batch_size=cfg.rows_per_micro_batch,
                       seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum, max_grad_norm=cfg.max_grad_norm,
-                      padded=not cfg.data.packed, num_layers=cfg.num_layers, seed=cfg.seed,
-                      gpu_memory_limit_gib=cfg.gpu_memory_limit, check_memory=cfg.check_memory, announce=True)
+                      padded=cfg.padded_rows, num_layers=cfg.num_layers, seed=cfg.seed,
+                      gpu_memory_limit_gib=cfg.gpu_memory_limit, check_memory=cfg.check_memory, announce=True,
+                      objective=cfg.preference())
 
 
 def _check_model(cfg: TrainConfig, loaded: LoadedModel) -> None:
@@ -210,12 +224,26 @@ def _say_autos(cfg: TrainConfig, prepared: PreparedRun, gpu_lines: bool, say) ->
         say("placement:\n" + "\n".join(prepared.plan.summary_lines()))
 
 
-def _prepare_inputs(cfg: TrainConfig, prepared: PreparedRun, source, ranks: Ranks, device: Device, out: Path,
-                    say) -> tuple[RunInputs, RuntimeConfig]:
-    """After the fit check, before the engine allocates anything: the data tokenized, the steps
-    counted, the layers to compile chosen, the output directory prepared. Returns those and the
-    runtime with compile_layers resolved."""
-    loaded, runtime = prepared.loaded, prepared.runtime
+@dataclass
+class _TrainingData:
+    sampler: BatchSampler | None
+    heldout: TokenDataset | None
+    pairs: PairSampler | None
+    pad_id: int
+    micro_batches_per_epoch: int
+    rows: int                       # sequences a micro-batch
+
+
+def _training_data(cfg: TrainConfig, loaded: LoadedModel, source, pair_records: PairRecords | None,
+                   ranks: Ranks) -> _TrainingData:
+    """The data tokenized: a supervised run's rows and sampler, or a preference objective's pairs."""
+    # without a tokenizer (pre-tokenized rows, full windows) any id pads: padding is never
+    # attended to nor trained on
+    pad_id = default_pad_id(loaded.tokenizer) if loaded.tokenizer is not None else 0
+    if pair_records is not None:
+        data = ranks.on_each(lambda: tokenize_pair_records(pair_records, cfg.data, loaded.tokenizer))
+        pairs = PairSampler(data, cfg.preference(), cfg.batch_size, cfg.grad_accum, cfg.seed, pad_id)
+        return _TrainingData(None, None, pairs, pad_id, len(pairs), 2 * cfg.batch_size)
     # the sampler draws global batches (--batch-size rows per rank) from (seed, step); each rank
     # takes its rows of each (Trainer.micro_batch): N ranks train on one rank's data at N x the batch
     global_batch = cfg.batch_size * ranks.world_size
@@ -225,15 +253,22 @@ def _prepare_inputs(cfg: TrainConfig, prepared: PreparedRun, source, ranks: Rank
                                                              source=source))
     if train_ds.document_mask:
         use_packed_attention(loaded.split.model)   # packing "masked": attention per document
-    # without a tokenizer (pre-tokenized rows, full windows) any id pads: padding is never
-    # attended to nor trained on
-    pad_id = default_pad_id(loaded.tokenizer) if loaded.tokenizer is not None else 0
     sampler = BatchSampler(train_ds, global_batch, cfg.seed, pad_id)
+    return _TrainingData(sampler, heldout, None, pad_id, len(sampler), cfg.batch_size)
+
+
+def _prepare_inputs(cfg: TrainConfig, prepared: PreparedRun, source, pair_records: PairRecords | None, ranks: Ranks,
+                    device: Device, out: Path, say) -> tuple[RunInputs, RuntimeConfig]:
+    """After the fit check, before the engine allocates anything: the data tokenized, the steps
+    counted, the layers to compile chosen, the output directory prepared. Returns those and the
+    runtime with compile_layers resolved."""
+    loaded, runtime = prepared.loaded, prepared.runtime
+    data = _training_data(cfg, loaded, source, pair_records, ranks)
     total_steps = cfg.resolved_max_steps(device.is_cuda)
     if cfg.epochs is not None:
-        total_steps = max(1, int(cfg.epochs * len(sampler) / cfg.grad_accum))
+        total_steps = max(1, int(cfg.epochs * data.micro_batches_per_epoch / cfg.grad_accum))
     compiled = choose_compile_layers(runtime, loaded.split, is_cuda=device.is_cuda, steps=total_steps,
-                                     tokens_per_step=cfg.batch_size * cfg.grad_accum * cfg.data.seq_len,
+                                     tokens_per_step=data.rows * cfg.grad_accum * cfg.data.seq_len,
                                      seq_len=cfg.data.seq_len)
     runtime = resolve_compile_layers(runtime, compiled)
     if cfg.runtime.mode == "slide":
@@ -245,8 +280,8 @@ def _prepare_inputs(cfg: TrainConfig, prepared: PreparedRun, source, ranks: Rank
     saves, resume_from, stale = ranks.on_main(lambda: _prepare_output(cfg, loaded, prepared.plan, runtime, out,
                                                                       ckpt_dir, save_dtype, total_steps,
                                                                       ranks.world_size))
-    return RunInputs(sampler, heldout, pad_id, total_steps, ckpt_dir, save_dtype, saves, resume_from,
-                      stale), runtime
+    return RunInputs(data.sampler, data.heldout, data.pad_id, total_steps, ckpt_dir, save_dtype, saves, resume_from,
+                     stale, pairs=data.pairs), runtime
 
 
 def _prepare_output(cfg: TrainConfig, loaded: LoadedModel, plan: PlacementPlan | None, runtime, out: Path,

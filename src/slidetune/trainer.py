@@ -39,14 +39,17 @@ from .config import TrainConfig
 from .data import IGNORE_INDEX, collate
 from .data.build import BUILTIN_NAME
 from .data.chat_template import load_chat_template
+from .data.token_cache import cache_root
 from .device import Device
 from .engine import StepResult
 from .eval_samples import decode_completion, encode_prompt, greedy_completions, write_samples
 from .faults import maybe_fail
 from .models.load import LoadedModel
+from .objectives.evaluation import evaluate_pairs, heldout_pairs
+from .objectives.reference import cached_reference_logps
 from .ranks import Ranks
 from .telemetry.flops import train_flops_per_token
-from .telemetry.run_metrics import RunMetrics, _row, _scalars, host_rss_meter
+from .telemetry.run_metrics import RunMetrics, _scalars, host_rss_meter, metric_columns
 from .telemetry.trackers import TrackerUnavailable, resolve_report_to
 from .train_setup import (Reporting, RunInputs, TrainingError, check_callbacks, checkpoint_root, prepare_training,
                           print_config, resolve_config_dtype, run_record, write_text)
@@ -137,6 +140,15 @@ class TrainSummary:
     async_saves: int = 0
     save_s: float = 0.0
     save_blocked_s: float = 0.0
+    # a preference objective (objectives/): its name, its pairs, the reference pass (seconds; read from
+    # the cache rather than computed), and every held-out metric before and after (TRL's names)
+    objective: str = "sft"
+    train_pairs: int = 0
+    heldout_pairs: int = 0
+    reference_s: float | None = None
+    reference_cached: bool | None = None
+    eval_before: dict | None = None
+    eval_after: dict | None = None
 
 
 def evaluate(engine, heldout, batch_size: int, pad_id: int, max_batches: int,
@@ -248,6 +260,11 @@ class Trainer:
         # data parallel: every rank runs this loop in step; rank 0 alone writes files
         self.ranks = ranks or Ranks.single()
         self.sampler, self.heldout, self.pad_id = run.sampler, run.heldout, run.pad_id
+        # a preference objective's pairs (data/pair_source.py), its settings, the held-out pairs' reference
+        self.pairs, self.objective = run.pairs, cfg.preference()
+        self.heldout_reference: torch.Tensor | None = None
+        self.reference_s: float | None = None
+        self.reference_cached: bool | None = None
         self.eval_prompts = list(run.eval_prompts)   # sampled greedily at each evaluation (eval_samples.py)
         self.total_steps, self.out, self.t_start = run.total_steps, out, t_start
         self.stop_flag = stop or _StopFlag()
@@ -255,11 +272,11 @@ class Trainer:
         reporting = reporting or Reporting(["csv"], [])
         self.callbacks = reporting.callbacks
         # the metrics rows, the trackers (opened once the step to start from is known), the bar, loss.png
-        self.metrics = RunMetrics(out, reporting.trackers, self.ranks)
+        self.metrics = RunMetrics(out, reporting.trackers, self.ranks, metric_columns(cfg.objective))
         self.flops_tok = train_flops_per_token(loaded.split, cfg.data.seq_len)
         self.host_rss = host_rss_meter(self.ranks, engine)
-        self.before: tuple[float, float] | None = None
-        self.after: tuple[float, float] | None = None
+        self.before: dict[str, float] | None = None      # the held-out metrics before step 1 (eval_loss, ...)
+        self.after: dict[str, float] | None = None
         self.first_loss: float | None = None
         self.last_loss: float | None = None
         self.tok_rates: list[float] = []
@@ -288,6 +305,7 @@ class Trainer:
     # ------------------------------------------------------------------ the driver
     def run(self) -> TrainSummary:
         """Resume (if asked), evaluate, train to the end or a stop, export, write the summary."""
+        self.prepare_reference()          # with the initial weights: before a resume loads its own
         self.start_step = self.checkpoints.resume()
         self.metrics.open_trackers(self.start_step, run_record(self.cfg, self.ranks.world_size))
         try:
@@ -328,9 +346,8 @@ class Trainer:
                 cfg = self.cfg
                 self.checkpoints.export(self.out / "final", run_export(
                     cfg.model, self.loaded.source_dir, load_chat_template(cfg.data.chat_template),
-                    [f"{self.sampler.dataset.source}: {len(self.sampler.dataset)} training sequences of "
-                     f"{cfg.data.seq_len} tokens, {len(self.heldout) if self.heldout is not None else 0} held out"],
-                    run_record(cfg, self.ranks.world_size), self.total_steps, self.before, self.after))
+                    [self.data_line()], run_record(cfg, self.ranks.world_size), self.total_steps,
+                    _loss_ppl(self.before), _loss_ppl(self.after)))
         except Exception as e:
             oom = _out_of_memory(e)
             if oom is None:
@@ -354,8 +371,9 @@ class Trainer:
             row = self.finish_step(issued)
             if evaluating:
                 self.where = f"the held-out evaluation after step {done}"
-                row["eval_loss"], row["eval_ppl"] = self.evaluate()
-                self.notify("on_eval", done, {"eval_loss": row["eval_loss"], "eval_ppl": row["eval_ppl"]})
+                held = self.evaluate()
+                row.update(held)
+                self.notify("on_eval", done, held)
                 self.sample_prompts(done)
         else:
             self.pending = issued
@@ -373,7 +391,10 @@ class Trainer:
         """One optimizer step: its micro-batches and learning rate to the engine (the norm may still run)."""
         self.where = f"step {step + 1}"               # what a GPU out-of-memory interrupted
         maybe_fail("data", step + 1)                 # tests only (faults.py)
-        mbs = [self.micro_batch(step * self.cfg.grad_accum + j) for j in range(self.cfg.grad_accum)]
+        if self.pairs is not None:           # whole pairs, the step's normalization in each micro-batch
+            mbs = self.pairs.step_batches(step)
+        else:
+            mbs = [self.micro_batch(step * self.cfg.grad_accum + j) for j in range(self.cfg.grad_accum)]
         lr = lr_at(self.cfg, step, self.total_steps)
         res = self.engine.train_step(mbs, lr)
         now = time.perf_counter()
@@ -403,11 +424,11 @@ class Trainer:
             self.tok_rates.append(tps)
         self.first_loss = res.loss if self.first_loss is None else self.first_loss
         self.last_loss = res.loss
-        row = _row(step=s.step + 1, loss=res.loss, lr=s.lr, grad_norm=grad_norm, tokens_per_s=tps,
-                   tflops=tps * self.flops_tok / 1e12, step_s=s.dt,
-                   gpu_peak_alloc_gib=self.device.max_memory_allocated() / 2**30,
-                   gpu_peak_reserved_gib=self.device.max_memory_reserved() / 2**30,
-                   cpu_rss_gib=self.host_rss.bytes() / 2**30)
+        row = self.metrics.row(dict(step=s.step + 1, loss=res.loss, lr=s.lr, grad_norm=grad_norm, tokens_per_s=tps,
+                                    tflops=tps * self.flops_tok / 1e12, step_s=s.dt,
+                                    gpu_peak_alloc_gib=self.device.max_memory_allocated() / 2**30,
+                                    gpu_peak_reserved_gib=self.device.max_memory_reserved() / 2**30,
+                                    cpu_rss_gib=self.host_rss.bytes() / 2**30, **res.metrics))
         self.metrics.add_step(row, self.total_steps, self.device.is_cuda, self.cfg.log_every)
         self.notify("on_step", s.step + 1, _scalars(row))
         return row
@@ -485,32 +506,81 @@ class Trainer:
     def eval_due(self, done: int) -> bool:
         """A periodic held-out evaluation after step `done` (the last one has its own)."""
         return bool(self.cfg.eval_every and done % self.cfg.eval_every == 0 and done < self.total_steps
-                    and len(self.heldout))
+                    and self.has_heldout())
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self) -> tuple[float, float]:
-        """Held-out (loss, perplexity) of the current weights."""
-        return evaluate(self.engine, self.heldout, self.cfg.batch_size, self.pad_id, self.cfg.eval_batches, self.ranks)
+    def has_heldout(self) -> bool:
+        if self.pairs is not None:
+            return len(self.pairs.data.heldout) > 0
+        return self.heldout is not None and len(self.heldout) > 0
+
+    def evaluate(self) -> dict[str, float]:
+        """The held-out metrics of the current weights: eval_loss and eval_ppl, or a preference
+        objective's loss and TRL's eval_rewards/... (objectives/evaluation.py)."""
+        cfg = self.cfg
+        if self.pairs is not None:
+            return evaluate_pairs(self.engine, heldout_pairs(self.pairs.data.heldout, cfg.batch_size, cfg.eval_batches),
+                                  self.heldout_reference, self.objective, self.pad_id, self.pairs.data.max_length,
+                                  cfg.batch_size)
+        loss, ppl = evaluate(self.engine, self.heldout, cfg.batch_size, self.pad_id, cfg.eval_batches, self.ranks)
+        return {"eval_loss": loss, "eval_ppl": ppl}
+
+    def describe_eval(self, held: dict[str, float]) -> str:
+        if self.pairs is None:
+            return f"loss {held['eval_loss']:.4f}  perplexity {held['eval_ppl']:.2f}"
+        return (f"{self.cfg.objective} loss {held['eval_loss']:.4f}  reward accuracy "
+                f"{held['eval_rewards/accuracies']:.3f}  reward margin {held['eval_rewards/margins']:.4f}")
 
     def evaluate_before(self) -> None:
         """The held-out evaluation before step 1 (a fresh start only), as metrics row 0."""
-        if self.start_step == 0 and self.heldout is not None and len(self.heldout) > 0:
+        if self.start_step == 0 and self.has_heldout():
             self.before = self.evaluate()
-            print(f"held-out before training: loss {self.before[0]:.4f}  perplexity {self.before[1]:.2f}")
-            self.metrics.rows.append(_row(step=0, eval_loss=self.before[0], eval_ppl=self.before[1]))
-            self.notify("on_eval", 0, {"eval_loss": self.before[0], "eval_ppl": self.before[1]})
+            print(f"held-out before training: {self.describe_eval(self.before)}")
+            self.metrics.rows.append(self.metrics.row({"step": 0, **self.before}))
+            self.notify("on_eval", 0, self.before)
         if self.start_step == 0:
             self.sample_prompts(0)
 
     def evaluate_after(self) -> None:
         """The held-out evaluation of the finished run, once the last updates have landed."""
         self.engine.synchronize()
-        if self.heldout is not None and len(self.heldout) > 0:
+        if self.has_heldout():
             self.after = self.evaluate()
-            print(f"held-out after training: loss {self.after[0]:.4f}  perplexity {self.after[1]:.2f}")
-            self.metrics.rows.append(_row(step=self.total_steps, eval_loss=self.after[0], eval_ppl=self.after[1]))
-            self.notify("on_eval", self.total_steps, {"eval_loss": self.after[0], "eval_ppl": self.after[1]})
+            print(f"held-out after training: {self.describe_eval(self.after)}")
+            self.metrics.rows.append(self.metrics.row({"step": self.total_steps, **self.after}))
+            self.notify("on_eval", self.total_steps, self.after)
         self.sample_prompts(self.total_steps)
+
+    def prepare_reference(self) -> None:
+        """A preference objective's reference log-probabilities (DPO's, IPO's) of the training pairs and
+        the evaluated held-out ones, before step 1 and before a resume loads its checkpoint's weights
+        (objectives/reference.py): read from the data cache where a run on the same weights and pairs
+        left them, else computed by the engine with the initial weights and written there."""
+        if self.pairs is None or not self.objective.needs_reference:
+            return
+        cfg, data = self.cfg, self.pairs.data
+        self.where = "the reference pass before step 1"
+        evaluated = heldout_pairs(data.heldout, cfg.batch_size, cfg.eval_batches)
+        t0 = time.perf_counter()
+        ref = cached_reference_logps(self.engine, data.train + evaluated, self.objective, self.pad_id,
+                                     data.max_length, cfg.batch_size, cache_root(cfg.data.cache_dir),
+                                     self.loaded.source.fingerprint(), cfg.runtime.dtype)
+        self.reference_s, self.reference_cached = time.perf_counter() - t0, ref.read
+        self.pairs.reference, self.heldout_reference = ref.logps[:len(data.train)], ref.logps[len(data.train):]
+        n = len(data.train) + len(evaluated)
+        how = (f"read from {ref.file}" if ref.read else f"computed in {self.reference_s:.1f} s (a forward over "
+               f"{2 * n} sequences)" + (f", cached in {ref.file}" if ref.file is not None else ""))
+        print(f"reference log-probabilities of {n} pairs ({len(data.train)} training, {len(evaluated)} held out): {how}")
+
+    def data_line(self) -> str:
+        """The run's data in one line (the model card's)."""
+        cfg = self.cfg
+        if self.pairs is not None:
+            d = self.pairs.data
+            return (f"{d.source}: {len(d.train)} preference pairs (sequences up to {cfg.data.seq_len} tokens), "
+                    f"{len(d.heldout)} held out")
+        return (f"{self.sampler.dataset.source}: {len(self.sampler.dataset)} training sequences of {cfg.data.seq_len} "
+                f"tokens, {len(self.heldout) if self.heldout is not None else 0} held out")
 
     def sample_prompts(self, step: int) -> None:
         """The eval prompts' greedy samples with the current weights, after step `step` (eval_samples.py):
@@ -558,19 +628,30 @@ class Trainer:
     def write_summary(self) -> TrainSummary:
         """summary.json of this invocation; also returned."""
         cfg, before, after, heldout = self.cfg, self.before, self.after, self.heldout
+        pairs = self.pairs.data if self.pairs is not None else None
+        if pairs is not None:
+            source, train_rows, held_rows = pairs.source, 2 * len(pairs.train), 2 * len(pairs.heldout)
+        else:
+            ds = self.sampler.dataset
+            source = cfg.data.path or (ds.source if ds.source != BUILTIN_NAME
+                                       else f"built-in corpus (Python {platform.python_version()} docs)")
+            train_rows, held_rows = len(ds), len(heldout) if heldout is not None else 0
         summary = TrainSummary(
             output_dir=str(self.out), steps=self.engine.step_index,
-            eval_loss_before=before[0] if before else None, eval_loss_after=after[0] if after else None,
-            ppl_before=before[1] if before else None, ppl_after=after[1] if after else None,
+            eval_loss_before=before["eval_loss"] if before else None,
+            eval_loss_after=after["eval_loss"] if after else None,
+            ppl_before=before.get("eval_ppl") if before else None, ppl_after=after.get("eval_ppl") if after else None,
             first_loss=self.first_loss, last_loss=self.last_loss,
             tokens_per_s=float(np.median(self.tok_rates)) if self.tok_rates else None,
             wall_s=time.perf_counter() - self.t_start, interrupted=self.interrupted,
-            stopped_early=self.stopped_early,
-            data_source=cfg.data.path or (self.sampler.dataset.source if self.sampler.dataset.source != BUILTIN_NAME
-                                          else f"built-in corpus (Python {platform.python_version()} docs)"),
-            train_sequences=len(self.sampler.dataset), heldout_sequences=len(heldout) if heldout is not None else 0,
+            stopped_early=self.stopped_early, data_source=source, train_sequences=train_rows,
+            heldout_sequences=held_rows,
             device=torch.cuda.get_device_name() if self.device.is_cuda else "cpu", dtype=cfg.runtime.dtype,
-            **self.checkpoints.totals())
+            **self.checkpoints.totals(), objective=cfg.objective,
+            train_pairs=len(pairs.train) if pairs is not None else 0,
+            heldout_pairs=len(pairs.heldout) if pairs is not None else 0,
+            reference_s=self.reference_s, reference_cached=self.reference_cached,
+            eval_before=before if pairs is not None else None, eval_after=after if pairs is not None else None)
         # rank 0 writes it and the other ranks wait for it (on_main): a rank that ended first would
         # make torchrun stop the others (SIGTERM), rank 0 perhaps before this file is written
         self.ranks.on_main(lambda: write_text(self.out / "summary.json", json.dumps(summary.__dict__, indent=2) + "\n"))
@@ -591,6 +672,11 @@ class Trainer:
                 f"{e}: training stopped; metrics so far are in {self.metrics.path}; "
                 + (f"the newest checkpoint, {newest}, is intact (--resume auto continues from it)" if newest
                    else "no checkpoint had been written yet")) from e.error
+
+
+def _loss_ppl(held: dict[str, float] | None) -> tuple[float, float] | None:
+    """(held-out loss, perplexity) of an evaluation's metrics (the model card's); NaN where none."""
+    return (held["eval_loss"], held.get("eval_ppl", math.nan)) if held else None
 
 
 def _out_of_memory(error: BaseException) -> BaseException | None:

@@ -14,16 +14,21 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from .batch import Batch
 from .config import DataConfig
 from .errors import DataError
 from .formats import JSONL_SUFFIXES, ColumnMap, jsonl_records
 from .hf_datasets import EVAL_SPLITS, TRAIN_SPLITS, datasets_records, in_memory_records, is_datasets_path
-from .preference import PreferencePair, TokenizedPair, drop_unscored, parse_pair, tokenize_pair
+from .preference import (PreferencePair, TokenizedPair, collate_pairs, drop_unscored, pair_micro_batches, parse_pair,
+                         tokenize_pair)
 from .split import plan_heldout
+
+if TYPE_CHECKING:
+    from ..objectives.preference import PreferenceConfig
 
 
 def _records(path: str, split: str | None, subset: str | None, for_eval: bool) -> Iterator[tuple[str, Any]]:
@@ -62,10 +67,18 @@ class PairData:
     note: str | None = None          # why nothing is held out, where that is so
 
 
-def build_pairs(cfg: DataConfig, tokenizer: Any, records: Any = None, eval_records: Any = None) -> PairData:
-    """The run's pairs: `cfg.path`'s (or `records`'), tokenized and cut to `cfg.seq_len` tokens a
-    sequence, the held-out ones `cfg.eval_path`'s (or `eval_records'`) or drawn from them
-    (`cfg.heldout_fraction`, `cfg.seed`)."""
+@dataclass
+class PairRecords:
+    """A preference run's records read and parsed, before the tokenizer is known (a bad record is
+    refused before the model loads)."""
+    source: str
+    train: list[PreferencePair]              # every pair of the source (the held-out ones drawn later)
+    evaluation: list[PreferencePair] | None  # a separate evaluation set (--eval-data), else None
+    eval_source: str | None = None
+
+
+def read_pair_records(cfg: DataConfig, records: Any = None, eval_records: Any = None) -> PairRecords:
+    """`cfg.path`'s (or `records`') pairs and `cfg.eval_path`'s (or `eval_records'`), parsed."""
     columns = cfg.column_map
     if records is not None:
         name, pairs = "<records given in Python>", pairs_in_memory(records, columns)
@@ -74,22 +87,38 @@ def build_pairs(cfg: DataConfig, tokenizer: Any, records: Any = None, eval_recor
                         "rejected fields (the built-in corpus is plain text)")
     else:
         name, pairs = cfg.path, read_pairs(cfg.path, cfg.split, cfg.subset, columns)
+    if eval_records is not None:
+        return PairRecords(name, pairs, pairs_in_memory(eval_records, columns), "<eval records given in Python>")
+    if cfg.eval_path is not None:
+        return PairRecords(name, pairs, read_pairs(cfg.eval_path, subset=cfg.subset, columns=columns, for_eval=True),
+                           cfg.eval_path)
+    return PairRecords(name, pairs, None)
+
+
+def tokenize_pair_records(recs: PairRecords, cfg: DataConfig, tokenizer: Any) -> PairData:
+    """The records tokenized and cut to `cfg.seq_len` tokens a sequence, the held-out pairs the
+    evaluation set's or drawn from the records (`cfg.heldout_fraction`, `cfg.seed`)."""
     max_length = cfg.seq_len
 
     def tokenized(items: list[PreferencePair], source: str) -> list[TokenizedPair]:
         return drop_unscored([tokenize_pair(p, tokenizer, cfg.chat_template) for p in items], max_length, source)
-    if eval_records is not None or cfg.eval_path is not None:
-        held = (pairs_in_memory(eval_records, columns) if eval_records is not None
-                else read_pairs(cfg.eval_path, subset=cfg.subset, columns=columns, for_eval=True))
-        train, heldout, note = tokenized(pairs, name), tokenized(held, cfg.eval_path or "eval records"), None
+    if recs.evaluation is not None:
+        train, heldout, note = tokenized(recs.train, recs.source), tokenized(recs.evaluation, recs.eval_source), None
     else:
-        train_idx, held_idx, note = plan_heldout(len(pairs), cfg.heldout_fraction, cfg.seed, name)
-        train = tokenized([pairs[i] for i in train_idx], name)
-        heldout = tokenized([pairs[i] for i in held_idx], name)
+        train_idx, held_idx, note = plan_heldout(len(recs.train), cfg.heldout_fraction, cfg.seed, recs.source)
+        train = tokenized([recs.train[i] for i in train_idx], recs.source)
+        heldout = tokenized([recs.train[i] for i in held_idx], recs.source)
     if not train:
-        raise DataError(f"{name}: no pair is left to train on once cut to {max_length} tokens (every prompt "
+        raise DataError(f"{recs.source}: no pair is left to train on once cut to {max_length} tokens (every prompt "
                         f"fills it); raise --seq-len")
-    return PairData(name, train, heldout, max_length, note)
+    return PairData(recs.source, train, heldout, max_length, note)
+
+
+def build_pairs(cfg: DataConfig, tokenizer: Any, records: Any = None, eval_records: Any = None) -> PairData:
+    """The run's pairs: `cfg.path`'s (or `records`'), tokenized and cut to `cfg.seq_len` tokens a
+    sequence, the held-out ones `cfg.eval_path`'s (or `eval_records'`) or drawn from them
+    (`cfg.heldout_fraction`, `cfg.seed`)."""
+    return tokenize_pair_records(read_pair_records(cfg, records, eval_records), cfg, tokenizer)
 
 
 def step_pairs(n_pairs: int, batch_pairs: int, step: int, seed: int) -> list[int]:
@@ -101,3 +130,50 @@ def step_pairs(n_pairs: int, batch_pairs: int, step: int, seed: int) -> list[int
     epoch, k = divmod(step, per_epoch)
     order = torch.randperm(n_pairs, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
     return order[k * batch_pairs:(k + 1) * batch_pairs]
+
+
+def reference_rows(reference: torch.Tensor, idx: list[int]) -> torch.Tensor:
+    """[2P] the reference's sums of pairs `idx` in a collated batch's order (the chosen rows, then the
+    rejected rows), from `reference` [pairs, 2] (chosen, rejected)."""
+    part = reference[idx]                                        # [P, 2]
+    return torch.cat([part[:, 0], part[:, 1]])
+
+
+@dataclass
+class PairSampler:
+    """A preference run's steps: step k's pairs (`step_pairs`, a pure function of the seed and k, so
+    a resume repeats them), each sequence padded to `seq_len` (every step the same [2P, S] shape, as
+    an SFT run's rows: stable memory peaks and compiled graphs), cut into `grad_accum` micro-batches
+    of `batch_pairs` whole pairs with the reference's sums (set before step 1 where the objective
+    has a reference)."""
+    data: PairData
+    objective: "PreferenceConfig"
+    batch_pairs: int                          # pairs a micro-batch (--batch-size)
+    grad_accum: int
+    seed: int
+    pad_id: int
+    reference: torch.Tensor | None = None     # [len(data.train), 2] FP32 (chosen, rejected)
+
+    def __post_init__(self):
+        step = self.batch_pairs * self.grad_accum
+        if step > len(self.data.train):
+            raise DataError(f"{self.data.source}: {len(self.data.train)} training pairs cannot fill a step of "
+                            f"{step} pairs (--batch-size {self.batch_pairs} x --grad-accum {self.grad_accum}); "
+                            f"lower them or add pairs")
+
+    def __len__(self) -> int:
+        """Micro-batches an epoch (a step takes grad_accum of them)."""
+        return len(self.data.train) // self.batch_pairs
+
+    def step_batches(self, step: int) -> list[Batch]:
+        """The `grad_accum` micro-batches of step `step` (0-based)."""
+        idx = step_pairs(len(self.data.train), self.batch_pairs * self.grad_accum, step, self.seed)
+        ref = None
+        if self.objective.needs_reference:
+            if self.reference is None:
+                raise RuntimeError(f"objective {self.objective.objective}: the reference log-probabilities are "
+                                   f"computed before step 1")
+            ref = reference_rows(self.reference, idx)
+        collated = collate_pairs([self.data.train[i] for i in idx], self.pad_id, self.data.max_length,
+                                 pad_to=self.data.max_length)
+        return pair_micro_batches(collated, self.objective, ref, self.grad_accum)

@@ -222,7 +222,7 @@ def collate_pairs(pairs: list[TokenizedPair], pad_id: int, max_length: int | Non
 def pair_micro_batches(collated: dict[str, torch.Tensor], cfg: "PreferenceConfig",
                        ref_logps: torch.Tensor | None = None, micro_batches: int = 1) -> list[Batch]:
     """A step's pairs (collate_pairs' tensors, [2P, S]: the chosen rows, then the rejected rows) as
-    `micro_batches` engine batches of whole pairs: labels shifted as `collate`'s (label t is token
+    `micro_batches` engine batches of whole pairs (right-padded, no attention mask): labels shifted as `collate`'s (label t is token
     t + 1), kept where a token is scored (a completion token; SimPO's NLL: the chosen completions,
     ORPO's: the chosen rows' every token after the first), and each batch's `pairs` telling the head
     which sequence a token sums into, the reference's sums [2P] (in the same order), and the step's
@@ -243,12 +243,14 @@ def pair_micro_batches(collated: dict[str, torch.Tensor], cfg: "PreferenceConfig
     nll = chosen_row & {"simpo": completion, "orpo": real_next}.get(cfg.objective, torch.zeros_like(completion))
     labels = targets.masked_fill(~(completion | nll), IGNORE_INDEX)
     nll_tokens = int(nll.sum())
-    padded = bool((attention == 0).any())
     out = []
     for part in torch.arange(P).chunk(micro_batches):
         rows = torch.cat([part, part + P])                         # the micro-batch's chosen, then rejected
         pairs = PairTokens(torch.arange(len(rows)).repeat_interleave(width), completion[rows].reshape(-1),
                            nll[rows].reshape(-1), ref_logps[rows] if ref_logps is not None else None,
                            pairs_in_step=P, nll_tokens_in_step=nll_tokens)
-        out.append(Batch(ids[rows], labels[rows], attention[rows] if padded else None, pairs=pairs))
+        # no attention mask: the padding is on the right, so under the causal mask no real token
+        # attends to it, and its labels are ignored (as the SFT collator's padded rows): the layers
+        # keep SDPA's causal kernels instead of a [B, 1, S, S] mask's
+        out.append(Batch(ids[rows], labels[rows], None, pairs=pairs))
     return out

@@ -15,6 +15,7 @@ and renamed, with a digest of its values checked when read; one that fails is co
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,18 +29,40 @@ log = logging.getLogger(__name__)
 REFERENCE_FORMAT = 1          # bump when what a cached value means changes
 
 
+@dataclass
+class PairScores:
+    """Pairs scored by the engine's current weights (a forward each batch, no update)."""
+    logps: torch.Tensor          # [pairs, 2] FP32: each side's completion log-probability sum (chosen, rejected)
+    tokens: torch.Tensor         # [pairs, 2] int64: each side's completion tokens
+    nll_sum: float               # the NLL term's tokens' summed CE (SimPO, ORPO; 0 for the others)
+    nll_tokens: int
+
+
+def score_pairs(engine, pairs: list[TokenizedPair], cfg: PreferenceConfig, pad_id: int, max_length: int | None,
+                batch_pairs: int) -> PairScores:
+    """Every pair through the engine's forward, `batch_pairs` pairs a batch (2 x batch_pairs sequences
+    padded to `max_length`, the training steps' shape), each token's loss summed into its sequence:
+    the reference pass, and the held-out evaluation of a preference run."""
+    logps = torch.empty(len(pairs), 2, dtype=torch.float32)
+    tokens = torch.empty(len(pairs), 2, dtype=torch.long)
+    nll_sum, nll_tokens = 0.0, 0
+    for start in range(0, len(pairs), batch_pairs):
+        part = pairs[start:start + batch_pairs]
+        (batch,) = pair_micro_batches(collate_pairs(part, pad_id, max_length, pad_to=max_length), cfg)
+        rows = engine.token_losses(batch).float().cpu()                                  # [2B * S]
+        sums, counts = completion_sums(rows, batch.pairs, 2 * len(part))                 # [2B] each
+        logps[start:start + len(part)] = torch.stack(sums.chunk(2), dim=1)               # [B, 2]
+        tokens[start:start + len(part)] = torch.stack(counts.chunk(2), dim=1)
+        nll_sum += float((rows.double() * batch.pairs.nll).sum())
+        nll_tokens += int(batch.pairs.nll.sum())
+    return PairScores(logps, tokens, nll_sum, nll_tokens)
+
+
 def reference_logps(engine, pairs: list[TokenizedPair], cfg: PreferenceConfig, pad_id: int,
                     max_length: int | None, batch_pairs: int) -> torch.Tensor:
     """[len(pairs), 2] FP32: each pair's chosen and rejected completion log-probability sums with the
     engine's current weights, `batch_pairs` pairs a forward (2 x batch_pairs sequences)."""
-    out = torch.empty(len(pairs), 2, dtype=torch.float32)
-    for start in range(0, len(pairs), batch_pairs):
-        part = pairs[start:start + batch_pairs]
-        (batch,) = pair_micro_batches(collate_pairs(part, pad_id, max_length), cfg)
-        rows = engine.token_losses(batch).float().cpu()                                  # [2B * S]
-        sums, _ = completion_sums(rows, batch.pairs, 2 * len(part))                      # [2B]
-        out[start:start + len(part)] = torch.stack(sums.chunk(2), dim=1)                 # [B, 2]
-    return out
+    return score_pairs(engine, pairs, cfg, pad_id, max_length, batch_pairs).logps
 
 
 def reference_key(model_fingerprint: str, pairs: list[TokenizedPair], max_length: int | None, dtype: str) -> str:
@@ -79,9 +102,17 @@ def _read(file: Path, key: str, count: int) -> torch.Tensor | None:
     return values
 
 
+@dataclass
+class Reference:
+    """The reference's sums of a run's pairs, and where they came from."""
+    logps: torch.Tensor          # [pairs, 2] FP32 (chosen, rejected)
+    file: Path | None            # the cache file (None: no cache)
+    read: bool                   # read from the cache (False: computed by the engine)
+
+
 def cached_reference_logps(engine, pairs: list[TokenizedPair], cfg: PreferenceConfig, pad_id: int,
                            max_length: int | None, batch_pairs: int, cache_dir: Path | None,
-                           model_fingerprint: str, dtype: str) -> torch.Tensor:
+                           model_fingerprint: str, dtype: str) -> Reference:
     """reference_logps, read from `cache_dir` where an earlier run (or the run this one resumes) left
     them for the same weights, pairs, cut and dtype; else computed and written there (None: no
     cache, always computed)."""
@@ -91,11 +122,11 @@ def cached_reference_logps(engine, pairs: list[TokenizedPair], cfg: PreferenceCo
         values = _read(file, key, len(pairs))
         if values is not None:
             log.info("reference log-probabilities of %d pairs read from %s", len(pairs), file)
-            return values
+            return Reference(values, file, read=True)
     values = reference_logps(engine, pairs, cfg, pad_id, max_length, batch_pairs)
     if file is not None:
         from safetensors.torch import save_file
         file.parent.mkdir(parents=True, exist_ok=True)
         meta = {"key": key, "digest": _values_digest(values), "pairs": str(len(pairs)), "dtype": dtype}
         write_atomically(file, lambda tmp: save_file({"reference_logps": values}, str(tmp), metadata=meta))
-    return values
+    return Reference(values, file, read=False)

@@ -31,13 +31,24 @@ if TYPE_CHECKING:
 METRIC_COLUMNS = ["step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "step_s",
                   "gpu_peak_alloc_gib", "gpu_peak_reserved_gib", "cpu_rss_gib", "eval_loss", "eval_ppl"]
 PRECISE_COLUMNS = {"loss", "lr", "grad_norm", "eval_loss"}     # 9 digits in metrics.csv: an FP32 value round-trips
+# a preference objective's metrics (objectives/preference.metrics), TRL's names: each step's, then
+# each evaluation's (objectives/evaluation.py)
+PREFERENCE_METRICS = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                      "logps/chosen", "logps/rejected"]
+PREFERENCE_COLUMNS = PREFERENCE_METRICS + [f"eval_{m}" for m in PREFERENCE_METRICS]
+
+
+def metric_columns(objective: str) -> list[str]:
+    """metrics.csv's columns for a run of `objective` (sft, or a preference objective's)."""
+    return METRIC_COLUMNS + (PREFERENCE_COLUMNS if objective != "sft" else [])
 
 
 class RunMetrics:
     """The metrics of one invocation: rows to the trackers (rank 0 logs them), the progress bar, loss.png."""
 
-    def __init__(self, out: Path, report_to: list[str], ranks: Ranks):
+    def __init__(self, out: Path, report_to: list[str], ranks: Ranks, columns: list[str] | None = None):
         self.out, self.report_to, self.ranks = out, report_to, ranks
+        self.columns = columns or METRIC_COLUMNS
         self.path = out / "metrics.csv"
         self.rows: list[dict] = []       # metrics rows not yet handed to the trackers
         self.trackers = Trackers()       # opened by open_trackers once the step to start from is known (rank 0)
@@ -50,10 +61,14 @@ class RunMetrics:
         if not self.ranks.is_main:
             return
         resume_step = start_step or None
-        csv_log = CsvTracker(self.path, METRIC_COLUMNS, PRECISE_COLUMNS, resume_step=resume_step,
+        csv_log = CsvTracker(self.path, self.columns, PRECISE_COLUMNS, resume_step=resume_step,
                              drop_at_resume=_end_of_run_eval_row)
         keep_samples_up_to(self.out / "eval_samples.jsonl", resume_step)
         self.trackers = Trackers([csv_log] + open_dashboards(self.report_to, self.out, run_record, resume_step))
+
+    def row(self, values: dict) -> dict:
+        """A metrics row of this run's columns from `values` (a column it lacks: empty)."""
+        return {c: values.get(c, "") for c in self.columns}
 
     def close_trackers(self) -> None:
         """Close every tracker at the end of run (best effort on the way out of an error: a note)."""

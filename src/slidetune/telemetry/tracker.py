@@ -20,8 +20,16 @@ DASHBOARD_TAGS = {
 
 
 def dashboard_tag(name: str) -> str:
-    """The dashboards' tag of a scalar (the name itself where it has no group)."""
-    return DASHBOARD_TAGS.get(name, name)
+    """The dashboards' tag of a scalar (the name itself where it has no group). A preference
+    objective's TRL metrics group as TRL's do: `rewards/margins` under train/, `eval_rewards/margins`
+    under eval/."""
+    if name in DASHBOARD_TAGS:
+        return DASHBOARD_TAGS[name]
+    if name.startswith(("rewards/", "logps/")):
+        return f"train/{name}"
+    if name.startswith(("eval_rewards/", "eval_logps/")):
+        return f"eval/{name.removeprefix('eval_')}"
+    return name
 
 
 class Tracker:
