@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (device tool) from the repo root: each argument is one job.
 # Results go to $OUT/results.tar.gz (the device tool returns at most 8 files).
-#   jobs: stash | pipeline | train | trainresume (train --gpus N, killed, resumed) | savetests | asyncab (issue 33) | savestreams (the optimizer state in 1 or 2 files) | shardab (sharded layers = device layers, 2 GPUs) | trainrun@TAG (TRAINRUN_ARGS_TAG) | equivalence | runtime | throughput | throughput@TAG | scaling | scaling@TAG
+#   jobs: stash | pipeline | train | dpotrain (issue 47: train --objective dpo on an 8B directory) | trainresume (train --gpus N, killed, resumed) | savetests | asyncab (issue 33) | savestreams (the optimizer state in 1 or 2 files) | shardab (sharded layers = device layers, 2 GPUs) | trainrun@TAG (TRAINRUN_ARGS_TAG) | equivalence | runtime | throughput | throughput@TAG | scaling | scaling@TAG
 #         | hostinfo | attnbackends (ATTN_ARGS: attention kernels' rates and errors) | compactrate (COMPACTRATE_ARGS: the host AdamW's rate per state format and part) | q8flags (the 8-bit passes
 #           under three code generations) | quality (QUALITY_ARGS:
 #           each state format's held-out loss on SmolLM2, stash first) | desktop64 (DESKTOP_ARGS: a 64 GiB host, 24 GiB GPU) | rankmem (RANKMEM_ARGS: a rank's host memory by stage, 1 and N processes) | techniques
@@ -175,6 +175,21 @@ PY
            python -c "import sys, torch; from transformers import AutoModelForCausalLM as M; m = M.from_pretrained('$d/final'); print('final/ loads:', type(m).__name__, m.dtype, sum(p.numel() for p in m.parameters()), 'params')" > $R/trainresume/final_loads.txt 2>&1
            cat $R/trainresume/final_loads.txt
            rm -rf $d $ck ;;     # an 8B's checkpoint and final/ (107 GiB): the later jobs need the room
+    dpotrain) # issue 47: `train --objective dpo` end to end as a user runs it: an HF directory of the preset's shape
+           # (DPO_MODEL, default qwen3-8b; random BF16 weights, a BPE tokenizer) and DPO_PAIRS preference records of
+           # ~1,000 tokens a side from the built-in corpus (preference_model.py), then the defaults (clip 1.0), 8 pairs
+           # a micro-batch, seq 1024, DPOTRAIN_ARGS (default --gpu-memory-limit 24); the reference pass's seconds
+           # are in summary.json; the weights' directory and final/ are deleted after (32 GB of this disk)
+           d=/var/tmp/pref; rm -rf $d; mkdir -p $R/dpotrain
+           python benchmarks/scripts/preference_model.py $d --model ${DPO_MODEL:-qwen3-8b} --pairs ${DPO_PAIRS:-120} \
+             > $R/dpotrain/model.json 2> $R/dpotrain/model.err; tail -1 $R/dpotrain/model.json
+           python -m slidetune.cli train --model $d/model --data $d/pairs.jsonl --objective dpo --seq-len 1024 \
+             --batch-size 8 --max-steps ${DPO_STEPS:-12} --eval-batches 1 --save-every 0 --progress false \
+             --data-cache-dir $d/cache --output-dir $d/run ${DPOTRAIN_ARGS:---gpu-memory-limit 24} > $R/dpotrain/train.log 2>&1
+           echo "train rc=$?" >> $R/dpotrain/train.log
+           cp $d/run/{metrics.csv,config.json,summary.json} $R/dpotrain/ 2>/dev/null
+           ls -la $d/run/final > $R/dpotrain/final_files.txt 2>&1
+           tail -6 $R/dpotrain/train.log; rm -rf $d ;;
     savetests) # the checkpoint writer's GPU staging and the asynchronous save on a GPU (CUDA-only tests)
            timeout 300 python -m pytest -q -rs -m gpu tests/test_checkpoint_writer.py tests/test_async_save.py > $R/save_gpu_tests.txt 2>&1
            tail -5 $R/save_gpu_tests.txt ;;
