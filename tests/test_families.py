@@ -42,7 +42,7 @@ OVERRIDES = {
     "nanochat": dict(final_logit_softcapping=2.0),
     "minicpm3": dict(scale_emb=12.0, scale_depth=1.4, dim_model_base=16),
     "deepseek_v2": dict(num_experts_per_tok=2),             # None by default: no routing at all
-    "dots1": dict(n_routed_experts=8, num_experts_per_tok=2),  # None by default: no experts are built
+    "dots1": dict(n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1),   # None by default: none built
 }
 
 

@@ -3,7 +3,8 @@
 The model itself is never modified: it is built on the `meta` device as a
 skeleton, and each unit's computation runs the skeleton's own modules through
 `torch.func.functional_call` with parameter tensors supplied by the engine (views
-of a flat buffer on the compute device). What the decoder layers receive besides
+of a flat buffer on the compute device), and a decoder layer's constant buffers (MoE
+routers' correction biases: buffers.py) beside them. What the decoder layers receive besides
 the hidden states (attention masks per layer type, rotary embeddings, position
 ids) is recorded by running the base model's own forward with the layers
 replaced by recorders, so every family's mask and rotary logic is HF's own.
