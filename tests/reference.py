@@ -22,6 +22,8 @@ def build_reference(loaded: LoadedModel) -> torch.nn.Module:
         loaded.source.fill(spec, flat)
         for p in spec.params:
             state[p.full_name] = flat[p.offset:p.offset + p.numel].view(p.shape).clone()
+        # the constant buffers (MoE routers' correction biases) from the source too, not HF's init
+        state.update({b.full_name: t.detach().clone() for b, t in loaded.source.buffer_tensors(spec)})
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected, unexpected
     assert all(k == "lm_head.weight" for k in missing), missing   # tied head

@@ -164,6 +164,43 @@ def test_resume_across_placements(tmp_path, engines, saved, resumed):
             torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-9, msg=k)
 
 
+@pytest.mark.parametrize("mode", ["slide", "gpu"], ids=["mode=slide", "mode=gpu"])
+def test_resume_keeps_the_routers_correction_biases(tmp_path, mode):
+    """GLM-4.5's MoE: the routers' constant biases are saved under HF's names (FP32), and a resume
+    into a model built with HF's init (zeros) reads them back; the next step is the same."""
+    from safetensors import safe_open
+
+    from slidetune.models.load import StateDictSource
+    from test_families import router_biases, router_config, router_model
+    config = router_config(VOCAB)
+    hf = router_model(config)
+    biases = router_biases(hf)
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+
+    def engine(source):
+        return build_engine(LoadedModel("glm4_moe", SplitModel(skeleton(config)), source, None),
+                            RuntimeConfig(mode=mode, dtype="fp32", device="cpu"), AdamWConfig(lr=1e-3, weight_decay=0.1))
+    eng = engine(StateDictSource(state))
+    try:
+        train(eng, range(2))
+        path = save_checkpoint(eng, checkpoint_dir(tmp_path, 2), step=2)
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            for name, b in biases.items():
+                assert f.get_slice(name).get_dtype() == "F32" and torch.equal(f.get_tensor(name), b), name
+        after = train(eng, range(2, 3))
+    finally:
+        shut(eng)
+    fresh = engine(RandomInit(5, std=0.1))
+    try:
+        assert all(not b.any() for _, b in fresh.named_buffers())          # transformers' init
+        load_checkpoint(fresh, path)
+        got = dict(fresh.named_buffers())
+        assert got.keys() == biases.keys() and all(torch.equal(got[n], b) for n, b in biases.items())
+        assert train(fresh, range(2, 3)) == after
+    finally:
+        shut(fresh)
+
+
 def test_rng_states_are_restored(tmp_path, engines):
     eng = engines()
     torch.manual_seed(3)

@@ -57,6 +57,46 @@ def test_final_is_a_model_repository(tmp_path):
     assert (ckpt / "trainer_state" / "rng.pt").exists()
 
 
+@pytest.mark.parametrize("save_dtype", ["fp32", "bf16"])
+def test_final_keeps_the_routers_correction_biases(tmp_path, save_dtype):
+    """A GLM-4.5 MoE source directory whose routers keep non-zero e_score_correction_bias buffers:
+    the loader reads them, and final/ holds them under HF's names, FP32 (as the source and HF keep
+    them, in a BF16 export too), so from_pretrained(final) is the source's model."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from slidetune.checkpoint import ModelExport, save_checkpoint
+    from slidetune.engine import AdamWConfig, RuntimeConfig, build_engine
+    from slidetune.models.load import load_model
+    from test_families import router_biases, router_config, router_model
+    from safetensors.torch import save_file
+    source = tmp_path / "model"
+    hf = router_model(router_config(320))
+    # the tensors as the model holds them (experts fused, as slidetune's checkpoints write them):
+    # save_pretrained would split the experts per expert, which the loader does not read (yet)
+    hf.config.save_pretrained(str(source))
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(source / "model.safetensors"),
+              metadata={"format": "pt"})
+    biases = router_biases(hf)
+    engine = build_engine(load_model(str(source), with_tokenizer=False),
+                          RuntimeConfig(mode="slide", dtype="fp32", device="cpu"), AdamWConfig(lr=1e-3))
+    try:
+        final = save_checkpoint(engine, tmp_path / "final", step=0, save_dtype=save_dtype,
+                                export=ModelExport(source_dir=source))
+    finally:
+        engine.close()
+    with safe_open(str(final / "model.safetensors"), "pt") as f:
+        for name, b in biases.items():
+            assert f.get_slice(name).get_dtype() == "F32" and torch.equal(f.get_tensor(name), b), name
+    again = AutoModelForCausalLM.from_pretrained(str(final), dtype=torch.float32).eval()
+    assert all(torch.equal(router_biases(again)[n], b) for n, b in biases.items())
+    if save_dtype == "fp32":
+        ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            torch.testing.assert_close(again(input_ids=ids).logits, hf(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_the_card_names_a_hub_base_model_and_the_held_out_losses():
     card = model_card(CardFacts("org/base", ["a.jsonl: 10 training sequences"], {"lr": 1e-5, "data": {"seq_len": 8}},
                                 steps=3, loss_before=2.5, loss_after=2.25))

@@ -4,8 +4,9 @@
 - each TESTED family: the reference self-check on a tiny config (2 layers, hidden 64,
   vocab 256, 2 x 16 tokens) agrees with transformers' loss and every gradient to 1e-4,
   with the family's model-level transforms set away from identity;
-- Granite and Gemma 2 (embedding multiplier, logit scaling, softcapping) train in slide
-  mode against the plain PyTorch reference for several AdamW steps;
+- Granite and Gemma 2 (embedding multiplier, logit scaling, softcapping) and GLM-4.5's MoE
+  (routers' score-correction biases, constant buffers) train in slide mode against the plain
+  PyTorch reference for several AdamW steps; the biases stay as the source gave them;
 - the self-check refuses a deliberately unfaithful split, naming the family and the gap;
 - refused families and MoE with the router's auxiliary loss get their reason at load.
 """
@@ -13,7 +14,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import CONFIG_MAPPING, GPT2Config, GraniteConfig, Gemma2Config, MambaConfig, MixtralConfig
+from transformers import (CONFIG_MAPPING, AutoModelForCausalLM, GPT2Config, GraniteConfig, Gemma2Config, Glm4MoeConfig,
+                          MambaConfig, MixtralConfig)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from reference import ReferenceTrainer, build_reference
@@ -22,7 +24,7 @@ from slidetune.engine import AdamWConfig, RuntimeConfig, build_engine
 from slidetune.models import units
 from slidetune.models.families import (NOT_DECODER_ONLY, REFUSED, TESTED, UnsupportedFamilyError,
                                        family_status, moe_note)
-from slidetune.models.load import LoadedModel, RandomInit, skeleton
+from slidetune.models.load import LoadedModel, RandomInit, StateDictSource, skeleton
 from slidetune.models.reference_check import ReferenceMismatchError, reference_check, require_faithful
 from slidetune.models.transforms import ModelTransforms
 from slidetune.models.units import SplitModel
@@ -40,6 +42,7 @@ OVERRIDES = {
     "nanochat": dict(final_logit_softcapping=2.0),
     "minicpm3": dict(scale_emb=12.0, scale_depth=1.4, dim_model_base=16),
     "deepseek_v2": dict(num_experts_per_tok=2),             # None by default: no routing at all
+    "dots1": dict(n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1),   # None by default: none built
 }
 
 
@@ -81,6 +84,43 @@ def test_check_refuses_an_unfaithful_split(monkeypatch):
     assert result.loss_gap > 1e-3 and not result.ok
 
 
+def test_check_refuses_a_split_without_the_routers_biases(monkeypatch):
+    """The check's correction biases are random (HF's init, zero, would hide them): a split left
+    with zeros where transformers has the source's values is far off."""
+    config = CONFIG_MAPPING["glm4_moe"]()
+    assert require_faithful(config).ok
+    monkeypatch.setattr(SplitModel, "set_buffers", lambda self, values: None)
+    result = reference_check(config)
+    assert not result.ok and result.loss_gap > 1e-4 and result.grad_gap > 1e-2, result.summary()
+
+
+def router_config(vocab: int = VOCAB) -> Glm4MoeConfig:
+    """A tiny GLM-4.5 MoE: a dense first layer, then MoE layers whose routers keep
+    e_score_correction_bias [4] as a buffer."""
+    return Glm4MoeConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                         n_group=1, topk_group=1, max_position_embeddings=256, initializer_range=0.1,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
+
+
+def router_model(config: Glm4MoeConfig, seed: int = 1):
+    """transformers' model of `config` (its init), the routers' correction biases random: as a
+    trained checkpoint has them (HF's init is zero)."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
+    return model.eval()
+
+
+def router_biases(model) -> dict[str, torch.Tensor]:
+    return {n: b.detach().clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+
+
 def _tiny(config) -> LoadedModel:
     return LoadedModel("tiny", SplitModel(skeleton(config)), RandomInit(1, std=0.1, bias_std=0.1), None)
 
@@ -98,7 +138,33 @@ _SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
 ], ids=["granite", "gemma2"])
 def test_transformed_family_trains_in_slide_mode_like_the_reference(config):
     """The engine's numerical path (chunked head with the transform, deferred clipped AdamW)."""
-    loaded = _tiny(config)
+    _trains_like_the_reference(_tiny(config))
+
+
+def test_router_biases_train_in_slide_mode_like_the_reference_and_stay():
+    """GLM-4.5's MoE from a state dict with non-zero correction biases (the GGUF path's source):
+    three AdamW steps of the slide engine equal the reference's, and the biases, read in every
+    forward, are neither differentiated nor updated."""
+    config = router_config()
+    hf = router_model(config)
+    biases = router_biases(hf)
+    assert len(biases) == 2 and all(bool(b.abs().min() > 0) for b in biases.values())
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    engine, ref = _trains_like_the_reference(
+        LoadedModel("glm4_moe", SplitModel(skeleton(config)), StateDictSource(state), None), keep=True)
+    try:
+        for name, b in engine.named_buffers():
+            assert torch.equal(b, biases[name]), name
+        assert dict(engine.named_buffers()).keys() == biases.keys()
+        assert all(torch.equal(b, router_biases(ref.model)[n]) for n, b in biases.items())
+        assert not any(n.endswith("e_score_correction_bias") for n, _ in engine.named_master_params())
+    finally:
+        engine.close()
+
+
+def _trains_like_the_reference(loaded: LoadedModel, keep: bool = False):
+    """Three AdamW steps of the slide engine (deferred, clipped, accumulated) against the plain
+    PyTorch reference: loss, gradient norm and weights. keep: (engine, reference) returned open."""
     ref = ReferenceTrainer(build_reference(loaded), lr=1e-3, weight_decay=0.1, eps=1e-6, max_grad_norm=0.5)
     rt = RuntimeConfig(mode="slide", dtype="fp32", device="cpu", schedule="deferred", head_chunk_tokens=16,
                        chunk_mb=1)
@@ -114,8 +180,12 @@ def test_transformed_family_trains_in_slide_mode_like_the_reference(config):
         engine.synchronize()
         worst, where = max_param_rel_diff(engine, ref.model)
         assert worst < 1e-5, f"{where}: relative difference {worst:.2e}"
-    finally:
+    except BaseException:
         engine.close()
+        raise
+    if keep:
+        return engine, ref
+    engine.close()
 
 
 @pytest.mark.parametrize("config,family,words", [

@@ -222,6 +222,10 @@ class _UnitStreams:
                 if name not in seen:                # a tied weight appears once (write_weights)
                     seen.add(name)
                     self.weights.append((name, self._streamed(t, i)))
+        # the constant buffers (models/buffers.py) after them, as written by save_checkpoint: host
+        # tensors no update changes, so no unit's hold waits on them
+        self.buffers = dict(engine.named_buffers())
+        self.weights.extend(self.buffers.items())
         for i, unit in enumerate(engine.units):      # engine.optimizer_tensors()'s order
             for k, t in unit.state_tensors().items():
                 self.optim[f"{unit.spec.name}.{k}"] = self._streamed(t, i)
@@ -266,7 +270,7 @@ class _UnitStreams:
         (tmp / STATE_DIR).mkdir()
         return write_tensor_files(self.weights, self.optim, tmp, torch.float32, max_shard_bytes,
                                   threads=self.threads, step=step, cancel=self.cancel,
-                                  stream_s=self.pending.timing.streams_s)
+                                  stream_s=self.pending.timing.streams_s, own_dtype=frozenset(self.buffers))
 
 
 class _Cancelled(CheckpointError, StreamCancelled):

@@ -129,6 +129,8 @@ def load_checkpoint(engine, ckpt_dir: Path, *, checked: bool = False) -> dict:
     masters = _LazyTensors(_weight_files(ckpt))
     # shapes only: the GPU-held masters stay where they are (an 8B on an H200 keeps 89 GiB there)
     want = {name: (tuple(t.shape), None) for name, t in engine.named_master_params(on_host=False)}
+    buffers = dict(engine.named_buffers())       # models/buffers.py: saved beside the weights
+    want.update({name: (tuple(t.shape), None) for name, t in buffers.items()})
     optim = _LazyTensors({k: p for path in optimizer_files(ckpt) for k, p in _file_keys(path).items()})
     want_optim = {key: (tuple(t.shape), ST_DTYPES.get(t.dtype, str(t.dtype)))
                   for key, t in engine.optimizer_tensors(on_host=False).items()}
@@ -149,6 +151,7 @@ def load_checkpoint(engine, ckpt_dir: Path, *, checked: bool = False) -> dict:
     rng = read_rng(ckpt)
 
     engine.load_state(masters, optim, int(state["step"]))
+    engine.load_buffers({name: masters[name] for name in buffers})
     if rng is not None:
         restore_rng(rng)
     out = dict(state.get("trainer_state") or {})

@@ -9,12 +9,13 @@ directory back (reader.verify_files) before store.save_atomically renames it int
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -92,8 +93,9 @@ def _write_complete(engine, tmp: Path, *, step: int, tokenizer, state: dict, sta
         optim = {k: one_reader(t, lock) for k, t in engine.optimizer_tensors(on_host=False).items()}
     # a device unit's masters left on the device: the writer stages them through pinned memory
     weights = ((name, one_reader(t, lock)) for name, t in engine.named_master_params(on_host=False))
-    streamed = write_tensor_files(weights, optim, tmp, dtype, max_shard_bytes, threads=threads, step=step,
-                                  stream_s=stream_s)
+    buffers = dict(engine.named_buffers())
+    streamed = write_tensor_files(itertools.chain(weights, buffers.items()), optim, tmp, dtype, max_shard_bytes,
+                                  threads=threads, step=step, stream_s=stream_s, own_dtype=frozenset(buffers))
     finish_checkpoint(engine, tmp, step=step, tokenizer=tokenizer, state=state, state_text=state_text, dtype=dtype,
                       streamed=streamed, rng=rng_state(), threads=threads, export=export)
 
@@ -118,22 +120,24 @@ def one_reader(t: torch.Tensor | StreamedTensor, lock: threading.Lock) -> torch.
 def write_tensor_files(weights: Iterable[tuple[str, torch.Tensor | StreamedTensor]],
                        optim: Mapping[str, torch.Tensor | StreamedTensor] | None, directory: Path,
                        dtype: torch.dtype, max_shard_bytes: int, *, threads: int | None = None, step: int = 0,
-                       cancel: threading.Event | None = None,
-                       stream_s: dict[str, float] | None = None) -> dict[str, FileDigest]:
+                       cancel: threading.Event | None = None, stream_s: dict[str, float] | None = None,
+                       own_dtype: frozenset[str] = frozenset()) -> dict[str, FileDigest]:
     """A checkpoint's tensor files as streams written at once, sharing one pool of `threads`
     writers: the weight shards (write_weights, one after another) here, and each of the optimizer
     state's files (`optim` in optimizer_parts, into STATE_DIR, which exists) in a thread of its
     own. A failure of any stops the others at their next piece and is raised once all have ended.
     Their digests by path relative to `directory`; `stream_s` (where given) gets each stream's
     seconds from the start to its last byte ("weights", and each optimizer file's name): the one
-    that ends last is what bound the write."""
+    that ends last is what bound the write. `own_dtype`: weights written in their own dtype, not
+    `dtype` (the constant buffers: FP32 as the source keeps them, in a BF16 export too)."""
     cancel = cancel or threading.Event()
     parts = optimizer_parts(optim) if optim is not None else []
     times = stream_s if stream_s is not None else {}
     t0 = time.monotonic()
     with io_pool(None, threads) as pool:
         def weights_stream() -> dict[str, FileDigest]:
-            out = write_weights(weights, directory, dtype, max_shard_bytes, pool=pool, cancel=cancel)
+            out = write_weights(weights, directory, dtype, max_shard_bytes, pool=pool, cancel=cancel,
+                                own_dtype=own_dtype)
             maybe_fail("checkpoint", step)          # tests only (faults.py): a writer failing mid-save
             times["weights"] = time.monotonic() - t0
             return out
@@ -218,10 +222,12 @@ def _write_config(engine, directory: Path, dtype: torch.dtype) -> None:
 
 def write_weights(params: Iterable[tuple[str, torch.Tensor | StreamedTensor]], directory: Path, dtype: torch.dtype,
                   max_shard_bytes: int, *, pool: ThreadPoolExecutor | None = None,
-                  cancel: threading.Event | None = None) -> dict[str, FileDigest]:
-    """The (HF name, FP32 tensor) pairs of `params` (engine.named_master_params()'s) shard by shard:
-    accumulate views up to max_shard_bytes, cast only the shard being written. Returns each
-    shard's digest by its final name."""
+                  cancel: threading.Event | None = None,
+                  own_dtype: frozenset[str] = frozenset()) -> dict[str, FileDigest]:
+    """The (HF name, FP32 tensor) pairs of `params` (engine.named_master_params()'s, then the
+    constant buffers) shard by shard: accumulate views up to max_shard_bytes, cast only the shard
+    being written (to `dtype`, but the names in `own_dtype`). Returns each shard's digest by its
+    final name."""
     shards: list[list[str]] = []
     digests: list[FileDigest] = []
     total = 0
@@ -234,7 +240,8 @@ def write_weights(params: Iterable[tuple[str, torch.Tensor | StreamedTensor]], d
         if not pending:
             return
         part = directory / f"model-{len(shards) + 1:05d}.partial.safetensors"
-        digests.append(save_tensors(pending, part, dtype=dtype, pool=pool, cancel=cancel))
+        digests.append(save_tensors(pending, part, dtype=dtype, pool=pool, cancel=cancel,
+                                    own_dtype=own_dtype & pending.keys()))
         shards.append(list(pending))
         pending, pending_bytes = {}, 0
 
@@ -243,7 +250,7 @@ def write_weights(params: Iterable[tuple[str, torch.Tensor | StreamedTensor]], d
         if name in seen:
             continue                 # a tied weight appears once
         seen.add(name)
-        nbytes = t.numel() * elem
+        nbytes = t.numel() * (t.element_size() if name in own_dtype else elem)
         if pending and pending_bytes + nbytes > max_shard_bytes:
             flush()
         pending[name] = t
@@ -273,7 +280,8 @@ def save_tensors(tensors: Mapping[str, torch.Tensor], path: Path, dtype: torch.d
 
 def write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path, dtype: torch.dtype | None = None,
                       metadata: dict[str, str] | None = None, *, pool: ThreadPoolExecutor | None = None,
-                      threads: int | None = None, cancel: threading.Event | None = None) -> FileDigest:
+                      threads: int | None = None, cancel: threading.Event | None = None,
+                      own_dtype: Collection[str] = ()) -> FileDigest:
     """A safetensors file written tensor by tensor from where the tensors are (format: a little-
     endian u64 header length, the JSON header padded to 8 bytes, then the tensors' bytes in
     header order), so the file never exists in RAM. `dtype`: each tensor converted as it is
@@ -281,10 +289,11 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], path: Path, dtype: to
     The bytes go out in large pieces written by `pool` (or a pool of `threads`) at their offsets
     while this thread hashes them in order (io.ParallelFile); `cancel` set (another
     stream failed) stops it at its next piece. Readable by safetensors (safe_open, load_file) and
-    HF from_pretrained. Returns the file's size and digest, hashed as the bytes are written."""
+    HF from_pretrained. Returns the file's size and digest, hashed as the bytes are written.
+    `own_dtype`: tensors written in their own dtype whatever `dtype` says."""
     entries, offset = [], 0
     for name, t in tensors.items():
-        dt = dtype or t.dtype
+        dt = t.dtype if name in own_dtype else (dtype or t.dtype)
         if dt not in ST_DTYPES:
             raise TypeError(f"{name}: dtype {dt} has no safetensors code here")
         n = t.numel() * torch.empty((), dtype=dt).element_size()

@@ -34,6 +34,8 @@ class Engine(ABC):
     resident_layers: int | None = None
     device_layers: int | None = None
     host_threads: int | None = None
+    # the split model the engine trains (models/units.SplitModel); every engine sets it
+    split: Any = None
 
     @abstractmethod
     def train_step(self, micro_batches: list, lr: float):
@@ -60,6 +62,16 @@ class Engine(ABC):
     @abstractmethod
     def named_master_params(self, on_host: bool = True) -> Iterator[tuple[str, Any]]:
         """(HF name, master weights) of every parameter."""
+
+    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, FP32 host tensor) of every constant buffer the units carry (models/buffers.py:
+        MoE routers' correction biases): saved beside the weights, never updated."""
+        return iter(()) if self.split is None else self.split.named_buffers()
+
+    def load_buffers(self, tensors) -> None:
+        """The constant buffers from a checkpoint's tensors (HF name -> tensor)."""
+        if self.split is not None:
+            self.split.set_buffers(tensors)
 
     @abstractmethod
     def optimizer_tensors(self, on_host: bool = True) -> dict[str, Any]:

@@ -39,6 +39,10 @@ TESTED = (
     "mistral", "mixtral", "nanochat", "nemotron", "olmo", "olmo2", "olmo3", "olmo_hybrid", "olmoe", "phi3",
     "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next",
     "seed_oss", "smollm3", "stablelm", "starcoder2", "vaultgemma", "youtu",
+    # constant buffers carried beside the layer's parameters (buffers.py): MoE routers' score-correction
+    # biases, Apertus' xIELU constants
+    "apertus", "axk1", "axk2", "dots1", "exaone_moe", "glm4_moe", "glm4_moe_lite", "hy_v3", "longcat_flash",
+    "minimax_m2", "minimax_m3_vl_text", "solar_open",
 )
 
 _NO_SDPA = ("transformers has no SDPA attention for it (eager only); slidetune runs every family's "
@@ -47,9 +51,6 @@ _LEARNED_POSITIONS = ("learned absolute position embeddings are added outside th
                       "the blocks are not a `model.layers` decoder stack the split can slide")
 _NOT_MODEL_LAYERS = ("its decoder stack and final norm are not at `model.layers` / `model.norm`, where the "
                      "split finds them")
-_ROUTER_BUFFER = ("its MoE router keeps a score-correction bias as a buffer (aux-loss-free balancing, updated "
-                  "outside the gradient); the sliding units move parameters only, so the router's state would "
-                  "be lost")
 _RECURRENT = ("hybrid or recurrent layers (state-space, convolution or linear-attention state) outside the "
               "decoder layer contract the split slides")
 
@@ -67,16 +68,16 @@ REFUSED: dict[str, str] = {
     "dbrx": "its nested attn_config/ffn_config do not round-trip into a 1-2 layer copy for the reference check; untested",
     "ministral": "its config does not build a 1-2 layer copy for the reference check (head_dim/rope fields); untested",
     "glm_moe_dsa": "its sparse (DSA) attention indexer returns extra values the layer contract does not carry",
-    "apertus": "its xIELU activation keeps a buffer (beta) in each layer; the sliding units move parameters only",
     "moshi": "a speech model whose layers keep their own rotary buffers; the sliding units move parameters only",
     "gemma3n_text": "per-layer input embeddings and AltUp are computed outside the decoder layers",
     "gemma4_text": "per-layer input embeddings and per-layer configs are computed outside the decoder layers",
     "gemma4_unified_text": "per-layer input embeddings and per-layer configs are computed outside the decoder layers",
     "qwen4_exp_text": "its default config does not build a 1-2 layer copy for the reference check; untested",
-    # MoE routers with buffers
-    **{t: _ROUTER_BUFFER for t in ("axk1", "axk2", "exaone_moe", "glm4_moe", "glm4_moe_lite", "hy_v3",
-                                   "inkling_text", "minimax_m2", "minimax_m3_vl_text", "solar_open", "zaya",
-                                   "longcat_flash", "dots1")},
+    # model-level arithmetic the units do not hold
+    "inkling_text": ("its base model norms the embeddings (`embed_norm`, a weight outside the units) before the "
+                     "layers, and its layers run short convolutions with state"),
+    "zaya": ("its base model adds a bias and a scale to the embeddings (weights outside the units), and each "
+             "layer hands its router's hidden states to the next beside hidden_states"),
     "hunyuan_v1_dense": "its default config does not build a 1-2 layer copy for the reference check; untested",
     "hunyuan_v1_moe": "its default config does not build a 1-2 layer copy for the reference check; untested",
     # recurrent / hybrid state

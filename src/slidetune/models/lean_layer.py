@@ -161,6 +161,9 @@ def lean_support(layer: nn.Module) -> str | None:
     """None if `layer` computes exactly what LlamaDecoderLayer does (so the lean layer is the
     same arithmetic), else why not."""
     bodies = _llama_bodies()
+    if any(True for _ in layer.buffers()):
+        # the lean halves pass the layer's parameters alone (models/buffers.py's are HF's layer's)
+        return f"{type(layer).__name__} keeps buffers"
     if _body(type(layer).forward) != bodies["layer"]:
         return f"{type(layer).__name__}.forward is not Llama's decoder layer"
     for name in ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp"):

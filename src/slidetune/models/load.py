@@ -40,6 +40,19 @@ class WeightSource(Protocol):
         """A string that changes when the weights could: what a cache computed from the initial
         weights (a preference objective's reference log-probabilities) is keyed on."""
 
+    def buffer_tensors(self, unit: UnitSpec):
+        """(BufferSlot, tensor of its shape) for each of the unit's constant buffers (buffers.py)."""
+
+
+def fill_buffers(split: SplitModel, source: WeightSource) -> None:
+    """Every constant buffer the split's units carry, from `source` (small: read at load)."""
+    for unit in split.units:
+        for b, t in source.buffer_tensors(unit):
+            if tuple(t.shape) != b.shape:
+                raise ValueError(f"{b.full_name}: source shape {tuple(t.shape)} != model {b.shape}")
+            b.value.copy_(t)
+    split.layer_buffers.forget()
+
 
 def fill_on_device(source: WeightSource, unit: UnitSpec, device: torch.device) -> torch.Tensor:
     """The unit's FP32 master [numel] built on `device` a parameter at a time: host RAM holds one
@@ -83,6 +96,14 @@ class RandomInit:
             view.fill_(1.0)
         return view
 
+    def buffer_tensors(self, unit: UnitSpec):
+        """transformers' own init of each buffer (a router's correction bias: zeros)."""
+        for b in unit.buffers:
+            if b.init is None:
+                raise ValueError(f"{b.full_name}: transformers' init does not set this buffer (its value "
+                                 f"comes from the module's constructor); random weights cannot give it one")
+            yield b, b.init
+
 
 @dataclass
 class SafetensorsSource:
@@ -125,9 +146,16 @@ class SafetensorsSource:
 
     def param_tensors(self, unit: UnitSpec):
         """Each parameter as stored (its file's dtype), read when it is reached, file by file."""
+        yield from self._read(unit.params)
+
+    def buffer_tensors(self, unit: UnitSpec):
+        """Each constant buffer as stored (routers keep theirs FP32), under HF's name."""
+        yield from self._read(unit.buffers)
+
+    def _read(self, slots):
         from safetensors import safe_open
         by_file: dict[str, list] = {}
-        for p in unit.params:
+        for p in slots:
             if p.full_name not in self.weight_map:
                 raise KeyError(f"{self.directory}: tensor {p.full_name!r} missing from the checkpoint")
             by_file.setdefault(self.weight_map[p.full_name], []).append(p)
@@ -153,6 +181,10 @@ class StateDictSource:
     def param_tensors(self, unit: UnitSpec):
         for p in unit.params:
             yield p, self.state[p.full_name]
+
+    def buffer_tensors(self, unit: UnitSpec):
+        for b in unit.buffers:
+            yield b, self.state[b.full_name]
 
     def fingerprint(self) -> str:
         """Every tensor's name, dtype, shape and bytes (the weights are in memory already)."""
@@ -181,6 +213,10 @@ class LoadedModel:
     source: WeightSource
     tokenizer: object | None
     source_dir: Path | None = None   # where tokenizer/config files come from, if any
+
+    def __post_init__(self):
+        # the units' constant buffers come with the model, before any engine reads them
+        fill_buffers(self.split, self.source)
 
 
 def embedded_gguf() -> tuple[Path, str]:

@@ -6,7 +6,7 @@ weights on the CPU in fp32, and one batch of 2 x 16 tokens (a padded row, a mask
 prompt) runs twice on the same weights:
 
 - slidetune's split, as the engines run it: embedding unit, each decoder layer unit
-  with the kwargs the base model hands its layers, final norm + head through the
+  with the kwargs the base model hands its layers (and its constant buffers, random too), final norm + head through the
   chunked cross-entropy (with the family's transforms), token-summed loss / tokens;
 - transformers' own `model(input_ids, attention_mask, labels).loss` and `backward()`.
 
@@ -89,6 +89,10 @@ def _cut(config: PretrainedConfig, small_widths: bool, small_vocab: bool) -> Pre
         if isinstance(value, list) and len(value) == n and n > len(keep):
             d[key] = [value[i] for i in keep]
     d["num_hidden_layers"] = len(keep)
+    layers = d.get("num_layers")
+    if isinstance(layers, int) and 0 < layers < n and n % layers == 0:
+        # blocks of n // layers sub-layers each, counted in num_layers too (LongCat-Flash: 2)
+        d["num_layers"] = max(1, len(keep) * layers // n)
     if small_vocab:
         d["vocab_size"] = VOCAB
         for key in _TOKEN_IDS:                 # ids past the small vocabulary would index out of range
@@ -108,12 +112,18 @@ def _cut(config: PretrainedConfig, small_widths: bool, small_vocab: bool) -> Pre
                 d["num_key_value_heads"] = 4 if kv in (None, heads) else 2
         if d.get("qk_rope_head_dim") is not None and d.get("head_dim") is not None:
             d["head_dim"] = d["qk_rope_head_dim"]     # MLA: the rotary runs over the rope part only
+        if d.get("qk_head_dim") is not None and d.get("qk_nope_head_dim") is not None:
+            d["qk_head_dim"] = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]   # derived, saved (LongCat)
         for key in _EXPERT_COUNTS:
             if isinstance(d.get(key), int) and d[key] > 4:
                 d[key] = 4
         for key in _EXPERTS_PER_TOKEN:
             if isinstance(d.get(key), int) and d[key] > 2:
                 d[key] = 2
+        if isinstance(d.get("n_group"), int) and d["n_group"] > 2:
+            # grouped routing (DeepSeek-V3, A.X K1): 8 groups of 4 experts would be empty; 2 groups of
+            # 2, the best one kept, still route through the groups
+            d["n_group"], d["topk_group"] = 2, 1
     if isinstance(d.get("sliding_window"), int):
         d["sliding_window"] = min(d["sliding_window"], SEQ // 2)   # so the window cuts inside the batch
     d.pop("transformers_version", None)
@@ -134,6 +144,18 @@ def _random_weights(model: torch.nn.Module, seed: int) -> None:
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen) * 0.1
             p.copy_(1.0 + noise if p.dim() < 2 and name.endswith("weight") else noise)
+
+
+def _random_buffers(model: torch.nn.Module, split: SplitModel, seed: int) -> None:
+    """The constant buffers the split carries (MoE routers' correction biases: HF's init is zero,
+    which would hide a buffer the split dropped) random in the reference, and the split given the
+    same values, as a loaded model's buffers are given by its weight source."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, _ in split.named_buffers():
+            b = model.get_buffer(name)
+            b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
+    split.set_buffers({name: model.get_buffer(name) for name, _ in split.named_buffers()})
 
 
 def _batch(vocab: int, seed: int):
@@ -174,6 +196,7 @@ def _run(config: PretrainedConfig, seed: int) -> ReferenceCheckResult:
     reference.eval()                        # no dropout; gradients still flow
     _random_weights(reference, seed)
     split = SplitModel(skeleton(config))
+    _random_buffers(reference, split, seed)
     state = dict(reference.named_parameters())
     ids, mask, hf_labels, labels = _batch(config.vocab_size, seed)
 

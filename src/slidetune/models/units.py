@@ -3,7 +3,8 @@
 The model itself is never modified: it is built on the `meta` device as a
 skeleton, and each unit's computation runs the skeleton's own modules through
 `torch.func.functional_call` with parameter tensors supplied by the engine (views
-of a flat buffer on the compute device). What the decoder layers receive besides
+of a flat buffer on the compute device), and a decoder layer's constant buffers (MoE
+routers' correction biases: buffers.py) beside them. What the decoder layers receive besides
 the hidden states (attention masks per layer type, rotary embeddings, position
 ids) is recorded by running the base model's own forward with the layers
 replaced by recorders, so every family's mask and rotary logic is HF's own.
@@ -21,6 +22,7 @@ from torch.nn import functional as F
 from torch.func import functional_call
 
 from ..ops.cross_entropy import RowNorm, linear_cross_entropy, linear_cross_entropy_grads, linear_token_losses
+from .buffers import BufferSlot, DeviceBuffers, non_persistent_buffers, unit_buffer_slots
 from .transforms import ModelTransforms, model_transforms
 
 
@@ -54,6 +56,9 @@ class UnitSpec:
     params: list[ParamSlot] = field(default_factory=list)
     numel: int = 0
     n_decay: int = 0       # params[:k] with decay occupy flat[:n_decay]; the rest follow
+    # constant buffers read beside the parameters, never in the flat buffer (buffers.py: MoE
+    # routers' score-correction biases); decoder layers only
+    buffers: list[BufferSlot] = field(default_factory=list)
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Parameter views (local names) of a flat buffer laid out like this unit."""
@@ -131,6 +136,7 @@ class SplitModel:
         names: dict[int, str] = {}
         for n, p in model.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), n)      # a tied weight keeps its first name (the embedding's)
+        buffer_names = {id(b): n for n, b in model.named_buffers(remove_duplicate=False)}
         self.embed_module = embed
         self.norm_module = norm
         self.lm_head_module = lm_head
@@ -146,6 +152,7 @@ class SplitModel:
         for i, layer in enumerate(self.layer_modules):
             lu = UnitSpec(f"layer.{i}", "layer", i + 1, layer)
             _layout(lu, [(n, full(layer, n), p) for n, p in layer.named_parameters()])
+            lu.buffers = unit_buffer_slots(model, layer, buffer_names)
             self.units.append(lu)
         head = _HeadModule(norm, None if self.tied else lm_head)
         hu = UnitSpec("head", "head", len(self.units), head)
@@ -158,6 +165,7 @@ class SplitModel:
             raise UnsupportedModelError(f"{type(model).__name__}: the final norm also runs on the embeddings, "
                                         f"and it has parameters (they would belong to two units)")
         self._check_buffers()
+        self.layer_buffers = DeviceBuffers([u.buffers for u in self.layer_units])
         self._rotary_cache: dict = {}
         self._buffer_cache: dict = {}
 
@@ -172,16 +180,40 @@ class SplitModel:
             f".transformer, .decoder with a .layers stack)")
 
     def _check_buffers(self) -> None:
-        """Buffers of the units are not in the flat parameter buffers. The embedding's
-        `embed_scale` (Gemma's sqrt(hidden) normalizer) is rebuilt from its scalar; any
-        other buffer would be a meta tensor at run time, so it refuses here."""
+        """Buffers are not in the flat parameter buffers. The embedding's `embed_scale` (Gemma's
+        sqrt(hidden) normalizer) is rebuilt from its scalar, and a decoder layer's persistent
+        buffers travel beside its parameters (buffers.py); any other buffer would be a meta tensor
+        at run time, so it refuses here."""
         for unit in self.units:
+            carried = {b.local_name for b in unit.buffers}
             for name, _ in unit.module.named_buffers():
                 if unit.kind == "embed" and name == "embed_scale" and hasattr(unit.module, "scalar_embed_scale"):
                     continue
+                if name in carried:
+                    continue
+                what = "a non-persistent buffer (HF recomputes it)" if name in non_persistent_buffers(unit.module) \
+                    else "a buffer"
                 raise UnsupportedModelError(
-                    f"{type(self.model).__name__}: unit {unit.name} has the buffer {name!r}, which the "
-                    f"sliding units do not carry (only parameters slide)")
+                    f"{type(self.model).__name__}: unit {unit.name} has {what} {name!r}, which the "
+                    f"sliding units do not carry (only parameters and decoder layers' persistent buffers slide)")
+
+    # ---- constant buffers (buffers.py) -----------------------------------------
+    def named_buffers(self):
+        """(HF name, FP32 host value) of every buffer the units carry, in unit order."""
+        for unit in self.units:
+            for b in unit.buffers:
+                yield b.full_name, b.value
+
+    def set_buffers(self, values) -> None:
+        """Every carried buffer from `values` (HF name -> tensor: a checkpoint's or a source's)."""
+        with torch.no_grad():
+            for unit in self.units:
+                for b in unit.buffers:
+                    t = values[b.full_name]
+                    if tuple(t.shape) != b.shape:
+                        raise ValueError(f"{b.full_name}: shape {tuple(t.shape)}, the model expects {b.shape}")
+                    b.value.copy_(t)
+        self.layer_buffers.forget()
 
     def _embed_buffers(self, device: torch.device) -> dict[str, torch.Tensor]:
         if not hasattr(self.embed_module, "scalar_embed_scale"):
@@ -263,19 +295,23 @@ class SplitModel:
 
     def layer_forward(self, i: int, params: dict[str, torch.Tensor], hidden: torch.Tensor,
                       kwargs: dict) -> torch.Tensor:
-        return run_layer(self.layer_modules[i], params, hidden, kwargs)
+        return run_layer(self.layer_modules[i], params, hidden, kwargs,
+                         self.layer_buffers.of(i, hidden.device, hidden.dtype))
 
     def layer_template(self, i: int) -> nn.Module:
         """The first decoder layer built like layer i: same class and the same attention
-        attributes (type, sliding window), so running layer i's parameters through it is
-        running layer i. A compiled layer forward keyed on the template compiles once per
-        kind of layer instead of once per layer."""
-        def kind(m: nn.Module):
+        attributes (type, sliding window) and the same parameters and buffers (an MoE family's
+        dense first layers are the same class as its MoE layers), so running layer i's parameters
+        through it is running layer i. A compiled layer forward keyed on the template compiles
+        once per kind of layer instead of once per layer."""
+        def kind(j: int):
+            m, unit = self.layer_modules[j], self.layer_units[j]
             attn = getattr(m, "self_attn", None)
             return (type(m), getattr(m, "attention_type", None), getattr(attn, "sliding_window", None),
-                    getattr(attn, "is_causal", None))
-        want = kind(self.layer_modules[i])
-        return next(m for m in self.layer_modules if kind(m) == want)
+                    getattr(attn, "is_causal", None), unit.signature(),
+                    tuple((b.local_name, b.shape, b.keep_fp32) for b in unit.buffers))
+        want = kind(i)
+        return self.layer_modules[next(j for j in range(self.num_layers) if kind(j) == want)]
 
     def head_loss(self, params: dict[str, torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor,
                   lm_weight: torch.Tensor | None = None, impl: str = "chunked",
@@ -336,7 +372,10 @@ class SplitModel:
         return functional_call(self.norm_module, params, (x,))
 
 
-def run_layer(module: nn.Module, params: dict[str, torch.Tensor], hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    """One decoder layer on the given parameters (functional_call): [B, S, d] -> [B, S, d]."""
-    out = functional_call(module, params, (hidden,), kwargs)
+def run_layer(module: nn.Module, params: dict[str, torch.Tensor], hidden: torch.Tensor, kwargs: dict,
+              buffers: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """One decoder layer on the given parameters and constant buffers (functional_call):
+    [B, S, d] -> [B, S, d]. The buffers are merged here, so `params` stays what a backward
+    differentiates."""
+    out = functional_call(module, {**params, **buffers} if buffers else params, (hidden,), kwargs)
     return out[0] if isinstance(out, tuple) else out

@@ -56,13 +56,17 @@ class LayerRunner:
     def _module_of(self, i: int):
         return self._templates[i] if self.compiled else self.split.layer_modules[i]
 
+    def _buffers(self, i: int, x: torch.Tensor) -> dict:
+        """Layer i's constant buffers (models/buffers.py) for its template: layer i's values."""
+        return self.split.layer_buffers.of(i, x.device, x.dtype)
+
     def forward(self, i: int, params: dict, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """Layer i's output [B, S, d] on the given parameter views (call under no_grad)."""
         if self.lean is not None:
             return self.lean.forward(i, params, x, kwargs, attention=self._attention, mlp=self._mlp,
                                      layer=self._module_of(i))
         if self._layer is not None:
-            return self._layer(self._templates[i], params, x, kwargs)
+            return self._layer(self._templates[i], params, x, kwargs, self._buffers(i, x))
         return self.split.layer_forward(i, params, x, kwargs)
 
     def recompute_backward(self, i: int, params: dict, x: torch.Tensor, grad_out: torch.Tensor, kwargs: dict,
@@ -77,7 +81,7 @@ class LayerRunner:
         with torch.enable_grad():
             with timer.span("recompute", i):
                 if self._layer is not None:
-                    out = self._layer(self._templates[i], params, xi, kwargs)
+                    out = self._layer(self._templates[i], params, xi, kwargs, self._buffers(i, xi))
                 else:
                     out = self.split.layer_forward(i, params, xi, kwargs)
             with timer.span("backward", i):
