@@ -186,7 +186,7 @@ def test_a_disk_tier_run_warms_up_past_its_first_sweep_and_reports_its_disk_rate
     # The tier's files start as unwritten extents: the first sweep reads zeros the disk never
     # serves, so one warm-up step measured a fast step then a slow one (the 2026-11-25 14B: 22 s,
     # 65 s). The bench keeps at least two warm-up steps there, and says so.
-    from slidetune.bench.scenarios.throughput import _row
+    from slidetune.bench.scenarios.throughput_rows import _row
     spec = MeasureSpec(workload=BenchWorkload("tiny-llama", seq_len=16, batch_size=2, steps=1, warmup=1),
                        per_layer=False, max_grad_norm=1.0,
                        runtime=dict(device="cpu", mode="slide", disk_units=1, disk_dir=str(tmp_path),
