@@ -145,14 +145,23 @@ def test_throughput_profile_adds_the_profiled_table_and_gantt_charts(tmp_path):
 
 def test_throughput_trains_a_preference_objective(tmp_path):
     """`bench throughput --objective dpo`: the slide row trains micro-batches of whole pairs through
-    the two-pass head (its recipe named), measured like any other; an odd micro-batch is refused."""
+    the two-pass head (its recipe named), measured like any other, with the reference pass a DPO run
+    makes before training beside it (reference_s, per step's pairs: a forward alone, below the step);
+    an odd micro-batch is refused."""
     from slidetune.bench.scenarios import throughput
     out = throughput.run(_args(throughput, ["--smoke", "--out", str(tmp_path), "--models", "tiny-llama",
                                             "--systems", "slide", "--recipes", "clip", "--objective", "dpo"]))
-    (row,) = _finite_csv(out / "throughput.csv", ["step_s_mean", "tokens_per_s"])
+    (row,) = _finite_csv(out / "throughput.csv", ["step_s_mean", "tokens_per_s", "reference_s",
+                                                  "reference_tokens_per_s"])
     assert row["status"] == "ok" and row["recipe"] == "clip+dpo" and float(row["tokens_per_s"]) > 0
-    spec = json.loads((out / "throughput.json").read_text())["runs"][0]["spec"]
+    assert 0 < float(row["reference_s"]) < float(row["step_s_mean"])
+    assert float(row["reference_tokens_per_s"]) > float(row["tokens_per_s"])
+    run = json.loads((out / "throughput.json").read_text())["runs"][0]
+    spec = run["spec"]
     assert spec["objective"] == "dpo" and spec["max_grad_norm"] == 1.0
+    assert len(run["reference_s_repeats"]) == 3 and all(t > 0 for t in run["reference_s_repeats"])
+    report = (out / "report.md").read_text()
+    assert "| reference_s |" in report and "reference_s: the reference pass" in report
     with pytest.raises(ValueError, match="whole pairs"):
         throughput.run(_args(throughput, ["--smoke", "--out", str(tmp_path / "odd"), "--models", "tiny-llama",
                                           "--systems", "slide", "--recipes", "clip+accum2", "--objective", "dpo"]))
@@ -171,6 +180,9 @@ def test_throughput_smoke(tmp_path):
     # the CPU's floor is partial (no GPU rates): the hardware floor stays empty, the column there
     assert by["slide"]["hw_floor_s"] == by["slide"]["step_over_hw_floor"] == ""
     assert by["deepspeed"]["status"] in ("not installed", "needs CUDA")
+    # SFT has no reference pass: the columns are there, empty, and the report leaves them out
+    assert by["slide"]["reference_s"] == by["slide"]["reference_tokens_per_s"] == ""
+    assert "reference_s" not in (out / "report.md").read_text()
     json.loads((out / "throughput.json").read_text())
     _pngs(out, ["tokens_per_s.png", "model_tflops.png", "gpu_peak.png", "step_over_floor.png"])
     assert "6 N_matmul" in (out / "report.md").read_text()

@@ -61,11 +61,16 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
     labels, keys, scaled = _write_plots(out, rows)
     lines = _method_lines(machine, cuda, slide_runtime)
     ab = any(r.get("variant") for r in rows)
+    ref = any(r.get("reference_s") is not None for r in rows)     # a preference objective with a reference
     lines += O.md_table(rows, ["model", "seq_len", "batch_size", "system", "recipe"] + (["variant", "round"] if ab else [])
-                        + ["gpus", "status", "step_s_mean", "tokens_per_s",
-                           "model_tflops", "gpu_peak_alloc_gib", "cpu_peak_rss_gib", "step_over_floor",
+                        + ["gpus", "status", "step_s_mean"] + (["reference_s"] if ref else []) + ["tokens_per_s"]
+                        + (["reference_tokens_per_s"] if ref else [])
+                        + ["model_tflops", "gpu_peak_alloc_gib", "cpu_peak_rss_gib", "step_over_floor",
                            "floor_bound_by", "step_over_hw_floor", "hw_floor_bound_by", "oom_requested_gib"],
-                        {"step_s_mean": 3, "tokens_per_s": 0, "model_tflops": 1})
+                        {"step_s_mean": 3, "reference_s": 3, "tokens_per_s": 0, "reference_tokens_per_s": 0,
+                         "model_tflops": 1})
+    if ref:
+        lines += REFERENCE_LINES
     lines += _hardware_lines(floors)
     if ab:
         lines += ab_lines(rows)
@@ -84,6 +89,15 @@ def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", pe
         lines += ["**Not yet:** CPU run. FSDP2 / DeepSpeed rows need CUDA; slide and gpu rows are tiny shapes in "
                   "FP32 on the CPU and say nothing about the GPU targets of issue 5.", ""]
     (out / "report.md").write_text("\n".join(lines))
+
+
+# what the reference columns mean, under the table that has them
+REFERENCE_LINES = ["", "reference_s: the reference pass of a preference objective with a reference (dpo, ipo), "
+                   "seconds per step's pairs, beside the step it precedes: a run computes the reference's "
+                   "log-probabilities of every pair once before training, a forward-only pass of the same engine "
+                   "(objectives/reference.py); timed on the step's micro-batches after the measured steps "
+                   "(bench.measure.reference_pass), the mean of a few passes. reference_tokens_per_s: the step's "
+                   "tokens over it. A run of P pairs spends reference_s x P / (pairs a step) on it once.", ""]
 
 
 def _write_plots(out: Path, rows: list[dict]) -> tuple[list[str], list[str], bool]:

@@ -10,7 +10,7 @@ from .throughput_recipe import parse_recipe
 
 
 COLUMNS = ["model", "seq_len", "batch_size", "system", "recipe", "variant", "round", "gpus", "chosen_by", "status",
-           "step_s_mean", "step_s_std",
+           "step_s_mean", "step_s_std", "reference_s", "reference_tokens_per_s",
            "tokens_per_s", "tokens_per_s_per_gpu", "scaling_efficiency", "model_tflops", "gpu_peak_alloc_gib",
            "gpu_peak_reserved_gib", "cpu_peak_rss_gib", "host_rss_gib", "allreduce_s", "allreduce_busbw_gib_s",
            "floor_s",
@@ -47,6 +47,9 @@ def _row(system, model, batch, seq, r, fpt, fl, recipe: dict | None = None, coll
     if row["tokens_per_s"] and fpt:
         row["model_tflops"] = row["tokens_per_s"] * fpt / 1e12
     row["call_s_mean"] = r.get("call_s_mean")
+    # dpo, ipo: the reference pass a run makes once before training, per step's pairs (bench.measure
+    # reference_pass), beside the step it precedes
+    row["reference_s"], row["reference_tokens_per_s"] = r.get("reference_s"), r.get("reference_tokens_per_s")
     if r.get("disk_io_bytes_per_step") and row["step_s_mean"]:
         # the disk tier's reads and writes a step over the step: the rate the run drew from the
         # disk (its floor's disk_s used the probe's mixed rate; a run below it lost time elsewhere)
