@@ -186,7 +186,7 @@ def test_a_disk_tier_run_warms_up_past_its_first_sweep_and_reports_its_disk_rate
     # The tier's files start as unwritten extents: the first sweep reads zeros the disk never
     # serves, so one warm-up step measured a fast step then a slow one (the 2026-11-25 14B: 22 s,
     # 65 s). The bench keeps at least two warm-up steps there, and says so.
-    from slidetune.bench.scenarios.throughput import _row
+    from slidetune.bench.scenarios.throughput_rows import _row
     spec = MeasureSpec(workload=BenchWorkload("tiny-llama", seq_len=16, batch_size=2, steps=1, warmup=1),
                        per_layer=False, max_grad_norm=1.0,
                        runtime=dict(device="cpu", mode="slide", disk_units=1, disk_dir=str(tmp_path),
@@ -222,3 +222,22 @@ def test_lane_busy_fraction_is_the_union_of_a_lanes_spans_over_the_step():
     assert lane_busy_fraction(timeline, "disk") == pytest.approx(0.6)     # [0, 50] and [70, 80]
     assert lane_busy_fraction(timeline, "gpu") == pytest.approx(1.0)
     assert lane_busy_fraction(timeline, "upload") is None and lane_busy_fraction(None, "disk") is None
+
+
+@pytest.mark.slow
+def test_measure_times_the_reference_pass_of_an_objective_with_a_reference():
+    """ipo (a reference): the result carries the reference pass over a step's pairs, each repeat
+    measured; simpo (reference-free): no reference pass to time, no field."""
+    def run(objective: str) -> dict:
+        spec = MeasureSpec(workload=BenchWorkload("tiny-llama", seq_len=16, batch_size=2, steps=1, warmup=1),
+                           grad_accum=2, runtime=dict(device="cpu", mode="ckpt"), per_layer=False,
+                           objective=objective)
+        r = measure(spec)
+        assert r["status"] == "ok", r.get("error")
+        return r
+    ipo = run("ipo")
+    assert len(ipo["reference_s_repeats"]) == 3 and all(t > 0 for t in ipo["reference_s_repeats"])
+    assert ipo["reference_s"] == pytest.approx(sum(ipo["reference_s_repeats"]) / 3)
+    assert ipo["reference_tokens_per_s"] == pytest.approx(2 * 16 * 2 / ipo["reference_s"])
+    simpo = run("simpo")
+    assert "reference_s" not in simpo and "reference_tokens_per_s" not in simpo

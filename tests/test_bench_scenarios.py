@@ -324,7 +324,8 @@ def test_a_machine_value_with_line_breaks_stays_one_comment_line(tmp_path):
 def test_the_throughput_sweep_lists_its_runs_in_the_order_they_run():
     """Per workload and rank count: each system; on 2 ranks slide alone; the baselines once (plain),
     slide every recipe, an A/B's variants back to back within each round."""
-    from slidetune.bench.scenarios.throughput import parse_recipe, sweep
+    from slidetune.bench.scenarios.throughput import sweep
+    from slidetune.bench.scenarios.throughput_recipe import parse_recipe
     plain, clip = parse_recipe("plain"), parse_recipe("clip")
     runs = sweep(["m"], [64], [2, 4], [1, 2], ["slide", "fsdp2"], [plain, clip], [("a", {"x": 1}), ("b", {})], 2)
     assert [(r.batch, r.gpus, r.system, r.round, r.recipe["name"], r.variant) for r in runs[:9]] == [

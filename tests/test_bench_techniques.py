@@ -145,14 +145,23 @@ def test_throughput_profile_adds_the_profiled_table_and_gantt_charts(tmp_path):
 
 def test_throughput_trains_a_preference_objective(tmp_path):
     """`bench throughput --objective dpo`: the slide row trains micro-batches of whole pairs through
-    the two-pass head (its recipe named), measured like any other; an odd micro-batch is refused."""
+    the two-pass head (its recipe named), measured like any other, with the reference pass a DPO run
+    makes before training beside it (reference_s, per step's pairs: a forward alone, below the step);
+    an odd micro-batch is refused."""
     from slidetune.bench.scenarios import throughput
     out = throughput.run(_args(throughput, ["--smoke", "--out", str(tmp_path), "--models", "tiny-llama",
                                             "--systems", "slide", "--recipes", "clip", "--objective", "dpo"]))
-    (row,) = _finite_csv(out / "throughput.csv", ["step_s_mean", "tokens_per_s"])
+    (row,) = _finite_csv(out / "throughput.csv", ["step_s_mean", "tokens_per_s", "reference_s",
+                                                  "reference_tokens_per_s"])
     assert row["status"] == "ok" and row["recipe"] == "clip+dpo" and float(row["tokens_per_s"]) > 0
-    spec = json.loads((out / "throughput.json").read_text())["runs"][0]["spec"]
+    assert 0 < float(row["reference_s"]) < float(row["step_s_mean"])
+    assert float(row["reference_tokens_per_s"]) > float(row["tokens_per_s"])
+    run = json.loads((out / "throughput.json").read_text())["runs"][0]
+    spec = run["spec"]
     assert spec["objective"] == "dpo" and spec["max_grad_norm"] == 1.0
+    assert len(run["reference_s_repeats"]) == 3 and all(t > 0 for t in run["reference_s_repeats"])
+    report = (out / "report.md").read_text()
+    assert "| reference_s |" in report and "reference_s: the reference pass" in report
     with pytest.raises(ValueError, match="whole pairs"):
         throughput.run(_args(throughput, ["--smoke", "--out", str(tmp_path / "odd"), "--models", "tiny-llama",
                                           "--systems", "slide", "--recipes", "clip+accum2", "--objective", "dpo"]))
@@ -171,6 +180,9 @@ def test_throughput_smoke(tmp_path):
     # the CPU's floor is partial (no GPU rates): the hardware floor stays empty, the column there
     assert by["slide"]["hw_floor_s"] == by["slide"]["step_over_hw_floor"] == ""
     assert by["deepspeed"]["status"] in ("not installed", "needs CUDA")
+    # SFT has no reference pass: the columns are there, empty, and the report leaves them out
+    assert by["slide"]["reference_s"] == by["slide"]["reference_tokens_per_s"] == ""
+    assert "reference_s" not in (out / "report.md").read_text()
     json.loads((out / "throughput.json").read_text())
     _pngs(out, ["tokens_per_s.png", "model_tflops.png", "gpu_peak.png", "step_over_floor.png"])
     assert "6 N_matmul" in (out / "report.md").read_text()
@@ -256,7 +268,7 @@ def test_throughput_max_seq_and_max_batch_run_at_the_planned_limits(tmp_path, mo
     longest sequence, and at the largest batch at --seq-lens, that engine.limits finds on the budget a
     run reads here (a 1 GiB host, SLIDETUNE_HOST_MEMORY_BYTES, which the runs' own fit check reads too);
     each row says it was chosen so, and each run passes its fit check and trains."""
-    from slidetune.bench.scenarios import throughput
+    from slidetune.bench.scenarios import throughput, throughput_report
     from slidetune.engine.config import RuntimeConfig
     from slidetune.engine.fit import ENV_HOST_MEMORY
     from slidetune.engine.limits import MachineBudget, Recipe, find_limits
@@ -283,7 +295,7 @@ def test_throughput_max_seq_and_max_batch_run_at_the_planned_limits(tmp_path, mo
     assert "## At the planned limits (--max-seq, --max-batch)" in report
     assert f"| 1 x {planned.longest_seq.value} |" in report and f"{planned.longest_seq.value + 128}: host RAM" in report
     # `slidetune report` rewrites it from throughput.json: the rows keep how they were chosen
-    throughput.rewrite_report(out)
+    throughput_report.rewrite_report(out)
     assert "## At the planned limits" in (out / "report.md").read_text()
     assert read_csv(out / "throughput.csv")[0]["chosen_by"] == rows[0]["chosen_by"]
 
@@ -637,21 +649,21 @@ def test_throughput_rows_use_the_floor_of_the_runs_placement(tmp_path):
     the all-on-host probe floor (which it can beat); `slidetune report` rewrites an existing
     throughput directory with it, keeping the baselines' rows as they were."""
     from slidetune.bench.report import write_report
-    from slidetune.bench.scenarios import throughput
+    from slidetune.bench.scenarios import throughput_rows
     fl = {"status": "ok", "partial": False, "floor_s": 2.0, "bound_by": "adamw_s", "compute": _COMP,
           "copy": _COPY, "adamw": {"adamw_params_per_s": (4 * 100 + 50) * 2**20 / 2.0}}
     slide = {"status": "ok", "step_s_mean": 1.1, "tokens_per_s": 100.0, "flops_per_token": 1e9,
              "runtime": {"device_layers": 3, "vocab_update": "device", "cache_units": 0},
              "spec": {"runtime": {"mode": "slide", "device": "cuda", "compile_layers": True}},
              "device_layers": 3, "host_threads": 15}
-    row = throughput._row("slide", "m", 8, 1024, slide, 1e9, fl)
+    row = throughput_rows._row("slide", "m", 8, 1024, slide, 1e9, fl)
     assert row["floor_bound_by"] == "compute_s" and row["step_over_floor"] == pytest.approx(1.1)
     assert (row["device_layers"], row["host_threads"]) == (3, 15)
     ds = {"status": "ok", "step_s_mean": 3.0, "tokens_per_s": 30.0, "system": "deepspeed-zero3-cpu-offload"}
-    assert throughput._row("deepspeed", "m", 8, 1024, ds, 1e9, fl)["step_over_floor"] == pytest.approx(1.5)
+    assert throughput_rows._row("deepspeed", "m", 8, 1024, ds, 1e9, fl)["step_over_floor"] == pytest.approx(1.5)
     # an old directory whose rows held the probe floor (step/floor 0.55) is rewritten
-    old = [dict(throughput._row("slide", "m", 8, 1024, slide, 1e9, fl), step_over_floor=0.55, floor_bound_by="adamw_s"),
-           throughput._row("deepspeed", "m", 8, 1024, ds, 1e9, fl)]
+    old = [dict(throughput_rows._row("slide", "m", 8, 1024, slide, 1e9, fl), step_over_floor=0.55, floor_bound_by="adamw_s"),
+           throughput_rows._row("deepspeed", "m", 8, 1024, ds, 1e9, fl)]
     doc = {"machine": {"gpu": "test"}, "rows": old, "floors": {"m/b8/s1024": fl},
            "runs": [{"key": "m/b8/s1024", "system": "slide", **slide}, {"key": "m/b8/s1024", **ds}]}
     (tmp_path / "throughput.json").write_text(json.dumps(doc))
@@ -674,7 +686,7 @@ def test_throughput_rows_hold_each_run_to_its_hardware_floor(tmp_path):
     empty."""
     from slidetune.bench.report import write_report
     from slidetune.bench.roofline import floor_terms
-    from slidetune.bench.scenarios import throughput
+    from slidetune.bench.scenarios import throughput_floor, throughput_recipe, throughput_rows
     adamw = {"adamw_params_per_s": (4 * 100 + 50) * 2**20 / 2.0}
     terms = floor_terms(_COMP, _COPY, adamw)
     fl = {"status": "ok", "partial": False, "floor_s": 2.0, "bound_by": "adamw_s", "terms": terms,
@@ -682,33 +694,33 @@ def test_throughput_rows_hold_each_run_to_its_hardware_floor(tmp_path):
     slide = {"status": "ok", "step_s_mean": 1.1, "tokens_per_s": 100.0, "flops_per_token": 1e9,
              "runtime": {"mode": "slide", "device_layers": 3, "vocab_update": "device", "cache_units": 0},
              "spec": {"runtime": {"mode": "slide", "device": "cuda"}}}
-    row = throughput._row("slide", "m", 8, 1024, slide, 1e9, fl)
+    row = throughput_rows._row("slide", "m", 8, 1024, slide, 1e9, fl)
     assert row["floor_bound_by"] == "compute_s" and row["step_over_floor"] == pytest.approx(1.1)
     assert row["hw_floor_bound_by"] == "compute_s" and row["hw_floor_s"] == pytest.approx(0.56)
     assert row["step_over_hw_floor"] == pytest.approx(1.1 / 0.56)
     # clipped: the sweep's GPU part (every layer's recompute + backward, the head, one layer's forward:
     # 0.56 - 3 x 0.03 s) at the hardware's rates too, then the one host layer's AdamW, 200/450 s
-    clipped = throughput._hardware_floor("slide", slide, fl, throughput.parse_recipe("clip"), None, 1)
+    clipped = throughput_floor._hardware_floor("slide", slide, fl, throughput_recipe.parse_recipe("clip"), None, 1)
     assert clipped[1] == "clip_sweep_s" and clipped[0] == pytest.approx(0.56 - 3 * 0.03 + 200 / 450)
     ds = {"status": "ok", "step_s_mean": 3.0, "tokens_per_s": 30.0, "spec": {"recompute": True}}
-    ds_row = throughput._row("deepspeed", "m", 8, 1024, ds, 1e9, fl)
+    ds_row = throughput_rows._row("deepspeed", "m", 8, 1024, ds, 1e9, fl)
     assert ds_row["hw_floor_bound_by"] == "adamw_s" and ds_row["step_over_hw_floor"] == pytest.approx(1.5)
-    plain = throughput.parse_recipe("plain")
-    assert throughput._hardware_floor("deepspeed", ds, fl, plain, None, 1)[2]["compute_s"] == pytest.approx(0.56)
+    plain = throughput_recipe.parse_recipe("plain")
+    assert throughput_floor._hardware_floor("deepspeed", ds, fl, plain, None, 1)[2]["compute_s"] == pytest.approx(0.56)
     no_recompute = dict(ds, spec={"recompute": False})
-    assert throughput._hardware_floor("fsdp2", no_recompute, fl, plain, None, 1)[2]["compute_s"] == pytest.approx(0.44)
+    assert throughput_floor._hardware_floor("fsdp2", no_recompute, fl, plain, None, 1)[2]["compute_s"] == pytest.approx(0.44)
     ckpt = {"status": "ok", "step_s_mean": 0.5, "runtime": {"mode": "ckpt", "recompute": "none"}}
-    assert throughput._hardware_floor("gpu-ckpt", ckpt, fl, plain, None, 1)[2]["compute_s"] == pytest.approx(0.44)
+    assert throughput_floor._hardware_floor("gpu-ckpt", ckpt, fl, plain, None, 1)[2]["compute_s"] == pytest.approx(0.44)
     # the CPU's partial floor: no hardware floor, the columns empty
     cpu = {"status": "ok", "partial": True, "floor_s": 0.5, "bound_by": "adamw_s", "adamw": adamw,
            "terms": {"compute_s": None, "adamw_s": 0.5}}
-    cpu_row = throughput._row("slide", "m", 8, 1024, slide, 1e9, cpu)
+    cpu_row = throughput_rows._row("slide", "m", 8, 1024, slide, 1e9, cpu)
     assert cpu_row["step_over_floor"] == pytest.approx(2.2)
     assert cpu_row["hw_floor_s"] is None and cpu_row.get("step_over_hw_floor") is None
 
     def rewritten(floor: dict) -> dict:
-        rows = [throughput._row("slide", "m", 8, 1024, slide, 1e9, floor),
-                throughput._row("deepspeed", "m", 8, 1024, ds, 1e9, floor)]
+        rows = [throughput_rows._row("slide", "m", 8, 1024, slide, 1e9, floor),
+                throughput_rows._row("deepspeed", "m", 8, 1024, ds, 1e9, floor)]
         doc = {"machine": {"gpu": "test"}, "rows": rows, "floors": {"m/b8/s1024": floor},
                "runs": [{"key": "m/b8/s1024", "system": "slide", **slide}, {"key": "m/b8/s1024", **ds}]}
         (tmp_path / "throughput.json").write_text(json.dumps(doc))
@@ -730,8 +742,7 @@ def test_throughput_rows_hold_each_run_to_its_hardware_floor(tmp_path):
 def test_throughput_variants_alternate_and_pair_in_one_call(tmp_path):
     """--variants a:...;b:... --rounds 2: slide runs a, b, a, b (one floor probe), each row says its
     variant and round, and the report pairs each b with the a of its round."""
-    from slidetune.bench.scenarios import throughput
-    from slidetune.bench.scenarios.throughput import rewrite_report
+    from slidetune.bench.scenarios import throughput, throughput_report
     out = throughput.run(_args(throughput, ["--smoke", "--out", str(tmp_path), "--models", "tiny-llama",
                                             "--systems", "slide", "--recipes", "clip", "--rounds", "2",
                                             "--variants", "one:held_buffers=1;two:held_buffers=2"]))
@@ -740,7 +751,7 @@ def test_throughput_variants_alternate_and_pair_in_one_call(tmp_path):
     assert all(r["status"] == "ok" and float(r["step_s_mean"]) > 0 for r in rows)
     runs = json.loads((out / "throughput.json").read_text())["runs"]
     assert [r["runtime"]["held_buffers"] for r in runs] == [1, 2, 1, 2]       # each run got its variant
-    table = {t["variant"]: t for t in throughput.ab_table(json.loads((out / "throughput.json").read_text())["rows"])}
+    table = {t["variant"]: t for t in throughput_report.ab_table(json.loads((out / "throughput.json").read_text())["rows"])}
     steps = {(r["variant"], r["round"]): float(r["step_s_mean"]) for r in rows}
     assert table["one"]["paired_ratio_mean"] == pytest.approx(1.0)
     expect = (steps["two", "1"] / steps["one", "1"] + steps["two", "2"] / steps["one", "2"]) / 2
@@ -750,7 +761,7 @@ def test_throughput_variants_alternate_and_pair_in_one_call(tmp_path):
     summary = {r["config"] for r in read_csv(out / "per_run" / "summary.csv")}
     assert "slide-tiny-llama-b2-s32-two-r2" in summary
     # the report rewritten from its JSON keeps the variants
-    rewrite_report(out)
+    throughput_report.rewrite_report(out)
     assert [r["variant"] for r in read_csv(out / "throughput.csv")] == ["one", "two", "one", "two"]
 
 
@@ -758,7 +769,7 @@ def test_throughput_variants_of_state_format_each_get_their_adamw_floor(tmp_path
     """--variants fp32:;q8:moments=8bit: one floor probe for the workload, and the 8-bit variant's
     floor with the host AdamW probed in its own format (its own key), found again by `report`."""
     from slidetune.bench.scenarios import throughput
-    from slidetune.bench.scenarios.throughput import rewrite_report
+    from slidetune.bench.scenarios.throughput_report import rewrite_report
     out = throughput.run(_args(throughput, ["--smoke", "--out", str(tmp_path), "--models", "tiny-llama",
                                             "--systems", "slide", "--recipes", "clip",
                                             "--variants", "fp32:;q8:moments=8bit"]))
@@ -802,15 +813,15 @@ def test_throughput_floor_is_probed_for_the_layer_the_run_resolved(tmp_path):
     baselines; `slidetune report` finds each run's floor again, and a directory from before (one
     floor per workload, both layers timed) still reads."""
     from slidetune.bench.report import write_report
-    from slidetune.bench.scenarios import throughput
+    from slidetune.bench.scenarios import throughput_floor, throughput_rows
     lean_run = {"status": "ok", "runtime": {"mode": "slide", "lean_layer": "on"}}
     hf_run = {"status": "ok", "runtime": {"mode": "slide", "lean_layer": "off"}}
-    assert throughput._layer_ran("slide", lean_run) == "lean"
-    assert throughput._layer_ran("slide", hf_run) == "hf"
-    assert throughput._layer_ran("slide", {"status": "refused"}) == "hf"       # ended before it resolved
-    assert throughput._layer_ran("deepspeed", lean_run) == "hf"
-    assert throughput._floor_key("m", 8, 1024, "lean") == "m/b8/s1024/lean"
-    assert throughput._floor_key("m", 8, 1024, "hf") == "m/b8/s1024"
+    assert throughput_floor._layer_ran("slide", lean_run) == "lean"
+    assert throughput_floor._layer_ran("slide", hf_run) == "hf"
+    assert throughput_floor._layer_ran("slide", {"status": "refused"}) == "hf"       # ended before it resolved
+    assert throughput_floor._layer_ran("deepspeed", lean_run) == "hf"
+    assert throughput_floor._floor_key("m", 8, 1024, "lean") == "m/b8/s1024/lean"
+    assert throughput_floor._floor_key("m", 8, 1024, "hf") == "m/b8/s1024"
     slide = {"status": "ok", "step_s_mean": 1.5, "tokens_per_s": 100.0, "flops_per_token": 1e9,
              "runtime": {"mode": "slide", "lean_layer": "on", "device_layers": 0, "cache_units": 3},
              "spec": {"runtime": {"mode": "slide", "device": "cuda"}}}
@@ -822,7 +833,7 @@ def test_throughput_floor_is_probed_for_the_layer_the_run_resolved(tmp_path):
                      compute_s=1.4, lean_layer_forward_s=0.1, lean_layer_recompute_backward_s=0.2,
                      layer_probed="lean")
     fl_lean = dict(fl_hf, compute=lean_comp, floor_s=1.4)
-    row = throughput._row("slide", "m", 8, 1024, slide, 1e9, fl_lean)
+    row = throughput_rows._row("slide", "m", 8, 1024, slide, 1e9, fl_lean)
     assert row["step_over_floor"] == pytest.approx(1.5 / 1.4)
     old_row = dict(row, step_over_floor=9.9)
     doc = {"machine": {"gpu": "test"}, "rows": [old_row], "runs": [{"key": "m/b8/s1024", "system": "slide", **slide}],

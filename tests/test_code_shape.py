@@ -44,6 +44,15 @@ def test_the_trainer_stays_the_loop_and_evaluation():
     assert lines < 800, f"trainer.py has {lines} lines: move a concern into a module of its own"
 
 
+
+def test_the_throughput_bench_stays_in_parts():
+    """Issue 49: `bench throughput` by concern, each module under 800 lines: the sweep
+    (scenarios/throughput.py), its recipes, a run's row, the floors a row is held to, the report."""
+    parts = ["throughput.py", "throughput_recipe.py", "throughput_rows.py", "throughput_floor.py",
+             "throughput_report.py"]
+    lines = {p: len((SRC / "bench" / "scenarios" / p).read_text().splitlines()) for p in parts}
+    assert all(n < 800 for n in lines.values()), f"move a concern into a module of its own: {lines}"
+
 def test_callers_ask_the_engine_interface_not_its_attributes():
     """Issue 49: the trainer, the bench and the checkpoint code call engine.interface.Engine, which
     both engines implement; none probes an engine with getattr/hasattr."""

@@ -163,19 +163,19 @@ def test_ranks_share_the_hosts_cores():
 def test_rows_on_two_ranks_carry_the_allreduce_term_and_the_scaling():
     """The row logic alone (a partial CPU floor, as a CPU run gets): the N=2 row's floor adds the
     all-reduce of the probe's units; efficiency is per-GPU tokens/s over the N=1 row's."""
-    from slidetune.bench.scenarios import throughput
+    from slidetune.bench.scenarios import throughput_rows
     fl = {"status": "ok", "partial": True, "floor_s": 0.01, "bound_by": "adamw_s",
           "terms": {"compute_s": None, "h2d_s": None, "d2h_s": None, "adamw_s": 0.01}}
     numels = [300, 2000, 2000, 200]
     coll = {**_collective(2, small_bw=1e-4, large_bw=1e-3), "bytes_per_elem": 4,
             "sizes_from": {"unit_numels": numels, "grad_bytes": 4}}
     rt = {"mode": "slide", "dtype": "fp32"}
-    one = throughput._row("slide", "m", 2, 32, {"status": "ok", "step_s_mean": 1.0, "tokens_per_s": 64.0,
+    one = throughput_rows._row("slide", "m", 2, 32, {"status": "ok", "step_s_mean": 1.0, "tokens_per_s": 64.0,
                                                 "runtime": rt}, None, fl, ranks=1)
-    two = throughput._row("slide", "m", 2, 32, {"status": "ok", "step_s_mean": 1.6, "tokens_per_s": 80.0,
+    two = throughput_rows._row("slide", "m", 2, 32, {"status": "ok", "step_s_mean": 1.6, "tokens_per_s": 80.0,
                                                 "tokens_per_s_per_gpu": 40.0, "runtime": rt}, None, fl,
                           collective=coll, ranks=2)
-    throughput.add_scaling([one, two])
+    throughput_rows.add_scaling([one, two])
     want = allreduce_term(numels, coll, 4)
     assert one["allreduce_s"] is None and one["floor_s"] == 0.01
     assert two["allreduce_s"] == pytest.approx(want) and two["floor_s"] == pytest.approx(max(0.01, want))

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from slidetune.bench.scenarios.throughput import rewrite_report
+from slidetune.bench.scenarios.throughput_report import rewrite_report
 from slidetune.engine.config import RuntimeConfig
 from slidetune.engine.fit import shared_state_bytes
 from slidetune.engine.placement import PlacementPlan, shapes_from_counts

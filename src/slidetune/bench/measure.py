@@ -254,6 +254,9 @@ def _measure(spec: MeasureSpec, rt: RuntimeConfig, ranks: Ranks, device: Device)
         steps = _step_records(raw, alloc_before, result, timer, timeline, warmup, last_measured)
         engine.synchronize()
         _record_peaks(result, engine, device, host_memory, disk_io, warmup)
+        if spec.preference is not None and spec.preference.needs_reference:
+            # after the peaks: they stay the training step's
+            result.update(reference_pass(spec, engine, split.config.vocab_size, ranks, device))
         if spec.profile:
             result["trace_summary"] = _profile(engine, split.config.vocab_size, spec)
         _summarize_steps(result, steps, spec, ranks, split)
@@ -382,6 +385,45 @@ def _record_peaks(result: dict, engine, device: Device, host_memory: dict, disk_
         moved = [b - a for a, b in zip(disk_io, disk_io[1:])][warmup - 1:]
         if moved:
             result["disk_io_bytes_measured"] = sum(moved) / len(moved)
+
+
+REFERENCE_REPEATS = 3       # timed passes over a step's pairs (after one untimed: its first allocations)
+
+
+def reference_pass(spec: MeasureSpec, engine, vocab: int, ranks: Ranks, device: Device) -> dict:
+    """A preference objective with a reference (dpo, ipo): the time of its reference pass over one
+    step's pairs, measured on this engine. A run computes the reference's log-probabilities once
+    before training, a forward-only pass over every pair (objectives/reference.py reference_logps);
+    timed here as it runs there, over the step's micro-batches: each one's per-token losses
+    (Engine.token_losses), brought to the host and summed per completion. Here the weights are those
+    after the timed steps, not the initial ones: the same work, the same time.
+    reference_s: seconds of the pass per step's pairs (mean of REFERENCE_REPEATS passes);
+    reference_tokens_per_s: the step's tokens over it, every rank's as tokens_per_s counts them."""
+    from ..objectives.preference import completion_sums
+    wl = spec.workload
+    batches = synthetic_batches(vocab, wl.batch_size, wl.seq_len, spec.grad_accum,
+                                wl.seed * 1000 + 500_000 + 10**6 * ranks.rank, spec.preference)
+    engine.synchronize()                  # the last step's updates done: the pass starts on an idle engine
+    timer_enabled = engine.timer.enabled
+    engine.timer.enabled = False          # the bare pass, as a run's (no per-layer events)
+    times = []
+    try:
+        for k in range(REFERENCE_REPEATS + 1):
+            device.synchronize()
+            t = time.perf_counter()
+            for b in batches:
+                rows = engine.token_losses(b).float().cpu()          # [B * S]; .cpu() waits for the GPU
+                completion_sums(rows, b.pairs, b.input_ids.shape[0])
+            device.synchronize()
+            if k:                         # the first pass allocates the forward's buffers: untimed
+                times.append(time.perf_counter() - t)
+    except torch.OutOfMemoryError as e:   # the pass's own failure: the steps' measurement stands
+        return {"reference_error": str(e).splitlines()[0]}
+    finally:
+        engine.timer.enabled = timer_enabled
+    mean = sum(times) / len(times)
+    tokens = wl.batch_size * wl.seq_len * spec.grad_accum * ranks.world_size
+    return {"reference_s": mean, "reference_s_repeats": times, "reference_tokens_per_s": tokens / mean}
 
 
 def _summarize_steps(result: dict, steps: list[dict], spec: MeasureSpec, ranks: Ranks, split) -> None:

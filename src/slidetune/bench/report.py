@@ -1,7 +1,7 @@
 """`slidetune report DIR [--compare-seeds]`: a results directory -> report.md + PNG plots.
 
 Checks the directory and hands it to the writer of its kind: a throughput directory
-(throughput.json) to scenarios.throughput.rewrite_report, a roofline's roofline.json to
+(throughput.json) to scenarios.throughput_report.rewrite_report, a roofline's roofline.json to
 scenarios.roofline.rewrite_report, a soak's results.json to scenarios.soak.rewrite_report, the
 runtime checks' results.json to runtime_check.rewrite_report, a techniques directory
 (techniques.json) to scenarios.techniques.rewrite_report, and any other results.json or
@@ -130,7 +130,7 @@ def write_report(out_dir: Path, compare_seeds: bool = False) -> Path:
 
 def _write_report(out_dir: Path, source: Path, doc: dict | None, compare_seeds: bool) -> Path:
     if source.name == "throughput.json":             # its own format: rows per model, batch and system
-        from .scenarios.throughput import rewrite_report as rewrite_throughput
+        from .scenarios.throughput_report import rewrite_report as rewrite_throughput
         return rewrite_throughput(out_dir)
     if source.name == "roofline.json":               # one floor measurement: its terms
         from .scenarios.roofline import rewrite_report as rewrite_roofline

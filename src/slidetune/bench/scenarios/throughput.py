@@ -27,6 +27,9 @@ on top of --runtime, alternating (a b a b ...) for N rounds against one floor pr
 report pairs each run with its neighbour of the first variant: a VM's memory bandwidth can move
 by a quarter between two invocations minutes apart (NOTES.md "Measuring a step"), which a pair of separate
 calls cannot tell from the change under test.
+This module runs the sweep; its parts: throughput_recipe.py (the recipes), throughput_rows.py (a
+run's row), throughput_floor.py (the floors a row is held to), throughput_report.py (the result files,
+the report and `slidetune report`'s rewrite).
 """
 from __future__ import annotations
 
@@ -38,21 +41,20 @@ from typing import NamedTuple
 
 import torch
 
-from ...engine.placement import resolved_disk_buffers
 from ...objectives.preference import OBJECTIVES
-from ...telemetry.flops import StepFlops
 from .. import output as O
 from ..baselines.deepspeed_zero3 import availability as ds_availability
 from ..baselines.fsdp2 import FSDP2Spec
 from ..baselines.proc import parse_oom, run_worker
-from ..measure import MeasureSpec, lane_busy_fraction
-from ..plots import bar_plot, pareto_plot
-from ..roofline import compute_of_run, floor_terms, hardware_compute, plan_of_runtime
+from ..measure import MeasureSpec
 from ..runner import run_isolated
-from ..tables import config_name, pipeline_rows
 from ..workload import BenchWorkload
-from . import add_common_arguments, common
+from . import add_common_arguments
 from .roofline import measure_floor
+from .throughput_floor import _floor_key, _layer_ran, _state_of
+from .throughput_recipe import _check_recipes, parse_recipe
+from .throughput_report import _write
+from .throughput_rows import _placement, _row, add_scaling
 
 NAME = "throughput"
 SYSTEMS = ("slide", "gpu-ckpt", "fsdp2", "deepspeed")
@@ -108,39 +110,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "torch.profiler after the measured ones, all threads: where the step goes between the "
                         "GPU's streams and the host threads, and a Gantt chart of one step "
                         "(per_run/pipeline_<run>.png); the measured steps run without it")
-
-
-DEFAULT_CLIP = 1.0      # TrainConfig.max_grad_norm's default: the recipe users run
-
-
-def parse_recipe(text: str) -> dict:
-    """'clip+accum4' -> {"name": "clip+accum4", "max_grad_norm": 1.0, "grad_accum": 4, "objective": "sft"};
-    a preference objective as a part ('clip+dpo': batches of pairs, the two-pass head)."""
-    out = {"name": text.strip(), "max_grad_norm": None, "grad_accum": 1, "objective": "sft"}
-    for part in (p.strip() for p in text.split("+")):
-        if part == "plain":
-            continue
-        if part in OBJECTIVES[1:]:
-            out["objective"] = part
-            continue
-        if part.startswith("clip"):
-            out["max_grad_norm"] = float(part[4:]) if part[4:] else DEFAULT_CLIP
-        elif part.startswith("accum") and part[5:].isdigit() and int(part[5:]) >= 1:
-            out["grad_accum"] = int(part[5:])
-        else:
-            raise ValueError(f"unknown recipe part {part!r} in {text!r}: plain, clip[X], accumN, "
-                             f"{'|'.join(OBJECTIVES[1:])}, joined by +")
-    return out
-
-
-def _check_recipes(recipes: list[dict], batches: list[int]) -> None:
-    """Each batch splits into the recipe's micro-batches, each of whole pairs where it trains pairs."""
-    for rec in recipes:
-        if any(b % rec["grad_accum"] for b in batches):
-            raise ValueError(f"recipe {rec['name']}: every batch must divide into {rec['grad_accum']} micro-batches")
-        if rec["objective"] != "sft" and any((b // rec["grad_accum"]) % 2 for b in batches):
-            raise ValueError(f"recipe {rec['name']}: a micro-batch holds whole pairs (2 rows each): every batch / "
-                             f"{rec['grad_accum']} must be even")
 
 
 def _flops_per_token(model: str, num_layers: int | None, seq: int) -> float | None:
@@ -331,26 +300,6 @@ class _ThroughputRuns:
                   f"(probes: {found['probes']})", flush=True)
 
 
-def _floor_key(model: str, batch: int, seq: int, layer: str, state: tuple[str, str] = ("fp32", "fp32")) -> str:
-    """floors' key: the workload, /lean where the floor timed the lean layer, and the host state
-    format where its AdamW probe kept a compact one ("/master-bf16-moments-8bit")."""
-    return (f"{model}/b{batch}/s{seq}" + ("/lean" if layer == "lean" else "")
-            + ("" if state == ("fp32", "fp32") else f"/master-{state[0]}-moments-{state[1]}"))
-
-
-def _state_of(system: str, r: dict) -> tuple[str, str]:
-    """(master, moments) a run kept its host state in (slide's runtime; FP32 for the others)."""
-    rt = (r.get("runtime") or {}) if system == "slide" else {}
-    return str(rt.get("master", "fp32")), str(rt.get("moments", "fp32"))
-
-
-def _layer_ran(system: str, r: dict) -> str:
-    """The decoder layer a run ran, for its floor's compute probe: "lean" where slide resolved
-    lean_layer on, else HF's ("hf": the baselines, and a run that ended before it resolved)."""
-    rt = r.get("runtime") or {}
-    return "lean" if system == "slide" and rt.get("lean_layer") == "on" else "hf"
-
-
 class SweepRun(NamedTuple):
     """One run of the sweep: a system at a workload, on `gpus` ranks, in one recipe, A/B variant and round."""
     model: str
@@ -443,14 +392,6 @@ def parse_gpus(text: str, device: str) -> list[int]:
     return counts
 
 
-def _grad_bytes(runtime: dict | None, default: int) -> int:
-    """Bytes per parameter of a slide run's gradient slots, what its all-reduce moves: FP32 slots
-    (grad_slot_dtype=fp32) or FP32 compute 4, else the compute dtype's 2; `default` without a runtime."""
-    if runtime:
-        return 4 if runtime.get("grad_slot_dtype") == "fp32" or runtime.get("dtype") == "fp32" else 2
-    return default
-
-
 def probe_collective_for(model: str, layers: int | None, n: int, dev: str, timeout_s: float) -> dict:
     """bench.collective's probe on n ranks at this model's message sizes (each unit's gradient, in the
     gradient slots' default dtype, and the latency size), its units recorded for the floor."""
@@ -471,62 +412,6 @@ def _print_collective(key: str, c: dict) -> None:
         print(f"[throughput] collective probe {key}: all-reduce {r['bytes'] / 2**20:.2f} MiB "
               f"{r['time_s'] * 1e3:.2f} ms, algbw {r['algbw_gib_s']:.2f} GiB/s, busbw {r['busbw_gib_s']:.2f} GiB/s",
               flush=True)
-
-
-def add_scaling(rows: list[dict]) -> None:
-    """Each row's scaling efficiency: its per-GPU tokens/s over that of the one-rank row of the same
-    system, model, batch (per GPU), sequence and recipe in the same call (None without one)."""
-    def key(r):
-        return (r["model"], int(r["seq_len"]), int(r["batch_size"]), r["system"], r.get("recipe"), r.get("variant"))
-    base = {key(r): r["tokens_per_s"] for r in rows if int(r.get("gpus") or 1) == 1 and r.get("tokens_per_s")}
-    for r in rows:
-        one = base.get(key(r))
-        per_gpu = r.get("tokens_per_s_per_gpu")
-        r["scaling_efficiency"] = per_gpu / one if one and per_gpu else None
-
-
-def _host_rss_gib(r: dict) -> float | None:
-    """The host's peak RSS of a run: one process's, or a data-parallel run's over its ranks with the
-    shared state file counted once (telemetry.machine.host_peak_rss), recounted from the ranks'
-    parts where the run recorded the file's size (runs before that undercounted it)."""
-    from ...telemetry.machine import host_peak_rss
-    parts, shared = r.get("rank_results"), r.get("shared_state_gib")
-    if parts and shared is not None:
-        return host_peak_rss(parts, int(shared * 2**30)) / 2**30
-    return r.get("host_rss_gib", r.get("cpu_peak_rss_gib"))
-
-
-def rewrite_report(out: Path) -> Path:
-    """`slidetune report DIR` for a throughput directory: rows, CSV, JSON, report and plots again
-    from throughput.json's runs and floors, with the current row logic (e.g. each slide run's
-    floor for the placement it resolved to). per_run/ is kept as the run wrote it."""
-    out = Path(out)
-    doc = json.loads((out / "throughput.json").read_text())
-    raw, floors, collectives = doc["runs"], doc.get("floors") or {}, doc.get("collectives") or {}
-    # rows and runs were appended together, in the same order (the max-seq probes after them);
-    # a run's own "system" may be the worker's longer name, so the row's is kept
-    runs = [r for r in raw if not str(r.get("key", "")).endswith("/max-seq")]
-    rows, overrides = [], ""
-    for old, r in zip(doc["rows"], runs):
-        system, model, batch, seq = old["system"], old["model"], int(old["batch_size"]), int(old["seq_len"])
-        fpt = r.get("flops_per_token") or (old["model_tflops"] * 1e12 / old["tokens_per_s"]
-                                           if old.get("model_tflops") and old.get("tokens_per_s") else None)
-        n = int(old.get("gpus") or 1)
-        # a directory written before the floor probed one layer has one floor per workload (both layers)
-        fl = (floors.get(_floor_key(model, batch, seq, _layer_ran(system, r), _state_of(system, r)))
-              or floors.get(_floor_key(model, batch, seq, _layer_ran(system, r))) or floors.get(f"{model}/b{batch}/s{seq}"))
-        rows.append(_row(system, model, batch, seq, r, fpt, fl,
-                         recipe=parse_recipe(old.get("recipe") or "plain"), collective=collectives.get(f"{model}/n{n}"),
-                         ranks=n, variant=old.get("variant") or "", round_=int(old.get("round") or 1),
-                         chosen_by=old.get("chosen_by")))
-        if system == "slide" and not overrides:
-            given = {k: v for k, v in ((r.get("spec") or {}).get("runtime") or {}).items()
-                     if k not in ("mode", "device", "head_impl", "dtype")}
-            overrides = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in given.items())
-    add_scaling(rows)
-    _write(out, rows, raw, floors, cuda=doc.get("machine", {}).get("gpu") is not None, slide_runtime=overrides,
-           collectives=collectives, limits=doc.get("limits"))
-    return out / "report.md"
 
 
 def _as_measured(r: dict, system: str, model: str, batch: int, seq: int, warmup: int,
@@ -604,24 +489,6 @@ def longest_sequence(model: str, layers: int | None, dev: str, args, granule: in
             "reused_probes": sorted((k * granule, ok) for k, ok in from_log.items()),
             "sweep_rows": sorted((k * granule, ok) for k, ok in known.items() if k not in from_log),
             "probes": [(k * granule, ok) for k, ok in history], "runs": runs}
-
-
-def _placement(r: dict) -> dict:
-    """Where a slide run's auto settings put things (its resolved runtime): layer slots (0: one
-    per layer; with a window, the resident layers beside it), vocabulary updates, device layers,
-    and with offload the checkpoints kept on the GPU."""
-    rt = r.get("runtime") or {}
-    if rt.get("mode") != "slide":
-        return {}
-    out = {"cache_units": rt.get("cache_units")}
-    if rt.get("cache_units"):      # a window: the layers with a slot of their own beside it
-        out["resident_layers"] = max(0, int(rt.get("resident_layers") or 0))
-    out.update({k: rt.get(k) for k in ("vocab_update", "device_layers")})
-    if rt.get("disk_dir"):
-        out["disk_units"] = max(0, int(rt.get("disk_units") or 0))
-    if rt.get("offload_activations") in (True, "on"):
-        out["gpu_checkpoints"] = max(0, int(rt.get("gpu_checkpoints") or 0))
-    return out
 
 
 def _compiles(overrides: dict, dev: str) -> bool:
@@ -723,480 +590,3 @@ def _run_system(system, model, layers, batch, seq, steps, warmup, dev, cuda, arg
         spec = FSDP2Spec(name="deepspeed-zero3", workload=work, device="cuda")
         return run_worker("slidetune.bench.baselines.deepspeed_zero3", spec.to_dict(), timeout_s=args.timeout)
     raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
-
-
-COLUMNS = ["model", "seq_len", "batch_size", "system", "recipe", "variant", "round", "gpus", "chosen_by", "status",
-           "step_s_mean", "step_s_std",
-           "tokens_per_s", "tokens_per_s_per_gpu", "scaling_efficiency", "model_tflops", "gpu_peak_alloc_gib",
-           "gpu_peak_reserved_gib", "cpu_peak_rss_gib", "host_rss_gib", "allreduce_s", "allreduce_busbw_gib_s",
-           "floor_s",
-           "floor_bound_by", "floor_partial", "step_over_floor", "hw_floor_s", "hw_floor_bound_by",
-           "step_over_hw_floor", "oom_requested_gib", "call_s_mean",
-           "host_adamw_s", "host_wait_d2h_s", "fwd_wait_upload_s", "bwd_wait_grad_slot_s", "device_layers",
-           "gpu_checkpoints", "host_threads", "disk_io_gib", "disk_gib_s", "disk_io_ratio", "disk_buffers",
-           "disk_busy_frac", "error"]
-# slide's host timeline, seconds per step (bench.measure host_s_mean): where a step goes
-# (host_adamw_s: AdamW's time; under clipping the weights pass and the moments pass)
-HOST_COLUMNS = {"host_adamw_s": ("host.adamw", "host.adamw_moments"),
-                "host_wait_d2h_s": "host.d2h_wait",
-                "fwd_wait_upload_s": "compute.wait_upload", "bwd_wait_grad_slot_s": "compute.wait_grad_slot"}
-
-
-def _row(system, model, batch, seq, r, fpt, fl, recipe: dict | None = None, collective: dict | None = None,
-         ranks: int = 1, variant: str = "", round_: int = 1, chosen_by: str | None = None) -> dict:
-    """One row of throughput.csv. batch is per rank; tokens_per_s the step's over every rank (the
-    per-GPU rate beside it); host_rss_gib the host's RSS over its ranks (the shared state once);
-    chosen_by: how the workload was chosen where not given (--max-seq, --max-batch)."""
-    recipe = recipe or parse_recipe("plain")
-    row = dict(model=model, seq_len=seq, batch_size=batch, system=system, recipe=recipe["name"],
-               variant=variant or None, round=round_ if variant else None, gpus=ranks, chosen_by=chosen_by,
-               status=r.get("status"), step_s_mean=r.get("step_s_mean"), step_s_std=r.get("step_s_std"),
-               tokens_per_s=r.get("tokens_per_s"),
-               tokens_per_s_per_gpu=r.get("tokens_per_s_per_gpu") or (r["tokens_per_s"] / ranks
-                                                                      if r.get("tokens_per_s") else None),
-               gpu_peak_alloc_gib=r.get("gpu_peak_alloc_gib"), gpu_peak_reserved_gib=r.get("gpu_peak_reserved_gib"),
-               cpu_peak_rss_gib=r.get("cpu_peak_rss_gib"),
-               host_rss_gib=_host_rss_gib(r),
-               oom_requested_gib=r.get("oom_requested_gib"), error=(r.get("error") or "")[:200] or None)
-    if row["tokens_per_s"] and fpt:
-        row["model_tflops"] = row["tokens_per_s"] * fpt / 1e12
-    row["call_s_mean"] = r.get("call_s_mean")
-    if r.get("disk_io_bytes_per_step") and row["step_s_mean"]:
-        # the disk tier's reads and writes a step over the step: the rate the run drew from the
-        # disk (its floor's disk_s used the probe's mixed rate; a run below it lost time elsewhere)
-        row["disk_io_gib"] = r["disk_io_bytes_per_step"] / 2**30
-        row["disk_gib_s"] = row["disk_io_gib"] / row["step_s_mean"]
-        if r.get("disk_io_bytes_measured"):
-            # what the tier moved a step over the plan's bytes: ~1 when each block is read and
-            # written once a step (a block a later entry took from a buffer is not read again; a
-            # unit's last block is padded to a whole one)
-            row["disk_io_ratio"] = r["disk_io_bytes_measured"] / r["disk_io_bytes_per_step"]
-        # the tier's block buffers as the run resolved them (its read-ahead; auto left unresolved: 8)
-        row["disk_buffers"] = resolved_disk_buffers(int((r.get("runtime") or {}).get("disk_buffers", -1)))
-        # the share of the timed step the tier's I/O threads had a read or write open (the Gantt
-        # chart's disk lanes): ~1 where the disk binds the step
-        row["disk_busy_frac"] = lane_busy_fraction(r.get("step_timeline"), "disk")
-    # slide: decoder layers whose state stayed on the GPU, and the host AdamW's threads (resolved autos)
-    row["device_layers"], row["host_threads"] = r.get("device_layers"), r.get("host_threads")
-    row["gpu_checkpoints"] = _placement(r).get("gpu_checkpoints")
-    host = r.get("host_s_mean") or {}
-    for col, keys in HOST_COLUMNS.items():
-        found = [host[k] for k in ((keys,) if isinstance(keys, str) else keys) if host.get(k) is not None]
-        row[col] = sum(found) if found else None
-    usable = collective if collective and collective.get("status") == "ok" and ranks > 1 else None
-    if usable:
-        from ..collective import allreduce_busbw
-        numels = usable["sizes_from"].get("unit_numels") or [0]
-        layer_bytes = max(numels[1:-1] or numels) * _grad_bytes(r.get("runtime"),           # a decoder layer's
-                                                                usable["sizes_from"].get("grad_bytes", 2))
-        row["allreduce_busbw_gib_s"] = allreduce_busbw(layer_bytes, usable) if layer_bytes else None
-    if fl and fl.get("status") == "ok":
-        floor_s, bound, terms = _floor(system, r, fl, recipe, usable, ranks)
-        row.update(floor_s=floor_s, floor_bound_by=bound, floor_partial=fl.get("partial"),
-                   allreduce_s=terms.get("allreduce_s"), gather_s=terms.get("gather_s"))
-        if row["step_s_mean"] and floor_s:
-            row["step_over_floor"] = row["step_s_mean"] / floor_s
-        hw_s, hw_bound, _ = _hardware_floor(system, r, fl, recipe, usable, ranks)
-        row.update(hw_floor_s=hw_s, hw_floor_bound_by=hw_bound)
-        if row["step_s_mean"] and hw_s:
-            row["step_over_hw_floor"] = row["step_s_mean"] / hw_s
-    return row
-
-
-def recomputed_layers_of(system: str, r: dict, num_layers: int) -> set[int]:
-    """The decoder layers a run recomputed in its backward. slide and gpu-ckpt: as their runtime
-    resolves it (RuntimeConfig.recomputed_layers; the spec's where the run recorded none). The
-    baselines: their spec's `recompute` (HF gradient checkpointing of every decoder layer, or of
-    none); a result without one (a worker that failed before writing its spec) as this scenario runs
-    them, FSDP2Spec's default."""
-    from ...engine.config import RuntimeConfig
-    from ..baselines.fsdp2 import FSDP2Spec
-    spec = r.get("spec") or {}
-    if system in ("slide", "gpu-ckpt"):
-        rt = r.get("runtime") or spec.get("runtime") or {}
-        mode = rt.get("mode") or ("slide" if system == "slide" else "ckpt")
-        return RuntimeConfig(mode=mode, recompute=str(rt.get("recompute", "all"))).recomputed_layers(num_layers)
-    return set(range(num_layers)) if spec.get("recompute", FSDP2Spec.recompute) else set()
-
-
-def _hardware_floor(system: str, r: dict, fl: dict, recipe: dict, collective: dict | None, ranks: int
-                    ) -> tuple[float | None, str | None, dict]:
-    """(hardware floor seconds, its largest term, the terms) of one run: _floor's terms with the
-    compute probe replaced by the step's FLOPs at the probed GEMM and SDPA rates
-    (bench.roofline.hardware_compute, the run's own recomputation), its GPU AdamW and all-reduce
-    kept. (None, None, {}) without the probes: a CPU floor (partial) or a floor recorded before them."""
-    hw = fl.get("hardware")
-    if not hw or fl.get("partial") or not fl.get("compute"):
-        return None, None, {}
-    rc = recomputed_layers_of(system, r, len(hw["flops"]["layer_matmul"]))
-    # the GPU's rates in place of any layer's timing (the lean layer's too: compute_of_run leaves it)
-    probed = {k: v for k, v in fl["compute"].items() if not k.startswith("lean_layer_")}
-    comp = {**probed, **hardware_compute(hw, rc)}
-    if system == "slide" and r.get("runtime"):
-        return _floor(system, r, {**fl, "compute": comp}, recipe, collective, ranks)
-    # the probe's own placement (every unit on the host): its compute term, replaced
-    terms = {k: v for k, v in (fl.get("terms") or {}).items() if v is not None}
-    terms["compute_s"] = comp["compute_s"]
-    bound = max(terms, key=terms.get)
-    return terms[bound], bound, terms
-
-
-def _floor(system: str, r: dict, fl: dict, recipe: dict, collective: dict | None, ranks: int
-           ) -> tuple[float | None, str | None, dict]:
-    """(floor seconds, its largest term, the terms) of one run. A slide run: the floor of the placement
-    it resolved to (units updated on the GPU cost the host neither AdamW nor copies; the probe's floor
-    assumes every unit on the host), on `ranks` data-parallel ranks with the all-reduce term from
-    `collective` (bench.roofline.floor_terms). Without CUDA the floor is partial (the AdamW term):
-    the all-reduce term joins it, at the units' sizes the probe recorded."""
-    floor_s, bound, terms = fl.get("floor_s"), fl.get("bound_by"), dict(fl.get("terms") or {})
-    rt = r.get("runtime")
-    if system == "slide" and rt and not fl.get("partial"):
-        comp = compute_of_run(fl["compute"], rt)          # the layer the run ran: HF's or the lean one
-        plan = plan_of_runtime(comp, rt, clipped=bool(recipe["max_grad_norm"]))
-        terms = floor_terms(comp, fl["copy"], fl["adamw"], plan, device_adamw=fl.get("device_adamw"),
-                            disk=fl.get("disk"), split_sweep=rt.get("clip_sweep") != "whole",
-                            collective=collective, ranks=ranks,
-                            # a run recorded before dp_weights existed uploaded from every rank
-                            grad_bytes=_grad_bytes(rt, 2), dp_weights=rt.get("dp_weights", "upload"))
-    elif system == "slide" and collective and collective.get("sizes_from", {}).get("unit_numels"):
-        from ..collective import allreduce_term
-        terms = {k: v for k, v in terms.items() if v is not None}
-        terms["allreduce_s"] = allreduce_term(collective["sizes_from"]["unit_numels"], collective,
-                                              _grad_bytes(rt, collective["sizes_from"].get("grad_bytes", 4)))
-    else:
-        return floor_s, bound, terms
-    known = {k: v for k, v in terms.items() if v is not None}
-    bound = max(known, key=known.get)
-    return known[bound], bound, terms
-
-
-def ab_table(rows: list[dict]) -> list[dict]:
-    """The A/B of a call with --variants: per workload (model, seq, batch, recipe, gpus) and variant,
-    the step of each round, their mean, and the step over the first variant's of the same round
-    (paired: a run against its neighbour, not against a run minutes away)."""
-    groups: dict[tuple, dict[str, dict[int, dict]]] = {}
-    for r in rows:
-        if r.get("variant") and r["system"] == "slide":
-            w = (r["model"], int(r["seq_len"]), int(r["batch_size"]), r.get("recipe"), int(r.get("gpus") or 1))
-            groups.setdefault(w, {}).setdefault(r["variant"], {})[int(r.get("round") or 1)] = r
-    out = []
-    for (model, seq, batch, recipe, gpus), by_variant in groups.items():
-        first = next(iter(by_variant.values()))
-        for variant, by_round in by_variant.items():
-            steps = {k: r.get("step_s_mean") for k, r in sorted(by_round.items())}
-            ratios = [steps[k] / first[k]["step_s_mean"] for k in steps
-                      if steps[k] and k in first and first[k].get("step_s_mean")]
-            ok = [v for v in steps.values() if v]
-            floors = [r.get("step_over_floor") for r in by_round.values() if r.get("step_over_floor")]
-            hw = [r.get("step_over_hw_floor") for r in by_round.values() if r.get("step_over_hw_floor")]
-            out.append(dict(model=model, seq_len=seq, batch_size=batch, recipe=recipe, gpus=gpus, variant=variant,
-                            steps_s=", ".join(O.fmt(v, 3) for v in steps.values()),
-                            step_s_mean=sum(ok) / len(ok) if ok else None,
-                            step_over_floor_mean=sum(floors) / len(floors) if floors else None,
-                            step_over_hw_floor_mean=sum(hw) / len(hw) if hw else None,
-                            paired_ratios=", ".join(O.fmt(x, 3) for x in ratios),
-                            paired_ratio_mean=sum(ratios) / len(ratios) if ratios else None))
-    return out
-
-
-def ab_lines(rows: list[dict]) -> list[str]:
-    """The report's A/B section (--variants, --rounds)."""
-    table = ab_table(rows)
-    if not table:
-        return []
-    return ["## A/B: variants run alternately in this call", "",
-            "Each round runs every variant once, back to back (A B A B ...), against one floor probe per "
-            "workload, so a change in the machine between runs (this VM's DRAM rate moved by a quarter "
-            "within minutes, benchmarks/NOTES.md \"Measuring a step\") reaches each variant alike. paired_ratios: a variant's step over "
-            "the first variant's in the same round; below 1 is faster.", "",
-            *O.md_table(table, ["model", "seq_len", "batch_size", "recipe", "gpus", "variant", "steps_s",
-                                "step_s_mean", "step_over_floor_mean", "step_over_hw_floor_mean", "paired_ratios",
-                                "paired_ratio_mean"],
-                        {"step_s_mean": 3, "step_over_floor_mean": 3, "step_over_hw_floor_mean": 3,
-                         "paired_ratio_mean": 3}), ""]
-
-
-def hardware_table(floors: dict) -> list[dict]:
-    """Per workload, the hardware floor's inputs as its floor probe recorded them: the GEMM and SDPA
-    rates (TFLOP/s, forward and backward) and the step's FLOPs with every layer recomputed (slide's
-    recomputation; TFLOP a step), enough to redo compute_s (bench.roofline.hardware_compute)."""
-    out = []
-    for key, fl in floors.items():
-        hw = (fl or {}).get("hardware")
-        if not hw:
-            continue
-        f = StepFlops.from_dict(hw["flops"])
-        every = range(f.num_layers)
-        out.append(dict(workload=key, **{k: hw.get(k) for k in ("gemm_forward_tflops", "gemm_backward_tflops",
-                                                                "sdpa_forward_tflops", "sdpa_backward_tflops",
-                                                                "sdpa_backend")},
-                        matmul_fwd_tflop=f.matmul_forward(every) / 1e12, matmul_bwd_tflop=f.matmul_backward() / 1e12,
-                        attention_fwd_tflop=f.attention_forward(every) / 1e12,
-                        attention_bwd_tflop=f.attention_backward() / 1e12,
-                        hw_compute_s=hardware_compute(hw, every)["compute_s"],
-                        probe_compute_s=(fl.get("compute") or {}).get("compute_s")))
-    return out
-
-
-def _hardware_lines(floors: dict) -> list[str]:
-    table = hardware_table(floors)
-    if not table:
-        return []
-    cols = list(table[0])
-    return ["", "The hardware floor's inputs (each workload's floor probe): GEMM rates on the decoder layer's own "
-            "shapes (forward y = x W^T; backward dX = dY W and dW = dY^T X), SDPA's causal at the workload's "
-            "(batch, heads, seq, head_dim), TFLOP/s, and the kernel SDPA picks there (sdpa_backend); the step's FLOPs with every layer recomputed (slide), TFLOP "
-            "(telemetry.flops.StepFlops: attention's backward 2.5x its forward, as flash's five matmuls against "
-            "two). hw_compute_s = matmul_fwd / gemm_fwd + matmul_bwd / gemm_bwd + attention_fwd / sdpa_fwd + "
-            "attention_bwd / sdpa_bwd; probe_compute_s: slidetune's own layer timed, the floor's compute term.", "",
-            *O.md_table(table, cols, {c: 3 for c in cols if c != "workload"}), ""]
-
-
-def _limits_lines(rows: list[dict], limits: dict) -> list[str]:
-    """The report's section on --max-seq / --max-batch: each planned limit beside the run at it."""
-    lines = ["## At the planned limits (--max-seq, --max-batch)", "",
-             "Each workload is the largest batch (at a given sequence) or the longest sequence (at batch 1) that "
-             "fits this machine as `slidetune plan` finds it (engine.limits: every size's auto settings resolved "
-             "and checked as a run resolves and checks them, on the budget a run's process reads here), per "
-             "recipe; the run then trains at it. planned: what the auto settings chose there and the estimate; "
-             "one step past: what the fit check says does not fit there.", "",
-             "| model | recipe | workload | batch x seq | planned | one step past | status | tokens/s | GPU peak / "
-             "host RSS GiB |", "|---|---|---|---|---|---|---|---|---|"]
-    for model, found in limits.items():
-        for f in found:
-            lim = f["limit"]
-            at, over = lim.get("at") or {}, lim.get("over") or {}
-            row = next((r for r in rows if r["model"] == model and r.get("recipe") == f["recipe"]
-                        and r.get("chosen_by") == f["chosen_by"]), {})
-            gpu = f"GPU {O.fmt(at.get('gpu_gib'), 1)}, " if at.get("device_type") == "cuda" else ""
-            planned = (f"{at.get('how') or 'the defaults'}; {gpu}host {O.fmt(at.get('host_gib'), 1)} GiB"
-                       if at else "nothing fits")
-            past = (f"{over.get(lim['axis'])}: {' and '.join(over.get('binds') or [])}" if over
-                    else lim.get("capped_by") or "-")
-            lines.append(f"| {model} | {f['recipe']} | {f['chosen_by']} | "
-                         + (f"{row['batch_size']} x {row['seq_len']}" if row else "-")
-                         + f" | {planned} | {past} | {row.get('status', 'not run')} | "
-                         f"{O.fmt(row.get('tokens_per_s'), 0)} | {O.fmt(row.get('gpu_peak_alloc_gib'), 1)} / "
-                         f"{O.fmt(row.get('cpu_peak_rss_gib'), 1)} |")
-    return lines + [""]
-
-
-def _scaling_lines(rows: list[dict], collectives: dict) -> list[str]:
-    """The report's scaling section: slide on N ranks beside N=1, and the collective probes."""
-    slide = [r for r in rows if r["system"] == "slide"]
-    lines = ["## Scaling: slide on N GPUs of one host (data parallel)", "",
-             "batch_size is per GPU; tokens_per_s is every rank's tokens over the step (rank 0's interval "
-             "timing), tokens_per_s_per_gpu that over N, scaling_efficiency the per-GPU rate over the N=1 row's. "
-             "host_rss_gib: the host's peak RSS over its ranks, the shared host state (one /dev/shm mapping) "
-             "and the libraries' file pages (one page-cache copy) counted once. The N > 1 floors add allreduce_s: every unit's gradient all-reduced as its backward "
-             "ends, 2 (N-1)/N x its bytes at the bus bandwidth probed on N ranks in this call "
-             "(allreduce_busbw_gib_s, at a decoder layer's size), on the compute stream (in compute_s); D2H is "
-             "the busiest rank's shard, and host_dram_s counts N uploads of each unit from the shared master "
-             "beside AdamW's DRAM traffic (bench.roofline.floor_terms).", ""]
-    lines += O.md_table(slide, ["model", "seq_len", "batch_size", "recipe", "gpus", "status", "step_s_mean",
-                                "tokens_per_s", "tokens_per_s_per_gpu", "scaling_efficiency", "host_rss_gib",
-                                "allreduce_s", "allreduce_busbw_gib_s", "floor_s", "floor_bound_by", "step_over_floor",
-                                "hw_floor_s", "step_over_hw_floor"],
-                        {"step_s_mean": 3, "tokens_per_s": 0, "tokens_per_s_per_gpu": 0, "allreduce_s": 4,
-                         "floor_s": 3, "hw_floor_s": 3})
-    probes = [dict(probe=key, op=op, bytes=r["bytes"], time_ms=r["time_s"] * 1e3, algbw_gib_s=r["algbw_gib_s"],
-                   busbw_gib_s=r["busbw_gib_s"])
-              for key, c in collectives.items() if c.get("status") == "ok"
-              for op in ("allreduce", "allgather") for r in c.get(op) or []]
-    failed = [f"{key}: {c.get('status')}: {str(c.get('error'))[:200]}" for key, c in collectives.items()
-              if c.get("status") != "ok"]
-    if probes or failed:
-        lines += ["", "Collective probes (bench.collective: NCCL on CUDA, gloo on CPU; median of reps, the slowest "
-                  "rank; algbw = bytes / time, busbw = algbw x 2(N-1)/N for all-reduce, x (N-1)/N for all-gather "
-                  "of the gathered bytes, as nccl-tests defines them). all-gather is the alternative upload: each "
-                  "rank uploads a shard and the ranks gather the rest.", ""]
-        lines += O.md_table(probes, ["probe", "op", "bytes", "time_ms", "algbw_gib_s", "busbw_gib_s"],
-                            {"time_ms": 3, "algbw_gib_s": 3, "busbw_gib_s": 3})
-        lines += [f"- probe failed: {f}" for f in failed]
-    return lines + [""]
-
-
-def _write(out: Path, rows, raw, floors, cuda: bool, slide_runtime: str = "", per_run: list[dict] | None = None,
-           collectives: dict | None = None, limits: dict | None = None) -> None:
-    machine = next((r["machine"] for r in raw if "machine" in r), {})
-    collectives = collectives or {}
-    O.write_csv(out / "throughput.csv", rows, COLUMNS, machine)
-    O.write_json(out / "throughput.json", {"machine": machine, "rows": rows, "floors": floors, "runs": raw,
-                                           "collectives": collectives, "limits": limits or {}})
-    labels, keys, scaled = _write_plots(out, rows)
-    lines = _method_lines(machine, cuda, slide_runtime)
-    ab = any(r.get("variant") for r in rows)
-    lines += O.md_table(rows, ["model", "seq_len", "batch_size", "system", "recipe"] + (["variant", "round"] if ab else [])
-                        + ["gpus", "status", "step_s_mean", "tokens_per_s",
-                           "model_tflops", "gpu_peak_alloc_gib", "cpu_peak_rss_gib", "step_over_floor",
-                           "floor_bound_by", "step_over_hw_floor", "hw_floor_bound_by", "oom_requested_gib"],
-                        {"step_s_mean": 3, "tokens_per_s": 0, "model_tflops": 1})
-    lines += _hardware_lines(floors)
-    if ab:
-        lines += ab_lines(rows)
-    if limits:
-        lines += _limits_lines(rows, limits)
-    if scaled:
-        lines += _scaling_lines(rows, collectives)
-        _write_scaling_plot(out, rows, labels, keys)
-    lines += _host_timeline_lines(rows)
-    lines += _disk_tier_lines(rows)
-    lines += ["", "Plots: tokens_per_s.png, model_tflops.png, gpu_peak.png, cpu_peak.png, step_over_floor.png, "
-              "pareto.png" + (", scaling.png" if scaled else ""), ""]
-    lines += _per_run_lines(out, per_run, machine)
-    lines += _max_seq_lines(out, raw, machine)
-    if not cuda:
-        lines += ["**Not yet:** CPU run. FSDP2 / DeepSpeed rows need CUDA; slide and gpu rows are tiny shapes in "
-                  "FP32 on the CPU and say nothing about the GPU targets of issue 5.", ""]
-    (out / "report.md").write_text("\n".join(lines))
-
-
-def _write_plots(out: Path, rows: list[dict]) -> tuple[list[str], list[str], bool]:
-    """The comparison plots (a bar per series and workload, the memory/throughput Pareto); returns
-    each row's workload label, the workloads in order, and whether several rank counts ran."""
-    labels = [f"{r['model']} b{r['batch_size']} s{r['seq_len']}" for r in rows]
-    keys = list(dict.fromkeys(labels))
-    # a series per system, and per recipe where a system ran several, and per rank count where several
-    several = {s for s in {r["system"] for r in rows}
-               if len({r.get("recipe", "plain") for r in rows if r["system"] == s}) > 1}
-    scaled = len({int(r.get("gpus") or 1) for r in rows}) > 1
-    # an A/B's variants are series of their own (several rounds: the plots show the last)
-    series = [r["system"] + (f" {r.get('recipe', 'plain')}" if r["system"] in several else "")
-              + (f" {r['variant']}" if r.get("variant") else "")
-              + (f" x{r.get('gpus') or 1}" if scaled else "") for r in rows]
-    systems = list(dict.fromkeys(series))
-    by = {(lab, s): r for lab, s, r in zip(labels, series, rows)}
-    ser = lambda k: {s: [by.get((lab, s), {}).get(k) for lab in keys] for s in systems}  # noqa: E731
-    bar_plot(out / "tokens_per_s.png", keys, ser("tokens_per_s"), "tokens/s", "Throughput (x = OOM / not run)")
-    bar_plot(out / "model_tflops.png", keys, ser("model_tflops"), "model TFLOPS", "Model TFLOPS (6N + attention)")
-    bar_plot(out / "gpu_peak.png", keys, ser("gpu_peak_alloc_gib"), "GiB", "Peak GPU allocated")
-    bar_plot(out / "cpu_peak.png", keys, ser("cpu_peak_rss_gib"), "GiB", "Peak host RSS")
-    bar_plot(out / "step_over_floor.png", keys, ser("step_over_floor"), "step time / floor", "Step time over the floor")
-    pareto_plot(out / "pareto.png", [(f"{s} {lab}", by[(lab, s)].get("gpu_peak_alloc_gib") or by[(lab, s)].get(
-      "cpu_peak_rss_gib"), by[(lab, s)].get("tokens_per_s")) for (lab, s) in by], "peak memory GiB", "tokens/s",
-      "Memory vs throughput", lower_y_better=False)
-    return labels, keys, scaled
-
-
-def _method_lines(machine: dict, cuda: bool, slide_runtime: str) -> list[str]:
-    """The report's head: the machine, how each column is measured, the recipes."""
-    lines = ["# Throughput: slide mode vs the alternatives", "", *O.machine_lines(machine), "",
-             "Model TFLOPS = tokens/s x (6 N_matmul + 6 L S d_att) / 1e12 per token (telemetry/flops.py: the "
-             "weights' 6N plus the causal half of attention; recomputation not counted). Every row ran in its own "
-             "process; warm-up steps excluded. All systems: bf16 compute, FP32 master + AdamW, every decoder layer "
-             "recomputed, chunked cross-entropy head, synthetic token ids. slide runtime: defaults"
-             + (f" with `{slide_runtime}`" if slide_runtime else "") + ".", "",
-             "step/floor: bench.roofline.floor for the same workload (max of GPU compute, H2D, D2H and CPU AdamW "
-             "terms, each probed on this machine), with the terms of the placement the slide run resolved to "
-             "(bench.roofline.floor_terms: layers and vocabulary updated on the GPU cost the host neither AdamW "
-             "nor copies; floor_bound_by names the largest term)" + ("" if cuda else "; CPU run: only the AdamW term is measurable, "
-                                                       "so the floor is partial") + ".", "",
-             "step/hw-floor: the same floor with the GPU's work at what this GPU can do instead of slidetune's "
-             "layer timed: the step's FLOPs, each run's recomputation counted, matmuls at the BF16 GEMM rate "
-             "probed on the layer's own shapes and attention at SDPA's rate probed at the workload's shape "
-             "(bench.roofline.hardware_compute; the rates and FLOPs below); the GPU's AdamW and the all-reduce "
-             "kept (hw_floor_bound_by names its largest term). step/floor near 1 with step/hw-floor well above "
-             "it is a slow layer, not a saturated machine" + ("" if cuda else "; CPU run: none (no GPU rates)")
-             + ".", ""]
-    lines += ["Recipes: plain = no clipping, one micro-batch; clip = global-norm clipping at 1.0 (the default "
-              "recipe of `slidetune train`); accumN = N micro-batches of batch/N (batch_size is the sequences per "
-              "step). A clipped slide step updates only once its backward has ended, so its floor gains the term "
-              "clip_sweep_s (bench.roofline.floor_terms).", ""]
-    return lines
-
-
-def _write_scaling_plot(out: Path, rows: list[dict], labels: list[str], keys: list[str]) -> None:
-    """slide's tokens/s (all GPUs) per workload, a series per rank count."""
-    bar_plot(out / "scaling.png", keys, {f"x{n}": [next((r.get("tokens_per_s") for r, lab in zip(rows, labels)
-                                                         if lab == k and r["system"] == "slide"
-                                                         and int(r.get("gpus") or 1) == n), None) for k in keys]
-                                         for n in sorted({int(r.get("gpus") or 1) for r in rows})},
-             "tokens/s (all GPUs)", "slide on N GPUs of one host (batch per GPU fixed)")
-
-
-def _host_timeline_lines(rows: list[dict]) -> list[str]:
-    """Where a slide step goes, from the host timeline (rows that have one)."""
-    lines: list[str] = []
-    timed = [r for r in rows if r.get("host_adamw_s") is not None]
-    if timed:
-        lines += ["", "Where a slide step goes (host timeline, seconds per step): the host worker's AdamW and its "
-                  "wait for gradient copies; the compute thread's waits for updated weights (forward) and for a "
-                  "free gradient slot (backward). step_s is the interval between train_step returns; call_s the "
-                  "call alone (the rest ran in the background). device_layers: decoder layers whose master and "
-                  "AdamW state stayed on the GPU (updated there); gpu_checkpoints (with offload): layers whose "
-                  "input checkpoint stayed on the GPU; host_threads: the host AdamW's threads.", ""]
-        lines += O.md_table(timed, ["model", "seq_len", "batch_size", "step_s_mean", "call_s_mean", *HOST_COLUMNS,
-                                    "device_layers", "gpu_checkpoints", "host_threads"],
-                            {k: 3 for k in ["step_s_mean", "call_s_mean", *HOST_COLUMNS]})
-    return lines
-
-
-def _disk_tier_lines(rows: list[dict]) -> list[str]:
-    """The disk tier's I/O a step (rows that have one)."""
-    lines: list[str] = []
-    on_disk = [r for r in rows if r.get("disk_io_gib") is not None]
-    if on_disk:
-        lines += ["", "The disk tier (per step): disk_io_gib, the plan's reads and writes (each disk unit's block "
-                  "once); disk_gib_s, that over the step; disk_io_ratio, what the tier moved over the plan's bytes "
-                  "(~1: each block once; below: blocks still in a buffer were not read again); disk_buffers, its "
-                  "block buffers (the read-ahead); disk_busy_frac, the share of the timed step with a read or "
-                  "write open (the Gantt chart's disk lanes: ~1 where the disk binds).", ""]
-        lines += O.md_table(on_disk, ["model", "seq_len", "batch_size", "variant", "step_s_mean", "disk_io_gib",
-                                      "disk_gib_s", "disk_io_ratio", "disk_buffers", "disk_busy_frac"],
-                            {"step_s_mean": 3, "disk_io_gib": 1, "disk_gib_s": 2, "disk_io_ratio": 3,
-                             "disk_busy_frac": 3})
-    return lines
-
-
-def _per_run_lines(out: Path, per_run: list[dict] | None, machine: dict) -> list[str]:
-    """The per-run files (written here; a rewritten report lists those already there) and the profiled table."""
-    lines: list[str] = []
-    if per_run:
-        slide = next((config_name(r) for r in per_run if r.get("status") == "ok"
-                      and r["spec"].get("runtime", {}).get("mode") == "slide"), None)
-        pngs = common.write_per_run(out / "per_run", per_run, machine, baseline=slide, scenario="throughput")
-        lines += ["Per run (`per_run/`: steps, per-layer spans, memory timeline, summary CSVs): time breakdown "
-                  "(forward, head, backward, recompute from GPU events; optimizer and transfer from the host "
-                  "timeline; GPU idle = the step minus GPU compute), peaks, memory across the step (mean +- std "
-                  "over steps), per-layer times with 95% CIs, step curves. FSDP2 and DeepSpeed report step times "
-                  "and peaks only.", ""]
-        lines += [f"![{p.stem}](per_run/{p.name})" for p in pngs] + [""]
-        profiled = pipeline_rows(per_run)
-        if profiled:
-            O.write_csv(out / "per_run" / "profile.csv", profiled, None, machine)
-            lines += ["## Profiled (torch.profiler, three steps after the measured ones, all threads)", "",
-                      "GPU compute, H2D and D2H as fractions of the step, and how much of each copy ran under "
-                      "compute; the host's AdamW under compute; the threads' seconds per step (host timeline). "
-                      "`per_run/profile.csv`, Gantt charts `per_run/pipeline_<run>.png`.", ""]
-            lines += O.md_table(profiled, list(profiled[0]), {k: 3 for k in profiled[0] if k != "config"})
-            lines.append("")
-    elif (out / "per_run").is_dir():         # a rewritten report: the per-run files as they were written
-        lines += ["Per run: `per_run/` (as the run wrote it).", ""]
-        lines += [f"![{p.stem}](per_run/{p.name})" for p in sorted((out / "per_run").glob("*.png"))] + [""]
-    return lines
-
-
-def _max_seq_lines(out: Path, raw: list[dict], machine: dict) -> list[str]:
-    """The longest-sequence searches' table (and max_seq.csv), where any ran."""
-    lines: list[str] = []
-    searches = [r for r in raw if str(r.get("key", "")).endswith("/max-seq")]
-    if searches:
-        lines += ["## Longest trainable sequence (batch 1, slide)", "",
-                  "Doubling, then bisection over multiples of the granule; each probe one step in its own process; "
-                  "an OOM or a refused fit check is a failure. Capped by the model's context.", "",
-                  "| model | longest sequence | context | at the longest: step s (a probe: one cold step), tokens/s, GPU peak / host RSS "
-                  "GiB, placement | probes (sequence: trains?) |", "|---|---|---|---|---|"]
-        for r in searches:
-            probes = [f"{q}: {'yes' if ok else 'no'} (earlier call)" for q, ok in r.get("reused_probes", [])]
-            probes += [f"{q}: {'yes' if ok else 'no'} (sweep row)" for q, ok in r.get("sweep_rows", [])]
-            probes += [f"{q}: {'yes' if ok else 'no'}" for q, ok in r["probes"]]
-            # JSON keys are strings once a search was read back (report rewrite, --max-seq-known)
-            best = (r.get("runs") or {}).get(r["max_seq"]) or (r.get("runs") or {}).get(str(r["max_seq"])) or {}
-            at = (f"{O.fmt(best.get('step_s_mean'), 1)} s, {O.fmt(best.get('tokens_per_s'), 0)}, "
-                  f"{O.fmt(best.get('gpu_peak_alloc_gib'), 1)} / {O.fmt(best.get('cpu_peak_rss_gib'), 1)}, "
-                  + " ".join(f"{k}={v}" for k, v in (best.get("placement") or {}).items())) if best else "-"
-            lines.append(f"| {r['model']} | {r['max_seq']} | {r['context_cap']} | {at} | " + ", ".join(probes) + " |")
-        lines.append("")
-        O.write_csv(out / "max_seq.csv", [{k: r[k] for k in ("model", "max_seq", "granule", "context_cap")}
-                                          for r in searches], None, machine)
-    return lines
