@@ -161,3 +161,32 @@ def test_a_mis_shaped_expert_is_refused_not_broadcast(tmp_path):
     _rewrite(tmp_path, change={key: t[:, :1].contiguous()})      # [H, 1] would broadcast into [H, I]
     with pytest.raises(ValueError, match=rf"{key}: shape"):
         _read_all(tmp_path)
+
+
+@pytest.mark.parametrize("family,save_dtype", [("mixtral", "fp32"), ("qwen3_moe", "fp32"), ("minimax_m2", "bf16")])
+def test_final_is_written_in_the_layout_transformers_saves(family, save_dtype, tmp_path):
+    """final/ of a per-expert source holds the same names and shapes as the source (what
+    save_pretrained writes), constant buffers FP32 under their saved names (MiniMax-M2 renames its
+    router's bias) in a BF16 export too; from_pretrained(final) is the source's model."""
+    from slidetune.checkpoint import ModelExport, save_checkpoint
+    model = tiny_model(family)
+    source = tmp_path / "model"
+    saved = hub_checkpoint(model, source)
+    engine = build_engine(load_model(str(source), with_tokenizer=False),
+                          RuntimeConfig(mode="slide", dtype="fp32", device="cpu"), AdamWConfig(lr=1e-3))
+    try:
+        final = save_checkpoint(engine, tmp_path / "final", step=0, save_dtype=save_dtype,
+                                export=ModelExport(source_dir=source))
+    finally:
+        engine.close()
+    want = load_file(str(source / "model.safetensors"))
+    got = load_file(str(final / "model.safetensors"))
+    assert set(got) == saved
+    for k, v in want.items():
+        exact = v if save_dtype == "fp32" or "e_score_correction_bias" in k else v.to(torch.bfloat16)
+        assert got[k].dtype == exact.dtype and torch.equal(got[k], exact), k
+    again = AutoModelForCausalLM.from_pretrained(str(final), dtype=torch.float32).eval()
+    ids = _batch(model.config.vocab_size).input_ids
+    if save_dtype == "fp32":
+        with torch.no_grad():
+            torch.testing.assert_close(again(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)

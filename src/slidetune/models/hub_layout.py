@@ -124,3 +124,59 @@ def _slot(dst: torch.Tensor, pieces: Pieces, offset: int, t: torch.Tensor, key: 
 
 def _first(pieces: Pieces) -> str:
     return next((ks[0] for ks in pieces.keys if ks), "nothing")
+
+
+# ---- saving: the layout transformers' save_pretrained writes ---------------------------------
+
+@dataclass(frozen=True)
+class HubNames:
+    """How transformers' `save_pretrained` names a model's tensors (its load conversion reverted):
+    `layout` as checkpoint_layout gives it for those names, `shapes` each saved tensor's shape."""
+    layout: dict[str, str | Pieces]
+    shapes: dict[str, tuple[int, ...]]
+
+    def name(self, model_name: str) -> str:
+        """The saved name of a tensor saved whole (renamed, or its own)."""
+        found = self.layout.get(model_name)
+        return found if isinstance(found, str) else model_name
+
+
+def hub_names(model: torch.nn.Module) -> HubNames:
+    """transformers' save layout for `model` (a skeleton on `meta`: the reversal runs on shapes alone),
+    read back through checkpoint_layout, so that what is written is exactly what is read."""
+    from transformers.core_model_loading import revert_weight_conversion
+    meta = {k: torch.empty(v.shape, device="meta") for k, v in model.state_dict().items()}
+    saved = revert_weight_conversion(model, meta)
+    layout = checkpoint_layout(saved, model_conversions(model))
+    usable = {k: v for k, v in layout.items() if k in meta and not (isinstance(v, Pieces) and v.unsupported)}
+    return HubNames(usable, {k: tuple(v.shape) for k, v in saved.items()})
+
+
+def to_hub_layout(named, names: HubNames):
+    """(name, tensor) pairs as transformers saves them: renamed, and a fused tensor cut into its
+    pieces (each a contiguous copy of one expert's slice; a streamed tensor is read whole first,
+    one parameter at a time)."""
+    for name, t in named:
+        found = names.layout.get(name)
+        if not isinstance(found, Pieces):
+            yield names.name(name), t
+            continue
+        whole = t.materialize() if hasattr(t, "materialize") else t
+        yield from _cut_pieces(found, whole, names.shapes)
+
+
+def _cut_pieces(pieces: Pieces, t: torch.Tensor, shapes: dict[str, tuple[int, ...]]):
+    """assemble()'s placement run backwards: each piece's slice of the model tensor `t`."""
+    offset = 0
+    for keys in pieces.keys:
+        for e, key in enumerate(keys if pieces.stacked else keys[:1]):
+            dst = t[e] if pieces.stacked else t
+            if pieces.cat_dim is not None:
+                d = pieces.cat_dim - pieces.stacked
+                dst = dst.narrow(d, offset, shapes[key][d])
+            if tuple(dst.shape) != shapes[key]:
+                raise ValueError(f"{pieces.target}: its slice for {key} is {tuple(dst.shape)}, transformers "
+                                 f"saves {shapes[key]}")
+            yield key, dst.contiguous()
+        if pieces.cat_dim is not None:
+            offset += shapes[keys[0]][pieces.cat_dim - pieces.stacked]
