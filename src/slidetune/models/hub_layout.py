@@ -156,12 +156,13 @@ def to_hub_layout(named, names: HubNames):
     """(name, tensor) pairs as transformers saves them: renamed, and a fused tensor cut into its
     pieces (each a contiguous copy of one expert's slice; a streamed tensor is read whole first,
     one parameter at a time)."""
+    from ..engine.slide.disk_tier import StreamedTensor
     for name, t in named:
         found = names.layout.get(name)
         if not isinstance(found, Pieces):
             yield names.name(name), t
             continue
-        whole = t.materialize() if hasattr(t, "materialize") else t
+        whole = t.materialize() if isinstance(t, StreamedTensor) else t
         yield from _cut_pieces(found, whole, names.shapes)
 
 
