@@ -70,14 +70,10 @@ def test_final_keeps_the_routers_correction_biases(tmp_path, save_dtype):
     from slidetune.engine import AdamWConfig, RuntimeConfig, build_engine
     from slidetune.models.load import load_model
     from test_families import router_biases, router_config, router_model
-    from safetensors.torch import save_file
     source = tmp_path / "model"
     hf = router_model(router_config(320))
-    # the tensors as the model holds them (experts fused, as slidetune's checkpoints write them):
-    # save_pretrained would split the experts per expert, which the loader does not read (yet)
-    hf.config.save_pretrained(str(source))
-    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, str(source / "model.safetensors"),
-              metadata={"format": "pt"})
+    # the Hub's layout (transformers' save: the experts one tensor each), which final/ keeps
+    hf.save_pretrained(str(source))
     biases = router_biases(hf)
     engine = build_engine(load_model(str(source), with_tokenizer=False),
                           RuntimeConfig(mode="slide", dtype="fp32", device="cpu"), AdamWConfig(lr=1e-3))

@@ -94,10 +94,26 @@ def _write_complete(engine, tmp: Path, *, step: int, tokenizer, state: dict, sta
     # a device unit's masters left on the device: the writer stages them through pinned memory
     weights = ((name, one_reader(t, lock)) for name, t in engine.named_master_params(on_host=False))
     buffers = dict(engine.named_buffers())
-    streamed = write_tensor_files(itertools.chain(weights, buffers.items()), optim, tmp, dtype, max_shard_bytes,
-                                  threads=threads, step=step, stream_s=stream_s, own_dtype=frozenset(buffers))
+    tensors, own = itertools.chain(weights, buffers.items()), frozenset(buffers)
+    if export is not None:
+        tensors, own = _hub_layout(engine, tensors, own)
+    streamed = write_tensor_files(tensors, optim, tmp, dtype, max_shard_bytes,
+                                  threads=threads, step=step, stream_s=stream_s, own_dtype=own)
     finish_checkpoint(engine, tmp, step=step, tokenizer=tokenizer, state=state, state_text=state_text, dtype=dtype,
                       streamed=streamed, rng=rng_state(), threads=threads, export=export)
+
+
+def _hub_layout(engine, tensors, own: frozenset[str]):
+    """A model repository's tensors under the names transformers' save_pretrained writes (the
+    Hub's: MoE experts one tensor each, renamed routers), so that `final/` has the layout its
+    source had and tools reading the Hub's names (not transformers 5's fused ones) read it;
+    from_pretrained loads either. A checkpoint to resume from keeps the engine's own names."""
+    split = getattr(engine, "split", None)
+    if split is None:
+        return tensors, own
+    from ..models.hub_layout import hub_names, to_hub_layout
+    names = hub_names(split.model)
+    return to_hub_layout(tensors, names), frozenset(names.name(b) for b in own)
 
 
 def one_reader(t: torch.Tensor | StreamedTensor, lock: threading.Lock) -> torch.Tensor | StreamedTensor:

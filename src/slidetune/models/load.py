@@ -8,7 +8,8 @@ unit straight into the host store (never two copies in RAM).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -17,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from ..hf_hub import HubIdNotCached, looks_like_hub_id, snapshot_dir
 from .families import require_supported_family
+from .hub_layout import Pieces, assemble, checkpoint_layout, model_conversions
 from .presets import PRESETS, preset_config
 from .units import SplitModel, UnitSpec
 
@@ -107,9 +109,15 @@ class RandomInit:
 
 @dataclass
 class SafetensorsSource:
-    """Reads tensors lazily from a HF directory's (possibly sharded) safetensors files."""
+    """Reads tensors lazily from a HF directory's (possibly sharded) safetensors files.
+
+    A tensor stored under another name or in pieces (the Hub's one-tensor-per-expert MoE layout,
+    which transformers' save_pretrained writes too) is found by transformers' conversion rules for
+    the model (`conversions`: hub_layout.model_conversions) and, when in pieces, built an expert
+    at a time into one tensor (hub_layout.assemble)."""
 
     directory: Path
+    conversions: list | None = field(default=None, repr=False)
 
     def __post_init__(self):
         index = self.directory / "model.safetensors.index.json"
@@ -125,6 +133,7 @@ class SafetensorsSource:
             from safetensors import safe_open
             with safe_open(str(single), "pt") as f:
                 self.weight_map = {k: "model.safetensors" for k in f.keys()}
+        self._layout: dict | None = None      # built on the first name the files lack
 
     def fill(self, unit: UnitSpec, flat: torch.Tensor) -> None:
         for p, t in self.param_tensors(unit):
@@ -133,7 +142,8 @@ class SafetensorsSource:
     def fingerprint(self) -> str:
         """Each weight file as it is on disk, without reading its tensors (16 GB for an 8B): its name,
         where it resolves to (in the HF hub's cache a file is a link to a blob named by its content's
-        SHA-256), size, modification time and safetensors header (names, dtypes, shapes, offsets)."""
+        SHA-256), size, modification time and safetensors header (names, dtypes, shapes, offsets).
+        The headers name every per-expert piece, so a fused tensor's fingerprint covers its pieces."""
         parts = []
         for name in sorted(set(self.weight_map.values())):
             path = self.directory / name
@@ -145,27 +155,51 @@ class SafetensorsSource:
         return _digest_bytes(parts)
 
     def param_tensors(self, unit: UnitSpec):
-        """Each parameter as stored (its file's dtype), read when it is reached, file by file."""
+        """Each parameter as stored (its file's dtype), read when it is reached, file by file; a fused
+        parameter stored per expert is built when reached (host memory: that one parameter)."""
         yield from self._read(unit.params)
 
     def buffer_tensors(self, unit: UnitSpec):
         """Each constant buffer as stored (routers keep theirs FP32), under HF's name."""
         yield from self._read(unit.buffers)
 
+    def _where(self, name: str) -> str | Pieces:
+        """The checkpoint key holding model tensor `name`, or the pieces it is built from."""
+        if name in self.weight_map:
+            return name
+        if self._layout is None:
+            self._layout = checkpoint_layout(self.weight_map, self.conversions or [])
+        found = self._layout.get(name)
+        if found is None:
+            hint = " (nor in pieces by transformers' conversion rules for this model)" if self.conversions else ""
+            raise KeyError(f"{self.directory}: tensor {name!r} missing from the checkpoint{hint}")
+        return found
+
     def _read(self, slots):
+        """(slot, tensor) for each slot, grouped by the file that holds it (its first piece's, for a
+        tensor in pieces); every name is resolved before the first read, so a checkpoint of neither
+        layout fails on its first missing tensor without reading any."""
         from safetensors import safe_open
-        by_file: dict[str, list] = {}
-        for p in slots:
-            if p.full_name not in self.weight_map:
-                raise KeyError(f"{self.directory}: tensor {p.full_name!r} missing from the checkpoint")
-            by_file.setdefault(self.weight_map[p.full_name], []).append(p)
-        for fname, params in by_file.items():
-            with safe_open(str(self.directory / fname), "pt") as f:
-                for p in params:
-                    t = f.get_tensor(p.full_name)
-                    if tuple(t.shape) != p.shape:
-                        raise ValueError(f"{p.full_name}: checkpoint shape {tuple(t.shape)} != model {p.shape}")
-                    yield p, t
+        where = [(p, self._where(p.full_name)) for p in slots]
+        first = {id(p): self.weight_map[w if isinstance(w, str) else _first_key(w)] for p, w in where}
+        with ExitStack() as files:
+            handles: dict[str, object] = {}
+
+            def get(key: str) -> torch.Tensor:
+                fname = self.weight_map[key]
+                if fname not in handles:
+                    handles[fname] = files.enter_context(safe_open(str(self.directory / fname), "pt"))
+                return handles[fname].get_tensor(key)
+
+            for p, w in sorted(where, key=lambda pw: first[id(pw[0])]):
+                t = get(w) if isinstance(w, str) else assemble(w, p.shape, get)
+                if tuple(t.shape) != p.shape:
+                    raise ValueError(f"{p.full_name}: checkpoint shape {tuple(t.shape)} != model {p.shape}")
+                yield p, t
+
+
+def _first_key(pieces: Pieces) -> str:
+    return next((ks[0] for ks in pieces.keys if ks), pieces.target)
 
 
 @dataclass
@@ -311,7 +345,8 @@ def _load_directory(path: Path, name: str, num_layers: int | None, with_tokenize
     if num_layers is not None:
         raise ValueError("--num-layers only applies to presets, not to pretrained checkpoints")
     tok = _maybe_tokenizer(path) if with_tokenizer else None
-    return LoadedModel(name, SplitModel(skeleton(config)), SafetensorsSource(path), tok, path)
+    model = skeleton(config)
+    return LoadedModel(name, SplitModel(model), SafetensorsSource(path, model_conversions(model)), tok, path)
 
 
 def _maybe_tokenizer(path: Path):
