@@ -108,7 +108,7 @@ def _hub_layout(engine, tensors, own: frozenset[str]):
     Hub's: MoE experts one tensor each, renamed routers), so that `final/` has the layout its
     source had and tools reading the Hub's names (not transformers 5's fused ones) read it;
     from_pretrained loads either. A checkpoint to resume from keeps the engine's own names."""
-    split = getattr(engine, "split", None)
+    split = engine.split           # Engine.split: None for an engine that sets none
     if split is None:
         return tensors, own
     from ..models.hub_layout import hub_names, to_hub_layout
