@@ -155,3 +155,30 @@ def test_a_datasets_dataset_given_in_python_trains_as_its_file_would(tmp_path):
 def dataclasses_replace_data(cfg: slidetune.TrainConfig, **data) -> slidetune.TrainConfig:
     import dataclasses
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, **data))
+
+
+def test_an_iterable_dataset_streams_through_the_token_cache_as_its_file_would(tmp_path):
+    """slidetune.train(cfg, train_dataset=IterableDataset): streamed a chunk at a time into the cache's
+    token file (keyed by its content), training as the same rows streamed from a file do; a second
+    run finds that token file; a generator, which cannot be read twice, is refused."""
+    import datasets
+    rows = [{"prompt": doc[:80], "completion": doc[80:240]} for doc in builtin_corpus()[:40]]
+    path, cache = tmp_path / "rows.jsonl", tmp_path / "cache"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    from_file = slidetune.train(dataclasses_replace_data(_in_python(tmp_path / "file"), path=str(path),
+                                                         streaming="on", cache_dir=str(cache)))
+    stream = datasets.Dataset.from_list(rows).to_iterable_dataset()
+    given = slidetune.train(dataclasses_replace_data(_in_python(tmp_path / "given"), cache_dir=str(cache)),
+                            train_dataset=stream)
+    assert (given.first_loss, given.last_loss, given.eval_loss_after) == (from_file.first_loss, from_file.last_loss,
+                                                                         from_file.eval_loss_after)
+    summary = json.loads((tmp_path / "given" / "summary.json").read_text())
+    assert summary["data_source"] == "<datasets.IterableDataset of 40 rows given in Python>"
+    entries = sorted(cache.glob("stream-*.bin"))
+    assert len(entries) == 2                          # the file's and the iterable's, each keyed by its source
+    again = slidetune.train(dataclasses_replace_data(_in_python(tmp_path / "again"), cache_dir=str(cache)),
+                            train_dataset=stream)
+    assert sorted(cache.glob("stream-*.bin")) == entries and again.last_loss == given.last_loss
+    from slidetune.data import DataError
+    with pytest.raises(DataError, match="can be read only once"):
+        slidetune.train(_in_python(tmp_path / "gen"), train_dataset=(r for r in rows))

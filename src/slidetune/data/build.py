@@ -32,7 +32,8 @@ from .dataset import TokenDataset
 from .errors import DataError
 from .chat_template import load_chat_template
 from .formats import Example, Source, texts_source
-from .hf_datasets import StreamingSource, in_memory_source, open_streaming, should_stream
+from .hf_datasets import (StreamingSource, in_memory_source, is_iterable_dataset, iterable_source, open_streaming,
+                          should_stream)
 from .mixture import MixedSource, parse_mixture
 from .packing import Rows, fill_ratio, pack, pack_whole, pad_rows
 from .sources import read_source
@@ -51,7 +52,8 @@ def load_source(cfg: DataConfig, records=None, eval_records=None) -> Source | St
     """The untokenized examples of ``cfg.path`` (or of the built-in corpus), with those of
     ``cfg.eval_path`` as ``eval_source``; a `StreamingSource` (its first record read) when streamed.
     ``records`` / ``eval_records``: a `datasets.Dataset` or a list of record dicts given in Python
-    (hf_datasets.in_memory_source) instead of ``cfg.path`` / ``cfg.eval_path``."""
+    (hf_datasets.in_memory_source) instead of ``cfg.path`` / ``cfg.eval_path``; a `datasets.IterableDataset`
+    as ``records`` is streamed (hf_datasets.iterable_source), as ``eval_records`` read whole."""
     mixture = parse_mixture(cfg.path)
     if mixture is not None:
         return _load_mixture(cfg, mixture, records is not None or eval_records is not None)
@@ -60,7 +62,9 @@ def load_source(cfg: DataConfig, records=None, eval_records=None) -> Source | St
     if given:
         raise DataError(f"the data is given twice: data.{given[0]} is {getattr(cfg, given[0])!r} and a dataset is "
                         f"passed in Python too; give one of them")
-    if records is not None:
+    if records is not None and is_iterable_dataset(records):
+        source = iterable_source(records, cfg.column_map)       # streamed: the token file in the cache
+    elif records is not None:
         source = in_memory_source(records, cfg.column_map)
     elif cfg.path is None:
         source = texts_source(builtin_corpus(), BUILTIN_NAME)

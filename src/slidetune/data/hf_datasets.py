@@ -148,15 +148,23 @@ def read_datasets_source(path: str, split: str | None = None, subset: str | None
     return Source(path, check_one_format(examples, path), examples)
 
 
+def is_iterable_dataset(records: Any) -> bool:
+    """A `datasets.IterableDataset` (read a chunk at a time through the streaming path)."""
+    return type(records).__name__ == "IterableDataset" and hasattr(records, "_ex_iterable")
+
+
 def in_memory_records(records: Any) -> tuple[str, Iterator[tuple[str, dict]]]:
     """(the source's name, (where, record) of each row) of records handed over in Python
-    (`slidetune.train(cfg, train_dataset=...)`): a `datasets.Dataset` or a list of record dicts;
-    messages name the source and the row. An `IterableDataset` is refused (its records cannot be
-    read twice, nor keyed for the token cache)."""
-    if type(records).__name__ == "IterableDataset" or not hasattr(records, "__len__"):
-        raise DataError(f"train_dataset / eval_dataset: a {type(records).__name__} is read once and has no "
-                        f"fingerprint; pass a datasets.Dataset (IterableDataset.take / Dataset.from_generator), "
-                        f"or write it to files and give --data")
+    (`slidetune.train(cfg, train_dataset=...)`): a `datasets.Dataset`, a list of record dicts, or a
+    `datasets.IterableDataset` read whole (an evaluation set, preference pairs: both held in RAM);
+    messages name the source and the row. A generator is refused: it cannot be read twice."""
+    if is_iterable_dataset(records):
+        return "<datasets.IterableDataset given in Python>", (
+            (f"<datasets.IterableDataset given in Python> row {i}", dict(row)) for i, row in enumerate(records, start=1))
+    if not hasattr(records, "__len__"):
+        raise DataError(f"train_dataset / eval_dataset: a {type(records).__name__} can be read only once; pass a "
+                        f"datasets.Dataset, a datasets.IterableDataset (Dataset.from_generator / "
+                        f"IterableDataset.from_generator), a list of records, or files through --data")
     fingerprint = getattr(records, "_fingerprint", None)      # a datasets.Dataset's content hash
     name = (f"<datasets.Dataset of {len(records)} rows, fingerprint {fingerprint}>" if fingerprint
             else f"<{len(records)} records given in Python>")
@@ -208,6 +216,26 @@ class StreamingSource:
                 chunk = []
         if chunk:
             yield chunk
+
+
+def iterable_source(records: Any, columns: ColumnMap | None = None) -> StreamingSource:
+    """A `datasets.IterableDataset` given in Python as a streamed source (tokenized a chunk at a time
+    into the cache's token files, never held whole). It names no files to key the cache by, so its
+    key is its content: one pass reads every record and hashes it (no tokenizing), then the cache's
+    token file of that content is read, or written by a second pass. A resumed run streams it again
+    and finds the same file."""
+    import json
+
+    import xxhash
+    digest, rows = xxhash.xxh3_128(), 0
+    for row in records:
+        digest.update(json.dumps(dict(row), sort_keys=True, default=str).encode())
+        rows += 1
+    name = f"<datasets.IterableDataset of {rows} rows given in Python>"
+    mapped = "" if columns is None else "|" + ",".join(f"{a}={b}" for a, b in columns.renames)
+    source = StreamingSource(name, records, f"iterable|{rows}|{digest.hexdigest()}{mapped}", columns=columns)
+    source.probe()
+    return source
 
 
 def _files_fingerprint(local: str) -> str:

@@ -202,6 +202,11 @@ def build_streaming(source: StreamingSource, cfg: DataConfig, tokenizer: Any, mi
     train, heldout = build_token_datasets(str(file), cfg.seq_len, "uint32", fraction, eos_id=eos,
                                           document_mask=cfg.packing == "masked", min_rows=min_rows,
                                           vocab_size=vocab_size)
+    # the windows name the source they came from (summary.json, the model card); a segment's own
+    # messages still name the token file it is read from
+    stream = train.stream
+    stream.segment_files = stream.segment_files or [str(file)] * len(stream.segments)
+    stream.name = source.name
     # [T]; its length was checked against the ids' with the entry's record (_check)
     targets = np.memmap(file.with_suffix(".targets"), dtype=np.uint8, mode="r")
     return _with_targets(train, targets), _with_targets(heldout, targets)
