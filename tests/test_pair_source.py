@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from slidetune.data import DataError
 from slidetune.data.config import DataConfig
@@ -76,3 +77,29 @@ def test_steps_draw_whole_pairs_by_seeded_epochs():
     assert step_pairs(10, 3, 4, seed=1) == seen[4]                   # a resumed run draws the same
     with pytest.raises(DataError, match="cannot fill a batch of 11 pairs"):
         step_pairs(10, 11, 0, seed=1)
+
+
+def test_each_rank_takes_its_whole_pairs_of_the_global_step(tmp_path):
+    """Data parallel: 2 ranks at 2 pairs a micro-batch take, between them, the micro-batches of one
+    rank at 4 (rank r the r-th 2 pairs of each), each normalized by the global step's counts."""
+    from slidetune.data.pair_source import PairSampler
+    from slidetune.objectives.preference import PreferenceConfig
+    f = tmp_path / "pairs.jsonl"
+    write_pairs(f, 40)
+    data = build_pairs(DataConfig(path=str(f), seq_len=16, heldout_fraction=0.0), make_tokenizer())
+    cfg = PreferenceConfig("simpo")          # an NLL term: its tokens' count is the step's too
+    one = PairSampler(data, cfg, 4, 2, seed=5, pad_id=0).step_batches(3)
+    ranks = [PairSampler(data, cfg, 2, 2, seed=5, pad_id=0, world_size=2, rank=r).step_batches(3) for r in (0, 1)]
+    assert len(one) == len(ranks[0]) == len(ranks[1]) == 2
+    for j, whole in enumerate(one):
+        parts = [ranks[r][j] for r in (0, 1)]
+        # a micro-batch's rows: its chosen, then its rejected; rank 0's pairs first, then rank 1's
+        chosen = torch.cat([p.input_ids[:2] for p in parts])
+        rejected = torch.cat([p.input_ids[2:] for p in parts])
+        assert torch.equal(torch.cat([chosen, rejected]), whole.input_ids)
+        for p in parts:
+            assert p.pairs.pairs_in_step == whole.pairs.pairs_in_step == 8
+            assert p.pairs.nll_tokens_in_step == whole.pairs.nll_tokens_in_step > 0
+    assert len(PairSampler(data, cfg, 2, 2, 5, 0, world_size=2, rank=1)) == len(data.train) // 4
+    with pytest.raises(DataError, match=r"a step of 48 pairs \(--batch-size 4 x --grad-accum 6 x 2 ranks\)"):
+        PairSampler(data, cfg, 4, 6, 5, 0, world_size=2, rank=0)

@@ -91,8 +91,6 @@ def _refuse_under_data_parallel(cfg: TrainConfig, ranks: Ranks) -> None:
         bad.append(f"--mode {rt.mode} (data parallel runs in slide mode only)")
     if rt.disk.disk_master not in ("off", "auto"):
         bad.append("--tuning.disk_master (the masters of disk units on disk; use off or auto)")
-    if cfg.objective != "sft":
-        bad.append(f"--objective {cfg.objective} (a preference objective trains on one GPU for now)")
     if bad:
         raise TrainingError(f"{ranks.world_size} ranks (data parallel) do not support yet: " + "; ".join(bad)
                             + ". Drop these settings, or run on one rank")
@@ -152,7 +150,8 @@ def prepare_training(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, 
     if ranks.world_size > 1:
         _refuse_under_data_parallel(cfg, ranks)
         print(f"data parallel: rank {ranks.rank} of {ranks.world_size} on {device.device}; global batch "
-              f"{cfg.batch_size * ranks.world_size} ({cfg.batch_size} rows per rank)")
+              f"{cfg.batch_size * ranks.world_size} ({cfg.batch_size} {'rows' if cfg.objective == 'sft' else 'pairs'} "
+              f"per rank)")
     # the data first, read and parsed (a missing file, a malformed line: refused in seconds), then
     # the model, then the reference check on it; a pre-tokenized corpus is opened once the
     # tokenizer's EOS is known (build_datasets below)
@@ -242,7 +241,10 @@ def _training_data(cfg: TrainConfig, loaded: LoadedModel, source, pair_records: 
     pad_id = default_pad_id(loaded.tokenizer) if loaded.tokenizer is not None else 0
     if pair_records is not None:
         data = ranks.on_each(lambda: tokenize_pair_records(pair_records, cfg.data, loaded.tokenizer))
-        pairs = PairSampler(data, cfg.preference(), cfg.batch_size, cfg.grad_accum, cfg.seed, pad_id)
+        # each step's pairs are the global step's (--batch-size pairs a micro-batch per rank); each
+        # rank takes its micro-batches of it (PairSampler), as an SFT rank takes its rows
+        pairs = PairSampler(data, cfg.preference(), cfg.batch_size, cfg.grad_accum, cfg.seed, pad_id,
+                            world_size=ranks.world_size, rank=ranks.rank)
         return _TrainingData(None, None, pairs, pad_id, len(pairs), 2 * cfg.batch_size)
     # the sampler draws global batches (--batch-size rows per rank) from (seed, step); each rank
     # takes its rows of each (Trainer.micro_batch): N ranks train on one rank's data at N x the batch

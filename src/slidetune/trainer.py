@@ -518,10 +518,9 @@ class Trainer:
         """The held-out metrics of the current weights: eval_loss and eval_ppl, or a preference
         objective's loss and TRL's eval_rewards/... (objectives/evaluation.py)."""
         cfg = self.cfg
-        if self.pairs is not None:
-            return evaluate_pairs(self.engine, heldout_pairs(self.pairs.data.heldout, cfg.batch_size, cfg.eval_batches),
-                                  self.heldout_reference, self.objective, self.pad_id, self.pairs.data.max_length,
-                                  cfg.batch_size)
+        if self.pairs is not None:      # a collective under data parallel: the ranks share the forwards
+            return evaluate_pairs(self.engine, self.evaluated_pairs(), self.heldout_reference, self.objective,
+                                  self.pad_id, self.pairs.data.max_length, cfg.batch_size, self.ranks)
         loss, ppl = evaluate(self.engine, self.heldout, cfg.batch_size, self.pad_id, cfg.eval_batches, self.ranks)
         return {"eval_loss": loss, "eval_ppl": ppl}
 
@@ -551,6 +550,12 @@ class Trainer:
             self.notify("on_eval", self.total_steps, self.after)
         self.sample_prompts(self.total_steps)
 
+    def evaluated_pairs(self) -> list:
+        """The held-out pairs each evaluation scores: --eval-batches global batches of them (--batch-size
+        pairs a rank), so N ranks at batch b evaluate the pairs one rank at N b does."""
+        return heldout_pairs(self.pairs.data.heldout, self.cfg.batch_size * self.ranks.world_size,
+                             self.cfg.eval_batches)
+
     def prepare_reference(self) -> None:
         """A preference objective's reference log-probabilities (DPO's, IPO's) of the training pairs and
         the evaluated held-out ones, before step 1 and before a resume loads its checkpoint's weights
@@ -560,11 +565,13 @@ class Trainer:
             return
         cfg, data = self.cfg, self.pairs.data
         self.where = "the reference pass before step 1"
-        evaluated = heldout_pairs(data.heldout, cfg.batch_size, cfg.eval_batches)
+        evaluated = self.evaluated_pairs()
         t0 = time.perf_counter()
+        # under data parallel the ranks share the forwards and each gets every pair's sums; rank 0
+        # alone reads and writes the cache (cached_reference_logps)
         ref = cached_reference_logps(self.engine, data.train + evaluated, self.objective, self.pad_id,
                                      data.max_length, cfg.batch_size, cache_root(cfg.data.cache_dir),
-                                     self.loaded.source.fingerprint(), cfg.runtime.dtype)
+                                     self.loaded.source.fingerprint(), cfg.runtime.dtype, self.ranks)
         self.reference_s, self.reference_cached = time.perf_counter() - t0, ref.read
         self.pairs.reference, self.heldout_reference = ref.logps[:len(data.train)], ref.logps[len(data.train):]
         n = len(data.train) + len(evaluated)

@@ -145,7 +145,13 @@ class PairSampler:
     a resume repeats them), each sequence padded to `seq_len` (every step the same [2P, S] shape, as
     an SFT run's rows: stable memory peaks and compiled graphs), cut into `grad_accum` micro-batches
     of `batch_pairs` whole pairs with the reference's sums (set before step 1 where the objective
-    has a reference)."""
+    has a reference).
+
+    Data parallel (`world_size` ranks): a step's pairs are the global step's, batch_pairs x
+    grad_accum x world_size of them, collated and cut into grad_accum x world_size micro-batches of
+    whole pairs, each normalized by the global step's pairs and NLL tokens; rank r takes the r-th
+    of every world_size of them (as an SFT rank takes its rows of each global micro-batch,
+    Trainer.micro_batch). The ranks' summed gradients are then one rank's at world_size x the batch."""
     data: PairData
     objective: "PreferenceConfig"
     batch_pairs: int                          # pairs a micro-batch (--batch-size)
@@ -153,21 +159,25 @@ class PairSampler:
     seed: int
     pad_id: int
     reference: torch.Tensor | None = None     # [len(data.train), 2] FP32 (chosen, rejected)
+    world_size: int = 1                       # data-parallel ranks (each takes batch_pairs a micro-batch)
+    rank: int = 0
 
     def __post_init__(self):
-        step = self.batch_pairs * self.grad_accum
+        step = self.batch_pairs * self.grad_accum * self.world_size
         if step > len(self.data.train):
+            ranks = f" x {self.world_size} ranks" if self.world_size > 1 else ""
             raise DataError(f"{self.data.source}: {len(self.data.train)} training pairs cannot fill a step of "
-                            f"{step} pairs (--batch-size {self.batch_pairs} x --grad-accum {self.grad_accum}); "
-                            f"lower them or add pairs")
+                            f"{step} pairs (--batch-size {self.batch_pairs} x --grad-accum {self.grad_accum}"
+                            f"{ranks}); lower them or add pairs")
 
     def __len__(self) -> int:
-        """Micro-batches an epoch (a step takes grad_accum of them)."""
-        return len(self.data.train) // self.batch_pairs
+        """Global micro-batches an epoch (a step takes grad_accum of them)."""
+        return len(self.data.train) // (self.batch_pairs * self.world_size)
 
     def step_batches(self, step: int) -> list[Batch]:
-        """The `grad_accum` micro-batches of step `step` (0-based)."""
-        idx = step_pairs(len(self.data.train), self.batch_pairs * self.grad_accum, step, self.seed)
+        """This rank's `grad_accum` micro-batches of step `step` (0-based)."""
+        parts = self.grad_accum * self.world_size
+        idx = step_pairs(len(self.data.train), self.batch_pairs * parts, step, self.seed)
         ref = None
         if self.objective.needs_reference:
             if self.reference is None:
@@ -176,4 +186,6 @@ class PairSampler:
             ref = reference_rows(self.reference, idx)
         collated = collate_pairs([self.data.train[i] for i in idx], self.pad_id, self.data.max_length,
                                  pad_to=self.data.max_length)
-        return pair_micro_batches(collated, self.objective, ref, self.grad_accum)
+        # every rank collates the global step (its pairs' and NLL tokens' counts are the means'
+        # denominators) and keeps its own micro-batches of it
+        return pair_micro_batches(collated, self.objective, ref, parts)[self.rank::self.world_size]

@@ -10,12 +10,17 @@ IPO), `eval_rewards/margins`, ..., as DPOTrainer logs them at each evaluation.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..data.pair_source import reference_rows
 from ..data.preference import TokenizedPair
 from .preference import PreferenceConfig, metrics, pair_loss
 from .reference import score_pairs
+
+if TYPE_CHECKING:
+    from ..ranks import Ranks
 
 
 def heldout_pairs(heldout: list[TokenizedPair], batch_pairs: int, max_batches: int) -> list[TokenizedPair]:
@@ -24,10 +29,13 @@ def heldout_pairs(heldout: list[TokenizedPair], batch_pairs: int, max_batches: i
 
 
 def evaluate_pairs(engine, pairs: list[TokenizedPair], reference: torch.Tensor | None, cfg: PreferenceConfig,
-                   pad_id: int, max_length: int | None, batch_pairs: int) -> dict[str, float]:
+                   pad_id: int, max_length: int | None, batch_pairs: int,
+                   ranks: "Ranks | None" = None) -> dict[str, float]:
     """{eval_loss, eval_rewards/chosen, ..., eval_logps/rejected} of `pairs` with the engine's current
-    weights; `reference` [len(pairs), 2] the reference's sums where the objective has one."""
-    scores = score_pairs(engine, pairs, cfg, pad_id, max_length, batch_pairs)
+    weights; `reference` [len(pairs), 2] the reference's sums where the objective has one. Several
+    `ranks` share the forwards and each gets every pair's scores (score_pairs; a collective), so
+    every rank computes the same metrics."""
+    scores = score_pairs(engine, pairs, cfg, pad_id, max_length, batch_pairs, ranks)
     idx = list(range(len(pairs)))
     logps, tokens = reference_rows(scores.logps, idx), reference_rows(scores.tokens, idx)      # [2n] each
     ref = reference_rows(reference, idx) if cfg.needs_reference else None

@@ -10,10 +10,11 @@ sequence's coefficient (`head_scales`). Both engines call `head_step`; neither k
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from .preference import PairLoss, PairTokens, PreferenceConfig, head_scales, metrics
+from .preference import PairLoss, PairTokens, PreferenceConfig, head_scales, metric_sums, metrics_of_sums
 
 
 @dataclass
@@ -65,8 +66,11 @@ def step_loss(objective: PreferenceConfig | None, loss_sum: float, n_tokens: int
     return loss_sum / n_tokens if objective is None else loss_sum
 
 
-def step_metrics(objective: PreferenceConfig | None, stats: list[PairStats]) -> dict[str, float]:
-    """TRL's preference metrics over the step's pairs (every micro-batch); {} for supervised."""
+def step_metrics(objective: PreferenceConfig | None, stats: list[PairStats],
+                 sum_over_ranks: Callable[[list[float]], list[float]] | None = None) -> dict[str, float]:
+    """TRL's preference metrics over the step's pairs (every micro-batch; with `sum_over_ranks`, a
+    data-parallel step's every rank's: their sums added, a collective every rank calls); {} for
+    supervised."""
     if objective is None or not stats:
         return {}
     out = PairLoss(torch.stack([s.out.loss for s in stats]).sum(), torch.cat([s.out.per_pair for s in stats]),
@@ -74,4 +78,5 @@ def step_metrics(objective: PreferenceConfig | None, stats: list[PairStats]) -> 
     # each micro-batch's sequences are its chosen rows then its rejected rows: regroup the step's
     logps = torch.cat([s.logps.chunk(2)[0] for s in stats] + [s.logps.chunk(2)[1] for s in stats])
     tokens = torch.cat([s.tokens.chunk(2)[0] for s in stats] + [s.tokens.chunk(2)[1] for s in stats])
-    return metrics(objective, out, logps, tokens)
+    sums = metric_sums(objective, out, logps, tokens)
+    return metrics_of_sums(sum_over_ranks(sums) if sum_over_ranks is not None else sums)

@@ -118,17 +118,32 @@ def coefficients(cfg: PreferenceConfig, logps: torch.Tensor, tokens: torch.Tenso
     return PairLoss(out.loss.detach(), out.per_pair.detach(), out.chosen_rewards, out.rejected_rewards), grad
 
 
-def metrics(cfg: PreferenceConfig, out: PairLoss, logps: torch.Tensor, tokens: torch.Tensor) -> dict[str, float]:
-    """TRL's preference metrics of a batch (their names): rewards and log-probabilities, means over
-    pairs; SimPO's and ORPO's log-probabilities are per token, as their trainers log them."""
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")    # TRL's names, in metric_sums' order
+
+
+def metric_sums(cfg: PreferenceConfig, out: PairLoss, logps: torch.Tensor, tokens: torch.Tensor) -> list[float]:
+    """TRL's preference metrics of a batch as sums over its pairs (METRICS' order), then its pairs:
+    parts that add over the ranks of a data-parallel step (each rank's pairs its own part)."""
     c, r = _wide(logps.detach()).chunk(2)
     if not cfg.needs_reference:
         n_c, n_r = tokens.to(c.dtype).clamp(min=1).chunk(2)
         c, r = c / n_c, r / n_r
     margins = out.chosen_rewards - out.rejected_rewards
-    return {"rewards/chosen": out.chosen_rewards.mean().item(), "rewards/rejected": out.rejected_rewards.mean().item(),
-            "rewards/accuracies": (margins > 0).float().mean().item(), "rewards/margins": margins.mean().item(),
-            "logps/chosen": c.mean().item(), "logps/rejected": r.mean().item()}
+    parts = (out.chosen_rewards, out.rejected_rewards, (margins > 0).float(), margins, c, r)   # [B] each
+    return [float(p.double().sum()) for p in parts] + [float(c.numel())]
+
+
+def metrics_of_sums(sums: list[float]) -> dict[str, float]:
+    """metric_sums' parts (summed over micro-batches or ranks) as TRL's means over the pairs."""
+    *totals, pairs = sums
+    return {name: total / pairs for name, total in zip(METRICS, totals)}
+
+
+def metrics(cfg: PreferenceConfig, out: PairLoss, logps: torch.Tensor, tokens: torch.Tensor) -> dict[str, float]:
+    """TRL's preference metrics of a batch (their names): rewards and log-probabilities, means over
+    pairs; SimPO's and ORPO's log-probabilities are per token, as their trainers log them."""
+    return metrics_of_sums(metric_sums(cfg, out, logps, tokens))
 
 
 @dataclass(frozen=True)

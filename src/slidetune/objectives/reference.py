@@ -17,12 +17,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..atomic_write import write_atomically
 from ..data.preference import TokenizedPair, collate_pairs, pair_micro_batches
 from .preference import PreferenceConfig, completion_sums
+
+if TYPE_CHECKING:
+    from ..ranks import Ranks
 
 log = logging.getLogger(__name__)
 
@@ -38,31 +42,57 @@ class PairScores:
     nll_tokens: int
 
 
+def _score_batch(engine, part: list[TokenizedPair], cfg: PreferenceConfig, pad_id: int,
+                 max_length: int | None) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+    """One batch of B pairs through the engine's forward: each side's completion log-probability sum
+    and completion tokens ([B, 2] each, (chosen, rejected)), the NLL term's summed CE and tokens."""
+    (batch,) = pair_micro_batches(collate_pairs(part, pad_id, max_length, pad_to=max_length), cfg)
+    rows = engine.token_losses(batch).float().cpu()                                      # [2B * S]
+    sums, counts = completion_sums(rows, batch.pairs, 2 * len(part))                     # [2B] each
+    return (torch.stack(sums.chunk(2), dim=1), torch.stack(counts.chunk(2), dim=1),
+            float((rows.double() * batch.pairs.nll).sum()), int(batch.pairs.nll.sum()))
+
+
 def score_pairs(engine, pairs: list[TokenizedPair], cfg: PreferenceConfig, pad_id: int, max_length: int | None,
-                batch_pairs: int) -> PairScores:
+                batch_pairs: int, ranks: "Ranks | None" = None) -> PairScores:
     """Every pair through the engine's forward, `batch_pairs` pairs a batch (2 x batch_pairs sequences
     padded to `max_length`, the training steps' shape), each token's loss summed into its sequence:
-    the reference pass, and the held-out evaluation of a preference run."""
+    the reference pass, and the held-out evaluation of a preference run.
+
+    With several `ranks` (a collective: every rank calls it) rank r scores batches r, r + N, ...,
+    and every rank gets every batch's scores (gathered): the same values on every rank, 1 / N of
+    the forwards each. A rank left without a batch in the last round scores the first one again
+    and drops it: every rank runs the same forwards, as a forward may issue collectives
+    (dp_weights=gather's broadcasts) that must match across ranks."""
+    world, rank = (ranks.world_size, ranks.rank) if ranks is not None else (1, 0)
+    starts = list(range(0, len(pairs), batch_pairs))
+    mine = starts[rank::world]
+    scored = []
+    for k in range(-(-len(starts) // world)):               # rounds: every rank the same count
+        start = mine[k] if k < len(mine) else None
+        first = start if start is not None else 0
+        part = _score_batch(engine, pairs[first:first + batch_pairs], cfg, pad_id, max_length)
+        if start is not None:
+            scored.append((start, *part))
+    if world > 1:
+        scored = [s for each in ranks.gather(scored) for s in each]
     logps = torch.empty(len(pairs), 2, dtype=torch.float32)
     tokens = torch.empty(len(pairs), 2, dtype=torch.long)
     nll_sum, nll_tokens = 0.0, 0
-    for start in range(0, len(pairs), batch_pairs):
-        part = pairs[start:start + batch_pairs]
-        (batch,) = pair_micro_batches(collate_pairs(part, pad_id, max_length, pad_to=max_length), cfg)
-        rows = engine.token_losses(batch).float().cpu()                                  # [2B * S]
-        sums, counts = completion_sums(rows, batch.pairs, 2 * len(part))                 # [2B] each
-        logps[start:start + len(part)] = torch.stack(sums.chunk(2), dim=1)               # [B, 2]
-        tokens[start:start + len(part)] = torch.stack(counts.chunk(2), dim=1)
-        nll_sum += float((rows.double() * batch.pairs.nll).sum())
-        nll_tokens += int(batch.pairs.nll.sum())
+    for start, batch_logps, batch_tokens, batch_nll, batch_nll_tokens in sorted(scored, key=lambda s: s[0]):
+        logps[start:start + len(batch_logps)] = batch_logps                              # [B, 2]
+        tokens[start:start + len(batch_logps)] = batch_tokens
+        nll_sum += batch_nll                                 # in the batches' order, as one rank adds them
+        nll_tokens += batch_nll_tokens
     return PairScores(logps, tokens, nll_sum, nll_tokens)
 
 
 def reference_logps(engine, pairs: list[TokenizedPair], cfg: PreferenceConfig, pad_id: int,
-                    max_length: int | None, batch_pairs: int) -> torch.Tensor:
+                    max_length: int | None, batch_pairs: int, ranks: "Ranks | None" = None) -> torch.Tensor:
     """[len(pairs), 2] FP32: each pair's chosen and rejected completion log-probability sums with the
-    engine's current weights, `batch_pairs` pairs a forward (2 x batch_pairs sequences)."""
-    return score_pairs(engine, pairs, cfg, pad_id, max_length, batch_pairs).logps
+    engine's current weights, `batch_pairs` pairs a forward (2 x batch_pairs sequences; several
+    ranks share the forwards: score_pairs)."""
+    return score_pairs(engine, pairs, cfg, pad_id, max_length, batch_pairs, ranks).logps
 
 
 def reference_key(model_fingerprint: str, pairs: list[TokenizedPair], max_length: int | None, dtype: str) -> str:
@@ -112,21 +142,30 @@ class Reference:
 
 def cached_reference_logps(engine, pairs: list[TokenizedPair], cfg: PreferenceConfig, pad_id: int,
                            max_length: int | None, batch_pairs: int, cache_dir: Path | None,
-                           model_fingerprint: str, dtype: str) -> Reference:
+                           model_fingerprint: str, dtype: str, ranks: "Ranks | None" = None) -> Reference:
     """reference_logps, read from `cache_dir` where an earlier run (or the run this one resumes) left
     them for the same weights, pairs, cut and dtype; else computed and written there (None: no
-    cache, always computed)."""
+    cache, always computed).
+
+    Several `ranks` (a collective): rank 0 reads the cache and every rank gets its answer, so the
+    ranks agree on whether to compute (a rank reading a file another has just written would skip
+    forwards the others run); if not, they share the forwards (score_pairs) and rank 0 alone writes."""
     key = reference_key(model_fingerprint, pairs, max_length, dtype)
     file = cache_dir / f"reference-logps-{key}.safetensors" if cache_dir is not None else None
+    on_main = ranks.on_main if ranks is not None else (lambda fn: fn())
     if file is not None:
-        values = _read(file, key, len(pairs))
+        values = on_main(lambda: _read(file, key, len(pairs)))
         if values is not None:
             log.info("reference log-probabilities of %d pairs read from %s", len(pairs), file)
             return Reference(values, file, read=True)
-    values = reference_logps(engine, pairs, cfg, pad_id, max_length, batch_pairs)
+    values = reference_logps(engine, pairs, cfg, pad_id, max_length, batch_pairs, ranks)
     if file is not None:
-        from safetensors.torch import save_file
-        file.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"key": key, "digest": _values_digest(values), "pairs": str(len(pairs)), "dtype": dtype}
-        write_atomically(file, lambda tmp: save_file({"reference_logps": values}, str(tmp), metadata=meta))
+        on_main(lambda: _write(file, key, values, dtype))
     return Reference(values, file, read=False)
+
+
+def _write(file: Path, key: str, values: torch.Tensor, dtype: str) -> None:
+    from safetensors.torch import save_file
+    file.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"key": key, "digest": _values_digest(values), "pairs": str(len(values)), "dtype": dtype}
+    write_atomically(file, lambda tmp: save_file({"reference_logps": values}, str(tmp), metadata=meta))

@@ -124,14 +124,6 @@ def _leaves(views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().requires_grad_(True) for k, v in views.items()}
 
 
-def _one_rank_objective(objective: PreferenceConfig | None, dist: DataParallel | None) -> PreferenceConfig | None:
-    """The preference objective, refused under data parallel for now: each rank's pairs would be
-    normalized by its own pairs, and its metrics would be its own."""
-    if objective is not None and dist is not None and dist.world_size > 1:
-        raise ValueError(f"objective {objective.objective} runs on one GPU for now, not under data parallel")
-    return objective
-
-
 def _gradient_drain(rt: RuntimeConfig, device: Device, *, schedule: str, chunk: int, gpu_cast: bool,
                     grad_dtype: torch.dtype, layer_numel: int) -> GradDrain:
     """The gradients' way down to the host (transfer.GradDrain). Gradients in the compute dtype
@@ -185,7 +177,7 @@ class SlideEngine(Engine):
         self.schedule = rt.resolved_schedule(grad_accum, max_grad_norm)
         self.deferred = self.schedule == "deferred"
         self.max_grad_norm = max_grad_norm
-        self.objective = _one_rank_objective(objective, dist)
+        self.objective = objective
         self.pair_stats: list[PairStats] = []      # this step's pairs, as the head saw them (preference)
         self._closed = False
         self.timer = timer or EventTimer(device, enabled=False)
@@ -511,7 +503,8 @@ class SlideEngine(Engine):
             (loss_sum,) = self.dp.sum_scalars([loss_sum])
         return StepResult(loss=step_loss(self.objective, loss_sum, n_tokens), n_tokens=n_tokens,
                           grad_norm_future=self.threads.rooted(norm_fut),
-                          metrics=step_metrics(self.objective, self.pair_stats))
+                          metrics=step_metrics(self.objective, self.pair_stats,
+                                               self.dp.sum_scalars if self.dp is not None else None))
 
     def _forward(self, mbs: list, visits: list[int], assign: dict[int, int], save_inputs: bool):
         """The forward phase: embedding and layers 0..L-1 without autograd over every micro-batch,
