@@ -145,7 +145,7 @@ def test_the_floor_names_the_kernel_sdpa_picks():
     """bench.roofline.sdpa_backend: the backend SDPA's dispatcher picks for a causal GQA call with
     gradients, in HF's layout (on this CPU build: flash's CPU kernel or the math one), as the hardware
     floor records it beside SDPA's rates (issue 45: which kernel the layer really runs)."""
-    from slidetune.bench.roofline import sdpa_backend
+    from slidetune.bench.hardware_floor import sdpa_backend
     q = torch.randn(2, 8, 4, 16).transpose(1, 2).requires_grad_()        # [B, H, S, dh] of [B, S, H, dh]
     k = torch.randn(2, 8, 2, 16).transpose(1, 2).requires_grad_()
     assert sdpa_backend(q, k, k, {"enable_gqa": True}) in ("FLASH_ATTENTION", "MATH")

@@ -236,7 +236,7 @@ def test_roofline_smoke(tmp_path):
 def test_probe_hardware_rates_on_the_gpu():
     """The GEMM and SDPA probes at a tiny model's shapes give finite rates, and the hardware compute
     is the step's FLOPs at them (every rate positive, the head a matmul)."""
-    from slidetune.bench.roofline import hardware_compute, probe_gemm, probe_hardware
+    from slidetune.bench.hardware_floor import hardware_compute, probe_gemm, probe_hardware
     from slidetune.models.load import load_model
     split = load_model("tiny-llama", with_tokenizer=False).split
     hw = probe_hardware(split, 2, 128)
@@ -629,7 +629,7 @@ def test_hardware_compute_prices_each_flop_at_its_rate():
     2 x (4 + 1) = 10, 19 TFLOP at 50 TFLOP/s = 0.38 s; attention forward 0.4 + 0.4, backward
     2.5 x 0.4 = 1.0, 1.8 TFLOP at 10 = 0.18 s: 0.56 s. None recomputed: 15 TFLOP = 0.30 s and
     1.4 TFLOP = 0.14 s. Rates apart: forward GEMMs at 100, backward at 25, SDPA 20 and 5."""
-    from slidetune.bench.roofline import hardware_compute
+    from slidetune.bench.hardware_floor import hardware_compute
     every = hardware_compute(_HW, range(4))
     assert every["compute_s"] == pytest.approx(0.56)
     assert every["matmul_flops"] == pytest.approx(19e12) and every["attention_flops"] == pytest.approx(1.8e12)

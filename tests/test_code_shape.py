@@ -53,6 +53,15 @@ def test_the_throughput_bench_stays_in_parts():
     lines = {p: len((SRC / "bench" / "scenarios" / p).read_text().splitlines()) for p in parts}
     assert all(n < 800 for n in lines.values()), f"move a concern into a module of its own: {lines}"
 
+
+def test_the_roofline_stays_in_parts():
+    """Issue 49: the floor of a step by concern, each module under 800 lines: the floor's terms and a
+    workload's floor (bench/roofline.py), the probes it is built from, the hardware floor's rates."""
+    parts = ["roofline.py", "floor_probes.py", "hardware_floor.py"]
+    lines = {p: len((SRC / "bench" / p).read_text().splitlines()) for p in parts}
+    assert all(n < 800 for n in lines.values()), f"move a concern into a module of its own: {lines}"
+
+
 def test_callers_ask_the_engine_interface_not_its_attributes():
     """Issue 49: the trainer, the bench and the checkpoint code call engine.interface.Engine, which
     both engines implement; none probes an engine with getattr/hasattr."""

@@ -10,7 +10,8 @@ import pytest
 
 from slidetune.bench.collective import (LATENCY_BYTES, allgather_bus_factor, allreduce_bus_factor, allreduce_term,
                                         measure_collective, message_sizes)
-from slidetune.bench.roofline import ADAMW_BYTES, UPLOAD_READ_BYTES, floor_terms, largest_shard, plan_of_runtime
+from slidetune.bench.floor_probes import ADAMW_BYTES
+from slidetune.bench.roofline import UPLOAD_READ_BYTES, floor_terms, largest_shard, plan_of_runtime
 from slidetune.engine.distributed import shard_units
 from slidetune.telemetry.machine import host_peak_rss
 

@@ -408,7 +408,7 @@ def test_floor_has_a_disk_term():
 
 
 def test_probe_measures_the_directory(tmp_path):
-    from slidetune.bench.roofline import probe_disk
+    from slidetune.bench.floor_probes import probe_disk
     r = probe_disk(str(tmp_path), total_bytes=8 * 2**20, block_mb=1, threads=2)
     assert r["read_gib_s"] > 0 and r["write_gib_s"] > 0 and r["mixed_gib_s"] > 0
     assert r["bytes"] >= 8 * 2**20 and list(Path(tmp_path).iterdir()) == []

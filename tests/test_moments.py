@@ -211,7 +211,8 @@ def test_the_floor_counts_the_formats_traffic(engines):
     """bench.roofline: the host AdamW probe runs the format's kernel and records it; the host DRAM
     bytes of a clipped step's sweep are the format's two passes (8-bit: 12.03 + 6.06 B/param
     against FP32's 18 + 18)."""
-    from slidetune.bench.roofline import ADAMW_BYTES, adamw_bytes, adamw_dram_bytes, best_dram_gib_s, probe_adamw
+    from slidetune.bench.floor_probes import ADAMW_BYTES, adamw_bytes, probe_adamw
+    from slidetune.bench.roofline import adamw_dram_bytes, best_dram_gib_s
     eng = engines()
     shapes = unit_shapes(eng.split)
     fmt = optimizer_state("fp32", "8bit")

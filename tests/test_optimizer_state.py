@@ -58,7 +58,8 @@ def test_the_readers_numbers_are_the_ones_they_wrote_before():
     """Each reader's figure, built from FP32_ADAMW, is still the number it stated: the roofline's
     AdamW passes (26/28 B/param, the split pair 18 + 18, the copy pass 16) and upload read (4), the
     disk probe's moments-only block, the shared host state's layout (master, two moments, step)."""
-    from slidetune.bench.roofline import ADAMW_BYTES, UPLOAD_READ_BYTES
+    from slidetune.bench.floor_probes import ADAMW_BYTES
+    from slidetune.bench.roofline import UPLOAD_READ_BYTES
     from slidetune.engine.distributed import SharedHostState
     from slidetune.engine.slide.disk_tier import block_layout
     assert ADAMW_BYTES == {"adamw_bf16_grad_params_per_s": 26, "adamw_fp32_grad_params_per_s": 28,

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from slidetune.bench.roofline import probe_adamw
+from slidetune.bench.floor_probes import probe_adamw
 from slidetune.engine.adamw import AdamWConfig, FlatAdamW
 from slidetune.telemetry.machine import machine_info
 

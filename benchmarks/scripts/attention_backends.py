@@ -28,7 +28,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from slidetune.bench.roofline import _time_cuda, sdpa_backend
+from slidetune.bench.floor_probes import _time_cuda
+from slidetune.bench.hardware_floor import sdpa_backend
 from slidetune.telemetry.flops import FLASH_BACKWARD_OVER_FORWARD, causal_attention_flops
 from slidetune.telemetry.machine import machine_info
 

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from slidetune.bench.roofline import _adamw_rate, probe_disk
+from slidetune.bench.floor_probes import _adamw_rate, probe_disk
 from slidetune.telemetry.machine import machine_info
 
 

@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 
 import slidetune.models.lean_kernels as lean_kernels
-from slidetune.bench.roofline import hardware_compute, probe_hardware
+from slidetune.bench.hardware_floor import hardware_compute, probe_hardware
 from slidetune.device import Device
 from slidetune.engine.config import RuntimeConfig
 from slidetune.engine.slide.layer_runner import LayerRunner

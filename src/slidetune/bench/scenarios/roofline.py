@@ -25,7 +25,8 @@ WORKER = "slidetune.bench.scenarios.roofline"
 def floor_worker(spec: dict) -> dict:
     """Runs in its own process. spec: model, batch_size, seq_len, num_layers, adamw_n, copy, adamw."""
     from ...telemetry.machine import machine_info
-    from ..roofline import floor, probe_adamw, probe_disk
+    from ..floor_probes import probe_adamw, probe_disk
+    from ..roofline import floor
     adamw = spec.get("adamw") or probe_adamw(n=spec.get("adamw_n", 128 * 2**20),
                                              grad_download=spec.get("grad_download", "compute"),
                                              host_adamw=spec.get("host_adamw", "dynamic"),
@@ -59,8 +60,8 @@ def measure_floor(model: str, batch: int, seq: int, num_layers: int | None = Non
                   host_adamw: str = "dynamic", disk_dir: str | None = None, disk_block_mb: int = 64,
                   disk_io_threads: int = 4, head_impl: str = "chunked", layer: str = "both",
                   moments: str = "fp32", master: str = "fp32") -> dict:
-    """disk_dir: also probe the disk tier's directory (bench.roofline.probe_disk) for the disk term.
-    layer: the decoder layer the compute probe times (hf, lean or both: bench.roofline.probe_compute).
+    """disk_dir: also probe the disk tier's directory (bench.floor_probes.probe_disk) for the disk term.
+    layer: the decoder layer the compute probe times (hf, lean or both: bench.floor_probes.probe_compute).
     moments, master: the host units' state format the AdamW probe keeps (--moments, --master)."""
     return run_worker(WORKER, dict(model=model, batch_size=batch, seq_len=seq, num_layers=num_layers,
                                    device=device, adamw_n=adamw_n, copy=copy, adamw=adamw,

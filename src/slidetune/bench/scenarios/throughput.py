@@ -197,7 +197,7 @@ class _ThroughputRuns:
         if state == base_state or fl.get("status") != "ok":
             return fl
         if key not in self.floors:
-            from ..roofline import probe_adamw
+            from ..floor_probes import probe_adamw
             probe = probe_adamw(n=4 * 2**20 if args.smoke else 128 * 2**20, master=state[0], moments=state[1],
                                 host_adamw=str(slide_over.get("host_adamw", "dynamic")),
                                 grad_download=str(slide_over.get("grad_download", "compute")))

@@ -3,7 +3,9 @@ recipe the run resolved to (bench.roofline.floor_terms), and the hardware floor 
 step's FLOPs at the GEMM and SDPA rates probed on this GPU); the floors' keys in throughput.json."""
 from __future__ import annotations
 
-from ..roofline import compute_of_run, floor_terms, hardware_compute, plan_of_runtime
+from ..floor_probes import compute_of_run
+from ..hardware_floor import hardware_compute
+from ..roofline import floor_terms, plan_of_runtime
 
 
 def _floor_key(model: str, batch: int, seq: int, layer: str, state: tuple[str, str] = ("fp32", "fp32")) -> str:
@@ -54,7 +56,7 @@ def _hardware_floor(system: str, r: dict, fl: dict, recipe: dict, collective: di
                     ) -> tuple[float | None, str | None, dict]:
     """(hardware floor seconds, its largest term, the terms) of one run: _floor's terms with the
     compute probe replaced by the step's FLOPs at the probed GEMM and SDPA rates
-    (bench.roofline.hardware_compute, the run's own recomputation), its GPU AdamW and all-reduce
+    (bench.hardware_floor.hardware_compute, the run's own recomputation), its GPU AdamW and all-reduce
     kept. (None, None, {}) without the probes: a CPU floor (partial) or a floor recorded before them."""
     hw = fl.get("hardware")
     if not hw or fl.get("partial") or not fl.get("compute"):

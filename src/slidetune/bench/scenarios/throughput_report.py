@@ -10,7 +10,7 @@ from pathlib import Path
 from ...telemetry.flops import StepFlops
 from .. import output as O
 from ..plots import bar_plot, pareto_plot
-from ..roofline import hardware_compute
+from ..hardware_floor import hardware_compute
 from ..tables import config_name, pipeline_rows
 from . import common
 from .throughput_floor import _floor_key, _layer_ran, _state_of
@@ -166,7 +166,7 @@ def _write_scaling_plot(out: Path, rows: list[dict], labels: list[str], keys: li
 def hardware_table(floors: dict) -> list[dict]:
     """Per workload, the hardware floor's inputs as its floor probe recorded them: the GEMM and SDPA
     rates (TFLOP/s, forward and backward) and the step's FLOPs with every layer recomputed (slide's
-    recomputation; TFLOP a step), enough to redo compute_s (bench.roofline.hardware_compute)."""
+    recomputation; TFLOP a step), enough to redo compute_s (bench.hardware_floor.hardware_compute)."""
     out = []
     for key, fl in floors.items():
         hw = (fl or {}).get("hardware")
