@@ -149,3 +149,16 @@ def test_plan_counts_a_pair_as_two_sequences():
         main(["plan", "--model", "qwen3-8b", "--seq-len", "1024", "--gpu-free-gib", "24", "--host-gib", "125",
               "--objective", "dpo", "--batch-size", "8"])
     assert "the verdict above is for 8 pairs = 16 sequences a micro-batch" in out.getvalue()
+
+
+def test_the_reference_pass_floor_is_a_forward_and_one_upload_of_each_host_unit():
+    """bench/reference_floor.py: a batch's compute is every layer's probed forward plus a third of the
+    head's forward and backward; its PCIe one upload of each host-updated unit's BF16 weights."""
+    from slidetune.bench.reference_floor import reference_pass_terms
+    from slidetune.bench.roofline import plan_of_runtime
+    comp = {"num_layers": 4, "layer_params": 1_000_000, "vocab_params": 2_000_000, "layer_forward_s": 0.01,
+            "head_s": 0.03, "embed_s": 0.0}
+    plan = plan_of_runtime(comp)                      # every unit on the host
+    terms = reference_pass_terms(comp, {"h2d_gib_s": 1.0}, plan)
+    assert terms["compute_s"] == pytest.approx(4 * 0.01 + 0.01)
+    assert terms["h2d_s"] == pytest.approx(2 * (4 * 1_000_000 + 2_000_000) / 2**30)
