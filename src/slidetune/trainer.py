@@ -45,8 +45,7 @@ from .engine import StepResult
 from .eval_samples import decode_completion, encode_prompt, greedy_completions, write_samples
 from .faults import maybe_fail
 from .models.load import LoadedModel
-from .objectives.evaluation import evaluate_pairs, heldout_pairs
-from .objectives.reference import cached_reference_logps
+from .objectives.pair_run import PairRun
 from .ranks import Ranks
 from .telemetry.flops import train_flops_per_token
 from .telemetry.run_metrics import RunMetrics, _scalars, host_rss_meter, metric_columns
@@ -260,11 +259,8 @@ class Trainer:
         # data parallel: every rank runs this loop in step; rank 0 alone writes files
         self.ranks = ranks or Ranks.single()
         self.sampler, self.heldout, self.pad_id = run.sampler, run.heldout, run.pad_id
-        # a preference objective's pairs (data/pair_source.py), its settings, the held-out pairs' reference
-        self.pairs, self.objective = run.pairs, cfg.preference()
-        self.heldout_reference: torch.Tensor | None = None
-        self.reference_s: float | None = None
-        self.reference_cached: bool | None = None
+        # a preference objective's pairs, reference pass and evaluation (objectives/pair_run.py)
+        self.pairs = PairRun(run.pairs, cfg.batch_size, cfg.eval_batches, self.ranks) if run.pairs else None
         self.eval_prompts = list(run.eval_prompts)   # sampled greedily at each evaluation (eval_samples.py)
         self.total_steps, self.out, self.t_start = run.total_steps, out, t_start
         self.stop_flag = stop or _StopFlag()
@@ -305,7 +301,10 @@ class Trainer:
     # ------------------------------------------------------------------ the driver
     def run(self) -> TrainSummary:
         """Resume (if asked), evaluate, train to the end or a stop, export, write the summary."""
-        self.prepare_reference()          # with the initial weights: before a resume loads its own
+        if self.pairs is not None:        # with the initial weights: before a resume loads its own
+            self.where = "the reference pass before step 1"
+            self.pairs.prepare_reference(self.engine, cache_root(self.cfg.data.cache_dir),
+                                         self.loaded.source.fingerprint(), self.cfg.runtime.dtype)
         self.start_step = self.checkpoints.resume()
         self.metrics.open_trackers(self.start_step, run_record(self.cfg, self.ranks.world_size))
         try:
@@ -511,7 +510,7 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     def has_heldout(self) -> bool:
         if self.pairs is not None:
-            return len(self.pairs.data.heldout) > 0
+            return self.pairs.has_heldout()
         return self.heldout is not None and len(self.heldout) > 0
 
     def evaluate(self) -> dict[str, float]:
@@ -519,16 +518,14 @@ class Trainer:
         objective's loss and TRL's eval_rewards/... (objectives/evaluation.py)."""
         cfg = self.cfg
         if self.pairs is not None:      # a collective under data parallel: the ranks share the forwards
-            return evaluate_pairs(self.engine, self.evaluated_pairs(), self.heldout_reference, self.objective,
-                                  self.pad_id, self.pairs.data.max_length, cfg.batch_size, self.ranks)
+            return self.pairs.evaluate(self.engine)
         loss, ppl = evaluate(self.engine, self.heldout, cfg.batch_size, self.pad_id, cfg.eval_batches, self.ranks)
         return {"eval_loss": loss, "eval_ppl": ppl}
 
     def describe_eval(self, held: dict[str, float]) -> str:
-        if self.pairs is None:
-            return f"loss {held['eval_loss']:.4f}  perplexity {held['eval_ppl']:.2f}"
-        return (f"{self.cfg.objective} loss {held['eval_loss']:.4f}  reward accuracy "
-                f"{held['eval_rewards/accuracies']:.3f}  reward margin {held['eval_rewards/margins']:.4f}")
+        if self.pairs is not None:
+            return self.pairs.describe(held)
+        return f"loss {held['eval_loss']:.4f}  perplexity {held['eval_ppl']:.2f}"
 
     def evaluate_before(self) -> None:
         """The held-out evaluation before step 1 (a fresh start only), as metrics row 0."""
@@ -550,42 +547,11 @@ class Trainer:
             self.notify("on_eval", self.total_steps, self.after)
         self.sample_prompts(self.total_steps)
 
-    def evaluated_pairs(self) -> list:
-        """The held-out pairs each evaluation scores: --eval-batches global batches of them (--batch-size
-        pairs a rank), so N ranks at batch b evaluate the pairs one rank at N b does."""
-        return heldout_pairs(self.pairs.data.heldout, self.cfg.batch_size * self.ranks.world_size,
-                             self.cfg.eval_batches)
-
-    def prepare_reference(self) -> None:
-        """A preference objective's reference log-probabilities (DPO's, IPO's) of the training pairs and
-        the evaluated held-out ones, before step 1 and before a resume loads its checkpoint's weights
-        (objectives/reference.py): read from the data cache where a run on the same weights and pairs
-        left them, else computed by the engine with the initial weights and written there."""
-        if self.pairs is None or not self.objective.needs_reference:
-            return
-        cfg, data = self.cfg, self.pairs.data
-        self.where = "the reference pass before step 1"
-        evaluated = self.evaluated_pairs()
-        t0 = time.perf_counter()
-        # under data parallel the ranks share the forwards and each gets every pair's sums; rank 0
-        # alone reads and writes the cache (cached_reference_logps)
-        ref = cached_reference_logps(self.engine, data.train + evaluated, self.objective, self.pad_id,
-                                     data.max_length, cfg.batch_size, cache_root(cfg.data.cache_dir),
-                                     self.loaded.source.fingerprint(), cfg.runtime.dtype, self.ranks)
-        self.reference_s, self.reference_cached = time.perf_counter() - t0, ref.read
-        self.pairs.reference, self.heldout_reference = ref.logps[:len(data.train)], ref.logps[len(data.train):]
-        n = len(data.train) + len(evaluated)
-        how = (f"read from {ref.file}" if ref.read else f"computed in {self.reference_s:.1f} s (a forward over "
-               f"{2 * n} sequences)" + (f", cached in {ref.file}" if ref.file is not None else ""))
-        print(f"reference log-probabilities of {n} pairs ({len(data.train)} training, {len(evaluated)} held out): {how}")
-
     def data_line(self) -> str:
         """The run's data in one line (the model card's)."""
         cfg = self.cfg
         if self.pairs is not None:
-            d = self.pairs.data
-            return (f"{d.source}: {len(d.train)} preference pairs (sequences up to {cfg.data.seq_len} tokens), "
-                    f"{len(d.heldout)} held out")
+            return self.pairs.data_line()
         return (f"{self.sampler.dataset.source}: {len(self.sampler.dataset)} training sequences of {cfg.data.seq_len} "
                 f"tokens, {len(self.heldout) if self.heldout is not None else 0} held out")
 
@@ -635,14 +601,13 @@ class Trainer:
     def write_summary(self) -> TrainSummary:
         """summary.json of this invocation; also returned."""
         cfg, before, after, heldout = self.cfg, self.before, self.after, self.heldout
-        pairs = self.pairs.data if self.pairs is not None else None
-        if pairs is not None:
-            source, train_rows, held_rows = pairs.source, 2 * len(pairs.train), 2 * len(pairs.heldout)
+        if self.pairs is not None:        # the pairs, the reference pass, TRL's held-out metrics
+            data = {**self.pairs.summary(), "eval_before": before, "eval_after": after}
         else:
             ds = self.sampler.dataset
-            source = cfg.data.path or (ds.source if ds.source != BUILTIN_NAME
-                                       else f"built-in corpus (Python {platform.python_version()} docs)")
-            train_rows, held_rows = len(ds), len(heldout) if heldout is not None else 0
+            data = dict(data_source=cfg.data.path or (ds.source if ds.source != BUILTIN_NAME else
+                                                      f"built-in corpus (Python {platform.python_version()} docs)"),
+                        train_sequences=len(ds), heldout_sequences=len(heldout) if heldout is not None else 0)
         summary = TrainSummary(
             output_dir=str(self.out), steps=self.engine.step_index,
             eval_loss_before=before["eval_loss"] if before else None,
@@ -651,14 +616,9 @@ class Trainer:
             first_loss=self.first_loss, last_loss=self.last_loss,
             tokens_per_s=float(np.median(self.tok_rates)) if self.tok_rates else None,
             wall_s=time.perf_counter() - self.t_start, interrupted=self.interrupted,
-            stopped_early=self.stopped_early, data_source=source, train_sequences=train_rows,
-            heldout_sequences=held_rows,
+            stopped_early=self.stopped_early,
             device=torch.cuda.get_device_name() if self.device.is_cuda else "cpu", dtype=cfg.runtime.dtype,
-            **self.checkpoints.totals(), objective=cfg.objective,
-            train_pairs=len(pairs.train) if pairs is not None else 0,
-            heldout_pairs=len(pairs.heldout) if pairs is not None else 0,
-            reference_s=self.reference_s, reference_cached=self.reference_cached,
-            eval_before=before if pairs is not None else None, eval_after=after if pairs is not None else None)
+            objective=cfg.objective, **data, **self.checkpoints.totals())
         # rank 0 writes it and the other ranks wait for it (on_main): a rank that ended first would
         # make torchrun stop the others (SIGTERM), rank 0 perhaps before this file is written
         self.ranks.on_main(lambda: write_text(self.out / "summary.json", json.dumps(summary.__dict__, indent=2) + "\n"))
