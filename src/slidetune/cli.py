@@ -247,8 +247,9 @@ def _print_card_terms(cfg, fl: dict, plan, card, terms: dict) -> None:
     what = (f"{card.name} ({card.memory_gib:g} GiB, PCIe {card.pcie_gb_s:g} GB/s each way, "
             f"{card.bf16_tflops:g} dense BF16 TFLOP/s)")
     if fl.get("partial"):
-        print(f"{what}: the placement above is the card's; its compute_s, h2d_s and d2h_s need this GPU's probes "
-              f"to scale (no GPU here), its host terms are the ones above (the same host)")
+        print(f"{what}: the placement above is the card's, and so are the host terms above (the same host); "
+              f"its compute_s, h2d_s and d2h_s cannot be predicted here: they scale a GPU's probes and this "
+              f"machine has none")
         return
     comp, copy = card_probes(fl["compute"], fl["copy"], fl.get("gemm"), card)
     predicted = floor_terms(comp, copy, fl["adamw"], plan, device_adamw=fl.get("device_adamw"),
