@@ -58,6 +58,10 @@ def _plan(ns) -> int:
     """Print the memory estimate of a configuration and the verdict (fits, or does not with the options
     that do) for this machine or the one the flags describe, allocating nothing."""
     from .models.load import load_model
+    if ns.card is not None:
+        if ns.gpu_free_gib is not None:
+            raise ValueError("give --card NAME or --gpu-free-gib GIB, not both: the card's memory is its GPU's")
+        ns.gpu_free_gib = ns.card.memory_gib     # the placement the card would get
     cfg, on_gpu = _plan_config(ns)
     loaded = load_model(cfg.model, num_layers=cfg.num_layers, with_tokenizer=False)
     estimate = _plan_estimator(cfg, loaded.split, ranks=max(1, ns.gpus))
@@ -68,7 +72,7 @@ def _plan(ns) -> int:
         return 0
     plan = plan or est.plan         # no GPU described: the placement of the settings as given
     if ns.terms:
-        _plan_terms(cfg, plan)
+        _plan_terms(cfg, plan, ns.card)
         if ns.gpus > 1:
             print(f"(the terms above are one rank's; under {ns.gpus} ranks the gradient all-reduce adds a term "
                   f"probed on {ns.gpus} GPUs: slidetune bench throughput --gpus 1,{ns.gpus})")
@@ -175,9 +179,10 @@ def _print_auto_hints(cfg, split, estimate) -> None:
                   f"GiB; less host AdamW per step); below that on the host")
 
 
-def _plan_terms(cfg, plan) -> None:
+def _plan_terms(cfg, plan, card=None) -> None:
     """The floor's terms for this placement, each probed on this machine (bench.roofline): the
-    seconds a step each resource needs at best, and the largest of them, the floor."""
+    seconds a step each resource needs at best, and the largest of them, the floor. card
+    (bench/cards.py): the same terms predicted for that card in this machine, beside them."""
     from .bench.roofline import disk_term, floor_terms
     from .bench.scenarios.roofline import measure_floor
     rt = cfg.runtime
@@ -190,7 +195,7 @@ def _plan_terms(cfg, plan) -> None:
                        compile_layers=rt.compile_layers != "off", grad_download=rt.transfer.grad_download,
                        host_adamw=rt.host.host_adamw, disk_dir=rt.disk_dir if plan.indices("disk") else None,
                        disk_block_mb=rt.disk.disk_block_mb, disk_io_threads=rt.disk.disk_io_threads,
-                       moments=rt.moments, master=rt.master)
+                       moments=rt.moments, master=rt.master, gemm=card is not None)
     if fl.get("status") != "ok":
         print(f"the probes failed: {fl.get('error', fl)}")
         return
@@ -228,6 +233,38 @@ def _plan_terms(cfg, plan) -> None:
     preference = cfg.preference()
     if preference is not None and preference.needs_reference and not fl.get("partial"):
         _print_reference_terms(cfg, fl, plan)
+    if card is not None:
+        _print_card_terms(cfg, fl, plan, card, terms)
+
+
+def _print_card_terms(cfg, fl: dict, plan, card, terms: dict) -> None:
+    """The floor's terms predicted for `card` (bench/cards.py) beside this machine's, for the card's
+    placement (plan --card plans for its memory): compute scaled by the GEMM rates, the copies at
+    the card's link, the host's terms as probed here."""
+    from .bench.cards import card_probes
+    from .bench.roofline import floor_terms
+    rt = cfg.runtime
+    what = (f"{card.name} ({card.memory_gib:g} GiB, PCIe {card.pcie_gb_s:g} GB/s each way, "
+            f"{card.bf16_tflops:g} dense BF16 TFLOP/s)")
+    if fl.get("partial"):
+        print(f"{what}: the placement above is the card's, and so are the host terms above (the same host); "
+              f"its compute_s, h2d_s and d2h_s cannot be predicted here: they scale a GPU's probes and this "
+              f"machine has none")
+        return
+    comp, copy = card_probes(fl["compute"], fl["copy"], fl.get("gemm"), card)
+    predicted = floor_terms(comp, copy, fl["adamw"], plan, device_adamw=fl.get("device_adamw"),
+                            disk=fl.get("disk"), split_sweep=rt.clip.clip_sweep != "whole")
+    gemm = fl["gemm"]["gemm_tflops"]
+    print(f"on {what}: compute x {gemm:.0f} / {card.bf16_tflops:g} (this GPU's probed BF16 GEMM TFLOP/s over the "
+          f"card's), copies x {fl['copy']['h2d_gib_s']:.1f} / {card.pcie_gib_s:.1f} and "
+          f"{fl['copy']['d2h_gib_s']:.1f} / {card.pcie_gib_s:.1f} GiB/s, host terms as probed here:")
+    print(f"   {'term':<13} {'here':>8} {card.name:>8}")
+    for k, v in predicted.items():
+        print(f"   {k:<13} {terms.get(k, float('nan')):8.3f} {v:8.3f}")
+    tokens = cfg.rows_per_micro_batch * cfg.grad_accum * cfg.data.seq_len
+    here, there = max(terms.values()), max(predicted.values())
+    print(f"floor {here:.3f} s a step here ({tokens / here:,.0f} tokens/s), {there:.3f} s on {card.name} "
+          f"(bound by {max(predicted, key=predicted.get)}): at best {tokens / there:,.0f} tokens/s")
 
 
 def _print_reference_terms(cfg, fl: dict, plan) -> None:
@@ -487,6 +524,20 @@ _TRAIN_DESCRIPTION = ("Fine-tune every parameter of a decoder-only model on one 
                       "YAML `tuning:` section: --help-tuning lists them.")
 
 
+def _card_names() -> list[str]:
+    from .bench.cards import CARDS
+    return list(CARDS)
+
+
+def _card(text: str):
+    """--card NAME: a card of bench/cards.py, or a refusal naming the known ones."""
+    from .bench.cards import card_named
+    try:
+        return card_named(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     # ConfigArgumentParser (and its subparsers): unknown --tuning.NAME names the valid knobs
     parser = ConfigArgumentParser(prog="slidetune", description=__doc__,
@@ -525,6 +576,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_plan.add_argument("--no-limits", action="store_true",
                         help="skip the largest batch and the longest sequence that fit (a search of a few "
                              "seconds over the same estimate)")
+    p_plan.add_argument("--card", type=_card, default=None, metavar="NAME",
+                        help="plan for a consumer card in this machine (its memory: the placement it gets) and, "
+                             "with --terms, predict its step from this machine's probes: "
+                             + ", ".join(_card_names()))
     p_plan.add_argument("--terms", action="store_true",
                         help="also probe this machine (GPU compute, PCIe, host AdamW, the disk tier's directory; "
                              "about a minute) and print the seconds a step each term of the floor costs")

@@ -230,6 +230,14 @@ class TransferTuning(_Section):
         when="upload where the host's GPUs have no NVLink between them (the broadcasts then cross PCIe "
              "beside the uploads); measure with bench throughput --gpus --runtime dp_weights=upload")
 
+    # --gpu-memory-limit emulates a smaller card's memory, not its link: the H200 VM's Gen5 x16
+    # moves ~50 GB/s pinned each way, an RTX 4090's PCIe 4.0 x16 ~25 (engine/slide/pacing.py)
+    pcie_gbps: float | None = tuning_field(
+        None, help="cap each direction of the weights' uploads and the gradients' downloads at this many GB/s "
+                   "(decimal; unset: no cap)",
+        when="to emulate a slower card's link on a faster host, beside --gpu-memory-limit (25 for PCIe 4.0 x16)",
+        valid=(lambda v: v > 0, "> 0 GB/s"))
+
     def chunk_elems(self, layer_numel: int, align: int = 1) -> int:
         """Elements per transfer chunk: chunk_mb MiB of FP32 (the host-side element size), but
         no more than one decoder layer: a small model must not get 256 MB staging buffers.

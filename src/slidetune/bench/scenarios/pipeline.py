@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ...engine.config import RuntimeConfig, literal_choices, runtime_fields
+from ...engine.config import RuntimeConfig, runtime_fields
+from ...fields import base_type
 from . import common
 
 NAME = "pipeline"
@@ -50,11 +51,11 @@ def parse_variants(text: str, base: dict | None = None) -> list[tuple[str, dict]
             if not eq or key not in fields:
                 raise ValueError(f"variant {name!r}: {kv!r} is not key=value with a RuntimeConfig field "
                                  f"(fields: {', '.join(sorted(fields))})")
-            typ = fields[key].type
-            choices = literal_choices(typ)
-            typ = type(choices[0]).__name__ if choices else typ          # Literal[-1, 1, 2]: an int
-            over[key] = (int(value) if typ in ("int", int) else float(value) if typ in ("float", float) else
-                         value.lower() in ("1", "true", "yes") if typ in ("bool", bool) else value)
+            # Literal[-1, 1, 2]: an int; float | None (pcie_gbps): a float, or none
+            typ, optional = base_type(fields[key].type)
+            none = optional and typ is not str and value.lower() == "none"      # a str's "none" is a word
+            over[key] = (None if none else int(value) if typ is int else float(value) if typ is float else
+                         value.lower() in ("1", "true", "yes") if typ is bool else value)
         RuntimeConfig(**{**(base or {}), **over})        # reject bad values here, not in a worker process
         out.append((name.strip(), over))
     if not out:

@@ -43,6 +43,11 @@ def floor_worker(spec: dict) -> dict:
                    copy=spec.get("copy"), adamw=adamw, compile_layers=bool(spec.get("compile_layers")),
                    head_impl=spec.get("head_impl", "chunked"), layer=spec.get("layer", "both"))
         out.update(fl, partial=False)
+        if spec.get("gemm"):        # plan --card: this GPU's GEMM rate on the layer's shapes (bench/cards.py)
+            from ...models.load import load_model
+            from ..hardware_floor import layer_gemm_shapes, probe_gemm
+            split = load_model(spec["model"], num_layers=spec.get("num_layers"), with_tokenizer=False).split
+            out["gemm"] = probe_gemm(layer_gemm_shapes(split, spec["batch_size"] * spec["seq_len"]))
         return out
     from ...models.load import load_model
     split = load_model(spec["model"], num_layers=spec.get("num_layers"), with_tokenizer=False).split
@@ -59,8 +64,9 @@ def measure_floor(model: str, batch: int, seq: int, num_layers: int | None = Non
                   timeout_s: float = 1800, compile_layers: bool = False, grad_download: str = "compute",
                   host_adamw: str = "dynamic", disk_dir: str | None = None, disk_block_mb: int = 64,
                   disk_io_threads: int = 4, head_impl: str = "chunked", layer: str = "both",
-                  moments: str = "fp32", master: str = "fp32") -> dict:
+                  moments: str = "fp32", master: str = "fp32", gemm: bool = False) -> dict:
     """disk_dir: also probe the disk tier's directory (bench.floor_probes.probe_disk) for the disk term.
+    gemm: also probe the GPU's GEMM rate on the layer's shapes (hardware_floor.probe_gemm; plan --card).
     layer: the decoder layer the compute probe times (hf, lean or both: bench.floor_probes.probe_compute).
     moments, master: the host units' state format the AdamW probe keeps (--moments, --master)."""
     return run_worker(WORKER, dict(model=model, batch_size=batch, seq_len=seq, num_layers=num_layers,
@@ -68,7 +74,7 @@ def measure_floor(model: str, batch: int, seq: int, num_layers: int | None = Non
                                    compile_layers=compile_layers, grad_download=grad_download,
                                    host_adamw=host_adamw, disk_dir=disk_dir, disk_block_mb=disk_block_mb,
                                    disk_io_threads=disk_io_threads, head_impl=head_impl, layer=layer,
-                                   moments=moments, master=master),
+                                   moments=moments, master=master, gemm=gemm),
                       timeout_s=timeout_s)
 
 

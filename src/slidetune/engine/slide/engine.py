@@ -93,6 +93,7 @@ from .layer_runner import LayerRunner
 from .save_service import SaveService
 from .slots import GpuSlots, Slot, shapes_for
 from .step_norm import StepNorm
+from .pacing import LinkPacers
 from .threads import PipelineThreads
 from .transfer import GradDrain, Uploader
 from .update_hold import UpdateHold
@@ -163,6 +164,17 @@ def _refuse_after_disk_release(released: bool, what: str) -> None:
                            f"removed by release_disk_tier() at the end of the run")
 
 
+def _wire_copiers(uploader: Uploader, drainer: GradDrain, timeline, abort, pcie_gbps: float | None) -> LinkPacers:
+    """The uploader and the gradient drain share the engine's timeline and abort event, and pace
+    their copies at --tuning.pcie_gbps, each direction its own (pacing.py): a failed thread's abort
+    wakes a pacer's sleep."""
+    drainer.timeline = uploader.timeline = timeline
+    drainer.abort = uploader.abort = abort
+    pacers = LinkPacers(pcie_gbps, sleep=abort.wait)
+    uploader.pace, drainer.pace = pacers.h2d, pacers.d2h
+    return pacers
+
+
 class SlideEngine(Engine):
     def __init__(self, loaded: LoadedModel, rt: RuntimeConfig, optim: AdamWConfig, device: Device,
                  grad_accum: int = 1, max_grad_norm: float | None = None, timer: EventTimer | None = None,
@@ -228,8 +240,8 @@ class SlideEngine(Engine):
         self.device_grad_slots = self.slots.device_grad_slots
         self.drainer = _gradient_drain(rt, device, schedule=self.schedule, chunk=self.chunk, gpu_cast=self.gpu_cast,
                                        grad_dtype=shapes.grad_dtype, layer_numel=layer_numel)
-        self.drainer.timeline = self.uploader.timeline = self.timeline
-        self.drainer.abort = self.uploader.abort = self.threads.abort
+        self.pacers = _wire_copiers(self.uploader, self.drainer, self.timeline, self.threads.abort,
+                                    rt.transfer.pcie_gbps)
         # Eager updates and their D2H copies run earliest-deadline-first (rt.host.update_order;
         # workers.DeadlineWorker): the ring then carries the most urgent gradients while the
         # others wait in their GPU slots.

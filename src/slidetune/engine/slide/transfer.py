@@ -31,6 +31,7 @@ from torch.profiler import record_function
 from ...device import Device
 from ...telemetry.host_timeline import HostTimeline
 from .host_store import HostUnit
+from .pacing import LinkPacer
 from .workers import WorkerError, wait_or_abort
 
 
@@ -52,6 +53,7 @@ class Uploader:
         self.abort = threading.Event()          # the engine shares its own
         self.next = 0
         self.bytes = 0
+        self.pace = LinkPacer(None)             # --tuning.pcie_gbps: the engine sets its h2d pacer
 
     def upload(self, unit: HostUnit, dst: torch.Tensor, version: int, after: Future | None):
         """Copy the unit's weights (after its `version`-th update) into `dst` once `after`'s event passed:
@@ -72,6 +74,7 @@ class Uploader:
                 for lo in range(0, n, self.chunk):
                     hi = min(n, lo + self.chunk)
                     self._wait_update(unit, version, hi)
+                    self.pace.take((hi - lo) * src.element_size())
                     dst[lo:hi].copy_(src[lo:hi], non_blocking=True)
                 self.bytes += n * src.element_size()
                 return self.device.record(self.stream)
@@ -80,6 +83,7 @@ class Uploader:
                     hi = min(n, lo + self.chunk)
                     self._wait_update(unit, version, hi)
                     stage = self.stage[c % len(self.stage)][: hi - lo]
+                    self.pace.take((hi - lo) * 4)
                     stage.copy_(src[lo:hi], non_blocking=True)     # FP32 H2D from the registered master
                     dst[lo:hi].copy_(stage)                          # cast kernel on the upload stream
                 self.bytes += n * 4
@@ -94,6 +98,7 @@ class Uploader:
                 buf = self.ring[k][: hi - lo]
                 with record_function("slidetune.cast"):
                     buf.copy_(src[lo:hi])                      # FP32 -> compute dtype, CPU threads
+                self.pace.take((hi - lo) * buf.element_size())
                 dst[lo:hi].copy_(buf, non_blocking=True)       # H2D on the upload stream
                 self.ring_free[k] = self.device.record(self.stream)
             self.bytes += n * dst.element_size()
@@ -136,6 +141,7 @@ class GradDrain:
         else:
             self.scratch = torch.empty(chunk_elems, dtype=torch.float32)   # one chunk of FP32 grads
         self.bytes = 0
+        self.pace = LinkPacer(None)             # --tuning.pcie_gbps: the engine sets its d2h pacer
         self.timeline = HostTimeline()
         self.abort = threading.Event()
 
@@ -176,6 +182,7 @@ class GradDrain:
             for c, lo in enumerate(starts):
                 hi = min(n, lo + self.chunk)
                 r = self.take_buffer()
+                self.pace.take((hi - lo) * self.ring[r].element_size())     # FP32 ring: 4 B
                 if self.gpu_cast:
                     stage = self.stage[c % 2][: hi - lo]
                     stage.copy_(src[lo:hi])                           # cast to FP32 on the GPU
@@ -218,6 +225,7 @@ class GradDrain:
             self.stream.wait_event(ready)
             if src.dtype != held.dtype:
                 src = src.to(held.dtype)                      # on the D2H stream, a temporary
+            self.pace.take(src.numel() * src.element_size())
             held.copy_(src, non_blocking=True)
             event = self.device.record(self.stream)
         self.bytes += src.numel() * src.element_size()
