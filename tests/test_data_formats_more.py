@@ -175,7 +175,8 @@ def test_the_flag_sets_the_field():
 
 def test_records_given_in_python_read_as_a_files_rows():
     """hf_datasets.in_memory_source: a datasets.Dataset or a list of dicts, its columns mapped, bad
-    rows named by the source and the row; an IterableDataset refused (it reads once, unkeyed)."""
+    rows named by the source and the row; an IterableDataset read whole (an evaluation set, pairs),
+    a generator refused (it reads once)."""
     import datasets
     from slidetune.data.formats import ColumnMap
     from slidetune.data.hf_datasets import in_memory_source
@@ -187,5 +188,8 @@ def test_records_given_in_python_read_as_a_files_rows():
     assert listed.format == "chat" and listed.examples[0].messages == MESSAGES
     with pytest.raises(DataError, match=r"<2 records given in Python> row 2: keys \['x'\] match no known format"):
         in_memory_source([{"text": "a"}, {"x": 1}])
-    with pytest.raises(DataError, match="IterableDataset is read once"):
-        in_memory_source(ds.to_iterable_dataset())
+    streamed = in_memory_source(ds.to_iterable_dataset(), ColumnMap.parse("q=prompt,a=completion"))
+    assert streamed.name == "<datasets.IterableDataset given in Python>"
+    assert [seg.text for seg in streamed.examples[1].segments] == ["d", "e"]
+    with pytest.raises(DataError, match="can be read only once"):
+        in_memory_source(row for row in [SHAREGPT])
