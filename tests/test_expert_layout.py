@@ -168,17 +168,11 @@ def test_final_is_written_in_the_layout_transformers_saves(family, save_dtype, t
     """final/ of a per-expert source holds the same names and shapes as the source (what
     save_pretrained writes), constant buffers FP32 under their saved names (MiniMax-M2 renames its
     router's bias) in a BF16 export too; from_pretrained(final) is the source's model."""
-    from slidetune.checkpoint import ModelExport, save_checkpoint
+    from test_export import export_source
     model = tiny_model(family)
     source = tmp_path / "model"
     saved = hub_checkpoint(model, source)
-    engine = build_engine(load_model(str(source), with_tokenizer=False),
-                          RuntimeConfig(mode="slide", dtype="fp32", device="cpu"), AdamWConfig(lr=1e-3))
-    try:
-        final = save_checkpoint(engine, tmp_path / "final", step=0, save_dtype=save_dtype,
-                                export=ModelExport(source_dir=source))
-    finally:
-        engine.close()
+    final = export_source(source, tmp_path / "final", save_dtype)
     want = load_file(str(source / "model.safetensors"))
     got = load_file(str(final / "model.safetensors"))
     assert set(got) == saved

@@ -57,6 +57,20 @@ def test_final_is_a_model_repository(tmp_path):
     assert (ckpt / "trainer_state" / "rng.pt").exists()
 
 
+def export_source(source: Path, final: Path, save_dtype: str) -> Path:
+    """`final`: the model directory `source` loaded by slidetune (slide engine, CPU fp32) and exported
+    at step 0, as a run's final/ is written."""
+    from slidetune.checkpoint import ModelExport, save_checkpoint
+    from slidetune.engine import AdamWConfig, RuntimeConfig, build_engine
+    from slidetune.models.load import load_model
+    engine = build_engine(load_model(str(source), with_tokenizer=False),
+                          RuntimeConfig(mode="slide", dtype="fp32", device="cpu"), AdamWConfig(lr=1e-3))
+    try:
+        return save_checkpoint(engine, final, step=0, save_dtype=save_dtype, export=ModelExport(source_dir=source))
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("save_dtype", ["fp32", "bf16"])
 def test_final_keeps_the_routers_correction_biases(tmp_path, save_dtype):
     """A GLM-4.5 MoE source directory whose routers keep non-zero e_score_correction_bias buffers:
@@ -66,22 +80,13 @@ def test_final_keeps_the_routers_correction_biases(tmp_path, save_dtype):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from slidetune.checkpoint import ModelExport, save_checkpoint
-    from slidetune.engine import AdamWConfig, RuntimeConfig, build_engine
-    from slidetune.models.load import load_model
     from test_families import router_biases, router_config, router_model
     source = tmp_path / "model"
     hf = router_model(router_config(320))
     # the Hub's layout (transformers' save: the experts one tensor each), which final/ keeps
     hf.save_pretrained(str(source))
     biases = router_biases(hf)
-    engine = build_engine(load_model(str(source), with_tokenizer=False),
-                          RuntimeConfig(mode="slide", dtype="fp32", device="cpu"), AdamWConfig(lr=1e-3))
-    try:
-        final = save_checkpoint(engine, tmp_path / "final", step=0, save_dtype=save_dtype,
-                                export=ModelExport(source_dir=source))
-    finally:
-        engine.close()
+    final = export_source(source, tmp_path / "final", save_dtype)
     with safe_open(str(final / "model.safetensors"), "pt") as f:
         for name, b in biases.items():
             assert f.get_slice(name).get_dtype() == "F32" and torch.equal(f.get_tensor(name), b), name

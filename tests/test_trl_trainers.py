@@ -22,11 +22,11 @@ import math
 import warnings
 
 import pytest
-import torch
 
 from reference import build_reference
 from test_data import make_tokenizer
 from test_equivalence import make_loaded, max_param_rel_diff
+from slidetune.data.pair_source import reference_rows
 from slidetune.data.preference import TokenizedPair, collate_pairs, pair_micro_batches, parse_pair, tokenize_pair
 from slidetune.engine import AdamWConfig, RuntimeConfig, build_engine
 from slidetune.objectives.preference import PreferenceConfig
@@ -92,16 +92,21 @@ def step_batches(cfg: PreferenceConfig, engine, pairs: list[TokenizedPair], pad_
     ref = None
     if cfg.needs_reference:
         values = reference_logps(engine, pairs, cfg, pad_id, None, len(pairs))                # [4, 2]
-        ref = torch.cat([values[:, 0], values[:, 1]])
+        ref = reference_rows(values, list(range(len(pairs))))                                 # [8]
     return lambda: pair_micro_batches(collate_pairs(pairs, pad_id), cfg, ref)
+
+
+def both_sides(objective: str, tmp_path):
+    """(tokenizer, the tiny model's weights, TRL's model built from them, TRL's trainer, the pairs)."""
+    tokenizer = make_tokenizer()
+    loaded = make_loaded("llama", tied=False, layers=2)
+    trl_model = build_reference(loaded)
+    return (tokenizer, loaded, trl_model, *trl_trainer(objective, trl_model, loaded, tokenizer, tmp_path))
 
 
 @pytest.mark.parametrize("objective", list(OBJECTIVES))
 def test_step_zeros_loss_and_every_gradient_are_trls(objective, tmp_path):
-    tokenizer = make_tokenizer()
-    loaded = make_loaded("llama", tied=False, layers=2)
-    trl_model = build_reference(loaded)
-    trainer, pairs = trl_trainer(objective, trl_model, loaded, tokenizer, tmp_path)
+    tokenizer, loaded, trl_model, trainer, pairs = both_sides(objective, tmp_path)
     batch = next(iter(trainer.get_train_dataloader()))
     trl_model.train()
     trl_loss = trainer.compute_loss(trl_model, batch)
@@ -129,10 +134,7 @@ def test_step_zeros_loss_and_every_gradient_are_trls(objective, tmp_path):
 
 @pytest.mark.parametrize("objective", list(OBJECTIVES))
 def test_three_adamw_steps_follow_trls_trainer(objective, tmp_path):
-    tokenizer = make_tokenizer()
-    loaded = make_loaded("llama", tied=False, layers=2)
-    trl_model = build_reference(loaded)
-    trainer, pairs = trl_trainer(objective, trl_model, loaded, tokenizer, tmp_path)
+    tokenizer, loaded, trl_model, trainer, pairs = both_sides(objective, tmp_path)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
     trl_losses, trl_norms = [h["loss"] for h in logs], [h["grad_norm"] for h in logs]

@@ -232,10 +232,15 @@ def iterable_source(records: Any, columns: ColumnMap | None = None) -> Streaming
         digest.update(json.dumps(dict(row), sort_keys=True, default=str).encode())
         rows += 1
     name = f"<datasets.IterableDataset of {rows} rows given in Python>"
-    mapped = "" if columns is None else "|" + ",".join(f"{a}={b}" for a, b in columns.renames)
-    source = StreamingSource(name, records, f"iterable|{rows}|{digest.hexdigest()}{mapped}", columns=columns)
+    source = StreamingSource(name, records, f"iterable|{rows}|{digest.hexdigest()}{_columns_key(columns)}",
+                             columns=columns)
     source.probe()
     return source
+
+
+def _columns_key(columns: ColumnMap | None) -> str:
+    """A streamed source's token-cache key's part for its column map (it changes what is read)."""
+    return "" if columns is None else "|" + ",".join(f"{a}={b}" for a, b in columns.renames)
 
 
 def _files_fingerprint(local: str) -> str:
@@ -249,10 +254,8 @@ def open_streaming(path: str, split: str | None = None, subset: str | None = Non
                    columns: ColumnMap | None = None) -> StreamingSource:
     loc = _locate(path)
     ds = _load(loc, split, subset, streaming=True)
-    # the token cache keys a streamed source by this: the column map changes what is read
-    mapped = "" if columns is None else "|" + ",".join(f"{a}={b}" for a, b in columns.renames)
-    source = StreamingSource(path, ds, f"{loc.local}|{split}|{subset}|{_files_fingerprint(loc.local)}{mapped}",
-                             columns=columns)
+    source = StreamingSource(path, ds, f"{loc.local}|{split}|{subset}|{_files_fingerprint(loc.local)}"
+                             f"{_columns_key(columns)}", columns=columns)
     source.probe()
     return source
 

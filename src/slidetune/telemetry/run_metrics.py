@@ -19,6 +19,7 @@ import numpy as np
 
 from ..atomic_write import write_atomically
 from ..eval_samples import keep_samples_up_to
+from ..objectives.preference import METRICS
 from .csv_tracker import CsvTracker
 from .machine import HostRss
 from .tracker import Trackers
@@ -31,11 +32,9 @@ if TYPE_CHECKING:
 METRIC_COLUMNS = ["step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "step_s",
                   "gpu_peak_alloc_gib", "gpu_peak_reserved_gib", "cpu_rss_gib", "eval_loss", "eval_ppl"]
 PRECISE_COLUMNS = {"loss", "lr", "grad_norm", "eval_loss"}     # 9 digits in metrics.csv: an FP32 value round-trips
-# a preference objective's metrics (objectives/preference.metrics), TRL's names: each step's, then
+# a preference objective's metrics (objectives/preference.METRICS), TRL's names: each step's, then
 # each evaluation's (objectives/evaluation.py)
-PREFERENCE_METRICS = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-                      "logps/chosen", "logps/rejected"]
-PREFERENCE_COLUMNS = PREFERENCE_METRICS + [f"eval_{m}" for m in PREFERENCE_METRICS]
+PREFERENCE_COLUMNS = [*METRICS, *(f"eval_{m}" for m in METRICS)]
 
 
 def metric_columns(objective: str) -> list[str]:
