@@ -8,6 +8,7 @@
 #         | layermem (LAYERMEM_ARGS: one layer's time and peak GPU memory, HF's and the lean layer, torch's or
 #           Liger's kernels (a liger-kernel wheel in .whl/); --profile: GPU time by kernel class)
 #         | leankernels (the lean layer's GPU tests: Liger's kernels against the reference; the wheel in .whl/)
+#         | prefhead (the preference head's passes against SFT's) | cardplan (CARDPLAN_ARGS: plan --terms --card)
 #         | modes | recompute | head | roofline | contention | gil | packing (PACKING_ARGS) | disk (DISK_DIR, DISK_PLAN_ARGS)
 #         | diskprobe (DISK_DIR, DISKPROBE_ARGS: cold, warm and under-AdamW-load disk bandwidth; "--grid --gib 2":
 #           the probe's patterns side by side, split or pool mixed pass, 1 or 8 files, 4 or 8 threads)
@@ -300,6 +301,14 @@ PY
           # compiled, torch's or Liger's kernels: time, peak GPU memory, the hardware's limit, and with
           # --profile the GPU time by kernel class (LAYERMEM_ARGS, e.g. --shapes qwen3-8b:64x1024 --profile)
           python benchmarks/scripts/layer_memory.py $R/layer_memory ${LAYERMEM_ARGS:-} ;;
+    prefhead) # issue 47's follow-up: the preference head alone (first pass, scales, second pass) against SFT's head
+          # on Qwen3-8B's head shape, CUDA-event timed, GPU time by kernel class (PREFHEAD_ARGS)
+          python benchmarks/scripts/preference_head.py $R/preference_head.json ${PREFHEAD_ARGS:-} ;;
+    cardplan) # issue 45, item 5: `plan --terms --card CARD` (the probed terms scaled to a consumer card's link and
+          # BF16 rate) for CARDPLAN_ARGS (default: Qwen3-8B b64 x 1024, clip, the RTX 4090)
+          python -m slidetune.cli plan --terms --device cuda \
+            ${CARDPLAN_ARGS:---model qwen3-8b --batch-size 64 --seq-len 1024 --max-grad-norm 1.0 --card rtx4090} \
+            > $R/card_plan.txt 2>&1; cat $R/card_plan.txt ;;
     hostinfo) # what a multi-GPU result depends on: GPU links, NUMA, cores, RAM, /dev/shm (the shared state's home)
            { nvidia-smi topo -m; echo; nvidia-smi --query-gpu=index,name,pci.bus_id,pcie.link.gen.max,pcie.link.width.max --format=csv
              echo; lscpu | grep -E "^CPU\(s\)|Model name|NUMA|Socket|Thread"; echo; free -g; echo; df -h /dev/shm /tmp
