@@ -17,6 +17,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from ..hf_hub import HubIdNotCached, looks_like_hub_id, snapshot_dir
+from ..ops.sink_attention import split_attention
 from .families import require_supported_family
 from .hub_layout import Pieces, assemble, checkpoint_layout, model_conversions
 from .presets import PRESETS, preset_config
@@ -69,7 +70,7 @@ def fill_on_device(source: WeightSource, unit: UnitSpec, device: torch.device) -
 
 @dataclass
 class RandomInit:
-    """Random weights, reproducible per unit: N(0, std) matrices, unit norms, zero biases."""
+    """Random weights, reproducible per unit: N(0, std) matrices, unit norms, zero biases and sinks."""
 
     seed: int = 0
     std: float = 0.02
@@ -92,7 +93,8 @@ class RandomInit:
     def _draw(self, p, view: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         if len(p.shape) >= 2:
             view.normal_(0.0, self.std, generator=gen)
-        elif p.local_name.endswith("bias"):
+        elif p.local_name.endswith(("bias", "sinks")):
+            # attention sinks (gpt-oss: a logit per head) start near 0 as biases do, not at 1 as norms
             view.normal_(0.0, self.bias_std, generator=gen) if self.bias_std else view.zero_()
         else:
             view.fill_(1.0)
@@ -273,10 +275,10 @@ def embedded_gguf() -> tuple[Path, str]:
 
 def skeleton(config: PretrainedConfig) -> torch.nn.Module:
     """The model's module tree with every parameter on `meta` (no memory); a refused family
-    (families.py) gets its reason here."""
+    (families.py) gets its reason here. Attention: SDPA (with sinks for gpt-oss: ops/sink_attention)."""
     require_supported_family(config)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=split_attention(config))
     return model.eval()
 
 

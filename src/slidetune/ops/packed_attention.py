@@ -29,8 +29,9 @@ import torch
 
 IMPL_NAME = "slidetune_packed"
 # implementations that already honour the packed-sequence mask transformers builds: keep them
-# (slidetune_local ANDs any mask it is given into its band)
-_KEEP = ("slidetune_local", IMPL_NAME)
+# (slidetune_local ANDs any mask it is given into its band; slidetune_sinks builds transformers'
+# sdpa_mask, which carries the documents, and must keep its sinks)
+_KEEP = ("slidetune_local", "slidetune_sinks", IMPL_NAME)
 
 
 def _on_cuda(device) -> bool:
