@@ -33,6 +33,15 @@ Masks. The sink key is placed first (position 0 of the keys) and every query see
 `register()` adds the AttentionInterface entry "slidetune_sinks" (transformers passes the sinks as
 `s_aux`) with transformers' `sdpa_mask` as its mask builder, so each layer's mask (gpt-oss alternates
 sliding-window and full layers by `config.layer_types`) is transformers' own.
+
+Packed rows (packing "masked"). transformers' gpt-oss builds its masks without the position ids
+(GptOssModel.forward gives `create_causal_mask` no `position_ids`, unlike Llama's), so its eager
+and SDPA paths let a packed row's documents see each other; only its flash path separates them.
+`use_packed_attention` therefore moves a sink model to "slidetune_sinks_packed", the same attention
+with "same document" ANDed into the mask, the documents read from the position ids the layer is
+given (a new document wherever the position does not grow by 1, transformers' own rule in
+`find_packed_sequence_indices`), without a host sync. tests/test_packing.py checks each document's
+loss against transformers' eager gpt-oss on the document alone.
 """
 from __future__ import annotations
 
@@ -41,6 +50,7 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig
 
 IMPL_NAME = "slidetune_sinks"
+PACKED_IMPL_NAME = "slidetune_sinks_packed"
 FAMILIES = ("gpt_oss",)        # families whose attention has per-head sinks
 _EXTRA = 8                     # extra head-dim columns: the sink's, then zeros to a multiple of 8
 
@@ -97,6 +107,20 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: tor
     return out[..., :D]
 
 
+def document_mask(position_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """`mask` (None: causal; bool or additive [B|1, 1|H, S, S]) with "same document" ANDed in:
+    position_ids [B|1, S] start a new document wherever they do not grow by 1. -> [B, 1|H, S, S]."""
+    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1)                   # [B, S]
+    doc = (step != 1).cumsum(-1)                                                        # [B, S] document index
+    same = (doc[:, :, None] == doc[:, None, :]).unsqueeze(1)                            # [B, 1, S, S]
+    if mask is None:
+        S = position_ids.shape[-1]
+        return same & _causal_mask(S, S, position_ids.device)
+    if mask.dtype == torch.bool:
+        return mask & same
+    return mask.masked_fill(~same, torch.finfo(mask.dtype).min)
+
+
 # ------------------------------------------------------------------ HF integration
 
 def sink_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, s_aux=None,
@@ -113,11 +137,22 @@ def sink_attention_forward(module, query, key, value, attention_mask, scaling=No
     return out.transpose(1, 2).contiguous(), None
 
 
+def sink_attention_packed_forward(module, query, key, value, attention_mask, position_ids=None, **kwargs):
+    """sink_attention_forward with each packed document attending to itself alone (module docstring)."""
+    if position_ids is not None and query.shape[-2] == key.shape[-2]:
+        if attention_mask is not None:
+            attention_mask = attention_mask[..., : key.shape[-2]]
+        attention_mask = document_mask(position_ids, attention_mask)
+    return sink_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
 def register() -> str:
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
     AttentionInterface.register(IMPL_NAME, sink_attention_forward)
     AttentionMaskInterface.register(IMPL_NAME, sdpa_mask)
+    AttentionInterface.register(PACKED_IMPL_NAME, sink_attention_packed_forward)
+    AttentionMaskInterface.register(PACKED_IMPL_NAME, sdpa_mask)
     return IMPL_NAME
 
 
