@@ -6,15 +6,19 @@ parameter groups (no decay for 1-D parameters).
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from slidetune.models.load import LoadedModel
+from slidetune.ops.sink_attention import reference_attention
 
 
 def build_reference(loaded: LoadedModel) -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_config(loaded.split.config, attn_implementation="sdpa",
+    config = copy.deepcopy(loaded.split.config)     # the model sets its attention on it: not the split's
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=reference_attention(config),
                                              dtype=torch.float32)
     state = {}
     for spec in loaded.split.units:

@@ -139,3 +139,27 @@ def test_push_checks_and_lists_the_export_before_any_network(tmp_path, capsys, m
     (final / "README.md").write_text("# edited after the export\n")
     assert main(["push", str(final), "--repo", "org/model", "--dry-run"]) == 2
     assert "do not match its manifest" in capsys.readouterr().err
+
+
+def test_final_of_gpt_oss_keeps_transformers_layout(tmp_path):
+    """gpt-oss's MoE (router and experts with biases, fused `gate_up_proj` [E, H, 2I]): transformers
+    saves it under the model's own names (no conversion rule), the loader reads that, and final/ holds
+    the same names, shapes and values, so from_pretrained(final) is the source's model."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from test_families import gpt_oss_config, gpt_oss_model
+    source = tmp_path / "model"
+    hf = gpt_oss_model(gpt_oss_config(320))
+    hf.save_pretrained(str(source))
+    saved = load_file(str(source / "model.safetensors"))
+    assert "model.layers.0.mlp.experts.gate_up_proj_bias" in saved and "model.layers.1.self_attn.sinks" in saved
+    final = export_source(source, tmp_path / "final", "fp32")
+    written = load_file(str(final / "model.safetensors"))
+    assert written.keys() == saved.keys()
+    assert all(torch.equal(written[k], saved[k]) for k in saved)
+    again = AutoModelForCausalLM.from_pretrained(str(final), dtype=torch.float32).eval()
+    ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=ids).logits, hf(input_ids=ids).logits, rtol=1e-6, atol=1e-6)

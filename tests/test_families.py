@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (CONFIG_MAPPING, AutoModelForCausalLM, GPT2Config, GraniteConfig, Gemma2Config, Glm4MoeConfig,
-                          MambaConfig, MixtralConfig)
+from transformers import (CONFIG_MAPPING, AutoModelForCausalLM, GPT2Config, GptOssConfig, GraniteConfig, Gemma2Config,
+                          Glm4MoeConfig, MambaConfig, MixtralConfig)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from reference import ReferenceTrainer, build_reference
@@ -162,6 +162,47 @@ def test_router_biases_train_in_slide_mode_like_the_reference_and_stay():
         engine.close()
 
 
+def gpt_oss_config(vocab: int = VOCAB) -> GptOssConfig:
+    """A tiny gpt-oss: a sliding layer (window 8, inside the 24-token rows) then a full one, 4
+    experts with biases (top 2, clamped SwiGLU), a router with a bias, attention sinks."""
+    return GptOssConfig(vocab_size=vocab, hidden_size=64, intermediate_size=32, head_dim=16, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        sliding_window=8, max_position_embeddings=256, initializer_range=0.1, bos_token_id=1,
+                        eos_token_id=2, pad_token_id=2)
+
+
+def gpt_oss_model(config: GptOssConfig, seed: int = 1):
+    """transformers' gpt-oss of `config`, every weight random: its init leaves the expert biases zero
+    and the sinks near zero, which would hide a term the split dropped."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 1.0 if name.endswith("sinks") else 0.1, generator=gen)
+    return model.eval()
+
+
+def test_gpt_oss_trains_in_slide_mode_like_the_reference():
+    """gpt-oss (sinks through SDPA, alternating sliding/full layers, its MoE with biases) from a state
+    dict: three AdamW steps of the slide engine equal transformers' eager model trained by the
+    reference, and the sinks are trained (they move, as the reference's do)."""
+    config = gpt_oss_config()
+    hf = gpt_oss_model(config)
+    assert config.layer_types == ["sliding_attention", "full_attention"]
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    engine, ref = _trains_like_the_reference(
+        LoadedModel("gpt_oss", SplitModel(skeleton(config)), StateDictSource(state), None), keep=True)
+    try:
+        assert ref.model.config._attn_implementation == "eager"
+        assert engine.split.config._attn_implementation == "slidetune_sinks"
+        sinks = dict(ref.model.named_parameters())["model.layers.0.self_attn.sinks"]
+        assert not torch.equal(sinks, state["model.layers.0.self_attn.sinks"])
+    finally:
+        engine.close()
+
+
 def _trains_like_the_reference(loaded: LoadedModel, keep: bool = False):
     """Three AdamW steps of the slide engine (deferred, clipped, accumulated) against the plain
     PyTorch reference: loss, gradient norm and weights. keep: (engine, reference) returned open."""
@@ -233,3 +274,30 @@ def test_train_runs_the_check_by_default_and_records_a_skip(tmp_path, monkeypatc
     assert main([*args, "--output-dir", str(tmp_path / "skipped"), "--skip-reference-check"]) == 0
     assert "reference check skipped" in capsys.readouterr().out
     assert json.loads((tmp_path / "skipped" / "config.json").read_text())["skip_reference_check"] is True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("extra", [{}, {"cache_units": 0, "compile_layers": True}], ids=["slide", "resident-compiled"])
+def test_gpt_oss_bf16_on_cuda_within_noise(extra):
+    """gpt-oss on CUDA in BF16 (the sinks through SDPA's fused kernels, the experts' grouped GEMMs):
+    three AdamW steps of the slide engine stay within BF16 noise of transformers' eager FP32 model,
+    the noise measured as in test_equivalence_gpu (gpu mode beside it)."""
+    from test_equivalence_gpu import STEPS, _cpu, _run
+    torch.backends.cuda.matmul.allow_tf32 = False
+    config = gpt_oss_config()
+    state = {k: v.detach().clone() for k, v in gpt_oss_model(config).state_dict().items()}
+    loaded = LoadedModel("gpt_oss", SplitModel(skeleton(config)), StateDictSource(state), None)
+    ref = ReferenceTrainer(build_reference(loaded).cuda(), lr=1e-3, weight_decay=0.1, eps=1e-6, max_grad_norm=0.5)
+    ref_losses = [ref.step([b.to("cuda") for b in make_batches(step, 2)], 1e-3 * (0.5 + step))[0]
+                  for step in range(STEPS)]
+    noise_eng, _ = _run(loaded, "gpu", "auto", 2, 0.5, False, "bf16")
+    noise, _ = max_param_rel_diff(_cpu(noise_eng), ref.model)
+    noise_eng.close()
+    eng, losses = _run(loaded, "slide", "deferred", 2, 0.5, False, "bf16", extra)
+    try:
+        for a, b in zip(losses, ref_losses):
+            assert a == pytest.approx(b, rel=2e-2)
+        diff, where = max_param_rel_diff(_cpu(eng), ref.model)
+        assert diff <= 2 * noise + 1e-3, f"{where}: {diff:.2e} vs gpu-mode noise {noise:.2e}"
+    finally:
+        eng.close()

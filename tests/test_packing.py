@@ -238,3 +238,40 @@ def test_packing_bench_smoke(tmp_path, monkeypatch):
     assert all(r["graphs_during_timing"] == 0 and r["step_ms_median"] > 0 for r in result["rows"])
     assert result["ratio_masked_over_causal"]["eager"] > 0 and "torch" in result["machine"]
     assert (tmp_path / "packing_bench.csv").read_text().startswith("variant,")
+
+
+def test_gpt_oss_packed_rows_match_documents_alone():
+    """gpt-oss (attention sinks, a sliding layer of window 8 and a full one): packed rows with
+    document masks keep the sink attention, with the documents ANDed in from the position ids
+    (transformers' gpt-oss builds its masks without them), and the slide engine's loss of each
+    document equals transformers' eager gpt-oss on that document alone."""
+    import copy
+
+    from slidetune.models.load import StateDictSource
+    from slidetune.ops.sink_attention import PACKED_IMPL_NAME
+    from test_families import gpt_oss_config, gpt_oss_model
+    config = gpt_oss_config(VOCAB)
+    hf = gpt_oss_model(config)
+    assert hf.config._attn_implementation == "eager"
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    loaded = LoadedModel("gpt_oss", SplitModel(skeleton(copy.deepcopy(config))), StateDictSource(state), None)
+    use_packed_attention(loaded.split.model)
+    assert loaded.split.config._attn_implementation == PACKED_IMPL_NAME
+    rows = make_docs()
+    batch = collate(packed_dataset(rows, document_mask=True), [0, 1], pad_id=0)
+    with torch.no_grad():
+        alone = torch.stack([alone_losses(hf, docs) for docs in rows])               # [B, S]
+    engine = build_engine(loaded, RuntimeConfig(mode="slide", dtype="fp32", device="cpu", head_chunk_tokens=16,
+                                                chunk_mb=1), AdamWConfig(lr=1e-3, eps=1e-6))
+    try:
+        keep = batch.labels != IGNORE_INDEX
+        for b in range(2):
+            for doc in range(len(DOC_LENGTHS[b])):
+                select = keep & (batch.document_ids() == doc)
+                select[1 - b] = False
+                labels = torch.where(select, batch.labels, IGNORE_INDEX)
+                loss, n = engine.eval_loss(Batch(batch.input_ids, labels, None, batch.position_ids))
+                assert n == int(select.sum())
+                assert loss == pytest.approx(float(alone[select].sum()), rel=1e-5), (b, doc)
+    finally:
+        engine.close()

@@ -43,6 +43,8 @@ TESTED = (
     # biases, Apertus' xIELU constants
     "apertus", "axk1", "axk2", "dots1", "exaone_moe", "glm4_moe", "glm4_moe_lite", "hy_v3", "longcat_flash",
     "minimax_m2", "minimax_m3_vl_text", "solar_open",
+    # per-head attention sinks run through SDPA as one extra key (ops/sink_attention.py)
+    "gpt_oss",
 )
 
 _NO_SDPA = ("transformers has no SDPA attention for it (eager only); slidetune runs every family's "
@@ -59,7 +61,6 @@ REFUSED: dict[str, str] = {
     **{t: _NO_SDPA for t in ("bloom", "codegen", "cpmant", "gpt_neo", "gpt_neox_japanese", "gptj", "mpt",
                              "openai-gpt", "reformer", "xlnet", "xlm", "granite_swa", "granitemoe_swa",
                              "mimo_v2_flash", "hy_v4", "deepseek_v4")},
-    "gpt_oss": _NO_SDPA + " (attention sinks)",
     # layout
     **{t: _LEARNED_POSITIONS for t in ("gpt2", "gpt-sw3", "gpt_bigcode", "ctrl", "opt", "biogpt", "xglm")},
     **{t: _NOT_MODEL_LAYERS for t in ("gpt_neox", "falcon", "phi", "persimmon", "modernbert-decoder",

@@ -17,8 +17,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from ..hf_hub import HubIdNotCached, looks_like_hub_id, snapshot_dir
+from ..ops.sink_attention import split_attention
 from .families import require_supported_family
 from .hub_layout import Pieces, assemble, checkpoint_layout, model_conversions
+from .mxfp4 import PackedTensor, accept_quantization, dequantize, find_packed
 from .presets import PRESETS, preset_config
 from .units import SplitModel, UnitSpec
 
@@ -69,7 +71,7 @@ def fill_on_device(source: WeightSource, unit: UnitSpec, device: torch.device) -
 
 @dataclass
 class RandomInit:
-    """Random weights, reproducible per unit: N(0, std) matrices, unit norms, zero biases."""
+    """Random weights, reproducible per unit: N(0, std) matrices, unit norms, zero biases and sinks."""
 
     seed: int = 0
     std: float = 0.02
@@ -92,7 +94,8 @@ class RandomInit:
     def _draw(self, p, view: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         if len(p.shape) >= 2:
             view.normal_(0.0, self.std, generator=gen)
-        elif p.local_name.endswith("bias"):
+        elif p.local_name.endswith(("bias", "sinks")):
+            # attention sinks (gpt-oss: a logit per head) start near 0 as biases do, not at 1 as norms
             view.normal_(0.0, self.bias_std, generator=gen) if self.bias_std else view.zero_()
         else:
             view.fill_(1.0)
@@ -114,7 +117,8 @@ class SafetensorsSource:
     A tensor stored under another name or in pieces (the Hub's one-tensor-per-expert MoE layout,
     which transformers' save_pretrained writes too) is found by transformers' conversion rules for
     the model (`conversions`: hub_layout.model_conversions) and, when in pieces, built an expert
-    at a time into one tensor (hub_layout.assemble)."""
+    at a time into one tensor (hub_layout.assemble). MXFP4 experts (gpt-oss: `X_blocks` + `X_scales`)
+    are dequantized when reached (mxfp4.py)."""
 
     directory: Path
     conversions: list | None = field(default=None, repr=False)
@@ -163,10 +167,13 @@ class SafetensorsSource:
         """Each constant buffer as stored (routers keep theirs FP32), under HF's name."""
         yield from self._read(unit.buffers)
 
-    def _where(self, name: str) -> str | Pieces:
-        """The checkpoint key holding model tensor `name`, or the pieces it is built from."""
+    def _where(self, name: str) -> str | Pieces | PackedTensor:
+        """The checkpoint key holding model tensor `name`, or the pieces or MXFP4 pair it is built from."""
         if name in self.weight_map:
             return name
+        packed = find_packed(name, self.weight_map)
+        if packed is not None:
+            return packed
         if self._layout is None:
             self._layout = checkpoint_layout(self.weight_map, self.conversions or [])
         found = self._layout.get(name)
@@ -192,14 +199,25 @@ class SafetensorsSource:
                 return handles[fname].get_tensor(key)
 
             for p, w in sorted(where, key=lambda pw: first[id(pw[0])]):
-                t = get(w) if isinstance(w, str) else assemble(w, p.shape, get)
+                t = _build(w, p.shape, get)
                 if tuple(t.shape) != p.shape:
                     raise ValueError(f"{p.full_name}: checkpoint shape {tuple(t.shape)} != model {p.shape}")
                 yield p, t
 
 
-def _first_key(pieces: Pieces) -> str:
-    return next((ks[0] for ks in pieces.keys if ks), pieces.target)
+def _build(found: str | Pieces | PackedTensor, shape: tuple[int, ...], get) -> torch.Tensor:
+    """A model tensor from where the checkpoint keeps it: one key, per-expert pieces, or MXFP4."""
+    if isinstance(found, str):
+        return get(found)
+    if isinstance(found, Pieces):
+        return assemble(found, shape, get)
+    return dequantize(get(found.blocks), get(found.scales), found.blocks)
+
+
+def _first_key(found: Pieces | PackedTensor) -> str:
+    if isinstance(found, PackedTensor):
+        return found.blocks
+    return next((ks[0] for ks in found.keys if ks), found.target)
 
 
 @dataclass
@@ -273,10 +291,10 @@ def embedded_gguf() -> tuple[Path, str]:
 
 def skeleton(config: PretrainedConfig) -> torch.nn.Module:
     """The model's module tree with every parameter on `meta` (no memory); a refused family
-    (families.py) gets its reason here."""
+    (families.py) gets its reason here. Attention: SDPA (with sinks for gpt-oss: ops/sink_attention)."""
     require_supported_family(config)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=split_attention(config))
     return model.eval()
 
 
@@ -344,6 +362,9 @@ def _load_directory(path: Path, name: str, num_layers: int | None, with_tokenize
     config = AutoConfig.from_pretrained(str(path))
     if num_layers is not None:
         raise ValueError("--num-layers only applies to presets, not to pretrained checkpoints")
+    note = accept_quantization(config, path)      # MXFP4 experts: dequantized at load; others refused
+    if note:
+        print(note)
     tok = _maybe_tokenizer(path) if with_tokenizer else None
     model = skeleton(config)
     return LoadedModel(name, SplitModel(model), SafetensorsSource(path, model_conversions(model)), tok, path)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from ..ops.sink_attention import reference_attention
 from .units import SplitModel
 
 BATCH, SEQ, VOCAB = 2, 16, 256
@@ -129,7 +130,7 @@ def _cut(config: PretrainedConfig, small_widths: bool, small_vocab: bool) -> Pre
     d.pop("transformers_version", None)
     d.pop("architectures", None)
     cut = type(config).from_dict(d)
-    cut._attn_implementation = "sdpa"
+    cut._attn_implementation = reference_attention(cut)
     return cut
 
 
@@ -192,7 +193,10 @@ def _run(config: PretrainedConfig, seed: int) -> ReferenceCheckResult:
     from .load import skeleton
     start = time.perf_counter()
     torch.manual_seed(seed)
-    reference = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    # a copy: the model keeps its config object and sets the implementation on it, which the split's
+    # skeleton (another implementation for gpt-oss) would then share
+    reference = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=reference_attention(config),
+                                                 dtype=torch.float32)
     reference.eval()                        # no dropout; gradients still flow
     _random_weights(reference, seed)
     split = SplitModel(skeleton(config))

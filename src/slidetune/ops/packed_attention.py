@@ -27,10 +27,15 @@ from __future__ import annotations
 
 import torch
 
+from . import sink_attention
+
 IMPL_NAME = "slidetune_packed"
 # implementations that already honour the packed-sequence mask transformers builds: keep them
 # (slidetune_local ANDs any mask it is given into its band)
-_KEEP = ("slidetune_local", IMPL_NAME)
+_KEEP = ("slidetune_local", IMPL_NAME, sink_attention.PACKED_IMPL_NAME)
+# implementations that have a packed counterpart of their own: attention sinks (gpt-oss, whose masks
+# transformers builds without the documents: sink_attention.py)
+_PACKED = {sink_attention.IMPL_NAME: sink_attention.PACKED_IMPL_NAME}
 
 
 def _on_cuda(device) -> bool:
@@ -93,16 +98,19 @@ def register() -> str:
 def use_packed_attention(target):
     """Make a HF model (or its config) mask attention per document of a packed row.
 
-    Models on "sdpa" (the skeleton's default) or "eager" move to "slidetune_packed"; an
-    implementation that already applies transformers' mask (slidetune_local) is kept.
+    Models on "sdpa" (the skeleton's default) or "eager" move to "slidetune_packed", a sink model
+    (gpt-oss) to "slidetune_sinks_packed"; an implementation that already applies transformers'
+    mask (slidetune_local) is kept.
     Returns the target.
     """
     register()
     config = getattr(target, "config", target)
-    if getattr(config, "_attn_implementation", None) in _KEEP:
+    current = getattr(config, "_attn_implementation", None)
+    if current in _KEEP:
         return target
+    impl = _PACKED.get(current, IMPL_NAME)
     if hasattr(target, "set_attn_implementation"):
-        target.set_attn_implementation(IMPL_NAME)
+        target.set_attn_implementation(impl)
     else:
-        config._attn_implementation = IMPL_NAME
+        config._attn_implementation = impl
     return target
