@@ -5,7 +5,8 @@ Model FLOPs per token (`train_flops_per_token`), training (forward + backward, n
                       output head; the embedding lookup is a gather, not a matmul)
   + 6 * L * S * d_att causal attention: QK^T and PV are 2 * S * d_att MACs per token per
                       layer for the full square, 12 L S d_att FLOPs with backward; only
-                      the causal half is computed by flash/SDPA kernels, hence 6 L S d_att.
+                      the causal half is computed by flash/SDPA kernels, hence 6 L S d_att
+                      (summed over the layers where d_att differs by layer: Gemma 4).
 Recomputation is extra work and is never counted in model TFLOPS.
 
 A step's FLOPs as slidetune runs it (`step_flops`, `StepFlops`): what the GPU must compute,
