@@ -39,6 +39,10 @@ OVERRIDES = {
     # a cap near the logits' size, so that tanh is far from linear
     "gemma2": dict(final_logit_softcapping=2.0, attn_logit_softcapping=5.0),
     "gemma3_text": dict(final_logit_softcapping=2.0), "vaultgemma": dict(final_logit_softcapping=2.0),
+    # its default config has per-layer input embeddings (refused); the 31B's shape: keys shared with values
+    "gemma4_text": dict(final_logit_softcapping=2.0, hidden_size_per_layer_input=0, attention_k_eq_v=True,
+                        num_global_key_value_heads=1),
+    "gemma4_unified_text": dict(final_logit_softcapping=2.0, attention_k_eq_v=True, num_global_key_value_heads=1),
     "nanochat": dict(final_logit_softcapping=2.0),
     "minicpm3": dict(scale_emb=12.0, scale_depth=1.4, dim_model_base=16),
     "deepseek_v2": dict(num_experts_per_tok=2),             # None by default: no routing at all

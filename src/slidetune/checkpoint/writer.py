@@ -222,6 +222,8 @@ def _write_config(engine, directory: Path, dtype: torch.dtype) -> None:
     if "quantization_config" in vars(cfg):
         # The masters are plain floating point: a saved copy is not a quantized checkpoint.
         delattr(cfg, "quantization_config")
+    # slidetune's permission to read a heterogeneous config's global fields (units.SplitModel), not the model's
+    vars(cfg).pop("allow_global_per_layer_attribute_access", None)
     cfg.dtype = str(dtype).split(".")[-1]
     model = getattr(engine.split, "model", None)
     if model is not None:

@@ -6,6 +6,8 @@
   backward (loss and every gradient, fp32, relative 1e-4) on a tiny config, in
   `tests/test_families.py` (with the family's model-level transforms set away from 1);
 - `REFUSED`: decoder-only families slidetune does not train, with the reason;
+- `REFUSED_SETTINGS`: settings of a tested family refused by config field, with the reason
+  (Gemma 4's per-layer input embeddings and KV sharing);
 - `NOT_DECODER_ONLY`: encoder-decoder halves, encoders usable as decoders and multimodal
   composite configs, with the reason (for a composite, the text family to use instead).
 
@@ -45,6 +47,10 @@ TESTED = (
     "minimax_m2", "minimax_m3_vl_text", "solar_open",
     # per-head attention sinks run through SDPA as one extra key (ops/sink_attention.py)
     "gpt_oss",
+    # per-layer attention shapes (transformers' per_layer_config: head_dim and KV heads of the full
+    # layers), keys shared with values, an MoE block beside the MLP, a constant layer scalar (buffer);
+    # without per-layer inputs or KV sharing (REFUSED_SETTINGS)
+    "gemma4_text", "gemma4_unified_text",
 )
 
 _NO_SDPA = ("transformers has no SDPA attention for it (eager only); slidetune runs every family's "
@@ -71,8 +77,6 @@ REFUSED: dict[str, str] = {
     "glm_moe_dsa": "its sparse (DSA) attention indexer returns extra values the layer contract does not carry",
     "moshi": "a speech model whose layers keep their own rotary buffers; the sliding units move parameters only",
     "gemma3n_text": "per-layer input embeddings and AltUp are computed outside the decoder layers",
-    "gemma4_text": "per-layer input embeddings and per-layer configs are computed outside the decoder layers",
-    "gemma4_unified_text": "per-layer input embeddings and per-layer configs are computed outside the decoder layers",
     "qwen4_exp_text": "its default config does not build a 1-2 layer copy for the reference check; untested",
     # model-level arithmetic the units do not hold
     "inkling_text": ("its base model norms the embeddings (`embed_norm`, a weight outside the units) before the "
@@ -86,6 +90,23 @@ REFUSED: dict[str, str] = {
                                "bamba", "zamba", "zamba2", "falcon_h1", "nemotron_h", "granitemoehybrid",
                                "lfm2", "lfm2_moe", "minimax", "kimi_linear")},
     "blt": "byte latent transformer: local encoder/decoder and patching around a global model, not one decoder stack",
+}
+
+_GEMMA4_PER_LAYER_INPUTS = (
+    "per-layer input embeddings (Gemma 4 E2B/E4B): the base model computes a [B, S, layers, "
+    "hidden_size_per_layer_input] tensor from the tokens and the embeddings before the layers and hands "
+    "each layer its slice, which the sliding units (embedding, layers, head) do not carry; the models "
+    "without them (Gemma 4 31B, 26B-A4B, 12B) train")
+_GEMMA4_KV_SHARING = (
+    "KV sharing (Gemma 4 E2B/E4B): the last layers reuse the keys and values of an earlier layer, "
+    "which the sliding units, run one layer at a time, do not hand on; the models without it "
+    "(Gemma 4 31B, 26B-A4B, 12B) train")
+# Settings of a tested family that the split does not train, refused at load when the field is set
+# (non-zero): family -> {config field: why}.
+REFUSED_SETTINGS: dict[str, dict[str, str]] = {
+    "gemma4_text": {"hidden_size_per_layer_input": _GEMMA4_PER_LAYER_INPUTS,
+                    "num_kv_shared_layers": _GEMMA4_KV_SHARING},
+    "gemma4_unified_text": {"num_kv_shared_layers": _GEMMA4_KV_SHARING},
 }
 
 _ENC_DEC = "the decoder half of an encoder-decoder model (cross-attention to an encoder), not a decoder-only LM"
@@ -102,7 +123,9 @@ NOT_DECODER_ONLY: dict[str, str] = {
     "llama4": _MULTIMODAL + "; train the text model (model_type llama4_text)",
     "qwen3_5": _MULTIMODAL + "; train the text model (model_type qwen3_5_text)",
     "qwen3_5_moe": _MULTIMODAL + "; train the text model (model_type qwen3_5_moe_text)",
-    **{t: _MULTIMODAL for t in ("emu3", "fuyu", "gemma3n", "gemma4", "gemma4_assistant", "gemma4_unified",
+    "gemma4": _MULTIMODAL + "; train the text model (model_type gemma4_text)",
+    "gemma4_unified": _MULTIMODAL + "; train the text model (model_type gemma4_unified_text)",
+    **{t: _MULTIMODAL for t in ("emu3", "fuyu", "gemma3n", "gemma4_assistant",
                                 "gemma4_unified_assistant", "git", "got_ocr2", "mllama", "phi4_multimodal",
                                 "qwen4_exp")},
 }
@@ -131,13 +154,18 @@ def num_experts(config: PretrainedConfig) -> int:
 
 
 def require_supported_family(config: PretrainedConfig) -> None:
-    """Refuse, with the reason, a family slidetune does not train faithfully."""
+    """Refuse, with the reason, a family (or a family's setting, naming the field and its value)
+    slidetune does not train faithfully."""
     model_type = getattr(config, "model_type", "")
     status, reason = family_status(model_type)
     if status in ("refused", "not decoder-only"):
         raise UnsupportedFamilyError(
             f"model family {model_type!r} is not supported: {reason}. Supported families: "
             f"{', '.join(TESTED)} (README, 'Model families')")
+    for field, why in REFUSED_SETTINGS.get(model_type, {}).items():
+        if value := getattr(config, field, None):
+            raise UnsupportedFamilyError(
+                f"model family {model_type!r} with {field}={value!r} in config.json is not supported: {why}")
     if num_experts(config) and getattr(config, "output_router_logits", False) \
             and float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) != 0.0:
         raise UnsupportedFamilyError(
@@ -150,7 +178,7 @@ def require_supported_family(config: PretrainedConfig) -> None:
 
 def experts_per_token(config: PretrainedConfig) -> int | None:
     """Routed experts each token uses in an MoE layer (k of top-k), where the config says."""
-    return next((getattr(config, a) for a in ("num_experts_per_tok", "moe_k", "top_k")
+    return next((getattr(config, a) for a in ("num_experts_per_tok", "moe_k", "top_k", "top_k_experts")
                  if isinstance(getattr(config, a, None), int)), None)
 
 

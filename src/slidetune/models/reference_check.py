@@ -67,7 +67,7 @@ _SMALL_WIDTHS = {
     "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
 }
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-_EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_k", "top_k")
+_EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_k", "top_k", "top_k_experts")
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id")
 
 
@@ -89,6 +89,8 @@ def _cut(config: PretrainedConfig, small_widths: bool, small_vocab: bool) -> Pre
     for key, value in list(d.items()):       # per-layer lists follow the kept layers
         if isinstance(value, list) and len(value) == n and n > len(keep):
             d[key] = [value[i] for i in keep]
+    if d.get("per_layer_config"):
+        d["per_layer_config"] = _cut_per_layer_config(d["per_layer_config"], keep, small_widths)
     d["num_hidden_layers"] = len(keep)
     layers = d.get("num_layers")
     if isinstance(layers, int) and 0 < layers < n and n % layers == 0:
@@ -131,6 +133,26 @@ def _cut(config: PretrainedConfig, small_widths: bool, small_vocab: bool) -> Pre
     d.pop("architectures", None)
     cut = type(config).from_dict(d)
     cut._attn_implementation = reference_attention(cut)
+    return cut
+
+
+def _cut_per_layer_config(overrides: dict, keep: list[int], small_widths: bool) -> dict:
+    """A heterogeneous config's per-layer overrides (transformers' `per_layer_config`, keyed by
+    layer index: Gemma 4's full-attention layers' head_dim and KV heads) renumbered for the kept
+    layers. With small widths an overridden width becomes twice the small one and overridden KV
+    heads one, so the kept layers still differ from the others as the model's do."""
+    by_index = {int(k): v for k, v in overrides.items()}      # to_dict zero-pads the keys ("05")
+    cut = {}
+    for new, old in enumerate(keep):
+        layer = dict(by_index.get(old) or {})
+        if small_widths:
+            for key in layer:
+                if key in _SMALL_WIDTHS and isinstance(layer[key], int):
+                    layer[key] = 2 * _SMALL_WIDTHS[key]
+                elif key == "num_key_value_heads" and isinstance(layer[key], int):
+                    layer[key] = 1
+        if layer:
+            cut[str(new)] = layer
     return cut
 
 

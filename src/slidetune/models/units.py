@@ -13,6 +13,7 @@ scaling and softcapping) is applied here too: see `transforms.py`.
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 
@@ -79,18 +80,43 @@ class _HeadModule(nn.Module):
 
 
 class _LayerRecorder(nn.Module):
-    """Replaces a decoder layer for one call of the base model: records its kwargs."""
+    """Replaces a decoder layer for one call of the base model: records its kwargs. A positional
+    extra is recorded under its name in the layer's forward (Gemma 4 passes `per_layer_input`
+    positionally) when it is None; a tensor there is computed outside the layers from the tokens
+    (per-layer input embeddings), which the stand-in embeddings cannot give, so it refuses."""
 
-    def __init__(self, sink: list):
+    def __init__(self, sink: list, layer: nn.Module):
         super().__init__()
         self.sink = sink
+        params = inspect.signature(layer.forward).parameters.values()
+        self.names = [q.name for q in params if q.kind is q.POSITIONAL_OR_KEYWORD][1:]   # after hidden_states
 
     def forward(self, hidden_states, *args, **kwargs):
-        if args:
-            raise UnsupportedModelError("decoder layers are called with positional extras; "
-                                        "slidetune needs keyword arguments besides hidden_states")
+        for name, value in zip(self.names, args, strict=False):
+            if value is not None or name in kwargs:
+                raise UnsupportedModelError(
+                    f"decoder layers are called with the positional extra {name!r} = {type(value).__name__}; "
+                    f"slidetune carries keyword arguments besides hidden_states, made once per micro-batch")
+            kwargs[name] = value
+        if len(args) > len(self.names):
+            raise UnsupportedModelError("decoder layers are called with more positional extras than they name")
         self.sink.append(kwargs)
         return hidden_states
+
+
+class _NoSharedKV(dict):
+    """Stands for Gemma 4's `shared_kv_states` in the recorded kwargs. transformers' layers store
+    their keys and values there for the KV-shared layers at the end of the stack to read; the split
+    runs no such layer (families.py refuses `num_kv_shared_layers` > 0), so a store is dropped:
+    kept, it would hold a micro-batch's K/V, and the autograd graph behind them, as long as the
+    kwargs live. A read means a layer needs another layer's K/V, which the units do not hand on."""
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+    def __getitem__(self, key):
+        raise UnsupportedModelError(f"a decoder layer reads another layer's keys and values ({key!r}: "
+                                    f"KV sharing); the sliding units run each layer on its own")
 
 
 def _layout(unit: UnitSpec, named: list[tuple[str, str, nn.Parameter]]) -> None:
@@ -113,6 +139,12 @@ class SplitModel:
     def __init__(self, model: nn.Module):
         self.model = model
         self.config = model.config
+        if getattr(self.config, "is_heterogeneous", False):
+            # transformers' per_layer_config (Gemma 4: the full layers' head_dim and KV heads) makes
+            # reading those fields on the model's config raise; the layers read their own. slidetune's
+            # shape readers (fit, FLOPs) get the global value, the sliding layers' (the writer leaves
+            # this flag out of config.json)
+            self.config.allow_global_per_layer_attribute_access = True
         self.transforms: ModelTransforms = model_transforms(self.config)
         base = self._find_base(model)
         self.base = base
@@ -260,7 +292,7 @@ class SplitModel:
         sink: list[dict] = []
         saved = (self.base.layers, self.base.norm, getattr(self.base, "rotary_emb", None))
         try:
-            self.base.layers = nn.ModuleList([_LayerRecorder(sink) for _ in self.layer_modules])
+            self.base.layers = nn.ModuleList([_LayerRecorder(sink, m) for m in self.layer_modules])
             self.base.norm = nn.Identity()
             if rotary is not None:
                 self.base.rotary_emb = rotary
@@ -273,6 +305,9 @@ class SplitModel:
                 self.base.rotary_emb = saved[2]
         if len(sink) != self.num_layers:
             raise UnsupportedModelError(f"base model called {len(sink)} of {self.num_layers} layers")
+        for kwargs in sink:
+            if "shared_kv_states" in kwargs:
+                kwargs["shared_kv_states"] = _NoSharedKV()
         return sink
 
     def _rotary(self, device: torch.device) -> nn.Module | None:

@@ -5,7 +5,8 @@ Model FLOPs per token (`train_flops_per_token`), training (forward + backward, n
                       output head; the embedding lookup is a gather, not a matmul)
   + 6 * L * S * d_att causal attention: QK^T and PV are 2 * S * d_att MACs per token per
                       layer for the full square, 12 L S d_att FLOPs with backward; only
-                      the causal half is computed by flash/SDPA kernels, hence 6 L S d_att.
+                      the causal half is computed by flash/SDPA kernels, hence 6 L S d_att
+                      (summed over the layers where d_att differs by layer: Gemma 4).
 Recomputation is extra work and is never counted in model TFLOPS.
 
 A step's FLOPs as slidetune runs it (`step_flops`, `StepFlops`): what the GPU must compute,
@@ -31,6 +32,16 @@ def attention_width(config) -> int:
     return int(config.num_attention_heads * head_dim)
 
 
+def layer_attention_widths(config) -> list[int]:
+    """Each decoder layer's query width (heads x head_dim). A heterogeneous config (transformers'
+    per_layer_config: Gemma 4's full-attention layers have twice the sliding layers' head_dim)
+    gives each layer its own."""
+    n = int(config.num_hidden_layers)
+    if getattr(config, "is_heterogeneous", False):
+        return [attention_width(config.per_layer_config[i]) for i in range(n)]
+    return [attention_width(config)] * n
+
+
 def matmul_params(split: SplitModel) -> int:
     layers = sum(u.numel for u in split.layer_units)
     head = split.units[0].numel if split.tied else sum(
@@ -39,7 +50,7 @@ def matmul_params(split: SplitModel) -> int:
 
 
 def train_flops_per_token(split: SplitModel, seq_len: int) -> float:
-    return 6.0 * matmul_params(split) + 6.0 * split.num_layers * seq_len * attention_width(split.config)
+    return 6.0 * matmul_params(split) + 6.0 * seq_len * sum(layer_attention_widths(split.config))
 
 
 def causal_attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
@@ -130,11 +141,10 @@ def step_flops(split: SplitModel, batch: int, seq: int) -> StepFlops:
     counted). With grad_accum the micro-batches add up to the same tokens and the same FLOPs."""
     c, tokens = split.config, batch * seq
     heads = int(c.num_attention_heads)
-    head_dim = attention_width(c) // heads
-    attention = causal_attention_flops(batch, heads, seq, head_dim)
     vocab_weight = split.units[0].params[0] if split.tied else next(
         p for p in split.head_unit.params if p.local_name == "lm_head.weight")
     return StepFlops(tokens=tokens,
                      layer_matmul=tuple(layer_matmul_flops(split, i, tokens) for i in range(split.num_layers)),
-                     layer_attention=(attention,) * split.num_layers,
+                     layer_attention=tuple(causal_attention_flops(batch, heads, seq, width // heads)
+                                           for width in layer_attention_widths(c)),
                      head_matmul=2.0 * tokens * vocab_weight.numel)

@@ -1,0 +1,175 @@
+"""Gemma 4's text model (`gemma4_text`): trained where its decoder layers are self-contained, refused
+by config field where they are not (issue 48).
+
+- Google's published text configurations (transformers' conversion scripts: 31B dense, 26B-A4B
+  MoE, and the 12B, whose text model is `gemma4_unified_text`), cut by the reference check: the split equals transformers' loss and every gradient,
+  with the full layers' own head_dim and KV heads, keys shared with values and the MoE block;
+- the same per-layer shapes on tiny models: three AdamW steps of the slide engine equal the plain
+  PyTorch reference, with each layer's constant `layer_scalar` (a buffer, not trained) read as the
+  source gave it and written back unchanged;
+- E2B and E4B (per-layer input embeddings, KV sharing) are refused at load, naming the field and its
+  value; a layer's K/V store for KV sharing is dropped, not kept in the recorded kwargs;
+- final/ of a source directory reloads with transformers to the source's model.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Gemma4TextConfig, Gemma4UnifiedTextConfig
+
+from test_equivalence import VOCAB
+from test_families import _trains_like_the_reference
+from slidetune.models.families import UnsupportedFamilyError, family_status, moe_note
+from slidetune.models.load import LoadedModel, StateDictSource, skeleton
+from slidetune.models.reference_check import reference_check, tiny_copy
+from slidetune.models.units import SplitModel
+from slidetune.telemetry.flops import step_flops
+
+_ROPE = {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+_LARGE = dict(hidden_size_per_layer_input=0, num_kv_shared_layers=0, attention_k_eq_v=True,
+              use_bidirectional_attention="vision", sliding_window=1024, final_logit_softcapping=30.0,
+              max_position_embeddings=262_144, rope_parameters=_ROPE)
+_SIX = ["sliding_attention"] * 5 + ["full_attention"]
+# The text configs Google published (transformers' convert_gemma4_weights.py and, for the 12B,
+# convert_gemma4_unified_weights.py: _VARIANTS), text fields only.
+PUBLISHED = {
+    "12B": dict(_LARGE, hidden_size=3840, intermediate_size=4 * 3840, num_hidden_layers=48, layer_types=_SIX * 8,
+                num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=1),
+    "31B": dict(_LARGE, hidden_size=5376, intermediate_size=4 * 5376, num_hidden_layers=60, layer_types=_SIX * 10,
+                num_attention_heads=32, num_key_value_heads=16, num_global_key_value_heads=4),
+    "26B-A4B": dict(_LARGE, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30, layer_types=_SIX * 5,
+                    num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=2,
+                    enable_moe_block=True, num_experts=128, moe_intermediate_size=704, top_k_experts=8),
+    "E2B": dict(hidden_size=1536, hidden_size_per_layer_input=256, intermediate_size=4 * 1536, num_hidden_layers=35,
+                layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7, num_attention_heads=8,
+                num_key_value_heads=1, attention_k_eq_v=False, num_kv_shared_layers=20, use_double_wide_mlp=True,
+                final_logit_softcapping=30.0, rope_parameters=_ROPE),
+    "E4B": dict(hidden_size=2560, hidden_size_per_layer_input=256, intermediate_size=4 * 2560, num_hidden_layers=42,
+                layer_types=_SIX * 7, num_attention_heads=8, num_key_value_heads=2, global_head_dim=512,
+                attention_k_eq_v=False, num_kv_shared_layers=18, final_logit_softcapping=30.0, rope_parameters=_ROPE),
+}
+
+
+def published(variant: str):
+    """The variant's text config: the 12B's is the unified model's (gemma4_unified_text, no MoE or
+    per-layer input fields), the others gemma4_text."""
+    if variant == "12B":
+        fields = {k: v for k, v in PUBLISHED[variant].items() if k != "hidden_size_per_layer_input"}
+        return Gemma4UnifiedTextConfig(**fields)
+    return Gemma4TextConfig(**PUBLISHED[variant])
+
+
+@pytest.mark.parametrize("variant", ["31B", "26B-A4B", "12B"])
+def test_published_config_matches_transformers(variant):
+    config = published(variant)
+    assert family_status(config.model_type)[0] == "tested"
+    cut = tiny_copy(config)
+    assert cut.layer_types == ["sliding_attention", "full_attention"]
+    sliding, full = cut.per_layer_config[0], cut.per_layer_config[1]
+    assert (sliding.head_dim, full.head_dim) == (16, 32) and full.num_key_value_heads < sliding.num_key_value_heads
+    model = skeleton(cut)
+    assert model.model.layers[1].self_attn.v_proj is None          # keys are the values on full layers
+    assert model.model.layers[0].self_attn.v_proj is not None
+    result = reference_check(config)
+    assert result.ok, result.summary()
+
+
+@pytest.mark.parametrize("variant,field,value", [("E2B", "hidden_size_per_layer_input", 256),
+                                                 ("E4B", "hidden_size_per_layer_input", 256)])
+def test_per_layer_inputs_are_refused_by_field(variant, field, value):
+    with pytest.raises(UnsupportedFamilyError) as e:
+        skeleton(published(variant))
+    assert f"'gemma4_text' with {field}={value!r}" in str(e.value) and "per-layer input embeddings" in str(e.value)
+
+
+@pytest.mark.parametrize("config", [Gemma4TextConfig(**dict(PUBLISHED["E4B"], hidden_size_per_layer_input=0)),
+                                    Gemma4UnifiedTextConfig(num_kv_shared_layers=18)], ids=["text", "unified"])
+def test_kv_sharing_is_refused_by_field(config):
+    with pytest.raises(UnsupportedFamilyError) as e:
+        skeleton(config)
+    assert f"{config.model_type!r} with num_kv_shared_layers=18" in str(e.value) and "KV sharing" in str(e.value)
+
+
+def tiny_config(moe: bool) -> Gemma4TextConfig:
+    """Sliding, full, full: head_dim 16 / 32, KV heads 2 / 1, keys shared with values on the full layers,
+    a softcap near the logits' size; `moe`: 4 experts, 2 a token, beside the MLP. Weights drawn at
+    std 0.1 as in the GLM-4.5 test: at HF's 0.02 the engine's and the reference's gradient norms part
+    by 1e-5 after one AdamW step and 1e-3 after three (dense and MoE, unit layer scalars too), while at
+    0.1 they stay within 1e-6; one step's gradients agree to 1e-6 either way (the reference check)."""
+    experts = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32) if moe else {}
+    return Gemma4TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+        hidden_size_per_layer_input=0, layer_types=["sliding_attention", "full_attention", "full_attention"],
+        sliding_window=8, final_logit_softcapping=3.0, max_position_embeddings=256, rope_parameters=_ROPE,
+        initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=2, **experts)
+
+
+def _source(config: Gemma4TextConfig) -> tuple[dict, dict]:
+    """transformers' model of `config` as a state dict, its layer scalars away from HF's init (one),
+    as a trained checkpoint holds them; and those scalars."""
+    torch.manual_seed(3)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, b in hf.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(0.5 + torch.rand(b.shape, generator=gen))
+    scalars = {n: b.detach().clone() for n, b in hf.named_buffers() if n.endswith("layer_scalar")}
+    return {k: v.detach().clone() for k, v in hf.state_dict().items()}, scalars
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_trains_in_slide_mode_like_the_reference(moe):
+    config = tiny_config(moe)
+    state, scalars = _source(config)
+    assert len(scalars) == 3
+    engine, _ = _trains_like_the_reference(
+        LoadedModel("gemma4_text", SplitModel(skeleton(config)), StateDictSource(state), None), keep=True)
+    try:
+        assert dict(engine.named_buffers()).keys() == scalars.keys()
+        assert all(torch.equal(b, scalars[n]) for n, b in engine.named_buffers())
+        assert not any(n.endswith("layer_scalar") for n, _ in engine.named_master_params())
+    finally:
+        engine.close()
+
+
+def test_layers_keep_no_keys_or_values_and_the_plan_reads_each_layer():
+    """transformers' layers store K/V for KV-shared layers in `shared_kv_states`; the split drops
+    the store (no layer here reads it), so a micro-batch's kwargs hold no activations. The FLOPs count
+    each layer's own attention width, and the MoE note its experts per token."""
+    config = tiny_config(moe=True)
+    split = SplitModel(skeleton(config))
+    kwargs = split.layer_kwargs(2, 16, torch.float32, torch.device("cpu"))
+    state, _ = _source(config)
+    x = torch.randn(2, 16, 64)
+    for i, unit in enumerate(split.layer_units):
+        x = split.layer_forward(i, {p.local_name: state[p.full_name] for p in unit.params}, x, kwargs[i])
+    assert all(len(kw["shared_kv_states"]) == 0 for kw in kwargs)
+    attention = step_flops(split, 2, 16).layer_attention
+    assert attention[1] == attention[2] == 2 * attention[0]            # head_dim 32 on the full layers, 16 before
+    assert "2 of them" in moe_note(split.config, split.layer_units[0].numel)
+
+
+def test_final_holds_the_layer_scalars_and_a_config_that_reloads(tmp_path):
+    """An export of a source directory: config.json is transformers' own (the per-layer overrides,
+    not slidetune's permission to read the global fields), the layer scalars are the source's, and
+    from_pretrained(final) computes the source's logits."""
+    import json
+
+    from test_export import export_source
+    config = tiny_config(moe=True)
+    config.vocab_size = 320
+    state, scalars = _source(config)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    hf.load_state_dict(state)
+    hf.save_pretrained(str(tmp_path / "model"))
+    final = export_source(tmp_path / "model", tmp_path / "final", "fp32")
+    saved = json.loads((final / "config.json").read_text())
+    assert "allow_global_per_layer_attribute_access" not in saved and saved["per_layer_config"]
+    again = AutoModelForCausalLM.from_pretrained(str(final), dtype=torch.float32).eval()
+    assert all(torch.equal(again.get_buffer(n), b) for n, b in scalars.items())
+    ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=ids).logits, hf(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
