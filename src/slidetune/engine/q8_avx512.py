@@ -29,7 +29,7 @@ SOURCE = r"""
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
 #define Q8_AVX512 1
-/* What SIMDe (0.8) lacks, or does otherwise: its masked stores write zeros to the masked-off
+/* What SIMDe (0.7, 0.8) lacks, or does otherwise: its masked stores write zeros to the masked-off
    lanes and its masked loads read them, so the masked memory operations go lane by lane here. */
 static inline void q8_simde_copy(void *dst, const void *src, uint64_t lanes, int count, int size) {
     for (int t = 0; t < count; t++)
@@ -71,6 +71,12 @@ static inline __m256i q8_simde_narrow16(__m512i x) {
     for (int t = 0; t < 16; t++) narrow[t] = (uint16_t)wide[t];
     return _mm256_loadu_si256((const __m256i *)narrow);
 }
+static inline __m512i q8_simde_widen16(__m256i x) {
+    uint16_t narrow[16]; int32_t wide[16];
+    _mm256_storeu_si256((__m256i *)narrow, x);
+    for (int t = 0; t < 16; t++) wide[t] = narrow[t];
+    return _mm512_loadu_si512((const void *)wide);
+}
 #undef _mm512_maskz_loadu_ps
 #undef _mm256_maskz_loadu_epi16
 #undef _mm512_mask_storeu_ps
@@ -85,6 +91,7 @@ static inline __m256i q8_simde_narrow16(__m512i x) {
 #define _mm512_i32gather_epi32 q8_simde_gather
 #define _mm512_cvtepi32_epi8 q8_simde_narrow8
 #define _mm512_cvtepi32_epi16 q8_simde_narrow16
+#define _mm512_cvtepu16_epi32 q8_simde_widen16
 #define _mm512_cmplt_epu32_mask(a, b) ((__mmask16)~_mm512_cmpge_epu32_mask(a, b))
 #define _mm512_cmpgt_epu32_mask(a, b) ((__mmask16)~_mm512_cmpge_epu32_mask(b, a))
 #elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__) \
