@@ -135,12 +135,15 @@ static inline void q8_dequantize64(const q8_codebook *cb, __m512i codes, __m512 
     out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23));
 }
 
-/* quantize8 (the portable kernel's) in 16 lanes: the same bucket, entry, rank and NaN rule */
-static inline __m128i q8_quantize16(const uint32_t *table, __m512 x) {
+/* quantize8 (the portable kernel's) in 16 lanes: the same bucket, entry, rank and NaN rule.
+   finite: the block's new values are all finite, so |x| <= 1 (x = value / absmax), x is no NaN,
+   and the clamp to the last bucket and the NaN test can go (a constant where inlined). */
+static inline __m128i q8_quantize16(const uint32_t *table, __m512 x, const int finite) {
     const __m512i u = _mm512_castps_si512(x), zero = _mm512_setzero_si512();
     const __m512i a = _mm512_and_si512(u, Q8_I32(0x7fffffff));
-    __m512i b = _mm512_sub_epi32(_mm512_srli_epi32(a, 16), Q8_I32(Q8_LOW_BUCKET));
-    b = _mm512_min_epi32(_mm512_max_epi32(b, zero), Q8_I32(Q8_TABLE - 1));
+    /* max(bucket - Q8_LOW_BUCKET, 0) in one op: a >> 16 < 2^15, so each dword's high word is 0 */
+    __m512i b = _mm512_subs_epu16(_mm512_srli_epi32(a, 16), Q8_I32(Q8_LOW_BUCKET));
+    if (!finite) b = _mm512_min_epi32(b, Q8_I32(Q8_TABLE - 1));      /* inf, NaN: the last bucket */
     const __mmask16 negative = _mm512_cmpgt_epi32_mask(zero, u);      /* the sign bit */
     b = _mm512_mask_add_epi32(b, negative, b, Q8_I32(Q8_TABLE));      /* the negative buckets follow */
     const __m512i e = _mm512_i32gather_epi32(b, (const void *)table, 4);
@@ -149,7 +152,7 @@ static inline __m128i q8_quantize16(const uint32_t *table, __m512 x) {
     const __mmask16 up = _mm512_cmpge_epu32_mask(rank, _mm512_and_si512(e, Q8_I32(0x1ffff)));
     __m512i code = _mm512_srli_epi32(e, 17);
     code = _mm512_mask_add_epi32(code, up, code, Q8_I32(1));
-    code = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x, x, _CMP_EQ_OQ), code);   /* NaN: code 0 */
+    if (!finite) code = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x, x, _CMP_EQ_OQ), code);   /* NaN: code 0 */
     return _mm512_cvtepi32_epi8(code);
 }
 
@@ -216,10 +219,21 @@ static inline uint32_t q8_max_lane(__m512i x) {                /* the largest of
     if (writes_m) {                                                                             \
         _mm512_store_ps(nm + j, mi);                                                            \
         _mm512_store_ps(nv + j, vi);                                                            \
-        am = _mm512_mask_max_epu32(am, lanes, am, _mm512_and_si512(_mm512_castps_si512(mi), Q8_I32(0x7fffffff))); \
-        av = _mm512_mask_max_epu32(av, lanes, av, _mm512_and_si512(_mm512_castps_si512(vi), Q8_I32(0x7fffffff))); \
+        am = _mm512_max_epu32(am, _mm512_maskz_and_epi32(lanes, _mm512_castps_si512(mi), Q8_I32(0x7fffffff))); \
+        av = _mm512_max_epu32(av, _mm512_maskz_and_epi32(lanes, _mm512_castps_si512(vi), Q8_I32(0x7fffffff))); \
     }                                                                                           \
 }
+
+/* The block's new codes, 16 at a time, from its new moments over their new scales (a division,
+   as the portable loop's: the same rounding) */
+#define Q8_REQUANTIZE(FINITE)                                                                   \
+    for (int64_t j = 0; j < len; j += 16) {                                                     \
+        const __mmask16 lanes = q8_lanes(len - j);                                              \
+        const __m512 xm = _mm512_div_ps(_mm512_maskz_load_ps(lanes, nm + j), _mm512_set1_ps(fm)); \
+        const __m512 xv = _mm512_div_ps(_mm512_maskz_load_ps(lanes, nv + j), _mm512_set1_ps(fv)); \
+        _mm_mask_storeu_epi8(m + k + j, lanes, q8_quantize16(ts, xm, FINITE));                  \
+        _mm_mask_storeu_epi8(v + k + j, lanes, q8_quantize16(tu, xv, FINITE));                  \
+    }
 
 /* CLAIM_q8's work on [lo, hi), a QBLOCK-element block at a time as the portable loop: dequantize
    64 codes a moment at once, update 16 lanes at a time, then (moments, all) the block's absmax as
@@ -251,17 +265,13 @@ static inline __attribute__((always_inline)) void q8_claim_avx512(
             }
         }
         if (!writes_m) continue;
-        const float bm = from_bits(q8_max_lane(am)), bv = from_bits(q8_max_lane(av));
+        const uint32_t amax = q8_max_lane(am), vmax = q8_max_lane(av);
+        const float bm = from_bits(amax), bv = from_bits(vmax);
         const float fm = bm < 1e-12f ? 1e-12f : bm, fv = bv < 1e-12f ? 1e-12f : bv;   /* as the portable loop */
         sm[blk] = fm;
         sv[blk] = fv;
-        for (int64_t j = 0; j < len; j += 16) {
-            const __mmask16 lanes = q8_lanes(len - j);
-            const __m512 xm = _mm512_div_ps(_mm512_maskz_load_ps(lanes, nm + j), _mm512_set1_ps(fm));
-            const __m512 xv = _mm512_div_ps(_mm512_maskz_load_ps(lanes, nv + j), _mm512_set1_ps(fv));
-            _mm_mask_storeu_epi8(m + k + j, lanes, q8_quantize16(ts, xm));
-            _mm_mask_storeu_epi8(v + k + j, lanes, q8_quantize16(tu, xv));
-        }
+        if (amax < 0x7f800000u && vmax < 0x7f800000u) Q8_REQUANTIZE(1)   /* no inf, no NaN: the usual */
+        else Q8_REQUANTIZE(0)
     }
 }
 
