@@ -29,7 +29,8 @@ FP32 or stochastically rounded BF16 master in the same one pass, widening and na
 registers, with the FP32 kernel's arithmetic between; tests/test_compact_adamw.py holds them to
 a torch reference bit for bit and to torchao. They build into a library of their own on first
 use (load_compact), so the FP32 default's library, source and start-up are what they were.
-Rates: benchmarks/scripts/compact_adamw_rate.py.
+Where -march=native has AVX-512 F/BW/VL/VBMI, their 8-bit passes are engine/q8_avx512.py's, the
+same bits (tests/test_q8_avx512.py). Rates: benchmarks/scripts/compact_adamw_rate.py.
 """
 from __future__ import annotations
 
