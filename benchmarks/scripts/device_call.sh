@@ -328,13 +328,13 @@ PY
           done ;;
     q8avx512) # issue 46's 8-bit speed: the 8-bit passes written out in AVX-512 (engine/q8_avx512.py, chosen by
           # -march=native where the CPU has AVX-512 F/BW/VL/VBMI) against the portable ones (-DQ8_SCALAR): first
-          # bit for bit (tests/test_q8_avx512.py; test_compact_adamw.py too where torchao imports: the AVX-512
-          # library against torch and torchao), then both builds' rates at 16 threads over 256 M params, the
+          # bit for bit (tests/test_q8_avx512.py; the compact state's kernel tests on the AVX-512 library, and
+          # test_compact_adamw.py's against torch and torchao where torchao imports), then both builds' rates at 16 threads over 256 M params, the
           # builds alternated twice (the DRAM rate drifts between runs), FP32 state beside as the DRAM reference
           mkdir -p $R/q8avx512
           { gcc --version | head -1; lscpu | grep "Model name"; grep -o -w 'avx512[a-z_0-9]*' /proc/cpuinfo | sort -u | tr '\n' ' '; } \
             > $R/q8avx512/cpu.txt 2>&1
-          tests=tests/test_q8_avx512.py; python -c "import torchao" 2>/dev/null && tests="$tests tests/test_compact_adamw.py"
+          tests="tests/test_q8_avx512.py tests/test_flat_adamw_compact.py tests/test_moments.py"; python -c "import torchao" 2>/dev/null && tests="$tests tests/test_compact_adamw.py"
           timeout 300 python -m pytest -q -rs -p no:cacheprovider $tests > $R/q8avx512/tests.txt 2>&1; tail -3 $R/q8avx512/tests.txt
           python benchmarks/scripts/compact_adamw_rate.py $R/q8avx512/rate.json --params 256e6 --threads 16 \
             --parts all,params,moments --formats fp32/fp32,fp32/8bit,bf16/8bit --builds native,scalar --rounds 2 ;;
