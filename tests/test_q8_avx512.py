@@ -43,20 +43,20 @@ def _simde_include() -> str | None:
 @functools.cache
 def _kernels() -> tuple[native_adamw.Kernel, native_adamw.Kernel, str] | str:
     """(the AVX-512 passes, the portable ones, "native" or "SIMDe"), or why they cannot run here."""
-    portable = native_adamw.build_compact(("-DQ8_SCALAR",))
-    assert not portable.q8_avx512
     native = native_adamw.load_compact()
     if native.q8_avx512:
-        return native, portable, "native"
-    include = _simde_include()
-    if include is None:
-        return "no AVX-512 F/BW/VL/VBMI on this CPU, and no SIMDe headers to emulate them"
-    try:
-        emulated = native_adamw.build_compact(("-DQ8_SIMDE", f"-I{include}", "-Wno-psabi"))
-    except RuntimeError as e:
-        return f"SIMDe in {include} does not build the AVX-512 passes (0.7 and 0.8 do): {e}"
-    assert emulated.q8_avx512
-    return emulated, portable, "SIMDe"
+        vector, how = native, "native"
+    else:
+        include = _simde_include()
+        if include is None:
+            return "no AVX-512 F/BW/VL/VBMI on this CPU, and no SIMDe headers to emulate them"
+        try:
+            vector, how = native_adamw.build_compact(("-DQ8_SIMDE", f"-I{include}", "-Wno-psabi")), "SIMDe"
+        except RuntimeError as e:
+            return f"SIMDe in {include} does not build the AVX-512 passes (0.7 and 0.8 do): {e}"
+    portable = native_adamw.build_compact(("-DQ8_SCALAR",))
+    assert vector.q8_avx512 and not portable.q8_avx512
+    return vector, portable, how
 
 
 def _pair() -> tuple[native_adamw.Kernel, native_adamw.Kernel, str]:
