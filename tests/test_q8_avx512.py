@@ -124,9 +124,10 @@ def _threshold_grads(n: int, qmap_signed: torch.Tensor, qmap_unsigned: torch.Ten
     4 and 16 (powers of two: x / scale is exact), the rest lie on every threshold of the signed map,
     one float either side, and at the square roots of the unsigned map's (v falls on and beside them)."""
     ts, tu = blockwise8.thresholds(qmap_signed), blockwise8.thresholds(qmap_unsigned)
-    signed = torch.cat([ts, torch.nextafter(ts, torch.full_like(ts, -2.0)), torch.nextafter(ts, torch.full_like(ts, 2.0))])
-    root = (16 * tu.double()).sqrt().float()
-    near = torch.cat([root, torch.nextafter(root, torch.zeros_like(root)), torch.nextafter(root, torch.full_like(root, 5.0))])
+    def either_side(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:      # x, a float down, a float up
+        return torch.cat([x, torch.nextafter(x, torch.full_like(x, lo)), torch.nextafter(x, torch.full_like(x, hi))])
+    signed = either_side(ts, -2.0, 2.0)
+    near = either_side((16 * tu.double()).sqrt().float(), 0.0, 5.0)
     values = torch.cat([signed * 4, near[near * near < 16.0], -near[near * near < 16.0]])
     body = values.repeat(-(-n // values.numel()))[:n].view(-1)
     body[B - 1::B] = 4.0
