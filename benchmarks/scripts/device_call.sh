@@ -3,7 +3,7 @@
 # Results go to $OUT/results.tar.gz (the device tool returns at most 8 files).
 #   jobs: stash | pipeline | train | dpotrain (issue 47: train --objective dpo on an 8B directory) | trainresume (train --gpus N, killed, resumed) | savetests | asyncab (issue 33) | savestreams (the optimizer state in 1 or 2 files) | shardab (sharded layers = device layers, 2 GPUs) | trainrun@TAG (TRAINRUN_ARGS_TAG) | equivalence | runtime | throughput | throughput@TAG | scaling | scaling@TAG
 #         | hostinfo | attnbackends (ATTN_ARGS: attention kernels' rates and errors) | compactrate (COMPACTRATE_ARGS: the host AdamW's rate per state format and part) | q8flags (the 8-bit passes
-#           under three code generations) | quality (QUALITY_ARGS:
+#           under three code generations) | q8avx512 (Q8AVX512_ARGS; the AVX-512 8-bit passes: equivalence test, both builds' rates) | quality (QUALITY_ARGS:
 #           each state format's held-out loss on SmolLM2, stash first) | desktop64 (DESKTOP_ARGS: a 64 GiB host, 24 GiB GPU) | rankmem (RANKMEM_ARGS: a rank's host memory by stage, 1 and N processes) | techniques
 #         | layermem (LAYERMEM_ARGS: one layer's time and peak GPU memory, HF's and the lean layer, torch's or
 #           Liger's kernels (a liger-kernel wheel in .whl/); --profile: GPU time by kernel class)
@@ -335,6 +335,19 @@ PY
               2>&1 | sed "s|^|[$flags] |"
             i=$((i + 1))
           done ;;
+    q8avx512) # issue 46's 8-bit speed: the 8-bit passes written out in AVX-512 (engine/q8_avx512.py, chosen by
+          # -march=native where the CPU has AVX-512 F/BW/VL/VBMI) against the portable ones (-DQ8_SCALAR): first
+          # bit for bit (tests/test_q8_avx512.py; the compact state's kernel tests on the AVX-512 library, and
+          # test_compact_adamw.py's against torch and torchao where torchao imports), then both builds' rates at 16 threads over 256 M params, the
+          # builds alternated twice (the DRAM rate drifts between runs), FP32 state beside as the DRAM reference
+          mkdir -p $R/q8avx512
+          { gcc --version | head -1; lscpu | grep "Model name"; grep -o -w 'avx512[a-z_0-9]*' /proc/cpuinfo | sort -u | tr '\n' ' '; } \
+            > $R/q8avx512/cpu.txt 2>&1
+          tests="tests/test_q8_avx512.py tests/test_flat_adamw_compact.py tests/test_moments.py"; python -c "import torchao" 2>/dev/null && tests="$tests tests/test_compact_adamw.py"
+          timeout 300 python -m pytest -q -rs -p no:cacheprovider $tests > $R/q8avx512/tests.txt 2>&1; tail -3 $R/q8avx512/tests.txt
+          python benchmarks/scripts/compact_adamw_rate.py $R/q8avx512/rate.json --params 256e6 \
+            --parts all,params,moments --formats fp32/fp32,fp32/8bit,bf16/8bit --builds native,scalar \
+            ${Q8AVX512_ARGS:---threads 16 --rounds 2} 2>&1 | tee $R/q8avx512/rate.txt ;;
     quality) # issue 46: what each compact state format costs on a real fine-tune: the embedded SmolLM2 (stash
           # first), the built-in corpus and a chat set, FP32 against each format, held-out loss curves
           # (QUALITY_ARGS, e.g. "--steps 500 --parallel 4 --datasets corpus"; ~4 min a dataset on one H200)

@@ -123,13 +123,22 @@ def bucket_table(qmap: torch.Tensor) -> torch.Tensor:
     return (code << 17 | step).to(torch.int32)
 
 
+def byte_planes(qmap: torch.Tensor) -> torch.Tensor:
+    """[256] int32 holding [4, 256] bytes: plane b is byte b (little-endian) of each of the 256
+    FP32 entries, in code order: the AVX-512 kernel's codebook, four 64-byte registers a plane
+    (engine/q8_avx512.py)."""
+    return qmap.view(torch.uint8).view(256, 4).t().contiguous().view(-1).view(torch.int32)
+
+
 @functools.cache
 def kernel_tables() -> torch.Tensor:
     """The host kernel's tables, one int32 buffer (kept alive here): [0, 512) the signed then the
-    unsigned codebook's FP32 bits; then the signed map's bucket_table, then the unsigned one's."""
+    unsigned codebook's FP32 bits; then the signed map's bucket_table, then the unsigned one's;
+    then the signed and the unsigned map's byte_planes (256 each)."""
     signed, unsigned = dynamic_map(True), dynamic_map(False)
     return torch.cat([signed.view(torch.int32), unsigned.view(torch.int32),
-                      bucket_table(signed), bucket_table(unsigned)]).contiguous()
+                      bucket_table(signed), bucket_table(unsigned),
+                      byte_planes(signed), byte_planes(unsigned)]).contiguous()
 
 
 def num_blocks(numel: int) -> int:

@@ -29,7 +29,8 @@ FP32 or stochastically rounded BF16 master in the same one pass, widening and na
 registers, with the FP32 kernel's arithmetic between; tests/test_compact_adamw.py holds them to
 a torch reference bit for bit and to torchao. They build into a library of their own on first
 use (load_compact), so the FP32 default's library, source and start-up are what they were.
-Rates: benchmarks/scripts/compact_adamw_rate.py.
+Where -march=native has AVX-512 F/BW/VL/VBMI, their 8-bit passes are engine/q8_avx512.py's, the
+same bits (tests/test_q8_avx512.py). Rates: benchmarks/scripts/compact_adamw_rate.py.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import blockwise8
+from . import blockwise8, q8_avx512
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +186,7 @@ COMPACT_SOURCE = r"""
    Its arguments beside the FP32 kernel's: sm, sv (the 8-bit moments' block scales); nd (elements
    [0, nd) of the range decay, the rest do not: one call spans the decay boundary, which an 8-bit
    block may straddle, and a block's new absmax needs all its new values); q8 (blockwise8's
-   kernel_tables: codebooks, then bucket tables); key (this step's stochastic rounding stream,
+   kernel_tables: codebooks, bucket tables, byte planes); key (this step's stochastic rounding stream,
    sr_key()); off (the range's first element's index in its unit). Threads claim BLOCK elements
    at a time as the FP32 kernels do, each claim one call of a claim_ function (its restrict
    pointers let gcc vectorize the loops, which it did not inside the OpenMP region). */
@@ -317,6 +318,10 @@ static inline float from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f
     }                                                                                           \
 }
 
+"""
+
+# The kernels, instantiated after q8_avx512.SOURCE (which replaces CLAIM_q8 where the CPU has AVX-512).
+COMPACT_INSTANCES = r"""
 /* adamw_<P>_<M>_<G> (all), adamw_params_<P>_<M>_<G>, adamw_moments_<P>_<M>_<G> */
 #define COMPACT_PART(NAME, P, M, PART, G, GRAD_T, WIDEN)                                        \
 static __attribute__((noinline)) void claim_##NAME(CLAIM_ARGS(P_T_##P, M_T_##M, GRAD_T))       \
@@ -351,6 +356,7 @@ EXTRA_FLAGS_VAR = "SLIDETUNE_NATIVE_CFLAGS"
 class Kernel:
     lib: ctypes.CDLL
     compiler: str
+    q8_avx512: bool = False     # the compact library's 8-bit passes: the AVX-512 CLAIM_q8 (engine/q8_avx512.py)
 
     def fn(self, grad_dtype: torch.dtype, part: str = "all"):
         prefix = {"all": "adamw", "params": "adamw_params", "moments": "adamw_moments",
@@ -377,7 +383,7 @@ def _compiler() -> str | None:
     return None
 
 
-def _compile(source: str) -> tuple[ctypes.CDLL, str]:
+def _compile(source: str, extra_args: tuple[str, ...] = ()) -> tuple[ctypes.CDLL, str]:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
@@ -387,7 +393,8 @@ def _compile(source: str) -> tuple[ctypes.CDLL, str]:
         with open(src, "w") as f:
             f.write(source)
         extra = os.environ.get(EXTRA_FLAGS_VAR, "").split()
-        done = subprocess.run([cc, *FLAGS, *extra, src, "-o", lib_path], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([cc, *FLAGS, *extra, *extra_args, src, "-o", lib_path], capture_output=True, text=True,
+                              timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{os.path.basename(cc)} failed: {done.stderr.strip()[-400:]}")
         # torch is loaded with its own libgomp.so.1; the kernel's libgomp.so.1 resolves to it
@@ -410,12 +417,21 @@ def _build() -> Kernel:
     return Kernel(lib, cc)
 
 
-def _build_compact() -> Kernel:
+def compact_source() -> str:
+    """The compact library's C source: the FP32 kernels', the compact ones', the AVX-512 CLAIM_q8
+    (compiled where -march=native has AVX-512 F/BW/VL/VBMI, unless -DQ8_SCALAR) and the instances."""
+    defines = dict(BLOCK=BLOCK, QBLOCK=blockwise8.BLOCK, Q8_LOW_BUCKET=blockwise8.LOW_BUCKET, Q8_TABLE=blockwise8.TABLE)
+    return ("".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE + COMPACT_SOURCE + q8_avx512.SOURCE
+            + COMPACT_INSTANCES)
+
+
+def build_compact(extra_args: tuple[str, ...] = ()) -> Kernel:
     """The compact kernels, in a library of their own: the FP32 default's stays the same source
     (the same binary), and a run on it does not wait for these (2.8 s of gcc on 2 cores, against
-    1.1 s for the FP32 library)."""
-    defines = dict(BLOCK=BLOCK, QBLOCK=blockwise8.BLOCK, Q8_LOW_BUCKET=blockwise8.LOW_BUCKET, Q8_TABLE=blockwise8.TABLE)
-    lib, cc = _compile("".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE + COMPACT_SOURCE)
+    1.1 s for the FP32 library). extra_args: more compiler arguments (the tests' and the rate
+    script's variants: "-DQ8_SCALAR" for the portable 8-bit passes, "-DQ8_SIMDE" with SIMDe's
+    include path for the AVX-512 ones emulated); load_compact() builds it without."""
+    lib, cc = _compile(compact_source(), extra_args)
     c_int64, c_int = ctypes.c_int64, ctypes.c_int
     for name in (f"{prefix}_{pm}_{mm}_{g}" for prefix in ("adamw", "adamw_params", "adamw_moments")
                  for pm, mm in COMPACT for g in ("f32", "bf16")):
@@ -423,7 +439,8 @@ def _build_compact() -> Kernel:
         fn.argtypes = [ctypes.c_void_p] * 6 + [c_int64, c_int64, ctypes.POINTER(ctypes.c_float), ctypes.c_void_p,
                                                ctypes.c_uint64, c_int64, c_int, c_int]
         fn.restype = None
-    return Kernel(lib, cc)
+    lib.q8_avx512.restype = ctypes.c_int
+    return Kernel(lib, cc, q8_avx512=bool(lib.q8_avx512()))
 
 
 def load() -> Kernel | None:
@@ -449,7 +466,7 @@ def load_compact() -> Kernel | None:
     with _lock:
         if not _compact:
             try:
-                _compact.append(_build_compact())
+                _compact.append(build_compact())
             except Exception as e:  # noqa: BLE001 - the caller says what it cannot run
                 log.warning("slidetune: the host's compact AdamW kernels could not be built (%s)", e)
                 _compact.append(None)
@@ -530,7 +547,7 @@ def update_compact(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torc
                    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
                    scales: tuple[torch.Tensor, torch.Tensor] | None = None, decay_end: int | None = None,
                    seed: int = 0, offset: int = 0, schedule: str = "dynamic", threads: int = 0,
-                   grad_scale: float = 1.0, part: str = "all") -> None:
+                   grad_scale: float = 1.0, part: str = "all", kernel: Kernel | None = None) -> None:
     """One AdamW step over a range in a compact format (engine/adamw.py OPTIMIZER_STATES), read and
     written in one pass, the formats told by the dtypes: master FP32 or BF16 ([n]); moments FP32,
     BF16 or 8-bit codes (uint8, [n] each, with `scales` ([ceil(n / blockwise8.BLOCK)] FP32 each:
@@ -549,8 +566,11 @@ def update_compact(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torc
     part: "all", or update()'s split pair "params" (the master only; 8-bit moments dequantized, not
     requantized) then "moments" (the moments and scales only), which leaves exactly what "all"
     does: the clipped schedule's sweep (clip_sweep=split). The weights pass (clip_sweep=weights) is
-    FP32-only."""
-    kernel = load_compact()
+    FP32-only.
+
+    kernel: the compact library to run (None: load_compact()'s; a build_compact() variant: the tests'
+    AVX-512 against portable 8-bit passes)."""
+    kernel = kernel or load_compact()
     assert kernel is not None and schedule in SCHEDULES
     n = grad.numel()
     assert master.dtype in MASTER_TYPES and exp_avg.dtype in MOMENT_TYPES and grad.dtype in GRAD_TYPES
