@@ -10,7 +10,7 @@ import pytest
 from slidetune.checkpoint import (CheckpointManager, RunHooks, SavePlan, SavePolicy, check_checkpoint,
                                   complete_checkpoints)
 from slidetune.checkpoint.manager import write_checkpoint
-from slidetune.ranks import Ranks
+from slidetune.parallel.ranks import Ranks
 from test_checkpoint import assert_close, batches, make_engine, masters, shut
 from test_train_errors import fill_disk_for
 

@@ -75,3 +75,16 @@ def test_callers_ask_the_engine_interface_not_its_attributes():
     from slidetune.engine.slide.engine import SlideEngine
     assert issubclass(PlainEngine, Engine) and issubclass(SlideEngine, Engine)
     assert not PlainEngine.__abstractmethods__ and not SlideEngine.__abstractmethods__
+
+
+def test_the_top_level_stays_small():
+    """Issue 49: at most 14 modules at `src/slidetune/`'s top level (the rest in packages by concern:
+    parallel/, evaluation/, models/hub.py since 2026-11-29)."""
+    top = sorted(p.name for p in SRC.glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 14, f"{len(top)} top-level modules: move a concern into its package: {top}"
+
+
+def test_no_module_in_src_is_over_800_lines():
+    """Issue 49: a module past 800 lines holds more than one concern: split it."""
+    long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) >= 800}
+    assert not long, f"move a concern into a module of its own: {long}"

@@ -154,7 +154,7 @@ def test_gpus_beyond_the_visible_count_are_refused():
 
 def test_ranks_share_the_hosts_cores():
     """torchrun would give each of several ranks one OpenMP thread (the host AdamW's threads)."""
-    from slidetune import launch
+    from slidetune.parallel import launch
     cores = launch.host_cores()
     assert launch.rank_threads_env(2, {})["OMP_NUM_THREADS"] == str(max(1, cores // 2))
     assert launch.rank_threads_env(2, {"OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3"     # the user's

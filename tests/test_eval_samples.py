@@ -1,4 +1,4 @@
-"""Greedy samples at each evaluation (eval_samples.py, --eval-prompts): the engines' next-token
+"""Greedy samples at each evaluation (evaluation/samples.py, --eval-prompts): the engines' next-token
 logits against transformers' own forward of the same weights, the prompt files read or refused by
 line, and real tiny runs (tiny-llama, CPU) writing eval_samples.jsonl and the trackers' text, the
 last samples being what transformers' greedy generate gives with the exported model.
@@ -17,7 +17,7 @@ from slidetune.config import TrainConfig
 from slidetune.data.config import DataConfig
 from slidetune.data.errors import DataError
 from slidetune.engine.config import RuntimeConfig
-from slidetune.eval_samples import (decode_completion, encode_prompt, greedy_completions, keep_samples_up_to,
+from slidetune.evaluation.samples import (decode_completion, encode_prompt, greedy_completions, keep_samples_up_to,
                                      read_prompt_file, write_samples)
 from slidetune.data.chat_template import load_chat_template
 from slidetune.models.load import embedded_tokenizer

@@ -1,4 +1,4 @@
-"""`slidetune eval` (harness_eval.py): lm-evaluation-harness is an optional extra, not installed for the
+"""`slidetune eval` (evaluation/harness.py): lm-evaluation-harness is an optional extra, not installed for the
 tests; the command refuses with the install line (the real import check), after checking its
 arguments: a missing or incomplete model directory, no task, a bad --limit or --batch-size, each named.
 """

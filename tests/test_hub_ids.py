@@ -16,7 +16,7 @@ import pytest
 
 from slidetune.data import DataConfig, DataError, build_datasets
 from slidetune.data.corpus import builtin_corpus
-from slidetune.hf_hub import hub_cache_dir, looks_like_hub_id
+from slidetune.models.hub import hub_cache_dir, looks_like_hub_id
 from slidetune.models.load import ModelNotFoundError, load_model
 from test_train_errors import run_cli
 

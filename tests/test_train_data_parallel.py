@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slidetune import launch
+from slidetune.parallel import launch
 from slidetune.cli import main
 from slidetune.data.corpus import builtin_corpus
 from slidetune.telemetry.trackers import is_installed

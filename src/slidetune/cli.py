@@ -24,7 +24,7 @@ from .config import ConfigArgumentParser, add_config_flags, config_from_args
 def _train(ns) -> int:
     cfg = config_from_args(ns)
     if ns.gpus is not None:
-        from . import launch
+        from .parallel import launch
         launch.check_gpus(ns.gpus, cfg.runtime.device,
                           launch.visible_gpus() if cfg.runtime.device != "cpu" else 0)
         if ns.gpus > 1:
@@ -411,7 +411,7 @@ def _bench_scenario(ns) -> int:
 
 
 def _eval(ns) -> int:
-    from .harness_eval import HarnessRequest, parse_tasks, run_harness, summary_lines
+    from .evaluation.harness import HarnessRequest, parse_tasks, run_harness, summary_lines
     req = HarnessRequest(Path(ns.model), parse_tasks(ns.tasks), batch_size=ns.batch_size, limit=ns.limit,
                          device=ns.device, dtype=ns.dtype, output=Path(ns.output) if ns.output else None)
     for line in summary_lines(run_harness(req)):

@@ -27,7 +27,7 @@ from .engine.fit import InsufficientMemoryError, Workload, check_fit_on_ranks, p
 from .engine.placement import PlacementPlan, unit_shapes
 from .models.load import LoadedModel, load_model
 from .objectives.preference import PreferenceConfig
-from .ranks import RankFailure, Ranks
+from .parallel.ranks import RankFailure, Ranks
 
 if TYPE_CHECKING:
     from .engine.interface import Engine

@@ -34,11 +34,11 @@ from .engine.autos import describe_autos
 from .engine.compile_policy import choose_compile_layers, resolve_compile_layers
 from .engine.placement import PlacementPlan
 from .engine.slide.disk_tier import tier_bytes
-from .eval_samples import EvalPrompt, resolve_eval_prompts
+from .evaluation.samples import EvalPrompt, resolve_eval_prompts
 from .models.load import LoadedModel
 from .models.reference_check import require_faithful
 from .ops.packed_attention import use_packed_attention
-from .ranks import Ranks
+from .parallel.ranks import Ranks
 from .run_setup import PreparedRun, RunRequest, prepare_run
 
 
@@ -138,7 +138,7 @@ class RunInputs:
     saves: SavePlan
     resume_from: Path | None
     stale: list[Path]
-    eval_prompts: list[EvalPrompt] = field(default_factory=list)   # sampled at each evaluation (eval_samples.py)
+    eval_prompts: list[EvalPrompt] = field(default_factory=list)   # sampled at each evaluation (evaluation/samples.py)
     pairs: PairSampler | None = None     # a preference objective's pairs (data/pair_source.py)
 
 
@@ -178,7 +178,7 @@ def prepare_training(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, 
 
 
 def _eval_prompts(cfg: TrainConfig, source, loaded: LoadedModel) -> list[EvalPrompt]:
-    """The prompts sampled at each evaluation (eval_samples.py), a bad --eval-prompts file as a TrainingError."""
+    """The prompts sampled at each evaluation (evaluation/samples.py), a bad --eval-prompts file as a TrainingError."""
     try:
         return resolve_eval_prompts(cfg.eval_prompts, source, cfg.data, loaded.tokenizer)
     except DataError as e:

@@ -42,11 +42,11 @@ from .data.chat_template import load_chat_template
 from .data.token_cache import cache_root
 from .device import Device
 from .engine import StepResult
-from .eval_samples import decode_completion, encode_prompt, greedy_completions, write_samples
+from .evaluation.samples import decode_completion, encode_prompt, greedy_completions, write_samples
 from .faults import maybe_fail
 from .models.load import LoadedModel
 from .objectives.pair_run import PairRun
-from .ranks import Ranks
+from .parallel.ranks import Ranks
 from .telemetry.flops import train_flops_per_token
 from .telemetry.run_metrics import RunMetrics, _scalars, host_rss_meter, metric_columns
 from .telemetry.trackers import TrackerUnavailable, resolve_report_to
@@ -261,7 +261,7 @@ class Trainer:
         self.sampler, self.heldout, self.pad_id = run.sampler, run.heldout, run.pad_id
         # a preference objective's pairs, reference pass and evaluation (objectives/pair_run.py)
         self.pairs = PairRun(run.pairs, cfg.batch_size, cfg.eval_batches, self.ranks) if run.pairs else None
-        self.eval_prompts = list(run.eval_prompts)   # sampled greedily at each evaluation (eval_samples.py)
+        self.eval_prompts = list(run.eval_prompts)   # sampled greedily at each evaluation (evaluation/samples.py)
         self.total_steps, self.out, self.t_start = run.total_steps, out, t_start
         self.stop_flag = stop or _StopFlag()
         self.start_step = 0
@@ -556,7 +556,7 @@ class Trainer:
                 f"tokens, {len(self.heldout) if self.heldout is not None else 0} held out")
 
     def sample_prompts(self, step: int) -> None:
-        """The eval prompts' greedy samples with the current weights, after step `step` (eval_samples.py):
+        """The eval prompts' greedy samples with the current weights, after step `step` (evaluation/samples.py):
         appended to eval_samples.jsonl and logged to the trackers by rank 0. Every rank runs the same
         forwards (a forward may issue collectives), taking rank 0's tokens."""
         if not self.eval_prompts:

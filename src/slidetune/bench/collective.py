@@ -181,7 +181,7 @@ def message_sizes(unit_numels: list[int], grad_bytes: int) -> tuple[int, ...]:
 def collective_worker(spec: dict) -> dict:
     """One rank of a probe run (under torchrun): joins the process group the way a training rank
     does (ranks.Ranks.start: cuda:LOCAL_RANK and NCCL, or gloo on the CPU), probes, leaves."""
-    from ..ranks import Ranks
+    from ..parallel.ranks import Ranks
     from ..telemetry.machine import machine_info
     cs = CollectiveSpec(**{**spec, "sizes": tuple(spec.get("sizes") or DEFAULT_SIZES)})
     ranks, device = Ranks.start(cs.device, waits="block")

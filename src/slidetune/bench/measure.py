@@ -20,7 +20,7 @@ from ..data import Batch
 from ..device import Device
 from ..engine import AdamWConfig, RuntimeConfig
 from ..objectives.preference import PreferenceConfig
-from ..ranks import Ranks
+from ..parallel.ranks import Ranks
 from ..run_setup import PreparedRun, RunRequest, prepare_run
 from ..telemetry.events import EventTimer
 from ..telemetry.flops import train_flops_per_token

@@ -39,7 +39,7 @@ from .writer import save_checkpoint
 
 if TYPE_CHECKING:
     from ..engine.interface import Engine
-    from ..ranks import Ranks
+    from ..parallel.ranks import Ranks
     from .space import SavePlan
 
 

@@ -4,7 +4,7 @@
 * a directory of such files (``load_dataset(dir)``: the split names come from the file names, or
   from the README's ``configs``, as on the Hub);
 * a ``save_to_disk`` directory (``load_from_disk``);
-* a Hub dataset id ``org/name``: its snapshot in the local HF cache (hf_hub.py), downloaded first
+* a Hub dataset id ``org/name``: its snapshot in the local HF cache (models/hub.py), downloaded first
   when not cached and the Hub may be reached, then read as a directory.
 
 Each record is read like a JSONL line (formats.parse_record: ``messages``, ShareGPT's
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..hf_hub import HubIdNotCached, datasets_cache_dir, looks_like_hub_id, snapshot_dir
+from ..models.hub import HubIdNotCached, datasets_cache_dir, looks_like_hub_id, snapshot_dir
 from .errors import DataError
 from .formats import JSONL_SUFFIXES, TEXT_SUFFIXES, ColumnMap, Example, Source, check_one_format, parse_record
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..atomic_write import write_atomically
-from ..hf_hub import datasets_cache_dir
+from ..models.hub import datasets_cache_dir
 from .formats import Example
 from .tokenization import TokenizedExample, tokenize_examples
 

@@ -235,7 +235,7 @@ class PlainEngine(Engine):
     def next_token_logits(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """The logits of the token after each row's first lengths[b] tokens, with the current weights:
         input_ids [B, S] (right-padded; causal attention keeps the padding out of earlier positions),
-        lengths [B] -> [B, V] float32. One full forward, no KV cache (eval_samples.py: greedy samples)."""
+        lengths [B] -> [B, V] float32. One full forward, no KV cache (evaluation/samples.py: greedy samples)."""
         split, dev = self.split, self.device.device
         ids = input_ids.to(dev)
         kwargs = split.layer_kwargs(*ids.shape, self.dtype, dev)

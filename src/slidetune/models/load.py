@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from ..hf_hub import HubIdNotCached, looks_like_hub_id, snapshot_dir
+from .hub import HubIdNotCached, looks_like_hub_id, snapshot_dir
 from ..ops.sink_attention import split_attention
 from .families import require_supported_family
 from .hub_layout import Pieces, assemble, checkpoint_layout, model_conversions
@@ -323,7 +323,7 @@ HUB_MODEL_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktok
 def load_model(spec: str, *, num_layers: int | None = None, seed: int = 0,
                with_tokenizer: bool = True) -> LoadedModel:
     """`spec` is a preset name, the embedded default's name, a .gguf file, a HF model directory or
-    a Hub id ``org/name`` (its snapshot in the local HF cache: hf_hub.py)."""
+    a Hub id ``org/name`` (its snapshot in the local HF cache: hub.py)."""
     key = spec.lower()
     if key in PRESETS:
         config = preset_config(key, num_layers)

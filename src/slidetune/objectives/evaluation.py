@@ -20,7 +20,7 @@ from .preference import PreferenceConfig, metrics, pair_loss
 from .reference import score_pairs
 
 if TYPE_CHECKING:
-    from ..ranks import Ranks
+    from ..parallel.ranks import Ranks
 
 
 def heldout_pairs(heldout: list[TokenizedPair], batch_pairs: int, max_batches: int) -> list[TokenizedPair]:

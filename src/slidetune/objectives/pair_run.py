@@ -23,7 +23,7 @@ from .evaluation import evaluate_pairs, heldout_pairs
 from .reference import cached_reference_logps
 
 if TYPE_CHECKING:
-    from ..ranks import Ranks
+    from ..parallel.ranks import Ranks
 
 
 @dataclass

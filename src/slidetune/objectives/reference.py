@@ -26,7 +26,7 @@ from ..data.preference import TokenizedPair, collate_pairs, pair_micro_batches
 from .preference import PreferenceConfig, completion_sums
 
 if TYPE_CHECKING:
-    from ..ranks import Ranks
+    from ..parallel.ranks import Ranks
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..atomic_write import write_atomically
-from ..eval_samples import keep_samples_up_to
+from ..evaluation.samples import keep_samples_up_to
 from ..objectives.preference import METRICS
 from .csv_tracker import CsvTracker
 from .machine import HostRss
@@ -27,7 +27,7 @@ from .trackers import open_dashboards
 
 if TYPE_CHECKING:
     from ..engine.interface import Engine
-    from ..ranks import Ranks
+    from ..parallel.ranks import Ranks
 
 METRIC_COLUMNS = ["step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "step_s",
                   "gpu_peak_alloc_gib", "gpu_peak_reserved_gib", "cpu_rss_gib", "eval_loss", "eval_ppl"]

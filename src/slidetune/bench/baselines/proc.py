@@ -84,7 +84,7 @@ def _run_ranks(module: str, spec: dict, spec_path: Path, out_path: Path, ranks: 
     """The worker on `ranks` ranks under torchrun in a session of its own: a timeout ends torchrun
     and every rank (killpg), not torchrun alone. The result is rank 0's; a failing rank's message is
     added (or is the result, when rank 0 wrote none: torchrun ends the others when one fails)."""
-    from ...launch import rank_threads_env, torchrun_prefix
+    from ...parallel.launch import rank_threads_env, torchrun_prefix
     cmd = [*torchrun_prefix(ranks), "-m", module, str(spec_path), str(out_path)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=rank_threads_env(ranks, {**os.environ, **(env or {})}), start_new_session=True)

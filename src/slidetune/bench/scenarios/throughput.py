@@ -381,7 +381,7 @@ def planned_workloads(model: str, layers: int | None, dev: str, args, recipes: l
 def parse_gpus(text: str, device: str) -> list[int]:
     """'1,2' -> [1, 2], each count checked against this machine (launch.check_gpus: more ranks than
     visible GPUs is refused, naming the fix; --device cpu starts CPU processes over gloo)."""
-    from ... import launch
+    from ...parallel import launch
     counts = list(dict.fromkeys(int(g) for g in str(text).split(",") if g.strip()))
     if not counts:
         raise ValueError("--gpus: give at least one rank count, e.g. 1,2")

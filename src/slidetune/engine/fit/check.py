@@ -44,7 +44,7 @@ class Workload:
 
 
 def place_on_ranks(split: SplitModel, rt: RuntimeConfig, work: Workload, ranks) -> RuntimeConfig:
-    """The auto settings, chosen on rank 0 from its GPU and shared (`ranks`: slidetune.ranks.Ranks):
+    """The auto settings, chosen on rank 0 from its GPU and shared (`ranks`: slidetune.parallel.ranks.Ranks):
     every rank runs the same placement, the host's RAM counted for all of its ranks."""
     return ranks.on_main(lambda: choose_auto_settings(split, rt, **work.fit_kwargs()))
 

@@ -78,19 +78,18 @@ from .. import native_adamw
 from ..adamw import FP32_ADAMW, AdamWConfig
 from ..compile_workers import release_compile_workers
 from ..config import RuntimeConfig
-from ..distributed import DataParallel, shared_layout
+from ..distributed import DataParallel
 from ..gc_policy import GCFreeze
 from ..interface import Engine
 from ..placement import PlacementPlan, unit_shapes
 from ..result import StepResult
 from .activations import ActivationStore
 from .deferred import DeferredSweep
-from .disk_tier import DiskTier
 from . import grad_sum as grad_sum_mod
 from .grad_sum import MAX_HELD, GradSum, accumulate
-from .host_store import HostStore, HostUnit
+from .host_state import build_host_state
+from .host_store import HostUnit
 from .layer_runner import LayerRunner
-from .save_service import SaveService
 from .slots import GpuSlots, Slot, shapes_for
 from .step_norm import StepNorm
 from .pacing import LinkPacers
@@ -183,7 +182,7 @@ class SlideEngine(Engine):
         or one rank: this process alone. objective: a preference objective (objectives/head.py); None: SFT.
 
         Builds, in order: the placement plan (which refuses a combination of settings it cannot
-        run), the host state (_build_host_state), the worker threads (threads.py), the GPU slots
+        run), the host state (host_state.py), the worker threads (threads.py), the GPU slots
         (slots.py) and the clipped schedule's sweep (deferred.py)."""
         self.split, self.rt, self.device, self.dtype = loaded.split, rt, device, rt.torch_dtype
         self.schedule = rt.resolved_schedule(grad_accum, max_grad_norm)
@@ -198,10 +197,7 @@ class SlideEngine(Engine):
         self.step_index = 0
         self._last_step_t: float | None = None
         self.dp = dist if dist is not None and dist.world_size > 1 else None
-        # Where each unit's state lives and how its weights reach the GPU (engine/placement.py).
-        # GPU units (vocab_update=device, device_layers) are updated on the compute stream, their
-        # state built on the device, each with a weight slot of its own. Disk units keep their
-        # moments (master "disk": their FP32 masters too) in the disk tier's files.
+        # where each unit's state lives (GPU, host RAM, disk) and how its weights reach the GPU (placement.py)
         self.plan = PlacementPlan.build(unit_shapes(self.split), rt, self.schedule,
                                         ranks=self.dp.world_size if self.dp is not None else 1, dtype=self.dtype,
                                         local_ranks=self.dp.cfg.local_world_size if self.dp is not None else 1)
@@ -210,11 +206,14 @@ class SlideEngine(Engine):
         self.device_layers, self.resident_layers = self.plan.device_layers, self.plan.resident_layers
         if rt.transfer.cast_on == "gpu" and not device.is_cuda:
             raise ValueError("--tuning.cast_on gpu needs a CUDA device (auto picks cpu on a CPU machine)")
-        # how a layer's micro-batch gradients are summed (grad_sum.py): fused (Triton) or torch
-        self.grad_sum = grad_sum_mod.resolve(rt.transfer.grad_sum, self.device.device)
+        self.grad_sum = grad_sum_mod.resolve(rt.transfer.grad_sum, self.device.device)   # fused (Triton) or torch
         self._grad_sum_checked = False
         self.threads = PipelineThreads(self.timeline, lambda: self.step_index)
-        self._build_host_state(loaded, optim)
+        hs = build_host_state(loaded, self.plan, rt, optim, device, self.dp, self.dtype, self.deferred,
+                              self.timeline, self.threads.abort)       # host_state.py
+        self.store, self.disk, self.shared, self.save_service = hs.store, hs.disk, hs.shared, hs.save_service
+        self.owner_of, self.gather = hs.owner_of, hs.gather
+        self.disk_released = False      # release_disk_tier(): the run is over, its moments are gone
         self.units: list[HostUnit] = self.store.units
         layer_numel = max(u.numel for u in self.split.layer_units)
         self.gpu_cast = rt.casts_on_gpu(device.is_cuda)
@@ -256,74 +255,6 @@ class SlideEngine(Engine):
                                     keep_on_gpu=self.plan.gpu_checkpoints)
         self.gc_freeze = GCFreeze(rt.host.gc_freeze)
         self.layers = LayerRunner(self.split, rt, device.device)   # HF's or the lean layer, eager or compiled
-
-    def _build_host_state(self, loaded: LoadedModel, optim: AdamWConfig) -> None:
-        """The host state: masters and moments (HostStore), the disk tier's files and, under data
-        parallel, the host's shared mapping and which rank owns (updates) each unit."""
-        rt, plan = self.rt, self.plan
-        shared, owned, remote = None, None, {}
-        disk_units = plan.indices("disk")
-        self.owner_of: list[int] | None = None   # data parallel: unit -> the local rank that updates it
-        if self.dp is not None:
-            # Host-updated units (host and disk) are shared and sharded over the host's ranks. Units
-            # updated on the GPU are every rank's own: each rank applies the same all-reduced
-            # gradient to its own device copy (GPU memory is per rank anyway), so they have no
-            # owner, take no room in the shared mapping and are never followed.
-            # The disk units are local rank 0's (distributed.plan_owners says why). Their masters
-            # are shared like any other; their moments are not in RAM.
-            # A sharded layer (shard_layers) is its owner's alone: master and moments on its GPU, no
-            # room in the shared mapping; the others hold nothing of it (remote) and receive its
-            # weights by the owner's broadcast.
-            owners = self.dp.owners(plan)
-            owned = frozenset(i for i, r in enumerate(owners)
-                              if r == self.dp.local_rank or plan.units[i].state == "gpu")
-            remote = {i: owners[i] for i in plan.indices("shard") if i not in owned}
-            numels, no_moments = shared_layout(plan)
-            shared = self.dp.share_host_state(numels, no_moments=no_moments, fmt=plan.host_state)
-            disk_units = [i for i in disk_units if i in owned]
-            self.owner_of = owners          # (and, gathering, the only rank that uploads it)
-        self.shared = shared
-        # dp_weights=gather: a host unit's owner alone uploads it; a thread of its own broadcasts it
-        # to the host's other GPUs, in the order the compute thread asked for the units (the same
-        # on every rank), on a stream of its own (slots.GpuSlots)
-        self.gather = self.dp is not None and rt.transfer.dp_weights == "gather" and self.dp.cfg.local_world_size > 1
-        if self.gather:
-            self.dp.weights_group()         # a collective: every rank creates it here
-        self.disk_released = False      # release_disk_tier(): the run is over, its moments are gone
-        units = self.split.units
-        self.disk = (DiskTier(rt.disk_dir, {i: units[i].numel for i in disk_units},
-                              block_mb=rt.disk.disk_block_mb, buffers=plan.disk_buffers,
-                              io_threads=rt.disk.disk_io_threads,
-                              pinned=self.device.is_cuda, names={i: units[i].name for i in disk_units},
-                              timeline=self.timeline, masters=frozenset(u.index for u in plan.units if u.master == "disk"),
-                              state=plan.host_state)
-                     if disk_units else None)
-        if self.disk is not None:
-            self.disk.abort = self.threads.abort
-        try:
-            self.store = HostStore(self.split, loaded.source, optim,
-                                   held_dtype=self.dtype if self.deferred else None,
-                                   # the clipped schedule's held buffers per host unit (the plan's:
-                                   # one, or two used on alternate steps, DeferredSweep._held_index)
-                                   held_buffers=[max(1, u.held) for u in plan.units],
-                                   kernel=rt.host.host_adamw,
-                                   device_units=frozenset(plan.indices("gpu"))
-                                   | frozenset(i for i in plan.indices("shard") if i not in remote),
-                                   device=self.device.device, remote=remote,
-                                   # local rank 0 writes the checkpoints: it reads the others' sharded layers
-                                   pull=self.dp.pull if remote and self.dp.cfg.local_rank == 0 else None,
-                                   disk=self.disk, shared=shared, owned=owned, compute_dtype=self.dtype,
-                                   upload_copies=frozenset(u.index for u in plan.units if u.upload_copy),
-                                   host_state=plan.host_state)
-            if self.dp is not None:
-                self.dp.host_barrier()      # every owner has filled its units before anyone uploads
-            # what the other ranks do while rank 0 saves (save_service.py): where the host shards
-            # layers over its GPUs, the owners serve rank 0's reads of them; None where nothing is
-            self.save_service = SaveService.for_engine(self.dp, self.store.units, self.owner_of, plan.indices("shard"))
-        except BaseException:
-            if self.disk is not None:
-                self.disk.close()
-            raise
 
     # ------------------------------------------------------------- gradients
     def _update_on_device(self, unit_index: int, gslot: Slot, lr: float,
@@ -713,7 +644,7 @@ class SlideEngine(Engine):
         """The logits of the token after each row's first lengths[b] tokens, with the current weights:
         input_ids [B, S] (right-padded; causal attention keeps the padding out of earlier positions),
         lengths [B] -> [B, V] float32. One full forward as eval_loss runs it (every layer streamed
-        through the window), no KV cache (eval_samples.py: greedy samples)."""
+        through the window), no KV cache (evaluation/samples.py: greedy samples)."""
         split, slots = self.split, self.slots
         batch = Batch(input_ids, torch.full_like(input_ids, IGNORE_INDEX), None)
         xs, _, _, _, embed_slot, head_slot = self._forward([batch], list(range(split.num_layers)), {},

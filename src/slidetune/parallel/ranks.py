@@ -18,8 +18,8 @@ from typing import Callable, Sequence, TypeVar
 import torch
 import torch.distributed as tdist
 
-from .device import Device
-from .engine.distributed import DataParallel, DistConfig, close_process_group
+from ..device import Device
+from ..engine.distributed import DataParallel, DistConfig, close_process_group
 
 T = TypeVar("T")
 

@@ -24,14 +24,14 @@ from typing import Any, Callable
 
 import torch
 
-from .data.chat_template import effective_template, load_chat_template
-from .data.config import DataConfig
-from .data.errors import DataError
-from .data.formats import Example, Source, parse_record
-from .data.mixture import MixedSource
-from .data.hf_datasets import StreamingSource
-from .data.split import plan_heldout
-from .data.tokenization import _render
+from ..data.chat_template import effective_template, load_chat_template
+from ..data.config import DataConfig
+from ..data.errors import DataError
+from ..data.formats import Example, Source, parse_record
+from ..data.mixture import MixedSource
+from ..data.hf_datasets import StreamingSource
+from ..data.split import plan_heldout
+from ..data.tokenization import _render
 
 DEFAULT_CHAT_PROMPTS = 3        # held-out conversations sampled when --eval-prompts is not given
 WIDTH_STEP = 64                 # sample rows are padded to a multiple of this (one shape, few padded tokens)
