@@ -67,6 +67,7 @@ class StepRates:
     disk: dict | None = None
     source: str = NOMINAL_SOURCE
     sdpa_by_seq: tuple | None = None    # ((seq, forward, backward), ...): SDPA by length, where not probed
+    label: str = "nominal"              # source in a word or two, for one line of `plan`
 
     def sdpa_at(self, seq_len: int) -> tuple[float, float]:
         """SDPA's (forward, backward) TFLOP/s at `seq_len`: the table's row of the longest length not
@@ -90,7 +91,7 @@ def rates_from_floor(fl: dict, base: StepRates = NOMINAL_RATES) -> StepRates:
         return base
     adamw = {**fl["adamw"]} if fl.get("adamw") else base.adamw
     if fl.get("partial"):
-        return dataclasses.replace(base, adamw=adamw, disk=fl.get("disk"),
+        return dataclasses.replace(base, adamw=adamw, disk=fl.get("disk"), label="host probed here, GPU " + base.label,
                                    source="probed here: the host's AdamW and DRAM (no GPU here); GPU and PCIe "
                                           + base.source)
     hw = fl.get("hardware") or {}
@@ -106,7 +107,8 @@ def rates_from_floor(fl: dict, base: StepRates = NOMINAL_RATES) -> StepRates:
                                                                      base.device_adamw_params_per_s),
         layer_over_hardware=base.layer_over_hardware, compute=fl.get("compute"), compute_workload=workload,
         sdpa_by_seq=None if "sdpa_forward_tflops" in hw else base.sdpa_by_seq,
-        disk=fl.get("disk"), source="probed here (the layers timed at this workload, copies, AdamW, DRAM, GPU AdamW)")
+        disk=fl.get("disk"), label="probed here",
+        source="probed here (the layers timed at this workload, copies, AdamW, DRAM, GPU AdamW)")
 
 
 def rates_for_card(card, base: StepRates = NOMINAL_RATES) -> StepRates:
@@ -123,6 +125,7 @@ def rates_for_card(card, base: StepRates = NOMINAL_RATES) -> StepRates:
         sdpa_forward_tflops=base.sdpa_forward_tflops * factor, sdpa_backward_tflops=base.sdpa_backward_tflops * factor,
         sdpa_by_seq=tuple((n, f * factor, b * factor) for n, f, b in base.sdpa_by_seq) if base.sdpa_by_seq else None,
         copy={**base.copy, "h2d_gib_s": card.pcie_gib_s, "d2h_gib_s": card.pcie_gib_s}, compute=compute,
+        label=f"{card.name}'s link and BF16 rate over {base.label}",
         source=f"{card.name} (its link and dense BF16 rate, bench/cards.py) over {base.source}")
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from ..config import RuntimeConfig
 from ..placement import PlacementPlan
 
-TIE = 0.01
+TIE = 0.03
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,7 @@ class PlacementChoice:
     rates: str = ""
     skipped: list[str] = field(default_factory=list)
     kept: int = 0                      # kept_layers of the order's own choice (the least a choice keeps)
+    label: str = ""                    # the rates' source in a word or two
 
     def rejected(self) -> list[tuple[Candidate, str]]:
         """Every other candidate with why it was not taken: those that fit, the fastest first, then
@@ -117,7 +118,7 @@ class PlacementChoice:
             return ""
         others = sum(c.fits for c in self.candidates) - 1
         p = self.pick.prediction
-        return (f"predicted step {p.seconds:.3f} s (bound by {p.bound}; {self.rates.split(':')[0]} rates)"
+        return (f"predicted step {p.seconds:.3f} s (bound by {p.bound}; rates: {self.label})"
                 + (f", the fastest of {others + 1} placements that fit (--terms lists the others)" if others else ""))
 
     def table_lines(self, limit: int = 10) -> list[str]:

@@ -54,6 +54,7 @@ def choose_placement(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, s
         return PlacementChoice(rt, [], None)
     judge = _Judge(split, rates, room, kw)
     recipes = _memory_recipes(split, rt)
+    recipes = recipes if len(recipes) > 1 else [rt]      # nothing of them on auto: `rt` itself
     heads, candidates, skipped = [], [], []    # each recipe's first placement (the order's own choice)
     for recipe in recipes:
         # a recipe whose compute alone (its layer kind, nothing on the GPU's AdamW) is slower than a
@@ -70,7 +71,8 @@ def choose_placement(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, s
             # one placement, nothing to choose between: taken as it is (check_fit judges it), predicted
             only = judge.one(placements[0], checked=False)
             return PlacementChoice(_host_autos(split, only.config, host_available_bytes, safety, ranks_per_host,
-                                               **kw), [only], only, judge.model.rates.source)
+                                               **kw), [only], only, judge.model.rates.source,
+                                   label=judge.model.rates.label)
         candidates += judge.new(placements)
     fitting = [c for c in candidates if c.fits]
     no_disk = [c for c in fitting if not c.disk]
@@ -82,7 +84,7 @@ def choose_placement(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, s
         pick = min((judge.one(h) for h in heads), key=lambda c: (len(c.short), sum(n - u for _, n, u in c.short)))
     chosen = _host_autos(split, pick.config, host_available_bytes, safety, ranks_per_host, **kw)
     return PlacementChoice(chosen, candidates, pick if pick.fits else None, judge.model.rates.source, skipped,
-                           kept_layers(no_disk[0]) if no_disk else 0)
+                           kept_layers(no_disk[0]) if no_disk else 0, judge.model.rates.label)
 
 
 class _Judge:
@@ -529,12 +531,14 @@ def _placement_candidates(split: SplitModel, rt: RuntimeConfig, *, batch_size: i
         if search.host_fits(lean):
             return [lean]
         return [search.onto_disk(lean)]
+    # what fits the host, the order's own choice first, then the others the time model weighs
+    # against it: the speed-first placements, else the host-bound ones
     fastest = search.fastest(lean)
+    fitting = [c for c in [fastest, *search.speed_candidates()] if search.host_fits(c)]
+    if fitting:
+        return fitting
     leanest = search.host_bound()
-    # what fits the host: the order's own choice first (the speed-first placement, else the
-    # first host-bound one), then the others the time model weighs against it
-    fitting = [c for c in [fastest, *search.speed_candidates(), *leanest, *search.host_bound_speed()]
-               if search.host_fits(c)]
+    fitting = [c for c in [*leanest, *search.host_bound_speed()] if search.host_fits(c)]
     if fitting:
         return fitting
     sharded = search.sharded(leanest)
