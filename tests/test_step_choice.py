@@ -186,3 +186,24 @@ def test_the_choice_is_quick_and_deterministic(qwen):
     first = choose_auto_settings(qwen, cuda_rt(), **kw)
     assert time.perf_counter() - t < 2.0          # well under a second on an idle core
     assert choose_auto_settings(qwen, cuda_rt(), **kw) == first
+
+
+@pytest.mark.slow
+def test_plan_terms_prints_the_rejected_placements_with_their_predicted_steps():
+    """`plan --terms` on the CPU machine for an 80 GiB GPU: it probes the host first (no GPU here: the
+    GPU's rates nominal), then prints the chosen placement's predicted step and each alternative's:
+    what differs, its predicted step, why it was not taken."""
+    import re
+    from slidetune.cli import main
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert main(["plan", "--model", "qwen3-8b", "--batch-size", "16", "--seq-len", "1024", "--gpu-free-gib", "80",
+                     "--host-gib", "125", "--no-limits", "--terms"]) == 0
+    text = out.getvalue()
+    assert text.index("probing this machine") < text.index("resolved on")
+    assert "rates: host probed here, GPU nominal" in text
+    table = text[text.index("the auto settings' choice by predicted step"):].splitlines()
+    assert re.match(r"predicted step [\d.]+ s \(bound by \w+\), rates probed here: the host's AdamW", table[1])
+    rows = [line for line in table[3:] if re.match(r"\s+[\d.]+s\s+\w+\s", line)]
+    assert len(rows) >= 2 and all(" / " in row for row in rows)
+    assert any("offload_activations=off" in row for row in rows)

@@ -88,12 +88,19 @@ class PlacementChoice:
     kept: int = 0                      # kept_layers of the order's own choice (the least a choice keeps)
     label: str = ""                    # the rates' source in a word or two
 
+    def weighed(self) -> list[Candidate]:
+        """The placements the choice was between: those that fit, off the disk tier where any is,
+        keeping at least `kept` layers on the GPU (the chosen among them)."""
+        fitting = [c for c in self.candidates if c.fits]
+        off_disk = [c for c in fitting if not c.disk] or fitting
+        return [c for c in off_disk if kept_layers(c) >= self.kept] or [self.pick]
+
     def rejected(self) -> list[tuple[Candidate, str]]:
         """Every other candidate with why it was not taken: those that fit, the fastest first, then
         those that do not."""
         if self.pick is None:
             return []
-        out = []
+        out, best = [], min(c.seconds for c in self.weighed())
         for c in self.candidates:
             if c is self.pick:
                 continue
@@ -105,8 +112,8 @@ class PlacementChoice:
             elif kept_layers(c) < self.kept:
                 why = (f"keeps {kept_layers(c)} layers on the GPU between steps, fewer than the order's "
                        f"{self.kept} (the forward's waits on uploads are not in the model)")
-            elif c.seconds <= self.pick.seconds * (1 + TIE):
-                why = f"within {TIE:.0%} of the chosen: the search's order prefers the chosen"
+            elif c.seconds <= best * (1 + TIE):
+                why = f"within {TIE:.0%} of the fastest, as the chosen: the search's order prefers the chosen"
             else:
                 why = f"slower ({c.prediction.bound})"
             out.append((c, why))
@@ -116,10 +123,13 @@ class PlacementChoice:
         """One line for `plan`: the chosen placement's predicted step and how many others fit."""
         if self.pick is None or self.pick.prediction is None:
             return ""
-        others = sum(c.fits for c in self.candidates) - 1
+        weighed = self.weighed()
         p = self.pick.prediction
-        return (f"predicted step {p.seconds:.3f} s (bound by {p.bound}; rates: {self.label})"
-                + (f", the fastest of {others + 1} placements that fit (--terms lists the others)" if others else ""))
+        if len(weighed) < 2:
+            return f"predicted step {p.seconds:.3f} s (bound by {p.bound}; rates: {self.label})"
+        rank = "the fastest" if p.seconds <= min(c.seconds for c in weighed) else f"within {TIE:.0%} of the fastest"
+        return (f"predicted step {p.seconds:.3f} s (bound by {p.bound}; rates: {self.label}), {rank} of "
+                f"{len(weighed)} placements weighed (plan --terms lists them)")
 
     def table_lines(self, limit: int = 10) -> list[str]:
         """The rejected alternatives for `plan --terms`: what differs, the predicted step, why not."""
