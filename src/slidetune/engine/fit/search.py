@@ -1,5 +1,7 @@
 """The auto search: slide mode's memory-dependent auto settings resolved against the GPU's and the
-host's room (choose_auto_settings), each choice taken only where the whole configuration fits.
+host's room (choose_auto_settings), each choice taken only where the whole configuration fits; among
+the placements that fit, the one predicted fastest (choose_placement: bench/step_model.py's step at
+probed or nominal rates, engine/fit/choice.py's rule), plain and clipped runs alike.
 """
 from __future__ import annotations
 
