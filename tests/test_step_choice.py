@@ -99,6 +99,10 @@ def test_a_floor_probe_gives_its_rates_and_a_card_its_link_and_bf16_rate(qwen):
     # the probe's lean layer, timed at this workload, in place of the FLOPs
     model = StepModel(qwen, batch_size=64, seq_len=1024, rates=rates)
     assert model.compute("on")["compute_s"] == pytest.approx(fl["compute"]["compute_s"])
+    # that probe timed the lean layer only: HF's is priced from it by the layers' measured ratio
+    lean, hf = model.compute("on"), model.compute("off")
+    assert hf["layer_recompute_backward_s"] == pytest.approx(
+        lean["layer_recompute_backward_s"] * LAYER_OVER_HARDWARE["off"] / LAYER_OVER_HARDWARE["on"])
     other = StepModel(qwen, batch_size=32, seq_len=1024, rates=rates)     # another workload: the FLOPs
     assert other.compute("on")["compute_s"] < 0.6 * fl["compute"]["compute_s"]
     card = rates_for_card(CARDS["rtx4090"], rates)

@@ -247,6 +247,7 @@ def _plan_terms(cfg, split, plan, card=None, fl: dict | None = None, choice=None
                        + (f", masters of {count(plan.master_params('disk'))} of them too "
                           f"(+{2 * plan.host_state.master_bytes} B/param)"
                           if plan.master_params("disk") else "")),
+            "host_dram_s": "host DRAM: AdamW's passes, the uploads' reads, the gradients' and checkpoints' DMA",
             "clip_sweep_s": "clipped: the backward, then the update sweep the next forward waits for"}
     print("floor terms (seconds a step, from this machine's probes):")
     for k, v in terms.items():

@@ -180,8 +180,12 @@ class StepModel:
         if r.compute is not None and r.compute_workload == (self.batch_size, self.seq_len):
             from .floor_probes import compute_of_run
             comp = compute_of_run(r.compute, {"lean_layer": layer})
-            if layer == "on" and "lean_layer_recompute_backward_s" not in r.compute:
+            # a probe of one layer kind (probe_compute's layer_probed) prices the other by their ratio
+            probed = "on" if r.compute.get("layer_probed") == "lean" else "off"
+            if layer == "on" and probed == "off" and "lean_layer_recompute_backward_s" not in r.compute:
                 comp = _scaled_layers(comp, L, r.layer_over_hardware["on"] / r.layer_over_hardware["off"])
+            elif layer == "off" and probed == "on":
+                comp = _scaled_layers(comp, L, r.layer_over_hardware["off"] / r.layer_over_hardware["on"])
             # the probe timed one micro-batch; a step runs grad_accum of them through every layer
             return {k: v * self.grad_accum if k.endswith("_s") and isinstance(v, (int, float)) else v
                     for k, v in comp.items()}
