@@ -528,10 +528,13 @@ def test_auto_vocab_update_takes_the_device_where_it_fits_under_either_schedule(
         sum(matrices) if BUILD_WORKERS >= 2 else max(matrices),
         max(p.numel for u in split.units for p in u.params))
     assert dev_fp32.gpu_bytes > dev_bf16.gpu_bytes > host_fp32.gpu_bytes     # Llama-8B's numbers order them so
+    # the checkpoints on the GPU and HF's layer, given: with them on auto the choice by predicted time
+    # offloads checkpoints for device layers at the first size (1.869 s against 1.938, vocab on the host)
+    pinned = dataclasses.replace(rt, offload_activations="off", lean_layer="off")
     for free, want in [(dev_fp32.gpu_bytes / FIT_SAFETY + 1, ("device", "fp32")),
                        (dev_bf16.gpu_bytes / FIT_SAFETY + 1, ("device", "compute")),
                        (host_fp32.gpu_bytes / FIT_SAFETY + 1, ("host", "fp32"))]:
-        got = auto_with_ample_host(split, rt, gpu_free_bytes=int(free), **kw)
+        got = auto_with_ample_host(split, pinned, gpu_free_bytes=int(free), **kw)
         assert (got.placement.cache_units, got.placement.vocab_update, got.transfer.grad_slot_dtype) == (0, *want)
     clipped = auto_with_ample_host(split, rt, gpu_free_bytes=140 * GiB, max_grad_norm=1.0, **kw)
     assert clipped.placement.vocab_update == "device"
@@ -1186,7 +1189,9 @@ def test_auto_picks_the_lean_layer_only_where_it_makes_the_run_fit(tmp_path):
     """Qwen3-8B on a 24 GiB GPU and a 123 GiB host (the H200 under --gpu-memory-limit 24), the
     defaults: b64 unclipped fits only with the lean layer (HF's working set leaves no room); b64
     clipped fits with it too (row tiles and the lean head leave room for 18 checkpoints on the GPU)
-    but not without row tiles; on an 80 GiB GPU at b16 HF's layer fits and stays."""
+    but not without row tiles; on an 80 GiB GPU at b16 HF's layer fits and stays (with some
+    checkpoints offloaded for more device layers: predicted 2.035 s a step against 2.100 with all
+    of them on the GPU, bench/step_model.py at its nominal rates)."""
     split = split_of("qwen3-8b")
     rt = cuda_rt()
     small = dict(gpu_free_bytes=24 * GiB, host_available_bytes=123 * GiB, seq_len=1024, padded=False)
@@ -1208,7 +1213,7 @@ def test_auto_picks_the_lean_layer_only_where_it_makes_the_run_fit(tmp_path):
     check_fit(split, b64, batch_size=64, max_grad_norm=1.0, disk_free_bytes=60 * GiB, **small)
     roomy = choose_auto_settings(split, cuda_rt(), batch_size=16, gpu_free_bytes=80 * GiB,
                                  host_available_bytes=125 * GiB, seq_len=1024, max_grad_norm=1.0)
-    assert (roomy.layer.lean_layer, roomy.offload_activations) == ("off", "off")
+    assert (roomy.layer.lean_layer, roomy.offload_activations) == ("off", "on")
 
 
 def test_the_small_gpu_offloads_checkpoints_and_fuses_the_head_by_itself():

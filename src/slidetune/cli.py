@@ -67,12 +67,14 @@ def _plan(ns) -> int:
     estimate = _plan_estimator(cfg, loaded.split, ranks=max(1, ns.gpus))
     est = estimate()
     _print_estimate(cfg, loaded.split, est, on_gpu)
-    plan = _plan_resolved(ns, cfg, loaded.split)
+    # --terms probes first: the auto settings then choose between placements at this machine's rates
+    fl = _probe_floor(cfg, ns.card) if ns.terms and cfg.runtime.mode == "slide" else None
+    plan, choice = _plan_resolved(ns, cfg, loaded.split, _plan_rates(fl, ns.card))
     if cfg.runtime.mode != "slide":
         return 0
     plan = plan or est.plan         # no GPU described: the placement of the settings as given
     if ns.terms:
-        _plan_terms(cfg, plan, ns.card)
+        _plan_terms(cfg, loaded.split, plan, ns.card, fl, choice)
         if ns.gpus > 1:
             print(f"(the terms above are one rank's; under {ns.gpus} ranks the gradient all-reduce adds a term "
                   f"probed on {ns.gpus} GPUs: slidetune bench throughput --gpus 1,{ns.gpus})")
@@ -179,23 +181,42 @@ def _print_auto_hints(cfg, split, estimate) -> None:
                   f"GiB; less host AdamW per step); below that on the host")
 
 
-def _plan_terms(cfg, plan, card=None) -> None:
-    """The floor's terms for this placement, each probed on this machine (bench.roofline): the
-    seconds a step each resource needs at best, and the largest of them, the floor. card
-    (bench/cards.py): the same terms predicted for that card in this machine, beside them."""
-    from .bench.roofline import disk_term, floor_terms
+def _probe_floor(cfg, card=None) -> dict:
+    """The floor's probes on this machine (bench.scenarios.roofline.measure_floor: GPU compute of both
+    layer kinds, PCIe copies, host AdamW, the disk tier's directory where units may go there; with a
+    --card, the GEMM rate its compute is scaled by)."""
     from .bench.scenarios.roofline import measure_floor
-    rt = cfg.runtime
-    print("probing this machine for the floor's terms (GPU compute, PCIe copies, host AdamW"
-          + (", disk" if plan.indices("disk") else "") + "; about a minute) ...", flush=True)
     import torch
+    rt = cfg.runtime
+    disk = rt.disk_dir if rt.disk_dir and rt.disk.disk_units != 0 else None
+    print("probing this machine for the floor's terms (GPU compute, PCIe copies, host AdamW"
+          + (", disk" if disk else "") + "; about a minute) ...", flush=True)
     on_gpu = rt.device != "cpu" and torch.cuda.is_available()
-    fl = measure_floor(cfg.model, cfg.rows_per_micro_batch, cfg.data.seq_len, cfg.num_layers, rt.device,
-                       adamw_n=128 * 2**20 if on_gpu else 16 * 2**20,     # the CPU machine's probe: small and quick
-                       compile_layers=rt.compile_layers != "off", grad_download=rt.transfer.grad_download,
-                       host_adamw=rt.host.host_adamw, disk_dir=rt.disk_dir if plan.indices("disk") else None,
-                       disk_block_mb=rt.disk.disk_block_mb, disk_io_threads=rt.disk.disk_io_threads,
-                       moments=rt.moments, master=rt.master, gemm=card is not None)
+    return measure_floor(cfg.model, cfg.rows_per_micro_batch, cfg.data.seq_len, cfg.num_layers, rt.device,
+                         adamw_n=128 * 2**20 if on_gpu else 16 * 2**20,     # the CPU machine's probe: small and quick
+                         compile_layers=rt.compile_layers != "off", grad_download=rt.transfer.grad_download,
+                         host_adamw=rt.host.host_adamw, disk_dir=disk, disk_block_mb=rt.disk.disk_block_mb,
+                         disk_io_threads=rt.disk.disk_io_threads, moments=rt.moments, master=rt.master,
+                         gemm=card is not None)
+
+
+def _plan_rates(fl: dict | None, card=None):
+    """The rates the auto settings' step model takes (bench/step_model.py): the probed ones where
+    --terms probed, else the nominal ones; scaled to --card's link and BF16 rate."""
+    from .bench.step_model import NOMINAL_RATES, rates_for_card, rates_from_floor
+    rates = rates_from_floor(fl) if fl is not None else NOMINAL_RATES
+    return rates_for_card(card, rates) if card is not None else rates
+
+
+def _plan_terms(cfg, split, plan, card=None, fl: dict | None = None, choice=None) -> None:
+    """The floor's terms for this placement, each probed on this machine (bench.roofline; fl:
+    _probe_floor's result): the seconds a step each resource needs at best, and the largest of them,
+    the floor; then the placements the auto settings weighed against it (choice:
+    engine.fit.choose_placement's). card (bench/cards.py): the same terms predicted for that card in
+    this machine, beside them."""
+    from .bench.roofline import disk_term
+    from .bench.step_model import StepModel, rates_from_floor
+    rt = choice.chosen if choice is not None and choice.pick is not None else cfg.runtime
     if fl.get("status") != "ok":
         print(f"the probes failed: {fl.get('error', fl)}")
         return
@@ -205,20 +226,28 @@ def _plan_terms(cfg, plan, card=None) -> None:
         if disk and plan.params("disk"):
             terms["disk_s"] = disk_term(plan, disk)
     else:
-        terms = floor_terms(fl["compute"], fl["copy"], fl["adamw"], plan, device_adamw=fl.get("device_adamw"),
-                            disk=disk, split_sweep=rt.clip.clip_sweep != "whole")
+        # the step model's terms at the probed rates: the layer kind the placement runs, the
+        # offloaded checkpoints' traffic, every micro-batch
+        model = StepModel(split, batch_size=cfg.rows_per_micro_batch, seq_len=cfg.data.seq_len,
+                          grad_accum=cfg.grad_accum, rates=rates_from_floor(fl))
+        terms = model.predict(rt, plan).terms
     def count(n: int) -> str:
         return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.1f} M"
 
     what = {"compute_s": "GPU: every layer's forward, recompute and backward, head, GPU-updated units' AdamW",
-            "h2d_s": f"PCIe H2D: {count(plan.upload_params())} params of BF16 weights uploaded",
-            "d2h_s": f"PCIe D2H: BF16 gradients of {count(plan.host_updated_params)} host-updated params",
+            "h2d_s": f"PCIe H2D: {count(plan.upload_params())} params of BF16 weights uploaded"
+                     + (f", {plan.num_layers - plan.gpu_checkpoints} offloaded checkpoints back"
+                        if plan.gpu_checkpoints < plan.num_layers else ""),
+            "d2h_s": f"PCIe D2H: BF16 gradients of {count(plan.host_updated_params)} host-updated params"
+                     + (f", {plan.num_layers - plan.gpu_checkpoints} checkpoints offloaded"
+                        if plan.gpu_checkpoints < plan.num_layers else ""),
             "adamw_s": f"host AdamW over {count(plan.host_updated_params)} params",
             "disk_s": (f"disk: moments of {count(plan.params('disk'))} params read and written "
                        f"({2 * plan.host_state.moment_bytes:g} B/param)"
                        + (f", masters of {count(plan.master_params('disk'))} of them too "
                           f"(+{2 * plan.host_state.master_bytes} B/param)"
                           if plan.master_params("disk") else "")),
+            "host_dram_s": "host DRAM: AdamW's passes, the uploads' reads, the gradients' and checkpoints' DMA",
             "clip_sweep_s": "clipped: the backward, then the update sweep the next forward waits for"}
     print("floor terms (seconds a step, from this machine's probes):")
     for k, v in terms.items():
@@ -235,6 +264,9 @@ def _plan_terms(cfg, plan, card=None) -> None:
         _print_reference_terms(cfg, fl, plan)
     if card is not None:
         _print_card_terms(cfg, fl, plan, card, terms)
+    if choice is not None:
+        print("the auto settings' choice by predicted step (bench/step_model.py; engine/fit/choice.py):")
+        print("\n".join(choice.table_lines()))
 
 
 def _print_card_terms(cfg, fl: dict, plan, card, terms: dict) -> None:
@@ -277,18 +309,20 @@ def _print_reference_terms(cfg, fl: dict, plan) -> None:
           f"{batch_s:.3f} s a batch, {batch_s / cfg.batch_size * 1000:.1f} s per 1,000 pairs")
 
 
-def _plan_resolved(ns, cfg, split):
+def _plan_resolved(ns, cfg, split, rates=None):
     """The verdict: what the auto settings resolve to on the machine planned for (as train would
     resolve them there: a GPU, this machine's or one described by --gpu-free-gib, or the CPU), the
-    estimate of that placement, and whether check_fit lets it run ("fits", or "does not fit" with
-    the options that do). Returns that placement plan (None outside slide mode)."""
+    estimate of that placement, its predicted step (`rates`: bench.step_model's, default nominal),
+    and whether check_fit lets it run ("fits", or "does not fit" with the options that do).
+    Returns (that placement plan, engine.fit.choose_placement's choice); (None, None) outside slide
+    mode or without a GPU described."""
     import torch
 
     from .engine.autos import describe_autos
     from .engine.distributed import SharedMemoryError
     from .engine.limits import MachineBudget
     from .engine.slide.disk_tier import DiskTierError
-    from .engine.fit import FIT_SAFETY, InsufficientMemoryError, check_fit, choose_auto_settings, estimate_memory
+    from .engine.fit import FIT_SAFETY, InsufficientMemoryError, check_fit, choose_placement, estimate_memory
     from .engine.fit import query_gpu_free_bytes, query_host_available_bytes, shared_state_bytes
     gib = 2**30
     rt = cfg.runtime
@@ -297,7 +331,7 @@ def _plan_resolved(ns, cfg, split):
     if on_gpu and ns.gpu_free_gib is None and limit is None and not torch.cuda.is_available():
         print("no GPU here to plan for: pass --gpu-free-gib GIB (and --host-gib GIB) to see what the auto settings "
               "resolve to on such a GPU and host, and whether it fits")
-        return None
+        return None, None
     free = int(ns.gpu_free_gib * gib) if ns.gpu_free_gib is not None and on_gpu else None
     if limit is not None:
         # --gpu-memory-limit caps the GPU planned for, as train caps its own (the GPU described, this
@@ -308,8 +342,9 @@ def _plan_resolved(ns, cfg, split):
     kw = dict(batch_size=cfg.rows_per_micro_batch, seq_len=cfg.data.seq_len, grad_accum=cfg.grad_accum,
               max_grad_norm=cfg.max_grad_norm, padded=cfg.padded_rows)
     ranks = max(1, ns.gpus)
-    resolved = choose_auto_settings(split, rt, gpu_free_bytes=free, host_available_bytes=host, ranks_per_host=ranks,
-                                    **kw)
+    choice = choose_placement(split, rt, gpu_free_bytes=free, host_available_bytes=host, ranks_per_host=ranks,
+                              rates=rates, **kw)
+    resolved = choice.chosen
     est = estimate_memory(split, resolved, ranks_per_host=ranks, **kw)
     if not on_gpu:
         where = "the CPU (no GPU: weights, activations and optimizer state all in host RAM)"
@@ -336,6 +371,8 @@ def _plan_resolved(ns, cfg, split):
         check_fit(split, resolved, gpu_free_bytes=free, host_available_bytes=host, ranks_per_host=ranks,
                   shm_free_bytes=shm, disk_free_bytes=disk, **kw)
         print(f"fits ({FIT_SAFETY:.0%} of each)" if on_gpu else f"fits ({FIT_SAFETY:.0%} of the host's RAM)")
+        if on_gpu and choice.summary_line():
+            print(choice.summary_line())      # the predicted step, and how many other placements fit
     except (InsufficientMemoryError, SharedMemoryError, DiskTierError) as e:
         print(f"does not fit: {str(e).removeprefix('slidetune: ')}")
     # the placement is the GPU's (slots, uploads); on the CPU only where the disk tier takes units
@@ -345,7 +382,7 @@ def _plan_resolved(ns, cfg, split):
         budget = MachineBudget.resolved(rt, gpu_free_bytes=free, host_available_bytes=host, disk_free_bytes=disk,
                                         shm_free_bytes=shm, ranks_per_host=ranks)
         _plan_limits(cfg, split, budget)
-    return plan
+    return plan, choice
 
 
 def _resolved_settings(resolved, plan, schedule: str, on_gpu: bool) -> str:

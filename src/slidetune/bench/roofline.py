@@ -207,6 +207,24 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
     return terms
 
 
+def add_checkpoint_traffic(terms: dict, offloaded_bytes: int, copy: dict, adamw: dict) -> dict:
+    """`terms` (floor_terms') with the offloaded activation checkpoints' traffic added: each crosses
+    PCIe down in the forward (d2h_s) and up again in the backward (h2d_s), on the links the weights
+    and gradients use, and its pinned host buffer is written and read by the DMA (host_dram_s, at
+    the best DRAM rate the probes saw). `offloaded_bytes`: every offloaded checkpoint of a step
+    (the plan's layers past gpu_checkpoints, [grad_accum * B, S, d] each in the compute dtype)."""
+    if not offloaded_bytes:
+        return terms
+    gib = 2**30
+    out = dict(terms)
+    out["h2d_s"] = terms["h2d_s"] + offloaded_bytes / (copy["h2d_gib_s"] * gib)
+    out["d2h_s"] = terms["d2h_s"] + offloaded_bytes / (copy["d2h_gib_s"] * gib)
+    best = best_dram_gib_s(adamw)
+    if best and "host_dram_s" in terms:
+        out["host_dram_s"] = terms["host_dram_s"] + 2 * offloaded_bytes / (best * gib)
+    return out
+
+
 def _gather_term(plan: PlacementPlan, collective: dict) -> float:
     """gather_s under dp_weights="gather": each upload's owner broadcasts it to the host's other GPUs
     on a stream of its own, every upload's bytes (BF16 weights) at the probed all-gather bus

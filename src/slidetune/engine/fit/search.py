@@ -1,10 +1,11 @@
 """The auto search: slide mode's memory-dependent auto settings resolved against the GPU's and the
-host's room (choose_auto_settings), each choice taken only where the whole configuration fits.
+host's room (choose_auto_settings), each choice taken only where the whole configuration fits; among
+the placements that fit, the one predicted fastest (choose_placement: bench/step_model.py's step at
+probed or nominal rates, engine/fit/choice.py's rule), plain and clipped runs alike.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 from ...models.units import SplitModel
@@ -13,53 +14,140 @@ from ..placement import DISK_BUFFERS_UNRESOLVED, PlacementPlan, cache_unit_optio
 from ..slide.disk_tier import buffer_bytes, tier_blocks
 from .budget import FIT_SAFETY, budget_for, query_gpu_free_bytes, query_host_available_bytes
 from .byte_models import device_type_of
+from ..slide.layer_runner import resolve_lean_layer
+from .choice import TIE, Candidate, PlacementChoice, fastest, kept_layers
 from .estimate import MemoryEstimate, estimate_memory
+
 
 def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int,
                          grad_accum: int = 1, max_grad_norm: float | None = None,
                          gpu_free_bytes: int | None = None, host_available_bytes: int | None = None,
-                         safety: float = FIT_SAFETY, padded: bool = True, ranks_per_host: int = 1) -> RuntimeConfig:
-    """_choose_placement's autos, then the host-RAM-only autos beside the chosen placement (they
-    cost no GPU memory, so they never displace a placement choice), in this order:
+                         safety: float = FIT_SAFETY, padded: bool = True, ranks_per_host: int = 1,
+                         rates=None) -> RuntimeConfig:
+    """The auto settings resolved: choose_placement's choice (`rates`: bench.step_model.StepRates,
+    default its nominal ones)."""
+    return choose_placement(split, rt, batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum,
+                            max_grad_norm=max_grad_norm, gpu_free_bytes=gpu_free_bytes,
+                            host_available_bytes=host_available_bytes, safety=safety, padded=padded,
+                            ranks_per_host=ranks_per_host, rates=rates).chosen
+
+
+def choose_placement(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int,
+                     grad_accum: int = 1, max_grad_norm: float | None = None,
+                     gpu_free_bytes: int | None = None, host_available_bytes: int | None = None,
+                     safety: float = FIT_SAFETY, padded: bool = True, ranks_per_host: int = 1,
+                     rates=None) -> PlacementChoice:
+    """The placements _placement_candidates finds for each memory recipe (_memory_recipes: HF's layer
+    or the lean one, checkpoints on the GPU or offloaded), each checked against the budget and its
+    step predicted (bench.step_model at `rates`, default its nominal ones); the fastest of those that
+    fit without the disk tier (engine/fit/choice.py: ties within 1% by the search's order: the
+    recipes' from the cheapest in step time, then each recipe's own). Else the first that fits with
+    the disk tier (the tier binds a step at the disk's rate: Qwen3-8B b32 with the head's moments on
+    disk 7.15 s, with the lean layer and none there 4.30 s; NOTES.md "Lean layer"), which the model
+    cannot price without a disk probe. Where none fits, each recipe's first placement, the one short
+    of least, so that the refusal and its options start there.
+    Then the host-RAM-only autos beside the chosen placement (_host_autos: they cost no GPU memory,
+    so they never displace a placement choice)."""
+    kw = dict(batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
+              padded=padded)
+    room = dict(gpu_free_bytes=gpu_free_bytes, host_available_bytes=host_available_bytes, safety=safety,
+                ranks_per_host=ranks_per_host)
+    if rt.mode != "slide":
+        return PlacementChoice(rt, [], None)
+    judge = _Judge(split, rates, room, kw)
+    recipes = _memory_recipes(split, rt)
+    recipes = recipes if len(recipes) > 1 else [rt]      # nothing of them on auto: `rt` itself
+    heads, candidates, skipped = [], [], []    # each recipe's first placement (the order's own choice)
+    for recipe in recipes:
+        # a recipe whose compute alone (its layer kind, nothing on the GPU's AdamW) is slower than a
+        # placement found already cannot be chosen: no step is predicted below its compute
+        compute_s = judge.model.compute(resolve_lean_layer(split, recipe))["compute_s"]
+        best = min((c.seconds for c in candidates if c.fits and not c.disk), default=None)
+        if best is not None and compute_s > best * (1 + TIE):
+            skipped.append(f"lean_layer={recipe.layer.lean_layer} offload_activations={recipe.offload_activations} "
+                           f"(its compute alone {compute_s:.3f} s)")
+            continue
+        placements = _placement_candidates(split, recipe, estimates=judge.estimates, **room, **kw)
+        heads.append(placements[0])
+        if len(recipes) == 1 and len(placements) == 1:
+            # one placement, nothing to choose between: taken as it is (check_fit judges it), predicted
+            only = judge.one(placements[0], checked=False)
+            return PlacementChoice(_host_autos(split, only.config, host_available_bytes, safety, ranks_per_host,
+                                               **kw), [only], only, judge.model.rates.source,
+                                   label=judge.model.rates.label)
+        candidates += judge.new(placements)
+    fitting = [c for c in candidates if c.fits]
+    no_disk = [c for c in fitting if not c.disk]
+    if no_disk:
+        pick = fastest([c for c in no_disk if kept_layers(c) >= kept_layers(no_disk[0])])
+    elif fitting:
+        pick = fitting[0]
+    else:
+        pick = min((judge.one(h) for h in heads), key=lambda c: (len(c.short), sum(n - u for _, n, u in c.short)))
+    chosen = _host_autos(split, pick.config, host_available_bytes, safety, ranks_per_host, **kw)
+    return PlacementChoice(chosen, candidates, pick if pick.fits else None, judge.model.rates.source, skipped,
+                           kept_layers(no_disk[0]) if no_disk else 0, judge.model.rates.label)
+
+
+class _Judge:
+    """Each placement's shortfalls against the budget and its predicted step (bench.step_model), once;
+    `estimates`, shared with the search (_PlacementSearch.estimate), each configuration's once."""
+
+    def __init__(self, split: SplitModel, rates, room: dict, kw: dict):
+        from ...bench.step_model import NOMINAL_RATES, StepModel
+        self.split, self.room, self.kw = split, room, kw
+        self.model = StepModel(split, batch_size=kw["batch_size"], seq_len=kw["seq_len"],
+                               grad_accum=kw["grad_accum"], ranks_per_host=room["ranks_per_host"],
+                               rates=rates or NOMINAL_RATES)
+        self.estimates: dict = {}
+        self.seen: set = set()
+
+    def estimate(self, c: RuntimeConfig) -> MemoryEstimate:
+        key = repr(c)
+        if key not in self.estimates:
+            self.estimates[key] = estimate_memory(self.split, c, ranks_per_host=self.room["ranks_per_host"],
+                                                  **self.kw)
+        return self.estimates[key]
+
+    def one(self, c: RuntimeConfig, checked: bool = True) -> Candidate:
+        """`c` judged: its shortfalls (checked=False: none looked for) and, for a GPU, its predicted step."""
+        est = self.estimate(c)
+        short = ()
+        if checked:
+            budget = budget_for(est, c, self.room["gpu_free_bytes"], self.room["host_available_bytes"],
+                                self.room["safety"], self.room["ranks_per_host"])
+            short = tuple((what, need, usable) for what, need, usable, _, _ in budget.shortfalls(est))
+        on_gpu = est.plan is not None and est.device_type == "cuda"
+        prediction = self.model.predict(c, est.plan) if on_gpu else None
+        return Candidate(c, est.plan, short, prediction, bool(c.disk_dir) and c.disk.disk_units != 0)
+
+    def new(self, configs: list[RuntimeConfig]) -> list[Candidate]:
+        """The placements of `configs` not judged before, in the order given: one configuration for
+        each layer kind and plan (settings that place nothing differently, e.g. a resident count
+        beside a slot per layer, are one placement)."""
+        out = []
+        for c in configs:
+            est = self.estimate(c)
+            key = (resolve_lean_layer(self.split, c), repr(est.plan.to_dict()) if est.plan is not None else repr(c))
+            if key not in self.seen:
+                self.seen.add(key)
+                out.append(self.one(c))
+        return out
+
+
+def _host_autos(split: SplitModel, placed: RuntimeConfig, host_available_bytes: int | None, safety: float,
+                ranks_per_host: int, **kw) -> RuntimeConfig:
+    """The host-RAM-only autos beside a chosen placement, in this order:
       disk_buffers=-1: the disk tier's block buffers, as many as host RAM has room for, at least 8
         (DISK_BUFFERS_UNRESOLVED) and at most half the disk units' blocks. First: an idle disk
         cost a disk-tier step far more than a gradient slot wait (NOTES.md "Disk tier").
       held_buffers=-1: 2 where the clipped schedule runs and host RAM has room for the second
         buffer, else 1."""
-    kw = dict(batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum, max_grad_norm=max_grad_norm,
-              padded=padded)
-    recipes = _memory_recipes(split, rt)
-    if len(recipes) > 1:
-        # the first recipe with which the run fits (GPU and host) without the disk tier, else the
-        # first that fits with it (the tier binds a step at the disk's rate: Qwen3-8B b32 with the
-        # head's moments on disk 7.15 s, with the lean layer and none there 4.30 s; NOTES.md "Lean layer"),
-        # each chosen through the rest of this function; where none fits, the one short of least,
-        # so that the refusal and its options start there
-        choose = functools.partial(choose_auto_settings, split, gpu_free_bytes=gpu_free_bytes,
-                                   host_available_bytes=host_available_bytes, safety=safety,
-                                   ranks_per_host=ranks_per_host, **kw)
-
-        def short(c: RuntimeConfig) -> tuple[int, int]:
-            miss = _shortfalls(split, c, gpu_free_bytes, host_available_bytes, safety, ranks_per_host, **kw)
-            return len(miss), sum(need - usable for _, need, usable, _, _ in miss)
-        best, best_short, with_disk = None, None, None
-        for recipe in recipes:
-            placed = choose(recipe)
-            missing = short(placed)
-            if missing[0] == 0:
-                if not placed.disk_dir or placed.disk.disk_units == 0:
-                    return placed
-                with_disk = with_disk or placed
-            if best is None or missing < best_short:
-                best, best_short = placed, missing
-        return with_disk or best
-    placed = _choose_placement(split, rt, gpu_free_bytes=gpu_free_bytes, host_available_bytes=host_available_bytes,
-                               safety=safety, ranks_per_host=ranks_per_host, **kw)
     if placed.mode != "slide":
         return placed
     host = query_host_available_bytes() if host_available_bytes is None else host_available_bytes
     budget = safety * host
-    schedule = placed.resolved_schedule(grad_accum, max_grad_norm)
+    schedule = placed.resolved_schedule(kw["grad_accum"], kw["max_grad_norm"])
 
     def host_bytes(c: RuntimeConfig) -> int:
         return estimate_memory(split, c, ranks_per_host=ranks_per_host, **kw).host_bytes_per_host(ranks_per_host)
@@ -84,13 +172,6 @@ def choose_auto_settings(split: SplitModel, rt: RuntimeConfig, *, batch_size: in
             break
         fits = some
     return fits
-
-
-def _shortfalls(split: SplitModel, rt: RuntimeConfig, gpu_free_bytes: int | None, host_available_bytes: int | None,
-                safety: float, ranks_per_host: int, **kw) -> list:
-    """Budget.shortfalls of the configuration's estimate against the GPU's and the host's free memory."""
-    est = estimate_memory(split, rt, ranks_per_host=ranks_per_host, **kw)
-    return budget_for(est, rt, gpu_free_bytes, host_available_bytes, safety, ranks_per_host).shortfalls(est)
 
 
 def _memory_recipes(split: SplitModel, rt: RuntimeConfig) -> list[RuntimeConfig]:
@@ -137,6 +218,17 @@ def _with_disk_buffers(split: SplitModel, rt: RuntimeConfig, schedule: str, budg
     return dataclasses.replace(rt, disk_buffers=count)
 
 
+# The orders the GPU's room left after an option set is filled in (_PlacementSearch.fill), each
+# placement priced by the time model: resident layers first in both (each saves a layer's upload a
+# step), then device layers (each takes its AdamW off the host) or checkpoints (their PCIe and DRAM
+# traffic). Resident layers always come first, and the slot per layer (cache_units 0) before the
+# window: what they buy is the forward no longer waiting on uploads, which the floor's bandwidth
+# terms do not see (all layers resident: Qwen3-8B b16 2.65 -> 2.36 s at the same floor, NOTES.md
+# "PCIe uploads"), so the model is not let trade them away for what it does see.
+SPEED_ORDERS = (("resident_layers", "device_layers", "gpu_checkpoints"),
+                ("resident_layers", "gpu_checkpoints", "device_layers"))
+
+
 @dataclass
 class _PlacementSearch:
     """The state _choose_placement's stages share: the workload, the GPU's and host's room, and
@@ -158,6 +250,7 @@ class _PlacementSearch:
     on_gpu: bool = False
     free: int = 0                # the GPU's free bytes (0 on the CPU)
     host: int = 0                # the host's available bytes
+    estimates: dict = dataclasses.field(default_factory=dict)    # repr(config) -> its MemoryEstimate
 
     @classmethod
     def of(cls, split: SplitModel, rt: RuntimeConfig, **work) -> _PlacementSearch:
@@ -198,9 +291,14 @@ class _PlacementSearch:
         return self.candidate(self.cache_options[-1], self.vocab_options[-1], self.dtype_options[-1])
 
     def estimate(self, c: RuntimeConfig) -> MemoryEstimate:
-        return estimate_memory(self.split, c, batch_size=self.batch_size, seq_len=self.seq_len,
-                               grad_accum=self.grad_accum, max_grad_norm=self.max_grad_norm, padded=self.padded,
-                               ranks_per_host=self.ranks_per_host)
+        """estimate_memory of `c` for this workload, each configuration once (the search's orders
+        meet the same ones; ~1 ms an estimate)."""
+        key = repr(c)
+        if key not in self.estimates:
+            self.estimates[key] = estimate_memory(self.split, c, batch_size=self.batch_size, seq_len=self.seq_len,
+                                                  grad_accum=self.grad_accum, max_grad_norm=self.max_grad_norm,
+                                                  padded=self.padded, ranks_per_host=self.ranks_per_host)
+        return self.estimates[key]
 
     def fits(self, c: RuntimeConfig) -> bool:
         return not self.on_gpu or self.estimate(c).gpu_bytes <= self.safety * self.free
@@ -218,10 +316,12 @@ class _PlacementSearch:
             if name == "resident_layers" and c.placement.cache_units == 0:
                 continue                              # every host layer is resident already
             top = L - c.placement.device_layers - c.placement.shard_layers if name == "resident_layers" else L
-            k = c.setting(name)
-            while k < top and self.fits(dataclasses.replace(c, **{name: k + 1})):
-                k += 1
-            c = dataclasses.replace(c, **{name: k})
+            # the largest count that fits, by bisection: each count's GPU bytes grow with it
+            lo, hi = c.setting(name), top
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if self.fits(dataclasses.replace(c, **{name: mid})) else (lo, mid - 1)
+            c = dataclasses.replace(c, **{name: max(lo, c.setting(name))})
         return c
 
     def fewest_device_layers(self, c: RuntimeConfig) -> RuntimeConfig | None:
@@ -244,6 +344,50 @@ class _PlacementSearch:
                       for grad_dtype in self.dtype_options if self.fits(c := self.candidate(cache_units, vocab,
                                                                                            grad_dtype))), lean)
         return self.fill(first, ["resident_layers", "device_layers", "gpu_checkpoints"])
+
+    def option_sets(self) -> list[RuntimeConfig]:
+        """The first window option with which anything fits the GPU (a slot per layer before the
+        window: SPEED_ORDERS' note), each vocabulary option with it with the first gradient slot
+        dtype that fits, unfilled."""
+        for cache_units in self.cache_options:
+            out = [first for vocab in self.vocab_options
+                   if (first := next((c for grad_dtype in self.dtype_options
+                                      if self.fits(c := self.candidate(cache_units, vocab, grad_dtype))), None))]
+            if out:
+                return out
+        return []
+
+    def speed_fills(self, c: RuntimeConfig) -> list[RuntimeConfig]:
+        """`c` with the GPU's room filled in each of SPEED_ORDERS (those that differ where some
+        counts are not on auto)."""
+        orders = dict.fromkeys(tuple(n for n in order if n in self.fillable) for order in SPEED_ORDERS)
+        return [self.fill(c, list(order)) for order in orders]
+
+    def speed_candidates(self) -> list[RuntimeConfig]:
+        """The placements the time model weighs against fastest()'s: its option set (the first that
+        fits) filled in each of SPEED_ORDERS, every other option set that fits in the first order."""
+        sets = self.option_sets()
+        return [*(self.speed_fills(sets[0]) if sets else []),
+                *(self.fill(c, list(SPEED_ORDERS[0])) for c in sets[1:])]
+
+    def host_bound_speed(self) -> list[RuntimeConfig]:
+        """Host RAM binds: per window and vocabulary option (host_bound's), the fewest checkpoints on
+        the GPU, then the fewest device layers, that make the host fit, and the GPU's room left
+        filled in each of SPEED_ORDERS (host_bound gives the GPU's room to checkpoints first, and
+        then to resident layers)."""
+        if "gpu_checkpoints" not in self.fillable:
+            return []
+        out = []
+        for cache_units in sorted(self.cache_options, reverse=True):
+            for vocab in self.vocab_options:
+                c = self.candidate(cache_units, vocab, self.dtype_options[-1])
+                k = 0
+                while k < self.split.num_layers and self.fits(c) and not self.host_fits(c):
+                    k += 1
+                    c = dataclasses.replace(c, gpu_checkpoints=k)
+                enough = self.fewest_device_layers(c) if self.fits(c) else None
+                out += self.speed_fills(enough) if enough is not None else []
+        return out
 
     def host_bound(self) -> list[RuntimeConfig]:
         """Host RAM binds: the GPU's room first to what takes the most off the host per GPU byte
@@ -326,15 +470,20 @@ class _PlacementSearch:
         return every if n and self.host_bytes(every) < self.host_bytes(c) else c
 
 
-def _choose_placement(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int,
-                      grad_accum: int = 1, max_grad_norm: float | None = None,
-                      gpu_free_bytes: int | None = None, host_available_bytes: int | None = None,
-                      safety: float = FIT_SAFETY, padded: bool = True, ranks_per_host: int = 1) -> RuntimeConfig:
-    """Resolve slide mode's memory-dependent autos: cache_units=-1 (with resident_layers=-1),
-    vocab_update=auto, grad_slot_dtype=auto, device_layers=-1, gpu_checkpoints=-1, and with a
-    disk directory disk_units=-1 and disk_master=auto.
+def _placement_candidates(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len: int,
+                          grad_accum: int = 1, max_grad_norm: float | None = None,
+                          gpu_free_bytes: int | None = None, host_available_bytes: int | None = None,
+                          safety: float = FIT_SAFETY, padded: bool = True, ranks_per_host: int = 1,
+                          estimates: dict | None = None) -> list[RuntimeConfig]:
+    """The placements that resolve slide mode's memory-dependent autos (cache_units=-1 with
+    resident_layers=-1, vocab_update=auto, grad_slot_dtype=auto, device_layers=-1, gpu_checkpoints=-1,
+    and with a disk directory disk_units=-1 and disk_master=auto) for choose_placement to choose
+    from by predicted time: the order's own choice first (below), then every other placement that
+    fits the host: each window and vocabulary option filled in each of SPEED_ORDERS, the host-bound
+    ones, and those with only the checkpoints the host needs (_PlacementSearch.host_bound_speed).
+    Where nothing fits the host, the one placement of the rules below that come after it.
 
-    For speed, in order of what they bought on the H100: one slot per layer (the forward stops
+    The order's own choice. For speed, in order of what they bought on the H100: one slot per layer (the forward stops
     waiting on PCIe; Qwen3-8B b16 2.65 -> 2.36 s, benchmarks/NOTES.md "PCIe uploads"), then the vocabulary
     units updated on the GPU (the host's AdamW, the bound, loses 13% of its work on
     Llama-3.1-8B; NOTES.md "GPU-updated units"), then FP32 gradient slots (the copy stream
@@ -357,7 +506,7 @@ def _choose_placement(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, 
     masters of as few of them (disk_master auto; off wherever the moments suffice). Failing
     that, the configuration that needs the least host RAM is returned and check_fit reports
     it. On the CPU (nothing to hide) the lean choices (disk_master auto: off).
-    Settings given explicitly are kept; with nothing on auto, `rt` itself is returned.
+    Settings given explicitly are kept; with nothing on auto, `rt` itself is the one placement.
 
     ranks_per_host: data-parallel ranks on this host, each with a GPU like this one. The GPU
     checks are per rank; the host check counts the shared state once and each rank's own
@@ -365,16 +514,16 @@ def _choose_placement(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, 
     more off the host than one rank would.
     """
     if rt.mode != "slide":
-        return rt
+        return [rt]
     search = _PlacementSearch.of(split, rt, batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum,
                                  max_grad_norm=max_grad_norm, padded=padded, safety=safety,
-                                 ranks_per_host=ranks_per_host)
+                                 ranks_per_host=ranks_per_host, estimates={} if estimates is None else estimates)
     if search.nothing_on_auto():
-        return rt
+        return [rt]
     lean = search.lean()
     on_gpu = device_type_of(rt) == "cuda"
     if not on_gpu and not (rt.disk.disk_units == -1 and rt.disk_dir):
-        return lean
+        return [lean]
     search.on_gpu = on_gpu
     search.free = (query_gpu_free_bytes(rt) if gpu_free_bytes is None else gpu_free_bytes) if on_gpu else 0
     search.host = query_host_available_bytes() if host_available_bytes is None else host_available_bytes
@@ -382,18 +531,20 @@ def _choose_placement(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, 
         # the CPU (nothing to hide, nothing on a GPU): the lean choices, and where host RAM does not
         # hold them, the disk tier
         if search.host_fits(lean):
-            return lean
-        fastest, leanest = lean, []
-    else:
-        fastest = search.fastest(lean)
-        if search.host_fits(fastest):
-            return fastest
-        leanest = search.host_bound()
-        fitting = next((c for c in leanest if search.host_fits(c)), None)
-        if fitting is not None:
-            return fitting
-        sharded = search.sharded(leanest)
-        if sharded is not None and search.host_fits(sharded):
-            return sharded
-        leanest += [sharded] if sharded is not None else []
-    return search.onto_disk(min([fastest, *leanest], key=search.host_bytes))
+            return [lean]
+        return [search.onto_disk(lean)]
+    # what fits the host, the order's own choice first, then the others the time model weighs
+    # against it: the speed-first placements, else the host-bound ones
+    fastest = search.fastest(lean)
+    fitting = [c for c in [fastest, *search.speed_candidates()] if search.host_fits(c)]
+    if fitting:
+        return fitting
+    leanest = search.host_bound()
+    fitting = [c for c in [*leanest, *search.host_bound_speed()] if search.host_fits(c)]
+    if fitting:
+        return fitting
+    sharded = search.sharded(leanest)
+    if sharded is not None and search.host_fits(sharded):
+        return [sharded]
+    leanest += [sharded] if sharded is not None else []
+    return [search.onto_disk(min([fastest, *leanest], key=search.host_bytes))]
