@@ -257,8 +257,11 @@ def _plan_terms(cfg, split, plan, card=None, fl: dict | None = None, choice=None
               f"both at once {disk['mixed_gib_s']:.2f} GiB/s, {'O_DIRECT' if disk['direct_io'] else 'buffered'})")
     bound = max(terms, key=terms.get)
     tokens = cfg.rows_per_micro_batch * cfg.grad_accum * cfg.data.seq_len
-    print(f"floor {terms[bound]:.3f} s a step (bound by {bound}): at best {tokens / terms[bound]:,.0f} tokens/s"
-          + (" (host terms only: no GPU here)" if fl.get("partial") else ""))
+    if terms[bound] <= 0:       # no GPU here and nothing updated on the host: no term to bound a step
+        print("floor: no term this machine can price (every unit is updated on the GPU, whose terms need a GPU's probes)")
+    else:
+        print(f"floor {terms[bound]:.3f} s a step (bound by {bound}): at best {tokens / terms[bound]:,.0f} tokens/s"
+              + (" (host terms only: no GPU here)" if fl.get("partial") else ""))
     preference = cfg.preference()
     if preference is not None and preference.needs_reference and not fl.get("partial"):
         _print_reference_terms(cfg, fl, plan)
