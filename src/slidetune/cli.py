@@ -197,7 +197,7 @@ def _probe_floor(cfg, card=None) -> dict:
                          compile_layers=rt.compile_layers != "off", grad_download=rt.transfer.grad_download,
                          host_adamw=rt.host.host_adamw, disk_dir=disk, disk_block_mb=rt.disk.disk_block_mb,
                          disk_io_threads=rt.disk.disk_io_threads, moments=rt.moments, master=rt.master,
-                         gemm=card is not None)
+                         gemm=card is not None, progress=True)
 
 
 def _plan_rates(fl: dict | None, card=None):

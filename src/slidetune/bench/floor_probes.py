@@ -11,10 +11,12 @@ on this machine:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import queue
 import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +28,19 @@ from ..engine.adamw import FP32_ADAMW, AdamWConfig, FlatAdamW, OptimizerState, o
 from ..engine.config import RuntimeConfig
 from ..models.load import RandomInit, load_model
 from ..telemetry.flops import train_flops_per_token
+
+
+PROGRESS_VAR = "SLIDETUNE_PROBE_PROGRESS"     # set by `plan --terms`: each probe's seconds on stderr as it ends
+
+
+@contextlib.contextmanager
+def probing(what: str):
+    """Each probe's wall time on stderr where SLIDETUNE_PROBE_PROGRESS is set (`plan --terms` shows the
+    worker's stderr live: on 2026-11-29 its probes on the H200 ran past 540 s with nothing said)."""
+    start = time.perf_counter()
+    yield
+    if os.environ.get(PROGRESS_VAR):
+        print(f"  probed {what}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
 
 def _time_cuda(fn, reps: int = 5, warmup: int = 2) -> float:

@@ -30,7 +30,7 @@ from ..engine.distributed import plan_owners, shared_layout
 from ..engine.placement import PlacementPlan, shapes_from_counts
 from ..models.load import load_model
 from .collective import allgather_seconds, allreduce_term
-from .floor_probes import (ADAMW_BYTES, _probed_state, adamw_bytes, probe_adamw, probe_compute, probe_copy,
+from .floor_probes import (ADAMW_BYTES, _probed_state, adamw_bytes, probe_adamw, probe_compute, probe_copy, probing,
                            probe_device_adamw)
 from .hardware_floor import hardware_compute, probe_hardware
 
@@ -304,13 +304,18 @@ def floor(model: str, batch: int, seq: int, num_layers: int | None = None, cache
     Beside it the hardware floor (hw_*): the same terms with the GPU's work priced at the rates
     probe_hardware measured instead of slidetune's own layer timed (hardware_compute; the slide
     engine recomputes every layer). layer: the decoder layer timed (probe_compute's)."""
-    copy = copy or probe_copy()
-    adamw = adamw or probe_adamw()
-    comp = probe_compute(model, batch, seq, num_layers, head_impl, head_chunk_tokens, compile_layers, layer=layer)
+    with probing("PCIe copies"):
+        copy = copy or probe_copy()
+    with probing("host AdamW"):
+        adamw = adamw or probe_adamw()
+    with probing(f"the GPU's compute ({layer} layer{'s' if layer == 'both' else ''}"
+                 f"{', compiled' if compile_layers else ''}, head, embedding)"):
+        comp = probe_compute(model, batch, seq, num_layers, head_impl, head_chunk_tokens, compile_layers, layer=layer)
     plan = plan_of_runtime(comp, {"cache_units": cache_units})
     terms = floor_terms(comp, copy, adamw, plan)
     bound = max(terms, key=terms.get)
-    hardware = probe_hardware(load_model(model, num_layers=num_layers, with_tokenizer=False).split, batch, seq)
+    with probing("the hardware's GEMM and SDPA rates"):
+        hardware = probe_hardware(load_model(model, num_layers=num_layers, with_tokenizer=False).split, batch, seq)
     hw_terms = floor_terms({**comp, **hardware_compute(hardware, range(comp["num_layers"]))}, copy, adamw, plan)
     hw_bound = max(hw_terms, key=hw_terms.get)
     return {"floor_s": terms[bound], "bound_by": bound, "terms": terms, "copy": copy, "adamw": adamw,

@@ -52,10 +52,12 @@ def is_oom(exc: BaseException) -> bool:
     return "out of memory" in str(exc).lower()
 
 
-def run_worker(module: str, spec: dict, timeout_s: float = 3600, env: dict | None = None, ranks: int = 1) -> dict:
+def run_worker(module: str, spec: dict, timeout_s: float = 3600, env: dict | None = None, ranks: int = 1,
+               show_stderr: bool = False) -> dict:
     """`python -m MODULE SPEC.json OUT.json` in a fresh process; ranks > 1: under torchrun on that many
     ranks of this host (launch.torchrun_prefix), each rank running the module, rank 0 writing OUT.json
-    (rank_output)."""
+    (rank_output). show_stderr: the worker's stderr goes to this process's as it is written (its
+    progress; a crash's message is then above, not in the result)."""
     with tempfile.TemporaryDirectory() as d:
         spec_path, out_path = Path(d) / "spec.json", Path(d) / "result.json"
         spec_path.write_text(json.dumps(spec))
@@ -63,14 +65,14 @@ def run_worker(module: str, spec: dict, timeout_s: float = 3600, env: dict | Non
             return _run_ranks(module, spec, spec_path, out_path, ranks, timeout_s, env)
         cmd = [sys.executable, "-m", module, str(spec_path), str(out_path)]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                                  env={**os.environ, **(env or {})})
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None if show_stderr else subprocess.PIPE,
+                                  text=True, timeout=timeout_s, env={**os.environ, **(env or {})})
         except subprocess.TimeoutExpired:
             return {"spec": spec, "status": "timeout", "error": f"exceeded {timeout_s} s"}
         if out_path.exists():
             return json.loads(out_path.read_text())
         return {"spec": spec, "status": "crashed", "returncode": proc.returncode,
-                "error": (proc.stderr or "")[-2000:]}
+                "error": (proc.stderr or "(its messages are above)")[-2000:]}
 
 
 def rank_output(out: Path, rank: int) -> Path:

@@ -15,6 +15,7 @@ import torch
 
 from .. import output as O
 from ..baselines.proc import run_worker
+from ..floor_probes import PROGRESS_VAR
 from ..plots import bar_plot
 from . import add_common_arguments
 
@@ -25,19 +26,21 @@ WORKER = "slidetune.bench.scenarios.roofline"
 def floor_worker(spec: dict) -> dict:
     """Runs in its own process. spec: model, batch_size, seq_len, num_layers, adamw_n, copy, adamw."""
     from ...telemetry.machine import machine_info
-    from ..floor_probes import probe_adamw, probe_disk
+    from ..floor_probes import probe_adamw, probe_disk, probing
     from ..roofline import floor
-    adamw = spec.get("adamw") or probe_adamw(n=spec.get("adamw_n", 128 * 2**20),
-                                             grad_download=spec.get("grad_download", "compute"),
-                                             host_adamw=spec.get("host_adamw", "dynamic"),
-                                             moments=spec.get("moments", "fp32"),
-                                             master=spec.get("master", "fp32"))
+    with probing("host AdamW"):
+        adamw = spec.get("adamw") or probe_adamw(n=spec.get("adamw_n", 128 * 2**20),
+                                                 grad_download=spec.get("grad_download", "compute"),
+                                                 host_adamw=spec.get("host_adamw", "dynamic"),
+                                                 moments=spec.get("moments", "fp32"),
+                                                 master=spec.get("master", "fp32"))
     out = {"spec": spec, "machine": machine_info(), "status": "ok"}
     if spec.get("disk_dir"):
-        out["disk"] = probe_disk(spec["disk_dir"], block_mb=spec.get("disk_block_mb", 64),
-                                 threads=spec.get("disk_io_threads", 4),
-                                 total_bytes=2 * 2**30 if torch.cuda.is_available() else 2**28,
-                                 repeats=3)      # the fastest of 3: a floor takes the disk's best
+        with probing("the disk tier's directory"):
+            out["disk"] = probe_disk(spec["disk_dir"], block_mb=spec.get("disk_block_mb", 64),
+                                     threads=spec.get("disk_io_threads", 4),
+                                     total_bytes=2 * 2**30 if torch.cuda.is_available() else 2**28,
+                                     repeats=3)      # the fastest of 3: a floor takes the disk's best
     if torch.cuda.is_available() and spec.get("device", "auto") != "cpu":
         fl = floor(spec["model"], spec["batch_size"], spec["seq_len"], spec.get("num_layers"),
                    copy=spec.get("copy"), adamw=adamw, compile_layers=bool(spec.get("compile_layers")),
@@ -47,7 +50,8 @@ def floor_worker(spec: dict) -> dict:
             from ...models.load import load_model
             from ..hardware_floor import layer_gemm_shapes, probe_gemm
             split = load_model(spec["model"], num_layers=spec.get("num_layers"), with_tokenizer=False).split
-            out["gemm"] = probe_gemm(layer_gemm_shapes(split, spec["batch_size"] * spec["seq_len"]))
+            with probing("the GEMM rate on the layer's shapes (--card)"):
+                out["gemm"] = probe_gemm(layer_gemm_shapes(split, spec["batch_size"] * spec["seq_len"]))
         return out
     from ...models.load import load_model
     split = load_model(spec["model"], num_layers=spec.get("num_layers"), with_tokenizer=False).split
@@ -64,18 +68,19 @@ def measure_floor(model: str, batch: int, seq: int, num_layers: int | None = Non
                   timeout_s: float = 1800, compile_layers: bool = False, grad_download: str = "compute",
                   host_adamw: str = "dynamic", disk_dir: str | None = None, disk_block_mb: int = 64,
                   disk_io_threads: int = 4, head_impl: str = "chunked", layer: str = "both",
-                  moments: str = "fp32", master: str = "fp32", gemm: bool = False) -> dict:
+                  moments: str = "fp32", master: str = "fp32", gemm: bool = False, progress: bool = False) -> dict:
     """disk_dir: also probe the disk tier's directory (bench.floor_probes.probe_disk) for the disk term.
     gemm: also probe the GPU's GEMM rate on the layer's shapes (hardware_floor.probe_gemm; plan --card).
     layer: the decoder layer the compute probe times (hf, lean or both: bench.floor_probes.probe_compute).
-    moments, master: the host units' state format the AdamW probe keeps (--moments, --master)."""
+    moments, master: the host units' state format the AdamW probe keeps (--moments, --master).
+    progress: each probe's seconds on stderr as it ends (floor_probes.probing; `plan --terms`)."""
     return run_worker(WORKER, dict(model=model, batch_size=batch, seq_len=seq, num_layers=num_layers,
                                    device=device, adamw_n=adamw_n, copy=copy, adamw=adamw,
                                    compile_layers=compile_layers, grad_download=grad_download,
                                    host_adamw=host_adamw, disk_dir=disk_dir, disk_block_mb=disk_block_mb,
                                    disk_io_threads=disk_io_threads, head_impl=head_impl, layer=layer,
                                    moments=moments, master=master, gemm=gemm),
-                      timeout_s=timeout_s)
+                      timeout_s=timeout_s, env={PROGRESS_VAR: "1"} if progress else None, show_stderr=progress)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
