@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, Gemma4TextConfig, Gemma4UnifiedTe
 
 from test_equivalence import VOCAB
 from test_families import _trains_like_the_reference
+from slidetune.engine.fit.byte_models import model_shape
 from slidetune.models.families import UnsupportedFamilyError, family_status, moe_note
 from slidetune.models.load import LoadedModel, StateDictSource, skeleton
 from slidetune.models.reference_check import reference_check, tiny_copy
@@ -150,6 +151,10 @@ def test_layers_keep_no_keys_or_values_and_the_plan_reads_each_layer():
     attention = step_flops(split, 2, 16).layer_attention
     assert attention[1] == attention[2] == 2 * attention[0]            # head_dim 32 on the full layers, 16 before
     assert "2 of them" in moe_note(split.config, split.layer_units[0].numel)
+    # the fit's layer working set is the widest layer's: the full layers' head_dim, the sliding ones'
+    # KV heads (byte_models._widest), where the global attribute answers the sliding layers' 16
+    shape = model_shape(split)
+    assert (shape.head_dim, shape.kv_heads, shape.heads) == (32, 2, 4)
 
 
 def test_final_holds_the_layer_scalars_and_a_config_that_reloads(tmp_path):

@@ -54,13 +54,23 @@ class ModelShape:
         return self.kv_heads * self.head_dim
 
 
+def _widest(c, name: str):
+    """A layer attribute's largest value over the layers: a config whose layers differ (transformers'
+    per_layer_config, Gemma 4: the full-attention layers' head_dim 512 against the sliding ones' 256)
+    answers the global attribute with one kind's value, and a layer's working set is the widest's."""
+    per = getattr(c, "per_layer_config", None)
+    values = [getattr(x, name, None) for x in per] if per is not None and not isinstance(per, dict) else []
+    values = [v for v in values if v is not None]
+    return max(values) if values else getattr(c, name, None)
+
+
 def model_shape(split: SplitModel) -> ModelShape:
     c = split.config
     d = int(c.hidden_size)
-    heads = int(c.num_attention_heads)
-    kv = int(getattr(c, "num_key_value_heads", None) or heads)
-    hd = int(getattr(c, "head_dim", None) or d // heads)
-    inter = getattr(c, "intermediate_size", None)
+    heads = int(_widest(c, "num_attention_heads"))
+    kv = int(_widest(c, "num_key_value_heads") or heads)
+    hd = int(_widest(c, "head_dim") or d // heads)
+    inter = _widest(c, "intermediate_size")
     if inter is None:  # derive from the layer's size: 3 d*I MLP matrices beside attention
         attn = d * heads * hd * 2 + d * kv * hd * 2
         inter = max(1, (max(u.numel for u in split.layer_units) - attn) // (3 * d))
