@@ -29,9 +29,10 @@ COMPILED_LAYER_TFLOPS = 487.0   # measured, same layer and batch
 COMPILE_S = 40.0                # start-up compile of an 8B's layers on the H100 host (README)
 # The compile when the cache holds this run's layers (engine/compile_cache.py), as a fraction of the
 # cold one: Dynamo still traces the layers, inductor and AOTAutograd read their results from disk.
-# Measured on CPU (2026-11-29, a 2-layer tiny-llama, 2 cores, torch 2.13): dynamo's compile seconds
-# cold vs from the cache, WARM_COMPILE_FRACTION below; the H200's own figure is still to be measured.
-WARM_COMPILE_FRACTION = 0.15
+# Measured on CPU (2026-11-29, `slidetune train` of a 2-layer tiny-llama, [2, 32] tokens, 2 shared
+# cores, torch 2.13; dynamo's compile seconds as the first step prints them): 35.2 and 43.1 s cold,
+# 4.3 and 3.4 s from the cache, ~0.1 of it. The H200's own figure for an 8B is still to be measured.
+WARM_COMPILE_FRACTION = 0.1
 # The compile must come back this many times over. 2.5: the default 8B run (300 steps of
 # 16 x 1024 tokens, ~0.36 s saved a step) earns it back ~2.7x, so it compiles; a 20-step try or
 # a small model's run does not.
