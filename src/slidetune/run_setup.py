@@ -104,9 +104,11 @@ def prepare_run(req: RunRequest, device: Device, ranks: Ranks | None = None, *,
     comes before anything large is allocated, the engine last. before_build returns the runtime
     the engine is built with (train resolves compile_layers there); by default prepared.runtime."""
     ranks = ranks or Ranks.single()
-    # before anything is compiled: torch reads its cache directory at the first compile
+    # before anything is compiled: torch reads its cache directory at the first compile. Where the
+    # layers may compile: slide mode, on (or auto on CUDA: compile_policy resolves auto off elsewhere)
+    may_compile = req.runtime.compile_layers == "on" or (req.runtime.compile_layers == "auto" and device.is_cuda)
     compile_cache = use_compile_cache(req.runtime.compile_cache_dir) \
-        if req.runtime.mode == "slide" and req.runtime.compile_layers != "off" else None
+        if req.runtime.mode == "slide" and may_compile else None
     gpu_free = limit_gpu_memory(req.gpu_memory_limit_gib, device, req.announce)
     loaded = load_model(req.model, num_layers=req.num_layers, seed=req.seed, with_tokenizer=req.with_tokenizer)
     if after_load is not None:
