@@ -77,7 +77,7 @@ def test_a_second_process_reads_the_compiled_layers_from_the_cache(tmp_path):
     assert (cache / "fxgraph").is_dir() and (cache / "aotautograd").is_dir()
     warm = run_child(cache, 16, new_shape=True)
     trained = warm["trained"]
-    assert warm["from_cache"] and trained["compile_fx_cache_misses"] == 0
+    assert warm["from_cache"] and trained["compile_fx_cache_misses"] == trained["compile_fx_cache_bypasses"] == 0
     assert trained["compile_fx_cache_hits"] == cold["trained"]["compile_fx_cache_misses"]
     assert trained["compile_autograd_cache_hits"] == cold["trained"]["compile_autograd_cache_misses"]
     assert warm["losses"] == cold["losses"]          # the same compiled code: bit for bit
@@ -147,6 +147,9 @@ def test_the_marker_makes_auto_count_the_warm_compile(tmp_path):
     assert cache_holds(cache, key) and not cache_holds(CompileCache(None, "off"), key)
     assert "compiled in 35.0 s; cached in" in describe_compile(cold, cache)
     assert "from the cache in 3.0 s" in describe_compile(CompileCounters(fx_hits=6, autograd_hits=4, compile_s=3.0), cache)
+    bypassed = CompileCounters(fx_hits=5, fx_bypasses=1, autograd_hits=4, compile_s=9.0)
+    assert not bypassed.from_cache and "5 of 6 graphs from inductor's cache, 1 not cacheable" in describe_compile(
+        bypassed, cache)
     # a run too short to earn a cold compile back earns the cached one
     kw = dict(is_cuda=True, tokens_per_step=16 * 1024, seq_len=1024)
     steps = next(s for s in range(1, 10_000) if choose_compile_layers(rt, split, steps=s, cached=True,

@@ -154,6 +154,7 @@ class TrainSummary:
     compile_s: float | None = None
     compile_fx_cache_hits: int | None = None
     compile_fx_cache_misses: int | None = None
+    compile_fx_cache_bypasses: int | None = None
     compile_autograd_cache_hits: int | None = None
     compile_autograd_cache_misses: int | None = None
 

@@ -101,6 +101,7 @@ class CompileCounters:
     """Dynamo's cache counters and compile seconds at one moment (process-wide totals)."""
     fx_hits: int = 0
     fx_misses: int = 0
+    fx_bypasses: int = 0        # graphs inductor would not cache (fxgraph_cache_bypass: e.g. an unpicklable input)
     autograd_hits: int = 0
     autograd_misses: int = 0
     compile_s: float = 0.0
@@ -111,30 +112,33 @@ class CompileCounters:
         inductor, aot = counters["inductor"], counters["aot_autograd"]
         seconds = sum(sum(compilation_time_metrics.get(name, [])) for name in _COMPILE_METRICS)
         return CompileCounters(inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"],
-                               aot["autograd_cache_hit"], aot["autograd_cache_miss"], seconds)
+                               inductor["fxgraph_cache_bypass"], aot["autograd_cache_hit"], aot["autograd_cache_miss"],
+                               seconds)
 
     def since(self, before: "CompileCounters") -> "CompileCounters":
         return CompileCounters(*(getattr(self, f.name) - getattr(before, f.name) for f in dataclasses.fields(self)))
 
     @property
     def graphs(self) -> int:
-        return self.fx_hits + self.fx_misses
+        return self.fx_hits + self.fx_misses + self.fx_bypasses
 
     @property
     def from_cache(self) -> bool:
         """Every graph compiled since the snapshot came from the cache (and there was one)."""
-        return self.graphs > 0 and self.fx_misses == 0 and self.autograd_misses == 0
+        return self.graphs > 0 and self.fx_misses == 0 and self.fx_bypasses == 0 and self.autograd_misses == 0
 
     def summary(self) -> dict:
         """summary.json's fields."""
         return {"compile_s": round(self.compile_s, 2), "compile_fx_cache_hits": self.fx_hits,
-                "compile_fx_cache_misses": self.fx_misses, "compile_autograd_cache_hits": self.autograd_hits,
+                "compile_fx_cache_misses": self.fx_misses, "compile_fx_cache_bypasses": self.fx_bypasses,
+                "compile_autograd_cache_hits": self.autograd_hits,
                 "compile_autograd_cache_misses": self.autograd_misses}
 
 
 def describe_compile(done: CompileCounters, cache: CompileCache) -> str:
     """The first step's line: where the compiled layers came from, and in how long."""
-    counts = (f"{done.fx_hits} of {done.graphs} graphs from inductor's cache, AOTAutograd "
+    bypassed = f", {done.fx_bypasses} not cacheable" if done.fx_bypasses else ""
+    counts = (f"{done.fx_hits} of {done.graphs} graphs from inductor's cache{bypassed}, AOTAutograd "
               f"{done.autograd_hits} hits / {done.autograd_misses} misses")
     where = str(cache.directory) if cache.persistent else f"{_torch_default_dir()} (torch's default, emptied at reboot)"
     if done.from_cache:
