@@ -1,6 +1,6 @@
 """The compile cache (engine/compile_cache.py): a second process compiling the same layers into the
-same directory reads them from it (dynamo's counters say so), with the same losses; a new shape
-misses; "off" and a user's TORCHINDUCTOR_CACHE_DIR leave torch's choice alone; compile_layers auto
+same directory reads them from it (dynamo's counters say so), with the same losses, and `slidetune
+train` says so and records it in summary.json; a new shape misses; "off" and a user's TORCHINDUCTOR_CACHE_DIR leave torch's choice alone; compile_layers auto
 counts a cached compile at its warm cost."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from slidetune.engine import compile_cache
@@ -68,6 +69,16 @@ def run_child(cache_dir: Path, seq: int, new_shape: bool = False) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def run_train(argv: list[str]) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in (INDUCTOR_ENV, "TRITON_CACHE_DIR")}
+    env["PYTHONPATH"] = SRC
+    code = "import sys; from slidetune.cli import main; sys.exit(main(sys.argv[1:]))"
+    out = subprocess.run([sys.executable, "-c", code, "train", *argv], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    return out.stdout
+
+
 def test_a_second_process_reads_the_compiled_layers_from_the_cache(tmp_path):
     cache = tmp_path / "compile"
     cold = run_child(cache, 16)
@@ -83,6 +94,19 @@ def test_a_second_process_reads_the_compiled_layers_from_the_cache(tmp_path):
     assert warm["losses"] == cold["losses"]          # the same compiled code: bit for bit
     # a shape the cache has not seen compiles anew
     assert warm["new_shape"]["compile_fx_cache_misses"] > 0 and warm["new_shape"]["compile_fx_cache_hits"] == 0
+    # `slidetune train` of the same layers and shape (a pre-tokenized corpus: full rows, no padding
+    # mask, as above) says so at its first step, records it in summary.json and leaves the marker
+    # compile_layers auto reads (compile_cache.cache_holds)
+    np.save(tmp_path / "ids.npy", (np.arange(4000) * 7 % 250).astype(np.uint16))
+    out = run_train(["--model", "tiny-llama", "--num-layers", "2", "--data", str(tmp_path / "ids.npy"),
+                     "--seq-len", "16", "--batch-size", "2", "--heldout-fraction", "0", "--progress", "false",
+                     "--device", "cpu", "--dtype", "fp32", "--compile-layers", "true", "--compile-cache-dir", str(cache),
+                     "--max-steps", "2", "--output-dir", str(tmp_path / "run")])
+    assert "compiled layers: from the cache in" in out and str(cache) in out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["compile_fx_cache_hits"] == cold["trained"]["compile_fx_cache_misses"]
+    assert summary["compile_fx_cache_misses"] == summary["compile_autograd_cache_misses"] == 0
+    assert summary["compile_s"] > 0 and len(list((cache / "slidetune-layers").glob("*.json"))) == 1
 
 
 @pytest.fixture
