@@ -15,7 +15,7 @@ import pytest
 
 from slidetune.engine import compile_cache
 from slidetune.engine.compile_cache import (INDUCTOR_ENV, CompileCache, CompileCounters, cache_holds,
-                                            default_compile_cache_dir, describe_compile, layer_compile_key,
+                                            default_compile_cache_dir, describe_cache, describe_compile, layer_compile_key,
                                             remember_compile, use_compile_cache)
 from slidetune.engine.compile_policy import COMPILE_S, WARM_COMPILE_FRACTION, choose_compile_layers
 from slidetune.engine.config import RuntimeConfig
@@ -102,7 +102,7 @@ def test_a_second_process_reads_the_compiled_layers_from_the_cache(tmp_path):
                      "--seq-len", "16", "--batch-size", "2", "--heldout-fraction", "0", "--progress", "false",
                      "--device", "cpu", "--dtype", "fp32", "--compile-layers", "true", "--compile-cache-dir", str(cache),
                      "--max-steps", "2", "--output-dir", str(tmp_path / "run")])
-    assert "compiled layers: from the cache in" in out and str(cache) in out
+    assert "compiled layers: from the cache in" in out and f"compile cache: {cache} (--compile-cache-dir" in out
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["compile_fx_cache_hits"] == cold["trained"]["compile_fx_cache_misses"]
     assert summary["compile_fx_cache_misses"] == summary["compile_autograd_cache_misses"] == 0
@@ -137,6 +137,11 @@ def test_default_and_given_directories(clean_env, tmp_path):
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     assert inductor_config.fx_graph_cache and functorch_config.enable_autograd_cache
+    # a cache the user turned off through torch's own variable stays off
+    clean_env.setattr(inductor_config, "fx_graph_cache", False)
+    clean_env.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
+    use_compile_cache(None)
+    assert not inductor_config.fx_graph_cache
 
 
 def test_a_users_inductor_directory_is_kept(clean_env, tmp_path):
@@ -144,6 +149,7 @@ def test_a_users_inductor_directory_is_kept(clean_env, tmp_path):
     cache = use_compile_cache(str(tmp_path / "ours"))
     assert cache.directory == tmp_path / "theirs" and "set by the user" in cache.source
     assert os.environ[INDUCTOR_ENV] == str(tmp_path / "theirs") and not (tmp_path / "ours").exists()
+    assert describe_cache(cache).startswith(f"compile cache: {tmp_path / 'theirs'} ({INDUCTOR_ENV} set by the user")
     # torch's own default, which importing torch._dynamo writes into the variable, is not the user's
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     clean_env.setenv(INDUCTOR_ENV, default_cache_dir())

@@ -31,7 +31,7 @@ from .data.token_arrays import is_token_source
 from .device import Device, resolve_dtype
 from .engine import RuntimeConfig
 from .engine.autos import describe_autos
-from .engine.compile_cache import CompileCache, CompileCounters, cache_holds, layer_compile_key
+from .engine.compile_cache import CompileCache, CompileCounters, cache_holds, describe_cache, layer_compile_key
 from .engine.compile_policy import choose_compile_layers, resolve_compile_layers
 from .engine.placement import PlacementPlan
 from .engine.slide.disk_tier import tier_bytes
@@ -291,6 +291,8 @@ def _prepare_inputs(cfg: TrainConfig, prepared: PreparedRun, source, pair_record
         if cache is not None and runtime.compiles_layers() else None
     if cfg.runtime.mode == "slide":
         say(f"compile_layers {cfg.runtime.compile_layers} -> {compiled.compile_layers} ({compiled.reason})")
+    if compile_layers is not None:
+        print(describe_cache(cache))        # always: where files are written between runs
     ckpt_dir = checkpoint_root(cfg, out)
     save_dtype = resolve_save_dtype(cfg.save_dtype, loaded.split.config, runtime.dtype)
     # Rank 0 alone reads and changes the output directory before the run (leftovers, free space,

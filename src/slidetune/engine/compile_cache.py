@@ -90,10 +90,20 @@ def use_compile_cache(setting: str | None) -> CompileCache:
 
 
 def _switch_caches_on() -> None:
+    """On, unless the user turned one off through torch's own variable (kept, as their directory is)."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
-    inductor_config.fx_graph_cache = True
-    functorch_config.enable_autograd_cache = True
+    if os.environ.get("TORCHINDUCTOR_FX_GRAPH_CACHE") != "0":
+        inductor_config.fx_graph_cache = True
+    if os.environ.get("TORCHINDUCTOR_AUTOGRAD_CACHE") != "0":
+        functorch_config.enable_autograd_cache = True
+
+
+def describe_cache(cache: CompileCache) -> str:
+    """Where the compiled layers go, said before the run starts."""
+    if not cache.persistent:
+        return f"compile cache: {_torch_default_dir()} (--compile-cache-dir off: torch's default, emptied at reboot)"
+    return f"compile cache: {cache.directory} ({cache.source}; --compile-cache-dir off leaves torch's default)"
 
 
 @dataclass(frozen=True)
