@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (device tool) from the repo root: each argument is one job.
 # Results go to $OUT/results.tar.gz (the device tool returns at most 8 files).
-#   jobs: stash | pipeline | train | dpotrain (issue 47: train --objective dpo on an 8B directory) | trainresume (train --gpus N, killed, resumed) | savetests | asyncab (issue 33) | savestreams (the optimizer state in 1 or 2 files) | shardab (sharded layers = device layers, 2 GPUs) | trainrun@TAG (TRAINRUN_ARGS_TAG) | equivalence | runtime | throughput | throughput@TAG | scaling | scaling@TAG
+#   jobs: stash | pipeline | train | dpotrain (issue 47: train --objective dpo on an 8B directory) | compilecache (issue 45: two trains of one 8B directory, the compile cache) | trainresume (train --gpus N, killed, resumed) | savetests | asyncab (issue 33) | savestreams (the optimizer state in 1 or 2 files) | shardab (sharded layers = device layers, 2 GPUs) | trainrun@TAG (TRAINRUN_ARGS_TAG) | equivalence | runtime | throughput | throughput@TAG | scaling | scaling@TAG
 #         | hostinfo | attnbackends (ATTN_ARGS: attention kernels' rates and errors) | compactrate (COMPACTRATE_ARGS: the host AdamW's rate per state format and part) | q8flags (the 8-bit passes
 #           under three code generations) | q8avx512 (Q8AVX512_ARGS; the AVX-512 8-bit passes: equivalence test, both builds' rates) | quality (QUALITY_ARGS:
 #           each state format's held-out loss on SmolLM2, stash first) | desktop64 (DESKTOP_ARGS: a 64 GiB host, 24 GiB GPU) | rankmem (RANKMEM_ARGS: a rank's host memory by stage, 1 and N processes) | techniques
@@ -191,6 +191,28 @@ PY
            cp $d/run/{metrics.csv,config.json,summary.json} $R/dpotrain/ 2>/dev/null
            ls -la $d/run/final > $R/dpotrain/final_files.txt 2>&1
            tail -6 $R/dpotrain/train.log; rm -rf $d ;;
+    compilecache) # issue 45 item 4: a second `train` of the same HF directory reads its compiled layers from the
+           # compile cache (engine/compile_cache.py): Qwen3-8B's shape (CCACHE_MODEL; random BF16 weights, a BPE
+           # tokenizer: preference_model.py), the built-in corpus, --compile-layers on, CCACHE_ARGS (default
+           # --gpu-memory-limit 24 --max-steps 6), twice into one --compile-cache-dir. Compare in run1.log / run2.log
+           # "compiled layers: ..." (compiled in N s vs from the cache in N s), step 1's step_s, each run's launch
+           # to the first step (launch_s.txt) and summary.json's compile_* fields
+           d=/var/tmp/ccache; rm -rf $d; mkdir -p $R/compilecache
+           python benchmarks/scripts/preference_model.py $d --model ${CCACHE_MODEL:-qwen3-8b} --pairs 8 \
+             > $R/compilecache/model.json 2> $R/compilecache/model.err; tail -1 $R/compilecache/model.json
+           for i in 1 2; do
+             t0=$(date +%s.%N)
+             PYTHONUNBUFFERED=1 python -m slidetune.cli train --model $d/model --compile-layers on --compile-cache-dir $d/compile \
+               --save-every 0 --progress false --output-dir $d/run$i ${CCACHE_ARGS:---gpu-memory-limit 24 --max-steps 6} \
+               2>&1 | while IFS= read -r line; do   # the seconds from launch to the first step's line
+                 case "$line" in "step 1/"*) echo "run $i: $(awk "BEGIN {print $(date +%s.%N) - $t0}") s launch to step 1" \
+                   >> $R/compilecache/launch_s.txt;; esac; echo "$line"; done > $R/compilecache/run$i.log
+             cp $d/run$i/summary.json $R/compilecache/summary$i.json 2>/dev/null; cp $d/run$i/metrics.csv $R/compilecache/metrics$i.csv 2>/dev/null
+             rm -rf $d/run$i/final
+             grep -E "compile|^step 1/" $R/compilecache/run$i.log
+           done
+           cat $R/compilecache/launch_s.txt; du -sh $d/compile > $R/compilecache/cache_size.txt; ls $d/compile >> $R/compilecache/cache_size.txt
+           rm -rf $d ;;
     savetests) # the checkpoint writer's GPU staging and the asynchronous save on a GPU (CUDA-only tests)
            timeout 300 python -m pytest -q -rs -m gpu tests/test_checkpoint_writer.py tests/test_async_save.py > $R/save_gpu_tests.txt 2>&1
            tail -5 $R/save_gpu_tests.txt ;;

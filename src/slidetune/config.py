@@ -236,6 +236,10 @@ _HELP = {
                       "build takes ~44x their size)",
     "data.cache_dir": "where tokenized data is kept between runs (None: HF_DATASETS_CACHE/slidetune; off: not "
                       "kept); a second run on the same data and tokenizer does not tokenize again",
+    "runtime.compile_cache_dir": "where compiled layers are kept between runs (None: $XDG_CACHE_HOME/slidetune/compile, "
+                                 "else ~/.cache/slidetune/compile; off: torch's default in /tmp, emptied at reboot); "
+                                 "a second run of the same model and shape reads its layers from there instead of "
+                                 "compiling them again. A TORCHINDUCTOR_CACHE_DIR you set is kept",
     "data.packing": "masked: documents packed into rows of seq_len+1 tokens, each attending only to itself "
                     "(positions restart per document); causal: packed and unmasked, documents see the ones "
                     "before them in the row (pretraining corpora); off: one example per row, right-padded. "
@@ -324,7 +328,7 @@ FLAG_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "memory": ("the memory budget: the fit check, the GPU's limit and the disk tier",
                ("check_memory", "gpu_memory_limit", "runtime.disk_dir")),
     "offload": ("what leaves the GPU besides the optimizer state", ("runtime.offload_activations",)),
-    "compile": ("torch.compile of the decoder layers", ("runtime.compile_layers",)),
+    "compile": ("torch.compile of the decoder layers", ("runtime.compile_layers", "runtime.compile_cache_dir")),
     "evaluation": ("held-out loss and greedy samples during the run",
                    ("eval_every", "eval_batches", "eval_prompts", "eval_max_new_tokens")),
     "output": ("where results and checkpoints go, and resuming",

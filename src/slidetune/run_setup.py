@@ -6,7 +6,7 @@ before anything large is allocated. What differs between them is the request (th
 shape, the optimizer, whether a refusal is an error or a result) and three hooks where `train`
 does its own work in the sequence:
 
-  limit GPU memory -> load the model -> after_load(loaded)             (train: the reference check)
+  the compile cache (engine/compile_cache.py) -> limit GPU memory -> load the model -> after_load(loaded)             (train: the reference check)
   -> resolve the auto settings (engine.fit.place_on_ranks) -> the placement plan
   -> on_placed(prepared)                                               (train: what the autos chose)
   -> check the fit (engine.fit.check_fit_on_ranks)
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable
 
 from .device import Device
 from .engine import AdamWConfig, RuntimeConfig, build_engine
+from .engine.compile_cache import CompileCache, use_compile_cache
 from .engine.fit import InsufficientMemoryError, Workload, check_fit_on_ranks, place_on_ranks
 from .engine.placement import PlacementPlan, unit_shapes
 from .models.load import LoadedModel, load_model
@@ -69,6 +70,8 @@ class PreparedRun:
     engine: Engine | None = None
     refusal: str | None = None          # why it does not fit (refusal_as_result); engine None then
     build_s: float = 0.0                # seconds build_engine took
+    # where compiled layers are read and written (engine/compile_cache.py); None: the run cannot compile
+    compile_cache: CompileCache | None = None
 
     @property
     def gpu_free_bytes(self) -> int | None:
@@ -101,6 +104,11 @@ def prepare_run(req: RunRequest, device: Device, ranks: Ranks | None = None, *,
     comes before anything large is allocated, the engine last. before_build returns the runtime
     the engine is built with (train resolves compile_layers there); by default prepared.runtime."""
     ranks = ranks or Ranks.single()
+    # before anything is compiled: torch reads its cache directory at the first compile. Where the
+    # layers may compile: slide mode, on (or auto on CUDA: compile_policy resolves auto off elsewhere)
+    may_compile = req.runtime.compile_layers == "on" or (req.runtime.compile_layers == "auto" and device.is_cuda)
+    compile_cache = use_compile_cache(req.runtime.compile_cache_dir) \
+        if req.runtime.mode == "slide" and may_compile else None
     gpu_free = limit_gpu_memory(req.gpu_memory_limit_gib, device, req.announce)
     loaded = load_model(req.model, num_layers=req.num_layers, seed=req.seed, with_tokenizer=req.with_tokenizer)
     if after_load is not None:
@@ -119,7 +127,8 @@ def prepare_run(req: RunRequest, device: Device, ranks: Ranks | None = None, *,
                                 placed.resolved_schedule(req.grad_accum, req.max_grad_norm), ranks=ranks.cfg.world_size,
                                 local_ranks=ranks.cfg.local_world_size)
             if placed.mode == "slide" else None)
-    prepared = PreparedRun(loaded, dataclasses.replace(placed, device=req.runtime.device), plan, work)
+    prepared = PreparedRun(loaded, dataclasses.replace(placed, device=req.runtime.device), plan, work,
+                           compile_cache=compile_cache)
     if on_placed is not None:
         on_placed(prepared)
     if req.check_memory:

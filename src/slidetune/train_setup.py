@@ -31,6 +31,7 @@ from .data.token_arrays import is_token_source
 from .device import Device, resolve_dtype
 from .engine import RuntimeConfig
 from .engine.autos import describe_autos
+from .engine.compile_cache import CompileCache, CompileCounters, cache_holds, describe_cache, layer_compile_key
 from .engine.compile_policy import choose_compile_layers, resolve_compile_layers
 from .engine.placement import PlacementPlan
 from .engine.slide.disk_tier import tier_bytes
@@ -140,6 +141,16 @@ class RunInputs:
     stale: list[Path]
     eval_prompts: list[EvalPrompt] = field(default_factory=list)   # sampled at each evaluation (evaluation/samples.py)
     pairs: PairSampler | None = None     # a preference objective's pairs (data/pair_source.py)
+    compile: CompiledLayers | None = None    # the layers are compiled: where their cache is, the counters before
+
+
+@dataclass(frozen=True)
+class CompiledLayers:
+    """A run that compiles its layers: the cache (engine/compile_cache.py), its key for this run's
+    layers, and dynamo's counters before the engine was built (the first step reports the difference)."""
+    cache: CompileCache
+    key: str
+    before: CompileCounters
 
 
 def prepare_training(cfg: TrainConfig, ranks: Ranks, device: Device, out: Path, verbose: bool = False,
@@ -269,12 +280,19 @@ def _prepare_inputs(cfg: TrainConfig, prepared: PreparedRun, source, pair_record
     total_steps = cfg.resolved_max_steps(device.is_cuda)
     if cfg.epochs is not None:
         total_steps = max(1, int(cfg.epochs * data.micro_batches_per_epoch / cfg.grad_accum))
+    cache = prepared.compile_cache
+    key = layer_compile_key(loaded.split.config, runtime, data.rows, cfg.data.seq_len, device_name(device)) \
+        if cache is not None else ""
     compiled = choose_compile_layers(runtime, loaded.split, is_cuda=device.is_cuda, steps=total_steps,
                                      tokens_per_step=data.rows * cfg.grad_accum * cfg.data.seq_len,
-                                     seq_len=cfg.data.seq_len)
+                                     seq_len=cfg.data.seq_len, cached=cache is not None and cache_holds(cache, key))
     runtime = resolve_compile_layers(runtime, compiled)
+    compile_layers = CompiledLayers(cache, key, CompileCounters.now()) \
+        if cache is not None and runtime.compiles_layers() else None
     if cfg.runtime.mode == "slide":
         say(f"compile_layers {cfg.runtime.compile_layers} -> {compiled.compile_layers} ({compiled.reason})")
+    if compile_layers is not None:
+        print(describe_cache(cache))        # always: where files are written between runs
     ckpt_dir = checkpoint_root(cfg, out)
     save_dtype = resolve_save_dtype(cfg.save_dtype, loaded.split.config, runtime.dtype)
     # Rank 0 alone reads and changes the output directory before the run (leftovers, free space,
@@ -283,7 +301,13 @@ def _prepare_inputs(cfg: TrainConfig, prepared: PreparedRun, source, pair_record
                                                                       ckpt_dir, save_dtype, total_steps,
                                                                       ranks.world_size))
     return RunInputs(data.sampler, data.heldout, data.pad_id, total_steps, ckpt_dir, save_dtype, saves, resume_from,
-                     stale, pairs=data.pairs), runtime
+                     stale, pairs=data.pairs, compile=compile_layers), runtime
+
+
+def device_name(device: Device) -> str:
+    """The device the layers compile for, by model: a compiled layer's kernels are the GPU's."""
+    import torch
+    return torch.cuda.get_device_name(device.device) if device.is_cuda else device.device.type
 
 
 def _prepare_output(cfg: TrainConfig, loaded: LoadedModel, plan: PlacementPlan | None, runtime, out: Path,

@@ -42,6 +42,7 @@ from .data.chat_template import load_chat_template
 from .data.token_cache import cache_root
 from .device import Device
 from .engine import StepResult
+from .engine.compile_cache import CompileCounters, describe_compile, remember_compile
 from .evaluation.samples import decode_completion, encode_prompt, greedy_completions, write_samples
 from .faults import maybe_fail
 from .models.load import LoadedModel
@@ -148,6 +149,14 @@ class TrainSummary:
     reference_cached: bool | None = None
     eval_before: dict | None = None
     eval_after: dict | None = None
+    # compiled layers (engine/compile_cache.py): dynamo's compile seconds over the run and inductor's
+    # FX-graph / AOTAutograd cache hits and misses; None where the layers were not compiled
+    compile_s: float | None = None
+    compile_fx_cache_hits: int | None = None
+    compile_fx_cache_misses: int | None = None
+    compile_fx_cache_bypasses: int | None = None
+    compile_autograd_cache_hits: int | None = None
+    compile_autograd_cache_misses: int | None = None
 
 
 def evaluate(engine, heldout, batch_size: int, pad_id: int, max_batches: int,
@@ -286,6 +295,7 @@ class Trainer:
         # updates overlap the next forward instead of stalling the loop; a step that must be
         # complete at once (eval, save, stop, the last one) is checked right away.
         self.pending: _IssuedStep | None = None
+        self.compile = run.compile       # compiled layers: where their cache is, the counters before
         self.where = "start-up"          # the phase running now: what a GPU out-of-memory names
         # where checkpoints go, when and how they are written (checkpoint/manager.py)
         self.checkpoints = CheckpointManager(
@@ -421,6 +431,8 @@ class Trainer:
         tps = s.tokens / s.dt if s.dt > 0 else float("nan")
         if s.step > self.start_step:            # the first step includes warm-up
             self.tok_rates.append(tps)
+        if s.step == self.start_step and self.compile is not None:
+            self.report_compile()
         self.first_loss = res.loss if self.first_loss is None else self.first_loss
         self.last_loss = res.loss
         row = self.metrics.row(dict(step=s.step + 1, loss=res.loss, lr=s.lr, grad_norm=grad_norm, tokens_per_s=tps,
@@ -431,6 +443,14 @@ class Trainer:
         self.metrics.add_step(row, self.total_steps, self.device.is_cuda, self.cfg.log_every)
         self.notify("on_step", s.step + 1, _scalars(row))
         return row
+
+    def report_compile(self) -> None:
+        """After the first step: whether the layers came from the compile cache, and the cache's marker
+        for the next run's compile_layers auto (engine/compile_cache.py)."""
+        done = CompileCounters.now().since(self.compile.before)
+        if self.ranks.is_main:
+            print(describe_compile(done, self.compile.cache))
+            remember_compile(self.compile.cache, self.compile.key, done)
 
     def fail_non_finite(self, step: int, bad: str) -> NoReturn:
         """Stop the run at a non-finite step: metrics so far to disk, then a TrainingError with hints."""
@@ -618,7 +638,8 @@ class Trainer:
             wall_s=time.perf_counter() - self.t_start, interrupted=self.interrupted,
             stopped_early=self.stopped_early,
             device=torch.cuda.get_device_name() if self.device.is_cuda else "cpu", dtype=cfg.runtime.dtype,
-            objective=cfg.objective, **data, **self.checkpoints.totals())
+            objective=cfg.objective, **data, **self.checkpoints.totals(),
+            **(CompileCounters.now().since(self.compile.before).summary() if self.compile is not None else {}))
         # rank 0 writes it and the other ranks wait for it (on_main): a rank that ended first would
         # make torchrun stop the others (SIGTERM), rank 0 perhaps before this file is written
         self.ranks.on_main(lambda: write_text(self.out / "summary.json", json.dumps(summary.__dict__, indent=2) + "\n"))

@@ -11,6 +11,10 @@ at the eager rate: an estimate, stated as such in the reason the resolved config
 
 Only slide mode compiles layers, and only on CUDA (inductor's CPU code is not what the
 measurements above are of, and a CPU run has seconds to spare for nothing).
+
+Where the compile cache holds this run's layers (engine/compile_cache.py: an earlier run of the same
+layers, shape and settings compiled them) the compile costs a fraction of a cold one, and shorter
+runs earn it back.
 """
 from __future__ import annotations
 
@@ -23,6 +27,12 @@ from .config import RuntimeConfig
 EAGER_LAYER_TFLOPS = 401.0      # measured, H100 (docs/contract.md)
 COMPILED_LAYER_TFLOPS = 487.0   # measured, same layer and batch
 COMPILE_S = 40.0                # start-up compile of an 8B's layers on the H100 host (README)
+# The compile when the cache holds this run's layers (engine/compile_cache.py), as a fraction of the
+# cold one: Dynamo still traces the layers, inductor and AOTAutograd read their results from disk.
+# Measured on CPU (2026-11-29, `slidetune train` of a 2-layer tiny-llama, [2, 32] tokens, 2 shared
+# cores, torch 2.13; dynamo's compile seconds as the first step prints them): 35.2 and 43.1 s cold,
+# 4.3 and 3.4 s from the cache, ~0.1 of it. The H200's own figure for an 8B is still to be measured.
+WARM_COMPILE_FRACTION = 0.1
 # The compile must come back this many times over. 2.5: the default 8B run (300 steps of
 # 16 x 1024 tokens, ~0.36 s saved a step) earns it back ~2.7x, so it compiles; a 20-step try or
 # a small model's run does not.
@@ -36,9 +46,10 @@ class CompileChoice:
 
 
 def choose_compile_layers(rt: RuntimeConfig, split: SplitModel, *, is_cuda: bool, steps: int,
-                          tokens_per_step: int, seq_len: int) -> CompileChoice:
+                          tokens_per_step: int, seq_len: int, cached: bool = False) -> CompileChoice:
     """What compile_layers=auto resolves to for a run of `steps` optimizer steps of
-    `tokens_per_step` tokens; an explicit on/off is kept, with its reason."""
+    `tokens_per_step` tokens; an explicit on/off is kept, with its reason. cached: the compile
+    cache holds these layers (compile_cache.cache_holds): the compile costs WARM_COMPILE_FRACTION of it."""
     if rt.compile_layers != "auto":
         return CompileChoice(rt.compile_layers, "set explicitly")
     if rt.mode != "slide":
@@ -49,10 +60,11 @@ def choose_compile_layers(rt: RuntimeConfig, split: SplitModel, *, is_cuda: bool
     flops = train_flops_per_token(split, seq_len) * tokens_per_step
     eager_s = flops / (EAGER_LAYER_TFLOPS * 1e12)
     saved_s = eager_s * (1 - EAGER_LAYER_TFLOPS / COMPILED_LAYER_TFLOPS)
-    earned = steps * saved_s / COMPILE_S
+    compile_s = COMPILE_S * WARM_COMPILE_FRACTION if cached else COMPILE_S
+    earned = steps * saved_s / compile_s
     est = (f"{steps} steps x ~{saved_s:.3f} s saved a step (~{eager_s:.2f} s of layer compute eager, "
-           f"{1 - EAGER_LAYER_TFLOPS / COMPILED_LAYER_TFLOPS:.0%} less compiled) against a ~{COMPILE_S:.0f} s "
-           f"compile: {earned:.1f}x")
+           f"{1 - EAGER_LAYER_TFLOPS / COMPILED_LAYER_TFLOPS:.0%} less compiled) against a ~{compile_s:.0f} s "
+           f"compile{' (from the compile cache)' if cached else ''}: {earned:.1f}x")
     if earned >= PAYBACK:
         return CompileChoice("on", est + f" >= {PAYBACK:g}x")
     return CompileChoice("off", est + f" < {PAYBACK:g}x (--compile-layers on compiles anyway)")

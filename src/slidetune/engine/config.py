@@ -462,6 +462,11 @@ class RuntimeConfig:
     # (engine/compile_policy.py; `slidetune train` prints the estimate); left unresolved (an
     # engine built directly, a benchmark) it means off. on | off (true | false) force it.
     compile_layers: Literal["auto", "on", "off"] = checked_field("auto", normalize=_on_off_auto)
+    # Where the compiled layers are kept between runs (engine/compile_cache.py: inductor's FX-graph and
+    # AOTAutograd caches, Triton's kernels with them): None -> $XDG_CACHE_HOME/slidetune/compile (else
+    # ~/.cache/slidetune/compile); "off": torch's defaults (/tmp, emptied at reboot). A
+    # TORCHINDUCTOR_CACHE_DIR the user set is kept.
+    compile_cache_dir: str | None = None
     # The disk tier's directory (--tuning.disk_units and disk_master say what goes there)
     disk_dir: str | None = None
     # AdamW's moments of the host-updated units: fp32 (exact, the default), or bf16 / 8bit (issue 46:
