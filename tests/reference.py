@@ -39,9 +39,11 @@ def build_reference(loaded: LoadedModel) -> torch.nn.Module:
 class ReferenceTrainer:
     def __init__(self, model, lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_grad_norm=None):
         self.model = model
-        params = [p for p in model.parameters()]
-        decay = [p for p in params if p.dim() >= 2]
-        rest = [p for p in params if p.dim() < 2]
+        # no decay on norms and biases: the 1-D tensors, and biases of any shape (gpt-oss's experts'
+        # [E, 2I] and [E, H] biases; HF's Trainer leaves every name with "bias" undecayed)
+        named = list(model.named_parameters())
+        decay = [p for n, p in named if p.dim() >= 2 and "bias" not in n.lower()]
+        rest = [p for n, p in named if not (p.dim() >= 2 and "bias" not in n.lower())]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                       {"params": rest, "weight_decay": 0.0}],
                                      lr=lr, betas=betas, eps=eps, foreach=False)

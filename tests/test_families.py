@@ -188,6 +188,17 @@ def gpt_oss_model(config: GptOssConfig, seed: int = 1):
     return model.eval()
 
 
+def test_biases_of_any_shape_are_not_decayed():
+    """Weight decay spares norms and biases (docs/engine.md), also the experts' 2-D bias matrices of
+    gpt-oss ([E, 2I], [E, H]), as HF's Trainer spares every name holding "bias"."""
+    split = SplitModel(skeleton(gpt_oss_config()))
+    layer = split.layer_units[0]
+    decayed = {p.local_name for p in layer.params if p.decay}
+    assert {"mlp.experts.gate_up_proj", "mlp.experts.down_proj", "self_attn.q_proj.weight"} <= decayed
+    assert not decayed & {"mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias", "mlp.router.bias",
+                          "self_attn.sinks", "self_attn.q_proj.bias"}
+
+
 def test_gpt_oss_trains_in_slide_mode_like_the_reference():
     """gpt-oss (sinks through SDPA, alternating sliding/full layers, its MoE with biases) from a state
     dict: three AdamW steps of the slide engine equal transformers' eager model trained by the

@@ -120,9 +120,13 @@ class _NoSharedKV(dict):
 
 
 def _layout(unit: UnitSpec, named: list[tuple[str, str, nn.Parameter]]) -> None:
-    """Decayed matrices first, then norms/biases: each group is one contiguous range."""
-    decay = [(l, f, p) for l, f, p in named if p.dim() >= 2]
-    rest = [(l, f, p) for l, f, p in named if p.dim() < 2]
+    """Decayed matrices first, then norms/biases: each group is one contiguous range. Biases are not
+    decayed whatever their shape (gpt-oss's experts' [E, 2I] / [E, H] biases: HF's Trainer decays no
+    name holding "bias"); every other tensor of 2 or more dims is."""
+    def decays(local: str, p: nn.Parameter) -> bool:
+        return p.dim() >= 2 and "bias" not in local.lower()
+    decay = [(l, f, p) for l, f, p in named if decays(l, p)]
+    rest = [(l, f, p) for l, f, p in named if not decays(l, p)]
     offset = 0
     for group, is_decay in ((decay, True), (rest, False)):
         for local, full, p in group:
