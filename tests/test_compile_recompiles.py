@@ -22,7 +22,8 @@ from slidetune.engine.compile_cache import INDUCTOR_ENV
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 # One interpreter (fresh dynamo counters): `slidetune train` compiled, then eager, of a 2-layer tiny Llama
-# on the built-in corpus at [2, 32] (3 steps, an evaluation before, after step 2 and at the end). Counts
+# on the built-in corpus at [3, 32] (3 steps; the whole held-out split, whose last batch is short, before,
+# after step 2 and at the end). Counts
 # whether transformers found documents in each mask it built (the real packed_mask, wrapped), so the test
 # knows both kinds of batch came by. Prints what dynamo compiled and why it recompiled.
 CHILD = """
@@ -38,9 +39,9 @@ def counted(fn):
     seen.append(has_documents(fn))
     return seen[-1]
 packed_attention._has_documents = counted
-common = ["--model", "tiny-llama", "--num-layers", "2", "--seq-len", "32", "--batch-size", "2", "--max-steps", "3",
-          "--eval-every", "2", "--eval-batches", "2", "--progress", "false", "--device", "cpu", "--dtype", "fp32",
-          "--compile-cache-dir", cache]
+common = ["--model", "tiny-llama", "--num-layers", "2", "--seq-len", "32", "--batch-size", "3", "--max-steps", "3",
+          "--eval-every", "2", "--eval-batches", "0", "--heldout-fraction", "0.005", "--progress", "false",
+          "--device", "cpu", "--dtype", "fp32", "--compile-cache-dir", cache]
 assert main(["train", *common, "--compile-layers", "true", "--output-dir", out + "/compiled"]) == 0
 compiled = {"frames": len(dynamo_utils.compilation_time_metrics.get("_compile.compile_inner", [])),
             "unique_graphs": dynamo_utils.counters["stats"]["unique_graphs"],
@@ -71,6 +72,10 @@ def test_train_with_an_evaluation_compiles_each_graph_once(tmp_path):
     # the no-grad forward (evaluations, the step's forward) and the recompute: one frame each, no recompile
     assert compiled["frames"] == 2 and compiled["unique_graphs"] == 2, compiled
     assert compiled["guard_failures"] == {}, compiled["guard_failures"]
+    # what the run records of it (compile_cache.CompileCounters: the GPU's device job reads the same field)
+    summary = json.loads((tmp_path / "compiled" / "summary.json").read_text())
+    assert summary["compile_frames"] == 2
+    assert summary["heldout_sequences"] % 3 != 0                 # a short last batch, evaluated at [3, 32] too
     losses, evals = metrics(tmp_path / "compiled")
     eager_losses, eager_evals = metrics(tmp_path / "eager")
     assert len(losses) == 3 and len(evals) == 3                  # before training, after step 2, at the end
