@@ -55,7 +55,10 @@ def _has_documents(mask_function) -> bool:
         if getattr(fn, "__qualname__", "").startswith("packed_sequence_mask_function"):
             return True
         for cell in getattr(fn, "__closure__", None) or ():
-            value = cell.cell_contents
+            try:
+                value = cell.cell_contents
+            except ValueError:              # a cell not yet filled
+                continue
             todo.extend(v for v in (value if isinstance(value, (tuple, list)) else (value,)) if callable(v))
     return False
 
