@@ -96,10 +96,11 @@ def test_a_second_process_reads_the_compiled_layers_from_the_cache(tmp_path):
     assert warm["new_shape"]["compile_fx_cache_misses"] > 0 and warm["new_shape"]["compile_fx_cache_hits"] == 0
     # `slidetune train` of the same layers and shape (a pre-tokenized corpus: full rows, no padding
     # mask, as above) says so at its first step, records it in summary.json and leaves the marker
-    # compile_layers auto reads (compile_cache.cache_holds)
+    # compile_layers auto reads (compile_cache.cache_holds). Packing causal: SDPA's causal attention as in the
+    # child (masked packing's layers take a document mask for every batch: ops/packed_attention.packed_mask)
     np.save(tmp_path / "ids.npy", (np.arange(4000) * 7 % 250).astype(np.uint16))
     out = run_train(["--model", "tiny-llama", "--num-layers", "2", "--data", str(tmp_path / "ids.npy"),
-                     "--seq-len", "16", "--batch-size", "2", "--heldout-fraction", "0", "--progress", "false",
+                     "--seq-len", "16", "--batch-size", "2", "--heldout-fraction", "0", "--packing", "causal", "--progress", "false",
                      "--device", "cpu", "--dtype", "fp32", "--compile-layers", "true", "--compile-cache-dir", str(cache),
                      "--max-steps", "2", "--output-dir", str(tmp_path / "run")])
     assert "compiled layers: from the cache in" in out and f"compile cache: {cache} (--compile-cache-dir" in out

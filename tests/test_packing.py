@@ -188,7 +188,8 @@ def _reference_step(trainer: ReferenceTrainer, batch: Batch) -> tuple[float, flo
 
 def test_compiled_layer_takes_a_new_document_mask_without_recompiling():
     """compile_layers: the mask is an input of the compiled layer (a fixed-shape bool tensor on
-    CPU), so micro-batches with different document boundaries reuse one graph."""
+    CPU), so micro-batches with different document boundaries reuse one graph; so does a batch with
+    no boundary (packed_mask builds its mask too: one document per row; it was None, a recompile)."""
     from torch._dynamo.testing import CompileCounter
     torch._dynamo.reset()
     loaded = make_loaded()
@@ -198,9 +199,11 @@ def test_compiled_layer_takes_a_new_document_mask_without_recompiling():
     counter = CompileCounter()
     compiled = torch.compile(run_layer, backend=counter, dynamic=False)
     g = torch.Generator().manual_seed(0)
-    for step in range(3):
+    for step in range(4):
         starts = torch.rand(2, 24, generator=g) < 0.2
-        starts[:, 5 + step] = True                                   # a boundary in every batch
+        starts[:, 5 + step] = True                                   # a boundary in the first three batches
+        if step == 3:
+            starts[:] = False                                        # the last: one document a row
         kwargs = split.layer_kwargs(2, 24, torch.float32, torch.device("cpu"),
                                     position_ids=document_positions(starts))[0]
         assert kwargs["attention_mask"] is not None

@@ -196,20 +196,21 @@ PY
            # tokenizer: preference_model.py), the built-in corpus, --compile-layers on, CCACHE_ARGS (default
            # --gpu-memory-limit 24 --max-steps 6), twice into one --compile-cache-dir. Compare in run1.log / run2.log
            # "compiled layers: ..." (compiled in N s vs from the cache in N s), step 1's step_s, each run's launch
-           # to the first step (launch_s.txt) and summary.json's compile_* fields
+           # to the first step (launch_s.txt) and summary.json's compile_* fields; TORCH_LOGS=recompiles: each
+           # recompile's guard failure (2026-11-29: 2 frames expected, compile_frames, none recompiled)
            d=/var/tmp/ccache; rm -rf $d; mkdir -p $R/compilecache
            python benchmarks/scripts/preference_model.py $d --model ${CCACHE_MODEL:-qwen3-8b} --pairs 8 \
              > $R/compilecache/model.json 2> $R/compilecache/model.err; tail -1 $R/compilecache/model.json
            for i in 1 2; do
              t0=$(date +%s.%N)
-             PYTHONUNBUFFERED=1 python -m slidetune.cli train --model $d/model --compile-layers on --compile-cache-dir $d/compile \
+             PYTHONUNBUFFERED=1 TORCH_LOGS=recompiles python -m slidetune.cli train --model $d/model --compile-layers on --compile-cache-dir $d/compile \
                --save-every 0 --progress false --output-dir $d/run$i ${CCACHE_ARGS:---gpu-memory-limit 24 --max-steps 6} \
                2>&1 | while IFS= read -r line; do   # the seconds from launch to the first step's line
                  case "$line" in "step 1/"*) echo "run $i: $(awk "BEGIN {print $(date +%s.%N) - $t0}") s launch to step 1" \
                    >> $R/compilecache/launch_s.txt;; esac; echo "$line"; done > $R/compilecache/run$i.log
              cp $d/run$i/summary.json $R/compilecache/summary$i.json 2>/dev/null; cp $d/run$i/metrics.csv $R/compilecache/metrics$i.csv 2>/dev/null
              rm -rf $d/run$i/final
-             grep -E "compile|^step 1/" $R/compilecache/run$i.log
+             grep -E "compile|^step 1/|Recompiling|guard failure|    - [0-9]+/[0-9]+: " $R/compilecache/run$i.log
            done
            cat $R/compilecache/launch_s.txt; du -sh $d/compile > $R/compilecache/cache_size.txt; ls $d/compile >> $R/compilecache/cache_size.txt
            rm -rf $d ;;

@@ -157,6 +157,22 @@ class TrainSummary:
     compile_fx_cache_bypasses: int | None = None
     compile_autograd_cache_hits: int | None = None
     compile_autograd_cache_misses: int | None = None
+    compile_frames: int | None = None       # Dynamo frames compiled: 2 for HF's layer, more is a recompile
+
+
+def _full_batch(heldout, rows: list[int], real: int, batch_size: int, pad_id: int):
+    """Rows `rows` of `heldout` as a batch of batch_size rows: the first `real` count, the rest (repeats of
+    the first row) have every label ignored and add nothing. The last, shorter batch may leave a rank no
+    row: it still runs a forward, as every rank must (the collectives a forward may issue, dp_weights=gather's
+    broadcasts, match across ranks). Always batch_size rows: the training batches' shape, so compiled layers
+    (dynamic=False) do not compile the evaluation's last batch anew; an 8B's ~12 held-out rows of 1024 at
+    batch 16 were a [12, 1024] compile of the forward before the first step (2026-11-29)."""
+    batch = collate(heldout, rows + [rows[0]] * (batch_size - len(rows)), pad_id)
+    if real < batch_size:
+        labels = batch.labels.clone()                                  # [batch_size, S]
+        labels[real:] = IGNORE_INDEX
+        batch = dataclasses.replace(batch, labels=labels)
+    return batch
 
 
 def evaluate(engine, heldout, batch_size: int, pad_id: int, max_batches: int,
@@ -173,15 +189,7 @@ def evaluate(engine, heldout, batch_size: int, pad_id: int, max_batches: int,
         if max_batches and i >= max_batches:
             break
         mine = ranks.rows(range(start, min(start + global_batch, len(heldout))), batch_size)
-        if mine:
-            batch = collate(heldout, mine, pad_id)
-        else:
-            # The last, shorter batch may leave this rank none. It still runs a forward, of a row with
-            # every label ignored (it adds nothing): every rank must run the same forwards, as the
-            # collectives a forward may issue (dp_weights=gather's broadcasts) match across ranks.
-            batch = collate(heldout, [start], pad_id)
-            batch = dataclasses.replace(batch, labels=torch.full_like(batch.labels, IGNORE_INDEX))
-        s, n = engine.eval_loss(batch)
+        s, n = engine.eval_loss(_full_batch(heldout, mine or [start], len(mine), batch_size, pad_id))
         total += s
         count += n
     total, count = ranks.sum([total, float(count)])

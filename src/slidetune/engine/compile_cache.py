@@ -115,6 +115,9 @@ class CompileCounters:
     autograd_hits: int = 0
     autograd_misses: int = 0
     compile_s: float = 0.0
+    # Dynamo frames compiled: one per compiled function and set of guards; a recompile (a guard that
+    # failed: grad mode, a mask's form, a shape) adds one. 2 for HF's layer (the no-grad forward and the recompute)
+    frames: int = 0
 
     @staticmethod
     def now() -> "CompileCounters":
@@ -123,7 +126,7 @@ class CompileCounters:
         seconds = sum(sum(compilation_time_metrics.get(name, [])) for name in _COMPILE_METRICS)
         return CompileCounters(inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"],
                                inductor["fxgraph_cache_bypass"], aot["autograd_cache_hit"], aot["autograd_cache_miss"],
-                               seconds)
+                               seconds, frames=len(compilation_time_metrics.get(_COMPILE_METRICS[0], [])))
 
     def since(self, before: "CompileCounters") -> "CompileCounters":
         return CompileCounters(*(getattr(self, f.name) - getattr(before, f.name) for f in dataclasses.fields(self)))
@@ -142,14 +145,14 @@ class CompileCounters:
         return {"compile_s": round(self.compile_s, 2), "compile_fx_cache_hits": self.fx_hits,
                 "compile_fx_cache_misses": self.fx_misses, "compile_fx_cache_bypasses": self.fx_bypasses,
                 "compile_autograd_cache_hits": self.autograd_hits,
-                "compile_autograd_cache_misses": self.autograd_misses}
+                "compile_autograd_cache_misses": self.autograd_misses, "compile_frames": self.frames}
 
 
 def describe_compile(done: CompileCounters, cache: CompileCache) -> str:
     """The first step's line: where the compiled layers came from, and in how long."""
     bypassed = f", {done.fx_bypasses} not cacheable" if done.fx_bypasses else ""
-    counts = (f"{done.fx_hits} of {done.graphs} graphs from inductor's cache{bypassed}, AOTAutograd "
-              f"{done.autograd_hits} hits / {done.autograd_misses} misses")
+    counts = (f"{done.frames} Dynamo frames, {done.fx_hits} of {done.graphs} graphs from inductor's cache{bypassed}, "
+              f"AOTAutograd {done.autograd_hits} hits / {done.autograd_misses} misses")
     where = str(cache.directory) if cache.persistent else f"{_torch_default_dir()} (torch's default, emptied at reboot)"
     if done.from_cache:
         return f"compiled layers: from the cache in {done.compile_s:.1f} s ({counts}; {where})"

@@ -13,7 +13,8 @@ becomes depends on the attention implementation; "slidetune_packed" picks per de
   CPU   transformers' `sdpa_mask` -> a boolean block-diagonal causal mask [B, 1, S, S] and
         `sdpa_attention_forward` (flex has no CPU backward; the tests run here).
 
-A batch without a document boundary (every row one document) gets the plain causal mask.
+A batch without a document boundary (every row one document) gets the same kind of mask, one
+document per row (packed_mask: one form for every batch, so a compiled layer compiles once).
 No kernel of our own. Under compile_layers the mask is an input of the compiled layer:
 a fixed-shape bool tensor on CPU; on CUDA a BlockMask, whose mask_mod closure tensors
 (the per-row document ids) torch >= 2.10 lifts into pytree leaves, so a new mask per
@@ -42,11 +43,46 @@ def _on_cuda(device) -> bool:
     return torch.device(device).type == "cuda"
 
 
-def packed_mask(batch_size: int, q_length: int, kv_length: int, *, device="cpu", **kwargs):
-    """AttentionMaskInterface entry: a BlockMask on CUDA, a bool SDPA mask (or None) elsewhere."""
-    from transformers.masking_utils import flex_attention_mask, sdpa_mask
-    build = flex_attention_mask if _on_cuda(device) else sdpa_mask
-    return build(batch_size, q_length, kv_length, device=device, **kwargs)
+def _has_documents(mask_function) -> bool:
+    """Whether transformers ANDed its packed-sequence function into `mask_function` (found in the
+    closures of and_masks / or_masks, which keep their parts there)."""
+    seen, todo = set(), [mask_function]
+    while todo:
+        fn = todo.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if getattr(fn, "__qualname__", "").startswith("packed_sequence_mask_function"):
+            return True
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:              # a cell not yet filled
+                continue
+            todo.extend(v for v in (value if isinstance(value, (tuple, list)) else (value,)) if callable(v))
+    return False
+
+
+def packed_mask(batch_size: int, q_length: int, kv_length: int, *, device="cpu", mask_function=None, **kwargs):
+    """AttentionMaskInterface entry: a BlockMask on CUDA, a bool SDPA mask elsewhere, for every batch.
+
+    One form for every batch, so that a compiled layer (compile_layers) is compiled once: a batch without a
+    document boundary (transformers then finds no packed sequence: find_packed_sequence_indices) gets the
+    same mask function as one with boundaries, ANDed with one document per row (document ids all 0: the
+    same mask, the same values), and SDPA's mask is always built (allow_is_causal_skip off; otherwise
+    None, is_causal). Measured 2026-11-29 (tiny-llama, 2 compiled layers, `slidetune train` on CPU): the
+    first batch with a boundary recompiled the layer's no-grad and grad graphs, 4 compiles -> 2."""
+    from transformers.masking_utils import (and_masks, flex_attention_mask, packed_sequence_mask_function,
+                                            sdpa_mask)
+    if mask_function is not None and not _has_documents(mask_function):
+        one_document = torch.zeros((batch_size, kv_length), dtype=torch.int64, device=device)    # [B, S]
+        mask_function = and_masks(mask_function, packed_sequence_mask_function(one_document))
+    if _on_cuda(device):
+        kwargs.pop("allow_is_causal_skip", None)
+        return flex_attention_mask(batch_size, q_length, kv_length, device=device, mask_function=mask_function,
+                                   **kwargs)
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(batch_size, q_length, kv_length, device=device, mask_function=mask_function, **kwargs)
 
 
 def packed_attention(module, query, key, value, attention_mask, **kwargs):

@@ -119,6 +119,16 @@ def _to(t: torch.Tensor | None, dev: torch.device) -> torch.Tensor | None:
     return None if t is None else t.to(dev, non_blocking=True)
 
 
+def _row_positions(position_ids: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
+    """[B, S] position ids for every micro-batch: masked packing's (restarting per document), else
+    0..S-1 in each row, the values transformers assumes for None. One form, so the rotary tensors a
+    compiled layer receives are [B, S, hd] for every batch (None gave [1, S, hd]: a recompile of the
+    layer's two graphs at the first batch with a document boundary, 2026-11-29)."""
+    if position_ids is not None:
+        return position_ids
+    return torch.arange(ids.shape[1], device=ids.device).expand(ids.shape)                  # [B, S]
+
+
 def _leaves(views: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Fresh autograd leaves over the same memory (so gradients can be asked for)."""
     return {k: v.detach().requires_grad_(True) for k, v in views.items()}
@@ -463,7 +473,7 @@ class SlideEngine(Engine):
         labels = [mb.labels.to(dev, non_blocking=True) for mb in mbs]          # [B, S] each
         kwargs = [split.layer_kwargs(*i.shape, self.dtype, dev,
                                      attention_mask=_to(mb.attention_mask, dev),
-                                     position_ids=_to(getattr(mb, "position_ids", None), dev))  # masked packing
+                                     position_ids=_row_positions(_to(getattr(mb, "position_ids", None), dev), i))
                   for i, mb in zip(ids, mbs)]
         embed_slot = slots.use_own_slot(0)
         # Resident layers whose slot does not hold this step's weights (the first step, or

@@ -33,6 +33,34 @@ def resolve_lean_layer(split: SplitModel, rt: RuntimeConfig) -> str:
     return "off"
 
 
+# The compiled entry points, one function (one code object, so one Dynamo cache) per purpose; each
+# is the plain layer computation, inlined into its graph.
+def _forward_layer(module, params, hidden, kwargs, buffers):
+    """run_layer for the no-grad forward and evaluation: [B, S, d] -> [B, S, d]."""
+    return run_layer(module, params, hidden, kwargs, buffers)
+
+
+def _recompute_layer(module, params, hidden, kwargs, buffers):
+    """run_layer for the recompute the backward differentiates: [B, S, d] -> [B, S, d]."""
+    return run_layer(module, params, hidden, kwargs, buffers)
+
+
+def _forward_attention(layer, parts, x, kwargs):
+    return LeanLayers.attention(layer, parts, x, kwargs)
+
+
+def _recompute_attention(layer, parts, x, kwargs):
+    return LeanLayers.attention(layer, parts, x, kwargs)
+
+
+def _forward_mlp(layer, parts, h):
+    return LeanLayers.mlp(layer, parts, h)
+
+
+def _recompute_mlp(layer, parts, h):
+    return LeanLayers.mlp(layer, parts, h)
+
+
 class LayerRunner:
     def __init__(self, split: SplitModel, rt: RuntimeConfig, device: torch.device):
         """device: where the layers run (the lean layer's Liger kernels need CUDA)."""
@@ -47,11 +75,20 @@ class LayerRunner:
         # one compiled graph per kind of layer, keyed on a template module (dynamo guards on the
         # module object; one per layer would recompile L times)
         self._templates = [split.layer_template(i) for i in range(L)] if self.compiled else []
-        self._layer = torch.compile(run_layer, dynamic=False) if self.compiled and self.lean is None else None
-        # the lean halves: the MLP tile compiles for the full tile and the last, ragged one
-        self._attention = torch.compile(LeanLayers.attention, dynamic=False) \
-            if self.compiled and self.lean is not None else None
-        self._mlp = torch.compile(LeanLayers.mlp, dynamic=False) if self.compiled and self.lean is not None else None
+        # One compiled callable per purpose: the no-grad forward (an inference graph) and the recompute
+        # under autograd (a forward/backward pair) are two graphs whatever is done, but as one function
+        # the second is a recompile (guard failure "GLOBAL_STATE changed: grad_mode") sharing one code
+        # object's cache and its recompile_limit (8), past which Dynamo silently runs the layer eager.
+        # Two functions (distinct code objects) compile once each. 2026-11-29, tiny-llama, 2 layers:
+        # 4 frames of one function before (grad mode x mask form) -> 1 frame each of two functions.
+        hf, lean = self.compiled and self.lean is None, self.compiled and self.lean is not None
+        self._layer = torch.compile(_forward_layer, dynamic=False) if hf else None
+        self._layer_grad = torch.compile(_recompute_layer, dynamic=False) if hf else None
+        # the lean halves, likewise per purpose: the MLP tile compiles for the full tile and the last, ragged one
+        self._attention = torch.compile(_forward_attention, dynamic=False) if lean else None
+        self._mlp = torch.compile(_forward_mlp, dynamic=False) if lean else None
+        self._attention_grad = torch.compile(_recompute_attention, dynamic=False) if lean else None
+        self._mlp_grad = torch.compile(_recompute_mlp, dynamic=False) if lean else None
 
     def _module_of(self, i: int):
         return self._templates[i] if self.compiled else self.split.layer_modules[i]
@@ -75,13 +112,13 @@ class LayerRunner:
         (consumed). `params` are autograd leaves over the slot's memory."""
         if self.lean is not None:
             return self.lean.recompute_backward(i, params, x, grad_out, kwargs, timer=timer,
-                                                attention=self._attention, mlp=self._mlp,
+                                                attention=self._attention_grad, mlp=self._mlp_grad,
                                                 layer=self._module_of(i))
         xi = x.detach().requires_grad_(True)
         with torch.enable_grad():
             with timer.span("recompute", i):
-                if self._layer is not None:
-                    out = self._layer(self._templates[i], params, xi, kwargs, self._buffers(i, xi))
+                if self._layer_grad is not None:
+                    out = self._layer_grad(self._templates[i], params, xi, kwargs, self._buffers(i, xi))
                 else:
                     out = self.split.layer_forward(i, params, xi, kwargs)
             with timer.span("backward", i):
