@@ -342,7 +342,7 @@ def probe_compute(model: str, batch: int, seq: int, num_layers: int | None = Non
     if layer not in ("hf", "lean", "both"):
         raise ValueError(f"probe_compute: layer must be hf, lean or both, got {layer!r}")
     from ..device import Device
-    from ..engine.fit import lean_support_reason
+    from ..models.lean_layer import lean_support_reason
     from ..engine.slide.layer_runner import LayerRunner
     from ..telemetry.events import EventTimer
     dev = torch.device("cuda")

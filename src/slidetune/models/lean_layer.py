@@ -177,6 +177,12 @@ def lean_support(layer: nn.Module) -> str | None:
     return None
 
 
+def lean_support_reason(split) -> str | None:
+    """None where every decoder layer of `split` (models.units.SplitModel) can run lean (lean_support),
+    else why not."""
+    return next((why for why in map(lean_support, split.layer_modules) if why is not None), None)
+
+
 def rope_support(attn: nn.Module) -> str | None:
     """None if `attn`'s forward applies the rotary embedding by calling its module's
     `apply_rotary_pos_emb`, and that function (and its rotate_half) is Llama's: then swapping

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ...models.lean_layer import lean_support_reason
 from ...models.units import SplitModel
 from ..config import RuntimeConfig
 from ..placement import DISK_BUFFERS_UNRESOLVED, PlacementPlan, cache_unit_options, unit_shapes
@@ -189,12 +190,6 @@ def _memory_recipes(split: SplitModel, rt: RuntimeConfig) -> list[RuntimeConfig]
     leans = (["off", "on"] if lean_support_reason(split) is None else ["off"]) if rt.layer.lean_layer == "auto" \
         else [rt.layer.lean_layer]
     return [dataclasses.replace(rt, offload_activations=o, lean_layer=lean) for lean in leans for o in offloads]
-
-
-def lean_support_reason(split: SplitModel) -> str | None:
-    """None where every decoder layer can run lean (models/lean_layer.lean_support), else why not."""
-    from ...models.lean_layer import lean_support
-    return next((why for why in map(lean_support, split.layer_modules) if why is not None), None)
 
 
 def _with_disk_buffers(split: SplitModel, rt: RuntimeConfig, schedule: str, budget: float,
