@@ -297,22 +297,9 @@ def test_gpt_oss_bf16_on_cuda_within_noise(extra):
     """gpt-oss on CUDA in BF16 (the sinks through SDPA's fused kernels, the experts' grouped GEMMs):
     three AdamW steps of the slide engine stay within BF16 noise of transformers' eager FP32 model,
     the noise measured as in test_equivalence_gpu (gpu mode beside it)."""
-    from test_equivalence_gpu import STEPS, _cpu, _run
+    from test_equivalence_gpu import assert_bf16_within_noise
     torch.backends.cuda.matmul.allow_tf32 = False
     config = gpt_oss_config()
     state = {k: v.detach().clone() for k, v in gpt_oss_model(config).state_dict().items()}
     loaded = LoadedModel("gpt_oss", SplitModel(skeleton(config)), StateDictSource(state), None)
-    ref = ReferenceTrainer(build_reference(loaded).cuda(), lr=1e-3, weight_decay=0.1, eps=1e-6, max_grad_norm=0.5)
-    ref_losses = [ref.step([b.to("cuda") for b in make_batches(step, 2)], 1e-3 * (0.5 + step))[0]
-                  for step in range(STEPS)]
-    noise_eng, _ = _run(loaded, "gpu", "auto", 2, 0.5, False, "bf16")
-    noise, _ = max_param_rel_diff(_cpu(noise_eng), ref.model)
-    noise_eng.close()
-    eng, losses = _run(loaded, "slide", "deferred", 2, 0.5, False, "bf16", extra)
-    try:
-        for a, b in zip(losses, ref_losses):
-            assert a == pytest.approx(b, rel=2e-2)
-        diff, where = max_param_rel_diff(_cpu(eng), ref.model)
-        assert diff <= 2 * noise + 1e-3, f"{where}: {diff:.2e} vs gpu-mode noise {noise:.2e}"
-    finally:
-        eng.close()
+    assert_bf16_within_noise(loaded, "slide", "deferred", 2, 0.5, False, extra)

@@ -48,7 +48,6 @@ import importlib.util
 import json
 import statistics
 import sys
-import tempfile
 import traceback
 from pathlib import Path
 
@@ -62,7 +61,7 @@ from slidetune.engine.slide.layer_runner import LayerRunner
 from slidetune.models.load import RandomInit, fill_on_device, load_model
 from slidetune.models.units import SplitModel
 from slidetune.telemetry.events import EventTimer
-from slidetune.telemetry.kernel_classes import KERNEL_CLASSES, kernel_breakdown, trace_kernels
+from slidetune.telemetry.kernel_classes import KERNEL_CLASSES, profile_call
 from slidetune.telemetry.flops import StepFlops
 from slidetune.telemetry.machine import machine_info
 
@@ -101,19 +100,6 @@ def _timed(fn, reps: int) -> tuple[float, float]:
         times.append(start.elapsed_time(end))
         peaks.append((torch.cuda.max_memory_allocated() - base) / GIB)
     return statistics.median(times), max(peaks)
-
-
-def _profile(fn, top: int) -> dict:
-    """torch.profiler over one call of `fn`: its GPU time by kernel class and its `top` kernels."""
-    from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as d:
-        trace = Path(d) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        return kernel_breakdown(trace_kernels(trace), top=top)
 
 
 @contextlib.contextmanager
@@ -209,7 +195,7 @@ def measure(model: str, batch: int, seq: int, variants: list[str], reps: int,
                     if rt.compile_layers == "on":
                         _compile_stats(row)
                     if ARGS.profile:
-                        prof = _profile(rb, ARGS.profile_top)
+                        prof = profile_call(rb, ARGS.profile_top)
                         cls = prof["classes"]
                         prof["gemm_hw_ms"] = gemm_hw_ms
                         prof["gemm_over_hw"] = cls["gemm"] / prof["gemm_hw_ms"]

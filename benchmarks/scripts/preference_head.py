@@ -26,14 +26,13 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 from slidetune.objectives.preference import PairTokens, PreferenceConfig, head_scales
 from slidetune.ops.cross_entropy import auto_impl, linear_cross_entropy_grads, linear_token_losses
-from slidetune.telemetry.kernel_classes import kernel_breakdown, trace_kernels
+from slidetune.telemetry.kernel_classes import profile_call
 
 
 def pair_labels(pairs: int, seq: int, prompt: int, gen: torch.Generator) -> tuple[torch.Tensor, PairTokens]:
@@ -64,18 +63,6 @@ def timed(fn, reps: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
-
-
-def profiled(fn) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as d:
-        trace = Path(d) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        return kernel_breakdown(trace_kernels(trace), top=8)
 
 
 def main(argv: list[str]) -> None:
@@ -126,7 +113,7 @@ def main(argv: list[str]) -> None:
     out = {"shape": vars(a), "impl": impl, "completion_tokens": int(tokens.completion.sum()),
            "ms": ms, "dpo_minus_sft_ms": ms["dpo_total"] - ms["sft_all_valid"],
            "one_gemm_tflop": gemm_tflop,
-           "profile": {"sft_all_valid": profiled(sft(all_valid)), "dpo_total": profiled(dpo_total)},
+           "profile": {"sft_all_valid": profile_call(sft(all_valid), top=8), "dpo_total": profile_call(dpo_total, top=8)},
            "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}}
     Path(a.out).write_text(json.dumps(out, indent=1))
     print(json.dumps({k: out[k] for k in ("impl", "completion_tokens", "ms", "dpo_minus_sft_ms")}, indent=1))

@@ -13,7 +13,8 @@ Classes (`kernel_class`, by the kernel's demangled name; the first rule that mat
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import tempfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 KERNEL_CLASSES = ("gemm", "attention", "triton", "elementwise", "copy", "other")
@@ -69,3 +70,18 @@ def kernel_breakdown(kernels: Iterable[tuple[str, float]], top: int = 15, name_c
     return {"kernel_ms": sum(classes.values()), "classes": classes,
             "top": [{"name": name[:name_chars], "class": kernel_class(name), "ms": ms, "calls": calls}
                     for name, (ms, calls) in ranked]}
+
+
+def profile_call(fn: Callable[[], object], top: int = 15) -> dict:
+    """torch.profiler over one call of `fn` on the GPU: kernel_breakdown of its kernels (their time by
+    class and the `top` kernels). The benchmark scripts' one way of profiling a call."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        trace = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        return kernel_breakdown(trace_kernels(trace), top=top)
