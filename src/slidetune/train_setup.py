@@ -32,7 +32,8 @@ from .device import Device, resolve_dtype
 from .engine import RuntimeConfig
 from .engine.autos import describe_autos
 from .engine.compile_cache import CompileCache, CompileCounters, cache_holds, describe_cache, layer_compile_key
-from .engine.compile_policy import choose_compile_layers, resolve_compile_layers
+from .engine.compile_policy import choose_compile_layers, fit_counts_compiled, resolve_compile_layers
+from .engine.fit import InsufficientMemoryError, check_fit
 from .engine.placement import PlacementPlan
 from .engine.slide.disk_tier import tier_bytes
 from .evaluation.samples import EvalPrompt, resolve_eval_prompts
@@ -270,6 +271,20 @@ def _training_data(cfg: TrainConfig, loaded: LoadedModel, source, pair_records: 
     return _TrainingData(sampler, heldout, None, pad_id, len(sampler), cfg.batch_size)
 
 
+def _placement_needs_compile(prepared: PreparedRun, device: Device) -> bool:
+    """Whether the placement fits only with HF's layer compiled: the fit counted it compiled
+    (compile_policy.fit_counts_compiled, compile_layers auto on CUDA) and the eager layer's working
+    set does not fit the same budget, so compile_layers auto must resolve on."""
+    rt = dataclasses.replace(prepared.runtime, device=device.device.type)
+    if prepared.runtime.compile_layers != "auto" or not fit_counts_compiled(rt):
+        return False
+    try:
+        check_fit(prepared.loaded.split, dataclasses.replace(rt, compile_layers="off"), **prepared.work.fit_kwargs())
+    except InsufficientMemoryError:
+        return True
+    return False
+
+
 def _prepare_inputs(cfg: TrainConfig, prepared: PreparedRun, source, pair_records: PairRecords | None, ranks: Ranks,
                     device: Device, out: Path, say) -> tuple[RunInputs, RuntimeConfig]:
     """After the fit check, before the engine allocates anything: the data tokenized, the steps
@@ -285,7 +300,8 @@ def _prepare_inputs(cfg: TrainConfig, prepared: PreparedRun, source, pair_record
         if cache is not None else ""
     compiled = choose_compile_layers(runtime, loaded.split, is_cuda=device.is_cuda, steps=total_steps,
                                      tokens_per_step=data.rows * cfg.grad_accum * cfg.data.seq_len,
-                                     seq_len=cfg.data.seq_len, cached=cache is not None and cache_holds(cache, key))
+                                     seq_len=cfg.data.seq_len, cached=cache is not None and cache_holds(cache, key),
+                                     placement_needs_it=_placement_needs_compile(prepared, device))
     runtime = resolve_compile_layers(runtime, compiled)
     compile_layers = CompiledLayers(cache, key, CompileCounters.now()) \
         if cache is not None and runtime.compiles_layers() else None

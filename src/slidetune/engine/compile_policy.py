@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from ..models.units import SplitModel
 from ..telemetry.flops import train_flops_per_token
 from .config import RuntimeConfig
@@ -45,17 +47,32 @@ class CompileChoice:
     reason: str
 
 
+def fit_counts_compiled(rt: RuntimeConfig) -> bool:
+    """Whether the fit counts HF's layer compiled (engine/fit/byte_models.compiled_layer_activation_bytes,
+    ~0.6 of the eager layer's bytes): compile_layers on, or auto in slide mode on CUDA, which a long
+    run resolves on and train keeps on where the placement needs it (choose_compile_layers'
+    `placement_needs_it`)."""
+    if rt.compile_layers != "auto" or rt.mode != "slide":
+        return rt.compile_layers == "on"
+    return rt.device == "cuda" or (rt.device == "auto" and torch.cuda.is_available())
+
+
 def choose_compile_layers(rt: RuntimeConfig, split: SplitModel, *, is_cuda: bool, steps: int,
-                          tokens_per_step: int, seq_len: int, cached: bool = False) -> CompileChoice:
+                          tokens_per_step: int, seq_len: int, cached: bool = False,
+                          placement_needs_it: bool = False) -> CompileChoice:
     """What compile_layers=auto resolves to for a run of `steps` optimizer steps of
     `tokens_per_step` tokens; an explicit on/off is kept, with its reason. cached: the compile
-    cache holds these layers (compile_cache.cache_holds): the compile costs WARM_COMPILE_FRACTION of it."""
+    cache holds these layers (compile_cache.cache_holds): the compile costs WARM_COMPILE_FRACTION of it.
+    placement_needs_it: the placement fits with HF's layer compiled and not eager (fit_counts_compiled),
+    so auto compiles whatever the payback."""
     if rt.compile_layers != "auto":
         return CompileChoice(rt.compile_layers, "set explicitly")
     if rt.mode != "slide":
         return CompileChoice("off", f"{rt.mode} mode does not compile layers")
     if not is_cuda:
         return CompileChoice("off", "not on CUDA")
+    if placement_needs_it:
+        return CompileChoice("on", "the placement fits with the compiled layer's working set, not the eager one's")
     # model FLOPs of a step, the measure the eager and compiled rates above are in
     flops = train_flops_per_token(split, seq_len) * tokens_per_step
     eager_s = flops / (EAGER_LAYER_TFLOPS * 1e12)

@@ -259,10 +259,50 @@ def lean_row_tiled_bytes(split: SplitModel, batch_size: int, seq_len: int, dtype
             "peak_no_param_grads": tile["peak_no_param_grads"] + spans}
 
 
+def compiled_layer_activation_bytes(split: SplitModel, batch_size: int, seq_len: int, dtype: torch.dtype,
+                                    masked: bool = True) -> dict[str, int]:
+    """layer_activation_bytes for HF's layer compiled (compile_layers on): inductor's partitioner
+    saves the matmuls' and SDPA's inputs and outputs and recomputes the pointwise work (norms,
+    rotary, SiLU, act*up) in the backward's fused kernels, so about 0.6 of the eager layer's bytes.
+    Per token, b = compute-dtype bytes (d, I, hq, hk as in layer_activation_bytes):
+      saved: SDPA's q, k, v and output, the q/k projections' outputs b*(2 hq + 2 kv) (kv: hq with a
+          padding mask, HF's repeat_kv), Qwen3's pre-norm q/k b*(hq + hk), the post-attention
+          residual b*d, gate and up b*2I, the norms' 1/rms and SDPA's logsumexp in FP32
+          4*(2 + heads); with a padding mask its copy b*S;
+      the MLP's backward at its start (the peak): act*up recomputed for down_proj's weight
+          gradient, its gradient, and gate's and up's gradients b*3I, the output and input
+          gradients b*2d, down_proj's weight gradient b*d*I;
+      the attention's backward: saved less gate and up, SDPA's and rotary's gradients
+          b*(5 hq + 2 kv), flash's FP32 dq 4*hq, the normed input's gradient b*d, the MLP's
+          weight gradients; the end: every parameter gradient b*P_L and 3 b*d.
+    Against the H200 (benchmarks/results/lean_layer/layer_memory.json, `hf-compiled`, torch 2.11):
+    Qwen3-8B 16 x 1024 2.82 GiB (measured 2.69), 64 x 1024 10.98 (10.49), Llama-3.1-8B 1 x 65536
+    11.62 (10.87): 5-7% above, before ACTIVATION_MARGIN (tests/test_fit.py)."""
+    sh = model_shape(split)
+    b = torch.empty((), dtype=dtype).element_size()
+    d, inter, hq, hk, heads, S = sh.d, sh.inter, sh.hq, sh.hk, sh.heads, seq_len
+    N = batch_size * seq_len
+    kv = hq if masked else hk
+    saved = b * (2 * hq + 2 * kv + d + 2 * inter) + 4 * (2 + heads)
+    if sh.qk_norm:
+        saved += b * (hq + hk)
+    if masked:
+        saved += b * S
+    p_layer = max((u.numel for u in split.layer_units), default=0)
+    p_mlp = min(3 * d * inter, p_layer)
+    phases = [(N * (saved + b * (3 * inter + 2 * d)), b * d * inter),
+              (N * (saved - 2 * b * inter + b * (5 * hq + 2 * kv + d) + 4 * hq), b * p_mlp),
+              (N * 3 * b * d, b * p_layer)]
+    workspace = 128 * 2**10                                     # as in layer_activation_bytes
+    return {"saved": N * saved,
+            "peak": max(a + g for a, g in phases) + workspace,
+            "peak_no_param_grads": max(a for a, _ in phases) + workspace}
+
+
 def working_set_margin(split: SplitModel, rt: RuntimeConfig) -> float:
     """The margin on one layer's working set: ACTIVATION_MARGIN on HF's layer (a count of saved
-    tensors); none on the lean layer's, whose count is fitted to the H200's measured peaks and sits
-    11-16% above them (lean_layer_bytes)."""
+    tensors, eager or compiled); none on the lean layer's, whose count is fitted to the H200's
+    measured peaks and sits 11-16% above them (lean_layer_bytes)."""
     from ..slide.layer_runner import resolve_lean_layer
     return 1.0 if resolve_lean_layer(split, rt) == "on" else ACTIVATION_MARGIN
 
@@ -270,11 +310,16 @@ def working_set_margin(split: SplitModel, rt: RuntimeConfig) -> float:
 def working_set_bytes(split: SplitModel, rt: RuntimeConfig, batch_size: int, seq_len: int, dtype: torch.dtype,
                       masked: bool) -> dict[str, int]:
     """One layer's recompute + backward as the slide engine runs it: the lean layer's where the
-    runtime resolves it on (engine/slide/layer_runner.resolve_lean_layer), else HF's."""
+    runtime resolves it on (engine/slide/layer_runner.resolve_lean_layer), else HF's, compiled where
+    the run compiles its layers (compile_policy.fit_counts_compiled: auto on CUDA counts on the
+    compile, and train then keeps it on where eager's working set would not fit)."""
+    from ..compile_policy import fit_counts_compiled
     from ..slide.layer_runner import resolve_lean_layer
     if resolve_lean_layer(split, rt) == "on":
         return lean_row_tiled_bytes(split, batch_size, seq_len, dtype, rt.layer.mlp_tile_tokens,
                                     rt.layer.layer_row_tokens, masked=masked)
+    if fit_counts_compiled(rt):
+        return compiled_layer_activation_bytes(split, batch_size, seq_len, dtype, masked=masked)
     return layer_activation_bytes(split, batch_size, seq_len, dtype, masked=masked)
 
 
