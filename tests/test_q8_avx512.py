@@ -43,7 +43,7 @@ def _simde_include() -> str | None:
 @functools.cache
 def _kernels() -> tuple[native_adamw.Kernel, native_adamw.Kernel, str] | str:
     """(the AVX-512 passes, the portable ones, "native" or "SIMDe"), or why they cannot run here."""
-    native = native_adamw.build_compact()      # -march=native without -DQ8_SCALAR (load_compact's opt-in)
+    native = native_adamw.build_compact()      # -march=native without -DQ8_SCALAR (load_compact's default)
     if native.q8_avx512:
         vector, how = native, "native"
     else:

@@ -363,7 +363,7 @@ PY
           # bit for bit (tests/test_q8_avx512.py; the compact state's kernel tests on the AVX-512 library, and
           # test_compact_adamw.py's against torch and torchao where torchao imports), then both builds' rates at 16 threads over 256 M params, the
           # builds alternated twice (the DRAM rate drifts between runs), FP32 state beside as the DRAM reference
-          mkdir -p $R/q8avx512; export SLIDETUNE_Q8_AVX512=1      # the AVX-512 passes are opt-in until this job measures them
+          mkdir -p $R/q8avx512
           { gcc --version | head -1; lscpu | grep "Model name"; grep -o -w 'avx512[a-z_0-9]*' /proc/cpuinfo | sort -u | tr '\n' ' '; } \
             > $R/q8avx512/cpu.txt 2>&1
           tests="tests/test_q8_avx512.py tests/test_flat_adamw_compact.py tests/test_moments.py"; python -c "import torchao" 2>/dev/null && tests="$tests tests/test_compact_adamw.py"

@@ -29,8 +29,8 @@ FP32 or stochastically rounded BF16 master in the same one pass, widening and na
 registers, with the FP32 kernel's arithmetic between; tests/test_compact_adamw.py holds them to
 a torch reference bit for bit and to torchao. They build into a library of their own on first
 use (load_compact), so the FP32 default's library, source and start-up are what they were.
-Where -march=native has AVX-512 F/BW/VL/VBMI and SLIDETUNE_Q8_AVX512=1, their 8-bit passes are
-engine/q8_avx512.py's, the same bits (tests/test_q8_avx512.py). Rates: benchmarks/scripts/compact_adamw_rate.py.
+Where -march=native has AVX-512 F/BW/VL/VBMI their 8-bit passes are engine/q8_avx512.py's, the
+same bits (tests/test_q8_avx512.py; SLIDETUNE_Q8_AVX512=0 builds the portable ones). Rates: benchmarks/scripts/compact_adamw_rate.py.
 """
 from __future__ import annotations
 
@@ -350,8 +350,11 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=o
 # SLIDETUNE_NATIVE_CFLAGS: flags appended to these (a code-generation experiment, e.g. "-mtune-ctrl=use_gather"
 # on the GPU host: benchmarks/scripts/compact_adamw_rate.py); the results must stay bit for bit.
 EXTRA_FLAGS_VAR = "SLIDETUNE_NATIVE_CFLAGS"
-# The AVX-512 8-bit passes (q8_avx512.py) are opt-in (=1) until they have run on an AVX-512 CPU: as of
-# 2026-11-29 they are bit-identical to the portable ones under SIMDe's emulation only (tests/test_q8_avx512.py).
+# The AVX-512 8-bit passes (q8_avx512.py), built wherever the CPU has AVX-512 F/BW/VL/VBMI; =0 builds the
+# portable ones. On the H200 host's Xeon (Sapphire Rapids, 2026-11-29, device job q8avx512, 256 M params,
+# 16 threads) they passed tests/test_q8_avx512.py bit for bit and ran the FP32-master 8-bit update at
+# 5.15-5.50 G params/s against the portable 3.62-3.65 (the FP32 state's 4.87-5.36), its moments pass
+# 8.26-8.51 against 4.00-4.51 (NOTES.md "Compact host state").
 Q8_AVX512_VAR = "SLIDETUNE_Q8_AVX512"
 
 
@@ -433,8 +436,8 @@ def build_compact(extra_args: tuple[str, ...] = ()) -> Kernel:
     (the same binary), and a run on it does not wait for these (2.8 s of gcc on 2 cores, against
     1.1 s for the FP32 library). extra_args: more compiler arguments (the tests' and the rate
     script's variants: "-DQ8_SCALAR" for the portable 8-bit passes, "-DQ8_SIMDE" with SIMDe's
-    include path for the AVX-512 ones emulated); load_compact() builds it with -DQ8_SCALAR unless
-    SLIDETUNE_Q8_AVX512=1."""
+    include path for the AVX-512 ones emulated); load_compact() builds it with -DQ8_SCALAR where
+    SLIDETUNE_Q8_AVX512=0."""
     lib, cc = _compile(compact_source(), extra_args)
     c_int64, c_int = ctypes.c_int64, ctypes.c_int
     for name in (f"{prefix}_{pm}_{mm}_{g}" for prefix in ("adamw", "adamw_params", "adamw_moments")
@@ -470,7 +473,7 @@ def load_compact() -> Kernel | None:
     with _lock:
         if not _compact:
             try:
-                _compact.append(build_compact(() if os.environ.get(Q8_AVX512_VAR) == "1" else ("-DQ8_SCALAR",)))
+                _compact.append(build_compact(("-DQ8_SCALAR",) if os.environ.get(Q8_AVX512_VAR) == "0" else ()))
             except Exception as e:  # noqa: BLE001 - the caller says what it cannot run
                 log.warning("slidetune: the host's compact AdamW kernels could not be built (%s)", e)
                 _compact.append(None)
