@@ -73,6 +73,12 @@ class Tier:
         """What `slidetune plan` says of this tier, before its units."""
         raise NotImplementedError
 
+    def probe_of(self, floors: dict) -> dict | None:
+        """A tier with files: its directory's probe (read, write and mixed GiB/s; floor_probes.probe_disk)
+        in a floor probe's record (bench.scenarios.roofline.measure_floor), which keeps it under the
+        tier's name; None where the directory was not probed."""
+        return floors.get(self.name)
+
 
 class TierRegistry:
     """The tiers by name, in the order they were registered (the plan's order of tiers)."""
