@@ -273,6 +273,12 @@ class PlacementPlan:
         """Units whose FP32 master lives in tier `where`."""
         return sum(u.master == _tier_name(where) for u in self.units)
 
+    def disk_bytes_per_param(self, u: UnitPlace) -> int | float:
+        """Bytes a parameter of `u` takes in the disk tier's files (TIERS.with_files), in
+        host_state's format (padding aside): 0; the moments (FP32: 8); the master too (FP32: 12)."""
+        files = TIERS.with_files
+        return files.stored_bytes_per_param(u, self.host_state) if files.holds(u) else 0
+
     def disk_io_bytes(self) -> int:
         """Bytes a step through the tiers that stream their state (the disk tier's files: each
         unit's block read ahead of its update and written behind it, FP32 16 B/param, 24 with its

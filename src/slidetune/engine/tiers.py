@@ -18,7 +18,7 @@ also its probe's key in the floor probes, its lane in the host timeline and what
 `binds`), whether the host's AdamW updates its units, whether it keeps files in a directory, where
 its units' masters live by default and whether other tiers' masters may live in it, its bytes
 (state_bytes: what `slidetune plan` and the fit count; stored_bytes_per_param: what a parameter
-takes there; io_bytes_per_step: what crosses to it a step, the floor's term) and its line in
+takes there; io_bytes_per_step: what crosses to it a step, plan.disk_io_bytes) and its line in
 `slidetune plan`. A new tier is a class here, registered with `@TIERS.register`; the plan's order
 of tiers is the registration order.
 """
