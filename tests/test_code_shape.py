@@ -88,3 +88,12 @@ def test_no_module_in_src_is_over_800_lines():
     """Issue 49: a module past 800 lines holds more than one concern: split it."""
     long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) >= 800}
     assert not long, f"move a concern into a module of its own: {long}"
+
+
+def test_the_disk_tier_is_named_in_its_own_module_and_the_config():
+    """Issue 49: the placement's tiers are classes registered once (engine/tiers.py); the plan, the fit,
+    the limits, the floor, the CLI and the run's setup ask the registry (TIERS.with_files, tier.holds,
+    plan.params(tier)) instead of spelling the disk tier's name. The quoted name stays in at most 3
+    files of src/ (today engine/tiers.py, the tier's class, and engine/config.py, the config's section)."""
+    files = sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.py") if '"disk"' in p.read_text())
+    assert len(files) <= 3, "ask engine/tiers.py's TIERS instead of naming the tier: " + ", ".join(files)

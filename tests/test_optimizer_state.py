@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from slidetune.engine.adamw import FP32_ADAMW, AdamWConfig, FlatAdamW, optimizer_state
-from slidetune.engine.placement import PlacementPlan, UnitPlace
+from slidetune.engine.placement import STATES, PlacementPlan, UnitPlace
+from slidetune.engine.tiers import TIERS, Tier
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -52,6 +54,28 @@ def test_a_disk_unit_holds_the_moments_or_the_whole_state_on_disk():
     compact = dataclasses.replace(plan, host_state=optimizer_state("bf16", "8bit"))
     assert compact.disk_bytes_per_param(moments) == 2 + 2 * 4 / 256
     assert compact.disk_bytes_per_param(everything) == 4 + 2 * 4 / 256
+
+
+def test_the_placement_tiers_are_registered_once():
+    """engine/tiers.py: each place a unit's state lives is one registered class, which the plan's
+    records name (STATES, in the order they always had) and the plan's readers ask."""
+    assert STATES == ("gpu", "shard", "host", "disk")
+    assert [t.name for t in TIERS.host_updated()] == ["host", "disk"]
+    files = TIERS.with_files
+    assert files.name == "disk" and files.keeps_files and files.streams_state
+    assert [t.name for t in TIERS if t.keeps_files] == ["disk"]
+    with pytest.raises(ValueError, match="a name of its own"):
+        TIERS.register(type("HostAgain", (Tier,), {"name": "host"}))
+    with pytest.raises(ValueError, match="not a tier"):
+        TIERS["tape"]
+    # a disk unit's master defaults to RAM; only a disk unit's master can live on disk
+    assert UnitPlace(1, "layer.0", 10, state="disk", slot="window").master == "host"
+    with pytest.raises(ValueError, match="only a disk unit's master can live on disk"):
+        UnitPlace(1, "layer.0", 10, state="host", slot="window", master="disk")
+    unit = UnitPlace(1, "layer.0", 10, state="disk", slot="window", master="disk")
+    plan = PlacementPlan(units=(unit,), window_slots=3, gpu_checkpoints=0, schedule="eager")
+    assert files.holds(unit) and files.holds_master(unit) and plan.master_units(files) == 1
+    assert plan.disk_io_bytes() == files.io_bytes_per_step(plan) == 2 * 12 * 10
 
 
 def test_the_readers_numbers_are_the_ones_they_wrote_before():

@@ -216,14 +216,16 @@ def _plan_terms(cfg, split, plan, card=None, fl: dict | None = None, choice=None
     this machine, beside them."""
     from .bench.roofline import disk_term
     from .bench.step_model import StepModel, rates_from_floor
+    from .engine.tiers import TIERS
     rt = choice.chosen if choice is not None and choice.pick is not None else cfg.runtime
     if fl.get("status") != "ok":
         print(f"the probes failed: {fl.get('error', fl)}")
         return
-    disk = fl.get("disk")
+    files = TIERS.with_files
+    disk = files.probe_of(fl)
     if fl.get("partial"):       # no GPU here: the host's terms only
         terms = {"adamw_s": plan.host_updated_params / fl["adamw"]["adamw_params_per_s"]}
-        if disk and plan.params("disk"):
+        if disk and plan.params(files):
             terms["disk_s"] = disk_term(plan, disk)
     else:
         # the step model's terms at the probed rates: the layer kind the placement runs, the
@@ -242,11 +244,11 @@ def _plan_terms(cfg, split, plan, card=None, fl: dict | None = None, choice=None
                      + (f", {plan.num_layers - plan.gpu_checkpoints} checkpoints offloaded"
                         if plan.gpu_checkpoints < plan.num_layers else ""),
             "adamw_s": f"host AdamW over {count(plan.host_updated_params)} params",
-            "disk_s": (f"disk: moments of {count(plan.params('disk'))} params read and written "
+            "disk_s": (f"disk: moments of {count(plan.params(files))} params read and written "
                        f"({2 * plan.host_state.moment_bytes:g} B/param)"
-                       + (f", masters of {count(plan.master_params('disk'))} of them too "
+                       + (f", masters of {count(plan.master_params(files))} of them too "
                           f"(+{2 * plan.host_state.master_bytes} B/param)"
-                          if plan.master_params("disk") else "")),
+                          if plan.master_params(files) else "")),
             "host_dram_s": "host DRAM: AdamW's passes, the uploads' reads, the gradients' and checkpoints' DMA",
             "clip_sweep_s": "clipped: the backward, then the update sweep the next forward waits for"}
     print("floor terms (seconds a step, from this machine's probes):")
@@ -278,6 +280,7 @@ def _print_card_terms(cfg, fl: dict, plan, card, terms: dict) -> None:
     the card's link, the host's terms as probed here."""
     from .bench.cards import card_probes
     from .bench.roofline import floor_terms
+    from .engine.tiers import TIERS
     rt = cfg.runtime
     what = (f"{card.name} ({card.memory_gib:g} GiB, PCIe {card.pcie_gb_s:g} GB/s each way, "
             f"{card.bf16_tflops:g} dense BF16 TFLOP/s)")
@@ -288,7 +291,7 @@ def _print_card_terms(cfg, fl: dict, plan, card, terms: dict) -> None:
         return
     comp, copy = card_probes(fl["compute"], fl["copy"], fl.get("gemm"), card)
     predicted = floor_terms(comp, copy, fl["adamw"], plan, device_adamw=fl.get("device_adamw"),
-                            disk=fl.get("disk"), split_sweep=rt.clip.clip_sweep != "whole")
+                            disk=TIERS.with_files.probe_of(fl), split_sweep=rt.clip.clip_sweep != "whole")
     gemm = fl["gemm"]["gemm_tflops"]
     print(f"on {what}: compute x {gemm:.0f} / {card.bf16_tflops:g} (this GPU's probed BF16 GEMM TFLOP/s over the "
           f"card's), copies x {fl['copy']['h2d_gib_s']:.1f} / {card.pcie_gib_s:.1f} and "
@@ -327,6 +330,7 @@ def _plan_resolved(ns, cfg, split, rates=None):
     from .engine.slide.disk_tier import DiskTierError
     from .engine.fit import FIT_SAFETY, InsufficientMemoryError, check_fit, choose_placement, estimate_memory
     from .engine.fit import query_gpu_free_bytes, query_host_available_bytes, shared_state_bytes
+    from .engine.tiers import TIERS
     gib = 2**30
     rt = cfg.runtime
     on_gpu = rt.device.startswith("cuda")
@@ -379,7 +383,7 @@ def _plan_resolved(ns, cfg, split, rates=None):
     except (InsufficientMemoryError, SharedMemoryError, DiskTierError) as e:
         print(f"does not fit: {str(e).removeprefix('slidetune: ')}")
     # the placement is the GPU's (slots, uploads); on the CPU only where the disk tier takes units
-    if plan is not None and (on_gpu or plan.indices("disk")):
+    if plan is not None and (on_gpu or plan.indices(TIERS.with_files)):
         print("placement:\n" + "\n".join(plan.summary_lines()))
     if not ns.no_limits:
         budget = MachineBudget.resolved(rt, gpu_free_bytes=free, host_available_bytes=host, disk_free_bytes=disk,
@@ -390,6 +394,7 @@ def _plan_resolved(ns, cfg, split, rates=None):
 
 def _resolved_settings(resolved, plan, schedule: str, on_gpu: bool) -> str:
     """The auto settings as `plan` resolved them, in one line of NAME=value (empty outside slide mode)."""
+    from .engine.tiers import TIERS
     settings = ""
     if plan is not None and on_gpu:
         settings = (f"cache_units={resolved.placement.cache_units} "
@@ -403,7 +408,7 @@ def _resolved_settings(resolved, plan, schedule: str, on_gpu: bool) -> str:
                     + f" lean_layer={resolved.layer.lean_layer} head_impl={resolved.resolved_head_impl}"
                     + (f" held_buffers={resolved.clip.held_buffers}" if schedule == "deferred" else ""))
     if plan is not None and resolved.disk_dir:
-        settings += f" disk_units={len(plan.indices('disk'))} disk_master={resolved.disk.disk_master}"
+        settings += f" disk_units={len(plan.indices(TIERS.with_files))} disk_master={resolved.disk.disk_master}"
     return settings.strip()
 
 

@@ -36,6 +36,7 @@ from .engine.compile_policy import choose_compile_layers, fit_counts_compiled, r
 from .engine.fit import InsufficientMemoryError, check_fit
 from .engine.placement import PlacementPlan
 from .engine.slide.disk_tier import tier_bytes
+from .engine.tiers import TIERS
 from .evaluation.samples import EvalPrompt, resolve_eval_prompts
 from .models.load import LoadedModel
 from .models.reference_check import require_faithful
@@ -340,10 +341,10 @@ def _prepare_output(cfg: TrainConfig, loaded: LoadedModel, plan: PlacementPlan |
     try:
         # before step 1: final/ must fit, and periodic checkpoints asked for (checkpoint/space.py)
         tier = (Path(runtime.disk_dir), tier_bytes(plan, runtime.disk.disk_block_mb)) \
-            if plan is not None and plan.indices("disk") else None
+            if plan is not None and plan.indices(TIERS.with_files) else None
         saves = plan_saves(loaded.split.num_params(), save_dtype=save_dtype, output_dir=out, checkpoint_dir=ckpt_dir,
                            save_every=cfg.save_every, keep_last=cfg.keep_last, scratch=tier,
-                           scratch_holds_weights=plan is not None and plan.master_params("disk") > 0,
+                           scratch_holds_weights=plan is not None and plan.master_params(TIERS.with_files) > 0,
                            existing_checkpoints=len(complete_checkpoints(ckpt_dir)),
                            checkpoint_bytes=plan.checkpoint_bytes() if plan is not None else None)
     except DiskSpaceError as e:

@@ -103,7 +103,7 @@ def step_timeline(gpu_spans, host_spans, t0: float, t1: float) -> list[list]:
 
 def lane_busy_fraction(timeline: dict | None, lane: str) -> float | None:
     """The share of a step_timeline's step (its "step_ms") in which the lane had a span open: e.g.
-    "disk", the disk tier's reads and writes (its I/O threads), whose union is its busy time. None
+    the disk tier's (its name), its reads and writes (its I/O threads), whose union is its busy time. None
     where the timeline has no such lane."""
     from ..telemetry.host_timeline import union
     if not timeline or not timeline.get("step_ms"):

@@ -28,6 +28,7 @@ from ..engine.adamw import FP32_ADAMW
 from ..engine.config import RuntimeConfig, runtime_fields
 from ..engine.distributed import plan_owners, shared_layout
 from ..engine.placement import PlacementPlan, shapes_from_counts
+from ..engine.tiers import TIERS
 from ..models.load import load_model
 from .collective import allgather_seconds, allreduce_term
 from .floor_probes import (ADAMW_BYTES, _probed_state, adamw_bytes, probe_adamw, probe_compute, probe_copy, probing,
@@ -90,7 +91,7 @@ def adamw_dram_bytes(plan: PlacementPlan, adamw: dict, split_sweep: bool = True)
     copy pass and the whole update (16 + 26); disk units one whole pass."""
     key = "adamw_bf16_grad_params_per_s" if adamw.get("grad_dtype") == "bf16" else "adamw_fp32_grad_params_per_s"
     ram = adamw_bytes(plan.host_state)          # the RAM units' format (--moments); disk units FP32
-    ram_params, disk_params = plan.params("host"), plan.params("disk")
+    ram_params, disk_params = plan.params("host"), plan.params(TIERS.with_files)
     if plan.schedule != "deferred" or not split_sweep or not adamw.get("adamw_moments_pass_params_per_s"):
         return ram[key] * ram_params + ADAMW_BYTES[key] * disk_params
     copies = plan.upload_copy_numel()
@@ -175,7 +176,7 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
     host_params = plan.host_updated_params
     # each GPU updates its own copy of the device units and its share of the sharded layers
     device_params = plan.params("gpu") + sum(u.numel for u in plan.busiest_shard_units())
-    disk_params = plan.params("disk")
+    disk_params = plan.params(TIERS.with_files)
     device_update_s = device_params / device_adamw["device_adamw_params_per_s"] if device_adamw and device_params \
         else 0.0
     gib = 2**30
@@ -261,7 +262,7 @@ def _clip_sweep_terms(terms: dict, plan: PlacementPlan, comp: dict, adamw: dict,
     gib = 2**30
     L = comp["num_layers"]
     host_params = plan.host_updated_params
-    disk_params = plan.params("disk")
+    disk_params = plan.params(TIERS.with_files)
     ram_params = host_params - disk_params
     # the sweep writes the weights only (the moments follow under the next step): its rate
     # where probed, else the whole AdamW's; disk units: their I/O is disk_s, a term of its own

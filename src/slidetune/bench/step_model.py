@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from ..engine.config import RuntimeConfig
 from ..engine.placement import PlacementPlan
+from ..engine.tiers import TIERS
 from ..models.units import SplitModel
 
 # One Qwen3-8B decoder layer's recompute + backward at 64 x 1024 tokens on the H200, compiled,
@@ -91,7 +92,8 @@ def rates_from_floor(fl: dict, base: StepRates = NOMINAL_RATES) -> StepRates:
         return base
     adamw = {**fl["adamw"]} if fl.get("adamw") else base.adamw
     if fl.get("partial"):
-        return dataclasses.replace(base, adamw=adamw, disk=fl.get("disk"), label="host probed here, GPU " + base.label,
+        return dataclasses.replace(base, adamw=adamw, disk=TIERS.with_files.probe_of(fl),
+                                   label="host probed here, GPU " + base.label,
                                    source="probed here: the host's AdamW and DRAM (no GPU here); GPU and PCIe "
                                           + base.source)
     hw = fl.get("hardware") or {}
@@ -107,7 +109,7 @@ def rates_from_floor(fl: dict, base: StepRates = NOMINAL_RATES) -> StepRates:
                                                                      base.device_adamw_params_per_s),
         layer_over_hardware=base.layer_over_hardware, compute=fl.get("compute"), compute_workload=workload,
         sdpa_by_seq=None if "sdpa_forward_tflops" in hw else base.sdpa_by_seq,
-        disk=fl.get("disk"), label="probed here",
+        disk=TIERS.with_files.probe_of(fl), label="probed here",
         source="probed here (the layers timed at this workload, copies, AdamW, DRAM, GPU AdamW)")
 
 

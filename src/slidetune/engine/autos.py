@@ -6,6 +6,7 @@ from __future__ import annotations
 from .config import RuntimeConfig
 from .placement import PlacementPlan
 from .slide.disk_tier import buffer_bytes, tier_bytes
+from .tiers import TIERS
 
 
 def _size(n: int) -> str:
@@ -52,7 +53,7 @@ def _slot_lines(requested: RuntimeConfig, resolved: RuntimeConfig, plan: Placeme
 
 def _disk_buffer_lines(requested: RuntimeConfig, resolved: RuntimeConfig,
                        plan: PlacementPlan) -> list[tuple[bool, str]]:
-    if requested.disk.disk_buffers != -1 or not plan.indices("disk"):
+    if requested.disk.disk_buffers != -1 or not plan.indices(TIERS.with_files):
         return []
     return [(False, f"disk_buffers auto -> {resolved.disk.disk_buffers}: "
                     f"{_size(buffer_bytes(plan, resolved.disk.disk_block_mb))} of block buffers, the disk tier's "
@@ -96,12 +97,13 @@ def _checkpoint_and_disk_lines(requested: RuntimeConfig, resolved: RuntimeConfig
         lines.append((True, f"gpu_checkpoints auto -> {kept}"
                       + (f" (the input checkpoints of the last {kept} decoder layers stay on the GPU)"
                          if kept else "")))
+    files = TIERS.with_files
     if requested.disk.disk_units == -1 and resolved.disk_dir:
-        lines.append((False, f"disk_units auto -> {len(plan.indices('disk'))}"
-                      + (f" ({plan.ranges(lambda u: u.state == 'disk')}: AdamW moments in {resolved.disk_dir})"
-                         if plan.indices("disk") else " (host RAM holds the state)")))
+        lines.append((False, f"disk_units auto -> {len(plan.indices(files))}"
+                      + (f" ({plan.ranges(files.holds)}: AdamW moments in {resolved.disk_dir})"
+                         if plan.indices(files) else " (host RAM holds the state)")))
     if requested.disk.disk_master == "auto" and resolved.disk_dir:
         lines.append((False, f"disk_master auto -> {resolved.disk.disk_master}"
-                      + (f" ({plan.ranges(lambda u: u.master == 'disk')}: FP32 masters on "
-                         f"disk too, their compute-dtype weights in host RAM)" if plan.master_params("disk") else "")))
+                      + (f" ({plan.ranges(files.holds_master)}: FP32 masters on "
+                         f"disk too, their compute-dtype weights in host RAM)" if plan.master_params(files) else "")))
     return lines

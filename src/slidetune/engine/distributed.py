@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ..processes import dead_runs
 from .adamw import FP32_ADAMW, OptimizerState, StateField
+from .tiers import TIERS
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +103,8 @@ def shard_units(numels: list[int], parts: int, pinned: dict[int, int] | None = N
 def shared_layout(plan) -> tuple[list[int], frozenset[int]]:
     """What the host's shared state holds for a placement plan (engine/placement.py): each unit's
     parameters (0 for units updated on the GPU: every rank's own copy), and the units whose moments
-    are not there (the disk tier's). SharedHostState's arguments; its size is layout_bytes(*...)."""
-    return [u.numel if u.host_updated else 0 for u in plan.units], frozenset(plan.indices("disk"))
+    are not there (the tier with files'). SharedHostState's arguments; its size is layout_bytes(*...)."""
+    return [u.numel if u.host_updated else 0 for u in plan.units], frozenset(plan.indices(TIERS.with_files))
 
 
 def plan_owners(plan, parts: int) -> list[int]:

@@ -34,6 +34,7 @@ from .distributed import SharedMemoryError
 from .fit import (FIT_SAFETY, InsufficientMemoryError, MemoryEstimate, budget_for, check_fit, choose_auto_settings,
                   query_gpu_free_bytes, query_host_available_bytes)
 from .slide.disk_tier import DiskTierError
+from .tiers import TIERS
 
 # The search's bounds: a batch past 4096 sequences is not a fine-tuning workload, and 1M tokens is
 # past every shipped preset's context (the model's max_position_embeddings caps the sequence first).
@@ -90,7 +91,8 @@ class Probe:
     fits: bool
     settings: RuntimeConfig              # the auto settings resolved at this size
     estimate: MemoryEstimate | None      # None where the check failed before an estimate (the disk)
-    binds: tuple[str, ...] = ()          # where it does not fit: "GPU memory", "host RAM", "disk", "/dev/shm"
+    # where it does not fit: "GPU memory", "host RAM", "/dev/shm", or the tier with files' name (its directory)
+    binds: tuple[str, ...] = ()
 
     def how(self) -> str:
         """The notable resolved settings, in words: "lean layer, 30 of 36 checkpoints offloaded"."""
@@ -103,9 +105,10 @@ class Probe:
                            f"{offloaded} of {plan.num_layers} checkpoints offloaded")
             if plan.device_layers:
                 out.append(f"{plan.device_layers} layer{'s' if plan.device_layers > 1 else ''} updated on the GPU")
-            disk = len(plan.indices("disk"))
+            files = TIERS.with_files
+            disk = len(plan.indices(files))
             if disk:
-                masters = sum(u.master == "disk" for u in plan.units)
+                masters = plan.master_units(files)
                 out.append(f"{disk} units on disk" + (f" ({masters} with their masters)" if masters else ""))
         return ", ".join(out)
 
@@ -119,8 +122,8 @@ class Probe:
                "head_impl": s.head.head_impl}
         if plan is not None:
             out.update(gpu_checkpoints=plan.gpu_checkpoints, device_layers=plan.device_layers,
-                       resident_layers=plan.resident_layers, disk_units=len(plan.indices("disk")),
-                       disk_master_units=sum(u.master == "disk" for u in plan.units))
+                       resident_layers=plan.resident_layers, disk_units=len(plan.indices(TIERS.with_files)),
+                       disk_master_units=plan.master_units(TIERS.with_files))
         if self.estimate is not None:
             e = self.estimate
             out.update(device_type=e.device_type, gpu_gib=e.gpu_bytes / 2**30, host_gib=e.host_total_bytes / 2**30,
@@ -257,7 +260,7 @@ class _Prober:
                                b.ranks_per_host).shortfalls(e.estimate)
             return Probe(batch_size, seq_len, False, settings, e.estimate, tuple(what for what, *_ in short))
         except DiskTierError:
-            return Probe(batch_size, seq_len, False, settings, None, ("disk",))
+            return Probe(batch_size, seq_len, False, settings, None, (TIERS.with_files.name,))
         except SharedMemoryError:
             return Probe(batch_size, seq_len, False, settings, None, ("/dev/shm",))
 

@@ -1,7 +1,8 @@
 """The one placement plan: where each unit's state lives and how its weights reach the GPU.
 
 Every unit (0 the embedding, 1..L the decoder layers, L+1 the head) gets:
-  state: where its FP32 master and AdamW moments live, and who updates it
+  state: where its FP32 master and AdamW moments live, and who updates it: a tier of
+    engine/tiers.py (its bytes, who updates it, its line in `slidetune plan` are the tier's):
     "gpu"  - master and moments on the GPU, updated on the compute stream (vocab_update=device,
              device_layers); its weights never cross PCIe; under data parallel every GPU's own copy;
     "shard" - data parallel on one host (shard_layers): master and moments on one GPU of the host,
@@ -9,10 +10,10 @@ Every unit (0 the embedding, 1..L the decoder layers, L+1 the head) gets:
              broadcasts its weights to the host's other GPUs through their window slots; neither
              its weights nor its gradient cross PCIe, and it takes no host RAM;
     "host" - master and moments in host RAM, updated by the host's AdamW;
-    "disk" - moments in a file of the disk tier (engine/slide/disk_tier.py), read ahead of the
-             unit's host update and written behind it;
+    the disk tier - moments in a file in a directory (engine/slide/disk_tier.py), read ahead of
+             the unit's host update and written behind it;
   master: where a unit's FP32 master lives: with its state ("gpu", "host"), or for a disk unit
-    "host" (RAM; the uploads cast it) or "disk" (in the tier's block beside the moments; RAM
+    "host" (RAM; the uploads cast it) or the disk tier (in its block beside the moments; RAM
     keeps only the compute-dtype weights the uploads copy: --tuning.disk_master);
   held: the clipped (deferred) schedule's held gradient buffers of a host-updated unit in host
     RAM: 1, or 2 used on alternate steps (--tuning.held_buffers; with held_second_units, only
@@ -40,8 +41,9 @@ import torch
 
 from .adamw import FP32_ADAMW, OptimizerState
 from .config import RuntimeConfig
+from .tiers import TIERS, Tier
 
-STATES = ("gpu", "shard", "host", "disk")
+STATES = TIERS.names()
 # The disk tier's block buffers where --tuning.disk_buffers is left at auto (-1) unresolved: the
 # count before the auto existed (fit.choose_auto_settings resolves it from host RAM's room).
 DISK_BUFFERS_UNRESOLVED = 8
@@ -85,9 +87,9 @@ class UnitPlace:
     index: int        # unit index: 0 embedding, 1..L decoder layers, L+1 head
     name: str
     numel: int
-    state: str        # gpu | shard | host | disk (STATES)
+    state: str        # a tier's name (STATES, engine/tiers.py)
     slot: str         # own | window (SLOTS)
-    master: str = ""  # gpu | host | disk: where its FP32 master lives ("": with its state, or RAM for a disk unit)
+    master: str = ""  # a tier's name: where its FP32 master lives ("": the state's tier's default_master)
     held: int = 0     # held gradient buffers in host RAM (deferred schedule, host-updated units): 0, 1, 2
     # clip_sweep=weights (deferred, units in host RAM): a compute-dtype copy of the weights in
     # host RAM, written by the weights pass, which the uploads read instead of the FP32 master
@@ -95,14 +97,19 @@ class UnitPlace:
 
     def __post_init__(self):
         if not self.master:
-            object.__setattr__(self, "master", "host" if self.state == "disk" else self.state)
-        if self.master == "disk" and self.state != "disk":
-            raise ValueError(f"{self.name}: only a disk unit's master can live on disk")
+            object.__setattr__(self, "master", TIERS[self.state].default_master())
+        if self.master != self.state and not TIERS[self.master].masters_of_others:
+            raise ValueError(f"{self.name}: only a {self.master} unit's master can live on {self.master}")
+
+    @property
+    def tier(self) -> Tier:
+        """The tier its state lives in."""
+        return TIERS[self.state]
 
     @property
     def host_updated(self) -> bool:
         """Whether the host's AdamW updates it (its gradient crosses PCIe, its weights too)."""
-        return self.state in ("host", "disk")
+        return self.tier.updated_on_host
 
 
 @dataclass(frozen=True)
@@ -148,6 +155,7 @@ class PlacementPlan:
         # decoder layers from the top down. Their updates have the most slack (eager: the backward
         # releases them first; deferred: the sweep reaches them last, while the next forward runs
         # the layers below them).
+        files = TIERS.with_files
         candidates = _disk_order(state)
         n_disk = max(0, rt.disk.disk_units)
         if 0 < n_disk < 1:                       # a fraction of the units that may go there
@@ -156,7 +164,7 @@ class PlacementPlan:
             raise ValueError(f"--tuning.disk_units {n_disk} but only {len(candidates)} units can go to disk (the head and "
                              f"the host-updated decoder layers; the others are on the GPU)")
         for i in candidates[:n_disk]:
-            state[i] = "disk"
+            state[i] = files.name
         # Masters on disk: the first disk units in the same order (the most slack first).
         disk_masters = set(candidates[:rt.disk.disk_master_units(n_disk)])
         own = {0, L + 1} | set(range(1, n_dev + resident + 1))
@@ -164,7 +172,7 @@ class PlacementPlan:
         # 2) for all of them, or the lowest held_second_units: the units the backward reaches last.
         held = [0] * len(shapes)
         if schedule == "deferred":
-            host_updated = [i for i in range(len(shapes)) if state[i] in ("host", "disk")]
+            host_updated = [i for i in range(len(shapes)) if TIERS[state[i]].updated_on_host]
             second = host_updated if rt.clip.held_second_units == -1 else host_updated[:rt.clip.held_second_units]
             for i in host_updated:
                 held[i] = 1
@@ -175,7 +183,7 @@ class PlacementPlan:
         # with master and moments in RAM (a disk unit's update is one pass: its moments are read once)
         copies = schedule == "deferred" and rt.clip.clip_sweep == "weights"
         units = tuple(UnitPlace(i, s.name, s.numel, state[i], "own" if i in own else "window",
-                                master="disk" if i in disk_masters else "", held=held[i],
+                                master=files.name if i in disk_masters else "", held=held[i],
                                 upload_copy=copies and state[i] == "host")
                       for i, s in enumerate(shapes))
         if dtype is None and rt.dtype != "auto":
@@ -201,7 +209,7 @@ class PlacementPlan:
     def disk_capacity(self) -> int:
         """How many units could go to disk in this plan: the head and the decoder layers not on the
         GPU (the embedding stays in RAM: the next forward needs it first)."""
-        return len(_disk_order([u.state if u.state != "disk" else "host" for u in self.units]))
+        return len(_disk_order([u.state for u in self.units]))
 
     # ------------------------------------------------------------------ reading
     @property
@@ -249,27 +257,33 @@ class PlacementPlan:
         """GPU slots for host layers: the window's and the resident layers' own."""
         return self.window_slots + self.resident_layers
 
-    def indices(self, state: str) -> list[int]:
-        return [u.index for u in self.units if u.state == state]
+    def indices(self, where: str | Tier) -> list[int]:
+        """Units whose state lives in tier `where` (or the tier of that name)."""
+        return [u.index for u in self.units if u.state == _tier_name(where)]
 
-    def params(self, state: str) -> int:
-        return sum(u.numel for u in self.units if u.state == state)
+    def params(self, where: str | Tier) -> int:
+        """Parameters whose state lives in tier `where`."""
+        return sum(u.numel for u in self.units if u.state == _tier_name(where))
 
-    def master_params(self, where: str) -> int:
-        """Parameters whose FP32 master lives `where` (gpu, host, disk)."""
-        return sum(u.numel for u in self.units if u.master == where)
+    def master_params(self, where: str | Tier) -> int:
+        """Parameters whose FP32 master lives in tier `where`."""
+        return sum(u.numel for u in self.units if u.master == _tier_name(where))
+
+    def master_units(self, where: str | Tier) -> int:
+        """Units whose FP32 master lives in tier `where`."""
+        return sum(u.master == _tier_name(where) for u in self.units)
 
     def disk_bytes_per_param(self, u: UnitPlace) -> int | float:
-        """Bytes a parameter of `u` takes in the disk tier's files, in host_state's format (padding
-        aside): 0; the moments (FP32: 8); the master too (FP32: 12)."""
-        if u.state != "disk":
-            return 0
-        return self.host_state.bytes_per_param if u.master == "disk" else self.host_state.moment_bytes
+        """Bytes a parameter of `u` takes in the disk tier's files (TIERS.with_files), in
+        host_state's format (padding aside): 0; the moments (FP32: 8); the master too (FP32: 12)."""
+        files = TIERS.with_files
+        return files.stored_bytes_per_param(u, self.host_state) if files.holds(u) else 0
 
     def disk_io_bytes(self) -> int:
-        """Bytes through the disk a step: each disk unit's block read ahead of its update and
-        written behind it (FP32: 16 B/param, 24 with its master there)."""
-        return int(sum(2 * self.disk_bytes_per_param(u) * u.numel for u in self.units))
+        """Bytes a step through the tiers that stream their state (the disk tier's files: each
+        unit's block read ahead of its update and written behind it, FP32 16 B/param, 24 with its
+        master there)."""
+        return sum(t.io_bytes_per_step(self) for t in TIERS if t.streams_state)
 
     @property
     def host_updated_params(self) -> int:
@@ -311,19 +325,13 @@ class PlacementPlan:
         layer = max((u.numel for u in self.layers), default=0)
         return layer_uploads * layer + sum(u.numel for u in (self.units[0], self.units[-1]) if u.host_updated)
 
-    # State bytes of each tier (FP32_ADAMW; the host and disk units in host_state's format): GPU 12
-    # B/param (master, moments), host 12 B/param of its units and the 4 B/param master of the disk
-    # units that keep it in RAM, disk 8 B/param (the moments) or 12 (the master too). Not state: a
-    # disk-master unit's compute-dtype weights in RAM (engine.fit counts them, with the dtype).
+    # State bytes of each tier (Tier.state_bytes; FP32_ADAMW, the host-updated units in
+    # host_state's format): GPU 12 B/param (master, moments), host 12 B/param of its units and the
+    # 4 B/param master of the disk units that keep it in RAM, disk 8 B/param (the moments) or 12
+    # (the master too). Not state: a disk-master unit's compute-dtype weights in RAM (engine.fit
+    # counts them, with the dtype). A tier not counted_when_empty (shard) only where it has units.
     def state_bytes(self) -> dict[str, int]:
-        ram_masters = sum(u.numel for u in self.units if u.state == "disk" and u.master == "host")
-        state, host = FP32_ADAMW, self.host_state
-        out = {"gpu": state.bytes_per_param * self.params("gpu"),
-               "host": host.bytes_per_param * self.params("host") + host.master_bytes * ram_masters,
-               "disk": int(sum(self.disk_bytes_per_param(u) * u.numel for u in self.units))}
-        if self.params("shard"):      # every GPU of the host together
-            out["shard"] = state.bytes_per_param * self.params("shard")
-        return out
+        return {t.name: t.state_bytes(self) for t in TIERS if t.counted_when_empty or self.params(t)}
 
     def checkpoint_bytes(self) -> int:
         """A resumable checkpoint's tensors: every unit's weights in FP32 (4 B/param, a BF16 master's
@@ -358,23 +366,12 @@ class PlacementPlan:
         gib = 2**30
         b = self.state_bytes()
         lines = []
-        if not self.master_params("disk"):
-            disk = "disk tier (moments; master in host RAM)"
-        elif self.master_params("disk") == self.params("disk"):
-            disk = "disk tier (master + moments; compute-dtype weights in host RAM)"
-        else:
-            disk = (f"disk tier (moments; the masters of {self.ranges(lambda u: u.master == 'disk')} too, "
-                    f"the others' in host RAM)")
-        for state, what in (("gpu", "GPU (master + moments, updated on the GPU)"),
-                            ("shard", "the host's GPUs, one each (master + moments on its owner's GPU, "
-                                      "broadcast to the others)"),
-                            ("host", "host RAM (master + moments, host AdamW)"),
-                            ("disk", disk)):
-            n = self.params(state)
-            if n or state == "host":
-                size = (f"{n / 1e9:.2f} B params, {b[state] / gib:.1f} GiB state" if n >= 1e8 else
-                        f"{n / 1e6:.1f} M params, {b[state] / 2**20:.1f} MiB state")
-                lines.append(f"  {what}: {self.ranges(lambda u, s=state: u.state == s)} ({size})")
+        for tier in TIERS:
+            n = self.params(tier)
+            if n or tier.listed_when_empty:
+                size = (f"{n / 1e9:.2f} B params, {b[tier.name] / gib:.1f} GiB state" if n >= 1e8 else
+                        f"{n / 1e6:.1f} M params, {b[tier.name] / 2**20:.1f} MiB state")
+                lines.append(f"  {tier.summary_label(self)}: {self.ranges(tier.holds)} ({size})")
         if any(u.held == 2 for u in self.units):
             one = [u for u in self.units if u.held == 1]
             lines.append(f"  held gradients (clipped schedule): two buffers for {self.ranges(lambda u: u.held == 2)}"
@@ -451,7 +448,7 @@ def _check_combination(units: tuple[UnitPlace, ...], dtype: torch.dtype | None, 
         # the weights pass writes BF16 copies from an FP32 master and moments (native_adamw's FP32 kernels)
         raise ValueError(f"{host_state.flags} runs the clipped sweep as params then moments: use --tuning.clip_sweep "
                          f"split (the default) or whole, not weights")
-    if ranks > 1 and any(u.master == "disk" for u in units):
+    if ranks > 1 and any(TIERS.with_files.holds_master(u) for u in units):
         # the other ranks upload a disk unit's weights from the shared mapping, which holds masters
         raise ValueError("data parallel over several ranks does not support --tuning.disk_master yet (the masters "
                          "of disk units on disk); use --tuning.disk_master off, or run on one rank")
@@ -466,6 +463,11 @@ def _check_combination(units: tuple[UnitPlace, ...], dtype: torch.dtype | None, 
 
 
 def _disk_order(state: list[str]) -> list[int]:
-    """Units that may go to disk, in the order they do: the head, then decoder layers top down."""
+    """Units that may go to disk (the host-updated head and decoder layers), in the order they do:
+    the head, then decoder layers top down."""
     L = len(state) - 2
-    return [i for i in [L + 1, *range(L, 0, -1)] if state[i] in ("host", "disk")]
+    return [i for i in [L + 1, *range(L, 0, -1)] if TIERS[state[i]].updated_on_host]
+
+
+def _tier_name(where: str | Tier) -> str:
+    return where.name if isinstance(where, Tier) else where

@@ -3,6 +3,7 @@ recipe the run resolved to (bench.roofline.floor_terms), and the hardware floor 
 step's FLOPs at the GEMM and SDPA rates probed on this GPU); the floors' keys in throughput.json."""
 from __future__ import annotations
 
+from ...engine.tiers import TIERS
 from ..floor_probes import compute_of_run
 from ..hardware_floor import hardware_compute
 from ..roofline import floor_terms, plan_of_runtime
@@ -87,7 +88,7 @@ def _floor(system: str, r: dict, fl: dict, recipe: dict, collective: dict | None
         comp = compute_of_run(fl["compute"], rt)          # the layer the run ran: HF's or the lean one
         plan = plan_of_runtime(comp, rt, clipped=bool(recipe["max_grad_norm"]))
         terms = floor_terms(comp, fl["copy"], fl["adamw"], plan, device_adamw=fl.get("device_adamw"),
-                            disk=fl.get("disk"), split_sweep=rt.get("clip_sweep") != "whole",
+                            disk=TIERS.with_files.probe_of(fl), split_sweep=rt.get("clip_sweep") != "whole",
                             collective=collective, ranks=ranks,
                             # a run recorded before dp_weights existed uploaded from every rank
                             grad_bytes=_grad_bytes(rt, 2), dp_weights=rt.get("dp_weights", "upload"))

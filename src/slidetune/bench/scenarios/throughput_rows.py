@@ -4,6 +4,7 @@ efficiency against the one-rank row of the same call."""
 from __future__ import annotations
 
 from ...engine.placement import resolved_disk_buffers
+from ...engine.tiers import TIERS
 from ..measure import lane_busy_fraction
 from .throughput_floor import _floor, _grad_bytes, _hardware_floor
 from .throughput_recipe import parse_recipe
@@ -64,7 +65,7 @@ def _row(system, model, batch, seq, r, fpt, fl, recipe: dict | None = None, coll
         row["disk_buffers"] = resolved_disk_buffers(int((r.get("runtime") or {}).get("disk_buffers", -1)))
         # the share of the timed step the tier's I/O threads had a read or write open (the Gantt
         # chart's disk lanes): ~1 where the disk binds the step
-        row["disk_busy_frac"] = lane_busy_fraction(r.get("step_timeline"), "disk")
+        row["disk_busy_frac"] = lane_busy_fraction(r.get("step_timeline"), TIERS.with_files.name)
     # slide: decoder layers whose state stayed on the GPU, and the host AdamW's threads (resolved autos)
     row["device_layers"], row["host_threads"] = r.get("device_layers"), r.get("host_threads")
     row["gpu_checkpoints"] = _placement(r).get("gpu_checkpoints")

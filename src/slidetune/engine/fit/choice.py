@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from ..config import RuntimeConfig
 from ..placement import PlacementPlan
+from ..tiers import TIERS
 
 TIE = 0.03
 
@@ -60,7 +61,7 @@ _SETTINGS = (("lean_layer", lambda c, p: c.layer.lean_layer),
              ("device_layers", lambda c, p: p.device_layers),
              ("vocab_update", lambda c, p: c.placement.vocab_update),
              ("grad_slot_dtype", lambda c, p: c.transfer.grad_slot_dtype),
-             ("disk_units", lambda c, p: len(p.indices("disk"))))
+             ("disk_units", lambda c, p: len(p.indices(TIERS.with_files))))
 
 
 def settings_of(c: Candidate) -> dict:

@@ -34,6 +34,7 @@ from ..config import RuntimeConfig
 from ..placement import PlacementPlan, unit_shapes
 from ..slide.disk_tier import buffer_bytes, tier_bytes
 from ..slide.host_store import BUILD_WORKERS
+from ..tiers import TIERS
 from .byte_models import (ACTIVATION_MARGIN, HEAD_MARGIN, GiB, device_type_of, head_bytes, layer_activation_bytes,
                           materialized_masks, model_shape, summing_bytes, working_set_bytes, working_set_margin)
 
@@ -253,7 +254,7 @@ def _slide_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w: _Work, 
     if w.dev == "cuda":
         # ... and a disk-master unit's weights, registered for one async H2D each upload
         parts.pinned = (rings + (w.L - kept) * w.ckpt + held + parts.host.get("disk tier block buffers", 0)
-                        + w.b * plan.master_params("disk") + copies)
+                        + w.b * plan.master_params(TIERS.with_files) + copies)
     parts.host["weight loading transient"] = _weight_loading_transient(split, w, plan, parts.host)
 
 
@@ -331,8 +332,8 @@ def _host_state_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w: _W
     # (plan.host_state), in RAM, the disk tier's files or the shared mapping alike
     ram_state = plan.host_state
     master = ram_state.master_bytes                                       # FP32: 4 B/param
-    P_disk = plan.params("disk")
-    P_disk_master = plan.master_params("disk")
+    P_disk = plan.params(TIERS.with_files)
+    P_disk_master = plan.master_params(TIERS.with_files)
     label = f"{ram_state.bytes_per_param:g} B/param" + ("" if ram_state is FP32_ADAMW else f", {ram_state.name}")
     host[f"master + Adam moments ({label})"] = int(ram_state.bytes_per_param * (plan.host_updated_params - P_disk))
     if P_disk:
@@ -403,7 +404,7 @@ def _weight_loading_transient(split: SplitModel, w: _Work, plan: PlacementPlan, 
     passing = ([largest(split.units[0]), largest(split.units[-1])] if plan.vocab_on_device else []) \
         + [largest(u) for u in split.layer_units[:plan.device_layers]] \
         + [largest(split.units[u.index]) for u in plan.busiest_shard_units()] \
-        + [u.numel for u in plan.units if u.master == "disk"]
+        + [u.numel for u in plan.units if TIERS.with_files.holds_master(u)]
     building = sorted(passing, reverse=True)[:BUILD_WORKERS]
     # freed before the first step, when the offloaded checkpoints' slots are allocated (in
     # the first forward): the two never coexist, so only what the transient takes beyond

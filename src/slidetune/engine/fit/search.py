@@ -16,6 +16,7 @@ from ..slide.disk_tier import buffer_bytes, tier_blocks
 from .budget import FIT_SAFETY, budget_for, query_gpu_free_bytes, query_host_available_bytes
 from .byte_models import device_type_of
 from ..slide.layer_runner import resolve_lean_layer
+from ..tiers import TIERS
 from .choice import TIE, Candidate, PlacementChoice, fastest, kept_layers
 from .estimate import MemoryEstimate, estimate_memory
 
@@ -456,7 +457,7 @@ class _PlacementSearch:
         engine refuses it there)."""
         if self.rt.disk.disk_master != "auto" or self.ranks_per_host > 1 or self.host_fits(c):
             return c
-        n = len(PlacementPlan.build(unit_shapes(self.split), c).indices("disk"))
+        n = len(PlacementPlan.build(unit_shapes(self.split), c).indices(TIERS.with_files))
         for m in range(1, n + 1):
             t = dataclasses.replace(c, disk_master="on" if m == n else str(m))
             if self.host_fits(t) and self.fits(t):

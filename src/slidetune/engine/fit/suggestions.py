@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from ...models.units import SplitModel
 from ..adamw import optimizer_state
 from ..config import RuntimeConfig, cli_flag, recompute_set
+from ..tiers import TIERS
 from .budget import ENV_HOST_MEMORY, Budget
 from .estimate import MemoryEstimate, estimate_memory, gib
 from .search import choose_auto_settings
@@ -32,10 +33,11 @@ def disk_tier_note(split: SplitModel, rt: RuntimeConfig, budget: Budget, short, 
         options = suggest(split, placed, budget, **kw)
         if not options:
             return ""
-    n = len(est.plan.indices("disk"))
-    masters = est.plan.ranges(lambda u: u.master == "disk") if est.plan.master_params("disk") else ""
+    files = TIERS.with_files
+    n = len(est.plan.indices(files))
+    masters = est.plan.ranges(files.holds_master) if est.plan.master_params(files) else ""
     note = (f"With a local disk: --disk-dir PATH (the disk tier: AdamW moments of {n} units, "
-            f"{est.plan.ranges(lambda u: u.state == 'disk')}"
+            f"{est.plan.ranges(files.holds)}"
             + (f", and the masters of {masters} (--tuning.disk_master)" if masters else "")
             + f", {gib(est.disk_bytes)} GiB of files there; "
             + (f"GPU {gib(est.gpu_bytes)} GiB, " if est.device_type == "cuda" else "")

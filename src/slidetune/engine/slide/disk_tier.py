@@ -1,7 +1,8 @@
 """The disk tier: the AdamW moments (and, as an option, the FP32 master) of some units in files
 on a local disk.
 
-Which units: engine/placement.py (state "disk"; master "disk" where the master lives here too).
+Which units: engine/placement.py (those whose state is in engine/tiers.py's tier with files, and
+whose master is too where it lives here).
 Their moments (8 B/param, two thirds of the host's state) live here; their FP32 masters stay in
 host RAM (the uploads read them twice a step), or with --tuning.disk_master live here too, and
 RAM keeps only the compute-dtype weights the uploads copy (2 B/param for BF16; host_store.py
@@ -63,6 +64,7 @@ from ...device import PINNED
 from ...processes import dead_runs
 from ...telemetry.host_timeline import HostTimeline
 from ..adamw import FP32_ADAMW, OptimizerState, StateField
+from ..tiers import TIERS
 
 ALIGN = 4096                      # O_DIRECT: buffer address, size and offset aligned to this
 SCRATCH_PREFIX = "slidetune-disk-tier-"
@@ -121,7 +123,9 @@ def block_layout(state: OptimizerState, with_master: bool, block: int) -> BlockL
 def _plan_layouts(plan, block_mb: float) -> list[tuple[int, BlockLayout]]:
     """(numel, layout) of each of a placement plan's disk units (engine/placement.py)."""
     block = block_elems(block_mb, plan.host_state)
-    return [(u.numel, block_layout(plan.host_state, u.master == "disk", block)) for u in plan.units if u.state == "disk"]
+    files = TIERS.with_files
+    return [(u.numel, block_layout(plan.host_state, files.holds_master(u), block))
+            for u in plan.units if files.holds(u)]
 
 
 def tier_bytes(plan, block_mb: float) -> int:
@@ -337,7 +341,8 @@ class DiskTier:
         view = memoryview(buf.data[:width].numpy())
         offset = b * width
         try:
-            with self.timeline.span("disk", "write" if write else "read", self.names.get(unit, "")):
+            # the timeline's lane is the tier's name (bench.measure.lane_busy_fraction reads it)
+            with self.timeline.span(TIERS.with_files.name, "write" if write else "read", self.names.get(unit, "")):
                 done = 0
                 while done < len(view):                     # short reads/writes: go on from where it stopped
                     part = [view[done:]]

@@ -83,6 +83,7 @@ from ..gc_policy import GCFreeze
 from ..interface import Engine
 from ..placement import PlacementPlan, unit_shapes
 from ..result import StepResult
+from ..tiers import TIERS
 from .activations import ActivationStore
 from .deferred import DeferredSweep
 from . import grad_sum as grad_sum_mod
@@ -764,7 +765,7 @@ class SlideEngine(Engine):
             return
         if self.disk.masters:
             raise RuntimeError("the disk tier holds the FP32 masters of "
-                               f"{self.plan.ranges(lambda u: u.master == 'disk')} (--tuning.disk_master): "
+                               f"{self.plan.ranges(TIERS.with_files.holds_master)} (--tuning.disk_master): "
                                f"its files are the model's weights until final/ is written")
         self.synchronize()
         self.disk.close()

@@ -17,6 +17,7 @@ from ..adamw import AdamWConfig
 from ..config import RuntimeConfig
 from ..distributed import DataParallel, shared_layout
 from ..placement import PlacementPlan
+from ..tiers import TIERS
 from .disk_tier import DiskTier
 from .host_store import HostStore
 from .save_service import SaveService
@@ -40,7 +41,7 @@ def build_host_state(loaded: LoadedModel, plan: PlacementPlan, rt: RuntimeConfig
     tier's waits poll."""
     split = loaded.split
     shared, owned, remote, owner_of = None, None, {}, None
-    disk_units = plan.indices("disk")
+    disk_units = plan.indices(TIERS.with_files)
     if dp is not None:
         # Host-updated units (host and disk) are shared and sharded over the host's ranks. Units
         # updated on the GPU are every rank's own: each rank applies the same all-reduced
@@ -68,7 +69,8 @@ def build_host_state(loaded: LoadedModel, plan: PlacementPlan, rt: RuntimeConfig
     disk = (DiskTier(rt.disk_dir, {i: units[i].numel for i in disk_units},
                      block_mb=rt.disk.disk_block_mb, buffers=plan.disk_buffers, io_threads=rt.disk.disk_io_threads,
                      pinned=device.is_cuda, names={i: units[i].name for i in disk_units}, timeline=timeline,
-                     masters=frozenset(u.index for u in plan.units if u.master == "disk"), state=plan.host_state)
+                     masters=frozenset(u.index for u in plan.units if TIERS.with_files.holds_master(u)),
+                     state=plan.host_state)
             if disk_units else None)
     if disk is not None:
         disk.abort = abort

@@ -44,7 +44,7 @@ class HostUnit:
         device: keep this unit's master and AdamW state there from the start (vocab_update=device,
         device_layers): the weights pass through a transient host buffer (4 B/param) on the way,
         and the moments are never allocated in host RAM.
-        disk: the disk tier holding this unit's moments (placement "disk"); the master stays here,
+        disk: the disk tier holding this unit's moments (its placement's tier with files); the master stays here,
         unless the tier holds it too (disk.masters): then this unit keeps `weights` [numel] in
         `compute_dtype` (what its uploads copy, rewritten as each block's update lands) and no master.
         `tier` (state_tier.moment_tier) is where the moments live: RAM, the disk tier, or under data

@@ -27,6 +27,7 @@ import torch
 from ...models.units import ParamSlot, UnitSpec
 from ..adamw import FP32_ADAMW, FlatAdamW
 from ..distributed import SharedUnit
+from ..tiers import TIERS
 from .disk_tier import Block, DiskTier, StreamedTensor
 
 State = dict[str, "torch.Tensor | StreamedTensor"]
@@ -35,7 +36,7 @@ State = dict[str, "torch.Tensor | StreamedTensor"]
 class MomentTier(ABC):
     """One unit's AdamW moments (and, where `holds_master`, its FP32 master) in one place."""
 
-    name: str                  # "ram", "disk", ...: where the state lives (reports, tests)
+    name: str                  # "ram", the disk tier's name, ...: where the state lives (reports, tests)
     holds_master: bool = False      # the FP32 master lives here too; RAM keeps `weights` in the compute dtype
     moments_in_ram: bool = True     # the moments are FlatAdamW's own tensors (allocated there)
     # an update may pass over a range twice (the clipped sweep's "params"/"weights" then
@@ -188,7 +189,7 @@ class DiskMoments(MomentTier):
     update holds each block from the first range that touches it until its last element is
     written, then writes it behind; prefetch queues the unit's blocks for reading ahead."""
 
-    name = "disk"
+    name = TIERS.with_files.name
     moments_in_ram = False
     split_update = False           # the moments are read and written once per update
 
@@ -282,7 +283,7 @@ class DiskMoments(MomentTier):
 
 
 def moment_tier(spec: UnitSpec, disk: DiskTier | None, shared: SharedUnit | None) -> MomentTier:
-    """The tier of a unit: the disk tier's where one is given for it (placement "disk"); another
+    """The tier of a unit: the disk tier's where one is given for it (its placement's tier with files); another
     rank's where the host's shared mapping has no room for its moments; else RAM."""
     if disk is not None:
         return DiskMoments(spec, disk)
