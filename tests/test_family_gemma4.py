@@ -1,5 +1,5 @@
-"""Gemma 4's text model (`gemma4_text`): trained where its decoder layers are self-contained, refused
-by config field where they are not (issue 48).
+"""Gemma 4's text model (`gemma4_text`, `gemma4_unified_text`): every published configuration trains,
+E2B and E4B with their per-layer input embeddings and KV sharing (issue 48).
 
 - Google's published text configurations (transformers' conversion scripts: 31B dense, 26B-A4B
   MoE, and the 12B, whose text model is `gemma4_unified_text`), cut by the reference check: the split equals transformers' loss and every gradient,
@@ -7,8 +7,11 @@ by config field where they are not (issue 48).
 - the same per-layer shapes on tiny models: three AdamW steps of the slide engine equal the plain
   PyTorch reference, with each layer's constant `layer_scalar` (a buffer, not trained) read as the
   source gave it and written back unchanged;
-- E2B and E4B (per-layer input embeddings, KV sharing) are refused at load, naming the field and its
-  value; a layer's K/V store for KV sharing is dropped, not kept in the recorded kwargs;
+- E2B and E4B (per-layer input embeddings, KV sharing: models/layer_sides.py) by the reference check
+  on their cut (a producer and a shared layer of each kind); on a tiny E2B-like model, the slide
+  engine's layer-at-a-time backward gives transformers' every gradient, and three AdamW steps of the
+  slide, gpu and ckpt engines match transformers (and each other);
+- without KV sharing a layer's K/V store is dropped, not kept in the recorded kwargs;
 - final/ of a source directory reloads with transformers to the source's model.
 """
 from __future__ import annotations
@@ -76,18 +79,26 @@ def test_published_config_matches_transformers(variant):
     assert result.ok, result.summary()
 
 
-@pytest.mark.parametrize("variant", ["E2B", "E4B"])
+def _unified_kv_shared():
+    fields = {k: v for k, v in PUBLISHED["12B"].items() if k != "hidden_size_per_layer_input"}
+    return Gemma4UnifiedTextConfig(**dict(fields, num_kv_shared_layers=18))
+
+
+@pytest.mark.parametrize("variant", ["E2B", "E4B", "12B-kv-shared"])
 def test_published_per_layer_inputs_and_kv_sharing_match_transformers(variant):
-    """E2B and E4B: the check's cut keeps each kind of layer once before the KV-shared layers (the
-    producers) and once among them, with the per-layer inputs (16 wide, the small vocabulary)."""
-    cut = tiny_copy(published(variant))
+    """E2B and E4B (and the 12B's unified text model given KV sharing): the check's cut keeps each kind
+    of layer once before the KV-shared layers (the producers) and once among them, with the per-layer
+    inputs 16 wide over the small vocabulary."""
+    config = _unified_kv_shared() if variant == "12B-kv-shared" else published(variant)
+    cut = tiny_copy(config)
     assert cut.layer_types == ["sliding_attention", "full_attention"] * 2 and cut.num_kv_shared_layers == 2
-    assert (cut.hidden_size_per_layer_input, cut.vocab_size_per_layer_input) == (16, cut.vocab_size)
+    if variant != "12B-kv-shared":
+        assert (cut.hidden_size_per_layer_input, cut.vocab_size_per_layer_input) == (16, cut.vocab_size)
     model = skeleton(cut)
     assert [layer.self_attn.is_kv_shared_layer for layer in model.model.layers] == [False, False, True, True]
-    result = reference_check(published(variant))
+    result = reference_check(config)
     assert result.ok, result.summary()
-    assert family_status("gemma4_text")[0] == "tested"
+    assert family_status(config.model_type)[0] == "tested"
 
 
 def tiny_config(moe: bool) -> Gemma4TextConfig:
