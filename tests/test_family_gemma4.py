@@ -166,14 +166,16 @@ def test_layers_keep_no_keys_or_values_and_the_plan_reads_each_layer():
     assert (shape.head_dim, shape.kv_heads, shape.heads) == (32, 2, 4)
 
 
-def test_final_holds_the_layer_scalars_and_a_config_that_reloads(tmp_path):
+@pytest.mark.parametrize("kind", ["moe", "e2b"])
+def test_final_holds_the_layer_scalars_and_a_config_that_reloads(tmp_path, kind):
     """An export of a source directory: config.json is transformers' own (the per-layer overrides,
     not slidetune's permission to read the global fields), the layer scalars are the source's, and
-    from_pretrained(final) computes the source's logits."""
+    from_pretrained(final) computes the source's logits (E2B's kind: the per-layer input weights
+    written back under their names)."""
     import json
 
     from test_export import export_source
-    config = tiny_config(moe=True)
+    config = tiny_config(moe=True) if kind == "moe" else tiny_e2b_config()
     config.vocab_size = 320
     state, scalars = _source(config)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

@@ -32,8 +32,9 @@ class SharedKV(dict):
     """transformers' `shared_kv_states` for one micro-batch: layer type -> (keys, values), each
     [B, kv_heads, S, head_dim], stored by the type's producer layer, read by the KV-shared layers.
     The slide engine keeps them on the GPU from the producer's forward to its backward (one pair per
-    attention type: with E2B's single KV head, 2 x 2 x B x S x 256 values a type), and in `grads`
-    the shared layers' gradients of them, summed, until the producer's backward reads them."""
+    attention type, each B x kv_heads x S x head_dim: E2B's one KV head makes them small beside the
+    hidden state), and in `grads` the shared layers' gradients of them, summed, until the producer's
+    backward reads them."""
 
     def __init__(self):
         super().__init__()

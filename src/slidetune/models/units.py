@@ -9,7 +9,9 @@ the hidden states (attention masks per layer type, rotary embeddings, position
 ids) is recorded by running the base model's own forward with the layers
 replaced by recorders, so every family's mask and rotary logic is HF's own.
 What the family's forward computes between the units (embedding multiplier, logit
-scaling and softcapping) is applied here too: see `transforms.py`.
+scaling and softcapping) is applied here too: see `transforms.py`; what it hands the layers
+beside hidden_states from the tokens or from other layers (Gemma 4's per-layer inputs and
+shared K/V) is `layer_sides.py`'s.
 """
 from __future__ import annotations
 
@@ -95,8 +97,9 @@ class _HeadModule(nn.Module):
 class _LayerRecorder(nn.Module):
     """Replaces a decoder layer for one call of the base model: records its kwargs. A positional
     extra is recorded under its name in the layer's forward (Gemma 4 passes `per_layer_input`
-    positionally) when it is None; a tensor there is computed outside the layers from the tokens
-    (per-layer input embeddings), which the stand-in embeddings cannot give, so it refuses."""
+    positionally) when it is None; a tensor there would be computed outside the layers from the
+    tokens, which the stand-in embeddings cannot give, so it refuses (Gemma 4's per-layer inputs are
+    switched off for the recording and computed by the units: SplitModel.attach_sides)."""
 
     def __init__(self, sink: list, layer: nn.Module):
         super().__init__()
