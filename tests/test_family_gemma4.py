@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, Gemma4TextConfig, Gemma4UnifiedTe
 
 from test_equivalence import VOCAB
 from test_families import _trains_like_the_reference
-from slidetune.engine.fit.byte_models import model_shape
+from slidetune.engine.fit.byte_models import model_shape, side_input_bytes
 from slidetune.models.families import UnsupportedFamilyError, family_status, moe_note
 from slidetune.models.load import LoadedModel, StateDictSource, skeleton
 from slidetune.models.reference_check import reference_check, tiny_copy
@@ -254,6 +254,10 @@ def test_slide_backward_gives_transformers_gradients():
             inputs.append(x)
             x = runner.forward(i, params[i + 1], x, kwargs[i])
     assert set(sides.kv) == {"sliding_attention", "full_attention"}
+    # the fit's count: the tensors and, at the backward's peak, their gradients as much again
+    held = sides.per_layer.nbytes + sum(t.nbytes for pair in sides.kv.values() for t in pair)
+    assert side_input_bytes(split, 2, 24, torch.float32) == 2 * held
+    assert side_input_bytes(SplitModel(skeleton(tiny_config(moe=False))), 2, 24, torch.float32) == 0
     loss, g, head_grads = split.head_loss_and_grads(params[-1], x, labels, 1.0, lm_weight=params[0]["weight"])
     torch.testing.assert_close(loss, hf_loss, rtol=1e-6, atol=0)
     grads = {"lm_head.weight": head_grads.pop("lm_head.weight"), **{f"model.{k}": v for k, v in head_grads.items()}}
