@@ -618,7 +618,7 @@ class SlideEngine(Engine):
         w = _leaves(slots.views(split.embed_unit, embed_slot.flat))
         # a tied weight's head share first (the embedding's weight leads the unit's parameters)
         acc = tied_acc if tied_acc is None or len(w) == 1 else \
-            tied_acc + [torch.zeros_like(v, dtype=torch.float32) for v in list(w.values())[1:]]
+            tied_acc + [torch.zeros_like(v, dtype=tied_acc[0].dtype) for v in list(w.values())[1:]]
         for m in range(k):
             with self.timer.span("embed_backward", -1):
                 grads = split.embed_grads(w, ids[m], gs[m], kwargs[m].sides)
