@@ -345,8 +345,7 @@ def probe_compute(model: str, batch: int, seq: int, num_layers: int | None = Non
     from ..models.lean_layer import lean_support_reason
     from ..engine.slide.layer_runner import LayerRunner
     from ..telemetry.events import EventTimer
-    dev = torch.device("cuda")
-    dtype = torch.bfloat16
+    dev, dtype = torch.device("cuda"), torch.bfloat16
     loaded = load_model(model, num_layers=num_layers, with_tokenizer=False)
     split = loaded.split
     init = RandomInit(0)
@@ -365,6 +364,7 @@ def probe_compute(model: str, batch: int, seq: int, num_layers: int | None = Non
     g = torch.randn_like(x)
     ids = torch.randint(0, split.config.vocab_size, (batch, seq), device=dev)
     labels = torch.randint(0, split.config.vocab_size, (batch, seq), device=dev)
+    split.attach_sides(kwargs, embed, ids, split.embed_forward(embed, ids).detach())   # Gemma 4 E2B / E4B
     untimed = EventTimer(Device(dev), enabled=False)       # the runner's spans, not recorded
 
     def layer_times(lean: str) -> tuple[float, float]:

@@ -87,6 +87,7 @@ class PlainEngine(Engine):
         timing = self.timer.enabled and torch.is_grad_enabled()
         with self.timer.span("embed", -1):
             x = split.embed_forward(self.units[0].leaves, ids)           # [B, S, d]
+            split.attach_sides(kwargs, self.units[0].leaves, ids, x)    # Gemma 4 E2B / E4B (models/layer_sides.py)
         self.memory.mark("embed")
         for i in range(split.num_layers):
             params = self.units[i + 1].leaves
@@ -240,6 +241,7 @@ class PlainEngine(Engine):
         ids = input_ids.to(dev)
         kwargs = split.layer_kwargs(*ids.shape, self.dtype, dev)
         x = split.embed_forward(self.units[0].leaves, ids)                     # [B, S, d]
+        split.attach_sides(kwargs, self.units[0].leaves, ids, x)
         for i in range(split.num_layers):
             x = split.layer_forward(i, self.units[i + 1].leaves, x, kwargs[i])
         last = x[torch.arange(x.shape[0], device=dev), lengths.to(dev) - 1]     # [B, d]

@@ -7,7 +7,7 @@
   `tests/test_families.py` (with the family's model-level transforms set away from 1);
 - `REFUSED`: decoder-only families slidetune does not train, with the reason;
 - `REFUSED_SETTINGS`: settings of a tested family refused by config field, with the reason
-  (Gemma 4's per-layer input embeddings and KV sharing);
+  (none at present);
 - `NOT_DECODER_ONLY`: encoder-decoder halves, encoders usable as decoders and multimodal
   composite configs, with the reason (for a composite, the text family to use instead).
 
@@ -49,7 +49,7 @@ TESTED = (
     "gpt_oss",
     # per-layer attention shapes (transformers' per_layer_config: head_dim and KV heads of the full
     # layers), keys shared with values, an MoE block beside the MLP, a constant layer scalar (buffer);
-    # without per-layer inputs or KV sharing (REFUSED_SETTINGS)
+    # per-layer input embeddings and KV sharing (E2B / E4B: layer_sides.py)
     "gemma4_text", "gemma4_unified_text",
 )
 
@@ -92,22 +92,10 @@ REFUSED: dict[str, str] = {
     "blt": "byte latent transformer: local encoder/decoder and patching around a global model, not one decoder stack",
 }
 
-_GEMMA4_PER_LAYER_INPUTS = (
-    "per-layer input embeddings (Gemma 4 E2B/E4B): the base model computes a [B, S, layers, "
-    "hidden_size_per_layer_input] tensor from the tokens and the embeddings before the layers and hands "
-    "each layer its slice, which the sliding units (embedding, layers, head) do not carry; the models "
-    "without them (Gemma 4 31B, 26B-A4B, 12B) train")
-_GEMMA4_KV_SHARING = (
-    "KV sharing (Gemma 4 E2B/E4B): the last layers reuse the keys and values of an earlier layer, "
-    "which the sliding units, run one layer at a time, do not hand on; the models without it "
-    "(Gemma 4 31B, 26B-A4B, 12B) train")
 # Settings of a tested family that the split does not train, refused at load when the field is set
-# (non-zero): family -> {config field: why}.
-REFUSED_SETTINGS: dict[str, dict[str, str]] = {
-    "gemma4_text": {"hidden_size_per_layer_input": _GEMMA4_PER_LAYER_INPUTS,
-                    "num_kv_shared_layers": _GEMMA4_KV_SHARING},
-    "gemma4_unified_text": {"num_kv_shared_layers": _GEMMA4_KV_SHARING},
-}
+# (non-zero): family -> {config field: why}. None at present: Gemma 4's per-layer input embeddings and
+# KV sharing (E2B / E4B), once refused here, train since 2026-11-29 (layer_sides.py).
+REFUSED_SETTINGS: dict[str, dict[str, str]] = {}
 
 _ENC_DEC = "the decoder half of an encoder-decoder model (cross-attention to an encoder), not a decoder-only LM"
 _ENCODER = "an encoder architecture (BERT-style) that can run as a decoder, not a decoder-only LM"

@@ -72,9 +72,15 @@ _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "d
 
 
 def _layer_indices(config: PretrainedConfig) -> list[int]:
-    """Two layers, or the first layer of each kind when the family mixes kinds (up to 3)."""
+    """Two layers, or the first layer of each kind when the family mixes kinds (up to 3). With KV
+    sharing (Gemma 4 E2B / E4B: the last `num_kv_shared_layers` layers read the K/V of the last
+    earlier layer of their kind) each kind once before the shared layers and once among them."""
     n = int(config.num_hidden_layers)
     kinds = getattr(config, "layer_types", None)
+    shared = _kv_shared_layers(config)
+    if isinstance(kinds, (list, tuple)) and len(kinds) == n and 0 < shared < n:
+        own, tail = list(kinds[:n - shared]), list(kinds[n - shared:])
+        return [own.index(k) for k in dict.fromkeys(own)] + [n - shared + tail.index(k) for k in dict.fromkeys(tail)]
     if isinstance(kinds, (list, tuple)) and len(kinds) == n:
         firsts = [kinds.index(k) for k in dict.fromkeys(kinds)][:3]
         if len(firsts) > 1:
@@ -82,10 +88,16 @@ def _layer_indices(config: PretrainedConfig) -> list[int]:
     return list(range(min(n, 2)))
 
 
+def _kv_shared_layers(config: PretrainedConfig) -> int:
+    return int(getattr(config, "num_kv_shared_layers", 0) or 0)
+
+
 def _cut(config: PretrainedConfig, small_widths: bool, small_vocab: bool) -> PretrainedConfig:
     d = config.to_dict()
     n = int(config.num_hidden_layers)
     keep = _layer_indices(config)
+    if 0 < _kv_shared_layers(config) < n:
+        d["num_kv_shared_layers"] = sum(1 for i in keep if i >= n - _kv_shared_layers(config))
     for key, value in list(d.items()):       # per-layer lists follow the kept layers
         if isinstance(value, list) and len(value) == n and n > len(keep):
             d[key] = [value[i] for i in keep]
@@ -98,6 +110,8 @@ def _cut(config: PretrainedConfig, small_widths: bool, small_vocab: bool) -> Pre
         d["num_layers"] = max(1, len(keep) * layers // n)
     if small_vocab:
         d["vocab_size"] = VOCAB
+        if d.get("vocab_size_per_layer_input"):            # Gemma 4's per-layer embedding (E2B: 262144 rows)
+            d["vocab_size_per_layer_input"] = VOCAB
         for key in _TOKEN_IDS:                 # ids past the small vocabulary would index out of range
             v = d.get(key)
             if isinstance(v, int) and v >= VOCAB:
@@ -108,6 +122,8 @@ def _cut(config: PretrainedConfig, small_widths: bool, small_vocab: bool) -> Pre
         for key, value in _SMALL_WIDTHS.items():
             if d.get(key) is not None:
                 d[key] = value
+        if d.get("hidden_size_per_layer_input"):           # 0: no per-layer inputs (left so)
+            d["hidden_size_per_layer_input"] = 16
         heads, kv = d.get("num_attention_heads"), d.get("num_key_value_heads")
         if heads:
             d["num_attention_heads"] = 4
@@ -200,6 +216,7 @@ def _split_loss_and_grads(split: SplitModel, state: dict, ids, mask, labels):
                        for p in unit.params})
     kwargs = split.layer_kwargs(*ids.shape, torch.float32, ids.device, attention_mask=mask)
     x = split.embed_forward(leaves[0], ids)                                   # [B, S, d]
+    split.attach_sides(kwargs, leaves[0], ids, x)                             # Gemma 4's per-layer inputs
     for i in range(split.num_layers):
         x = split.layer_forward(i, leaves[i + 1], x, kwargs[i])
     tied = leaves[0]["weight"] if split.tied else None

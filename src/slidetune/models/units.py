@@ -9,7 +9,9 @@ the hidden states (attention masks per layer type, rotary embeddings, position
 ids) is recorded by running the base model's own forward with the layers
 replaced by recorders, so every family's mask and rotary logic is HF's own.
 What the family's forward computes between the units (embedding multiplier, logit
-scaling and softcapping) is applied here too: see `transforms.py`.
+scaling and softcapping) is applied here too: see `transforms.py`; what it hands the layers
+beside hidden_states from the tokens or from other layers (Gemma 4's per-layer inputs and
+shared K/V) is `layer_sides.py`'s.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from torch.func import functional_call
 
 from ..ops.cross_entropy import RowNorm, linear_cross_entropy, linear_cross_entropy_grads, linear_token_losses
 from .buffers import BufferSlot, DeviceBuffers, non_persistent_buffers, unit_buffer_slots
+from .layer_sides import LayerSides, SharedKV
 from .transforms import ModelTransforms, model_transforms
 
 
@@ -69,6 +72,18 @@ class UnitSpec:
         return tuple((p.local_name, p.shape) for p in self.params)
 
 
+class LayerKwargs(list):
+    """One micro-batch's kwargs of each decoder layer (a list of dicts), and its side inputs the
+    units compute (layer_sides.LayerSides: Gemma 4's per-layer inputs and KV store; None for every
+    other family), set by SplitModel.attach_sides after the embedding."""
+
+    sides: LayerSides | None = None
+
+
+# Gemma 4's per-layer input modules on the base model (E2B / E4B): parameters of the embedding unit
+_PER_LAYER_MODULES = ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm")
+
+
 class _HeadModule(nn.Module):
     """Groups the final norm with an untied lm_head so the head is one unit."""
 
@@ -82,8 +97,9 @@ class _HeadModule(nn.Module):
 class _LayerRecorder(nn.Module):
     """Replaces a decoder layer for one call of the base model: records its kwargs. A positional
     extra is recorded under its name in the layer's forward (Gemma 4 passes `per_layer_input`
-    positionally) when it is None; a tensor there is computed outside the layers from the tokens
-    (per-layer input embeddings), which the stand-in embeddings cannot give, so it refuses."""
+    positionally) when it is None; a tensor there would be computed outside the layers from the
+    tokens, which the stand-in embeddings cannot give, so it refuses (Gemma 4's per-layer inputs are
+    switched off for the recording and computed by the units: SplitModel.attach_sides)."""
 
     def __init__(self, sink: list, layer: nn.Module):
         super().__init__()
@@ -105,11 +121,12 @@ class _LayerRecorder(nn.Module):
 
 
 class _NoSharedKV(dict):
-    """Stands for Gemma 4's `shared_kv_states` in the recorded kwargs. transformers' layers store
-    their keys and values there for the KV-shared layers at the end of the stack to read; the split
-    runs no such layer (families.py refuses `num_kv_shared_layers` > 0), so a store is dropped:
-    kept, it would hold a micro-batch's K/V, and the autograd graph behind them, as long as the
-    kwargs live. A read means a layer needs another layer's K/V, which the units do not hand on."""
+    """Stands for Gemma 4's `shared_kv_states` in the recorded kwargs of a model without KV-shared
+    layers (`num_kv_shared_layers` 0). transformers' layers store their keys and values there for
+    the KV-shared layers at the end of the stack to read (the last layer of each attention type
+    stores, shared layers or not); with none to read them a store is dropped: kept, it would hold a
+    micro-batch's K/V, and the autograd graph behind them, as long as the kwargs live. With
+    KV-shared layers the store is a real one (layer_sides.SharedKV)."""
 
     def __setitem__(self, key, value) -> None:
         pass
@@ -183,8 +200,18 @@ class SplitModel:
 
         self.units: list[UnitSpec] = []
         eu = UnitSpec("embed", "embed", 0, embed)
-        _layout(eu, [(n, full(embed, n), p) for n, p in embed.named_parameters()])
+        # Gemma 4's per-layer inputs are computed from the tokens and the embeddings: their
+        # parameters are the embedding unit's, after the embedding's own (layer_sides.py)
+        self.per_layer_modules: dict[str, nn.Module] = \
+            {n: getattr(base, n) for n in _PER_LAYER_MODULES} if getattr(base, "hidden_size_per_layer_input", 0) else {}
+        self._embed_names = [n for n, _ in embed.named_parameters()]
+        named = [(n, full(embed, n), p) for n, p in embed.named_parameters()]
+        for prefix, module in self.per_layer_modules.items():
+            named += [(f"{prefix}.{n}", full(module, n), p) for n, p in module.named_parameters()]
+        _layout(eu, named)
         self.units.append(eu)
+        # Gemma 4's KV-shared layers read an earlier layer's K/V (layer_sides.SharedKV)
+        self.kv_sharing = bool(getattr(self.config, "num_kv_shared_layers", 0))
         for i, layer in enumerate(self.layer_modules):
             lu = UnitSpec(f"layer.{i}", "layer", i + 1, layer)
             _layout(lu, [(n, full(layer, n), p) for n, p in layer.named_parameters()])
@@ -251,14 +278,17 @@ class SplitModel:
                     b.value.copy_(t)
         self.layer_buffers.forget()
 
-    def _embed_buffers(self, device: torch.device) -> dict[str, torch.Tensor]:
-        if not hasattr(self.embed_module, "scalar_embed_scale"):
+    def _embed_buffers(self, device: torch.device, module: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """The embedding's `embed_scale` buffer (or `module`'s: Gemma 4's per-layer embedding) on `device`."""
+        module = self.embed_module if module is None else module
+        if not hasattr(module, "scalar_embed_scale"):
             return {}
-        if device not in self._buffer_cache:
+        key = (device, id(module))
+        if key not in self._buffer_cache:
             # HF keeps it as a float32 0-dim buffer and casts it to the weight's dtype in forward
-            self._buffer_cache[device] = {"embed_scale": torch.tensor(
-                float(self.embed_module.scalar_embed_scale), dtype=torch.float32, device=device)}
-        return self._buffer_cache[device]
+            self._buffer_cache[key] = {"embed_scale": torch.tensor(
+                float(module.scalar_embed_scale), dtype=torch.float32, device=device)}
+        return self._buffer_cache[key]
 
     # ---- shapes -------------------------------------------------------------
     @property
@@ -287,19 +317,24 @@ class SplitModel:
     # ---- per micro-batch layer inputs ----------------------------------------
     def layer_kwargs(self, batch_size: int, seq_len: int, dtype: torch.dtype, device: torch.device,
                      attention_mask: torch.Tensor | None = None,
-                     position_ids: torch.Tensor | None = None) -> list[dict]:
-        """What each decoder layer receives besides hidden_states, from the base model's own forward."""
+                     position_ids: torch.Tensor | None = None) -> LayerKwargs:
+        """What each decoder layer receives besides hidden_states, from the base model's own forward
+        (what the units compute, Gemma 4's per-layer inputs, follows the embedding: attach_sides)."""
         rotary = self._rotary(device)
         # A zero-stride stand-in for the embeddings: the mask and rotary code read only
         # its shape, dtype and device, so it costs no memory.
         stand_in = torch.zeros((), dtype=dtype, device=device).expand(batch_size, seq_len, self.hidden_size)
-        sink: list[dict] = []
+        sink = LayerKwargs()
         saved = (self.base.layers, self.base.norm, getattr(self.base, "rotary_emb", None))
         try:
             self.base.layers = nn.ModuleList([_LayerRecorder(sink, m) for m in self.layer_modules])
             self.base.norm = nn.Identity()
             if rotary is not None:
                 self.base.rotary_emb = rotary
+            if self.per_layer_modules:
+                # the per-layer inputs need the tokens (the stand-in has none): the units compute them
+                # (attach_sides); the layers are recorded with per_layer_input None
+                self.base.hidden_size_per_layer_input = 0
             with torch.no_grad():
                 self.base(inputs_embeds=stand_in, attention_mask=attention_mask,
                           position_ids=position_ids, use_cache=False)
@@ -307,12 +342,48 @@ class SplitModel:
             self.base.layers, self.base.norm = saved[0], saved[1]
             if saved[2] is not None:
                 self.base.rotary_emb = saved[2]
+            if self.per_layer_modules:
+                self.base.hidden_size_per_layer_input = self.config.hidden_size_per_layer_input
         if len(sink) != self.num_layers:
             raise UnsupportedModelError(f"base model called {len(sink)} of {self.num_layers} layers")
+        store = SharedKV() if self.kv_sharing else None          # one per micro-batch, its layers' own
         for kwargs in sink:
             if "shared_kv_states" in kwargs:
-                kwargs["shared_kv_states"] = _NoSharedKV()
+                kwargs["shared_kv_states"] = store if store is not None else _NoSharedKV()
         return sink
+
+    def attach_sides(self, kwargs: LayerKwargs, embed_params: dict[str, torch.Tensor], input_ids: torch.Tensor,
+                     embeddings: torch.Tensor) -> LayerSides | None:
+        """A micro-batch's side inputs (layer_sides.py) into its layers' kwargs, after the embedding:
+        layer i's per-layer input, the slice [B, S, D_pl] of per_layer_inputs. Sets and returns
+        kwargs.sides; None (nothing to carry) for every family but Gemma 4 E2B / E4B."""
+        per_layer = self.per_layer_inputs(embed_params, input_ids, embeddings) if self.per_layer_modules else None
+        store = kwargs[0].get("shared_kv_states") if self.kv_sharing else None
+        if per_layer is None and store is None:
+            return None
+        if per_layer is not None:
+            for i, kw in enumerate(kwargs):
+                kw["per_layer_input"] = per_layer[:, :, i]                        # [B, S, D_pl]
+        kwargs.sides = LayerSides(per_layer, store)
+        return kwargs.sides
+
+    def per_layer_inputs(self, params: dict[str, torch.Tensor], input_ids: torch.Tensor,
+                         embeddings: torch.Tensor) -> torch.Tensor:
+        """Gemma 4's per-layer inputs [B, S, L, D_pl] on the embedding unit's parameters, as
+        transformers' get_per_layer_inputs and project_per_layer_inputs compute them: the tokens'
+        per-layer embedding plus the normed projection of the embeddings [B, S, d], over sqrt(2)."""
+        base, (b, s) = self.base, input_ids.shape
+        shape = (b, s, self.num_layers, int(self.config.hidden_size_per_layer_input))
+
+        def run(name: str, x: torch.Tensor, extra: dict | None = None) -> torch.Tensor:
+            module = self.per_layer_modules[name]
+            tensors = {n: params[f"{name}.{n}"] for n, _ in module.named_parameters()}
+            return functional_call(module, {**tensors, **(extra or {})}, (x,))
+        tokens = run("embed_tokens_per_layer", input_ids,
+                     self._embed_buffers(input_ids.device, self.per_layer_modules["embed_tokens_per_layer"]))
+        projected = run("per_layer_model_projection", embeddings) * base.per_layer_model_projection_scale
+        projected = run("per_layer_projection_norm", projected.reshape(shape))
+        return (projected + tokens.reshape(shape)) * base.per_layer_input_scale
 
     def _rotary(self, device: torch.device) -> nn.Module | None:
         skeleton = getattr(self.base, "rotary_emb", None)
@@ -324,13 +395,26 @@ class SplitModel:
 
     # ---- unit computations ----------------------------------------------------
     def embed_forward(self, params: dict[str, torch.Tensor], input_ids: torch.Tensor) -> torch.Tensor:
-        tensors = {**params, **self._embed_buffers(input_ids.device)}
+        tensors = {**{n: params[n] for n in self._embed_names}, **self._embed_buffers(input_ids.device)}
         x = functional_call(self.embed_module, tensors, (input_ids,))            # [B, S, d]
         if self.transforms.embed_multiplier != 1.0:
             x = x * self.transforms.embed_multiplier      # as the base model's forward does (Granite)
         if self.transforms.norm_embeddings:
             x = self.norm_module(x)                       # parameter-free (checked at init): NanoChat
         return x
+
+    def embed_grads(self, params: dict[str, torch.Tensor], input_ids: torch.Tensor, grad: torch.Tensor,
+                    sides: LayerSides | None = None) -> tuple[torch.Tensor, ...]:
+        """The embedding unit's gradients, one per entry of `params` (autograd leaves), against `grad`
+        [B, S, d] reaching the embeddings and, with Gemma 4's per-layer inputs, the layers' gradients
+        of them (sides.per_layer_grad [B, S, L, D_pl])."""
+        with torch.enable_grad():
+            e = self.embed_forward(params, input_ids)                                 # [B, S, d]
+            outs, grads = [e], [grad]
+            if sides is not None and sides.per_layer_grad is not None:
+                outs.append(self.per_layer_inputs(params, input_ids, e))
+                grads.append(sides.per_layer_grad)
+            return torch.autograd.grad(outs, list(params.values()), grads, materialize_grads=True)
 
     def layer_forward(self, i: int, params: dict[str, torch.Tensor], hidden: torch.Tensor,
                       kwargs: dict) -> torch.Tensor:
@@ -346,8 +430,11 @@ class SplitModel:
         def kind(j: int):
             m, unit = self.layer_modules[j], self.layer_units[j]
             attn = getattr(m, "self_attn", None)
+            # Gemma 4 with KV sharing: a producer (stores its K/V) or a shared layer (reads them)
+            sharing = (getattr(attn, "store_full_length_kv", None), getattr(attn, "is_kv_shared_layer", None)) \
+                if self.kv_sharing else None
             return (type(m), getattr(m, "attention_type", None), getattr(attn, "sliding_window", None),
-                    getattr(attn, "is_causal", None), unit.signature(),
+                    getattr(attn, "is_causal", None), sharing, unit.signature(),
                     tuple((b.local_name, b.shape, b.keep_fp32) for b in unit.buffers))
         want = kind(i)
         return self.layer_modules[next(j for j in range(self.num_layers) if kind(j) == want)]

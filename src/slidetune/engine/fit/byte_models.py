@@ -385,3 +385,24 @@ def summing_bytes(grad_sum: str, micro_batches: int, params: int) -> int:
     from ..slide.grad_sum import accumulation_bytes
     ways = ("torch", "fused") if grad_sum == "auto" else (grad_sum,)
     return max(accumulation_bytes(w, micro_batches, params) for w in ways)
+
+
+def side_input_bytes(split: SplitModel, batch_size: int, seq_len: int, dtype: torch.dtype) -> int:
+    """Device bytes one micro-batch's side inputs hold at their peak (models/layer_sides.py: Gemma 4
+    E2B / E4B; 0 for every other family), kept from the embedding's forward to its backward, beside
+    the layers' working set: the per-layer inputs N*L*D_pl*b and, from the last layer's backward on,
+    their gradient as much again; with KV sharing each producer's keys and values
+    (2*N*kv_heads*head_dim*b, its own attention width) and, from the first shared layer's backward
+    to the producer's, their summed gradient as much again. E2B at 64K tokens in BF16: 2 x 1.1 GiB
+    of per-layer inputs, 2 x 0.2 GiB of K/V. Not yet in estimate.py's total (2026-11-29)."""
+    b = torch.empty((), dtype=dtype).element_size()
+    n = batch_size * seq_len
+    per_layer = n * split.num_layers * int(getattr(split.config, "hidden_size_per_layer_input", 0) or 0) * b \
+        if split.per_layer_modules else 0
+    shared = 0
+    if split.kv_sharing:
+        attns = [getattr(m, "self_attn", None) for m in split.layer_modules]
+        read = {a.layer_type for a in attns if getattr(a, "is_kv_shared_layer", False)}
+        shared = sum(2 * n * a.k_proj.out_features * b for a in attns
+                     if getattr(a, "store_full_length_kv", False) and a.layer_type in read)
+    return 2 * (per_layer + shared)

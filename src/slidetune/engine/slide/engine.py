@@ -487,6 +487,8 @@ class SlideEngine(Engine):
         with torch.no_grad(), self.timer.span("embed", -1):
             embed_params = slots.views(split.embed_unit, embed_slot.flat)
             xs = [split.embed_forward(embed_params, i) for i in ids]                # [B, S, d] each
+            for m in range(len(mbs)):      # Gemma 4 E2B / E4B: the per-layer inputs (models/layer_sides.py)
+                split.attach_sides(kwargs[m], embed_params, ids[m], xs[m])
         self.memory.mark("embed")
         head_slot = None
         # The head's upload is queued ahead of the last layers' where its update is ready early
@@ -597,7 +599,7 @@ class SlideEngine(Engine):
                 # layer below's first
                 self.acts.prefetch(*((i, m + 1) if m + 1 < k else (i - 1, 0)))
                 res = self.layers.recompute_backward(i, params, self.acts.load(i, m), gs[m], kwargs[m][i],
-                                                     self.timer)
+                                                     self.timer, kwargs[m].sides)
                 gs[m] = res[0]
                 summed.add(res[1:])
                 del res
@@ -615,14 +617,15 @@ class SlideEngine(Engine):
             self.memory.mark("backward", i)
         slots.acquire(embed_slot)
         w = _leaves(slots.views(split.embed_unit, embed_slot.flat))
-        acc = tied_acc
+        # a tied weight's head share first (the embedding's weight leads the unit's parameters)
+        acc = tied_acc if tied_acc is None or len(w) == 1 else \
+            tied_acc + [torch.zeros_like(v, dtype=tied_acc[0].dtype) for v in list(w.values())[1:]]
         for m in range(k):
-            with torch.enable_grad(), self.timer.span("embed_backward", -1):
-                e = split.embed_forward(w, ids[m])
-                grads = torch.autograd.grad(e, [w["weight"]], gs[m], materialize_grads=True)
+            with self.timer.span("embed_backward", -1):
+                grads = split.embed_grads(w, ids[m], gs[m], kwargs[m].sides)
             acc = accumulate(acc, grads, k)
-            gs[m] = None
-            del e, grads
+            gs[m] = kwargs[m].sides = None
+            del grads
         slots.release(embed_slot)
         embed_gslot = slots.grad_slot(0)
         slots.claim_grad_slot(embed_gslot)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ...models.lean_kernels import resolve_lean_kernels
+from ...models.layer_sides import LayerSides, SideRecompute
 from ...models.lean_layer import LeanLayers
 from ...models.units import SplitModel, run_layer
 from ..config import RuntimeConfig
@@ -107,14 +108,18 @@ class LayerRunner:
         return self.split.layer_forward(i, params, x, kwargs)
 
     def recompute_backward(self, i: int, params: dict, x: torch.Tensor, grad_out: torch.Tensor, kwargs: dict,
-                           timer) -> tuple[torch.Tensor, ...]:
+                           timer, sides: LayerSides | None = None) -> tuple[torch.Tensor, ...]:
         """(d x, one gradient per entry of `params`) of layer i at input x against grad_out
-        (consumed). `params` are autograd leaves over the slot's memory."""
+        (consumed). `params` are autograd leaves over the slot's memory. `sides`: the micro-batch's
+        side inputs (models/layer_sides.py: Gemma 4's per-layer inputs and shared K/V), whose
+        gradients are kept there."""
         if self.lean is not None:
             return self.lean.recompute_backward(i, params, x, grad_out, kwargs, timer=timer,
                                                 attention=self._attention_grad, mlp=self._mlp_grad,
                                                 layer=self._module_of(i))
         xi = x.detach().requires_grad_(True)
+        side = SideRecompute(sides, i, kwargs) if sides is not None else None
+        kwargs = side.kwargs if side is not None else kwargs
         with torch.enable_grad():
             with timer.span("recompute", i):
                 if self._layer_grad is not None:
@@ -122,4 +127,8 @@ class LayerRunner:
                 else:
                     out = self.split.layer_forward(i, params, xi, kwargs)
             with timer.span("backward", i):
-                return torch.autograd.grad(out, [xi] + list(params.values()), grad_out, materialize_grads=True)
+                if side is None:
+                    return torch.autograd.grad(out, [xi] + list(params.values()), grad_out, materialize_grads=True)
+                outs, grads = side.outputs(out, grad_out)
+                return side.finish(torch.autograd.grad(outs, side.inputs(xi, params.values()), grads,
+                                                       materialize_grads=True))
