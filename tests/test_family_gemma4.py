@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, Gemma4TextConfig, Gemma4UnifiedTe
 
 from test_equivalence import VOCAB
 from test_families import _trains_like_the_reference
+from slidetune.engine.fit import estimate_memory
 from slidetune.engine.fit.byte_models import model_shape, side_input_bytes
 from slidetune.models.families import UnsupportedFamilyError, family_status, moe_note
 from slidetune.models.load import LoadedModel, StateDictSource, skeleton
@@ -258,6 +259,10 @@ def test_slide_backward_gives_transformers_gradients():
     held = sides.per_layer.nbytes + sum(t.nbytes for pair in sides.kv.values() for t in pair)
     assert side_input_bytes(split, 2, 24, torch.float32) == 2 * held
     assert side_input_bytes(SplitModel(skeleton(tiny_config(moe=False))), 2, 24, torch.float32) == 0
+    # the slide estimate's GPU total holds them once a micro-batch
+    est = estimate_memory(split, RuntimeConfig(mode="slide", dtype="fp32", device="cpu"), batch_size=2, seq_len=24,
+                          grad_accum=2)
+    assert est.gpu_parts["side inputs (per-layer inputs, shared keys and values)"] == 2 * 2 * held
     loss, g, head_grads = split.head_loss_and_grads(params[-1], x, labels, 1.0, lm_weight=params[0]["weight"])
     torch.testing.assert_close(loss, hf_loss, rtol=1e-6, atol=0)
     grads = {"lm_head.weight": head_grads.pop("lm_head.weight"), **{f"model.{k}": v for k, v in head_grads.items()}}

@@ -394,7 +394,7 @@ def side_input_bytes(split: SplitModel, batch_size: int, seq_len: int, dtype: to
     their gradient as much again; with KV sharing each producer's keys and values
     (2*N*kv_heads*head_dim*b, its own attention width) and, from the first shared layer's backward
     to the producer's, their summed gradient as much again. E2B at 64K tokens in BF16: 2 x 1.1 GiB
-    of per-layer inputs, 2 x 0.2 GiB of K/V. Not yet in estimate.py's total (2026-11-29)."""
+    of per-layer inputs, 2 x 0.2 GiB of K/V; estimate.py counts it once a micro-batch."""
     b = torch.empty((), dtype=dtype).element_size()
     n = batch_size * seq_len
     per_layer = n * split.num_layers * int(getattr(split.config, "hidden_size_per_layer_input", 0) or 0) * b \

@@ -36,7 +36,8 @@ from ..slide.disk_tier import buffer_bytes, tier_bytes
 from ..slide.host_store import BUILD_WORKERS
 from ..tiers import TIERS
 from .byte_models import (ACTIVATION_MARGIN, HEAD_MARGIN, GiB, device_type_of, head_bytes, layer_activation_bytes,
-                          materialized_masks, model_shape, summing_bytes, working_set_bytes, working_set_margin)
+                          materialized_masks, model_shape, side_input_bytes, summing_bytes, working_set_bytes,
+                          working_set_margin)
 
 
 # CUDA context + allocator slack. mem_get_info() is read after the context exists, but
@@ -243,6 +244,9 @@ def _slide_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w: _Work, 
         w = dataclasses.replace(w, head=w.head + 4 * (split.head_unit.numel
                                                       + (split.embed_unit.numel if split.tied else 0)))
     _slide_gpu_buffers(parts, rt, w, plan)
+    side = side_input_bytes(split, w.B, w.S, w.dtype)
+    if side:        # Gemma 4 E2B / E4B: every micro-batch's, from its embedding's forward to its backward
+        parts.gpu["side inputs (per-layer inputs, shared keys and values)"] = w.grad_accum * side
     parts.phases = _slide_phases(split, rt, w)
     _device_update_terms(parts, split, rt, w, schedule, plan)
     _host_state_terms(parts, split, rt, w, plan)
