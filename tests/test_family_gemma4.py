@@ -318,3 +318,17 @@ def test_per_layer_inputs_and_kv_sharing_train_like_the_reference():
     finally:
         for engine in engines.values():
             engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("extra", [{}, {"cache_units": 0, "compile_layers": True}], ids=["slide", "resident-compiled"])
+def test_per_layer_inputs_and_kv_sharing_bf16_on_cuda_within_noise(extra):
+    """The E2B-like model on CUDA in BF16 (the side inputs on the GPU, the shared keys and values
+    through SDPA's kernels, eager and compiled): three AdamW steps of the slide engine within BF16
+    noise of transformers' FP32 model, the noise measured as in test_equivalence_gpu (gpu mode beside it)."""
+    from test_equivalence_gpu import assert_bf16_within_noise
+    torch.backends.cuda.matmul.allow_tf32 = False
+    config = tiny_e2b_config()
+    state, _ = _source(config)
+    loaded = LoadedModel("gemma4_text", SplitModel(skeleton(config)), StateDictSource(state), None)
+    assert_bf16_within_noise(loaded, "slide", "deferred", 2, 0.5, False, extra)
