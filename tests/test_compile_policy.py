@@ -53,3 +53,39 @@ def test_values_and_the_flag():
     assert config_from_args(p.parse_args(["--compile-layers", "off"])).runtime.compile_layers == "off"
     assert config_from_args(p.parse_args([])).runtime.compile_layers == "auto"
 
+
+
+def test_train_keeps_compile_on_where_only_the_compiled_layer_fits(split_8b, monkeypatch):
+    """compile auto on CUDA: the fit counts HF's layer compiled (compile_policy.fit_counts_compiled), so
+    Qwen3-8B b64 x 1024 unclipped under 24 GiB places HF's layer with offloaded checkpoints, which the
+    eager layer's working set would not fit (b16 there fills the room it leaves with resident layers,
+    likewise): train's compile choice is then on whatever the payback (a 5-step run would not earn the
+    compile back). An explicit --compile-layers is kept, and off places for the eager layer."""
+    import dataclasses
+
+    import torch
+    from slidetune.device import Device
+    from slidetune.engine.compile_policy import fit_counts_compiled
+    from slidetune.engine.fit import Workload, check_fit, choose_auto_settings
+    from slidetune.run_setup import PreparedRun
+    from slidetune.train_setup import _placement_needs_compile
+    monkeypatch.setenv("SLIDETUNE_HOST_MEMORY_BYTES", str(123 * 2**30))     # the H200 host, not this machine's
+    cuda = Device(torch.device("cuda"))
+    assert fit_counts_compiled(RuntimeConfig(mode="slide", device="cuda"))
+    assert not fit_counts_compiled(RuntimeConfig(mode="slide", device="cpu"))
+    assert not fit_counts_compiled(RuntimeConfig(mode="slide", device="cuda", compile_layers="off"))
+    loaded = load_model("qwen3-8b", with_tokenizer=False)
+    work = Workload(batch_size=64, seq_len=1024, max_grad_norm=0.0, padded=False, gpu_free_bytes=24 * 2**30)
+    placed = choose_auto_settings(split_8b, RuntimeConfig(mode="slide", device="cuda"), **work.fit_kwargs())
+    assert placed.layer.lean_layer == "off"
+    assert _placement_needs_compile(PreparedRun(loaded, placed, None, work), cuda)
+    short = choose_compile_layers(placed, split_8b, is_cuda=True, steps=5, tokens_per_step=64 * 1024,
+                                  seq_len=1024, placement_needs_it=True)
+    assert short.compile_layers == "on" and "compiled layer's working set" in short.reason
+    # explicit settings are kept: on needs no check; off places for the eager layer, which fits
+    assert not _placement_needs_compile(PreparedRun(loaded, dataclasses.replace(placed, compile_layers="on"),
+                                                    None, work), cuda)
+    eager = choose_auto_settings(split_8b, RuntimeConfig(mode="slide", device="cuda", compile_layers="off"),
+                                 **work.fit_kwargs())
+    assert eager.layer.lean_layer == "on" and not _placement_needs_compile(PreparedRun(loaded, eager, None, work), cuda)
+    check_fit(split_8b, eager, **work.fit_kwargs())

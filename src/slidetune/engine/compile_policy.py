@@ -12,6 +12,10 @@ at the eager rate: an estimate, stated as such in the reason the resolved config
 Only slide mode compiles layers, and only on CUDA (inductor's CPU code is not what the
 measurements above are of, and a CPU run has seconds to spare for nothing).
 
+The fit counts HF's layer compiled where compile_layers is on or auto on CUDA (fit_counts_compiled:
+~0.6 of the eager layer's bytes), so a placement may fit only compiled; train then resolves auto on
+whatever the payback (choose_compile_layers' placement_needs_it).
+
 Where the compile cache holds this run's layers (engine/compile_cache.py: an earlier run of the same
 layers, shape and settings compiled them) the compile costs a fraction of a cold one, and shorter
 runs earn it back.
@@ -72,7 +76,8 @@ def choose_compile_layers(rt: RuntimeConfig, split: SplitModel, *, is_cuda: bool
     if not is_cuda:
         return CompileChoice("off", "not on CUDA")
     if placement_needs_it:
-        return CompileChoice("on", "the placement fits with the compiled layer's working set, not the eager one's")
+        return CompileChoice("on", "the placement fits with the compiled layer's working set, not the eager one's "
+                                   "(--compile-layers off places for the eager layer)")
     # model FLOPs of a step, the measure the eager and compiled rates above are in
     flops = train_flops_per_token(split, seq_len) * tokens_per_step
     eager_s = flops / (EAGER_LAYER_TFLOPS * 1e12)
