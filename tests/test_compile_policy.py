@@ -56,7 +56,7 @@ def test_values_and_the_flag():
 
 
 def test_train_keeps_compile_on_where_only_the_compiled_layer_fits(split_8b, monkeypatch):
-    """compile auto on CUDA: the fit counts HF's layer compiled (compile_policy.fit_counts_compiled), so
+    """compile auto on CUDA: the fit counts HF's layer compiled (engine/fit/byte_models.fit_counts_compiled), so
     Qwen3-8B b64 x 1024 unclipped under 24 GiB places HF's layer with offloaded checkpoints, which the
     eager layer's working set would not fit (b16 there fills the room it leaves with resident layers,
     likewise): train's compile choice is then on whatever the payback (a 5-step run would not earn the
@@ -65,7 +65,7 @@ def test_train_keeps_compile_on_where_only_the_compiled_layer_fits(split_8b, mon
 
     import torch
     from slidetune.device import Device
-    from slidetune.engine.compile_policy import fit_counts_compiled
+    from slidetune.engine.fit.byte_models import fit_counts_compiled
     from slidetune.engine.fit import Workload, check_fit, choose_auto_settings
     from slidetune.run_setup import PreparedRun
     from slidetune.train_setup import _placement_needs_compile

@@ -1183,7 +1183,7 @@ def test_the_estimate_counts_the_layer_the_runtime_runs():
     lean = estimate_memory(split, cuda_rt(lean_layer="on"), **kw).phases["layer working set"]
     assert lean < 0.5 * eager and lean < compiled < 0.7 * eager
     # auto, unresolved (an engine built directly): HF's layer, as layer_runner.resolve_lean_layer, and
-    # compile auto on CUDA counted compiled (compile_policy.fit_counts_compiled; train keeps it on
+    # compile auto on CUDA counted compiled (byte_models.fit_counts_compiled; train keeps it on
     # where the placement needs it), on the CPU eager
     assert estimate_memory(split, cuda_rt(), **kw).phases["layer working set"] == compiled
     assert estimate_memory(split, RuntimeConfig(device="cpu"), **kw).phases["layer working set"] == eager

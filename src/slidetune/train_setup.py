@@ -32,8 +32,8 @@ from .device import Device, resolve_dtype
 from .engine import RuntimeConfig
 from .engine.autos import describe_autos
 from .engine.compile_cache import CompileCache, CompileCounters, cache_holds, describe_cache, layer_compile_key
-from .engine.compile_policy import choose_compile_layers, fit_counts_compiled, resolve_compile_layers
-from .engine.fit import InsufficientMemoryError, check_fit
+from .engine.compile_policy import choose_compile_layers, resolve_compile_layers
+from .engine.fit import InsufficientMemoryError, check_fit, fit_counts_compiled
 from .engine.placement import PlacementPlan
 from .engine.slide.disk_tier import tier_bytes
 from .engine.tiers import TIERS
@@ -274,7 +274,7 @@ def _training_data(cfg: TrainConfig, loaded: LoadedModel, source, pair_records: 
 
 def _placement_needs_compile(prepared: PreparedRun, device: Device) -> bool:
     """Whether the placement fits only with HF's layer compiled: the fit counted it compiled
-    (compile_policy.fit_counts_compiled, compile_layers auto on CUDA) and the eager layer's working
+    (fit/byte_models.fit_counts_compiled, compile_layers auto on CUDA) and the eager layer's working
     set does not fit the same budget, so compile_layers auto must resolve on."""
     rt = dataclasses.replace(prepared.runtime, device=device.device.type)
     if prepared.runtime.compile_layers != "auto" or not fit_counts_compiled(rt):

@@ -12,7 +12,7 @@ at the eager rate: an estimate, stated as such in the reason the resolved config
 Only slide mode compiles layers, and only on CUDA (inductor's CPU code is not what the
 measurements above are of, and a CPU run has seconds to spare for nothing).
 
-The fit counts HF's layer compiled where compile_layers is on or auto on CUDA (fit_counts_compiled:
+The fit counts HF's layer compiled where compile_layers is on or auto on CUDA (engine/fit/byte_models.fit_counts_compiled:
 ~0.6 of the eager layer's bytes), so a placement may fit only compiled; train then resolves auto on
 whatever the payback (choose_compile_layers' placement_needs_it).
 
@@ -23,8 +23,6 @@ runs earn it back.
 from __future__ import annotations
 
 import dataclasses
-
-import torch
 
 from ..models.units import SplitModel
 from ..telemetry.flops import train_flops_per_token
@@ -51,23 +49,13 @@ class CompileChoice:
     reason: str
 
 
-def fit_counts_compiled(rt: RuntimeConfig) -> bool:
-    """Whether the fit counts HF's layer compiled (engine/fit/byte_models.compiled_layer_activation_bytes,
-    ~0.6 of the eager layer's bytes): compile_layers on, or auto in slide mode on CUDA, which a long
-    run resolves on and train keeps on where the placement needs it (choose_compile_layers'
-    `placement_needs_it`)."""
-    if rt.compile_layers != "auto" or rt.mode != "slide":
-        return rt.compile_layers == "on"
-    return rt.device == "cuda" or (rt.device == "auto" and torch.cuda.is_available())
-
-
 def choose_compile_layers(rt: RuntimeConfig, split: SplitModel, *, is_cuda: bool, steps: int,
                           tokens_per_step: int, seq_len: int, cached: bool = False,
                           placement_needs_it: bool = False) -> CompileChoice:
     """What compile_layers=auto resolves to for a run of `steps` optimizer steps of
     `tokens_per_step` tokens; an explicit on/off is kept, with its reason. cached: the compile
     cache holds these layers (compile_cache.cache_holds): the compile costs WARM_COMPILE_FRACTION of it.
-    placement_needs_it: the placement fits with HF's layer compiled and not eager (fit_counts_compiled),
+    placement_needs_it: the placement fits with HF's layer compiled and not eager (fit/byte_models.fit_counts_compiled),
     so auto compiles whatever the payback."""
     if rt.compile_layers != "auto":
         return CompileChoice(rt.compile_layers, "set explicitly")

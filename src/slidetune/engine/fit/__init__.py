@@ -23,7 +23,8 @@ This package re-exports their public names: `from slidetune.engine.fit import ch
 """
 from .budget import (ENV_HOST_MEMORY, FIT_SAFETY, Budget, budget_for, free_memory_needed, query_gpu_free_bytes,
                      query_host_available_bytes)
-from .byte_models import (ACTIVATION_MARGIN, HEAD_MARGIN, GiB, MiB, head_bytes, layer_activation_bytes,
+from .byte_models import (ACTIVATION_MARGIN, HEAD_MARGIN, GiB, MiB, fit_counts_compiled, head_bytes,
+                          layer_activation_bytes,
                           lean_layer_bytes, lean_row_tiled_bytes, materialized_masks, summing_bytes,
                           working_set_bytes)
 from .check import (InsufficientMemoryError, Workload, check_fit, check_fit_on_ranks, place_on_ranks,
@@ -37,7 +38,7 @@ __all__ = [
     "ACTIVATION_MARGIN", "CUDA_OVERHEAD_BYTES", "ENV_HOST_MEMORY", "FIT_SAFETY", "HEAD_MARGIN", "HOST_OVERHEAD_BYTES",
     "SHARED_PER_HOST", "Budget", "GiB", "InsufficientMemoryError", "MemoryEstimate", "MiB", "PlacementChoice", "Workload",
     "budget_for", "check_fit", "check_fit_on_ranks", "choose_auto_settings", "choose_placement", "estimate_memory",
-    "free_memory_needed", "head_bytes", "layer_activation_bytes", "lean_layer_bytes", "lean_row_tiled_bytes", "lean_support_reason", "materialized_masks",
+    "fit_counts_compiled", "free_memory_needed", "head_bytes", "layer_activation_bytes", "lean_layer_bytes", "lean_row_tiled_bytes", "lean_support_reason", "materialized_masks",
     "place_on_ranks", "query_gpu_free_bytes", "query_host_available_bytes", "shared_state_bytes", "suggest",
     "summing_bytes", "working_set_bytes",
 ]

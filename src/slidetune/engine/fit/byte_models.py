@@ -307,13 +307,22 @@ def working_set_margin(split: SplitModel, rt: RuntimeConfig) -> float:
     return 1.0 if resolve_lean_layer(split, rt) == "on" else ACTIVATION_MARGIN
 
 
+def fit_counts_compiled(rt: RuntimeConfig) -> bool:
+    """Whether the fit counts HF's layer compiled (compiled_layer_activation_bytes, ~0.6 of the eager
+    layer's bytes): compile_layers on, or auto in slide mode on CUDA, which a long run resolves on and
+    train keeps on where the placement needs it (compile_policy.choose_compile_layers'
+    `placement_needs_it`)."""
+    if rt.compile_layers != "auto" or rt.mode != "slide":
+        return rt.compile_layers == "on"
+    return device_type_of(rt) == "cuda"
+
+
 def working_set_bytes(split: SplitModel, rt: RuntimeConfig, batch_size: int, seq_len: int, dtype: torch.dtype,
                       masked: bool) -> dict[str, int]:
     """One layer's recompute + backward as the slide engine runs it: the lean layer's where the
     runtime resolves it on (engine/slide/layer_runner.resolve_lean_layer), else HF's, compiled where
-    the run compiles its layers (compile_policy.fit_counts_compiled: auto on CUDA counts on the
+    the run compiles its layers (fit_counts_compiled: auto on CUDA counts on the
     compile, and train then keeps it on where eager's working set would not fit)."""
-    from ..compile_policy import fit_counts_compiled
     from ..slide.layer_runner import resolve_lean_layer
     if resolve_lean_layer(split, rt) == "on":
         return lean_row_tiled_bytes(split, batch_size, seq_len, dtype, rt.layer.mlp_tile_tokens,
