@@ -273,25 +273,29 @@ PY
              python benchmarks/scripts/checkpoint_write.py $dir --gib ${SAVESTREAMS_GIB:-12} --saves-only \
                --optimizer-parts 1,2,1,2 2>&1 | tee $R/savestreams/$(basename $dir).txt
            done ;;
-    asyncab) # issue 33: what an asynchronous save costs the steps against a blocking one: one process on GPU 0
+    asyncab|asyncab@*) # issue 33: what an asynchronous save costs the steps against a blocking one: one process on GPU 0
            # (--async-save auto is off under data parallel), `--async-save on` then `off`, the same run otherwise:
            # Qwen3-8B b16 x 1024, clip 1.0 and the defaults, a periodic save at step ASYNCAB_EVERY (20) and the
            # end-of-run one (blocking in both) at ASYNCAB_STEPS (40), the checkpoints on ASYNCAB_CKPT_DIR (the disk:
            # 2 x 98 GB + final/'s 16 GB, more than a one-GPU machine's 64 GiB disk). save_cost.py reads them.
-           random_tokens; mkdir -p $R/asyncab
+           # asyncab@TAG: ASYNCAB_ARGS_TAG replaces ASYNCAB_ARGS, results in asyncab_TAG/ (e.g. TAG g24 with
+           # "--model qwen3-8b --batch-size 16 --seq-len 1024 --gpu-memory-limit 24")
+           a=asyncab; args=${ASYNCAB_ARGS:---model qwen3-8b --batch-size 16 --seq-len 1024}
+           if [ "$job" != asyncab ]; then a=asyncab_${job#asyncab@}; v=ASYNCAB_ARGS_${job#asyncab@}; args=${!v:-$args}; fi
+           random_tokens; mkdir -p $R/$a
            ck=${ASYNCAB_CKPT_DIR:-/var/tmp/asyncab_ckpt}
            for mode in on off; do
              d=/var/tmp/asyncab_$mode; rm -rf $d $ck
              CUDA_VISIBLE_DEVICES=0 python -m slidetune.cli train --output-dir $d --data /tmp/random_tokens.npy \
-               ${ASYNCAB_ARGS:---model qwen3-8b --batch-size 16 --seq-len 1024} --max-steps ${ASYNCAB_STEPS:-40} \
+               $args --max-steps ${ASYNCAB_STEPS:-40} \
                --save-every ${ASYNCAB_EVERY:-20} --keep-last 1 --eval-batches 1 --progress false --checkpoint-dir $ck \
-               --async-save $mode > $R/asyncab/run_$mode.log 2>&1
-             echo "--async-save $mode: rc=$?" | tee -a $R/asyncab/rc.txt
-             mkdir -p $R/asyncab/$mode; cp $d/{metrics.csv,saves.jsonl,summary.json,config.json} $R/asyncab/$mode/ 2>/dev/null
-             { ls -la $d $ck; df -h $d $ck; } > $R/asyncab/$mode/files.txt 2>&1
+               --async-save $mode > $R/$a/run_$mode.log 2>&1
+             echo "--async-save $mode: rc=$?" | tee -a $R/$a/rc.txt
+             mkdir -p $R/$a/$mode; cp $d/{metrics.csv,saves.jsonl,summary.json,config.json} $R/$a/$mode/ 2>/dev/null
+             { ls -la $d $ck; df -h $d $ck; } > $R/$a/$mode/files.txt 2>&1
              rm -rf $d $ck
            done
-           python benchmarks/scripts/save_cost.py $R/asyncab/on $R/asyncab/off | tee $R/asyncab/report.md ;;
+           python benchmarks/scripts/save_cost.py $R/$a/on $R/$a/off | tee $R/$a/report.md ;;
     leankernels) # the lean layer's GPU tests: Liger's kernels within BF16 noise, eager and compiled (a
            # liger-kernel wheel in .whl/; without it they skip)
            timeout 400 python -m pytest -q -rs tests/test_lean_layer.py -m gpu > $R/lean_kernels_tests.txt 2>&1
