@@ -311,6 +311,16 @@ class ClipScheduleTuning(_Section):
                  "(-1: all)",
         when="set by held_buffers auto where host RAM has room for some units' second buffer, not all",
         valid=(lambda v: isinstance(v, int) and v >= -1, "a count >= 0, or -1 for all"))
+    # A decoder layer's held gradient buffer is idle from the clipped sweep's read of it (whole: its
+    # one pass) until the next backward reaches the layer, the span in which the layer's offloaded
+    # input checkpoint lives: the checkpoint can borrow it, and only what exceeds the buffer takes a
+    # slot of its own (Qwen3-8B b64 x 1024: a 0.50 GiB checkpoint against a 0.38 GiB gradient)
+    checkpoints_in_held: Literal["off", "on"] = tuning_field(
+        "off", help="offloaded layer-input checkpoints borrow their layer's held gradient buffer (host RAM for "
+                    "the larger of the two, not both); needs the clipped schedule, --tuning.clip_sweep whole and "
+                    "one held buffer",
+        when="on where host RAM cannot hold both the offloaded checkpoints and the held gradients (the whole "
+             "sweep may cost the next forward: measure it)")
 
 
 @dataclass(frozen=True)

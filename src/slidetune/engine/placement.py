@@ -125,6 +125,10 @@ class PlacementPlan:
     # what the host-updated units (host and disk) keep per parameter (--moments, --master); units
     # updated on a GPU (gpu, shard): FP32_ADAMW
     host_state: OptimizerState = FP32_ADAMW
+    # --tuning.checkpoints_in_held: each offloaded layer-input checkpoint borrows its layer's held
+    # gradient buffer (deferred schedule, one buffer), idle from the clipped sweep's one pass over it
+    # until the next backward reaches the layer (engine/slide/activations.py)
+    checkpoints_in_held: bool = False
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -191,7 +195,11 @@ class PlacementPlan:
         host_state = rt.host_state
         _check_combination(units, dtype, ranks, host_state)
         kept = L if not rt.offloads_activations else min(L, max(0, rt.placement.gpu_checkpoints))
+        in_held = rt.clip.checkpoints_in_held == "on"
+        if in_held:
+            _check_checkpoints_in_held(rt)
         return cls(units=units, window_slots=window_slots, gpu_checkpoints=kept, schedule=schedule,
+                   checkpoints_in_held=in_held and schedule == "deferred" and rt.offloads_activations,
                    shard_ranks=max(1, ranks if local_ranks is None else local_ranks),
                    disk_buffers=resolved_disk_buffers(rt.disk.disk_buffers),
                    grad_slots=rt.resolved_grad_slots(L, eager=schedule == "eager"),
@@ -201,6 +209,12 @@ class PlacementPlan:
         """Elements of held gradient buffers in host RAM (deferred schedule): a buffer per
         host-updated unit, and a second for those that have one."""
         return sum(u.held * u.numel for u in self.units)
+
+    def lends_checkpoint(self, layer: int) -> bool:
+        """Whether decoder layer `layer`'s offloaded input checkpoint borrows the layer's held
+        gradient buffer (checkpoints_in_held; a layer with one held buffer, its checkpoint offloaded)."""
+        return (self.checkpoints_in_held and layer < self.num_layers - self.gpu_checkpoints
+                and self.units[layer + 1].held == 1)
 
     def upload_copy_numel(self) -> int:
         """Elements of the compute-dtype upload copies in host RAM (clip_sweep=weights)."""
@@ -386,6 +400,10 @@ class PlacementPlan:
             lines.append("  GPU gradient slots: embed and head share one (the head's leaves before the embedding's)")
         lines.append(f"  uploads a step: {layer_uploads} layer(s), {vocab_uploads} vocabulary unit(s); "
                      f"checkpoints on the GPU: last {self.gpu_checkpoints} of {self.num_layers} layers")
+        lent = sum(self.lends_checkpoint(i) for i in range(self.num_layers))
+        if lent:
+            lines.append(f"  offloaded checkpoints in their layers' held gradient buffers: {lent} of "
+                         f"{self.num_layers - self.gpu_checkpoints} (--tuning.checkpoints_in_held)")
         if self.shard_layers:
             lines.append(f"  sharded layers: {self.shard_layers} over {self.shard_ranks} GPUs (at most "
                          f"{len(self.busiest_shard_units())} a GPU), {self.shard_broadcasts_per_step()} "
@@ -397,6 +415,7 @@ class PlacementPlan:
         return {"schedule": self.schedule, "window_slots": self.window_slots,
                 "gpu_checkpoints": self.gpu_checkpoints, "disk_buffers": self.disk_buffers,
                 "grad_slots": self.grad_slots, "grad_slots_fp32": self.grad_slots_fp32, "shard_ranks": self.shard_ranks,
+                "checkpoints_in_held": self.checkpoints_in_held,
                 "units": [[u.name, u.numel, u.state, u.slot, u.master, u.held, u.upload_copy] for u in self.units]}
 
     @classmethod
@@ -409,7 +428,8 @@ class PlacementPlan:
         return cls(units=units, window_slots=int(d["window_slots"]), gpu_checkpoints=int(d["gpu_checkpoints"]),
                    schedule=d["schedule"], disk_buffers=int(d.get("disk_buffers", DISK_BUFFERS_UNRESOLVED)),
                    grad_slots=int(d.get("grad_slots", 3)), grad_slots_fp32=bool(d.get("grad_slots_fp32", False)),
-                   shard_ranks=int(d.get("shard_ranks", 1)))
+                   shard_ranks=int(d.get("shard_ranks", 1)),
+                   checkpoints_in_held=bool(d.get("checkpoints_in_held", False)))
 
 
 def _layer_counts(rt: RuntimeConfig, L: int, local_ranks: int) -> tuple[int, int, int, int]:
@@ -460,6 +480,19 @@ def _check_combination(units: tuple[UnitPlace, ...], dtype: torch.dtype | None, 
         if dtype is not None and dtype != torch.bfloat16:
             raise ValueError(f"--tuning.clip_sweep weights writes BF16 upload copies, but the compute dtype is "
                              f"{dtype}; use split")
+
+
+def _check_checkpoints_in_held(rt: RuntimeConfig) -> None:
+    """--tuning.checkpoints_in_held on: a held buffer is free for a checkpoint only once the clipped
+    sweep's last read of it is done; the split sweep's moments pass reads it under the next step,
+    after the forward has written the checkpoints, and a second buffer is the next step's."""
+    if rt.clip.clip_sweep != "whole":
+        raise ValueError(f"--tuning.checkpoints_in_held on needs --tuning.clip_sweep whole (have "
+                         f"{rt.clip.clip_sweep}: its moments pass reads the held gradients while the next "
+                         f"forward writes its checkpoints)")
+    if rt.clip.held_buffers == 2:
+        raise ValueError("--tuning.checkpoints_in_held on needs one held gradient buffer a unit "
+                         "(--tuning.held_buffers 1 or -1), not 2")
 
 
 def _disk_order(state: list[str]) -> list[int]:

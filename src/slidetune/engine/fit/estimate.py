@@ -253,13 +253,22 @@ def _slide_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w: _Work, 
     held, copies = _deferred_host_buffers(parts, split, w, schedule, plan)
     rings = _transfer_buffers(parts, rt, w, schedule, plan)
     kept = plan.gpu_checkpoints
+    offloaded = _offloaded_checkpoint_bytes(plan, w)
     if kept < w.L:
-        parts.host["offloaded checkpoints"] = (w.L - kept) * w.ckpt
+        parts.host["offloaded checkpoints"] = offloaded
     if w.dev == "cuda":
         # ... and a disk-master unit's weights, registered for one async H2D each upload
-        parts.pinned = (rings + (w.L - kept) * w.ckpt + held + parts.host.get("disk tier block buffers", 0)
+        parts.pinned = (rings + offloaded + held + parts.host.get("disk tier block buffers", 0)
                         + w.b * plan.master_params(TIERS.with_files) + copies)
     parts.host["weight loading transient"] = _weight_loading_transient(split, w, plan, parts.host)
+
+
+def _offloaded_checkpoint_bytes(plan: PlacementPlan, w: _Work) -> int:
+    """Host bytes of the offloaded checkpoints' own slots: each offloaded layer's w.ckpt (every
+    micro-batch's), less what its held gradient buffer takes of it where it lends one
+    (checkpoints_in_held: the layer's parameters in the compute dtype, w.b bytes each)."""
+    return sum(max(0, w.ckpt - (plan.units[i + 1].numel * w.b if plan.lends_checkpoint(i) else 0))
+               for i in range(w.L - plan.gpu_checkpoints))
 
 
 def _slide_gpu_buffers(parts: _Parts, rt: RuntimeConfig, w: _Work, plan: PlacementPlan) -> None:

@@ -144,7 +144,7 @@ def _host_autos(split: SplitModel, placed: RuntimeConfig, host_available_bytes: 
         (DISK_BUFFERS_UNRESOLVED) and at most half the disk units' blocks. First: an idle disk
         cost a disk-tier step far more than a gradient slot wait (NOTES.md "Disk tier").
       held_buffers=-1: 2 where the clipped schedule runs and host RAM has room for the second
-        buffer, else 1."""
+        buffer, else 1 (always 1 under checkpoints_in_held: the checkpoints borrow it)."""
     if placed.mode != "slide":
         return placed
     host = query_host_available_bytes() if host_available_bytes is None else host_available_bytes
@@ -158,7 +158,7 @@ def _host_autos(split: SplitModel, placed: RuntimeConfig, host_available_bytes: 
     if placed.clip.held_buffers != -1:
         return placed
     one = dataclasses.replace(placed, held_buffers=1, held_second_units=-1)
-    if schedule != "deferred":
+    if schedule != "deferred" or placed.clip.checkpoints_in_held == "on":   # the checkpoints borrow the one buffer
         return one
     two = dataclasses.replace(one, held_buffers=2)
     if host_bytes(two) <= budget:

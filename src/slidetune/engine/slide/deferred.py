@@ -48,6 +48,23 @@ class DeferredSweep:
         s % its count (PlacementPlan: 1, or 2 on alternate steps)."""
         return self.step_index() % len(self.units[unit_index].held)
 
+    def lend_held(self, layer: int) -> tuple[torch.Tensor, Callable[[], None]] | None:
+        """Decoder layer `layer`'s held gradient buffer (its unit's, layer + 1: the embedding is
+        unit 0) for the layer's offloaded input checkpoint (--tuning.checkpoints_in_held;
+        activations.ActivationStore), and a wait until the last clipped sweep has read it (with
+        clip_sweep whole, its unit's one pass; before the first sweep, none); None where the unit
+        holds no single buffer (updated on a GPU, another rank's, two buffers)."""
+        unit_index = layer + 1
+        unit = self.units[unit_index]
+        if len(unit.held) != 1:
+            return None
+        read = self._held_free.get((unit_index, 0))
+
+        def wait_until_read() -> None:
+            if read is not None:
+                wait_or_abort(read, self.threads.abort, f"the clipped sweep's read of {unit.spec.name}'s held gradient")
+        return unit.held[0], wait_until_read
+
     def hold(self, unit_index: int, slot: Slot) -> None:
         """One D2H copy of the unit's gradient slot into its held host buffer of this step
         (held_buffers=2: the one the last step's moment pass is not reading)."""

@@ -262,8 +262,8 @@ class SlideEngine(Engine):
         self.sweep = (DeferredSweep(self.units, device, self.threads, self.drainer, self.chunk, max_grad_norm,
                                     split_sweep=rt.clip.clip_sweep in ("split", "weights"),
                                     step_index=lambda: self.step_index) if self.deferred else None)
-        self.acts = ActivationStore(device, self.split.num_layers, rt.offloads_activations,
-                                    keep_on_gpu=self.plan.gpu_checkpoints)
+        self.acts = ActivationStore(device, self.split.num_layers, rt.offloads_activations, self.plan.gpu_checkpoints,
+                                    self.sweep.lend_held if self.sweep and self.plan.checkpoints_in_held else None)
         self.gc_freeze = GCFreeze(rt.host.gc_freeze)
         self.layers = LayerRunner(self.split, rt, device.device)   # HF's or the lean layer, eager or compiled
 
