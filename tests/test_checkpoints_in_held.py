@@ -160,3 +160,14 @@ def test_a_lent_buffer_waits_for_the_sweeps_read(monkeypatch):
         engine.synchronize()
     finally:
         engine.close()
+
+
+@pytest.mark.gpu
+def test_on_cuda_bf16_within_noise_of_the_reference():
+    """On a GPU the order rests on streams: the checkpoint's copy into the buffer after the
+    lender's wait, its read back before the layer's recompute, the gradient's copy after that."""
+    from test_equivalence_gpu import assert_bf16_within_noise
+    torch.backends.cuda.matmul.allow_tf32 = False
+    assert_bf16_within_noise(make_loaded("llama", tied=False), "slide", "deferred", 2, CLIP, True,
+                             {"gpu_checkpoints": 0, "clip_sweep": "whole", "held_buffers": 1,
+                              "checkpoints_in_held": "on"})

@@ -308,6 +308,8 @@ PY
            timeout 120 python -m pytest -q -m gpu tests/test_cross_entropy.py >> $R/gpu_equivalence_tests.txt 2>&1
            # the preference objectives' head on the GPU (issue 47: two passes, the fused kernel's per-row losses)
            timeout 120 python -m pytest -q -m gpu tests/test_preference_engine.py >> $R/gpu_equivalence_tests.txt 2>&1
+           # offloaded checkpoints in the held gradient buffers (--tuning.checkpoints_in_held): the streams' order
+           timeout 120 python -m pytest -q -m gpu tests/test_checkpoints_in_held.py >> $R/gpu_equivalence_tests.txt 2>&1
            tail -3 $R/gpu_equivalence_tests.txt ;;
     runtime) python -m slidetune.cli bench runtime --out $R/runtime --parts ${RUNTIME_PARTS:-memory,big} ;;
     throughput) python -m slidetune.cli bench throughput --out $R/throughput ${THROUGHPUT_ARGS:-} ;;
