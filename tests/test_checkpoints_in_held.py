@@ -7,6 +7,7 @@ gradient it reads; the checkpoints really in the held buffers (no slot of their 
 only the excess where they do not); the settings it needs refused by name."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -171,3 +172,26 @@ def test_on_cuda_bf16_within_noise_of_the_reference():
     assert_bf16_within_noise(make_loaded("llama", tied=False), "slide", "deferred", 2, CLIP, True,
                              {"gpu_checkpoints": 0, "clip_sweep": "whole", "held_buffers": 1,
                               "checkpoints_in_held": "on"})
+
+
+def test_plan_suggests_it_where_the_host_binds_a_clipped_run():
+    """Qwen3-8B b64 x 1024 clip 1.0, HF's layer, every checkpoint offloaded, a 24 GiB GPU and a
+    123 GiB host: the offloaded checkpoints (18 GiB) beside the held gradients (15.3) do not fit;
+    borrowing the held buffers does, and `plan` names it as an exact change."""
+    from test_fit import assert_options_fit, cuda_rt, split_of
+    from slidetune.engine.fit import GiB, InsufficientMemoryError, check_fit, estimate_memory
+    split = split_of("qwen3-8b")
+    rt = cuda_rt(vocab_update="host", device_layers=0, cache_units=3, offload_activations="on", gpu_checkpoints=0,
+                 lean_layer="off", held_buffers=1)
+    avail = dict(gpu_free_bytes=24 * GiB, host_available_bytes=123 * GiB)
+    with pytest.raises(InsufficientMemoryError) as ei:
+        check_fit(split, rt, batch_size=64, seq_len=1024, max_grad_norm=1.0, **avail)
+    (line,) = [o for o in ei.value.options if "checkpoints_in_held" in o]
+    assert line.startswith("--tuning.clip_sweep whole --tuning.checkpoints_in_held on  ->") and "exact" in line
+    assert_options_fit(ei.value, split, rt, 64, 1024, max_grad_norm=1.0, **avail)
+    # what it saves: each layer's held buffer (its parameters in BF16) off its checkpoint's slot
+    on = dataclasses.replace(rt, clip_sweep="whole", checkpoints_in_held="on")
+    before, after = (estimate_memory(split, r, batch_size=64, seq_len=1024, max_grad_norm=1.0).host_parts
+                     for r in (rt, on))
+    layer = split.layer_units[0].numel
+    assert before["offloaded checkpoints"] - after["offloaded checkpoints"] == 36 * 2 * layer

@@ -269,6 +269,20 @@ class _Suggestions:
                          f"opt-in: {what}, not the FP32 reference's arithmetic")
                 return
 
+    def checkpoints_in_held(self) -> None:
+        """Host, clipped: the offloaded checkpoints in their layers' held gradient buffers (exact:
+        the same arithmetic; the whole sweep instead of the split one), offloading them if needed."""
+        rt = self.rt
+        if rt.mode != "slide" or not (self.max_grad_norm or 0) > 0 or rt.clip.checkpoints_in_held == "on" \
+                or rt.clip.schedule == "eager" or rt.clip.held_buffers == 2:
+            return
+        change = {"offload_activations": "on"} if not rt.offloads_activations else {}
+        change |= {"clip_sweep": "whole", "checkpoints_in_held": "on"}
+        est = self.attempt(change, self.batch_size, self.grad_accum, self.max_grad_norm)
+        if est is not None:
+            self.add(self.flags_of(change), est, "exact: the offloaded checkpoints in their layers' held gradient "
+                                                 "buffers, the clipped sweep in one pass")
+
     def no_clipping(self) -> None:
         """Host: the deferred schedule (clipping) holds the step's gradients, eager does not."""
         rt = self.rt
@@ -297,6 +311,7 @@ def suggest(split: SplitModel, rt: RuntimeConfig, budget: Budget, *, batch_size:
     s.head_chunks()
     s.modes()
     s.all_at_once()
+    s.checkpoints_in_held()
     s.compact_moments()
     s.no_clipping()
     return s.out
