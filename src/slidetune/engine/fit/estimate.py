@@ -330,24 +330,13 @@ def _device_update_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w:
 
 
 def _host_state_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w: _Work, plan: PlacementPlan) -> None:
-    """The host-updated units' masters and moments, and the disk tier's share of them."""
-    host, b = parts.host, w.b
-    # the host-updated units' master and moments: 12 B/param, or less with --moments / --master
-    # (plan.host_state), in RAM, the disk tier's files or the shared mapping alike
-    ram_state = plan.host_state
-    master = ram_state.master_bytes                                       # FP32: 4 B/param
-    P_disk = plan.params(TIERS.with_files)
-    P_disk_master = plan.master_params(TIERS.with_files)
-    label = f"{ram_state.bytes_per_param:g} B/param" + ("" if ram_state is FP32_ADAMW else f", {ram_state.name}")
-    host[f"master + Adam moments ({label})"] = int(ram_state.bytes_per_param * (plan.host_updated_params - P_disk))
-    if P_disk:
-        # the disk tier: moments (and the masters of disk-master units) in its files, through a
-        # few pinned block buffers; masters here, or those units' compute-dtype weights
-        if P_disk > P_disk_master:
-            host[f"disk units' masters ({master} B/param; moments on disk)"] = master * (P_disk - P_disk_master)
-        if P_disk_master:
-            host[f"disk-master units' weights ({b} B/param; master + moments on disk)"] = b * P_disk_master
-        host["disk tier block buffers"] = buffer_bytes(plan, rt.disk.disk_block_mb)
+    """The host-updated units' masters and moments, each tier's items (Tier.host_ram_items): the
+    host's, and the disk tier's masters or weights in RAM and block buffers; its files' bytes."""
+    # the block buffers' size is the runtime's (block size, count), not the tier's
+    buffers = buffer_bytes(plan, rt.disk.disk_block_mb)
+    for tier in TIERS:
+        parts.host.update(tier.host_ram_items(plan, w.b, buffers))
+    if plan.params(TIERS.with_files):
         parts.disk_bytes = tier_bytes(plan, rt.disk.disk_block_mb)
 
 
