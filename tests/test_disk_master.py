@@ -187,7 +187,8 @@ def test_the_tier_the_fit_and_the_floor_count_12_bytes_a_param():
     assert TIERS.with_files.io_seconds(plan, disk) == pytest.approx(24 * P / (4 * 2**30))
     terms = floor_terms(comp, {"h2d_gib_s": 50.0, "d2h_gib_s": 50.0}, {"adamw_params_per_s": 1e9}, plan, disk=disk)
     assert terms["disk_s"] == pytest.approx(24 * P / (4 * 2**30))
-    assert TIERS.with_files.io_seconds(plan, {"read_gib_s": 1.0, "write_gib_s": 2.0}) == pytest.approx(12 * P / 2**30 + 12 * P / 2**31)
+    assert TIERS.with_files.io_seconds(plan, {"read_gib_s": 1.0, "write_gib_s": 2.0}) \
+        == pytest.approx(12 * P / 2**30 + 12 * P / 2**31)
 
 
 def test_auto_puts_masters_on_disk_only_where_the_moments_do_not_make_ram_fit(tmp_path, monkeypatch):

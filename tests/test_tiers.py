@@ -58,6 +58,8 @@ def test_the_disk_tiers_host_ram_items(disk_units, disk_master):
         want["disk-master units' weights (2 B/param; master + moments on disk)"] = 2 * masters
     want["disk tier block buffers"] = 12345
     assert TIERS.with_files.host_ram_items(plan, 2, 12345) == want
+    # page-locked: the block buffers and the disk-master units' weights (one async H2D each upload)
+    assert TIERS.with_files.pinned_host_bytes(plan, 2, 12345) == 12345 + 2 * masters
     host = VOCAB + 4 * LAYER + VOCAB - on_disk          # the rest: master and moments in RAM
     assert TIERS["host"].host_ram_items(plan, 2, 12345) == {"master + Adam moments (12 B/param)": 12 * host}
 
@@ -68,7 +70,7 @@ def test_tiers_without_files_answer_nothing(tmp_path):
     for tier in TIERS:
         if tier.keeps_files:
             continue
-        assert tier.io_seconds(plan, MIXED) == 0.0
+        assert tier.io_seconds(plan, MIXED) == 0.0 and tier.pinned_host_bytes(plan, 2, 12345) == 0
         assert tier.free_bytes(rt) is None
         tier.check_resources(rt, plan, 10 * GIB)       # no directory to check: nothing raised
         if tier is not TIERS["host"]:
@@ -76,6 +78,7 @@ def test_tiers_without_files_answer_nothing(tmp_path):
     no_disk = plan_of(0, "off")
     assert TIERS.with_files.io_seconds(no_disk, MIXED) == 0.0
     assert TIERS.with_files.host_ram_items(no_disk, 2, 0) == {}
+    assert TIERS.with_files.pinned_host_bytes(no_disk, 2, 12345) == 0
 
 
 def test_the_estimate_holds_each_tiers_items():

@@ -18,9 +18,14 @@ also its probe's key in the floor probes, its lane in the host timeline and what
 `binds`), whether the host's AdamW updates its units, whether it keeps files in a directory, where
 its units' masters live by default and whether other tiers' masters may live in it, its bytes
 (state_bytes: what `slidetune plan` and the fit count; stored_bytes_per_param: what a parameter
-takes there; io_bytes_per_step: what crosses to it a step, plan.disk_io_bytes) and its line in
-`slidetune plan`. A new tier is a class here, registered with `@TIERS.register`; the plan's order
-of tiers is the registration order.
+takes there; io_bytes_per_step: what crosses to it a step, plan.disk_io_bytes), its line in
+`slidetune plan`, and its own formulas, where a tier without files answers 0, nothing or None:
+io_seconds (its I/O a step at its probe's rates: the floor's disk_s), host_ram_items and
+pinned_host_bytes (its items in the fit estimate's host RAM, and those page-locked), swept_state
+(the format the floor counts the host AdamW's pass over its units in), free_bytes and
+check_resources (its directory: there, writable, with room for its files; check_directory, also
+the runtime's and the disk probe's check). A new tier is a class here, registered with
+`@TIERS.register`; the plan's order of tiers is the registration order.
 """
 from __future__ import annotations
 
@@ -95,6 +100,10 @@ class Tier:
         2); block_buffer_bytes: a tier with files' page-locked block buffers (engine/slide/disk_tier.py's
         buffer_bytes: the runtime's block size and count, which the tier does not know)."""
         return {}
+
+    def pinned_host_bytes(self, plan, weight_bytes: int, block_buffer_bytes: int) -> int:
+        """Bytes of its host RAM items (host_ram_items, the same arguments) that are page-locked: none."""
+        return 0
 
     def free_bytes(self, rt) -> int | None:
         """Free bytes where its files go (the runtime `rt`'s directory); None: no directory there."""
@@ -259,6 +268,12 @@ class DiskFilesTier(Tier):
                 weight_bytes * masters
         items["disk tier block buffers"] = block_buffer_bytes
         return items
+
+    def pinned_host_bytes(self, plan, weight_bytes: int, block_buffer_bytes: int) -> int:
+        """Its block buffers, and a disk-master unit's weights (registered for one async H2D each upload)."""
+        if not plan.params(self):
+            return 0
+        return block_buffer_bytes + weight_bytes * plan.master_params(self)
 
     def free_bytes(self, rt) -> int | None:
         return shutil.disk_usage(rt.disk_dir).free if rt.disk_dir and os.path.isdir(rt.disk_dir) else None
