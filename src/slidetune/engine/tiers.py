@@ -238,9 +238,9 @@ class DiskFilesTier(Tier):
                        for u in plan.units if self.holds(u)))
 
     def swept_state(self, plan) -> OptimizerState:
-        """FP32 (26 B/param with BF16 gradients), one whole pass over each block, whatever --moments: as
-        the floor has counted the tier since its term (its files of a compact format are smaller, which
-        the floor does not model)."""
+        """FP32 (26 B/param with BF16 gradients, one whole pass over each block) whatever --moments, as
+        the floor counted the tier's units before this method (2026-11-29); a compact format's blocks
+        are smaller (stored_bytes_per_param), which the floor's DRAM term does not model."""
         return FP32_ADAMW
 
     def io_seconds(self, plan, probe: dict | None) -> float:
