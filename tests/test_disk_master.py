@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slidetune.bench.roofline import disk_term, floor_terms, plan_of_runtime
+from slidetune.bench.roofline import floor_terms, plan_of_runtime
 from slidetune.checkpoint import save_checkpoint
 from slidetune.engine import AdamWConfig, RuntimeConfig, build_engine
 from slidetune.engine.fit import FIT_SAFETY, GiB, check_fit, choose_auto_settings, estimate_memory
@@ -33,6 +33,7 @@ from slidetune.engine.slide.disk_tier import StreamedTensor, block_elems, buffer
 from slidetune.models.load import LoadedModel, RandomInit, skeleton
 from slidetune.models.presets import tiny_config
 from slidetune.models.units import SplitModel
+from slidetune.engine.tiers import TIERS
 from slidetune.checkpoint.space import DiskSpaceError, plan_saves
 from test_checkpoint import VOCAB, shut, train
 from test_disk_tier import DISK, assert_identical, state
@@ -183,10 +184,11 @@ def test_the_tier_the_fit_and_the_floor_count_12_bytes_a_param():
     disk = {"read_gib_s": 1.0, "write_gib_s": 2.0, "mixed_gib_s": 4.0}
     plan = plan_of_runtime(comp, {"disk_dir": "/x", "disk_units": 2, "disk_master": "on"})   # the head and layer 3
     P = 25 * 2**20 + 100 * 2**20
-    assert disk_term(plan, disk) == pytest.approx(24 * P / (4 * 2**30))
+    assert TIERS.with_files.io_seconds(plan, disk) == pytest.approx(24 * P / (4 * 2**30))
     terms = floor_terms(comp, {"h2d_gib_s": 50.0, "d2h_gib_s": 50.0}, {"adamw_params_per_s": 1e9}, plan, disk=disk)
     assert terms["disk_s"] == pytest.approx(24 * P / (4 * 2**30))
-    assert disk_term(plan, {"read_gib_s": 1.0, "write_gib_s": 2.0}) == pytest.approx(12 * P / 2**30 + 12 * P / 2**31)
+    assert TIERS.with_files.io_seconds(plan, {"read_gib_s": 1.0, "write_gib_s": 2.0}) \
+        == pytest.approx(12 * P / 2**30 + 12 * P / 2**31)
 
 
 def test_auto_puts_masters_on_disk_only_where_the_moments_do_not_make_ram_fit(tmp_path, monkeypatch):

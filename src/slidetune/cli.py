@@ -214,7 +214,6 @@ def _plan_terms(cfg, split, plan, card=None, fl: dict | None = None, choice=None
     the floor; then the placements the auto settings weighed against it (choice:
     engine.fit.choose_placement's). card (bench/cards.py): the same terms predicted for that card in
     this machine, beside them."""
-    from .bench.roofline import disk_term
     from .bench.step_model import StepModel, rates_from_floor
     from .engine.tiers import TIERS
     rt = choice.chosen if choice is not None and choice.pick is not None else cfg.runtime
@@ -226,7 +225,7 @@ def _plan_terms(cfg, split, plan, card=None, fl: dict | None = None, choice=None
     if fl.get("partial"):       # no GPU here: the host's terms only
         terms = {"adamw_s": plan.host_updated_params / fl["adamw"]["adamw_params_per_s"]}
         if disk and plan.params(files):
-            terms["disk_s"] = disk_term(plan, disk)
+            terms["disk_s"] = files.io_seconds(plan, disk)
     else:
         # the step model's terms at the probed rates: the layer kind the placement runs, the
         # offloaded checkpoints' traffic, every micro-batch

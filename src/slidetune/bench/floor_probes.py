@@ -220,7 +220,8 @@ def probe_disk(directory: str, total_bytes: int = 4 * 2**30, block_mb: int = 64,
     `passes`). A virtual disk's rate varies from one pass to the next (the H100 machine's mixed
     rate read 1.15 and 1.88 GiB/s in one hour, NOTES.md "Disk tier"), and a floor needs the disk's
     best: a step measured below a floor built on a slow pass (0.79x) showed the floor wrong."""
-    from ..engine.slide.disk_tier import block_elems, check_directory
+    from ..engine.slide.disk_tier import block_elems
+    from ..engine.tiers import check_directory
     if mixed not in ("pool", "split"):
         raise ValueError(f"mixed must be pool or split, not {mixed!r}")
     block_bytes = FP32_ADAMW.moment_bytes * block_elems(block_mb)      # a moments-only block

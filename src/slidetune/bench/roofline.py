@@ -50,18 +50,6 @@ def plan_of_runtime(comp: dict, runtime: dict | None = None, clipped: bool = Fal
     return PlacementPlan.build(shapes, rt, schedule)
 
 
-def disk_term(plan: PlacementPlan, disk: dict) -> float:
-    """Seconds a step the disk tier's I/O takes (probe_disk's result): each disk unit's block is read
-    and written once a step (PlacementPlan.disk_io_bytes: 16 B/param, 24 with its master on disk).
-    The tier reads ahead while it writes behind: at the probe's mixed rate (reads and writes at
-    once); a probe without it, one after the other."""
-    gib = 2**30
-    io = plan.disk_io_bytes()
-    if disk.get("mixed_gib_s"):
-        return io / (disk["mixed_gib_s"] * gib)
-    return io / 2 / (disk["read_gib_s"] * gib) + io / 2 / (disk["write_gib_s"] * gib)
-
-
 # Bytes of host DRAM an upload reads per parameter: the FP32 master (the GPU-cast path page-locks it
 # and DMAs it as is; the CPU-cast path reads it too, and writes and re-reads a BF16 copy besides).
 # The floor takes the plan's (host_state.master_bytes): a BF16 master (--master bf16) is read as is, 2.
@@ -90,15 +78,18 @@ def adamw_dram_bytes(plan: PlacementPlan, adamw: dict, split_sweep: bool = True)
     with master and moments in RAM take both passes (18 + 18), those with an upload copy the
     copy pass and the whole update (16 + 26); disk units one whole pass."""
     key = "adamw_bf16_grad_params_per_s" if adamw.get("grad_dtype") == "bf16" else "adamw_fp32_grad_params_per_s"
-    ram = adamw_bytes(plan.host_state)          # the RAM units' format (--moments); disk units FP32
-    ram_params, disk_params = plan.params("host"), plan.params(TIERS.with_files)
+    ram = adamw_bytes(plan.host_state)          # the RAM units' format (--moments)
+    ram_params = plan.params("host")
+    # the tiers that stream their state (the disk tier): one whole pass, in the format the tier says
+    streamed = sum(adamw_bytes(t.swept_state(plan))[key] * plan.params(t)
+                   for t in TIERS.host_updated() if t.streams_state)
     if plan.schedule != "deferred" or not split_sweep or not adamw.get("adamw_moments_pass_params_per_s"):
-        return ram[key] * ram_params + ADAMW_BYTES[key] * disk_params
+        return ram[key] * ram_params + streamed
     copies = plan.upload_copy_numel()
     split = ram_params - copies
     passes = ram["adamw_weights_pass_params_per_s"] + ram["adamw_moments_pass_params_per_s"]
     return (passes * split + (ADAMW_BYTES["adamw_weights_copy_pass_params_per_s"] + ADAMW_BYTES[key]) * copies
-            + ADAMW_BYTES[key] * disk_params)
+            + streamed)
 
 
 def host_dram_term(plan: PlacementPlan, adamw: dict, ranks: int, split_sweep: bool = True,
@@ -143,7 +134,7 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
     (PlacementPlan.uploads_per_step); host vocabulary units once.
     Disk units (with `disk`, probe_disk's result): their moments (and masters, where they live
     there) are read and written once a step (16 B/param through the disk, 24 with the master,
-    at the probe's mixed rate): disk_s (disk_term). Unclipped, that I/O runs beside the whole step
+    at the probe's mixed rate): disk_s (the tier's io_seconds). Unclipped, that I/O runs beside the whole step
     (the backward releases the disk units first, the next forward needs them last); clipped, see
     _clip_sweep_terms.
     Units updated on the GPU run their AdamW on the compute stream: with `device_adamw` (the
@@ -176,7 +167,6 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
     host_params = plan.host_updated_params
     # each GPU updates its own copy of the device units and its share of the sharded layers
     device_params = plan.params("gpu") + sum(u.numel for u in plan.busiest_shard_units())
-    disk_params = plan.params(TIERS.with_files)
     device_update_s = device_params / device_adamw["device_adamw_params_per_s"] if device_adamw and device_params \
         else 0.0
     gib = 2**30
@@ -199,7 +189,7 @@ def floor_terms(comp: dict, copy: dict, adamw: dict, plan: PlacementPlan | None 
     dram_s = host_dram_term(plan, adamw, 1 if gathering else ranks, split_sweep)
     if dram_s:
         terms["host_dram_s"] = dram_s
-    disk_io_s = disk_term(plan, disk) if disk_params and disk else 0.0
+    disk_io_s = TIERS.with_files.io_seconds(plan, disk)
     if disk_io_s:
         terms["disk_s"] = disk_io_s
     if plan.schedule == "deferred" and host_params:

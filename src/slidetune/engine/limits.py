@@ -21,8 +21,6 @@ recipe's limits are at least the clipped one's.
 """
 from __future__ import annotations
 
-import os
-import shutil
 from dataclasses import dataclass
 from typing import Callable
 
@@ -78,8 +76,8 @@ class MachineBudget:
         if on_gpu and gpu_free_bytes is None:
             gpu_free_bytes = query_gpu_free_bytes(rt)
         host = query_host_available_bytes() if host_available_bytes is None else host_available_bytes
-        if disk_free_bytes is None and rt.disk_dir and os.path.isdir(rt.disk_dir):
-            disk_free_bytes = shutil.disk_usage(rt.disk_dir).free
+        if disk_free_bytes is None:
+            disk_free_bytes = TIERS.with_files.free_bytes(rt)
         return cls(gpu_free_bytes if on_gpu else None, int(host), disk_free_bytes, **rest)
 
 

@@ -18,19 +18,34 @@ also its probe's key in the floor probes, its lane in the host timeline and what
 `binds`), whether the host's AdamW updates its units, whether it keeps files in a directory, where
 its units' masters live by default and whether other tiers' masters may live in it, its bytes
 (state_bytes: what `slidetune plan` and the fit count; stored_bytes_per_param: what a parameter
-takes there; io_bytes_per_step: what crosses to it a step, plan.disk_io_bytes) and its line in
-`slidetune plan`. A new tier is a class here, registered with `@TIERS.register`; the plan's order
-of tiers is the registration order.
+takes there; io_bytes_per_step: what crosses to it a step, plan.disk_io_bytes), its line in
+`slidetune plan`, and its own formulas, where a tier without files answers 0, nothing or None:
+io_seconds (its I/O a step at its probe's rates: the floor's disk_s), host_ram_items and
+pinned_host_bytes (its items in the fit estimate's host RAM, and those page-locked), swept_state
+(the format the floor counts the host AdamW's pass over its units in), free_bytes and
+check_resources (its directory: there, writable, with room for its files; check_directory, also
+the runtime's and the disk probe's check). A new tier is a class here, registered with
+`@TIERS.register`; the plan's order of tiers is the registration order.
 """
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
 from typing import Iterator
 
+from ..processes import dead_runs
 from .adamw import FP32_ADAMW, OptimizerState
 
 # The methods take a placement plan (`plan`: engine/placement.py's PlacementPlan) and its units
 # (`u`: UnitPlace) unannotated: placement.py imports this module, and tests/test_imports.py counts
 # an import under TYPE_CHECKING as a cycle.
+
+SCRATCH_PREFIX = "slidetune-disk-tier-"     # a run's scratch directory in a tier's directory: <prefix><pid>-<ns>
+
+
+class DiskTierError(RuntimeError):
+    """The disk tier cannot be set up or has failed (a missing, read-only or full directory, I/O)."""
 
 
 class Tier:
@@ -68,6 +83,37 @@ class Tier:
     def io_bytes_per_step(self, plan) -> int:
         """Bytes through this tier a step beyond the uploads and gradients (a streamed tier's reads and writes)."""
         return 0
+
+    def swept_state(self, plan) -> OptimizerState:
+        """The format the floor counts the host's AdamW pass over its units in (bench/roofline.py's
+        adamw_dram_bytes; asked of the host-updated tiers): the host's (--master, --moments)."""
+        return plan.host_state
+
+    def io_seconds(self, plan, probe: dict | None) -> float:
+        """Seconds a step its I/O takes beyond the uploads and gradients (the floor's term, bench/roofline.py),
+        at `probe`'s rates (probe_of's record of its directory; None: not probed): 0 for a tier without files."""
+        return 0.0
+
+    def host_ram_items(self, plan, weight_bytes: int, block_buffer_bytes: int) -> dict[str, int]:
+        """The fit estimate's host RAM items for this tier's units (engine/fit/estimate.py), by label:
+        none for a tier whose state is on the GPU. weight_bytes: a compute-dtype weight's bytes (BF16:
+        2); block_buffer_bytes: a tier with files' page-locked block buffers (engine/slide/disk_tier.py's
+        buffer_bytes: the runtime's block size and count, which the tier does not know)."""
+        return {}
+
+    def pinned_host_bytes(self, plan, weight_bytes: int, block_buffer_bytes: int) -> int:
+        """Bytes of its host RAM items (host_ram_items, the same arguments) that are page-locked: none."""
+        return 0
+
+    def free_bytes(self, rt) -> int | None:
+        """Free bytes where its files go (the runtime `rt`'s directory); None: no directory there."""
+        return None
+
+    def check_resources(self, rt, plan, need_bytes: int, free_bytes: int | None = None) -> None:
+        """Before anything is allocated: the resources `plan`'s units here need beyond memory are there
+        (a tier with files: its directory exists, is writable and has `need_bytes` free: its files'
+        bytes, engine/slide/disk_tier.py's tier_bytes; `free_bytes`: a disk described); nothing to check
+        for a tier without files."""
 
     def summary_label(self, plan) -> str:
         """What `slidetune plan` says of this tier, before its units."""
@@ -155,6 +201,13 @@ class HostTier(Tier):
         host = plan.host_state
         return host.bytes_per_param * plan.params(self) + host.master_bytes * guests
 
+    def host_ram_items(self, plan, weight_bytes: int, block_buffer_bytes: int) -> dict[str, int]:
+        """Its units' master and moments (12 B/param, or less with --moments / --master: plan.host_state);
+        the masters other tiers keep here are their tiers' items."""
+        state = plan.host_state
+        label = f"{state.bytes_per_param:g} B/param" + ("" if state is FP32_ADAMW else f", {state.name}")
+        return {f"master + Adam moments ({label})": int(state.bytes_per_param * plan.params(self))}
+
     def summary_label(self, plan) -> str:
         return "host RAM (master + moments, host AdamW)"
 
@@ -184,6 +237,52 @@ class DiskFilesTier(Tier):
         return int(sum(2 * self.stored_bytes_per_param(u, plan.host_state) * u.numel
                        for u in plan.units if self.holds(u)))
 
+    def swept_state(self, plan) -> OptimizerState:
+        """FP32 (26 B/param with BF16 gradients, one whole pass over each block) whatever --moments, as
+        the floor counted the tier's units before this method (2026-11-29); a compact format's blocks
+        are smaller (stored_bytes_per_param), which the floor's DRAM term does not model."""
+        return FP32_ADAMW
+
+    def io_seconds(self, plan, probe: dict | None) -> float:
+        """Its bytes a step (io_bytes_per_step) at the probe's mixed rate (probe_disk: reads and writes at
+        once, as the tier reads ahead while it writes behind); a probe without it, one after the other."""
+        io, gib = self.io_bytes_per_step(plan), 2**30
+        if not probe or not io:
+            return 0.0
+        if probe.get("mixed_gib_s"):
+            return io / (probe["mixed_gib_s"] * gib)
+        return io / 2 / (probe["read_gib_s"] * gib) + io / 2 / (probe["write_gib_s"] * gib)
+
+    def host_ram_items(self, plan, weight_bytes: int, block_buffer_bytes: int) -> dict[str, int]:
+        """What its units keep in RAM, their moments (and a disk-master unit's master) being in its files:
+        their masters (FP32: 4 B/param), a disk-master unit's compute-dtype weights instead (the uploads
+        read them), and the block buffers the files pass through."""
+        params, masters = plan.params(self), plan.master_params(self)
+        if not params:
+            return {}
+        items, master = {}, plan.host_state.master_bytes
+        if params > masters:
+            items[f"disk units' masters ({master} B/param; moments on disk)"] = master * (params - masters)
+        if masters:
+            items[f"disk-master units' weights ({weight_bytes} B/param; master + moments on disk)"] = \
+                weight_bytes * masters
+        items["disk tier block buffers"] = block_buffer_bytes
+        return items
+
+    def pinned_host_bytes(self, plan, weight_bytes: int, block_buffer_bytes: int) -> int:
+        """Its block buffers, and a disk-master unit's weights (registered for one async H2D each upload)."""
+        if not plan.params(self):
+            return 0
+        return block_buffer_bytes + weight_bytes * plan.master_params(self)
+
+    def free_bytes(self, rt) -> int | None:
+        return shutil.disk_usage(rt.disk_dir).free if rt.disk_dir and os.path.isdir(rt.disk_dir) else None
+
+    def check_resources(self, rt, plan, need_bytes: int, free_bytes: int | None = None) -> None:
+        """Its directory, --disk-dir (check_directory; DiskTierError), where it is to hold files."""
+        if need_bytes:
+            check_directory(rt.disk_dir, need_bytes, free_bytes, state=plan.host_state)
+
     def summary_label(self, plan) -> str:
         masters, params = plan.master_params(self), plan.params(self)
         if not masters:
@@ -192,3 +291,46 @@ class DiskFilesTier(Tier):
             return "disk tier (master + moments; compute-dtype weights in host RAM)"
         return (f"disk tier (moments; the masters of {plan.ranges(self.holds_master)} too, "
                 f"the others' in host RAM)")
+
+
+# The disk tier's directory (--disk-dir): checked before a run, a plan or a probe allocates anything.
+
+def check_directory(path: str | os.PathLike, need_bytes: int, free_bytes: int | None = None,
+                    state: OptimizerState = FP32_ADAMW) -> Path:
+    """The disk tier's directory, checked before anything is allocated: it exists, is writable and
+    has `need_bytes` free (`free_bytes`: a disk described, as `slidetune plan --disk-free-gib` does;
+    default: what the directory's filesystem has). A described disk is another machine's (a plan for
+    the host a run will have): only its size is checked, the directory need not exist here.
+    DiskTierError names the problem and the fix."""
+    p = Path(path).expanduser()
+    if free_bytes is not None:
+        _check_size(p, need_bytes, free_bytes, state)
+        return p
+    if not p.exists():
+        raise DiskTierError(f"--disk-dir {p} does not exist; create it (on a local disk, ideally NVMe) "
+                            f"or give another directory")
+    if not p.is_dir():
+        raise DiskTierError(f"--disk-dir {p} is a file, not a directory; give a directory on a local disk")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise DiskTierError(f"--disk-dir {p} is not writable (read-only filesystem or permissions); "
+                            f"give a directory you can write to")
+    remove_stale(p)
+    _check_size(p, need_bytes, shutil.disk_usage(p).free, state)
+    return p
+
+
+def _check_size(p: Path, need_bytes: int, free: int, state: OptimizerState) -> None:
+    if need_bytes > free:
+        gib = 2**30
+        raise DiskTierError(f"--disk-dir {p} has {free / gib:.1f} GiB free but the disk tier needs "
+                            f"{need_bytes / gib:.1f} GiB ({state.moment_bytes:g} bytes per parameter of the "
+                            f"units placed there, {state.bytes_per_param:g} with their masters); "
+                            f"free space there, give a larger disk, or put fewer units on disk (--tuning.disk_units)")
+
+
+def remove_stale(directory: Path) -> list[Path]:
+    """Remove the scratch directories of runs that are no longer alive (killed mid-run)."""
+    removed = dead_runs(directory, SCRATCH_PREFIX)
+    for d in removed:
+        shutil.rmtree(d, ignore_errors=True)
+    return removed

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from ...models.units import SplitModel
 from ..config import RuntimeConfig
 from ..placement import PlacementPlan
-from ..slide.disk_tier import check_directory
+from ..tiers import TIERS
 from .budget import FIT_SAFETY, budget_for
 from .estimate import MemoryEstimate, estimate_memory
 from .search import choose_auto_settings
@@ -75,9 +75,8 @@ def check_fit(split: SplitModel, rt: RuntimeConfig, *, batch_size: int, seq_len:
         raise ValueError("safety must be in (0, 1]")
     est = estimate_memory(split, rt, batch_size=batch_size, seq_len=seq_len, grad_accum=grad_accum,
                           max_grad_norm=max_grad_norm, padded=padded, ranks_per_host=ranks_per_host)
-    if est.disk_bytes:
-        # the disk tier's directory: there, writable, with room for its files (DiskTierError)
-        check_directory(rt.disk_dir, est.disk_bytes, disk_free_bytes, state=est.plan.host_state)
+    # the tier with files' directory: there, writable, with room for its files (DiskTierError)
+    TIERS.with_files.check_resources(rt, est.plan, est.disk_bytes, disk_free_bytes)
     if ranks_per_host > 1 and est.plan is not None:
         # the host's ranks share the state through a tmpfs file (SharedMemoryError, naming the fix;
         # a container's /dev/shm is 64 MB unless it is given more)

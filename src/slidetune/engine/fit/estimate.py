@@ -249,7 +249,7 @@ def _slide_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w: _Work, 
         parts.gpu["side inputs (per-layer inputs, shared keys and values)"] = w.grad_accum * side
     parts.phases = _slide_phases(split, rt, w)
     _device_update_terms(parts, split, rt, w, schedule, plan)
-    _host_state_terms(parts, split, rt, w, plan)
+    tiers_pinned = _host_state_terms(parts, split, rt, w, plan)
     held, copies = _deferred_host_buffers(parts, split, w, schedule, plan)
     rings = _transfer_buffers(parts, rt, w, schedule, plan)
     kept = plan.gpu_checkpoints
@@ -257,9 +257,9 @@ def _slide_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w: _Work, 
     if kept < w.L:
         parts.host["offloaded checkpoints"] = offloaded
     if w.dev == "cuda":
-        # ... and a disk-master unit's weights, registered for one async H2D each upload
-        parts.pinned = (rings + offloaded + held + parts.host.get("disk tier block buffers", 0)
-                        + w.b * plan.master_params(TIERS.with_files) + copies)
+        # page-locked: the rings, the offloaded checkpoints' own slots, the held gradients, the tiers'
+        # items (the disk tier's block buffers and disk-master units' weights) and the upload copies
+        parts.pinned = rings + offloaded + held + tiers_pinned + copies
     parts.host["weight loading transient"] = _weight_loading_transient(split, w, plan, parts.host)
 
 
@@ -338,26 +338,17 @@ def _device_update_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w:
         gpu["device update widening buffer"] = 4 * min(rt.transfer.chunk_elems(w.P_L), max(device_units))
 
 
-def _host_state_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w: _Work, plan: PlacementPlan) -> None:
-    """The host-updated units' masters and moments, and the disk tier's share of them."""
-    host, b = parts.host, w.b
-    # the host-updated units' master and moments: 12 B/param, or less with --moments / --master
-    # (plan.host_state), in RAM, the disk tier's files or the shared mapping alike
-    ram_state = plan.host_state
-    master = ram_state.master_bytes                                       # FP32: 4 B/param
-    P_disk = plan.params(TIERS.with_files)
-    P_disk_master = plan.master_params(TIERS.with_files)
-    label = f"{ram_state.bytes_per_param:g} B/param" + ("" if ram_state is FP32_ADAMW else f", {ram_state.name}")
-    host[f"master + Adam moments ({label})"] = int(ram_state.bytes_per_param * (plan.host_updated_params - P_disk))
-    if P_disk:
-        # the disk tier: moments (and the masters of disk-master units) in its files, through a
-        # few pinned block buffers; masters here, or those units' compute-dtype weights
-        if P_disk > P_disk_master:
-            host[f"disk units' masters ({master} B/param; moments on disk)"] = master * (P_disk - P_disk_master)
-        if P_disk_master:
-            host[f"disk-master units' weights ({b} B/param; master + moments on disk)"] = b * P_disk_master
-        host["disk tier block buffers"] = buffer_bytes(plan, rt.disk.disk_block_mb)
+def _host_state_terms(parts: _Parts, split: SplitModel, rt: RuntimeConfig, w: _Work, plan: PlacementPlan) -> int:
+    """The host-updated units' masters and moments, each tier's items (Tier.host_ram_items): the
+    host's, and the disk tier's masters or weights in RAM and block buffers; its files' bytes.
+    Returns the bytes of those items that are page-locked (Tier.pinned_host_bytes)."""
+    # the block buffers' size is the runtime's (block size, count), not the tier's
+    buffers = buffer_bytes(plan, rt.disk.disk_block_mb)
+    for tier in TIERS:
+        parts.host.update(tier.host_ram_items(plan, w.b, buffers))
+    if plan.params(TIERS.with_files):
         parts.disk_bytes = tier_bytes(plan, rt.disk.disk_block_mb)
+    return sum(tier.pinned_host_bytes(plan, w.b, buffers) for tier in TIERS)
 
 
 def _deferred_host_buffers(parts: _Parts, split: SplitModel, w: _Work, schedule: str,

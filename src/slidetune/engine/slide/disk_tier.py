@@ -61,18 +61,12 @@ from pathlib import Path
 import torch
 
 from ...device import PINNED
-from ...processes import dead_runs
 from ...telemetry.host_timeline import HostTimeline
 from ..adamw import FP32_ADAMW, OptimizerState, StateField
-from ..tiers import TIERS
+from ..tiers import SCRATCH_PREFIX, TIERS, DiskTierError, check_directory
 
 ALIGN = 4096                      # O_DIRECT: buffer address, size and offset aligned to this
-SCRATCH_PREFIX = "slidetune-disk-tier-"
 SCRATCH_NOTE = "SCRATCH"
-
-
-class DiskTierError(RuntimeError):
-    """The disk tier cannot be set up or has failed (a missing, read-only or full directory, I/O)."""
 
 
 def block_elems(block_mb: float, state: OptimizerState = FP32_ADAMW) -> int:
@@ -146,47 +140,6 @@ def buffer_bytes(plan, block_mb: float, buffers: int | None = None) -> int:
     B/param, else 8)."""
     widest = max((layout.nbytes for _, layout in _plan_layouts(plan, block_mb)), default=0)
     return (plan.disk_buffers if buffers is None else buffers) * widest
-
-
-def check_directory(path: str | os.PathLike, need_bytes: int, free_bytes: int | None = None,
-                    state: OptimizerState = FP32_ADAMW) -> Path:
-    """The disk tier's directory, checked before anything is allocated: it exists, is writable and
-    has `need_bytes` free (`free_bytes`: a disk described, as `slidetune plan --disk-free-gib` does;
-    default: what the directory's filesystem has). A described disk is another machine's (a plan for
-    the host a run will have): only its size is checked, the directory need not exist here.
-    DiskTierError names the problem and the fix."""
-    p = Path(path).expanduser()
-    if free_bytes is not None:
-        _check_size(p, need_bytes, free_bytes, state)
-        return p
-    if not p.exists():
-        raise DiskTierError(f"--disk-dir {p} does not exist; create it (on a local disk, ideally NVMe) "
-                            f"or give another directory")
-    if not p.is_dir():
-        raise DiskTierError(f"--disk-dir {p} is a file, not a directory; give a directory on a local disk")
-    if not os.access(p, os.W_OK | os.X_OK):
-        raise DiskTierError(f"--disk-dir {p} is not writable (read-only filesystem or permissions); "
-                            f"give a directory you can write to")
-    remove_stale(p)
-    _check_size(p, need_bytes, shutil.disk_usage(p).free, state)
-    return p
-
-
-def _check_size(p: Path, need_bytes: int, free: int, state: OptimizerState) -> None:
-    if need_bytes > free:
-        gib = 2**30
-        raise DiskTierError(f"--disk-dir {p} has {free / gib:.1f} GiB free but the disk tier needs "
-                            f"{need_bytes / gib:.1f} GiB ({state.moment_bytes:g} bytes per parameter of the "
-                            f"units placed there, {state.bytes_per_param:g} with their masters); "
-                            f"free space there, give a larger disk, or put fewer units on disk (--tuning.disk_units)")
-
-
-def remove_stale(directory: Path) -> list[Path]:
-    """Remove the scratch directories of runs that are no longer alive (killed mid-run)."""
-    removed = dead_runs(directory, SCRATCH_PREFIX)
-    for d in removed:
-        shutil.rmtree(d, ignore_errors=True)
-    return removed
 
 
 def _aligned_empty(nbytes: int, pinned: bool) -> torch.Tensor:
