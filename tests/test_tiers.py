@@ -114,3 +114,21 @@ def test_the_disk_tiers_directory_is_its_resource(tmp_path):
     files.check_resources(missing, plan, 0)                          # no files: nothing to check
     with pytest.raises(DiskTierError, match="--disk-dir .*missing does not exist"):
         files.check_resources(missing, plan, 1)
+
+
+def test_the_floor_counts_a_disk_units_pass_in_the_host_format():
+    """A disk unit's blocks hold the host's format (--moments), so its AdamW pass moves that
+    format's bytes: with 8-bit moments fewer than FP32's 26 B/param (2026-11-29: it was FP32's)."""
+    from slidetune.bench.floor_probes import adamw_bytes
+    from slidetune.bench.roofline import adamw_dram_bytes
+    from slidetune.engine.adamw import FP32_ADAMW
+    key = "adamw_bf16_grad_params_per_s"
+    for moments in ("fp32", "8bit"):
+        plan = plan_of_runtime(COMP, {"disk_dir": "/x", "disk_units": 5, "disk_master": "off", "moments": moments})
+        files = TIERS.with_files
+        assert files.swept_state(plan) is plan.host_state
+        on_disk, in_ram = plan.params(files), plan.params("host")
+        want = adamw_bytes(plan.host_state)[key] * (on_disk + in_ram)
+        assert adamw_dram_bytes(plan, {"grad_dtype": "bf16"}) == pytest.approx(want)
+        if moments == "8bit":
+            assert want < adamw_bytes(FP32_ADAMW)[key] * (on_disk + in_ram)

@@ -237,11 +237,6 @@ class DiskFilesTier(Tier):
         return int(sum(2 * self.stored_bytes_per_param(u, plan.host_state) * u.numel
                        for u in plan.units if self.holds(u)))
 
-    def swept_state(self, plan) -> OptimizerState:
-        """FP32 (26 B/param with BF16 gradients, one whole pass over each block) whatever --moments, as
-        the floor counted the tier's units before this method (2026-11-29); a compact format's blocks
-        are smaller (stored_bytes_per_param), which the floor's DRAM term does not model."""
-        return FP32_ADAMW
 
     def io_seconds(self, plan, probe: dict | None) -> float:
         """Its bytes a step (io_bytes_per_step) at the probe's mixed rate (probe_disk: reads and writes at
