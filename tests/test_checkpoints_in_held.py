@@ -195,3 +195,34 @@ def test_plan_suggests_it_where_the_host_binds_a_clipped_run():
                      for r in (rt, on))
     layer = split.layer_units[0].numel
     assert before["offloaded checkpoints"] - after["offloaded checkpoints"] == 36 * 2 * layer
+
+
+def test_plan_limits_name_it_and_it_moves_the_clipped_limits():
+    """`plan`'s limits on a 24 GiB GPU and a 123 GiB host (Llama-3.1-8B): the clipped recipe's
+    longest sequence is host-bound, the line under the limits names checkpoints_in_held, and with
+    it the clipped limit rises to the unclipped one's neighbourhood (69,632 -> 101,376 tokens on
+    2026-11-29's estimate)."""
+    import contextlib
+    import io
+    import re
+    from slidetune.cli import main
+
+    def plan(*extra: str) -> str:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            assert main(["plan", "--model", "llama-3.1-8b", "--batch-size", "1", "--seq-len", "4096",
+                         "--gpu-free-gib", "24", "--host-gib", "123", *extra]) == 0, out.getvalue()
+        return out.getvalue()
+
+    def longest(text: str, recipe: str) -> int:
+        """The longest sequence at batch 1 of `recipe` ("clip 1.0" or "no clip"): its line, or the one after."""
+        lines = text.splitlines()
+        at = next(i for i, ln in enumerate(lines) if "longest sequence at batch 1:" in ln)
+        line = next(ln for ln in lines[at:at + 2] if recipe in ln)
+        return int(re.search(r"-> ([\d,]+)", line).group(1).replace(",", ""))
+    before = plan()
+    assert "--tuning.checkpoints_in_held on keeps the offloaded checkpoints" in before
+    after = plan("--tuning.clip_sweep", "whole", "--tuning.checkpoints_in_held", "on")
+    assert "--tuning.checkpoints_in_held on keeps" not in after
+    clip_before, clip_after, plain = longest(before, "clip 1.0"), longest(after, "clip 1.0"), longest(before, "no clip")
+    assert clip_before < 0.8 * plain and clip_after >= plain

@@ -433,10 +433,16 @@ def _plan_limits(cfg, split, budget) -> None:
     for title, pick in rows:
         for i, r in enumerate(limits.recipes):
             print(f"  {title if i == 0 else '':<{title_width}} {r.recipe.name:<{name_width}} -> {limit_words(pick(r))}")
-    host_binds = any("host RAM" in (lim.over.binds if lim.over else ())
-                     for r in limits.recipes for lim in (r.largest_batch, r.longest_seq))
-    if host_binds and cfg.runtime.mode == "slide" and not cfg.runtime.disk_dir:
+    def host_binds(recipes) -> bool:
+        return any("host RAM" in (lim.over.binds if lim.over else ())
+                   for r in recipes for lim in (r.largest_batch, r.longest_seq))
+    if host_binds(limits.recipes) and cfg.runtime.mode == "slide" and not cfg.runtime.disk_dir:
         print("  (where host RAM binds, the disk tier may go further: plan again with --disk-dir PATH on a local disk)")
+    clipped = [r for r in limits.recipes if r.recipe.max_grad_norm]
+    if host_binds(clipped) and cfg.runtime.mode == "slide" and cfg.runtime.clip.checkpoints_in_held == "off":
+        # Llama-3.1-8B, 24 GiB GPU, 123 GiB host: the longest clipped sequence 69,632 -> 101,376 tokens
+        print("  (clipped, where host RAM binds: --tuning.clip_sweep whole --tuning.checkpoints_in_held on keeps "
+              "the offloaded checkpoints in the held gradient buffers, exactly; plan again with them)")
 
 
 def _bench_runtime(ns) -> int:
