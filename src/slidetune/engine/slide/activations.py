@@ -56,7 +56,7 @@ class ActivationStore:
         if i >= self.first_kept:
             self.gpu[key] = x
             return
-        n, flat = x.numel(), x.reshape(-1)
+        n = x.numel()
         part = self._borrow(i, n, x.dtype)
         b = 0 if part is None else part.numel()      # elements in the borrowed buffer; the rest own
         i = key
@@ -68,6 +68,7 @@ class ActivationStore:
         ready = self.device.record()
         with self.device.stream_ctx(self.d2h):
             self.d2h.wait_event(ready)
+            flat = x.reshape(-1)        # on this stream, as x's copy would be were x not contiguous
             if b:
                 part.copy_(flat[:b], non_blocking=True)
             if b < n:
