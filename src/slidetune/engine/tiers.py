@@ -237,7 +237,6 @@ class DiskFilesTier(Tier):
         return int(sum(2 * self.stored_bytes_per_param(u, plan.host_state) * u.numel
                        for u in plan.units if self.holds(u)))
 
-
     def io_seconds(self, plan, probe: dict | None) -> float:
         """Its bytes a step (io_bytes_per_step) at the probe's mixed rate (probe_disk: reads and writes at
         once, as the tier reads ahead while it writes behind); a probe without it, one after the other."""

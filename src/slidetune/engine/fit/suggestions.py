@@ -271,10 +271,11 @@ class _Suggestions:
 
     def checkpoints_in_held(self) -> None:
         """Host, clipped: the offloaded checkpoints in their layers' held gradient buffers (exact:
-        the same arithmetic; the whole sweep instead of the split one), offloading them if needed."""
+        the same arithmetic; the whole sweep instead of the split one), offloading them if needed. An
+        explicit held_buffers 2 is refused by the plan, so its attempt finds nothing."""
         rt = self.rt
         if rt.mode != "slide" or not (self.max_grad_norm or 0) > 0 or rt.clip.checkpoints_in_held == "on" \
-                or rt.clip.schedule == "eager" or rt.clip.held_buffers == 2:
+                or rt.clip.schedule == "eager":
             return
         change = {"offload_activations": "on"} if not rt.offloads_activations else {}
         change |= {"clip_sweep": "whole", "checkpoints_in_held": "on"}
